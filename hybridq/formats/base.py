@@ -1,0 +1,173 @@
+"""Base classes shared by every format: the per-direction quantized part and the quantizer.
+
+A quantized tensor is a pair of *parts*, one per direction (FORMATS.md "Terms"):
+- the rowwise part holds the `[M, K]` matrix with scaling blocks along K (what fprop reads);
+- the columnwise part holds the transposed `[K, M]` matrix with scaling blocks along M (what the
+  transposed backward GEMMs read).
+Both parts are therefore stored in GEMM orientation ("rows x contracted dim"), so every GEMM is
+`A @ B^T` over two parts. A plain format supplies both parts; a hybrid takes them from two formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar
+
+import torch
+
+ROWWISE = "rowwise"
+COLUMNWISE = "columnwise"
+DIRECTIONS = (ROWWISE, COLUMNWISE)
+
+
+def check_direction(direction: str) -> str:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}")
+    return direction
+
+
+def as_2d(x: torch.Tensor) -> torch.Tensor:
+    """The `[M, K]` view of FORMATS.md: M = prod(shape[:-1]), K = shape[-1]."""
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def shape_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    k = shape[-1]
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    return m, k
+
+
+class QuantizedPart:
+    """One direction of a quantized tensor: a 2-D matrix in GEMM orientation plus its scales.
+
+    Subclasses list their tensor fields in `tensor_fields` (None allowed) and everything else in
+    `meta_fields`; `map_tensors` rebuilds the part with a function applied to every tensor field, which
+    is all that detach / clone / device moves / pinning need.
+    """
+
+    format_name: ClassVar[str] = "?"
+    tensor_fields: ClassVar[tuple[str, ...]] = ()
+    meta_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *, rows: int, cols: int, columnwise: bool, **fields):
+        self.rows = rows  # rows of the stored matrix (M for rowwise, K for columnwise)
+        self.cols = cols  # contracted dim of the stored matrix
+        self.columnwise = columnwise
+        for name in self.tensor_fields + self.meta_fields:
+            setattr(self, name, fields.pop(name))
+        if fields:
+            raise TypeError(f"{type(self).__name__}: unexpected fields {sorted(fields)}")
+
+    # -- subclasses implement -------------------------------------------------------------------
+    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        """fp32 `[rows, cols]` matrix this part represents (in stored orientation)."""
+        raise NotImplementedError
+
+    @property
+    def transform(self) -> str | None:
+        """Name of an orthogonal transform applied along the contracted dim (e.g. "rht16"), else None.
+        Two operands with the same transform can be multiplied without undoing it."""
+        return None
+
+    # -- generic --------------------------------------------------------------------------------
+    @property
+    def direction(self) -> str:
+        return COLUMNWISE if self.columnwise else ROWWISE
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {n: getattr(self, n) for n in self.tensor_fields}
+
+    def meta(self) -> dict:
+        return {n: getattr(self, n) for n in self.meta_fields}
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedPart":
+        fields = {n: (None if t is None else fn(t)) for n, t in self.tensors().items()}
+        return type(self)(rows=self.rows, cols=self.cols, columnwise=self.columnwise, **fields, **self.meta())
+
+    @property
+    def device(self) -> torch.device:
+        return next(t for t in self.tensors().values() if t is not None).device
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.direction}, [{self.rows}, {self.cols}])"
+
+
+@dataclasses.dataclass
+class Quantizer:
+    """Base quantizer: usage flags plus the shape checks and part production of one format.
+
+    `quantize(x)` returns a `QuantizedTensor` holding the directions asked for (the quantizer's usage
+    flags unless overridden per call; per-call usage never mutates the quantizer, so an eval step can
+    not leave a training step without its columnwise form).
+    """
+
+    rowwise: bool = dataclasses.field(default=True, kw_only=True)
+    columnwise: bool = dataclasses.field(default=False, kw_only=True)
+
+    format_name: ClassVar[str] = "?"
+
+    # -- subclasses implement -------------------------------------------------------------------
+    def quantize_parts(
+        self, x2d: torch.Tensor, rowwise: bool, columnwise: bool
+    ) -> tuple[QuantizedPart | None, QuantizedPart | None]:
+        raise NotImplementedError
+
+    def shape_rule(self, m: int, k: int, rowwise: bool, columnwise: bool) -> str | None:
+        """Why a `[m, k]` tensor cannot be quantized in the requested directions, or None if it can."""
+        return None
+
+    def describe(self) -> str:
+        return self.format_name
+
+    # -- generic --------------------------------------------------------------------------------
+    @property
+    def usage(self) -> tuple[bool, bool]:
+        """(rowwise, columnwise): the directions `quantize` produces when the call does not say."""
+        return self.rowwise, self.columnwise
+
+    def validate(self, shape, name: str = "tensor", *, rowwise: bool | None = None,
+                 columnwise: bool | None = None) -> None:
+        """Raise ValueError naming the tensor, the format and the rule if `shape` is not quantizable."""
+        rowwise = self.usage[0] if rowwise is None else rowwise
+        columnwise = self.usage[1] if columnwise is None else columnwise
+        m, k = shape_2d(tuple(shape))
+        why = self.shape_rule(m, k, rowwise, columnwise)
+        if why is not None:
+            raise ValueError(f"{self.describe()} {why} for {name} (shape {tuple(shape)})")
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
+                 name: str = "tensor") -> "QuantizedTensor":
+        from ..tensor import QuantizedTensor
+
+        rowwise = self.usage[0] if rowwise is None else rowwise
+        columnwise = self.usage[1] if columnwise is None else columnwise
+        if not (rowwise or columnwise):
+            raise ValueError(f"{self.describe()}: quantize of {name} asked for neither direction")
+        if isinstance(x, QuantizedTensor):
+            raise TypeError(f"{self.describe()}: {name} is already quantized; dequantize() it first")
+        if not x.is_floating_point():
+            raise TypeError(f"{self.describe()}: {name} must be a floating-point tensor, got {x.dtype}")
+        self.validate(x.shape, name, rowwise=rowwise, columnwise=columnwise)
+        row, col = self.quantize_parts(as_2d(x.detach()), rowwise, columnwise)
+        return QuantizedTensor(row, col, shape=x.shape, dtype=x.dtype)
+
+    def __call__(self, x: torch.Tensor, **kw) -> "QuantizedTensor":
+        return self.quantize(x, **kw)
+
+    @property
+    def is_stateful(self) -> bool:
+        """True for quantizers whose scale depends on earlier steps (delayed scaling)."""
+        return False
+
+    def quantizers(self) -> tuple["Quantizer", ...]:
+        """The plain quantizers this one is made of (itself, or a hybrid's two)."""
+        return (self,)

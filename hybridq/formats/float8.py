@@ -1,0 +1,122 @@
+"""Per-tensor FP8 (E4M3 / E5M2) with current or delayed scaling (FORMATS.md "Per-tensor FP8").
+
+One fp32 scale for the whole tensor; the columnwise part is the exact byte transpose of the rowwise one,
+so it is derived from it rather than cast twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
+from .base import QuantizedPart, Quantizer
+
+_ALGOS = ("max", "most_recent")
+
+
+class Float8TensorPart(QuantizedPart):
+    """data: fp8 `[rows, cols]`; scale_inv: fp32 `[1]` (dequantize = fp32(data) * scale_inv)."""
+
+    format_name = "FP8"
+    tensor_fields = ("data", "scale_inv")
+
+    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        return self.data.float() * self.scale_inv
+
+    def transposed(self) -> "Float8TensorPart":
+        return Float8TensorPart(rows=self.cols, cols=self.rows, columnwise=not self.columnwise,
+                                data=self.data.t().contiguous(), scale_inv=self.scale_inv)
+
+
+@dataclasses.dataclass
+class Float8Quantizer(Quantizer):
+    """Per-tensor FP8. `Float8Quantizer()` is E4M3 with current scaling.
+
+    scaling="delayed" keeps an amax history and a scale per quantizer: each cast uses the current scale and
+    records its amax; the history/scale update runs before the next cast (or on `update()`), with an
+    optional MAX all-reduce over `amax_reduction_group`.
+    """
+
+    fp8: str | torch.dtype = "e4m3"
+    scaling: str = "current"
+    amax_epsilon: float = 0.0
+    power_2_scale: bool = False
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    amax_reduction_group: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    format_name: ClassVar[str] = "FP8"
+
+    def __post_init__(self):
+        self.dtype = fp8_dtype(self.fp8)
+        if self.scaling not in ("current", "delayed"):
+            raise ValueError(f"Float8Quantizer scaling must be 'current' or 'delayed', got {self.scaling!r}")
+        if self.amax_compute_algo not in _ALGOS:
+            raise ValueError(f"Float8Quantizer amax_compute_algo must be one of {_ALGOS}, "
+                             f"got {self.amax_compute_algo!r}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"Float8Quantizer amax_history_len must be >= 1, got {self.amax_history_len}")
+        # delayed-scaling state (unused with current scaling)
+        self.scale = torch.ones(1)
+        self.amax_history = torch.zeros(self.amax_history_len)
+        self._pending = False
+
+    def describe(self) -> str:
+        return f"FP8 {FP8_NAMES[self.dtype]} ({self.scaling} scaling)"
+
+    @property
+    def is_stateful(self) -> bool:
+        return self.scaling == "delayed"
+
+    # -- scaling ---------------------------------------------------------------------------------
+    def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """Current-scaling scale from an amax (FORMATS.md rule)."""
+        return scale_from_amax(amax.reshape(1), FP8_MAX[self.dtype], self.amax_epsilon, self.power_2_scale)
+
+    def update(self) -> None:
+        """Delayed scaling: reduce the recorded amax, roll the history and compute the next scale."""
+        if self.scaling != "delayed":
+            return
+        if self.amax_reduction_group is not None and dist.is_initialized():
+            dist.all_reduce(self.amax_history[:1], op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
+        h = self.amax_history
+        amax = h.max().reshape(1) if self.amax_compute_algo == "max" else h[:1].clone()
+        self.amax_history = torch.roll(h, -1)
+        self.amax_history[0] = 0
+        scale = (torch.full_like(amax, FP8_MAX[self.dtype]) / amax) / (2.0 ** self.margin)
+        scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+        keep = (amax <= 0) | ~torch.isfinite(amax)
+        self.scale = torch.where(keep, self.scale, scale)
+        self._pending = False
+
+    def _delayed_scale(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.scale.device != x2d.device:
+            self.scale = self.scale.to(x2d.device)
+            self.amax_history = self.amax_history.to(x2d.device)
+        if self._pending:
+            self.update()
+        scale = self.scale.clone()
+        amax = x2d.float().abs().amax().reshape(1) if x2d.numel() else torch.zeros(1, device=x2d.device)
+        self.amax_history[:1] = torch.maximum(self.amax_history[:1], amax)
+        self._pending = True
+        return scale
+
+    # -- quantization ----------------------------------------------------------------------------
+    def quantize_parts(self, x2d, rowwise, columnwise, amax: torch.Tensor | None = None):
+        """`amax` overrides the local max|x| (e.g. a global amax of a sharded tensor)."""
+        if self.scaling == "delayed":
+            scale = self._delayed_scale(x2d)
+        else:
+            if amax is None:
+                amax = x2d.float().abs().amax() if x2d.numel() else torch.zeros((), device=x2d.device)
+            scale = self.compute_scale(amax.to(x2d.device))
+        m, k = x2d.shape
+        row = Float8TensorPart(rows=m, cols=k, columnwise=False,
+                               data=satfinite_fp8(x2d.float() * scale, self.dtype), scale_inv=rcp(scale))
+        col = row.transposed() if columnwise else None
+        return (row if rowwise else None), col

@@ -1,0 +1,38 @@
+"""Identity: a high-precision passthrough (optionally cast to a dtype). One buffer serves both directions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from .base import QuantizedPart, Quantizer
+
+
+class IdentityPart(QuantizedPart):
+    """data: the `[M, K]` tensor itself; a columnwise part stands for data^T without copying it."""
+
+    format_name = "identity"
+    tensor_fields = ("data",)
+
+    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        d = self.data.float()
+        return d.t() if self.columnwise else d
+
+
+@dataclasses.dataclass
+class IdentityQuantizer(Quantizer):
+    dtype: torch.dtype | None = None
+
+    format_name: ClassVar[str] = "identity"
+
+    def describe(self) -> str:
+        return "identity" if self.dtype is None else f"identity ({self.dtype})"
+
+    def quantize_parts(self, x2d, rowwise, columnwise):
+        data = x2d if self.dtype is None else x2d.to(self.dtype)
+        m, k = x2d.shape
+        row = IdentityPart(rows=m, cols=k, columnwise=False, data=data) if rowwise else None
+        col = IdentityPart(rows=k, cols=m, columnwise=True, data=data) if columnwise else None
+        return row, col

@@ -1,0 +1,90 @@
+"""MXFP8 (FORMATS.md "MXFP8"): blocks of 32 with one E8M0 scale byte each; optional 32x32 weight tiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, e8m0_round_up, e8m0_to_pow2, expand_blocks, fp8_dtype,
+                        rcp, satfinite_fp8, tile_amax)
+from .base import QuantizedPart, Quantizer
+
+BLOCK = 32
+
+
+def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
+    """GEMM-ready layout of compact `[rows, cols]` block scales: pad to 128 x 4 tiles, then within each tile
+    scale (r, c) goes to offset (r % 32) * 16 + (r // 32) * 4 + c; tiles laid out tile-row-major.
+    Padding bytes are 0. Returns a flat uint8 tensor of rows_padded * cols_padded bytes."""
+    rows, cols = scale.shape
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    s = torch.nn.functional.pad(scale.view(torch.uint8), (0, cp - cols, 0, rp - rows))
+    # [tile_r, 4 (r // 32), 32 (r % 32), tile_c, 4 (c)] -> [tile_r, tile_c, r % 32, r // 32, c]
+    s = s.view(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
+    return s.contiguous().view(-1)
+
+
+class MXFP8Part(QuantizedPart):
+    """data: fp8 `[rows, cols]`; scale: E8M0 bytes (uint8) `[rows, cols/32]` (a 32x32 tile's scale is repeated
+    on each of its rows)."""
+
+    format_name = "MXFP8"
+    tensor_fields = ("data", "scale")
+
+    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        return self.data.float() * expand_blocks(e8m0_to_pow2(self.scale), BLOCK, self.cols)
+
+    def swizzled_scale(self) -> torch.Tensor:
+        return swizzle_mx_scales(self.scale)
+
+
+@dataclasses.dataclass
+class MXFP8Quantizer(Quantizer):
+    """`MXFP8Quantizer()` is E4M3 with 1-D blocks (1x32 rowwise, 32x1 columnwise, both from the input);
+    block_2d=True uses 32x32 tiles (weights), whose columnwise form is the transpose of the rowwise one."""
+
+    fp8: str | torch.dtype = "e4m3"
+    block_2d: bool = False
+
+    format_name: ClassVar[str] = "MXFP8"
+
+    def __post_init__(self):
+        self.dtype = fp8_dtype(self.fp8)
+
+    def describe(self) -> str:
+        return f"MXFP8 {FP8_NAMES[self.dtype]}" + (" 32x32" if self.block_2d else "")
+
+    def shape_rule(self, m, k, rowwise, columnwise):
+        if (rowwise or self.block_2d) and k % BLOCK:
+            return f"needs K % {BLOCK} == 0, got K={k}"
+        if (columnwise or self.block_2d) and m % BLOCK:
+            return f"needs M % {BLOCK} == 0 (M = prod(shape[:-1])), got M={m}"
+        return None
+
+    def _exponent(self, amax: torch.Tensor) -> torch.Tensor:
+        # a multiply by the rounded reciprocal of fp8_max, not a division (it matters at powers of two)
+        return e8m0_round_up(amax * rcp(torch.tensor(FP8_MAX[self.dtype], device=amax.device)))
+
+    def _encode(self, x2d: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        mult = expand_blocks(e8m0_to_pow2(e, negate=True), BLOCK, x2d.shape[1])
+        return satfinite_fp8(x2d.float() * mult, self.dtype)
+
+    def _part(self, x2d: torch.Tensor, columnwise: bool) -> MXFP8Part:
+        e = self._exponent(block_amax(x2d, BLOCK))
+        m, k = x2d.shape
+        return MXFP8Part(rows=m, cols=k, columnwise=columnwise, data=self._encode(x2d, e), scale=e)
+
+    def quantize_parts(self, x2d, rowwise, columnwise):
+        if not self.block_2d:
+            return (self._part(x2d, False) if rowwise else None,
+                    self._part(x2d.t(), True) if columnwise else None)
+        m, k = x2d.shape
+        e_tile = self._exponent(tile_amax(x2d, BLOCK))  # [M/32, K/32]
+        e_row = e_tile.repeat_interleave(BLOCK, dim=0)
+        q = self._encode(x2d, e_row)
+        row = MXFP8Part(rows=m, cols=k, columnwise=False, data=q, scale=e_row) if rowwise else None
+        col = MXFP8Part(rows=k, cols=m, columnwise=True, data=q.t().contiguous(),
+                        scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous()) if columnwise else None
+        return row, col

@@ -1,0 +1,132 @@
+"""NVFP4 (FORMATS.md "NVFP4"): E2M1 values in blocks of 16 with an E4M3 block scale and an fp32 global
+amax per direction; optional 16x16 weight tiles, random Hadamard transform (columnwise only) and
+stochastic rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ._numerics import (FLT_MAX, block_amax, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, expand_blocks,
+                        pack_nibbles, rht16, rht16_inverse, satfinite_fp8, tile_amax, unpack_nibbles)
+from .base import QuantizedPart, Quantizer
+
+BLOCK = 16
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = (448 * 6) / A, clamped to FLT_MAX (fminf semantics: a NaN quotient becomes FLT_MAX);
+    1 when A == 0 or S_enc == 0."""
+    s = torch.fmin(torch.full_like(amax, E4M3_MAX * FP4_MAX) / amax, torch.full_like(amax, FLT_MAX))
+    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+def block_scale_e4m3(blk_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """s = e4m3_satfinite(min(block_amax * (S_enc * (1/6)), FLT_MAX))."""
+    v = blk_amax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))
+    return satfinite_fp8(torch.fmin(v, torch.full_like(v, FLT_MAX)), torch.float8_e4m3fn)
+
+
+def element_multiplier(s: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """enc = min(1 / (fp32(s) * S_dec), FLT_MAX), S_dec = 1 / S_enc."""
+    s_dec = torch.ones_like(s_enc) / s_enc
+    enc = torch.ones_like(s, dtype=torch.float32) / (s.float() * s_dec)
+    return torch.fmin(enc, torch.full_like(enc, FLT_MAX))
+
+
+class NVFP4Part(QuantizedPart):
+    """data: packed E2M1 codes, uint8 `[rows, cols/2]` (element 2i low nibble); scale: E4M3 `[rows, cols/16]`
+    (a 16x16 tile's scale repeated on each of its rows); amax: fp32 `[1]`, the global amax of this
+    direction. rht: the values are in the Hadamard domain along the contracted dim."""
+
+    format_name = "NVFP4"
+    tensor_fields = ("data", "scale", "amax")
+    meta_fields = ("rht",)
+
+    @property
+    def transform(self) -> str | None:
+        return "rht16" if self.rht else None
+
+    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        # q * fp32(s) * A / (6 * 448), evaluated left to right
+        vals = e2m1_decode(unpack_nibbles(self.data))
+        x = vals * expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax / (FP4_MAX * E4M3_MAX)
+        return rht16_inverse(x) if (self.rht and undo_transform) else x
+
+
+@dataclasses.dataclass
+class NVFP4Quantizer(Quantizer):
+    """`NVFP4Quantizer()` is 1-D blocks of 16 without RHT or stochastic rounding.
+
+    block_2d: 16x16 tiles sharing one scale (weights); one global amax for both directions, so the
+    columnwise form is the exact transpose of the rowwise one.
+    rht: random Hadamard transform of the columnwise form (inputs, gradients; not with block_2d).
+    stochastic_rounding: unbiased rounding of the values (gradients), drawn from `generator` (torch's
+    default generator when None).
+    """
+
+    block_2d: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
+    generator: torch.Generator | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    format_name: ClassVar[str] = "NVFP4"
+
+    def __post_init__(self):
+        if self.block_2d and self.rht:
+            raise ValueError("NVFP4Quantizer: the Hadamard transform (rht=True) applies to 1-D blocks of "
+                             "inputs and gradients, not to 16x16 weight tiles (block_2d=True)")
+
+    def describe(self) -> str:
+        extras = [n for n, on in (("16x16", self.block_2d), ("RHT", self.rht), ("SR", self.stochastic_rounding))
+                  if on]
+        return "NVFP4" + (f" ({', '.join(extras)})" if extras else "")
+
+    def shape_rule(self, m, k, rowwise, columnwise):
+        if (rowwise or self.block_2d) and k % BLOCK:
+            return f"needs K % {BLOCK} == 0, got K={k}"
+        if (columnwise or self.block_2d) and m % BLOCK:
+            return f"needs M % {BLOCK} == 0 (M = prod(shape[:-1])), got M={m}"
+        return None
+
+    def _codes(self, v: torch.Tensor) -> torch.Tensor:
+        if not self.stochastic_rounding:
+            return e2m1_codes(v)
+        rand = torch.rand(v.shape, generator=self.generator, device=v.device, dtype=torch.float32)
+        return e2m1_codes_stochastic(v, rand)
+
+    @staticmethod
+    def _amax(x: torch.Tensor) -> torch.Tensor:
+        return x.abs().amax().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+
+    def _part(self, x2d: torch.Tensor, columnwise: bool, rht: bool) -> NVFP4Part:
+        x = rht16(x2d) if rht else x2d.float()
+        amax = self._amax(x)
+        s_enc = global_encode_scale(amax)
+        s = block_scale_e4m3(block_amax(x, BLOCK), s_enc)
+        codes = self._codes(x * expand_blocks(element_multiplier(s, s_enc), BLOCK, x.shape[1]))
+        m, k = x2d.shape
+        return NVFP4Part(rows=m, cols=k, columnwise=columnwise, data=pack_nibbles(codes), scale=s, amax=amax,
+                         rht=rht)
+
+    def quantize_parts(self, x2d, rowwise, columnwise):
+        if not self.block_2d:
+            return (self._part(x2d, False, False) if rowwise else None,
+                    self._part(x2d.t(), True, self.rht) if columnwise else None)
+        m, k = x2d.shape
+        x = x2d.float()
+        amax = self._amax(x)
+        s_enc = global_encode_scale(amax)
+        s_tile = block_scale_e4m3(tile_amax(x, BLOCK), s_enc)  # [M/16, K/16]
+        s_row = s_tile.repeat_interleave(BLOCK, dim=0)
+        codes = self._codes(x * expand_blocks(element_multiplier(s_row, s_enc), BLOCK, k))
+        row = NVFP4Part(rows=m, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
+                        rht=False) if rowwise else None
+        col = NVFP4Part(rows=k, cols=m, columnwise=True, data=pack_nibbles(codes.t()),
+                        scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(), amax=amax.clone(),
+                        rht=False) if columnwise else None
+        return row, col

@@ -1,0 +1,210 @@
+"""`hybridq.nn.Linear`: nn.Linear whose GEMMs read quantized operands chosen by a recipe."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..formats.base import Quantizer
+from ..gemm import gemm
+from ..recipe import CustomRecipe, Role
+from ..tensor import QuantizedTensor
+
+log = logging.getLogger("hybridq")
+
+
+class _LinearConfig:
+    """What the autograd function needs from its module (a plain object: not saved as a tensor)."""
+
+    __slots__ = ("name", "input_q", "weight_q", "grad_output_q", "backward_override", "save_original_input")
+
+    def __init__(self, module: "Linear", backward_override: str | None):
+        self.name = module.name
+        self.input_q = module.input_quantizer
+        self.weight_q = module.weight_quantizer
+        self.grad_output_q = module.grad_output_quantizer
+        self.backward_override = backward_override
+        self.save_original_input = module.save_original_input
+
+
+def _only(q: QuantizedTensor, direction: str) -> QuantizedTensor:
+    """Keep a single direction (drop what backward does not read, so it is not held in memory)."""
+    if direction == "columnwise":
+        return QuantizedTensor(None, q.part("columnwise"), shape=q.shape, dtype=q.dtype)
+    return QuantizedTensor(q.part("rowwise"), None, shape=q.shape, dtype=q.dtype)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cached_weight: QuantizedTensor | None, cfg: _LinearConfig) -> torch.Tensor:
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        override = cfg.backward_override
+        k = x.shape[-1]
+        x2d = x.reshape(-1, k)
+        ename = f"input of {cfg.name}"
+        # With an override set, forward quantizes rowwise only: backward never reads a columnwise form.
+        x_col = need_wgrad and override is None and not cfg.save_original_input
+        xq = cfg.input_q.quantize(x2d, rowwise=True, columnwise=x_col, name=ename)
+        w_col = need_dgrad and override is None
+        if isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
+            wq = weight
+        elif cached_weight is not None:
+            wq = cached_weight
+        else:
+            wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
+        y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype)
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+
+        if override == "high_precision":
+            saved_x, saved_w = x2d, (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight)
+        elif override == "dequantized":
+            saved_x, saved_w = _only(xq, "rowwise"), _only(wq, "rowwise")
+        else:
+            saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
+            saved_w = _only(wq, "columnwise") if need_dgrad else None
+        ctx.save_for_backward(saved_x, saved_w)
+        ctx.cfg = cfg
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        ctx.w_dtype = weight.dtype
+        ctx.w_shape = weight.shape
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        cfg: _LinearConfig = ctx.cfg
+        saved_x, saved_w = ctx.saved_tensors
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        if not dy2d.is_contiguous():
+            dy2d = dy2d.contiguous()
+        dx = dw = None
+        override = cfg.backward_override
+
+        if override == "high_precision":
+            # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
+            if need_dgrad:
+                dx = dy2d.mm(saved_w.to(dy.dtype))
+            if need_wgrad:
+                dw = dy2d.t().mm(saved_x.to(dy.dtype))
+        elif override == "dequantized":
+            if need_dgrad:
+                dx = dy2d.mm(saved_w.dequantize(dy.dtype))
+            if need_wgrad:
+                dw = dy2d.t().mm(saved_x.dequantize(dy.dtype))
+        else:
+            dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
+                                             name=f"grad_output of {cfg.name}")
+            if need_dgrad:
+                dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype)
+            if need_wgrad:
+                xq = saved_x
+                if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
+                    xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
+                dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype)
+
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        if dw is not None:
+            dw = dw.to(ctx.w_dtype)
+        db = dy2d.sum(0).to(ctx.w_dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
+        return dx, dw, db, None, None
+
+
+class Linear(nn.Linear):
+    """Drop-in nn.Linear whose three GEMMs use the recipe's quantizers for input, weight and grad_output.
+
+    forward(x, is_first_microbatch=None): with None the weight is quantized on every call. With
+    gradient accumulation pass True on the first micro-batch and False on the rest to quantize the
+    weight once and reuse it; a cached weight keeps every direction it was ever asked for (usage
+    preservation), so an evaluation step under torch.no_grad() never leaves a training step reading a
+    stale or missing columnwise form.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup(recipe, name, save_original_input)
+
+    def _setup(self, recipe: CustomRecipe, name: str, save_original_input: bool) -> None:
+        self.recipe = recipe
+        self.name = name or f"Linear({self.in_features}->{self.out_features})"
+        self.save_original_input = save_original_input
+        self.input_quantizer = recipe.quantizer(Role("linear", "input", name))
+        self.weight_quantizer = recipe.quantizer(Role("linear", "weight", name))
+        self.grad_output_quantizer = recipe.quantizer(Role("linear", "grad_output", name))
+        self._weight_cache: tuple[Any, QuantizedTensor] | None = None
+        self._cache_columnwise = False
+        self.check_compatible()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: CustomRecipe, name: str = "",
+                    save_original_input: bool = False) -> "Linear":
+        """Wrap an existing nn.Linear's parameters (shared, not copied). Raises ValueError (nothing changed)
+        if the recipe's formats cannot take its shapes."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._setup(recipe, name, save_original_input)
+        return new
+
+    def quantizers(self) -> dict[str, Quantizer]:
+        return {"input": self.input_quantizer, "weight": self.weight_quantizer,
+                "grad_output": self.grad_output_quantizer}
+
+    def check_compatible(self) -> None:
+        """Shape rules known before seeing data: K for input/weight rows, N for weight columns / grad rows."""
+        override = self.recipe.backward_override
+        if override is not None:
+            stateful = [t for t, q in self.quantizers().items() if q.is_stateful]
+            if stateful:
+                raise ValueError(
+                    f"{self.name}: backward_override={override!r} cannot be combined with delayed scaling "
+                    f"({', '.join(stateful)} quantizer); use current scaling (e.g. 'fp8_tensorwise')")
+        n, k = self.out_features, self.in_features
+        self.input_quantizer.validate((0, k), f"input of {self.name}", rowwise=True, columnwise=False)
+        self.weight_quantizer.validate((n, k), f"weight of {self.name}", rowwise=True,
+                                       columnwise=override is None)
+        if override is None:
+            self.grad_output_quantizer.validate((0, n), f"grad_output of {self.name}", rowwise=True,
+                                                columnwise=False)
+
+    def describe_formats(self) -> dict[str, str]:
+        return {t: q.describe() for t, q in self.quantizers().items()}
+
+    def _cached_weight(self, is_first_microbatch: bool, need_columnwise: bool) -> QuantizedTensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        self._cache_columnwise |= need_columnwise
+        cached = self._weight_cache
+        stale = cached is None or cached[0] != key
+        if not is_first_microbatch and cached is not None and cached[0] != key:
+            log.warning("%s: is_first_microbatch=False but the weight changed since it was quantized; "
+                        "quantizing it again", self.name)
+        missing = cached is not None and self._cache_columnwise and not cached[1].has("columnwise")
+        if is_first_microbatch or stale or missing:
+            wq = self.weight_quantizer.quantize(w.detach(), rowwise=True, columnwise=self._cache_columnwise,
+                                                name=f"weight of {self.name}")
+            self._weight_cache = (key, wq)
+        return self._weight_cache[1]
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        override = self.recipe.backward_override
+        cfg = _LinearConfig(self, override)
+        cached = None
+        if is_first_microbatch is not None and not isinstance(self.weight, QuantizedTensor):
+            need_col = override is None and torch.is_grad_enabled() and x.requires_grad
+            cached = self._cached_weight(is_first_microbatch, need_col)
+        return _LinearFunction.apply(x, self.weight, self.bias, cached, cfg)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"

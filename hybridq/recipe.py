@@ -1,0 +1,139 @@
+"""Recipes: which quantizer each tensor of each module gets, named presets, and the backward override."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+from .formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
+                      NVFP4Quantizer, Quantizer)
+
+TENSOR_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+BACKWARD_OVERRIDE_ENV = "HYBRIDQ_BACKWARD_OVERRIDE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What a quantizer is for: module type ("linear"), tensor type (one of TENSOR_TYPES) and module name."""
+
+    module_type: str
+    tensor_type: str
+    name: str = ""
+
+    def __post_init__(self):
+        if self.tensor_type not in TENSOR_TYPES:
+            raise ValueError(f"Role tensor_type must be one of {TENSOR_TYPES}, got {self.tensor_type!r}")
+
+
+def _check_override(value, source: str) -> str | None:
+    if value == "":
+        value = None
+    if value not in BACKWARD_OVERRIDES:
+        raise ValueError(f"{source}: backward_override must be one of {BACKWARD_OVERRIDES}, got {value!r}")
+    return value
+
+
+class CustomRecipe:
+    """A recipe built from `qfactory(role) -> Quantizer | None` (None keeps that tensor in high precision).
+
+    backward_override: None | "high_precision" | "dequantized". When None here, the environment variable
+    HYBRIDQ_BACKWARD_OVERRIDE (read at use) may set it.
+    """
+
+    def __init__(self, qfactory: Callable[[Role], Quantizer | None], *, backward_override: str | None = None,
+                 name: str = "custom"):
+        self.qfactory = qfactory
+        self._backward_override = _check_override(backward_override, f"recipe {name!r}")
+        self.name = name
+
+    @property
+    def backward_override(self) -> str | None:
+        if self._backward_override is not None:
+            return self._backward_override
+        return _check_override(os.environ.get(BACKWARD_OVERRIDE_ENV), f"environment {BACKWARD_OVERRIDE_ENV}")
+
+    def quantizer(self, role: Role) -> Quantizer:
+        """A fresh quantizer for `role`; IdentityQuantizer where the factory keeps high precision."""
+        q = self.qfactory(role)
+        if q is None:
+            return IdentityQuantizer()
+        if not isinstance(q, Quantizer):
+            raise TypeError(f"recipe {self.name!r}: qfactory returned {q!r} for {role}, not a hybridq Quantizer")
+        return q
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, backward_override={self._backward_override!r})"
+
+
+# ---- presets -------------------------------------------------------------------------------------
+
+def _fp8_tensorwise(role: Role) -> Quantizer:
+    return Float8Quantizer("e5m2" if role.tensor_type.startswith("grad") else "e4m3")
+
+
+def _fp8_delayed(role: Role) -> Quantizer:
+    return Float8Quantizer("e5m2" if role.tensor_type.startswith("grad") else "e4m3", scaling="delayed")
+
+
+def _fp8_block(role: Role) -> Quantizer:
+    return Float8BlockQuantizer(block_dim=2 if role.tensor_type == "weight" else 1)
+
+
+def _mxfp8(role: Role) -> Quantizer:
+    return MXFP8Quantizer()
+
+
+def _nvfp4(role: Role) -> Quantizer:
+    if role.tensor_type == "weight":
+        return NVFP4Quantizer(block_2d=True)
+    grad = role.tensor_type.startswith("grad")
+    return NVFP4Quantizer(rht=True, stochastic_rounding=grad)
+
+
+def _mxfp8_fwd_nvfp4_bwd(role: Role) -> Quantizer:
+    if role.tensor_type == "grad_output" or role.tensor_type == "grad_input":
+        return NVFP4Quantizer(rht=True, stochastic_rounding=True)
+    # the columnwise form only feeds backward GEMMs, so it takes the backward format
+    col = NVFP4Quantizer(rht=role.tensor_type != "weight")
+    return HybridQuantizer(rowwise=MXFP8Quantizer(), columnwise=col)
+
+
+def _fp8_block_fwd_mxfp8_bwd(role: Role) -> Quantizer:
+    if role.tensor_type.startswith("grad"):
+        return MXFP8Quantizer()
+    row = Float8BlockQuantizer(block_dim=2 if role.tensor_type == "weight" else 1)
+    return HybridQuantizer(rowwise=row, columnwise=MXFP8Quantizer())
+
+
+def _fp8_fwd_high_precision_bwd(role: Role) -> Quantizer | None:
+    if role.tensor_type.startswith("grad"):
+        return None
+    return HybridQuantizer(rowwise=Float8Quantizer(), columnwise=IdentityQuantizer())
+
+
+PRESETS: dict[str, tuple[Callable[[Role], Quantizer | None], str]] = {
+    "fp8_tensorwise": (_fp8_tensorwise, "per-tensor FP8, current scaling: E4M3 forward, E5M2 gradients"),
+    "fp8_delayed": (_fp8_delayed, "per-tensor FP8, delayed scaling (amax history 1024, max): E4M3 / E5M2"),
+    "fp8_block": (_fp8_block, "FP8 E4M3 blocks: 1x128 activations and gradients, 128x128 weights"),
+    "mxfp8": (_mxfp8, "MXFP8 E4M3, 1x32 / 32x1 blocks, E8M0 scales"),
+    "nvfp4": (_nvfp4, "NVFP4: 16x16 weight tiles; RHT on the columnwise form; stochastic rounding on grads"),
+    "mxfp8_fwd_nvfp4_bwd": (_mxfp8_fwd_nvfp4_bwd, "MXFP8 rowwise (fprop), NVFP4 columnwise and gradients"),
+    "fp8_block_fwd_mxfp8_bwd": (_fp8_block_fwd_mxfp8_bwd, "FP8 blocks rowwise (fprop), MXFP8 for backward"),
+    "fp8_fwd_high_precision_bwd": (_fp8_fwd_high_precision_bwd,
+                                   "per-tensor FP8 E4M3 forward, backward GEMMs in high precision"),
+}
+
+
+def recipe(name: str, *, backward_override: str | None = None) -> CustomRecipe:
+    """A preset by name, e.g. `hybridq.recipe("mxfp8_fwd_nvfp4_bwd")`."""
+    try:
+        factory, _ = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; presets: {', '.join(PRESETS)}") from None
+    return CustomRecipe(factory, backward_override=backward_override, name=name)
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)

@@ -1,0 +1,167 @@
+"""`QuantizedTensor`: a torch.Tensor wrapper subclass over one or two quantized parts.
+
+It reports the shape and dtype of the high-precision tensor it stands for, so it can flow through
+autograd (`ctx.save_for_backward`, saved-tensor hooks for offload / recompute) like the original. The op
+surface is deliberately narrow: aliasing/detach, clone, device moves and pinning. Anything else raises and
+names the op; call `.dequantize()` to get a plain tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .formats.base import COLUMNWISE, ROWWISE, QuantizedPart, check_direction
+
+aten = torch.ops.aten
+
+
+class QuantizedTensor(torch.Tensor):
+    _rowwise: QuantizedPart | None
+    _columnwise: QuantizedPart | None
+
+    @staticmethod
+    def __new__(cls, rowwise: QuantizedPart | None, columnwise: QuantizedPart | None, *, shape, dtype,
+                requires_grad: bool = False):
+        if rowwise is None and columnwise is None:
+            raise ValueError("QuantizedTensor needs at least one of a rowwise and a columnwise part")
+        device = (rowwise or columnwise).device
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(shape), dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        self._rowwise = rowwise
+        self._columnwise = columnwise
+        return self
+
+    # -- public accessors -----------------------------------------------------------------------
+    @property
+    def rowwise(self) -> QuantizedPart | None:
+        """The rowwise part (`[M, K]`, blocks along K), or None if it was not produced."""
+        return self._rowwise
+
+    @property
+    def columnwise(self) -> QuantizedPart | None:
+        """The columnwise part (stored transposed, `[K, M]`, blocks along M), or None."""
+        return self._columnwise
+
+    def part(self, direction: str) -> QuantizedPart:
+        p = self._rowwise if check_direction(direction) == ROWWISE else self._columnwise
+        if p is None:
+            raise RuntimeError(
+                f"QuantizedTensor {tuple(self.shape)} has no {direction} form (it holds {self.usage}); "
+                f"quantize with {direction}=True"
+            )
+        return p
+
+    def has(self, direction: str) -> bool:
+        return (self._rowwise if check_direction(direction) == ROWWISE else self._columnwise) is not None
+
+    @property
+    def usage(self) -> str:
+        return "+".join(d for d in (ROWWISE, COLUMNWISE) if self.has(d))
+
+    @property
+    def formats(self) -> tuple[str | None, str | None]:
+        """(rowwise format, columnwise format) names; None for a missing direction."""
+        return tuple(p.format_name if p is not None else None for p in (self._rowwise, self._columnwise))
+
+    def dequantize(self, dtype: torch.dtype | None = None, direction: str | None = None) -> torch.Tensor:
+        """High-precision tensor of the original shape. Reads the rowwise form unless `direction` says
+        otherwise (or only the columnwise form exists)."""
+        if direction is None:
+            direction = ROWWISE if self._rowwise is not None else COLUMNWISE
+        p = self.part(direction)
+        x = p.dequantize_2d()
+        if p.columnwise:
+            x = x.t()
+        return x.reshape(self.shape).to(dtype or self.dtype)
+
+    def nbytes_quantized(self) -> int:
+        return sum(p.nbytes() for p in (self._rowwise, self._columnwise) if p is not None)
+
+    def map_parts(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedTensor":
+        r = self._rowwise.map_tensors(fn) if self._rowwise is not None else None
+        c = self._columnwise.map_tensors(fn) if self._columnwise is not None else None
+        return QuantizedTensor(r, c, shape=self.shape, dtype=self.dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"rowwise={self._rowwise!r}, columnwise={self._columnwise!r})")
+
+    # -- tracing support (torch.compile): parts' tensors are the inner tensors -----------------
+    def __tensor_flatten__(self):
+        names, ctx = [], {"shape": self.shape, "dtype": self.dtype, "parts": {}}
+        for d, p in ((ROWWISE, self._rowwise), (COLUMNWISE, self._columnwise)):
+            if p is None:
+                continue
+            present = [n for n, t in p.tensors().items() if t is not None]
+            ctx["parts"][d] = (type(p), p.rows, p.cols, p.meta(), present)
+            names += [f"{d}.{n}" for n in present]
+        return names, ctx
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        parts = {}
+        for d, (cls, rows, cols, meta, present) in ctx["parts"].items():
+            fields = {n: inner.get(f"{d}.{n}") for n in cls.tensor_fields}
+            parts[d] = cls(rows=rows, cols=cols, columnwise=d == COLUMNWISE, **fields, **meta)
+        return QuantizedTensor(parts.get(ROWWISE), parts.get(COLUMNWISE), shape=outer_size, dtype=ctx["dtype"])
+
+    # -- the narrow op surface ------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _OPS.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"hybridq QuantizedTensor does not support {func}; call .dequantize() to get a plain "
+                f"tensor first"
+            )
+        return handler(func, *args, **kwargs)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+_OPS: dict = {}
+
+
+def _implements(*ops):
+    def register(fn):
+        for op in ops:
+            _OPS[op] = fn
+        return fn
+    return register
+
+
+@_implements(aten.detach.default, aten.alias.default)
+def _alias(func, t, *args, **kwargs):
+    return t.map_parts(lambda x: func(x))
+
+
+@_implements(aten.clone.default)
+def _clone(func, t, *, memory_format=None):
+    return t.map_parts(lambda x: x.clone())
+
+
+@_implements(aten._to_copy.default)
+def _to_copy(func, t, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    if dtype is not None and dtype != t.dtype:
+        raise NotImplementedError(
+            f"hybridq QuantizedTensor cannot be cast to {dtype}; use .dequantize(dtype={dtype})"
+        )
+    return t.map_parts(lambda x: x.to(device=device, non_blocking=non_blocking)
+                       if not pin_memory else x.to(device=device).pin_memory())
+
+
+@_implements(aten.is_pinned.default)
+def _is_pinned(func, t, device=None):
+    return all(x.is_pinned() for p in (t.rowwise, t.columnwise) if p is not None
+               for x in p.tensors().values() if x is not None)
+
+
+@_implements(aten._pin_memory.default)
+def _pin(func, t, device=None):
+    return t.map_parts(lambda x: x.pin_memory())
+
