@@ -65,8 +65,8 @@ class QuantizedPart:
             raise TypeError(f"{type(self).__name__}: unexpected fields {sorted(fields)}")
 
     # -- subclasses implement -------------------------------------------------------------------
-    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
-        """fp32 `[rows, cols]` matrix this part represents (in stored orientation)."""
+    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        """Pure-PyTorch dequantization (the numerics contract)."""
         raise NotImplementedError
 
     @property
@@ -76,6 +76,16 @@ class QuantizedPart:
         return None
 
     # -- generic --------------------------------------------------------------------------------
+    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+        """fp32 `[rows, cols]` matrix this part represents (in stored orientation); a device kernel when one
+        is registered for this part type and device, else the reference."""
+        from ..kernels import lookup_dequantize
+
+        impl = lookup_dequantize(self, undo_transform)
+        if impl is not None:
+            return impl.run(self, undo_transform)
+        return self.reference_dequantize_2d(undo_transform)
+
     @property
     def direction(self) -> str:
         return COLUMNWISE if self.columnwise else ROWWISE
@@ -116,9 +126,10 @@ class Quantizer:
     format_name: ClassVar[str] = "?"
 
     # -- subclasses implement -------------------------------------------------------------------
-    def quantize_parts(
-        self, x2d: torch.Tensor, rowwise: bool, columnwise: bool
+    def reference_parts(
+        self, x2d: torch.Tensor, rowwise: bool, columnwise: bool, **kw
     ) -> tuple[QuantizedPart | None, QuantizedPart | None]:
+        """Pure-PyTorch quantization of a 2-D tensor into (rowwise part, columnwise part) (the contract)."""
         raise NotImplementedError
 
     def shape_rule(self, m: int, k: int, rowwise: bool, columnwise: bool) -> str | None:
@@ -129,6 +140,18 @@ class Quantizer:
         return self.format_name
 
     # -- generic --------------------------------------------------------------------------------
+    def quantize_parts(
+        self, x2d: torch.Tensor, rowwise: bool, columnwise: bool, **kw
+    ) -> tuple[QuantizedPart | None, QuantizedPart | None]:
+        """The requested parts of `x2d`; a device kernel when one is registered and accepts the call,
+        else the reference. Keyword arguments (e.g. a global amax) pass through to either."""
+        from ..kernels import lookup_quantize
+
+        impl = lookup_quantize(self, x2d, rowwise, columnwise, **kw)
+        if impl is not None:
+            return impl.run(self, x2d, rowwise, columnwise, **kw)
+        return self.reference_parts(x2d, rowwise, columnwise, **kw)
+
     @property
     def usage(self) -> tuple[bool, bool]:
         """(rowwise, columnwise): the directions `quantize` produces when the call does not say."""

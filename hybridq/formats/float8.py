@@ -24,7 +24,7 @@ class Float8TensorPart(QuantizedPart):
     format_name = "FP8"
     tensor_fields = ("data", "scale_inv")
 
-    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv
 
     def transposed(self) -> "Float8TensorPart":
@@ -107,7 +107,7 @@ class Float8Quantizer(Quantizer):
         return scale
 
     # -- quantization ----------------------------------------------------------------------------
-    def quantize_parts(self, x2d, rowwise, columnwise, amax: torch.Tensor | None = None):
+    def reference_parts(self, x2d, rowwise, columnwise, amax: torch.Tensor | None = None):
         """`amax` overrides the local max|x| (e.g. a global amax of a sharded tensor)."""
         if self.scaling == "delayed":
             scale = self._delayed_scale(x2d)

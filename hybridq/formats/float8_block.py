@@ -28,7 +28,7 @@ class Float8BlockPart(QuantizedPart):
             return expand_tiles(self.scale_inv, BLOCK, self.rows, self.cols)
         return expand_blocks(self.scale_inv, BLOCK, self.cols)
 
-    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv_per_element()
 
 
@@ -63,7 +63,7 @@ class Float8BlockQuantizer(Quantizer):
         q = satfinite_fp8(x2d.float() * expand_blocks(scale, BLOCK, k), self.dtype)
         return Float8BlockPart(rows=m, cols=k, columnwise=columnwise, data=q, scale_inv=rcp(scale), block_dim=1)
 
-    def quantize_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise):
         if self.block_dim == 1:
             row = self._quantize_1d(x2d, False) if rowwise else None
             col = self._quantize_1d(x2d.t(), True) if columnwise else None

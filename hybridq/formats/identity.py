@@ -16,7 +16,7 @@ class IdentityPart(QuantizedPart):
     format_name = "identity"
     tensor_fields = ("data",)
 
-    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         d = self.data.float()
         return d.t() if self.columnwise else d
 
@@ -30,7 +30,7 @@ class IdentityQuantizer(Quantizer):
     def describe(self) -> str:
         return "identity" if self.dtype is None else f"identity ({self.dtype})"
 
-    def quantize_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise):
         data = x2d if self.dtype is None else x2d.to(self.dtype)
         m, k = x2d.shape
         row = IdentityPart(rows=m, cols=k, columnwise=False, data=data) if rowwise else None

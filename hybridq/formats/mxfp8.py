@@ -33,7 +33,7 @@ class MXFP8Part(QuantizedPart):
     format_name = "MXFP8"
     tensor_fields = ("data", "scale")
 
-    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * expand_blocks(e8m0_to_pow2(self.scale), BLOCK, self.cols)
 
     def swizzled_scale(self) -> torch.Tensor:
@@ -76,7 +76,7 @@ class MXFP8Quantizer(Quantizer):
         m, k = x2d.shape
         return MXFP8Part(rows=m, cols=k, columnwise=columnwise, data=self._encode(x2d, e), scale=e)
 
-    def quantize_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise):
         if not self.block_2d:
             return (self._part(x2d, False) if rowwise else None,
                     self._part(x2d.t(), True) if columnwise else None)

@@ -51,7 +51,7 @@ class NVFP4Part(QuantizedPart):
     def transform(self) -> str | None:
         return "rht16" if self.rht else None
 
-    def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
+    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         # q * fp32(s) * A / (6 * 448), evaluated left to right
         vals = e2m1_decode(unpack_nibbles(self.data))
         x = vals * expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax / (FP4_MAX * E4M3_MAX)
@@ -113,7 +113,7 @@ class NVFP4Quantizer(Quantizer):
         return NVFP4Part(rows=m, cols=k, columnwise=columnwise, data=pack_nibbles(codes), scale=s, amax=amax,
                          rht=rht)
 
-    def quantize_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise):
         if not self.block_2d:
             return (self._part(x2d, False, False) if rowwise else None,
                     self._part(x2d.t(), True, self.rht) if columnwise else None)
