@@ -165,7 +165,8 @@ class Quantizer:
         m, k = shape_2d(tuple(shape))
         why = self.shape_rule(m, k, rowwise, columnwise)
         if why is not None:
-            raise ValueError(f"{self.describe()} {why} for {name} (shape {tuple(shape)})")
+            shown = f" (shape {tuple(shape)})" if 0 not in tuple(shape) else ""
+            raise ValueError(f"{self.describe()} {why} for {name}{shown}")
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
                  name: str = "tensor") -> "QuantizedTensor":

@@ -169,9 +169,10 @@ class Linear(nn.Linear):
                     f"{self.name}: backward_override={override!r} cannot be combined with delayed scaling "
                     f"({', '.join(stateful)} quantizer); use current scaling (e.g. 'fp8_tensorwise')")
         n, k = self.out_features, self.in_features
-        self.input_quantizer.validate((0, k), f"input of {self.name}", rowwise=True, columnwise=False)
         self.weight_quantizer.validate((n, k), f"weight of {self.name}", rowwise=True,
                                        columnwise=override is None)
+        # token count M is unknown until forward (checked there); 0 stands for "any"
+        self.input_quantizer.validate((0, k), f"input of {self.name}", rowwise=True, columnwise=False)
         if override is None:
             self.grad_output_quantizer.validate((0, n), f"grad_output of {self.name}", rowwise=True,
                                                 columnwise=False)

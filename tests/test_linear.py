@@ -1,0 +1,353 @@
+"""hybridq.nn.Linear: numerics oracles, backward override, usage preservation and conversion."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hybridq as hq
+from hybridq.recipe import BACKWARD_OVERRIDE_ENV
+
+PRESETS = hq.preset_names()
+CURRENT_PRESETS = [p for p in PRESETS if p != "fp8_delayed"]
+DTYPES = [torch.float32, torch.bfloat16]
+IN, OUT, TOKENS = 96, 64, (2, 32)  # every format takes these shapes (K, N, M multiples of 32)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_override(monkeypatch):
+    monkeypatch.delenv(BACKWARD_OVERRIDE_ENV, raising=False)
+
+
+def make_pair(recipe, dtype=torch.float32, bias=True, seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = nn.Linear(IN, OUT, bias=bias, dtype=dtype)
+    q = hq.Linear(IN, OUT, bias=bias, dtype=dtype, recipe=recipe, name="fc", **kw)
+    q.load_state_dict(ref.state_dict())
+    return q, ref
+
+
+def run(module, x, gy, **kw):
+    """Forward + backward; returns (y, dx, dW, db)."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    y = module(x, **kw)
+    y.backward(gy)
+    return y.detach(), x.grad, module.weight.grad, None if module.bias is None else module.bias.grad
+
+
+def inputs(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*TOKENS, IN, generator=g).to(dtype)
+    gy = torch.randn(*TOKENS, OUT, generator=g).to(dtype)
+    return x, gy
+
+
+def assert_bitwise(got, want, what):
+    names = ("output", "grad_input", "grad_weight", "grad_bias")
+    for n, a, b in zip(names, got, want):
+        if a is None and b is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {n} {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        diff = (a.float() - b.float()).abs().max().item()
+        assert torch.equal(a, b), f"{what}: {n} differs (max abs diff {diff:g})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", PRESETS)
+def test_forward_backward_shapes_dtypes_and_error(name, dtype):
+    q, ref = make_pair(hq.recipe(name), dtype)
+    x, gy = inputs(dtype)
+    got, want = run(q, x, gy), run(ref, x, gy)
+    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {n}"
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        # NVFP4 with stochastic rounding is the loosest; FP8 paths are ~5%.
+        assert rel < 0.35, f"{name}: {n} relative error {rel:.3f} vs unquantized Linear"
+
+
+# -- hybrid of one format in both directions == that format -----------------------------------------
+
+SAME_FORMAT = {
+    "fp8_e4m3": lambda: hq.Float8Quantizer(),
+    "fp8_e5m2_pow2": lambda: hq.Float8Quantizer("e5m2", power_2_scale=True),
+    "fp8_block_1x128": lambda: hq.Float8BlockQuantizer(),
+    "fp8_block_128x128": lambda: hq.Float8BlockQuantizer(block_dim=2),
+    "mxfp8": lambda: hq.MXFP8Quantizer(),
+    "mxfp8_32x32": lambda: hq.MXFP8Quantizer(block_2d=True),
+    "nvfp4": lambda: hq.NVFP4Quantizer(),
+    "nvfp4_16x16": lambda: hq.NVFP4Quantizer(block_2d=True),
+    "nvfp4_rht": lambda: hq.NVFP4Quantizer(rht=True),
+    "nvfp4_rht_sr": lambda: hq.NVFP4Quantizer(rht=True, stochastic_rounding=True),
+}
+
+
+@pytest.mark.parametrize("fmt", list(SAME_FORMAT))
+def test_hybrid_with_one_format_in_both_directions_equals_that_format(fmt):
+    make = SAME_FORMAT[fmt]
+    plain = hq.CustomRecipe(lambda role: make())
+    hybrid = hq.CustomRecipe(lambda role: hq.HybridQuantizer(rowwise=make(), columnwise=make()))
+    x, gy = inputs(torch.bfloat16)
+    results = []
+    for recipe in (plain, hybrid):
+        q, _ = make_pair(recipe, torch.bfloat16)
+        torch.manual_seed(123)  # stochastic rounding draws from torch's default generator
+        results.append(run(q, x, gy))
+    assert_bitwise(results[1], results[0], f"hybrid[{fmt}/{fmt}] vs {fmt}")
+
+
+# -- backward override oracles -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CURRENT_PRESETS)
+def test_high_precision_override_grads_equal_unquantized_linear(name, dtype, bias):
+    q, ref = make_pair(hq.recipe(name, backward_override="high_precision"), dtype, bias)
+    x, gy = inputs(dtype)
+    _, *got = run(q, x, gy)
+    _, *want = run(ref, x, gy)
+    assert_bitwise([None, *got], [None, *want], f"{name} high_precision grads vs nn.Linear")
+
+
+@pytest.mark.parametrize("save_original_input", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CURRENT_PRESETS)
+def test_dequantized_override_grads_equal_gemms_on_dequantized_forward_operands(name, dtype,
+                                                                                 save_original_input):
+    recipe = hq.recipe(name, backward_override="dequantized")
+    q, _ = make_pair(recipe, dtype, save_original_input=save_original_input)
+    x, gy = inputs(dtype)
+    _, dx, dw, db = run(q, x, gy)
+    # the oracle: the forward operands quantized rowwise, dequantized, then plain GEMMs with dy
+    xq = q.input_quantizer.quantize(x.reshape(-1, IN), rowwise=True, columnwise=False)
+    wq = q.weight_quantizer.quantize(q.weight.detach(), rowwise=True, columnwise=False)
+    gy2 = gy.reshape(-1, OUT)
+    want_dx = gy2.mm(wq.dequantize(dtype)).reshape(x.shape)
+    want_dw = gy2.t().mm(xq.dequantize(dtype))
+    assert_bitwise([None, dx, dw, db], [None, want_dx, want_dw, gy2.sum(0)],
+                   f"{name} dequantized override (save_original_input={save_original_input})")
+
+
+class _UsageSpy:
+    """Records the directions every quantize call of a quantizer asks for."""
+
+    def __init__(self, quantizer):
+        self.calls = []
+        orig = quantizer.quantize
+
+        def spy(x, *, rowwise=None, columnwise=None, name="tensor"):
+            self.calls.append((name, rowwise, columnwise))
+            return orig(x, rowwise=rowwise, columnwise=columnwise, name=name)
+
+        quantizer.quantize = spy
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_override_forward_quantizes_rowwise_only(override):
+    q, _ = make_pair(hq.recipe("mxfp8", backward_override=override))
+    spies = [_UsageSpy(q.input_quantizer), _UsageSpy(q.weight_quantizer), _UsageSpy(q.grad_output_quantizer)]
+    run(q, *inputs(torch.float32))
+    calls = [c for s in spies for c in s.calls]
+    assert calls, "no quantization happened"
+    assert all(c[1] and not c[2] for c in calls), f"columnwise requested with override {override}: {calls}"
+    assert not spies[2].calls, "grad_output must not be quantized with a backward override"
+
+
+def test_override_from_environment_applies_at_forward(monkeypatch):
+    q, ref = make_pair(hq.recipe("fp8_tensorwise"))
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "high_precision")
+    x, gy = inputs(torch.float32)
+    _, *got = run(q, x, gy)
+    _, *want = run(ref, x, gy)
+    assert_bitwise([None, *got], [None, *want], "env high_precision grads vs nn.Linear")
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_delayed_scaling_with_override_is_rejected(override):
+    with pytest.raises(ValueError, match="cannot be combined with delayed scaling"):
+        hq.Linear(IN, OUT, recipe=hq.recipe("fp8_delayed", backward_override=override), name="fc")
+
+
+def test_delayed_scaling_with_environment_override_is_rejected(monkeypatch):
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "dequantized")
+    with pytest.raises(ValueError, match="fc: backward_override='dequantized' cannot be combined"):
+        hq.Linear(IN, OUT, recipe=hq.recipe("fp8_delayed"), name="fc")
+
+
+# -- default path oracle and options --------------------------------------------------------------------
+
+def test_fp8_tensorwise_gradients_are_gemms_on_independently_quantized_operands():
+    q, _ = make_pair(hq.recipe("fp8_tensorwise"))
+    x, gy = inputs(torch.float32)
+    y, dx, dw, _ = run(q, x, gy)
+    e4, e5 = hq.Float8Quantizer("e4m3"), hq.Float8Quantizer("e5m2")
+    x2, gy2 = x.reshape(-1, IN), gy.reshape(-1, OUT)
+    dq = lambda q_, t: q_.quantize(t).dequantize(torch.float32)
+    w = q.weight.detach()
+    torch.testing.assert_close(y.reshape(-1, OUT), dq(e4, x2) @ dq(e4, w).t() + q.bias.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(dx.reshape(-1, IN), dq(e5, gy2) @ dq(e4, w), rtol=0, atol=0)
+    torch.testing.assert_close(dw, dq(e5, gy2).t() @ dq(e4, x2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", [p for p in CURRENT_PRESETS if "nvfp4" not in p])
+def test_save_original_input_gives_the_same_gradients(name):
+    x, gy = inputs(torch.bfloat16)
+    a, _ = make_pair(hq.recipe(name), torch.bfloat16)
+    b, _ = make_pair(hq.recipe(name), torch.bfloat16, save_original_input=True)
+    assert_bitwise(run(b, x, gy), run(a, x, gy), f"{name} save_original_input")
+
+
+def test_no_input_grad_skips_dgrad_and_weight_columnwise():
+    q, _ = make_pair(hq.recipe("mxfp8"))
+    spy = _UsageSpy(q.weight_quantizer)
+    x, _ = inputs(torch.float32)
+    q(x).sum().backward()  # x does not require grad: no dgrad, so no columnwise weight
+    assert spy.calls == [("weight of fc", True, False)], spy.calls
+    assert q.weight.grad is not None
+
+
+def test_runtime_shape_error_names_the_tensor_format_and_rule():
+    q, _ = make_pair(hq.recipe("mxfp8"))
+    x = torch.randn(10, IN, requires_grad=True)  # M = 10: no 32-row blocks for the columnwise form
+    with pytest.raises(ValueError, match=r"MXFP8 E4M3 needs M % 32 == 0 .*got M=10 for input of fc"):
+        q(x)
+
+
+def test_eval_under_no_grad_does_not_mutate_quantizer_usage():
+    q, _ = make_pair(hq.recipe("mxfp8"))
+    before = [qq.usage for qq in q.quantizers().values()]
+    with torch.no_grad():
+        q(inputs(torch.float32)[0])
+    assert [qq.usage for qq in q.quantizers().values()] == before
+
+
+# -- usage preservation across train / eval ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", CURRENT_PRESETS)
+def test_cached_weight_survives_train_eval_train_with_weights_overwritten(name):
+    """train (first micro-batch) -> eval under no_grad after the weights were overwritten -> train reusing
+    the cache: the last step's gradients equal a fresh quantization of the current weights."""
+    q, _ = make_pair(hq.recipe(name), torch.bfloat16)
+    fresh, _ = make_pair(hq.recipe(name), torch.bfloat16)
+    x, gy = inputs(torch.bfloat16)
+    run(q, x, gy, is_first_microbatch=True)
+    with torch.no_grad():
+        q.weight.mul_(-0.5)  # the optimizer step between stages
+        q.eval()
+        q(x, is_first_microbatch=True)
+        assert q._weight_cache[1].has("columnwise"), "eval refresh dropped the columnwise form"
+    q.train()
+    fresh.load_state_dict(q.state_dict())
+    torch.manual_seed(7)
+    got = run(q, x, gy, is_first_microbatch=False)
+    torch.manual_seed(7)
+    want = run(fresh, x, gy)
+    assert_bitwise(got, want, f"{name}: train after eval with overwritten weights")
+
+
+@pytest.mark.parametrize("name", CURRENT_PRESETS)
+def test_alternating_train_and_eval_steps_match_fresh_modules(name):
+    q, _ = make_pair(hq.recipe(name), torch.bfloat16)
+    x, gy = inputs(torch.bfloat16)
+    for step in range(3):
+        with torch.no_grad():
+            q(x, is_first_microbatch=True)
+            q.weight.add_(0.01 * (step + 1))
+        fresh, _ = make_pair(hq.recipe(name), torch.bfloat16)
+        fresh.load_state_dict(q.state_dict())
+        torch.manual_seed(step)
+        got = run(q, x, gy, is_first_microbatch=step % 2 == 0)
+        torch.manual_seed(step)
+        want = run(fresh, x, gy)
+        assert_bitwise(got, want, f"{name}: step {step}")
+
+
+def test_stale_cache_with_is_first_microbatch_false_is_requantized_with_a_warning(caplog):
+    q, _ = make_pair(hq.recipe("mxfp8"))
+    x, gy = inputs(torch.float32)
+    run(q, x, gy, is_first_microbatch=True)
+    with torch.no_grad():
+        q.weight.add_(1.0)
+    with caplog.at_level(logging.WARNING, logger="hybridq"):
+        run(q, x, gy, is_first_microbatch=False)
+    assert "weight changed since it was quantized" in caplog.text
+    assert torch.equal(q._weight_cache[1].dequantize(),
+                       q.weight_quantizer.quantize(q.weight.detach()).dequantize())
+
+
+# -- conversion ---------------------------------------------------------------------------------------
+
+def _model(k=IN):
+    return nn.Sequential(nn.Linear(k, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def test_convert_linears_swaps_in_place_and_shares_parameters():
+    m = _model()
+    w0 = m[0].weight
+    report = hq.convert_linears(m, hq.recipe("mxfp8"))
+    assert isinstance(m[0], hq.Linear) and isinstance(m[2], hq.Linear)
+    assert m[0].weight is w0, "parameters must be shared, not copied"
+    assert report.converted == ["0", "2"]
+    assert report.layers[0].formats["weight"] == "MXFP8 E4M3"
+
+
+def test_convert_linears_filter():
+    m = _model()
+    report = hq.convert_linears(m, hq.recipe("mxfp8"), module_filter_fn=lambda mod, fqn: fqn != "2")
+    assert isinstance(m[0], hq.Linear) and type(m[2]) is nn.Linear
+    assert report.converted == ["0"]
+
+
+def test_convert_linears_skips_incompatible_layers_with_a_logged_reason(caplog):
+    m = _model(k=100)  # K=100 is not a multiple of 32
+    with caplog.at_level(logging.WARNING, logger="hybridq"):
+        report = hq.convert_linears(m, hq.recipe("mxfp8"))
+    assert type(m[0]) is nn.Linear and isinstance(m[2], hq.Linear)
+    assert "K % 32 == 0, got K=100 for weight of 0" in report.skipped["0"]
+    assert "keeping 0 in high precision" in caplog.text
+
+
+def test_convert_linears_error_mode_raises_before_changing_anything():
+    m = _model(k=100)
+    with pytest.raises(ValueError, match=r"MXFP8 E4M3 needs K % 32 == 0, got K=100 for weight of 0"):
+        hq.convert_linears(m, hq.recipe("mxfp8"), on_incompatible="error")
+    assert type(m[0]) is nn.Linear and type(m[2]) is nn.Linear, "a layer was replaced before the error"
+
+
+def test_convert_linears_report_table_lists_formats():
+    m = _model()
+    table = hq.convert_linears(m, hq.recipe("mxfp8_fwd_nvfp4_bwd")).table()
+    assert "hybrid[MXFP8 E4M3 / NVFP4 (RHT)]" in table and "NVFP4 (RHT, SR)" in table
+
+
+# -- autograd integration -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd"])
+def test_saved_tensors_are_quantized_tensors_and_hooks_see_them(name):
+    q, _ = make_pair(hq.recipe(name))
+    x, gy = inputs(torch.float32)
+    packed = []
+
+    def pack(t):
+        packed.append(type(t).__name__)
+        return t.to("cpu")  # an offload-style hook: moves every saved tensor
+
+    x = x.requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = q(x)
+    y.backward(gy)
+    assert packed.count("QuantizedTensor") == 2, packed
+
+
+def test_non_reentrant_checkpoint_gives_identical_grads():
+    from torch.utils.checkpoint import checkpoint
+
+    q, _ = make_pair(hq.recipe("fp8_block"))
+    x, gy = inputs(torch.float32)
+    plain = run(q, x, gy)
+    q.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_()
+    y = checkpoint(q, xr, use_reentrant=False)
+    y.backward(gy)
+    assert_bitwise((y.detach(), xr.grad, q.weight.grad, q.bias.grad), plain, "checkpointed Linear")
