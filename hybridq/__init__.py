@@ -6,7 +6,7 @@ Each tensor may use one quantization format for its rowwise (forward) use and an
 
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
-from .gemm import gemm, register_native_gemm
+from .gemm import register_native_gemm
 from .nn import ConversionReport, Linear, convert_linears
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
@@ -14,7 +14,7 @@ from .tensor import QuantizedTensor
 __all__ = [
     "ROWWISE", "COLUMNWISE", "Quantizer", "QuantizedPart", "QuantizedTensor",
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
-    "HybridQuantizer", "gemm", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
+    "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "convert_linears", "ConversionReport",
 ]
 __version__ = "0.1.0"
