@@ -175,6 +175,13 @@ def test_delayed_scaling_with_environment_override_is_rejected(monkeypatch):
         hq.Linear(IN, OUT, recipe=hq.recipe("fp8_delayed"), name="fc")
 
 
+def test_delayed_scaling_with_override_set_after_construction_is_rejected_at_forward(monkeypatch):
+    q = hq.Linear(IN, OUT, recipe=hq.recipe("fp8_delayed"), name="fc")
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "high_precision")
+    with pytest.raises(ValueError, match="cannot be combined with delayed scaling"):
+        q(inputs(torch.float32)[0])
+
+
 # -- default path oracle and options --------------------------------------------------------------------
 
 def test_fp8_tensorwise_gradients_are_gemms_on_independently_quantized_operands():

@@ -162,12 +162,7 @@ class Linear(nn.Linear):
     def check_compatible(self) -> None:
         """Shape rules known before seeing data: K for input/weight rows, N for weight columns / grad rows."""
         override = self.recipe.backward_override
-        if override is not None:
-            stateful = [t for t, q in self.quantizers().items() if q.is_stateful]
-            if stateful:
-                raise ValueError(
-                    f"{self.name}: backward_override={override!r} cannot be combined with delayed scaling "
-                    f"({', '.join(stateful)} quantizer); use current scaling (e.g. 'fp8_tensorwise')")
+        self._check_override(override)
         n, k = self.out_features, self.in_features
         self.weight_quantizer.validate((n, k), f"weight of {self.name}", rowwise=True,
                                        columnwise=override is None)
@@ -176,6 +171,14 @@ class Linear(nn.Linear):
         if override is None:
             self.grad_output_quantizer.validate((0, n), f"grad_output of {self.name}", rowwise=True,
                                                 columnwise=False)
+
+    def _check_override(self, override: str | None) -> None:
+        if override is not None:
+            stateful = [t for t, q in self.quantizers().items() if q.is_stateful]
+            if stateful:
+                raise ValueError(
+                    f"{self.name}: backward_override={override!r} cannot be combined with delayed scaling "
+                    f"({', '.join(stateful)} quantizer); use current scaling (e.g. 'fp8_tensorwise')")
 
     def describe_formats(self) -> dict[str, str]:
         return {t: q.describe() for t, q in self.quantizers().items()}
@@ -199,7 +202,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        override = self.recipe.backward_override
+        override = self.recipe.backward_override  # may come from the environment: checked every call
+        self._check_override(override)
         cfg = _LinearConfig(self, override)
         cached = None
         if is_first_microbatch is not None and not isinstance(self.weight, QuantizedTensor):
