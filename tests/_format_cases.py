@@ -1,0 +1,110 @@
+"""Shared format cases and bitwise-comparison helpers for the format tests (not a test module).
+
+Each case is a factory, so every test gets a fresh quantizer (delayed scaling and stochastic rounding
+carry state).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, IdentityQuantizer, MXFP8Quantizer,
+                             NVFP4Quantizer)
+from hybridq.formats._numerics import expand_blocks, expand_tiles, unpack_nibbles
+
+FLT_MAX = torch.finfo(torch.float32).max
+DIRECTIONS = ("rowwise", "columnwise")
+
+
+def _sr(seed: int = 1234) -> NVFP4Quantizer:
+    return NVFP4Quantizer(stochastic_rounding=True, generator=torch.Generator().manual_seed(seed))
+
+
+# id -> factory; every plain format and the options that change its numerics
+FORMATS = {
+    "fp8_e4m3": lambda: Float8Quantizer(),
+    "fp8_e5m2": lambda: Float8Quantizer(fp8="e5m2"),
+    "fp8_e4m3_pow2": lambda: Float8Quantizer(power_2_scale=True),
+    "fp8_e4m3_delayed": lambda: Float8Quantizer(scaling="delayed", amax_history_len=4),
+    "fp8blk_1x128_e4m3": lambda: Float8BlockQuantizer(),
+    "fp8blk_1x128_e5m2": lambda: Float8BlockQuantizer(fp8="e5m2"),
+    "fp8blk_128x128_e4m3": lambda: Float8BlockQuantizer(block_dim=2),
+    "mxfp8_e4m3": lambda: MXFP8Quantizer(),
+    "mxfp8_e5m2": lambda: MXFP8Quantizer(fp8="e5m2"),
+    "mxfp8_32x32_e4m3": lambda: MXFP8Quantizer(block_2d=True),
+    "nvfp4": lambda: NVFP4Quantizer(),
+    "nvfp4_16x16": lambda: NVFP4Quantizer(block_2d=True),
+    "nvfp4_rht": lambda: NVFP4Quantizer(rht=True),
+    "nvfp4_sr": _sr,
+    "identity": lambda: IdentityQuantizer(),
+    "identity_bf16": lambda: IdentityQuantizer(dtype=torch.bfloat16),
+}
+# formats whose output does not depend on earlier calls
+STATELESS = [k for k in FORMATS if k != "fp8_e4m3_delayed"]
+# formats whose columnwise form is, by the contract, the exact transpose of the rowwise form
+TRANSPOSED_2D = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2", "fp8_e4m3_delayed", "fp8blk_128x128_e4m3",
+                 "mxfp8_32x32_e4m3", "nvfp4_16x16"]
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (any dtype), shape [..., element_size * last dim]."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    ba, bb = raw_bytes(a), raw_bytes(b)
+    diff = (ba != bb)
+    if diff.any():
+        n = int(diff.sum())
+        idx = diff.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {n} of {ba.numel()} bytes differ; first at byte index {idx}: "
+                             f"{int(ba[tuple(idx)])} != {int(bb[tuple(idx)])}")
+
+
+def assert_parts_bitwise(p, q, what: str) -> None:
+    """Same part type, geometry, metadata and every tensor field byte for byte."""
+    assert (p is None) == (q is None), f"{what}: one part is None ({p!r} vs {q!r})"
+    if p is None:
+        return
+    assert type(p) is type(q), f"{what}: part types {type(p).__name__} != {type(q).__name__}"
+    assert (p.rows, p.cols, p.columnwise) == (q.rows, q.cols, q.columnwise), \
+        f"{what}: geometry {(p.rows, p.cols, p.columnwise)} != {(q.rows, q.cols, q.columnwise)}"
+    assert p.meta() == q.meta(), f"{what}: metadata {p.meta()} != {q.meta()}"
+    for name, t in p.tensors().items():
+        u = q.tensors()[name]
+        assert (t is None) == (u is None), f"{what}.{name}: one is None"
+        if t is not None:
+            assert_bitwise(t, u, f"{what}.{name}")
+
+
+def element_values(part) -> torch.Tensor:
+    """The stored element values (before scaling) of a part as a 2-D tensor in stored orientation:
+    fp8 data as bytes, NVFP4 as unpacked 4-bit codes, identity as the data."""
+    name = type(part).__name__
+    if name == "NVFP4Part":
+        return unpack_nibbles(part.data)
+    if name == "IdentityPart":
+        return part.data
+    return part.data.view(torch.uint8)
+
+
+def element_scales(part) -> torch.Tensor:
+    """Per-element decode scale of a part (fp32, stored orientation) - what multiplies the element value."""
+    name = type(part).__name__
+    if name == "Float8TensorPart":
+        return part.scale_inv.expand(part.rows, part.cols)
+    if name == "Float8BlockPart":
+        return part.scale_inv_per_element()
+    if name == "MXFP8Part":
+        from hybridq.formats._numerics import e8m0_to_pow2
+        return expand_blocks(e8m0_to_pow2(part.scale), 32, part.cols)
+    if name == "NVFP4Part":
+        return expand_blocks(part.scale.float(), 16, part.cols) * part.amax
+    raise TypeError(name)
+
+
+__all__ = ["FLT_MAX", "FORMATS", "STATELESS", "TRANSPOSED_2D", "DIRECTIONS", "raw_bytes", "assert_bitwise",
+           "assert_parts_bitwise", "element_values", "element_scales", "expand_tiles"]
