@@ -126,7 +126,8 @@ _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Round fp32 to E2M1 (nearest, ties to even, saturating at +-6); 4-bit codes (bit 3 = sign) as uint8.
 
-    NaN maps to +6 (code 7): E2M1 has no NaN; NaN blocks are visible through their scale instead.
+    NaN maps to +6 (code 7): E2M1 has no NaN. A NaN input makes its direction's global amax NaN, so the
+    whole dequantized direction reads NaN.
     """
     a = v.float().abs()
     code = torch.zeros_like(a, dtype=torch.int32)
@@ -144,7 +145,7 @@ def e2m1_codes_stochastic(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     `rand` holds uniform [0, 1) fp32 draws of v's shape. Saturates at 6; NaN -> +6 as in e2m1_codes.
     """
     vals = E2M1_VALUES.to(v.device)
-    a = v.float().abs().clamp(max=6.0)
+    a = v.float().abs().clamp(max=6.0).contiguous()
     lo_code = (torch.searchsorted(vals, a, right=True) - 1).clamp(0, 7)
     hi_code = (lo_code + 1).clamp(max=7)
     lo, hi = vals[lo_code], vals[hi_code]
