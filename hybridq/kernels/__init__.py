@@ -4,9 +4,31 @@ The format modules hold the pure-PyTorch references (the numerics contract). A d
 extension) registers an implementation per quantizer / part type; it is used for tensors on its device
 when its `supports` check accepts the call, and the reference runs otherwise. Either way the call
 signature and the result (bit for bit) are the same.
+
+CUDA: `cuda` registers the kernels of the optional extension `hybridq._C` (loaded on first use with a CUDA
+tensor, see `_ext`); `native_gemm` registers the hardware GEMMs (FP8 tensorwise and blockwise through
+torch's scaled_mm) and the bf16 emulation of the block-scaled formats. `extension_available()` says whether
+the extension is built and loadable.
 """
 
+from . import _ext
 from .registry import (KernelImpl, lookup_dequantize, lookup_quantize, register_dequantize,
                        register_quantize)
 
-__all__ = ["KernelImpl", "register_quantize", "register_dequantize", "lookup_quantize", "lookup_dequantize"]
+
+def extension_available() -> bool:
+    """True when the CUDA extension hybridq._C is built and loadable (loads it)."""
+    return _ext.load()
+
+
+def _register_builtin() -> None:
+    from . import cuda, native_gemm
+
+    cuda.register_all()
+    native_gemm.register_all()
+
+
+_register_builtin()
+
+__all__ = ["KernelImpl", "register_quantize", "register_dequantize", "lookup_quantize", "lookup_dequantize",
+           "extension_available"]

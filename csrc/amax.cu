@@ -1,0 +1,142 @@
+// Global amax reductions: max|x| (per-tensor FP8, NVFP4) and, for NVFP4 with the Hadamard transform,
+// max|x| and max|RHT16(x^T)| in one pass.
+#include "quantize_tile.cuh"
+
+namespace hybridq {
+
+namespace {
+
+int num_sms() {
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (sms <= 0) sms = 132;
+  }
+  return sms;
+}
+
+// max over the |x| bit patterns of one 16-byte vector, as fp32 |x| bits
+template <typename T>
+__device__ __forceinline__ uint32_t absmax_vec(const uint4& r) {
+  if constexpr (sizeof(T) == 4) {
+    return max(max(r.x & kAbsMask, r.y & kAbsMask), max(r.z & kAbsMask, r.w & kAbsMask));
+  } else {
+    // |x| of a 16-bit float as an unsigned half-word is ordered like the value (NaN above inf)
+    const uint32_t m = __vmaxu2(__vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu),
+                                __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
+    return m;  // two packed half-words; converted by finish_absmax
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t finish_absmax(uint32_t m) {
+  if constexpr (sizeof(T) == 4) {
+    return m;
+  } else {
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    return abs_bits(half_bits_to_f32<T>(h));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t block_reduce_max(uint32_t v) {
+  __shared__ uint32_t red[32];
+  v = warp_max(v);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    v = lane < static_cast<int>(blockDim.x >> 5) ? red[lane] : 0u;
+    v = warp_max(v);
+  }
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) absmax_kernel(const T* __restrict__ x, int64_t n, uint32_t* out) {
+  constexpr int CH = 16 / static_cast<int>(sizeof(T));
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gt = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  const int64_t nvec = aligned ? n / CH : 0;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  uint32_t m = 0;  // packed like absmax_vec's result
+  int64_t i = gt;
+  for (; i + 3 * stride < nvec; i += 4 * stride) {
+    uint4 r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) r[u] = __ldg(xv + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if constexpr (sizeof(T) == 4) m = max(m, absmax_vec<T>(r[u]));
+      else m = __vmaxu2(m, absmax_vec<T>(r[u]));
+    }
+  }
+  for (; i < nvec; i += stride) {
+    if constexpr (sizeof(T) == 4) m = max(m, absmax_vec<T>(__ldg(xv + i)));
+    else m = __vmaxu2(m, absmax_vec<T>(__ldg(xv + i)));
+  }
+  uint32_t am = finish_absmax<T>(m);
+  for (int64_t j = nvec * CH + gt; j < n; j += stride) am = max(am, abs_bits(to_f32(x[j])));
+  am = block_reduce_max<T>(am);
+  if (threadIdx.x == 0) atomicMax(out, am);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) rht_amax_kernel(const T* __restrict__ x, int64_t M, int64_t K,
+                                                       uint32_t* row_amax, uint32_t* col_amax) {
+  const int64_t cblocks = (K + 255) / 256, groups = M / 16;
+  uint32_t ra = 0, ca = 0;
+  for (int64_t b = blockIdx.x; b < groups * cblocks; b += gridDim.x) {
+    const int64_t g = b / cblocks, c = (b % cblocks) * 256 + threadIdx.x;
+    if (c < K) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = to_f32(x[(g * 16 + i) * K + c]);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) ra = max(ra, abs_bits(v[i]));
+      if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = round_bf16(v[i]);
+      }
+      rht16_forward(v);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) ca = max(ca, abs_bits(v[i]));
+    }
+  }
+  ra = block_reduce_max<T>(ra);
+  __syncthreads();
+  ca = block_reduce_max<T>(ca);
+  if (threadIdx.x == 0) {
+    atomicMax(row_amax, ra);
+    atomicMax(col_amax, ca);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  HQ_DISPATCH_IN(t, {
+    constexpr int CH = 16 / static_cast<int>(sizeof(T));
+    const int64_t want = (n / CH + 1023) / 1024 + 1;
+    const int blocks = static_cast<int>(min64(want, static_cast<int64_t>(num_sms()) * 8));
+    absmax_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), n, out);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, uint32_t* row_amax,
+                                  uint32_t* col_amax, cudaStream_t stream) {
+  const int64_t work = (M / 16) * ((K + 255) / 256);
+  if (work == 0) return cudaSuccess;
+  HQ_DISPATCH_IN(t, {
+    const int blocks = static_cast<int>(min64(work, static_cast<int64_t>(num_sms()) * 8));
+    rht_amax_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), M, K, row_amax, col_amax);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace hybridq

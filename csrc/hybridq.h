@@ -1,0 +1,72 @@
+// Host-side interface of the hybridq CUDA kernels (plain C++: included by the torch bindings and the .cu files).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+namespace hybridq {
+
+enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Stochastic-rounding stream: torch's PhiloxCudaState, flattened (seed/offset by value, or by pointer while a
+// CUDA graph is captured).
+struct PhiloxArgs {
+  uint64_t seed;
+  uint64_t offset;
+  const int64_t* seed_ptr;
+  const int64_t* offset_ptr;
+  uint64_t offset_intragraph;
+  bool captured;
+};
+
+// One fused quantization of a 2-D [M, K] input into its rowwise ([M, K], blocks along K) and/or columnwise
+// ([K, M] = transposed, blocks along M) parts. Unused pointers are null.
+struct QuantArgs {
+  const void* x;
+  int64_t M, K;
+  bool rowwise, columnwise;
+  uint8_t* row_q;  // fp8 bytes, or packed E2M1 nibbles for NVFP4
+  uint8_t* col_q;
+  void* row_s;  // per-block scales: fp32 scale_inv (FP8 block), E8M0 bytes (MXFP8), E4M3 bytes (NVFP4)
+  void* col_s;
+  // FP8 (all FP8 formats)
+  bool e5m2;
+  float fp8_max;
+  float eps;
+  bool pow2;
+  // per-tensor FP8: scale_in (delayed scaling) or amax_in (current scaling) gives the scale
+  const float* scale_in;
+  const float* amax_in;
+  float* scale_inv_out;
+  uint32_t* amax_out;  // |x| max as fp32 bits (atomicMax), when not null
+  // MXFP8: GEMM-ready swizzled scales (128x4 tiles) instead of compact [rows, cols/32]
+  bool swizzle;
+  int64_t row_s_cols_pad, col_s_cols_pad;
+  // NVFP4: global amaxes (fp32 [1]) of the rowwise input and of the (transformed) columnwise input
+  const float* amax_row;
+  const float* amax_col;
+  bool rht;
+  bool sr;
+  PhiloxArgs philox;
+};
+
+cudaError_t launch_quantize_fp8_tensor(InType t, const QuantArgs& a, cudaStream_t stream);
+cudaError_t launch_quantize_fp8_block(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream);
+cudaError_t launch_quantize_mxfp8(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream);
+cudaError_t launch_quantize_nvfp4(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream);
+
+// max|x| over n elements, as fp32 bits, atomically maxed into *out (which the caller zeroes)
+cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cudaStream_t stream);
+// NVFP4 with RHT: max|x| into *row_amax and max|RHT16(x^T)| into *col_amax in one pass (M % 16 == 0)
+cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, uint32_t* row_amax, uint32_t* col_amax,
+                           cudaStream_t stream);
+
+// Dequantize to fp32 (out_bf16: to bf16). mode 0: per-tensor scale_inv [1]; 1: 1x128 blocks
+// [rows, ceil(cols/128)]; 2: 128x128 tiles [ceil(rows/128), ceil(cols/128)]; 3: MX E8M0 [rows, cols/32]
+cudaError_t launch_dequant_fp8(int mode, const uint8_t* q, const void* scale, int64_t rows, int64_t cols, bool e5m2,
+                        bool out_bf16, void* out, cudaStream_t stream);
+// NVFP4: q * s (* amax / 2688 if apply_global), then the inverse RHT along cols if rht_inverse
+cudaError_t launch_dequant_nvfp4(const uint8_t* q, const uint8_t* s, const float* amax, int64_t rows, int64_t cols,
+                          bool rht_inverse, bool apply_global, bool out_bf16, void* out, cudaStream_t stream);
+
+}  // namespace hybridq

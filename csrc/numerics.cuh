@@ -1,0 +1,271 @@
+// Bit-level numerics of FORMATS.md, shared by every hybridq kernel.
+//
+// Every function here is __host__ __device__ so it can be unit-tested on the host against the pure-PyTorch
+// references (hybridq/formats/_numerics.py), which are the oracle. Build WITHOUT --use_fast_math (IEEE
+// division and no flush-to-zero are part of the contract) and with --fmad=false (no contraction of a
+// multiply into an add).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "hybridq.h"
+
+#define HQ_HD __host__ __device__ __forceinline__
+
+namespace hybridq {
+
+constexpr float kFltMax = 3.402823466e+38f;
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+
+HQ_HD uint32_t f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+HQ_HD float u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+HQ_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+HQ_HD int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+HQ_HD bool is_nan(float f) { return (f2u(f) & kAbsMask) > 0x7F800000u; }
+HQ_HD bool is_inf(float f) { return (f2u(f) & kAbsMask) == 0x7F800000u; }
+
+// |x| as ordered bits: max over these integers is a max|x| that propagates NaN (NaN bits sort above inf),
+// like torch's amax.
+HQ_HD uint32_t abs_bits(float f) { return f2u(f) & kAbsMask; }
+
+// fp32 product with the NaN rules of the CPU reference (x86 SSE/AVX): a NaN operand propagates with its
+// sign; an invalid product (inf * 0) is the default NaN, which is negative. When both operands are NaN
+// (only MXFP8: a NaN element in a NaN block, `x * mult`), torch's vectorized CPU multiply returns the second
+// operand's NaN (its compiler swaps the commutative operands; the scalar tail loop would return the first,
+// but MXFP8 rows have K % 32 == 0, so every element is in the vector body). GPUs return a canonical positive
+// NaN instead; the sign reaches the fp8 byte, so we follow the CPU.
+HQ_HD float mul_ref(float a, float b) {
+  float r = a * b;
+  if (is_nan(r)) {
+    if (is_nan(b)) return u2f(f2u(b) | 0x00400000u);
+    if (is_nan(a)) return u2f(f2u(a) | 0x00400000u);
+    return u2f(0xFFC00000u);
+  }
+  return r;
+}
+
+// ---- input conversion -------------------------------------------------------------------------------
+HQ_HD float to_f32(float v) { return v; }
+HQ_HD float to_f32(__nv_bfloat16 v) {
+  __nv_bfloat16_raw r = v;
+  return u2f(static_cast<uint32_t>(r.x) << 16);  // exact, NaN sign and payload kept (like torch)
+}
+HQ_HD float to_f32(__half v) {
+  __half_raw r = v;
+  const uint32_t h = r.x;
+  if ((h & 0x7FFFu) > 0x7C00u) {  // NaN: keep sign and payload (like torch's CPU conversion)
+    return u2f(((h & 0x8000u) << 16) | 0x7F800000u | ((h & 0x3FFu) << 13));
+  }
+  return __half2float(v);
+}
+
+// fp32 -> bf16 -> fp32, round to nearest even (torch's .to(torch.bfloat16); NaN -> canonical NaN)
+HQ_HD float round_bf16(float v) {
+  if (is_nan(v)) return u2f(0x7FC00000u);
+  uint32_t u = f2u(v);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return u2f(u & 0xFFFF0000u);
+}
+template <typename T>
+HQ_HD float to_bf16_f32(T v) {
+  return round_bf16(to_f32(v));
+}
+template <>
+HQ_HD float to_bf16_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return to_f32(v);
+}
+
+// ---- FP8 --------------------------------------------------------------------------------------------
+// satfinite(v): clamp to +-max finite, then round to nearest even; NaN keeps its sign (0x7F | sign).
+HQ_HD uint8_t fp8_satfinite(float v, bool e5m2) {
+  if (is_nan(v)) return static_cast<uint8_t>(((f2u(v) >> 24) & 0x80u) | 0x7Fu);
+  const float m = e5m2 ? 57344.0f : 448.0f;
+  v = v > m ? m : (v < -m ? -m : v);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3));
+}
+
+// fp8 byte -> fp32 (exact; NaN stays NaN)
+HQ_HD float fp8_to_f32(uint8_t b, bool e5m2) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), e5m2 ? __NV_E5M2 : __NV_E4M3);
+  if ((h.x & 0x7FFFu) > 0x7C00u) return u2f(((h.x & 0x8000u) << 16) | 0x7FC00000u);
+  return __half2float(__half(h));
+}
+
+// FP8 current-scaling rule (scale_from_amax in _numerics.py)
+HQ_HD float scale_from_amax(float amax, float fp8_max, float eps, bool pow2) {
+  if (eps > 0.0f && amax < eps) amax = eps;
+  float scale = fp8_max / amax;
+  if (is_inf(scale)) scale = kFltMax;
+  if (pow2) scale = u2f(f2u(scale) & 0xFF800000u);
+  const bool degenerate = amax == 0.0f || is_inf(amax) || is_nan(amax);
+  return degenerate ? 1.0f : scale;
+}
+
+// ---- E8M0 (MXFP8 scales) ----------------------------------------------------------------------------
+HQ_HD uint8_t e8m0_round_up(float v) {
+  if (is_nan(v)) return 255;
+  if (is_inf(v)) return 254;
+  if (v == 0.0f) return 0;
+  const uint32_t b = f2u(v);
+  const uint32_t e = (b >> 23) & 0xFFu, man = b & 0x7FFFFFu;
+  const bool bump = man != 0 && e != 254 && !(e == 0 && man <= 0x400000u);
+  return static_cast<uint8_t>(e + (bump ? 1u : 0u));
+}
+
+// 2^(e-127) (negate: 2^(127-e)); exact including 2^-127; 255 -> NaN
+HQ_HD float e8m0_pow2(uint8_t e, bool negate) {
+  if (e == 255) return u2f(0x7FC00000u);
+  const int p = negate ? 127 - static_cast<int>(e) : static_cast<int>(e) - 127;
+  if (p == -127) return u2f(0x00400000u);  // 2^-127, subnormal
+  return u2f(static_cast<uint32_t>(p + 127) << 23);
+}
+
+// ---- E2M1 (NVFP4 values) ----------------------------------------------------------------------------
+// nearest, ties to even, saturating at 6; NaN -> +6 (code 7); bit 3 = sign (NaN gets none)
+HQ_HD uint8_t e2m1_code(float v) {
+  const float a = u2f(f2u(v) & kAbsMask);
+  if (is_nan(a)) return 7;
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                        (a > 5.0f);
+  return static_cast<uint8_t>(code | ((f2u(v) >> 28) & 8u));
+}
+
+HQ_HD float e2m1_value(uint32_t code) {
+  // magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; negative zero for code 8
+  const uint32_t c = code & 7u;
+  float mag = c < 4 ? 0.5f * static_cast<float>(c) : (c == 4 ? 2.0f : (c == 5 ? 3.0f : (c == 6 ? 4.0f : 6.0f)));
+  return (code & 8u) ? -mag : mag;
+}
+
+// stochastic rounding: up with probability equal to the position between the two neighbours; u in [0, 1)
+HQ_HD uint8_t e2m1_code_sr(float v, float u) {
+  if (is_nan(v)) return 7;
+  float a = u2f(f2u(v) & kAbsMask);
+  a = a > 6.0f ? 6.0f : a;
+  // largest code whose value is <= a
+  const uint32_t lo = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f) + (a >= 6.0f);
+  const uint32_t hi = lo < 7 ? lo + 1 : 7;
+  const float lv = e2m1_value(lo), hv = e2m1_value(hi);
+  const float frac = hv > lv ? (a - lv) / (hv - lv) : 0.0f;
+  const uint32_t code = u < frac ? hi : lo;
+  return static_cast<uint8_t>(code | ((f2u(v) >> 28) & 8u));
+}
+
+// ---- NVFP4 scales -----------------------------------------------------------------------------------
+HQ_HD float fmin_ref(float a, float b) {  // torch.fmin: a NaN operand yields the other
+  if (is_nan(a)) return b;
+  if (is_nan(b)) return a;
+  return a < b ? a : b;
+}
+
+// S_enc = (448 * 6) / A clamped to FLT_MAX (NaN -> FLT_MAX); 1 when A == 0 or S_enc == 0
+HQ_HD float nvfp4_global_encode(float amax) {
+  float s = fmin_ref(2688.0f / amax, kFltMax);
+  if (amax == 0.0f || s == 0.0f) s = 1.0f;
+  return s;
+}
+
+// s = e4m3_satfinite(min(block_amax * (S_enc * (1/6)), FLT_MAX)), as a byte
+HQ_HD uint8_t nvfp4_block_scale(float blk_amax, float s_enc) {
+  const float sixth = static_cast<float>(1.0 / 6.0);
+  const float v = blk_amax * (s_enc * sixth);
+  return fp8_satfinite(fmin_ref(v, kFltMax), false);
+}
+
+// enc = min(1 / (fp32(s) * S_dec), FLT_MAX), S_dec = 1 / S_enc
+HQ_HD float nvfp4_elem_mult(uint8_t s, float s_enc) {
+  const float s_dec = 1.0f / s_enc;
+  const float enc = 1.0f / (fp8_to_f32(s, false) * s_dec);
+  return fmin_ref(enc, kFltMax);
+}
+
+// ---- 16-point Hadamard transform --------------------------------------------------------------------
+// diag(signs) bits: bit i set = element i is negated. RHT_SIGNS = (1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1)
+constexpr uint32_t kRhtNegMask = (1u << 3) | (1u << 5) | (1u << 6) | (1u << 7) | (1u << 8) | (1u << 9) |
+                                 (1u << 10) | (1u << 12) | (1u << 14) | (1u << 15);
+
+HQ_HD void fwht16(float (&g)[16]) {
+#pragma unroll
+  for (int h = 1; h < 16; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        const float a = g[i], b = g[i + h];
+        g[i] = a + b;
+        g[i + h] = a - b;
+      }
+    }
+  }
+}
+
+// forward: inputs already rounded to bf16 (as fp32); times signs; butterflies; * 0.25; rounded to bf16
+HQ_HD void rht16_forward(float (&g)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if (kRhtNegMask & (1u << i)) g[i] = mul_ref(g[i], -1.0f);
+  fwht16(g);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) g[i] = round_bf16(g[i] * 0.25f);
+}
+
+// inverse (dequantize only): butterflies, * 0.25, * signs, all fp32
+HQ_HD void rht16_inverse(float (&g)[16]) {
+  fwht16(g);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    g[i] = g[i] * 0.25f;
+    if (kRhtNegMask & (1u << i)) g[i] = mul_ref(g[i], -1.0f);
+  }
+}
+
+// ---- Philox4x32-10 (stochastic rounding) ------------------------------------------------------------
+HQ_HD void philox4x32_10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c[0];
+    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c[2];
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+    c[0] = hi1 ^ c[1] ^ k0;
+    c[1] = lo1;
+    c[2] = hi0 ^ c[3] ^ k1;
+    c[3] = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+}
+
+// four uniforms in [0, 1) for elements 4*group .. 4*group+3 of stream `stream`
+HQ_HD void philox_uniform4(uint64_t seed, uint64_t offset, uint32_t stream, uint64_t group, float (&u)[4]) {
+  uint32_t c[4] = {static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32),
+                   static_cast<uint32_t>(offset) + stream, static_cast<uint32_t>(offset >> 32)};
+  philox4x32_10(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) u[i] = static_cast<float>(c[i] >> 8) * (1.0f / 16777216.0f);
+}
+
+}  // namespace hybridq

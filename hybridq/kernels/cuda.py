@@ -1,0 +1,233 @@
+"""CUDA implementations of every quantizer's `quantize_parts` and every part's `dequantize_2d`, registered into
+the kernel registry (they run for CUDA tensors when the extension is built; the references run otherwise).
+
+Each `run` returns the same parts, bit for bit, as the reference would for the same input (stochastic rounding
+aside: it draws from its own Philox stream). Each `supports` returns False for anything it does not handle
+(unknown keyword arguments, quantizer options added after these kernels were written, unsupported dtypes),
+so the reference runs instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..formats import (Float8BlockPart, Float8BlockQuantizer, Float8Quantizer, Float8TensorPart, MXFP8Part,
+                       MXFP8Quantizer, NVFP4Part, NVFP4Quantizer)
+from . import _ext
+from .registry import KernelImpl, register_dequantize, register_quantize
+
+log = logging.getLogger("hybridq")
+
+IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Quantizer options these kernels implement. A field outside this set (an option added later) sends the call
+# to the reference, so a new option can never be silently ignored by a kernel.
+_KNOWN_FIELDS = {
+    Float8Quantizer: {"rowwise", "columnwise", "fp8", "scaling", "amax_epsilon", "power_2_scale", "amax_history_len",
+                      "amax_compute_algo", "margin", "amax_reduction_group"},
+    Float8BlockQuantizer: {"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"},
+    MXFP8Quantizer: {"rowwise", "columnwise", "fp8", "block_2d"},
+    NVFP4Quantizer: {"rowwise", "columnwise", "block_2d", "rht", "stochastic_rounding", "generator"},
+}
+_warned_unknown: set = set()
+
+
+_extra_fields: dict = {}
+
+
+def _known(q) -> bool:
+    extra = _extra_fields.get(type(q))
+    if extra is None:
+        extra = _extra_fields[type(q)] = frozenset({f.name for f in dataclasses.fields(q)} - _KNOWN_FIELDS[type(q)])
+    if extra:
+        key = (type(q), frozenset(extra))
+        if key not in _warned_unknown:
+            _warned_unknown.add(key)
+            log.warning("hybridq.kernels: %s has options %s that the CUDA kernels do not know; using the "
+                        "reference implementation", type(q).__name__, sorted(extra))
+        return False
+    return True
+
+
+def _input_ok(q, x2d: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    return (x2d.is_cuda and x2d.dim() == 2 and x2d.dtype in IN_DTYPES and x2d.numel() > 0 and (rowwise or columnwise)
+            and _known(q) and q.shape_rule(x2d.shape[0], x2d.shape[1], rowwise, columnwise) is None
+            and _ext.available_for(x2d.device))
+
+
+def _ops():
+    return torch.ops.hybridq
+
+
+def _plain_kw(kw: dict, allowed=()) -> bool:
+    """True when the keyword arguments change nothing these kernels do not implement: None values, a whole-tensor
+    `shard` (FSDP sharded quantization of a row shard otherwise), or the names in `allowed`."""
+    for name, v in kw.items():
+        if v is None or name in allowed:
+            continue
+        if name == "shard" and getattr(v, "is_whole", False):
+            continue
+        return False
+    return True
+
+
+# ---- per-tensor FP8 ---------------------------------------------------------------------------------------
+
+def _fp8_supports(q: Float8Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
+    # per-tensor scaling: rows are independent, so a row shard only needs the global amax (`amax`, or `stats`,
+    # the MAX-reduced shard statistics, whose first value is that amax)
+    if q.scaling == "delayed":
+        if not _plain_kw({n: v for n, v in kw.items() if n != "shard"}) or kw.get("shard") is not None:
+            return False
+        if not all(hasattr(q, a) for a in ("scale", "amax_history", "_pending", "update")):
+            return False
+    elif not _plain_kw(kw, ("amax", "stats", "shard")):
+        return False
+    return _input_ok(q, x2d, rowwise, columnwise)
+
+
+def _delayed_begin(q: Float8Quantizer, x2d: torch.Tensor) -> torch.Tensor:
+    """The state logic of Float8Quantizer._delayed_scale before its amax pass (which the kernel fuses)."""
+    if q.scale.device != x2d.device:
+        q.scale = q.scale.to(x2d.device)
+        q.amax_history = q.amax_history.to(x2d.device)
+    if q._pending:
+        q.update()
+    return q.scale
+
+
+def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, shard=None, **_):
+    x = x2d.contiguous()
+    m, k = x.shape
+    if q.scaling == "delayed":
+        scale = _delayed_begin(q, x)
+        row, col, scale_inv, cur = _ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
+                                                              q.power_2_scale, rowwise, columnwise, True)
+        q.amax_history[:1] = torch.maximum(q.amax_history[:1], cur)
+        q._pending = True
+    else:
+        if amax is None and stats is not None:
+            amax = stats.reshape(-1)[0]
+        if amax is not None:
+            amax = amax.to(device=x.device, dtype=torch.float32).reshape(1)
+        row, col, scale_inv, _ = _ops().fp8_tensor_quantize(x, q.dtype, None, amax, q.amax_epsilon, q.power_2_scale,
+                                                            rowwise, columnwise, False)
+    r = Float8TensorPart(rows=m, cols=k, columnwise=False, data=row, scale_inv=scale_inv) if rowwise else None
+    c = Float8TensorPart(rows=k, cols=m, columnwise=True, data=col, scale_inv=scale_inv) if columnwise else None
+    return r, c
+
+
+# ---- FP8 block ----------------------------------------------------------------------------------------------
+
+def _block_supports(q, x2d, rowwise, columnwise, **kw) -> bool:
+    return _plain_kw(kw) and _input_ok(q, x2d, rowwise, columnwise)
+
+
+def _block_run(q: Float8BlockQuantizer, x2d, rowwise, columnwise, **_):
+    x = x2d.contiguous()
+    m, k = x.shape
+    row, rs, col, cs = _ops().fp8_block_quantize(x, q.dtype, q.block_dim, q.amax_epsilon, q.power_2_scale, rowwise,
+                                                 columnwise)
+    r = Float8BlockPart(rows=m, cols=k, columnwise=False, data=row, scale_inv=rs, block_dim=q.block_dim) \
+        if rowwise else None
+    c = Float8BlockPart(rows=k, cols=m, columnwise=True, data=col, scale_inv=cs, block_dim=q.block_dim) \
+        if columnwise else None
+    return r, c
+
+
+# ---- MXFP8 ----------------------------------------------------------------------------------------------------
+
+def _mx_run(q: MXFP8Quantizer, x2d, rowwise, columnwise, **_):
+    x = x2d.contiguous()
+    m, k = x.shape
+    row, rs, col, cs = _ops().mxfp8_quantize(x, q.dtype, q.block_2d, rowwise, columnwise, False)
+    r = MXFP8Part(rows=m, cols=k, columnwise=False, data=row, scale=rs) if rowwise else None
+    c = MXFP8Part(rows=k, cols=m, columnwise=True, data=col, scale=cs) if columnwise else None
+    return r, c
+
+
+def mxfp8_quantize(x2d: torch.Tensor, fp8=torch.float8_e4m3fn, *, block_2d=False, rowwise=True, columnwise=False,
+                   swizzle=False):
+    """Direct access to the MXFP8 kernel: (rowwise, scales, columnwise, scales) with the scales compact or, with
+    swizzle=True, in the GEMM-ready layout of `swizzle_mx_scales` (flat uint8)."""
+    return _ops().mxfp8_quantize(x2d.contiguous(), fp8, block_2d, rowwise, columnwise, swizzle)
+
+
+# ---- NVFP4 ----------------------------------------------------------------------------------------------------
+
+def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
+    if not _plain_kw(kw):
+        return False
+    g = q.generator
+    if q.stochastic_rounding and g is not None:
+        if g.device.type != "cuda" or (g.device.index is not None and g.device.index != x2d.device.index):
+            return False
+    return _input_ok(q, x2d, rowwise, columnwise)
+
+
+def _nvfp4_run(q: NVFP4Quantizer, x2d, rowwise, columnwise, **_):
+    x = x2d.contiguous()
+    m, k = x.shape
+    rht = q.rht and not q.block_2d
+    row, rs, ra, col, cs, ca = _ops().nvfp4_quantize(x, q.block_2d, rht, q.stochastic_rounding,
+                                                     q.generator if q.stochastic_rounding else None, rowwise,
+                                                     columnwise)
+    r = NVFP4Part(rows=m, cols=k, columnwise=False, data=row, scale=rs, amax=ra, rht=False) if rowwise else None
+    c = NVFP4Part(rows=k, cols=m, columnwise=True, data=col, scale=cs, amax=ca, rht=rht) if columnwise else None
+    return r, c
+
+
+# ---- dequantize -------------------------------------------------------------------------------------------------
+
+def _part_ok(part, fields) -> bool:
+    ts = [getattr(part, f) for f in fields]
+    return (all(t is not None and t.is_cuda and t.is_contiguous() for t in ts)
+            and _ext.available_for(part.device))
+
+
+def _fp8_part_supports(part, undo_transform) -> bool:
+    return part.data.dtype in FP8_DTYPES and part.data.dim() == 2 and part.scale_inv.dtype == torch.float32 and \
+        _part_ok(part, ("data", "scale_inv"))
+
+
+def _deq_tensor(part: Float8TensorPart, undo_transform=True):
+    return _ops().dequantize_fp8(part.data, part.scale_inv, 0, torch.float32)
+
+
+def _deq_block(part: Float8BlockPart, undo_transform=True):
+    return _ops().dequantize_fp8(part.data, part.scale_inv, 2 if part.block_dim == 2 else 1, torch.float32)
+
+
+def _mx_part_supports(part, undo_transform) -> bool:
+    return (part.data.dtype in FP8_DTYPES and part.data.dim() == 2 and part.scale.dtype == torch.uint8
+            and tuple(part.scale.shape) == (part.rows, part.cols // 32) and _part_ok(part, ("data", "scale")))
+
+
+def _deq_mx(part: MXFP8Part, undo_transform=True):
+    return _ops().dequantize_fp8(part.data, part.scale, 3, torch.float32)
+
+
+def _nvfp4_part_supports(part, undo_transform) -> bool:
+    return (part.data.dtype == torch.uint8 and part.data.dim() == 2 and part.scale.element_size() == 1
+            and part.amax.dtype == torch.float32 and part.amax.numel() == 1
+            and _part_ok(part, ("data", "scale", "amax")))
+
+
+def _deq_nvfp4(part: NVFP4Part, undo_transform=True):
+    return _ops().dequantize_nvfp4(part.data, part.scale, part.amax, bool(part.rht and undo_transform), True,
+                                   torch.float32)
+
+
+def register_all() -> None:
+    register_quantize(Float8Quantizer, KernelImpl("cuda-fp8-tensor", "cuda", _fp8_run, _fp8_supports))
+    register_quantize(Float8BlockQuantizer, KernelImpl("cuda-fp8-block", "cuda", _block_run, _block_supports))
+    register_quantize(MXFP8Quantizer, KernelImpl("cuda-mxfp8", "cuda", _mx_run, _block_supports))
+    register_quantize(NVFP4Quantizer, KernelImpl("cuda-nvfp4", "cuda", _nvfp4_run, _nvfp4_supports))
+    register_dequantize(Float8TensorPart, KernelImpl("cuda-fp8-tensor", "cuda", _deq_tensor, _fp8_part_supports))
+    register_dequantize(Float8BlockPart, KernelImpl("cuda-fp8-block", "cuda", _deq_block, _fp8_part_supports))
+    register_dequantize(MXFP8Part, KernelImpl("cuda-mxfp8", "cuda", _deq_mx, _mx_part_supports))
+    register_dequantize(NVFP4Part, KernelImpl("cuda-nvfp4", "cuda", _deq_nvfp4, _nvfp4_part_supports))

@@ -1,0 +1,81 @@
+"""Fake (meta) implementations of the `torch.ops.hybridq.*` CUDA ops, so that they trace under FakeTensorMode
+and torch.compile. Imported by `_ext.load()` once the extension has registered the ops.
+
+Op reference (all inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
+- fp8_tensor_quantize(x, dtype, scale?, amax?, eps, pow2, rowwise, columnwise, want_amax)
+    -> (rowwise [M, K] fp8, columnwise [K, M] fp8, scale_inv [1], amax [1] | [0])
+- fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise)
+    -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv)
+- mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle) -> (rowwise, E8M0 scales, columnwise, scales)
+- nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise)
+    -> (row data [M, K/2], row scales [M, K/16] e4m3, row amax [1], col data [K, M/2], col scales, col amax)
+- amax(x) -> [1]; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
+  apply_global, out_dtype)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import register_fake
+
+_F32 = torch.float32
+
+
+def _or0(x, shape, dtype, on):
+    return x.new_empty(shape if on else (0,), dtype=dtype)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@register_fake("hybridq::fp8_tensor_quantize")
+def _fp8_tensor_quantize(x, dtype, scale, amax, eps, pow2, rowwise, columnwise, want_amax):
+    m, k = x.shape
+    return (_or0(x, (m, k), dtype, rowwise), _or0(x, (k, m), dtype, columnwise), x.new_empty((1,), dtype=_F32),
+            _or0(x, (1,), _F32, scale is None or want_amax))
+
+
+@register_fake("hybridq::fp8_block_quantize")
+def _fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise):
+    m, k = x.shape
+    bm, bk = _cdiv(m, 128), _cdiv(k, 128)
+    rs, cs = ((m, bk), (k, bm)) if block_dim == 1 else ((bm, bk), (bk, bm))
+    return (_or0(x, (m, k), dtype, rowwise), _or0(x, rs, _F32, rowwise), _or0(x, (k, m), dtype, columnwise),
+            _or0(x, cs, _F32, columnwise))
+
+
+@register_fake("hybridq::mxfp8_quantize")
+def _mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle):
+    m, k = x.shape
+    if swizzle:
+        rs = (_cdiv(m, 128) * 128 * _cdiv(k // 32, 4) * 4,)
+        cs = (_cdiv(k, 128) * 128 * _cdiv(m // 32, 4) * 4,)
+    else:
+        rs, cs = (m, k // 32), (k, m // 32)
+    return (_or0(x, (m, k), dtype, rowwise), _or0(x, rs, torch.uint8, rowwise), _or0(x, (k, m), dtype, columnwise),
+            _or0(x, cs, torch.uint8, columnwise))
+
+
+@register_fake("hybridq::nvfp4_quantize")
+def _nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator, rowwise, columnwise):
+    m, k = x.shape
+    e4 = torch.float8_e4m3fn
+    return (_or0(x, (m, k // 2), torch.uint8, rowwise), _or0(x, (m, k // 16), e4, rowwise), _or0(x, (1,), _F32, rowwise),
+            _or0(x, (k, m // 2), torch.uint8, columnwise), _or0(x, (k, m // 16), e4, columnwise),
+            _or0(x, (1,), _F32, columnwise))
+
+
+@register_fake("hybridq::amax")
+def _amax(x):
+    return x.new_empty((1,), dtype=_F32)
+
+
+@register_fake("hybridq::dequantize_fp8")
+def _dequantize_fp8(data, scale, mode, out_dtype):
+    return data.new_empty(data.shape, dtype=out_dtype)
+
+
+@register_fake("hybridq::dequantize_nvfp4")
+def _dequantize_nvfp4(data, scale, amax, rht_inverse, apply_global, out_dtype):
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=out_dtype)

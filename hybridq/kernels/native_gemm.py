@@ -1,0 +1,215 @@
+"""Hardware GEMMs for pairs of quantized parts on CUDA, registered through `hybridq.gemm.register_native_gemm`.
+
+- Float8TensorPart x Float8TensorPart (sm_89+): `torch._scaled_mm` (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3).
+  Both parts are stored `[rows, K]` row-major, so `b.data.t()` is the column-major operand cuBLAS wants.
+  The forward GEMM (rowwise x rowwise) uses fast accumulation (`FAST_ACCUM_FPROP`), the backward ones do not.
+- Float8BlockPart 1x128 x 128x128 and 1x128 x 1x128 (sm_90): `torch.nn.functional.scaled_mm` with
+  BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
+- MXFP8 / NVFP4 on sm_90 have no hardware GEMM (cuBLAS refuses them there): they are emulated, and on CUDA
+  the emulation multiplies in bf16 (fp32 accumulation) where the operands dequantize exactly to bf16
+  (MXFP8; NVFP4 codes times their block scale, the global scales applied to the fp32 product; bf16 identity
+  parts), else in fp32 like the CPU path. See `exact_bf16_operand`.
+Shapes the hardware cannot take fall back to the emulated GEMM with a one-time warning naming the operands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import torch
+
+from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part
+from ..gemm import register_native_gemm
+from . import _ext
+
+log = logging.getLogger("hybridq")
+
+FAST_ACCUM_FPROP = True
+_enabled = {"on": True}
+_warned: set = set()
+_failed: set = set()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within this context every GEMM registered here declines, so the generic emulated path runs (tests)."""
+    prev = _enabled["on"]
+    _enabled["on"] = False
+    try:
+        yield
+    finally:
+        _enabled["on"] = prev
+
+
+def _warn_once(key, msg: str) -> None:
+    if key in _warned:
+        return
+    _warned.add(key)
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def _cap(t: torch.Tensor) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(t.device)
+
+
+def _shapes(a, b) -> str:
+    return f"[{a.rows}, {a.cols}] x [{b.rows}, {b.cols}]^T"
+
+
+def _on_cuda(a, b) -> bool:
+    return _enabled["on"] and a.device.type == "cuda" and b.device.type == "cuda" and a.device == b.device
+
+
+# ---- FP8 tensorwise ----------------------------------------------------------------------------------------
+
+def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
+    if not _on_cuda(a, b) or _cap(a.data) < (8, 9):
+        return False
+    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
+        return False  # cuBLAS has no E5M2 x E5M2
+    if a.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.data.dtype not in (
+            torch.float8_e4m3fn, torch.float8_e5m2):
+        return False
+    if a.cols % 16 or b.rows % 16 or a.rows % 16:
+        _warn_once(("fp8", a.rows, a.cols, b.rows), f"hybridq: FP8 GEMM {_shapes(a, b)}: dimensions not divisible "
+                   f"by 16 (the FP8 tensor cores need them); using the emulated GEMM")
+        return False
+    return a.data.is_contiguous() and b.data.is_contiguous()
+
+
+def _fp8_tensor_run(a: Float8TensorPart, b: Float8TensorPart, out_dtype: torch.dtype) -> torch.Tensor:
+    fast = FAST_ACCUM_FPROP and not a.columnwise and not b.columnwise
+    od = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    y = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv.reshape(()), scale_b=b.scale_inv.reshape(()),
+                         out_dtype=od, use_fast_accum=fast)
+    return y if od == out_dtype else y.to(out_dtype)
+
+
+# ---- FP8 block (1x128 x 128x128, 1x128 x 1x128) ------------------------------------------------------------
+
+def _block_supports(a: Float8BlockPart, b: Float8BlockPart) -> bool:
+    if not _on_cuda(a, b) or _cap(a.data) != (9, 0):
+        return False
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    if a.block_dim != 1 or a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+        return False
+    key = ("block", a.rows, a.cols, b.rows, b.block_dim)
+    if key in _failed:
+        return False
+    if a.cols % 128 or a.rows % 16 or b.rows % 16:
+        _warn_once(key, f"hybridq: FP8 block GEMM {_shapes(a, b)}: needs K % 128 == 0 and M, N % 16 == 0; "
+                   f"using the emulated GEMM")
+        return False
+    return a.data.is_contiguous() and b.data.is_contiguous()
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """[rows, kb] scales with stride (1, rows): the outer-dim-major layout cuBLAS wants for 1x128 scales."""
+    return s.t().contiguous().t()
+
+
+def _block_run(a: Float8BlockPart, b: Float8BlockPart, out_dtype: torch.dtype) -> torch.Tensor:
+    F = torch.nn.functional
+    sa = _outer_major(a.scale_inv)
+    if b.block_dim == 2:
+        sb = b.scale_inv  # [ceil(N/128), K/128]
+        pad = -sb.shape[1] % 4
+        if pad:
+            sb = F.pad(sb, (0, pad))
+        sb, rb = sb.t(), F.ScalingType.BlockWise128x128
+    else:
+        sb, rb = _outer_major(b.scale_inv), F.ScalingType.BlockWise1x128  # [N, K/128], outer-dim-major
+    od = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    try:
+        y = F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, rb, output_dtype=od)
+    except RuntimeError as e:
+        key = ("block", a.rows, a.cols, b.rows, b.block_dim)
+        _failed.add(key)
+        _warn_once(key, f"hybridq: FP8 block GEMM {_shapes(a, b)} failed in torch ({e}); using the emulated GEMM")
+        return _emulated_fp32(a, b, out_dtype)
+    return y if od == out_dtype else y.to(out_dtype)
+
+
+def _emulated_fp32(a, b, out_dtype):
+    return (a.dequantize_2d() @ b.dequantize_2d().t()).to(out_dtype)
+
+
+# ---- emulation in bf16 where the operands are exactly bf16 ------------------------------------------------
+
+def exact_bf16_operand(p, keep_transform: bool):
+    """(bf16 matrix, fp32 post-scale or None) with matrix * post_scale == p.dequantize_2d(), or None.
+
+    Exact: MXFP8 values are fp8 values times a power of two (bf16 holds them; only magnitudes below 2^-126,
+    i.e. blocks whose amax is under ~2^-117, land in bf16 subnormals); NVFP4 codes times their E4M3 block
+    scale have at most 6 significant bits, and the global factor amax/2688 is returned separately; identity
+    parts holding bf16. Anything else (FP8 per-tensor / block scales, an inverse Hadamard transform) is not
+    exactly bf16 and returns None.
+    """
+    ops = torch.ops.hybridq
+    if isinstance(p, MXFP8Part):
+        if p.scale.dtype != torch.uint8 or tuple(p.scale.shape) != (p.rows, p.cols // 32):
+            return None
+        return ops.dequantize_fp8(p.data, p.scale, 3, torch.bfloat16), None
+    if isinstance(p, NVFP4Part):
+        if p.rht and not keep_transform:
+            return None
+        return ops.dequantize_nvfp4(p.data, p.scale, p.amax, False, False, torch.bfloat16), p.amax / 2688.0
+    if isinstance(p, IdentityPart) and p.data.dtype == torch.bfloat16 and p.data.dim() == 2:
+        return (p.data.t() if p.columnwise else p.data), None
+    return None
+
+
+def _bf16_supports(a, b) -> bool:
+    if not _on_cuda(a, b):
+        return False
+    if isinstance(a, IdentityPart) and isinstance(b, IdentityPart):
+        return a.data.dtype == torch.bfloat16 and b.data.dtype == torch.bfloat16
+    if not _ext.available_for(a.device):
+        return False
+    same = a.transform is not None and a.transform == b.transform
+    for p in (a, b):
+        if isinstance(p, NVFP4Part) and p.rht and not same:
+            return False
+    return True
+
+
+def _bf16_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    same = a.transform is not None and a.transform == b.transform
+    ea, eb = exact_bf16_operand(a, same), exact_bf16_operand(b, same)
+    if ea is None or eb is None:
+        return _emulated_fp32(a, b, out_dtype)
+    (ma, sa), (mb, sb) = ea, eb
+    if sa is None and sb is None:
+        return torch.mm(ma, mb.t()).to(out_dtype)
+    y = _mm_fp32_out(ma, mb.t())
+    for s in (sa, sb):
+        if s is not None:
+            y = y * s
+    return y.to(out_dtype)
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 x bf16 with fp32 accumulation and an fp32 result (no rounding to bf16 before the post-scales)."""
+    if _mm_out_dtype["ok"]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            _mm_out_dtype["ok"] = False
+    return torch.mm(a.float(), b.float())
+
+
+_mm_out_dtype = {"ok": True}
+
+
+def register_all() -> None:
+    register_native_gemm(Float8TensorPart, Float8TensorPart, "cuda-scaled-mm-tensorwise", _fp8_tensor_run,
+                         _fp8_tensor_supports)
+    register_native_gemm(Float8BlockPart, Float8BlockPart, "cuda-scaled-mm-blockwise", _block_run, _block_supports)
+    for ta in (MXFP8Part, NVFP4Part):
+        for tb in (MXFP8Part, NVFP4Part):
+            register_native_gemm(ta, tb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
+    register_native_gemm(IdentityPart, IdentityPart, "cuda-bf16", _bf16_run, _bf16_supports)

@@ -1,0 +1,170 @@
+"""Quantize-kernel benchmark: each quantizer at 8192^2 and 16384^2 bf16 inputs, rowwise + columnwise in one call.
+
+For every case it reports the time of the CUDA kernel path (`quantizer.quantize_parts`, Python dispatch
+included), of the eager PyTorch reference and of `torch.compile` of the reference, and the achieved bandwidth
+(bytes read + bytes written, counting the input once and every output once) as a fraction of the device's
+copy bandwidth measured in the same run.
+
+    python launch/bench_kernels.py                 # everything (torch.compile: a few minutes of compiling)
+    python launch/bench_kernels.py --no-compile    # skip torch.compile
+    python launch/bench_kernels.py --sizes 8192 --cases fp8_tensorwise,mxfp8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hybridq.formats import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+
+CASES = {
+    # name: (factory, rowwise, columnwise, note)
+    "fp8_tensorwise": (lambda: Float8Quantizer(), True, True, "amax pass + fused cast/transpose"),
+    "fp8_tensorwise_row": (lambda: Float8Quantizer(), True, False, "amax pass + cast"),
+    "fp8_delayed": (lambda: Float8Quantizer(scaling="delayed"), True, True, "one pass (amax fused)"),
+    "fp8_block_1x128": (lambda: Float8BlockQuantizer(), True, True, ""),
+    "fp8_block_128x128": (lambda: Float8BlockQuantizer(block_dim=2), True, True, ""),
+    "mxfp8": (lambda: MXFP8Quantizer(), True, True, ""),
+    "mxfp8_32x32": (lambda: MXFP8Quantizer(block_2d=True), True, True, ""),
+    "nvfp4": (lambda: NVFP4Quantizer(), True, True, "amax pass + fused cast"),
+    "nvfp4_16x16": (lambda: NVFP4Quantizer(block_2d=True), True, True, "amax pass + fused cast"),
+    "nvfp4_rht": (lambda: NVFP4Quantizer(rht=True), True, True, "amax(+RHT) pass + fused cast"),
+    "nvfp4_rht_sr": (lambda: NVFP4Quantizer(rht=True, stochastic_rounding=True), True, True, "as nvfp4_rht, SR"),
+}
+COMPILE_CASES = ("fp8_tensorwise", "fp8_block_1x128", "mxfp8", "nvfp4_rht")
+
+
+def bench(fn, warmup: int = 3, iters: int = 20, inner: int = 5) -> float:
+    """Milliseconds per call of fn(): median over `iters` samples of `inner` back-to-back calls (CUDA events),
+    so host-side dispatch overlaps with the previous call's kernels as in a training step."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / inner)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def raw_op(q, x, r, c):
+    """The CUDA op alone (no Python dispatch, no delayed-scaling state update), or None."""
+    ops = torch.ops.hybridq
+    if isinstance(q, Float8Quantizer):
+        if q.scaling == "delayed":
+            s = torch.ones(1, device=x.device)
+            return lambda: ops.fp8_tensor_quantize(x, q.dtype, s, None, 0.0, False, r, c, True)
+        return lambda: ops.fp8_tensor_quantize(x, q.dtype, None, None, 0.0, False, r, c, False)
+    if isinstance(q, Float8BlockQuantizer):
+        return lambda: ops.fp8_block_quantize(x, q.dtype, q.block_dim, 0.0, q.power_2_scale, r, c)
+    if isinstance(q, MXFP8Quantizer):
+        return lambda: ops.mxfp8_quantize(x, q.dtype, q.block_2d, r, c, False)
+    if isinstance(q, NVFP4Quantizer):
+        return lambda: ops.nvfp4_quantize(x, q.block_2d, q.rht, q.stochastic_rounding, None, r, c)
+    return None
+
+
+def out_bytes(parts) -> int:
+    return sum(p.nbytes() for p in parts if p is not None)
+
+
+def tensors_of(parts):
+    return [t for p in parts if p is not None for t in p.tensors().values() if t is not None]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8192,16384")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-cases", default=",".join(COMPILE_CASES))
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from hybridq.kernels import extension_available
+    if not extension_available():
+        raise SystemExit("the hybridq CUDA extension is not built (python setup.py build_ext --inplace)")
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"device: {dev}; torch {torch.__version__}; copy bandwidth (read+write) {bw / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    sizes = [int(s) for s in args.sizes.split(",")]
+    compile_cases = set(args.compile_cases.split(",")) if not args.no_compile else set()
+    for n in sizes:
+        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        for name in args.cases.split(","):
+            factory, r, c, note = CASES[name]
+            q = factory()
+            parts = q.quantize_parts(x, r, c)
+            nbytes = x.numel() * x.element_size() + out_bytes(parts)
+            del parts
+            t_k = bench(lambda: q.quantize_parts(x, r, c), iters=args.iters)
+            row = {"case": name, "n": n, "bytes": nbytes, "kernel_ms": t_k, "kernel_frac": nbytes / (t_k * 1e-3) / bw,
+                   "note": note}
+            op = raw_op(q, x, r, c)
+            if op is not None:
+                t_o = bench(op, iters=args.iters)
+                row.update(op_ms=t_o, op_frac=nbytes / (t_o * 1e-3) / bw)
+            if not args.no_reference:
+                qr = factory()
+                try:
+                    t_r = bench(lambda: qr.reference_parts(x, r, c), warmup=1, iters=max(3, args.iters // 4), inner=1)
+                    row.update(ref_ms=t_r, ref_frac=nbytes / (t_r * 1e-3) / bw)
+                except torch.OutOfMemoryError:
+                    row.update(ref_ms=None)
+                torch.cuda.empty_cache()
+            if name in compile_cases:
+                qc = factory()
+                fn = torch.compile(lambda t: tensors_of(qc.reference_parts(t, r, c)), dynamic=False)
+                try:
+                    t0 = time.time()
+                    fn(x)
+                    row["compile_s"] = time.time() - t0
+                    t_c = bench(lambda: fn(x), iters=args.iters)
+                    row.update(compiled_ms=t_c, compiled_frac=nbytes / (t_c * 1e-3) / bw)
+                except Exception as e:  # noqa: BLE001  (report, keep going)
+                    row["compiled_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+    def f(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
+    print(f"\n| case | size | MB moved | op ms | op % of copy BW | quantize_parts ms | % | eager ref ms | eager % | "
+          f"compiled ms | compiled % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['n']}^2 | {r['bytes'] / 1e6:.0f} | {f(r.get('op_ms'), '{:.3f}')} | "
+              f"{f(r.get('op_frac') and 100 * r['op_frac'], '{:.0f}%')} | {r['kernel_ms']:.3f} | {100 * r['kernel_frac']:.0f}% | "
+              f"{f(r.get('ref_ms'), '{:.2f}')} | {f(r.get('ref_frac') and 100 * r['ref_frac'], '{:.0f}%')} | "
+              f"{f(r.get('compiled_ms'), '{:.3f}')} | "
+              f"{f(r.get('compiled_frac') and 100 * r['compiled_frac'], '{:.0f}%')} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": dev, "torch": torch.__version__, "copy_bw": bw, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,431 @@
+"""CUDA kernels == the pure-PyTorch references (run on the CPU), bit for bit: data, scales, amaxes.
+
+Runs on a CUDA machine with the extension built (`pip install --no-build-isolation -e .` or
+`python setup.py build_ext --inplace`); skipped otherwise. Inputs are fresh random tensors on every run (the
+seed is printed on failure) plus fixed edge cases: zeros, powers of two at block maxima, saturation,
+subnormals, inf / NaN (both signs), partial blocks, and shapes that are not multiples of 128.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from hybridq.formats import (Float8BlockPart, Float8BlockQuantizer, Float8Quantizer, Float8TensorPart, MXFP8Part,
+                             MXFP8Quantizer, NVFP4Part, NVFP4Quantizer, swizzle_mx_scales)
+from hybridq.formats._numerics import (E2M1_VALUES, e2m1_decode, expand_blocks, rht16, unpack_nibbles)
+from hybridq.formats.nvfp4 import element_multiplier, global_encode_scale
+
+HAVE_CUDA = torch.cuda.is_available()
+
+
+def _ext_ok() -> bool:
+    if not HAVE_CUDA:
+        return False
+    from hybridq.kernels import extension_available
+    return extension_available()
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device"),
+              pytest.mark.skipif(HAVE_CUDA and not _ext_ok(), reason="the hybridq CUDA extension is not built")]
+
+SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32 if t.element_size() == 4 else
+                                                                      torch.int16)
+
+
+def assert_bitwise(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    got = got.cpu()
+    assert got.dtype == ref.dtype, f"{what}: dtype {got.dtype} != {ref.dtype} (seed {SEED})"
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)} (seed {SEED})"
+    if got.dtype == torch.float32:
+        gn, rn = torch.isnan(got), torch.isnan(ref)  # NaN payloads are not part of the contract
+        assert torch.equal(gn, rn), f"{what}: NaN positions differ (seed {SEED})"
+        got, ref = got.masked_fill(gn, 0), ref.masked_fill(rn, 0)
+    bg, br = _bits(got), _bits(ref)
+    bad = (bg != br).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {bg.numel()} elements differ (seed {SEED}); first at "
+                              f"{bad[0].tolist()}: got {got[tuple(bad[0])].item()!r} ({bg[tuple(bad[0])].item()}), "
+                              f"want {ref[tuple(bad[0])].item()!r} ({br[tuple(bad[0])].item()})")
+
+
+def assert_parts_equal(got, ref, what: str) -> None:
+    assert (got is None) == (ref is None), f"{what}: one side is None"
+    if got is None:
+        return
+    assert type(got) is type(ref), f"{what}: {type(got).__name__} vs {type(ref).__name__}"
+    assert (got.rows, got.cols, got.columnwise, got.meta()) == (ref.rows, ref.cols, ref.columnwise, ref.meta()), what
+    for name, t in ref.tensors().items():
+        assert_bitwise(getattr(got, name), t, f"{what}.{name}")
+
+
+def uses_kernel(q, x, rowwise, columnwise, **kw) -> bool:
+    from hybridq.kernels import lookup_quantize
+    return lookup_quantize(q, x, rowwise, columnwise, **kw) is not None
+
+
+def check_quantizer(factory, x: torch.Tensor, rowwise=True, columnwise=True, what="", **kw):
+    """Quantize x on the GPU (kernel) and on the CPU (reference) with two fresh quantizers; compare."""
+    q_gpu, q_ref = factory(), factory()
+    xg = x.cuda()
+    assert uses_kernel(q_gpu, xg, rowwise, columnwise, **kw), f"{what}: the CUDA kernel declined"
+    got = q_gpu.quantize_parts(xg, rowwise, columnwise, **kw)
+    ref = q_ref.reference_parts(x.cpu(), rowwise, columnwise, **{k: v.cpu() for k, v in kw.items()})
+    for d, g, r in zip(("rowwise", "columnwise"), got, ref):
+        assert_parts_equal(g, r, f"{what} {d}")
+    return got
+
+
+def rand_input(m: int, k: int, dtype: torch.dtype, gen: torch.Generator, kind: str = "wide") -> torch.Tensor:
+    """Random [m, k]; 'wide': magnitudes varying by 2^±12 across rows and 32-column groups (many scales)."""
+    x = torch.randn(m, k, generator=gen)
+    if kind == "wide":
+        rs = torch.exp2(torch.randint(-12, 12, (m, 1), generator=gen).float())
+        cs = torch.exp2(torch.randint(-6, 6, (1, -(-k // 32)), generator=gen).float()).repeat_interleave(32, 1)[:, :k]
+        x = x * rs * cs
+        if dtype == torch.float16:
+            x = x.clamp(-6e4, 6e4)
+    return x.to(dtype)
+
+
+def edge_input(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random data with special values sprinkled in: zero rows/blocks, powers of two at block maxima,
+    values that saturate, subnormals, +-inf, +-NaN (including a negative NaN bit pattern)."""
+    x = torch.randn(m, k, generator=gen)
+    fin = torch.finfo(dtype)
+    specials = [0.0, -0.0, 448.0, -448.0, 57344.0, 2.0 ** -9, 2.0 ** -16, 6.0, -6.0, 1.0, 2.0, 0.25, 0.75,
+                fin.max, -fin.max, fin.tiny, fin.tiny / 4, float("inf"), float("-inf"), float("nan"), 1e-30, 3e38]
+    s = torch.tensor(specials).to(dtype)
+    n = max(1, m * k // 50)
+    idx = torch.randint(0, m * k, (n,), generator=gen)
+    pick = torch.randint(0, len(specials), (n,), generator=gen)
+    flat = x.to(dtype).reshape(-1).clone()
+    flat[idx] = s[pick]
+    x = flat.reshape(m, k)
+    if m >= 2 and k >= 2:
+        x[0, :] = 0  # a zero row
+        x[: min(m, 40), : min(k, 40)] = 0  # zero blocks in both directions
+        x[1, 0] = 2.0 ** 5  # a power of two at a block maximum
+    if m * k > 64:  # a negative NaN bit pattern
+        nan_bits = {torch.float32: -4194304, torch.bfloat16: -64, torch.float16: -512}[dtype]
+        v = x.reshape(-1).view(torch.int32 if dtype == torch.float32 else torch.int16)
+        v[m * k // 2] = nan_bits
+    return x
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(SEED)
+
+
+# ---- per-tensor FP8 -------------------------------------------------------------------------------------------
+
+FP8_SHAPES = [(1, 1), (7, 13), (128, 128), (200, 136), (257, 520), (1000, 264), (33, 4096)]
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("opts", [{}, {"power_2_scale": True}, {"amax_epsilon": 1e-3}], ids=["plain", "pow2", "eps"])
+def test_fp8_tensor_current(dtype, fp8, opts, gen):
+    for m, k in FP8_SHAPES:
+        for kind in ("wide", "randn", "edge"):
+            x = edge_input(m, k, dtype, gen) if kind == "edge" else rand_input(m, k, dtype, gen, kind)
+            for r, c in ((True, True), (True, False), (False, True)):
+                check_quantizer(lambda: Float8Quantizer(fp8, **opts), x, r, c, what=f"fp8 {fp8} {m}x{k} {kind} {r}{c}")
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+def test_fp8_tensor_amax_override(dtype, gen):
+    x = rand_input(300, 260, dtype, gen)
+    for amax in (torch.tensor(3.5), torch.tensor([0.0]), torch.tensor([float("inf")]), x.float().abs().amax() * 4):
+        check_quantizer(Float8Quantizer, x, True, True, what=f"fp8 amax={amax}", amax=amax.reshape(-1)[:1])
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_fp8_tensor_delayed(fp8, gen):
+    """The delayed-scaling state (scale, amax history) evolves identically over several steps."""
+    q_gpu = Float8Quantizer(fp8, scaling="delayed", amax_history_len=4)
+    q_ref = Float8Quantizer(fp8, scaling="delayed", amax_history_len=4)
+    for step in range(6):
+        x = rand_input(130, 200, torch.bfloat16, gen) * (4.0 ** (step % 3 - 1))
+        if step == 4:
+            x[3, 3] = float("inf")
+        xg = x.cuda()
+        assert uses_kernel(q_gpu, xg, True, True)
+        got = q_gpu.quantize_parts(xg, True, step % 2 == 0)
+        ref = q_ref.reference_parts(x, True, step % 2 == 0)
+        for d, g, r in zip(("rowwise", "columnwise"), got, ref):
+            assert_parts_equal(g, r, f"delayed step {step} {d}")
+        assert_bitwise(q_gpu.scale, q_ref.scale, f"delayed step {step} scale")
+        assert_bitwise(q_gpu.amax_history, q_ref.amax_history, f"delayed step {step} history")
+
+
+# ---- FP8 block -------------------------------------------------------------------------------------------------
+
+BLOCK_SHAPES = [(1, 1), (5, 130), (128, 128), (200, 136), (257, 520), (1000, 264), (384, 1024)]
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("opts", [{}, {"power_2_scale": False}, {"amax_epsilon": 1e-3}], ids=["pow2", "nopow2", "eps"])
+def test_fp8_block(dtype, block_dim, fp8, opts, gen):
+    for m, k in BLOCK_SHAPES:
+        for kind in ("wide", "edge"):
+            x = edge_input(m, k, dtype, gen) if kind == "edge" else rand_input(m, k, dtype, gen, kind)
+            for r, c in ((True, True), (True, False), (False, True)):
+                check_quantizer(lambda: Float8BlockQuantizer(fp8, block_dim=block_dim, **opts), x, r, c,
+                                what=f"fp8 block{block_dim} {fp8} {m}x{k} {kind} {r}{c}")
+
+
+# ---- MXFP8 -----------------------------------------------------------------------------------------------------
+
+MX_SHAPES = [(32, 32), (96, 160), (224, 96), (1056, 320), (128, 4096)]
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "32x32"])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_mxfp8(dtype, block_2d, fp8, gen):
+    for m, k in MX_SHAPES:
+        for kind in ("wide", "edge"):
+            x = edge_input(m, k, dtype, gen) if kind == "edge" else rand_input(m, k, dtype, gen, kind)
+            for r, c in ((True, True), (True, False), (False, True)):
+                check_quantizer(lambda: MXFP8Quantizer(fp8, block_2d=block_2d), x, r, c,
+                                what=f"mxfp8 {fp8} 2d={block_2d} {m}x{k} {kind} {r}{c}")
+    if not block_2d:  # one direction only: the other dimension need not be a multiple of 32
+        check_quantizer(lambda: MXFP8Quantizer(fp8), rand_input(37, 64, dtype, gen), True, False, what="mx rows 37")
+        check_quantizer(lambda: MXFP8Quantizer(fp8), rand_input(64, 37, dtype, gen), False, True, what="mx cols 37")
+
+
+def test_mxfp8_powers_of_two_at_block_max(gen):
+    """Block maxima exactly at 448 * 2^k and just around it: where the rcp_rn multiply matters."""
+    x = torch.randn(64, 256, generator=gen)
+    for j in range(8):
+        v = 448.0 * 2.0 ** (j - 4)
+        x[:, 32 * j] = torch.tensor([v, torch.nextafter(torch.tensor(v), torch.tensor(0.0)).item(),
+                                     torch.nextafter(torch.tensor(v), torch.tensor(1e9)).item(), 2.0 ** (j - 4)]
+                                    ).repeat(16)
+    check_quantizer(MXFP8Quantizer, x, True, True, what="mx pow2 maxima")
+    check_quantizer(lambda: MXFP8Quantizer("e5m2"), x * 128, True, True, what="mx e5m2 pow2 maxima")
+
+
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "32x32"])
+def test_mxfp8_swizzled_scales(block_2d, gen):
+    from hybridq.kernels.cuda import mxfp8_quantize
+    for m, k in ((32, 32), (160, 96), (256, 1024), (96, 4128)):
+        x = rand_input(m, k, torch.bfloat16, gen).cuda()
+        row, rs, col, cs = mxfp8_quantize(x, block_2d=block_2d, rowwise=True, columnwise=True, swizzle=False)
+        row2, rs2, col2, cs2 = mxfp8_quantize(x, block_2d=block_2d, rowwise=True, columnwise=True, swizzle=True)
+        assert_bitwise(row2, row.cpu(), "swizzled run data")
+        assert_bitwise(col2, col.cpu(), "swizzled run col data")
+        assert_bitwise(rs2, swizzle_mx_scales(rs.cpu()), f"row scales swizzled {m}x{k}")
+        assert_bitwise(cs2, swizzle_mx_scales(cs.cpu()), f"col scales swizzled {m}x{k}")
+
+
+# ---- NVFP4 -----------------------------------------------------------------------------------------------------
+
+NV_SHAPES = [(16, 16), (48, 80), (272, 144), (1040, 528), (128, 4096)]
+NV_CONFIGS = {"1d": {}, "16x16": {"block_2d": True}, "rht": {"rht": True}}
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("cfg", list(NV_CONFIGS))
+def test_nvfp4(dtype, cfg, gen):
+    opts = NV_CONFIGS[cfg]
+    for m, k in NV_SHAPES:
+        for kind in ("wide", "randn", "edge"):
+            x = edge_input(m, k, dtype, gen) if kind == "edge" else rand_input(m, k, dtype, gen, kind)
+            for r, c in ((True, True), (True, False), (False, True)):
+                check_quantizer(lambda: NVFP4Quantizer(**opts), x, r, c, what=f"nvfp4 {cfg} {m}x{k} {kind} {r}{c}")
+    if cfg != "16x16":
+        check_quantizer(lambda: NVFP4Quantizer(**opts), rand_input(37, 64, dtype, gen), True, False, what="rows 37")
+        check_quantizer(lambda: NVFP4Quantizer(**opts), rand_input(64, 36, dtype, gen), False, True, what="cols 36")
+
+
+def test_nvfp4_global_amax_edge_cases(gen):
+    for fill in (0.0, float("inf"), float("nan"), 1e-38, 3e38):
+        x = torch.randn(64, 64, generator=gen)
+        x[5, 7] = fill
+        if fill == 0.0:
+            x.zero_()
+        for cfg, opts in NV_CONFIGS.items():
+            check_quantizer(lambda: NVFP4Quantizer(**opts), x, True, True, what=f"nvfp4 {cfg} amax fill={fill}")
+
+
+# ---- stochastic rounding ------------------------------------------------------------------------------------------
+
+def _codes(part: NVFP4Part) -> torch.Tensor:
+    return unpack_nibbles(part.data.cpu())
+
+
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d_rht", "16x16"])
+def test_nvfp4_sr_deterministic_per_seed(block_2d, gen):
+    x = rand_input(256, 512, torch.bfloat16, gen).cuda()
+    opts = {"block_2d": True} if block_2d else {"rht": True}
+
+    def run(seed):
+        torch.cuda.manual_seed(seed)
+        return NVFP4Quantizer(stochastic_rounding=True, **opts).quantize_parts(x, True, True)
+
+    a, b, c = run(11), run(11), run(12)
+    for d in range(2):
+        for name in ("data", "scale", "amax"):
+            assert_bitwise(getattr(b[d], name), getattr(a[d], name).cpu(), f"SR same seed {d} {name}")
+        assert not torch.equal(a[d].data, c[d].data), "SR: different seeds gave identical codes"
+    if block_2d:  # one draw per element: the columnwise form is the transpose of the rowwise one
+        assert torch.equal(_codes(a[1]), _codes(a[0]).t())
+    # explicit CUDA generator
+    g1 = torch.Generator(device="cuda").manual_seed(5)
+    g2 = torch.Generator(device="cuda").manual_seed(5)
+    p1 = NVFP4Quantizer(stochastic_rounding=True, generator=g1, **opts).quantize_parts(x, True, True)
+    p2 = NVFP4Quantizer(stochastic_rounding=True, generator=g2, **opts).quantize_parts(x, True, True)
+    assert torch.equal(p1[0].data, p2[0].data) and torch.equal(p1[1].data, p2[1].data)
+
+
+@pytest.mark.parametrize("direction", [0, 1], ids=["rowwise", "columnwise_rht"])
+def test_nvfp4_sr_unbiased(direction, gen):
+    """E[decoded code] == the scaled value y = x * enc (saturated at 6), per element; scales and amaxes equal the
+    round-to-nearest reference; every code is one of the two neighbours of y."""
+    m, k = 64, 128
+    x = rand_input(m, k, torch.bfloat16, gen, "randn")
+    ref = NVFP4Quantizer(rht=True).reference_parts(x, True, True)[direction]
+    src = x.float() if direction == 0 else rht16(x.t())
+    y = src * expand_blocks(element_multiplier(ref.scale, global_encode_scale(ref.amax)), 16, src.shape[1])
+    y = y.clamp(-6, 6)
+    n = 400
+    acc = torch.zeros_like(y, dtype=torch.float64)
+    xg = x.cuda()
+    lo = E2M1_VALUES
+    for i in range(n):
+        torch.cuda.manual_seed(1000 + i)
+        p = NVFP4Quantizer(rht=True, stochastic_rounding=True).quantize_parts(xg, True, True)[direction]
+        if i == 0:
+            assert_bitwise(p.scale, ref.scale, "SR scale")
+            assert_bitwise(p.amax, ref.amax, "SR amax")
+        v = e2m1_decode(_codes(p)).double()
+        if i < 3:  # each code is a neighbour of y
+            a = y.abs()
+            below = lo[(torch.searchsorted(lo, a.float(), right=True) - 1).clamp(0, 7)]
+            above = lo[(torch.searchsorted(lo, a.float(), right=True)).clamp(0, 7)]
+            ok = (v.abs() == below.double()) | (v.abs() == above.double())
+            assert bool(ok.all()), "SR produced a code that is not a neighbour of the scaled value"
+        acc += v
+    mean = acc / n
+    err = mean - y.double()
+    assert err.abs().max().item() < 0.45, f"SR per-element bias too large: {err.abs().max().item()}"
+    assert abs(err.mean().item()) < 0.02, f"SR biased on average: {err.mean().item()}"
+    # round to nearest would be biased on these values; SR's mean error must be far smaller than RN's
+    rn = e2m1_decode(_codes(NVFP4Quantizer(rht=True).quantize_parts(xg, True, True)[direction])).double()
+    assert (err.abs().mean() < 0.5 * (rn - y.double()).abs().mean()).item()
+
+
+# ---- dequantize ----------------------------------------------------------------------------------------------------
+
+DEQ_CASES = {
+    "fp8": (lambda: Float8Quantizer(), (257, 520)),
+    "fp8_e5m2": (lambda: Float8Quantizer("e5m2"), (100, 36)),
+    "block1d": (lambda: Float8BlockQuantizer(), (257, 520)),
+    "block2d": (lambda: Float8BlockQuantizer(block_dim=2), (300, 200)),
+    "block_nopow2": (lambda: Float8BlockQuantizer(power_2_scale=False), (130, 264)),
+    "mxfp8": (lambda: MXFP8Quantizer(), (96, 160)),
+    "mxfp8_e5m2_2d": (lambda: MXFP8Quantizer("e5m2", block_2d=True), (224, 96)),
+    "nvfp4": (lambda: NVFP4Quantizer(), (48, 80)),
+    "nvfp4_rht": (lambda: NVFP4Quantizer(rht=True), (272, 144)),
+    "nvfp4_2d": (lambda: NVFP4Quantizer(block_2d=True), (272, 144)),
+}
+
+
+@pytest.mark.parametrize("case", list(DEQ_CASES))
+def test_dequantize(case, gen):
+    factory, (m, k) = DEQ_CASES[case]
+    from hybridq.kernels import lookup_dequantize
+    for kind in ("wide", "edge"):
+        x = edge_input(m, k, torch.bfloat16, gen) if kind == "edge" else rand_input(m, k, torch.bfloat16, gen)
+        parts = factory().quantize_parts(x.cuda(), True, True)
+        for p in parts:
+            for undo in (True, False):
+                assert lookup_dequantize(p, undo) is not None, f"{case}: no CUDA dequantize"
+                got = p.dequantize_2d(undo)
+                cpu = p.map_tensors(lambda t: t.cpu())
+                assert_bitwise(got, cpu.reference_dequantize_2d(undo), f"dequantize {case} {p.direction} undo={undo}")
+
+
+# ---- ops: fake implementations, errors -------------------------------------------------------------------------
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = torch.ops.hybridq
+    x = torch.randn(96, 160, device="cuda", dtype=torch.bfloat16)
+    real = [ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, None, None, 0.0, False, True, True, False),
+            ops.fp8_block_quantize(x, torch.float8_e4m3fn, 2, 0.0, True, True, True),
+            ops.mxfp8_quantize(x, torch.float8_e4m3fn, False, True, True, True),
+            ops.nvfp4_quantize(x, False, True, True, None, True, True)]
+    with FakeTensorMode() as mode:
+        xf = mode.from_tensor(x)
+        fake = [ops.fp8_tensor_quantize(xf, torch.float8_e4m3fn, None, None, 0.0, False, True, True, False),
+                ops.fp8_block_quantize(xf, torch.float8_e4m3fn, 2, 0.0, True, True, True),
+                ops.mxfp8_quantize(xf, torch.float8_e4m3fn, False, True, True, True),
+                ops.nvfp4_quantize(xf, False, True, True, None, True, True)]
+    for r, f in zip(real, fake):
+        for a, b in zip(r, f):
+            assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def test_opcheck():
+    ops = torch.ops.hybridq
+    x = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.fp8_tensor_quantize, (x, torch.float8_e4m3fn, None, None, 0.0, False, True, True, False),
+                          test_utils=tests)
+    torch.library.opcheck(ops.fp8_block_quantize, (x, torch.float8_e5m2, 1, 0.0, True, True, True), test_utils=tests)
+    torch.library.opcheck(ops.mxfp8_quantize, (x, torch.float8_e4m3fn, True, True, True, False), test_utils=tests)
+    torch.library.opcheck(ops.nvfp4_quantize, (x, True, False, False, None, True, True), test_utils=tests)
+    torch.library.opcheck(ops.amax, (x,), test_utils=tests)
+
+
+def test_clear_errors():
+    """Bad arguments to the ops raise RuntimeError with the rule (run in a subprocess: a crash fails the test
+    instead of the session)."""
+    import subprocess
+    import sys
+    code = """
+import torch, hybridq.kernels as k
+assert k.extension_available()
+ops = torch.ops.hybridq
+for call, match in ((lambda: ops.mxfp8_quantize(torch.randn(64, 40, device="cuda"), torch.float8_e4m3fn, False, True,
+                                                False, False), "K % 32"),
+                    (lambda: ops.nvfp4_quantize(torch.randn(40, 64, device="cuda"), False, False, False, None, False,
+                                                True), "M % 16"),
+                    (lambda: ops.amax(torch.ones(4, 4, device="cuda", dtype=torch.int32)), "dtype")):
+    try:
+        call()
+    except RuntimeError as e:
+        assert match in str(e), str(e)
+    else:
+        raise AssertionError("no error for " + match)
+print("OK")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+
+
+def test_fallback_for_unknown_keywords(gen):
+    """A keyword the kernels do not implement (e.g. a sharded quantization) goes to the reference."""
+    from hybridq.kernels import lookup_quantize
+    x = rand_input(64, 64, torch.bfloat16, gen).cuda()
+    assert lookup_quantize(MXFP8Quantizer(), x, True, True, something=object()) is None
+    assert lookup_quantize(Float8Quantizer(), x, True, True, amax=torch.ones(1)) is not None
+    assert lookup_quantize(Float8Quantizer(scaling="delayed"), x, True, True, amax=torch.ones(1)) is None
