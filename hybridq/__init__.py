@@ -10,11 +10,12 @@ from .gemm import register_native_gemm
 from .nn import ConversionReport, Linear, convert_linears
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
+from .distributed import apply_hybrid_fsdp, precompute_scales
 
 __all__ = [
     "ROWWISE", "COLUMNWISE", "Quantizer", "QuantizedPart", "QuantizedTensor",
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
-    "Linear", "convert_linears", "ConversionReport",
+    "Linear", "convert_linears", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
 ]
 __version__ = "0.1.0"

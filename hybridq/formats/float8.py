@@ -31,6 +31,18 @@ class Float8TensorPart(QuantizedPart):
         return Float8TensorPart(rows=self.cols, cols=self.rows, columnwise=not self.columnwise,
                                 data=self.data.t().contiguous(), scale_inv=self.scale_inv)
 
+    # FSDP buffer protocol: only the data travels; the scale is global (one all-reduced amax), so every shard
+    # holds the same scale_inv.
+    def extract_buffers(self, shard=None, *, tile_rows=None):
+        data = self.data.t().contiguous() if self.columnwise else self.data
+        return [("data", data, 1)], {"scale_inv": self.scale_inv}
+
+    @classmethod
+    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
+        data = buffers["data"]
+        return cls(rows=rows, cols=cols, columnwise=columnwise,
+                   data=data.t().contiguous() if columnwise else data, scale_inv=replicated["scale_inv"])
+
 
 @dataclasses.dataclass
 class Float8Quantizer(Quantizer):
@@ -107,8 +119,13 @@ class Float8Quantizer(Quantizer):
         return scale
 
     # -- quantization ----------------------------------------------------------------------------
-    def reference_parts(self, x2d, rowwise, columnwise, amax: torch.Tensor | None = None):
-        """`amax` overrides the local max|x| (e.g. a global amax of a sharded tensor)."""
+    def reference_parts(self, x2d, rowwise, columnwise, amax: torch.Tensor | None = None, *, shard=None,
+                        stats=None):
+        """`amax` overrides the local max|x| (e.g. a global amax of a sharded tensor). `shard` / `stats`:
+        `x2d` is a row shard and `stats` the MAX-reduced `shard_stats` (the global amax); rows are independent
+        otherwise, so nothing else changes."""
+        if stats is not None and amax is None and self.scaling != "delayed":
+            amax = stats.reshape(-1)[0]
         if self.scaling == "delayed":
             scale = self._delayed_scale(x2d)
         else:
@@ -120,3 +137,18 @@ class Float8Quantizer(Quantizer):
                                data=satfinite_fp8(x2d.float() * scale, self.dtype), scale_inv=rcp(scale))
         col = row.transposed() if columnwise else None
         return (row if rowwise else None), col
+
+    # -- sharded quantization (FSDP) -------------------------------------------------------------
+    def shard_stats(self, x2d, shard):
+        """The global amax (one value for both directions)."""
+        if self.scaling == "delayed":
+            raise ValueError(f"{self.describe()}: delayed scaling keeps its own scale state; sharded "
+                             f"quantization (FSDP) supports current scaling only")
+        return (x2d.float().abs().amax().reshape(1) if x2d.numel()
+                else torch.zeros(1, dtype=torch.float32, device=x2d.device))
+
+    def derive_part(self, part, direction, dtype=None):
+        """One scale for the whole tensor: either direction is the exact byte transpose of the other."""
+        if self.scaling != "current" or part.direction == direction:
+            return None
+        return part.transposed()

@@ -10,6 +10,8 @@ import torch
 
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_tiles, fp8_dtype, rcp,
                         satfinite_fp8, scale_from_amax, tile_amax)
+from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
+    tile_amax_rows
 from .base import QuantizedPart, Quantizer
 
 BLOCK = 128
@@ -30,6 +32,32 @@ class Float8BlockPart(QuantizedPart):
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv_per_element()
+
+    # FSDP buffer protocol. 128x128 tiles: the tile scales are replicated (sharded quantization all-reduces
+    # the whole tile-amax grid, so every shard holds every tile scale): only the data travels. 1-D blocks:
+    # rowwise 1x128 scales are per row (row_block 1); columnwise 128x1 scales per 128-row block (row_block
+    # 128, owned block rows only).
+    def extract_buffers(self, shard=None, *, tile_rows=None):
+        shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
+        data = self.data.t().contiguous() if self.columnwise else self.data
+        if self.block_dim == 2:
+            return [("data", data, 1)], {"scale_inv": self.scale_inv}
+        if self.columnwise:
+            s = owned_rows(self.scale_inv.t(), shard, BLOCK).contiguous()
+            return [("data", data, 1), ("scale_inv", s, BLOCK)], {}
+        return [("data", data, 1), ("scale_inv", self.scale_inv, 1)], {}
+
+    @classmethod
+    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
+        data = buffers["data"]
+        if meta["block_dim"] == 2:
+            s = replicated["scale_inv"]  # already in this direction's orientation
+            data = data.t().contiguous() if columnwise else data
+        else:
+            s = buffers["scale_inv"]
+            if columnwise:
+                data, s = data.t().contiguous(), s.t().contiguous()
+        return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale_inv=s, **meta)
 
 
 @dataclasses.dataclass
@@ -63,7 +91,10 @@ class Float8BlockQuantizer(Quantizer):
         q = satfinite_fp8(x2d.float() * expand_blocks(scale, BLOCK, k), self.dtype)
         return Float8BlockPart(rows=m, cols=k, columnwise=columnwise, data=q, scale_inv=rcp(scale), block_dim=1)
 
-    def reference_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
+        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
+        if shard is not None and not shard.is_whole:
+            return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
         if self.block_dim == 1:
             row = self._quantize_1d(x2d, False) if rowwise else None
             col = self._quantize_1d(x2d.t(), True) if columnwise else None
@@ -76,3 +107,61 @@ class Float8BlockQuantizer(Quantizer):
         col = Float8BlockPart(rows=k, cols=m, columnwise=True, data=q.t().contiguous(),
                               scale_inv=s_inv.t().contiguous(), block_dim=2) if columnwise else None
         return (row if rowwise else None), col
+
+    # -- sharded quantization (FSDP) -------------------------------------------------------------
+    def _stats_layout(self, shard, k: int) -> StatsLayout:
+        if self.block_dim == 2:  # the whole tile-amax grid (small: one value per 16384 elements)
+            return StatsLayout(("tiles", (-(-shard.rows // BLOCK), -(-k // BLOCK))))
+        return StatsLayout(("cut", (len(shard.cut_blocks(BLOCK)), k)))
+
+    def shard_stats(self, x2d, shard):
+        """128x128 tiles: this shard's partial amax of every tile it touches, 0 elsewhere (the reduced grid
+        gives every shard every tile scale, so tile scales need not be gathered). 1-D: partial amaxes of the
+        128x1 columnwise blocks that shard boundaries split (rowwise 1x128 blocks never straddle)."""
+        layout = self._stats_layout(shard, x2d.shape[1])
+        if not layout.pieces:
+            return None
+        if self.block_dim == 2:
+            grid = x2d.new_zeros(layout.pieces[0][1], dtype=torch.float32)
+            first, end = shard.touched(BLOCK)
+            grid[first:end] = tile_amax_rows(x2d, shard, BLOCK)
+            return layout.pack({"tiles": grid}, x2d.device)
+        return layout.pack({"cut": cut_stats(col_block_amax(x2d, shard, BLOCK), shard, BLOCK)}, x2d.device)
+
+    def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
+        st = self._stats_layout(shard, x2d.shape[1]).unpack(stats)
+        l, k = x2d.shape
+        if self.block_dim == 1:
+            row = self._quantize_1d(x2d, False) if rowwise else None
+            col = None
+            if columnwise:
+                amax = col_block_amax(x2d, shard, BLOCK)
+                if "cut" in st:
+                    amax = merge_cut(amax, shard, BLOCK, st["cut"])
+                scale = self._scale(amax)  # [n_touched, K]
+                q = satfinite_fp8(x2d.float() * expand_rows(scale, shard, BLOCK), self.dtype)
+                col = Float8BlockPart(rows=k, cols=l, columnwise=True, data=q.t().contiguous(),
+                                      scale_inv=rcp(scale).t().contiguous(), block_dim=1)
+            return row, col
+        scale = self._scale(st["tiles"].to(x2d.device))  # [ceil(M/128), ceil(K/128)], the whole grid
+        first, end = shard.touched(BLOCK)
+        q = satfinite_fp8(x2d.float() * expand_blocks(expand_rows(scale[first:end], shard, BLOCK), BLOCK, k),
+                          self.dtype)
+        s_inv = rcp(scale)  # a shard part of 128x128 tiles carries every tile's scale
+        row = Float8BlockPart(rows=l, cols=k, columnwise=False, data=q, scale_inv=s_inv, block_dim=2)
+        col = Float8BlockPart(rows=k, cols=l, columnwise=True, data=q.t().contiguous(),
+                              scale_inv=s_inv.t().contiguous(), block_dim=2) if columnwise else None
+        return (row if rowwise else None), col
+
+    def derive_part(self, part, direction, dtype=None):
+        """128x128 tiles are shared by both directions: each is the exact transpose of the other."""
+        if self.block_dim != 2 or part.direction == direction:
+            return None
+        return Float8BlockPart(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
+                               data=part.data.t().contiguous(), scale_inv=part.scale_inv.t().contiguous(),
+                               block_dim=2)
+
+    def shard_is_plain(self, shard, rowwise, columnwise):
+        if self.block_dim == 2:
+            return shard.is_whole  # the tile-scale grid is shared by every shard
+        return not columnwise or shard.aligned(BLOCK)

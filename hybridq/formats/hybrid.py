@@ -60,7 +60,10 @@ class HybridQuantizer(Quantizer):
         return ((self.rowwise.shape_rule(m, k, True, False) if need_row else None)
                 or (self.columnwise.shape_rule(m, k, False, True) if columnwise else None))
 
-    def quantize_parts(self, x2d, rowwise, columnwise):
+    def quantize_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
+        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
+        if shard is not None and not shard.is_whole:
+            return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
         double = columnwise and self.columnwise_source == "rowwise_dequantized"
         row = self.rowwise.quantize_parts(x2d, True, False)[0] if (rowwise or double) else None
         col = None
@@ -68,3 +71,63 @@ class HybridQuantizer(Quantizer):
             src = row.dequantize_2d().to(x2d.dtype) if double else x2d
             col = self.columnwise.quantize_parts(src, False, True)[1]
         return (row if rowwise else None), col
+
+    # -- sharded quantization (FSDP): the two sub-quantizers' statistics, side by side ------------------
+    @property
+    def _double(self) -> bool:
+        return self.columnwise_source == "rowwise_dequantized"
+
+    @staticmethod
+    def _stats_numel(q: Quantizer, shard, k: int) -> int:
+        probe = q.shard_stats(torch.empty(shard.length, k, device="meta"), shard)  # sizes only, no data
+        return 0 if probe is None else probe.numel()
+
+    def shard_stats(self, x2d, shard):
+        """The rowwise quantizer's statistics, then the columnwise quantizer's (none for double quantization:
+        its columnwise form is re-quantized from the gathered rowwise form, see derive_part)."""
+        a = self.rowwise.shard_stats(x2d, shard)
+        b = None if self._double else self.columnwise.shard_stats(x2d, shard)
+        pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
+        return torch.cat(pieces) if pieces else None
+
+    def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
+        na = self._stats_numel(self.rowwise, shard, x2d.shape[1])
+        sa = sb = None
+        if stats is not None:
+            stats = stats.reshape(-1)
+            sa = stats[:na] if na else None
+            sb = stats[na:] if stats.numel() > na else None
+        if columnwise and self._double:
+            raise NotImplementedError(
+                f"{self.describe()}: the double-quantized columnwise form of a shard depends on other shards' "
+                f"rows; gather the rowwise form and derive the columnwise one (derive_part)")
+        row = col = None
+        if rowwise:
+            kw = {} if self.rowwise.shard_is_plain(shard, True, False) else {"shard": shard, "stats": sa}
+            row = self.rowwise.quantize_parts(x2d, True, False, **kw)[0]
+        if columnwise:
+            kw = {} if self.columnwise.shard_is_plain(shard, False, True) else {"shard": shard, "stats": sb}
+            col = self.columnwise.quantize_parts(x2d, False, True, **kw)[1]
+        return row, col
+
+    def derive_part(self, part, direction, dtype=None):
+        """Double quantization: the columnwise form is a function of the rowwise one. Two equal quantizers:
+        whatever that quantizer can derive."""
+        if part.direction == direction:
+            return None
+        if self._double:
+            if direction != "columnwise":
+                return None
+            src = part.dequantize_2d().to(dtype or torch.float32)
+            return self.columnwise.quantize_parts(src, False, True)[1]
+        if self.rowwise == self.columnwise:
+            return self.rowwise.derive_part(part, direction, dtype)
+        return None
+
+    def buffer_hints(self, direction):
+        q = self.rowwise if direction == "rowwise" else self.columnwise
+        return q.buffer_hints(direction)
+
+    def shard_is_plain(self, shard, rowwise, columnwise):
+        return ((not rowwise or self.rowwise.shard_is_plain(shard, True, False))
+                and (not columnwise or (not self._double and self.columnwise.shard_is_plain(shard, False, True))))

@@ -20,6 +20,14 @@ class IdentityPart(QuantizedPart):
         d = self.data.float()
         return d.t() if self.columnwise else d
 
+    # FSDP buffer protocol: the [M, K] data is already in dim-0 order for both directions.
+    def extract_buffers(self, shard=None, *, tile_rows=None):
+        return [("data", self.data, 1)], {}
+
+    @classmethod
+    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
+        return cls(rows=rows, cols=cols, columnwise=columnwise, data=buffers["data"])
+
 
 @dataclasses.dataclass
 class IdentityQuantizer(Quantizer):
@@ -30,9 +38,18 @@ class IdentityQuantizer(Quantizer):
     def describe(self) -> str:
         return "identity" if self.dtype is None else f"identity ({self.dtype})"
 
-    def reference_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
         data = x2d if self.dtype is None else x2d.to(self.dtype)
         m, k = x2d.shape
         row = IdentityPart(rows=m, cols=k, columnwise=False, data=data) if rowwise else None
         col = IdentityPart(rows=k, cols=m, columnwise=True, data=data) if columnwise else None
         return row, col
+
+    def derive_part(self, part, direction, dtype=None):
+        """Both directions are the same [M, K] buffer."""
+        if part.direction == direction:
+            return None
+        return IdentityPart(rows=part.cols, cols=part.rows, columnwise=not part.columnwise, data=part.data)
+
+    def shard_is_plain(self, shard, rowwise, columnwise):
+        return True

@@ -9,6 +9,8 @@ import torch
 
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, e8m0_round_up, e8m0_to_pow2, expand_blocks, fp8_dtype,
                         rcp, satfinite_fp8, tile_amax)
+from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
+    tile_amax_rows
 from .base import QuantizedPart, Quantizer
 
 BLOCK = 32
@@ -38,6 +40,28 @@ class MXFP8Part(QuantizedPart):
 
     def swizzled_scale(self) -> torch.Tensor:
         return swizzle_mx_scales(self.scale)
+
+    # FSDP buffer protocol: compact scales travel (never swizzled ones). Rowwise scales are per row (or, for
+    # 32x32 tiles with tile_rows=32, one row per tile row); columnwise 32x1 scales per 32-row block.
+    def extract_buffers(self, shard=None, *, tile_rows=None):
+        shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
+        if self.columnwise:
+            return [("data", self.data.t().contiguous(), 1),
+                    ("scale", owned_rows(self.scale.t(), shard, BLOCK).contiguous(), BLOCK)], {}
+        if tile_rows:
+            first = shard.owned(tile_rows)[0] * tile_rows - shard.offset
+            scale = self.scale[first::tile_rows][:shard.owned_count(tile_rows)].contiguous()
+            return [("data", self.data, 1), ("scale", scale, tile_rows)], {}
+        return [("data", self.data, 1), ("scale", self.scale, 1)], {}
+
+    @classmethod
+    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
+        data, scale = buffers["data"], buffers["scale"]
+        if columnwise:
+            data, scale = data.t().contiguous(), scale.t().contiguous()
+        elif tile_rows:
+            scale = scale.repeat_interleave(tile_rows, dim=0)[:rows]
+        return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale=scale)
 
 
 @dataclasses.dataclass
@@ -76,7 +100,10 @@ class MXFP8Quantizer(Quantizer):
         m, k = x2d.shape
         return MXFP8Part(rows=m, cols=k, columnwise=columnwise, data=self._encode(x2d, e), scale=e)
 
-    def reference_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
+        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
+        if shard is not None and not shard.is_whole:
+            return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
         if not self.block_2d:
             return (self._part(x2d, False) if rowwise else None,
                     self._part(x2d.t(), True) if columnwise else None)
@@ -88,3 +115,57 @@ class MXFP8Quantizer(Quantizer):
         col = MXFP8Part(rows=k, cols=m, columnwise=True, data=q.t().contiguous(),
                         scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous()) if columnwise else None
         return row, col
+
+    # -- sharded quantization (FSDP) -------------------------------------------------------------
+    def _stats_layout(self, shard, k: int) -> StatsLayout:
+        width = k // BLOCK if self.block_2d else k
+        return StatsLayout(("cut", (len(shard.cut_blocks(BLOCK)), width)))
+
+    def shard_stats(self, x2d, shard):
+        """Partial amaxes of the 32x32 tiles / 32x1 columnwise blocks that shard boundaries split."""
+        layout = self._stats_layout(shard, x2d.shape[1])
+        if not layout.pieces:
+            return None
+        local = (tile_amax_rows(x2d, shard, BLOCK) if self.block_2d else col_block_amax(x2d, shard, BLOCK))
+        return layout.pack({"cut": cut_stats(local, shard, BLOCK)}, x2d.device)
+
+    def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
+        st = self._stats_layout(shard, x2d.shape[1]).unpack(stats)
+        l, k = x2d.shape
+        if not self.block_2d:
+            row = self._part(x2d, False) if rowwise else None  # 1x32 blocks lie within a row
+            col = None
+            if columnwise:
+                amax = col_block_amax(x2d, shard, BLOCK)
+                if "cut" in st:
+                    amax = merge_cut(amax, shard, BLOCK, st["cut"])
+                e = self._exponent(amax)  # [n_touched, K]
+                mult = e8m0_to_pow2(expand_rows(e, shard, BLOCK), negate=True)
+                q = satfinite_fp8(x2d.float() * mult, self.dtype)
+                col = MXFP8Part(rows=k, cols=l, columnwise=True, data=q.t().contiguous(), scale=e.t().contiguous())
+            return row, col
+        amax = tile_amax_rows(x2d, shard, BLOCK)
+        if "cut" in st:
+            amax = merge_cut(amax, shard, BLOCK, st["cut"])
+        e_tile = self._exponent(amax)  # [n_touched, K/32]
+        e_row = expand_rows(e_tile, shard, BLOCK)
+        q = self._encode(x2d, e_row)
+        row = MXFP8Part(rows=l, cols=k, columnwise=False, data=q, scale=e_row) if rowwise else None
+        col = MXFP8Part(rows=k, cols=l, columnwise=True, data=q.t().contiguous(),
+                        scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous()) if columnwise else None
+        return row, col
+
+    def derive_part(self, part, direction, dtype=None):
+        """32x32 tiles: the columnwise form is the exact transpose of the rowwise one (and back)."""
+        if not self.block_2d or part.direction == direction:
+            return None
+        e_tile = part.scale[::BLOCK]  # one row per tile row of the stored orientation
+        return MXFP8Part(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
+                         data=part.data.t().contiguous(),
+                         scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous())
+
+    def buffer_hints(self, direction):
+        return {"tile_rows": BLOCK} if (self.block_2d and direction == "rowwise") else {}
+
+    def shard_is_plain(self, shard, rowwise, columnwise):
+        return shard.aligned(BLOCK) if (self.block_2d or columnwise) else True

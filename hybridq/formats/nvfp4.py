@@ -11,6 +11,8 @@ import torch
 
 from ._numerics import (FLT_MAX, block_amax, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, expand_blocks,
                         pack_nibbles, rht16, rht16_inverse, satfinite_fp8, tile_amax, unpack_nibbles)
+from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
+    tile_amax_rows
 from .base import QuantizedPart, Quantizer
 
 BLOCK = 16
@@ -56,6 +58,30 @@ class NVFP4Part(QuantizedPart):
         vals = e2m1_decode(unpack_nibbles(self.data))
         x = vals * expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax / (FP4_MAX * E4M3_MAX)
         return rht16_inverse(x) if (self.rht and undo_transform) else x
+
+    # FSDP buffer protocol: packed codes and compact E4M3 block scales travel; the global amax is replicated
+    # (all-reduced before quantizing). A columnwise part's codes are re-packed along K to turn them back.
+    def extract_buffers(self, shard=None, *, tile_rows=None):
+        shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
+        rep = {"amax": self.amax}
+        if self.columnwise:
+            data = pack_nibbles(unpack_nibbles(self.data)[:, :self.cols].t())
+            return [("data", data, 1), ("scale", owned_rows(self.scale.t(), shard, BLOCK).contiguous(), BLOCK)], rep
+        if tile_rows:
+            first = shard.owned(tile_rows)[0] * tile_rows - shard.offset
+            scale = self.scale[first::tile_rows][:shard.owned_count(tile_rows)].contiguous()
+            return [("data", self.data, 1), ("scale", scale, tile_rows)], rep
+        return [("data", self.data, 1), ("scale", self.scale, 1)], rep
+
+    @classmethod
+    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
+        data, scale = buffers["data"], buffers["scale"]
+        if columnwise:
+            data, scale = pack_nibbles(unpack_nibbles(data).t()), scale.t().contiguous()
+        elif tile_rows:
+            scale = scale.repeat_interleave(tile_rows, dim=0)[:rows]
+        return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale=scale,
+                   amax=replicated["amax"], **meta)
 
 
 @dataclasses.dataclass
@@ -113,7 +139,10 @@ class NVFP4Quantizer(Quantizer):
         return NVFP4Part(rows=m, cols=k, columnwise=columnwise, data=pack_nibbles(codes), scale=s, amax=amax,
                          rht=rht)
 
-    def reference_parts(self, x2d, rowwise, columnwise):
+    def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
+        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
+        if shard is not None and not shard.is_whole:
+            return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
         if not self.block_2d:
             return (self._part(x2d, False, False) if rowwise else None,
                     self._part(x2d.t(), True, self.rht) if columnwise else None)
@@ -130,3 +159,99 @@ class NVFP4Quantizer(Quantizer):
                         scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(), amax=amax.clone(),
                         rht=False) if columnwise else None
         return row, col
+
+    # -- sharded quantization (FSDP) -------------------------------------------------------------
+    def _stats_layout(self, shard, k: int) -> StatsLayout:
+        n_cut = len(shard.cut_blocks(BLOCK))
+        if self.block_2d:  # one global amax for both directions, plus the split 16x16 tiles
+            return StatsLayout(("amax", (1,)), ("cut", (n_cut, k // BLOCK)))
+        # a global amax per direction, plus the split 16x1 columnwise blocks (none can be used with RHT)
+        return StatsLayout(("amax_r", (1,)), ("amax_c", (1,)), ("cut", (0 if self.rht else n_cut, k)))
+
+    def _rht_aligned(self, shard) -> bool:
+        return shard.offset % BLOCK == 0 and shard.length % BLOCK == 0
+
+    def shard_stats(self, x2d, shard):
+        """Global amax(es), and partial amaxes of the 16x16 tiles / 16x1 columnwise blocks split by shard
+        boundaries."""
+        layout = self._stats_layout(shard, x2d.shape[1])
+        x = x2d.float()
+        cut = bool(shard.cut_blocks(BLOCK))
+        if self.block_2d:
+            vals = {"amax": self._amax(x)}
+            if cut:
+                vals["cut"] = cut_stats(tile_amax_rows(x, shard, BLOCK), shard, BLOCK)
+            return layout.pack(vals, x2d.device)
+        vals = {"amax_r": self._amax(x)}
+        if not self.rht:
+            vals["amax_c"] = vals["amax_r"]
+            if cut:
+                vals["cut"] = cut_stats(col_block_amax(x, shard, BLOCK), shard, BLOCK)
+        else:  # the columnwise amax is taken after the transform, over whole 16-row groups of this shard
+            vals["amax_c"] = self._amax(rht16(x.t())) if self._rht_aligned(shard) else torch.zeros(1, device=x.device)
+        return layout.pack(vals, x2d.device)
+
+    def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
+        st = self._stats_layout(shard, x2d.shape[1]).unpack(stats)
+        l, k = x2d.shape
+        x = x2d.float()
+
+        def pack_t(codes):  # columnwise codes packed along the shard's rows (an odd shard gets a pad nibble)
+            return pack_nibbles(torch.nn.functional.pad(codes.t(), (0, l % 2)))
+        if self.block_2d:
+            amax = st["amax"].reshape(1).to(x.device)
+            s_enc = global_encode_scale(amax)
+            tiles = tile_amax_rows(x, shard, BLOCK)
+            if "cut" in st:
+                tiles = merge_cut(tiles, shard, BLOCK, st["cut"])
+            s_tile = block_scale_e4m3(tiles, s_enc)  # [n_touched, K/16]
+            s_row = expand_rows(s_tile, shard, BLOCK)
+            codes = self._codes(x * expand_blocks(element_multiplier(s_row, s_enc), BLOCK, k))
+            row = NVFP4Part(rows=l, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
+                            rht=False) if rowwise else None
+            col = NVFP4Part(rows=k, cols=l, columnwise=True, data=pack_t(codes),
+                            scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(), amax=amax.clone(),
+                            rht=False) if columnwise else None
+            return row, col
+        row = col = None
+        if rowwise:  # 1x16 blocks lie within a row: only the global amax is shared
+            amax = st["amax_r"].reshape(1).to(x.device)
+            s_enc = global_encode_scale(amax)
+            s = block_scale_e4m3(block_amax(x, BLOCK), s_enc)
+            codes = self._codes(x * expand_blocks(element_multiplier(s, s_enc), BLOCK, k))
+            row = NVFP4Part(rows=l, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s, amax=amax, rht=False)
+        if columnwise:
+            amax = st["amax_c"].reshape(1).to(x.device)
+            s_enc = global_encode_scale(amax)
+            if self.rht:
+                if not self._rht_aligned(shard):
+                    raise ValueError(f"{self.describe()}: the Hadamard transform mixes 16 consecutive rows, so a "
+                                     f"columnwise shard must start and end on a multiple of 16 rows; got rows "
+                                     f"[{shard.offset}, {shard.end}) of {shard.rows}")
+                xt = rht16(x.t())  # [K, L]: whole groups of 16 rows
+                s = block_scale_e4m3(block_amax(xt, BLOCK), s_enc)
+                codes_t = self._codes(xt * expand_blocks(element_multiplier(s, s_enc), BLOCK, l))
+                col = NVFP4Part(rows=k, cols=l, columnwise=True, data=pack_nibbles(codes_t), scale=s, amax=amax,
+                                rht=True)
+            else:
+                blocks = col_block_amax(x, shard, BLOCK)
+                if "cut" in st:
+                    blocks = merge_cut(blocks, shard, BLOCK, st["cut"])
+                s = block_scale_e4m3(blocks, s_enc)  # [n_touched, K]
+                codes = self._codes(x * expand_rows(element_multiplier(s, s_enc), shard, BLOCK))
+                col = NVFP4Part(rows=k, cols=l, columnwise=True, data=pack_t(codes),
+                                scale=s.t().contiguous(), amax=amax, rht=False)
+        return row, col
+
+    def derive_part(self, part, direction, dtype=None):
+        """16x16 tiles with one global amax: each direction is the exact transpose of the other."""
+        if not self.block_2d or part.direction == direction:
+            return None
+        codes = unpack_nibbles(part.data)[:, :part.cols]
+        s_tile = part.scale[::BLOCK]
+        return NVFP4Part(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
+                         data=pack_nibbles(codes.t()), scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(),
+                         amax=part.amax.clone(), rht=False)
+
+    def buffer_hints(self, direction):
+        return {"tile_rows": BLOCK} if (self.block_2d and direction == "rowwise") else {}

@@ -1,0 +1,170 @@
+"""Format-agnostic packing of quantized shards into one gatherable byte payload, and unpacking after the gather.
+
+A shard is quantized with the reduced cross-shard statistics (`Quantizer.shard_stats` /
+`reference_parts(shard=, stats=)`), each of its parts is turned into dim-0-gatherable buffers through the
+part's buffer protocol (`extract_buffers` / `assign_gathered`), and the buffers are laid out in one uint8
+payload whose layout is identical on every rank: each buffer is padded to the largest number of block rows any
+rank owns. After an all-gather of the payloads (`[world_size, nbytes]`), every buffer is reassembled by
+concatenating each rank's owned block rows along dim 0, and the part class rebuilds the full part.
+
+Nothing here knows a format: the only inputs are quantizers, parts and `RowShard`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..formats._sharding import RowShard, dim0_chunks
+from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+
+ALIGN = 16  # byte alignment of every buffer inside the payload (any dtype can be viewed at its offset)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    direction: str
+    name: str
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+    row_block: int  # rows of the full tensor per buffer row
+    capacity: int  # buffer rows every rank sends (the most any rank owns)
+    counts: tuple[int, ...]  # buffer rows each rank owns
+    offset: int  # byte offset inside the payload
+
+    @property
+    def row_bytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for d in self.row_shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PartSpec:
+    cls: type
+    rows: int
+    cols: int
+    columnwise: bool
+    meta: dict
+    hints: dict
+
+
+@dataclasses.dataclass
+class PayloadMeta:
+    """What the receiving side needs besides the gathered bytes (identical on every rank except for the
+    replicated tensors, which are equal in value)."""
+
+    shape: tuple[int, ...]
+    world_size: int
+    nbytes: int  # payload bytes per rank, before transport padding
+    buffers: list[BufferSpec]
+    parts: dict[str, PartSpec]
+    replicated: dict[str, dict[str, torch.Tensor]]
+
+
+def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions, stats=None):
+    """Parts {direction: part} of the row shard `x2d` for the requested directions."""
+    want_r, want_c = ROWWISE in directions, COLUMNWISE in directions
+    if shard.is_whole or q.shard_is_plain(shard, want_r, want_c):  # plain quantization (device kernels apply)
+        r, c = q.quantize_parts(x2d, want_r, want_c)
+    else:
+        r, c = q.quantize_parts(x2d, want_r, want_c, shard=shard, stats=stats)
+    out = {}
+    if want_r:
+        out[ROWWISE] = r
+    if want_c:
+        out[COLUMNWISE] = c
+    return out
+
+
+def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowShard], shape, device
+                  ) -> tuple[torch.Tensor, PayloadMeta]:
+    """Lay this rank's parts out in a flat uint8 payload (same layout on every rank)."""
+    m, k = shard.rows, (shape[-1] if len(shape) else 1)
+    chunks: list[torch.Tensor] = []
+    specs: list[BufferSpec] = []
+    part_specs: dict[str, PartSpec] = {}
+    replicated: dict[str, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for d in (ROWWISE, COLUMNWISE):
+        if d not in parts:
+            continue
+        part = parts[d]
+        hints = q.buffer_hints(d)
+        buffers, rep = part.extract_buffers(shard, **hints)
+        rows, cols = (k, m) if d == COLUMNWISE else (m, k)
+        part_specs[d] = PartSpec(type(part), rows, cols, d == COLUMNWISE, part.meta(), hints)
+        replicated[d] = rep
+        for name, t, g in buffers:
+            counts = tuple(s.owned_count(g) for s in shards)
+            cap = max(counts)
+            if t.shape[0] != shard.owned_count(g):
+                raise RuntimeError(f"{part!r}.extract_buffers gave {t.shape[0]} rows of {name!r}, expected "
+                                   f"{shard.owned_count(g)} (row_block {g}, rows [{shard.offset}, {shard.end}))")
+            spec = BufferSpec(d, name, t.dtype, tuple(t.shape[1:]), g, cap, counts, offset)
+            if t.shape[0] < cap:
+                t = torch.cat([t, t.new_zeros((cap - t.shape[0],) + tuple(t.shape[1:]))])
+            b = t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else torch.empty(0, dtype=torch.uint8,
+                                                                                          device=t.device)
+            if b.numel() != spec.nbytes:
+                raise RuntimeError(f"payload size mismatch for {name!r}: {b.numel()} != {spec.nbytes}")
+            pad = _align(spec.nbytes) - spec.nbytes
+            chunks.append(b)
+            if pad:
+                chunks.append(torch.zeros(pad, dtype=torch.uint8, device=b.device))
+            specs.append(spec)
+            offset += spec.nbytes + pad
+    payload = torch.cat(chunks) if len(chunks) > 1 else (
+        chunks[0] if chunks else torch.empty(0, dtype=torch.uint8, device=device))
+    meta = PayloadMeta(tuple(shape), len(shards), offset, specs, part_specs, replicated)
+    return payload, meta
+
+
+def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
+    """Full parts {direction: part} from the gathered payloads `gathered` ([world_size, >= meta.nbytes] uint8)."""
+    ws = meta.world_size
+    full: dict[str, dict[str, torch.Tensor]] = {d: {} for d in meta.parts}
+    for spec in meta.buffers:
+        raw = gathered[:, spec.offset:spec.offset + spec.nbytes]
+        if spec.nbytes == 0:
+            rows = torch.empty((0,) + spec.row_shape, dtype=spec.dtype, device=gathered.device)
+        else:
+            per_rank = raw.view(spec.dtype).view((ws, spec.capacity) + spec.row_shape)
+            if all(c == spec.capacity for c in spec.counts[:-1]):
+                # every rank but the last is full: the concatenation is a prefix of the ranks' rows in order
+                # (a view when this buffer is the whole payload)
+                rows = per_rank.reshape((ws * spec.capacity,) + spec.row_shape)[:sum(spec.counts)]
+            else:
+                pieces = [per_rank[r, :spec.counts[r]] for r in range(ws) if spec.counts[r]]
+                rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        full[spec.direction][spec.name] = rows
+    out = {}
+    for d, ps in meta.parts.items():
+        out[d] = ps.cls.assign_gathered(full[d], meta.replicated[d], rows=ps.rows, cols=ps.cols,
+                                        columnwise=ps.columnwise, meta=ps.meta, **ps.hints)
+    return out
+
+
+def gather_bytes_for(q: Quantizer, shape, world_size: int, directions, dtype=torch.bfloat16) -> int:
+    """Payload bytes each rank sends to gather `directions` of a tensor of `shape` (computed on the meta device:
+    no data, no communication)."""
+    if not directions:
+        return 0
+    shards = dim0_chunks(shape, world_size)
+    shard = shards[0]
+    k = shape[-1]
+    x = torch.empty(shard.length, k, dtype=dtype, device="meta")
+    stats = None if world_size == 1 else q.shard_stats(x, shard)
+    parts = quantize_shard(q, x, shard, directions, stats)
+    _, meta = build_payload(q, parts, shard, shards, shape, x.device)
+    return meta.nbytes

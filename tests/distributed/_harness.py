@@ -1,0 +1,67 @@
+"""Spawning helpers for the distributed tests (CPU gloo and 2-GPU NCCL).
+
+Each spawned job runs several checks, since a 2-process spawn costs ~3 s on the CI machine. A rank that
+fails raises, which `torch.multiprocessing.spawn` reports with the worker's traceback; the process group has a
+short timeout so a rank waiting in a collective for a failed peer does not hang the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+TIMEOUT_S = 120
+
+
+def backends() -> list:
+    """gloo always; nccl when two CUDA devices are visible (the GPU machine)."""
+    nccl = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and torch.distributed.is_nccl_available()
+    return ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not nccl, reason="needs 2 CUDA devices + NCCL"))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, backend, port, job, kwargs, out_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        result = job(rank=rank, world_size=world_size, device=device, **kwargs)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result if result is not None else {}, f)
+        torch.distributed.barrier()  # nobody tears the group down while a peer still uses it
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def spawn(job, world_size: int, backend: str, **kwargs) -> list[dict]:
+    """Run `job(rank=, world_size=, device=, **kwargs)` on `world_size` processes; returns each rank's
+    JSON-serialisable result."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world_size, backend, _free_port(), job, kwargs, out_dir), nprocs=world_size,
+                 join=True)
+        out = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                out.append(json.load(f))
+        return out

@@ -1,0 +1,90 @@
+"""FSDP2 with quantized all-gathers, end to end in spawned process groups.
+
+gloo (CPU, CI) always; nccl on a machine with 2 CUDA devices (the GPU run adds the memory-growth check):
+    python -m pytest -q -m distributed tests/distributed -k nccl
+
+Oracles (all bitwise):
+- sharding invariance: the weight FSDP2 gathers is the quantization of the full weight on one device, for
+  every format and hybrid, uneven / straddling shapes, world sizes 1 and 2;
+- training: losses of every step, gradients of the first step and parameters after 3 steps equal a
+  single-process replay that runs each rank's micro-batch separately and averages gradients in FSDP2's order
+  (so quantization of activations and gradients sees the same data); reduction order allows bitwise equality
+  for 2 ranks and for the 2x2 HSDP mesh (sums of two, halvings are exact).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _harness import backends, spawn
+import _jobs
+
+pytestmark = pytest.mark.distributed
+
+PRESETS = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
+           "fp8_fwd_high_precision_bwd"]
+
+
+def _memory(backend) -> dict:
+    """On GPUs: 4 steps, and allocated / peak memory must not grow after the first (optimizer state) step."""
+    return {"memory": True, "steps": 4} if backend == "nccl" else {}
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_sharding_invariance_two_ranks(backend):
+    out = spawn(_jobs.job_invariance, 2, backend)
+    assert out[0]["checked"] == out[1]["checked"] == 4 * len(_jobs.INVARIANCE_CASES)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_one_rank_invariance_and_training(backend):
+    """World size 1 (FSDP2's no-collective path): same invariance, plus a short training run."""
+    out = spawn(_jobs.job_training, 1, backend, invariance=True,
+                configs=[{"preset": "mxfp8_fwd_nvfp4_bwd", **_memory(backend)}])
+    assert out[0]["invariance"]["checked"] == 4 * len(_jobs.INVARIANCE_CASES)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_training_matches_single_process_every_preset(backend):
+    configs = [{"preset": p, **_memory(backend)} for p in PRESETS]
+    out = spawn(_jobs.job_training, 2, backend, configs=configs)
+    for run in out[0]["runs"]:
+        c = run["counters"]
+        assert c["gather_forward"] > 0 and c["gather_backward"] > 0, run
+        # precompute_scales after every step: only the first step's forward all-reduces statistics
+        assert c.get("stats_allreduce", 0) <= run["converted"], run
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_training_variants(backend):
+    """reshard_after_forward=False, gradient accumulation with set_requires_gradient_sync, activation
+    recompute (lazy rowwise gather in backward), state_dict / load_state_dict / grad clipping, the per-weight
+    statistics fallback (no precompute_scales), HSDP 2x1 and 1x2 meshes, backward_override='dequantized'."""
+    mem = _memory(backend)
+    configs = [
+        {"preset": "mxfp8_fwd_nvfp4_bwd", "reshard_after_forward": False, **mem},
+        {"preset": "fp8_tensorwise", "accum": 2, "precompute": False, **mem},
+        {"preset": "mxfp8_fwd_nvfp4_bwd", "recompute": True},
+        {"preset": "fp8_block", "check_state_dict": True, "check_clip": True},
+        {"preset": "mxfp8", "mesh_shape": [2, 1], **mem},
+        {"preset": "nvfp4", "mesh_shape": [1, 2], "accum": 2},
+        {"preset": "fp8_block_fwd_mxfp8_bwd", "backward_override": "dequantized"},
+    ]
+    out = spawn(_jobs.job_training, 2, backend, configs=configs)
+    runs = out[0]["runs"]
+    assert runs[0]["counters"].get("gather_backward", 0) == 0  # nothing re-gathered in backward
+    assert runs[1]["counters"]["stats_allreduce"] >= 3 * runs[1]["converted"] - 3  # fallback: one per step
+    assert runs[2]["counters"]["lazy_gathers"] > 0
+
+
+@pytest.mark.parametrize("backend", [
+    "gloo",
+    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")),
+])
+def test_hsdp_2x2(backend):
+    out = spawn(_jobs.job_training, 4, backend, configs=[
+        {"preset": "mxfp8_fwd_nvfp4_bwd", "mesh_shape": [2, 2]},
+        {"preset": "fp8_tensorwise", "mesh_shape": [2, 2], "accum": 2},
+    ])
+    assert len(out) == 4
