@@ -299,13 +299,14 @@ def _transport(payload: torch.Tensor, shape, ws: int) -> torch.Tensor:
                        f"of the padded shard {chunk}x{tuple(shape[1:])}")
 
 
-def _stats_key(param, local: "HybridWeight", dtype, shard):
+def _stats_key(param, dtype, shard):
     """Identifies the values the statistics were computed from. In-place updates (optimizer, load_state_dict)
-    bump the version counter of the tensor they are called on: the DTensor parameter (FSDP2), or the local
-    wrapper; never the wrapped plain tensor (it is updated below the autograd / version-counter keys). Without
+    bump the version counter of the tensor they are called on: the DTensor parameter (FSDP2), or its local
+    tensor; never the wrapped plain tensor (it is updated below the autograd / version-counter keys). Without
     the parameter the statistics are not cached."""
     if param is None:
         return None
+    local = param._local_tensor
     return (id(param), param._version, id(local), local._version, local._data.data_ptr(), dtype, shard)
 
 
@@ -316,7 +317,7 @@ def _prepare(local: "HybridWeight", param, q: Quantizer, send, shape, ws: int, r
     x2d = data.to(dtype).reshape(shard.length, shape[-1])
     stats = None
     if ws > 1:  # every rank takes part in the reduction (a whole shard beside empty ones included)
-        key = _stats_key(param, local, dtype, shard)
+        key = _stats_key(param, dtype, shard)
         stats = local._hq.reduced_stats(q, x2d, shard, key, group)
     parts = quantize_shard(q, x2d, shard, send, stats)
     return build_payload(q, parts, shard, shards, shape, x2d.device)
@@ -339,12 +340,13 @@ def _gather_now(local: "HybridWeight", q: Quantizer, send, ctx) -> dict:
 
 
 def _sharded_param(local: "HybridWeight", module, handle):
-    """The DTensor parameter whose local tensor is `local` (its version counter sees in-place updates)."""
-    p = module._parameters.get("weight")
-    if getattr(p, "_local_tensor", None) is local:
-        return p
-    p = getattr(handle[0], "sharded_param", None) if handle is not None else None
-    return p if getattr(p, "_local_tensor", None) is local else None
+    """The DTensor parameter whose local tensor is `local` (its version counter sees in-place updates), or whose
+    local tensor `local` was copied from (CPU offload moves it to the GPU before each all-gather)."""
+    for p in (module._parameters.get("weight"), getattr(handle[0], "sharded_param", None) if handle else None):
+        mine = getattr(p, "_local_tensor", None)
+        if mine is local or (isinstance(mine, HybridWeight) and mine._hq is local._hq):
+            return p
+    return None
 
 
 # ---- the sharded high-precision weight ---------------------------------------------------------------
@@ -616,12 +618,14 @@ def precompute_scales(model: nn.Module) -> dict:
         s = mod.weight_quantizer.shard_stats(x2d, shard)
         if s is None:
             continue
-        key = _stats_key(p, local, dtype, shard)
+        key = _stats_key(p, dtype, shard)
         group = mesh.get_group(i)
-        per_group.setdefault(id(group), (group, []))[1].append((st, key, s.reshape(-1).float()))
+        device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
+                  else torch.device(mesh.device_type))
+        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s.reshape(-1).float()))
     values = 0
-    for group, items in per_group.values():
-        flat = torch.cat([s for _, _, s in items])
+    for group, items, device in per_group.values():
+        flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         i = 0
         for st, key, s in items:

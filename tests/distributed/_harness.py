@@ -38,6 +38,9 @@ def _entry(rank, world_size, backend, port, job, kwargs, out_dir):
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     if backend == "nccl":
+        # bitwise comparisons against single-process replays: deterministic cuBLAS / kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.cuda.set_device(rank)
     torch.distributed.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,

@@ -164,7 +164,7 @@ def job_invariance(rank, world_size, device, names=None):
 
 def run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
                  recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
-                 memory=False, backward_override=None):
+                 memory=False, backward_override=None, offload=False):
     fully_shard, mp = _fsdp()
     mesh_shape = mesh_shape or (1, world_size)
     torch.manual_seed(0)
@@ -176,10 +176,15 @@ def run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_a
     model.to(device)
     report = apply_hybrid_fsdp(model, hybridq.recipe(preset, backward_override=backward_override))
     mesh = _mesh(device, mesh_shape, world_size)
+    extra = {}
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for blk in model.blocks:
         blk.recompute = recompute
-        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     mem = []
     for step in range(steps):

@@ -60,7 +60,8 @@ def test_training_matches_single_process_every_preset(backend):
 def test_training_variants(backend):
     """reshard_after_forward=False, gradient accumulation with set_requires_gradient_sync, activation
     recompute (lazy rowwise gather in backward), state_dict / load_state_dict / grad clipping, the per-weight
-    statistics fallback (no precompute_scales), HSDP 2x1 and 1x2 meshes, backward_override='dequantized'."""
+    statistics fallback (no precompute_scales), HSDP 2x1 and 1x2 meshes, backward_override='dequantized',
+    CPU offload (gloo)."""
     mem = _memory(backend)
     configs = [
         {"preset": "mxfp8_fwd_nvfp4_bwd", "reshard_after_forward": False, **mem},
@@ -71,6 +72,8 @@ def test_training_variants(backend):
         {"preset": "nvfp4", "mesh_shape": [1, 2], "accum": 2},
         {"preset": "fp8_block_fwd_mxfp8_bwd", "backward_override": "dequantized"},
     ]
+    if backend == "gloo":  # FSDP2's CPU offload path (to(device) before each all-gather)
+        configs.append({"preset": "fp8_tensorwise", "offload": True})
     out = spawn(_jobs.job_training, 2, backend, configs=configs)
     runs = out[0]["runs"]
     assert runs[0]["counters"].get("gather_backward", 0) == 0  # nothing re-gathered in backward
