@@ -1,0 +1,182 @@
+"""A small Llama-style decoder for the training job: RMSNorm, causal attention through
+`F.scaled_dot_product_attention` with rotary position embeddings, a SwiGLU MLP, tied or untied head.
+
+Every projection is a plain `nn.Linear` (no bias), so `hybridq.apply_hybrid_fsdp` / `convert_linears` can swap
+them. Format shape rules (MXFP8 blocks of 32, NVFP4 blocks of 16, FP8 128-blocks may be partial) hold when
+d_model, the MLP hidden size and the tokens per rank per step are multiples of 32: `ModelConfig.check` says
+so before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ALIGN = 32  # the largest 1-D block any preset needs along a GEMM dimension (MXFP8)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention when smaller than n_heads
+    hidden: int | None = None  # SwiGLU hidden size; default ~8/3 d_model rounded up to ALIGN
+    max_seq: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.hidden is None:
+            self.hidden = ALIGN * math.ceil(8 * self.d_model / 3 / ALIGN)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def check(self) -> None:
+        """Raise ValueError if a dimension breaks a format rule or the attention layout."""
+        problems = []
+        for name in ("d_model", "hidden"):
+            v = getattr(self, name)
+            if v % ALIGN:
+                problems.append(f"{name}={v} must be a multiple of {ALIGN} (MXFP8/NVFP4 block sizes)")
+        if self.d_model % self.n_heads:
+            problems.append(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        elif self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even (rotary embeddings)")
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        elif (self.n_kv_heads * self.head_dim) % ALIGN:
+            problems.append(f"n_kv_heads*head_dim={self.n_kv_heads * self.head_dim} must be a multiple of "
+                            f"{ALIGN}")
+        if problems:
+            raise ValueError("model config: " + "; ".join(problems))
+
+    def num_params(self) -> int:
+        d, h, kv = self.d_model, self.hidden, self.n_kv_heads * self.head_dim
+        block = d * (d + 2 * kv) + d * d + 3 * d * h + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * block + d + head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, seq: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)  # [seq, head_dim/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; rotate interleaved pairs (x0, x1) by the position's angle."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.check()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # tied: the head reads the embedding matrix through F.linear (no Linear module to convert)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layers)."""
+        std = 0.02
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
+            elif p.dim() == 2 and not name.startswith("tok_embeddings"):
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
+        s = tokens.shape[1]
+        if s > self.cfg.max_seq:
+            raise ValueError(f"sequence length {s} exceeds max_seq={self.cfg.max_seq}")
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight.to(h.dtype))
+        return self.output(h)

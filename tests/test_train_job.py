@@ -1,0 +1,198 @@
+"""The training job (launch/train.py) on CPU: argument checks, the per-layer report, the data and model, and
+three torchrun launches (2 processes, gloo) of a tiny model:
+
+    full     8 steps of mxfp8_fwd_nvfp4_bwd with --compare bf16 and --plot (metrics JSON beside it)
+    part     the same flags with --checkpoint-dir --save-every 4 --stop-after 6 (an interrupted run)
+    resumed  --resume from part's step-4 checkpoint to step 8
+
+Resume bound: bitwise. The resumed run's losses at steps 5..8 equal the uninterrupted run's exactly (weights
+and AdamW state come back exactly through DCP; batches, learning rate and the stochastic-rounding stream
+depend only on seed, step and rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
+
+import data as job_data  # noqa: E402
+import model as job_model  # noqa: E402
+import train  # noqa: E402
+
+RECIPE = "mxfp8_fwd_nvfp4_bwd"
+TINY = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq", "64", "--batch", "2", "--steps", "8",
+        "--eval-batches", "1", "--no-progress", "--timeout", "120", "--recipe", RECIPE, "--device", "cpu"]
+
+
+def args_for(*extra: str):
+    return train.parse_args(TINY + list(extra))
+
+
+# ---- in-process checks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--tp", "2"], "tensor parallelism needs hybridq's tensor-parallel support"),
+    (["--seq", "40", "--batch", "1"], "must be a multiple of 32"),
+    (["--d-model", "80", "--n-heads", "2"], "d_model=80 must be a multiple of 32"),
+    (["--dp", "3"], "must equal the number of processes"),
+    (["--resume"], "need --checkpoint-dir"),
+    (["--compare", RECIPE], "same as --recipe"),
+])
+def test_bad_arguments_are_rejected_before_any_collective(flags, needle):
+    with pytest.raises(SystemExit) as e:
+        train.check_args(args_for(*flags), world=2)
+    assert needle in str(e.value)
+
+
+def _report(recipe: str, *flags: str) -> dict[str, list[str]]:
+    args = args_for(*flags)
+    torch.manual_seed(0)
+    m = job_model.Transformer(train.model_config(args))
+    rows, summary = train.convert(m, recipe, args)
+    assert rows[0][:5] == ["layer", "status", "input (row / col)", "weight (row / col)", "grad_output (row / col)"]
+    return {r[0]: r[1:] for r in rows[1:]}
+
+
+LINEARS = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv", "layers.0.attention.wo",
+           "layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.0.feed_forward.w2"]
+
+
+@pytest.mark.parametrize("recipe, expect", [
+    # (input, weight, grad_output): substrings each cell must contain, in order (rowwise before columnwise)
+    ("mxfp8_fwd_nvfp4_bwd", (("hybrid[MXFP8", "/ NVFP4 (RHT)]"), ("hybrid[MXFP8", "/ NVFP4]"), ("NVFP4 (RHT, SR)",))),
+    ("fp8_block_fwd_mxfp8_bwd", (("hybrid[FP8-block E4M3 1x128", "/ MXFP8"), ("hybrid[FP8-block E4M3 128x128",
+                                                                            "/ MXFP8"), ("MXFP8",))),
+    ("fp8_fwd_high_precision_bwd", (("hybrid[FP8 E4M3", "/ identity]"), ("hybrid[FP8 E4M3", "/ identity]"),
+                                    ("identity",))),
+    ("fp8_tensorwise", (("FP8 E4M3",), ("FP8 E4M3",), ("FP8 E5M2",))),
+    ("fp8_block", (("FP8-block E4M3 1x128",), ("FP8-block E4M3 128x128",), ("FP8-block E4M3 1x128",))),
+    ("mxfp8", (("MXFP8 E4M3",), ("MXFP8 E4M3",), ("MXFP8 E4M3",))),
+    ("nvfp4", (("NVFP4",), ("NVFP4 (16x16)",), ("NVFP4 (RHT, SR)",))),
+])
+def test_per_layer_report_lists_each_directions_format(recipe, expect):
+    rep = _report(recipe)
+    assert list(rep) == LINEARS + ["output"], "every Linear, in model order"
+    for name in LINEARS:
+        status, *cells, why = rep[name]
+        assert status == "converted", (name, why)
+        for cell, needles in zip(cells, expect):
+            pos = [cell.find(n) for n in needles]
+            assert all(p >= 0 for p in pos) and pos == sorted(pos), (recipe, name, cell, needles)
+    assert rep["output"][0] == "skipped" and "high precision" in rep["output"][-1]
+
+
+def test_report_head_options():
+    rep = _report("mxfp8", "--quantize-head")
+    assert rep["output"][0] == "converted"
+    rep = _report("mxfp8", "--tie-embeddings")
+    assert "output" not in rep and rep["output (tied)"][0] == "skipped"
+
+
+def test_data_is_a_pure_function_of_step_and_rank():
+    toks = job_data.load_tokens()
+    assert job_data.CORPUS.exists() and len(toks) > 100_000 and int(toks.max()) < job_data.VOCAB_SIZE
+    whole = job_data.ByteBatches(toks, 32, 4, dp_rank=0, dp_size=1, seed=3)
+    halves = [job_data.ByteBatches(toks, 32, 2, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    for step in (0, 7):
+        x, y = whole.get(step)
+        assert torch.equal(torch.cat([h.get(step)[0] for h in halves]), x)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(whole.get(0)[0], whole.get(1)[0])
+    val = halves[0].val_batches(2)
+    assert len(val) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(val, halves[0].val_batches(2)))
+
+
+def test_model_shapes_gqa_and_tied_head():
+    cfg = job_model.ModelConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, tie_embeddings=True)
+    m = job_model.Transformer(cfg)
+    assert m.output is None and cfg.hidden % 32 == 0
+    assert sum(p.numel() for p in m.parameters()) == cfg.num_params()
+    logits = m(torch.randint(0, 256, (2, 32)))
+    assert logits.shape == (2, 32, 256) and torch.isfinite(logits).all()
+    # causal: a later token does not change earlier logits
+    t = torch.randint(0, 256, (1, 16))
+    t2 = t.clone()
+    t2[0, -1] = (t2[0, -1] + 1) % 256
+    assert torch.allclose(m(t)[0, :-1], m(t2)[0, :-1])
+
+
+# ---- torchrun launches ---------------------------------------------------------------------------
+
+def torchrun(*flags: str, cwd: pathlib.Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "launch" / "train.py"), *TINY, *flags]
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-6000:]}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train_job")
+    out = {}
+    out["full"] = torchrun("--compare", "bf16", "--plot", str(d / "full.png"), cwd=d)
+    ck = d / "ckpt"
+    out["part"] = torchrun("--checkpoint-dir", str(ck), "--save-every", "4", "--stop-after", "6",
+                           "--plot", str(d / "part.png"), cwd=d)
+    out["resumed"] = torchrun("--checkpoint-dir", str(ck), "--resume", "--plot", str(d / "resumed.png"), cwd=d)
+    js = {k: json.loads((d / f"{k}.json").read_text()) for k in ("full", "part", "resumed")}
+    return out, js, d
+
+
+@pytest.mark.distributed
+def test_cpu_job_trains_and_compares(runs):
+    out, js, _ = runs
+    text = out["full"]
+    assert "2 process(es), gloo on cpu, FSDP2 dp=2 tp=1" in text
+    for run in (RECIPE, "bf16"):
+        r = js["full"]["runs"][run]
+        losses = r["losses"]
+        assert len(losses) == 8 and all(map(lambda v: v == v, losses))
+        assert losses[0] > 5.0, "starts near ln(256) = 5.55"
+        assert r["final_loss"] < losses[0] - 0.8, f"{run}: loss did not fall: {losses}"
+        assert sum(losses[-3:]) < sum(losses[:3]) and r["val_loss"] < losses[0] - 0.5
+        assert f"[{run}] step 8/8 | loss {losses[-1]:.4f}" in text
+    gap = js["full"]["gap"]
+    assert abs(gap["final_loss"]) < 0.3, gap
+    assert f"loss gap {RECIPE} - bf16: final {gap['final_loss']:+.4f}" in text
+    assert "summary (" in text and "loss curve:" in text
+
+
+@pytest.mark.distributed
+def test_cpu_job_prints_the_per_layer_report(runs):
+    out, _, _ = runs
+    lines = out["full"].splitlines()
+    start = lines.index(f"per-layer report, recipe {RECIPE}:")
+    body = lines[start + 2:start + 2 + len(LINEARS) + 1]
+    expect = _report(RECIPE)
+    for line, name in zip(body, LINEARS + ["output"]):
+        assert line.split()[0] == name
+        status, inp, w, g, why = expect[name]
+        assert status in line and inp in line and w in line and g in line and why in line
+    assert "7 of 8 Linear layers converted" in out["full"]
+
+
+@pytest.mark.distributed
+def test_cpu_job_resumes_bitwise(runs):
+    out, js, d = runs
+    ck = d / "ckpt" / RECIPE
+    assert (ck / "latest").read_text().strip() == "step_000004"
+    assert (ck / "step_000004" / ".metadata").exists() and (ck / "step_000004" / "extra_rank1.pt").exists()
+    full = js["full"]["runs"][RECIPE]["losses"]
+    part = js["part"]["runs"][RECIPE]
+    resumed = js["resumed"]["runs"][RECIPE]
+    assert part["losses"] == full[:6] and part["steps_run"] == 6
+    assert f"resumed from {ck / 'step_000004'} at step 4" in out["resumed"]
+    assert resumed["start_step"] == 4 and resumed["steps_run"] == 4
+    assert resumed["losses"] == full, f"resumed {resumed['losses']} vs uninterrupted {full}"
+    assert resumed["val_loss"] == js["full"]["runs"][RECIPE]["val_loss"]
