@@ -249,7 +249,8 @@ class _WeightState:
         if not self.parts or self.parts.get(d) is None or d in self.deferred or self.materialized(d):
             return
         ctx = self.ctx
-        local = ctx["local"]() if ctx else None
+        param = ctx["param"]() if ctx and ctx.get("param") is not None else None
+        local = param._local_tensor.to(ctx["device"]) if param is not None else (ctx["local"]() if ctx else None)
         module = ctx["module"]() if ctx else None
         if local is None or module is None:
             raise RuntimeError(f"hybridq FSDP: the unsharded weight has no {d} form and the sharded weight it "
@@ -432,9 +433,12 @@ class HybridWeight(torch.Tensor):
         group_state = handle[1] if handle else None
         phase = _phase_of(group_state)
         ra = (getattr(group_state, "post_forward_mesh_info", None) is not None) if group_state is not None else None
+        extra = set(st.backward_extra)
+        if group_state is not None and getattr(group_state, "reshard_after_backward", True) is False:
+            extra.add(ROWWISE)  # parameters stay unsharded into the next forward
         plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=module.recipe.backward_override,
                          derivable=st.is_derivable(q, shape, dtype), known=handle is not None,
-                         backward_extra=st.backward_extra)
+                         backward_extra=extra)
         with torch.no_grad():
             param = _sharded_param(self, module, handle)
             payload, meta = _prepare(self, param, q, plan.send, shape, ws, rank, dtype, group)
@@ -447,7 +451,7 @@ class HybridWeight(torch.Tensor):
         if st.parts:
             st.set_inner(plan.materialize)  # what FSDP2 allocates before fsdp_post_all_gather fills it
         st.ctx = {"local": weakref.ref(self), "module": weakref.ref(module), "shape": shape, "dtype": dtype,
-                  "ws": ws, "rank": rank, "group": group,
+                  "ws": ws, "rank": rank, "group": group, "device": self.device,
                   "param": weakref.ref(param) if param is not None else None}
         st.counters[f"gather_{phase}"] += 1
         st.counters["bytes_sent"] += inp.numel() * inp.element_size()

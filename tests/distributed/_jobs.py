@@ -164,7 +164,7 @@ def job_invariance(rank, world_size, device, names=None):
 
 def run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
                  recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
-                 memory=False, backward_override=None, offload=False):
+                 memory=False, backward_override=None, offload=False, unsharded_accum=False):
     fully_shard, mp = _fsdp()
     mesh_shape = mesh_shape or (1, world_size)
     torch.manual_seed(0)
@@ -194,6 +194,8 @@ def run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_a
         for m in range(accum):
             if accum > 1:
                 model.set_requires_gradient_sync(m == accum - 1)
+                if unsharded_accum:  # keep parameters unsharded between accumulation micro-batches
+                    model.set_reshard_after_backward(m == accum - 1)
             torch.manual_seed(micro_seed(step, rank, m))
             tok = batches[step][rank][m].to(device)
             loss = loss_fn(model(tok[:, :-1]), tok[:, 1:])

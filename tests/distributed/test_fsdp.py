@@ -69,7 +69,7 @@ def test_training_variants(backend):
         {"preset": "mxfp8_fwd_nvfp4_bwd", "recompute": True},
         {"preset": "fp8_block", "check_state_dict": True, "check_clip": True},
         {"preset": "mxfp8", "mesh_shape": [2, 1], **mem},
-        {"preset": "nvfp4", "mesh_shape": [1, 2], "accum": 2},
+        {"preset": "nvfp4", "mesh_shape": [1, 2], "accum": 2, "unsharded_accum": True},
         {"preset": "fp8_block_fwd_mxfp8_bwd", "backward_override": "dequantized"},
     ]
     if backend == "gloo":  # FSDP2's CPU offload path (to(device) before each all-gather)
