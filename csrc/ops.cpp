@@ -160,8 +160,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mxfp8_quantize(const Tensor& x, at::S
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(!((rowwise || block_2d) && K % 32), "hybridq::mxfp8_quantize: needs K % 32 == 0, got K=", K);
-  TORCH_CHECK(!((columnwise || block_2d) && M % 32), "hybridq::mxfp8_quantize: needs M % 32 == 0, got M=", M);
+  TORCH_CHECK(!((rowwise || block_2d) && K % 32), "hybridq::mxfp8_quantize: K must be divisible by 32, got K=", K);
+  TORCH_CHECK(!((columnwise || block_2d) && M % 32), "hybridq::mxfp8_quantize: M must be divisible by 32, got M=", M);
   auto a = base_args(x, rowwise, columnwise);
   set_fp8(a, dtype, 0.0, false);
   auto u8o = x.options().dtype(at::kByte);
@@ -198,8 +198,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize(const 
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(!((rowwise || block_2d) && K % 16), "hybridq::nvfp4_quantize: needs K % 16 == 0, got K=", K);
-  TORCH_CHECK(!((columnwise || block_2d) && M % 16), "hybridq::nvfp4_quantize: needs M % 16 == 0, got M=", M);
+  TORCH_CHECK(!((rowwise || block_2d) && K % 16), "hybridq::nvfp4_quantize: K must be divisible by 16, got K=", K);
+  TORCH_CHECK(!((columnwise || block_2d) && M % 16), "hybridq::nvfp4_quantize: M must be divisible by 16, got M=", M);
   auto a = base_args(x, rowwise, columnwise);
   a.fp8_max = 448.0f;
   auto u8o = x.options().dtype(at::kByte);
@@ -277,7 +277,7 @@ Tensor dequantize_fp8(const Tensor& data, const Tensor& scale, int64_t mode, at:
   const bool e5m2 = is_e5m2(data.scalar_type());
   const int64_t rows = data.size(0), cols = data.size(1);
   if (mode == 3) {
-    TORCH_CHECK(scale.scalar_type() == at::kByte && cols % 32 == 0, "hybridq::dequantize_fp8: MX needs uint8 scales, cols % 32 == 0");
+    TORCH_CHECK(scale.scalar_type() == at::kByte && cols % 32 == 0, "hybridq::dequantize_fp8: MX needs uint8 scales and cols divisible by 32");
   } else {
     TORCH_CHECK(scale.scalar_type() == at::kFloat, "hybridq::dequantize_fp8: scale must be float32");
   }
@@ -298,7 +298,7 @@ Tensor dequantize_nvfp4(const Tensor& data, const Tensor& scale, const Tensor& a
               "hybridq::dequantize_nvfp4: amax must be a CUDA float32 tensor of one element");
   c10::cuda::CUDAGuard guard(data.device());
   const int64_t rows = data.size(0), cols = data.size(1) * 2;
-  TORCH_CHECK(cols % 16 == 0, "hybridq::dequantize_nvfp4: needs cols % 16 == 0");
+  TORCH_CHECK(cols % 16 == 0, "hybridq::dequantize_nvfp4: cols must be divisible by 16");
   Tensor out = at::empty({rows, cols}, data.options().dtype(out_type(out_dtype)));
   C10_CUDA_CHECK(hybridq::launch_dequant_nvfp4(u8(data), static_cast<const uint8_t*>(scale.data_ptr()),
                                                amax.contiguous().data_ptr<float>(), rows, cols, rht_inverse,

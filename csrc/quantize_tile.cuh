@@ -154,13 +154,6 @@ __device__ __forceinline__ uint32_t fp8x2(float lo, float hi) {
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
 }
 
-// exact per-element path (a NaN in the block): kept out of line so the fast path keeps its registers
-__device__ __noinline__ void encode_fp8_slow(const float* x, int n, float mult, bool e5m2, uint32_t* w) {
-  for (int q = 0; q < n / 4; ++q) w[q] = 0u;
-  for (int i = 0; i < n; ++i)
-    w[i / 4] |= static_cast<uint32_t>(fp8_satfinite(mul_ref(x[i], mult), e5m2)) << (8 * (i % 4));
-}
-
 // N values (N % 4 == 0) times mult, to fp8 bytes packed in words. `slow`: the block holds a NaN (or mult is
 // NaN): exact per-element NaN-sign rules of the reference.
 template <int N>
@@ -178,8 +171,12 @@ __device__ __forceinline__ void encode_fp8(const float (&x)[N], float mult, bool
         w[q] = fp8x2<false>(x[4 * q] * mult, x[4 * q + 1] * mult) |
                (fp8x2<false>(x[4 * q + 2] * mult, x[4 * q + 3] * mult) << 16);
     }
-  } else {
-    encode_fp8_slow(x, N, mult, e5m2, w);
+  } else {  // exact per-element NaN rules (inline: an out-of-line call would put x and w in local memory)
+#pragma unroll
+    for (int q = 0; q < N / 4; ++q) w[q] = 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      w[i / 4] |= static_cast<uint32_t>(fp8_satfinite(mul_ref(x[i], mult), e5m2)) << (8 * (i % 4));
   }
 }
 
@@ -209,7 +206,7 @@ __device__ __forceinline__ void smem_load_col_pair(const T* p, float (&a)[tile::
 }
 
 template <typename T, Fmt F, bool TWO_D>
-__global__ void __launch_bounds__(tile::NT, 3) quantize_tile_kernel(const QuantArgs a) {
+__global__ void __launch_bounds__(tile::NT) quantize_tile_kernel(const QuantArgs a) {
   using namespace tile;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ts = reinterpret_cast<T*>(smem_raw);  // [TM][TK]
@@ -222,6 +219,12 @@ __global__ void __launch_bounds__(tile::NT, 3) quantize_tile_kernel(const QuantA
   __shared__ uint32_t s_tile_amax[NTILE2D];
   __shared__ uint32_t s_part[COL_SPLIT ? (TM / CV) * TK : 1];
   __shared__ uint32_t s_red[NT / 32];
+
+  // columnwise output staged in shared memory ([TK] rows of the transposed tile), then written as
+  // contiguous row segments: direct 16-byte stores at an M-byte stride serialize on the memory partitions
+  constexpr int CB = (F == Fmt::kNvfp4) ? TM / 2 : TM;  // bytes per staged row
+  constexpr int SO_STRIDE = CB + 16;                    // padded: fewer bank conflicts
+  uint8_t* so = smem_raw + static_cast<size_t>(TM) * TK * sizeof(T);
 
   const int tid = threadIdx.x;
   const int64_t M = a.M, K = a.K;
@@ -449,7 +452,7 @@ __global__ void __launch_bounds__(tile::NT, 3) quantize_tile_kernel(const QuantA
               w[(16 * b + i) / 8] |= code << (4 * (i % 8));
             }
           }
-          if (nvalid > 0) store_bytes(a.col_q + gk * (M / 2) + gm0 / 2, w, nvalid / 2);
+          *reinterpret_cast<uint4*>(so + c * SO_STRIDE + ch * (CV / 2)) = make_uint4(w[0], w[1], w[2], w[3]);
         } else {
           float mult;
           const uint32_t am = absmax_n(xv);
@@ -477,9 +480,23 @@ __global__ void __launch_bounds__(tile::NT, 3) quantize_tile_kernel(const QuantA
           }
           uint32_t w[CV / 4];
           encode_fp8(xv, mult, e5m2, nan_probe > 0x7F800000u, w);
-          if (nvalid > 0) store_bytes(a.col_q + gk * M + gm0, w, nvalid);
+          uint4* dst = reinterpret_cast<uint4*>(so + c * SO_STRIDE + ch * CV);
+          dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+          dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
         }
       }
+    }
+    __syncthreads();
+    // the staged [TK][CB] bytes: each output row gets one contiguous segment of up to CB bytes
+    const int64_t row_len = (F == Fmt::kNvfp4) ? M / 2 : M;
+    const int64_t seg0 = (F == Fmt::kNvfp4) ? m0 / 2 : m0;
+    for (int i = tid; i < TK * (CB / 16); i += NT) {
+      const int c = i / (CB / 16), j = i % (CB / 16);
+      const int64_t gk = k0 + c, off = seg0 + j * 16;
+      if (gk >= K || off >= row_len) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(so + c * SO_STRIDE + j * 16);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      store_bytes(a.col_q + gk * row_len + off, w, static_cast<int>(min64(16, row_len - off)));
     }
   }
 
@@ -504,7 +521,8 @@ cudaError_t launch_tile(const QuantArgs& a, cudaStream_t stream) {
   using namespace tile;
   const int64_t tiles = ((a.M + TM - 1) / TM) * ((a.K + TK - 1) / TK);
   if (tiles == 0) return cudaSuccess;
-  const size_t smem = static_cast<size_t>(TM) * TK * sizeof(T);
+  constexpr int CB = (F == Fmt::kNvfp4) ? TM / 2 : TM;
+  const size_t smem = static_cast<size_t>(TM) * TK * sizeof(T) + static_cast<size_t>(TK) * (CB + 16);
   auto kern = quantize_tile_kernel<T, F, TWO_D>;
   if (smem > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
