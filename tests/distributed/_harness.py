@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import warnings
 
@@ -26,13 +25,7 @@ def backends() -> list:
     return ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not nccl, reason="needs 2 CUDA devices + NCCL"))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, backend, port, job, kwargs, out_dir):
+def _entry(rank, world_size, backend, job, kwargs, out_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -42,8 +35,8 @@ def _entry(rank, world_size, backend, port, job, kwargs, out_dir):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.cuda.set_device(rank)
-    torch.distributed.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    torch.distributed.init_process_group(  # a file store: no port to race for
+        backend, init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -61,8 +54,7 @@ def spawn(job, world_size: int, backend: str, **kwargs) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, backend, _free_port(), job, kwargs, out_dir), nprocs=world_size,
-                 join=True)
+        mp.spawn(_entry, args=(world_size, backend, job, kwargs, out_dir), nprocs=world_size, join=True)
         out = []
         for r in range(world_size):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
