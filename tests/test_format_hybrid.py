@@ -175,3 +175,9 @@ def test_hybrid_shape_rules_follow_the_directions_computed(shape, dirs, source, 
 def test_invalid_hybrid_configuration_is_rejected(kw, exc):
     with pytest.raises(exc):
         HybridQuantizer(**kw)
+
+
+def test_one_delayed_scaling_quantizer_cannot_serve_both_directions():
+    q = Float8Quantizer(scaling="delayed")
+    with pytest.raises(ValueError, match="one delayed-scaling quantizer cannot serve both directions"):
+        HybridQuantizer(rowwise=q, columnwise=q)

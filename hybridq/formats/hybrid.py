@@ -25,6 +25,9 @@ class HybridQuantizer(Quantizer):
         for d, q in (("rowwise", rowwise), ("columnwise", columnwise)):
             if not isinstance(q, Quantizer) or isinstance(q, HybridQuantizer):
                 raise TypeError(f"HybridQuantizer {d}= must be a plain hybridq quantizer, got {q!r}")
+        if rowwise is columnwise and rowwise.is_stateful:
+            raise ValueError("HybridQuantizer: one delayed-scaling quantizer cannot serve both directions (its "
+                             "scale would update between the two casts); pass two instances")
         if columnwise_source not in _SOURCES:
             raise ValueError(f"HybridQuantizer columnwise_source must be one of {_SOURCES}, "
                              f"got {columnwise_source!r}")
