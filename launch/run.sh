@@ -24,8 +24,9 @@ fi
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 
-# hybridq itself: skip when this checkout is already what `import hybridq` finds
-if ! "$PY" -c "import hybridq, os, sys; sys.exit(0 if os.path.realpath(hybridq.__file__).startswith(os.path.realpath('hybridq')) else 1)" 2>/dev/null; then
+# hybridq itself: skip when `import hybridq` (from outside the checkout) already finds this checkout
+REPO="$(pwd -P)"
+if ! (cd / && "$PY" -c "import hybridq, os, sys; sys.exit(0 if os.path.realpath(hybridq.__file__).startswith(sys.argv[1] + os.sep) else 1)" "$REPO") 2>/dev/null; then
     if [ "$NGPU" -gt 0 ]; then
         # against the installed CUDA torch, so the CUDA extension builds (see setup.py)
         "$PY" -m pip install -q --no-build-isolation -e .
