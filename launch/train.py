@@ -44,10 +44,17 @@ BASELINE = "bf16"
 
 # ---- arguments -----------------------------------------------------------------------------------
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None/False)" noise
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     names = [BASELINE] + hybridq.preset_names()
     p = argparse.ArgumentParser(description="Train a small Llama-style decoder with FSDP2 and a hybridq recipe.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Help)
     g = p.add_argument_group("recipe")
     g.add_argument("--recipe", default="mxfp8_fwd_nvfp4_bwd", choices=names, metavar="NAME",
                    help=f"hybridq preset or '{BASELINE}' (one of: {', '.join(names)})")
@@ -64,23 +71,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=128)
-    g.add_argument("--n-layers", type=int, default=2)
-    g.add_argument("--n-heads", type=int, default=4)
-    g.add_argument("--n-kv-heads", type=int, default=None, help="grouped-query attention (default: n-heads)")
+    g.add_argument("--d-model", type=int, default=128, help=f"model width (multiple of {ALIGN})")
+    g.add_argument("--n-layers", type=int, default=2, help="decoder blocks (one FSDP2 unit each)")
+    g.add_argument("--n-heads", type=int, default=4, help="attention heads")
+    g.add_argument("--n-kv-heads", type=int, default=None,
+                   help="key/value heads for grouped-query attention (default: n-heads)")
     g.add_argument("--hidden", type=int, default=None, help="SwiGLU hidden size (default: ~8/3 d-model, "
                    f"rounded up to {ALIGN})")
     g.add_argument("--tie-embeddings", action="store_true", help="the head reuses the embedding matrix")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=100)
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps (sets the lr schedule)")
     g.add_argument("--seq", type=int, default=128, help="sequence length")
     g.add_argument("--batch", type=int, default=8, help="sequences per data-parallel rank per step")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at lr * this")
     g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: 10%% of --steps)")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="initial weights, batches, random rounding")
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final val loss")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None,
