@@ -358,3 +358,21 @@ def test_non_reentrant_checkpoint_gives_identical_grads():
     y = checkpoint(q, xr, use_reentrant=False)
     y.backward(gy)
     assert_bitwise((y.detach(), xr.grad, q.weight.grad, q.bias.grad), plain, "checkpointed Linear")
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_dtensor_weight_is_rejected_not_silently_wrong(tmp_path):
+    """parallelize_module over a hybridq Linear hands it DTensors: refuse, naming the tensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        q, _ = make_pair(hq.recipe("mxfp8"))
+        parallelize_module(q, mesh, ColwiseParallel())
+        with pytest.raises(NotImplementedError, match=r"of fc is a DTensor.*Tensor parallelism"):
+            q(inputs(torch.float32)[0])
+    finally:
+        dist.destroy_process_group()

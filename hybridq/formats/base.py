@@ -20,6 +20,12 @@ COLUMNWISE = "columnwise"
 DIRECTIONS = (ROWWISE, COLUMNWISE)
 
 
+def is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 def check_direction(direction: str) -> str:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}")
@@ -202,6 +208,13 @@ class Quantizer:
             raise ValueError(f"{self.describe()}: quantize of {name} asked for neither direction")
         if isinstance(x, QuantizedTensor):
             raise TypeError(f"{self.describe()}: {name} is already quantized; dequantize() it first")
+        if is_dtensor(x):
+            # block and global statistics of a DTensor depend on its placement: quantizing the local shard
+            # as if it were the whole tensor gives silently wrong numbers
+            raise NotImplementedError(
+                f"{self.describe()}: {name} is a DTensor ({x.placements}); hybridq quantizes plain tensors. "
+                f"Tensor parallelism (parallelize_module) over hybridq layers is not supported yet; under FSDP2 "
+                f"use hybridq.apply_hybrid_fsdp, which quantizes the local shards itself")
         if not x.is_floating_point():
             raise TypeError(f"{self.describe()}: {name} must be a floating-point tensor, got {x.dtype}")
         self.validate(x.shape, name, rowwise=rowwise, columnwise=columnwise)
