@@ -8,7 +8,14 @@ CUDA-enabled torch and nvcc are available at build time.
 Environment:
     HYBRIDQ_NO_CUDA_EXT=1      skip the extension even where it could be built
     HYBRIDQ_CUDA_ARCHS="90a;100"   targets (default: 90a, plus 100 when nvcc knows sm_100)
+    HYBRIDQ_TILE_VARIANTS=1    also compile the alternative tile-kernel configurations (bf16) that
+                               launch/bench_kernels.py --tile-cfgs compares (HYBRIDQ_TILE_CFG at run time)
     MAX_JOBS=N                 parallel compile jobs (ninja)
+
+The extension links the shared libstdc++ that torch itself loaded. Some toolchains link libstdc++ statically
+into shared objects; a private copy inside hybridq._C then mixes its code with the process's libstdc++ data
+(locale facets, the `std::locale::id` registry) and the first integer formatted into an error message
+(TORCH_CHECK -> c10::str -> std::ostream) crashed the process with SIGSEGV instead of raising.
 """
 
 import os
@@ -17,8 +24,9 @@ import sys
 
 from setuptools import setup
 
-SOURCES = ["csrc/ops.cpp", "csrc/quantize_fp8.cu", "csrc/quantize_mxfp8.cu", "csrc/quantize_nvfp4.cu",
-           "csrc/amax.cu", "csrc/dequantize.cu"]
+SOURCES = ["csrc/ops.cpp", "csrc/quantize_fp8.cu", "csrc/quantize_fp8_block.cu", "csrc/quantize_mxfp8.cu",
+           "csrc/quantize_nvfp4.cu", "csrc/quantize_nvfp4_2d.cu", "csrc/amax.cu", "csrc/dequantize.cu",
+           "csrc/delayed_scaling.cu"]
 
 
 def _say(msg: str) -> None:
@@ -32,6 +40,26 @@ def _nvcc_archs(cuda_home: str) -> set:
     except (OSError, subprocess.CalledProcessError):
         return set()
     return {line.strip().replace("compute_", "") for line in out.split()}
+
+
+def _torch_libstdcxx() -> list:
+    """Link flags that make hybridq._C use the libstdc++ torch runs with (Linux): that shared library by path,
+    and every symbol of a static archive the toolchain still adds kept local (--exclude-libs)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    flags = ["-Wl,--exclude-libs,ALL"]
+    paths = set()
+    try:
+        with open("/proc/self/maps") as fh:  # torch is imported: its libstdc++ is mapped
+            for line in fh:
+                f = line.split()
+                if len(f) >= 6 and os.path.basename(f[-1]).startswith("libstdc++.so"):
+                    paths.add(f[-1])
+    except OSError:
+        pass
+    paths = sorted(p for p in paths if os.path.isfile(p))
+    flags += [paths[0]] if paths else ["-l:libstdc++.so.6"]
+    return flags
 
 
 def _gencode(archs) -> list:
@@ -62,9 +90,12 @@ def _extension_kwargs() -> dict:
         known = _nvcc_archs(CUDA_HOME)
         archs = ["90a"] + (["100"] if "100" in known else [])
     nvcc = ["-O3", "-std=c++17", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr"] + _gencode(archs)
-    _say(f"building the CUDA extension hybridq._C for {', '.join('sm_' + a for a in archs)}")
+    if os.environ.get("HYBRIDQ_TILE_VARIANTS", "") == "1":
+        nvcc.append("-DHQ_TILE_VARIANTS")
+    link = _torch_libstdcxx()
+    _say(f"building the CUDA extension hybridq._C for {', '.join('sm_' + a for a in archs)}; link flags {link}")
     ext = CUDAExtension("hybridq._C", SOURCES, include_dirs=[os.path.abspath("csrc")],
-                        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc})
+                        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc}, extra_link_args=link)
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)}}
 
 

@@ -1,21 +1,39 @@
 // Global amax reductions: max|x| (per-tensor FP8, NVFP4) and, for NVFP4 with the Hadamard transform,
 // max|x| and max|RHT16(x^T)| in one pass.
+#include <cstdlib>
+
 #include "quantize_tile.cuh"
 
 namespace hybridq {
 
-namespace {
-
-int num_sms() {
+int tile_num_sms() {
   static int sms = 0;
   if (sms == 0) {
-    int dev = 0;
+    int dev = 0, n = 0;
     cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (sms <= 0) sms = 132;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    sms = n > 0 ? n : 132;
   }
   return sms;
 }
+
+int tile_cfg_override() {
+  const char* s = std::getenv("HYBRIDQ_TILE_CFG");
+  return (s != nullptr && s[0] >= '0' && s[0] <= '9') ? s[0] - '0' : -1;
+}
+
+int tile_group_default() {
+  const char* s = std::getenv("HYBRIDQ_TILE_GROUP");
+  if (s != nullptr && s[0] != '\0') {
+    const int g = std::atoi(s);
+    return g >= 1 ? g : 1;
+  }
+  return kTileGroupDefault;
+}
+
+namespace {
+
+int num_sms() { return tile_num_sms(); }
 
 // max over the |x| bit patterns of one 16-byte vector, as fp32 |x| bits
 template <typename T>

@@ -48,6 +48,9 @@ struct QuantArgs {
   bool rht;
   bool sr;
   PhiloxArgs philox;
+  // tile order of the persistent CTAs: groups of `tile_group` tile rows, column-major inside a group (1: row-major);
+  // set by the launcher
+  int tile_group;
 };
 
 cudaError_t launch_quantize_fp8_tensor(InType t, const QuantArgs& a, cudaStream_t stream);
@@ -60,6 +63,20 @@ cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cud
 // NVFP4 with RHT: max|x| into *row_amax and max|RHT16(x^T)| into *col_amax in one pass (M % 16 == 0)
 cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, uint32_t* row_amax, uint32_t* col_amax,
                            cudaStream_t stream);
+
+// Delayed-scaling update of one per-tensor FP8 quantizer's state (in place), see delayed_scaling.cu
+struct DelayedEntry {
+  float* hist;   // amax history [len], fp32, contiguous
+  float* scale;  // scale [1]
+  int64_t len;   // 1 <= len <= kDelayedMaxLen
+  float fp8_max;
+  float divisor;  // fp32(2^margin)
+  int32_t most_recent;
+  int32_t pad_;
+};
+constexpr int kDelayedMaxPerThread = 16;
+constexpr int64_t kDelayedMaxLen = 256 * kDelayedMaxPerThread;  // longer histories: the Python update
+cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream);
 
 // Dequantize to fp32 (out_bf16: to bf16). mode 0: per-tensor scale_inv [1]; 1: 1x128 blocks
 // [rows, ceil(cols/128)]; 2: 128x128 tiles [ceil(rows/128), ceil(cols/128)]; 3: MX E8M0 [rows, cols/32]

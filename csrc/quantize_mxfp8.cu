@@ -5,9 +5,9 @@ namespace hybridq {
 
 cudaError_t launch_quantize_mxfp8(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream) {
   if (two_d) {
-    HQ_DISPATCH_IN(t, return (launch_tile<T, Fmt::kMxfp8, true>(a, stream)));
+    HQ_DISPATCH_IN(t, return (launch_tile<T, Fmt::kMxfp8, true, false>(a, stream)));
   }
-  HQ_DISPATCH_IN(t, return (launch_tile<T, Fmt::kMxfp8, false>(a, stream)));
+  HQ_DISPATCH_IN(t, return (launch_tile<T, Fmt::kMxfp8, false, false>(a, stream)));
 }
 
 }  // namespace hybridq

@@ -8,10 +8,12 @@ signature and the result (bit for bit) are the same.
 CUDA: `cuda` registers the kernels of the optional extension `hybridq._C` (loaded on first use with a CUDA
 tensor, see `_ext`); `native_gemm` registers the hardware GEMMs (FP8 tensorwise and blockwise through
 torch's scaled_mm) and the bf16 emulation of the block-scaled formats. `extension_available()` says whether
-the extension is built and loadable.
+the extension is built and loadable. `update_delayed_scaling(quantizers)` runs the delayed-scaling update of many
+per-tensor FP8 quantizers in one launch (the Python update on the CPU).
 """
 
 from . import _ext
+from .delayed import update_delayed_scaling
 from .registry import (KernelImpl, lookup_dequantize, lookup_quantize, register_dequantize,
                        register_quantize)
 
@@ -31,4 +33,4 @@ def _register_builtin() -> None:
 _register_builtin()
 
 __all__ = ["KernelImpl", "register_quantize", "register_dequantize", "lookup_quantize", "lookup_dequantize",
-           "extension_available"]
+           "extension_available", "update_delayed_scaling"]

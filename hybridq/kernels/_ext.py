@@ -22,6 +22,10 @@ BUILD_HINT = ("build it from the hybridq checkout with `pip install --no-build-i
 ENV_PATH = "HYBRIDQ_EXT_PATH"  # load this shared library instead of the hybridq._C module
 ENV_DISABLE = "HYBRIDQ_DISABLE_CUDA_KERNELS"  # "1": never use the CUDA kernels (references only)
 
+# every op the Python side uses (an older build lacks some: it is reported as out of date, not used)
+REQUIRED_OPS = ("fp8_tensor_quantize", "fp8_block_quantize", "mxfp8_quantize", "nvfp4_quantize", "amax",
+                "dequantize_fp8", "dequantize_nvfp4", "fp8_delayed_update")
+
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
 
@@ -43,9 +47,12 @@ def load() -> bool:
                     torch.ops.load_library(path)
                 else:
                     importlib.import_module("hybridq._C")
-                ok = hasattr(torch.ops.hybridq, "fp8_tensor_quantize")
-                if not ok:
+                missing = [op for op in REQUIRED_OPS if not hasattr(torch.ops.hybridq, op)]
+                ok = not missing
+                if len(missing) == len(REQUIRED_OPS):
                     err = "the library loaded but registered no hybridq ops"
+                elif missing:
+                    err = f"the built extension is out of date (no op {', '.join(missing)}); rebuild it"
             except (ImportError, OSError, RuntimeError) as e:
                 err = f"{type(e).__name__}: {e}"
         if ok:

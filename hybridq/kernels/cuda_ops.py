@@ -11,6 +11,8 @@ Op reference (all inputs 2-D and contiguous; a direction not asked for returns a
     -> (row data [M, K/2], row scales [M, K/16] e4m3, row amax [1], col data [K, M/2], col scales, col amax)
 - amax(x) -> [1]; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
   apply_global, out_dtype)
+- fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: Float8Quantizer.update() of many
+  quantizers, in place (see delayed.py)
 """
 
 from __future__ import annotations
@@ -79,3 +81,8 @@ def _dequantize_fp8(data, scale, mode, out_dtype):
 @register_fake("hybridq::dequantize_nvfp4")
 def _dequantize_nvfp4(data, scale, amax, rht_inverse, apply_global, out_dtype):
     return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=out_dtype)
+
+
+@register_fake("hybridq::fp8_delayed_update")
+def _fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent):
+    return None

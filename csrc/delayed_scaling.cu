@@ -1,0 +1,79 @@
+// Delayed-scaling state update of many per-tensor FP8 quantizers in one launch (Float8Quantizer.update(),
+// FORMATS.md "Per-tensor FP8, delayed scaling"): per tensor, amax = max(history) (NaN propagates) or history[0]
+// ("most_recent"); history = roll(history, -1) with history[0] = 0; scale = (fp8_max / amax) / 2^margin, +-inf ->
+// FLT_MAX, kept unchanged when amax <= 0 or amax is not finite. One CTA per tensor, in place.
+#include "numerics.cuh"
+
+namespace hybridq {
+
+namespace {
+
+constexpr int kDsThreads = 256;
+
+__global__ void __launch_bounds__(kDsThreads) delayed_update_kernel(const DelayedEntry* __restrict__ entries) {
+  const DelayedEntry e = entries[blockIdx.x];
+  const int tid = threadIdx.x;
+  const int64_t L = e.len;
+  // every thread reads the values it will write (new[j] = old[(j + 1) % L]) before anyone writes: the amax over
+  // those is the amax over the whole history (a permutation of it)
+  float v[kDelayedMaxPerThread];
+  float m = -INFINITY;
+  bool nan = false;
+#pragma unroll
+  for (int k = 0; k < kDelayedMaxPerThread; ++k) {
+    const int64_t j = tid + static_cast<int64_t>(k) * kDsThreads;
+    v[k] = 0.0f;
+    if (j < L) {
+      v[k] = e.hist[j + 1 < L ? j + 1 : 0];
+      nan |= is_nan(v[k]);
+      m = fmaxf(m, v[k]);
+    }
+  }
+  const float first = e.hist[0];
+  // CTA max (NaN sticky)
+  __shared__ float s_m[kDsThreads / 32];
+  __shared__ int s_nan[kDsThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    nan = __any_sync(0xffffffffu, nan);
+  }
+  if ((tid & 31) == 0) {
+    s_m[tid >> 5] = m;
+    s_nan[tid >> 5] = nan ? 1 : 0;
+  }
+  __syncthreads();  // also: every read of the history is done
+#pragma unroll
+  for (int k = 0; k < kDelayedMaxPerThread; ++k) {
+    const int64_t j = tid + static_cast<int64_t>(k) * kDsThreads;
+    if (j < L) e.hist[j] = j == 0 ? 0.0f : v[k];
+  }
+  if (tid == 0) {
+    float hmax = -INFINITY;
+    bool any_nan = false;
+#pragma unroll
+    for (int i = 0; i < kDsThreads / 32; ++i) {
+      hmax = fmaxf(hmax, s_m[i]);
+      any_nan |= s_nan[i] != 0;
+    }
+    const float amax = e.most_recent ? first : (any_nan ? u2f(0x7FC00000u) : hmax);
+    float scale = (e.fp8_max / amax) / e.divisor;  // IEEE divisions, like the fp32 tensor ops of the reference
+    if (is_inf(scale)) scale = kFltMax;
+    const bool keep = (amax <= 0.0f) || is_nan(amax) || is_inf(amax);
+    if (!keep) *e.scale = scale;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream) {
+  for (int64_t i0 = 0; i0 < n; i0 += 65535) {
+    const int64_t nb = min64(65535, n - i0);
+    delayed_update_kernel<<<static_cast<unsigned int>(nb), kDsThreads, 0, stream>>>(entries_dev + i0);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace hybridq

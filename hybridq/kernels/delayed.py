@@ -1,0 +1,93 @@
+"""Delayed-scaling state update of many per-tensor FP8 quantizers at once (FORMATS.md "Per-tensor FP8, delayed
+scaling"): `update_delayed_scaling(quantizers)` does what calling `Float8Quantizer.update()` on each would do,
+bit for bit, with one CUDA launch per device for every quantizer whose state lives on a CUDA device (the
+`torch.ops.hybridq.fp8_delayed_update` op) instead of about ten small torch ops per quantizer.
+
+Differences from the per-quantizer Python update, all of them about bookkeeping, none about values:
+- the CUDA op updates `amax_history` and `scale` in place (the Python update rebinds new tensors);
+- the optional MAX all-reduce of `amax_history[:1]` over `amax_reduction_group` runs as one all-reduce per
+  group for all its quantizers (elementwise MAX: the same values as one all-reduce per quantizer).
+
+Everything else runs the Python `update()`: quantizers on the CPU, without the extension, with a history longer
+than the kernel takes (4096), subclasses that override `update()` or add options, and batches in which two
+quantizers share a state tensor. Quantizers without delayed scaling are skipped (their `update()` does nothing);
+hybrid quantizers contribute their parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..formats import Float8Quantizer
+from ..formats._numerics import FP8_MAX
+from . import _ext
+
+MAX_HISTORY = 4096  # csrc/hybridq.h kDelayedMaxLen
+
+
+def _flatten(quantizers: Iterable) -> list:
+    out, seen = [], set()
+    for q in quantizers:
+        parts = q.quantizers() if hasattr(q, "quantizers") else (q,)
+        for p in parts:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _kernel_ok(q: Float8Quantizer) -> bool:
+    from .cuda import _KNOWN_FIELDS
+    h, s = q.amax_history, q.scale
+    return (type(q).update is Float8Quantizer.update
+            and {f.name for f in dataclasses.fields(q)} <= _KNOWN_FIELDS[Float8Quantizer]
+            and q.amax_compute_algo in ("max", "most_recent")
+            and isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor)
+            and h.is_cuda and s.device == h.device and h.dtype == torch.float32 and s.dtype == torch.float32
+            and h.dim() == 1 and 1 <= h.numel() <= MAX_HISTORY and h.is_contiguous()
+            and s.numel() == 1 and s.is_contiguous()
+            and _ext.available_for(h.device))
+
+
+def _divisor(margin: int) -> float:
+    # the reference divides the fp32 scale by the Python float 2.0 ** margin, which torch rounds to fp32
+    return float(torch.tensor(2.0 ** margin, dtype=torch.float64).float().item())
+
+
+def update_delayed_scaling(quantizers: Iterable) -> None:
+    """`q.update()` for every delayed-scaling quantizer in `quantizers` (and in the hybrids among them): one CUDA
+    launch per device for the CUDA-resident states, the Python update for the rest. See the module docstring."""
+    delayed = [q for q in _flatten(quantizers) if isinstance(q, Float8Quantizer) and q.scaling == "delayed"]
+    batch = [q for q in delayed if _kernel_ok(q)]
+    ptrs = [t.data_ptr() for q in batch for t in (q.amax_history, q.scale)]
+    if len(set(ptrs)) != len(ptrs):  # shared state: the sequential Python semantics
+        batch = []
+    rest = [q for q in delayed if not any(q is b for b in batch)]
+
+    # the MAX all-reduce of the recorded amax, one collective per group
+    groups: dict = {}
+    for q in batch:
+        if q.amax_reduction_group is not None and dist.is_initialized():
+            groups.setdefault(id(q.amax_reduction_group), (q.amax_reduction_group, []))[1].append(q)
+    for group, qs in groups.values():
+        buf = torch.cat([q.amax_history[:1] for q in qs])
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        for i, q in enumerate(qs):
+            q.amax_history[:1].copy_(buf[i:i + 1])
+
+    by_device: dict = {}
+    for q in batch:
+        by_device.setdefault(q.amax_history.device, []).append(q)
+    for dev, qs in by_device.items():
+        with torch.cuda.device(dev):
+            torch.ops.hybridq.fp8_delayed_update([q.amax_history for q in qs], [q.scale for q in qs],
+                                                 [FP8_MAX[q.dtype] for q in qs], [_divisor(q.margin) for q in qs],
+                                                 [int(q.amax_compute_algo == "most_recent") for q in qs])
+        for q in qs:
+            q._pending = False
+    for q in rest:
+        q.update()
