@@ -8,12 +8,20 @@ copy bandwidth measured in the same run.
     python launch/bench_kernels.py                 # everything (torch.compile: a few minutes of compiling)
     python launch/bench_kernels.py --no-compile    # skip torch.compile
     python launch/bench_kernels.py --sizes 8192 --cases fp8_tensorwise,mxfp8 --json out.json
+    python launch/bench_kernels.py --tile-cfgs 0,2,g8  # also time the op under other tile-kernel configurations:
+                        # N = HYBRIDQ_TILE_CFG=N (needs a build with HYBRIDQ_TILE_VARIANTS=1; 0 one-shot, 2 three
+                        # stages x 512 threads), gN = HYBRIDQ_TILE_GROUP=N (tile order: groups of N tile rows)
+
+Rows besides the quantizers: `fp8_tensorwise_cast` is the cast pass of per-tensor FP8 alone (amax given, as with a
+global amax), `amax` the max|x| pass alone (bytes = the input read once). `--delayed N` also times the
+delayed-scaling update of N quantizers (history 1024): `update_delayed_scaling` against a loop of `update()`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -25,6 +33,8 @@ CASES = {
     # name: (factory, rowwise, columnwise, note)
     "fp8_tensorwise": (lambda: Float8Quantizer(), True, True, "amax pass + fused cast/transpose"),
     "fp8_tensorwise_row": (lambda: Float8Quantizer(), True, False, "amax pass + cast"),
+    "fp8_tensorwise_cast": (lambda: Float8Quantizer(), True, True, "cast pass only (amax given)"),
+    "amax": (None, False, False, "max|x| pass only (reads the input)"),
     "fp8_delayed": (lambda: Float8Quantizer(scaling="delayed"), True, True, "one pass (amax fused)"),
     "fp8_block_1x128": (lambda: Float8BlockQuantizer(), True, True, ""),
     "fp8_block_128x128": (lambda: Float8BlockQuantizer(block_dim=2), True, True, ""),
@@ -63,9 +73,14 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def raw_op(q, x, r, c):
+def raw_op(q, x, r, c, name=""):
     """The CUDA op alone (no Python dispatch, no delayed-scaling state update), or None."""
     ops = torch.ops.hybridq
+    if name == "amax":
+        return lambda: ops.amax(x)
+    if name == "fp8_tensorwise_cast":
+        am = x.float().abs().amax().reshape(1)
+        return lambda: ops.fp8_tensor_quantize(x, q.dtype, None, am, 0.0, False, r, c, False)
     if isinstance(q, Float8Quantizer):
         if q.scaling == "delayed":
             s = torch.ones(1, device=x.device)
@@ -97,7 +112,11 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tile-cfgs", default="", help="comma-separated tile-kernel variants to time the op under "
+                                                    "(N: HYBRIDQ_TILE_CFG=N, gN: HYBRIDQ_TILE_GROUP=N)")
+    ap.add_argument("--delayed", type=int, default=0, help="also time the delayed-scaling update of N quantizers")
     args = ap.parse_args()
+    tile_cfgs = [c for c in args.tile_cfgs.split(",") if c]
 
     from hybridq.kernels import extension_available
     if not extension_available():
@@ -112,17 +131,37 @@ def main() -> None:
         x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         for name in args.cases.split(","):
             factory, r, c, note = CASES[name]
-            q = factory()
-            parts = q.quantize_parts(x, r, c)
-            nbytes = x.numel() * x.element_size() + out_bytes(parts)
-            del parts
-            t_k = bench(lambda: q.quantize_parts(x, r, c), iters=args.iters)
+            q = factory() if factory is not None else None
+            kw = {}
+            if name == "fp8_tensorwise_cast":
+                kw = {"amax": x.float().abs().amax().reshape(1)}
+            if q is not None:
+                parts = q.quantize_parts(x, r, c, **kw)
+                nbytes = x.numel() * x.element_size() + out_bytes(parts)
+                del parts
+                t_k = bench(lambda: q.quantize_parts(x, r, c, **kw), iters=args.iters)
+            else:
+                nbytes = x.numel() * x.element_size()
+                t_k = bench(lambda: torch.ops.hybridq.amax(x), iters=args.iters)
             row = {"case": name, "n": n, "bytes": nbytes, "kernel_ms": t_k, "kernel_frac": nbytes / (t_k * 1e-3) / bw,
                    "note": note}
-            op = raw_op(q, x, r, c)
+            op = raw_op(q, x, r, c, name)
             if op is not None:
                 t_o = bench(op, iters=args.iters)
                 row.update(op_ms=t_o, op_frac=nbytes / (t_o * 1e-3) / bw)
+                for cfg in tile_cfgs:
+                    var = "HYBRIDQ_TILE_GROUP" if cfg.startswith("g") else "HYBRIDQ_TILE_CFG"
+                    os.environ[var] = cfg.lstrip("g")
+                    try:
+                        t_c = bench(op, iters=args.iters)
+                    finally:
+                        os.environ.pop(var, None)
+                    row[f"op_ms_cfg{cfg}"] = t_c
+                    row[f"op_frac_cfg{cfg}"] = nbytes / (t_c * 1e-3) / bw
+            if q is None or name == "fp8_tensorwise_cast":
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             if not args.no_reference:
                 qr = factory()
                 try:
@@ -161,9 +200,50 @@ def main() -> None:
               f"{f(r.get('ref_ms'), '{:.2f}')} | {f(r.get('ref_frac') and 100 * r['ref_frac'], '{:.0f}%')} | "
               f"{f(r.get('compiled_ms'), '{:.3f}')} | "
               f"{f(r.get('compiled_frac') and 100 * r['compiled_frac'], '{:.0f}%')} |")
+    if tile_cfgs:
+        print(f"\n| case | size | " + " | ".join(f"cfg {c} ms (% copy BW)" for c in tile_cfgs) + " |")
+        print("|---|---|" + "---|" * len(tile_cfgs))
+        for r in rows:
+            print(f"| {r['case']} | {r['n']}^2 | " + " | ".join(
+                f"{r[f'op_ms_cfg{c}']:.3f} ({100 * r[f'op_frac_cfg{c}']:.0f}%)" if f"op_ms_cfg{c}" in r else "-"
+                for c in tile_cfgs) + " |")
+    delayed = None
+    if args.delayed:
+        delayed = bench_delayed(args.delayed)
+        print(f"\ndelayed-scaling update of {args.delayed} quantizers (history 1024): "
+              f"update_delayed_scaling {delayed['batched_ms']:.3f} ms, loop of update() {delayed['loop_ms']:.3f} ms",
+              flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": dev, "torch": torch.__version__, "copy_bw": bw, "rows": rows}, fh, indent=1)
+            json.dump({"device": dev, "torch": torch.__version__, "copy_bw": bw, "rows": rows, "delayed": delayed},
+                      fh, indent=1)
+
+
+def bench_delayed(n: int) -> dict:
+    """Wall time per update of n delayed-scaling quantizers (host + device: synchronized at the end of each)."""
+    from hybridq.kernels import update_delayed_scaling
+
+    def make():
+        qs = [Float8Quantizer(scaling="delayed", amax_history_len=1024) for _ in range(n)]
+        for q in qs:
+            q.amax_history = torch.rand(1024, device="cuda")
+            q.scale = torch.ones(1, device="cuda")
+        return qs
+
+    def timed(fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    qa, qb = make(), make()
+    return {"n": n, "batched_ms": timed(lambda: update_delayed_scaling(qa)),
+            "loop_ms": timed(lambda: [q.update() for q in qb])}
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return step
 
 
-def torchao_modules(k: int, n: int):
-    """(name, module) for torchao float8 training recipes, eager and compiled; [] without torchao."""
+def torchao_modules(k: int, n: int, which=None):
+    """(name, module) for torchao float8 training recipes, eager and compiled; [] without torchao. `which`: the names
+    to build (torchao_tensorwise, torchao_tensorwise_compiled, torchao_rowwise, torchao_rowwise_compiled)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception as e:  # noqa: BLE001
@@ -58,12 +59,15 @@ def torchao_modules(k: int, n: int):
     out = []
     for recipe in ("tensorwise", "rowwise"):
         for compiled in (False, True):
+            name = f"torchao_{recipe}" + ("_compiled" if compiled else "")
+            if which is not None and name not in which:
+                continue
             try:
                 m = nn.Sequential(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
                 convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
                 if compiled:
                     m = torch.compile(m)
-                out.append((f"torchao_{recipe}" + ("_compiled" if compiled else ""), m))
+                out.append((name, m))
             except Exception as e:  # noqa: BLE001
                 print(f"torchao {recipe}: {type(e).__name__}: {e}", flush=True)
     return out
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x8192x8192,8192x4096x14336", help="MxKxN,...")
     ap.add_argument("--presets", default=",".join(hybridq.preset_names()))
     ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--torchao", default="tensorwise,tensorwise_compiled,rowwise,rowwise_compiled",
+                    help="torchao variants to include (each torch.compile'd one costs its compile time)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -92,7 +98,7 @@ def main() -> None:
             cands.append((p, hybridq.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16,
                                             recipe=hybridq.recipe(p))))
         if not args.no_torchao:
-            cands += torchao_modules(k, n)
+            cands += torchao_modules(k, n, {f"torchao_{v}" for v in args.torchao.split(",") if v})
         base = None
         for name, mod in cands:
             with torch.no_grad():
