@@ -35,6 +35,9 @@ if ! (cd / && "$PY" -c "import hybridq, os, sys; sys.exit(0 if os.path.realpath(
     fi
 fi
 
+# torch.distributed.checkpoint (the job's checkpoints) needs numpy
+"$PY" -c "import numpy" 2>/dev/null || "$PY" -m pip install -q numpy
+
 # torch's OpenMP threads spin-wait: one thread per process is much faster on a few shared cores
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 NPROC=$(( NGPU > 0 ? NGPU : 2 ))
