@@ -218,7 +218,13 @@ class _WeightState:
             if not any(t is x for x in keep_t) and t.untyped_storage().nbytes():
                 t.untyped_storage().resize_(0)
 
-    def fill(self, d: str, src) -> None:
+    def fill(self, d: str, src, adopt: dict | None = None) -> None:
+        """Put `src`'s tensors into the unsharded weight's own tensors of direction `d`. With `adopt` (a dict of
+        storages already taken in this unshard, plus "forbidden": the all-gather output's storage), a source
+        tensor that is a fresh, exclusively owned, contiguous, 16-byte aligned allocation of exactly the right size
+        (a derived direction, a concatenated or re-laid-out buffer, a scale computed on this rank) becomes the
+        own tensor's storage (`set_`, no copy kernel); anything else (views of the all-gather output, views of
+        the statistics) is copied."""
         dst = self.parts[d]
         for n, t in dst.tensors().items():
             if t is None:
@@ -228,6 +234,11 @@ class _WeightState:
                 raise RuntimeError(f"hybridq FSDP: gathered {d} {n} is {tuple(s.shape)} {s.dtype}, the unsharded "
                                    f"weight holds {tuple(t.shape)} {t.dtype}")
             need = t.numel() * t.element_size()
+            if adopt is not None and _adoptable(s, t, need, adopt):
+                adopt[s.untyped_storage().data_ptr()] = True
+                t.set_(s.untyped_storage(), 0, t.shape, t.stride())
+                self.counters["adopted"] += 1
+                continue
             if t.untyped_storage().nbytes() < need:
                 t.untyped_storage().resize_(need)
             t.copy_(s)
@@ -277,6 +288,18 @@ class _WeightState:
             except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: gather it
                 self.derivable[key] = False
         return self.derivable[key]
+
+
+def _adoptable(s: torch.Tensor, t: torch.Tensor, need: int, adopt: dict) -> bool:
+    if s is t or type(s) is not torch.Tensor or s.device != t.device or need == 0 or s.storage_offset() != 0:
+        return False
+    st = s.untyped_storage()
+    ptr = st.data_ptr()
+    if st.nbytes() != need or ptr in adopt or ptr in adopt.get("forbidden", ()) or ptr % 16:
+        return False
+    if t.untyped_storage().data_ptr() == ptr or not s.is_contiguous() or tuple(s.stride()) != tuple(t.stride()):
+        return False
+    return torch._C._storage_Use_Count(st._cdata) <= 2  # no other tensor (view) shares it
 
 
 def _rows(shape) -> int:
@@ -462,14 +485,25 @@ class HybridWeight(torch.Tensor):
         st = self._hq
         with torch.no_grad():
             gathered = outputs[0].reshape(-1).view(torch.uint8).view(meta.world_size, -1)
+            if gathered.is_cuda:
+                # fsdp_pre_all_gather ran on FSDP2's all-gather copy-in stream: the replicated tensors (per-tensor
+                # scales, tile-scale grids, global amaxes) were allocated there and are read here on the current
+                # stream. Without this, once the metadata is dropped the caching allocator hands their blocks to
+                # the next weight's pre-all-gather (copy-in stream) while this stream's reads are still queued.
+                stream = torch.cuda.current_stream(gathered.device)
+                for rep in meta.replicated.values():
+                    for t in rep.values():
+                        if t is not None and t.is_cuda:
+                            t.record_stream(stream)
             parts = assemble_parts(meta, gathered)
             if plan.derive:
                 parts[COLUMNWISE] = q.derive_part(parts[ROWWISE], COLUMNWISE, dtype)
             first = st.gathered is None
             if first:
                 st.create(q, meta.shape, dtype, gathered.device)
+            adopt = {"forbidden": {outputs[0].untyped_storage().data_ptr()}}
             for d in plan.materialize:
-                st.fill(d, parts[d])
+                st.fill(d, parts[d], adopt)
             if first:
                 st.free_others(plan.materialize)
                 st.set_inner(plan.materialize)
@@ -633,7 +667,7 @@ def precompute_scales(model: nn.Module) -> dict:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         i = 0
         for st, key, s in items:
-            st.stats_key, st.stats = key, flat[i:i + s.numel()].clone()
+            st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
             i += s.numel()
         values += flat.numel()
     return {"weights": sum(len(v[1]) for v in per_group.values()), "values": values,

@@ -39,7 +39,7 @@ class BufferSpec:
 
     @property
     def row_bytes(self) -> int:
-        n = torch.tensor([], dtype=self.dtype).element_size()
+        n = self.dtype.itemsize  # (no host tensor per call)
         for d in self.row_shape:
             n *= d
         return n
@@ -114,7 +114,7 @@ def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowSh
             spec = BufferSpec(d, name, t.dtype, tuple(t.shape[1:]), g, cap, counts, offset)
             if t.shape[0] < cap:
                 t = torch.cat([t, t.new_zeros((cap - t.shape[0],) + tuple(t.shape[1:]))])
-            b = t.contiguous().view(torch.uint8).reshape(-1) if t.numel() else torch.empty(0, dtype=torch.uint8,
+            b = (t if t.is_contiguous() else t.contiguous()).view(torch.uint8).reshape(-1) if t.numel() else torch.empty(0, dtype=torch.uint8,
                                                                                           device=t.device)
             if b.numel() != spec.nbytes:
                 raise RuntimeError(f"payload size mismatch for {name!r}: {b.numel()} != {spec.nbytes}")

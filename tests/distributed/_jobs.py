@@ -266,3 +266,165 @@ def job_training(rank, world_size, device, configs, invariance=False):
     if invariance:
         out["invariance"] = job_invariance(rank, world_size, device)
     return out
+
+
+# ---- op counts of the FSDP2 weight path ------------------------------------------------------------------
+
+# [N, K] weights: 512 rows shard at 256 (every block aligned); 1376 rows shard at 688 (splits 128- and 32-row
+# blocks); a 512 x 1376 weight (K not a multiple of 128)
+OPCOUNT_SHAPES = ((512, 512), (1376, 512), (512, 1376))
+
+
+def _opcount_model(device):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(k, n, bias=False) for n, k in OPCOUNT_SHAPES]).to(device)
+
+
+def job_opcount(rank, world_size, device, presets, steps=3, precompute=True):
+    """Per preset: ops per converted weight per step in the FSDP2 weight path (steps after the first), and the
+    ops a plain unsharded hybridq Linear spends quantizing its weight for forward + backward."""
+    from hybridq.distributed.opcount import OpCounter
+
+    fully_shard, mp = _fsdp()
+    out = {}
+    x = torch.randn(256, OPCOUNT_SHAPES[0][1], generator=torch.Generator().manual_seed(1)).to(device)
+    for preset in presets:
+        model = _opcount_model(device)
+        apply_hybrid_fsdp(model, hybridq.recipe(preset))
+        for lin in model:
+            fully_shard(lin, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        counter = None
+        for step in range(steps):
+            if step == 1:
+                counter = OpCounter()
+                counter.__enter__()
+            model(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if precompute:
+                (counter.precompute_scales(model) if counter is not None else precompute_scales(model))
+        counter.__exit__(None, None, None)
+        fs = counter.summary(len(OPCOUNT_SHAPES), steps - 1)
+        # the plain (unsharded) Linear: one quantization of the weight in both directions per step
+        plain = _opcount_model(device)
+        hybridq.convert_linears(plain, hybridq.recipe(preset))
+        pc = OpCounter()
+        with pc, torch.no_grad():
+            for lin in plain:
+                with pc.phase("plain_weight"):
+                    lin.weight_quantizer.quantize(lin.weight.to(torch.bfloat16), rowwise=True,
+                                                  columnwise=lin.recipe.backward_override is None)
+        out[preset] = {"fsdp": fs, "plain": pc.summary(len(OPCOUNT_SHAPES), 1)}
+    return out
+
+
+# ---- tensor metadata of the gathered parts (what the CUDA kernels and native GEMMs read) --------------------
+
+def _tensor_meta(t):
+    if t is None:
+        return None
+    # the stride of a size-1 dim is never read
+    stride = [None if n == 1 else st for n, st in zip(t.shape, t.stride())]
+    return {"shape": list(t.shape), "stride": stride, "dtype": str(t.dtype),
+            "contiguous": t.is_contiguous(), "aligned16": t.data_ptr() % 16 == 0 or t.numel() == 0,
+            "storage_fits": t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()}
+
+
+def _part_meta(part):
+    return {n: _tensor_meta(t) for n, t in part.tensors().items()}
+
+
+def _metadata_cases():
+    """(name, weight quantizer factory, shape): every format of INVARIANCE_CASES (aligned and straddling shards),
+    and every preset's weight quantizer on an aligned (512 rows) and a straddling (1376 rows: 688-row shards) weight."""
+    from hybridq.recipe import preset_names
+
+    cases = [(n, f, s) for n, (f, s) in INVARIANCE_CASES.items() if s[0] < 10000]
+    for preset in preset_names():
+        q0 = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
+        if q0.is_stateful:
+            continue
+        for shape in ((512, 256), (1376, 256)):
+            cases.append((f"{preset}_{shape[0]}", lambda p=preset: hybridq.recipe(p).quantizer(
+                hybridq.Role("linear", "weight")), shape))
+    return cases
+
+
+def job_metadata(rank, world_size, device, steps=2, backward_override=None):
+    """Forward (rowwise) and backward (what dgrad reads) gathers of every case, first and later iterations: every
+    tensor of every gathered part has the shape, stride, dtype and contiguity of the same part quantized from the
+    full weight on one device, and a 16-byte aligned data pointer. Returns the differences (empty = none)."""
+    fully_shard, mp = _fsdp()
+    cases = _metadata_cases()
+    torch.manual_seed(0)
+    layers = nn.ModuleList()
+    by_index = {}
+    for i, (name, factory, (m, k)) in enumerate(cases):
+        lin = nn.Linear(k, m, bias=False)
+        with torch.no_grad():
+            lin.weight.mul_(torch.logspace(-2, 2, m).unsqueeze(1))
+        layers.append(lin)
+        by_index[str(i)] = factory
+    recipe = hybridq.CustomRecipe(lambda role: by_index[role.name]() if role.tensor_type == "weight" else None,
+                                  name="metadata", backward_override=backward_override)
+    layers.to(device)
+    full = [lin.weight.detach().clone() for lin in layers]
+    apply_hybrid_fsdp(layers, recipe, on_incompatible="error")
+    for lin in layers:
+        fully_shard(lin, mp_policy=mp)
+    diffs, checked = [], {"n": 0}
+
+    def compare(i, direction, where):
+        lin = layers[i]
+        gw = lin.weight
+        if not isinstance(gw, GatheredWeight):
+            diffs.append(f"{cases[i][0]} {where}: weight is {type(gw).__name__}")
+            return
+        ref = lin.weight_quantizer.quantize_parts(full[i].to(torch.bfloat16), True, True)
+        ref = ref[0] if direction == ROWWISE else ref[1]
+        got = gw.part(direction)
+        if ref is None or got is None:
+            if (ref is None) != (got is None):
+                diffs.append(f"{cases[i][0]} {where} {direction}: part {got!r} vs reference {ref!r}")
+            return
+        # the layout the CUDA quantize kernels produce (and the native GEMMs / dequantize kernels require):
+        # contiguous, 16-byte aligned; the CPU reference path may return a transposed view for columnwise data
+        a = _part_meta(got)
+        b = {n: (None if t is None else _tensor_meta(t.contiguous())) for n, t in ref.tensors().items()}
+        for n in b:
+            if b[n] is not None:
+                b[n]["aligned16"] = True
+            if a[n] != b[n]:
+                diffs.append(f"{cases[i][0]} {where} {direction}.{n}: gathered {a[n]} vs unsharded {b[n]}")
+        assert_parts_equal(got, ref, f"{cases[i][0]} {where} {direction}")
+        checked["n"] += 1
+
+    step_box = {"step": 0}
+    bwd_dir = COLUMNWISE if backward_override is None else ROWWISE
+
+    def fwd_hook(i):
+        def hook(mod, args, out):
+            if backward_override != "high_precision":
+                compare(i, ROWWISE, f"forward step {step_box['step']}")
+            out.register_hook(lambda g: (compare(i, bwd_dir, f"backward step {step_box['step']}")
+                                         if backward_override != "high_precision" else None, g)[1])
+        return hook
+
+    for i, lin in enumerate(layers):
+        lin.register_forward_hook(fwd_hook(i))
+    for step in range(steps):
+        step_box["step"] = step
+        loss = 0
+        for i, lin in enumerate(layers):
+            x = torch.randn(16, lin.in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
+            loss = loss + lin(x).float().square().mean()
+        loss.backward()
+        with torch.no_grad():  # a new weight every step (precomputed statistics on odd steps, fallback on even)
+            for lin, w in zip(layers, full):
+                lin.weight.mul_(-1.25)
+                w.mul_(-1.25)
+        if step % 2 == 0:
+            precompute_scales(layers)
+    return {"diffs": diffs, "checked": checked["n"]}

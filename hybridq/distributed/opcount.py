@@ -1,0 +1,166 @@
+"""Counting the tensor ops (each one a kernel launch on a GPU) that the FSDP2 weight path issues per converted weight
+per training step: `fsdp_pre_all_gather` (statistics, shard quantization, payload packing), `fsdp_post_all_gather`
+(unpacking, derivation, copies into the unsharded weight) and `precompute_scales`.
+
+    with OpCounter(gpu_equivalent=True) as oc:
+        ...training steps...
+    print(oc.table())
+
+`gpu_equivalent=True` counts a quantization the CUDA kernels take (a plain call, or per-tensor FP8 with reduced
+statistics) as one op, like the fused kernel on a GPU, instead of the reference path's ops that run on CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_FUSED_TYPES = None
+
+
+def _fused_on_gpu(q, kw) -> bool:
+    """Whether hybridq.kernels.cuda would take this quantize_parts call on a CUDA tensor (see _plain_kw)."""
+    global _FUSED_TYPES
+    from ..formats import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+
+    if _FUSED_TYPES is None:
+        _FUSED_TYPES = (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+    if type(q) not in _FUSED_TYPES:
+        return False
+    allowed = ("amax", "stats", "shard") if type(q) is Float8Quantizer else ()
+    for name, v in kw.items():
+        if v is None or name in allowed:
+            continue
+        if name == "shard" and getattr(v, "is_whole", False):
+            continue
+        return False
+    return True
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by phase: kernels (non-view ops), views, bytes written by kernels, host constants
+    (`torch.tensor(...)`), host syncs (`.item()`), collectives."""
+
+    def __init__(self, gpu_equivalent: bool = True):
+        super().__init__()
+        self.gpu_equivalent = gpu_equivalent
+        self.stack = ["other"]
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._fused_depth = 0
+        self.ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._patches = contextlib.ExitStack()
+
+    # -- phases -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.stack.append(name)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def _wrap(self, owner, attr, name):
+        orig = getattr(owner, attr)
+        counter = self
+
+        @functools.wraps(orig)
+        def wrapped(*a, **k):
+            with counter.phase(name):
+                return orig(*a, **k)
+        setattr(owner, attr, wrapped)
+        self._patches.callback(setattr, owner, attr, orig)
+
+    def _wrap_quantize(self):
+        from ..formats.base import Quantizer
+        from ..formats.hybrid import HybridQuantizer
+
+        counter = self
+        for cls in (Quantizer, HybridQuantizer):
+            orig = cls.__dict__["quantize_parts"]
+
+            def wrapped(q, x2d, rowwise, columnwise, _orig=orig, **kw):
+                if (not counter.gpu_equivalent or counter._fused_depth or x2d.device.type == "meta"
+                        or not _fused_on_gpu(q, kw)):
+                    return _orig(q, x2d, rowwise, columnwise, **kw)
+                counter._record("fused_quantize", x2d.numel() * (int(rowwise) + int(columnwise)))
+                counter._fused_depth += 1
+                try:
+                    return _orig(q, x2d, rowwise, columnwise, **kw)
+                finally:
+                    counter._fused_depth -= 1
+            setattr(cls, "quantize_parts", wrapped)
+            self._patches.callback(setattr, cls, "quantize_parts", orig)
+
+    def __enter__(self):
+        from . import fsdp
+
+        self._wrap(fsdp.HybridWeight, "fsdp_pre_all_gather", "pre_all_gather")
+        self._wrap(fsdp.HybridWeight, "fsdp_post_all_gather", "post_all_gather")
+        self._wrap(fsdp._WeightState, "reduced_stats", "pre_all_gather/stats")
+        self._wrap(fsdp, "quantize_shard", "pre_all_gather/quantize")
+        self._wrap(fsdp, "build_payload", "pre_all_gather/pack")
+        self._wrap(fsdp, "assemble_parts", "post_all_gather/unpack")
+        self._wrap_quantize()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.close()
+
+    def precompute_scales(self, model):
+        from . import fsdp
+
+        with self.phase("precompute_scales"):
+            return fsdp.precompute_scales(model)
+
+    # -- recording ------------------------------------------------------------------------------------
+    def _record(self, kind: str, nbytes: int = 0):
+        for name in self._names():
+            c = self.counts[name]
+            c[kind] += 1
+            if kind in ("kernels", "fused_quantize"):
+                c["launches"] += 1
+                c["bytes"] += nbytes
+
+    def _names(self):
+        top = self.stack[-1]
+        names = {top}
+        if "/" in top:
+            names.add(top.split("/")[0])
+        return names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._fused_depth:
+            return out
+        ns = func.namespace
+        for name in self._names():
+            self.ops[name][str(func)] += 1
+        if ns == "c10d":
+            self._record("collectives")
+        elif func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self._record("constants")
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            self._record("syncs")
+        elif func.is_view or func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+                                      torch.ops.aten.reshape.default) or func.overloadpacket is torch.ops.aten.set_:
+            # (set_: a storage swap, no kernel)
+            self._record("views")
+        else:
+            nbytes = 0
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.device.type != "meta":
+                    nbytes += t.numel() * t.element_size()
+            self._record("kernels", nbytes)
+        return out
+
+    def summary(self, weights: int, steps: int) -> dict:
+        """{phase: {kind: per weight per step}}."""
+        div = max(weights * steps, 1)
+        return {p: {k: v / div for k, v in c.items()} for p, c in self.counts.items()}
