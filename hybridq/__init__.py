@@ -7,6 +7,7 @@ Each tensor may use one quantization format for its rowwise (forward) use and an
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
 from .gemm import register_native_gemm
+from .kernels import extension_available, update_delayed_scaling  # also registers device kernels / GEMMs
 from .nn import ConversionReport, Linear, convert_linears
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
@@ -17,5 +18,6 @@ __all__ = [
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "convert_linears", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
+    "extension_available", "update_delayed_scaling",
 ]
 __version__ = "0.1.0"
