@@ -33,11 +33,12 @@ from torch.utils import _pytree as pytree
 
 from ..formats._sharding import dim0_chunks
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..formats.identity import IdentityPart
 from ..nn.convert import ConversionReport, convert_linears
 from ..nn.linear import Linear
 from ..recipe import CustomRecipe, Role
 from ..tensor import QuantizedTensor
-from .payload import assemble_parts, build_payload, gather_bytes_for, quantize_shard
+from .payload import DIRECTIONS, HIGH_PRECISION, assemble_parts, build_payload, gather_bytes_for, quantize_shard
 
 log = logging.getLogger("hybridq")
 aten = torch.ops.aten
@@ -58,10 +59,11 @@ class _Plan:
     materialize: tuple[str, ...]  # directions filled into the unsharded weight
     derive: bool  # columnwise computed from the gathered rowwise after the gather
     deferred: tuple[str, ...]  # directions a later (backward) unshard will fill
+    local: tuple[str, ...] = ()  # quantized on every rank from the gathered high-precision weight (not sent)
 
 
 def _order(dirs) -> tuple[str, ...]:
-    return tuple(d for d in (ROWWISE, COLUMNWISE) if d in dirs)
+    return tuple(d for d in DIRECTIONS if d in dirs)
 
 
 def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_override: str | None,
@@ -69,8 +71,14 @@ def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_overri
     """phase: "forward" or "backward". reshard_after_forward None = unknown (conservative). derivable: the
     columnwise form is an exact transform of the rowwise one. known=False: FSDP2 internals were not found, so
     the payload must not change between unshards (every unshard sends the same directions). backward_extra:
-    directions an earlier backward had to gather lazily (activation recompute reads the rowwise form)."""
-    bwd = {COLUMNWISE} if backward_override is None else ({ROWWISE} if backward_override == "dequantized" else set())
+    directions an earlier backward had to gather lazily (activation recompute reads the rowwise form).
+
+    backward_override="high_precision": backward reads the weight in the gather dtype (FSDP's param_dtype), so the
+    HIGH_PRECISION "direction" (the shard itself) is what backward gathers. When it is gathered, any quantized
+    direction of the same unshard is quantized from it on every rank (bitwise the one-device quantization of
+    the full weight) instead of being sent too: reshard_after_forward=False then sends param_dtype bytes only."""
+    bwd = {COLUMNWISE} if backward_override is None else (
+        {ROWWISE} if backward_override == "dequantized" else {HIGH_PRECISION})
     deferred: set[str] = set()
     if phase == "backward":
         mat = set(bwd) | set(backward_extra)
@@ -82,12 +90,16 @@ def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_overri
             mat |= bwd  # no backward unshard: everything backward reads comes now
 
     def sends(dirs):
+        if HIGH_PRECISION in dirs:
+            return {HIGH_PRECISION}
         return {ROWWISE if (d == COLUMNWISE and derivable) else d for d in dirs}
 
     send = sends(mat) or {ROWWISE}
     if not known:
         send = sends({ROWWISE} | bwd)
-    return _Plan(_order(send), _order(mat), COLUMNWISE in mat and COLUMNWISE not in send, _order(deferred))
+    local = (mat - {HIGH_PRECISION}) if HIGH_PRECISION in send else set()
+    derive = COLUMNWISE in mat and COLUMNWISE not in send and not local
+    return _Plan(_order(send), _order(mat), derive, _order(deferred), _order(local))
 
 
 # ---- FSDP2 internals (looked up defensively; absent -> conservative constant payload) ------------------
@@ -152,6 +164,7 @@ class _WeightState:
         self.backward_extra: set[str] = set()
         self.last_sig = None
         self.ctx: dict | None = None
+        self.device: torch.device | None = None
         self.counters: collections.Counter = collections.Counter()
 
     def __deepcopy__(self, memo):
@@ -193,9 +206,22 @@ class _WeightState:
                     mine.append(fields[n])
             self.parts[d] = type(p)(rows=p.rows, cols=p.cols, columnwise=p.columnwise, **fields, **p.meta())
             self.owned[d] = mine
+        self.parts[HIGH_PRECISION], self.owned[HIGH_PRECISION] = None, []  # created when first gathered
+        self.device = device
         self.gathered = GatheredWeight(self.parts[ROWWISE], self.parts[COLUMNWISE], shape=shape, dtype=dtype,
                                        state=self)
         return self.gathered
+
+    def create_high_precision(self) -> None:
+        """The unsharded weight's high-precision buffer ([rows, K] in the gather dtype), allocated on first use
+        (its storage is then allocated and freed with the others)."""
+        if self.parts.get(HIGH_PRECISION) is not None:
+            return
+        g = self.gathered
+        m, k = _rows(g.shape), g.shape[-1]
+        data = torch.empty(m, k, dtype=g.dtype, device=self.device)
+        self.parts[HIGH_PRECISION] = IdentityPart(rows=m, cols=k, columnwise=False, data=data)
+        self.owned[HIGH_PRECISION] = [data]
 
     def materialized(self, d: str) -> bool:
         return all(t.numel() == 0 or t.untyped_storage().nbytes() >= t.numel() * t.element_size()
@@ -214,7 +240,7 @@ class _WeightState:
 
     def free_others(self, keep) -> None:
         keep_t = self._unique(keep)
-        for t in self._unique((ROWWISE, COLUMNWISE)):
+        for t in self._unique(DIRECTIONS):
             if not any(t is x for x in keep_t) and t.untyped_storage().nbytes():
                 t.untyped_storage().resize_(0)
 
@@ -273,7 +299,7 @@ class _WeightState:
             parts = _gather_now(local, q, send, ctx)
             src = q.derive_part(parts[ROWWISE], COLUMNWISE, ctx["dtype"]) if derivable else parts[d]
             self.fill(d, src)
-        self.inner[:] = self._unique([x for x in (ROWWISE, COLUMNWISE) if self.materialized(x)])
+        self.inner[:] = self._unique([x for x in DIRECTIONS if self.materialized(x)])
         self.counters["lazy_gathers"] += 1
         if torch._C._current_graph_task_id() != -1:  # e.g. activation recompute: gather it with backward's
             self.backward_extra.add(d)
@@ -340,7 +366,8 @@ def _prepare(local: "HybridWeight", param, q: Quantizer, send, shape, ws: int, r
     data = local._data
     x2d = data.to(dtype).reshape(shard.length, shape[-1])
     stats = None
-    if ws > 1:  # every rank takes part in the reduction (a whole shard beside empty ones included)
+    if ws > 1 and any(d != HIGH_PRECISION for d in send):
+        # every rank takes part in the reduction (a whole shard beside empty ones included)
         key = _stats_key(param, dtype, shard)
         stats = local._hq.reduced_stats(q, x2d, shard, key, group)
     parts = quantize_shard(q, x2d, shard, send, stats)
@@ -496,16 +523,23 @@ class HybridWeight(torch.Tensor):
                         if t is not None and t.is_cuda:
                             t.record_stream(stream)
             parts = assemble_parts(meta, gathered)
-            if plan.derive:
+            if plan.local:  # quantized here from the gathered high-precision weight (the full weight)
+                r, c = q.quantize_parts(parts[HIGH_PRECISION].data, ROWWISE in plan.local, COLUMNWISE in plan.local)
+                parts.update({d: p for d, p in ((ROWWISE, r), (COLUMNWISE, c)) if d in plan.local})
+            elif plan.derive:
                 parts[COLUMNWISE] = q.derive_part(parts[ROWWISE], COLUMNWISE, dtype)
             first = st.gathered is None
             if first:
                 st.create(q, meta.shape, dtype, gathered.device)
+            new_hp = HIGH_PRECISION in plan.materialize and st.parts.get(HIGH_PRECISION) is None
+            if new_hp:
+                st.create_high_precision()
             adopt = {"forbidden": {outputs[0].untyped_storage().data_ptr()}}
             for d in plan.materialize:
                 st.fill(d, parts[d], adopt)
             if first:
                 st.free_others(plan.materialize)
+            if first or new_hp:
                 st.set_inner(plan.materialize)
         if out is not None:
             return None
@@ -532,9 +566,19 @@ class GatheredWeight(QuantizedTensor):
         self._hq.ensure(direction)
         return super().part(direction)
 
+    def high_precision(self) -> torch.Tensor:
+        """The unsharded weight in the gather dtype (FSDP's param_dtype), for backward_override="high_precision":
+        the backward unshard gathers it (or, unplanned, it is gathered on first use)."""
+        st = self._hq
+        st.create_high_precision()
+        st.ensure(HIGH_PRECISION)
+        return st.parts[HIGH_PRECISION].data.view(self.shape)
+
     @property
     def materialized(self) -> str:
-        return "+".join(d for d in (ROWWISE, COLUMNWISE) if self._hq.materialized(d))
+        st = self._hq
+        return "+".join(d for d in DIRECTIONS
+                        if (d != HIGH_PRECISION or st.parts.get(d) is not None) and st.materialized(d))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

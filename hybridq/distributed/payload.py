@@ -18,6 +18,13 @@ import torch
 
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..formats.identity import IdentityQuantizer
+
+# a third "direction" beside rowwise / columnwise: the shard itself in the gather dtype (FSDP's param_dtype), sent
+# as an identity part (backward_override="high_precision": dgrad reads the high-precision weight)
+HIGH_PRECISION = "high_precision"
+DIRECTIONS = (ROWWISE, COLUMNWISE, HIGH_PRECISION)
+_IDENTITY = IdentityQuantizer()
 
 ALIGN = 16  # byte alignment of every buffer inside the payload (any dtype can be viewed at its offset)
 
@@ -73,13 +80,18 @@ class PayloadMeta:
 
 
 def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions, stats=None):
-    """Parts {direction: part} of the row shard `x2d` for the requested directions."""
+    """Parts {direction: part} of the row shard `x2d` for the requested directions (HIGH_PRECISION: `x2d` itself,
+    as an identity part)."""
     want_r, want_c = ROWWISE in directions, COLUMNWISE in directions
+    out = {}
+    if HIGH_PRECISION in directions:
+        out[HIGH_PRECISION] = _IDENTITY.quantize_parts(x2d, True, False)[0]
+    if not (want_r or want_c):
+        return out
     if shard.is_whole or q.shard_is_plain(shard, want_r, want_c):  # plain quantization (device kernels apply)
         r, c = q.quantize_parts(x2d, want_r, want_c)
     else:
         r, c = q.quantize_parts(x2d, want_r, want_c, shard=shard, stats=stats)
-    out = {}
     if want_r:
         out[ROWWISE] = r
     if want_c:
@@ -96,11 +108,11 @@ def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowSh
     part_specs: dict[str, PartSpec] = {}
     replicated: dict[str, dict[str, torch.Tensor]] = {}
     offset = 0
-    for d in (ROWWISE, COLUMNWISE):
+    for d in DIRECTIONS:
         if d not in parts:
             continue
         part = parts[d]
-        hints = q.buffer_hints(d)
+        hints = {} if d == HIGH_PRECISION else q.buffer_hints(d)
         buffers, rep = part.extract_buffers(shard, **hints)
         rows, cols = (k, m) if d == COLUMNWISE else (m, k)
         part_specs[d] = PartSpec(type(part), rows, cols, d == COLUMNWISE, part.meta(), hints)

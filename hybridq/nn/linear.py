@@ -61,7 +61,12 @@ class _LinearFunction(torch.autograd.Function):
             y = y + bias.to(x.dtype)
 
         if override == "high_precision":
-            saved_x, saved_w = x2d, (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight)
+            saved_w = weight
+            if isinstance(weight, QuantizedTensor):
+                # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
+                # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
+                saved_w = weight.detach() if hasattr(weight, "high_precision") else weight.dequantize()
+            saved_x = x2d
         elif override == "dequantized":
             saved_x, saved_w = _only(xq, "rowwise"), _only(wq, "rowwise")
         else:
@@ -89,7 +94,8 @@ class _LinearFunction(torch.autograd.Function):
         if override == "high_precision":
             # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
             if need_dgrad:
-                dx = dy2d.mm(saved_w.to(dy.dtype))
+                w = saved_w.high_precision() if isinstance(saved_w, QuantizedTensor) else saved_w
+                dx = dy2d.mm(w.to(dy.dtype))
             if need_wgrad:
                 dw = dy2d.t().mm(saved_x.to(dy.dtype))
         elif override == "dequantized":

@@ -162,9 +162,29 @@ def job_invariance(rank, world_size, device, names=None):
 
 # ---- training equivalence -------------------------------------------------------------------------------
 
-def run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
-                 recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
-                 memory=False, backward_override=None, offload=False, unsharded_accum=False):
+def run_training(rank, world_size, device, *, env_override=None, **kw):
+    """env_override: set HYBRIDQ_BACKWARD_OVERRIDE for this run (recipes without their own override read it at
+    forward / gather time) instead of passing the override to the recipe."""
+    import os
+
+    from hybridq.recipe import BACKWARD_OVERRIDE_ENV
+
+    if env_override is None:
+        return _run_training(rank, world_size, device, **kw)
+    old = os.environ.get(BACKWARD_OVERRIDE_ENV)
+    os.environ[BACKWARD_OVERRIDE_ENV] = env_override
+    try:
+        return _run_training(rank, world_size, device, **kw)
+    finally:
+        if old is None:
+            del os.environ[BACKWARD_OVERRIDE_ENV]
+        else:
+            os.environ[BACKWARD_OVERRIDE_ENV] = old
+
+
+def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
+                  recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
+                  memory=False, backward_override=None, offload=False, unsharded_accum=False):
     fully_shard, mp = _fsdp()
     mesh_shape = mesh_shape or (1, world_size)
     torch.manual_seed(0)
@@ -261,10 +281,109 @@ def _check_state_dict(model, ref_params, device):
         assert torch.equal(p.full_tensor(), ref_params[n].to(device)), f"load_state_dict did not restore {n}"
 
 
-def job_training(rank, world_size, device, configs, invariance=False):
+def job_training(rank, world_size, device, configs, invariance=False, high_precision=None):
     out = {"runs": [run_training(rank, world_size, device, **cfg) for cfg in configs]}
     if invariance:
         out["invariance"] = job_invariance(rank, world_size, device)
+    if high_precision:
+        out["high_precision"] = job_high_precision(rank, world_size, device, **high_precision)
+    return out
+
+
+# ---- backward_override="high_precision": one Linear, input and weight gradients -------------------------------
+
+HP_SHAPE = (160, 64)  # [N, K]: 80-row shards (split 32-row blocks)
+
+
+def job_high_precision(rank, world_size, device, presets, steps=2):
+    """For each preset and reshard_after_forward in (True, False), and once with the override from the environment:
+    one FSDP2-sharded hybridq Linear with backward_override="high_precision". Every step, on every rank: output,
+    input gradient and (reduced) weight gradient bitwise equal to the single-process hybridq Linear with the same
+    override (bf16 weight, each rank's batch separately, gradients averaged in FSDP2's order), whose gradients are
+    in turn bitwise those of nn.Linear (F.linear) on the same output gradient. Bytes sent per step equal
+    gather_bytes_per_step's, and nothing unsharded survives the reshard."""
+    import os
+
+    from hybridq.distributed import gather_bytes_per_step
+    from hybridq.recipe import BACKWARD_OVERRIDE_ENV
+
+    fully_shard, mp = _fsdp()
+    n, k = HP_SHAPE
+    cases = [(p, ra, False) for p in presets for ra in (True, False)] + [(presets[0], True, True)]
+    out = {}
+    for preset, ra, from_env in cases:
+        name = f"{preset} reshard_after_forward={ra}{' (env)' if from_env else ''}"
+        recipe = hybridq.recipe(preset, backward_override=None if from_env else "high_precision")
+        if from_env:
+            os.environ[BACKWARD_OVERRIDE_ENV] = "high_precision"
+        try:
+            torch.manual_seed(0)
+            base = nn.Linear(k, n)
+            with torch.no_grad():
+                base.weight.mul_(torch.logspace(-1, 1, n).unsqueeze(1))
+            master = copy.deepcopy(base)
+            ref = hybridq.Linear.from_linear(copy.deepcopy(base), hybridq.recipe(preset,
+                                             backward_override="high_precision"), name="ref").to(torch.bfloat16)
+            model = nn.Sequential(base).to(device)
+            apply_hybrid_fsdp(model, recipe, on_incompatible="error")
+            fully_shard(model[0], mp_policy=mp, reshard_after_forward=ra)
+            fully_shard(model, mp_policy=mp, reshard_after_forward=ra)
+            lin = model[0]
+            st = _states(model)["0"]
+            before = st.counters["bytes_sent"]
+            for step in range(steps):
+                g = torch.Generator().manual_seed(100 * step)
+                xs = [torch.randn(32, k, generator=g).to(torch.bfloat16) for _ in range(world_size)]
+                gys = [torch.randn(32, n, generator=g).to(torch.bfloat16) for _ in range(world_size)]
+                x = xs[rank].detach().clone().to(device).requires_grad_(True)
+                y = model(x)
+                y.backward(gys[rank].to(device))
+                # the single-process oracle: each rank's batch through the hybridq Linear (bf16 weight)
+                with torch.no_grad():
+                    ref.weight.copy_(master.weight)
+                    ref.bias.copy_(master.bias)
+                ref_dw = []
+                for r in range(world_size):
+                    xr = xs[r].detach().clone().requires_grad_(True)
+                    yr = ref(xr)
+                    yr.backward(gys[r])
+                    # ...whose gradients are those of an unquantized Linear for the same output gradient
+                    xp = xs[r].detach().clone().requires_grad_(True)
+                    wp = ref.weight.detach().clone().requires_grad_(True)
+                    torch.nn.functional.linear(xp, wp, ref.bias.detach()).backward(gys[r])
+                    assert torch.equal(xr.grad, xp.grad) and torch.equal(ref.weight.grad, wp.grad), name
+                    if r == rank:
+                        assert torch.equal(y.detach(), yr.detach().to(device)), f"{name} step {step}: output"
+                        assert torch.equal(x.grad, xr.grad.to(device)), \
+                            f"{name} step {step}: input grad differs (max {(x.grad - xr.grad.to(device)).abs().max():.3e})"
+                    ref_dw.append(ref.weight.grad.float())
+                    ref.zero_grad(set_to_none=True)
+                want = ref_dw[0]
+                for gr in ref_dw[1:]:
+                    want = want + gr
+                want = want / world_size if world_size > 1 else want
+                got = lin.weight.grad.full_tensor()
+                assert torch.equal(got, want.to(device)), \
+                    f"{name} step {step}: weight grad differs (max {(got - want.to(device)).abs().max():.3e})"
+                with torch.no_grad():  # a new weight every step (the gathered high-precision form must follow)
+                    for p, pm in ((lin.weight, master.weight), (lin.bias, master.bias)):
+                        p.add_(p.grad, alpha=-0.5)
+                        pm.add_(p.grad.full_tensor().to(pm.device), alpha=-0.5)
+                        p.grad = None
+                    if world_size > 1:
+                        assert torch.equal(lin.weight.full_tensor().cpu(), master.weight), name
+            assert _owned_freed(model), f"{name}: unsharded buffers survived the reshard"
+            sent = (st.counters["bytes_sent"] - before) / steps
+            expect = gather_bytes_per_step(lin.weight_quantizer, HP_SHAPE, world_size, reshard_after_forward=ra,
+                                           backward_override="high_precision")
+            if world_size > 1:
+                assert sent == expect["total"], (name, sent, expect)
+            if not ra:
+                assert st.counters.get("gather_backward", 0) == 0, (name, dict(st.counters))
+            out[name] = {"bytes_per_step": sent, "counters": dict(st.counters)}
+        finally:
+            if from_env:
+                del os.environ[BACKWARD_OVERRIDE_ENV]
     return out
 
 

@@ -61,7 +61,7 @@ def test_training_variants(backend):
     """reshard_after_forward=False, gradient accumulation with set_requires_gradient_sync, activation
     recompute (lazy rowwise gather in backward), state_dict / load_state_dict / grad clipping, the per-weight
     statistics fallback (no precompute_scales), HSDP 2x1 and 1x2 meshes, backward_override='dequantized',
-    CPU offload (gloo)."""
+    CPU offload (gloo), and backward_override='high_precision' (see HIGH_PRECISION_CONFIGS)."""
     mem = _memory(backend)
     configs = [
         {"preset": "mxfp8_fwd_nvfp4_bwd", "reshard_after_forward": False, **mem},
@@ -74,11 +74,44 @@ def test_training_variants(backend):
     ]
     if backend == "gloo":  # FSDP2's CPU offload path (to(device) before each all-gather)
         configs.append({"preset": "fp8_tensorwise", "offload": True})
-    out = spawn(_jobs.job_training, 2, backend, configs=configs)
+    configs += HIGH_PRECISION_CONFIGS
+    out = spawn(_jobs.job_training, 2, backend, configs=configs, high_precision={"presets": HIGH_PRECISION_PRESETS})
     runs = out[0]["runs"]
     assert runs[0]["counters"].get("gather_backward", 0) == 0  # nothing re-gathered in backward
     assert runs[1]["counters"]["stats_allreduce"] >= 3 * runs[1]["converted"] - 3  # fallback: one per step
     assert runs[2]["counters"]["lazy_gathers"] > 0
+    _check_high_precision(out, runs[-len(HIGH_PRECISION_CONFIGS):])
+
+
+# backward_override="high_precision" under FSDP2 (backward reads the weight gathered in param_dtype): the whole
+# TinyLM (losses of every step, gradients of step 0, parameters after 3 steps) and one Linear (output, input and
+# weight gradients of every step, reshard_after_forward True and False, override from the environment) bitwise
+# equal to the single-process hybridq run with the same override, whose gradients are those of nn.Linear
+HIGH_PRECISION_PRESETS = ["fp8_tensorwise", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"]
+HIGH_PRECISION_CONFIGS = [
+    {"preset": "fp8_tensorwise", "backward_override": "high_precision"},
+    {"preset": "mxfp8", "backward_override": "high_precision", "reshard_after_forward": False},
+    {"preset": "nvfp4", "backward_override": "high_precision"},
+    {"preset": "mxfp8_fwd_nvfp4_bwd", "env_override": "high_precision"},
+]
+
+
+def _check_high_precision(out, runs):
+    for cfg, run in zip(HIGH_PRECISION_CONFIGS, runs):
+        c = run["counters"]
+        assert c.get("lazy_gathers", 0) == 0, (cfg, c)  # backward's gather was planned, not lazy
+        if cfg.get("reshard_after_forward", True):
+            assert c["gather_backward"] > 0, (cfg, c)
+        else:
+            assert c.get("gather_backward", 0) == 0, (cfg, c)
+    hp = out[0]["high_precision"]
+    assert len(hp) == 2 * len(HIGH_PRECISION_PRESETS) + 1, sorted(hp)
+    for name, r in hp.items():
+        # one rank's shard of the 160x64 weight in bf16 is 80*64*2 bytes: backward (or, without reshard, the only)
+        # gather sends exactly that
+        ra = "reshard_after_forward=True" in name
+        bf16 = 80 * 64 * 2
+        assert (r["bytes_per_step"] > bf16) if ra else (r["bytes_per_step"] == bf16), (name, r)
 
 
 @pytest.mark.parametrize("backend", [

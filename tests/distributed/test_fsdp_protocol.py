@@ -155,6 +155,25 @@ def test_plan():
     p1 = make_plan(phase="forward", reshard_after_forward=None, backward_override=None, derivable=False, known=False)
     p2 = make_plan(phase="backward", reshard_after_forward=None, backward_override=None, derivable=False, known=False)
     assert p1.send == p2.send == (R, C) and p1.materialize == (R, C)
+    # high_precision: backward gathers the param_dtype shard; gathered in the same unshard as the rowwise form,
+    # the rowwise form is quantized from it on every rank instead of being sent too
+    H = "high_precision"
+    for derivable in (False, True):
+        p = make_plan(phase="forward", reshard_after_forward=True, backward_override=H, derivable=derivable,
+                      known=True)
+        assert (p.send, p.materialize, p.deferred, p.local, p.derive) == ((R,), (R,), (H,), (), False)
+        p = make_plan(phase="backward", reshard_after_forward=True, backward_override=H, derivable=derivable,
+                      known=True)
+        assert (p.send, p.materialize, p.local, p.derive) == ((H,), (H,), (), False)
+        p = make_plan(phase="forward", reshard_after_forward=False, backward_override=H, derivable=derivable,
+                      known=True)
+        assert (p.send, p.materialize, p.local, p.derive) == ((H,), (R, H), (R,), False)
+        p = make_plan(phase="backward", reshard_after_forward=True, backward_override=H, derivable=derivable,
+                      known=True, backward_extra={R})  # activation recompute / no reshard after backward
+        assert (p.send, p.materialize, p.local) == ((H,), (R, H), (R,))
+    p1 = make_plan(phase="forward", reshard_after_forward=None, backward_override=H, derivable=False, known=False)
+    p2 = make_plan(phase="backward", reshard_after_forward=None, backward_override=H, derivable=False, known=False)
+    assert p1.send == p2.send == (H,) and p1.local == (R,)
 
 
 def test_delayed_scaling_rejected():
@@ -212,6 +231,16 @@ def test_bytes_per_step_table(capsys):
         r = gather_bytes_per_step(q, (4096, 4096), 2)
         assert r["ratio"] == pytest.approx(ratio, abs=1e-4), (preset, r)
         assert r["total"] < r["bf16_total"]
+    # backward_override="high_precision": forward sends the rowwise form, backward the bf16 shard (2 bytes per
+    # element); without reshard after forward only the bf16 shard is sent (the rowwise form is quantized from it)
+    hp = {"fp8_tensorwise": 0.75, "mxfp8": 0.7578125, "nvfp4": 0.6259765625, "mxfp8_fwd_nvfp4_bwd": 0.7578125}
+    for preset, ratio in hp.items():
+        q = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
+        r = gather_bytes_per_step(q, (4096, 4096), 2, backward_override="high_precision")
+        assert r["ratio"] == pytest.approx(ratio, abs=1e-4), (preset, r)
+        assert (r["forward_sends"], r["backward_sends"], r["backward"]) == ("rowwise", "high_precision", 4096 * 2048 * 2)
+        r = gather_bytes_per_step(q, (4096, 4096), 2, backward_override="high_precision", reshard_after_forward=False)
+        assert (r["forward_sends"], r["ratio"]) == ("high_precision", 1.0), (preset, r)
     # an unevenly sharded vocabulary projection still sends one byte per element for FP8 tensorwise / 128x128
     for preset in ("fp8_tensorwise", "fp8_block"):
         q = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
