@@ -12,28 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn as nn
 
 import hybridq
-
-
-def bench(step, warmup: int = 3, iters: int = 10, inner: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
+from bench_kernels import bench  # same timing method (CUDA events, median of back-to-back calls)
 
 
 def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):

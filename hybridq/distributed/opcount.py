@@ -31,14 +31,9 @@ def _fused_on_gpu(q, kw) -> bool:
         _FUSED_TYPES = (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
     if type(q) not in _FUSED_TYPES:
         return False
-    allowed = ("amax", "stats", "shard") if type(q) is Float8Quantizer else ()
-    for name, v in kw.items():
-        if v is None or name in allowed:
-            continue
-        if name == "shard" and getattr(v, "is_whole", False):
-            continue
-        return False
-    return True
+    from ..kernels.cuda import _plain_kw
+
+    return _plain_kw(kw, ("amax", "stats", "shard") if type(q) is Float8Quantizer else ())
 
 
 class OpCounter(TorchDispatchMode):
