@@ -11,6 +11,7 @@ capability, shapes); otherwise the GEMM is emulated: dequantize both parts to fp
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 from typing import Callable
@@ -33,6 +34,12 @@ class NativeGemm:
 
 
 _NATIVE: dict[tuple[type, type], list[NativeGemm]] = {}
+# what the running GEMM is for (e.g. "dgrad of layers.0.fc1"), so a native kernel's warnings can name the layer
+_GEMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("hybridq_gemm_name", default=None)
+
+
+def current_gemm_name() -> str | None:
+    return _GEMM_NAME.get()
 
 
 def register_native_gemm(a_type: type, b_type: type, name: str, run: GemmFn, supports: SupportsFn) -> None:
@@ -54,11 +61,16 @@ def emulated_gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype) ->
     return (a.dequantize_2d(undo_transform=not same) @ b.dequantize_2d(undo_transform=not same).t()).to(out_dtype)
 
 
-def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b^T` for parts `a: [m, k]`, `b: [n, k]`; result `[m, n]` in out_dtype."""
+def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
+    """`a @ b^T` for parts `a: [m, k]`, `b: [n, k]`; result `[m, n]` in out_dtype. `name` says what the GEMM is
+    for (e.g. "fprop of fc1"); native kernels name it when they warn or fall back."""
     if a.cols != b.cols:
-        raise ValueError(f"gemm: contracted dims differ: {a!r} x {b!r}")
-    native = find_native_gemm(a, b)
-    if native is not None:
-        return native.run(a, b, out_dtype)
-    return emulated_gemm(a, b, out_dtype)
+        raise ValueError(f"gemm{f' ({name})' if name else ''}: contracted dims differ: {a!r} x {b!r}")
+    token = _GEMM_NAME.set(name)
+    try:
+        native = find_native_gemm(a, b)
+        if native is not None:
+            return native.run(a, b, out_dtype)
+        return emulated_gemm(a, b, out_dtype)
+    finally:
+        _GEMM_NAME.reset(token)

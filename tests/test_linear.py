@@ -376,3 +376,40 @@ def test_tensor_parallel_dtensor_weight_is_rejected_not_silently_wrong(tmp_path)
             q(inputs(torch.float32)[0])
     finally:
         dist.destroy_process_group()
+
+
+def test_native_gemm_sees_which_layer_and_gemm_it_runs_for():
+    """A native kernel's fallback warning can name the layer: gemm() publishes "<fprop|dgrad|wgrad> of <name>"."""
+    import hybridq.gemm as G
+
+    class Part(hq.formats.IdentityPart):  # a part type with a registered native GEMM that declines
+        pass
+
+    seen = []
+
+    def supports(a, b):
+        seen.append(G.current_gemm_name())
+        return False
+
+    G.register_native_gemm(Part, Part, "spy", lambda a, b, dt: None, supports)
+    try:
+        q, _ = make_pair(hq.CustomRecipe(lambda role: _PartQuantizer(Part)))
+        run(q, *inputs(torch.float32))
+    finally:
+        G._NATIVE.pop((Part, Part))
+    assert seen == ["fprop of fc", "dgrad of fc", "wgrad of fc"], seen
+    assert G.current_gemm_name() is None
+
+
+class _PartQuantizer(hq.IdentityQuantizer):
+    """Identity quantization into a given IdentityPart subclass."""
+
+    def __init__(self, part_type):
+        super().__init__()
+        self.part_type = part_type
+
+    def reference_parts(self, x2d, rowwise, columnwise, **kw):
+        row, col = super().reference_parts(x2d, rowwise, columnwise, **kw)
+        cast = lambda p: None if p is None else self.part_type(rows=p.rows, cols=p.cols, columnwise=p.columnwise,
+                                                                 data=p.data)
+        return cast(row), cast(col)

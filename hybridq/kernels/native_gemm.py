@@ -56,7 +56,11 @@ def _cap(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _shapes(a, b) -> str:
-    return f"[{a.rows}, {a.cols}] x [{b.rows}, {b.cols}]^T"
+    """The operands, and the layer's GEMM when the caller named it (e.g. "dgrad of layers.0.fc1")."""
+    from ..gemm import current_gemm_name
+
+    name = current_gemm_name()
+    return f"[{a.rows}, {a.cols}] x [{b.rows}, {b.cols}]^T" + (f" ({name})" if name else "")
 
 
 def _on_cuda(a, b) -> bool:

@@ -56,7 +56,7 @@ class _LinearFunction(torch.autograd.Function):
             wq = cached_weight
         else:
             wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
-        y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype)
+        y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype, f"fprop of {cfg.name}")
         if bias is not None:
             y = y + bias.to(x.dtype)
 
@@ -107,12 +107,14 @@ class _LinearFunction(torch.autograd.Function):
             dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
                                              name=f"grad_output of {cfg.name}")
             if need_dgrad:
-                dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype)
+                dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype,
+                          f"dgrad of {cfg.name}")
             if need_wgrad:
                 xq = saved_x
                 if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
                     xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
-                dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype)
+                dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype,
+                          f"wgrad of {cfg.name}")
 
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
