@@ -11,6 +11,14 @@ are set up by `hybridq.apply_hybrid_fsdp` before `fully_shard` (per block, then 
 Determinism: the initial weights, the batches (a pure function of seed and step), the learning rate (a pure
 function of step) and the random stream of each step (reseeded from seed, step and rank) do not depend on
 where a run started, so `--resume` from a checkpoint continues bit for bit like the uninterrupted run.
+
+Checkpoints are world-size independent: model and optimizer go through DCP (which reshards), and the rest of
+the job's state is one file written by rank 0 (`train_state.json`: step, loss history, seed, the saving
+run's dp). Nothing per-rank is saved: the data of step s on rank r is a pure function of (seed, s, r, dp)
+and every step reseeds the random stream from (seed, s, r). So a run saved with dp=2 resumes with dp=1 (and
+1 -> 2): the parameters and AdamW state after loading are bitwise those saved, the loss history carries
+over, and the following steps are exactly those of a dp=1 run started from that state (the global batch is
+now dp x --batch sequences, so the losses are not those of the uninterrupted dp=2 run).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from data import VOCAB_SIZE, ByteBatches, load_tokens  # noqa: E402
 from model import ALIGN, ModelConfig, Transformer  # noqa: E402
 
 BASELINE = "bf16"
+TORCHAO = "torchao_float8"  # baseline: torchao float8 training (tensorwise, float8 all-gather); needs torchao
 
 
 # ---- arguments -----------------------------------------------------------------------------------
@@ -52,7 +61,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    names = [BASELINE] + hybridq.preset_names()
+    names = [BASELINE] + hybridq.preset_names() + [TORCHAO]
     p = argparse.ArgumentParser(description="Train a small Llama-style decoder with FSDP2 and a hybridq recipe.",
                                 formatter_class=_Help)
     g = p.add_argument_group("recipe")
@@ -98,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--checkpoint-dir (a run with none starts from step 0)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="stop after this step as if interrupted (for testing resume)")
+    # testing aids (not in --help): dump the gathered full state at each save and after a resume, and start a
+    # run from such a dump (a path to the state that does not go through DCP resharding)
+    g.add_argument("--dump-state", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--init-state", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=int, default=1, help="per-step line every N steps")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
@@ -142,6 +155,12 @@ def check_args(args, world: int) -> None:
         model_config(args).check()
     except ValueError as e:
         errors.append(str(e))
+    if TORCHAO in (args.recipe, args.compare):
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception as e:  # identical on every rank
+            errors.append(f"{TORCHAO} (the torchao float8 baseline) needs torchao, which is not importable here "
+                          f"({type(e).__name__}: {e}); install it (pip install torchao) or pick another recipe")
     if errors:
         raise SystemExit("train.py: " + "\n  ".join(["invalid arguments:"] + errors))
 
@@ -281,6 +300,20 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
     return rows, summary
 
 
+def convert_torchao(model: nn.Module, args, out) -> None:
+    """The torchao float8 baseline (before fully_shard): torchao.float8.convert_to_float8_training, tensorwise
+    dynamic scaling, enable_fsdp_float8_all_gather=True, same head filter as the hybridq recipes; build()
+    adds precompute_float8_dynamic_scale_for_fsdp after each optimizer step (as launch/bench_fsdp.py does)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=head_filter(args))
+    n_conv = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    out(f"\n{TORCHAO}: {n_conv} of {n_linear} Linear layers converted by torchao.float8.convert_to_float8_training "
+        "(tensorwise, float8 all-gather, scales precomputed after each optimizer step)"
+        + ("" if args.quantize_head else "; output head kept in high precision"))
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 
 def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
@@ -291,15 +324,21 @@ def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
     return path if path.exists() else None
 
 
-def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, extra: dict, env: Env, meta: dict) -> None:
+TRAIN_STATE = "train_state.json"
+# the configuration a checkpoint must match to be resumed (the world size / dp is free: DCP reshards)
+RESUME_KEYS = ("recipe", "model", "steps", "seq", "batch", "lr", "seed", "param_dtype", "quantize_head")
+
+
+def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, train_state: dict, env: Env,
+                    meta: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     path = run_dir / f"step_{step:06d}"
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    torch.save(extra, path / f"extra_rank{env.rank}.pt")
     dist.barrier()
-    if env.main:
+    if env.main:  # one file for the whole job: nothing in it depends on the rank or the world size
+        (path / TRAIN_STATE).write_text(json.dumps(train_state))
         (path / "meta.json").write_text(json.dumps(meta, indent=1))
         tmp = run_dir / "latest.tmp"
         tmp.write_text(path.name)
@@ -307,22 +346,69 @@ def save_checkpoint(run_dir: pathlib.Path, step: int, model, optimizer, extra: d
     dist.barrier()
 
 
+def check_meta(path: pathlib.Path, saved: dict, meta: dict) -> None:
+    """Fail, naming each difference, when the checkpoint's configuration differs from this run's."""
+    diffs = []
+    for k in RESUME_KEYS:
+        a, b = saved.get(k), meta.get(k)
+        if k == "model" and isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"model {f}: saved {a.get(f)!r}, now {b.get(f)!r}"
+                      for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+        elif a != b:
+            diffs.append(f"{k}: saved {a!r}, now {b!r}")
+    if diffs:
+        raise SystemExit(f"train.py: cannot resume from {path}: it was written by a different configuration ("
+                         + "; ".join(diffs) + ")")
+
+
 def load_checkpoint(path: pathlib.Path, model, optimizer, env: Env, meta: dict) -> dict:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     saved = json.loads((path / "meta.json").read_text())
-    diff = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
-    if diff:
-        raise SystemExit(f"train.py: checkpoint {path} was written by a different configuration: "
-                         + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
+    check_meta(path, saved, meta)  # before any collective: every rank reads the same file
+    state_file = path / TRAIN_STATE
+    if state_file.exists():
+        train_state = json.loads(state_file.read_text())
+    elif (path / "extra_rank0.pt").exists():  # written before train_state.json: its step and losses suffice
+        old = torch.load(path / "extra_rank0.pt", weights_only=False)
+        train_state = {"step": old["step"], "losses": list(old["losses"])}
+    else:
+        raise SystemExit(f"train.py: {state_file} is missing (an incomplete checkpoint?)")
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:  # a BaseException: turn it into the job's clean error exit
+        raise SystemExit(f"train.py: loading {path} failed: {e}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra_file = path / f"extra_rank{env.rank}.pt"
-    if not extra_file.exists():
-        raise SystemExit(f"train.py: {extra_file} is missing (checkpoint written by a different world size?)")
-    return torch.load(extra_file, weights_only=False)
+    return train_state
+
+
+def full_state(model, optimizer) -> dict:
+    """The gathered (unsharded) model and optimizer state dicts on the CPU; a collective on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd}
+
+
+def dump_state(args, recipe_name: str, tag: str, step: int, losses: list[float], model, optimizer,
+               env: Env) -> None:
+    st = full_state(model, optimizer)
+    if env.main:
+        d = pathlib.Path(args.dump_state)
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({**st, "step": step, "losses": list(losses), "world": env.world},
+                   d / f"{recipe_name}_{tag}_step_{step:06d}.pt")
+    dist.barrier()
+
+
+def init_from_dump(path: str, model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    st = torch.load(path, weights_only=False)
+    set_state_dict(model, optimizer, model_state_dict=st["model"], optim_state_dict=st["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+    return st
 
 
 # ---- one training run ----------------------------------------------------------------------------
@@ -339,7 +425,9 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(args.seed)
     model = Transformer(model_config(args))  # identical initial weights on every rank and for every recipe
-    if recipe_name != BASELINE:
+    if recipe_name == TORCHAO:
+        convert_torchao(model, args, out)
+    elif recipe_name != BASELINE:
         try:
             rows, summary = convert(model, recipe_name, args)
         except ValueError as e:  # raised identically on every rank, before any collective
@@ -358,6 +446,9 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if recipe_name == TORCHAO:  # the next float8 all-gathers' scales, one fused all-reduce (a collective)
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     return model, optimizer
 
 
@@ -384,18 +475,33 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
     quantized = recipe_name != BASELINE
     run_dir = pathlib.Path(args.checkpoint_dir) / recipe_name if args.checkpoint_dir else None
     meta = {"recipe": recipe_name, "model": dataclasses.asdict(model_config(args)), "steps": args.steps,
-            "seq": args.seq, "batch": args.batch, "dp": args.dp, "lr": args.lr, "seed": args.seed,
-            "param_dtype": args.param_dtype, "quantize_head": args.quantize_head}
+            "seq": args.seq, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+            "param_dtype": args.param_dtype, "quantize_head": args.quantize_head,
+            "dp": args.dp}  # recorded only: a checkpoint resumes under any dp
     losses: list[float] = []
     start = 0
     if args.resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
+            others = [p.parent.name for p in sorted(pathlib.Path(args.checkpoint_dir).glob("*/latest"))
+                      if p.parent.name not in (args.recipe, args.compare) and latest_checkpoint(p.parent)]
+            if others:
+                raise SystemExit(f"train.py: --resume with recipe {recipe_name}, but {args.checkpoint_dir} holds "
+                                 f"checkpoints of recipe(s) {', '.join(others)} only (recipe mismatch: pass "
+                                 f"--recipe {others[0]}, or drop --resume to start a fresh run)")
             out(f"[{recipe_name}] --resume: no checkpoint in {run_dir}, starting from step 0")
         else:
-            extra = load_checkpoint(ckpt, model, optimizer, env, meta)
-            start, losses = extra["step"], list(extra["losses"])
-            out(f"[{recipe_name}] resumed from {ckpt} at step {start}")
+            saved = load_checkpoint(ckpt, model, optimizer, env, meta)
+            start, losses = saved["step"], list(saved["losses"])
+            saved_dp = saved.get("dp")
+            across = f" (saved with dp={saved_dp}, now dp={args.dp})" if saved_dp not in (None, args.dp) else ""
+            out(f"[{recipe_name}] resumed from {ckpt} at step {start}{across}")
+            if args.dump_state:
+                dump_state(args, recipe_name, "loaded", start, losses, model, optimizer, env)
+    elif args.init_state:
+        st = init_from_dump(args.init_state, model, optimizer)
+        start, losses = st["step"], list(st["losses"])
+        out(f"[{recipe_name}] started from the full state in {args.init_state} at step {start}")
     if start >= args.steps:
         out(f"[{recipe_name}] already trained for {start} >= --steps {args.steps} steps")
 
@@ -440,8 +546,12 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         done = n - start
         out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
         if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
-            extra = {"step": n, "losses": losses, "rng": torch.get_rng_state()}
-            save_checkpoint(run_dir, n, model, optimizer, extra, env, meta)
+            # no RNG state: step s reseeds from (seed, s, rank); no loader state: batches are a pure function
+            # of (seed, s, rank, dp); so this is the whole job state, for any world size that resumes it
+            train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "world": env.world}
+            save_checkpoint(run_dir, n, model, optimizer, train_state, env, meta)
+            if args.dump_state:
+                dump_state(args, recipe_name, "saved", n, losses, model, optimizer, env)
             out(f"[{recipe_name}] saved checkpoint {run_dir / f'step_{n:06d}'}")
     out.end_progress()
     val = evaluate(model, data, args, env) if end == args.steps and args.eval_batches > 0 else float("nan")

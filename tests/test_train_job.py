@@ -5,9 +5,10 @@ three torchrun launches (2 processes, gloo) of a tiny model:
     part     the same flags with --checkpoint-dir --save-every 4 --stop-after 6 (an interrupted run)
     resumed  --resume from part's step-4 checkpoint to step 8
 
-Resume bound: bitwise. The resumed run's losses at steps 5..8 equal the uninterrupted run's exactly (weights
-and AdamW state come back exactly through DCP; batches, learning rate and the stochastic-rounding stream
-depend only on seed, step and rank).
+Resume bound (same world size): bitwise. The resumed run's losses at steps 5..8 equal the uninterrupted run's
+exactly (weights and AdamW state come back exactly through DCP; batches, learning rate and the
+stochastic-rounding stream depend only on seed, step and rank). Across world sizes (2 -> 1 and 1 -> 2): see
+the section at the end, which adds six short launches.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -143,7 +145,8 @@ def runs(tmp_path_factory):
     out["full"] = torchrun("--compare", "bf16", "--plot", str(d / "full.png"), cwd=d)
     ck = d / "ckpt"
     out["part"] = torchrun("--checkpoint-dir", str(ck), "--save-every", "4", "--stop-after", "6",
-                           "--plot", str(d / "part.png"), cwd=d)
+                           "--dump-state", str(d / "dumps" / "s21"), "--plot", str(d / "part.png"), cwd=d)
+    shutil.copytree(ck, d / "ck21")  # its step-4 checkpoint, for the 2 -> 1 resume below
     out["resumed"] = torchrun("--checkpoint-dir", str(ck), "--resume", "--plot", str(d / "resumed.png"), cwd=d)
     js = {k: json.loads((d / f"{k}.json").read_text()) for k in ("full", "part", "resumed")}
     return out, js, d
@@ -187,7 +190,7 @@ def test_cpu_job_resumes_bitwise(runs):
     out, js, d = runs
     ck = d / "ckpt" / RECIPE
     assert (ck / "latest").read_text().strip() == "step_000004"
-    assert (ck / "step_000004" / ".metadata").exists() and (ck / "step_000004" / "extra_rank1.pt").exists()
+    assert (ck / "step_000004" / ".metadata").exists() and (ck / "step_000004" / "train_state.json").exists()
     full = js["full"]["runs"][RECIPE]["losses"]
     part = js["part"]["runs"][RECIPE]
     resumed = js["resumed"]["runs"][RECIPE]
@@ -196,3 +199,106 @@ def test_cpu_job_resumes_bitwise(runs):
     assert resumed["start_step"] == 4 and resumed["steps_run"] == 4
     assert resumed["losses"] == full, f"resumed {resumed['losses']} vs uninterrupted {full}"
     assert resumed["val_loss"] == js["full"]["runs"][RECIPE]["val_loss"]
+
+
+# ---- resume across world sizes -------------------------------------------------------------------
+#
+# What "continues" means when the world size changes: the global batch is dp x --batch sequences, so the
+# losses after a 2 -> 1 resume cannot equal those of the uninterrupted 2-process run. What holds, and is
+# tested bitwise:
+#   1. the parameters and the AdamW state after loading equal those saved (gathered full state dicts,
+#      compared tensor by tensor with torch.equal, dtypes included), and the loss history carries over;
+#   2. the resumed run's next steps equal those of a fresh run of the new world size started from the same
+#      state through another path (--init-state: the gathered full state dict, set with
+#      set_state_dict(full_state_dict=True), no DCP resharding). Given 1, the steps after a resume are a
+#      pure function of (state, seed, step, rank, dp), so 2 isolates anything DCP or the job's resume path
+#      leaves behind (a stale buffer, a lost optimizer field, the wrong step or data position).
+
+def torchrun_n(n: int, *flags: str, cwd: pathlib.Path, ok: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+           str(ROOT / "launch" / "train.py"), *TINY, *flags]
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    if ok:
+        assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-6000:]}"
+    return p
+
+
+def assert_state_equal(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: max |diff| {(a.float() - b.float()).abs().max().item()}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            assert_state_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_state_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(runs):
+    """2 -> 1 for RECIPE (from a copy of `part`'s step-4 checkpoint) and 1 -> 2 for bf16, each with its
+    --init-state twin."""
+    d = runs[2]
+    dumps = d / "dumps"
+    res = {}
+    # 2 -> 1, RECIPE
+    ck = d / "ck21"
+    res["r21"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--stop-after", "6",
+                            "--dump-state", str(dumps / "r21"), "--plot", str(d / "r21.png"), cwd=d).stdout
+    torchrun_n(1, "--init-state", str(dumps / "s21" / f"{RECIPE}_saved_step_000004.pt"), "--stop-after", "6",
+               "--plot", str(d / "o21.png"), cwd=d)
+    # 1 -> 2, bf16
+    ck12 = d / "ck12"
+    torchrun_n(1, "--recipe", "bf16", "--checkpoint-dir", str(ck12), "--save-every", "4", "--stop-after", "4",
+               "--dump-state", str(dumps / "s12"), "--plot", str(d / "s12.png"), cwd=d)
+    res["r12"] = torchrun_n(2, "--recipe", "bf16", "--checkpoint-dir", str(ck12), "--resume", "--stop-after", "6",
+                            "--dump-state", str(dumps / "r12"), "--plot", str(d / "r12.png"), cwd=d).stdout
+    torchrun_n(2, "--recipe", "bf16", "--init-state", str(dumps / "s12" / "bf16_saved_step_000004.pt"),
+               "--stop-after", "6", "--plot", str(d / "o12.png"), cwd=d)
+    # mismatches, against the 2 -> 1 checkpoint (1 process: they fail before training)
+    res["bad_model"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--d-model", "96", cwd=d, ok=False)
+    res["bad_recipe"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--recipe", "fp8_block", cwd=d,
+                                   ok=False)
+    js = {k: json.loads((d / f"{k}.json").read_text()) for k in ("r21", "o21", "s12", "r12", "o12")}
+    js["s21"] = runs[1]["part"]
+    return res, js, d
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case, recipe, saved_world, new_world", [("21", RECIPE, 2, 1), ("12", "bf16", 1, 2)])
+def test_resume_across_world_sizes(reshard_runs, case, recipe, saved_world, new_world):
+    res, js, d = reshard_runs
+    ck = d / f"ck{case}" / recipe / "step_000004"
+    assert (ck / "train_state.json").exists() and not list(ck.glob("extra_rank*"))
+    assert f"resumed from {ck} at step 4 (saved with dp={saved_world}, now dp={new_world})" in res[f"r{case}"]
+    saved = torch.load(d / "dumps" / f"s{case}" / f"{recipe}_saved_step_000004.pt", weights_only=False)
+    loaded = torch.load(d / "dumps" / f"r{case}" / f"{recipe}_loaded_step_000004.pt", weights_only=False)
+    assert (saved["world"], loaded["world"]) == (saved_world, new_world)
+    assert saved["optim"]["state"], "AdamW state is present"
+    assert_state_equal(saved["model"], loaded["model"], "model")
+    assert_state_equal(saved["optim"], loaded["optim"], "optim")
+    before = js[f"s{case}"]["runs"][recipe]
+    resumed = js[f"r{case}"]["runs"][recipe]
+    oracle = js[f"o{case}"]["runs"][recipe]
+    assert resumed["start_step"] == 4 and resumed["steps_run"] == 2 and oracle["start_step"] == 4
+    assert resumed["losses"][:4] == before["losses"][:4] == saved["losses"], "the loss history carries over"
+    assert resumed["losses"] == oracle["losses"], (resumed["losses"], oracle["losses"])
+
+
+@pytest.mark.distributed
+def test_resume_with_another_configuration_names_the_mismatch(reshard_runs):
+    res, _, d = reshard_runs
+    p = res["bad_model"]
+    assert p.returncode != 0
+    assert "written by a different configuration" in p.stderr and "model d_model: saved 64, now 96" in p.stderr, \
+        p.stderr[-3000:]
+    p = res["bad_recipe"]
+    assert p.returncode != 0
+    assert "--resume with recipe fp8_block" in p.stderr and f"recipe(s) {RECIPE} only (recipe mismatch" in p.stderr, \
+        p.stderr[-3000:]
