@@ -1,0 +1,358 @@
+"""The end-to-end report (issue 5): the main job (launch/train.py under torchrun, FSDP2) at a size that fills the
+GPUs, once per recipe -- bf16, every hybridq preset that runs under FSDP2, and torchao float8 (tensorwise,
+float8 all-gather) where torchao imports -- and one markdown table: tokens/s, peak GPU memory, loss after the
+steps done, loss gap vs bf16, and the exact command that reproduces each row.
+
+    python launch/e2e_report.py                      # 2 GPUs: ~1B-parameter model, seq 4096, fits ~9 minutes
+    python launch/e2e_report.py --dry-run            # print the commands only
+    python launch/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
+
+Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
+(= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per
+GPU per step (32,768 per step on 2 GPUs). Every dimension is a multiple of 128, so the 32-blocks of MXFP8 and
+NVFP4, the FP8 128-blocks and torchao's multiple-of-16 rule all hold, and the tokens per rank are a multiple of
+32. No activation recompute: activations of ~16k tokens x 20 layers plus the sharded fp32 params, grads and
+AdamW state (~8 GB per GPU) stay well below 141 GB (batch 8 would likely fit too, but an OOM costs a device
+run; raise --batch once the peak memory of a first report is known).
+
+Time: each run is a separate torchrun (~20-30 s of start-up: CUDA/NCCL init, 1B-parameter init on the CPU).
+A run stops at --steps or at its time limit, whichever comes first: the limit is min(--time-limit-s, the
+total budget left / runs left), so the whole report stays inside --total-budget-s (default 510 s, for one
+~10-minute device command). A run stopped by its limit is killed; its row then comes from the per-step log
+lines (loss, tokens/s, peak memory of every step) and says how many steps it did. Losses are compared with
+bf16 at the same step (mean of the last 10% of the steps both did), since the lr schedule is that of --steps
+for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BASELINE = "bf16"
+TORCHAO = "torchao_float8"
+
+# the default (GPU) size and the --tiny (CPU smoke test) size
+FULL = {"d_model": 2048, "n_layers": 20, "n_heads": 16, "hidden": 5632, "seq": 4096, "batch": 4, "steps": 30,
+        "lr": 1e-3, "eval_batches": 2}
+TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "hidden": None, "seq": 64, "batch": 2, "steps": 4,
+        "lr": 3e-3, "eval_batches": 1}
+
+STEP_RE = re.compile(r"^\[(?P<recipe>[\w]+)\] step\s+(?P<n>\d+)/(?P<steps>\d+) \| loss (?P<loss>\S+) \| lr \S+ \| "
+                     r"\s*(?P<tps>[\d,.]+) tok/s \| step\s+(?P<ms>[\d.]+) ms \| (?P<memkind>[A-Za-z ]+?) "
+                     r"(?P<mem>[\d.]+) (?P<unit>GiB|MiB)\s*$")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default="all",
+                   help=f"comma list of {BASELINE}, hybridq presets and {TORCHAO}; 'all' (default): {BASELINE}, "
+                        f"every preset, {TORCHAO}. {BASELINE} always runs first (the loss-gap reference)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, else 2 on the CPU)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="passed to train.py")
+    p.add_argument("--tiny", action="store_true", help="tiny model and 4 steps (CPU smoke test)")
+    for k in ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "eval_batches"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {FULL[k]} (tiny {TINY[k]})")
+    p.add_argument("--lr", type=float, default=None, help=f"default {FULL['lr']} (tiny {TINY['lr']})")
+    p.add_argument("--train-args", default="", help="more train.py flags for every run (one string)")
+    p.add_argument("--time-limit-s", type=float, default=90.0, help="per run, start-up included")
+    p.add_argument("--total-budget-s", type=float, default=510.0, help="all runs together")
+    p.add_argument("--min-run-s", type=float, default=None,
+                   help="skip a run whose limit would be shorter (default 40 s on GPUs, 5 s on the CPU)")
+    p.add_argument("--out-dir", default="e2e_report", help="logs, metrics JSON, report.md and report.json")
+    p.add_argument("--dry-run", action="store_true", help="print the commands (and skipped rows) and exit")
+    a = p.parse_args(argv)
+    base = TINY if a.tiny else FULL
+    for k, v in base.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    return a
+
+
+# ---- which recipes run -----------------------------------------------------------------------------
+
+def fsdp_rejection(preset: str) -> str | None:
+    """apply_hybrid_fsdp's reason for refusing `preset` (on a one-Linear model), or None when it converts."""
+    import torch.nn as nn
+
+    import hybridq
+    try:
+        hybridq.apply_hybrid_fsdp(nn.Sequential(nn.Linear(64, 64, bias=False)), hybridq.recipe(preset),
+                                  on_incompatible="skip")
+    except ValueError as e:
+        return f"rejected by hybridq.apply_hybrid_fsdp: {e}"
+    return None
+
+
+def torchao_status() -> str | None:
+    """None when torchao.float8 imports, else why not."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as e:
+        return f"torchao not installed ({type(e).__name__}: {e})"
+    return None
+
+
+def plan(a) -> list[dict]:
+    """[{recipe, skip: reason or None}], bf16 first."""
+    import hybridq
+    presets = hybridq.preset_names()
+    known = [BASELINE] + presets + [TORCHAO]
+    names = known if a.recipes == "all" else [r.strip() for r in a.recipes.split(",") if r.strip()]
+    bad = [r for r in names if r not in known]
+    if bad:
+        raise SystemExit(f"e2e_report.py: unknown recipe(s) {', '.join(bad)}; known: {', '.join(known)}")
+    names = [BASELINE] + [r for r in dict.fromkeys(names) if r != BASELINE]
+    rows = []
+    for r in names:
+        skip = None
+        if r in presets:
+            skip = fsdp_rejection(r)
+        elif r == TORCHAO:
+            skip = torchao_status()
+        rows.append({"recipe": r, "skip": skip})
+    return rows
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+
+def launcher(nproc: int) -> list[str]:
+    tr = shutil.which("torchrun")
+    head = [tr] if tr else [sys.executable, "-m", "torch.distributed.run"]
+    return head + ["--standalone", "--nproc-per-node", str(nproc)]
+
+
+def train_flags(a) -> list[str]:
+    f = ["--d-model", a.d_model, "--n-layers", a.n_layers, "--n-heads", a.n_heads]
+    if a.hidden:
+        f += ["--hidden", a.hidden]
+    f += ["--seq", a.seq, "--batch", a.batch, "--steps", a.steps, "--lr", a.lr, "--eval-batches", a.eval_batches,
+          "--device", a.device, "--log-every", 1, "--no-progress"]
+    return [str(x) for x in f] + shlex.split(a.train_args)
+
+
+def command(a, recipe: str, nproc: int, out_dir: pathlib.Path) -> list[str]:
+    return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a)
+            + ["--plot", rel(out_dir / f"{recipe}.png")])
+
+
+def rel(p: pathlib.Path) -> str:
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def show(cmd: list[str]) -> str:
+    """The command as one would type it (torchrun's path shortened to its name)."""
+    c = list(cmd)
+    if c and os.path.basename(c[0]) == "torchrun":
+        c[0] = "torchrun"
+    return "OMP_NUM_THREADS=1 " + shlex.join(c)
+
+
+def parse_log(text: str, recipe: str) -> list[dict]:
+    """The per-step lines of train.py's rank 0 for `recipe`: [{n, loss, tps, ms, mem_bytes, mem_kind}]."""
+    steps = []
+    for line in text.splitlines():
+        m = STEP_RE.match(line.strip())
+        if not m or m["recipe"] != recipe:
+            continue
+        mem = float(m["mem"]) * (2**30 if m["unit"] == "GiB" else 2**20)
+        steps.append({"n": int(m["n"]), "loss": float(m["loss"]), "tps": float(m["tps"].replace(",", "")),
+                      "ms": float(m["ms"]), "mem_bytes": mem, "mem_kind": m["memkind"]})
+    return steps
+
+
+def last_error(text: str) -> str:
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    for l in reversed(lines):
+        if "OutOfMemoryError" in l or "out of memory" in l.lower():
+            return "CUDA out of memory"
+    for l in reversed(lines):
+        if l.startswith("train.py:") or "Error" in l:
+            return l[:200]
+    return lines[-1][:200] if lines else "no output"
+
+
+def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float) -> dict:
+    cmd = command(a, recipe, nproc, out_dir)
+    log = out_dir / f"{recipe}.log"
+    js = out_dir / f"{recipe}.json"
+    js.unlink(missing_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    print(f"\n=== {recipe}: limit {limit_s:.0f} s\n{show(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 30)):  # torchrun and its workers
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.returncode
+    wall = time.perf_counter() - t0
+    text = log.read_text(errors="replace")
+    steps = parse_log(text, recipe)
+    res = {"recipe": recipe, "command": show(cmd), "rc": rc, "wall_s": wall, "log": str(log), "steps_done": 0,
+           "losses": [], "tokens_per_s": None, "peak_memory_bytes": None, "memory_kind": None, "val_loss": None}
+    if js.exists() and rc == 0:
+        m = json.loads(js.read_text())["runs"][recipe]
+        res.update(steps_done=m["start_step"] + m["steps_run"], losses=m["losses"],
+                   tokens_per_s=m["median_tokens_per_s"], peak_memory_bytes=m["peak_memory_bytes"],
+                   memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], status="ok", metrics=str(js))
+    else:
+        if steps:
+            tps = [s["tps"] for s in steps[1:]] or [steps[0]["tps"]]  # the first step includes warm-up work
+            res.update(steps_done=steps[-1]["n"], losses=[s["loss"] for s in steps], tokens_per_s=statistics.median(tps),
+                       peak_memory_bytes=max(s["mem_bytes"] for s in steps), memory_kind=steps[-1]["mem_kind"])
+        if timed_out:
+            res["status"] = f"time limit ({limit_s:.0f} s) after {res['steps_done']} of {a.steps} steps"
+        else:
+            res["status"] = f"failed (exit {rc}: {last_error(text)})"
+    print(f"--> {res['status']}, {res['steps_done']} steps, {wall:.0f} s", flush=True)
+    return res
+
+
+# ---- the table ----------------------------------------------------------------------------------------
+
+def window_mean(losses: list[float], n: int) -> float:
+    w = max(1, n // 10)
+    return statistics.fmean(losses[n - w:n])
+
+
+def fmt_mem(b) -> str:
+    return "-" if b is None else (f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB")
+
+
+def rows_for(results: list[dict]) -> list[dict]:
+    ref = next((r for r in results if r["recipe"] == BASELINE and r.get("losses")), None)
+    out = []
+    for r in results:
+        row = dict(r)
+        if r.get("skip"):
+            out.append(row)
+            continue
+        n = len(r["losses"])
+        row["loss"] = window_mean(r["losses"], n) if n else None
+        row["loss_at"] = n
+        if ref is not None and n and r is not ref:
+            k = min(n, len(ref["losses"]))
+            a, b = window_mean(r["losses"], k), window_mean(ref["losses"], k)
+            row["gap"], row["gap_rel"], row["gap_at"] = a - b, a / b - 1, k
+        if ref is not None and r["tokens_per_s"] and ref["tokens_per_s"]:
+            row["speed_vs_bf16"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        out.append(row)
+    return out
+
+
+def markdown(rows: list[dict], header: list[str]) -> str:
+    lines = header + ["",
+                      "| recipe | status | steps | tokens/s | vs bf16 | peak mem | loss (last 10% of steps) | "
+                      "gap vs bf16 (same steps) | val loss | command |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("skip"):
+            lines.append(f"| {r['recipe']} | skipped: {r['skip'].replace('|', '/')} | - | - | - | - | - | - | - | - |")
+            continue
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        vs = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else "-"
+        loss = f"{r['loss']:.4f} @ {r['loss_at']}" if r.get("loss") is not None else "-"
+        gap = (f"{r['gap']:+.4f} ({r['gap_rel']:+.2%}) @ {r['gap_at']}" if r.get("gap") is not None
+               else ("(reference)" if r["recipe"] == BASELINE else "-"))
+        val = f"{r['val_loss']:.4f}" if isinstance(r.get("val_loss"), float) and r["val_loss"] == r["val_loss"] else "-"
+        status = r["status"].replace("|", "/")
+        lines.append(f"| {r['recipe']} | {status} | {r['steps_done']} | {tps} | {vs} | {fmt_mem(r['peak_memory_bytes'])} "
+                     f"| {loss} | {gap} | {val} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def describe(a, nproc: int) -> list[str]:
+    import torch
+    sys.path.insert(0, str(ROOT / "launch"))
+    from model import ModelConfig
+    cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, hidden=a.hidden)
+    cuda = a.device != "cpu" and torch.cuda.is_available()
+    dev = f"{nproc}x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else f"{nproc} CPU processes (gloo)"
+    ao = torchao_status()
+    if ao is None:
+        import torchao
+        ao = f"torchao {getattr(torchao, '__version__', '?')}"
+    return [f"End-to-end report, {datetime.date.today().isoformat()}: {dev}, torch {torch.__version__}, {ao}.",
+            f"Model: {cfg.n_layers} layers, d_model {cfg.d_model}, hidden {cfg.hidden}, {cfg.n_heads} heads, "
+            f"{cfg.num_params() / 1e6:,.1f}M parameters; seq {a.seq} x batch {a.batch} per rank x {nproc} ranks = "
+            f"{a.seq * a.batch * nproc:,} tokens/step; {a.steps} steps (lr {a.lr}, cosine), FSDP2 bf16 params / fp32 "
+            "reduce. tokens/s: median after step 1; peak mem: rank 0 (GPU: max allocated); loss: mean of the last "
+            "10% of the steps done; gap: vs bf16 over the same steps."]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import torch
+    cuda = a.device != "cpu" and torch.cuda.is_available()
+    nproc = a.nproc or (torch.cuda.device_count() if cuda else 2)
+    min_run = a.min_run_s if a.min_run_s is not None else (40.0 if cuda else 5.0)
+    out_dir = pathlib.Path(a.out_dir)
+    if not out_dir.is_absolute():
+        out_dir = ROOT / out_dir
+    todo = plan(a)
+    header = describe(a, nproc)
+    if a.dry_run:
+        print("\n".join(header))
+        for t in todo:
+            print(f"\n# {t['recipe']}: skipped: {t['skip']}" if t["skip"] else
+                  f"\n# {t['recipe']}\n{show(command(a, t['recipe'], nproc, out_dir))}")
+        return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print("\n".join(header), flush=True)
+    t_start = time.perf_counter()
+    results = []
+    runnable = [t for t in todo if not t["skip"]]
+    runnable_names = {t["recipe"] for t in runnable}
+    for t in todo:
+        if t["skip"]:
+            results.append({"recipe": t["recipe"], "skip": t["skip"]})
+            continue
+        left = a.total_budget_s - (time.perf_counter() - t_start)
+        runs_left = len(runnable) - sum(1 for r in results if r["recipe"] in runnable_names)  # this one included
+        limit = min(a.time_limit_s, left / max(runs_left, 1))
+        if limit < min_run:
+            results.append({"recipe": t["recipe"], "skip": f"total budget ({a.total_budget_s:.0f} s) spent",
+                            "command": show(command(a, t["recipe"], nproc, out_dir))})
+            continue
+        results.append(run_one(a, t["recipe"], nproc, out_dir, limit))
+    rows = rows_for(results)
+    header.append(f"Total wall time {time.perf_counter() - t_start:.0f} s (budget {a.total_budget_s:.0f} s, "
+                  f"per run {a.time_limit_s:.0f} s); logs and metrics JSON in {out_dir}.")
+    md = markdown(rows, header)
+    (out_dir / "report.md").write_text(md + "\n")
+    (out_dir / "report.json").write_text(json.dumps({"args": vars(a), "nproc": nproc, "rows": rows}, indent=1))
+    print("\n" + md + f"\n\nwrote {out_dir / 'report.md'} and {out_dir / 'report.json'}", flush=True)
+    return 0 if all(r.get("skip") or r.get("status") == "ok" or r["status"].startswith("time limit")
+                    for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
