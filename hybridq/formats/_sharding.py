@@ -211,3 +211,10 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def full_col_block_amax(x2d: torch.Tensor, shard: RowShard, g: int, stats: dict) -> torch.Tensor:
+    """Amaxes of the g x 1 column blocks this shard touches, completed across shards: the local amaxes, with
+    the block rows a boundary cuts replaced by their reduced values (`stats["cut"]`, when there are any)."""
+    amax = col_block_amax(x2d, shard, g)
+    return merge_cut(amax, shard, g, stats["cut"]) if "cut" in stats else amax

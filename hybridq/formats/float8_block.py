@@ -10,8 +10,8 @@ import torch
 
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_tiles, fp8_dtype, rcp,
                         satfinite_fp8, scale_from_amax, tile_amax)
-from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
-    tile_amax_rows
+from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
+                        owned_rows, tile_amax_rows)
 from .base import QuantizedPart, Quantizer
 
 BLOCK = 128
@@ -135,9 +135,7 @@ class Float8BlockQuantizer(Quantizer):
             row = self._quantize_1d(x2d, False) if rowwise else None
             col = None
             if columnwise:
-                amax = col_block_amax(x2d, shard, BLOCK)
-                if "cut" in st:
-                    amax = merge_cut(amax, shard, BLOCK, st["cut"])
+                amax = full_col_block_amax(x2d, shard, BLOCK, st)
                 scale = self._scale(amax)  # [n_touched, K]
                 q = satfinite_fp8(x2d.float() * expand_rows(scale, shard, BLOCK), self.dtype)
                 col = Float8BlockPart(rows=k, cols=l, columnwise=True, data=q.t().contiguous(),

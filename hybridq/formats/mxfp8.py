@@ -9,8 +9,8 @@ import torch
 
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, e8m0_round_up, e8m0_to_pow2, expand_blocks, fp8_dtype,
                         rcp, satfinite_fp8, tile_amax)
-from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
-    tile_amax_rows
+from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
+                        merge_cut, owned_rows, tile_amax_rows)
 from .base import QuantizedPart, Quantizer
 
 BLOCK = 32
@@ -136,9 +136,7 @@ class MXFP8Quantizer(Quantizer):
             row = self._part(x2d, False) if rowwise else None  # 1x32 blocks lie within a row
             col = None
             if columnwise:
-                amax = col_block_amax(x2d, shard, BLOCK)
-                if "cut" in st:
-                    amax = merge_cut(amax, shard, BLOCK, st["cut"])
+                amax = full_col_block_amax(x2d, shard, BLOCK, st)
                 e = self._exponent(amax)  # [n_touched, K]
                 mult = e8m0_to_pow2(expand_rows(e, shard, BLOCK), negate=True)
                 q = satfinite_fp8(x2d.float() * mult, self.dtype)
