@@ -26,7 +26,7 @@ from setuptools import setup
 
 SOURCES = ["csrc/ops.cpp", "csrc/quantize_fp8.cu", "csrc/quantize_fp8_block.cu", "csrc/quantize_mxfp8.cu",
            "csrc/quantize_nvfp4.cu", "csrc/quantize_nvfp4_2d.cu", "csrc/amax.cu", "csrc/dequantize.cu",
-           "csrc/delayed_scaling.cu"]
+           "csrc/delayed_scaling.cu", "csrc/transpose.cu"]
 
 
 def _say(msg: str) -> None:

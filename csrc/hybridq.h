@@ -76,6 +76,9 @@ struct DelayedEntry {
 };
 constexpr int kDelayedMaxPerThread = 16;
 constexpr int64_t kDelayedMaxLen = 256 * kDelayedMaxPerThread;  // longer histories: the Python update
+// out[c, r] = in[r, c] for a row-major [R, C] matrix of 1-byte elements (R < 2^22 rows)
+cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int64_t C, cudaStream_t stream);
+
 cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream);
 
 // Dequantize to fp32 (out_bf16: to bf16). mode 0: per-tensor scale_inv [1]; 1: 1x128 blocks

@@ -299,6 +299,23 @@ Tensor amax_op(const Tensor& x) {
   return out;
 }
 
+// ---- byte transpose --------------------------------------------------------------------------------------
+// x.t().contiguous() for a contiguous 2-D tensor of 1-byte elements (any 1-byte dtype; the result keeps it)
+Tensor transpose_bytes(const Tensor& x) {
+  constexpr const char* op = "transpose_bytes";
+  TORCH_CHECK(x.defined() && x.is_cuda(), "hybridq::", op, ": input must be a CUDA tensor");
+  TORCH_CHECK(x.dim() == 2, "hybridq::", op, ": input must be 2-D, got shape ", x.sizes());
+  TORCH_CHECK(x.element_size() == 1, "hybridq::", op, ": input must have 1-byte elements, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), "hybridq::", op, ": input of shape ", x.sizes(), " and strides ", x.strides(),
+              " must be contiguous");
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 22), "hybridq::", op, ": at most 4194303 rows, got ", x.size(0));
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = at::empty({x.size(1), x.size(0)}, x.options());
+  C10_CUDA_CHECK(hybridq::launch_transpose_u8(static_cast<const uint8_t*>(x.data_ptr()), u8(out), x.size(0),
+                                              x.size(1), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 // ---- dequantize -------------------------------------------------------------------------------------------
 at::ScalarType out_type(at::ScalarType t, const char* op) {
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "hybridq::", op, ": out_dtype must be float32 or bfloat16, got ",
@@ -420,6 +437,7 @@ TORCH_LIBRARY(hybridq, m) {
       "nvfp4_quantize(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
       "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("amax(Tensor x) -> Tensor");
+  m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def("dequantize_fp8(Tensor data, Tensor scale, int mode, ScalarType out_dtype) -> Tensor");
   m.def(
       "dequantize_nvfp4(Tensor data, Tensor scale, Tensor amax, bool rht_inverse, bool apply_global, "
@@ -430,6 +448,7 @@ TORCH_LIBRARY(hybridq, m) {
 }
 
 #define HQ_IMPL_ALL(m)                                   \
+  m.impl("transpose_bytes", &transpose_bytes);           \
   m.impl("fp8_tensor_quantize", &fp8_tensor_quantize);   \
   m.impl("fp8_block_quantize", &fp8_block_quantize);     \
   m.impl("mxfp8_quantize", &mxfp8_quantize);             \

@@ -141,6 +141,52 @@ def build(mode: str, args, device, mesh):
     return model, opt, post_step
 
 
+def profile_steps(step, mode: str, path: str, is_cuda: bool, steps: int = 2) -> None:
+    """Append to `path` (rank 0) where two steps spend their time: torch.profiler's top device kernels and CPU
+    ops, and cProfile's top Python functions by cumulative time (every rank runs the same steps)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+    rank0 = dist.get_rank() == 0
+    with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        if is_cuda:
+            torch.cuda.synchronize()
+    dist.barrier()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        step()
+    pr.disable()
+    if is_cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    if not rank0:
+        return
+    ka = prof.key_averages()
+    out = io.StringIO()
+    print(f"\n==================== {mode}: {steps} steps ====================", file=out)
+    if is_cuda:
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy = sum(e.device_time for e in kernels) / 1e3
+        print(f"device kernel time, all streams: {busy:.1f} ms over {steps} steps", file=out)
+        print(ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70), file=out)
+        print("-- by Python stack (the op that launched the kernels) --", file=out)
+        print(prof.key_averages(group_by_stack_n=6).table(sort_by="self_device_time_total", row_limit=25,
+                                                          max_name_column_width=50), file=out)
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70), file=out)
+    st = pstats.Stats(pr, stream=out)
+    st.sort_stats("cumulative").print_stats(45)
+    st.sort_stats("tottime").print_stats(25)
+    with open(path, "a") as fh:
+        fh.write(out.getvalue())
+
+
 def run_mode(mode: str, args, device, mesh) -> dict:
     model, opt, post_step = build(mode, args, device, mesh)
     g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
@@ -161,20 +207,24 @@ def run_mode(mode: str, args, device, mesh) -> dict:
     if is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, host = [], []
     with GatherCounter() as counter:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             loss = step()
+            host.append(time.perf_counter() - t0)  # CPU time to issue the step (no sync inside a step)
             if is_cuda:
                 torch.cuda.synchronize()
             dist.barrier()
             times.append(time.perf_counter() - t0)
     ms = 1e3 * statistics.median(times)
+    if args.profile:
+        profile_steps(step, mode, args.profile, is_cuda)
     ws = dist.get_world_size()
     row = {
         "mode": mode, "step_ms": ms, "tokens_per_s": args.batch * args.seq * ws / (ms / 1e3),
         "allgather_MB_per_rank_step": counter.bytes / args.steps / 2**20,
+        "host_ms": 1e3 * statistics.median(host),
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if is_cuda else float("nan"),
         "loss": float(loss.detach()),
     }
@@ -198,6 +248,7 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help="comma list: bf16, preset names, torchao (default: all)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="append a profile of 2 extra steps per mode to this file")
     args = ap.parse_args()
     args.hidden = args.hidden or 256 * math.ceil(8 * args.dim / 3 / 256)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -239,10 +290,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if rank == 0 and rows:
         base = next((r for r in rows if r["mode"] == "bf16"), rows[0])
-        print("\n| mode | step ms | tokens/s | vs bf16 | all-gather MB/rank/step | vs bf16 | peak GiB |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| mode | step ms | host ms | tokens/s | vs bf16 | all-gather MB/rank/step | vs bf16 | peak GiB |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+            print(f"| {r['mode']} | {r['step_ms']:.1f} | {r['host_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                   f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['allgather_MB_per_rank_step']:.1f} | "
                   f"{r['allgather_MB_per_rank_step'] / max(base['allgather_MB_per_rank_step'], 1e-9):.2f} | "
                   f"{r['peak_GiB']:.1f} |")

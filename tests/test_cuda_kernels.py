@@ -388,6 +388,35 @@ def test_dequantize(case, gen):
                 assert_bitwise(got, cpu.reference_dequantize_2d(undo), f"dequantize {case} {p.direction} undo={undo}")
 
 
+# ---- byte transpose (FSDP derivations, columnwise buffers) ---------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(4096, 11008), (128, 64), (96, 160), (50257 // 7, 48), (1, 33), (77, 1),
+                                   (130, 257), (16, 4096)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_transpose_bytes(shape, dtype, gen):
+    from hybridq.kernels import transpose_bytes
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype).cuda()
+    got = transpose_bytes(x)
+    assert got is not None, "transpose_bytes declined a contiguous 1-byte CUDA tensor"
+    assert got.dtype == dtype and got.is_contiguous(), f"{shape}: dtype {got.dtype}, contiguous {got.is_contiguous()}"
+    assert_bitwise(got, x.cpu().t().contiguous(), f"transpose_bytes {shape} {dtype}")
+
+
+def test_transpose_bytes_unaligned_view(gen):
+    """A contiguous view at an odd storage offset (16-byte words cannot be used) is still transposed exactly."""
+    from hybridq.kernels import transpose_bytes
+    base = torch.randint(0, 256, (1 + 64 * 96,), dtype=torch.uint8, generator=gen).cuda()
+    x = base[1:].view(64, 96)
+    assert_bitwise(transpose_bytes(x), x.cpu().t().contiguous(), "transpose_bytes at offset 1")
+
+
+def test_transpose_bytes_declines():
+    from hybridq.kernels import transpose_bytes
+    assert transpose_bytes(torch.zeros(4, 4, dtype=torch.uint8)) is None, "CPU tensor"
+    assert transpose_bytes(torch.zeros(4, 4, device="cuda", dtype=torch.bfloat16)) is None, "2-byte elements"
+    assert transpose_bytes(torch.zeros(8, 4, device="cuda", dtype=torch.uint8).t()) is None, "non-contiguous"
+
+
 # ---- ops: fake implementations, errors -------------------------------------------------------------------------
 
 def test_fake_tensor_shapes():
@@ -419,6 +448,7 @@ def test_opcheck():
     torch.library.opcheck(ops.mxfp8_quantize, (x, torch.float8_e4m3fn, True, True, True, False), test_utils=tests)
     torch.library.opcheck(ops.nvfp4_quantize, (x, True, False, False, None, True, True), test_utils=tests)
     torch.library.opcheck(ops.amax, (x,), test_utils=tests)
+    torch.library.opcheck(ops.transpose_bytes, (x.to(torch.float8_e4m3fn),), test_utils=tests)
     hs = [torch.rand(4, device="cuda"), torch.rand(1, device="cuda")]
     ss = [torch.ones(1, device="cuda"), torch.ones(1, device="cuda")]
     torch.library.opcheck(ops.fp8_delayed_update, (hs, ss, [448.0, 57344.0], [1.0, 2.0], [0, 1]), test_utils=tests)

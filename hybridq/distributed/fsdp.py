@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import math
 import warnings
@@ -166,9 +167,13 @@ class _WeightState:
         self.ctx: dict | None = None
         self.device: torch.device | None = None
         self.counters: collections.Counter = collections.Counter()
+        self.kept_payload: tuple | None = None  # (key, payload, meta) of the forward unshard, for the backward one
+        self.reuse_payload = True
 
     def __deepcopy__(self, memo):
-        return _WeightState(self.root() if self.root is not None else None)
+        new = _WeightState(self.root() if self.root is not None else None)
+        new.reuse_payload = self.reuse_payload
+        return new
 
     # FSDP2 handles ------------------------------------------------------------------------------
     def handle(self, module):
@@ -360,6 +365,12 @@ def _stats_key(param, dtype, shard):
     return (id(param), param._version, id(local), local._version, local._data.data_ptr(), dtype, shard)
 
 
+def _payload_key(param, dtype, shape, ws: int, rank: int, send) -> tuple | None:
+    """Identifies a payload: the shard's values (see `_stats_key`) and the directions sent; None: not reusable."""
+    key = _stats_key(param, dtype, dim0_chunks(shape, ws)[rank])
+    return None if key is None else (key, tuple(shape), ws, tuple(send))
+
+
 def _prepare(local: "HybridWeight", param, q: Quantizer, send, shape, ws: int, rank: int, dtype, group):
     shards = dim0_chunks(shape, ws)
     shard = shards[rank]
@@ -491,7 +502,19 @@ class HybridWeight(torch.Tensor):
                          backward_extra=extra)
         with torch.no_grad():
             param = _sharded_param(self, module, handle)
-            payload, meta = _prepare(self, param, q, plan.send, shape, ws, rank, dtype, group)
+            key = _payload_key(param, dtype, shape, ws, rank, plan.send)
+            kept, st.kept_payload = st.kept_payload, None
+            if key is not None and kept is not None and kept[0] == key:
+                payload, meta = kept[1], kept[2]  # same shard values, same directions: nothing to quantize
+                st.counters["payload_reused"] += 1
+            else:
+                payload, meta = _prepare(self, param, q, plan.send, shape, ws, rank, dtype, group)
+            if st.reuse_payload and key is not None and phase == "forward" and plan.deferred and make_plan(
+                    phase="backward", reshard_after_forward=ra, backward_override=module.recipe.backward_override,
+                    derivable=st.is_derivable(q, shape, dtype), known=True, backward_extra=extra).send == plan.send:
+                # the backward unshard re-gathers the same directions (e.g. per-tensor FP8 rowwise, columnwise
+                # derived): keep this shard's payload until then instead of casting and quantizing it again
+                st.kept_payload = (key, payload, meta)
             inp = _transport(payload, shape, ws)
         sig = (tuple(inp.shape), inp.dtype)
         if handle is not None and st.last_sig is not None and sig != st.last_sig:
@@ -534,7 +557,10 @@ class HybridWeight(torch.Tensor):
             new_hp = HIGH_PRECISION in plan.materialize and st.parts.get(HIGH_PRECISION) is None
             if new_hp:
                 st.create_high_precision()
-            adopt = {"forbidden": {outputs[0].untyped_storage().data_ptr()}}
+            # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
+            adopt = {"forbidden": {outputs[0].untyped_storage().data_ptr()} | {
+                t.untyped_storage().data_ptr() for rep in meta.replicated.values() for t in rep.values()
+                if t is not None}}
             for d in plan.materialize:
                 st.fill(d, parts[d], adopt)
             if first:
@@ -544,6 +570,10 @@ class HybridWeight(torch.Tensor):
         if out is not None:
             return None
         return st.gathered._alias(), st.inner
+
+
+# FSDP2 inspects the hook's signature on every all-gather; a precomputed __signature__ makes that a lookup
+HybridWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HybridWeight.fsdp_pre_all_gather)
 
 
 # ---- the unsharded (gathered) quantized weight -------------------------------------------------------
@@ -612,7 +642,7 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
                       module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                      on_incompatible: str = "skip") -> ConversionReport:
+                      on_incompatible: str = "skip", reuse_forward_payload: bool = True) -> ConversionReport:
     """Prepare `model` for FSDP2 with quantized all-gathers; call it before `fully_shard`.
 
     Converts the eligible nn.Linear layers (`convert_linears`, same filter and `on_incompatible` semantics) and
@@ -623,6 +653,10 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
     `hybridq.precompute_scales(model)` after each `optimizer.step()` to fuse those reductions into one
     all-reduce (optional). Delayed-scaling weight quantizers are rejected (use current scaling). A weight shared
     with another module (tied embeddings) stays a plain parameter (gathered in high precision).
+
+    reuse_forward_payload: when the backward unshard gathers the same directions as the forward one (per-tensor
+    FP8 and 128x128 blocks: rowwise, the columnwise form derived after the gather), each rank keeps its quantized
+    shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
     """
     for fqn, mod in model.named_modules():
         candidates = [(f"{fqn}.{n}" if fqn else n, c) for n, c in mod.named_children() if isinstance(c, nn.Linear)]
@@ -650,7 +684,9 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
         if counts[id(w)] > 1:
             log.warning("hybridq: %s.weight is shared with another module; FSDP2 gathers it in high precision", fqn)
             continue
-        mod.weight = nn.Parameter(HybridWeight(w.data, _WeightState(model)), requires_grad=w.requires_grad)
+        state = _WeightState(model)
+        state.reuse_payload = reuse_forward_payload
+        mod.weight = nn.Parameter(HybridWeight(w.data, state), requires_grad=w.requires_grad)
     if not getattr(model, "_hybridq_state_dict_hook", False):
         if hasattr(model, "register_state_dict_post_hook"):
             model.register_state_dict_post_hook(_unwrap_state_dict)

@@ -49,6 +49,18 @@ def shape_2d(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return m, k
 
 
+def transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t.t().contiguous()` (an exact layout change, used to turn a part between its stored and transposed
+    layouts); on CUDA, 1-byte data goes through the extension's tiled transpose kernel."""
+    if t.is_cuda and t.element_size() == 1:
+        from ..kernels import transpose_bytes
+
+        out = transpose_bytes(t)
+        if out is not None:
+            return out
+    return t.t().contiguous()
+
+
 class QuantizedPart:
     """One direction of a quantized tensor: a 2-D matrix in GEMM orientation plus its scales.
 

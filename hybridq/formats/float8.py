@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
-from .base import QuantizedPart, Quantizer
+from .base import QuantizedPart, Quantizer, transposed_copy
 
 _ALGOS = ("max", "most_recent")
 
@@ -29,19 +29,19 @@ class Float8TensorPart(QuantizedPart):
 
     def transposed(self) -> "Float8TensorPart":
         return Float8TensorPart(rows=self.cols, cols=self.rows, columnwise=not self.columnwise,
-                                data=self.data.t().contiguous(), scale_inv=self.scale_inv)
+                                data=transposed_copy(self.data), scale_inv=self.scale_inv)
 
     # FSDP buffer protocol: only the data travels; the scale is global (one all-reduced amax), so every shard
     # holds the same scale_inv.
     def extract_buffers(self, shard=None, *, tile_rows=None):
-        data = self.data.t().contiguous() if self.columnwise else self.data
+        data = transposed_copy(self.data) if self.columnwise else self.data
         return [("data", data, 1)], {"scale_inv": self.scale_inv}
 
     @classmethod
     def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
         data = buffers["data"]
         return cls(rows=rows, cols=cols, columnwise=columnwise,
-                   data=data.t().contiguous() if columnwise else data, scale_inv=replicated["scale_inv"])
+                   data=transposed_copy(data) if columnwise else data, scale_inv=replicated["scale_inv"])
 
 
 @dataclasses.dataclass

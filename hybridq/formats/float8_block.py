@@ -12,7 +12,7 @@ from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_ti
                         satfinite_fp8, scale_from_amax, tile_amax)
 from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
                         owned_rows, tile_amax_rows)
-from .base import QuantizedPart, Quantizer
+from .base import QuantizedPart, Quantizer, transposed_copy
 
 BLOCK = 128
 
@@ -39,7 +39,7 @@ class Float8BlockPart(QuantizedPart):
     # 128, owned block rows only).
     def extract_buffers(self, shard=None, *, tile_rows=None):
         shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
-        data = self.data.t().contiguous() if self.columnwise else self.data
+        data = transposed_copy(self.data) if self.columnwise else self.data
         if self.block_dim == 2:
             return [("data", data, 1)], {"scale_inv": self.scale_inv}
         if self.columnwise:
@@ -52,11 +52,11 @@ class Float8BlockPart(QuantizedPart):
         data = buffers["data"]
         if meta["block_dim"] == 2:
             s = replicated["scale_inv"]  # already in this direction's orientation
-            data = data.t().contiguous() if columnwise else data
+            data = transposed_copy(data) if columnwise else data
         else:
             s = buffers["scale_inv"]
             if columnwise:
-                data, s = data.t().contiguous(), s.t().contiguous()
+                data, s = transposed_copy(data), s.t().contiguous()
         return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale_inv=s, **meta)
 
 
@@ -156,7 +156,7 @@ class Float8BlockQuantizer(Quantizer):
         if self.block_dim != 2 or part.direction == direction:
             return None
         return Float8BlockPart(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
-                               data=part.data.t().contiguous(), scale_inv=part.scale_inv.t().contiguous(),
+                               data=transposed_copy(part.data), scale_inv=part.scale_inv.t().contiguous(),
                                block_dim=2)
 
     def shard_is_plain(self, shard, rowwise, columnwise):

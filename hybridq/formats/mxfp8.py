@@ -11,7 +11,7 @@ from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, e8m0_round_up, e8m0_to_p
                         rcp, satfinite_fp8, tile_amax)
 from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
                         merge_cut, owned_rows, tile_amax_rows)
-from .base import QuantizedPart, Quantizer
+from .base import QuantizedPart, Quantizer, transposed_copy
 
 BLOCK = 32
 
@@ -46,7 +46,7 @@ class MXFP8Part(QuantizedPart):
     def extract_buffers(self, shard=None, *, tile_rows=None):
         shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
         if self.columnwise:
-            return [("data", self.data.t().contiguous(), 1),
+            return [("data", transposed_copy(self.data), 1),
                     ("scale", owned_rows(self.scale.t(), shard, BLOCK).contiguous(), BLOCK)], {}
         if tile_rows:
             first = shard.owned(tile_rows)[0] * tile_rows - shard.offset
@@ -58,7 +58,7 @@ class MXFP8Part(QuantizedPart):
     def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
         data, scale = buffers["data"], buffers["scale"]
         if columnwise:
-            data, scale = data.t().contiguous(), scale.t().contiguous()
+            data, scale = transposed_copy(data), transposed_copy(scale)
         elif tile_rows:
             scale = scale.repeat_interleave(tile_rows, dim=0)[:rows]
         return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale=scale)

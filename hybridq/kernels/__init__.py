@@ -12,6 +12,8 @@ the extension is built and loadable. `update_delayed_scaling(quantizers)` runs t
 per-tensor FP8 quantizers in one launch (the Python update on the CPU).
 """
 
+import torch
+
 from . import _ext
 from .delayed import update_delayed_scaling
 from .registry import (KernelImpl, lookup_dequantize, lookup_quantize, register_dequantize,
@@ -21,6 +23,15 @@ from .registry import (KernelImpl, lookup_dequantize, lookup_quantize, register_
 def extension_available() -> bool:
     """True when the CUDA extension hybridq._C is built and loadable (loads it)."""
     return _ext.load()
+
+
+def transpose_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """`t.t().contiguous()` of a contiguous 2-D CUDA tensor of 1-byte elements through the extension's tiled
+    transpose kernel, or None where it does not apply (CPU, no extension, other element sizes)."""
+    if not (t.is_cuda and t.dim() == 2 and t.element_size() == 1 and t.is_contiguous()
+            and t.shape[0] < (1 << 22) and _ext.available_for(t.device)):
+        return None
+    return torch.ops.hybridq.transpose_bytes(t)
 
 
 def _register_builtin() -> None:
@@ -33,4 +44,4 @@ def _register_builtin() -> None:
 _register_builtin()
 
 __all__ = ["KernelImpl", "register_quantize", "register_dequantize", "lookup_quantize", "lookup_dequantize",
-           "extension_available", "update_delayed_scaling"]
+           "extension_available", "update_delayed_scaling", "transpose_bytes"]

@@ -9,7 +9,7 @@ Op reference (all inputs 2-D and contiguous; a direction not asked for returns a
 - mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle) -> (rowwise, E8M0 scales, columnwise, scales)
 - nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise)
     -> (row data [M, K/2], row scales [M, K/16] e4m3, row amax [1], col data [K, M/2], col scales, col amax)
-- amax(x) -> [1]; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
+- amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
   apply_global, out_dtype)
 - fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: Float8Quantizer.update() of many
   quantizers, in place (see delayed.py)
@@ -71,6 +71,11 @@ def _nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator, rowwise, c
 @register_fake("hybridq::amax")
 def _amax(x):
     return x.new_empty((1,), dtype=_F32)
+
+
+@register_fake("hybridq::transpose_bytes")
+def _transpose_bytes(x):
+    return x.new_empty((x.shape[1], x.shape[0]))
 
 
 @register_fake("hybridq::dequantize_fp8")

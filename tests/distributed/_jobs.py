@@ -323,7 +323,7 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
                 base.weight.mul_(torch.logspace(-1, 1, n).unsqueeze(1))
             master = copy.deepcopy(base)
             ref = hybridq.Linear.from_linear(copy.deepcopy(base), hybridq.recipe(preset,
-                                             backward_override="high_precision"), name="ref").to(torch.bfloat16)
+                                             backward_override="high_precision"), name="ref").to(device, torch.bfloat16)
             model = nn.Sequential(base).to(device)
             apply_hybrid_fsdp(model, recipe, on_incompatible="error")
             fully_shard(model[0], mp_policy=mp, reshard_after_forward=ra)
@@ -340,22 +340,23 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
                 y.backward(gys[rank].to(device))
                 # the single-process oracle: each rank's batch through the hybridq Linear (bf16 weight)
                 with torch.no_grad():
-                    ref.weight.copy_(master.weight)
-                    ref.bias.copy_(master.bias)
+                    ref.weight.copy_(master.weight.to(device))
+                    ref.bias.copy_(master.bias.to(device))
                 ref_dw = []
                 for r in range(world_size):
-                    xr = xs[r].detach().clone().requires_grad_(True)
+                    # on the device under test: the GEMMs (native FP8 on GPU) must be the same ones
+                    xr = xs[r].detach().clone().to(device).requires_grad_(True)
                     yr = ref(xr)
-                    yr.backward(gys[r])
+                    yr.backward(gys[r].to(device))
                     # ...whose gradients are those of an unquantized Linear for the same output gradient
-                    xp = xs[r].detach().clone().requires_grad_(True)
+                    xp = xs[r].detach().clone().to(device).requires_grad_(True)
                     wp = ref.weight.detach().clone().requires_grad_(True)
-                    torch.nn.functional.linear(xp, wp, ref.bias.detach()).backward(gys[r])
+                    torch.nn.functional.linear(xp, wp, ref.bias.detach()).backward(gys[r].to(device))
                     assert torch.equal(xr.grad, xp.grad) and torch.equal(ref.weight.grad, wp.grad), name
                     if r == rank:
-                        assert torch.equal(y.detach(), yr.detach().to(device)), f"{name} step {step}: output"
-                        assert torch.equal(x.grad, xr.grad.to(device)), \
-                            f"{name} step {step}: input grad differs (max {(x.grad - xr.grad.to(device)).abs().max():.3e})"
+                        assert torch.equal(y.detach(), yr.detach()), f"{name} step {step}: output"
+                        assert torch.equal(x.grad, xr.grad), \
+                            f"{name} step {step}: input grad differs (max {(x.grad - xr.grad).abs().max():.3e})"
                     ref_dw.append(ref.weight.grad.float())
                     ref.zero_grad(set_to_none=True)
                 want = ref_dw[0]

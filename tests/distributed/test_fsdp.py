@@ -17,6 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hybridq
+from hybridq import Role
+from hybridq.distributed import gather_bytes_per_step
+
 from _harness import backends, spawn
 import _jobs
 
@@ -54,6 +58,10 @@ def test_training_matches_single_process_every_preset(backend):
         assert c["gather_forward"] > 0 and c["gather_backward"] > 0, run
         # precompute_scales after every step: only the first step's forward all-reduces statistics
         assert c.get("stats_allreduce", 0) <= run["converted"], run
+        # a backward unshard that sends what the forward one sent reuses the forward's quantized shard
+        sends = gather_bytes_per_step(hybridq.recipe(run["preset"]).quantizer(Role("linear", "weight")), (256, 256))
+        want = c["gather_backward"] if sends["forward_sends"] == sends["backward_sends"] else 0
+        assert c.get("payload_reused", 0) == want, (run["preset"], sends, c)
 
 
 @pytest.mark.parametrize("backend", backends())

@@ -1,0 +1,68 @@
+// Byte transpose of a row-major [R, C] matrix of 1-byte elements (FP8 data, E8M0 scales, packed bytes) into
+// [C, R]: the exact layout change behind deriving a columnwise part from a rowwise one after an FSDP all-gather.
+// torch's `x.t().contiguous()` runs a generic strided copy (~10% of copy bandwidth on H200 for 1-byte elements);
+// this one stages 64x64 tiles in shared memory and moves 16-byte words on both sides.
+#include "hybridq.h"
+
+namespace hybridq {
+namespace {
+
+constexpr int kT = 64;      // tile edge (bytes)
+constexpr int kPad = 4;     // row padding of the shared tile (keeps 4-byte alignment, spreads banks)
+constexpr int kThreads = 256;  // 64 rows x 4 threads x 16 bytes
+
+__global__ void __launch_bounds__(kThreads) transpose_u8_kernel(const uint8_t* __restrict__ in,
+                                                                uint8_t* __restrict__ out, int64_t R, int64_t C,
+                                                                bool vec) {
+  __shared__ __align__(16) uint8_t tile[kT][kT + kPad];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kT, c0 = static_cast<int64_t>(blockIdx.x) * kT;
+  const int t = threadIdx.x, lr = t >> 2, lc = (t & 3) * 16;
+  {
+    const int64_t gr = r0 + lr, gc = c0 + lc;
+    if (vec && gr < R && gc + 16 <= C) {
+      const uint4 v = *reinterpret_cast<const uint4*>(in + gr * C + gc);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[lr][lc]);
+      dst[0] = v.x;
+      dst[1] = v.y;
+      dst[2] = v.z;
+      dst[3] = v.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) tile[lr][lc + j] = (gr < R && gc + j < C) ? in[gr * C + gc + j] : 0;
+    }
+  }
+  __syncthreads();
+  // output row c0 + lr holds input column c0 + lr; its bytes r0 + lc .. r0 + lc + 15 come from tile rows lc..lc+15
+  const int64_t orow = c0 + lr, ocol = r0 + lc;
+  if (orow >= C) return;
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    w[q] = static_cast<uint32_t>(tile[lc + 4 * q][lr]) | (static_cast<uint32_t>(tile[lc + 4 * q + 1][lr]) << 8) |
+           (static_cast<uint32_t>(tile[lc + 4 * q + 2][lr]) << 16) |
+           (static_cast<uint32_t>(tile[lc + 4 * q + 3][lr]) << 24);
+  }
+  if (vec && ocol + 16 <= R) {
+    *reinterpret_cast<uint4*>(out + orow * R + ocol) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (ocol + j < R) out[orow * R + ocol + j] = static_cast<uint8_t>(w[j >> 2] >> (8 * (j & 3)));
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int64_t C, cudaStream_t stream) {
+  if (R == 0 || C == 0) return cudaSuccess;
+  const int64_t gx = (C + kT - 1) / kT, gy = (R + kT - 1) / kT;
+  if (gy > 65535) return cudaErrorInvalidConfiguration;  // > 4M rows: the caller falls back
+  // 16-byte words on both sides need both row lengths (and the base pointers) 16-byte aligned
+  const bool vec = (R % 16 == 0) && (C % 16 == 0) && (reinterpret_cast<uintptr_t>(in) % 16 == 0) &&
+                   (reinterpret_cast<uintptr_t>(out) % 16 == 0);
+  transpose_u8_kernel<<<dim3(static_cast<unsigned int>(gx), static_cast<unsigned int>(gy)), kThreads, 0, stream>>>(
+      in, out, R, C, vec);
+  return cudaGetLastError();
+}
+
+}  // namespace hybridq
