@@ -20,10 +20,15 @@ COLUMNWISE = "columnwise"
 DIRECTIONS = (ROWWISE, COLUMNWISE)
 
 
-def is_dtensor(x) -> bool:
-    from torch.distributed.tensor import DTensor
+_DTENSOR: list = []  # torch.distributed.tensor.DTensor, imported on first use
 
-    return isinstance(x, DTensor)
+
+def is_dtensor(x) -> bool:
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return isinstance(x, _DTENSOR[0])
 
 
 def check_direction(direction: str) -> str:
@@ -187,11 +192,12 @@ class Quantizer:
     ) -> tuple[QuantizedPart | None, QuantizedPart | None]:
         """The requested parts of `x2d`; a device kernel when one is registered and accepts the call,
         else the reference. Keyword arguments (e.g. a global amax) pass through to either."""
-        from ..kernels import lookup_quantize
+        if x2d.device.type != "cpu":  # (the references run on the CPU: no kernel lookup)
+            from ..kernels import lookup_quantize
 
-        impl = lookup_quantize(self, x2d, rowwise, columnwise, **kw)
-        if impl is not None:
-            return impl.run(self, x2d, rowwise, columnwise, **kw)
+            impl = lookup_quantize(self, x2d, rowwise, columnwise, **kw)
+            if impl is not None:
+                return impl.run(self, x2d, rowwise, columnwise, **kw)
         return self.reference_parts(x2d, rowwise, columnwise, **kw)
 
     @property
@@ -230,7 +236,8 @@ class Quantizer:
         if not x.is_floating_point():
             raise TypeError(f"{self.describe()}: {name} must be a floating-point tensor, got {x.dtype}")
         self.validate(x.shape, name, rowwise=rowwise, columnwise=columnwise)
-        row, col = self.quantize_parts(as_2d(x.detach()), rowwise, columnwise)
+        x2d = x.detach() if x.requires_grad else x
+        row, col = self.quantize_parts(x2d if x2d.dim() == 2 else as_2d(x2d), rowwise, columnwise)
         return QuantizedTensor(row, col, shape=x.shape, dtype=x.dtype)
 
     def __call__(self, x: torch.Tensor, **kw) -> "QuantizedTensor":

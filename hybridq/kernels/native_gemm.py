@@ -51,8 +51,15 @@ def _warn_once(key, msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
+_CAPS: dict = {}
+
+
 def _cap(t: torch.Tensor) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(t.device)
+    idx = t.device.index
+    cap = _CAPS.get(idx)
+    if cap is None:
+        cap = _CAPS[idx] = torch.cuda.get_device_capability(t.device)
+    return cap
 
 
 def _shapes(a, b) -> str:

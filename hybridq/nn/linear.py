@@ -207,12 +207,22 @@ class Linear(nn.Linear):
             self._weight_cache = (key, wq)
         return self._weight_cache[1]
 
+    def _config(self, override: str | None) -> _LinearConfig:
+        """The autograd function's configuration (cached: rebuilt when anything it copies was replaced)."""
+        key = (override, self.name, self.save_original_input, self.input_quantizer, self.weight_quantizer,
+               self.grad_output_quantizer)
+        cached = self.__dict__.get("_cfg")
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            cached = self.__dict__["_cfg"] = (key, _LinearConfig(self, override))
+        return cached[1]
+
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         override = self.recipe.backward_override  # may come from the environment: checked every call
-        self._check_override(override)
-        cfg = _LinearConfig(self, override)
+        if override is not None:
+            self._check_override(override)
+        cfg = self._config(override)
         cached = None
         if is_first_microbatch is not None and not isinstance(self.weight, QuantizedTensor):
             need_col = override is None and torch.is_grad_enabled() and x.requires_grad
