@@ -1,12 +1,16 @@
 """hybridq.nn.Linear: numerics oracles, backward override, usage preservation and conversion."""
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 
 import hybridq as hq
+from hybridq.nn import linear as hq_linear
+from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 PRESETS = hq.preset_names()
@@ -281,6 +285,170 @@ def test_stale_cache_with_is_first_microbatch_false_is_requantized_with_a_warnin
     assert "weight changed since it was quantized" in caplog.text
     assert torch.equal(q._weight_cache[1].dequantize(),
                        q.weight_quantizer.quantize(q.weight.detach()).dequantize())
+
+
+# -- one quantization of an input read by several layers (wq/wk/wv, w1/w3) -----------------------------
+
+def _layers(recipe, n=3, **kw):
+    layers = []
+    for i in range(n):
+        torch.manual_seed(10 + i)
+        layers.append(hq.Linear(IN, OUT, recipe=recipe, name=f"w{i}", **kw))
+    return layers
+
+
+def _input_calls(layers):
+    """Spies on every layer's input quantizer; returns the list of their calls, in call order."""
+    calls = []
+    for layer in layers:
+        _UsageSpy(layer.input_quantizer).calls = calls
+    return calls
+
+
+def _run_shared(layers, x, gy):
+    """Every layer on the same input, backward through all: (outputs, grad_input, weight grads)."""
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(5)  # stochastic rounding of gradients draws from torch's default generator
+    ys = [layer(x) for layer in layers]
+    torch.autograd.backward(ys, [gy] * len(ys))
+    return [y.detach() for y in ys], x.grad, [layer.weight.grad for layer in layers]
+
+
+def _assert_runs_bitwise(got, want, what):
+    (gys, gdx, gdws), (wys, wdx, wdws) = got, want
+    pairs = [(f"output of w{i}", a, b) for i, (a, b) in enumerate(zip(gys, wys))]
+    pairs += [("grad_input", gdx, wdx)]
+    pairs += [(f"grad_weight of w{i}", a, b) for i, (a, b) in enumerate(zip(gdws, wdws))]
+    for n, a, b in pairs:
+        diff = (a.float() - b.float()).abs().max().item()
+        assert torch.equal(a, b), f"{what}: {n} differs with shared input quantization (max abs diff {diff:g})"
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "mxfp8", "fp8_block", "nvfp4", "mxfp8_fwd_nvfp4_bwd"])
+def test_layers_reading_one_input_quantize_it_once_and_match_unshared_bitwise(name):
+    layers = _layers(hq.recipe(name))
+    calls = _input_calls(layers)
+    x, gy = inputs(torch.bfloat16)
+    with shared_input_quantization(False):
+        want = _run_shared(layers, x, gy)
+    assert len(calls) == 3, f"{name}: with sharing off every layer quantizes its input: {calls}"
+    got = _run_shared(layers, x, gy)
+    assert calls[3:] == [("input of w0", True, True)], \
+        f"{name}: the shared input should be quantized once, by the first layer: {calls[3:]}"
+    _assert_runs_bitwise(got, want, name)
+
+
+@pytest.mark.parametrize("variant", ["save_original_input", "high_precision", "dequantized"])
+def test_shared_input_quantization_with_save_original_input_or_override_matches_unshared(variant):
+    kw = {"save_original_input": True} if variant == "save_original_input" else {}
+    override = None if variant == "save_original_input" else variant
+    layers = _layers(hq.recipe("mxfp8", backward_override=override), **kw)
+    calls = _input_calls(layers)
+    x, gy = inputs(torch.bfloat16)
+    with shared_input_quantization(False):
+        want = _run_shared(layers, x, gy)
+    n_unshared = len(calls)
+    got = _run_shared(layers, x, gy)
+    forward_calls = [c for c in calls[n_unshared:] if c[1]]  # (save_original_input quantizes again in backward)
+    assert forward_calls == [("input of w0", True, False)], f"{variant}: {forward_calls}"
+    _assert_runs_bitwise(got, want, variant)
+
+
+def test_in_place_change_of_the_input_between_layers_forces_a_new_quantization():
+    a, b = _layers(hq.recipe("mxfp8"), n=2)
+    calls = _input_calls([a, b])
+    x, _ = inputs(torch.float32)  # a leaf that does not require grad
+    a(x)
+    x.add_(1)
+    got = b(x)
+    assert [c[0] for c in calls] == ["input of w0", "input of w1"], f"stale quantization reused: {calls}"
+    with shared_input_quantization(False):
+        want = b(x)
+    assert torch.equal(got, want), "output after an in-place change differs from a fresh quantization"
+
+
+def test_cached_input_without_a_needed_direction_is_quantized_again():
+    a, b = _layers(hq.recipe("mxfp8"), n=2)
+    a.weight.requires_grad_(False)  # no wgrad for a: its input is quantized rowwise only
+    calls = _input_calls([a, b])
+    x, gy = inputs(torch.float32)
+    a(x)
+    b(x).backward(gy)
+    assert calls == [("input of w0", True, False), ("input of w1", True, True)], calls
+    got = b.weight.grad
+    b.weight.grad = None
+    with shared_input_quantization(False):
+        b(x).backward(gy)
+    assert torch.equal(got, b.weight.grad), "wgrad differs from the unshared computation"
+
+
+NONDETERMINISTIC_INPUT = {
+    "nvfp4_sr": lambda: hq.CustomRecipe(
+        lambda role: hq.NVFP4Quantizer(stochastic_rounding=role.tensor_type == "input")),
+    "fp8_delayed": lambda: hq.recipe("fp8_delayed"),
+    "hybrid_with_sr_columnwise": lambda: hq.CustomRecipe(lambda role: hq.HybridQuantizer(
+        rowwise=hq.MXFP8Quantizer(), columnwise=hq.NVFP4Quantizer(stochastic_rounding=True))),
+}
+
+
+@pytest.mark.parametrize("kind", list(NONDETERMINISTIC_INPUT))
+def test_nondeterministic_input_quantizer_is_not_shared(kind):
+    layers = _layers(NONDETERMINISTIC_INPUT[kind]())
+    assert not layers[0].input_quantizer.is_deterministic, f"{kind}: input quantizer claims to be deterministic"
+    calls = _input_calls(layers)
+    x, gy = inputs(torch.float32)
+    _run_shared(layers, x, gy)
+    assert [c[0] for c in calls] == ["input of w0", "input of w1", "input of w2"], \
+        f"{kind}: a non-deterministic input quantization was shared: {calls}"
+
+
+def test_is_deterministic_of_formats():
+    assert hq.Float8Quantizer().is_deterministic and not hq.Float8Quantizer(scaling="delayed").is_deterministic
+    assert hq.NVFP4Quantizer(rht=True).is_deterministic
+    assert not hq.NVFP4Quantizer(stochastic_rounding=True).is_deterministic
+    assert hq.HybridQuantizer(rowwise=hq.MXFP8Quantizer(), columnwise=hq.NVFP4Quantizer()).is_deterministic
+    assert not hq.HybridQuantizer(rowwise=hq.MXFP8Quantizer(),
+                                  columnwise=hq.NVFP4Quantizer(stochastic_rounding=True)).is_deterministic
+
+
+def test_shared_quantized_input_is_released_with_its_source():
+    (a,) = _layers(hq.recipe("mxfp8"), n=1)
+    x = inputs(torch.float32)[0]
+    with torch.no_grad():
+        a(x)
+    held = [weakref.ref(e[3]) for e in hq_linear._SHARED.entries if e[0]() is x]
+    assert len(held) == 1, "the quantized input was not cached"
+    del x
+    gc.collect()
+    assert held[0]() is None, "the quantized input outlived its source tensor"
+    assert not any(e[3] is not None and e[0]() is None for e in hq_linear._SHARED.entries), \
+        "a cache entry of a dead input is left"
+
+
+def test_shared_input_cache_keeps_only_the_last_inputs():
+    (a,) = _layers(hq.recipe("mxfp8"), n=1)
+    xs = [torch.randn(*TOKENS, IN) for _ in range(5)]
+    with torch.no_grad():
+        for x in xs:
+            a(x)
+    cached = [e[0]() for e in hq_linear._SHARED.entries]
+    assert len(cached) == 2 and cached[0] is xs[-2] and cached[1] is xs[-1], \
+        f"cache holds {len(cached)} entries, not the last two inputs"
+
+
+def test_shared_input_quantization_off_clears_the_cache_and_context_restores_it():
+    (a,) = _layers(hq.recipe("mxfp8"), n=1)
+    x = inputs(torch.float32)[0]
+    with torch.no_grad():
+        a(x)
+        with shared_input_quantization(False):
+            assert hq_linear._SHARED.entries == (), "turning sharing off kept cached inputs"
+            a(x)
+            assert hq_linear._SHARED.entries == (), "an input was cached with sharing off"
+        a(x)
+    assert [e[0]() for e in hq_linear._SHARED.entries] == [x], "sharing not back on after the with-block"
 
 
 # -- conversion ---------------------------------------------------------------------------------------

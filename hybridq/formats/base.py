@@ -248,6 +248,12 @@ class Quantizer:
         """True for quantizers whose scale depends on earlier steps (delayed scaling)."""
         return False
 
+    @property
+    def is_deterministic(self) -> bool:
+        """True when `quantize` is a pure function of its input (no state updated per cast, no random draws):
+        an equal quantizer then gives the same result for the same tensor, so one quantization can be shared."""
+        return not self.is_stateful
+
     def quantizers(self) -> tuple["Quantizer", ...]:
         """The plain quantizers this one is made of (itself, or a hybrid's two)."""
         return (self,)

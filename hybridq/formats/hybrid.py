@@ -55,6 +55,10 @@ class HybridQuantizer(Quantizer):
     def is_stateful(self) -> bool:
         return self.rowwise.is_stateful or self.columnwise.is_stateful
 
+    @property
+    def is_deterministic(self) -> bool:
+        return self.rowwise.is_deterministic and self.columnwise.is_deterministic
+
     def quantizers(self) -> tuple[Quantizer, ...]:
         return (self.rowwise, self.columnwise)
 

@@ -112,6 +112,10 @@ class NVFP4Quantizer(Quantizer):
                   if on]
         return "NVFP4" + (f" ({', '.join(extras)})" if extras else "")
 
+    @property
+    def is_deterministic(self) -> bool:
+        return not self.stochastic_rounding  # stochastic rounding draws new random numbers on every cast
+
     def shape_rule(self, m, k, rowwise, columnwise):
         if (rowwise or self.block_2d) and k % BLOCK:
             return f"needs K % {BLOCK} == 0, got K={k}"

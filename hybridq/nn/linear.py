@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +31,70 @@ class _LinearConfig:
         self.save_original_input = module.save_original_input
 
 
+class _SharedInputs:
+    """The last few quantized Linear inputs, so that layers reading the same tensor (wq/wk/wv, w1/w3) quantize
+    it once. An entry serves only the same tensor object at the same version (an in-place change invalidates
+    it), an equal deterministic quantizer and the directions it holds; it is dropped as soon as that tensor
+    dies, so a quantized copy never outlives its source."""
+
+    slots = 2
+
+    def __init__(self):
+        self.enabled = True
+        self.entries: tuple = ()  # (weakref to x, x._version, quantizer, QuantizedTensor), newest last
+
+    def get(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | None:
+        for ref, version, eq, xq in self.entries:
+            if (ref() is x and version == x._version and (eq is q or eq == q)
+                    and (not columnwise or xq.has("columnwise"))):
+                return xq
+        return None
+
+    def put(self, x: torch.Tensor, q: Quantizer, xq: QuantizedTensor) -> None:
+        keep = tuple(e for e in self.entries  # drop dead entries and the one this supersedes
+                     if e[0]() is not None and not (e[0]() is x and (e[2] is q or e[2] == q)))
+        self.entries = (keep + ((weakref.ref(x, self._drop), x._version, q, xq),))[-self.slots:]
+
+    def _drop(self, ref: weakref.ref) -> None:  # x died
+        self.entries = tuple(e for e in self.entries if e[0] is not ref)
+
+
+_SHARED = _SharedInputs()
+
+
+class shared_input_quantization:
+    """Whether Linear layers reading the same input tensor share one quantization of it (default: on). Only
+    deterministic input quantizers are shared (`Quantizer.is_deterministic`: not delayed scaling, not stochastic
+    rounding); results are bitwise equal either way. `shared_input_quantization(False)` turns sharing off from
+    then on; `with shared_input_quantization(False): ...` only inside the block (like torch.set_grad_enabled)."""
+
+    def __init__(self, enabled: bool):
+        self.prev = _SHARED.enabled
+        _SHARED.enabled = bool(enabled)
+        if not enabled:
+            _SHARED.entries = ()
+
+    def __enter__(self) -> "shared_input_quantization":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shared_input_quantization(self.prev)
+
+
+def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise: bool,
+                    name: str) -> QuantizedTensor:
+    """`x2d` (the `[M, K]` view of the Linear's input `x`) quantized rowwise (+ columnwise), reusing the
+    quantization of another layer that read the same `x` when that is exact (see _SharedInputs)."""
+    share = (_SHARED.enabled and q.is_deterministic and not x.is_inference()
+             and not torch.compiler.is_compiling())
+    xq = _SHARED.get(x, q, columnwise) if share else None
+    if xq is None:
+        xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name)
+        if share:
+            _SHARED.put(x, q, xq)
+    return xq
+
+
 def _only(q: QuantizedTensor, direction: str) -> QuantizedTensor:
     """Keep a single direction (drop what backward does not read, so it is not held in memory)."""
     if direction == "columnwise":
@@ -48,7 +113,7 @@ class _LinearFunction(torch.autograd.Function):
         ename = f"input of {cfg.name}"
         # With an override set, forward quantizes rowwise only: backward never reads a columnwise form.
         x_col = need_wgrad and override is None and not cfg.save_original_input
-        xq = cfg.input_q.quantize(x2d, rowwise=True, columnwise=x_col, name=ename)
+        xq = _quantize_input(cfg.input_q, x, x2d, x_col, ename)
         w_col = need_dgrad and override is None
         if isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
             wq = weight
