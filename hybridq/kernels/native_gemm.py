@@ -5,6 +5,8 @@
   The forward GEMM (rowwise x rowwise) uses fast accumulation (`FAST_ACCUM_FPROP`), the backward ones do not.
 - Float8BlockPart 1x128 x 128x128 and 1x128 x 1x128 (sm_90): `torch.nn.functional.scaled_mm` with
   BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
+- MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+: `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16
+  (+ TensorWise global) scales in the swizzled 128x4-tile layout, self-checked against the emulation on first use.
 - MXFP8 / NVFP4 on sm_90 have no hardware GEMM (cuBLAS refuses them there): they are emulated, and on CUDA
   the emulation multiplies in bf16 (fp32 accumulation) where the operands dequantize exactly to bf16
   (MXFP8; NVFP4 codes times their block scale, the global scales applied to the fp32 product; bf16 identity
@@ -20,7 +22,7 @@ import warnings
 
 import torch
 
-from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part
+from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part, swizzle_mx_scales
 from ..gemm import register_native_gemm
 from . import _ext
 
@@ -149,6 +151,90 @@ def _emulated_fp32(a, b, out_dtype):
     return (a.dequantize_2d() @ b.dequantize_2d().t()).to(out_dtype)
 
 
+# ---- MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+ (cuBLAS block-scaled GEMMs) ------------------------------------
+# Behind a compute-capability check: never tried below sm_100 (Hopper has no such GEMM). This path could not be
+# run on sm_100 hardware here, so its first use on each device checks it against the emulated GEMM on a small
+# problem and, if the two disagree (or torch refuses the call), turns it off for that device with one warning.
+
+SELF_CHECK_TOL = 1e-3  # max |native - emulated| / max |emulated|: both are exact products summed in fp32
+_blockscaled_ok: dict = {}  # (part type, device index) -> bool, set by the first use's self-check
+
+
+def _blockscaled_operand(p):
+    """(matrix, scales, scale recipes, swizzles) of one operand for torch.nn.functional.scaled_mm: MXFP8 with its
+    E8M0 1x32 scales, NVFP4 (E2M1 pairs) with its E4M3 1x16 scales and the global decode scale amax / (6 * 448);
+    block scales in the 128x4-tile layout of `swizzle_mx_scales`."""
+    F = torch.nn.functional
+    tiles = swizzle_mx_scales(p.scale)
+    if isinstance(p, MXFP8Part):
+        return p.data, [tiles.view(torch.float8_e8m0fnu)], [F.ScalingType.BlockWise1x32], \
+            [F.SwizzleType.SWIZZLE_32_4_4]
+    decode = (p.amax.float() / 2688.0).reshape(())
+    return p.data.view(torch.float4_e2m1fn_x2), [tiles.view(torch.float8_e4m3fn), decode], \
+        [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise], [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+
+
+def _blockscaled_mm(a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    ma, sa, ra, wa = _blockscaled_operand(a)
+    mb, sb, rb, wb = _blockscaled_operand(b)
+    one = (lambda v: v[0] if len(v) == 1 else v)
+    od = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    y = torch.nn.functional.scaled_mm(ma, mb.t(), one(sa), one(ra), one(sb), one(rb), swizzle_a=one(wa),
+                                      swizzle_b=one(wb), output_dtype=od)
+    return y if od == out_dtype else y.to(out_dtype)
+
+
+def _blockscaled_self_check(part_type: type, device: torch.device) -> bool:
+    from ..formats import MXFP8Quantizer, NVFP4Quantizer
+
+    q = MXFP8Quantizer() if part_type is MXFP8Part else NVFP4Quantizer()
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (q.quantize_parts(torch.randn(m, 512, generator=g, device=device).to(torch.bfloat16), True, False)[0]
+            for m in (256, 128))
+    what = f"hybridq: native {q.describe()} GEMM on {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}"
+    try:
+        got = _blockscaled_mm(a, b, torch.float32)
+    except (RuntimeError, TypeError, ValueError) as e:
+        _warn_once(("blockscaled", part_type, device.index), f"{what} failed in torch ({e}); using the emulated GEMM")
+        return False
+    want = _emulated_fp32(a, b, torch.float32)
+    err = float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    if not err <= SELF_CHECK_TOL:
+        _warn_once(("blockscaled", part_type, device.index), f"{what} disagrees with the emulated GEMM on its self-check "
+                   f"(max relative error {err:.2e} > {SELF_CHECK_TOL:g}); using the emulated GEMM")
+        return False
+    log.info("%s passed its self-check (max relative error %.2e)", what, err)
+    return True
+
+
+def _blockscaled_supports(a, b) -> bool:
+    F = torch.nn.functional
+    if type(a) is not type(b) or not _on_cuda(a, b) or _cap(a.data) < (10, 0):
+        return False  # (cuBLAS has no MXFP8 x NVFP4 product)
+    if not (hasattr(F, "scaled_mm") and hasattr(F, "SwizzleType") and hasattr(F.ScalingType, "BlockWise1x16")):
+        return False
+    if _blockscaled_ok.get((type(a), a.device.index)) is False:
+        return False
+    if isinstance(a, NVFP4Part) and (a.transform != b.transform or not hasattr(torch, "float4_e2m1fn_x2")):
+        return False  # one operand Hadamard-rotated, the other not: the emulation undoes the transform
+    if isinstance(a, MXFP8Part) and a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
+        return False
+    if a.cols % 32 or a.rows % 16 or b.rows % 16:
+        _warn_once(("blockscaled", a.rows, a.cols, b.rows), f"hybridq: {a.format_name} GEMM {_shapes(a, b)}: the "
+                   f"block-scaled tensor cores need K % 32 == 0 and M, N % 16 == 0; using the emulated GEMM")
+        return False
+    return all(t.is_contiguous() for t in (a.data, b.data, a.scale, b.scale))
+
+
+def _blockscaled_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    key = (type(a), a.device.index)
+    if key not in _blockscaled_ok:
+        _blockscaled_ok[key] = _blockscaled_self_check(type(a), a.device)
+    if not _blockscaled_ok[key]:
+        return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
+    return _blockscaled_mm(a, b, out_dtype)
+
+
 # ---- emulation in bf16 where the operands are exactly bf16 ------------------------------------------------
 
 def exact_bf16_operand(p, keep_transform: bool):
@@ -220,6 +306,8 @@ def register_all() -> None:
     register_native_gemm(Float8TensorPart, Float8TensorPart, "cuda-scaled-mm-tensorwise", _fp8_tensor_run,
                          _fp8_tensor_supports)
     register_native_gemm(Float8BlockPart, Float8BlockPart, "cuda-scaled-mm-blockwise", _block_run, _block_supports)
+    for t in (MXFP8Part, NVFP4Part):  # before the emulation of the same pairs: sm_100+ only
+        register_native_gemm(t, t, "cuda-scaled-mm-blockscaled", _blockscaled_run, _blockscaled_supports)
     for ta in (MXFP8Part, NVFP4Part):
         for tb in (MXFP8Part, NVFP4Part):
             register_native_gemm(ta, tb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
