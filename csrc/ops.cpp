@@ -218,7 +218,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mxfp8_quantize(const Tensor& x, at::S
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize(const Tensor& x, bool block_2d, bool rht,
                                                                           bool stochastic_rounding,
                                                                           const std::optional<at::Generator>& generator,
-                                                                          bool rowwise, bool columnwise) {
+                                                                          bool rowwise, bool columnwise,
+                                                                          const std::optional<Tensor>& amax,
+                                                                          const std::optional<Tensor>& amax_col) {
   constexpr const char* op = "nvfp4_quantize";
   check_input(x, op);
   const auto it = in_type(x, op);
@@ -244,12 +246,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize(const 
   Tensor col = columnwise ? at::empty({K, M / 2}, u8o) : empty0(x, at::kByte);
   Tensor row_s = rowwise ? at::empty({M, K / 16}, e4) : empty0(x, at::kFloat8_e4m3fn);
   Tensor col_s = columnwise ? at::empty({K, M / 16}, e4) : empty0(x, at::kFloat8_e4m3fn);
-  // global amaxes
-  Tensor amax_r = zeros_amax(x), amax_c;
-  if (!block_2d && rht && columnwise) {
+  // global amaxes: given (a row shard of a larger tensor, FSDP: the all-reduced amaxes of the whole tensor; with
+  // rht, amax_col is the amax after the transform), else computed here
+  const bool given = amax.has_value() && amax->defined();
+  if (given) {
+    TORCH_CHECK(amax->numel() == 1, "hybridq::", op, ": amax must have one element, got shape ", amax->sizes());
+    check_same_device(*amax, x, op, "amax");
+  }
+  const bool given_col = amax_col.has_value() && amax_col->defined();
+  if (given_col) {
+    TORCH_CHECK(given, "hybridq::", op, ": amax_col is only accepted together with amax");
+    TORCH_CHECK(amax_col->numel() == 1, "hybridq::", op, ": amax_col must have one element, got shape ",
+                amax_col->sizes());
+    check_same_device(*amax_col, x, op, "amax_col");
+  }
+  TORCH_CHECK(!(given && !given_col && !block_2d && rht && columnwise), "hybridq::", op,
+              ": a given amax with rht needs amax_col, the amax of the transformed columnwise input");
+  Tensor amax_r, amax_c;
+  if (given) {
+    amax_r = amax->to(at::kFloat).reshape({1}).clone();
+    amax_c = columnwise ? (given_col ? amax_col->to(at::kFloat).reshape({1}).clone() : amax_r.clone())
+                        : empty0(x, at::kFloat);
+  } else if (!block_2d && rht && columnwise) {
+    amax_r = zeros_amax(x);
     amax_c = zeros_amax(x);
     C10_CUDA_CHECK(hybridq::launch_nvfp4_rht_amax(it, x.data_ptr(), M, K, amax_bits(amax_r), amax_bits(amax_c), stream));
   } else {
+    amax_r = zeros_amax(x);
     C10_CUDA_CHECK(hybridq::launch_absmax(it, x.data_ptr(), M * K, amax_bits(amax_r), stream));
     amax_c = columnwise ? (rowwise ? amax_r.clone() : amax_r) : empty0(x, at::kFloat);
   }
@@ -435,7 +458,8 @@ TORCH_LIBRARY(hybridq, m) {
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "nvfp4_quantize(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
-      "bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool rowwise, bool columnwise, Tensor? amax=None, Tensor? amax_col=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("amax(Tensor x) -> Tensor");
   m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def("dequantize_fp8(Tensor data, Tensor scale, int mode, ScalarType out_dtype) -> Tensor");

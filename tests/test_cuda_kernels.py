@@ -255,6 +255,33 @@ def test_nvfp4(dtype, cfg, gen):
         check_quantizer(lambda: NVFP4Quantizer(**opts), rand_input(64, 36, dtype, gen), False, True, what="cols 36")
 
 
+@pytest.mark.parametrize("cfg", list(NV_CONFIGS))
+def test_nvfp4_row_shard_with_global_amaxes(cfg, gen):
+    """FSDP quantizes each rank's row shard with the all-reduced statistics: where no block is split by the shard's
+    boundaries the kernel takes the global amaxes and matches the reference's sharded quantization bit for bit;
+    a shard that splits a block is left to the reference."""
+    from hybridq.formats._sharding import dim0_chunks
+    q = NVFP4Quantizer(**NV_CONFIGS[cfg])
+    for (m, k), ws in (((256, 160), 2), ((512, 96), 4), ((96, 64), 3)):
+        x = rand_input(m, k, torch.bfloat16, gen)
+        shards = dim0_chunks((m, k), ws)
+        stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
+        for s in shards:
+            xi = x[s.offset:s.end]
+            for r, c in ((True, True), (True, False), (False, True)):
+                what = f"nvfp4 {cfg} rows [{s.offset}, {s.end}) of {m}x{k} {r}{c}"
+                xg, sg = xi.cuda(), stats.cuda()
+                assert uses_kernel(q, xg, r, c, shard=s, stats=sg), f"{what}: the CUDA kernel declined"
+                got = q.quantize_parts(xg, r, c, shard=s, stats=sg)
+                ref = q.reference_parts(xi, r, c, shard=s, stats=stats)
+                for d, g_, r_ in zip(("rowwise", "columnwise"), got, ref):
+                    assert_parts_equal(g_, r_, f"{what} {d}")
+    x = rand_input(40, 64, torch.bfloat16, gen)
+    shards = dim0_chunks((40, 64), 2)  # 20 rows each: the 16-row block [16, 32) is split
+    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0).cuda()
+    assert not uses_kernel(q, x[:20].cuda(), True, True, shard=shards[0], stats=stats), "split block: reference"
+
+
 def test_nvfp4_global_amax_edge_cases(gen):
     for fill in (0.0, float("inf"), float("nan"), 1e-38, 3e38):
         x = torch.randn(64, 64, generator=gen)

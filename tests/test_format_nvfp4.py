@@ -325,3 +325,29 @@ def test_sr_differs_from_round_to_nearest():
     rn = NVFP4Quantizer().quantize(x).dequantize()[:, 1:]
     sr = sr_quantizer(0).quantize(x).dequantize()[:, 1:]
     assert rn.eq(2.0).all() and (sr == 3.0).any()
+
+
+# ---- row shards whose blocks all lie inside them (what a device kernel can take) --------------------------------
+
+@pytest.mark.parametrize("opts", [{}, {"rht": True}, {"block_2d": True}], ids=["1d", "rht", "16x16"])
+def test_plain_shard_amaxes_are_the_reduced_global_amaxes(opts):
+    from hybridq.formats._sharding import dim0_chunks
+    q = NVFP4Quantizer(**opts)
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 2, 64).unsqueeze(1)
+    shards = dim0_chunks(x.shape, 2)  # 32 rows each: no block split
+    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
+    whole_r, whole_c = q.reference_parts(x, True, True)
+    for s in shards:
+        row, col = q.plain_shard_amaxes(s, 48, stats)
+        assert torch.equal(row.reshape(1), whole_r.amax), f"{opts} shard {s.offset}: rowwise amax {row} != {whole_r.amax}"
+        assert torch.equal(col.reshape(1), whole_c.amax), f"{opts} shard {s.offset}: columnwise amax {col} != {whole_c.amax}"
+
+
+def test_plain_shard_amaxes_none_when_a_block_is_split():
+    from hybridq.formats._sharding import dim0_chunks
+    q = NVFP4Quantizer()
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(6))
+    shards = dim0_chunks(x.shape, 2)  # 20 rows each: the block of rows [16, 32) is split
+    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
+    assert all(q.plain_shard_amaxes(s, 32, stats) is None for s in shards), "a split block needs the reference path"
+    assert q.plain_shard_amaxes(shards[0], 32, None) is None, "no statistics: nothing to give a kernel"

@@ -195,6 +195,18 @@ class NVFP4Quantizer(Quantizer):
             vals["amax_c"] = self._amax(rht16(x.t())) if self._rht_aligned(shard) else torch.zeros(1, device=x.device)
         return layout.pack(vals, x2d.device)
 
+    def plain_shard_amaxes(self, shard, k: int, stats) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rowwise amax, columnwise amax) from the MAX-reduced `stats` when no block or tile of the row shard is
+        split by its boundaries: quantizing the shard is then plain quantization with these global amaxes (the
+        columnwise one after the transform with rht), which is what a device kernel needs to match
+        `reference_parts(..., shard=shard, stats=stats)`. None otherwise (or without stats)."""
+        if stats is None or shard.cut_blocks(BLOCK) or (self.rht and not self.block_2d and not self._rht_aligned(shard)):
+            return None
+        st = self._stats_layout(shard, k).unpack(stats)
+        if self.block_2d:
+            return st["amax"], st["amax"]
+        return st["amax_r"], st["amax_c"]
+
     def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
         st = self._stats_layout(shard, x2d.shape[1]).unpack(stats)
         l, k = x2d.shape

@@ -161,6 +161,12 @@ def mxfp8_quantize(x2d: torch.Tensor, fp8=torch.float8_e4m3fn, *, block_2d=False
 # ---- NVFP4 ----------------------------------------------------------------------------------------------------
 
 def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
+    shard = kw.get("shard")
+    if shard is not None and not shard.is_whole:
+        # a row shard (FSDP) whose blocks all lie inside it: plain quantization with the global amaxes of `stats`
+        if q.stochastic_rounding or q.plain_shard_amaxes(shard, x2d.shape[1], kw.get("stats")) is None:
+            return False
+        kw = {n: v for n, v in kw.items() if n not in ("shard", "stats")}
     if not _plain_kw(kw):
         return False
     g = q.generator
@@ -170,13 +176,16 @@ def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
     return _input_ok(q, x2d, rowwise, columnwise)
 
 
-def _nvfp4_run(q: NVFP4Quantizer, x2d, rowwise, columnwise, **_):
+def _nvfp4_run(q: NVFP4Quantizer, x2d, rowwise, columnwise, shard=None, stats=None, **_):
     x = x2d.contiguous()
     m, k = x.shape
     rht = q.rht and not q.block_2d
+    amaxes = (None, None)
+    if shard is not None and not shard.is_whole:
+        amaxes = tuple(a.to(x.device) for a in q.plain_shard_amaxes(shard, k, stats))
     row, rs, ra, col, cs, ca = _ops().nvfp4_quantize(x, q.block_2d, rht, q.stochastic_rounding,
                                                      q.generator if q.stochastic_rounding else None, rowwise,
-                                                     columnwise)
+                                                     columnwise, *amaxes)
     r = NVFP4Part(rows=m, cols=k, columnwise=False, data=row, scale=rs, amax=ra, rht=False) if rowwise else None
     c = NVFP4Part(rows=k, cols=m, columnwise=True, data=col, scale=cs, amax=ca, rht=rht) if columnwise else None
     return r, c

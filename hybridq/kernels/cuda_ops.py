@@ -7,7 +7,8 @@ Op reference (all inputs 2-D and contiguous; a direction not asked for returns a
 - fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise)
     -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv)
 - mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle) -> (rowwise, E8M0 scales, columnwise, scales)
-- nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise)
+- nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise, amax?, amax_col?)
+    (amax / amax_col: given global amaxes, e.g. of the whole tensor when x is a row shard of it)
     -> (row data [M, K/2], row scales [M, K/16] e4m3, row amax [1], col data [K, M/2], col scales, col amax)
 - amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
   apply_global, out_dtype)
@@ -60,7 +61,7 @@ def _mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle):
 
 
 @register_fake("hybridq::nvfp4_quantize")
-def _nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator, rowwise, columnwise):
+def _nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator, rowwise, columnwise, amax=None, amax_col=None):
     m, k = x.shape
     e4 = torch.float8_e4m3fn
     return (_or0(x, (m, k // 2), torch.uint8, rowwise), _or0(x, (m, k // 16), e4, rowwise), _or0(x, (1,), _F32, rowwise),
