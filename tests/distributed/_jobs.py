@@ -184,7 +184,7 @@ def run_training(rank, world_size, device, *, env_override=None, **kw):
 
 def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
                   recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
-                  memory=False, backward_override=None, offload=False, unsharded_accum=False):
+                  memory=False, backward_override=None, offload=False, unsharded_accum=False, reuse_payload=True):
     fully_shard, mp = _fsdp()
     mesh_shape = mesh_shape or (1, world_size)
     torch.manual_seed(0)
@@ -194,7 +194,8 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
     ref_losses, ref_g0, ref_params = reference_run(init, preset, batches, mesh_shape=mesh_shape, device=device,
                                                    backward_override=backward_override)
     model.to(device)
-    report = apply_hybrid_fsdp(model, hybridq.recipe(preset, backward_override=backward_override))
+    report = apply_hybrid_fsdp(model, hybridq.recipe(preset, backward_override=backward_override),
+                               reuse_forward_payload=reuse_payload)
     mesh = _mesh(device, mesh_shape, world_size)
     extra = {}
     if offload:

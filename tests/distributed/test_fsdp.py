@@ -69,7 +69,8 @@ def test_training_variants(backend):
     """reshard_after_forward=False, gradient accumulation with set_requires_gradient_sync, activation
     recompute (lazy rowwise gather in backward), state_dict / load_state_dict / grad clipping, the per-weight
     statistics fallback (no precompute_scales), HSDP 2x1 and 1x2 meshes, backward_override='dequantized',
-    CPU offload (gloo), and backward_override='high_precision' (see HIGH_PRECISION_CONFIGS)."""
+    CPU offload (gloo), the forward payload not kept for backward, and backward_override='high_precision' (see
+    HIGH_PRECISION_CONFIGS)."""
     mem = _memory(backend)
     configs = [
         {"preset": "mxfp8_fwd_nvfp4_bwd", "reshard_after_forward": False, **mem},
@@ -79,6 +80,7 @@ def test_training_variants(backend):
         {"preset": "mxfp8", "mesh_shape": [2, 1], **mem},
         {"preset": "nvfp4", "mesh_shape": [1, 2], "accum": 2, "unsharded_accum": True},
         {"preset": "fp8_block_fwd_mxfp8_bwd", "backward_override": "dequantized"},
+        {"preset": "fp8_tensorwise", "reuse_payload": False},
     ]
     if backend == "gloo":  # FSDP2's CPU offload path (to(device) before each all-gather)
         configs.append({"preset": "fp8_tensorwise", "offload": True})
@@ -88,6 +90,8 @@ def test_training_variants(backend):
     assert runs[0]["counters"].get("gather_backward", 0) == 0  # nothing re-gathered in backward
     assert runs[1]["counters"]["stats_allreduce"] >= 3 * runs[1]["converted"] - 3  # fallback: one per step
     assert runs[2]["counters"]["lazy_gathers"] > 0
+    assert runs[7]["counters"].get("payload_reused", 0) == 0 < runs[7]["counters"]["gather_backward"], \
+        "reuse_forward_payload=False: every backward unshard quantizes its shard again"
     _check_high_precision(out, runs[-len(HIGH_PRECISION_CONFIGS):])
 
 
