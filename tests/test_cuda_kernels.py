@@ -190,6 +190,32 @@ def test_fp8_block(dtype, block_dim, fp8, opts, gen):
                                 what=f"fp8 block{block_dim} {fp8} {m}x{k} {kind} {r}{c}")
 
 
+def test_fp8_block_128x128_row_shard_with_reduced_tile_grid(gen):
+    """FSDP row shards of 128x128 tiles that split no tile: the kernel quantizes the shard's rows and the parts carry
+    the whole tile-scale grid of the reduced statistics, bit for bit the reference's sharded quantization; a shard
+    that splits a tile is left to the reference."""
+    from hybridq.formats._sharding import dim0_chunks
+    q = Float8BlockQuantizer(block_dim=2)
+    for (m, k), ws in (((512, 256), 2), ((640, 384), 5), ((1024, 160), 4)):
+        x = rand_input(m, k, torch.bfloat16, gen)
+        shards = dim0_chunks((m, k), ws)
+        stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
+        for s in shards:
+            xi = x[s.offset:s.end]
+            for r, c in ((True, True), (True, False), (False, True)):
+                what = f"fp8 block 128x128 rows [{s.offset}, {s.end}) of {m}x{k} {r}{c}"
+                xg, sg = xi.cuda(), stats.cuda()
+                assert uses_kernel(q, xg, r, c, shard=s, stats=sg), f"{what}: the CUDA kernel declined"
+                got = q.quantize_parts(xg, r, c, shard=s, stats=sg)
+                ref = q.reference_parts(xi, r, c, shard=s, stats=stats)
+                for d, g_, r_ in zip(("rowwise", "columnwise"), got, ref):
+                    assert_parts_equal(g_, r_, f"{what} {d}")
+    shards = dim0_chunks((320, 128), 2)  # 160 rows each: splits the tile of rows [128, 256)
+    x = rand_input(320, 128, torch.bfloat16, gen)
+    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0).cuda()
+    assert not uses_kernel(q, x[:160].cuda(), True, True, shard=shards[0], stats=stats), "split tile: reference"
+
+
 # ---- MXFP8 -----------------------------------------------------------------------------------------------------
 
 MX_SHAPES = [(32, 32), (96, 160), (224, 96), (1056, 320), (128, 4096)]

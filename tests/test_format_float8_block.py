@@ -170,3 +170,26 @@ def test_fp32_subnormal_block_scale_flt_max_pow2():
 def test_invalid_block_dim_is_rejected():
     with pytest.raises(ValueError, match="block_dim"):
         Float8BlockQuantizer(block_dim=3)
+
+
+# ---- row shards of 128x128 tiles that split no tile (what a device kernel can take) -----------------------------
+
+def test_tile_aligned_shard_scale_grid_is_the_reference_shard_parts():
+    from hybridq.formats._sharding import dim0_chunks
+    q = Float8BlockQuantizer(block_dim=2)
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 3, 512).unsqueeze(1)
+    shards = dim0_chunks(x.shape, 2)  # 256 rows each: no tile split
+    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
+    for s in shards:
+        assert q.tiles_inside(s), f"rows [{s.offset}, {s.end}) split no 128-row tile"
+        row, col = q.reference_parts(x[s.offset:s.end], True, True, shard=s, stats=stats)
+        got = q.shard_scale_inv(s, 256, stats)
+        assert_bitwise(got, row.scale_inv, f"tile scale grid of rows [{s.offset}, {s.end})")
+        assert_bitwise(got.t().contiguous(), col.scale_inv, f"columnwise tile scale grid of rows [{s.offset}, {s.end})")
+
+
+def test_shard_splitting_a_tile_is_not_plain():
+    from hybridq.formats._sharding import dim0_chunks
+    shards = dim0_chunks((320, 128), 2)  # 160 rows each: the tile of rows [128, 256) is split
+    assert not any(Float8BlockQuantizer(block_dim=2).tiles_inside(s) for s in shards)
+    assert not Float8BlockQuantizer(block_dim=1).tiles_inside(dim0_chunks((512, 128), 2)[0]), "1-D blocks: no tiles"

@@ -128,6 +128,18 @@ class Float8BlockQuantizer(Quantizer):
             return layout.pack({"tiles": grid}, x2d.device)
         return layout.pack({"cut": cut_stats(col_block_amax(x2d, shard, BLOCK), shard, BLOCK)}, x2d.device)
 
+    def tiles_inside(self, shard) -> bool:
+        """128x128 tiles and no tile split by the shard's boundaries: each tile's amax is then the shard's own, so
+        plainly quantizing the shard's rows gives their data; only the part's scale grid (every tile's, see
+        `shard_scale_inv`) comes from the reduced statistics. What a device kernel can take."""
+        return self.block_dim == 2 and not shard.cut_blocks(BLOCK)
+
+    def shard_scale_inv(self, shard, k: int, stats) -> torch.Tensor:
+        """128x128 tiles: the whole grid of tile scale_inv from the MAX-reduced `stats` (the scale_inv a shard part
+        carries)."""
+        tiles = self._stats_layout(shard, k).unpack(stats)["tiles"]
+        return rcp(self._scale(tiles))
+
     def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
         st = self._stats_layout(shard, x2d.shape[1]).unpack(stats)
         l, k = x2d.shape

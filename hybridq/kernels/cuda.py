@@ -128,11 +128,25 @@ def _block_supports(q, x2d, rowwise, columnwise, **kw) -> bool:
     return _plain_kw(kw) and _input_ok(q, x2d, rowwise, columnwise)
 
 
-def _block_run(q: Float8BlockQuantizer, x2d, rowwise, columnwise, **_):
+def _fp8_block_supports(q: Float8BlockQuantizer, x2d, rowwise, columnwise, **kw) -> bool:
+    shard = kw.get("shard")
+    if shard is not None and not shard.is_whole:
+        # a row shard (FSDP) of 128x128 tiles none of which it splits: plain quantization of its rows, with the
+        # whole tile-scale grid of the reduced statistics
+        if kw.get("stats") is None or not q.tiles_inside(shard):
+            return False
+        kw = {n: v for n, v in kw.items() if n not in ("shard", "stats")}
+    return _block_supports(q, x2d, rowwise, columnwise, **kw)
+
+
+def _block_run(q: Float8BlockQuantizer, x2d, rowwise, columnwise, shard=None, stats=None, **_):
     x = x2d.contiguous()
     m, k = x.shape
     row, rs, col, cs = _ops().fp8_block_quantize(x, q.dtype, q.block_dim, q.amax_epsilon, q.power_2_scale, rowwise,
                                                  columnwise)
+    if shard is not None and not shard.is_whole:  # the shard's own tile scales are rows of the whole grid
+        rs = q.shard_scale_inv(shard, k, stats.to(x.device))
+        cs = rs.t().contiguous() if columnwise else cs
     r = Float8BlockPart(rows=m, cols=k, columnwise=False, data=row, scale_inv=rs, block_dim=q.block_dim) \
         if rowwise else None
     c = Float8BlockPart(rows=k, cols=m, columnwise=True, data=col, scale_inv=cs, block_dim=q.block_dim) \
@@ -236,7 +250,7 @@ def _deq_nvfp4(part: NVFP4Part, undo_transform=True):
 
 def register_all() -> None:
     register_quantize(Float8Quantizer, KernelImpl("cuda-fp8-tensor", "cuda", _fp8_run, _fp8_supports))
-    register_quantize(Float8BlockQuantizer, KernelImpl("cuda-fp8-block", "cuda", _block_run, _block_supports))
+    register_quantize(Float8BlockQuantizer, KernelImpl("cuda-fp8-block", "cuda", _block_run, _fp8_block_supports))
     register_quantize(MXFP8Quantizer, KernelImpl("cuda-mxfp8", "cuda", _mx_run, _block_supports))
     register_quantize(NVFP4Quantizer, KernelImpl("cuda-nvfp4", "cuda", _nvfp4_run, _nvfp4_supports))
     register_dequantize(Float8TensorPart, KernelImpl("cuda-fp8-tensor", "cuda", _deq_tensor, _fp8_part_supports))
