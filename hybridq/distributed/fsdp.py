@@ -161,6 +161,7 @@ class _WeightState:
         self.parts: dict[str, object] = {}  # the unsharded weight's parts (own tensors)
         self.owned: dict[str, list[torch.Tensor]] = {}
         self.inner: list[torch.Tensor] = []  # handed to FSDP2: allocated before, freed at reshard
+        self.aliased: set[int] = set()  # ids of own tensors that are views of FSDP2's all-gather output
         self.deferred: set[str] = set()
         self.backward_extra: set[str] = set()
         self.last_sig = None
@@ -229,14 +230,15 @@ class _WeightState:
         self.owned[HIGH_PRECISION] = [data]
 
     def materialized(self, d: str) -> bool:
-        return all(t.numel() == 0 or t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+        return all(t.numel() == 0 or t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
                    for t in self.owned.get(d, ()))
 
     def _unique(self, dirs) -> list[torch.Tensor]:
+        """The own tensors of `dirs` whose storage is ours (not those aliasing FSDP2's all-gather output)."""
         out: list[torch.Tensor] = []
         for d in dirs:
             for t in self.owned.get(d, ()):
-                if not any(t is x for x in out):
+                if id(t) not in self.aliased and not any(t is x for x in out):
                     out.append(t)
         return out
 
@@ -249,13 +251,15 @@ class _WeightState:
             if not any(t is x for x in keep_t) and t.untyped_storage().nbytes():
                 t.untyped_storage().resize_(0)
 
-    def fill(self, d: str, src, adopt: dict | None = None) -> None:
+    def fill(self, d: str, src, adopt: dict | None = None, alias: int | None = None) -> None:
         """Put `src`'s tensors into the unsharded weight's own tensors of direction `d`. With `adopt` (a dict of
-        storages already taken in this unshard, plus "forbidden": the all-gather output's storage), a source
-        tensor that is a fresh, exclusively owned, contiguous, 16-byte aligned allocation of exactly the right size
-        (a derived direction, a concatenated or re-laid-out buffer, a scale computed on this rank) becomes the
-        own tensor's storage (`set_`, no copy kernel); anything else (views of the all-gather output, views of
-        the statistics) is copied."""
+        storages already taken in this unshard, "forbidden": storages never to take) and `alias` (the storage of
+        FSDP2's all-gather output, for a direction that was gathered): a source tensor that is a view of the
+        all-gather output (a payload of one buffer: per-tensor FP8 or 128x128-tile data, the high-precision shard)
+        is aliased -- the own tensor points at it, and FSDP2 allocates and frees that storage around each unshard
+        as it does for a plain parameter; a fresh, exclusively owned, contiguous, 16-byte aligned allocation of exactly the right size (a derived
+        direction, a concatenated or re-laid-out buffer) becomes the own tensor's storage (`set_`); anything
+        else is copied."""
         dst = self.parts[d]
         for n, t in dst.tensors().items():
             if t is None:
@@ -264,6 +268,17 @@ class _WeightState:
             if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
                 raise RuntimeError(f"hybridq FSDP: gathered {d} {n} is {tuple(s.shape)} {s.dtype}, the unsharded "
                                    f"weight holds {tuple(t.shape)} {t.dtype}")
+            if alias is not None and type(s) is torch.Tensor and s.untyped_storage().data_ptr() == alias \
+                    and s.device == t.device:
+                if not (t.untyped_storage().data_ptr() == alias and t.storage_offset() == s.storage_offset()
+                        and t.stride() == s.stride()):
+                    t.set_(s.untyped_storage(), s.storage_offset(), s.shape, s.stride())
+                self.aliased.add(id(t))
+                self.counters["aliased"] += 1
+                continue
+            if id(t) in self.aliased:  # it pointed at an all-gather output: it gets its own storage again
+                self.aliased.discard(id(t))
+                t.set_(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
             need = t.numel() * t.element_size()
             if adopt is not None and _adoptable(s, t, need, adopt):
                 adopt[s.untyped_storage().data_ptr()] = True
@@ -554,19 +569,18 @@ class HybridWeight(torch.Tensor):
             first = st.gathered is None
             if first:
                 st.create(q, meta.shape, dtype, gathered.device)
-            new_hp = HIGH_PRECISION in plan.materialize and st.parts.get(HIGH_PRECISION) is None
-            if new_hp:
+            if HIGH_PRECISION in plan.materialize:
                 st.create_high_precision()
             # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
-            adopt = {"forbidden": {outputs[0].untyped_storage().data_ptr()} | {
+            out_ptr = outputs[0].untyped_storage().data_ptr()
+            adopt = {"forbidden": {out_ptr} | {
                 t.untyped_storage().data_ptr() for rep in meta.replicated.values() for t in rep.values()
                 if t is not None}}
-            for d in plan.materialize:
-                st.fill(d, parts[d], adopt)
+            for d in plan.materialize:  # (a derived direction is never aliased, even where it is a view)
+                st.fill(d, parts[d], adopt, alias=out_ptr if d in plan.send else None)
             if first:
                 st.free_others(plan.materialize)
-            if first or new_hp:
-                st.set_inner(plan.materialize)
+            st.set_inner(plan.materialize)  # (what aliases the all-gather output is FSDP2's to free, not ours)
         if out is not None:
             return None
         return st.gathered._alias(), st.inner
