@@ -46,7 +46,12 @@ class QuantizedTensor(torch.Tensor):
         return self._columnwise
 
     def part(self, direction: str) -> QuantizedPart:
-        p = self._rowwise if check_direction(direction) == ROWWISE else self._columnwise
+        if direction == ROWWISE:
+            p = self._rowwise
+        elif direction == COLUMNWISE:
+            p = self._columnwise
+        else:
+            check_direction(direction)
         if p is None:
             raise RuntimeError(
                 f"QuantizedTensor {tuple(self.shape)} has no {direction} form (it holds {self.usage}); "
@@ -55,7 +60,10 @@ class QuantizedTensor(torch.Tensor):
         return p
 
     def has(self, direction: str) -> bool:
-        return (self._rowwise if check_direction(direction) == ROWWISE else self._columnwise) is not None
+        if direction == ROWWISE:
+            return self._rowwise is not None
+        check_direction(direction)
+        return self._columnwise is not None
 
     @property
     def usage(self) -> str:

@@ -77,15 +77,22 @@ class QuantizedPart:
     format_name: ClassVar[str] = "?"
     tensor_fields: ClassVar[tuple[str, ...]] = ()
     meta_fields: ClassVar[tuple[str, ...]] = ()
+    _field_set: ClassVar[frozenset] = frozenset()
 
     def __init__(self, *, rows: int, cols: int, columnwise: bool, **fields):
         self.rows = rows  # rows of the stored matrix (M for rowwise, K for columnwise)
         self.cols = cols  # contracted dim of the stored matrix
         self.columnwise = columnwise
-        for name in self.tensor_fields + self.meta_fields:
-            setattr(self, name, fields.pop(name))
-        if fields:
-            raise TypeError(f"{type(self).__name__}: unexpected fields {sorted(fields)}")
+        # (one comparison and one dict update: parts are built several times per Linear call, on the host's
+        # critical path)
+        if fields.keys() != self._field_set:
+            raise TypeError(f"{type(self).__name__}: missing fields {sorted(self._field_set - fields.keys())}, "
+                            f"unexpected fields {sorted(fields.keys() - self._field_set)}")
+        self.__dict__.update(fields)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._field_set = frozenset(cls.tensor_fields + cls.meta_fields)
 
     # -- subclasses implement -------------------------------------------------------------------
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
@@ -125,7 +132,11 @@ class QuantizedPart:
 
     @property
     def device(self) -> torch.device:
-        return next(t for t in self.tensors().values() if t is not None).device
+        for n in self.tensor_fields:
+            t = getattr(self, n)
+            if t is not None:
+                return t.device
+        raise RuntimeError(f"{type(self).__name__} holds no tensor")
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)

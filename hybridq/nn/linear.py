@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from typing import Any
 
@@ -277,7 +278,7 @@ class Linear(nn.Linear):
         key = (override, self.name, self.save_original_input, self.input_quantizer, self.weight_quantizer,
                self.grad_output_quantizer)
         cached = self.__dict__.get("_cfg")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+        if cached is None or not all(map(operator.is_, cached[0], key)):
             cached = self.__dict__["_cfg"] = (key, _LinearConfig(self, override))
         return cached[1]
 
