@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -69,6 +70,12 @@ def _order(dirs) -> tuple[str, ...]:
 
 def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_override: str | None,
               derivable: bool, known: bool, backward_extra=()) -> _Plan:
+    return _make_plan(phase, reshard_after_forward, backward_override, derivable, known, frozenset(backward_extra))
+
+
+@functools.lru_cache(maxsize=256)  # (a handful of distinct arguments; asked for on every all-gather)
+def _make_plan(phase: str, reshard_after_forward: bool | None, backward_override: str | None, derivable: bool,
+               known: bool, backward_extra: frozenset) -> _Plan:
     """phase: "forward" or "backward". reshard_after_forward None = unknown (conservative). derivable: the
     columnwise form is an exact transform of the rowwise one. known=False: FSDP2 internals were not found, so
     the payload must not change between unshards (every unshard sends the same directions). backward_extra:
@@ -512,9 +519,10 @@ class HybridWeight(torch.Tensor):
         extra = set(st.backward_extra)
         if group_state is not None and getattr(group_state, "reshard_after_backward", True) is False:
             extra.add(ROWWISE)  # parameters stay unsharded into the next forward
-        plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=module.recipe.backward_override,
-                         derivable=st.is_derivable(q, shape, dtype), known=handle is not None,
-                         backward_extra=extra)
+        override = module.recipe.backward_override
+        derivable = st.is_derivable(q, shape, dtype)
+        plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=override, derivable=derivable,
+                         known=handle is not None, backward_extra=extra)
         with torch.no_grad():
             param = _sharded_param(self, module, handle)
             key = _payload_key(param, dtype, shape, ws, rank, plan.send)
@@ -525,8 +533,8 @@ class HybridWeight(torch.Tensor):
             else:
                 payload, meta = _prepare(self, param, q, plan.send, shape, ws, rank, dtype, group)
             if st.reuse_payload and key is not None and phase == "forward" and plan.deferred and make_plan(
-                    phase="backward", reshard_after_forward=ra, backward_override=module.recipe.backward_override,
-                    derivable=st.is_derivable(q, shape, dtype), known=True, backward_extra=extra).send == plan.send:
+                    phase="backward", reshard_after_forward=ra, backward_override=override, derivable=derivable,
+                    known=True, backward_extra=extra).send == plan.send:
                 # the backward unshard re-gathers the same directions (e.g. per-tensor FP8 rowwise, columnwise
                 # derived): keep this shard's payload until then instead of casting and quantizing it again
                 st.kept_payload = (key, payload, meta)

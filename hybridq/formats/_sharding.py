@@ -22,6 +22,7 @@ full tensor's block rows without duplicates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -88,9 +89,13 @@ class RowShard:
         return tuple(sorted({c // g for c in self.cuts if c % g}))
 
 
-def dim0_chunks(shape, world_size: int) -> list[RowShard]:
+def dim0_chunks(shape, world_size: int) -> tuple[RowShard, ...]:
     """Every rank's RowShard under FSDP2's dim-0 chunking of a tensor of `shape` (rows = prod(shape[:-1]))."""
-    shape = tuple(shape)
+    return _dim0_chunks(tuple(shape), world_size)
+
+
+@functools.lru_cache(maxsize=4096)  # asked for on every all-gather of every weight
+def _dim0_chunks(shape: tuple, world_size: int) -> tuple[RowShard, ...]:
     d0 = shape[0] if shape else 1
     k = shape[-1] if shape else 1
     unit = 1  # rows of the 2-D view per dim-0 index
@@ -102,7 +107,7 @@ def dim0_chunks(shape, world_size: int) -> list[RowShard]:
     chunk = cdiv(d0, world_size) if d0 else 0
     bounds = [min(r * chunk, d0) * unit for r in range(world_size + 1)]
     cuts = tuple(sorted({b for b in bounds if 0 < b < rows}))
-    return [RowShard(rows, bounds[r], bounds[r + 1] - bounds[r], cuts) for r in range(world_size)]
+    return tuple(RowShard(rows, bounds[r], bounds[r + 1] - bounds[r], cuts) for r in range(world_size))
 
 
 # ---- per-shard block statistics --------------------------------------------------------------------
