@@ -190,30 +190,39 @@ def test_fp8_block(dtype, block_dim, fp8, opts, gen):
                                 what=f"fp8 block{block_dim} {fp8} {m}x{k} {kind} {r}{c}")
 
 
-def test_fp8_block_128x128_row_shard_with_reduced_tile_grid(gen):
-    """FSDP row shards of 128x128 tiles that split no tile: the kernel quantizes the shard's rows and the parts carry
-    the whole tile-scale grid of the reduced statistics, bit for bit the reference's sharded quantization; a shard
-    that splits a tile is left to the reference."""
+def row_shards(q, shape, ws: int, gen):
+    """(x, [(shard, rows of x)], MAX-reduced statistics) of a random bf16 `shape` split into FSDP2's dim-0 chunks."""
     from hybridq.formats._sharding import dim0_chunks
-    q = Float8BlockQuantizer(block_dim=2)
-    for (m, k), ws in (((512, 256), 2), ((640, 384), 5), ((1024, 160), 4)):
-        x = rand_input(m, k, torch.bfloat16, gen)
-        shards = dim0_chunks((m, k), ws)
-        stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
-        for s in shards:
-            xi = x[s.offset:s.end]
+    x = rand_input(*shape, torch.bfloat16, gen)
+    shards = dim0_chunks(shape, ws)
+    pieces = [(s, x[s.offset:s.end]) for s in shards]
+    return x, pieces, torch.stack([q.shard_stats(xi, s) for s, xi in pieces]).amax(0)
+
+
+def check_row_shards(q, cases, gen, what: str) -> None:
+    """Every rank's row shard quantized by the CUDA kernel with the reduced statistics == the reference's sharded
+    quantization, bit for bit, in every direction combination."""
+    for shape, ws in cases:
+        _, pieces, stats = row_shards(q, shape, ws, gen)
+        for s, xi in pieces:
             for r, c in ((True, True), (True, False), (False, True)):
-                what = f"fp8 block 128x128 rows [{s.offset}, {s.end}) of {m}x{k} {r}{c}"
+                label = f"{what} rows [{s.offset}, {s.end}) of {shape[0]}x{shape[1]} {r}{c}"
                 xg, sg = xi.cuda(), stats.cuda()
-                assert uses_kernel(q, xg, r, c, shard=s, stats=sg), f"{what}: the CUDA kernel declined"
+                assert uses_kernel(q, xg, r, c, shard=s, stats=sg), f"{label}: the CUDA kernel declined"
                 got = q.quantize_parts(xg, r, c, shard=s, stats=sg)
                 ref = q.reference_parts(xi, r, c, shard=s, stats=stats)
                 for d, g_, r_ in zip(("rowwise", "columnwise"), got, ref):
-                    assert_parts_equal(g_, r_, f"{what} {d}")
-    shards = dim0_chunks((320, 128), 2)  # 160 rows each: splits the tile of rows [128, 256)
-    x = rand_input(320, 128, torch.bfloat16, gen)
-    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0).cuda()
-    assert not uses_kernel(q, x[:160].cuda(), True, True, shard=shards[0], stats=stats), "split tile: reference"
+                    assert_parts_equal(g_, r_, f"{label} {d}")
+
+
+def test_fp8_block_128x128_row_shard_with_reduced_tile_grid(gen):
+    """FSDP row shards of 128x128 tiles that split no tile: the kernel quantizes the shard's rows and the parts carry
+    the whole tile-scale grid of the reduced statistics; a shard that splits a tile is left to the reference."""
+    q = Float8BlockQuantizer(block_dim=2)
+    check_row_shards(q, (((512, 256), 2), ((640, 384), 5), ((1024, 160), 4)), gen, "fp8 block 128x128")
+    _, pieces, stats = row_shards(q, (320, 128), 2, gen)  # 160 rows each: splits the tile of rows [128, 256)
+    s, xi = pieces[0]
+    assert not uses_kernel(q, xi.cuda(), True, True, shard=s, stats=stats.cuda()), "split tile: reference"
 
 
 # ---- MXFP8 -----------------------------------------------------------------------------------------------------
@@ -283,29 +292,13 @@ def test_nvfp4(dtype, cfg, gen):
 
 @pytest.mark.parametrize("cfg", list(NV_CONFIGS))
 def test_nvfp4_row_shard_with_global_amaxes(cfg, gen):
-    """FSDP quantizes each rank's row shard with the all-reduced statistics: where no block is split by the shard's
-    boundaries the kernel takes the global amaxes and matches the reference's sharded quantization bit for bit;
-    a shard that splits a block is left to the reference."""
-    from hybridq.formats._sharding import dim0_chunks
+    """FSDP row shards whose blocks lie inside them: the kernel takes the all-reduced global amaxes; a shard that
+    splits a block is left to the reference."""
     q = NVFP4Quantizer(**NV_CONFIGS[cfg])
-    for (m, k), ws in (((256, 160), 2), ((512, 96), 4), ((96, 64), 3)):
-        x = rand_input(m, k, torch.bfloat16, gen)
-        shards = dim0_chunks((m, k), ws)
-        stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
-        for s in shards:
-            xi = x[s.offset:s.end]
-            for r, c in ((True, True), (True, False), (False, True)):
-                what = f"nvfp4 {cfg} rows [{s.offset}, {s.end}) of {m}x{k} {r}{c}"
-                xg, sg = xi.cuda(), stats.cuda()
-                assert uses_kernel(q, xg, r, c, shard=s, stats=sg), f"{what}: the CUDA kernel declined"
-                got = q.quantize_parts(xg, r, c, shard=s, stats=sg)
-                ref = q.reference_parts(xi, r, c, shard=s, stats=stats)
-                for d, g_, r_ in zip(("rowwise", "columnwise"), got, ref):
-                    assert_parts_equal(g_, r_, f"{what} {d}")
-    x = rand_input(40, 64, torch.bfloat16, gen)
-    shards = dim0_chunks((40, 64), 2)  # 20 rows each: the 16-row block [16, 32) is split
-    stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0).cuda()
-    assert not uses_kernel(q, x[:20].cuda(), True, True, shard=shards[0], stats=stats), "split block: reference"
+    check_row_shards(q, (((256, 160), 2), ((512, 96), 4), ((96, 64), 3)), gen, f"nvfp4 {cfg}")
+    _, pieces, stats = row_shards(q, (40, 64), 2, gen)  # 20 rows each: the 16-row block [16, 32) is split
+    s, xi = pieces[0]
+    assert not uses_kernel(q, xi.cuda(), True, True, shard=s, stats=stats.cuda()), "split block: reference"
 
 
 def test_nvfp4_global_amax_edge_cases(gen):
