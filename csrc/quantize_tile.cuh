@@ -252,6 +252,24 @@ __device__ __forceinline__ void smem_load_col_pair(const T* ts, int r0, int c0, 
   }
 }
 
+// FP8 byte tile: the row phase's fp8 output kept in shared memory when the columnwise part is its exact transpose
+// (one scale for both directions). Word q (4 bytes) of tile row r sits at word q ^ (4 * ((r >> 4) & 7)) of that
+// row: the column phase's reads (a warp = 8 strips of 16 rows x 4 word columns) then hit 32 distinct banks, and
+// the row phase's 16-byte groups of 4 words stay contiguous.
+__device__ __forceinline__ int byte_tile_word(int r, int q) {
+  return r * (tile::TK / 4) + (q ^ (((r >> 4) & 7) << 2));
+}
+
+// Rows 4u .. 4u + 3 (one word each: 4 consecutive columns) -> columns 0 .. 3 (one word each: the 4 rows)
+__device__ __forceinline__ void transpose4x4_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&o)[4]) {
+  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);  // a0 b0 a1 b1 / a2 b2 a3 b3
+  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  o[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+  o[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  o[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  o[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
 // Launch configuration of the tile kernel: threads per CTA, shared-memory stages (tiles in flight per CTA), and
 // the CTAs per SM the register budget is sized for (__launch_bounds__). STAGES == 1 with one CTA per tile is the
 // original one-shot kernel (load, wait, compute); STAGES >= 2 makes the CTAs persistent: each loops over tiles
@@ -319,6 +337,9 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   constexpr int S = block_len<F>();
   constexpr int NTILE2D = TWO_D ? (TM / S) * (TK / S) : 1;
   constexpr bool COL_SPLIT = (F == Fmt::kFp8Block) && !TWO_D;  // 128-row column blocks span 4 tasks
+  // one scale for both directions: the columnwise part is the byte transpose of the rowwise part (when both are
+  // requested), done from the row phase's output in shared memory instead of converting the tile again
+  constexpr bool COL_FROM_ROW = F == Fmt::kFp8Tensor || (TWO_D && (F == Fmt::kFp8Block || F == Fmt::kMxfp8));
   constexpr int NPAIR = TK / 2;                                 // column-phase tasks: column pairs x chunks
   constexpr int COL_PAIR_TASKS = NPAIR * (TM / CV);
   __shared__ uint32_t s_tile_amax[NTILE2D];
@@ -345,6 +366,8 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   const int64_t row_bytes = F == Fmt::kNvfp4 ? K / 2 : K, col_bytes = F == Fmt::kNvfp4 ? M / 2 : M;
   const bool row_vec16 = a.row_q != nullptr && row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.row_q) & 15) == 0;
   const bool col_vec16 = a.col_q != nullptr && col_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.col_q) & 15) == 0;
+  const bool transpose_cols = COL_FROM_ROW && a.rowwise && a.columnwise;
+  uint32_t* const byte_tile = reinterpret_cast<uint32_t*>(so);  // [TM][TK / 4] words, byte_tile_word (fits in so)
 
   // ---- per-tensor values ------------------------------------------------------------------------------
   float pt_mult = 1.0f;
@@ -525,6 +548,10 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
           }
           uint32_t w[VR / 4];
           encode_fp8(xv, mult, e5m2, nan_probe > 0x7F800000u, w);
+          if (COL_FROM_ROW && transpose_cols) {
+            reinterpret_cast<uint4*>(byte_tile)[byte_tile_word(r, 8 * v) / 4] = make_uint4(w[0], w[1], w[2], w[3]);
+            reinterpret_cast<uint4*>(byte_tile)[byte_tile_word(r, 8 * v + 4) / 4] = make_uint4(w[4], w[5], w[6], w[7]);
+          }
           uint8_t* dst = a.row_q + gm * K + gk;
           if (full && row_vec16) {
             reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
@@ -536,8 +563,42 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
       }
     }
 
-    // ---- columnwise part: each task is two adjacent columns x CV rows ------------------------------------
-    if (a.columnwise) {
+    // ---- columnwise part as the transpose of the rowwise bytes: a task is 4 columns x 16 rows ------------------
+    if (COL_FROM_ROW && transpose_cols) {
+      __syncthreads();  // the byte tile is complete
+      for (int task = tid; task < (TM / 16) * (TK / 4); task += NT) {
+        const int j = task % (TM / 16), q = task / (TM / 16);  // rows 16 j .. 16 j + 15, columns 4 q .. 4 q + 3
+        uint32_t rw[16];
+#pragma unroll
+        for (int t = 0; t < 16; ++t) rw[t] = byte_tile[byte_tile_word(16 * j + t, q)];
+        uint32_t cw[4][4];  // [column][word]: 16 bytes of one output row
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          uint32_t o[4];
+          transpose4x4_bytes(rw[4 * u], rw[4 * u + 1], rw[4 * u + 2], rw[4 * u + 3], o);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) cw[i][u] = o[i];
+        }
+        const int64_t gm = m0 + 16 * j;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t gk = k0 + 4 * q + i;
+          uint8_t* dst = a.col_q + gk * M + gm;
+          if (full && col_vec16) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(cw[i][0], cw[i][1], cw[i][2], cw[i][3]);
+          } else if (gk < K && gm < M) {
+            store_bytes(dst, cw[i], static_cast<int>(min64(16, M - gm)));
+          }
+          if constexpr (F == Fmt::kMxfp8) {  // 32x32 tiles: the tile's scale byte, once per 32-row block
+            if (j % 2 == 0 && gk < K && gm < M) {
+              const uint8_t e = e8m0_round_up(u2f(s_tile_amax[(j / 2) * (TK / 32) + (4 * q + i) / 32]) * rcp_max);
+              write_mx_scale(a.col_s, gk, gm / 32, M / 32, a.swizzle, a.col_s_cols_pad, e);
+            }
+          }
+        }
+      }
+    } else if (a.columnwise) {
+      // ---- columnwise part: each task is two adjacent columns x CV rows -----------------------------------
       if constexpr (COL_SPLIT) {
         for (int task = tid; task < COL_PAIR_TASKS; task += NT) {
           const int c = 2 * (task % NPAIR), ch = task / NPAIR;

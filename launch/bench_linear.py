@@ -11,13 +11,65 @@ y = linear(x); y.backward(dy) (three GEMMs: fprop, dgrad, wgrad, plus every quan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
+import subprocess
+import threading
 
 import torch
 import torch.nn as nn
 
 import hybridq
 from bench_kernels import bench  # same timing method (CUDA events, median of back-to-back calls)
+
+
+class GpuSampler:
+    """SM clock and board power of GPU 0 while each labelled block runs (`nvidia-smi -lms 50` in a thread); no-op
+    when nvidia-smi is missing."""
+
+    def __init__(self) -> None:
+        self._label = None
+        self._samples: dict = {}
+        cmd = ["nvidia-smi", "-i", str(torch.cuda.current_device()), "--format=csv,noheader,nounits"]
+        try:
+            # the instantaneous reading where the driver has it (power.draw is a 1 s average on recent drivers)
+            ok = subprocess.run(cmd + ["--query-gpu=power.draw.instant"], capture_output=True).returncode == 0
+            field = "power.draw.instant" if ok else "power.draw"
+            self._proc = subprocess.Popen(cmd + [f"--query-gpu=clocks.sm,{field}", "-lms", "50"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            label = self._label
+            try:
+                clk, w = (float(v) for v in line.split(","))
+            except ValueError:
+                continue
+            if label is not None:
+                self._samples.setdefault(label, []).append((clk, w))
+
+    @contextlib.contextmanager
+    def label(self, name: str):
+        self._label = name
+        try:
+            yield
+        finally:
+            self._label = None
+
+    def summary(self, name: str) -> dict:
+        s = self._samples.get(name)
+        if not s:
+            return {}
+        return {"sm_mhz": statistics.mean(c for c, _ in s), "watts": statistics.mean(w for _, w in s)}
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
 
 
 def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -30,6 +82,23 @@ def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
         y = module(x)
         y.backward(dy)
     return step
+
+
+def profile_step(step, name: str, path: str, steps: int = 3) -> None:
+    """Append to `path` the device kernels of `steps` steps (torch.profiler), largest total time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels) / 1e3 / steps
+    with open(path, "a") as fh:
+        print(f"\n==== {name}: device kernel time {busy:.3f} ms per step ({len(kernels) // steps} kernels) ====",
+              file=fh)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=90),
+              file=fh)
 
 
 def torchao_modules(k: int, n: int, which=None):
@@ -65,13 +134,16 @@ def main() -> None:
     ap.add_argument("--torchao", default="tensorwise,tensorwise_compiled,rowwise,rowwise_compiled",
                     help="torchao variants to include (each torch.compile'd one costs its compile time)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per candidate")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="append each linear's kernel profile (3 extra steps) to this file")
     args = ap.parse_args()
 
     dev = torch.cuda.get_device_name()
     from hybridq.kernels import extension_available
     print(f"device: {dev}; torch {torch.__version__}; hybridq CUDA extension: {extension_available()}", flush=True)
     rows = []
+    sampler = GpuSampler()
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -83,28 +155,48 @@ def main() -> None:
                                             recipe=hybridq.recipe(p))))
         if not args.no_torchao:
             cands += torchao_modules(k, n, {f"torchao_{v}" for v in args.torchao.split(",") if v})
-        base = None
+        steps = {}
         for name, mod in cands:
             with torch.no_grad():
                 for p in mod.parameters():
                     p.normal_(0, 0.02)
+            steps[name] = make_step(mod, x, dy)
             try:
-                ms = bench(make_step(mod, x, dy), iters=args.iters)
+                steps[name]()  # compiles (torch.compile'd candidates) before the measured, sampled rounds
             except Exception as e:  # noqa: BLE001
                 print(f"{shape} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            if base is None:
-                base = ms
-            row = {"shape": shape, "name": name, "ms": ms, "tflops": flop / (ms * 1e-3) / 1e12, "speedup": base / ms}
+                del steps[name]
+        # rounds interleave the candidates, so clock and power drift (the FP8 GEMMs here run at the power limit)
+        # hits them alike; each round is `bench` (median of back-to-back samples), the result the median round
+        times: dict = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, step in list(steps.items()):
+                try:
+                    with sampler.label(f"{shape} {name}"):
+                        times[name].append(bench(step, iters=args.iters))
+                except Exception as e:  # noqa: BLE001
+                    print(f"{shape} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    del steps[name], times[name]
+        base = None
+        for name, step in steps.items():
+            if args.profile:
+                profile_step(step, f"{shape} {name}", args.profile)
+            ms = statistics.median(times[name])
+            base = base or ms
+            row = {"shape": shape, "name": name, "ms": ms, "rounds_ms": times[name],
+                   "tflops": flop / (ms * 1e-3) / 1e12, "speedup": base / ms, **sampler.summary(f"{shape} {name}")}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del mod
-            torch.cuda.empty_cache()
+        del cands, steps
+        torch.cuda.empty_cache()
+    sampler.stop()
 
-    print("\n| shape MxKxN | linear | step ms | TFLOP/s | speed-up vs bf16 eager |")
-    print("|---|---|---|---|---|")
+    print("\n| shape MxKxN | linear | step ms | TFLOP/s | speed-up vs bf16 eager | SM MHz | W | J/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.2f}x |")
+        clk, w = r.get("sm_mhz"), r.get("watts")
+        extra = f"{clk:.0f} | {w:.0f} | {w * r['ms'] * 1e-3:.2f}" if clk else "– | – | –"
+        print(f"| {r['shape']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.2f}x | {extra} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": dev, "torch": torch.__version__, "rows": rows}, fh, indent=1)
