@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import hybridq
+from hybridq.nn.linear import shared_input_quantization
 from bench_kernels import bench  # same timing method (CUDA events, median of back-to-back calls)
 
 
@@ -138,6 +139,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="append each linear's kernel profile (3 extra steps) to this file")
     args = ap.parse_args()
+    # every step feeds the same input tensor: with sharing on, hybridq would reuse its quantization from the step
+    # before (the cache that lets wq/wk/wv quantize one input once), which a real step with a fresh input cannot
+    shared_input_quantization(False)
 
     dev = torch.cuda.get_device_name()
     from hybridq.kernels import extension_available
