@@ -4,6 +4,7 @@ and returns a small JSON-serialisable summary."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn as nn
@@ -17,10 +18,15 @@ from hybridq.formats import COLUMNWISE, ROWWISE
 from _models import TinyLM, loss_fn, make_batches, micro_seed, reference_run
 
 
-def _fsdp():
+def _fsdp(device: torch.device, world_size: int, mesh_shape=None):
+    """fully_shard on a mesh of the job's device (1-D over all ranks, or (replicate, shard) = mesh_shape: HSDP),
+    and the mixed-precision policy. The explicit mesh matters: without one, FSDP2 builds its default mesh on the
+    accelerator, so a gloo job on a machine with GPUs would put the unsharded parameters on CUDA."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    return fully_shard, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = _mesh(device, mesh_shape or (1, world_size), world_size)
+    return (functools.partial(fully_shard, mesh=mesh),
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 
 
 def _mesh(device, mesh_shape, world_size):
@@ -113,7 +119,7 @@ def _invariance_model(names, seed: int = 0):
 
 
 def job_invariance(rank, world_size, device, names=None):
-    fully_shard, mp = _fsdp()
+    fully_shard, mp = _fsdp(device, world_size)
     names = names or list(INVARIANCE_CASES)
     layers, recipe = _invariance_model(names)
     layers.to(device)
@@ -185,8 +191,8 @@ def run_training(rank, world_size, device, *, env_override=None, **kw):
 def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
                   recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
                   memory=False, backward_override=None, offload=False, unsharded_accum=False, reuse_payload=True):
-    fully_shard, mp = _fsdp()
     mesh_shape = mesh_shape or (1, world_size)
+    fully_shard, mp = _fsdp(device, world_size, mesh_shape)
     torch.manual_seed(0)
     model = TinyLM()
     init = copy.deepcopy(model.state_dict())
@@ -196,7 +202,6 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
     model.to(device)
     report = apply_hybrid_fsdp(model, hybridq.recipe(preset, backward_override=backward_override),
                                reuse_forward_payload=reuse_payload)
-    mesh = _mesh(device, mesh_shape, world_size)
     extra = {}
     if offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -204,8 +209,8 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
         extra["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for blk in model.blocks:
         blk.recompute = recompute
-        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
+        fully_shard(blk, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     mem = []
     for step in range(steps):
@@ -308,7 +313,7 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
     from hybridq.distributed import gather_bytes_per_step
     from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
-    fully_shard, mp = _fsdp()
+    fully_shard, mp = _fsdp(device, world_size)
     n, k = HP_SHAPE
     cases = [(p, ra, False) for p in presets for ra in (True, False)] + [(presets[0], True, True)]
     out = {}
@@ -406,7 +411,7 @@ def job_opcount(rank, world_size, device, presets, steps=3, precompute=True):
     ops a plain unsharded hybridq Linear spends quantizing its weight for forward + backward."""
     from hybridq.distributed.opcount import OpCounter
 
-    fully_shard, mp = _fsdp()
+    fully_shard, mp = _fsdp(device, world_size)
     out = {}
     x = torch.randn(256, OPCOUNT_SHAPES[0][1], generator=torch.Generator().manual_seed(1)).to(device)
     for preset in presets:
@@ -477,7 +482,7 @@ def job_metadata(rank, world_size, device, steps=2, backward_override=None):
     """Forward (rowwise) and backward (what dgrad reads) gathers of every case, first and later iterations: every
     tensor of every gathered part has the shape, stride, dtype and contiguity of the same part quantized from the
     full weight on one device, and a 16-byte aligned data pointer. Returns the differences (empty = none)."""
-    fully_shard, mp = _fsdp()
+    fully_shard, mp = _fsdp(device, world_size)
     cases = _metadata_cases()
     torch.manual_seed(0)
     layers = nn.ModuleList()
