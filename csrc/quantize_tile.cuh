@@ -11,6 +11,9 @@
 //                 along M of <= 32 elements is inside one task (FP8 128x1 blocks: 4 tasks, via shared
 //                 memory); 32 fp8 bytes / 16 fp4 bytes per store.
 //   2-D tiles:    a pre-phase reduces each S x S tile's amax into shared memory (atomicMax on |x| bits).
+//   one scale for both directions (per-tensor FP8, 2-D FP8 128x128 and MXFP8 32x32 tiles), both requested: the
+//                 row phase also keeps its fp8 bytes in shared memory and the column phase writes their byte
+//                 transpose (4 columns x 16 rows per task) instead of converting the tile a second time.
 #pragma once
 
 #include <type_traits>
@@ -548,7 +551,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
           }
           uint32_t w[VR / 4];
           encode_fp8(xv, mult, e5m2, nan_probe > 0x7F800000u, w);
-          if (COL_FROM_ROW && transpose_cols) {
+          if (transpose_cols) {
             reinterpret_cast<uint4*>(byte_tile)[byte_tile_word(r, 8 * v) / 4] = make_uint4(w[0], w[1], w[2], w[3]);
             reinterpret_cast<uint4*>(byte_tile)[byte_tile_word(r, 8 * v + 4) / 4] = make_uint4(w[4], w[5], w[6], w[7]);
           }
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
     }
 
     // ---- columnwise part as the transpose of the rowwise bytes: a task is 4 columns x 16 rows ------------------
-    if (COL_FROM_ROW && transpose_cols) {
+    if (transpose_cols) {
       __syncthreads();  // the byte tile is complete
       for (int task = tid; task < (TM / 16) * (TK / 4); task += NT) {
         const int j = task % (TM / 16), q = task / (TM / 16);  // rows 16 j .. 16 j + 15, columns 4 q .. 4 q + 3
