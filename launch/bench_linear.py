@@ -4,6 +4,9 @@ torchao float8 (tensorwise, rowwise; eager and torch.compile) when torchao is im
 Shapes [tokens M, in K, out N]: 8192 x 8192 x 8192 and a Llama-like 8192 x 4096 x 14336. One step is
 y = linear(x); y.backward(dy) (three GEMMs: fprop, dgrad, wgrad, plus every quantization).
 
+Each candidate is timed in --rounds interleaved rounds (the FP8 GEMMs run at the power limit, so what ran just
+before changes the clock); the SM clock and board power while it ran come from nvidia-smi.
+
     python launch/bench_linear.py
     python launch/bench_linear.py --shapes 8192x8192x8192 --presets fp8_tensorwise --no-torchao --json out.json
 """
@@ -26,8 +29,8 @@ from bench_kernels import bench  # same timing method (CUDA events, median of ba
 
 
 class GpuSampler:
-    """SM clock and board power of GPU 0 while each labelled block runs (`nvidia-smi -lms 50` in a thread); no-op
-    when nvidia-smi is missing."""
+    """SM clock and board power of the current GPU while each labelled block runs (`nvidia-smi -lms 50` read by a
+    thread); records nothing when nvidia-smi is missing."""
 
     def __init__(self) -> None:
         self._label = None
