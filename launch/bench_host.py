@@ -2,27 +2,32 @@
 so small that the GPU is never the limit (the host issues calls back to back; one synchronize at the end).
 
 What an FSDP2 step at few tokens per GPU waits on (see BENCHMARKS.md, "host ms"): this splits it into the custom
-ops, torch's own ops and the Python layers around them, next to the bf16 baseline (`nn.Linear` fwd+bwd).
+ops, torch's own ops, the autograd machinery and the Python layers around them, next to the bf16 baseline
+(`nn.Linear` fwd+bwd). The "Function(...)" rows are a ladder: an empty `torch.autograd.Function` fwd+bwd, then the
+same with one piece of hybridq's work inside its forward or backward, so each piece's cost *in place* (where it is
+paid in a real step) is its row minus the empty one. Every row is measured in --rounds interleaved rounds and the
+median round is reported (single runs on a fresh GPU machine were seen to move by +-30%).
 
     python launch/bench_host.py                 # CUDA (the numbers that matter); CPU works too, as a smoke test
-    python launch/bench_host.py --dim 256 --json host.json
+    python launch/bench_host.py --dim 256 --json host.json --profile host_prof.txt
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq.nn.linear import shared_input_quantization
 from hybridq.formats import Float8Quantizer
+from hybridq.nn.linear import shared_input_quantization
 
 
-def per_call_us(fn, device: torch.device, n: int = 2000, warmup: int = 50) -> float:
+def per_call_us(fn, device: torch.device, n: int, warmup: int = 20) -> float:
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -35,52 +40,89 @@ def per_call_us(fn, device: torch.device, n: int = 2000, warmup: int = 50) -> fl
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def in_function(fwd=None, bwd=None):
+    """fn(x, dy) running `fwd(x)` inside an autograd.Function's forward and `bwd(dy)` inside its backward."""
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            if fwd is not None:
+                fwd(x.detach())
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            if bwd is not None:
+                bwd(g)
+            return torch.empty_like(g)
+
+    return lambda x, dy: Probe.apply(x).backward(dy)
+
+
 def cases(dim: int, device: torch.device) -> list:
     x = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
     xg = x.clone().requires_grad_(True)
     dy = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
-    f8 = x.to(torch.float8_e4m3fn)
-    one = torch.ones((), device=device)
     q = Float8Quantizer()
     lin = nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16)
     hq = hybridq.Linear.from_linear(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16),
                                     hybridq.recipe("fp8_tensorwise"), name="bench")
 
-    def step(m):
+    def step(m, **kw):
         def run():
-            m(xg).backward(dy)
+            m(xg, **kw).backward(dy)
             xg.grad = None
             for p in m.parameters():
                 p.grad = None
         return run
 
+    def probe(fwd=None, bwd=None):
+        fn = in_function(fwd, bwd)
+        return lambda: fn(xg, dy)
+
+    quantize = lambda t: q.quantize(t, rowwise=True, columnwise=True)  # noqa: E731
     out = [
         ("torch.empty_like (allocator)", lambda: torch.empty_like(x)),
         ("x.abs() (one torch kernel)", lambda: x.abs()),
         ("nn.Linear forward (bf16 mm)", lambda: lin(x)),
         ("nn.Linear fwd+bwd", step(lin)),
         ("hybridq Linear fwd+bwd (fp8_tensorwise)", step(hq)),
+        ("hybridq Linear forward only (grad on)", lambda: hq(xg)),
+        ("hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False)", step(hq, is_first_microbatch=False)),
         ("Float8Quantizer.quantize_parts (rowwise+columnwise)", lambda: q.quantize_parts(x, True, True)),
+        ("Function(empty) fwd+bwd", probe()),
+        ("Function(Float8Quantizer.quantize in forward)", probe(fwd=quantize)),
+        ("Function(Float8Quantizer.quantize in backward)", probe(bwd=quantize)),
     ]
     if device.type == "cuda":
         from hybridq.kernels import extension_available
         if extension_available():
             ops = torch.ops.hybridq
+            op = lambda t: ops.fp8_tensor_quantize(t, torch.float8_e4m3fn, None, None, 0.0, False,  # noqa: E731
+                                                   True, True, False)
             out += [
                 ("op amax", lambda: ops.amax(x)),
-                ("op fp8_tensor_quantize (amax pass + cast, both directions)",
-                 lambda: ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, None, None, 0.0, False, True, True, False)),
+                ("op fp8_tensor_quantize (amax pass + cast, both directions)", lambda: op(x)),
+                ("Function(op in forward)", probe(fwd=op)),
+                ("Function(op in backward)", probe(bwd=op)),
+                ("Function(3 ops in backward)", probe(bwd=lambda t: (op(t), op(t), op(t)))),
             ]
         if torch.cuda.get_device_capability(device) >= (8, 9):
-            out.append(("torch._scaled_mm (E4M3, per-tensor scales)",
-                        lambda: torch._scaled_mm(f8, f8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)))
+            f8 = x.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            mm = lambda: torch._scaled_mm(f8, f8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+            out += [
+                ("torch._scaled_mm (E4M3, per-tensor scales)", mm),
+                ("Function(3 _scaled_mm in backward)", probe(bwd=lambda t: (mm(), mm(), mm()))),
+            ]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--n", type=int, default=1000, help="calls per round")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median round is reported")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write where a hybridq Linear step spends host time (torch.profiler "
@@ -90,20 +132,22 @@ def main() -> None:
     # before (the cache that lets wq/wk/wv quantize one input once), which a real step with a fresh input cannot
     shared_input_quantization(False)
     device = torch.device(args.device)
-    rows = []
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}); "
-          f"torch {torch.__version__}; tensors {args.dim}x{args.dim} bf16\n")
-    print("| call | host us per call |\n|---|---|")
-    for name, fn in cases(args.dim, device):
-        us = per_call_us(fn, device, n=args.n)
-        rows.append({"call": name, "us": us})
-        print(f"| {name} | {us:.1f} |", flush=True)
+          f"torch {torch.__version__}; tensors {args.dim}x{args.dim} bf16; {args.rounds} rounds of {args.n} calls\n")
+    todo = cases(args.dim, device)
+    times: dict = {name: [] for name, _ in todo}
+    for _ in range(args.rounds):
+        for name, fn in todo:
+            times[name].append(per_call_us(fn, device, n=args.n))
+    rows = [{"call": name, "us": statistics.median(ts), "rounds_us": ts} for name, ts in times.items()]
+    print("| call | host us per call (median round) | min-max over rounds |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['call']} | {r['us']:.1f} | {min(r['rounds_us']):.1f}-{max(r['rounds_us']):.1f} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": str(device), "torch": torch.__version__, "dim": args.dim, "rows": rows}, fh, indent=1)
     if args.profile:
-        profile_linear_step(dict(cases(args.dim, device))["hybridq Linear fwd+bwd (fp8_tensorwise)"], device,
-                            args.profile)
+        profile_linear_step(dict(todo)["hybridq Linear fwd+bwd (fp8_tensorwise)"], device, args.profile)
 
 
 def profile_linear_step(step, device: torch.device, path: str, n: int = 200) -> None:
@@ -131,7 +175,7 @@ def profile_linear_step(step, device: torch.device, path: str, n: int = 200) -> 
         print(f"==== torch.profiler, {n} hybridq Linear fwd+bwd steps, by self CPU time ====", file=fh)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80),
               file=fh)
-        print(f"==== cProfile, {n} steps, by own time ====", file=fh)
+        print(f"==== cProfile, {n} steps, by own time (Python 3.12+: every thread) ====", file=fh)
         print(buf.getvalue(), file=fh)
 
 

@@ -13,7 +13,7 @@ def test_bench_host_reports_every_call_on_cpu(tmp_path):
     out = tmp_path / "host.json"
     prof = tmp_path / "prof.txt"
     r = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_host.py"), "--device", "cpu", "--dim", "32",
-                        "--n", "3", "--json", str(out), "--profile", str(prof)],
+                        "--n", "3", "--rounds", "2", "--json", str(out), "--profile", str(prof)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_host failed:\n{r.stdout}\n{r.stderr}"
     rows = {row["call"]: row["us"] for row in json.loads(out.read_text())["rows"]}
