@@ -15,9 +15,9 @@ from typing import Callable, ClassVar
 
 import torch
 
-ROWWISE = "rowwise"
-COLUMNWISE = "columnwise"
-DIRECTIONS = (ROWWISE, COLUMNWISE)
+from .. import dispatch
+from ..enums import COLUMNWISE, DIRECTIONS, ROWWISE, Direction
+from ..tensor import QuantizedTensor
 
 
 _DTENSOR: list = []  # torch.distributed.tensor.DTensor, imported on first use
@@ -31,10 +31,8 @@ def is_dtensor(x) -> bool:
     return isinstance(x, _DTENSOR[0])
 
 
-def check_direction(direction: str) -> str:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}")
-    return direction
+def check_direction(direction: str) -> Direction:
+    return Direction.parse(direction, "direction")
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +56,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     """`t.t().contiguous()` (an exact layout change, used to turn a part between its stored and transposed
     layouts); on CUDA, 1-byte data goes through the extension's tiled transpose kernel."""
     if t.is_cuda and t.element_size() == 1:
-        from ..kernels import transpose_bytes
-
-        out = transpose_bytes(t)
+        out = dispatch.transpose_bytes(t)
         if out is not None:
             return out
     return t.t().contiguous()
@@ -109,9 +105,7 @@ class QuantizedPart:
     def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         """fp32 `[rows, cols]` matrix this part represents (in stored orientation); a device kernel when one
         is registered for this part type and device, else the reference."""
-        from ..kernels import lookup_dequantize
-
-        impl = lookup_dequantize(self, undo_transform)
+        impl = dispatch.lookup_dequantize(self, undo_transform)
         if impl is not None:
             return impl.run(self, undo_transform)
         return self.reference_dequantize_2d(undo_transform)
@@ -204,9 +198,7 @@ class Quantizer:
         """The requested parts of `x2d`; a device kernel when one is registered and accepts the call,
         else the reference. Keyword arguments (e.g. a global amax) pass through to either."""
         if x2d.device.type != "cpu":  # (the references run on the CPU: no kernel lookup)
-            from ..kernels import lookup_quantize
-
-            impl = lookup_quantize(self, x2d, rowwise, columnwise, **kw)
+            impl = dispatch.lookup_quantize(self, x2d, rowwise, columnwise, **kw)
             if impl is not None:
                 return impl.run(self, x2d, rowwise, columnwise, **kw)
         return self.reference_parts(x2d, rowwise, columnwise, **kw)
@@ -228,9 +220,7 @@ class Quantizer:
             raise ValueError(f"{self.describe()} {why} for {name}{shown}")
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
-                 name: str = "tensor") -> "QuantizedTensor":
-        from ..tensor import QuantizedTensor
-
+                 name: str = "tensor") -> QuantizedTensor:
         rowwise = self.usage[0] if rowwise is None else rowwise
         columnwise = self.usage[1] if columnwise is None else columnwise
         if not (rowwise or columnwise):
