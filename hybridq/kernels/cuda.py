@@ -148,8 +148,6 @@ def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
         # a row shard (FSDP) whose blocks all lie inside it: plain quantization with the global amaxes of `stats`
         if q.stochastic_rounding or q.plain_shard_amaxes(shard, x2d.shape[1], kw.get("stats")) is None:
             return False
-        if not (_ext.available_for(x2d.device) and _ext.op_has_argument("nvfp4_quantize", "amax")):
-            return False  # a build from before the given-amax inputs: the reference quantizes the shard
         kw = {n: v for n, v in kw.items() if n not in ("shard", "stats")}
     if not _plain_kw(kw):
         return False
