@@ -15,11 +15,12 @@ import torch.distributed as dist
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
 from ..enums import Scaling
 from .base import QuantizedPart, Quantizer, transposed_copy
+from .shardable import GatherablePart, ShardableQuantizer
 
 _ALGOS = ("max", "most_recent")
 
 
-class Float8TensorPart(QuantizedPart):
+class Float8TensorPart(GatherablePart, QuantizedPart):
     """data: fp8 `[rows, cols]`; scale_inv: fp32 `[1]` (dequantize = fp32(data) * scale_inv)."""
 
     format_name = "FP8"
@@ -46,7 +47,7 @@ class Float8TensorPart(QuantizedPart):
 
 
 @dataclasses.dataclass
-class Float8Quantizer(Quantizer):
+class Float8Quantizer(ShardableQuantizer, Quantizer):
     """Per-tensor FP8. `Float8Quantizer()` is E4M3 with current scaling.
 
     scaling="delayed" keeps an amax history and a scale per quantizer: each cast uses the current scale and

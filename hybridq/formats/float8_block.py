@@ -13,11 +13,12 @@ from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_ti
 from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
                         owned_rows, tile_amax_rows)
 from .base import QuantizedPart, Quantizer, transposed_copy
+from .shardable import GatherablePart, ShardableQuantizer
 
 BLOCK = 128
 
 
-class Float8BlockPart(QuantizedPart):
+class Float8BlockPart(GatherablePart, QuantizedPart):
     """data: fp8 `[rows, cols]`. scale_inv: fp32 `[rows, ceil(cols/128)]` for 1-D blocks, or
     `[ceil(rows/128), ceil(cols/128)]` for 128x128 tiles (block_dim == 2)."""
 
@@ -61,7 +62,7 @@ class Float8BlockPart(QuantizedPart):
 
 
 @dataclasses.dataclass
-class Float8BlockQuantizer(Quantizer):
+class Float8BlockQuantizer(ShardableQuantizer, Quantizer):
     """block_dim=1: 1x128 rowwise / 128x1 columnwise (activations, gradients);
     block_dim=2: 128x128 tiles shared by both directions (weights; columnwise = transpose of rowwise)."""
 

@@ -12,6 +12,7 @@ from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, e8m0_round_up, e8m0_to_p
 from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
                         merge_cut, owned_rows, tile_amax_rows)
 from .base import QuantizedPart, Quantizer, transposed_copy
+from .shardable import GatherablePart, ShardableQuantizer
 
 BLOCK = 32
 
@@ -28,7 +29,7 @@ def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
     return s.contiguous().view(-1)
 
 
-class MXFP8Part(QuantizedPart):
+class MXFP8Part(GatherablePart, QuantizedPart):
     """data: fp8 `[rows, cols]`; scale: E8M0 bytes (uint8) `[rows, cols/32]` (a 32x32 tile's scale is repeated
     on each of its rows)."""
 
@@ -65,7 +66,7 @@ class MXFP8Part(QuantizedPart):
 
 
 @dataclasses.dataclass
-class MXFP8Quantizer(Quantizer):
+class MXFP8Quantizer(ShardableQuantizer, Quantizer):
     """`MXFP8Quantizer()` is E4M3 with 1-D blocks (1x32 rowwise, 32x1 columnwise, both from the input);
     block_2d=True uses 32x32 tiles (weights), whose columnwise form is the transpose of the rowwise one."""
 

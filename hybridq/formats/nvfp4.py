@@ -14,6 +14,7 @@ from ._numerics import (FLT_MAX, block_amax, e2m1_codes, e2m1_codes_stochastic, 
 from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
     tile_amax_rows
 from .base import QuantizedPart, Quantizer
+from .shardable import GatherablePart, ShardableQuantizer
 
 BLOCK = 16
 FP4_MAX = 6.0
@@ -40,7 +41,7 @@ def element_multiplier(s: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     return torch.fmin(enc, torch.full_like(enc, FLT_MAX))
 
 
-class NVFP4Part(QuantizedPart):
+class NVFP4Part(GatherablePart, QuantizedPart):
     """data: packed E2M1 codes, uint8 `[rows, cols/2]` (element 2i low nibble); scale: E4M3 `[rows, cols/16]`
     (a 16x16 tile's scale repeated on each of its rows); amax: fp32 `[1]`, the global amax of this
     direction. rht: the values are in the Hadamard domain along the contracted dim."""
@@ -85,7 +86,7 @@ class NVFP4Part(QuantizedPart):
 
 
 @dataclasses.dataclass
-class NVFP4Quantizer(Quantizer):
+class NVFP4Quantizer(ShardableQuantizer, Quantizer):
     """`NVFP4Quantizer()` is 1-D blocks of 16 without RHT or stochastic rounding.
 
     block_2d: 16x16 tiles sharing one scale (weights); one global amax for both directions, so the
