@@ -1,6 +1,7 @@
 """Quantization formats: one module per format (its quantizer and its per-direction part)."""
 
-from .base import COLUMNWISE, DIRECTIONS, ROWWISE, QuantizedPart, Quantizer
+from ..enums import COLUMNWISE, DIRECTIONS, ROWWISE
+from .base import QuantizedPart, Quantizer
 from .float8 import Float8Quantizer, Float8TensorPart
 from .float8_block import Float8BlockPart, Float8BlockQuantizer
 from .hybrid import HybridQuantizer

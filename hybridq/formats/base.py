@@ -16,7 +16,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .. import dispatch
-from ..enums import COLUMNWISE, DIRECTIONS, ROWWISE, Direction
+from ..enums import COLUMNWISE, ROWWISE, Direction
 from ..tensor import QuantizedTensor
 
 

@@ -36,7 +36,7 @@ class GatherablePart:
     @classmethod
     def assign_gathered(cls, buffers: dict[str, torch.Tensor], replicated: dict[str, torch.Tensor], *,
                         rows: int, cols: int, columnwise: bool, meta: dict,
-                        tile_rows: int | None = None) -> "QuantizedPart":
+                        tile_rows: int | None = None) -> "GatherablePart":
         """Rebuild the full part (stored orientation `[rows, cols]`) from the gathered buffers (each the dim-0
         concatenation over all shards of what `extract_buffers` returned) and the replicated tensors:
         re-transposes columnwise layouts and re-expands tile scales."""
