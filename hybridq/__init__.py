@@ -4,6 +4,8 @@ Each tensor may use one quantization format for its rowwise (forward) use and an
 (backward) use. See README.md.
 """
 
+from . import dispatch
+from .enums import Direction, Scaling
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
 from .gemm import register_native_gemm
@@ -14,7 +16,7 @@ from .tensor import QuantizedTensor
 from .distributed import apply_hybrid_fsdp, precompute_scales
 
 __all__ = [
-    "ROWWISE", "COLUMNWISE", "Quantizer", "QuantizedPart", "QuantizedTensor",
+    "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "Quantizer", "QuantizedPart", "QuantizedTensor",
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "convert_linears", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",

@@ -11,47 +11,17 @@ capability, shapes); otherwise the GEMM is emulated: dequantize both parts to fp
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
-import logging
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .formats.base import QuantizedPart
+from .dispatch import (NativeGemm, current_gemm_name, find_native_gemm, register_native_gemm, reset_gemm_name,
+                       set_gemm_name)
 
-log = logging.getLogger("hybridq")
+if TYPE_CHECKING:
+    from .formats.base import QuantizedPart
 
-GemmFn = Callable[[QuantizedPart, QuantizedPart, torch.dtype], torch.Tensor]
-SupportsFn = Callable[[QuantizedPart, QuantizedPart], bool]
-
-
-@dataclasses.dataclass
-class NativeGemm:
-    name: str
-    run: GemmFn
-    supports: SupportsFn
-
-
-_NATIVE: dict[tuple[type, type], list[NativeGemm]] = {}
-# what the running GEMM is for (e.g. "dgrad of layers.0.fc1"), so a native kernel's warnings can name the layer
-_GEMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("hybridq_gemm_name", default=None)
-
-
-def current_gemm_name() -> str | None:
-    return _GEMM_NAME.get()
-
-
-def register_native_gemm(a_type: type, b_type: type, name: str, run: GemmFn, supports: SupportsFn) -> None:
-    """Register a hardware GEMM for a pair of part types (e.g. FP8 tensorwise on sm_89+)."""
-    _NATIVE.setdefault((a_type, b_type), []).append(NativeGemm(name, run, supports))
-
-
-def find_native_gemm(a: QuantizedPart, b: QuantizedPart) -> NativeGemm | None:
-    for g in _NATIVE.get((type(a), type(b)), ()):
-        if g.supports(a, b):
-            return g
-    return None
+__all__ = ["gemm", "emulated_gemm", "register_native_gemm", "find_native_gemm", "current_gemm_name", "NativeGemm"]
 
 
 def emulated_gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype) -> torch.Tensor:
@@ -66,11 +36,11 @@ def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype, name: str |
     for (e.g. "fprop of fc1"); native kernels name it when they warn or fall back."""
     if a.cols != b.cols:
         raise ValueError(f"gemm{f' ({name})' if name else ''}: contracted dims differ: {a!r} x {b!r}")
-    token = _GEMM_NAME.set(name)
+    token = set_gemm_name(name)
     try:
         native = find_native_gemm(a, b)
         if native is not None:
             return native.run(a, b, out_dtype)
         return emulated_gemm(a, b, out_dtype)
     finally:
-        _GEMM_NAME.reset(token)
+        reset_gemm_name(token)

@@ -8,11 +8,14 @@ names the op; call `.dequantize()` to get a plain tensor.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .formats.base import COLUMNWISE, ROWWISE, QuantizedPart, check_direction
+from .enums import COLUMNWISE, ROWWISE, Direction
+
+if TYPE_CHECKING:
+    from .formats.base import QuantizedPart
 
 aten = torch.ops.aten
 
@@ -51,7 +54,7 @@ class QuantizedTensor(torch.Tensor):
         elif direction == COLUMNWISE:
             p = self._columnwise
         else:
-            check_direction(direction)
+            Direction.parse(direction, "direction")
         if p is None:
             raise RuntimeError(
                 f"QuantizedTensor {tuple(self.shape)} has no {direction} form (it holds {self.usage}); "
@@ -62,7 +65,7 @@ class QuantizedTensor(torch.Tensor):
     def has(self, direction: str) -> bool:
         if direction == ROWWISE:
             return self._rowwise is not None
-        check_direction(direction)
+        Direction.parse(direction, "direction")
         return self._columnwise is not None
 
     @property

@@ -115,7 +115,7 @@ def test_unneeded_direction_is_not_computed():
     c = Float8Quantizer(scaling="delayed", amax_history_len=2)
     h = HybridQuantizer(r, c)
     h.quantize(gaussian(6), rowwise=False, columnwise=True)
-    assert not r.amax_history.any() and not r._pending, "rowwise quantizer ran for a columnwise-only request"
+    assert not r.amax_history.any() and not r.update_pending, "rowwise quantizer ran for a columnwise-only request"
     assert c.amax_history[0] > 0
     h.quantize(gaussian(7), rowwise=True, columnwise=False)
     assert r.amax_history[0] > 0

@@ -165,12 +165,12 @@ def test_rejected_shape_leaves_delayed_scaling_state_unchanged():
     hq = HybridQuantizer(row, MXFP8Quantizer())
     hq.quantize(torch.full((64, 64), 3.0), **BOTH)
     row.update()
-    hist, scale, pending = row.amax_history.clone(), row.scale.clone(), row._pending
+    hist, scale, pending = row.amax_history.clone(), row.scale.clone(), row.update_pending
     with pytest.raises(ValueError, match="M % 32"):
         hq.quantize(torch.full((48, 64), 100.0), name="w", **BOTH)
     assert_bitwise(row.amax_history, hist, "amax history")
     assert_bitwise(row.scale, scale, "scale")
-    assert row._pending == pending
+    assert row.update_pending == pending
 
 
 def test_sr_shape_rule_message_names_sr():

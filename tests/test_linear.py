@@ -564,7 +564,7 @@ def test_native_gemm_sees_which_layer_and_gemm_it_runs_for():
         q, _ = make_pair(hq.CustomRecipe(lambda role: _PartQuantizer(Part)))
         run(q, *inputs(torch.float32))
     finally:
-        G._NATIVE.pop((Part, Part))
+        hq.dispatch.unregister_native_gemm(Part, Part, "spy")
     assert seen == ["fprop of fc", "dgrad of fc", "wgrad of fc"], seen
     assert G.current_gemm_name() is None
 

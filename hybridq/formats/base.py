@@ -15,9 +15,9 @@ from typing import Callable, ClassVar
 
 import torch
 
-ROWWISE = "rowwise"
-COLUMNWISE = "columnwise"
-DIRECTIONS = (ROWWISE, COLUMNWISE)
+from .. import dispatch
+from ..enums import COLUMNWISE, ROWWISE, Direction
+from ..tensor import QuantizedTensor
 
 
 _DTENSOR: list = []  # torch.distributed.tensor.DTensor, imported on first use
@@ -31,10 +31,8 @@ def is_dtensor(x) -> bool:
     return isinstance(x, _DTENSOR[0])
 
 
-def check_direction(direction: str) -> str:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}")
-    return direction
+def check_direction(direction: str) -> Direction:
+    return Direction.parse(direction, "direction")
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +56,7 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     """`t.t().contiguous()` (an exact layout change, used to turn a part between its stored and transposed
     layouts); on CUDA, 1-byte data goes through the extension's tiled transpose kernel."""
     if t.is_cuda and t.element_size() == 1:
-        from ..kernels import transpose_bytes
-
-        out = transpose_bytes(t)
+        out = dispatch.transpose_bytes(t)
         if out is not None:
             return out
     return t.t().contiguous()
@@ -109,9 +105,7 @@ class QuantizedPart:
     def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         """fp32 `[rows, cols]` matrix this part represents (in stored orientation); a device kernel when one
         is registered for this part type and device, else the reference."""
-        from ..kernels import lookup_dequantize
-
-        impl = lookup_dequantize(self, undo_transform)
+        impl = dispatch.lookup_dequantize(self, undo_transform)
         if impl is not None:
             return impl.run(self, undo_transform)
         return self.reference_dequantize_2d(undo_transform)
@@ -143,30 +137,6 @@ class QuantizedPart:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.direction}, [{self.rows}, {self.cols}])"
-
-    # -- FSDP buffer protocol (hybridq.distributed talks to parts only through these two) ----------
-    def extract_buffers(self, shard=None, *, tile_rows: int | None = None
-                        ) -> tuple[list[tuple[str, torch.Tensor, int]], dict[str, torch.Tensor]]:
-        """This part in dim-0-gatherable form: `(buffers, replicated)`.
-
-        `buffers` is a list of `(name, tensor, row_block)`: the tensor's dim 0 runs over the block rows (of
-        `row_block` rows of the full `[M, K]` tensor) that `shard` (a `RowShard`; None = the whole tensor)
-        owns, in the original (rowwise) orientation, with scale padding stripped, so the buffers of all
-        shards concatenate along dim 0 into the full tensor's buffers. A columnwise part is turned back
-        (its transposed `[K, M]` layout becomes `[M, K]`). `replicated` holds tensors that every shard
-        computes identically (a per-tensor scale, a global amax): they are not gathered. `tile_rows` says
-        that a per-row scale repeats one tile scale on `tile_rows` consecutive rows (2-D weight tiles): it is
-        then sent once per tile row. The part may be a shard part (see `_sharding.py`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement the FSDP buffer protocol")
-
-    @classmethod
-    def assign_gathered(cls, buffers: dict[str, torch.Tensor], replicated: dict[str, torch.Tensor], *,
-                        rows: int, cols: int, columnwise: bool, meta: dict,
-                        tile_rows: int | None = None) -> "QuantizedPart":
-        """Rebuild the full part (stored orientation `[rows, cols]`) from the gathered buffers (each the dim-0
-        concatenation over all shards of what `extract_buffers` returned) and the replicated tensors:
-        re-transposes columnwise layouts and re-expands tile scales."""
-        raise NotImplementedError(f"{cls.__name__} does not implement the FSDP buffer protocol")
 
 
 @dataclasses.dataclass
@@ -204,9 +174,7 @@ class Quantizer:
         """The requested parts of `x2d`; a device kernel when one is registered and accepts the call,
         else the reference. Keyword arguments (e.g. a global amax) pass through to either."""
         if x2d.device.type != "cpu":  # (the references run on the CPU: no kernel lookup)
-            from ..kernels import lookup_quantize
-
-            impl = lookup_quantize(self, x2d, rowwise, columnwise, **kw)
+            impl = dispatch.lookup_quantize(self, x2d, rowwise, columnwise, **kw)
             if impl is not None:
                 return impl.run(self, x2d, rowwise, columnwise, **kw)
         return self.reference_parts(x2d, rowwise, columnwise, **kw)
@@ -228,9 +196,7 @@ class Quantizer:
             raise ValueError(f"{self.describe()} {why} for {name}{shown}")
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
-                 name: str = "tensor") -> "QuantizedTensor":
-        from ..tensor import QuantizedTensor
-
+                 name: str = "tensor") -> QuantizedTensor:
         rowwise = self.usage[0] if rowwise is None else rowwise
         columnwise = self.usage[1] if columnwise is None else columnwise
         if not (rowwise or columnwise):
@@ -268,28 +234,3 @@ class Quantizer:
     def quantizers(self) -> tuple["Quantizer", ...]:
         """The plain quantizers this one is made of (itself, or a hybrid's two)."""
         return (self,)
-
-    # -- sharded quantization (FSDP; see _sharding.py) ---------------------------------------------
-    def shard_stats(self, x2d: torch.Tensor, shard) -> torch.Tensor | None:
-        """Statistics that must be reduced across shards, for both directions: a flat fp32 tensor whose length
-        depends only on the full shape and `shard`'s layout (same on every rank), such that an elementwise MAX
-        over all shards (one all-reduce) gives what `reference_parts(x2d, ..., shard=shard, stats=...)` needs
-        to quantize `x2d` (rows `[shard.offset, shard.end)` of the full tensor) exactly as the full tensor
-        would be quantized. None when nothing has to be reduced (the default: every block lies in one row)."""
-        return None
-
-    def derive_part(self, part: QuantizedPart, direction: str, dtype: torch.dtype | None = None
-                    ) -> QuantizedPart | None:
-        """The `direction` part of a tensor computed from its other part (both produced by this quantizer from
-        the same full tensor of `dtype`) when that is an exact transform (per-tensor FP8 transpose, 2-D tile
-        transpose, ...), else None. FSDP gathers one direction and derives the other after the gather."""
-        return None
-
-    def buffer_hints(self, direction: str) -> dict:
-        """Keyword arguments for the part's `extract_buffers` / `assign_gathered` (e.g. `tile_rows`)."""
-        return {}
-
-    def shard_is_plain(self, shard, rowwise: bool, columnwise: bool) -> bool:
-        """True when plainly quantizing the shard's rows gives its rows of the full tensor's quantization (no
-        cross-shard statistics, no split block): the plain path, device kernels included, can then be used."""
-        return shard.is_whole

@@ -7,18 +7,20 @@ so it is derived from it rather than cast twice.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
+from ..enums import Scaling
 from .base import QuantizedPart, Quantizer, transposed_copy
+from .shardable import GatherablePart, ShardableQuantizer
 
 _ALGOS = ("max", "most_recent")
 
 
-class Float8TensorPart(QuantizedPart):
+class Float8TensorPart(GatherablePart, QuantizedPart):
     """data: fp8 `[rows, cols]`; scale_inv: fp32 `[1]` (dequantize = fp32(data) * scale_inv)."""
 
     format_name = "FP8"
@@ -45,7 +47,7 @@ class Float8TensorPart(QuantizedPart):
 
 
 @dataclasses.dataclass
-class Float8Quantizer(Quantizer):
+class Float8Quantizer(ShardableQuantizer, Quantizer):
     """Per-tensor FP8. `Float8Quantizer()` is E4M3 with current scaling.
 
     scaling="delayed" keeps an amax history and a scale per quantizer: each cast uses the current scale and
@@ -54,7 +56,7 @@ class Float8Quantizer(Quantizer):
     """
 
     fp8: str | torch.dtype = "e4m3"
-    scaling: str = "current"
+    scaling: Scaling | str = Scaling.CURRENT
     amax_epsilon: float = 0.0
     power_2_scale: bool = False
     amax_history_len: int = 1024
@@ -66,8 +68,7 @@ class Float8Quantizer(Quantizer):
 
     def __post_init__(self):
         self.dtype = fp8_dtype(self.fp8)
-        if self.scaling not in ("current", "delayed"):
-            raise ValueError(f"Float8Quantizer scaling must be 'current' or 'delayed', got {self.scaling!r}")
+        self.scaling = Scaling.parse(self.scaling, "Float8Quantizer scaling")
         if self.amax_compute_algo not in _ALGOS:
             raise ValueError(f"Float8Quantizer amax_compute_algo must be one of {_ALGOS}, "
                              f"got {self.amax_compute_algo!r}")
@@ -76,14 +77,42 @@ class Float8Quantizer(Quantizer):
         # delayed-scaling state (unused with current scaling)
         self.scale = torch.ones(1)
         self.amax_history = torch.zeros(self.amax_history_len)
-        self._pending = False
+        self._update_pending = False
 
     def describe(self) -> str:
         return f"FP8 {FP8_NAMES[self.dtype]} ({self.scaling} scaling)"
 
     @property
     def is_stateful(self) -> bool:
-        return self.scaling == "delayed"
+        return self.scaling == Scaling.DELAYED
+
+    # -- delayed-scaling state (docs/numerics.md "Per-tensor FP8", delayed) -------------------------
+    # A cast reads `scale` and records its amax into `amax_history[0]`; the history/scale update then waits until
+    # the next cast (or an explicit `update()`), so that a batched update of many quantizers can run in between.
+    @property
+    def update_pending(self) -> bool:
+        """True when an amax was recorded since the last update (the next cast updates first)."""
+        return self._update_pending
+
+    def begin_delayed_cast(self, device: torch.device,
+                           run_update: Callable[[], None] | None = None) -> torch.Tensor:
+        """Move the state to `device`, apply the pending update (by `run_update`, e.g. a batched kernel, else
+        `update()`), and return the scale this cast uses (the live state tensor: clone it to keep it)."""
+        if self.scale.device != device:
+            self.scale = self.scale.to(device)
+            self.amax_history = self.amax_history.to(device)
+        if self._update_pending:
+            (run_update or self.update)()
+        return self.scale
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Record a cast's amax (`[1]` fp32) into the current history slot; the next cast updates first."""
+        self.amax_history[:1] = torch.maximum(self.amax_history[:1], amax)
+        self._update_pending = True
+
+    def mark_updated(self) -> None:
+        """The state was updated in place by a batched update (see hybridq.update_delayed_scaling)."""
+        self._update_pending = False
 
     # -- scaling ---------------------------------------------------------------------------------
     def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
@@ -92,7 +121,7 @@ class Float8Quantizer(Quantizer):
 
     def update(self) -> None:
         """Delayed scaling: reduce the recorded amax, roll the history and compute the next scale."""
-        if self.scaling != "delayed":
+        if self.scaling != Scaling.DELAYED:
             return
         if self.amax_reduction_group is not None and dist.is_initialized():
             dist.all_reduce(self.amax_history[:1], op=dist.ReduceOp.MAX, group=self.amax_reduction_group)
@@ -104,18 +133,12 @@ class Float8Quantizer(Quantizer):
         scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
         keep = (amax <= 0) | ~torch.isfinite(amax)
         self.scale = torch.where(keep, self.scale, scale)
-        self._pending = False
+        self._update_pending = False
 
     def _delayed_scale(self, x2d: torch.Tensor) -> torch.Tensor:
-        if self.scale.device != x2d.device:
-            self.scale = self.scale.to(x2d.device)
-            self.amax_history = self.amax_history.to(x2d.device)
-        if self._pending:
-            self.update()
-        scale = self.scale.clone()
+        scale = self.begin_delayed_cast(x2d.device).clone()
         amax = x2d.float().abs().amax().reshape(1) if x2d.numel() else torch.zeros(1, device=x2d.device)
-        self.amax_history[:1] = torch.maximum(self.amax_history[:1], amax)
-        self._pending = True
+        self.record_amax(amax)
         return scale
 
     # -- quantization ----------------------------------------------------------------------------
@@ -124,9 +147,9 @@ class Float8Quantizer(Quantizer):
         """`amax` overrides the local max|x| (e.g. a global amax of a sharded tensor). `shard` / `stats`:
         `x2d` is a row shard and `stats` the MAX-reduced `shard_stats` (the global amax); rows are independent
         otherwise, so nothing else changes."""
-        if stats is not None and amax is None and self.scaling != "delayed":
+        if stats is not None and amax is None and self.scaling != Scaling.DELAYED:
             amax = stats.reshape(-1)[0]
-        if self.scaling == "delayed":
+        if self.scaling == Scaling.DELAYED:
             scale = self._delayed_scale(x2d)
         else:
             if amax is None:
@@ -141,7 +164,7 @@ class Float8Quantizer(Quantizer):
     # -- sharded quantization (FSDP) -------------------------------------------------------------
     def shard_stats(self, x2d, shard):
         """The global amax (one value for both directions)."""
-        if self.scaling == "delayed":
+        if self.scaling == Scaling.DELAYED:
             raise ValueError(f"{self.describe()}: delayed scaling keeps its own scale state; sharded "
                              f"quantization (FSDP) supports current scaling only")
         return (x2d.float().abs().amax().reshape(1) if x2d.numel()
@@ -149,6 +172,6 @@ class Float8Quantizer(Quantizer):
 
     def derive_part(self, part, direction, dtype=None):
         """One scale for the whole tensor: either direction is the exact byte transpose of the other."""
-        if self.scaling != "current" or part.direction == direction:
+        if self.scaling != Scaling.CURRENT or part.direction == direction:
             return None
         return part.transposed()

@@ -10,20 +10,22 @@ import torch
 
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_tiles, fp8_dtype, rcp,
                         satfinite_fp8, scale_from_amax, tile_amax)
-from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
-                        owned_rows, tile_amax_rows)
-from .base import QuantizedPart, Quantizer, transposed_copy
+from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax, tile_amax_rows
+from .base import transposed_copy
+from .block import BlockScaledPart, BlockScaledQuantizer
 
 BLOCK = 128
 
 
-class Float8BlockPart(QuantizedPart):
+class Float8BlockPart(BlockScaledPart):
     """data: fp8 `[rows, cols]`. scale_inv: fp32 `[rows, ceil(cols/128)]` for 1-D blocks, or
     `[ceil(rows/128), ceil(cols/128)]` for 128x128 tiles (block_dim == 2)."""
 
     format_name = "FP8-block"
     tensor_fields = ("data", "scale_inv")
     meta_fields = ("block_dim",)
+    block = BLOCK
+    scale_field = "scale_inv"
 
     def scale_inv_per_element(self) -> torch.Tensor:
         if self.block_dim == 2:
@@ -33,35 +35,26 @@ class Float8BlockPart(QuantizedPart):
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv_per_element()
 
-    # FSDP buffer protocol. 128x128 tiles: the tile scales are replicated (sharded quantization all-reduces
-    # the whole tile-amax grid, so every shard holds every tile scale): only the data travels. 1-D blocks:
-    # rowwise 1x128 scales are per row (row_block 1); columnwise 128x1 scales per 128-row block (row_block
-    # 128, owned block rows only).
+    # FSDP buffer protocol: 128x128 tiles replicate their tile scales (sharded quantization all-reduces the
+    # whole tile-amax grid, so every shard holds every tile scale) and send only the data; 1-D blocks send
+    # their scales as every block-scaled part does.
     def extract_buffers(self, shard=None, *, tile_rows=None):
-        shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
-        data = transposed_copy(self.data) if self.columnwise else self.data
         if self.block_dim == 2:
-            return [("data", data, 1)], {"scale_inv": self.scale_inv}
-        if self.columnwise:
-            s = owned_rows(self.scale_inv.t(), shard, BLOCK).contiguous()
-            return [("data", data, 1), ("scale_inv", s, BLOCK)], {}
-        return [("data", data, 1), ("scale_inv", self.scale_inv, 1)], {}
+            return [("data", self.data_in_row_order(), 1)], {"scale_inv": self.scale_inv}
+        return super().extract_buffers(shard, tile_rows=tile_rows)
 
     @classmethod
     def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
-        data = buffers["data"]
-        if meta["block_dim"] == 2:
-            s = replicated["scale_inv"]  # already in this direction's orientation
-            data = transposed_copy(data) if columnwise else data
-        else:
-            s = buffers["scale_inv"]
-            if columnwise:
-                data, s = transposed_copy(data), s.t().contiguous()
-        return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale_inv=s, **meta)
+        if meta["block_dim"] == 2:  # the replicated tile scales are already in this direction's orientation
+            return cls(rows=rows, cols=cols, columnwise=columnwise,
+                       data=cls.data_from_row_order(buffers["data"], columnwise),
+                       scale_inv=replicated["scale_inv"], **meta)
+        return super().assign_gathered(buffers, replicated, rows=rows, cols=cols, columnwise=columnwise, meta=meta,
+                                       tile_rows=tile_rows)
 
 
 @dataclasses.dataclass
-class Float8BlockQuantizer(Quantizer):
+class Float8BlockQuantizer(BlockScaledQuantizer):
     """block_dim=1: 1x128 rowwise / 128x1 columnwise (activations, gradients);
     block_dim=2: 128x128 tiles shared by both directions (weights; columnwise = transpose of rowwise)."""
 
@@ -71,6 +64,8 @@ class Float8BlockQuantizer(Quantizer):
     amax_epsilon: float = 0.0
 
     format_name: ClassVar[str] = "FP8-block"
+    block: ClassVar[int] = BLOCK
+    whole_blocks: ClassVar[bool] = False  # edge blocks are partial
 
     def __post_init__(self):
         self.dtype = fp8_dtype(self.fp8)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from .base import Quantizer
+from .shardable import ShardableQuantizer
 
 _SOURCES = ("original", "rowwise_dequantized")
 
 
-class HybridQuantizer(Quantizer):
+class HybridQuantizer(ShardableQuantizer, Quantizer):
     """`HybridQuantizer(rowwise=MXFP8Quantizer(), columnwise=NVFP4Quantizer())`.
 
     Here `rowwise` / `columnwise` name the two quantizers; the usage flags are `rowwise_usage` /

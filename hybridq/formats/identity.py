@@ -8,9 +8,10 @@ from typing import ClassVar
 import torch
 
 from .base import QuantizedPart, Quantizer
+from .shardable import GatherablePart, ShardableQuantizer
 
 
-class IdentityPart(QuantizedPart):
+class IdentityPart(GatherablePart, QuantizedPart):
     """data: the `[M, K]` tensor itself; a columnwise part stands for data^T without copying it."""
 
     format_name = "identity"
@@ -30,7 +31,7 @@ class IdentityPart(QuantizedPart):
 
 
 @dataclasses.dataclass
-class IdentityQuantizer(Quantizer):
+class IdentityQuantizer(ShardableQuantizer, Quantizer):
     dtype: torch.dtype | None = None
 
     format_name: ClassVar[str] = "identity"

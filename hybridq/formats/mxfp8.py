@@ -9,9 +9,9 @@ import torch
 
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, e8m0_round_up, e8m0_to_pow2, expand_blocks, fp8_dtype,
                         rcp, satfinite_fp8, tile_amax)
-from ._sharding import (RowShard, StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax,
-                        merge_cut, owned_rows, tile_amax_rows)
-from .base import QuantizedPart, Quantizer, transposed_copy
+from ._sharding import (StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax, merge_cut,
+                        tile_amax_rows)
+from .block import BlockScaledPart, BlockScaledQuantizer, tile_scale_columnwise
 
 BLOCK = 32
 
@@ -28,12 +28,13 @@ def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
     return s.contiguous().view(-1)
 
 
-class MXFP8Part(QuantizedPart):
+class MXFP8Part(BlockScaledPart):
     """data: fp8 `[rows, cols]`; scale: E8M0 bytes (uint8) `[rows, cols/32]` (a 32x32 tile's scale is repeated
     on each of its rows)."""
 
     format_name = "MXFP8"
     tensor_fields = ("data", "scale")
+    block = BLOCK
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * expand_blocks(e8m0_to_pow2(self.scale), BLOCK, self.cols)
@@ -41,31 +42,9 @@ class MXFP8Part(QuantizedPart):
     def swizzled_scale(self) -> torch.Tensor:
         return swizzle_mx_scales(self.scale)
 
-    # FSDP buffer protocol: compact scales travel (never swizzled ones). Rowwise scales are per row (or, for
-    # 32x32 tiles with tile_rows=32, one row per tile row); columnwise 32x1 scales per 32-row block.
-    def extract_buffers(self, shard=None, *, tile_rows=None):
-        shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
-        if self.columnwise:
-            return [("data", transposed_copy(self.data), 1),
-                    ("scale", owned_rows(self.scale.t(), shard, BLOCK).contiguous(), BLOCK)], {}
-        if tile_rows:
-            first = shard.owned(tile_rows)[0] * tile_rows - shard.offset
-            scale = self.scale[first::tile_rows][:shard.owned_count(tile_rows)].contiguous()
-            return [("data", self.data, 1), ("scale", scale, tile_rows)], {}
-        return [("data", self.data, 1), ("scale", self.scale, 1)], {}
-
-    @classmethod
-    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
-        data, scale = buffers["data"], buffers["scale"]
-        if columnwise:
-            data, scale = transposed_copy(data), transposed_copy(scale)
-        elif tile_rows:
-            scale = scale.repeat_interleave(tile_rows, dim=0)[:rows]
-        return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale=scale)
-
 
 @dataclasses.dataclass
-class MXFP8Quantizer(Quantizer):
+class MXFP8Quantizer(BlockScaledQuantizer):
     """`MXFP8Quantizer()` is E4M3 with 1-D blocks (1x32 rowwise, 32x1 columnwise, both from the input);
     block_2d=True uses 32x32 tiles (weights), whose columnwise form is the transpose of the rowwise one."""
 
@@ -73,19 +52,13 @@ class MXFP8Quantizer(Quantizer):
     block_2d: bool = False
 
     format_name: ClassVar[str] = "MXFP8"
+    block: ClassVar[int] = BLOCK
 
     def __post_init__(self):
         self.dtype = fp8_dtype(self.fp8)
 
     def describe(self) -> str:
         return f"MXFP8 {FP8_NAMES[self.dtype]}" + (" 32x32" if self.block_2d else "")
-
-    def shape_rule(self, m, k, rowwise, columnwise):
-        if (rowwise or self.block_2d) and k % BLOCK:
-            return f"needs K % {BLOCK} == 0, got K={k}"
-        if (columnwise or self.block_2d) and m % BLOCK:
-            return f"needs M % {BLOCK} == 0 (M = prod(shape[:-1])), got M={m}"
-        return None
 
     def _exponent(self, amax: torch.Tensor) -> torch.Tensor:
         # a multiply by the rounded reciprocal of fp8_max, not a division (it matters at powers of two)
@@ -113,7 +86,7 @@ class MXFP8Quantizer(Quantizer):
         q = self._encode(x2d, e_row)
         row = MXFP8Part(rows=m, cols=k, columnwise=False, data=q, scale=e_row) if rowwise else None
         col = MXFP8Part(rows=k, cols=m, columnwise=True, data=q.t().contiguous(),
-                        scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous()) if columnwise else None
+                        scale=tile_scale_columnwise(e_tile, BLOCK)) if columnwise else None
         return row, col
 
     # -- sharded quantization (FSDP) -------------------------------------------------------------
@@ -150,7 +123,7 @@ class MXFP8Quantizer(Quantizer):
         q = self._encode(x2d, e_row)
         row = MXFP8Part(rows=l, cols=k, columnwise=False, data=q, scale=e_row) if rowwise else None
         col = MXFP8Part(rows=k, cols=l, columnwise=True, data=q.t().contiguous(),
-                        scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous()) if columnwise else None
+                        scale=tile_scale_columnwise(e_tile, BLOCK)) if columnwise else None
         return row, col
 
     def derive_part(self, part, direction, dtype=None):
@@ -160,10 +133,7 @@ class MXFP8Quantizer(Quantizer):
         e_tile = part.scale[::BLOCK]  # one row per tile row of the stored orientation
         return MXFP8Part(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
                          data=part.data.t().contiguous(),
-                         scale=e_tile.t().repeat_interleave(BLOCK, dim=0).contiguous())
-
-    def buffer_hints(self, direction):
-        return {"tile_rows": BLOCK} if (self.block_2d and direction == "rowwise") else {}
+                         scale=tile_scale_columnwise(e_tile, BLOCK))
 
     def shard_is_plain(self, shard, rowwise, columnwise):
         return shard.aligned(BLOCK) if (self.block_2d or columnwise) else True

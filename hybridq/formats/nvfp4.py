@@ -11,9 +11,8 @@ import torch
 
 from ._numerics import (FLT_MAX, block_amax, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, expand_blocks,
                         pack_nibbles, rht16, rht16_inverse, satfinite_fp8, tile_amax, unpack_nibbles)
-from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, owned_rows, RowShard, \
-    tile_amax_rows
-from .base import QuantizedPart, Quantizer
+from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, tile_amax_rows
+from .block import BlockScaledPart, BlockScaledQuantizer, tile_scale_columnwise
 
 BLOCK = 16
 FP4_MAX = 6.0
@@ -40,13 +39,14 @@ def element_multiplier(s: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     return torch.fmin(enc, torch.full_like(enc, FLT_MAX))
 
 
-class NVFP4Part(QuantizedPart):
+class NVFP4Part(BlockScaledPart):
     """data: packed E2M1 codes, uint8 `[rows, cols/2]` (element 2i low nibble); scale: E4M3 `[rows, cols/16]`
     (a 16x16 tile's scale repeated on each of its rows); amax: fp32 `[1]`, the global amax of this
     direction. rht: the values are in the Hadamard domain along the contracted dim."""
 
     format_name = "NVFP4"
     tensor_fields = ("data", "scale", "amax")
+    block = BLOCK
     meta_fields = ("rht",)
 
     @property
@@ -59,33 +59,21 @@ class NVFP4Part(QuantizedPart):
         x = vals * expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax / (FP4_MAX * E4M3_MAX)
         return rht16_inverse(x) if (self.rht and undo_transform) else x
 
-    # FSDP buffer protocol: packed codes and compact E4M3 block scales travel; the global amax is replicated
-    # (all-reduced before quantizing). A columnwise part's codes are re-packed along K to turn them back.
-    def extract_buffers(self, shard=None, *, tile_rows=None):
-        shard = shard if shard is not None else RowShard.whole(self.cols if self.columnwise else self.rows)
-        rep = {"amax": self.amax}
-        if self.columnwise:
-            data = pack_nibbles(unpack_nibbles(self.data)[:, :self.cols].t())
-            return [("data", data, 1), ("scale", owned_rows(self.scale.t(), shard, BLOCK).contiguous(), BLOCK)], rep
-        if tile_rows:
-            first = shard.owned(tile_rows)[0] * tile_rows - shard.offset
-            scale = self.scale[first::tile_rows][:shard.owned_count(tile_rows)].contiguous()
-            return [("data", self.data, 1), ("scale", scale, tile_rows)], rep
-        return [("data", self.data, 1), ("scale", self.scale, 1)], rep
+    # FSDP buffer protocol: packed codes travel in row order (a columnwise part's codes are re-packed along K);
+    # the global amax is replicated (all-reduced before quantizing).
+    def data_in_row_order(self) -> torch.Tensor:
+        return pack_nibbles(unpack_nibbles(self.data)[:, :self.cols].t()) if self.columnwise else self.data
 
     @classmethod
-    def assign_gathered(cls, buffers, replicated, *, rows, cols, columnwise, meta, tile_rows=None):
-        data, scale = buffers["data"], buffers["scale"]
-        if columnwise:
-            data, scale = pack_nibbles(unpack_nibbles(data).t()), scale.t().contiguous()
-        elif tile_rows:
-            scale = scale.repeat_interleave(tile_rows, dim=0)[:rows]
-        return cls(rows=rows, cols=cols, columnwise=columnwise, data=data, scale=scale,
-                   amax=replicated["amax"], **meta)
+    def data_from_row_order(cls, data: torch.Tensor, columnwise: bool) -> torch.Tensor:
+        return pack_nibbles(unpack_nibbles(data).t()) if columnwise else data
+
+    def replicated(self) -> dict[str, torch.Tensor]:
+        return {"amax": self.amax}
 
 
 @dataclasses.dataclass
-class NVFP4Quantizer(Quantizer):
+class NVFP4Quantizer(BlockScaledQuantizer):
     """`NVFP4Quantizer()` is 1-D blocks of 16 without RHT or stochastic rounding.
 
     block_2d: 16x16 tiles sharing one scale (weights); one global amax for both directions, so the
@@ -101,6 +89,7 @@ class NVFP4Quantizer(Quantizer):
     generator: torch.Generator | None = dataclasses.field(default=None, repr=False, compare=False)
 
     format_name: ClassVar[str] = "NVFP4"
+    block: ClassVar[int] = BLOCK
 
     def __post_init__(self):
         if self.block_2d and self.rht:
@@ -115,13 +104,6 @@ class NVFP4Quantizer(Quantizer):
     @property
     def is_deterministic(self) -> bool:
         return not self.stochastic_rounding  # stochastic rounding draws new random numbers on every cast
-
-    def shape_rule(self, m, k, rowwise, columnwise):
-        if (rowwise or self.block_2d) and k % BLOCK:
-            return f"needs K % {BLOCK} == 0, got K={k}"
-        if (columnwise or self.block_2d) and m % BLOCK:
-            return f"needs M % {BLOCK} == 0 (M = prod(shape[:-1])), got M={m}"
-        return None
 
     def _codes(self, v: torch.Tensor) -> torch.Tensor:
         if not self.stochastic_rounding:
@@ -160,7 +142,7 @@ class NVFP4Quantizer(Quantizer):
         row = NVFP4Part(rows=m, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
                         rht=False) if rowwise else None
         col = NVFP4Part(rows=k, cols=m, columnwise=True, data=pack_nibbles(codes.t()),
-                        scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(), amax=amax.clone(),
+                        scale=tile_scale_columnwise(s_tile, BLOCK), amax=amax.clone(),
                         rht=False) if columnwise else None
         return row, col
 
@@ -226,7 +208,7 @@ class NVFP4Quantizer(Quantizer):
             row = NVFP4Part(rows=l, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
                             rht=False) if rowwise else None
             col = NVFP4Part(rows=k, cols=l, columnwise=True, data=pack_t(codes),
-                            scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(), amax=amax.clone(),
+                            scale=tile_scale_columnwise(s_tile, BLOCK), amax=amax.clone(),
                             rht=False) if columnwise else None
             return row, col
         row = col = None
@@ -266,8 +248,5 @@ class NVFP4Quantizer(Quantizer):
         codes = unpack_nibbles(part.data)[:, :part.cols]
         s_tile = part.scale[::BLOCK]
         return NVFP4Part(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
-                         data=pack_nibbles(codes.t()), scale=s_tile.t().repeat_interleave(BLOCK, dim=0).contiguous(),
+                         data=pack_nibbles(codes.t()), scale=tile_scale_columnwise(s_tile, BLOCK),
                          amax=part.amax.clone(), rht=False)
-
-    def buffer_hints(self, direction):
-        return {"tile_rows": BLOCK} if (self.block_2d and direction == "rowwise") else {}

@@ -1,9 +1,9 @@
-"""Kernel dispatch: device implementations of a quantizer's `quantize_parts` and a part's `dequantize_2d`.
+"""Device backends: the CUDA kernels of every format and the hardware GEMMs, registered into `hybridq.dispatch`.
 
-The format modules hold the pure-PyTorch references (the numerics contract). A device backend (the CUDA
-extension) registers an implementation per quantizer / part type; it is used for tensors on its device
-when its `supports` check accepts the call, and the reference runs otherwise. Either way the call
-signature and the result (bit for bit) are the same.
+The format modules hold the pure-PyTorch references (the numerics contract, docs/numerics.md). Importing this
+package registers the CUDA implementations (per quantizer / part type) into the dispatch tables; they are used
+for tensors on a CUDA device when their `supports` check accepts the call, and the reference runs otherwise.
+Either way the call signature and the result (bit for bit) are the same.
 
 CUDA: `cuda` registers the kernels of the optional extension `hybridq._C` (loaded on first use with a CUDA
 tensor, see `_ext`); `native_gemm` registers the hardware GEMMs (FP8 tensorwise and blockwise through
@@ -14,10 +14,10 @@ per-tensor FP8 quantizers in one launch (the Python update on the CPU).
 
 import torch
 
+from .. import dispatch
+from ..dispatch import KernelImpl, lookup_dequantize, lookup_quantize, register_dequantize, register_quantize
 from . import _ext
 from .delayed import update_delayed_scaling
-from .registry import (KernelImpl, lookup_dequantize, lookup_quantize, register_dequantize,
-                       register_quantize)
 
 
 def extension_available() -> bool:
@@ -39,6 +39,7 @@ def _register_builtin() -> None:
 
     cuda.register_all()
     native_gemm.register_all()
+    dispatch.register_transpose("cuda", transpose_bytes)
 
 
 _register_builtin()

@@ -80,19 +80,3 @@ def available_for(device: torch.device) -> bool:
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return False
-
-
-_op_args: dict = {}
-
-
-def op_has_argument(op: str, name: str) -> bool:
-    """True when the loaded extension's `torch.ops.hybridq.<op>` takes argument `name` (an older build may not:
-    its callers then keep to the older signature)."""
-    key = (op, name)
-    if key not in _op_args:
-        try:
-            schema = getattr(torch.ops.hybridq, op).default._schema
-            _op_args[key] = any(a.name == name for a in schema.arguments)
-        except (AttributeError, RuntimeError):
-            _op_args[key] = False
-    return _op_args[key]

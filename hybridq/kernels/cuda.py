@@ -1,15 +1,15 @@
 """CUDA implementations of every quantizer's `quantize_parts` and every part's `dequantize_2d`, registered into
-the kernel registry (they run for CUDA tensors when the extension is built; the references run otherwise).
+the dispatch tables (they run for CUDA tensors when the extension is built; the references run otherwise).
 
 Each `run` returns the same parts, bit for bit, as the reference would for the same input (stochastic rounding
 aside: it draws from its own Philox stream). Each `supports` returns False for anything it does not handle
-(unknown keyword arguments, quantizer options added after these kernels were written, unsupported dtypes),
-so the reference runs instead.
+(unknown keyword arguments, unsupported dtypes), so the reference runs instead; each registration lists the
+quantizer options the kernel implements, and the dispatch sends a quantizer with any other option to the
+reference.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -17,45 +17,26 @@ import torch
 from ..formats import (Float8BlockPart, Float8BlockQuantizer, Float8Quantizer, Float8TensorPart, MXFP8Part,
                        MXFP8Quantizer, NVFP4Part, NVFP4Quantizer)
 from . import _ext
-from .registry import KernelImpl, register_dequantize, register_quantize
+from .delayed import update_delayed_scaling
+from ..dispatch import KernelImpl, register_dequantize, register_quantize
 
 log = logging.getLogger("hybridq")
 
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Quantizer options these kernels implement. A field outside this set (an option added later) sends the call
-# to the reference, so a new option can never be silently ignored by a kernel.
-_KNOWN_FIELDS = {
-    Float8Quantizer: {"rowwise", "columnwise", "fp8", "scaling", "amax_epsilon", "power_2_scale", "amax_history_len",
-                      "amax_compute_algo", "margin", "amax_reduction_group"},
-    Float8BlockQuantizer: {"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"},
-    MXFP8Quantizer: {"rowwise", "columnwise", "fp8", "block_2d"},
-    NVFP4Quantizer: {"rowwise", "columnwise", "block_2d", "rht", "stochastic_rounding", "generator"},
-}
-_warned_unknown: set = set()
-
-
-_extra_fields: dict = {}
-
-
-def _known(q) -> bool:
-    extra = _extra_fields.get(type(q))
-    if extra is None:
-        extra = _extra_fields[type(q)] = frozenset({f.name for f in dataclasses.fields(q)} - _KNOWN_FIELDS[type(q)])
-    if extra:
-        key = (type(q), frozenset(extra))
-        if key not in _warned_unknown:
-            _warned_unknown.add(key)
-            log.warning("hybridq.kernels: %s has options %s that the CUDA kernels do not know; using the "
-                        "reference implementation", type(q).__name__, sorted(extra))
-        return False
-    return True
+# The quantizer options each kernel implements (the dispatch sends a quantizer with any other option to the
+# reference, so an option added later is never silently ignored by a kernel).
+FP8_TENSOR_OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "scaling", "amax_epsilon", "power_2_scale",
+                                "amax_history_len", "amax_compute_algo", "margin", "amax_reduction_group"})
+FP8_BLOCK_OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
+MXFP8_OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_2d"})
+NVFP4_OPTIONS = frozenset({"rowwise", "columnwise", "block_2d", "rht", "stochastic_rounding", "generator"})
 
 
 def _input_ok(q, x2d: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     return (x2d.is_cuda and x2d.dim() == 2 and x2d.dtype in IN_DTYPES and x2d.numel() > 0 and (rowwise or columnwise)
-            and _known(q) and q.shape_rule(x2d.shape[0], x2d.shape[1], rowwise, columnwise) is None
+            and q.shape_rule(x2d.shape[0], x2d.shape[1], rowwise, columnwise) is None
             and _ext.available_for(x2d.device))
 
 
@@ -83,33 +64,20 @@ def _fp8_supports(q: Float8Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
     if q.scaling == "delayed":
         if not _plain_kw({n: v for n, v in kw.items() if n != "shard"}) or kw.get("shard") is not None:
             return False
-        if not all(hasattr(q, a) for a in ("scale", "amax_history", "_pending", "update")):
-            return False
     elif not _plain_kw(kw, ("amax", "stats", "shard")):
         return False
     return _input_ok(q, x2d, rowwise, columnwise)
-
-
-def _delayed_begin(q: Float8Quantizer, x2d: torch.Tensor) -> torch.Tensor:
-    """The state logic of Float8Quantizer._delayed_scale before its amax pass (which the kernel fuses)."""
-    if q.scale.device != x2d.device:
-        q.scale = q.scale.to(x2d.device)
-        q.amax_history = q.amax_history.to(x2d.device)
-    if q._pending:
-        from .delayed import update_delayed_scaling
-        update_delayed_scaling([q])  # one launch instead of the Python update's ~10 small ops (same values)
-    return q.scale
 
 
 def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, shard=None, **_):
     x = x2d.contiguous()
     m, k = x.shape
     if q.scaling == "delayed":
-        scale = _delayed_begin(q, x)
+        # the pending update in one launch instead of the Python update's ~10 small ops (same values)
+        scale = q.begin_delayed_cast(x.device, lambda: update_delayed_scaling([q]))
         row, col, scale_inv, cur = _ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
                                                               q.power_2_scale, rowwise, columnwise, True)
-        q.amax_history[:1] = torch.maximum(q.amax_history[:1], cur)
-        q._pending = True
+        q.record_amax(cur)
     else:
         if amax is None and stats is not None:
             amax = stats.reshape(-1)[0]
@@ -180,8 +148,6 @@ def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
         # a row shard (FSDP) whose blocks all lie inside it: plain quantization with the global amaxes of `stats`
         if q.stochastic_rounding or q.plain_shard_amaxes(shard, x2d.shape[1], kw.get("stats")) is None:
             return False
-        if not (_ext.available_for(x2d.device) and _ext.op_has_argument("nvfp4_quantize", "amax")):
-            return False  # a build from before the given-amax inputs: the reference quantizes the shard
         kw = {n: v for n, v in kw.items() if n not in ("shard", "stats")}
     if not _plain_kw(kw):
         return False
@@ -249,10 +215,12 @@ def _deq_nvfp4(part: NVFP4Part, undo_transform=True):
 
 
 def register_all() -> None:
-    register_quantize(Float8Quantizer, KernelImpl("cuda-fp8-tensor", "cuda", _fp8_run, _fp8_supports))
-    register_quantize(Float8BlockQuantizer, KernelImpl("cuda-fp8-block", "cuda", _block_run, _fp8_block_supports))
-    register_quantize(MXFP8Quantizer, KernelImpl("cuda-mxfp8", "cuda", _mx_run, _block_supports))
-    register_quantize(NVFP4Quantizer, KernelImpl("cuda-nvfp4", "cuda", _nvfp4_run, _nvfp4_supports))
+    register_quantize(Float8Quantizer, KernelImpl("cuda-fp8-tensor", "cuda", _fp8_run, _fp8_supports,
+                                                  FP8_TENSOR_OPTIONS))
+    register_quantize(Float8BlockQuantizer, KernelImpl("cuda-fp8-block", "cuda", _block_run, _fp8_block_supports,
+                                                       FP8_BLOCK_OPTIONS))
+    register_quantize(MXFP8Quantizer, KernelImpl("cuda-mxfp8", "cuda", _mx_run, _block_supports, MXFP8_OPTIONS))
+    register_quantize(NVFP4Quantizer, KernelImpl("cuda-nvfp4", "cuda", _nvfp4_run, _nvfp4_supports, NVFP4_OPTIONS))
     register_dequantize(Float8TensorPart, KernelImpl("cuda-fp8-tensor", "cuda", _deq_tensor, _fp8_part_supports))
     register_dequantize(Float8BlockPart, KernelImpl("cuda-fp8-block", "cuda", _deq_block, _fp8_part_supports))
     register_dequantize(MXFP8Part, KernelImpl("cuda-mxfp8", "cuda", _deq_mx, _mx_part_supports))

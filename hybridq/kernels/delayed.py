@@ -1,5 +1,5 @@
-"""Delayed-scaling state update of many per-tensor FP8 quantizers at once (FORMATS.md "Per-tensor FP8, delayed
-scaling"): `update_delayed_scaling(quantizers)` does what calling `Float8Quantizer.update()` on each would do,
+"""Delayed-scaling state update of many per-tensor FP8 quantizers at once (docs/numerics.md "Per-tensor FP8",
+delayed scaling): `update_delayed_scaling(quantizers)` does what calling `Float8Quantizer.update()` on each would do,
 bit for bit, with one CUDA launch per device for every quantizer whose state lives on a CUDA device (the
 `torch.ops.hybridq.fp8_delayed_update` op) instead of about ten small torch ops per quantizer.
 
@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from .. import dispatch
 from ..formats import Float8Quantizer
 from ..formats._numerics import FP8_MAX
 from . import _ext
@@ -41,10 +42,11 @@ def _flatten(quantizers: Iterable) -> list:
 
 
 def _kernel_ok(q: Float8Quantizer) -> bool:
-    from .cuda import _KNOWN_FIELDS
+    # the quantizers the quantize kernel takes (same options), whose update() is the reference one
+    options = dispatch.quantize_options(Float8Quantizer)
     h, s = q.amax_history, q.scale
-    return (type(q).update is Float8Quantizer.update
-            and {f.name for f in dataclasses.fields(q)} <= _KNOWN_FIELDS[Float8Quantizer]
+    return (type(q).update is Float8Quantizer.update and options is not None
+            and {f.name for f in dataclasses.fields(q)} <= options
             and q.amax_compute_algo in ("max", "most_recent")
             and isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor)
             and h.is_cuda and s.device == h.device and h.dtype == torch.float32 and s.dtype == torch.float32
@@ -88,6 +90,6 @@ def update_delayed_scaling(quantizers: Iterable) -> None:
                                                  [FP8_MAX[q.dtype] for q in qs], [_divisor(q.margin) for q in qs],
                                                  [int(q.amax_compute_algo == "most_recent") for q in qs])
         for q in qs:
-            q._pending = False
+            q.mark_updated()
     for q in rest:
         q.update()

@@ -1,4 +1,4 @@
-"""Hardware GEMMs for pairs of quantized parts on CUDA, registered through `hybridq.gemm.register_native_gemm`.
+"""Hardware GEMMs for pairs of quantized parts on CUDA, registered through `hybridq.dispatch.register_native_gemm`.
 
 - Float8TensorPart x Float8TensorPart (sm_89+): `torch._scaled_mm` (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3).
   Both parts are stored `[rows, K]` row-major, so `b.data.t()` is the column-major operand cuBLAS wants.
@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part, swizzle_mx_scales
-from ..gemm import register_native_gemm
+from ..dispatch import current_gemm_name, register_native_gemm
 from . import _ext
 
 log = logging.getLogger("hybridq")
@@ -66,8 +66,6 @@ def _cap(t: torch.Tensor) -> tuple[int, int]:
 
 def _shapes(a, b) -> str:
     """The operands, and the layer's GEMM when the caller named it (e.g. "dgrad of layers.0.fc1")."""
-    from ..gemm import current_gemm_name
-
     name = current_gemm_name()
     return f"[{a.rows}, {a.cols}] x [{b.rows}, {b.cols}]^T" + (f" ({name})" if name else "")
 

@@ -1,0 +1,167 @@
+"""The dispatch tables: which device implementation runs a quantize, a dequantize, a byte transpose or a GEMM.
+
+This module is the leaf of the package: it imports no other hybridq module, so formats, the GEMM front end and
+the kernel backends can all depend on it without an import cycle. Formats hold the pure-PyTorch references (the
+numerics contract, docs/numerics.md) and ask these tables for a device implementation first; backends (the CUDA
+extension in `hybridq.kernels`) register into them. An implementation runs only for tensors on its device type
+and only when its `supports` check accepts the call; otherwise the reference runs. Either way the result is the
+same, bit for bit (stochastic rounding aside).
+
+Tables (keyed by type, looked up by the exact type of the quantizer / part):
+- quantize:   `run(quantizer, x2d, rowwise, columnwise, **kw) -> (rowwise part | None, columnwise part | None)`
+- dequantize: `run(part, undo_transform) -> fp32 [rows, cols]`
+- GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by the pair of part types
+- transpose:  `run(t) -> t.t().contiguous()` for 2-D 1-byte tensors, keyed by device type
+
+A quantize implementation declares the quantizer options it implements (`options`); a quantizer with any
+other dataclass field (an option added later, or a subclass's own) is sent to the reference, with a one-time
+warning, so a kernel can never silently ignore an option.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("hybridq")
+
+
+@dataclasses.dataclass
+class KernelImpl:
+    """A device implementation of a quantize or dequantize. `options`: for quantize, the names of the quantizer
+    fields it implements (None: it takes any quantizer of its type, e.g. one with no options)."""
+
+    name: str
+    device_type: str
+    run: Callable[..., Any]
+    supports: Callable[..., bool]
+    options: frozenset[str] | None = None
+
+
+@dataclasses.dataclass
+class NativeGemm:
+    """A hardware GEMM for a pair of part types: `run(a, b, out_dtype)` when `supports(a, b)`."""
+
+    name: str
+    run: Callable[[Any, Any, torch.dtype], torch.Tensor]
+    supports: Callable[[Any, Any], bool]
+
+
+_QUANTIZE: dict[type, list[KernelImpl]] = {}
+_DEQUANTIZE: dict[type, list[KernelImpl]] = {}
+_GEMM: dict[tuple[type, type], list[NativeGemm]] = {}
+_TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
+# what the running GEMM is for (e.g. "dgrad of layers.0.fc1"), so a native kernel's warnings can name the layer
+_GEMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("hybridq_gemm_name", default=None)
+
+
+# ---- registration ---------------------------------------------------------------------------------------------
+
+def register_quantize(quantizer_type: type, impl: KernelImpl) -> None:
+    """Register a device quantize for `quantizer_type` (see the module docstring for the call signatures)."""
+    _QUANTIZE.setdefault(quantizer_type, []).append(impl)
+
+
+def register_dequantize(part_type: type, impl: KernelImpl) -> None:
+    """Register a device dequantize for `part_type`."""
+    _DEQUANTIZE.setdefault(part_type, []).append(impl)
+
+
+def register_native_gemm(a_type: type, b_type: type, name: str, run: Callable, supports: Callable) -> None:
+    """Register a hardware GEMM for a pair of part types (e.g. FP8 tensorwise on sm_89+)."""
+    _GEMM.setdefault((a_type, b_type), []).append(NativeGemm(name, run, supports))
+
+
+def unregister_native_gemm(a_type: type, b_type: type, name: str) -> None:
+    """Remove the GEMMs registered under `name` for the pair (tests, or a user replacing a kernel)."""
+    kept = [g for g in _GEMM.get((a_type, b_type), ()) if g.name != name]
+    if kept:
+        _GEMM[(a_type, b_type)] = kept
+    else:
+        _GEMM.pop((a_type, b_type), None)
+
+
+def register_transpose(device_type: str, run: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Register a byte transpose for tensors on `device_type`; `run` may return None to decline a tensor."""
+    _TRANSPOSE[device_type] = run
+
+
+# ---- lookup ---------------------------------------------------------------------------------------------------
+
+_unknown_options: dict[tuple[type, str], frozenset[str]] = {}
+
+
+def _implements_options(impl: KernelImpl, quantizer) -> bool:
+    if impl.options is None:
+        return True
+    key = (type(quantizer), impl.name)
+    extra = _unknown_options.get(key)
+    if extra is None:
+        fields = {f.name for f in dataclasses.fields(quantizer)} if dataclasses.is_dataclass(quantizer) else set()
+        extra = _unknown_options[key] = frozenset(fields - impl.options)
+        if extra:
+            log.warning("hybridq: %s has options %s that the %s kernel does not implement; using the reference "
+                        "implementation", type(quantizer).__name__, sorted(extra), impl.name)
+    return not extra
+
+
+def lookup_quantize(quantizer, x2d: torch.Tensor, rowwise: bool, columnwise: bool, **kw) -> KernelImpl | None:
+    """The device quantize that takes this call, or None (then the quantizer's reference runs)."""
+    device_type = x2d.device.type
+    if device_type == "cpu":
+        return None
+    for impl in _QUANTIZE.get(type(quantizer), ()):
+        if (impl.device_type == device_type and _implements_options(impl, quantizer)
+                and impl.supports(quantizer, x2d, rowwise, columnwise, **kw)):
+            return impl
+    return None
+
+
+def lookup_dequantize(part, undo_transform: bool) -> KernelImpl | None:
+    """The device dequantize that takes this part, or None (then the part's reference runs)."""
+    device_type = part.device.type
+    if device_type == "cpu":
+        return None
+    for impl in _DEQUANTIZE.get(type(part), ()):
+        if impl.device_type == device_type and impl.supports(part, undo_transform):
+            return impl
+    return None
+
+
+def quantize_options(quantizer_type: type) -> frozenset[str] | None:
+    """The options the first registered device quantize of `quantizer_type` implements (None: none registered
+    or it takes any). Other device code that reads a quantizer (e.g. a batched delayed-scaling update) uses it
+    to accept exactly the quantizers the kernels accept."""
+    impls = _QUANTIZE.get(quantizer_type)
+    return impls[0].options if impls else None
+
+
+def find_native_gemm(a, b) -> NativeGemm | None:
+    """The registered hardware GEMM that takes `a @ b^T`, or None (then the GEMM is emulated)."""
+    for g in _GEMM.get((type(a), type(b)), ()):
+        if g.supports(a, b):
+            return g
+    return None
+
+
+def transpose_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """`t.t().contiguous()` by the device's registered byte transpose, or None where none applies."""
+    run = _TRANSPOSE.get(t.device.type)
+    return None if run is None else run(t)
+
+
+def current_gemm_name() -> str | None:
+    """What the running GEMM is for (e.g. "dgrad of fc1"), or None."""
+    return _GEMM_NAME.get()
+
+
+def set_gemm_name(name: str | None) -> contextvars.Token:
+    return _GEMM_NAME.set(name)
+
+
+def reset_gemm_name(token: contextvars.Token) -> None:
+    _GEMM_NAME.reset(token)

@@ -1,0 +1,72 @@
+"""The sharding side of a format, kept out of the format contract (`base.py`): mixins that a format adds so
+that FSDP2 (`hybridq.distributed`) can quantize a row shard and all-gather the quantized bytes.
+
+- `GatherablePart` (for parts): the buffer protocol, `extract_buffers` / `assign_gathered`. The distributed
+  code talks to parts only through these two.
+- `ShardableQuantizer` (for quantizers): the statistics that must be reduced across shards (`shard_stats`), the
+  exact derivation of one direction from the other after a gather (`derive_part`), the buffer layout hints
+  (`buffer_hints`), and whether plainly quantizing a shard is exact (`shard_is_plain`).
+
+The defaults describe a format whose blocks never leave a row: nothing to reduce, nothing to derive. Row shards
+and the helpers the formats use to implement these hooks are in `_sharding.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GatherablePart:
+    """Mixin for a `QuantizedPart` that FSDP2 can all-gather (the buffer protocol)."""
+
+    def extract_buffers(self, shard=None, *, tile_rows: int | None = None
+                        ) -> tuple[list[tuple[str, torch.Tensor, int]], dict[str, torch.Tensor]]:
+        """This part in dim-0-gatherable form: `(buffers, replicated)`.
+
+        `buffers` is a list of `(name, tensor, row_block)`: the tensor's dim 0 runs over the block rows (of
+        `row_block` rows of the full `[M, K]` tensor) that `shard` (a `RowShard`; None = the whole tensor)
+        owns, in the original (rowwise) orientation, with scale padding stripped, so the buffers of all
+        shards concatenate along dim 0 into the full tensor's buffers. A columnwise part is turned back
+        (its transposed `[K, M]` layout becomes `[M, K]`). `replicated` holds tensors that every shard
+        computes identically (a per-tensor scale, a global amax): they are not gathered. `tile_rows` says
+        that a per-row scale repeats one tile scale on `tile_rows` consecutive rows (2-D weight tiles): it is
+        then sent once per tile row. The part may be a shard part (see `_sharding.py`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the FSDP buffer protocol")
+
+    @classmethod
+    def assign_gathered(cls, buffers: dict[str, torch.Tensor], replicated: dict[str, torch.Tensor], *,
+                        rows: int, cols: int, columnwise: bool, meta: dict,
+                        tile_rows: int | None = None) -> "GatherablePart":
+        """Rebuild the full part (stored orientation `[rows, cols]`) from the gathered buffers (each the dim-0
+        concatenation over all shards of what `extract_buffers` returned) and the replicated tensors:
+        re-transposes columnwise layouts and re-expands tile scales."""
+        raise NotImplementedError(f"{cls.__name__} does not implement the FSDP buffer protocol")
+
+
+class ShardableQuantizer:
+    """Mixin for a `Quantizer` whose tensors can be quantized shard by shard under FSDP2, bitwise as the whole
+    tensor would be (sharding invariance)."""
+
+    def shard_stats(self, x2d: torch.Tensor, shard) -> torch.Tensor | None:
+        """Statistics that must be reduced across shards, for both directions: a flat fp32 tensor whose length
+        depends only on the full shape and `shard`'s layout (same on every rank), such that an elementwise MAX
+        over all shards (one all-reduce) gives what `reference_parts(x2d, ..., shard=shard, stats=...)` needs
+        to quantize `x2d` (rows `[shard.offset, shard.end)` of the full tensor) exactly as the full tensor
+        would be quantized. None when nothing has to be reduced (the default: every block lies in one row)."""
+        return None
+
+    def derive_part(self, part: GatherablePart, direction: str, dtype: torch.dtype | None = None
+                    ) -> GatherablePart | None:
+        """The `direction` part of a tensor computed from its other part (both produced by this quantizer from
+        the same full tensor of `dtype`) when that is an exact transform (per-tensor FP8 transpose, 2-D tile
+        transpose, ...), else None. FSDP gathers one direction and derives the other after the gather."""
+        return None
+
+    def buffer_hints(self, direction: str) -> dict:
+        """Keyword arguments for the part's `extract_buffers` / `assign_gathered` (e.g. `tile_rows`)."""
+        return {}
+
+    def shard_is_plain(self, shard, rowwise: bool, columnwise: bool) -> bool:
+        """True when plainly quantizing the shard's rows gives its rows of the full tensor's quantization (no
+        cross-shard statistics, no split block): the plain path, device kernels included, can then be used."""
+        return shard.is_whole

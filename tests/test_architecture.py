@@ -1,0 +1,116 @@
+"""The package's import structure: the dispatch leaf, no import cycle, formats depending only on the leaves.
+
+Imports are read from the source (module level and inside functions, which run at call time; `if
+TYPE_CHECKING:` blocks are skipped), so a lazy import that closes a cycle is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "hybridq"
+LEAVES = ("hybridq.dispatch", "hybridq.enums")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str) -> set[str]:
+    """The hybridq modules `name` imports at run time."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for c in child.orelse:
+                    visit(c)
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names if a.name.startswith("hybridq"))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[:len(base) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if not target.startswith("hybridq"):
+                    continue
+                for a in child.names:  # `from pkg import submodule` depends on the submodule only
+                    sub = f"{target}.{a.name}"
+                    out.add(sub if sub in MODULES else target)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    out.discard(name)
+    return {m for m in out if m in MODULES}
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _cycle() -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(GRAPH[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = dfs(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            found = dfs(m)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = _cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaf_modules_import_no_other_hybridq_module(leaf):
+    assert GRAPH[leaf] == set(), f"{leaf} imports {sorted(GRAPH[leaf])}"
+
+
+def test_formats_depend_only_on_the_leaves_the_tensor_and_each_other():
+    allowed = set(LEAVES) | {"hybridq.tensor"}
+    for m, deps in GRAPH.items():
+        if m.startswith("hybridq.formats"):
+            outside = {d for d in deps if not d.startswith("hybridq.formats") and d not in allowed}
+            assert not outside, f"{m} imports {sorted(outside)} (formats may use {sorted(allowed)} only)"
+
+
+def test_tensor_module_does_not_import_formats():
+    assert not {d for d in GRAPH["hybridq.tensor"] if d != "hybridq.enums"}, GRAPH["hybridq.tensor"]
