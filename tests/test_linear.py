@@ -451,51 +451,6 @@ def test_shared_input_quantization_off_clears_the_cache_and_context_restores_it(
     assert [e[0]() for e in hq_linear._SHARED.entries] == [x], "sharing not back on after the with-block"
 
 
-# -- conversion ---------------------------------------------------------------------------------------
-
-def _model(k=IN):
-    return nn.Sequential(nn.Linear(k, 64), nn.ReLU(), nn.Linear(64, 32))
-
-
-def test_convert_linears_swaps_in_place_and_shares_parameters():
-    m = _model()
-    w0 = m[0].weight
-    report = hq.convert_linears(m, hq.recipe("mxfp8"))
-    assert isinstance(m[0], hq.Linear) and isinstance(m[2], hq.Linear)
-    assert m[0].weight is w0, "parameters must be shared, not copied"
-    assert report.converted == ["0", "2"]
-    assert report.layers[0].formats["weight"] == "MXFP8 E4M3"
-
-
-def test_convert_linears_filter():
-    m = _model()
-    report = hq.convert_linears(m, hq.recipe("mxfp8"), module_filter_fn=lambda mod, fqn: fqn != "2")
-    assert isinstance(m[0], hq.Linear) and type(m[2]) is nn.Linear
-    assert report.converted == ["0"]
-
-
-def test_convert_linears_skips_incompatible_layers_with_a_logged_reason(caplog):
-    m = _model(k=100)  # K=100 is not a multiple of 32
-    with caplog.at_level(logging.WARNING, logger="hybridq"):
-        report = hq.convert_linears(m, hq.recipe("mxfp8"))
-    assert type(m[0]) is nn.Linear and isinstance(m[2], hq.Linear)
-    assert "K % 32 == 0, got K=100 for weight of 0" in report.skipped["0"]
-    assert "keeping 0 in high precision" in caplog.text
-
-
-def test_convert_linears_error_mode_raises_before_changing_anything():
-    m = _model(k=100)
-    with pytest.raises(ValueError, match=r"MXFP8 E4M3 needs K % 32 == 0, got K=100 for weight of 0"):
-        hq.convert_linears(m, hq.recipe("mxfp8"), on_incompatible="error")
-    assert type(m[0]) is nn.Linear and type(m[2]) is nn.Linear, "a layer was replaced before the error"
-
-
-def test_convert_linears_report_table_lists_formats():
-    m = _model()
-    table = hq.convert_linears(m, hq.recipe("mxfp8_fwd_nvfp4_bwd")).table()
-    assert "hybrid[MXFP8 E4M3 / NVFP4 (RHT)]" in table and "NVFP4 (RHT, SR)" in table
-
-
 # -- autograd integration -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd"])
