@@ -451,6 +451,40 @@ def test_shared_input_quantization_off_clears_the_cache_and_context_restores_it(
     assert [e[0]() for e in hq_linear._SHARED.entries] == [x], "sharing not back on after the with-block"
 
 
+# -- assigning a recipe to a layer ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("old, new", [("mxfp8", "nvfp4"), ("nvfp4", "fp8_tensorwise"),
+                                      ("fp8_block", "mxfp8_fwd_nvfp4_bwd")])
+def test_assigned_recipe_is_used_from_the_next_call(old, new):
+    """Including a weight cached by is_first_microbatch=True under the old recipe."""
+    q, _ = make_pair(hq.recipe(old), torch.bfloat16)
+    fresh, _ = make_pair(hq.recipe(new), torch.bfloat16)
+    x, gy = inputs(torch.bfloat16)
+    run(q, x, gy, is_first_microbatch=True)
+    q.recipe = hq.recipe(new)
+    assert q.recipe.name == new
+    torch.manual_seed(4)
+    got = run(q, x, gy, is_first_microbatch=False)
+    torch.manual_seed(4)
+    want = run(fresh, x, gy)
+    assert_bitwise(got, want, f"{old} -> {new} assigned vs a layer built with {new}")
+
+
+@pytest.mark.parametrize("bad", ["shape", "override_with_delayed"])
+def test_assigning_an_unusable_recipe_raises_and_changes_nothing(bad):
+    q = hq.Linear(48, OUT, recipe=hq.recipe("fp8_tensorwise"), name="fc")  # K=48: not for MXFP8
+    before = q.quantizers()
+    if bad == "shape":
+        new, error, match = hq.recipe("mxfp8"), hq.FormatShapeError, "K % 32 == 0, got K=48 for weight of fc"
+    else:
+        new, error, match = (hq.recipe("fp8_delayed", backward_override="dequantized"), hq.RecipeError,
+                             "fc: backward_override='dequantized' cannot be combined with delayed scaling")
+    with pytest.raises(error, match=match):
+        q.recipe = new
+    assert q.recipe.name == "fp8_tensorwise", f"recipe changed to {q.recipe.name} although it was refused"
+    assert all(a is b for a, b in zip(q.quantizers().values(), before.values())), "quantizers changed"
+
+
 # -- autograd integration -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd"])
