@@ -277,3 +277,20 @@ def test_apply_hybrid_fsdp_re_conversion_trains_like_a_fresh_fsdp_conversion(tmp
             assert torch.equal(a, b), f"gradient of parameter {i} differs"
     finally:
         dist.destroy_process_group()
+
+
+def test_training_job_conversion_refuses_an_unknown_environment_override(monkeypatch):
+    """launch/train.py converts through apply_hybrid_fsdp; its build() turns the ValueError into a clean exit."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "launch"))
+    import model as job_model
+    import train
+
+    args = train.parse_args(["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--device", "cpu"])
+    m = job_model.Transformer(train.model_config(args))
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "bogus")
+    with pytest.raises(ValueError, match=f"{BACKWARD_OVERRIDE_ENV}.*'bogus'"):
+        train.convert(m, "mxfp8_fwd_nvfp4_bwd", args)
+    assert not any(isinstance(mod, hq.Linear) for mod in m.modules()), "layers were converted"
