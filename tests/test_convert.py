@@ -294,3 +294,28 @@ def test_training_job_conversion_refuses_an_unknown_environment_override(monkeyp
     with pytest.raises(ValueError, match=f"{BACKWARD_OVERRIDE_ENV}.*'bogus'"):
         train.convert(m, "mxfp8_fwd_nvfp4_bwd", args)
     assert not any(isinstance(mod, hq.Linear) for mod in m.modules()), "layers were converted"
+
+
+def test_readme_conversion_snippet_converts_fresh_layers_in_every_call(monkeypatch):
+    """The README "Recipes and presets" example: every convert_linears call converts nn.Linear layers (none of
+    them re-converts a model an earlier call converted)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Recipes and presets"):text.index("### Backward override")]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    reports = []
+
+    def recording(*args, **kw):
+        reports.append(real(*args, **kw))
+        return reports[-1]
+
+    real = hq.convert_linears
+    monkeypatch.setattr(hq, "convert_linears", recording)
+    monkeypatch.setattr("builtins.print", lambda *a, **k: None)
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert len(reports) == 2, f"the snippet calls convert_linears {len(reports)} times"
+    for i, report in enumerate(reports):
+        statuses = [l.status for l in report.layers]
+        assert statuses and set(statuses) == {"converted"}, f"call {i + 1}: {statuses}"
