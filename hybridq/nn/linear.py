@@ -215,6 +215,11 @@ class Linear(nn.Linear):
     weight once and reuse it; a cached weight keeps every direction it was ever asked for (usage
     preservation), so an evaluation step under torch.no_grad() never leaves a training step reading a
     stale or missing columnwise form.
+
+    Only what backward reads is quantized: a call no gradient flows through (no_grad, inference_mode, nothing
+    requiring grad) quantizes rowwise only and checks only the rowwise shape rules; otherwise the columnwise
+    forms are made for the gradients that are needed (input -> dgrad, weight -> wgrad). `recipe` may be
+    assigned (see the property).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
