@@ -319,3 +319,63 @@ def test_readme_conversion_snippet_converts_fresh_layers_in_every_call(monkeypat
     for i, report in enumerate(reports):
         statuses = [l.status for l in report.layers]
         assert statuses and set(statuses) == {"converted"}, f"call {i + 1}: {statuses}"
+
+
+def _sharded(tmp_path, recipe_name):
+    """A world-1 gloo group and a model prepared by apply_hybrid_fsdp(recipe_name) + fully_shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    m = _model()
+    hq.apply_hybrid_fsdp(m, hq.recipe(recipe_name) if isinstance(recipe_name, str) else recipe_name)
+    fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    return m
+
+
+@pytest.mark.distributed
+def test_another_weight_format_after_fully_shard_is_refused_with_nothing_changed(tmp_path):
+    import torch.distributed as dist
+
+    try:
+        m = _sharded(tmp_path, "fp8_tensorwise")
+        m(torch.randn(2, 32, IN)).sum().backward()
+        with pytest.raises(hq.RecipeError, match=r"0: its weight is already sharded by fully_shard .* FP8 E4M3"):
+            hq.convert_linears(m, hq.recipe("nvfp4"))
+        with pytest.raises(hq.RecipeError, match="must be set before fully_shard"):
+            m[2].recipe = hq.recipe("mxfp8")
+        assert [m[0].recipe.name, m[2].recipe.name] == ["fp8_tensorwise"] * 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensorwise_weight_mxfp8_grads(role):
+    return hq.MXFP8Quantizer() if role.tensor_type == "grad_output" else hq.Float8Quantizer()
+
+
+@pytest.mark.distributed
+def test_same_weight_format_after_fully_shard_trains_like_a_fresh_sharded_model(tmp_path):
+    """Input / grad_output formats may change after fully_shard: the next step equals a model sharded with the
+    new recipe from the start."""
+    import torch.distributed as dist
+
+    new = hq.CustomRecipe(_tensorwise_weight_mxfp8_grads, name="tensorwise_weight_mxfp8_grads")
+    x = torch.randn(2, 32, IN)
+    try:
+        results = []
+        for first in ("fp8_tensorwise", new):
+            m = _sharded(tmp_path, first)
+            m(x).sum().backward()
+            m.zero_grad(set_to_none=True)
+            hq.convert_linears(m, new)
+            y = m(x)
+            y.sum().backward()
+            results.append((y.detach(), [p.grad.full_tensor() for p in m.parameters()]))
+        (y1, g1), (y2, g2) = results
+        assert torch.equal(y1, y2), f"output differs (max abs diff {(y1 - y2).abs().max().item():g})"
+        for i, (a, b) in enumerate(zip(g1, g2)):
+            assert torch.equal(a, b), f"gradient of parameter {i} differs"
+    finally:
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..formats.base import Quantizer
 from ..gemm import gemm
+from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 
@@ -264,8 +265,22 @@ class Linear(nn.Linear):
         quantizers = {t: recipe.quantizer(Role("linear", t, self._role_name))
                       for t in ("input", "weight", "grad_output")}
         check_override_compatible(override, quantizers, self.name)
+        self._check_sharded_weight_format(quantizers["weight"])
         self._check_shapes(quantizers, override)
         return quantizers
+
+    def _check_sharded_weight_format(self, weight_q: Quantizer) -> None:
+        """Once fully_shard has sharded a weight that FSDP2 all-gathers quantized (apply_hybrid_fsdp), its
+        gathered buffers are laid out for the weight format it had then: that format can no longer change."""
+        from ..distributed import HybridWeight  # (lazy: hybridq.distributed imports this module)
+
+        local = getattr(self._parameters.get("weight"), "_local_tensor", None)
+        current = self.__dict__.get("weight_quantizer")
+        if isinstance(local, HybridWeight) and current is not None and weight_q != current:
+            raise RecipeError(
+                f"{self.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
+                f"{self.weight_quantizer.describe()}; a recipe with another weight format ({weight_q.describe()}) "
+                f"must be set before fully_shard (convert_linears / apply_hybrid_fsdp, or Linear.recipe)")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: CustomRecipe, name: str = "",
