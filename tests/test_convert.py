@@ -379,3 +379,11 @@ def test_same_weight_format_after_fully_shard_trains_like_a_fresh_sharded_model(
             assert torch.equal(a, b), f"gradient of parameter {i} differs"
     finally:
         dist.destroy_process_group()
+
+
+def test_converting_again_with_an_equal_recipe_checks_the_override_in_force(monkeypatch):
+    m = _model()
+    hq.convert_linears(m, hq.recipe("fp8_delayed"))
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "high_precision")
+    with pytest.raises(hq.RecipeError, match="cannot be combined with delayed scaling"):
+        hq.convert_linears(m, hq.recipe("fp8_delayed"))

@@ -96,17 +96,18 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
                         f"hybridq.CustomRecipe), got {type(recipe).__name__}")
     recipe.backward_override  # an invalid override raises even on a model without Linear layers
     replace: list[tuple[nn.Module, str, Linear]] = []
-    reapply: list[tuple[Linear, LayerReport]] = []
+    reapply: list[tuple[Linear, dict, LayerReport]] = []
     layers: list[LayerReport] = []
     for parent, child_name, full, child in _linear_children(model, module_filter_fn):
         previous = child.recipe.name if isinstance(child, Linear) else None
         if isinstance(child, Linear) and child.recipe == recipe:
+            child.check_override()  # (the override may come from the environment, changed since)
             layers.append(LayerReport(full, True, formats=child.describe_formats(), previous_recipe=previous,
                                       unchanged=True))
             continue
         try:
             if isinstance(child, Linear):
-                child.quantizers_for(recipe)  # validation only: applied once every layer has passed
+                quantizers = child.quantizers_for(recipe)  # installed once every layer has passed
             else:
                 new = Linear.from_linear(child, recipe, name=full)
         except FormatShapeError as e:
@@ -121,14 +122,14 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
         report = LayerReport(full, True, previous_recipe=previous)
         layers.append(report)
         if isinstance(child, Linear):
-            reapply.append((child, report))
+            reapply.append((child, quantizers, report))
         else:
             report.formats = new.describe_formats()
             replace.append((parent, child_name, new))
     for parent, child_name, new in replace:
         setattr(parent, child_name, new)
-    for layer, report in reapply:
-        layer.recipe = recipe
+    for layer, quantizers, report in reapply:
+        layer.install_recipe(recipe, quantizers)
         report.formats = layer.describe_formats()
         log.info("hybridq: layer '%s' re-converted from recipe '%s' to '%s'", report.name, report.previous_recipe,
                  recipe.name)

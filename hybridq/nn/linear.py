@@ -245,7 +245,10 @@ class Linear(nn.Linear):
 
     @recipe.setter
     def recipe(self, recipe: CustomRecipe) -> None:
-        quantizers = self.quantizers_for(recipe)
+        self.install_recipe(recipe, self.quantizers_for(recipe))
+
+    def install_recipe(self, recipe: CustomRecipe, quantizers: dict[str, Quantizer]) -> None:
+        """Use `recipe` with the quantizers `quantizers_for(recipe)` returned (checked: nothing can fail here)."""
         self._recipe = recipe
         self.input_quantizer = quantizers["input"]
         self.weight_quantizer = quantizers["weight"]
@@ -314,6 +317,11 @@ class Linear(nn.Linear):
         if override is None:
             quantizers["grad_output"].validate((0, n), f"grad_output of {self.name}", rowwise=True,
                                                columnwise=False)
+
+    def check_override(self) -> None:
+        """Raise RecipeError if the backward override in force now (recipe, else environment) cannot be used with
+        this layer's quantizers."""
+        self._check_override(self.recipe.backward_override)
 
     def _check_override(self, override: str | None) -> None:
         check_override_compatible(override, self.quantizers(), self.name)
