@@ -6,6 +6,7 @@ Each tensor may use one quantization format for its rowwise (forward) use and an
 
 from . import dispatch
 from .enums import Direction, Scaling
+from .errors import FormatShapeError, RecipeError
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
 from .gemm import register_native_gemm
@@ -20,6 +21,6 @@ __all__ = [
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "convert_linears", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
-    "extension_available", "update_delayed_scaling",
+    "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
 ]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Callable
 
+from .errors import RecipeError
 from .formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
                       NVFP4Quantizer, Quantizer)
 
@@ -27,19 +28,36 @@ class Role:
             raise ValueError(f"Role tensor_type must be one of {TENSOR_TYPES}, got {self.tensor_type!r}")
 
 
+DEFAULT_OVERRIDE_NAME = "default"  # accepted (any case) as the name of the default mode, None
+
+
 def _check_override(value, source: str) -> str | None:
-    if value == "":
+    if value == "" or (isinstance(value, str) and value.lower() == DEFAULT_OVERRIDE_NAME):
         value = None
     if value not in BACKWARD_OVERRIDES:
-        raise ValueError(f"{source}: backward_override must be one of {BACKWARD_OVERRIDES}, got {value!r}")
+        raise RecipeError(f"{source}: backward_override must be one of {BACKWARD_OVERRIDES} (or "
+                          f"{DEFAULT_OVERRIDE_NAME!r} for None), got {value!r}")
     return value
+
+
+def check_override_compatible(override: str | None, quantizers: dict[str, Quantizer], layer: str) -> None:
+    """Raise RecipeError if a backward override is combined with delayed scaling in any of a layer's roles
+    (the override skips the backward casts that delayed scaling's amax history expects)."""
+    if override is None:
+        return
+    stateful = [t for t, q in quantizers.items() if q.is_stateful]
+    if stateful:
+        raise RecipeError(
+            f"{layer}: backward_override={override!r} cannot be combined with delayed scaling "
+            f"({', '.join(stateful)} quantizer); use current scaling (e.g. 'fp8_tensorwise')")
 
 
 class CustomRecipe:
     """A recipe built from `qfactory(role) -> Quantizer | None` (None keeps that tensor in high precision).
 
-    backward_override: None | "high_precision" | "dequantized". When None here, the environment variable
-    HYBRIDQ_BACKWARD_OVERRIDE (read at use) may set it.
+    backward_override: None | "high_precision" | "dequantized" ("default", any case, names None). When None
+    here, the environment variable HYBRIDQ_BACKWARD_OVERRIDE (read at use, same values) may set it; a bad value
+    raises RecipeError.
     """
 
     def __init__(self, qfactory: Callable[[Role], Quantizer | None], *, backward_override: str | None = None,
@@ -55,13 +73,28 @@ class CustomRecipe:
         return _check_override(os.environ.get(BACKWARD_OVERRIDE_ENV), f"environment {BACKWARD_OVERRIDE_ENV}")
 
     def quantizer(self, role: Role) -> Quantizer:
-        """A fresh quantizer for `role`; IdentityQuantizer where the factory keeps high precision."""
-        q = self.qfactory(role)
+        """A fresh quantizer for `role`; IdentityQuantizer where the factory keeps high precision. An exception
+        raised by the factory is re-raised as RecipeError naming the recipe and the role."""
+        try:
+            q = self.qfactory(role)
+        except Exception as e:
+            raise RecipeError(f"recipe {self.name!r}: qfactory raised {type(e).__name__} for {role}: {e}") from e
         if q is None:
             return IdentityQuantizer()
         if not isinstance(q, Quantizer):
             raise TypeError(f"recipe {self.name!r}: qfactory returned {q!r} for {role}, not a hybridq Quantizer")
         return q
+
+    def __eq__(self, other) -> bool:
+        """Same factory, same name and same backward override set on the recipe (two `hybridq.recipe("mxfp8")`
+        calls are equal)."""
+        if not isinstance(other, CustomRecipe):
+            return NotImplemented
+        return (self.qfactory is other.qfactory and self.name == other.name
+                and self._backward_override == other._backward_override)
+
+    def __hash__(self) -> int:
+        return hash((id(self.qfactory), self.name, self._backward_override))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, backward_override={self._backward_override!r})"
@@ -131,7 +164,7 @@ def recipe(name: str, *, backward_override: str | None = None) -> CustomRecipe:
     try:
         factory, _ = PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; presets: {', '.join(PRESETS)}") from None
+        raise RecipeError(f"unknown recipe {name!r}; presets: {', '.join(PRESETS)}") from None
     return CustomRecipe(factory, backward_override=backward_override, name=name)
 
 

@@ -451,49 +451,38 @@ def test_shared_input_quantization_off_clears_the_cache_and_context_restores_it(
     assert [e[0]() for e in hq_linear._SHARED.entries] == [x], "sharing not back on after the with-block"
 
 
-# -- conversion ---------------------------------------------------------------------------------------
+# -- assigning a recipe to a layer ---------------------------------------------------------------------
 
-def _model(k=IN):
-    return nn.Sequential(nn.Linear(k, 64), nn.ReLU(), nn.Linear(64, 32))
-
-
-def test_convert_linears_swaps_in_place_and_shares_parameters():
-    m = _model()
-    w0 = m[0].weight
-    report = hq.convert_linears(m, hq.recipe("mxfp8"))
-    assert isinstance(m[0], hq.Linear) and isinstance(m[2], hq.Linear)
-    assert m[0].weight is w0, "parameters must be shared, not copied"
-    assert report.converted == ["0", "2"]
-    assert report.layers[0].formats["weight"] == "MXFP8 E4M3"
-
-
-def test_convert_linears_filter():
-    m = _model()
-    report = hq.convert_linears(m, hq.recipe("mxfp8"), module_filter_fn=lambda mod, fqn: fqn != "2")
-    assert isinstance(m[0], hq.Linear) and type(m[2]) is nn.Linear
-    assert report.converted == ["0"]
+@pytest.mark.parametrize("old, new", [("mxfp8", "nvfp4"), ("nvfp4", "fp8_tensorwise"),
+                                      ("fp8_block", "mxfp8_fwd_nvfp4_bwd")])
+def test_assigned_recipe_is_used_from_the_next_call(old, new):
+    """Including a weight cached by is_first_microbatch=True under the old recipe."""
+    q, _ = make_pair(hq.recipe(old), torch.bfloat16)
+    fresh, _ = make_pair(hq.recipe(new), torch.bfloat16)
+    x, gy = inputs(torch.bfloat16)
+    run(q, x, gy, is_first_microbatch=True)
+    q.recipe = hq.recipe(new)
+    assert q.recipe.name == new
+    torch.manual_seed(4)
+    got = run(q, x, gy, is_first_microbatch=False)
+    torch.manual_seed(4)
+    want = run(fresh, x, gy)
+    assert_bitwise(got, want, f"{old} -> {new} assigned vs a layer built with {new}")
 
 
-def test_convert_linears_skips_incompatible_layers_with_a_logged_reason(caplog):
-    m = _model(k=100)  # K=100 is not a multiple of 32
-    with caplog.at_level(logging.WARNING, logger="hybridq"):
-        report = hq.convert_linears(m, hq.recipe("mxfp8"))
-    assert type(m[0]) is nn.Linear and isinstance(m[2], hq.Linear)
-    assert "K % 32 == 0, got K=100 for weight of 0" in report.skipped["0"]
-    assert "keeping 0 in high precision" in caplog.text
-
-
-def test_convert_linears_error_mode_raises_before_changing_anything():
-    m = _model(k=100)
-    with pytest.raises(ValueError, match=r"MXFP8 E4M3 needs K % 32 == 0, got K=100 for weight of 0"):
-        hq.convert_linears(m, hq.recipe("mxfp8"), on_incompatible="error")
-    assert type(m[0]) is nn.Linear and type(m[2]) is nn.Linear, "a layer was replaced before the error"
-
-
-def test_convert_linears_report_table_lists_formats():
-    m = _model()
-    table = hq.convert_linears(m, hq.recipe("mxfp8_fwd_nvfp4_bwd")).table()
-    assert "hybrid[MXFP8 E4M3 / NVFP4 (RHT)]" in table and "NVFP4 (RHT, SR)" in table
+@pytest.mark.parametrize("bad", ["shape", "override_with_delayed"])
+def test_assigning_an_unusable_recipe_raises_and_changes_nothing(bad):
+    q = hq.Linear(48, OUT, recipe=hq.recipe("fp8_tensorwise"), name="fc")  # K=48: not for MXFP8
+    before = q.quantizers()
+    if bad == "shape":
+        new, error, match = hq.recipe("mxfp8"), hq.FormatShapeError, "K % 32 == 0, got K=48 for weight of fc"
+    else:
+        new, error, match = (hq.recipe("fp8_delayed", backward_override="dequantized"), hq.RecipeError,
+                             "fc: backward_override='dequantized' cannot be combined with delayed scaling")
+    with pytest.raises(error, match=match):
+        q.recipe = new
+    assert q.recipe.name == "fp8_tensorwise", f"recipe changed to {q.recipe.name} although it was refused"
+    assert all(a is b for a, b in zip(q.quantizers().values(), before.values())), "quantizers changed"
 
 
 # -- autograd integration -------------------------------------------------------------------------------

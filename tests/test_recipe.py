@@ -115,3 +115,36 @@ def test_backward_override_unknown_environment_value_is_an_error(monkeypatch):
     monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "bogus")
     with pytest.raises(ValueError, match=f"environment {BACKWARD_OVERRIDE_ENV}.*'bogus'"):
         hq.recipe("mxfp8").backward_override
+
+
+@pytest.mark.parametrize("spelling", ["default", "DEFAULT", "Default"])
+def test_default_names_the_default_override_on_a_recipe(spelling, monkeypatch):
+    monkeypatch.delenv(BACKWARD_OVERRIDE_ENV, raising=False)
+    assert hq.recipe("mxfp8", backward_override=spelling).backward_override is None
+
+
+@pytest.mark.parametrize("spelling", ["default", "DEFAULT", "Default"])
+def test_default_names_the_default_override_in_the_environment(spelling, monkeypatch):
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, spelling)
+    assert hq.recipe("mxfp8").backward_override is None
+
+
+def test_unknown_override_is_a_recipe_error(monkeypatch):
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "bogus")
+    with pytest.raises(hq.RecipeError):
+        hq.recipe("mxfp8").backward_override
+
+
+def test_factory_exception_is_a_recipe_error_naming_recipe_and_role():
+    def factory(role):
+        return hq.Float8Quantizer(scaling="sometimes")
+
+    with pytest.raises(hq.RecipeError, match=r"recipe 'mine': qfactory raised ValueError for Role\(.*'weight'.*"
+                                             r"scaling must be 'current' or 'delayed'"):
+        q_for(hq.CustomRecipe(factory, name="mine"), "weight")
+
+
+def test_recipes_with_the_same_factory_name_and_override_are_equal():
+    assert hq.recipe("mxfp8") == hq.recipe("mxfp8")
+    assert hq.recipe("mxfp8") != hq.recipe("nvfp4")
+    assert hq.recipe("mxfp8") != hq.recipe("mxfp8", backward_override="dequantized")

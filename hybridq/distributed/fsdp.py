@@ -688,7 +688,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
             if hasattr(child.weight, "device_mesh"):
                 raise ValueError(f"apply_hybrid_fsdp: {full}.weight is already a DTensor; call apply_hybrid_fsdp "
                                  f"before fully_shard (tensor parallelism is not supported by it yet)")
-            q = child.weight_quantizer if isinstance(child, Linear) else recipe.quantizer(Role("linear", "weight", full))
+            q = recipe.quantizer(Role("linear", "weight", full))  # what convert_linears gives it, converted or not
             if q.is_stateful:
                 raise ValueError(
                     f"apply_hybrid_fsdp: the weight of {full} uses delayed scaling ({q.describe()}); under FSDP2 "

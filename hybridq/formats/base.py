@@ -17,6 +17,7 @@ import torch
 
 from .. import dispatch
 from ..enums import COLUMNWISE, ROWWISE, Direction
+from ..errors import FormatShapeError
 from ..tensor import QuantizedTensor
 
 
@@ -186,14 +187,15 @@ class Quantizer:
 
     def validate(self, shape, name: str = "tensor", *, rowwise: bool | None = None,
                  columnwise: bool | None = None) -> None:
-        """Raise ValueError naming the tensor, the format and the rule if `shape` is not quantizable."""
+        """Raise FormatShapeError (a ValueError) naming the tensor, the format and the rule if `shape` is not
+        quantizable."""
         rowwise = self.usage[0] if rowwise is None else rowwise
         columnwise = self.usage[1] if columnwise is None else columnwise
         m, k = shape_2d(tuple(shape))
         why = self.shape_rule(m, k, rowwise, columnwise)
         if why is not None:
             shown = f" (shape {tuple(shape)})" if 0 not in tuple(shape) else ""
-            raise ValueError(f"{self.describe()} {why} for {name}{shown}")
+            raise FormatShapeError(f"{self.describe()} {why} for {name}{shown}")
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
                  name: str = "tensor") -> QuantizedTensor:

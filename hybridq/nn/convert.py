@@ -1,4 +1,5 @@
-"""`convert_linears`: swap nn.Linear modules for hybridq Linear in place, with a per-layer report."""
+"""`convert_linears`: swap nn.Linear modules for hybridq Linear in place (or re-apply a recipe to layers
+already converted), with a per-layer report."""
 
 from __future__ import annotations
 
@@ -8,18 +9,35 @@ from typing import Callable
 
 import torch.nn as nn
 
+from ..errors import FormatShapeError
 from ..recipe import CustomRecipe
 from .linear import Linear
 
 log = logging.getLogger("hybridq")
 
+ON_INCOMPATIBLE = ("skip", "error")
+
 
 @dataclasses.dataclass
 class LayerReport:
+    """What conversion did to one layer. `previous_recipe`: the name of the recipe a layer that was already a
+    hybridq Linear had before (None for a layer converted from nn.Linear). `reason`: why a skipped layer kept
+    its previous precision."""
+
     name: str
     converted: bool
     formats: dict[str, str] = dataclasses.field(default_factory=dict)  # tensor type -> format description
     reason: str = ""
+    previous_recipe: str | None = None
+    unchanged: bool = False  # already converted with this recipe: nothing was done
+
+    @property
+    def status(self) -> str:
+        if not self.converted:
+            return "skipped" if self.previous_recipe is None else f"skipped (keeps {self.previous_recipe})"
+        if self.unchanged:
+            return "already converted"
+        return "converted" if self.previous_recipe is None else f"re-converted (was {self.previous_recipe})"
 
 
 @dataclasses.dataclass
@@ -28,6 +46,7 @@ class ConversionReport:
 
     @property
     def converted(self) -> list[str]:
+        """Layers that use the recipe now (newly converted, re-converted or already converted with it)."""
         return [l.name for l in self.layers if l.converted]
 
     @property
@@ -35,43 +54,83 @@ class ConversionReport:
         return {l.name: l.reason for l in self.layers if not l.converted}
 
     def table(self) -> str:
-        rows = [("layer", "status", "input", "weight", "grad_output")]
+        cols = ("layer", "status", "input", "weight", "grad_output", "reason")
+        rows = [cols]
         for l in self.layers:
-            if l.converted:
-                rows.append((l.name, "converted", l.formats["input"], l.formats["weight"], l.formats["grad_output"]))
-            else:
-                rows.append((l.name, "skipped", l.reason, "", ""))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            f = l.formats if l.converted else {}
+            rows.append((l.name, l.status, f.get("input", ""), f.get("weight", ""), f.get("grad_output", ""),
+                         l.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _linear_children(model: nn.Module, module_filter_fn) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    """(parent, attribute, qualified name, layer) of every nn.Linear the filter accepts, hybridq ones included."""
+    out = []
+    for fqn, mod in model.named_modules():
+        for child_name, child in mod.named_children():
+            full = f"{fqn}.{child_name}" if fqn else child_name
+            if not isinstance(child, nn.Linear):
+                continue
+            if module_filter_fn is not None and not module_filter_fn(child, full):
+                continue
+            out.append((mod, child_name, full, child))
+    return out
 
 
 def convert_linears(model: nn.Module, recipe: CustomRecipe,
                     module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
                     on_incompatible: str = "skip") -> ConversionReport:
     """Replace every nn.Linear of `model` (for which `module_filter_fn(module, fqn)` is true) by a hybridq
-    Linear sharing its parameters. A layer whose shapes the recipe's formats cannot take is skipped with a
-    logged reason (on_incompatible="skip") or raises ValueError before anything is replaced ("error")."""
-    if on_incompatible not in ("skip", "error"):
-        raise ValueError(f"on_incompatible must be 'skip' or 'error', got {on_incompatible!r}")
-    plan: list[tuple[nn.Module, str, str, Linear]] = []
+    Linear sharing its parameters; a layer that is already a hybridq Linear with another recipe gets `recipe`
+    (its report row says which recipe it had), one with an equal recipe is left as it is ("already converted").
+
+    Everything is checked before the first layer changes. A recipe that is wrong in itself (unknown backward
+    override, also from HYBRIDQ_BACKWARD_OVERRIDE; an override with delayed scaling; a factory that fails)
+    always raises. A layer whose shapes the recipe's formats cannot take (FormatShapeError) keeps its previous
+    precision with a logged reason (on_incompatible="skip") or raises ("error")."""
+    if on_incompatible not in ON_INCOMPATIBLE:
+        raise ValueError(f"on_incompatible must be one of {ON_INCOMPATIBLE}, got {on_incompatible!r}")
+    if not isinstance(recipe, CustomRecipe):
+        raise TypeError(f"convert_linears: recipe must be a hybridq recipe (hybridq.recipe(name) or "
+                        f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+    recipe.backward_override  # an invalid override raises even on a model without Linear layers
+    replace: list[tuple[nn.Module, str, Linear]] = []
+    reapply: list[tuple[Linear, dict, LayerReport]] = []
     layers: list[LayerReport] = []
-    for fqn, mod in model.named_modules():
-        for child_name, child in mod.named_children():
-            full = f"{fqn}.{child_name}" if fqn else child_name
-            if not isinstance(child, nn.Linear) or isinstance(child, Linear):
-                continue
-            if module_filter_fn is not None and not module_filter_fn(child, full):
-                continue
-            try:
+    for parent, child_name, full, child in _linear_children(model, module_filter_fn):
+        previous = child.recipe.name if isinstance(child, Linear) else None
+        if isinstance(child, Linear) and child.recipe == recipe:
+            child.check_override()  # (the override may come from the environment, changed since)
+            layers.append(LayerReport(full, True, formats=child.describe_formats(), previous_recipe=previous,
+                                      unchanged=True))
+            continue
+        try:
+            if isinstance(child, Linear):
+                quantizers = child.quantizers_for(recipe)  # installed once every layer has passed
+            else:
                 new = Linear.from_linear(child, recipe, name=full)
-            except ValueError as e:
-                if on_incompatible == "error":
-                    raise
-                log.warning("hybridq: keeping %s in high precision: %s", full, e)
-                layers.append(LayerReport(full, False, reason=str(e)))
-                continue
-            plan.append((mod, child_name, full, new))
-            layers.append(LayerReport(full, True, formats=new.describe_formats()))
-    for parent, child_name, _, new in plan:
+        except FormatShapeError as e:
+            if on_incompatible == "error":
+                raise
+            if previous is None:
+                log.warning("hybridq: keeping layer '%s' in high precision: %s", full, e)
+            else:
+                log.warning("hybridq: keeping layer '%s' with its recipe '%s': %s", full, previous, e)
+            layers.append(LayerReport(full, False, reason=str(e), previous_recipe=previous))
+            continue
+        report = LayerReport(full, True, previous_recipe=previous)
+        layers.append(report)
+        if isinstance(child, Linear):
+            reapply.append((child, quantizers, report))
+        else:
+            report.formats = new.describe_formats()
+            replace.append((parent, child_name, new))
+    for parent, child_name, new in replace:
         setattr(parent, child_name, new)
+    for layer, quantizers, report in reapply:
+        layer.install_recipe(recipe, quantizers)
+        report.formats = layer.describe_formats()
+        log.info("hybridq: layer '%s' re-converted from recipe '%s' to '%s'", report.name, report.previous_recipe,
+                 recipe.name)
     return ConversionReport(layers)

@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from ..formats.base import Quantizer
 from ..gemm import gemm
-from ..recipe import CustomRecipe, Role
+from ..errors import RecipeError
+from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 
 log = logging.getLogger("hybridq")
@@ -103,38 +104,55 @@ def _only(q: QuantizedTensor, direction: str) -> QuantizedTensor:
     return QuantizedTensor(q.part("rowwise"), None, shape=q.shape, dtype=q.dtype)
 
 
+def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cached_weight: QuantizedTensor | None,
+           cfg: _LinearConfig, x_col: bool, w_col: bool
+           ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor, torch.Tensor]:
+    """`y = x W^T + b` on the rowwise forms; the input and weight are quantized rowwise plus columnwise where
+    `x_col` / `w_col` ask (for backward), so only those directions' shape rules apply. Returns (the `[M, K]`
+    view of x, quantized x, quantized W, y `[M, N]`)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    xq = _quantize_input(cfg.input_q, x, x2d, x_col, f"input of {cfg.name}")
+    if isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
+        wq = weight
+    elif cached_weight is not None:
+        wq = cached_weight
+    else:
+        wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
+    y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype, f"fprop of {cfg.name}")
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return x2d, xq, wq, y
+
+
+def _forward_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  cached_weight: QuantizedTensor | None, cfg: _LinearConfig) -> torch.Tensor:
+    """The forward of a call that no gradient will flow through (no_grad, inference_mode, or nothing requires
+    grad): rowwise forms only, rowwise shape rules only, nothing saved."""
+    _, _, _, y = _fprop(x, weight, bias, cached_weight, cfg, False, False)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 cached_weight: QuantizedTensor | None, cfg: _LinearConfig) -> torch.Tensor:
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         override = cfg.backward_override
-        k = x.shape[-1]
-        x2d = x.reshape(-1, k)
-        ename = f"input of {cfg.name}"
         # With an override set, forward quantizes rowwise only: backward never reads a columnwise form.
         x_col = need_wgrad and override is None and not cfg.save_original_input
-        xq = _quantize_input(cfg.input_q, x, x2d, x_col, ename)
         w_col = need_dgrad and override is None
-        if isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
-            wq = weight
-        elif cached_weight is not None:
-            wq = cached_weight
-        else:
-            wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
-        y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype, f"fprop of {cfg.name}")
-        if bias is not None:
-            y = y + bias.to(x.dtype)
+        x2d, xq, wq, y = _fprop(x, weight, bias, cached_weight, cfg, x_col, w_col)
 
         if override == "high_precision":
-            saved_w = weight
-            if isinstance(weight, QuantizedTensor):
+            saved_w = weight if need_dgrad else None
+            if need_dgrad and isinstance(weight, QuantizedTensor):
                 # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
                 # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
                 saved_w = weight.detach() if hasattr(weight, "high_precision") else weight.dequantize()
-            saved_x = x2d
+            saved_x = x2d if need_wgrad else None
         elif override == "dequantized":
-            saved_x, saved_w = _only(xq, "rowwise"), _only(wq, "rowwise")
+            saved_x = _only(xq, "rowwise") if need_wgrad else None
+            saved_w = _only(wq, "rowwise") if need_dgrad else None
         else:
             saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
             saved_w = _only(wq, "columnwise") if need_dgrad else None
@@ -143,7 +161,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         ctx.w_dtype = weight.dtype
-        ctx.w_shape = weight.shape
+        ctx.b_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -169,7 +187,7 @@ class _LinearFunction(torch.autograd.Function):
                 dx = dy2d.mm(saved_w.dequantize(dy.dtype))
             if need_wgrad:
                 dw = dy2d.t().mm(saved_x.dequantize(dy.dtype))
-        else:
+        elif need_dgrad or need_wgrad:  # (a bias-only backward quantizes nothing)
             dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
                                              name=f"grad_output of {cfg.name}")
             if need_dgrad:
@@ -186,7 +204,7 @@ class _LinearFunction(torch.autograd.Function):
             dx = dx.reshape(ctx.x_shape)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
-        db = dy2d.sum(0).to(ctx.w_dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
+        db = dy2d.sum(0).to(ctx.b_dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
         return dx, dw, db, None, None
 
 
@@ -198,6 +216,11 @@ class Linear(nn.Linear):
     weight once and reuse it; a cached weight keeps every direction it was ever asked for (usage
     preservation), so an evaluation step under torch.no_grad() never leaves a training step reading a
     stale or missing columnwise form.
+
+    Only what backward reads is quantized: a call no gradient flows through (no_grad, inference_mode, nothing
+    requiring grad) quantizes rowwise only and checks only the rowwise shape rules; otherwise the columnwise
+    forms are made for the gradients that are needed (input -> dgrad, weight -> wgrad). `recipe` may be
+    assigned (see the property).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -206,21 +229,67 @@ class Linear(nn.Linear):
         self._setup(recipe, name, save_original_input)
 
     def _setup(self, recipe: CustomRecipe, name: str, save_original_input: bool) -> None:
-        self.recipe = recipe
         self.name = name or f"Linear({self.in_features}->{self.out_features})"
+        self._role_name = name  # the module name the recipe's roles carry
         self.save_original_input = save_original_input
-        self.input_quantizer = recipe.quantizer(Role("linear", "input", name))
-        self.weight_quantizer = recipe.quantizer(Role("linear", "weight", name))
-        self.grad_output_quantizer = recipe.quantizer(Role("linear", "grad_output", name))
         self._weight_cache: tuple[Any, QuantizedTensor] | None = None
         self._cache_columnwise = False
-        self.check_compatible()
+        self.recipe = recipe
+
+    @property
+    def recipe(self) -> CustomRecipe:
+        """The recipe this layer quantizes with. Assigning another one validates it against this layer (raises
+        RecipeError / FormatShapeError with nothing changed) and then rebuilds the quantizers and drops the
+        cached quantized weight."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: CustomRecipe) -> None:
+        self.install_recipe(recipe, self.quantizers_for(recipe))
+
+    def install_recipe(self, recipe: CustomRecipe, quantizers: dict[str, Quantizer]) -> None:
+        """Use `recipe` with the quantizers `quantizers_for(recipe)` returned (checked: nothing can fail here)."""
+        self._recipe = recipe
+        self.input_quantizer = quantizers["input"]
+        self.weight_quantizer = quantizers["weight"]
+        self.grad_output_quantizer = quantizers["grad_output"]
+        self._weight_cache = None
+        self._cache_columnwise = False
+        self.__dict__.pop("_cfg", None)
+
+    def quantizers_for(self, recipe: CustomRecipe) -> dict[str, Quantizer]:
+        """The quantizers `recipe` gives this layer, after every check that does not need data: the recipe's
+        own configuration first (backward override value, override with delayed scaling, the factory:
+        RecipeError / TypeError), then the shape rules (FormatShapeError). Changes nothing."""
+        if not isinstance(recipe, CustomRecipe):
+            raise TypeError(f"{self.name}: recipe must be a hybridq recipe (hybridq.recipe(name) or "
+                            f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+        override = recipe.backward_override
+        quantizers = {t: recipe.quantizer(Role("linear", t, self._role_name))
+                      for t in ("input", "weight", "grad_output")}
+        check_override_compatible(override, quantizers, self.name)
+        self._check_sharded_weight_format(quantizers["weight"])
+        self._check_shapes(quantizers, override)
+        return quantizers
+
+    def _check_sharded_weight_format(self, weight_q: Quantizer) -> None:
+        """Once fully_shard has sharded a weight that FSDP2 all-gathers quantized (apply_hybrid_fsdp), its
+        gathered buffers are laid out for the weight format it had then: that format can no longer change."""
+        from ..distributed import HybridWeight  # (lazy: hybridq.distributed imports this module)
+
+        local = getattr(self._parameters.get("weight"), "_local_tensor", None)
+        current = self.__dict__.get("weight_quantizer")
+        if isinstance(local, HybridWeight) and current is not None and weight_q != current:
+            raise RecipeError(
+                f"{self.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
+                f"{self.weight_quantizer.describe()}; a recipe with another weight format ({weight_q.describe()}) "
+                f"must be set before fully_shard (convert_linears / apply_hybrid_fsdp, or Linear.recipe)")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: CustomRecipe, name: str = "",
                     save_original_input: bool = False) -> "Linear":
-        """Wrap an existing nn.Linear's parameters (shared, not copied). Raises ValueError (nothing changed)
-        if the recipe's formats cannot take its shapes."""
+        """Wrap an existing nn.Linear's parameters (shared, not copied). Raises (nothing changed) if the recipe
+        is invalid (RecipeError) or its formats cannot take the layer's shapes (FormatShapeError)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -234,25 +303,28 @@ class Linear(nn.Linear):
                 "grad_output": self.grad_output_quantizer}
 
     def check_compatible(self) -> None:
-        """Shape rules known before seeing data: K for input/weight rows, N for weight columns / grad rows."""
+        """Check the current recipe again (the backward override may come from the environment)."""
         override = self.recipe.backward_override
         self._check_override(override)
+        self._check_shapes(self.quantizers(), override)
+
+    def _check_shapes(self, quantizers: dict[str, Quantizer], override: str | None) -> None:
+        """Shape rules known before seeing data: K for input/weight rows, N for weight columns / grad rows."""
         n, k = self.out_features, self.in_features
-        self.weight_quantizer.validate((n, k), f"weight of {self.name}", rowwise=True,
-                                       columnwise=override is None)
+        quantizers["weight"].validate((n, k), f"weight of {self.name}", rowwise=True, columnwise=override is None)
         # token count M is unknown until forward (checked there); 0 stands for "any"
-        self.input_quantizer.validate((0, k), f"input of {self.name}", rowwise=True, columnwise=False)
+        quantizers["input"].validate((0, k), f"input of {self.name}", rowwise=True, columnwise=False)
         if override is None:
-            self.grad_output_quantizer.validate((0, n), f"grad_output of {self.name}", rowwise=True,
-                                                columnwise=False)
+            quantizers["grad_output"].validate((0, n), f"grad_output of {self.name}", rowwise=True,
+                                               columnwise=False)
+
+    def check_override(self) -> None:
+        """Raise RecipeError if the backward override in force now (recipe, else environment) cannot be used with
+        this layer's quantizers."""
+        self._check_override(self.recipe.backward_override)
 
     def _check_override(self, override: str | None) -> None:
-        if override is not None:
-            stateful = [t for t, q in self.quantizers().items() if q.is_stateful]
-            if stateful:
-                raise ValueError(
-                    f"{self.name}: backward_override={override!r} cannot be combined with delayed scaling "
-                    f"({', '.join(stateful)} quantizer); use current scaling (e.g. 'fp8_tensorwise')")
+        check_override_compatible(override, self.quantizers(), self.name)
 
     def describe_formats(self) -> dict[str, str]:
         return {t: q.describe() for t, q in self.quantizers().items()}
@@ -289,11 +361,18 @@ class Linear(nn.Linear):
         if override is not None:
             self._check_override(override)
         cfg = self._config(override)
+        weight, bias = self.weight, self.bias
+        # what backward will differentiate: nothing under no_grad / inference_mode (torch.autograd.Function's
+        # ctx.needs_input_grad only looks at requires_grad)
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and x.requires_grad
+        needs_grad = need_dgrad or (grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))
         cached = None
-        if is_first_microbatch is not None and not isinstance(self.weight, QuantizedTensor):
-            need_col = override is None and torch.is_grad_enabled() and x.requires_grad
-            cached = self._cached_weight(is_first_microbatch, need_col)
-        return _LinearFunction.apply(x, self.weight, self.bias, cached, cfg)
+        if is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
+            cached = self._cached_weight(is_first_microbatch, override is None and need_dgrad)
+        if not needs_grad:
+            return _forward_only(x, weight, bias, cached, cfg)
+        return _LinearFunction.apply(x, weight, bias, cached, cfg)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
