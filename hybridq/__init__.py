@@ -5,7 +5,7 @@ Each tensor may use one quantization format for its rowwise (forward) use and an
 """
 
 from . import dispatch
-from .enums import Direction, Scaling
+from .enums import BackwardOverride, Direction, Scaling
 from .errors import FormatShapeError, RecipeError
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
@@ -17,7 +17,7 @@ from .tensor import QuantizedTensor
 from .distributed import apply_hybrid_fsdp, precompute_scales
 
 __all__ = [
-    "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "Quantizer", "QuantizedPart", "QuantizedTensor",
+    "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "BackwardOverride", "Quantizer", "QuantizedPart", "QuantizedTensor",
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "convert_linears", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",

@@ -11,9 +11,13 @@ import enum
 
 
 class _StrEnum(str, enum.Enum):
-    # str() and format() give the value on every Python version (3.10 formats a str mix-in by name)
+    # str(), format() and repr() give the value on every Python version, so messages read as the strings users
+    # write (3.10 formats a str mix-in by its member name)
     __str__ = str.__str__
     __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
     @classmethod
     def parse(cls, value, what: str):
@@ -43,6 +47,15 @@ class Scaling(_StrEnum):
 
     CURRENT = "current"
     DELAYED = "delayed"
+
+
+class BackwardOverride(_StrEnum):
+    """How a layer's backward GEMMs read their operands when not the default (None: the quantized operands):
+    in the activation dtype from the original tensors (high_precision), or from the dequantized rowwise forms
+    the forward saved (dequantized)."""
+
+    HIGH_PRECISION = "high_precision"
+    DEQUANTIZED = "dequantized"
 
 
 ROWWISE = Direction.ROWWISE

@@ -6,12 +6,13 @@ import dataclasses
 import os
 from typing import Callable
 
+from .enums import BackwardOverride
 from .errors import RecipeError
 from .formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
                       NVFP4Quantizer, Quantizer)
 
 TENSOR_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
-BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+BACKWARD_OVERRIDES = (None, *BackwardOverride)
 BACKWARD_OVERRIDE_ENV = "HYBRIDQ_BACKWARD_OVERRIDE"
 
 
@@ -31,13 +32,15 @@ class Role:
 DEFAULT_OVERRIDE_NAME = "default"  # accepted (any case) as the name of the default mode, None
 
 
-def _check_override(value, source: str) -> str | None:
-    if value == "" or (isinstance(value, str) and value.lower() == DEFAULT_OVERRIDE_NAME):
-        value = None
-    if value not in BACKWARD_OVERRIDES:
-        raise RecipeError(f"{source}: backward_override must be one of {BACKWARD_OVERRIDES} (or "
-                          f"{DEFAULT_OVERRIDE_NAME!r} for None), got {value!r}")
-    return value
+def _check_override(value, source: str) -> BackwardOverride | None:
+    if value is None or value == "" or (isinstance(value, str) and value.lower() == DEFAULT_OVERRIDE_NAME):
+        return None
+    try:
+        return BackwardOverride.parse(value, "backward_override")
+    except ValueError:
+        raise RecipeError(f"{source}: backward_override must be one of "
+                          f"{[None] + [o.value for o in BackwardOverride]} (or {DEFAULT_OVERRIDE_NAME!r} for None), "
+                          f"got {value!r}") from None
 
 
 def check_override_compatible(override: str | None, quantizers: dict[str, Quantizer], layer: str) -> None:

@@ -140,7 +140,7 @@ def test_factory_exception_is_a_recipe_error_naming_recipe_and_role():
         return hq.Float8Quantizer(scaling="sometimes")
 
     with pytest.raises(hq.RecipeError, match=r"recipe 'mine': qfactory raised ValueError for Role\(.*'weight'.*"
-                                             r"scaling must be 'current' or 'delayed'"):
+                                             r"scaling must be one of \[.current., .delayed.\]"):
         q_for(hq.CustomRecipe(factory, name="mine"), "weight")
 
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..formats.base import Quantizer
 from ..gemm import gemm
+from ..enums import BackwardOverride
 from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
@@ -143,14 +144,14 @@ class _LinearFunction(torch.autograd.Function):
         w_col = need_dgrad and override is None
         x2d, xq, wq, y = _fprop(x, weight, bias, cached_weight, cfg, x_col, w_col)
 
-        if override == "high_precision":
+        if override == BackwardOverride.HIGH_PRECISION:
             saved_w = weight if need_dgrad else None
             if need_dgrad and isinstance(weight, QuantizedTensor):
                 # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
                 # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
                 saved_w = weight.detach() if hasattr(weight, "high_precision") else weight.dequantize()
             saved_x = x2d if need_wgrad else None
-        elif override == "dequantized":
+        elif override == BackwardOverride.DEQUANTIZED:
             saved_x = _only(xq, "rowwise") if need_wgrad else None
             saved_w = _only(wq, "rowwise") if need_dgrad else None
         else:
@@ -175,14 +176,14 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         override = cfg.backward_override
 
-        if override == "high_precision":
+        if override == BackwardOverride.HIGH_PRECISION:
             # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
             if need_dgrad:
                 w = saved_w.high_precision() if isinstance(saved_w, QuantizedTensor) else saved_w
                 dx = dy2d.mm(w.to(dy.dtype))
             if need_wgrad:
                 dw = dy2d.t().mm(saved_x.to(dy.dtype))
-        elif override == "dequantized":
+        elif override == BackwardOverride.DEQUANTIZED:
             if need_dgrad:
                 dx = dy2d.mm(saved_w.dequantize(dy.dtype))
             if need_wgrad:
