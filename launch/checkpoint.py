@@ -114,8 +114,8 @@ def verify(folder: pathlib.Path) -> None:
             raise CheckpointError(f"checkpoint {folder} is damaged: {name} has {size} bytes, the manifest says "
                                   f"{want.get('size')}")
         if file_sha256(p) != want.get("sha256"):
-            raise CheckpointError(f"checkpoint {folder} is damaged: the content of {name} differs from the "
-                                  f"SHA-256 recorded in {MANIFEST} (same size, changed bytes)")
+            raise CheckpointError(f"checkpoint {folder} is damaged: {name} has other content than the SHA-256 "
+                                  f"recorded in {MANIFEST} says (same size, changed bytes)")
 
 
 # ---- the JSON files ------------------------------------------------------------------------------
