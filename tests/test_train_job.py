@@ -364,8 +364,9 @@ def tree(d: pathlib.Path) -> dict[str, bytes]:
 @pytest.mark.distributed
 def test_resume_extends_a_run_with_a_recomputed_schedule(reshard_runs):
     _, _, d = reshard_runs
-    p = torchrun_n(1, "--checkpoint-dir", str(d / "ck21"), "--resume", "--steps", "10", "--stop-after", "6",
+    p = python_job("--checkpoint-dir", str(d / "ck21"), "--resume", "--steps", "10", "--stop-after", "6",
                    "--metrics", str(d / "ext.jsonl"), cwd=d)
+    assert p.returncode == 0, p.stderr[-3000:]
     assert f"[{RECIPE}] changed since the checkpoint: steps: saved 8, now 10" in p.stdout
     assert "learning-rate schedule is recomputed" in p.stdout
     steps = metrics_of(d / "ext.jsonl")["steps"]
@@ -377,8 +378,9 @@ def test_resume_extends_a_run_with_a_recomputed_schedule(reshard_runs):
 @pytest.mark.distributed
 def test_resume_at_the_final_step_has_nothing_to_do(reshard_runs):
     _, js, d = reshard_runs
-    p = torchrun_n(1, "--recipe", "bf16", "--checkpoint-dir", str(d / "ck12"), "--resume", "--steps", "4",
+    p = python_job("--recipe", "bf16", "--checkpoint-dir", str(d / "ck12"), "--resume", "--steps", "4",
                    "--metrics", str(d / "done.jsonl"), cwd=d)
+    assert p.returncode == 0, p.stderr[-3000:]
     assert "[bf16] nothing to do: the run is at step 4, --steps is 4" in p.stdout
     assert "nan" not in p.stdout, p.stdout
     summary = metrics_of(d / "done.jsonl")["runs"]["bf16"]
