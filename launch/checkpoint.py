@@ -292,9 +292,15 @@ def save(run_dir: pathlib.Path, step: int, model, optimizer, train_state: dict, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     tmp = step_dir(run_dir, step).with_name(f"step_{step:06d}.tmp")
+    verdict: list = [None]
     if main:
-        begin_save(run_dir, step)
-    dist.barrier()
+        try:
+            begin_save(run_dir, step)
+        except CheckpointError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)  # every rank stops on a refusal, none waits in a barrier
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     dist.barrier()
