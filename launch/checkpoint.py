@@ -249,7 +249,7 @@ def clear_for_fresh_run(run_dir: pathlib.Path) -> None:
 
 # ---- the plan for one invocation -------------------------------------------------------------------
 
-def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite: bool, save_every: int,
+def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite: bool,
          meta_for: Callable[[str], dict]) -> dict[str, dict]:
     """Per recipe: {"run_dir", "resume_from", "train_state", "notes"}; every refusal as CheckpointError before
     anything is written or deleted. `meta_for(recipe)` is this run's configuration record."""
@@ -264,7 +264,7 @@ def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite
         if resume:
             try:
                 entry["resume_from"], entry["train_state"], entry["notes"] = choose_resume(run_dir, meta_for(r))
-            except CheckpointError as e:
+            except CheckpointError:
                 others = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in recipes
                                 and step_folders(p)) if root.is_dir() else []
                 if not step_folders(run_dir) and others:

@@ -70,7 +70,7 @@ def preflight(args, world: int) -> dict[str, dict]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 convert(model, name, args)
-    return checkpoint.plan(args.checkpoint_dir, runs(args), args.resume, args.overwrite, args.save_every,
+    return checkpoint.plan(args.checkpoint_dir, runs(args), args.resume, args.overwrite,
                            lambda r: run_meta(r, args))
 
 

@@ -151,7 +151,7 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
     f.write_text("not a folder")
     for resume in (False, True):
         with pytest.raises(CheckpointError, match=rf"--checkpoint-dir {f} is a file, not a folder"):
-            ck.plan(str(f), ["mxfp8"], resume=resume, overwrite=False, save_every=1, meta_for=lambda r: META)
+            ck.plan(str(f), ["mxfp8"], resume=resume, overwrite=False, meta_for=lambda r: META)
 
 
 # ---- configuration changes on resume -------------------------------------------------------------
@@ -190,9 +190,9 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_without_overwrite
     root = run_dir.parent
     before = sorted(p.name for p in run_dir.iterdir())
     with pytest.raises(CheckpointError, match=r"holds checkpoints of an earlier run: pass --resume .* or --overwrite"):
-        ck.plan(str(root), ["mxfp8"], resume=False, overwrite=False, save_every=4, meta_for=lambda r: META)
+        ck.plan(str(root), ["mxfp8"], resume=False, overwrite=False, meta_for=lambda r: META)
     assert sorted(p.name for p in run_dir.iterdir()) == before, "nothing was deleted"
-    plan = ck.plan(str(root), ["mxfp8"], resume=False, overwrite=True, save_every=4, meta_for=lambda r: META)
+    plan = ck.plan(str(root), ["mxfp8"], resume=False, overwrite=True, meta_for=lambda r: META)
     assert plan["mxfp8"]["resume_from"] is None and sorted(p.name for p in run_dir.iterdir()) == before
     ck.clear_for_fresh_run(run_dir)
     assert list(run_dir.iterdir()) == []
@@ -201,7 +201,7 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_without_overwrite
 def test_resume_with_another_recipes_checkpoints_names_the_mismatch(run_dir):
     with pytest.raises(CheckpointError, match=r"--resume with recipe nvfp4, but .* holds checkpoints of recipe\(s\) "
                                               r"mxfp8 only \(recipe mismatch"):
-        ck.plan(str(run_dir.parent), ["nvfp4"], resume=True, overwrite=False, save_every=0,
+        ck.plan(str(run_dir.parent), ["nvfp4"], resume=True, overwrite=False,
                 meta_for=lambda r: dict(META, recipe=r))
 
 

@@ -27,7 +27,6 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
-import checkpoint  # noqa: E402
 import config  # noqa: E402
 import convert  # noqa: E402
 import data as job_data  # noqa: E402
