@@ -12,7 +12,7 @@ peak allocated memory.
     torchrun --nproc_per_node 2 launch/bench_fsdp.py --modes bf16,fp8_tensorwise,torchao --json bench.json
     torchrun --nproc_per_node 2 launch/bench_fsdp.py --device cpu --dim 256 --layers 2 --seq 128 --steps 2
                                                                           # smoke test on CPU (gloo)
-Targets (issue 4): fp8_tensorwise >= 1.3x bf16 tokens/s and ahead of torchao eager; every preset's
+Targets: fp8_tensorwise >= 1.3x bf16 tokens/s and ahead of torchao eager; every preset's
 all-gather bytes below bf16's.
 """
 

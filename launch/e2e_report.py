@@ -1,4 +1,4 @@
-"""The end-to-end report (issue 5): the main job (launch/train.py under torchrun, FSDP2) at a size that fills the
+"""The end-to-end report: the main job (launch/train.py under torchrun, FSDP2) at a size that fills the
 GPUs, once per recipe -- bf16, every hybridq preset that runs under FSDP2, and torchao float8 (tensorwise,
 float8 all-gather) where torchao imports -- and one markdown table: tokens/s, peak GPU memory, loss after the
 steps done, loss gap vs bf16, and the exact command that reproduces each row.
@@ -18,8 +18,8 @@ run; raise --batch once the peak memory of a first report is known).
 Time: each run is a separate torchrun (~20-30 s of start-up: CUDA/NCCL init, 1B-parameter init on the CPU).
 A run stops at --steps or at its time limit, whichever comes first: the limit is min(--time-limit-s, the
 total budget left / runs left), so the whole report stays inside --total-budget-s (default 510 s, for one
-~10-minute device command). A run stopped by its limit is killed; its row then comes from the per-step log
-lines (loss, tokens/s, peak memory of every step) and says how many steps it did. Losses are compared with
+~10-minute device command). A run stopped by its limit is killed; its row then comes from the step records of its
+metrics file (train.py --metrics: JSON lines, flushed per step) and says how many steps it did. Losses are compared with
 bf16 at the same step (mean of the last 10% of the steps both did), since the lr schedule is that of --steps
 for every run.
 """
@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import pathlib
-import re
 import shlex
 import shutil
 import signal
@@ -41,6 +40,9 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
+
+from metrics import read_metrics, runs_of  # noqa: E402
 BASELINE = "bf16"
 TORCHAO = "torchao_float8"
 
@@ -50,9 +52,6 @@ FULL = {"d_model": 2048, "n_layers": 20, "n_heads": 16, "hidden": 5632, "seq": 4
 TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "hidden": None, "seq": 64, "batch": 2, "steps": 4,
         "lr": 3e-3, "eval_batches": 1}
 
-STEP_RE = re.compile(r"^\[(?P<recipe>[\w]+)\] step\s+(?P<n>\d+)/(?P<steps>\d+) \| loss (?P<loss>\S+) \| lr \S+ \| "
-                     r"\s*(?P<tps>[\d,.]+) tok/s \| step\s+(?P<ms>[\d.]+) ms \| (?P<memkind>[A-Za-z ]+?) "
-                     r"(?P<mem>[\d.]+) (?P<unit>GiB|MiB)\s*$")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,7 +144,7 @@ def train_flags(a) -> list[str]:
 
 def command(a, recipe: str, nproc: int, out_dir: pathlib.Path) -> list[str]:
     return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a)
-            + ["--plot", rel(out_dir / f"{recipe}.png")])
+            + ["--metrics", rel(out_dir / f"{recipe}.jsonl")])
 
 
 def rel(p: pathlib.Path) -> str:
@@ -163,17 +162,11 @@ def show(cmd: list[str]) -> str:
     return "OMP_NUM_THREADS=1 " + shlex.join(c)
 
 
-def parse_log(text: str, recipe: str) -> list[dict]:
-    """The per-step lines of train.py's rank 0 for `recipe`: [{n, loss, tps, ms, mem_bytes, mem_kind}]."""
-    steps = []
-    for line in text.splitlines():
-        m = STEP_RE.match(line.strip())
-        if not m or m["recipe"] != recipe:
-            continue
-        mem = float(m["mem"]) * (2**30 if m["unit"] == "GiB" else 2**20)
-        steps.append({"n": int(m["n"]), "loss": float(m["loss"]), "tps": float(m["tps"].replace(",", "")),
-                      "ms": float(m["ms"]), "mem_bytes": mem, "mem_kind": m["memkind"]})
-    return steps
+def step_records(path: pathlib.Path, recipe: str) -> list[dict]:
+    """The step records of `recipe` in a train.py metrics file (none when the file is missing)."""
+    if not path.exists():
+        return []
+    return [r for r in read_metrics(path) if r.get("kind") == "step" and r.get("recipe") == recipe]
 
 
 def last_error(text: str) -> str:
@@ -190,7 +183,7 @@ def last_error(text: str) -> str:
 def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float) -> dict:
     cmd = command(a, recipe, nproc, out_dir)
     log = out_dir / f"{recipe}.log"
-    js = out_dir / f"{recipe}.json"
+    js = out_dir / f"{recipe}.jsonl"
     js.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     print(f"\n=== {recipe}: limit {limit_s:.0f} s\n{show(cmd)}", flush=True)
@@ -215,19 +208,21 @@ def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float) -
             rc = proc.returncode
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
-    steps = parse_log(text, recipe)
+    steps = step_records(js, recipe)
     res = {"recipe": recipe, "command": show(cmd), "rc": rc, "wall_s": wall, "log": str(log), "steps_done": 0,
            "losses": [], "tokens_per_s": None, "peak_memory_bytes": None, "memory_kind": None, "val_loss": None}
-    if js.exists() and rc == 0:
-        m = json.loads(js.read_text())["runs"][recipe]
+    summary = runs_of(read_metrics(js)).get(recipe) if js.exists() else None
+    if summary is not None and rc == 0:
+        m = summary
         res.update(steps_done=m["start_step"] + m["steps_run"], losses=m["losses"],
                    tokens_per_s=m["median_tokens_per_s"], peak_memory_bytes=m["peak_memory_bytes"],
                    memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], status="ok", metrics=str(js))
     else:
         if steps:
-            tps = [s["tps"] for s in steps[1:]] or [steps[0]["tps"]]  # the first step includes warm-up work
-            res.update(steps_done=steps[-1]["n"], losses=[s["loss"] for s in steps], tokens_per_s=statistics.median(tps),
-                       peak_memory_bytes=max(s["mem_bytes"] for s in steps), memory_kind=steps[-1]["mem_kind"])
+            tps = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]  # step 1 includes warm-up
+            res.update(steps_done=steps[-1]["step"], losses=[s["loss"] for s in steps],
+                       tokens_per_s=statistics.median(tps), peak_memory_bytes=max(s["peak_memory_bytes"] for s in steps),
+                       memory_kind=steps[-1]["peak_memory_kind"])
         if timed_out:
             res["status"] = f"time limit ({limit_s:.0f} s) after {res['steps_done']} of {a.steps} steps"
         else:

@@ -1,4 +1,5 @@
-"""launch/bench_host.py runs on the CPU (its smoke test; the numbers that matter come from a GPU machine)."""
+"""launch/bench_host.py runs on the CPU (its smoke test; the numbers that matter come from a GPU machine): the table a
+user reads has its header and one row per call of the CPU ladder, in order, and the JSON holds the same rows."""
 
 import json
 import os
@@ -8,15 +9,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+HEADER = ["call", "host us per call (median round)", "min-max over rounds"]
+CPU_ROWS = [  # every row a CPU run prints (the CUDA rows come after them on a GPU)
+    "torch.empty_like (allocator)",
+    "x.abs() (one torch kernel)",
+    "nn.Linear forward (bf16 mm)",
+    "nn.Linear fwd+bwd",
+    "hybridq Linear fwd+bwd (fp8_tensorwise)",
+    "hybridq Linear forward only (grad on)",
+    "hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False)",
+    "Float8Quantizer.quantize_parts (rowwise+columnwise)",
+    "Function(empty) fwd+bwd",
+    "Function(Float8Quantizer.quantize in forward)",
+    "Function(Float8Quantizer.quantize in backward)",
+]
 
-def test_bench_host_reports_every_call_on_cpu(tmp_path):
+
+def test_bench_host_prints_the_table_of_every_call_on_cpu(tmp_path):
     out = tmp_path / "host.json"
     prof = tmp_path / "prof.txt"
     r = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_host.py"), "--device", "cpu", "--dim", "32",
                         "--n", "3", "--rounds", "2", "--json", str(out), "--profile", str(prof)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_host failed:\n{r.stdout}\n{r.stderr}"
-    rows = {row["call"]: row["us"] for row in json.loads(out.read_text())["rows"]}
-    for call in ("nn.Linear fwd+bwd", "hybridq Linear fwd+bwd (fp8_tensorwise)"):
-        assert rows.get(call, 0) > 0, f"no positive time for {call!r}: {rows}"
+    table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()
+             if line.startswith("|")]
+    assert table[0] == HEADER, f"table header {table[0]}, expected {HEADER}"
+    body = table[2:]
+    assert [row[0] for row in body] == CPU_ROWS, f"rows {[row[0] for row in body]}"
+    for call, median, span in body:
+        lo, hi = map(float, span.split("-"))
+        assert 0 < lo <= float(median) <= hi, f"{call}: median {median} outside its rounds' range {span}"
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["call"], f"{x['us']:.1f}", len(x["rounds_us"])) for x in rows] == \
+        [(call, median, 2) for call, median, _ in body], "the JSON rows are the printed rows, 2 rounds each"
     assert "_LinearFunction" in prof.read_text(), "the profile does not show the Linear's autograd nodes"

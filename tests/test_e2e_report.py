@@ -1,4 +1,4 @@
-"""launch/e2e_report.py on CPU: the log parser and budget rows in-process, the torchao_float8 error path of
+"""launch/e2e_report.py on CPU: reading train.py's metrics file and the budget rows in-process, the torchao_float8 error path of
 launch/train.py, and one tiny end-to-end report (2 gloo processes, bf16 + fp8_tensorwise launched; fp8_delayed
 skipped as apply_hybrid_fsdp rejects it; torchao_float8 a "not installed" row where torchao does not import)."""
 
@@ -15,25 +15,32 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
+import config  # noqa: E402
 import e2e_report  # noqa: E402
-import train  # noqa: E402
+from metrics import MetricsFile  # noqa: E402
 
 
 def _torchao_missing() -> bool:
     return e2e_report.torchao_status() is not None
 
 
-def test_parse_log_reads_train_step_lines():
-    text = ("noise\n"
-            "[nvfp4] step  1/30 | loss 5.5312 | lr 2.00e-04 |    12,345 tok/s | step  2654.0 ms | peak GPU mem 40.12 GiB\n"
-            "[bf16] step  1/30 | loss 9.0 | lr 2.00e-04 |    1 tok/s | step  1.0 ms | peak GPU mem 1.00 GiB\n"
-            "[nvfp4] step  2/30 | loss 5.0000 | lr 4.00e-04 |    30,000 tok/s | step  1092.3 ms | peak GPU mem 41.50 GiB\n"
-            "[nvfp4] step 3/30 | loss 4.5000 | lr 6.00e-04 | 31,000 tok/s | step 1057.0 ms | peak RSS 432 MiB\n")
-    steps = e2e_report.parse_log(text, "nvfp4")
-    assert [s["n"] for s in steps] == [1, 2, 3]
-    assert [s["loss"] for s in steps] == [5.5312, 5.0, 4.5]
-    assert steps[1]["tps"] == 30000 and steps[1]["mem_bytes"] == 41.5 * 2**30
-    assert steps[2]["mem_kind"] == "peak RSS" and steps[2]["mem_bytes"] == 432 * 2**20
+def test_step_records_come_from_the_metrics_file_of_a_killed_run(tmp_path):
+    """A run killed by its time limit leaves its step records; a last line cut short is ignored."""
+    m = MetricsFile(str(tmp_path / "nvfp4.jsonl"), main=True)
+    m.write("config", args={})
+    for n, loss, tps in ((1, 5.53, 12345.0), (2, 5.0, 30000.0), (3, 4.5, 31000.0)):
+        m.write("step", recipe="nvfp4", step=n, steps=30, loss=loss, lr=1e-4, tokens_per_s=tps, step_ms=1.0,
+                peak_memory_bytes=41.5 * 2**30, peak_memory_kind="peak GPU mem")
+    m.write("step", recipe="bf16", step=1, steps=30, loss=9.0, lr=1e-4, tokens_per_s=1.0, step_ms=1.0,
+            peak_memory_bytes=1.0, peak_memory_kind="peak GPU mem")
+    m.close()
+    with open(tmp_path / "nvfp4.jsonl", "a") as f:
+        f.write('{"kind": "step", "recipe": "nvfp4", "st')
+    steps = e2e_report.step_records(tmp_path / "nvfp4.jsonl", "nvfp4")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["loss"] for s in steps] == [5.53, 5.0, 4.5]
+    assert steps[1]["tokens_per_s"] == 30000 and steps[1]["peak_memory_bytes"] == 41.5 * 2**30
+    assert e2e_report.step_records(tmp_path / "absent.jsonl", "nvfp4") == []
 
 
 def test_gap_is_taken_over_the_steps_both_runs_did():
@@ -58,9 +65,9 @@ def test_plan_skips_fp8_delayed_and_puts_bf16_first():
 
 @pytest.mark.skipif(not _torchao_missing(), reason="torchao is installed: the error path does not apply")
 def test_train_torchao_recipe_without_torchao_is_a_clear_error():
-    args = train.parse_args(["--recipe", "torchao_float8", "--device", "cpu"])
-    with pytest.raises(SystemExit, match="needs torchao"):
-        train.check_args(args, world=2)
+    args = config.parse_args(["--recipe", "torchao_float8", "--device", "cpu"])
+    with pytest.raises(config.ConfigError, match="needs torchao"):
+        config.check_args(args, world=2)
 
 
 @pytest.mark.distributed
@@ -78,7 +85,7 @@ def test_tiny_report_on_cpu(tmp_path):
         r = rows[name]
         assert r["status"] == "ok" and r["steps_done"] == 4 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
         assert f"train.py --recipe {name} " in r["command"] and f"| {name} | ok | 4 |" in md
-        assert (tmp_path / f"{name}.json").exists()
+        assert (tmp_path / f"{name}.jsonl").exists()
     assert abs(rows["fp8_tensorwise"]["gap"]) < 0.2 and rows["fp8_tensorwise"]["gap_at"] == 4
     assert rows["fp8_delayed"]["skip"] and "| fp8_delayed | skipped: rejected by hybridq.apply_hybrid_fsdp" in md
     if _torchao_missing():

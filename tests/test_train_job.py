@@ -1,19 +1,20 @@
 """The training job (launch/train.py) on CPU: argument checks, the per-layer report, the data and model, and
 three torchrun launches (2 processes, gloo) of a tiny model:
 
-    full     8 steps of mxfp8_fwd_nvfp4_bwd with --compare bf16 and --plot (metrics JSON beside it)
+    full     8 steps of mxfp8_fwd_nvfp4_bwd with --compare bf16 and --plot (metrics JSON lines beside it)
     part     the same flags with --checkpoint-dir --save-every 4 --stop-after 6 (an interrupted run)
     resumed  --resume from part's step-4 checkpoint to step 8
 
 Resume bound (same world size): bitwise. The resumed run's losses at steps 5..8 equal the uninterrupted run's
 exactly (weights and AdamW state come back exactly through DCP; batches, learning rate and the
 stochastic-rounding stream depend only on seed, step and rank). Across world sizes (2 -> 1 and 1 -> 2): see
-the section at the end, which adds six short launches.
+the section after, which adds six short launches. The last section checks what a resume may change (a longer
+run, a finished one) and the refusals of the job as a user meets them: once, from rank 0, before training,
+and from run.sh before torchrun starts. The checkpoint logic itself is tested in-process in test_checkpoint.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import shutil
@@ -26,9 +27,12 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
+import config  # noqa: E402
+import convert  # noqa: E402
 import data as job_data  # noqa: E402
 import model as job_model  # noqa: E402
 import train  # noqa: E402
+from metrics import read_metrics, runs_of  # noqa: E402
 
 RECIPE = "mxfp8_fwd_nvfp4_bwd"
 TINY = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq", "64", "--batch", "2", "--steps", "8",
@@ -36,7 +40,7 @@ TINY = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq", "64", "
 
 
 def args_for(*extra: str):
-    return train.parse_args(TINY + list(extra))
+    return config.parse_args(TINY + list(extra))
 
 
 # ---- in-process checks ---------------------------------------------------------------------------
@@ -47,19 +51,51 @@ def args_for(*extra: str):
     (["--d-model", "80", "--n-heads", "2"], "d_model=80 must be a multiple of 32"),
     (["--dp", "3"], "must equal the number of processes"),
     (["--resume"], "need --checkpoint-dir"),
+    (["--keep-last", "2"], "need --checkpoint-dir"),
+    (["--overwrite"], "need --checkpoint-dir"),
     (["--compare", RECIPE], "same as --recipe"),
+    (["--checkpoint-dir", "c", "--save-every", "-1"], "--save-every -1: must be >= 0"),
+    (["--checkpoint-dir", "c", "--keep-last", "-2"], "--keep-last -2: must be >= 0"),
+    (["--log-every", "0"], "--log-every 0: must be >= 1"),
+    (["--stop-after", "0"], "--stop-after 0: must be >= 1"),
+    (["--checkpoint-dir", "c", "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["--checkpoint-dir", "c", "--resume", "--init-state", "s.pt"], "--resume and --init-state both set"),
 ])
 def test_bad_arguments_are_rejected_before_any_collective(flags, needle):
-    with pytest.raises(SystemExit) as e:
-        train.check_args(args_for(*flags), world=2)
+    with pytest.raises(config.ConfigError) as e:
+        config.check_args(args_for(*flags), world=2)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8_fwd_nvfp4_bwd", "fp8_block", "nvfp4", "fp8_tensorwise"])
+def test_a_quantized_recipe_that_converts_no_layer_is_refused(recipe):
+    """Only the output head is a Linear and it stays in high precision: 0 layers would be quantized."""
+    head_only = torch.nn.Module()
+    head_only.output = torch.nn.Linear(64, 64)
+    with pytest.raises(config.ConfigError, match=rf"recipe {recipe}: no Linear layer was converted \(output: output "
+                                                 r"head kept in high precision.*refusing to run it"):
+        convert.convert(head_only, recipe, args_for("--recipe", recipe))
+
+
+def test_check_only_validates_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ck = tmp_path / "ck"
+    assert train.main(TINY + ["--compare", "bf16", "--checkpoint-dir", str(ck), "--save-every", "4",
+                              "--check-only"]) == 0
+    out = capsys.readouterr().out
+    assert "the flags are valid for 2 process(es) (dp=2, tp=1)" in out
+    assert f"[{RECIPE}] would start at step 0, checkpoints to {ck / RECIPE}" in out and "[bf16] would start" in out
+    assert not ck.exists(), "a check writes nothing"
+    assert train.main(TINY + ["--checkpoint-dir", str(ck), "--resume", "--check-only"]) == 1
+    assert capsys.readouterr().err == f"train.py: --resume: no checkpoint in {ck / RECIPE} (drop --resume to start " \
+                                      "a fresh run)\n"
 
 
 def _report(recipe: str, *flags: str) -> dict[str, list[str]]:
     args = args_for(*flags)
     torch.manual_seed(0)
-    m = job_model.Transformer(train.model_config(args))
-    rows, summary = train.convert(m, recipe, args)
+    m = job_model.Transformer(config.model_config(args))
+    rows, summary = convert.convert(m, recipe, args)
     assert rows[0][:5] == ["layer", "status", "input (row / col)", "weight (row / col)", "grad_output (row / col)"]
     return {r[0]: r[1:] for r in rows[1:]}
 
@@ -148,8 +184,15 @@ def runs(tmp_path_factory):
                            "--dump-state", str(d / "dumps" / "s21"), "--plot", str(d / "part.png"), cwd=d)
     shutil.copytree(ck, d / "ck21")  # its step-4 checkpoint, for the 2 -> 1 resume below
     out["resumed"] = torchrun("--checkpoint-dir", str(ck), "--resume", "--plot", str(d / "resumed.png"), cwd=d)
-    js = {k: json.loads((d / f"{k}.json").read_text()) for k in ("full", "part", "resumed")}
+    js = {k: metrics_of(d / f"{k}.jsonl") for k in ("full", "part", "resumed")}
     return out, js, d
+
+
+def metrics_of(path: pathlib.Path) -> dict:
+    """A metrics file as {"runs": {recipe: summary}, "gap": gap record or None, "steps": step records}."""
+    records = read_metrics(path)
+    return {"runs": runs_of(records), "gap": next((r for r in records if r["kind"] == "gap"), None),
+            "steps": [r for r in records if r["kind"] == "step"]}
 
 
 @pytest.mark.distributed
@@ -168,6 +211,9 @@ def test_cpu_job_trains_and_compares(runs):
     gap = js["full"]["gap"]
     assert abs(gap["final_loss"]) < 0.3, gap
     assert f"loss gap {RECIPE} - bf16: final {gap['final_loss']:+.4f}" in text
+    assert gap["speed_ratio"] > 0
+    logged = [(s["recipe"], s["step"]) for s in js["full"]["steps"]]
+    assert logged == [(RECIPE, n) for n in range(1, 9)] + [("bf16", n) for n in range(1, 9)], "one record per step"
     assert "summary (" in text and "loss curve:" in text
 
 
@@ -190,7 +236,9 @@ def test_cpu_job_resumes_bitwise(runs):
     out, js, d = runs
     ck = d / "ckpt" / RECIPE
     assert (ck / "latest").read_text().strip() == "step_000004"
-    assert (ck / "step_000004" / ".metadata").exists() and (ck / "step_000004" / "train_state.json").exists()
+    for f in (".metadata", "train_state.json", "meta.json", "manifest.json"):
+        assert (ck / "step_000004" / f).exists(), f
+    assert not list(ck.glob("*.tmp")), "no temporary folder is left"
     full = js["full"]["runs"][RECIPE]["losses"]
     part = js["part"]["runs"][RECIPE]
     resumed = js["resumed"]["runs"][RECIPE]
@@ -264,7 +312,7 @@ def reshard_runs(runs):
     # a recipe mismatch, against the 2 -> 1 checkpoint (1 process: it fails before training)
     res["bad_recipe"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--recipe", "fp8_block", cwd=d,
                                    ok=False)
-    js = {k: json.loads((d / f"{k}.json").read_text()) for k in ("r21", "o21", "s12", "r12", "o12")}
+    js = {k: metrics_of(d / f"{k}.jsonl") for k in ("r21", "o21", "s12", "r12", "o12")}
     js["s21"] = runs[1]["part"]
     return res, js, d
 
@@ -291,18 +339,86 @@ def test_resume_across_world_sizes(reshard_runs, case, recipe, saved_world, new_
 
 
 @pytest.mark.distributed
-def test_resume_with_another_configuration_names_the_mismatch(reshard_runs):
-    res, _, d = reshard_runs
-    ck = d / "ck21" / RECIPE / "step_000004"
-    saved = json.loads((ck / "meta.json").read_text())
-    meta = dict(saved, model=dict(saved["model"], d_model=96), dp=1)  # the dp differs freely
-    with pytest.raises(SystemExit) as e:
-        train.check_meta(ck, saved, meta)
-    assert "written by a different configuration" in str(e.value) and "model d_model: saved 64, now 96" in str(e.value)
-    train.check_meta(ck, saved, dict(saved, dp=1))
-    with pytest.raises(SystemExit, match="recipe: saved 'mxfp8_fwd_nvfp4_bwd', now 'bf16'"):
-        train.check_meta(ck, saved, dict(saved, recipe="bf16"))
-    p = res["bad_recipe"]
-    assert p.returncode != 0
-    assert "--resume with recipe fp8_block" in p.stderr and f"recipe(s) {RECIPE} only (recipe mismatch" in p.stderr, \
-        p.stderr[-3000:]
+def test_resume_with_another_recipe_is_one_clear_refusal(reshard_runs):
+    p = reshard_runs[0]["bad_recipe"]
+    assert p.returncode == 1
+    msg = f"--resume with recipe fp8_block, but {reshard_runs[2] / 'ck21'} holds checkpoints of recipe(s) {RECIPE} " \
+          "only (recipe mismatch"
+    assert p.stderr.count(msg) == 1, p.stderr[-3000:]
+
+
+# ---- what a resume may change; the refusals as a user meets them ---------------------------------
+
+def python_job(*flags: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """train.py as a plain process (a world of one, no torchrun): its own exit code and stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *TINY, *flags], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def tree(d: pathlib.Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.distributed
+def test_resume_extends_a_run_with_a_recomputed_schedule(reshard_runs):
+    _, _, d = reshard_runs
+    p = python_job("--checkpoint-dir", str(d / "ck21"), "--resume", "--steps", "10", "--stop-after", "6",
+                   "--metrics", str(d / "ext.jsonl"), cwd=d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"[{RECIPE}] changed since the checkpoint: steps: saved 8, now 10" in p.stdout
+    assert "learning-rate schedule is recomputed" in p.stdout
+    steps = metrics_of(d / "ext.jsonl")["steps"]
+    assert [s["step"] for s in steps] == [5, 6] and all(s["steps"] == 10 for s in steps)
+    longer = args_for("--steps", "10")
+    assert [s["lr"] for s in steps] == [train.lr_at(4, longer), train.lr_at(5, longer)], "the schedule of --steps 10"
+
+
+@pytest.mark.distributed
+def test_resume_at_the_final_step_has_nothing_to_do(reshard_runs):
+    _, js, d = reshard_runs
+    p = python_job("--recipe", "bf16", "--checkpoint-dir", str(d / "ck12"), "--resume", "--steps", "4",
+                   "--metrics", str(d / "done.jsonl"), cwd=d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[bf16] nothing to do: the run is at step 4, --steps is 4" in p.stdout
+    assert "nan" not in p.stdout, p.stdout
+    summary = metrics_of(d / "done.jsonl")["runs"]["bf16"]
+    assert summary["steps_run"] == 0 and summary["median_tokens_per_s"] is None
+    assert summary["losses"] == js["s12"]["runs"]["bf16"]["losses"], "the saved loss history"
+
+
+@pytest.mark.distributed
+def test_worker_refusals_are_one_line_and_write_nothing(reshard_runs, tmp_path):
+    _, _, d = reshard_runs
+    # a damaged checkpoint: bytes changed, same size
+    bad = tmp_path / "bad"
+    shutil.copytree(d / "ck21", bad)
+    f = next((bad / RECIPE / "step_000004").glob("__0_*.distcp"))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 8] = bytes(8)
+    f.write_bytes(bytes(data))
+    before = tree(bad)
+    p = python_job("--checkpoint-dir", str(bad), "--resume", "--save-every", "4", cwd=tmp_path)
+    assert p.returncode == 1
+    assert p.stderr.splitlines() == [f"train.py: checkpoint {bad / RECIPE / 'step_000004'} is damaged: {f.name} has "
+                                     "other content than the SHA-256 recorded in manifest.json says (same size, "
+                                     "changed bytes)"], p.stderr
+    # a fresh run into a folder with checkpoints: refused, nothing deleted
+    p = python_job("--checkpoint-dir", str(bad), "--save-every", "4", cwd=tmp_path)
+    assert p.returncode == 1 and "holds checkpoints of an earlier run: pass --resume" in p.stderr
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    assert tree(bad) == before, "the refused runs left the checkpoint folder as it was"
+
+
+@pytest.mark.distributed
+def test_run_sh_refuses_before_torchrun_starts(reshard_runs, tmp_path):
+    _, _, d = reshard_runs
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+    before = tree(d / "ck21")
+    p = subprocess.run(["bash", str(ROOT / "launch" / "run.sh"), *TINY, "--checkpoint-dir", str(d / "ck21"),
+                        "--save-every", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.count("holds checkpoints of an earlier run") == 1, p.stderr
+    assert "ChildFailedError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "torchrun" not in p.stdout, "the pre-flight refused before torchrun started"
+    assert tree(d / "ck21") == before

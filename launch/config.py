@@ -1,0 +1,175 @@
+"""The training job's flags and their validation: everything checked before any process group exists.
+
+`train.py --check-only` runs these checks (the flags, and the checkpoint folder through checkpoint.plan) in a
+single process; launch/run.sh calls it before torchrun, so a refusal is one message and a non-zero exit. The
+workers run the same checks again (users also call torchrun directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import hybridq
+from data import VOCAB_SIZE
+from model import ALIGN, ModelConfig
+
+BASELINE = "bf16"
+TORCHAO = "torchao_float8"  # baseline: torchao float8 training (tensorwise, float8 all-gather); needs torchao
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None/False)" noise
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    names = [BASELINE] + hybridq.preset_names() + [TORCHAO]
+    p = argparse.ArgumentParser(description="Train a small Llama-style decoder with FSDP2 and a hybridq recipe.",
+                                formatter_class=_Help)
+    g = p.add_argument_group("recipe")
+    g.add_argument("--recipe", default="mxfp8_fwd_nvfp4_bwd", choices=names, metavar="NAME",
+                   help=f"hybridq preset or '{BASELINE}' (one of: {', '.join(names)})")
+    g.add_argument("--compare", default=None, choices=names, metavar="NAME",
+                   help=f"also train NAME (usually '{BASELINE}') in the same invocation, same data and "
+                        "initial weights, and print the loss gap")
+    g.add_argument("--quantize-head", action="store_true",
+                   help="also convert the output head (kept in high precision by default)")
+    g.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="FSDP2 MixedPrecisionPolicy param_dtype (gradients reduce in fp32)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) size; default: world size / tp")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1 for now: see the error)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=128, help=f"model width (multiple of {ALIGN})")
+    g.add_argument("--n-layers", type=int, default=2, help="decoder blocks (one FSDP2 unit each)")
+    g.add_argument("--n-heads", type=int, default=4, help="attention heads")
+    g.add_argument("--n-kv-heads", type=int, default=None,
+                   help="key/value heads for grouped-query attention (default: n-heads)")
+    g.add_argument("--hidden", type=int, default=None, help="SwiGLU hidden size (default: ~8/3 d-model, "
+                   f"rounded up to {ALIGN})")
+    g.add_argument("--tie-embeddings", action="store_true", help="the head reuses the embedding matrix")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps (sets the lr schedule)")
+    g.add_argument("--seq", type=int, default=128, help="sequence length")
+    g.add_argument("--batch", type=int, default=8, help="sequences per data-parallel rank per step")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at lr * this")
+    g.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: 10%% of --steps)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="initial weights, batches, random rounding")
+    g.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final val loss")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", default=None,
+                   help="DCP checkpoints (model + optimizer) go to DIR/<recipe>/step_NNNNNN")
+    g.add_argument("--save-every", type=int, default=0, help="save every N steps (and after the last step)")
+    g.add_argument("--keep-last", type=int, default=0, metavar="N",
+                   help="keep only the newest N checkpoints of each recipe (0: keep all)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir, after verifying it; refused "
+                        "when there is none, when it is damaged or when its configuration does not fit")
+    g.add_argument("--overwrite", action="store_true",
+                   help="without --resume: delete the checkpoints an earlier run left in --checkpoint-dir "
+                        "(refused without this flag)")
+    g.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this step as if interrupted (for testing resume)")
+    g.add_argument("--dump-state", default=None, metavar="DIR",
+                   help="also write the gathered full model + optimizer state (torch.save, one file per event) "
+                        "to DIR at every save and right after a resume, for comparing states across world sizes")
+    g.add_argument("--init-state", default=None, metavar="FILE",
+                   help="start from a --dump-state file (its step, losses, model and optimizer) instead of step "
+                        "0; the reference path that does not go through DCP resharding")
+    g = p.add_argument_group("output")
+    g.add_argument("--log-every", type=int, default=1, help="per-step line every N steps")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
+    g.add_argument("--metrics", default=None, metavar="FILE.jsonl",
+                   help="write the metrics as JSON lines (config, one record per logged step, a summary per run, "
+                        "the gap) to FILE.jsonl")
+    g.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="write loss curves (recipe vs compare) to OUT.png (needs matplotlib); the metrics go to "
+                        "--metrics, or OUT.jsonl")
+    g.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds")
+    g.add_argument("--check-only", action="store_true",
+                   help="check the flags and the checkpoint folder for a world of $WORLD_SIZE processes "
+                        "(default 1), say what the run would do, and exit (run.sh does this before torchrun)")
+    return p.parse_args(argv)
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                       n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq=max(args.seq, 1),
+                       tie_embeddings=args.tie_embeddings)
+
+
+class ConfigError(Exception):
+    """A refused configuration; the message says which flag and why."""
+
+
+def runs(args) -> list[str]:
+    return [args.recipe] + ([args.compare] if args.compare else [])
+
+
+def check_args(args, world: int) -> None:
+    """Everything that can be wrong with the flags, checked identically on every rank before any collective
+    (ConfigError listing every problem). Sets args.dp when it was left to the default."""
+    errors = []
+    if args.tp != 1:
+        errors.append(
+            f"--tp {args.tp}: tensor parallelism needs hybridq's tensor-parallel support for its quantized "
+            "Linear (DTensor-sharded weights and sequence-parallel quantized all-gathers), which has not landed "
+            "yet; plain DTensor TP over hybridq.Linear is not correct (it fails for NVFP4 and delayed scaling "
+            "and gives wrong MXFP8 results). Use --tp 1 (FSDP2 only) for now.")
+    dp = args.dp if args.dp is not None else world // max(args.tp, 1)
+    if dp * args.tp != world:
+        errors.append(f"--dp {dp} x --tp {args.tp} = {dp * args.tp} must equal the number of processes ({world})")
+    args.dp = dp
+    if args.steps < 1:
+        errors.append("--steps must be >= 1")
+    if args.seq < 1 or args.batch < 1:
+        errors.append("--seq and --batch must be >= 1")
+    if (args.seq * args.batch) % ALIGN:
+        errors.append(f"--seq {args.seq} x --batch {args.batch} = {args.seq * args.batch} tokens per rank per step "
+                      f"must be a multiple of {ALIGN} (MXFP8 and NVFP4 quantize activations in blocks of 32 "
+                      "along the token dimension for the weight-gradient GEMM)")
+    if args.compare == args.recipe:
+        errors.append(f"--compare {args.compare} is the same as --recipe")
+    for flag in ("save_every", "keep_last", "log_every", "eval_batches"):
+        if getattr(args, flag) < 0:
+            errors.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
+    if args.log_every == 0:
+        errors.append("--log-every 0: must be >= 1")
+    if args.stop_after is not None and args.stop_after < 1:
+        errors.append(f"--stop-after {args.stop_after}: must be >= 1")
+    if (args.save_every or args.resume or args.keep_last or args.overwrite) and not args.checkpoint_dir:
+        errors.append("--save-every / --resume / --keep-last / --overwrite need --checkpoint-dir")
+    if args.resume and args.overwrite:
+        errors.append("--resume and --overwrite contradict each other (continue the run, or delete it)")
+    if args.resume and args.init_state:
+        errors.append("--resume and --init-state both set the starting state: pass one")
+    try:
+        model_config(args).check()
+    except ValueError as e:
+        errors.append(str(e))
+    if TORCHAO in (args.recipe, args.compare):
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception as e:  # identical on every rank
+            errors.append(f"{TORCHAO} (the torchao float8 baseline) needs torchao, which is not importable here "
+                          f"({type(e).__name__}: {e}); install it (pip install torchao) or pick another recipe")
+    if errors:
+        raise ConfigError("\n  ".join(["invalid arguments:"] + errors))
+
+
+def run_meta(recipe: str, args) -> dict:
+    """The configuration record saved with each checkpoint (checkpoint.compare_config reads it on resume)."""
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
+    return {"recipe": recipe, "model": dataclasses.asdict(model_config(args)), "seq": args.seq,
+            "batch": args.batch, "seed": args.seed, "param_dtype": args.param_dtype,
+            "quantize_head": args.quantize_head, "steps": args.steps, "lr": args.lr,
+            "min_lr_ratio": args.min_lr_ratio, "warmup": warmup, "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip, "dp": args.dp}  # dp recorded only: a checkpoint resumes under any dp
