@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(256) dequant_nvfp4_kernel(const uint8_t* __res
     for (int j = 0; j < 16; ++j) {
       const uint32_t word = j < 8 ? raw.x : raw.y;
       g[j] = e2m1_value((word >> (4 * (j % 8))) & 0xFu) * sf;
-      if (apply_global) g[j] = (g[j] * A) / 2688.0f;
+      if (apply_global) g[j] = nvfp4_apply_global(g[j], A);
     }
     if (rht_inverse) rht16_inverse(g);
     store16(out + r * cols + b * 16, g, 16, true);
