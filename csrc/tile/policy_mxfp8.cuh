@@ -18,6 +18,11 @@ __device__ __forceinline__ void write_mx_scale(void* s, int64_t r, int64_t c, in
   }
 }
 
+// Whether a block (or 32x32 tile: a task inside it then takes the exact path, which is right for every element)
+// has a non-finite product x * 2^(127-e): exactly when its amax is inf or NaN, since the exponent e is chosen from
+// the amax so that a finite amax scales to at most about fp8_max.
+__device__ __forceinline__ bool block_nonfinite(uint32_t amax_bits) { return amax_bits >= 0x7F800000u; }
+
 template <bool TWO_D>
 struct Mxfp8Policy {
   static constexpr int kBlock = 32;
@@ -52,9 +57,7 @@ struct Mxfp8Policy {
     const uint8_t e = e8m0_round_up(u2f(bam) * c.rcp_max);
     const float mult = e8m0_pow2(e, true);  // NaN for a NaN block
     if (nvalid > 0) write_mx_scale(a.row_s, gm, gk / 32, p.K / 32, a.swizzle, a.row_s_cols_pad, e);
-    // the block amax bounds the task's: a 32x32 tile with a non-finite product anywhere takes the exact path
-    // (correct for every element; the task's own amax would cost registers)
-    encode_fp8(xv, mult, c.e5m2, scaled_nonfinite(bam, mult), w);
+    encode_fp8(xv, mult, c.e5m2, block_nonfinite(bam), w);
   }
 
   template <typename T>
@@ -68,7 +71,7 @@ struct Mxfp8Policy {
     const uint8_t e = e8m0_round_up(u2f(bam) * c.rcp_max);
     const float mult = e8m0_pow2(e, true);
     if (nvalid > 0) write_mx_scale(a.col_s, gk, gm0 / 32, p.M / 32, a.swizzle, a.col_s_cols_pad, e);
-    encode_fp8(xv, mult, c.e5m2, scaled_nonfinite(bam, mult), w);
+    encode_fp8(xv, mult, c.e5m2, block_nonfinite(bam), w);
   }
 
   // 32x32 tiles, byte-transpose path: the scale of the block of tile rows r .. r + 31 of tile column col
