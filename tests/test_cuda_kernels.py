@@ -612,9 +612,9 @@ def test_fallback_for_unknown_keywords(gen):
 
 
 # ---- non-finite values (docs/numerics.md "Non-finite values") -----------------------------------------------------
-# A non-finite input never comes out finite: NaN -> NaN (sign kept), +-inf -> +-inf in E5M2 and NaN with inf's sign
-# in E4M3 (which has no infinity). The expected bytes are written out here; every other element must equal the
-# reference.
+# A non-finite input never comes out finite: NaN -> NaN, +-inf -> +-inf in E5M2 and NaN with inf's sign in E4M3
+# (which has no infinity). The bytes of infinite inputs are written out here; every other element, NaN inputs
+# included (an MXFP8 NaN block's NaN multiplier decides their sign), must equal the reference.
 
 FP8_NONFINITE_FACTORIES = {
     "tensor": lambda fp8: Float8Quantizer(fp8),
@@ -660,16 +660,13 @@ def check_nonfinite_fp8(got_part, ref_part, inf_sign, nan_sign, fp8: str, what: 
     want = ref.clone()
     for s in (1, -1):
         want[inf_sign == s] = _INF_BYTE[(fp8, s)]
-    special = (inf_sign != 0) | (nan_sign != 0)
-    bad = (got != want) & ~(nan_sign != 0)
-    assert not bad.any(), (f"{what}: {int(bad.sum())} bytes differ from the rule/reference, first at "
-                           f"{bad.nonzero()[0].tolist()}: got {hex(int(got[bad][0]))}, want {hex(int(want[bad][0]))} "
-                           f"(input {'inf' if special[bad][0] else 'finite'}; seed {SEED})")
     got_nan = _fp8_is_nan(got, fp8)
     assert bool(got_nan[nan_sign != 0].all()), f"{what}: a NaN input came out finite (seed {SEED})"
-    for s in (1, -1):
-        sign = (got[nan_sign == s] & 0x80) != 0
-        assert bool((sign == (s < 0)).all()), f"{what}: a NaN of sign {s} lost its sign (seed {SEED})"
+    kind = torch.where(inf_sign != 0, 1, torch.where(nan_sign != 0, 2, 0))
+    bad = got != want
+    assert not bad.any(), (f"{what}: {int(bad.sum())} bytes differ from the rule/reference, first at "
+                           f"{bad.nonzero()[0].tolist()}: got {hex(int(got[bad][0]))}, want {hex(int(want[bad][0]))} "
+                           f"(input {['finite', 'inf', 'NaN'][int(kind[bad][0])]}; seed {SEED})")
     for name in ref_part.tensor_fields:
         if name != "data":
             assert_bitwise(getattr(got_part, name), getattr(ref_part, name), f"{what}.{name}")
@@ -720,6 +717,8 @@ def test_nvfp4_dequantize_large_amax_is_finite(amax, cfg, gen):
     x = torch.randn(128, 256, generator=gen)
     x = x / x.abs().amax() * amax
     parts = NVFP4Quantizer(**NV_CONFIGS[cfg]).quantize_parts(x.cuda(), True, True)
+    if NV_CONFIGS[cfg].get("rht") and amax * 16 > torch.finfo(torch.float32).max:
+        parts = parts[:1]  # the forward RHT's fp32 sums overflow before quantizing: columnwise input is non-finite
     for p in parts:
         got = p.dequantize_2d(False).cpu()
         assert bool(torch.isfinite(got).all()), (f"nvfp4 {cfg} amax {amax:g} {p.direction}: "

@@ -53,8 +53,8 @@ struct Fp8TensorPolicy {
     encode_fp8(xv, c.mult, c.e5m2, scaled_nonfinite(am, c.mult), w);
   }
 
-  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const QuantArgs&, const uint32_t*, int, int,
-                                                              int64_t, int64_t) {}
+  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const QuantArgs&, const uint32_t*,
+                                                              const TilePos&, int, int, int64_t, int64_t) {}
 };
 
 }  // namespace hybridq

@@ -76,10 +76,10 @@ struct Mxfp8Policy {
 
   // 32x32 tiles, byte-transpose path: the scale of the block of tile rows r .. r + 31 of tile column col
   static __device__ __forceinline__ void transposed_col_scale(const Ctx& c, const QuantArgs& a,
-                                                              const uint32_t* tile_amax, int r, int col, int64_t gk,
-                                                              int64_t gm) {
+                                                              const uint32_t* tile_amax, const TilePos& p, int r,
+                                                              int col, int64_t gk, int64_t gm) {
     const uint8_t e = e8m0_round_up(u2f(tile_amax[(r / 32) * (tile::TK / 32) + col / 32]) * c.rcp_max);
-    write_mx_scale(a.col_s, gk, gm / 32, a.M / 32, a.swizzle, a.col_s_cols_pad, e);
+    write_mx_scale(a.col_s, gk, gm / 32, p.M / 32, a.swizzle, a.col_s_cols_pad, e);
   }
 };
 

@@ -166,8 +166,8 @@ struct Nvfp4Policy {
     }
   }
 
-  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const QuantArgs&, const uint32_t*, int, int,
-                                                              int64_t, int64_t) {}
+  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const QuantArgs&, const uint32_t*,
+                                                              const TilePos&, int, int, int64_t, int64_t) {}
 };
 
 }  // namespace hybridq

@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
     }
 
     // ---- columnwise part as the transpose of the rowwise bytes: a task is 4 columns x 16 rows ------------------
-    if constexpr (P::kColFromRow) {
-      if (transpose_cols) {
+    if (transpose_cols) {
+      if constexpr (P::kColFromRow) {
         __syncthreads();  // the byte tile is complete
         for (int task = tid; task < (TM / 16) * (TK / 4); task += NT) {
           const int j = task % (TM / 16), q = task / (TM / 16);  // rows 16 j .. 16 j + 15, columns 4 q .. 4 q + 3
@@ -237,13 +237,12 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
             }
             if constexpr (P::kColScalesInTranspose) {  // one scale per block of S rows of the output row
               if ((16 * j) % S == 0 && gk < K && gm < M)
-                P::transposed_col_scale(ctx, a, s_tile_amax, 16 * j, 4 * q + i, gk, gm);
+                P::transposed_col_scale(ctx, a, s_tile_amax, pos, 16 * j, 4 * q + i, gk, gm);
             }
           }
         }
       }
-    }
-    if (!transpose_cols && a.columnwise) {
+    } else if (a.columnwise) {
       // ---- columnwise part: each task is two adjacent columns x CV rows -----------------------------------
       if constexpr (P::kColChunkAmax) {
         for (int task = tid; task < COL_PAIR_TASKS; task += NT) {
