@@ -18,15 +18,15 @@ into shared objects; a private copy inside hybridq._C then mixes its code with t
 (TORCH_CHECK -> c10::str -> std::ostream) crashed the process with SIGSEGV instead of raising.
 """
 
+import glob
 import os
 import subprocess
 import sys
 
 from setuptools import setup
 
-SOURCES = ["csrc/ops.cpp", "csrc/quantize_fp8.cu", "csrc/quantize_fp8_block.cu", "csrc/quantize_mxfp8.cu",
-           "csrc/quantize_nvfp4.cu", "csrc/quantize_nvfp4_2d.cu", "csrc/amax.cu", "csrc/dequantize.cu",
-           "csrc/delayed_scaling.cu", "csrc/transpose.cu"]
+# ops.cpp registers the ops; every .cu is one kernel family with its ops (a new format's .cu is picked up here)
+SOURCES = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/*.cu"))
 
 
 def _say(msg: str) -> None:

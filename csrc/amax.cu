@@ -2,7 +2,9 @@
 // max|x| and max|RHT16(x^T)| in one pass.
 #include <cstdlib>
 
-#include "quantize_tile.cuh"
+#include "binding_checks.h"
+#include "ops.h"
+#include "tile/common.cuh"
 
 namespace hybridq {
 
@@ -157,4 +159,20 @@ cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K,
   });
 }
 
+}  // namespace hybridq
+
+namespace hybridq {
+namespace ops {
+
+Tensor amax_op(const Tensor& x) {
+  check_input(x, "amax");
+  const auto it = in_type(x, "amax");
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = zeros_amax(x);
+  C10_CUDA_CHECK(hybridq::launch_absmax(it, x.data_ptr(), x.numel(), amax_bits(out),
+                                        c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace ops
 }  // namespace hybridq

@@ -1,7 +1,9 @@
 // Delayed-scaling state update of many per-tensor FP8 quantizers in one launch (Float8Quantizer.update(),
-// FORMATS.md "Per-tensor FP8, delayed scaling"): per tensor, amax = max(history) (NaN propagates) or history[0]
+// docs/numerics.md "Per-tensor FP8"): per tensor, amax = max(history) (NaN propagates) or history[0]
 // ("most_recent"); history = roll(history, -1) with history[0] = 0; scale = (fp8_max / amax) / 2^margin, +-inf ->
 // FLT_MAX, kept unchanged when amax <= 0 or amax is not finite. One CTA per tensor, in place.
+#include "binding_checks.h"
+#include "ops.h"
 #include "numerics.cuh"
 
 namespace hybridq {
@@ -76,4 +78,50 @@ cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cu
   return cudaSuccess;
 }
 
+}  // namespace hybridq
+
+namespace hybridq {
+namespace ops {
+
+// ---- delayed scaling: Float8Quantizer.update() of many quantizers in one launch (in place) ----------------
+void fp8_delayed_update(at::TensorList histories, at::TensorList scales, at::ArrayRef<double> fp8_maxes,
+                        at::ArrayRef<double> divisors, at::IntArrayRef most_recent) {
+  constexpr const char* op = "fp8_delayed_update";
+  const int64_t n = static_cast<int64_t>(histories.size());
+  TORCH_CHECK(static_cast<int64_t>(scales.size()) == n && static_cast<int64_t>(fp8_maxes.size()) == n &&
+                  static_cast<int64_t>(divisors.size()) == n && static_cast<int64_t>(most_recent.size()) == n,
+              "hybridq::", op, ": histories, scales, fp8_maxes, divisors and most_recent must have one entry per "
+              "quantizer, got lengths ", histories.size(), ", ", scales.size(), ", ", fp8_maxes.size(), ", ",
+              divisors.size(), ", ", most_recent.size());
+  if (n == 0) return;
+  const auto dev = histories[0].device();
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor& h = histories[i];
+    const Tensor& s = scales[i];
+    TORCH_CHECK(h.defined() && h.is_cuda() && h.device() == dev, "hybridq::", op, ": histories[", i,
+                "] must be a CUDA tensor on ", dev, ", got ", h.defined() ? h.device() : c10::Device("cpu"));
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 1 && h.is_contiguous(), "hybridq::", op, ": histories[", i,
+                "] must be a contiguous 1-D float32 tensor, got ", h.scalar_type(), " of shape ", h.sizes());
+    TORCH_CHECK(h.numel() >= 1 && h.numel() <= hybridq::kDelayedMaxLen, "hybridq::", op, ": histories[", i,
+                "] must have 1 to ", hybridq::kDelayedMaxLen, " elements, got ", h.numel());
+    TORCH_CHECK(s.defined() && s.is_cuda() && s.device() == dev, "hybridq::", op, ": scales[", i,
+                "] must be a CUDA tensor on ", dev);
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1 && s.is_contiguous(), "hybridq::", op, ": scales[", i,
+                "] must be a float32 tensor of one element, got ", s.scalar_type(), " of shape ", s.sizes());
+  }
+  Tensor host = at::empty({n * static_cast<int64_t>(sizeof(hybridq::DelayedEntry))},
+                          at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto* e = reinterpret_cast<hybridq::DelayedEntry*>(host.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    e[i] = hybridq::DelayedEntry{histories[i].data_ptr<float>(), scales[i].data_ptr<float>(), histories[i].numel(),
+                                 static_cast<float>(fp8_maxes[i]), static_cast<float>(divisors[i]),
+                                 most_recent[i] != 0 ? 1 : 0, 0};
+  }
+  c10::cuda::CUDAGuard guard(dev);
+  Tensor entries = host.to(dev, /*non_blocking=*/true);
+  C10_CUDA_CHECK(hybridq::launch_delayed_update(reinterpret_cast<const hybridq::DelayedEntry*>(entries.data_ptr()), n,
+                                                c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace ops
 }  // namespace hybridq

@@ -1,5 +1,7 @@
 // Dequantization of every format to fp32 (or bf16, for the emulated GEMMs where that is exact).
-#include "quantize_tile.cuh"
+#include "binding_checks.h"
+#include "ops.h"
+#include "tile/common.cuh"
 
 namespace hybridq {
 
@@ -35,7 +37,7 @@ __device__ __forceinline__ void store16(OutT* dst, const float (&o)[16], int nva
   }
 }
 
-template <int MODE, typename OutT>
+template <DequantMode MODE, typename OutT>
 __global__ void __launch_bounds__(256) dequant_fp8_kernel(const uint8_t* __restrict__ q, const void* __restrict__ scale,
                                                           int64_t rows, int64_t cols, bool e5m2, OutT* __restrict__ out) {
   const int64_t cchunks = (cols + 15) / 16, total = rows * cchunks;
@@ -45,9 +47,9 @@ __global__ void __launch_bounds__(256) dequant_fp8_kernel(const uint8_t* __restr
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / cchunks, c0 = (idx % cchunks) * 16;
     float s;
-    if constexpr (MODE == 0) s = static_cast<const float*>(scale)[0];
-    else if constexpr (MODE == 1) s = static_cast<const float*>(scale)[r * nbc + c0 / 128];
-    else if constexpr (MODE == 2) s = static_cast<const float*>(scale)[(r / 128) * nbc + c0 / 128];
+    if constexpr (MODE == DequantMode::kTensor) s = static_cast<const float*>(scale)[0];
+    else if constexpr (MODE == DequantMode::kBlock1x128) s = static_cast<const float*>(scale)[r * nbc + c0 / 128];
+    else if constexpr (MODE == DequantMode::kTile128) s = static_cast<const float*>(scale)[(r / 128) * nbc + c0 / 128];
     else s = e8m0_pow2(static_cast<const uint8_t*>(scale)[r * (cols / 32) + c0 / 32], false);
     const uint8_t* src = q + r * cols + c0;
     const int nvalid = static_cast<int>(min64(16, cols - c0));
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(256) dequant_nvfp4_kernel(const uint8_t* __res
     for (int j = 0; j < 16; ++j) {
       const uint32_t word = j < 8 ? raw.x : raw.y;
       g[j] = e2m1_value((word >> (4 * (j % 8))) & 0xFu) * sf;
-      if (apply_global) g[j] = (g[j] * A) / 2688.0f;
+      if (apply_global) g[j] = nvfp4_apply_global(g[j], A);
     }
     if (rht_inverse) rht16_inverse(g);
     store16(out + r * cols + b * 16, g, 16, true);
@@ -105,7 +107,7 @@ int grid_for(int64_t work) {
 
 }  // namespace
 
-cudaError_t launch_dequant_fp8(int mode, const uint8_t* q, const void* scale, int64_t rows, int64_t cols, bool e5m2,
+cudaError_t launch_dequant_fp8(DequantMode mode, const uint8_t* q, const void* scale, int64_t rows, int64_t cols, bool e5m2,
                                bool out_bf16, void* out, cudaStream_t stream) {
   const int64_t work = rows * ((cols + 15) / 16);
   if (work == 0) return cudaSuccess;
@@ -117,10 +119,10 @@ cudaError_t launch_dequant_fp8(int mode, const uint8_t* q, const void* scale, in
   else                                                                                                          \
     dequant_fp8_kernel<MODE, float><<<blocks, 256, 0, stream>>>(q, scale, rows, cols, e5m2, static_cast<float*>(out));
   switch (mode) {
-    case 0: HQ_DQ(0); break;
-    case 1: HQ_DQ(1); break;
-    case 2: HQ_DQ(2); break;
-    case 3: HQ_DQ(3); break;
+    case DequantMode::kTensor: HQ_DQ(DequantMode::kTensor); break;
+    case DequantMode::kBlock1x128: HQ_DQ(DequantMode::kBlock1x128); break;
+    case DequantMode::kTile128: HQ_DQ(DequantMode::kTile128); break;
+    case DequantMode::kMx1x32: HQ_DQ(DequantMode::kMx1x32); break;
     default: return cudaErrorInvalidValue;
   }
 #undef HQ_DQ
@@ -141,4 +143,71 @@ cudaError_t launch_dequant_nvfp4(const uint8_t* q, const uint8_t* s, const float
   return cudaGetLastError();
 }
 
+}  // namespace hybridq
+
+namespace hybridq {
+namespace ops {
+
+Tensor dequantize_fp8(const Tensor& data, const Tensor& scale, int64_t mode, at::ScalarType out_dtype) {
+  constexpr const char* op = "dequantize_fp8";
+  check_input(data, op, "data");
+  TORCH_CHECK(mode >= 0 && mode <= 3, "hybridq::", op,
+              ": mode must be 0 (per-tensor), 1 (1x128 blocks), 2 (128x128 tiles) or 3 (MX 1x32), got ", mode);
+  const auto dm = static_cast<hybridq::DequantMode>(mode);
+  TORCH_CHECK(scale.is_cuda() && scale.is_contiguous(), "hybridq::", op, ": scale must be a contiguous CUDA tensor");
+  check_same_device(scale, data, op, "scale");
+  const bool e5m2 = is_e5m2(data.scalar_type(), op);
+  const int64_t rows = data.size(0), cols = data.size(1);
+  const int64_t nbr = (rows + 127) / 128, nbc = (cols + 127) / 128;
+  if (dm == hybridq::DequantMode::kMx1x32) {
+    TORCH_CHECK(scale.scalar_type() == at::kByte, "hybridq::", op, ": MXFP8 scales must be uint8 (E8M0), got ",
+                scale.scalar_type());
+    TORCH_CHECK(cols % 32 == 0, "hybridq::", op, ": MXFP8 data needs cols divisible by 32, got data of shape ",
+                data.sizes());
+    TORCH_CHECK(scale.numel() == rows * (cols / 32), "hybridq::", op, ": MXFP8 scales must have ", rows * (cols / 32),
+                " elements ([rows, cols/32]) for data of shape ", data.sizes(), ", got ", scale.numel());
+  } else {
+    TORCH_CHECK(scale.scalar_type() == at::kFloat, "hybridq::", op, ": scale must be float32, got ",
+                scale.scalar_type());
+    const int64_t want = dm == hybridq::DequantMode::kTensor       ? 1
+                         : dm == hybridq::DequantMode::kBlock1x128 ? rows * nbc
+                                                                   : nbr * nbc;
+    TORCH_CHECK(scale.numel() == want, "hybridq::", op, ": mode ", mode, " needs ", want,
+                " scale elements for data of shape ", data.sizes(), ", got ", scale.numel());
+  }
+  c10::cuda::CUDAGuard guard(data.device());
+  Tensor out = at::empty({rows, cols}, data.options().dtype(out_type(out_dtype, op)));
+  C10_CUDA_CHECK(hybridq::launch_dequant_fp8(dm, u8(data), scale.data_ptr(), rows, cols, e5m2,
+                                             out_dtype == at::kBFloat16, out.data_ptr(),
+                                             c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+Tensor dequantize_nvfp4(const Tensor& data, const Tensor& scale, const Tensor& amax, bool rht_inverse,
+                        bool apply_global, at::ScalarType out_dtype) {
+  constexpr const char* op = "dequantize_nvfp4";
+  check_input(data, op, "data");
+  TORCH_CHECK(data.scalar_type() == at::kByte, "hybridq::", op, ": data must be uint8 (packed E2M1), got ",
+              data.scalar_type());
+  TORCH_CHECK(scale.is_cuda() && scale.is_contiguous() && scale.element_size() == 1,
+              "hybridq::", op, ": scale must be a contiguous CUDA e4m3 tensor");
+  TORCH_CHECK(amax.is_cuda() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
+              "hybridq::", op, ": amax must be a CUDA float32 tensor of one element");
+  check_same_device(scale, data, op, "scale");
+  check_same_device(amax, data, op, "amax");
+  const int64_t rows = data.size(0), cols = data.size(1) * 2;
+  TORCH_CHECK(cols % 16 == 0, "hybridq::", op, ": NVFP4 needs cols (2 * data.size(1)) divisible by 16, got data of shape ",
+              data.sizes());
+  TORCH_CHECK(scale.numel() == rows * (cols / 16), "hybridq::", op, ": scale must have ", rows * (cols / 16),
+              " elements ([rows, cols/16]) for data of shape ", data.sizes(), ", got ", scale.numel());
+  c10::cuda::CUDAGuard guard(data.device());
+  Tensor out = at::empty({rows, cols}, data.options().dtype(out_type(out_dtype, op)));
+  C10_CUDA_CHECK(hybridq::launch_dequant_nvfp4(u8(data), static_cast<const uint8_t*>(scale.data_ptr()),
+                                               amax.contiguous().data_ptr<float>(), rows, cols, rht_inverse,
+                                               apply_global, out_dtype == at::kBFloat16, out.data_ptr(),
+                                               c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace ops
 }  // namespace hybridq

@@ -81,11 +81,18 @@ cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int6
 
 cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream);
 
-// Dequantize to fp32 (out_bf16: to bf16). mode 0: per-tensor scale_inv [1]; 1: 1x128 blocks
-// [rows, ceil(cols/128)]; 2: 128x128 tiles [ceil(rows/128), ceil(cols/128)]; 3: MX E8M0 [rows, cols/32]
-cudaError_t launch_dequant_fp8(int mode, const uint8_t* q, const void* scale, int64_t rows, int64_t cols, bool e5m2,
+// Scale layout of FP8 data to dequantize; the values are the `mode` argument of the dequantize_fp8 op
+enum class DequantMode : int {
+  kTensor = 0,       // per-tensor scale_inv [1]
+  kBlock1x128 = 1,   // fp32 scale_inv of 1x128 blocks [rows, ceil(cols/128)]
+  kTile128 = 2,      // fp32 scale_inv of 128x128 tiles [ceil(rows/128), ceil(cols/128)]
+  kMx1x32 = 3,       // E8M0 bytes of 1x32 blocks [rows, cols/32]
+};
+
+// Dequantize to fp32 (out_bf16: to bf16)
+cudaError_t launch_dequant_fp8(DequantMode mode, const uint8_t* q, const void* scale, int64_t rows, int64_t cols, bool e5m2,
                         bool out_bf16, void* out, cudaStream_t stream);
-// NVFP4: q * s (* amax / 2688 if apply_global), then the inverse RHT along cols if rht_inverse
+// NVFP4: q * s (times amax / 2688 if apply_global, see nvfp4_apply_global), then the inverse RHT along cols if rht_inverse
 cudaError_t launch_dequant_nvfp4(const uint8_t* q, const uint8_t* s, const float* amax, int64_t rows, int64_t cols,
                           bool rht_inverse, bool apply_global, bool out_bf16, void* out, cudaStream_t stream);
 

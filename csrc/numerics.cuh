@@ -1,4 +1,4 @@
-// Bit-level numerics of FORMATS.md, shared by every hybridq kernel.
+// Bit-level numerics of docs/numerics.md, shared by every hybridq kernel.
 //
 // Every function here is __host__ __device__ so it can be unit-tested on the host against the pure-PyTorch
 // references (hybridq/formats/_numerics.py), which are the oracle. Build WITHOUT --use_fast_math (IEEE
@@ -100,9 +100,13 @@ HQ_HD float to_bf16_f32<__nv_bfloat16>(__nv_bfloat16 v) {
 }
 
 // ---- FP8 --------------------------------------------------------------------------------------------
-// satfinite(v): clamp to +-max finite, then round to nearest even; NaN keeps its sign (0x7F | sign).
+// satfinite(v) with the non-finite rule (docs/numerics.md "Non-finite values": a non-finite value never comes out
+// finite): finite v is clamped to +-max, then rounded to nearest even; NaN keeps its sign (0x7F | sign); +-inf is
+// +-inf in E5M2 (0x7C | sign) and NaN with inf's sign in E4M3, which has no infinity (0x7F | sign).
 HQ_HD uint8_t fp8_satfinite(float v, bool e5m2) {
-  if (is_nan(v)) return static_cast<uint8_t>(((f2u(v) >> 24) & 0x80u) | 0x7Fu);
+  const uint8_t sign = static_cast<uint8_t>((f2u(v) >> 24) & 0x80u);
+  if (is_nan(v)) return static_cast<uint8_t>(sign | 0x7Fu);
+  if (is_inf(v)) return static_cast<uint8_t>(sign | (e5m2 ? 0x7Cu : 0x7Fu));
   const float m = e5m2 ? 57344.0f : 448.0f;
   v = v > m ? m : (v < -m ? -m : v);
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3));
@@ -194,6 +198,14 @@ HQ_HD uint8_t nvfp4_block_scale(float blk_amax, float s_enc) {
   const float sixth = static_cast<float>(1.0 / 6.0);
   const float v = blk_amax * (s_enc * sixth);
   return fp8_satfinite(fmin_ref(v, kFltMax), false);
+}
+
+// Dequantize's global factor: (q * fp32(s)) * A / (6 * 448), where qs = q * fp32(s). Left to right,
+// (qs * A) / 2688 overflows for A > FLT_MAX / 2688 although the value is representable; there the division comes
+// first (docs/numerics.md "NVFP4"). The threshold is FLT_MAX / 2688 evaluated in fp32.
+HQ_HD float nvfp4_apply_global(float qs, float amax) {
+  constexpr float kDivFirst = kFltMax / 2688.0f;
+  return amax > kDivFirst ? qs * (amax / 2688.0f) : (qs * amax) / 2688.0f;
 }
 
 // enc = min(1 / (fp32(s) * S_dec), FLT_MAX), S_dec = 1 / S_enc

@@ -2,7 +2,8 @@
 // [C, R]: the exact layout change behind deriving a columnwise part from a rowwise one after an FSDP all-gather.
 // torch's `x.t().contiguous()` runs a generic strided copy (~10% of copy bandwidth on H200 for 1-byte elements);
 // this one stages 64x64 tiles in shared memory and moves 16-byte words on both sides.
-#include "hybridq.h"
+#include "binding_checks.h"
+#include "ops.h"
 
 namespace hybridq {
 namespace {
@@ -65,4 +66,27 @@ cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int6
   return cudaGetLastError();
 }
 
+}  // namespace hybridq
+
+namespace hybridq {
+namespace ops {
+
+// ---- byte transpose --------------------------------------------------------------------------------------
+// x.t().contiguous() for a contiguous 2-D tensor of 1-byte elements (any 1-byte dtype; the result keeps it)
+Tensor transpose_bytes(const Tensor& x) {
+  constexpr const char* op = "transpose_bytes";
+  TORCH_CHECK(x.defined() && x.is_cuda(), "hybridq::", op, ": input must be a CUDA tensor");
+  TORCH_CHECK(x.dim() == 2, "hybridq::", op, ": input must be 2-D, got shape ", x.sizes());
+  TORCH_CHECK(x.element_size() == 1, "hybridq::", op, ": input must have 1-byte elements, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), "hybridq::", op, ": input of shape ", x.sizes(), " and strides ", x.strides(),
+              " must be contiguous");
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 22), "hybridq::", op, ": at most 4194303 rows, got ", x.size(0));
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = at::empty({x.size(1), x.size(0)}, x.options());
+  C10_CUDA_CHECK(hybridq::launch_transpose_u8(static_cast<const uint8_t*>(x.data_ptr()), u8(out), x.size(0),
+                                              x.size(1), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace ops
 }  // namespace hybridq

@@ -609,3 +609,118 @@ def test_fallback_for_unknown_keywords(gen):
     assert lookup_quantize(MXFP8Quantizer(), x, True, True, something=object()) is None
     assert lookup_quantize(Float8Quantizer(), x, True, True, amax=torch.ones(1)) is not None
     assert lookup_quantize(Float8Quantizer(scaling="delayed"), x, True, True, amax=torch.ones(1)) is None
+
+
+# ---- non-finite values (docs/numerics.md "Non-finite values") -----------------------------------------------------
+# A non-finite input never comes out finite: NaN -> NaN, +-inf -> +-inf in E5M2 and NaN with inf's sign in E4M3
+# (which has no infinity). The bytes of infinite inputs are written out here; every other element, NaN inputs
+# included (an MXFP8 NaN block's NaN multiplier decides their sign), must equal the reference.
+
+FP8_NONFINITE_FACTORIES = {
+    "tensor": lambda fp8: Float8Quantizer(fp8),
+    "tensor_delayed": lambda fp8: Float8Quantizer(fp8, scaling="delayed", amax_history_len=4),
+    "block1d": lambda fp8: Float8BlockQuantizer(fp8),
+    "block2d": lambda fp8: Float8BlockQuantizer(fp8, block_dim=2),
+    "mxfp8": lambda fp8: MXFP8Quantizer(fp8),
+    "mxfp8_32x32": lambda fp8: MXFP8Quantizer(fp8, block_2d=True),
+}
+_INF_BYTE = {("e5m2", 1): 0x7C, ("e5m2", -1): 0xFC, ("e4m3", 1): 0x7F, ("e4m3", -1): 0xFF}
+
+
+def nonfinite_input(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[256, 384] random values with +-inf only in the first 128x128 tile and +-NaN only in the last one (no
+    scaling block, 1-D or 2-D, holds both); returns (x, +inf/-inf sign map (0: finite), NaN sign map)."""
+    m, k = 256, 384
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    inf_sign = torch.zeros(m, k, dtype=torch.int8)
+    nan_sign = torch.zeros(m, k, dtype=torch.int8)
+    bits = x.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    nan_pos = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}[dtype]
+    sign_bit = {torch.float32: -0x80000000, torch.bfloat16: -0x8000, torch.float16: -0x8000}[dtype]
+    for i in range(24):
+        r, c = int(torch.randint(0, 128, (1,), generator=gen)), int(torch.randint(0, 128, (1,), generator=gen))
+        s = 1 if i % 2 == 0 else -1
+        x[r, c] = s * float("inf")
+        inf_sign[r, c] = s
+        r, c = 128 + int(torch.randint(0, 128, (1,), generator=gen)), 256 + int(torch.randint(0, 128, (1,), generator=gen))
+        bits[r, c] = nan_pos if s > 0 else nan_pos | sign_bit
+        nan_sign[r, c] = s
+    return x, inf_sign, nan_sign
+
+
+def _fp8_is_nan(b: torch.Tensor, fp8: str) -> torch.Tensor:
+    return (b & 0x7F) == 0x7F if fp8 == "e4m3" else (b & 0x7F) > 0x7C
+
+
+def check_nonfinite_fp8(got_part, ref_part, inf_sign, nan_sign, fp8: str, what: str) -> None:
+    got = got_part.data.cpu().view(torch.uint8).to(torch.int32)
+    ref = ref_part.data.view(torch.uint8).to(torch.int32)
+    if got_part.columnwise:  # stored [K, M]
+        inf_sign, nan_sign = inf_sign.t(), nan_sign.t()
+    want = ref.clone()
+    for s in (1, -1):
+        want[inf_sign == s] = _INF_BYTE[(fp8, s)]
+    got_nan = _fp8_is_nan(got, fp8)
+    assert bool(got_nan[nan_sign != 0].all()), f"{what}: a NaN input came out finite (seed {SEED})"
+    kind = torch.where(inf_sign != 0, 1, torch.where(nan_sign != 0, 2, 0))
+    bad = got != want
+    assert not bad.any(), (f"{what}: {int(bad.sum())} bytes differ from the rule/reference, first at "
+                           f"{bad.nonzero()[0].tolist()}: got {hex(int(got[bad][0]))}, want {hex(int(want[bad][0]))} "
+                           f"(input {['finite', 'inf', 'NaN'][int(kind[bad][0])]}; seed {SEED})")
+    for name in ref_part.tensor_fields:
+        if name != "data":
+            assert_bitwise(getattr(got_part, name), getattr(ref_part, name), f"{what}.{name}")
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", list(FP8_NONFINITE_FACTORIES))
+def test_fp8_nonfinite_never_finite(case, fp8, dtype, gen):
+    x, inf_sign, nan_sign = nonfinite_input(dtype, gen)
+    for r, c in ((True, True), (True, False), (False, True)):
+        q_gpu, q_ref = FP8_NONFINITE_FACTORIES[case](fp8), FP8_NONFINITE_FACTORIES[case](fp8)
+        xg = x.cuda()
+        assert uses_kernel(q_gpu, xg, r, c), f"{case}: the CUDA kernel declined"
+        got = q_gpu.quantize_parts(xg, r, c)
+        ref = q_ref.reference_parts(x, r, c)
+        for d, g, rp in zip(("rowwise", "columnwise"), got, ref):
+            assert (g is None) == (rp is None), f"{case} {d}: one side is None"
+            if g is not None:
+                check_nonfinite_fp8(g, rp, inf_sign, nan_sign, fp8, f"{case} {fp8} {str(dtype)[6:]} {r}{c} {d}")
+
+
+def test_fp8_nonfinite_bytes_of_the_kernel():
+    """The exact bytes, without the reference: scale 1 (the tensor's amax is inf) keeps finite values."""
+    x = torch.tensor([[float("inf"), float("-inf"), float("nan"), -float("nan"), 1.0, -2.0, 448.0, 0.0] * 4],
+                     device="cuda")
+    for fp8, want in (("e4m3", [0x7F, 0xFF, 0x7F, 0xFF, 0x38, 0xC0, 0x7E, 0x00]),
+                      ("e5m2", [0x7C, 0xFC, 0x7F, 0xFF, 0x3C, 0xC0, 0x5F, 0x00])):
+        row, col = Float8Quantizer(fp8).quantize_parts(x, True, True)
+        got = row.data.view(torch.uint8).cpu()[0, :8].tolist()
+        assert got == want, f"per-tensor {fp8} rowwise bytes {[hex(b) for b in got]} != {[hex(b) for b in want]}"
+        got = col.data.view(torch.uint8).cpu()[:8, 0].tolist()
+        assert got == want, f"per-tensor {fp8} columnwise bytes {[hex(b) for b in got]} != {[hex(b) for b in want]}"
+
+
+def _nvfp4_rule_dequantize(part: NVFP4Part) -> torch.Tensor:
+    """q * fp32(s) * A / 2688 with the division first when A > FLT_MAX / 2688 (in fp32), no inverse RHT."""
+    vals = e2m1_decode(unpack_nibbles(part.data.cpu()))
+    qs = vals * expand_blocks(part.scale.cpu().float(), 16, vals.shape[-1])
+    a = part.amax.cpu().float()
+    big = a > torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32) / 2688.0
+    return torch.where(big, qs * (a / 2688.0), (qs * a) / 2688.0)
+
+
+@pytest.mark.parametrize("amax", [1e36, 3e38])
+@pytest.mark.parametrize("cfg", list(NV_CONFIGS))
+def test_nvfp4_dequantize_large_amax_is_finite(amax, cfg, gen):
+    x = torch.randn(128, 256, generator=gen)
+    x = x / x.abs().amax() * amax
+    parts = NVFP4Quantizer(**NV_CONFIGS[cfg]).quantize_parts(x.cuda(), True, True)
+    if NV_CONFIGS[cfg].get("rht") and amax * 16 > torch.finfo(torch.float32).max:
+        parts = parts[:1]  # the forward RHT's fp32 sums overflow before quantizing: columnwise input is non-finite
+    for p in parts:
+        got = p.dequantize_2d(False).cpu()
+        assert bool(torch.isfinite(got).all()), (f"nvfp4 {cfg} amax {amax:g} {p.direction}: "
+                                                 f"{int((~torch.isfinite(got)).sum())} non-finite values")
+        assert_bitwise(got, _nvfp4_rule_dequantize(p), f"nvfp4 {cfg} amax {amax:g} {p.direction} dequantize")

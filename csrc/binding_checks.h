@@ -1,0 +1,89 @@
+// Shared argument checks and allocation helpers of the op bindings (csrc/quantize_*.cu and the other kernels' .cu
+// files). Every bad argument raises a RuntimeError that names the op, the tensor and the rule it breaks, before
+// anything is allocated or launched.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "hybridq.h"
+
+namespace hybridq {
+namespace ops {
+
+using at::Tensor;
+
+// (The messages format integers and shapes through std::ostream: that needs the extension to share torch's
+// libstdc++, see setup.py.)
+
+inline hybridq::InType in_type(const Tensor& x, const char* op, const char* name = "x") {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return hybridq::InType::kF32;
+    case at::kBFloat16:
+      return hybridq::InType::kBF16;
+    case at::kHalf:
+      return hybridq::InType::kF16;
+    default:
+      TORCH_CHECK(false, "hybridq::", op, ": input ", name, " has dtype ", x.scalar_type(),
+                  "; expected float32, bfloat16 or float16");
+  }
+}
+
+inline void check_input(const Tensor& x, const char* op, const char* name = "x") {
+  TORCH_CHECK(x.defined(), "hybridq::", op, ": input ", name, " is an undefined tensor");
+  TORCH_CHECK(x.is_cuda(), "hybridq::", op, ": input ", name, " must be a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.dim() == 2, "hybridq::", op, ": input ", name, " must be 2-D, got shape ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), "hybridq::", op, ": input ", name, " of shape ", x.sizes(), " and strides ",
+              x.strides(), " must be contiguous (call .contiguous())");
+}
+
+inline void check_same_device(const Tensor& t, const Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(t.device() == x.device(), "hybridq::", op, ": ", name, " is on ", t.device(), " but the input is on ",
+              x.device());
+}
+
+inline bool is_e5m2(at::ScalarType t, const char* op) {
+  TORCH_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2, "hybridq::", op,
+              ": fp8 dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", t);
+  return t == at::kFloat8_e5m2;
+}
+
+inline Tensor empty0(const Tensor& x, at::ScalarType t) { return at::empty({0}, x.options().dtype(t)); }
+
+inline uint8_t* u8(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+inline hybridq::QuantArgs base_args(const Tensor& x, bool rowwise, bool columnwise) {
+  hybridq::QuantArgs a{};
+  a.x = x.data_ptr();
+  a.M = x.size(0);
+  a.K = x.size(1);
+  a.rowwise = rowwise;
+  a.columnwise = columnwise;
+  return a;
+}
+
+inline void set_fp8(hybridq::QuantArgs& a, at::ScalarType dtype, double eps, bool pow2, const char* op) {
+  TORCH_CHECK(eps >= 0.0, "hybridq::", op, ": amax epsilon must be >= 0, got ", eps);
+  a.e5m2 = is_e5m2(dtype, op);
+  a.fp8_max = a.e5m2 ? 57344.0f : 448.0f;
+  a.eps = static_cast<float>(eps);
+  a.pow2 = pow2;
+}
+
+inline Tensor zeros_amax(const Tensor& x) { return at::zeros({1}, x.options().dtype(at::kFloat)); }
+
+inline uint32_t* amax_bits(const Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<float>()); }
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline at::ScalarType out_type(at::ScalarType t, const char* op) {
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "hybridq::", op, ": out_dtype must be float32 or bfloat16, got ",
+              t);
+  return t;
+}
+
+}  // namespace ops
+}  // namespace hybridq

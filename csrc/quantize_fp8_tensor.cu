@@ -1,0 +1,69 @@
+// Per-tensor FP8: the tile kernel with Fp8TensorPolicy (fused cast + transpose; the amax pass is in amax.cu) and
+// the fp8_tensor_quantize op.
+#include "binding_checks.h"
+#include "ops.h"
+#include "tile/policy_fp8_tensor.cuh"
+
+namespace hybridq {
+
+cudaError_t launch_quantize_fp8_tensor(InType t, const QuantArgs& a, cudaStream_t stream) {
+  HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8TensorPolicy>(a, stream)));
+}
+
+}  // namespace hybridq
+
+namespace hybridq {
+namespace ops {
+
+// ---- per-tensor FP8 ---------------------------------------------------------------------------------
+// scale given (delayed scaling): cast with it; want_amax records max|x| in the same pass.
+// else amax given (e.g. a global amax): scale from it; else max|x| first (one extra read).
+// returns (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1], amax [1] | [0])
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, at::ScalarType dtype,
+                                                               const std::optional<Tensor>& scale,
+                                                               const std::optional<Tensor>& amax, double eps,
+                                                               bool pow2, bool rowwise, bool columnwise,
+                                                               bool want_amax) {
+  constexpr const char* op = "fp8_tensor_quantize";
+  check_input(x, op);
+  const auto it = in_type(x, op);
+  auto a = base_args(x, rowwise, columnwise);
+  set_fp8(a, dtype, eps, pow2, op);
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->numel() == 1, "hybridq::", op, ": scale must have one element, got shape ", scale->sizes());
+  } else if (amax.has_value()) {
+    TORCH_CHECK(amax->numel() == 1, "hybridq::", op, ": amax must have one element, got shape ", amax->sizes());
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t M = x.size(0), K = x.size(1);
+  Tensor row = rowwise ? at::empty({M, K}, x.options().dtype(dtype)) : empty0(x, dtype);
+  Tensor col = columnwise ? at::empty({K, M}, x.options().dtype(dtype)) : empty0(x, dtype);
+  Tensor scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  Tensor amax_out, scale_t;
+  if (scale.has_value()) {
+    scale_t = scale->to(x.device(), at::kFloat).contiguous();
+    a.scale_in = scale_t.data_ptr<float>();
+    if (want_amax) {
+      amax_out = zeros_amax(x);
+      a.amax_out = amax_bits(amax_out);
+    } else {
+      amax_out = empty0(x, at::kFloat);
+    }
+  } else if (amax.has_value()) {
+    amax_out = amax->to(x.device(), at::kFloat).reshape({1}).clone();
+    a.amax_in = amax_out.data_ptr<float>();
+  } else {
+    amax_out = zeros_amax(x);
+    C10_CUDA_CHECK(hybridq::launch_absmax(it, x.data_ptr(), M * K, amax_bits(amax_out), stream));
+    a.amax_in = amax_out.data_ptr<float>();
+  }
+  a.row_q = rowwise ? u8(row) : nullptr;
+  a.col_q = columnwise ? u8(col) : nullptr;
+  a.scale_inv_out = scale_inv.data_ptr<float>();
+  C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
+  return {row, col, scale_inv, amax_out};
+}
+
+}  // namespace ops
+}  // namespace hybridq

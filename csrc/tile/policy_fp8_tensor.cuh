@@ -1,0 +1,60 @@
+// Per-tensor FP8 (docs/numerics.md "Per-tensor FP8"): one scale for the whole tensor, from a given scale (delayed
+// scaling) or from the amax (current scaling); the columnwise form is the byte transpose of the rowwise one.
+#pragma once
+
+#include "skeleton.cuh"
+
+namespace hybridq {
+
+struct Fp8TensorPolicy {
+  static constexpr int kBlock = 1;
+  static constexpr bool kTwoD = false;
+  static constexpr bool kStochastic = false;
+  static constexpr int kElemsPerByte = 1;
+  static constexpr bool kColFromRow = true;  // one scale for both directions
+  static constexpr bool kColChunkAmax = false;
+  static constexpr bool kColScalesInTranspose = false;
+  static constexpr bool kRecordsAmax = true;  // max|x| of the cast for delayed scaling (a.amax_out)
+
+  struct Shared {};
+  struct Ctx {
+    float mult;        // the scale
+    bool e5m2;
+    uint32_t my_amax;  // this thread's max|x|, as bits
+  };
+
+  static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared&, int tid, int) {
+    Ctx c;
+    c.mult = a.scale_in != nullptr ? *a.scale_in : scale_from_amax(*a.amax_in, a.fp8_max, a.eps, a.pow2);
+    if (blockIdx.x == 0 && tid == 0 && a.scale_inv_out != nullptr) *a.scale_inv_out = 1.0f / c.mult;
+    c.e5m2 = a.e5m2;
+    c.my_amax = 0;
+    return c;
+  }
+
+  static __device__ __forceinline__ void tile_scales(const Ctx&, const QuantArgs&, const uint32_t*, const TilePos&) {}
+
+  template <typename T>
+  static __device__ __forceinline__ void row(Ctx& c, const Shared&, const QuantArgs&, const uint32_t*, const TilePos&,
+                                             const float (&xv)[tile::VR], int, int, int64_t, int64_t, int, bool,
+                                             uint32_t (&w)[tile::VR / 4]) {
+    const uint32_t am = absmax_n(xv);
+    c.my_amax = max(c.my_amax, am);
+    encode_fp8(xv, c.mult, c.e5m2, scaled_nonfinite(am, c.mult), w);
+  }
+
+  // only when the rowwise part is not requested (else the columnwise part is the rowwise bytes' transpose)
+  template <typename T>
+  static __device__ __forceinline__ void col(Ctx& c, const Shared&, const QuantArgs&, const uint32_t*, const uint32_t*,
+                                             const TilePos&, const float (&xv)[tile::CV], int, int, int64_t, int64_t,
+                                             int, uint32_t (&w)[tile::CV / 4]) {
+    const uint32_t am = absmax_n(xv);
+    c.my_amax = max(c.my_amax, am);
+    encode_fp8(xv, c.mult, c.e5m2, scaled_nonfinite(am, c.mult), w);
+  }
+
+  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const QuantArgs&, const uint32_t*,
+                                                              const TilePos&, int, int, int64_t, int64_t) {}
+};
+
+}  // namespace hybridq

@@ -1,0 +1,86 @@
+// MXFP8 (docs/numerics.md "MXFP8"): 1x32 rowwise and 32x1 columnwise blocks from the input, or 32x32 tiles (one
+// scale per tile for both directions: the columnwise form is the byte transpose); E8M0 scale bytes, compact
+// [rows, cols/32] or GEMM-swizzled.
+#pragma once
+
+#include "skeleton.cuh"
+
+namespace hybridq {
+
+// MXFP8 scale byte at (r, c) of a [rows, cols] scale matrix, compact or GEMM-swizzled (128x4 tiles)
+__device__ __forceinline__ void write_mx_scale(void* s, int64_t r, int64_t c, int64_t cols, bool swizzle,
+                                               int64_t cols_pad, uint8_t e) {
+  uint8_t* p = static_cast<uint8_t*>(s);
+  if (swizzle) {
+    p[((r >> 7) * (cols_pad >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)] = e;
+  } else {
+    p[r * cols + c] = e;
+  }
+}
+
+// Whether a block (or 32x32 tile: a task inside it then takes the exact path, which is right for every element)
+// has a non-finite product x * 2^(127-e): exactly when its amax is inf or NaN, since the exponent e is chosen from
+// the amax so that a finite amax scales to at most about fp8_max.
+__device__ __forceinline__ bool block_nonfinite(uint32_t amax_bits) { return amax_bits >= 0x7F800000u; }
+
+template <bool TWO_D>
+struct Mxfp8Policy {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTwoD = TWO_D;
+  static constexpr bool kStochastic = false;
+  static constexpr int kElemsPerByte = 1;
+  static constexpr bool kColFromRow = TWO_D;
+  static constexpr bool kColChunkAmax = false;  // a 32x1 block is one column task
+  static constexpr bool kColScalesInTranspose = TWO_D;
+  static constexpr bool kRecordsAmax = false;
+
+  struct Shared {};
+  struct Ctx {
+    float rcp_max;  // multiply by the rounded reciprocal of fp8_max, not a division
+    bool e5m2;
+  };
+
+  static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared&, int, int) {
+    return Ctx{1.0f / a.fp8_max, a.e5m2};
+  }
+
+  static __device__ __forceinline__ void tile_scales(const Ctx&, const QuantArgs&, const uint32_t*, const TilePos&) {}
+
+  // the task is one block
+  template <typename T>
+  static __device__ __forceinline__ void row(Ctx& c, const Shared&, const QuantArgs& a, const uint32_t* tile_amax,
+                                             const TilePos& p, const float (&xv)[tile::VR], int r, int v, int64_t gm,
+                                             int64_t gk, int nvalid, bool, uint32_t (&w)[tile::VR / 4]) {
+    uint32_t bam;
+    if constexpr (TWO_D) bam = tile_amax[(r / 32) * (tile::TK / 32) + v];
+    else bam = absmax_n(xv);
+    const uint8_t e = e8m0_round_up(u2f(bam) * c.rcp_max);
+    const float mult = e8m0_pow2(e, true);  // NaN for a NaN block
+    if (nvalid > 0) write_mx_scale(a.row_s, gm, gk / 32, p.K / 32, a.swizzle, a.row_s_cols_pad, e);
+    encode_fp8(xv, mult, c.e5m2, block_nonfinite(bam), w);
+  }
+
+  template <typename T>
+  static __device__ __forceinline__ void col(Ctx& c, const Shared&, const QuantArgs& a, const uint32_t* tile_amax,
+                                             const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
+                                             int ch, int64_t gk, int64_t gm0, int nvalid,
+                                             uint32_t (&w)[tile::CV / 4]) {
+    uint32_t bam;
+    if constexpr (TWO_D) bam = tile_amax[ch * (tile::TK / 32) + col / 32];
+    else bam = absmax_n(xv);
+    const uint8_t e = e8m0_round_up(u2f(bam) * c.rcp_max);
+    const float mult = e8m0_pow2(e, true);
+    if (nvalid > 0) write_mx_scale(a.col_s, gk, gm0 / 32, p.M / 32, a.swizzle, a.col_s_cols_pad, e);
+    encode_fp8(xv, mult, c.e5m2, block_nonfinite(bam), w);
+  }
+
+  // 32x32 tiles, byte-transpose path: the scale of the block of tile rows r .. r + 31 of tile column col
+  static __device__ __forceinline__ void transposed_col_scale(const Ctx& c, const QuantArgs& a,
+                                                              const uint32_t* tile_amax, const TilePos& p, int r,
+                                                              int col, int64_t gk, int64_t gm) {
+    const uint8_t e = e8m0_round_up(u2f(tile_amax[(r / 32) * (tile::TK / 32) + col / 32]) * c.rcp_max);
+    write_mx_scale(a.col_s, gk, gm / 32, p.M / 32, a.swizzle, a.col_s_cols_pad, e);
+  }
+};
+
+}  // namespace hybridq

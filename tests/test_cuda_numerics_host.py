@@ -1,0 +1,107 @@
+"""The kernels' element numerics (csrc/numerics.cuh), compiled for the host with nvcc and run on the CPU: the FP8
+conversion under the non-finite rule and NVFP4 dequantize's global factor at large amaxes (docs/numerics.md
+"Non-finite values", "NVFP4"). Skipped where nvcc is not installed; no GPU needed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+import torch
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+NVCC = shutil.which("nvcc")
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (host compile of csrc/numerics.cuh)")
+
+DRIVER = r"""
+#include <cstdio>
+#include "numerics.cuh"
+using namespace hybridq;
+int main() {
+  char op;
+  unsigned a, b;
+  while (scanf(" %c %x", &op, &a) == 2) {
+    if (op == 's') {
+      printf("%u %u\n", fp8_satfinite(u2f(a), false), fp8_satfinite(u2f(a), true));
+    } else if (op == 'g' && scanf(" %x", &b) == 1) {
+      printf("%u\n", f2u(nvfp4_apply_global(u2f(a), u2f(b))));
+    }
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def numerics_bin(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("numerics_host")
+    src, exe = d / "driver.cu", d / "driver"
+    src.write_text(DRIVER)
+    r = subprocess.run([NVCC, "-std=c++17", "--fmad=false", "-I", CSRC, str(src), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"nvcc failed to compile csrc/numerics.cuh for the host:\n{r.stderr[-3000:]}"
+    return str(exe)
+
+
+def _bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _float(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def _run(exe: str, lines: list[str]) -> list[str]:
+    r = subprocess.run([exe], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    return r.stdout.split("\n")[:len(lines)]
+
+
+NEG_NAN = 0xFFC00000
+SPECIALS = {  # fp32 bits -> (E4M3 byte, E5M2 byte)
+    _bits(float("inf")): (0x7F, 0x7C),
+    _bits(float("-inf")): (0xFF, 0xFC),
+    _bits(float("nan")): (0x7F, 0x7F),
+    NEG_NAN: (0xFF, 0xFF),
+}
+
+
+@pytest.mark.parametrize("bits", list(SPECIALS), ids=["+inf", "-inf", "+nan", "-nan"])
+def test_fp8_conversion_of_non_finite_values(numerics_bin, bits):
+    want = SPECIALS[bits]
+    got = tuple(int(t) for t in _run(numerics_bin, [f"s {bits:x}"])[0].split())
+    assert got == want, (f"fp8_satfinite({_float(bits)!r}, bits {bits:#x}): got E4M3/E5M2 bytes "
+                         f"{[hex(g) for g in got]}, want {[hex(w) for w in want]}")
+
+
+def test_fp8_conversion_of_finite_values_clamps_then_rounds(numerics_bin):
+    vals = [0.0, -0.0, 1.0, -2.5, 447.9, 448.0, 449.0, 460.0, 1e6, -1e6, 57344.0, 61440.0, 1e30, -3.4e38, 2.0 ** -9,
+            2.0 ** -17, 2.0 ** -20, 1e-30]
+    got = [tuple(int(t) for t in line.split()) for line in _run(numerics_bin, [f"s {_bits(v):x}" for v in vals])]
+    x = torch.tensor(vals, dtype=torch.float32)
+    want4 = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    want5 = x.clamp(-57344.0, 57344.0).to(torch.float8_e5m2).view(torch.uint8).tolist()
+    for v, g, w4, w5 in zip(vals, got, want4, want5):
+        assert g == (w4, w5), f"fp8_satfinite({v!r}): got {[hex(b) for b in g]}, want {[hex(w4), hex(w5)]}"
+
+
+def _rule(qs: float, amax: float) -> int:
+    """q*s * A / 2688 in fp32: division first when A > FLT_MAX / 2688 (the threshold itself in fp32)."""
+    q, a = torch.tensor(qs, dtype=torch.float32), torch.tensor(amax, dtype=torch.float32)
+    thr = torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32) / 2688.0
+    r = q * (a / 2688.0) if bool(a > thr) else (q * a) / 2688.0
+    return _bits(float(r))
+
+
+@pytest.mark.parametrize("amax", [1.0, 448.0 * 6, 1e35, 1.2659e35, 1.2660e35, 1e36, 3e38])
+def test_nvfp4_global_factor_is_finite_for_every_finite_amax(numerics_bin, amax):
+    qss = [0.0, 0.5, -6.0 * 448.0, 6.0 * 448.0, 3.0 * 0.015625, 6.0 * 2.0 ** -9]
+    out = _run(numerics_bin, [f"g {_bits(q):x} {_bits(amax):x}" for q in qss])
+    for q, line in zip(qss, out):
+        got = int(line)
+        assert got == _rule(q, amax), (f"nvfp4_apply_global({q!r}, {amax!r}) = {_float(got)!r}, want "
+                                       f"{_float(_rule(q, amax))!r}")
+        assert abs(_float(got)) != float("inf"), f"nvfp4_apply_global({q!r}, {amax!r}) overflowed to inf"
