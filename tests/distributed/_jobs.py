@@ -409,7 +409,7 @@ def _opcount_model(device):
 def job_opcount(rank, world_size, device, presets, steps=3, precompute=True):
     """Per preset: ops per converted weight per step in the FSDP2 weight path (steps after the first), and the
     ops a plain unsharded hybridq Linear spends quantizing its weight for forward + backward."""
-    from hybridq.distributed.opcount import OpCounter
+    from _opcount import OpCounter
 
     fully_shard, mp = _fsdp(device, world_size)
     out = {}

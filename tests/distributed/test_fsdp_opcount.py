@@ -1,6 +1,6 @@
 """Ops per converted weight per training step in the FSDP2 weight path (each a kernel launch on a GPU), per
 preset, printed for the record (no assertion on the counts beyond sanity). GPU-equivalent counting: a quantization
-the CUDA kernels take counts as one op. See hybridq/distributed/opcount.py."""
+the CUDA kernels take counts as one op. See tests/distributed/_opcount.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import hybridq
 from hybridq import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
                      NVFP4Quantizer)
 from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, bytes_table, gather_bytes_per_step, precompute_scales
-from hybridq.distributed.fsdp import make_plan
+from hybridq.distributed.plan import make_plan
 from hybridq.distributed.payload import assemble_parts, build_payload, quantize_shard
 from hybridq.formats._sharding import RowShard, dim0_chunks
 
