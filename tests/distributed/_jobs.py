@@ -554,3 +554,50 @@ def job_metadata(rank, world_size, device, steps=2, backward_override=None):
         if step % 2 == 0:
             precompute_scales(layers)
     return {"diffs": diffs, "checked": checked["n"]}
+
+
+# ---- sharding rules checked when the layout is known ---------------------------------------------------------
+
+# weight formats whose columnwise form (gathered for dgrad) has a sharding rule: NVFP4 with the Hadamard transform
+# needs 16-row aligned shards; a [48, 64] weight on 2 ranks is split at row 24
+LAYOUT_FORMATS = {
+    "nvfp4_rht": lambda: NVFP4Quantizer(rht=True),
+    "hybrid_mxfp8_nvfp4_rht": lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
+}
+LAYOUT_SHAPE = (48, 64)
+
+
+def _layout_case(rank, world_size, device, fmt, backward_override):
+    fully_shard, mp = _fsdp(device, world_size)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(LAYOUT_SHAPE[1], LAYOUT_SHAPE[0], bias=False)).to(device)
+    make = LAYOUT_FORMATS[fmt]
+    recipe = hybridq.CustomRecipe(lambda role: make() if role.tensor_type == "weight" else None,
+                                  backward_override=backward_override, name="layout")
+    apply_hybrid_fsdp(model, recipe)
+    fully_shard(model[0], mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    x = torch.randn(4, LAYOUT_SHAPE[1], device=device)
+    stage = "forward"
+    try:
+        loss = model(x).float().square().mean()
+        stage = "backward"
+        loss.backward()
+        stage = "optimizer"
+        opt.step()
+        stage = "none"
+    except ValueError as e:
+        return {"raised_in": stage, "message": str(e), "params_unchanged": _unchanged(model, before)}
+    return {"raised_in": stage, "message": "", "params_unchanged": _unchanged(model, before)}
+
+
+def _unchanged(model, before) -> bool:
+    return all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+
+
+def job_layout_errors(rank, world_size, device, cases):
+    """For each (format, backward_override): where the first ValueError came from ("forward", "backward",
+    "optimizer", or "none"), its message, and whether the parameters are untouched."""
+    return {f"{fmt}/{override}": _layout_case(rank, world_size, device, fmt, override) for fmt, override in cases}
