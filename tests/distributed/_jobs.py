@@ -601,3 +601,37 @@ def job_layout_errors(rank, world_size, device, cases):
     """For each (format, backward_override): where the first ValueError came from ("forward", "backward",
     "optimizer", or "none"), its message, and whether the parameters are untouched."""
     return {f"{fmt}/{override}": _layout_case(rank, world_size, device, fmt, override) for fmt, override in cases}
+
+
+# ---- FSDP2's "returned a view tensor" warning --------------------------------------------------------------
+
+def readme_model(width: int = 64, hidden: int = 256, blocks: int = 2) -> nn.Sequential:
+    """The README "FSDP2" snippet's model: blocks of Linear -> GELU -> Linear (no bias), each block its own FSDP2
+    unit, so each unit returns a Linear's output."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden, bias=False), nn.GELU(),
+                                         nn.Linear(hidden, width, bias=False)) for _ in range(blocks)])
+
+
+def job_view_warnings(rank, world_size, device, converted: bool):
+    """FSDP2 warnings about units returning a view tensor during two training steps of `readme_model` on a
+    [batch, seq, width] input (with apply_hybrid_fsdp or without)."""
+    import warnings
+
+    fully_shard, mp = _fsdp(device, world_size)
+    torch.manual_seed(0)
+    model = readme_model().to(device)
+    if converted:
+        apply_hybrid_fsdp(model, hybridq.recipe("mxfp8_fwd_nvfp4_bwd"))
+    for block in model:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x = torch.randn(2, 16, 64, device=device)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            precompute_scales(model)
+    return {"view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]}
