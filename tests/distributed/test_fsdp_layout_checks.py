@@ -44,3 +44,33 @@ def test_direction_never_gathered_is_not_checked(outcomes):
         r = out["nvfp4_rht/dequantized"]
         assert r["raised_in"] == "none", f"rank {rank}: unexpected error: {r['message']}"
         assert not r["params_unchanged"], f"rank {rank}: the optimizer step did not run"
+
+
+@pytest.mark.parametrize("override, columnwise_gathered", [(None, True), ("dequantized", False),
+                                                           ("high_precision", False)])
+def test_checked_directions_follow_the_plans(override, columnwise_gathered):
+    """The directions checked are those some plan sends: the columnwise form only when backward reads it."""
+    from hybridq import NVFP4Quantizer
+    from hybridq.distributed.checks import gathered_directions
+
+    dirs = gathered_directions(NVFP4Quantizer(rht=True), _jobs.LAYOUT_SHAPE, override, derivable=False)
+    assert ("columnwise" in dirs) == columnwise_gathered, (override, dirs)
+    assert "rowwise" in dirs, (override, dirs)
+
+
+@pytest.mark.parametrize("rows, world_size, boundaries", [(64, 2, None), (64, 3, "22, 44"), (48, 2, "24"),
+                                                         (48, 1, None)])
+def test_layout_check_on_every_rank_shard(rows, world_size, boundaries):
+    """check_shard_layout needs no data and no collective (every rank's shard is quantized on the meta device):
+    NVFP4 RHT accepts shard boundaries on multiples of 16 rows and rejects any other, naming them."""
+    import torch
+
+    from hybridq import NVFP4Quantizer
+    from hybridq.distributed.checks import check_shard_layout
+
+    args = (NVFP4Quantizer(rht=True), "layer.weight", (rows, 64), world_size, torch.bfloat16, None, False)
+    if boundaries is None:
+        check_shard_layout(*args)
+    else:
+        with pytest.raises(ValueError, match=rf"layer\.weight .*boundaries at rows {boundaries}\)"):
+            check_shard_layout(*args)
