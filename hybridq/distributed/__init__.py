@@ -1,7 +1,16 @@
-"""Distributed training: FSDP2 with quantized all-gathers (`apply_hybrid_fsdp`, `precompute_scales`)."""
+"""Distributed training: FSDP2 with quantized all-gathers (`apply_hybrid_fsdp`, `precompute_scales`).
 
-from .fsdp import (GatheredWeight, HybridWeight, apply_hybrid_fsdp, bytes_table, gather_bytes_per_step,
-                   precompute_scales)
+Modules, one job each: `plan` (what an unshard gathers), `fsdp_adapter` (the only reader of FSDP2's private
+state), `payload` (packing a quantized shard into bytes and back), `transport` (building and gathering
+payloads), `checks` (sharding rules checked when the layout is known), `state` (per-weight state and the
+unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded weight types), `api` (the public
+entry points) and `accounting` (bytes on the wire).
+"""
+
+from .accounting import bytes_table, gather_bytes_per_step
+from .api import apply_hybrid_fsdp, precompute_scales
+from .gathered import GatheredWeight
+from .weights import HybridWeight
 
 __all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "gather_bytes_per_step",
            "bytes_table"]

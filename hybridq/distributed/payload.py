@@ -13,6 +13,7 @@ Nothing here knows a format: the only inputs are quantizers, parts and `RowShard
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -27,6 +28,11 @@ DIRECTIONS = (ROWWISE, COLUMNWISE, HIGH_PRECISION)
 _IDENTITY = IdentityQuantizer()
 
 ALIGN = 16  # byte alignment of every buffer inside the payload (any dtype can be viewed at its offset)
+
+
+def rows_of(shape) -> int:
+    """Rows of the 2-D view `[rows, K]` of a tensor of `shape`."""
+    return math.prod(shape[:-1]) if len(shape) > 1 else 1
 
 
 def _align(n: int) -> int:

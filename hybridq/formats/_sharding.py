@@ -52,11 +52,6 @@ class RowShard:
     def whole(cls, rows: int) -> "RowShard":
         return cls(rows, 0, rows, ())
 
-    @classmethod
-    def dim0_chunk(cls, shape, world_size: int, rank: int) -> "RowShard":
-        """The rows FSDP2 (torch.chunk on dim 0, trailing shards possibly short or empty) gives `rank`."""
-        return dim0_chunks(shape, world_size)[rank]
-
     @property
     def end(self) -> int:
         return self.offset + self.length

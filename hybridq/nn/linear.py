@@ -16,6 +16,7 @@ from ..enums import BackwardOverride
 from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
+from ..weight_forms import HighPrecisionSource, QuantizedGatherShard
 
 log = logging.getLogger("hybridq")
 
@@ -130,7 +131,13 @@ def _forward_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """The forward of a call that no gradient will flow through (no_grad, inference_mode, or nothing requires
     grad): rowwise forms only, rowwise shape rules only, nothing saved."""
     _, _, _, y = _fprop(x, weight, bias, cached_weight, cfg, False, False)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return _output(y, x)
+
+
+def _output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The `[M, N]` GEMM result in x's leading shape, as a tensor of its own rather than a view (as aten::matmul
+    returns it): FSDP2 drops the pre-backward hook of a module whose output is a view, and warns."""
+    return torch.ops.aten._unsafe_view(y.contiguous(), (*x.shape[:-1], y.shape[-1]))
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -149,7 +156,7 @@ class _LinearFunction(torch.autograd.Function):
             if need_dgrad and isinstance(weight, QuantizedTensor):
                 # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
                 # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
-                saved_w = weight.detach() if hasattr(weight, "high_precision") else weight.dequantize()
+                saved_w = weight.detach() if isinstance(weight, HighPrecisionSource) else weight.dequantize()
             saved_x = x2d if need_wgrad else None
         elif override == BackwardOverride.DEQUANTIZED:
             saved_x = _only(xq, "rowwise") if need_wgrad else None
@@ -163,7 +170,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return _output(y, x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -276,11 +283,9 @@ class Linear(nn.Linear):
     def _check_sharded_weight_format(self, weight_q: Quantizer) -> None:
         """Once fully_shard has sharded a weight that FSDP2 all-gathers quantized (apply_hybrid_fsdp), its
         gathered buffers are laid out for the weight format it had then: that format can no longer change."""
-        from ..distributed import HybridWeight  # (lazy: hybridq.distributed imports this module)
-
         local = getattr(self._parameters.get("weight"), "_local_tensor", None)
         current = self.__dict__.get("weight_quantizer")
-        if isinstance(local, HybridWeight) and current is not None and weight_q != current:
+        if isinstance(local, QuantizedGatherShard) and current is not None and weight_q != current:
             raise RecipeError(
                 f"{self.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
                 f"{self.weight_quantizer.describe()}; a recipe with another weight format ({weight_q.describe()}) "

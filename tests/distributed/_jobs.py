@@ -1,5 +1,6 @@
-"""Jobs run by the spawned processes of the distributed tests (see _harness.spawn). Each asserts on every rank
-and returns a small JSON-serialisable summary."""
+"""Jobs run by the spawned processes of the distributed tests (see _harness.spawn). A job compares what it ran
+with its oracle on every rank and returns what it found (JSON-serialisable: lists of what differed, counters,
+bytes, memory); the test that names the behaviour asserts on it."""
 
 from __future__ import annotations
 
@@ -42,14 +43,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def assert_parts_equal(got, ref, what: str) -> None:
-    assert type(got) is type(ref), f"{what}: {type(got).__name__} != {type(ref).__name__}"
-    assert (got.rows, got.cols, got.columnwise) == (ref.rows, ref.cols, ref.columnwise), what
-    assert got.meta() == ref.meta(), what
+def parts_diff(got, ref, what: str) -> list[str]:
+    """How the part `got` differs from `ref` (type, sizes, metadata, each tensor bitwise); [] if identical."""
+    if type(got) is not type(ref):
+        return [f"{what}: {type(got).__name__} != {type(ref).__name__}"]
+    if (got.rows, got.cols, got.columnwise) != (ref.rows, ref.cols, ref.columnwise) or got.meta() != ref.meta():
+        return [f"{what}: rows/cols/columnwise/meta {(got.rows, got.cols, got.columnwise, got.meta())} != "
+                f"{(ref.rows, ref.cols, ref.columnwise, ref.meta())}"]
+    out = []
     for n in type(ref).tensor_fields:
         a, b = getattr(got, n), getattr(ref, n)
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}.{n}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
-        assert torch.equal(_bits(a), _bits(b)), f"{what}.{n}: not bitwise equal to the unsharded quantization"
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out.append(f"{what}.{n}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+        elif not torch.equal(_bits(a), _bits(b)):
+            out.append(f"{what}.{n}: not bitwise equal to the unsharded quantization")
+    return out
+
+
+def assert_parts_equal(got, ref, what: str) -> None:
+    diff = parts_diff(got, ref, what)
+    assert not diff, "\n".join(diff)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    return f"max |diff| {(a.float() - b.float()).abs().max().item():.3e}"
 
 
 def _states(model):
@@ -119,6 +136,10 @@ def _invariance_model(names, seed: int = 0):
 
 
 def job_invariance(rank, world_size, device, names=None):
+    """Unshards every INVARIANCE_CASES weight twice (the second time after an in-place update and
+    precompute_scales) with reshard_after_forward=False, then forward-only; returns the gathered parts that
+    differ from the one-device quantization of the full weight, the materialized directions, whether the
+    quantized buffers were freed at reshard, and the counters."""
     fully_shard, mp = _fsdp(device, world_size)
     names = names or list(INVARIANCE_CASES)
     layers, recipe = _invariance_model(names)
@@ -127,43 +148,42 @@ def job_invariance(rank, world_size, device, names=None):
     apply_hybrid_fsdp(layers, recipe, on_incompatible="error")
     for lin in layers:
         fully_shard(lin, mp_policy=mp, reshard_after_forward=False)
-    checked = 0
+    out = {"diffs": [], "not_gathered_weight": [], "materialized": {}, "freed": [], "precompute": None,
+           "checked": 0}
     for rnd in range(2):
         if rnd == 1:  # an optimizer-like in-place update, then the fused statistics reduction
             with torch.no_grad():
                 for lin, w in zip(layers, full):
                     lin.weight.mul_(-1.5)
                     w.mul_(-1.5)
-            info = precompute_scales(layers)
-            assert world_size == 1 or info["all_reduces"] == 1, info
+            out["precompute"] = precompute_scales(layers)
         for i, (lin, w) in enumerate(zip(layers, full)):
             q = lin.weight_quantizer
             lin.unshard()
             gw = lin.weight
-            assert isinstance(gw, GatheredWeight), type(gw)
-            assert gw.materialized == "rowwise+columnwise", (names[i], gw.materialized)
+            if not isinstance(gw, GatheredWeight):
+                out["not_gathered_weight"].append(f"{names[i]}: {type(gw).__name__}")
+                lin.reshard()
+                continue
+            out["materialized"][f"{names[i]} round {rnd}"] = gw.materialized
             ref_r, ref_c = q.quantize_parts(w.to(torch.bfloat16), True, True)
-            assert_parts_equal(gw.part(ROWWISE), ref_r, f"{names[i]} rowwise (ws={world_size}, round {rnd})")
-            assert_parts_equal(gw.part(COLUMNWISE), ref_c, f"{names[i]} columnwise (ws={world_size}, round {rnd})")
+            out["diffs"] += parts_diff(gw.part(ROWWISE), ref_r, f"{names[i]} rowwise (ws={world_size}, round {rnd})")
+            out["diffs"] += parts_diff(gw.part(COLUMNWISE), ref_c,
+                                       f"{names[i]} columnwise (ws={world_size}, round {rnd})")
             lin.reshard()
-            checked += 2
-        assert _owned_freed(layers), "quantized unsharded buffers survived reshard"
-    counters = {n: dict(st.counters) for n, st in _states(layers).items()}
-    if world_size > 1:
-        for n, c in counters.items():  # round 2 used the precomputed statistics
-            assert c.get("stats_allreduce", 0) <= 1, (n, c)
+            out["checked"] += 2
+        out["freed"].append(_owned_freed(layers))
+    out["counters"] = {n: dict(st.counters) for n, st in _states(layers).items()}
     # forward-only gather with reshard_after_forward=True: rowwise only, columnwise left for backward
     for lin in layers:
         lin.set_reshard_after_forward(True)
     for i, (lin, w) in enumerate(zip(layers, full)):
         lin.unshard()
-        shared = names[i].startswith("identity")  # one buffer serves both directions
-        assert lin.weight.materialized == ("rowwise+columnwise" if shared else "rowwise"), \
-            (names[i], lin.weight.materialized)
+        out["materialized"][f"{names[i]} forward-only"] = lin.weight.materialized
         ref_r, _ = lin.weight_quantizer.quantize_parts(w.to(torch.bfloat16), True, False)
-        assert_parts_equal(lin.weight.part(ROWWISE), ref_r, f"{names[i]} rowwise-only")
+        out["diffs"] += parts_diff(lin.weight.part(ROWWISE), ref_r, f"{names[i]} rowwise-only")
         lin.reshard()
-    return {"checked": checked, "counters": counters}
+    return out
 
 
 # ---- training equivalence -------------------------------------------------------------------------------
@@ -213,6 +233,8 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     mem = []
+    diffs = {"losses": [], "grads_step0": [], "params_final": [], "state_dict": []}
+    clip_norm = None
     for step in range(steps):
         if memory:
             torch.cuda.synchronize()
@@ -227,17 +249,17 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
             loss = loss_fn(model(tok[:, :-1]), tok[:, 1:])
             loss.backward()
             ref = ref_losses[step][rank][m]
-            assert torch.equal(loss.detach(), ref.to(device)), \
-                f"{preset} step {step} micro {m}: loss {loss.item()!r} != reference {ref.item()!r}"
+            if not torch.equal(loss.detach(), ref.to(device)):
+                diffs["losses"].append(f"step {step} micro {m}: loss {loss.item()!r} != reference {ref.item()!r}")
         if step == 0:
             for n, p in model.named_parameters():
                 g = p.grad.full_tensor()
-                assert torch.equal(g, ref_g0[n].to(device)), f"{preset}: grad of {n} differs (max " \
-                    f"{(g - ref_g0[n].to(device)).abs().max().item():.3e})"
+                if not torch.equal(g, ref_g0[n].to(device)):
+                    diffs["grads_step0"].append(f"grad of {n}: {_max_diff(g, ref_g0[n].to(device))}")
         if check_clip and step == steps - 1:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e6)  # no clipping: grads kept
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            assert torch.isfinite(norm) and norm > 0
+            clip_norm = norm.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if precompute:
@@ -247,44 +269,46 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
             mem.append((torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
     for n, p in model.named_parameters():
         full = p.full_tensor()
-        assert torch.equal(full, ref_params[n].to(device)), \
-            f"{preset}: parameter {n} after {steps} steps differs (max {(full - ref_params[n].to(device)).abs().max():.3e})"
-    assert _owned_freed(model), "quantized unsharded buffers survived reshard"
+        if not torch.equal(full, ref_params[n].to(device)):
+            diffs["params_final"].append(f"parameter {n} after {steps} steps: {_max_diff(full, ref_params[n].to(device))}")
+    freed = _owned_freed(model)
     states = _states(model)
-    assert states, "no weight was wrapped"
     total = {}
     for st in states.values():
         for k, v in st.counters.items():
             total[k] = total.get(k, 0) + v
-    if not reshard_after_forward:
-        assert total.get("gather_backward", 0) == 0, total
-    if recompute and reshard_after_forward:
-        assert total.get("lazy_gathers", 0) > 0, total
     if check_state_dict:
-        _check_state_dict(model, ref_params, device)
-    if memory:  # step 0 allocates the optimizer state; after that nothing may grow
-        assert len(mem) >= 3 and mem[1:] == mem[1:2] * (len(mem) - 1), f"memory grows across steps: {mem}"
-    return {"preset": preset, "converted": len(report.converted), "counters": total, "memory": mem}
+        diffs["state_dict"] = _state_dict_diffs(model, ref_params, device)
+    return {"preset": preset, "converted": len(report.converted), "wrapped": len(states), "counters": total,
+            "memory": mem, "diffs": diffs, "freed": freed, "clip_norm": clip_norm,
+            "reshard_after_forward": reshard_after_forward, "recompute": recompute}
 
 
-def _check_state_dict(model, ref_params, device):
+def _state_dict_diffs(model, ref_params, device) -> list[str]:
+    """state_dict holds plain tensors, the full state dict equals the reference parameters, and load_state_dict
+    restores them: what did not hold."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
+    out = []
     sd = model.state_dict()
     for k, v in sd.items():
         local = v._local_tensor if isinstance(v, DTensor) else v
-        assert type(local) is torch.Tensor, f"state_dict[{k}] holds {type(local).__name__}, not a plain tensor"
+        if type(local) is not torch.Tensor:
+            out.append(f"state_dict[{k}] holds {type(local).__name__}, not a plain tensor")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for k, v in full.items():
-        assert type(v) is torch.Tensor and torch.equal(v, ref_params[k].cpu()), k
+        if type(v) is not torch.Tensor or not torch.equal(v, ref_params[k].cpu()):
+            out.append(f"full state_dict[{k}] ({type(v).__name__}) differs from the reference parameter")
     saved = {k: v.detach().clone() for k, v in sd.items()}
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     model.load_state_dict(saved)
     for n, p in model.named_parameters():
-        assert torch.equal(p.full_tensor(), ref_params[n].to(device)), f"load_state_dict did not restore {n}"
+        if not torch.equal(p.full_tensor(), ref_params[n].to(device)):
+            out.append(f"load_state_dict did not restore {n}")
+    return out
 
 
 def job_training(rank, world_size, device, configs, invariance=False, high_precision=None):
@@ -306,8 +330,9 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
     one FSDP2-sharded hybridq Linear with backward_override="high_precision". Every step, on every rank: output,
     input gradient and (reduced) weight gradient bitwise equal to the single-process hybridq Linear with the same
     override (bf16 weight, each rank's batch separately, gradients averaged in FSDP2's order), whose gradients are
-    in turn bitwise those of nn.Linear (F.linear) on the same output gradient. Bytes sent per step equal
-    gather_bytes_per_step's, and nothing unsharded survives the reshard."""
+    in turn bitwise those of nn.Linear (F.linear) on the same output gradient. Returns, per case, what differed
+    ("diffs"), the bytes sent per step and gather_bytes_per_step's expectation, whether the unsharded buffers
+    were freed at reshard, and the counters."""
     import os
 
     from hybridq.distributed import gather_bytes_per_step
@@ -337,6 +362,7 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
             lin = model[0]
             st = _states(model)["0"]
             before = st.counters["bytes_sent"]
+            diffs = []
             for step in range(steps):
                 g = torch.Generator().manual_seed(100 * step)
                 xs = [torch.randn(32, k, generator=g).to(torch.bfloat16) for _ in range(world_size)]
@@ -358,11 +384,13 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
                     xp = xs[r].detach().clone().to(device).requires_grad_(True)
                     wp = ref.weight.detach().clone().requires_grad_(True)
                     torch.nn.functional.linear(xp, wp, ref.bias.detach()).backward(gys[r].to(device))
-                    assert torch.equal(xr.grad, xp.grad) and torch.equal(ref.weight.grad, wp.grad), name
+                    if not (torch.equal(xr.grad, xp.grad) and torch.equal(ref.weight.grad, wp.grad)):
+                        diffs.append(f"step {step} rank {r}: the one-device oracle's gradients are not nn.Linear's")
                     if r == rank:
-                        assert torch.equal(y.detach(), yr.detach()), f"{name} step {step}: output"
-                        assert torch.equal(x.grad, xr.grad), \
-                            f"{name} step {step}: input grad differs (max {(x.grad - xr.grad).abs().max():.3e})"
+                        if not torch.equal(y.detach(), yr.detach()):
+                            diffs.append(f"step {step}: output {_max_diff(y.detach(), yr.detach())}")
+                        if not torch.equal(x.grad, xr.grad):
+                            diffs.append(f"step {step}: input grad {_max_diff(x.grad, xr.grad)}")
                     ref_dw.append(ref.weight.grad.float())
                     ref.zero_grad(set_to_none=True)
                 want = ref_dw[0]
@@ -370,24 +398,20 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
                     want = want + gr
                 want = want / world_size if world_size > 1 else want
                 got = lin.weight.grad.full_tensor()
-                assert torch.equal(got, want.to(device)), \
-                    f"{name} step {step}: weight grad differs (max {(got - want.to(device)).abs().max():.3e})"
+                if not torch.equal(got, want.to(device)):
+                    diffs.append(f"step {step}: weight grad {_max_diff(got, want.to(device))}")
                 with torch.no_grad():  # a new weight every step (the gathered high-precision form must follow)
                     for p, pm in ((lin.weight, master.weight), (lin.bias, master.bias)):
                         p.add_(p.grad, alpha=-0.5)
                         pm.add_(p.grad.full_tensor().to(pm.device), alpha=-0.5)
                         p.grad = None
-                    if world_size > 1:
-                        assert torch.equal(lin.weight.full_tensor().cpu(), master.weight), name
-            assert _owned_freed(model), f"{name}: unsharded buffers survived the reshard"
+                    if world_size > 1 and not torch.equal(lin.weight.full_tensor().cpu(), master.weight):
+                        diffs.append(f"step {step}: the sharded weight left the oracle's after the update")
             sent = (st.counters["bytes_sent"] - before) / steps
             expect = gather_bytes_per_step(lin.weight_quantizer, HP_SHAPE, world_size, reshard_after_forward=ra,
                                            backward_override="high_precision")
-            if world_size > 1:
-                assert sent == expect["total"], (name, sent, expect)
-            if not ra:
-                assert st.counters.get("gather_backward", 0) == 0, (name, dict(st.counters))
-            out[name] = {"bytes_per_step": sent, "counters": dict(st.counters)}
+            out[name] = {"bytes_per_step": sent, "expected_bytes_per_step": expect["total"], "diffs": diffs,
+                         "freed": _owned_freed(model), "reshard_after_forward": ra, "counters": dict(st.counters)}
         finally:
             if from_env:
                 del os.environ[BACKWARD_OVERRIDE_ENV]
@@ -409,7 +433,7 @@ def _opcount_model(device):
 def job_opcount(rank, world_size, device, presets, steps=3, precompute=True):
     """Per preset: ops per converted weight per step in the FSDP2 weight path (steps after the first), and the
     ops a plain unsharded hybridq Linear spends quantizing its weight for forward + backward."""
-    from hybridq.distributed.opcount import OpCounter
+    from _opcount import OpCounter
 
     fully_shard, mp = _fsdp(device, world_size)
     out = {}
@@ -524,7 +548,7 @@ def job_metadata(rank, world_size, device, steps=2, backward_override=None):
                 b[n]["aligned16"] = True
             if a[n] != b[n]:
                 diffs.append(f"{cases[i][0]} {where} {direction}.{n}: gathered {a[n]} vs unsharded {b[n]}")
-        assert_parts_equal(got, ref, f"{cases[i][0]} {where} {direction}")
+        diffs.extend(parts_diff(got, ref, f"{cases[i][0]} {where} {direction}"))
         checked["n"] += 1
 
     step_box = {"step": 0}
@@ -554,3 +578,84 @@ def job_metadata(rank, world_size, device, steps=2, backward_override=None):
         if step % 2 == 0:
             precompute_scales(layers)
     return {"diffs": diffs, "checked": checked["n"]}
+
+
+# ---- sharding rules checked when the layout is known ---------------------------------------------------------
+
+# weight formats whose columnwise form (gathered for dgrad) has a sharding rule: NVFP4 with the Hadamard transform
+# needs 16-row aligned shards; a [48, 64] weight on 2 ranks is split at row 24
+LAYOUT_FORMATS = {
+    "nvfp4_rht": lambda: NVFP4Quantizer(rht=True),
+    "hybrid_mxfp8_nvfp4_rht": lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
+}
+LAYOUT_SHAPE = (48, 64)
+
+
+def _layout_case(rank, world_size, device, fmt, backward_override):
+    fully_shard, mp = _fsdp(device, world_size)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(LAYOUT_SHAPE[1], LAYOUT_SHAPE[0], bias=False)).to(device)
+    make = LAYOUT_FORMATS[fmt]
+    recipe = hybridq.CustomRecipe(lambda role: make() if role.tensor_type == "weight" else None,
+                                  backward_override=backward_override, name="layout")
+    apply_hybrid_fsdp(model, recipe)
+    fully_shard(model[0], mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    x = torch.randn(4, LAYOUT_SHAPE[1], device=device)
+    stage = "forward"
+    try:
+        loss = model(x).float().square().mean()
+        stage = "backward"
+        loss.backward()
+        stage = "optimizer"
+        opt.step()
+        stage = "none"
+    except ValueError as e:
+        return {"raised_in": stage, "message": str(e), "params_unchanged": _unchanged(model, before)}
+    return {"raised_in": stage, "message": "", "params_unchanged": _unchanged(model, before)}
+
+
+def _unchanged(model, before) -> bool:
+    return all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+
+
+def job_layout_errors(rank, world_size, device, cases):
+    """For each (format, backward_override): where the first ValueError came from ("forward", "backward",
+    "optimizer", or "none"), its message, and whether the parameters are untouched."""
+    return {f"{fmt}/{override}": _layout_case(rank, world_size, device, fmt, override) for fmt, override in cases}
+
+
+# ---- FSDP2's "returned a view tensor" warning --------------------------------------------------------------
+
+def readme_model(width: int = 64, hidden: int = 256, blocks: int = 2) -> nn.Sequential:
+    """The README "FSDP2" snippet's model: blocks of Linear -> GELU -> Linear (no bias), each block its own FSDP2
+    unit, so each unit returns a Linear's output."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden, bias=False), nn.GELU(),
+                                         nn.Linear(hidden, width, bias=False)) for _ in range(blocks)])
+
+
+def job_view_warnings(rank, world_size, device, converted: bool):
+    """FSDP2 warnings about units returning a view tensor during two training steps of `readme_model` on a
+    [batch, seq, width] input (with apply_hybrid_fsdp or without)."""
+    import warnings
+
+    fully_shard, mp = _fsdp(device, world_size)
+    torch.manual_seed(0)
+    model = readme_model().to(device)
+    if converted:
+        apply_hybrid_fsdp(model, hybridq.recipe("mxfp8_fwd_nvfp4_bwd"))
+    for block in model:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x = torch.randn(2, 16, 64, device=device)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            precompute_scales(model)
+    return {"view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]}

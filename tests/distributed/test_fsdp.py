@@ -14,6 +14,8 @@ Oracles (all bitwise):
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -35,10 +37,52 @@ def _memory(backend) -> dict:
     return {"memory": True, "steps": 4} if backend == "nccl" else {}
 
 
+def check_invariance(inv: dict, world_size: int, rank: int) -> None:
+    """The gathered weight is bitwise the one-device quantization of the full weight, both directions after a
+    full unshard, only the rowwise one after a forward-only unshard (identity: one buffer serves both); the
+    quantized buffers are freed at reshard; with 2 ranks, precompute_scales is one all-reduce and the second
+    round's unshards use its statistics."""
+    where = f"rank {rank} of {world_size}"
+    assert not inv["not_gathered_weight"], f"{where}: unsharded weight is not a GatheredWeight: {inv['not_gathered_weight']}"
+    assert not inv["diffs"], f"{where}: gathered parts differ from the unsharded quantization:\n" + "\n".join(inv["diffs"][:40])
+    assert inv["checked"] == 4 * len(_jobs.INVARIANCE_CASES), (where, inv["checked"])
+    for name, mat in inv["materialized"].items():
+        want = "rowwise" if name.endswith("forward-only") and not name.startswith("identity") else "rowwise+columnwise"
+        assert mat == want, f"{where}: {name} materialized {mat!r}, expected {want!r}"
+    assert all(inv["freed"]), f"{where}: quantized unsharded buffers survived reshard (rounds {inv['freed']})"
+    if world_size > 1:
+        assert inv["precompute"]["all_reduces"] == 1, (where, inv["precompute"])
+        over = {n: c for n, c in inv["counters"].items() if c.get("stats_allreduce", 0) > 1}
+        assert not over, f"{where}: the second round did not use the precomputed statistics: {over}"
+
+
+def check_training(run: dict, rank: int) -> None:
+    """Every step's losses, the first step's gradients and the parameters after the last step are bitwise the
+    single-process replay's; the quantized buffers are freed at reshard; memory does not grow after step 0;
+    reshard_after_forward=False gathers nothing in backward; activation recompute gathers the rowwise form
+    lazily."""
+    where = f"{run['preset']}, rank {rank}"
+    assert run["wrapped"] > 0, f"{where}: no weight was wrapped"
+    for what, diffs in run["diffs"].items():
+        assert not diffs, f"{where}: {what} differ from the single-process reference:\n" + "\n".join(diffs[:20])
+    assert run["freed"], f"{where}: quantized unsharded buffers survived reshard"
+    mem = run["memory"]
+    if mem:  # step 0 allocates the optimizer state; after that nothing may grow
+        assert len(mem) >= 3 and mem[1:] == mem[1:2] * (len(mem) - 1), f"{where}: memory grows across steps: {mem}"
+    c = run["counters"]
+    if not run["reshard_after_forward"]:
+        assert c.get("gather_backward", 0) == 0, f"{where}: reshard_after_forward=False re-gathered in backward: {c}"
+    elif run["recompute"]:
+        assert c.get("lazy_gathers", 0) > 0, f"{where}: activation recompute read no lazily gathered rowwise form: {c}"
+    if run["clip_norm"] is not None:
+        assert math.isfinite(run["clip_norm"]) and run["clip_norm"] > 0, f"{where}: grad norm {run['clip_norm']}"
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_sharding_invariance_two_ranks(backend):
     out = spawn(_jobs.job_invariance, 2, backend)
-    assert out[0]["checked"] == out[1]["checked"] == 4 * len(_jobs.INVARIANCE_CASES)
+    for rank, inv in enumerate(out):
+        check_invariance(inv, 2, rank)
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -46,13 +90,17 @@ def test_one_rank_invariance_and_training(backend):
     """World size 1 (FSDP2's no-collective path): same invariance, plus a short training run."""
     out = spawn(_jobs.job_training, 1, backend, invariance=True,
                 configs=[{"preset": "mxfp8_fwd_nvfp4_bwd", **_memory(backend)}])
-    assert out[0]["invariance"]["checked"] == 4 * len(_jobs.INVARIANCE_CASES)
+    check_invariance(out[0]["invariance"], 1, 0)
+    check_training(out[0]["runs"][0], 0)
 
 
 @pytest.mark.parametrize("backend", backends())
 def test_training_matches_single_process_every_preset(backend):
     configs = [{"preset": p, **_memory(backend)} for p in PRESETS]
     out = spawn(_jobs.job_training, 2, backend, configs=configs)
+    for rank, r in enumerate(out):
+        for run in r["runs"]:
+            check_training(run, rank)
     for run in out[0]["runs"]:
         c = run["counters"]
         assert c["gather_forward"] > 0 and c["gather_backward"] > 0, run
@@ -88,6 +136,14 @@ def test_training_variants(backend):
         configs.append({"preset": "fp8_tensorwise", "offload": True})
     configs += HIGH_PRECISION_CONFIGS
     out = spawn(_jobs.job_training, 2, backend, configs=configs, high_precision={"presets": HIGH_PRECISION_PRESETS})
+    for rank, r in enumerate(out):
+        for run in r["runs"]:
+            check_training(run, rank)
+        for cfg, run in zip(configs, r["runs"]):
+            if cfg.get("check_state_dict"):
+                assert not run["diffs"]["state_dict"], (rank, run["diffs"]["state_dict"])
+            if cfg.get("check_clip"):
+                assert run["clip_norm"] is not None, (rank, cfg)
     runs = out[0]["runs"]
     assert runs[0]["counters"].get("gather_backward", 0) == 0  # nothing re-gathered in backward
     assert runs[1]["counters"]["stats_allreduce"] >= 3 * runs[1]["converted"] - 3  # fallback: one per step
@@ -123,6 +179,13 @@ def _check_high_precision(out, runs):
             assert c["gather_backward"] > 0, (cfg, c)
         else:
             assert c.get("gather_backward", 0) == 0, (cfg, c)
+    for rank, r in enumerate(out):
+        for name, case in r["high_precision"].items():
+            assert not case["diffs"], f"rank {rank}, {name}: differs from the one-device run:\n" + "\n".join(case["diffs"])
+            assert case["freed"], f"rank {rank}, {name}: unsharded buffers survived the reshard"
+            assert case["bytes_per_step"] == case["expected_bytes_per_step"], (rank, name, case)
+            if not case["reshard_after_forward"]:
+                assert case["counters"].get("gather_backward", 0) == 0, (rank, name, case["counters"])
     hp = out[0]["high_precision"]
     assert len(hp) == 2 * len(HIGH_PRECISION_PRESETS) + 1, sorted(hp)
     for name, r in hp.items():
@@ -143,3 +206,6 @@ def test_hsdp_2x2(backend):
         {"preset": "fp8_tensorwise", "mesh_shape": [2, 2], "accum": 2},
     ])
     assert len(out) == 4
+    for rank, r in enumerate(out):
+        for run in r["runs"]:
+            check_training(run, rank)

@@ -1,6 +1,7 @@
 """Ops per converted weight per training step in the FSDP2 weight path (each a kernel launch on a GPU), per
-preset, printed for the record (no assertion on the counts beyond sanity). GPU-equivalent counting: a quantization
-the CUDA kernels take counts as one op. See hybridq/distributed/opcount.py."""
+preset: held to a budget (the counts measured when the budget was set) so a change that adds launches fails;
+a change that removes some should lower the budget. The table goes to the terminal summary. GPU-equivalent
+counting: a quantization the CUDA kernels take counts as one op. See tests/distributed/_opcount.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,19 @@ import _jobs
 
 pytestmark = pytest.mark.distributed
 
-PRESETS = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
-           "fp8_fwd_high_precision_bwd"]
+PHASES = ("pre_all_gather", "post_all_gather", "precompute_scales")
+
+# launches per converted weight per step (3 weights, steps 2-3 of 3, reshard_after_forward=True, precompute_scales)
+BUDGET = {
+    "fp8_tensorwise": {"pre_all_gather": 2.0, "post_all_gather": 3.0, "precompute_scales": 4.333},
+    "fp8_block": {"pre_all_gather": 22.0, "post_all_gather": 3.0, "precompute_scales": 8.667},
+    "mxfp8": {"pre_all_gather": 23.333, "post_all_gather": 12.0, "precompute_scales": 3.667},
+    "nvfp4": {"pre_all_gather": 69.0, "post_all_gather": 22.0, "precompute_scales": 5.333},
+    "mxfp8_fwd_nvfp4_bwd": {"pre_all_gather": 81.0, "post_all_gather": 18.0, "precompute_scales": 8.667},
+    "fp8_block_fwd_mxfp8_bwd": {"pre_all_gather": 52.333, "post_all_gather": 7.0, "precompute_scales": 12.0},
+    "fp8_fwd_high_precision_bwd": {"pre_all_gather": 6.0, "post_all_gather": 1.0, "precompute_scales": 5.333},
+}
+PRESETS = list(BUDGET)
 
 
 def _cell(d, phase, kind="launches"):
@@ -25,9 +37,9 @@ def format_table(out) -> str:
             "|---|---|---|---|---|---|---|---|"]
     for preset, r in out.items():
         f, p = r["fsdp"], r["plain"]
-        total = _cell(f, "pre_all_gather") + _cell(f, "post_all_gather") + _cell(f, "precompute_scales")
-        kib = sum(_cell(f, ph, "bytes") for ph in ("pre_all_gather", "post_all_gather", "precompute_scales")) / 1024
-        const = sum(_cell(f, ph, "constants") for ph in ("pre_all_gather", "post_all_gather", "precompute_scales"))
+        total = sum(_cell(f, ph) for ph in PHASES)
+        kib = sum(_cell(f, ph, "bytes") for ph in PHASES) / 1024
+        const = sum(_cell(f, ph, "constants") for ph in PHASES)
         rows.append(
             f"| {preset} | {_cell(f, 'pre_all_gather'):.1f} ({_cell(f, 'pre_all_gather/stats'):.1f} / "
             f"{_cell(f, 'pre_all_gather/quantize'):.1f} / {_cell(f, 'pre_all_gather/pack'):.1f}) | "
@@ -37,11 +49,22 @@ def format_table(out) -> str:
     return "\n".join(rows)
 
 
-def test_opcount_table(capsys):
-    out = spawn(_jobs.job_opcount, 2, "gloo", presets=PRESETS)[0]
-    table = format_table(out)
-    with capsys.disabled():
-        print("\nFSDP2 weight path: ops (kernel launches, GPU-equivalent) per converted weight per step, 2 ranks, "
-              f"weights {list(_jobs.OPCOUNT_SHAPES)}, reshard_after_forward=True, precompute_scales:\n" + table)
-    for preset, r in out.items():
-        assert r["fsdp"]["pre_all_gather"]["launches"] > 0, preset
+@pytest.fixture(scope="module")
+def opcounts() -> dict:
+    return spawn(_jobs.job_opcount, 2, "gloo", presets=PRESETS)[0]
+
+
+def test_every_preset_counted(opcounts, summary_table):
+    summary_table("FSDP2 weight path: ops (kernel launches, GPU-equivalent) per converted weight per step, 2 ranks, "
+                  f"weights {list(_jobs.OPCOUNT_SHAPES)}, reshard_after_forward=True, precompute_scales",
+                  format_table(opcounts))
+    missing = [p for p in PRESETS if _cell(opcounts[p]["fsdp"], "pre_all_gather") == 0]
+    assert not missing, f"no pre_all_gather ops counted for {missing}: the counter no longer sees the hooks"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_launches_within_budget(opcounts, preset):
+    f = opcounts[preset]["fsdp"]
+    over = {ph: (round(_cell(f, ph), 3), BUDGET[preset][ph]) for ph in PHASES
+            if round(_cell(f, ph), 3) > BUDGET[preset][ph]}
+    assert not over, f"{preset}: launches per weight per step over budget (measured, budget): {over}"

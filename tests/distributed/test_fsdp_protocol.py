@@ -14,7 +14,7 @@ import hybridq
 from hybridq import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
                      NVFP4Quantizer)
 from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, bytes_table, gather_bytes_per_step, precompute_scales
-from hybridq.distributed.fsdp import make_plan
+from hybridq.distributed.plan import make_plan
 from hybridq.distributed.payload import assemble_parts, build_payload, quantize_shard
 from hybridq.formats._sharding import RowShard, dim0_chunks
 
@@ -217,12 +217,11 @@ def test_apply_is_idempotent_and_skips_tied_weights():
     assert model[0].weight is w
 
 
-def test_bytes_per_step_table(capsys):
+def test_bytes_per_step_table(summary_table):
     """Per-rank all-gather bytes of one weight per training step (forward + backward re-gather), each preset
-    vs bf16 FSDP2; printed for the record."""
+    vs bf16 FSDP2; the table goes to the terminal summary."""
     table = bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size=2)
-    with capsys.disabled():
-        print("\nall-gather bytes per weight element per step (2 ranks, reshard_after_forward=True):\n" + table)
+    summary_table("FSDP2 all-gather bytes per weight element per step (2 ranks, reshard_after_forward=True)", table)
     expected = {"fp8_tensorwise": 0.5, "fp8_block": 0.5, "mxfp8": 0.515625, "nvfp4": 0.251953125,
                 "mxfp8_fwd_nvfp4_bwd": 0.3984375, "fp8_block_fwd_mxfp8_bwd": 0.5078125,
                 "fp8_fwd_high_precision_bwd": 0.75}

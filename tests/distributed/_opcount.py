@@ -1,5 +1,5 @@
 """Counting the tensor ops (each one a kernel launch on a GPU) that the FSDP2 weight path issues per converted weight
-per training step: `fsdp_pre_all_gather` (statistics, shard quantization, payload packing), `fsdp_post_all_gather`
+per training step (a test instrument, not part of the library): `fsdp_pre_all_gather` (statistics, shard quantization, payload packing), `fsdp_post_all_gather`
 (unpacking, derivation, copies into the unsharded weight) and `precompute_scales`.
 
     with OpCounter(gpu_equivalent=True) as oc:
@@ -25,13 +25,13 @@ _FUSED_TYPES = None
 def _fused_on_gpu(q, kw) -> bool:
     """Whether hybridq.kernels.cuda would take this quantize_parts call on a CUDA tensor (see _plain_kw)."""
     global _FUSED_TYPES
-    from ..formats import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+    from hybridq.formats import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 
     if _FUSED_TYPES is None:
         _FUSED_TYPES = (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
     if type(q) not in _FUSED_TYPES:
         return False
-    from ..kernels.cuda import _plain_kw
+    from hybridq.kernels.cuda import _plain_kw
 
     return _plain_kw(kw, ("amax", "stats", "shard") if type(q) is Float8Quantizer else ())
 
@@ -70,8 +70,8 @@ class OpCounter(TorchDispatchMode):
         self._patches.callback(setattr, owner, attr, orig)
 
     def _wrap_quantize(self):
-        from ..formats.base import Quantizer
-        from ..formats.hybrid import HybridQuantizer
+        from hybridq.formats.base import Quantizer
+        from hybridq.formats.hybrid import HybridQuantizer
 
         counter = self
         for cls in (Quantizer, HybridQuantizer):
@@ -91,14 +91,16 @@ class OpCounter(TorchDispatchMode):
             self._patches.callback(setattr, cls, "quantize_parts", orig)
 
     def __enter__(self):
-        from . import fsdp
+        from hybridq.distributed import state, transport, weights
 
-        self._wrap(fsdp.HybridWeight, "fsdp_pre_all_gather", "pre_all_gather")
-        self._wrap(fsdp.HybridWeight, "fsdp_post_all_gather", "post_all_gather")
-        self._wrap(fsdp._WeightState, "reduced_stats", "pre_all_gather/stats")
-        self._wrap(fsdp, "quantize_shard", "pre_all_gather/quantize")
-        self._wrap(fsdp, "build_payload", "pre_all_gather/pack")
-        self._wrap(fsdp, "assemble_parts", "post_all_gather/unpack")
+        self._wrap(weights.HybridWeight, "fsdp_pre_all_gather", "pre_all_gather")
+        self._wrap(weights.HybridWeight, "fsdp_post_all_gather", "post_all_gather")
+        # the once-per-layout check of the shards' sharding rules (meta tensors: no kernel) is its own phase
+        self._wrap(weights, "check_shard_layout", "layout_check")
+        self._wrap(state.WeightState, "reduced_stats", "pre_all_gather/stats")
+        self._wrap(transport, "quantize_shard", "pre_all_gather/quantize")
+        self._wrap(transport, "build_payload", "pre_all_gather/pack")
+        self._wrap(weights, "assemble_parts", "post_all_gather/unpack")
         self._wrap_quantize()
         return super().__enter__()
 
@@ -109,10 +111,10 @@ class OpCounter(TorchDispatchMode):
             self._patches.close()
 
     def precompute_scales(self, model):
-        from . import fsdp
+        from hybridq.distributed import precompute_scales
 
         with self.phase("precompute_scales"):
-            return fsdp.precompute_scales(model)
+            return precompute_scales(model)
 
     # -- recording ------------------------------------------------------------------------------------
     def _record(self, kind: str, nbytes: int = 0):

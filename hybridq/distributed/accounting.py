@@ -1,0 +1,70 @@
+"""Bytes on the wire: what each rank all-gathers per weight per training step, against bf16 FSDP2."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.base import Quantizer
+from ..recipe import Role
+from .payload import gather_bytes_for, rows_of
+from .plan import make_plan
+from .state import WeightState
+from .transport import transport_view
+
+__all__ = ["bytes_table", "gather_bytes_per_step"]
+
+
+def gather_bytes_per_step(quantizer: Quantizer, shape, world_size: int = 2, *, param_dtype=torch.bfloat16,
+                          reshard_after_forward: bool = True, backward_override: str | None = None) -> dict:
+    """Bytes each rank contributes to the all-gathers of one weight in one training step (forward, and backward
+    when it re-gathers), against a bf16 FSDP2 all-gather of the same weight. Counts the transport padding
+    of unevenly sharded weights; the statistics all-reduce (a few fp32 per weight) is not included."""
+    shape = tuple(shape)
+    if quantizer.is_stateful:
+        raise ValueError(f"{quantizer.describe()}: delayed scaling is rejected under FSDP2")
+    derivable = WeightState().is_derivable(quantizer, shape, param_dtype)
+    out = {}
+    phases = ("forward", "backward") if reshard_after_forward else ("forward",)
+    for phase in phases:
+        plan = make_plan(phase=phase, reshard_after_forward=reshard_after_forward,
+                         backward_override=backward_override, derivable=derivable, known=True)
+        b = gather_bytes_for(quantizer, shape, world_size, plan.send, param_dtype)
+        payload = torch.empty(b, dtype=torch.uint8, device="meta")
+        t = transport_view(payload, shape, world_size)
+        out[phase] = t.numel() * t.element_size()
+        out[f"{phase}_sends"] = "+".join(plan.send)
+    out["total"] = sum(out[p] for p in phases)
+    chunk = -(-shape[0] // world_size) * math.prod(shape[1:])
+    out["bf16_total"] = chunk * 2 * len(phases)
+    out["ratio"] = out["total"] / out["bf16_total"]
+    return out
+
+
+def bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size: int = 2, presets=None) -> str:
+    """Markdown table of per-step all-gather bytes per element of the weight (per rank, forward + backward with
+    reshard_after_forward=True) for each preset's weight format vs bf16."""
+    from ..recipe import preset_names, recipe
+
+    presets = presets or preset_names()
+    head = "| preset | weight format | " + " | ".join(f"{s[0]}x{s[1]} B/elem (fwd+bwd) | vs bf16" for s in shapes) + " |"
+    rows = [head, "|" + "---|" * (2 + 2 * len(shapes))]
+    for name in presets:
+        q = recipe(name).quantizer(Role("linear", "weight"))
+        cells = []
+        for shape in shapes:
+            if q.is_stateful:
+                cells += ["rejected (delayed scaling)", "-"]
+                continue
+            why = q.shape_rule(rows_of(shape), shape[-1], True, True)
+            if why is not None:
+                cells += [f"kept in bf16 ({why})", "1.000"]
+                continue
+            r = gather_bytes_per_step(q, shape, world_size)
+            per_elem = r["total"] / (math.prod(shape) / world_size)
+            cells += [f"{per_elem:.4f} ({r['forward_sends']} / {r['backward_sends']})", f"{r['ratio']:.3f}"]
+        rows.append(f"| {name} | {q.describe()} | " + " | ".join(cells) + " |")
+    bf = ["4.0000", "1.000"] * len(shapes)
+    rows.append("| (bf16 FSDP2) | bfloat16 | " + " | ".join(bf) + " |")
+    return "\n".join(rows)

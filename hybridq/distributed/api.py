@@ -1,0 +1,153 @@
+"""Public entry points: `apply_hybrid_fsdp` (before `fully_shard`) and `precompute_scales` (after each
+optimizer step)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..formats._sharding import dim0_chunks
+from ..nn.convert import ConversionReport, convert_linears
+from ..nn.linear import Linear
+from ..recipe import CustomRecipe, Role
+from .state import WeightState
+from .transport import stats_key
+from .weights import HybridWeight
+
+__all__ = ["apply_hybrid_fsdp", "precompute_scales"]
+
+log = logging.getLogger("hybridq")
+
+
+def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for key, v in list(state_dict.items()):
+        if isinstance(v, DTensor) and isinstance(v._local_tensor, HybridWeight):
+            state_dict[key] = DTensor.from_local(v._local_tensor._data, v.device_mesh, v.placements,
+                                                 run_check=False, shape=v.shape, stride=v.stride())
+        elif isinstance(v, HybridWeight):
+            state_dict[key] = v._data
+
+
+def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
+                      module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                      on_incompatible: str = "skip", reuse_forward_payload: bool = True) -> ConversionReport:
+    """Prepare `model` for FSDP2 with quantized all-gathers; call it before `fully_shard`.
+
+    Converts the eligible nn.Linear layers (`convert_linears`, same filter and `on_incompatible` semantics) and
+    wraps the weight of every hybridq Linear in a `HybridWeight`, so that FSDP2 all-gathers the weight in the
+    recipe's weight format: rowwise in forward, only what dgrad reads in backward, a direction that is an exact
+    transform of the other derived after the gather. The gathered weight is bitwise the quantization of the
+    full weight (global amaxes and split blocks are reduced across shards; see README "FSDP2"). Call
+    `hybridq.precompute_scales(model)` after each `optimizer.step()` to fuse those reductions into one
+    all-reduce (optional). Delayed-scaling weight quantizers are rejected (use current scaling). A weight shared
+    with another module (tied embeddings) stays a plain parameter (gathered in high precision).
+
+    The shard layout is known from the first unshard on: its all-gather first checks every rank's shard against
+    the formats' sharding rules in every direction any unshard will gather (ValueError naming the weight, the
+    format, the rule and the shard boundary), before anything is quantized or sent.
+
+    reuse_forward_payload: when the backward unshard gathers the same directions as the forward one (per-tensor
+    FP8 and 128x128 blocks: rowwise, the columnwise form derived after the gather), each rank keeps its quantized
+    shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
+    """
+    for fqn, mod in model.named_modules():
+        candidates = [(f"{fqn}.{n}" if fqn else n, c) for n, c in mod.named_children() if isinstance(c, nn.Linear)]
+        for full, child in candidates:
+            if module_filter_fn is not None and not module_filter_fn(child, full):
+                continue
+            if hasattr(child.weight, "device_mesh"):
+                raise ValueError(f"apply_hybrid_fsdp: {full}.weight is already a DTensor; call apply_hybrid_fsdp "
+                                 f"before fully_shard (tensor parallelism is not supported by it yet)")
+            q = recipe.quantizer(Role("linear", "weight", full))  # what convert_linears gives it, converted or not
+            if q.is_stateful:
+                raise ValueError(
+                    f"apply_hybrid_fsdp: the weight of {full} uses delayed scaling ({q.describe()}); under FSDP2 "
+                    f"every rank quantizes its shard and backward re-gathers the weight, so a scale that changes "
+                    f"between casts cannot give the single-device result. Use current scaling (e.g. the "
+                    f"'fp8_tensorwise' preset: its global amax costs one fused all-reduce per step).")
+    report = convert_linears(model, recipe, module_filter_fn, on_incompatible=on_incompatible)
+    counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, Linear) or isinstance(mod.weight, HybridWeight):
+            continue
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+            continue
+        w = mod.weight
+        if counts[id(w)] > 1:
+            log.warning("hybridq: %s.weight is shared with another module; FSDP2 gathers it in high precision", fqn)
+            continue
+        state = WeightState(model, f"{fqn}.weight" if fqn else "weight")
+        state.reuse_payload = reuse_forward_payload
+        mod.weight = nn.Parameter(HybridWeight(w.data, state), requires_grad=w.requires_grad)
+    if not getattr(model, "_hybridq_state_dict_hook", False):
+        if hasattr(model, "register_state_dict_post_hook"):
+            model.register_state_dict_post_hook(_unwrap_state_dict)
+        else:  # pragma: no cover - older torch
+            model._register_state_dict_hook(lambda m, sd, p, lm: _unwrap_state_dict(m, sd, p, lm))
+        model._hybridq_state_dict_hook = True
+    return report
+
+
+def _shard_info(p):
+    """(mesh, shard mesh dim, world size, rank) of a DTensor parameter sharded on dim 0, else None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return None
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == 0]
+    if len(dims) != 1:
+        return None
+    mesh, i = p.device_mesh, dims[0]
+    return mesh, i, mesh.size(i), mesh.get_local_rank(i)
+
+
+@torch.no_grad()
+def precompute_scales(model: nn.Module) -> dict:
+    """Reduce the cross-shard statistics of every converted FSDP2-sharded weight of `model` in one fused
+    all-reduce per process group; call it after `optimizer.step()` on every rank (it is a collective). The
+    next all-gathers use them instead of one all-reduce per weight. A harmless no-op on a model that is not
+    sharded. Returns {"weights": n, "values": reduced fp32 values, "all_reduces": collectives issued}."""
+    per_group: dict = {}
+    for mod in model.modules():
+        if not isinstance(mod, Linear):
+            continue
+        p = mod._parameters.get("weight")
+        info = _shard_info(p)
+        if info is None or not isinstance(p._local_tensor, HybridWeight):
+            continue
+        mesh, i, ws, rank = info
+        if ws == 1:
+            continue
+        local = p._local_tensor
+        st = local._hq
+        dtype = st.param_dtype or local.dtype
+        shape = tuple(p.shape)
+        shard = dim0_chunks(shape, ws)[rank]
+        data = local._data
+        x2d = data.to(dtype).reshape(shard.length, shape[-1])
+        s = mod.weight_quantizer.shard_stats(x2d, shard)
+        if s is None:
+            continue
+        key = stats_key(p, dtype, shard)
+        group = mesh.get_group(i)
+        device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
+                  else torch.device(mesh.device_type))
+        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s.reshape(-1).float()))
+    values = 0
+    for group, items, device in per_group.values():
+        flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        i = 0
+        for st, key, s in items:
+            st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
+            i += s.numel()
+        values += flat.numel()
+    return {"weights": sum(len(v[1]) for v in per_group.values()), "values": values,
+            "all_reduces": len(per_group)}

@@ -1,0 +1,101 @@
+"""The one place that reads FSDP2's private state (so a torch upgrade touches this file only).
+
+What hybridq needs from FSDP2 beyond the public all-gather extension (`fsdp_pre_all_gather` /
+`fsdp_post_all_gather`): which FSDPParam and param group hold a weight, whether the group is in forward or
+backward, whether it reshards after forward / backward, the sharded parameter (its version counter), and a way
+to make FSDP2 allocate new all-gather outputs when the payload changes size. Everything is looked up
+defensively: when an attribute is missing the callers fall back to a conservative constant payload.
+
+Checked against torch 2.11 (one `_fsdp_param_group` per state) and 2.13 (`_fsdp_param_groups`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+__all__ = ["FSDPLink", "in_backward", "phase_of"]
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12 (grouped fully_shard)
+    if groups is None:
+        g = getattr(state, "_fsdp_param_group", None)
+        groups = [g] if g is not None else []
+    return [g for g in groups if g is not None]
+
+
+class FSDPLink:
+    """Weak references to the FSDPParam of a module's `weight` and to its param group."""
+
+    def __init__(self, fsdp_param, group):
+        self._param = weakref.ref(fsdp_param)
+        self._group = weakref.ref(group)
+
+    @classmethod
+    def find(cls, roots, module: nn.Module) -> "FSDPLink | None":
+        """The link of `module.weight`, searched in the FSDP modules under `roots`; None if not found."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return None
+        seen = set()
+        for root in roots:
+            if root is None:
+                continue
+            for m in root.modules():
+                if id(m) in seen or not isinstance(m, FSDPModule):
+                    continue
+                seen.add(id(m))
+                try:
+                    groups = _param_groups(m._get_fsdp_state())
+                except Exception:  # noqa: BLE001 - internals differ: fall back
+                    continue
+                for g in groups:
+                    for p in getattr(g, "fsdp_params", ()):
+                        info = getattr(p, "_module_info", None)
+                        if info is not None and info.module is module and info.param_name == "weight":
+                            return cls(p, g)
+        return None
+
+    @property
+    def alive(self) -> bool:
+        return self._param() is not None and self._group() is not None
+
+    @property
+    def group(self):
+        return self._group()
+
+    def phase(self) -> str:
+        return phase_of(self._group())
+
+    def reshard_after_forward(self) -> bool:
+        return getattr(self._group(), "post_forward_mesh_info", None) is not None
+
+    def reshard_after_backward(self) -> bool:
+        return getattr(self._group(), "reshard_after_backward", True) is not False
+
+    def sharded_param(self):
+        """FSDP2's sharded DTensor parameter (with CPU offload, the one whose local tensor stays on the CPU)."""
+        return getattr(self._param(), "sharded_param", None)
+
+    def drop_all_gather_outputs(self) -> None:
+        """Make FSDP2 allocate new all-gather outputs at the next unshard (the payload changed size)."""
+        self._param().all_gather_outputs = []
+
+
+def phase_of(group) -> str:
+    """"forward" or "backward": the group's training state, or (no group) whether autograd is running."""
+    name = getattr(getattr(group, "_training_state", None), "name", "") if group is not None else ""
+    if name in ("PRE_BACKWARD", "POST_BACKWARD"):
+        return "backward"
+    if name == "FORWARD":
+        return "forward"
+    return "backward" if in_backward() else "forward"

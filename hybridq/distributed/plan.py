@@ -1,0 +1,81 @@
+"""The gather plan: which directions of a weight one FSDP2 unshard sends, materializes, derives and defers.
+
+A pure function of the phase, the FSDP2 settings and the weight's format (no tensors, no FSDP2 state), so
+it is cached and can be asked for every direction a weight will ever gather (see `checks.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ..formats.base import COLUMNWISE, ROWWISE
+from .payload import DIRECTIONS, HIGH_PRECISION
+
+__all__ = ["GatherPlan", "make_plan", "every_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherPlan:
+    send: tuple[str, ...]  # directions quantized on each rank and all-gathered
+    materialize: tuple[str, ...]  # directions filled into the unsharded weight
+    derive: bool  # columnwise computed from the gathered rowwise after the gather
+    deferred: tuple[str, ...]  # directions a later (backward) unshard will fill
+    local: tuple[str, ...] = ()  # quantized on every rank from the gathered high-precision weight (not sent)
+
+
+def _order(dirs) -> tuple[str, ...]:
+    return tuple(d for d in DIRECTIONS if d in dirs)
+
+
+def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_override: str | None,
+              derivable: bool, known: bool, backward_extra=()) -> GatherPlan:
+    """phase: "forward" or "backward". reshard_after_forward None = unknown (conservative). derivable: the
+    columnwise form is an exact transform of the rowwise one. known=False: FSDP2 internals were not found, so
+    the payload must not change between unshards (every unshard sends the same directions). backward_extra:
+    directions an earlier backward had to gather lazily (activation recompute reads the rowwise form).
+
+    backward_override="high_precision": backward reads the weight in the gather dtype (FSDP's param_dtype), so the
+    HIGH_PRECISION "direction" (the shard itself) is what backward gathers. When it is gathered, any quantized
+    direction of the same unshard is quantized from it on every rank (bitwise the one-device quantization of
+    the full weight) instead of being sent too: reshard_after_forward=False then sends param_dtype bytes only."""
+    return _make_plan(phase, reshard_after_forward, backward_override, derivable, known, frozenset(backward_extra))
+
+
+@functools.lru_cache(maxsize=256)  # (a handful of distinct arguments; asked for on every all-gather)
+def _make_plan(phase: str, reshard_after_forward: bool | None, backward_override: str | None, derivable: bool,
+               known: bool, backward_extra: frozenset) -> GatherPlan:
+    bwd = {COLUMNWISE} if backward_override is None else (
+        {ROWWISE} if backward_override == "dequantized" else {HIGH_PRECISION})
+    deferred: set[str] = set()
+    if phase == "backward":
+        mat = set(bwd) | set(backward_extra)
+    else:
+        mat = {ROWWISE}
+        if reshard_after_forward:
+            deferred = bwd - mat  # backward re-gathers them
+        else:
+            mat |= bwd  # no backward unshard: everything backward reads comes now
+
+    def sends(dirs):
+        if HIGH_PRECISION in dirs:
+            return {HIGH_PRECISION}
+        return {ROWWISE if (d == COLUMNWISE and derivable) else d for d in dirs}
+
+    send = sends(mat) or {ROWWISE}
+    if not known:
+        send = sends({ROWWISE} | bwd)
+    local = (mat - {HIGH_PRECISION}) if HIGH_PRECISION in send else set()
+    derive = COLUMNWISE in mat and COLUMNWISE not in send and not local
+    return GatherPlan(_order(send), _order(mat), derive, _order(deferred), _order(local))
+
+
+def every_plan(backward_override: str | None, derivable: bool) -> tuple[GatherPlan, ...]:
+    """Every plan an unshard of a weight with this override can follow: forward and backward, any
+    reshard_after_forward, FSDP2 internals found or not, with or without the rowwise form in backward
+    (activation recompute, reshard_after_backward=False)."""
+    extras = ((), (ROWWISE,))
+    plans = {_make_plan(phase, ra, backward_override, derivable, known, frozenset(extra))
+             for phase in ("forward", "backward") for ra in (True, False, None) for known in (True, False)
+             for extra in extras}
+    return tuple(sorted(plans, key=repr))

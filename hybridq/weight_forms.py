@@ -1,0 +1,28 @@
+"""Markers that let the layers recognise the distributed code's weight types without importing it.
+
+- `HighPrecisionSource`: a quantized weight that can also give its high-precision form on demand.
+- `QuantizedGatherShard`: a sharded parameter whose all-gather sends bytes laid out by its weight quantizer
+  (FSDP2's `HybridWeight`), so that quantizer's format can no longer change.
+
+`backward_override="high_precision"` needs the weight in high precision in backward. A weight that implements
+`HighPrecisionSource` (FSDP2's gathered weight, whose backward unshard gathers it in param_dtype) is saved as a
+handle and asked for `high_precision()` in backward; any other quantized weight is dequantized in forward.
+Kept in a leaf module so the layers can recognise such weights without importing the distributed code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HighPrecisionSource", "QuantizedGatherShard"]
+
+
+class HighPrecisionSource:
+    """Mixin for a QuantizedTensor that can return the weight in high precision (its gather dtype)."""
+
+    def high_precision(self) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not implement high_precision()")
+
+
+class QuantizedGatherShard:
+    """Mixin for a sharded parameter that FSDP2 all-gathers in its weight quantizer's format."""
