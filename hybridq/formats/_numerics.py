@@ -27,13 +27,26 @@ def fp8_dtype(fmt: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown FP8 format {fmt!r}; use 'e4m3' or 'e5m2'") from None
 
 
-def satfinite_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Clamp to +-max finite, then round to nearest even (torch's cast is RNE once in range).
+# Canonical non-finite bytes (sign bit 0x80 added for negative inputs). E4M3 (fn) has no infinity, so an
+# infinite input becomes its NaN; E5M2 keeps infinities (docs/numerics.md, "Non-finite values").
+_FP8_NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F}
+_FP8_INF_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
 
-    NaN stays NaN (clamp propagates it and both FP8 dtypes have a NaN encoding).
+
+def satfinite_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 element conversion (docs/numerics.md, "Terms" and "Non-finite values").
+
+    Finite values: clamp to +-max finite, then round to nearest even (torch's cast is RNE once in range).
+    NaN -> the format's NaN byte with the input's sign; +-inf -> +-inf in E5M2, +-NaN in E4M3. The non-finite
+    bytes are written explicitly rather than left to torch's cast, which saturates inf on some builds.
     """
     m = FP8_MAX[dtype]
-    return x.float().clamp(-m, m).to(dtype)
+    v = x.float()
+    out = v.clamp(-m, m).to(dtype).view(torch.uint8)
+    sign = torch.signbit(v).to(torch.uint8) << 7
+    out = torch.where(torch.isnan(v), sign | _FP8_NAN_BYTE[dtype], out)
+    out = torch.where(torch.isinf(v), sign | _FP8_INF_BYTE[dtype], out)
+    return out.view(dtype)
 
 
 def clear_mantissa(x: torch.Tensor) -> torch.Tensor:
