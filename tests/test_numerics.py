@@ -369,3 +369,21 @@ def test_tile_amax_partial_edge_tiles():
     x[15, 15] = 4.0
     got = nx.tile_amax(x, 16)
     assert got.tolist() == [[4.0, 1.0], [0.0, 2.0]]
+
+
+@pytest.mark.parametrize("exp", [123, 124, 125])
+def test_rht_of_large_finite_groups_is_the_exact_product_rounded_to_bf16(exp):
+    """Groups whose fp32 butterflies would overflow (|x| near FLT_MAX / 16 and above) still give the exact
+    product rounded once to bf16, as long as that fits bf16 (|x| <= 2^125)."""
+    g = torch.Generator().manual_seed(5)
+    sign = torch.where(torch.rand(8, 64, generator=g) < 0.5, -1.0, 1.0)
+    x = sign * torch.exp2(torch.randint(exp - 3, exp + 1, (8, 64), generator=g).float())
+    x[:, :16] = 2.0 ** exp  # a group of equal values: one output is 16 * 2^exp / 4 (fp32 sum 16 * 2^exp)
+    exact = (x.double().reshape(8, 4, 16) @ rht_matrix()).reshape(8, 64)
+    torch.testing.assert_close(nx.rht16(x), exact.to(torch.bfloat16).float(), rtol=0, atol=0)
+    torch.testing.assert_close(nx.rht16_inverse(nx.rht16(x)), x, rtol=0, atol=0)
+
+
+def test_rht_out_of_bf16_range_is_non_finite_never_finite():
+    x = torch.full((1, 16), 2.0 ** 127)  # the transform's first output, 4 * 2^127, is beyond bf16
+    assert not torch.isfinite(nx.rht16(x)).all()

@@ -205,12 +205,24 @@ def _fwht16(g: torch.Tensor) -> torch.Tensor:
 
 
 def rht16(x: torch.Tensor) -> torch.Tensor:
-    """Each group of 16 along the last dim times diag(s) * H16 / 4: inputs rounded to bf16 first,
-    butterflies in fp32 in the order stride 1, 2, 4, 8, result * 0.25 rounded to bf16 (returned as fp32)."""
+    """Each group of 16 along the last dim times diag(s) * H16 / 4 (docs/numerics.md, "NVFP4"): inputs rounded
+    to bf16 first, butterflies in fp32 in the order stride 1, 2, 4, 8, result * 0.25 rounded to bf16 (returned
+    as fp32).
+
+    Large groups: a butterfly sum overflows fp32 once |x| nears FLT_MAX / 16, although the result (at most
+    4 max|x|) may still fit bf16. A group of finite inputs whose result came out non-finite is recomputed as
+    ((g * 2^-4) butterflies) * 4, which cannot overflow inside the butterflies (and is exact there, since the
+    power-of-two scaling of values that large loses no bits); every other group keeps the plain bits. A result
+    beyond bf16's range (|x| above about 2^125) is +-inf: out of the format's range, never finite.
+    """
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device)
     lead = x.shape[:-1]
     g = x.to(torch.bfloat16).float().reshape(*lead, -1, 16) * signs
-    return (_fwht16(g) * 0.25).to(torch.bfloat16).float().reshape(x.shape)
+    out = _fwht16(g) * 0.25
+    overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
+    scaled = _fwht16(g * 0.0625) * 4.0
+    out = torch.where(overflowed, scaled, out)
+    return out.to(torch.bfloat16).float().reshape(x.shape)
 
 
 def rht16_inverse(y: torch.Tensor) -> torch.Tensor:
@@ -218,4 +230,8 @@ def rht16_inverse(y: torch.Tensor) -> torch.Tensor:
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y.device)
     lead = y.shape[:-1]
     g = y.float().reshape(*lead, -1, 16)
-    return (_fwht16(g) * 0.25 * signs).reshape(y.shape)
+    out = _fwht16(g) * 0.25
+    # as in rht16: a group of finite values whose butterflies overflowed is recomputed pre-scaled by 2^-4
+    overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
+    out = torch.where(overflowed, _fwht16(g * 0.0625) * 4.0, out)
+    return (out * signs).reshape(y.shape)

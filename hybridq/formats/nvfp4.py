@@ -27,6 +27,19 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
+# Above this global amax, (q * s) * A can overflow fp32 (q * s reaches 6 * 448 = 2688).
+LARGE_AMAX = FLT_MAX / (FP4_MAX * E4M3_MAX)
+
+
+def dequantize_values(q: torch.Tensor, s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """q * fp32(s) * A / (6 * 448) (docs/numerics.md, "NVFP4"): ((q * s) * A) / 2688 evaluated left to right,
+    or (q * s) * (A / 2688) when A > FLT_MAX / 2688, where the left-to-right product would overflow. The branch
+    is one per tensor (on A), so every A that did not overflow keeps its bits."""
+    qs = q * s
+    d = torch.tensor(FP4_MAX * E4M3_MAX, dtype=torch.float32, device=q.device)
+    return torch.where(amax > LARGE_AMAX, qs * (amax / d), (qs * amax) / d)
+
+
 def block_scale_e4m3(blk_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     """s = e4m3_satfinite(min(block_amax * (S_enc * (1/6)), FLT_MAX))."""
     v = blk_amax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))
@@ -54,9 +67,8 @@ class NVFP4Part(QuantizedPart):
         return "rht16" if self.rht else None
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
-        # q * fp32(s) * A / (6 * 448), evaluated left to right
         vals = e2m1_decode(unpack_nibbles(self.data))
-        x = vals * expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax / (FP4_MAX * E4M3_MAX)
+        x = dequantize_values(vals, expand_blocks(self.scale.float(), BLOCK, self.cols), self.amax)
         return rht16_inverse(x) if (self.rht and undo_transform) else x
 
     # FSDP buffer protocol: packed codes and compact E4M3 block scales travel; the global amax is replicated
