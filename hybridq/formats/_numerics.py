@@ -217,7 +217,7 @@ def rht16(x: torch.Tensor) -> torch.Tensor:
     """
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device)
     lead = x.shape[:-1]
-    g = x.to(torch.bfloat16).float().reshape(*lead, -1, 16) * signs
+    g = x.to(torch.bfloat16).float().reshape(*lead, x.shape[-1] // 16, 16) * signs
     out = _fwht16(g) * 0.25
     overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
     scaled = _fwht16(g * 0.0625) * 4.0
@@ -229,7 +229,7 @@ def rht16_inverse(y: torch.Tensor) -> torch.Tensor:
     """(diag(s) H16 / 4)^-1 = H16 diag(s) / 4, in fp32 (used only to dequantize; not part of the encode path)."""
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y.device)
     lead = y.shape[:-1]
-    g = y.float().reshape(*lead, -1, 16)
+    g = y.float().reshape(*lead, y.shape[-1] // 16, 16)
     out = _fwht16(g) * 0.25
     # as in rht16: a group of finite values whose butterflies overflowed is recomputed pre-scaled by 2^-4
     overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
