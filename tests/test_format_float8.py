@@ -1,4 +1,4 @@
-"""Per-tensor FP8 (FORMATS.md "Per-tensor FP8, current scaling" and "..., delayed scaling")."""
+"""Per-tensor FP8 (docs/numerics.md "Per-tensor FP8 (current, delayed)")."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def test_delayed_records_amax_in_history_0():
 
 
 def expected_delayed_run(amaxes, algo, margin, length, fp8_max=448.0):
-    """FORMATS.md delayed scaling by hand: (scale used by each cast, history after each update, scale after)."""
+    """docs/numerics.md "Per-tensor FP8 (current, delayed)" by hand: (scale used by each cast, history after each update, scale after)."""
     hist = [0.0] * length
     scale = f32([1.0])
     used, hists, scales = [], [], []

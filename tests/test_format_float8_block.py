@@ -1,4 +1,4 @@
-"""Float8 block scaling (FORMATS.md "Float8 block scaling"): 1x128 / 128x1 blocks and 128x128 tiles."""
+"""Float8 block scaling (docs/numerics.md "Float8 block scaling"): 1x128 / 128x1 blocks and 128x128 tiles."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def pow2_down(v: torch.Tensor) -> torch.Tensor:
 
 
 def hand_block_scale(amax: float, fmax: float, pow2: bool = True) -> torch.Tensor:
-    """FORMATS.md: current-scaling rule per block (amax 0/inf/NaN -> 1, inf scale -> FLT_MAX, pow2 down)."""
+    """docs/numerics.md "Terms": current-scaling rule per block (amax 0/inf/NaN -> 1, inf scale -> FLT_MAX, pow2 down)."""
     if amax == 0 or not math.isfinite(amax):
         return f32(1.0)
     s = f32(fmax) / f32(amax)

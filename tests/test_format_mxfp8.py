@@ -1,4 +1,4 @@
-"""MXFP8 (FORMATS.md "MXFP8"): 1x32 / 32x1 blocks with E8M0 scales, 32x32 tiles, swizzled scale layout."""
+"""MXFP8 (docs/numerics.md "MXFP8"): 1x32 / 32x1 blocks with E8M0 scales, 32x32 tiles, swizzled scale layout."""
 
 from __future__ import annotations
 

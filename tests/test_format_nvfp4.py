@@ -1,5 +1,5 @@
-"""NVFP4 (FORMATS.md "NVFP4"): E2M1 values, E4M3 block-16 scales, fp32 global amax, 16x16 tiles, RHT and
-stochastic rounding. The oracle below recomputes the FORMATS.md formulas element by element in fp32
+"""NVFP4 (docs/numerics.md "NVFP4"): E2M1 values, E4M3 block-16 scales, fp32 global amax, 16x16 tiles, RHT and
+stochastic rounding. The oracle below recomputes the docs/numerics.md formulas element by element in fp32
 without using the reference's helpers."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def e2m1_code(v: torch.Tensor) -> int:
 
 
 def oracle(x: torch.Tensor, tile: int | None = None):
-    """FORMATS.md NVFP4 encode of a finite fp32 [M, K] by hand: (codes [M, K], block scales [M, K/16], A).
+    """docs/numerics.md "NVFP4" encode of a finite fp32 [M, K] by hand: (codes [M, K], block scales [M, K/16], A).
     tile=16: one scale per 16x16 tile (repeated on the tile's rows)."""
     m, k = x.shape
     A = x.abs().max()

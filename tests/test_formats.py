@@ -1,4 +1,4 @@
-"""Behaviour shared by every format (FORMATS.md), parametrised over all formats and directions: usage flags,
+"""Behaviour shared by every format (docs/numerics.md), parametrised over all formats and directions: usage flags,
 dtype/shape preservation, shape rules, edge values, the 2-D transpose property and round-trip error bounds."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_rejected_shape_error_names_tensor_format_and_rule(fmt, shape, dirs, nee
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
 def test_mxfp8_rowwise_only_does_not_need_m_multiple_of_32(fmt):
-    """FORMATS.md MXFP8: K % 32 (rowwise) and M % 32 (columnwise) - per direction. (NVFP4's rule is stated
+    """docs/numerics.md "MXFP8": K % 32 (rowwise) and M % 32 (columnwise) - per direction. (NVFP4's rule is stated
     without directions; the reference applies it per direction too - not pinned here.)"""
     t = FORMATS[fmt]().quantize(torch.randn(48, 64))
     assert t.rowwise is not None

@@ -1,4 +1,4 @@
-"""Bit-level numerics shared by the format references (FORMATS.md, "Terms").
+"""Bit-level numerics shared by the format references (docs/numerics.md, "Terms").
 
 Everything here is fp32 arithmetic on CPU or GPU tensors, written so that a CUDA kernel can reproduce it
 bit for bit. Format-specific rules (block sizes, which amax feeds which scale) stay in the format modules.
@@ -107,7 +107,7 @@ def expand_tiles(s: torch.Tensor, tile: int, m: int, k: int) -> torch.Tensor:
 # ---- E8M0 (MX scales) --------------------------------------------------------------------------
 
 def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
-    """FORMATS.md e8m0_round_up: NaN -> 255, inf -> 254, 0 -> 0, else exponent rounded up. uint8 result."""
+    """docs/numerics.md "MXFP8" e8m0_round_up: NaN -> 255, inf -> 254, 0 -> 0, else exponent rounded up. uint8 result."""
     bits = v.float().view(torch.int32)
     exp = (bits >> 23) & 0xFF
     man = bits & 0x7FFFFF

@@ -1,6 +1,6 @@
 """Base classes shared by every format: the per-direction quantized part and the quantizer.
 
-A quantized tensor is a pair of *parts*, one per direction (FORMATS.md "Terms"):
+A quantized tensor is a pair of *parts*, one per direction (docs/numerics.md "Terms"):
 - the rowwise part holds the `[M, K]` matrix with scaling blocks along K (what fprop reads);
 - the columnwise part holds the transposed `[K, M]` matrix with scaling blocks along M (what the
   transposed backward GEMMs read).
@@ -38,7 +38,7 @@ def check_direction(direction: str) -> str:
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
-    """The `[M, K]` view of FORMATS.md: M = prod(shape[:-1]), K = shape[-1]."""
+    """The `[M, K]` view of docs/numerics.md "Terms": M = prod(shape[:-1]), K = shape[-1]."""
     if x.dim() == 0:
         return x.reshape(1, 1)
     return x.reshape(-1, x.shape[-1])

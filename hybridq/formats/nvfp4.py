@@ -1,4 +1,4 @@
-"""NVFP4 (FORMATS.md "NVFP4"): E2M1 values in blocks of 16 with an E4M3 block scale and an fp32 global
+"""NVFP4 (docs/numerics.md "NVFP4"): E2M1 values in blocks of 16 with an E4M3 block scale and an fp32 global
 amax per direction; optional 16x16 weight tiles, random Hadamard transform (columnwise only) and
 stochastic rounding."""
 
