@@ -393,3 +393,16 @@ def test_dequantize_above_flt_max_over_2688_divides_amax_first():
     vals = torch.tensor(E2M1_TABLE + [-v for v in E2M1_TABLE])[unpack_nibbles(p.data).long()]
     expected = vals * p.scale.float().repeat_interleave(16, dim=1) * p.amax / F(2688.0)
     torch.testing.assert_close(p.dequantize_2d(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("amax", [1e-36, 1e-40, 1e-44], ids=lambda a: f"{a:.0e}")
+@pytest.mark.parametrize("variant", NVFP4_VARIANTS)
+def test_amax_below_2688_over_flt_max_stays_finite_and_bounded(variant, amax):
+    """S_enc saturates at FLT_MAX there: precision is lost (documented), but nothing overflows or grows."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(6))
+    x = x / x.abs().max() * amax
+    t = NVFP4_VARIANTS[variant]().quantize(x, rowwise=True, columnwise=True)
+    for d in ("rowwise", "columnwise"):
+        y = t.dequantize(torch.float32, direction=d)
+        assert torch.isfinite(y).all(), f"NVFP4 {variant} {d} at amax {amax:g}: non-finite output"
+        assert y.abs().max().item() <= 4 * amax, f"NVFP4 {variant} {d} at amax {amax:g}: |y| up to {y.abs().max().item():g}"
