@@ -28,7 +28,9 @@ def emulated_gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype) ->
     """Dequantize and multiply in fp32. Operands carrying the same orthogonal transform along the contracted
     dim (e.g. both Hadamard-rotated) are multiplied in the rotated domain, since (A R)(B R)^T = A B^T."""
     same = a.transform is not None and a.transform == b.transform
-    return (a.dequantize_2d(undo_transform=not same) @ b.dequantize_2d(undo_transform=not same).t()).to(out_dtype)
+    da, db = a.dequantize_2d(undo_transform=not same), b.dequantize_2d(undo_transform=not same)
+    wide = torch.promote_types(da.dtype, db.dtype)  # fp32, or fp64 with an fp64 identity operand
+    return (da.to(wide) @ db.to(wide).t()).to(out_dtype)
 
 
 def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype, name: str | None = None) -> torch.Tensor:

@@ -100,6 +100,18 @@ class QuantizedTensor(torch.Tensor):
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"rowwise={self._rowwise!r}, columnwise={self._columnwise!r})")
 
+    # -- serialization: pickle and torch.save / torch.load(weights_only=True) ---------------------
+    def __reduce_ex__(self, protocol):
+        """Rebuilt from plain values only (tensors, ints, bools, strings, dtypes), so `torch.load` with
+        `weights_only=True` accepts it once `_rebuild_quantized_tensor` is an allowed global (registered when
+        hybridq is imported). Part classes travel by name and are looked up among the registered part types."""
+        parts = {}
+        for d, p in ((ROWWISE, self._rowwise), (COLUMNWISE, self._columnwise)):
+            if p is not None:
+                tensors = {n: _as_picklable(t) for n, t in p.tensors().items()}
+                parts[d.value] = (_part_class_name(type(p)), p.rows, p.cols, tensors, p.meta())  # plain str
+        return _rebuild_quantized_tensor, (parts, tuple(self.shape), self.dtype, self.requires_grad)
+
     # -- tracing support (torch.compile): parts' tensors are the inner tensors -----------------
     def __tensor_flatten__(self):
         names, ctx = [], {"shape": self.shape, "dtype": self.dtype, "parts": {}}
@@ -176,3 +188,54 @@ def _is_pinned(func, t, device=None):
 def _pin(func, t, device=None):
     return t.map_parts(lambda x: x.pin_memory())
 
+
+
+# ---- serialization ---------------------------------------------------------------------------------
+
+def _part_class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_PART_TYPES: dict[str, type] = {}
+
+
+def register_part_type(cls: type) -> None:
+    """Make a part type loadable by name (every QuantizedPart subclass registers itself when defined)."""
+    _PART_TYPES[_part_class_name(cls)] = cls
+
+
+def _part_classes() -> dict[str, type]:
+    return _PART_TYPES
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _as_picklable(t: torch.Tensor | None) -> tuple:
+    """(tensor, original dtype or None): FP8 tensors travel as their uint8 bytes, since torch's plain pickle
+    path cannot rebuild FP8 storages."""
+    if t is not None and t.dtype in _FP8_DTYPES:
+        return t.view(torch.uint8), t.dtype
+    return t, None
+
+
+def _from_picklable(entry: tuple) -> torch.Tensor | None:
+    t, dtype = entry
+    return t if dtype is None else t.view(dtype)
+
+
+def _rebuild_quantized_tensor(parts: dict, shape: tuple, dtype: torch.dtype, requires_grad: bool) -> QuantizedTensor:
+    built = {}
+    for d, (name, rows, cols, tensors, meta) in parts.items():
+        cls = _part_classes().get(name)
+        if cls is None:
+            raise ValueError(f"hybridq: cannot load a QuantizedTensor whose {d} part is a {name!r}: no such "
+                             f"quantized part type in this hybridq (import the module that defines it first)")
+        fields = {n: _from_picklable(e) for n, e in tensors.items()}
+        built[d] = cls(rows=rows, cols=cols, columnwise=d == COLUMNWISE, **fields, **meta)
+    return QuantizedTensor(built.get(ROWWISE), built.get(COLUMNWISE), shape=shape, dtype=dtype,
+                           requires_grad=requires_grad)
+
+
+# torch.load(weights_only=True) calls only allow-listed globals
+torch.serialization.add_safe_globals([_rebuild_quantized_tensor])

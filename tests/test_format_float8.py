@@ -1,4 +1,4 @@
-"""Per-tensor FP8 (FORMATS.md "Per-tensor FP8, current scaling" and "..., delayed scaling")."""
+"""Per-tensor FP8 (docs/numerics.md "Per-tensor FP8 (current, delayed)")."""
 
 from __future__ import annotations
 
@@ -104,14 +104,20 @@ def test_fp8_subnormals_round_to_nearest_even(fmt, values):
     assert p.data.float()[0].tolist() == expected
 
 
+# the bytes of +inf / -inf after the FP8 element conversion (docs/numerics.md, "Non-finite values")
+INF_BYTES = {"e4m3": (0x7F, 0xFF), "e5m2": (0x7C, 0xFC)}
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_inf_input_scale_1_and_saturates(fmt):
-    """amax inf -> scale 1 (FORMATS.md); inf saturates to fp8_max; finite values cast unscaled."""
+def test_inf_input_scale_1_inf_stays_non_finite(fmt):
+    """amax inf -> scale 1; +-inf becomes E5M2 +-inf / E4M3 NaN with its sign; finite values cast unscaled
+    (large ones saturate)."""
     dtype, fmax = FP8[fmt]
     x = f32([[math.inf, -math.inf, 1.5, 1e6]])
     p = quantize_rw(Float8Quantizer(fp8=fmt), x)
     assert_bitwise(p.scale_inv, f32([1.0]), "scale_inv")
-    assert p.data.float()[0].tolist() == [fmax, -fmax, 1.5, fmax]
+    assert p.data.view(torch.uint8)[0, :2].tolist() == list(INF_BYTES[fmt])
+    assert p.data.float()[0, 2:].tolist() == [1.5, fmax]
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -186,7 +192,7 @@ def test_delayed_records_amax_in_history_0():
 
 
 def expected_delayed_run(amaxes, algo, margin, length, fp8_max=448.0):
-    """FORMATS.md delayed scaling by hand: (scale used by each cast, history after each update, scale after)."""
+    """docs/numerics.md "Per-tensor FP8 (current, delayed)" by hand: (scale used by each cast, history after each update, scale after)."""
     hist = [0.0] * length
     scale = f32([1.0])
     used, hists, scales = [], [], []

@@ -1,4 +1,4 @@
-"""Float8 block scaling (FORMATS.md "Float8 block scaling"): 1x128 / 128x1 blocks and 128x128 tiles."""
+"""Float8 block scaling (docs/numerics.md "Float8 block scaling"): 1x128 / 128x1 blocks and 128x128 tiles."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def pow2_down(v: torch.Tensor) -> torch.Tensor:
 
 
 def hand_block_scale(amax: float, fmax: float, pow2: bool = True) -> torch.Tensor:
-    """FORMATS.md: current-scaling rule per block (amax 0/inf/NaN -> 1, inf scale -> FLT_MAX, pow2 down)."""
+    """docs/numerics.md "Terms": current-scaling rule per block (amax 0/inf/NaN -> 1, inf scale -> FLT_MAX, pow2 down)."""
     if amax == 0 or not math.isfinite(amax):
         return f32(1.0)
     s = f32(fmax) / f32(amax)
@@ -128,15 +128,16 @@ def test_128x128_columnwise_is_exact_transpose():
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_inf_in_a_block_scale_1_and_saturates(fmt):
-    """Block amax inf -> scale 1; inf saturates to fp8_max (E5M2: not inf); other blocks unaffected."""
+def test_inf_in_a_block_scale_1_inf_stays_non_finite(fmt):
+    """Block amax inf -> scale 1; inf becomes E5M2 inf / E4M3 NaN; other blocks unaffected."""
     dtype, fmax = FP8[fmt]
     x = torch.ones(1, 256)
     x[0, 3] = math.inf
     x[0, 4] = 2.5
     p = Float8BlockQuantizer(fp8=fmt).quantize(x).rowwise
     assert p.scale_inv[0, 0].item() == 1.0
-    assert p.data.float()[0, :5].tolist() == [1.0, 1.0, 1.0, fmax, 2.5]
+    assert p.data.view(torch.uint8)[0, 3].item() == {"e4m3": 0x7F, "e5m2": 0x7C}[fmt]
+    assert p.data.float()[0, [0, 1, 2, 4]].tolist() == [1.0, 1.0, 1.0, 2.5]
     assert p.scale_inv[0, 1].item() == 1 / hand_block_scale(1.0, fmax).item()
 
 

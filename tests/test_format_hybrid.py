@@ -1,4 +1,4 @@
-"""Hybrid quantizer (FORMATS.md "Hybrid"): a pair (rowwise quantizer, columnwise quantizer)."""
+"""Hybrid quantizer (docs/numerics.md "Hybrid"): a pair (rowwise quantizer, columnwise quantizer)."""
 
 from __future__ import annotations
 

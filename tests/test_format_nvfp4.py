@@ -1,5 +1,5 @@
-"""NVFP4 (FORMATS.md "NVFP4"): E2M1 values, E4M3 block-16 scales, fp32 global amax, 16x16 tiles, RHT and
-stochastic rounding. The oracle below recomputes the FORMATS.md formulas element by element in fp32
+"""NVFP4 (docs/numerics.md "NVFP4"): E2M1 values, E4M3 block-16 scales, fp32 global amax, 16x16 tiles, RHT and
+stochastic rounding. The oracle below recomputes the docs/numerics.md formulas element by element in fp32
 without using the reference's helpers."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def e2m1_code(v: torch.Tensor) -> int:
 
 
 def oracle(x: torch.Tensor, tile: int | None = None):
-    """FORMATS.md NVFP4 encode of a finite fp32 [M, K] by hand: (codes [M, K], block scales [M, K/16], A).
+    """docs/numerics.md "NVFP4" encode of a finite fp32 [M, K] by hand: (codes [M, K], block scales [M, K/16], A).
     tile=16: one scale per 16x16 tile (repeated on the tile's rows)."""
     m, k = x.shape
     A = x.abs().max()
@@ -351,3 +351,58 @@ def test_plain_shard_amaxes_none_when_a_block_is_split():
     stats = torch.stack([q.shard_stats(x[s.offset:s.end], s) for s in shards]).amax(0)
     assert all(q.plain_shard_amaxes(s, 32, stats) is None for s in shards), "a split block needs the reference path"
     assert q.plain_shard_amaxes(shards[0], 32, None) is None, "no statistics: nothing to give a kernel"
+
+
+# ---- the whole finite range ----------------------------------------------------------------------
+
+NVFP4_VARIANTS = {"1d": lambda: NVFP4Quantizer(), "16x16": lambda: NVFP4Quantizer(block_2d=True),
+                  "rht": lambda: NVFP4Quantizer(rht=True)}
+LARGE = FLT_MAX / 2688.0
+# amaxes up to FLT_MAX; the transformed (RHT) form is bounded by bf16's range: 4 * max|x| must fit, so 2^125
+AMAXES = [1e-30, 1e30, 1e35, 1e36, 1e37, LARGE, 1e38, 2.0 ** 125, FLT_MAX]
+
+
+@pytest.mark.parametrize("amax", AMAXES, ids=lambda a: f"{a:.3g}")
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("variant", NVFP4_VARIANTS)
+def test_every_finite_amax_dequantizes_finite_and_close(variant, direction, amax):
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(6))
+    x = x / x.abs().max() * amax
+    t = NVFP4_VARIANTS[variant]().quantize(x, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+    y = t.dequantize(torch.float32, direction=direction)
+    if variant == "rht" and direction == "columnwise" and amax > torch.finfo(torch.bfloat16).max:
+        # inputs beyond the transformed form's range (bf16): they read non-finite, never finite
+        assert not torch.isfinite(y).all(), f"NVFP4 RHT columnwise at amax {amax:g} came out finite"
+        return
+    bad = ~torch.isfinite(y)
+    assert not bad.any(), f"NVFP4 {variant} {direction} at amax {amax:g}: {int(bad.sum())} of {y.numel()} non-finite"
+    err = ((y / amax) - (x / amax)).abs().max().item()
+    assert err < 0.2, f"NVFP4 {variant} {direction} at amax {amax:g}: max error {err:.3g} of amax"
+
+
+def test_dequantize_above_flt_max_over_2688_divides_amax_first():
+    """A > FLT_MAX / 2688: q * s * (A / 2688); at or below it the left-to-right bits are kept."""
+    x = mixed_data(4, 64, 4)
+    for amax in (1e36, 1e38, FLT_MAX):
+        p = NVFP4Quantizer().quantize(x / x.abs().max() * amax).rowwise
+        vals = torch.tensor(E2M1_TABLE + [-v for v in E2M1_TABLE])[unpack_nibbles(p.data).long()]
+        expected = (vals * p.scale.float().repeat_interleave(16, dim=1)) * (p.amax / F(2688.0))
+        torch.testing.assert_close(p.dequantize_2d(), expected, rtol=0, atol=0)
+    below = torch.tensor([LARGE]).nextafter(torch.tensor([0.0]))
+    p = NVFP4Quantizer().quantize(x / x.abs().max() * below).rowwise
+    vals = torch.tensor(E2M1_TABLE + [-v for v in E2M1_TABLE])[unpack_nibbles(p.data).long()]
+    expected = vals * p.scale.float().repeat_interleave(16, dim=1) * p.amax / F(2688.0)
+    torch.testing.assert_close(p.dequantize_2d(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("amax", [1e-36, 1e-40, 1e-44], ids=lambda a: f"{a:.0e}")
+@pytest.mark.parametrize("variant", NVFP4_VARIANTS)
+def test_amax_below_2688_over_flt_max_stays_finite_and_bounded(variant, amax):
+    """S_enc saturates at FLT_MAX there: precision is lost (documented), but nothing overflows or grows."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(6))
+    x = x / x.abs().max() * amax
+    t = NVFP4_VARIANTS[variant]().quantize(x, rowwise=True, columnwise=True)
+    for d in ("rowwise", "columnwise"):
+        y = t.dequantize(torch.float32, direction=d)
+        assert torch.isfinite(y).all(), f"NVFP4 {variant} {d} at amax {amax:g}: non-finite output"
+        assert y.abs().max().item() <= 4 * amax, f"NVFP4 {variant} {d} at amax {amax:g}: |y| up to {y.abs().max().item():g}"

@@ -1,4 +1,4 @@
-"""Behaviour shared by every format (FORMATS.md), parametrised over all formats and directions: usage flags,
+"""Behaviour shared by every format (docs/numerics.md), parametrised over all formats and directions: usage flags,
 dtype/shape preservation, shape rules, edge values, the 2-D transpose property and round-trip error bounds."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hybridq.formats import (Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+from hybridq.formats import (Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 from _format_cases import (DIRECTIONS, FORMATS, STATELESS, TRANSPOSED_2D, assert_bitwise, element_scales,
                            element_values)
@@ -137,7 +137,7 @@ def test_rejected_shape_error_names_tensor_format_and_rule(fmt, shape, dirs, nee
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
 def test_mxfp8_rowwise_only_does_not_need_m_multiple_of_32(fmt):
-    """FORMATS.md MXFP8: K % 32 (rowwise) and M % 32 (columnwise) - per direction. (NVFP4's rule is stated
+    """docs/numerics.md "MXFP8": K % 32 (rowwise) and M % 32 (columnwise) - per direction. (NVFP4's rule is stated
     without directions; the reference applies it per direction too - not pinned here.)"""
     t = FORMATS[fmt]().quantize(torch.randn(48, 64))
     assert t.rowwise is not None
@@ -294,3 +294,39 @@ def test_round_trip_error_bound(fmt, roundtrip_report):
         errs[d] = err
     for d, err in errs.items():
         assert err <= BOUNDS[fmt], f"{fmt} {d}: relative round-trip error {err:.5f} > bound {BOUNDS[fmt]}"
+
+
+# ---- empty tensors (docs/numerics.md, "Empty tensors") -------------------------------------------
+
+EMPTY_SHAPES = [(0, 128), (128, 0), (0, 0), (2, 0, 64)]
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("fmt", ALL)
+def test_empty_tensor_quantizes_and_dequantizes_to_empty(fmt, direction, shape):
+    x = torch.empty(shape)
+    t = FORMATS[fmt]().quantize(x, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+    assert tuple(t.shape) == shape and t.usage == direction, f"{fmt}: got {t.usage} {tuple(t.shape)}"
+    y = t.dequantize(direction=direction)
+    assert y.shape == x.shape and y.dtype == x.dtype, f"{fmt} {direction}: dequantized {y.dtype}{tuple(y.shape)}"
+
+
+# ---- identity keeps the input dtype ----------------------------------------------------------------
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_identity_round_trip_is_exact_in_the_input_dtype(dtype, direction):
+    x = (torch.randn(32, 48, generator=torch.Generator().manual_seed(7), dtype=torch.float64) + 1e-12).to(dtype)
+    t = IdentityQuantizer().quantize(x, rowwise=direction == "rowwise", columnwise=direction == "columnwise")
+    y = t.dequantize(direction=direction)
+    assert y.dtype == dtype and torch.equal(y, x), f"identity {dtype} {direction}: not exact (got {y.dtype})"
+
+
+def test_identity_fp64_gemm_is_exact_fp64():
+    from hybridq.gemm import gemm
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(16, 32, generator=g, dtype=torch.float64), torch.randn(8, 32, generator=g, dtype=torch.float64)
+    q = IdentityQuantizer()
+    out = gemm(q.quantize(a).rowwise, q.quantize(b).rowwise, torch.float64)
+    assert torch.equal(out, a @ b.t()), "an fp64 identity GEMM went through fp32"

@@ -1,4 +1,4 @@
-"""Bit-level numerics shared by the format references (FORMATS.md, "Terms").
+"""Bit-level numerics shared by the format references (docs/numerics.md, "Terms").
 
 Everything here is fp32 arithmetic on CPU or GPU tensors, written so that a CUDA kernel can reproduce it
 bit for bit. Format-specific rules (block sizes, which amax feeds which scale) stay in the format modules.
@@ -27,13 +27,26 @@ def fp8_dtype(fmt: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown FP8 format {fmt!r}; use 'e4m3' or 'e5m2'") from None
 
 
-def satfinite_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Clamp to +-max finite, then round to nearest even (torch's cast is RNE once in range).
+# Canonical non-finite bytes (sign bit 0x80 added for negative inputs). E4M3 (fn) has no infinity, so an
+# infinite input becomes its NaN; E5M2 keeps infinities (docs/numerics.md, "Non-finite values").
+_FP8_NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F}
+_FP8_INF_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
 
-    NaN stays NaN (clamp propagates it and both FP8 dtypes have a NaN encoding).
+
+def satfinite_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 element conversion (docs/numerics.md, "Terms" and "Non-finite values").
+
+    Finite values: clamp to +-max finite, then round to nearest even (torch's cast is RNE once in range).
+    NaN -> the format's NaN byte with the input's sign; +-inf -> +-inf in E5M2, +-NaN in E4M3. The non-finite
+    bytes are written explicitly rather than left to torch's cast, which saturates inf on some builds.
     """
     m = FP8_MAX[dtype]
-    return x.float().clamp(-m, m).to(dtype)
+    v = x.float()
+    out = v.clamp(-m, m).to(dtype).view(torch.uint8)
+    sign = torch.signbit(v).to(torch.uint8) << 7
+    out = torch.where(torch.isnan(v), sign | _FP8_NAN_BYTE[dtype], out)
+    out = torch.where(torch.isinf(v), sign | _FP8_INF_BYTE[dtype], out)
+    return out.view(dtype)
 
 
 def clear_mantissa(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +107,7 @@ def expand_tiles(s: torch.Tensor, tile: int, m: int, k: int) -> torch.Tensor:
 # ---- E8M0 (MX scales) --------------------------------------------------------------------------
 
 def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
-    """FORMATS.md e8m0_round_up: NaN -> 255, inf -> 254, 0 -> 0, else exponent rounded up. uint8 result."""
+    """docs/numerics.md "MXFP8" e8m0_round_up: NaN -> 255, inf -> 254, 0 -> 0, else exponent rounded up. uint8 result."""
     bits = v.float().view(torch.int32)
     exp = (bits >> 23) & 0xFF
     man = bits & 0x7FFFFF
@@ -192,17 +205,33 @@ def _fwht16(g: torch.Tensor) -> torch.Tensor:
 
 
 def rht16(x: torch.Tensor) -> torch.Tensor:
-    """Each group of 16 along the last dim times diag(s) * H16 / 4: inputs rounded to bf16 first,
-    butterflies in fp32 in the order stride 1, 2, 4, 8, result * 0.25 rounded to bf16 (returned as fp32)."""
+    """Each group of 16 along the last dim times diag(s) * H16 / 4 (docs/numerics.md, "NVFP4"): inputs rounded
+    to bf16 first, butterflies in fp32 in the order stride 1, 2, 4, 8, result * 0.25 rounded to bf16 (returned
+    as fp32).
+
+    Large groups: a butterfly sum overflows fp32 once |x| nears FLT_MAX / 16, although the result (at most
+    4 max|x|) may still fit bf16. A group of finite inputs whose result came out non-finite is recomputed as
+    ((g * 2^-4) butterflies) * 4, which cannot overflow inside the butterflies (and is exact there, since the
+    power-of-two scaling of values that large loses no bits); every other group keeps the plain bits. A result
+    beyond bf16's range (|x| above about 2^125) is +-inf: out of the format's range, never finite.
+    """
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device)
     lead = x.shape[:-1]
-    g = x.to(torch.bfloat16).float().reshape(*lead, -1, 16) * signs
-    return (_fwht16(g) * 0.25).to(torch.bfloat16).float().reshape(x.shape)
+    g = x.to(torch.bfloat16).float().reshape(*lead, x.shape[-1] // 16, 16) * signs
+    out = _fwht16(g) * 0.25
+    overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
+    scaled = _fwht16(g * 0.0625) * 4.0
+    out = torch.where(overflowed, scaled, out)
+    return out.to(torch.bfloat16).float().reshape(x.shape)
 
 
 def rht16_inverse(y: torch.Tensor) -> torch.Tensor:
     """(diag(s) H16 / 4)^-1 = H16 diag(s) / 4, in fp32 (used only to dequantize; not part of the encode path)."""
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y.device)
     lead = y.shape[:-1]
-    g = y.float().reshape(*lead, -1, 16)
-    return (_fwht16(g) * 0.25 * signs).reshape(y.shape)
+    g = y.float().reshape(*lead, y.shape[-1] // 16, 16)
+    out = _fwht16(g) * 0.25
+    # as in rht16: a group of finite values whose butterflies overflowed is recomputed pre-scaled by 2^-4
+    overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
+    out = torch.where(overflowed, _fwht16(g * 0.0625) * 4.0, out)
+    return (out * signs).reshape(y.shape)

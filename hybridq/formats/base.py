@@ -1,6 +1,6 @@
 """Base classes shared by every format: the per-direction quantized part and the quantizer.
 
-A quantized tensor is a pair of *parts*, one per direction (FORMATS.md "Terms"):
+A quantized tensor is a pair of *parts*, one per direction (docs/numerics.md "Terms"):
 - the rowwise part holds the `[M, K]` matrix with scaling blocks along K (what fprop reads);
 - the columnwise part holds the transposed `[K, M]` matrix with scaling blocks along M (what the
   transposed backward GEMMs read).
@@ -18,7 +18,7 @@ import torch
 from .. import dispatch
 from ..enums import COLUMNWISE, ROWWISE, Direction
 from ..errors import FormatShapeError
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, register_part_type
 
 
 _DTENSOR: list = []  # torch.distributed.tensor.DTensor, imported on first use
@@ -37,7 +37,7 @@ def check_direction(direction: str) -> Direction:
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
-    """The `[M, K]` view of FORMATS.md: M = prod(shape[:-1]), K = shape[-1]."""
+    """The `[M, K]` view of docs/numerics.md "Terms": M = prod(shape[:-1]), K = shape[-1]."""
     if x.dim() == 0:
         return x.reshape(1, 1)
     return x.reshape(-1, x.shape[-1])
@@ -90,6 +90,7 @@ class QuantizedPart:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._field_set = frozenset(cls.tensor_fields + cls.meta_fields)
+        register_part_type(cls)  # loadable by name (pickle, torch.load)
 
     # -- subclasses implement -------------------------------------------------------------------
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:

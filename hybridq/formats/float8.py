@@ -1,4 +1,4 @@
-"""Per-tensor FP8 (E4M3 / E5M2) with current or delayed scaling (FORMATS.md "Per-tensor FP8").
+"""Per-tensor FP8 (E4M3 / E5M2) with current or delayed scaling (docs/numerics.md "Per-tensor FP8 (current, delayed)").
 
 One fp32 scale for the whole tensor; the columnwise part is the exact byte transpose of the rowwise one,
 so it is derived from it rather than cast twice.
@@ -116,7 +116,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
 
     # -- scaling ---------------------------------------------------------------------------------
     def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
-        """Current-scaling scale from an amax (FORMATS.md rule)."""
+        """Current-scaling scale from an amax (docs/numerics.md "Terms")."""
         return scale_from_amax(amax.reshape(1), FP8_MAX[self.dtype], self.amax_epsilon, self.power_2_scale)
 
     def update(self) -> None:

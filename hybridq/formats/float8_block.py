@@ -1,4 +1,4 @@
-"""Float8 block scaling (FORMATS.md "Float8 block scaling"): 1x128 blocks for activations and gradients,
+"""Float8 block scaling (docs/numerics.md "Float8 block scaling"): 1x128 blocks for activations and gradients,
 128x128 tiles for weights, power-of-two scales by default. Edge blocks are partial."""
 
 from __future__ import annotations

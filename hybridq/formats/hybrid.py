@@ -1,4 +1,4 @@
-"""Hybrid: the rowwise part from one quantizer and the columnwise part from another (FORMATS.md "Hybrid")."""
+"""Hybrid: the rowwise part from one quantizer and the columnwise part from another (docs/numerics.md "Hybrid")."""
 
 from __future__ import annotations
 

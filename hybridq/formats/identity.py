@@ -18,7 +18,8 @@ class IdentityPart(GatherablePart, QuantizedPart):
     tensor_fields = ("data",)
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
-        d = self.data.float()
+        # fp32 at least; a wider input (fp64) keeps its dtype so the passthrough stays exact
+        d = self.data if self.data.dtype == torch.float64 else self.data.float()
         return d.t() if self.columnwise else d
 
     # FSDP buffer protocol: the [M, K] data is already in dim-0 order for both directions.

@@ -1,4 +1,4 @@
-"""MXFP8 (FORMATS.md "MXFP8"): blocks of 32 with one E8M0 scale byte each; optional 32x32 weight tiles."""
+"""MXFP8 (docs/numerics.md "MXFP8"): blocks of 32 with one E8M0 scale byte each; optional 32x32 weight tiles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NVFP4 (FORMATS.md "NVFP4"): E2M1 values in blocks of 16 with an E4M3 block scale and an fp32 global
+"""NVFP4 (docs/numerics.md "NVFP4"): E2M1 values in blocks of 16 with an E4M3 block scale and an fp32 global
 amax per direction; optional 16x16 weight tiles, random Hadamard transform (columnwise only) and
 stochastic rounding."""
 
@@ -24,6 +24,19 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     1 when A == 0 or S_enc == 0."""
     s = torch.fmin(torch.full_like(amax, E4M3_MAX * FP4_MAX) / amax, torch.full_like(amax, FLT_MAX))
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+# Above this global amax, (q * s) * A can overflow fp32 (q * s reaches 6 * 448 = 2688).
+LARGE_AMAX = FLT_MAX / (FP4_MAX * E4M3_MAX)
+
+
+def dequantize_values(q: torch.Tensor, s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """q * fp32(s) * A / (6 * 448) (docs/numerics.md, "NVFP4"): ((q * s) * A) / 2688 evaluated left to right,
+    or (q * s) * (A / 2688) when A > FLT_MAX / 2688, where the left-to-right product would overflow. The branch
+    is one per tensor (on A), so every A that did not overflow keeps its bits."""
+    qs = q * s
+    d = torch.tensor(FP4_MAX * E4M3_MAX, dtype=torch.float32, device=q.device)
+    return torch.where(amax > LARGE_AMAX, qs * (amax / d), (qs * amax) / d)
 
 
 def block_scale_e4m3(blk_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
@@ -54,9 +67,8 @@ class NVFP4Part(BlockScaledPart):
         return "rht16" if self.rht else None
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
-        # q * fp32(s) * A / (6 * 448), evaluated left to right
         vals = e2m1_decode(unpack_nibbles(self.data))
-        x = vals * expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax / (FP4_MAX * E4M3_MAX)
+        x = dequantize_values(vals, expand_blocks(self.scale.float(), BLOCK, self.cols), self.amax)
         return rht16_inverse(x) if (self.rht and undo_transform) else x
 
     # FSDP buffer protocol: packed codes travel in row order (a columnwise part's codes are re-packed along K);

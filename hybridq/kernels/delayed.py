@@ -1,6 +1,6 @@
-"""Delayed-scaling state update of many per-tensor FP8 quantizers at once (docs/numerics.md "Per-tensor FP8",
-delayed scaling): `update_delayed_scaling(quantizers)` does what calling `Float8Quantizer.update()` on each would do,
-bit for bit, with one CUDA launch per device for every quantizer whose state lives on a CUDA device (the
+"""Delayed-scaling state update of many per-tensor FP8 quantizers at once (docs/numerics.md "Per-tensor FP8
+(current, delayed)"): `update_delayed_scaling(quantizers)` does what calling `Float8Quantizer.update()` on
+each would do, bit for bit, with one CUDA launch per device for every quantizer whose state lives on a CUDA device (the
 `torch.ops.hybridq.fp8_delayed_update` op) instead of about ten small torch ops per quantizer.
 
 Differences from the per-quantizer Python update, all of them about bookkeeping, none about values:
