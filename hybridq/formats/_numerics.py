@@ -27,12 +27,6 @@ def fp8_dtype(fmt: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown FP8 format {fmt!r}; use 'e4m3' or 'e5m2'") from None
 
 
-# Canonical non-finite bytes (sign bit 0x80 added for negative inputs). E4M3 (fn) has no infinity, so an
-# infinite input becomes its NaN; E5M2 keeps infinities (docs/numerics.md, "Non-finite values").
-_FP8_NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F}
-_FP8_INF_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
-
-
 def satfinite_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 element conversion (docs/numerics.md, "Terms" and "Non-finite values").
 
@@ -43,10 +37,12 @@ def satfinite_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     m = FP8_MAX[dtype]
     v = x.float()
     out = v.clamp(-m, m).to(dtype).view(torch.uint8)
-    sign = torch.signbit(v).to(torch.uint8) << 7
-    out = torch.where(torch.isnan(v), sign | _FP8_NAN_BYTE[dtype], out)
-    out = torch.where(torch.isinf(v), sign | _FP8_INF_BYTE[dtype], out)
-    return out.view(dtype)
+    # the top byte of a non-finite fp32 is 0x7F or 0xFF (sign, all-ones exponent): E4M3's NaN bytes; E5M2 keeps
+    # the two low bits (NaN) only for NaN, clearing them for inf. (few ops: the FSDP shard paths run this on GPU)
+    special = (v.view(torch.int32) >> 24).to(torch.uint8)
+    if dtype == torch.float8_e5m2:
+        special = torch.where(torch.isnan(v), special, special & 0xFC)
+    return torch.where(torch.isfinite(v), out, special).view(dtype)
 
 
 def clear_mantissa(x: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,16 @@ pytestmark = pytest.mark.distributed
 
 PHASES = ("pre_all_gather", "post_all_gather", "precompute_scales")
 
-# launches per converted weight per step (3 weights, steps 2-3 of 3, reshard_after_forward=True, precompute_scales)
+# launches per converted weight per step (3 weights, steps 2-3 of 3, reshard_after_forward=True, precompute_scales).
+# pre_all_gather includes the reference quantization of shards that split a block (the kernels take only shards
+# that split none); its FP8 conversion writes the non-finite bytes explicitly (4 ops per conversion).
 BUDGET = {
     "fp8_tensorwise": {"pre_all_gather": 2.0, "post_all_gather": 3.0, "precompute_scales": 4.333},
-    "fp8_block": {"pre_all_gather": 22.0, "post_all_gather": 3.0, "precompute_scales": 8.667},
-    "mxfp8": {"pre_all_gather": 23.333, "post_all_gather": 12.0, "precompute_scales": 3.667},
-    "nvfp4": {"pre_all_gather": 69.0, "post_all_gather": 22.0, "precompute_scales": 5.333},
-    "mxfp8_fwd_nvfp4_bwd": {"pre_all_gather": 81.0, "post_all_gather": 18.0, "precompute_scales": 8.667},
-    "fp8_block_fwd_mxfp8_bwd": {"pre_all_gather": 52.333, "post_all_gather": 7.0, "precompute_scales": 12.0},
+    "fp8_block": {"pre_all_gather": 29.0, "post_all_gather": 3.0, "precompute_scales": 8.667},
+    "mxfp8": {"pre_all_gather": 25.667, "post_all_gather": 12.0, "precompute_scales": 3.667},
+    "nvfp4": {"pre_all_gather": 76.0, "post_all_gather": 22.0, "precompute_scales": 5.333},
+    "mxfp8_fwd_nvfp4_bwd": {"pre_all_gather": 88.0, "post_all_gather": 18.0, "precompute_scales": 8.667},
+    "fp8_block_fwd_mxfp8_bwd": {"pre_all_gather": 61.667, "post_all_gather": 7.0, "precompute_scales": 12.0},
     "fp8_fwd_high_precision_bwd": {"pre_all_gather": 6.0, "post_all_gather": 1.0, "precompute_scales": 5.333},
 }
 PRESETS = list(BUDGET)
