@@ -234,24 +234,44 @@ HQ_HD void fwht16(float (&g)[16]) {
   }
 }
 
-// forward: inputs already rounded to bf16 (as fp32); times signs; butterflies; * 0.25; rounded to bf16
+// Groups with max|g| >= 2^123 run the butterflies pre-scaled by 2^-4 and scale back by 4 (instead of * 0.25): the
+// sums of 16 values would overflow fp32 near 2^124 (docs/numerics.md "NVFP4", Random Hadamard transform). A rule on
+// the inputs, as in the reference (hybridq/formats/_numerics.py RHT_PRESCALE_FROM).
+constexpr float kRhtPrescaleFrom = 0x1p123f;
+
+HQ_HD void rht16_butterflies(float (&g)[16]) {
+  bool big = false;  // any |g| >= 2^123 (a NaN compares false, an inf true: as the reference decides)
+#pragma unroll
+  for (int i = 0; i < 16; ++i) big |= fabsf(g[i]) >= kRhtPrescaleFrom;
+  if (big) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) g[i] = g[i] * 0.0625f;
+    fwht16(g);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) g[i] = g[i] * 4.0f;
+  } else {
+    fwht16(g);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) g[i] = g[i] * 0.25f;
+  }
+}
+
+// forward: inputs already rounded to bf16 (as fp32); times signs; butterflies (* 0.25); rounded to bf16
 HQ_HD void rht16_forward(float (&g)[16]) {
 #pragma unroll
   for (int i = 0; i < 16; ++i)
     if (kRhtNegMask & (1u << i)) g[i] = mul_ref(g[i], -1.0f);
-  fwht16(g);
+  rht16_butterflies(g);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) g[i] = round_bf16(g[i] * 0.25f);
+  for (int i = 0; i < 16; ++i) g[i] = round_bf16(g[i]);
 }
 
-// inverse (dequantize only): butterflies, * 0.25, * signs, all fp32
+// inverse (dequantize only): butterflies (* 0.25), * signs, all fp32
 HQ_HD void rht16_inverse(float (&g)[16]) {
-  fwht16(g);
+  rht16_butterflies(g);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    g[i] = g[i] * 0.25f;
+  for (int i = 0; i < 16; ++i)
     if (kRhtNegMask & (1u << i)) g[i] = mul_ref(g[i], -1.0f);
-  }
 }
 
 // ---- Philox4x32-10 (stochastic rounding) ------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The kernels' element numerics (csrc/numerics.cuh), compiled for the host with nvcc and run on the CPU: the FP8
 conversion under the non-finite rule and NVFP4 dequantize's global factor at large amaxes (docs/numerics.md
-"Non-finite values", "NVFP4"). Skipped where nvcc is not installed; no GPU needed."""
+"Non-finite values", "NVFP4"), and the 16-point Hadamard transform against the reference. Skipped where nvcc is
+not installed; no GPU needed."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ int main() {
       printf("%u %u\n", fp8_satfinite(u2f(a), false), fp8_satfinite(u2f(a), true));
     } else if (op == 'g' && scanf(" %x", &b) == 1) {
       printf("%u\n", f2u(nvfp4_apply_global(u2f(a), u2f(b))));
+    } else if (op == 'r' || op == 'i') {  // a 16-point transform of the group a, b1..b15 (fp32 bits)
+      float g[16];
+      g[0] = u2f(a);
+      for (int j = 1; j < 16; ++j) {
+        if (scanf(" %x", &b) != 1) return 1;
+        g[j] = u2f(b);
+      }
+      if (op == 'r') rht16_forward(g); else rht16_inverse(g);
+      for (int j = 0; j < 16; ++j) printf("%u%c", f2u(g[j]), j == 15 ? '\n' : ' ');
     }
   }
   return 0;
@@ -105,3 +115,34 @@ def test_nvfp4_global_factor_is_finite_for_every_finite_amax(numerics_bin, amax)
         assert got == _rule(q, amax), (f"nvfp4_apply_global({q!r}, {amax!r}) = {_float(got)!r}, want "
                                        f"{_float(_rule(q, amax))!r}")
         assert abs(_float(got)) != float("inf"), f"nvfp4_apply_global({q!r}, {amax!r}) overflowed to inf"
+
+
+def _rht_groups() -> torch.Tensor:
+    """Groups of 16 (bf16 values as fp32) from ordinary sizes up to bf16's top, NaN/inf included."""
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for e in (0, 60, 119, 122, 123, 124, 125, 126, 127):
+        g = torch.randn(6, 16, generator=gen) * 2.0 ** e
+        g[0, 3] = 2.0 ** e * 1.5  # one large element among smaller ones
+        rows.append(g)
+    special = torch.randn(4, 16, generator=gen)
+    special[0, 0], special[1, 5], special[2, 7], special[3, 2] = float("inf"), float("nan"), -float("inf"), 2.0 ** 124
+    special[3, 9] = float("nan")
+    rows.append(special)
+    return torch.cat(rows).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("direction", ["forward", "inverse"])
+def test_hadamard_transform_matches_the_reference_bitwise(numerics_bin, direction):
+    from hybridq.formats._numerics import rht16, rht16_inverse
+
+    groups = _rht_groups()
+    ref = (rht16 if direction == "forward" else rht16_inverse)(groups)
+    op = "r" if direction == "forward" else "i"
+    lines = [op + " " + " ".join(f"{_bits(float(v)):x}" for v in row) for row in groups]
+    got = torch.tensor([[_float(int(t)) for t in line.split()] for line in _run(numerics_bin, lines)])
+    same = (got.view(torch.int32) == ref.view(torch.int32)) | (got.isnan() & ref.isnan())
+    bad = (~same).nonzero()
+    assert not len(bad), (f"{direction} transform: {len(bad)} values differ from the reference; first at group "
+                          f"{int(bad[0, 0])} element {int(bad[0, 1])}: kernel {got[tuple(bad[0])].item()!r}, "
+                          f"reference {ref[tuple(bad[0])].item()!r}")

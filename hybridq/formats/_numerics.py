@@ -200,34 +200,35 @@ def _fwht16(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+# A group whose largest |value| reaches this takes the butterflies pre-scaled by 2^-4 (their sums of 16 values
+# would overflow fp32 near FLT_MAX / 16 = 2^124): a rule on the inputs, so the CUDA kernels decide it the same way.
+RHT_PRESCALE_FROM = 2.0 ** 123
+
+
+def _rht_butterflies(g: torch.Tensor) -> torch.Tensor:
+    """`_fwht16(g) * 0.25`, or, for groups with max|g| >= RHT_PRESCALE_FROM, `_fwht16(g * 2^-4) * 4` (the same
+    value: scaling values that large by a power of two is exact, and it keeps the fp32 sums finite)."""
+    big = (g.abs() >= RHT_PRESCALE_FROM).any(-1, keepdim=True)  # NaN compares false, inf true
+    return torch.where(big, _fwht16(g * 0.0625) * 4.0, _fwht16(g) * 0.25)
+
+
 def rht16(x: torch.Tensor) -> torch.Tensor:
     """Each group of 16 along the last dim times diag(s) * H16 / 4 (docs/numerics.md, "NVFP4"): inputs rounded
     to bf16 first, butterflies in fp32 in the order stride 1, 2, 4, 8, result * 0.25 rounded to bf16 (returned
-    as fp32).
-
-    Large groups: a butterfly sum overflows fp32 once |x| nears FLT_MAX / 16, although the result (at most
-    4 max|x|) may still fit bf16. A group of finite inputs whose result came out non-finite is recomputed as
-    ((g * 2^-4) butterflies) * 4, which cannot overflow inside the butterflies (and is exact there, since the
-    power-of-two scaling of values that large loses no bits); every other group keeps the plain bits. A result
-    beyond bf16's range (|x| above about 2^125) is +-inf: out of the format's range, never finite.
+    as fp32). Groups with max|x| >= 2^123 run the butterflies pre-scaled by 2^-4 (see `_rht_butterflies`), so a
+    finite result is never lost to an fp32 overflow inside the sums; a result beyond bf16's range (|x| above
+    about 2^125) is +-inf: out of the format's range, never finite.
     """
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device)
     lead = x.shape[:-1]
     g = x.to(torch.bfloat16).float().reshape(*lead, x.shape[-1] // 16, 16) * signs
-    out = _fwht16(g) * 0.25
-    overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
-    scaled = _fwht16(g * 0.0625) * 4.0
-    out = torch.where(overflowed, scaled, out)
-    return out.to(torch.bfloat16).float().reshape(x.shape)
+    return _rht_butterflies(g).to(torch.bfloat16).float().reshape(x.shape)
 
 
 def rht16_inverse(y: torch.Tensor) -> torch.Tensor:
-    """(diag(s) H16 / 4)^-1 = H16 diag(s) / 4, in fp32 (used only to dequantize; not part of the encode path)."""
+    """(diag(s) H16 / 4)^-1 = H16 diag(s) / 4, in fp32 (used only to dequantize; not part of the encode path),
+    with the same pre-scaling of large groups as `rht16`."""
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y.device)
     lead = y.shape[:-1]
     g = y.float().reshape(*lead, y.shape[-1] // 16, 16)
-    out = _fwht16(g) * 0.25
-    # as in rht16: a group of finite values whose butterflies overflowed is recomputed pre-scaled by 2^-4
-    overflowed = (~torch.isfinite(out)).any(-1, keepdim=True) & torch.isfinite(g).all(-1, keepdim=True)
-    out = torch.where(overflowed, _fwht16(g * 0.0625) * 4.0, out)
-    return (out * signs).reshape(y.shape)
+    return (_rht_butterflies(g) * signs).reshape(y.shape)
