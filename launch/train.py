@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import math
 import os
+import socket
 import pathlib
 import statistics
 import sys
@@ -104,10 +105,16 @@ class Env:
         return self.rank == 0
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def world_from_environment() -> int:
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one, on a free port (runs side by side)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     return int(os.environ["WORLD_SIZE"])
 
 

@@ -422,3 +422,23 @@ def test_run_sh_refuses_before_torchrun_starts(reshard_runs, tmp_path):
     assert "ChildFailedError" not in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert "torchrun" not in p.stdout, "the pre-flight refused before torchrun started"
     assert tree(d / "ck21") == before
+
+
+def test_plain_single_process_runs_take_a_free_port_each(monkeypatch):
+    """`python launch/train.py` (no torchrun) makes a world of one: its rendezvous port must be free, not a fixed
+    one, so runs side by side (pytest -n, two jobs on one machine) do not collide."""
+    import socket
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert train.world_from_environment() == 1
+    first = int(os.environ["MASTER_PORT"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:  # the first run still holds its port
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", first))
+        busy.listen()
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(name, raising=False)
+        train.world_from_environment()
+        second = int(os.environ["MASTER_PORT"])
+    assert second != first, f"two single-process runs got the same rendezvous port {first}"
