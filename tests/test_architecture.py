@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "hybridq"
-LEAVES = ("hybridq.dispatch", "hybridq.enums", "hybridq.errors")
+LEAVES = ("hybridq.dispatch", "hybridq.enums", "hybridq.errors", "hybridq.weight_forms")
 
 
 def _module_name(path: pathlib.Path) -> str:
