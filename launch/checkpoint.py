@@ -120,14 +120,20 @@ def verify(folder: pathlib.Path) -> None:
 
 # ---- the JSON files ------------------------------------------------------------------------------
 
-def read_meta(folder: pathlib.Path) -> dict:
-    p = folder / META
+def _read_json(p: pathlib.Path, missing: str):
+    """The JSON value in `p`; CheckpointError naming the file when it is missing (`missing` says what is then
+    unknown) or not JSON."""
     if not p.is_file():
-        raise CheckpointError(f"{p} is missing: the checkpoint's configuration is unknown")
+        raise CheckpointError(f"{p} is missing: {missing}")
     try:
-        meta = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except ValueError as e:
         raise CheckpointError(f"{p} is not valid JSON ({e})") from None
+
+
+def read_meta(folder: pathlib.Path) -> dict:
+    p = folder / META
+    meta = _read_json(p, "the checkpoint's configuration is unknown")
     if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict) or "recipe" not in meta:
         raise CheckpointError(f"{p} is malformed: expected an object with 'recipe' and 'model'")
     return meta
@@ -135,12 +141,7 @@ def read_meta(folder: pathlib.Path) -> dict:
 
 def read_train_state(folder: pathlib.Path, step: int) -> dict:
     p = folder / TRAIN_STATE
-    if not p.is_file():
-        raise CheckpointError(f"{p} is missing: the step and loss history are unknown")
-    try:
-        st = json.loads(p.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{p} is not valid JSON ({e})") from None
+    st = _read_json(p, "the step and loss history are unknown")
     if not isinstance(st, dict):
         raise CheckpointError(f"{p} is malformed: expected an object with 'step' and 'losses'")
     s, losses = st.get("step"), st.get("losses")

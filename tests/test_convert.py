@@ -18,6 +18,14 @@ def _no_env_override(monkeypatch):
     monkeypatch.delenv(BACKWARD_OVERRIDE_ENV, raising=False)
 
 
+def _assert_same_run(a, b) -> None:
+    """Two (output, parameter gradients) results are bitwise equal."""
+    (y1, g1), (y2, g2) = a, b
+    assert torch.equal(y1, y2), f"output differs (max abs diff {(y1 - y2).abs().max().item():g})"
+    for i, (u, v) in enumerate(zip(g1, g2)):
+        assert torch.equal(u, v), f"gradient of parameter {i} differs"
+
+
 def _model(k=IN):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(k, 64), nn.ReLU(), nn.Linear(64, 32))
@@ -271,10 +279,7 @@ def test_apply_hybrid_fsdp_re_conversion_trains_like_a_fresh_fsdp_conversion(tmp
             y = m(x)
             y.sum().backward()
             results.append((y.detach(), [p.grad.full_tensor() for p in m.parameters()]))
-        (y1, g1), (y2, g2) = results
-        assert torch.equal(y1, y2), f"output differs (max abs diff {(y1 - y2).abs().max().item():g})"
-        for i, (a, b) in enumerate(zip(g1, g2)):
-            assert torch.equal(a, b), f"gradient of parameter {i} differs"
+        _assert_same_run(*results)
     finally:
         dist.destroy_process_group()
 
@@ -373,10 +378,7 @@ def test_same_weight_format_after_fully_shard_trains_like_a_fresh_sharded_model(
             y = m(x)
             y.sum().backward()
             results.append((y.detach(), [p.grad.full_tensor() for p in m.parameters()]))
-        (y1, g1), (y2, g2) = results
-        assert torch.equal(y1, y2), f"output differs (max abs diff {(y1 - y2).abs().max().item():g})"
-        for i, (a, b) in enumerate(zip(g1, g2)):
-            assert torch.equal(a, b), f"gradient of parameter {i} differs"
+        _assert_same_run(*results)
     finally:
         dist.destroy_process_group()
 
