@@ -1,4 +1,4 @@
-"""Shared format cases and bitwise-comparison helpers for the format tests (not a test module).
+"""Shared format cases for the format tests (not a test module); the comparison helpers live in _compare.
 
 Each case is a factory, so every test gets a fresh quantizer (delayed scaling and stochastic rounding
 carry state).
@@ -11,6 +11,8 @@ import torch
 from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, IdentityQuantizer, MXFP8Quantizer,
                              NVFP4Quantizer)
 from hybridq.formats._numerics import expand_blocks, expand_tiles, unpack_nibbles
+
+from _compare import assert_bitwise, assert_parts_bitwise, raw_bytes
 
 FLT_MAX = torch.finfo(torch.float32).max
 DIRECTIONS = ("rowwise", "columnwise")
@@ -44,40 +46,6 @@ STATELESS = [k for k in FORMATS if k != "fp8_e4m3_delayed"]
 # formats whose columnwise form is, by the contract, the exact transpose of the rowwise form
 TRANSPOSED_2D = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2", "fp8_e4m3_delayed", "fp8blk_128x128_e4m3",
                  "mxfp8_32x32_e4m3", "nvfp4_16x16"]
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes (any dtype), shape [..., element_size * last dim]."""
-    t = t.contiguous()
-    return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    ba, bb = raw_bytes(a), raw_bytes(b)
-    diff = (ba != bb)
-    if diff.any():
-        n = int(diff.sum())
-        idx = diff.nonzero()[0].tolist()
-        raise AssertionError(f"{what}: {n} of {ba.numel()} bytes differ; first at byte index {idx}: "
-                             f"{int(ba[tuple(idx)])} != {int(bb[tuple(idx)])}")
-
-
-def assert_parts_bitwise(p, q, what: str) -> None:
-    """Same part type, geometry, metadata and every tensor field byte for byte."""
-    assert (p is None) == (q is None), f"{what}: one part is None ({p!r} vs {q!r})"
-    if p is None:
-        return
-    assert type(p) is type(q), f"{what}: part types {type(p).__name__} != {type(q).__name__}"
-    assert (p.rows, p.cols, p.columnwise) == (q.rows, q.cols, q.columnwise), \
-        f"{what}: geometry {(p.rows, p.cols, p.columnwise)} != {(q.rows, q.cols, q.columnwise)}"
-    assert p.meta() == q.meta(), f"{what}: metadata {p.meta()} != {q.meta()}"
-    for name, t in p.tensors().items():
-        u = q.tensors()[name]
-        assert (t is None) == (u is None), f"{what}.{name}: one is None"
-        if t is not None:
-            assert_bitwise(t, u, f"{what}.{name}")
 
 
 def element_values(part) -> torch.Tensor:

@@ -13,6 +13,8 @@ from hybridq.nn import linear as hq_linear
 from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
+import _compare
+
 PRESETS = hq.preset_names()
 CURRENT_PRESETS = [p for p in PRESETS if p != "fp8_delayed"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -49,13 +51,11 @@ def inputs(dtype, seed=1):
 
 
 def assert_bitwise(got, want, what):
-    names = ("output", "grad_input", "grad_weight", "grad_bias")
-    for n, a, b in zip(names, got, want):
+    """Every result of `run` (output and gradients) is identical bit for bit."""
+    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
         if a is None and b is None:
             continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {n} {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        diff = (a.float() - b.float()).abs().max().item()
-        assert torch.equal(a, b), f"{what}: {n} differs (max abs diff {diff:g})"
+        _compare.assert_bitwise(a, b, f"{what}: {n}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

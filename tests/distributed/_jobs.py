@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import pathlib
+import sys
 
 import torch
 import torch.nn as nn
@@ -16,6 +18,9 @@ from hybridq import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, Ide
 from hybridq.distributed import GatheredWeight, HybridWeight, apply_hybrid_fsdp, precompute_scales
 from hybridq.formats import COLUMNWISE, ROWWISE
 
+# the shared test helpers live one level up; spawned ranks inherit this sys.path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import assert_parts_bitwise as assert_parts_equal, parts_diff  # noqa: E402
 from _models import TinyLM, loss_fn, make_batches, micro_seed, reference_run
 
 
@@ -37,32 +42,6 @@ def _mesh(device, mesh_shape, world_size):
     if reps == 1:
         return init_device_mesh(device.type, (world_size,))
     return init_device_mesh(device.type, (reps, shards), mesh_dim_names=("replicate", "shard"))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
-
-
-def parts_diff(got, ref, what: str) -> list[str]:
-    """How the part `got` differs from `ref` (type, sizes, metadata, each tensor bitwise); [] if identical."""
-    if type(got) is not type(ref):
-        return [f"{what}: {type(got).__name__} != {type(ref).__name__}"]
-    if (got.rows, got.cols, got.columnwise) != (ref.rows, ref.cols, ref.columnwise) or got.meta() != ref.meta():
-        return [f"{what}: rows/cols/columnwise/meta {(got.rows, got.cols, got.columnwise, got.meta())} != "
-                f"{(ref.rows, ref.cols, ref.columnwise, ref.meta())}"]
-    out = []
-    for n in type(ref).tensor_fields:
-        a, b = getattr(got, n), getattr(ref, n)
-        if a.shape != b.shape or a.dtype != b.dtype:
-            out.append(f"{what}.{n}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
-        elif not torch.equal(_bits(a), _bits(b)):
-            out.append(f"{what}.{n}: not bitwise equal to the unsharded quantization")
-    return out
-
-
-def assert_parts_equal(got, ref, what: str) -> None:
-    diff = parts_diff(got, ref, what)
-    assert not diff, "\n".join(diff)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> str:

@@ -1,0 +1,91 @@
+"""Bitwise comparison of tensors and quantized parts for the tests (not a test module).
+
+Every helper says what differed: the tensor or field name, how many elements differ, the first index and both
+values. `nan_payload=True` treats every NaN of a floating tensor as equal to every other NaN (same positions
+required; a tuple of dtypes limits this to tensors of those dtypes): NaN payloads are not part of the numerics contract (docs/numerics.md, "Non-finite values"), and the
+CUDA kernels may produce a different payload than the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (any dtype), shape [..., element_size * last dim]."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-sized integers (bit patterns), same shape."""
+    t = t.contiguous()
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.dim() else t.reshape(1).view(_INT_OF_SIZE[t.element_size()])
+
+
+def tensor_diff(got: torch.Tensor, want: torch.Tensor, what: str, *, nan_payload: bool | tuple[torch.dtype, ...] = False) -> str | None:
+    """How `got` differs from `want` bit for bit (dtype, shape, elements); None if identical. `got` may be on
+    any device (it is moved to `want`'s)."""
+    if got.dtype != want.dtype:
+        return f"{what}: dtype {got.dtype} != {want.dtype}"
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    got = got.to(want.device)
+    if got.is_floating_point() and (nan_payload is True or (nan_payload and got.dtype in nan_payload)):
+        gn, wn = torch.isnan(got), torch.isnan(want)
+        if not torch.equal(gn, wn):
+            bad = (gn != wn).nonzero()
+            return (f"{what}: NaN positions differ at {bad.shape[0]} elements; first at {bad[0].tolist()}: "
+                    f"got {got[tuple(bad[0])].item()!r}, want {want[tuple(bad[0])].item()!r}")
+        got, want = got.masked_fill(gn, 0), want.masked_fill(wn, 0)
+    bg, bw = _bits(got), _bits(want)
+    bad = (bg != bw).nonzero()
+    if bad.numel() == 0:
+        return None
+    i = tuple(bad[0])
+    vg, vw = got.reshape(bg.shape)[i].item(), want.reshape(bw.shape)[i].item()
+    return (f"{what}: {bad.shape[0]} of {bg.numel()} elements differ; first at {bad[0].tolist()}: "
+            f"got {vg!r} (bits {int(bg[i])}), want {vw!r} (bits {int(bw[i])})")
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str, *, nan_payload: bool | tuple[torch.dtype, ...] = False) -> None:
+    """`got` equals `want` bit for bit (see tensor_diff)."""
+    diff = tensor_diff(got, want, what, nan_payload=nan_payload)
+    assert diff is None, diff
+
+
+def parts_diff(got, want, what: str, *, nan_payload: bool | tuple[torch.dtype, ...] = False) -> list[str]:
+    """How the quantized part `got` differs from `want`: presence, type, geometry, metadata and every tensor
+    field bit for bit; [] if identical."""
+    if (got is None) or (want is None):
+        return [] if got is want else [f"{what}: one part is None ({got!r} vs {want!r})"]
+    if type(got) is not type(want):
+        return [f"{what}: part types {type(got).__name__} != {type(want).__name__}"]
+    if (got.rows, got.cols, got.columnwise) != (want.rows, want.cols, want.columnwise):
+        return [f"{what}: geometry (rows, cols, columnwise) {(got.rows, got.cols, got.columnwise)} != "
+                f"{(want.rows, want.cols, want.columnwise)}"]
+    if got.meta() != want.meta():
+        return [f"{what}: metadata {got.meta()} != {want.meta()}"]
+    out = []
+    gt = got.tensors()
+    for name, w in want.tensors().items():
+        g = gt[name]
+        if (g is None) or (w is None):
+            if g is not w:
+                out.append(f"{what}.{name}: one is None")
+            continue
+        diff = tensor_diff(g, w, f"{what}.{name}", nan_payload=nan_payload)
+        if diff is not None:
+            out.append(diff)
+    return out
+
+
+def assert_parts_bitwise(got, want, what: str, *, nan_payload: bool | tuple[torch.dtype, ...] = False) -> None:
+    """`got` and `want` are the same part bit for bit (see parts_diff)."""
+    diff = parts_diff(got, want, what, nan_payload=nan_payload)
+    assert not diff, "\n".join(diff)
+
+
+__all__ = ["raw_bytes", "tensor_diff", "assert_bitwise", "parts_diff", "assert_parts_bitwise"]
