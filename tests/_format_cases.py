@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, IdentityQuantizer, MXFP8Quantizer,
-                             NVFP4Quantizer)
+from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer,
+                             MXFP8Quantizer, NVFP4Quantizer)
 from hybridq.formats._numerics import expand_blocks, expand_tiles, unpack_nibbles
 
 from _compare import assert_bitwise, assert_parts_bitwise, raw_bytes
@@ -27,13 +27,16 @@ FORMATS = {
     "fp8_e4m3": lambda: Float8Quantizer(),
     "fp8_e5m2": lambda: Float8Quantizer(fp8="e5m2"),
     "fp8_e4m3_pow2": lambda: Float8Quantizer(power_2_scale=True),
+    "fp8_e5m2_pow2": lambda: Float8Quantizer(fp8="e5m2", power_2_scale=True),
     "fp8_e4m3_delayed": lambda: Float8Quantizer(scaling="delayed", amax_history_len=4),
     "fp8blk_1x128_e4m3": lambda: Float8BlockQuantizer(),
     "fp8blk_1x128_e5m2": lambda: Float8BlockQuantizer(fp8="e5m2"),
+    "fp8blk_1x128_e4m3_nopow2": lambda: Float8BlockQuantizer(power_2_scale=False),
     "fp8blk_128x128_e4m3": lambda: Float8BlockQuantizer(block_dim=2),
     "mxfp8_e4m3": lambda: MXFP8Quantizer(),
     "mxfp8_e5m2": lambda: MXFP8Quantizer(fp8="e5m2"),
     "mxfp8_32x32_e4m3": lambda: MXFP8Quantizer(block_2d=True),
+    "mxfp8_32x32_e5m2": lambda: MXFP8Quantizer(fp8="e5m2", block_2d=True),
     "nvfp4": lambda: NVFP4Quantizer(),
     "nvfp4_16x16": lambda: NVFP4Quantizer(block_2d=True),
     "nvfp4_rht": lambda: NVFP4Quantizer(rht=True),
@@ -44,8 +47,13 @@ FORMATS = {
 # formats whose output does not depend on earlier calls
 STATELESS = [k for k in FORMATS if k != "fp8_e4m3_delayed"]
 # formats whose columnwise form is, by the contract, the exact transpose of the rowwise form
-TRANSPOSED_2D = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2", "fp8_e4m3_delayed", "fp8blk_128x128_e4m3",
-                 "mxfp8_32x32_e4m3", "nvfp4_16x16"]
+TRANSPOSED_2D = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2", "fp8_e5m2_pow2", "fp8_e4m3_delayed", "fp8blk_128x128_e4m3",
+                 "mxfp8_32x32_e4m3", "mxfp8_32x32_e5m2", "nvfp4_16x16"]
+
+
+def hybrid(rowwise: str, columnwise: str, **kw):
+    """A factory of the hybrid of two FORMATS cases (by name)."""
+    return lambda: HybridQuantizer(rowwise=FORMATS[rowwise](), columnwise=FORMATS[columnwise](), **kw)
 
 
 def element_values(part) -> torch.Tensor:
@@ -74,5 +82,5 @@ def element_scales(part) -> torch.Tensor:
     raise TypeError(name)
 
 
-__all__ = ["FLT_MAX", "FORMATS", "STATELESS", "TRANSPOSED_2D", "DIRECTIONS", "raw_bytes", "assert_bitwise",
+__all__ = ["FLT_MAX", "FORMATS", "hybrid", "STATELESS", "TRANSPOSED_2D", "DIRECTIONS", "raw_bytes", "assert_bitwise",
            "assert_parts_bitwise", "element_values", "element_scales", "expand_tiles"]

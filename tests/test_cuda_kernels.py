@@ -14,8 +14,9 @@ import random
 import pytest
 import torch
 
-from hybridq.formats import (Float8BlockPart, Float8BlockQuantizer, Float8Quantizer, Float8TensorPart, MXFP8Part,
-                             MXFP8Quantizer, NVFP4Part, NVFP4Quantizer, swizzle_mx_scales)
+from _format_cases import FORMATS
+from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Part, NVFP4Quantizer,
+                             swizzle_mx_scales)
 from hybridq.formats._numerics import (E2M1_VALUES, e2m1_decode, expand_blocks, rht16, unpack_nibbles)
 from hybridq.formats.nvfp4 import element_multiplier, global_encode_scale
 
@@ -361,15 +362,15 @@ def test_nvfp4_sr_unbiased(direction, gen):
 # ---- persistent CTAs: many tiles per CTA ------------------------------------------------------------------------
 
 MANY_TILE_CASES = {
-    "fp8": (Float8Quantizer, (3000, 2900)),
-    "fp8_unaligned_k": (lambda: Float8Quantizer("e5m2"), (1500, 2901)),  # K % 8 != 0: the synchronous load path
-    "block1d": (Float8BlockQuantizer, (3000, 2900)),
-    "block2d": (lambda: Float8BlockQuantizer(block_dim=2), (2900, 3001)),
-    "mxfp8": (MXFP8Quantizer, (2976, 2912)),
-    "mxfp8_2d": (lambda: MXFP8Quantizer(block_2d=True), (2912, 2976)),
-    "nvfp4": (NVFP4Quantizer, (2992, 2896)),
-    "nvfp4_rht": (lambda: NVFP4Quantizer(rht=True), (2896, 2992)),
-    "nvfp4_2d": (lambda: NVFP4Quantizer(block_2d=True), (2992, 2896)),
+    "fp8": (FORMATS["fp8_e4m3"], (3000, 2900)),
+    "fp8_unaligned_k": (FORMATS["fp8_e5m2"], (1500, 2901)),  # K % 8 != 0: the synchronous load path
+    "block1d": (FORMATS["fp8blk_1x128_e4m3"], (3000, 2900)),
+    "block2d": (FORMATS["fp8blk_128x128_e4m3"], (2900, 3001)),
+    "mxfp8": (FORMATS["mxfp8_e4m3"], (2976, 2912)),
+    "mxfp8_2d": (FORMATS["mxfp8_32x32_e4m3"], (2912, 2976)),
+    "nvfp4": (FORMATS["nvfp4"], (2992, 2896)),
+    "nvfp4_rht": (FORMATS["nvfp4_rht"], (2896, 2992)),
+    "nvfp4_2d": (FORMATS["nvfp4_16x16"], (2992, 2896)),
 }
 
 
@@ -386,16 +387,16 @@ def test_many_tiles_per_cta(case, gen):
 # ---- dequantize ----------------------------------------------------------------------------------------------------
 
 DEQ_CASES = {
-    "fp8": (lambda: Float8Quantizer(), (257, 520)),
-    "fp8_e5m2": (lambda: Float8Quantizer("e5m2"), (100, 36)),
-    "block1d": (lambda: Float8BlockQuantizer(), (257, 520)),
-    "block2d": (lambda: Float8BlockQuantizer(block_dim=2), (300, 200)),
-    "block_nopow2": (lambda: Float8BlockQuantizer(power_2_scale=False), (130, 264)),
-    "mxfp8": (lambda: MXFP8Quantizer(), (96, 160)),
-    "mxfp8_e5m2_2d": (lambda: MXFP8Quantizer("e5m2", block_2d=True), (224, 96)),
-    "nvfp4": (lambda: NVFP4Quantizer(), (48, 80)),
-    "nvfp4_rht": (lambda: NVFP4Quantizer(rht=True), (272, 144)),
-    "nvfp4_2d": (lambda: NVFP4Quantizer(block_2d=True), (272, 144)),
+    "fp8": (FORMATS["fp8_e4m3"], (257, 520)),
+    "fp8_e5m2": (FORMATS["fp8_e5m2"], (100, 36)),
+    "block1d": (FORMATS["fp8blk_1x128_e4m3"], (257, 520)),
+    "block2d": (FORMATS["fp8blk_128x128_e4m3"], (300, 200)),
+    "block_nopow2": (FORMATS["fp8blk_1x128_e4m3_nopow2"], (130, 264)),
+    "mxfp8": (FORMATS["mxfp8_e4m3"], (96, 160)),
+    "mxfp8_e5m2_2d": (FORMATS["mxfp8_32x32_e5m2"], (224, 96)),
+    "nvfp4": (FORMATS["nvfp4"], (48, 80)),
+    "nvfp4_rht": (FORMATS["nvfp4_rht"], (272, 144)),
+    "nvfp4_2d": (FORMATS["nvfp4_16x16"], (272, 144)),
 }
 
 

@@ -13,14 +13,14 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
-                     NVFP4Quantizer)
+from hybridq import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from hybridq.distributed import GatheredWeight, HybridWeight, apply_hybrid_fsdp, precompute_scales
 from hybridq.formats import COLUMNWISE, ROWWISE
 
 # the shared test helpers live one level up; spawned ranks inherit this sys.path
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import assert_parts_bitwise as assert_parts_equal, parts_diff  # noqa: E402
+from _format_cases import FORMATS, hybrid  # noqa: E402
 from _models import TinyLM, loss_fn, make_batches, micro_seed, reference_run
 
 
@@ -69,31 +69,30 @@ def _owned_freed(model) -> bool:
 
 # name -> (weight quantizer factory, weight shape [M, K]). Shapes: uneven row counts (FSDP pads the last
 # shard), an empty shard, and shard boundaries that split 128 / 32 / 16-row blocks and tiles.
-INVARIANCE_CASES = {
-    "fp8_e4m3_vocab": (lambda: Float8Quantizer(), (50257, 16)),
-    "fp8_e5m2_odd": (lambda: Float8Quantizer("e5m2"), (97, 32)),
-    "fp8_one_row": (lambda: Float8Quantizer(), (1, 32)),
-    "fp8_pow2": (lambda: Float8Quantizer(power_2_scale=True), (96, 32)),
-    "fp8block_2d_vocab": (lambda: Float8BlockQuantizer(block_dim=2), (50257, 16)),
-    "fp8block_2d_split": (lambda: Float8BlockQuantizer(block_dim=2), (300, 200)),
-    "fp8block_1d_split": (lambda: Float8BlockQuantizer(block_dim=1), (300, 64)),
-    "mxfp8_vocab": (lambda: MXFP8Quantizer(), (50272, 32)),
-    "mxfp8_split": (lambda: MXFP8Quantizer(), (160, 64)),
-    "mxfp8_e5m2": (lambda: MXFP8Quantizer("e5m2"), (96, 32)),
-    "mxfp8_2d_split": (lambda: MXFP8Quantizer(block_2d=True), (96, 64)),
-    "nvfp4_vocab": (lambda: NVFP4Quantizer(), (50256, 16)),
-    "nvfp4_split": (lambda: NVFP4Quantizer(), (80, 32)),
-    "nvfp4_2d_split": (lambda: NVFP4Quantizer(block_2d=True), (80, 32)),
-    "nvfp4_2d": (lambda: NVFP4Quantizer(block_2d=True), (96, 64)),
-    "nvfp4_rht": (lambda: NVFP4Quantizer(rht=True), (64, 32)),
-    "identity_odd": (lambda: IdentityQuantizer(), (97, 32)),
-    "hyb_mxfp8_nvfp4": (lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()), (96, 64)),
-    "hyb_fp8block_mxfp8": (lambda: HybridQuantizer(Float8BlockQuantizer(block_dim=2), MXFP8Quantizer()), (160, 64)),
-    "hyb_fp8_identity_odd": (lambda: HybridQuantizer(Float8Quantizer(), IdentityQuantizer()), (97, 32)),
-    "hyb_nvfp4_2d_fp8": (lambda: HybridQuantizer(NVFP4Quantizer(block_2d=True), Float8Quantizer("e5m2")), (80, 32)),
-    "hyb_mxfp8_nvfp4_double": (lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(),
-                                                       columnwise_source="rowwise_dequantized"), (96, 64)),
-    "hyb_fp8_fp8block_1d": (lambda: HybridQuantizer(Float8Quantizer(), Float8BlockQuantizer(block_dim=1)), (300, 32)),
+INVARIANCE_CASES = {  # formats from tests/_format_cases.py
+    "fp8_e4m3_vocab": (FORMATS["fp8_e4m3"], (50257, 16)),
+    "fp8_e5m2_odd": (FORMATS["fp8_e5m2"], (97, 32)),
+    "fp8_one_row": (FORMATS["fp8_e4m3"], (1, 32)),
+    "fp8_pow2": (FORMATS["fp8_e4m3_pow2"], (96, 32)),
+    "fp8block_2d_vocab": (FORMATS["fp8blk_128x128_e4m3"], (50257, 16)),
+    "fp8block_2d_split": (FORMATS["fp8blk_128x128_e4m3"], (300, 200)),
+    "fp8block_1d_split": (FORMATS["fp8blk_1x128_e4m3"], (300, 64)),
+    "mxfp8_vocab": (FORMATS["mxfp8_e4m3"], (50272, 32)),
+    "mxfp8_split": (FORMATS["mxfp8_e4m3"], (160, 64)),
+    "mxfp8_e5m2": (FORMATS["mxfp8_e5m2"], (96, 32)),
+    "mxfp8_2d_split": (FORMATS["mxfp8_32x32_e4m3"], (96, 64)),
+    "nvfp4_vocab": (FORMATS["nvfp4"], (50256, 16)),
+    "nvfp4_split": (FORMATS["nvfp4"], (80, 32)),
+    "nvfp4_2d_split": (FORMATS["nvfp4_16x16"], (80, 32)),
+    "nvfp4_2d": (FORMATS["nvfp4_16x16"], (96, 64)),
+    "nvfp4_rht": (FORMATS["nvfp4_rht"], (64, 32)),
+    "identity_odd": (FORMATS["identity"], (97, 32)),
+    "hyb_mxfp8_nvfp4": (hybrid("mxfp8_e4m3", "nvfp4"), (96, 64)),
+    "hyb_fp8block_mxfp8": (hybrid("fp8blk_128x128_e4m3", "mxfp8_e4m3"), (160, 64)),
+    "hyb_fp8_identity_odd": (hybrid("fp8_e4m3", "identity"), (97, 32)),
+    "hyb_nvfp4_2d_fp8": (hybrid("nvfp4_16x16", "fp8_e5m2"), (80, 32)),
+    "hyb_mxfp8_nvfp4_double": (hybrid("mxfp8_e4m3", "nvfp4", columnwise_source="rowwise_dequantized"), (96, 64)),
+    "hyb_fp8_fp8block_1d": (hybrid("fp8_e4m3", "fp8blk_1x128_e4m3"), (300, 32)),
 }
 
 

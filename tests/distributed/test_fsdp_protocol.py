@@ -11,29 +11,29 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
-                     NVFP4Quantizer)
+from hybridq import Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, bytes_table, gather_bytes_per_step, precompute_scales
 from hybridq.distributed.plan import make_plan
 from hybridq.distributed.payload import assemble_parts, build_payload, quantize_shard
 from hybridq.formats._sharding import RowShard, dim0_chunks
 
+from _format_cases import FORMATS, hybrid
 from _jobs import assert_parts_equal
 
-QUANTIZERS = {
-    "fp8": lambda: Float8Quantizer(),
-    "fp8_e5m2_pow2": lambda: Float8Quantizer("e5m2", power_2_scale=True),
-    "fp8block_2d": lambda: Float8BlockQuantizer(block_dim=2),
-    "fp8block_1d": lambda: Float8BlockQuantizer(block_dim=1),
-    "mxfp8": lambda: MXFP8Quantizer(),
-    "mxfp8_2d": lambda: MXFP8Quantizer(block_2d=True),
-    "nvfp4": lambda: NVFP4Quantizer(),
-    "nvfp4_2d": lambda: NVFP4Quantizer(block_2d=True),
-    "identity": lambda: IdentityQuantizer(),
-    "hyb_mxfp8_nvfp4": lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()),
-    "hyb_fp8block_mxfp8": lambda: HybridQuantizer(Float8BlockQuantizer(block_dim=2), MXFP8Quantizer()),
-    "hyb_fp8_identity": lambda: HybridQuantizer(Float8Quantizer(), IdentityQuantizer()),
-    "hyb_nvfp4_2d_mxfp8_2d": lambda: HybridQuantizer(NVFP4Quantizer(block_2d=True), MXFP8Quantizer(block_2d=True)),
+QUANTIZERS = {  # cases of tests/_format_cases.py
+    "fp8": FORMATS["fp8_e4m3"],
+    "fp8_e5m2_pow2": FORMATS["fp8_e5m2_pow2"],
+    "fp8block_2d": FORMATS["fp8blk_128x128_e4m3"],
+    "fp8block_1d": FORMATS["fp8blk_1x128_e4m3"],
+    "mxfp8": FORMATS["mxfp8_e4m3"],
+    "mxfp8_2d": FORMATS["mxfp8_32x32_e4m3"],
+    "nvfp4": FORMATS["nvfp4"],
+    "nvfp4_2d": FORMATS["nvfp4_16x16"],
+    "identity": FORMATS["identity"],
+    "hyb_mxfp8_nvfp4": hybrid("mxfp8_e4m3", "nvfp4"),
+    "hyb_fp8block_mxfp8": hybrid("fp8blk_128x128_e4m3", "mxfp8_e4m3"),
+    "hyb_fp8_identity": hybrid("fp8_e4m3", "identity"),
+    "hyb_nvfp4_2d_mxfp8_2d": hybrid("nvfp4_16x16", "mxfp8_32x32_e4m3"),
 }
 # multiples of 32 rows whose shards (up to 5 ranks) split 16/32/128-row blocks and tiles
 ALIGNED_SHAPES = [(96, 64), (160, 32), (288, 64), (32, 32)]
