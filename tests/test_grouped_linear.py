@@ -318,3 +318,14 @@ def test_high_precision_override_grads_are_those_of_an_unquantized_grouped_gemm(
     _assert_equal(dx, xr.grad, "high_precision grad_input")
     _assert_equal(dw, w.grad, "high_precision grad_weight")
     _assert_equal(db, b.grad, "high_precision grad_bias")
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "fp8_tensorwise"])
+def test_no_tokens_at_all_gives_zero_gradients(preset):
+    g = _grouped(preset)
+    x = torch.zeros(0, IN, requires_grad=True)
+    y = g(x, [0, 0, 0])
+    assert y.shape == (0, OUT) and y.requires_grad, f"empty call gave {tuple(y.shape)}, requires_grad={y.requires_grad}"
+    y.sum().backward()
+    assert g.weight.grad is not None and not g.weight.grad.any(), "weight gradient of an empty call is not zero"
+    assert not g.bias.grad.any(), "bias gradient of an empty call is not zero"

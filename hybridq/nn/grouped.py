@@ -216,8 +216,9 @@ class GroupedLinear(nn.Module):
         biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
         outs = []
         for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
-            if m == 0:
-                outs.append(x_e.new_empty((0, self.out_features)))
+            if m == 0:  # no GEMM to quantize; an empty product keeps the output in the graph (zero gradients)
+                y_e = x_e.mm(weights[e].t().to(x.dtype))
+                outs.append(y_e if biases[e] is None else y_e + biases[e].to(x.dtype))
                 continue
             qs = self.expert_quantizers[e]
             n = padded_tokens(m, self.in_features, self.out_features, qs, quantized_bwd and need_dgrad,
