@@ -44,7 +44,8 @@ def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[
                   rowwise_grad: bool, columnwise: bool) -> int:
     """The smallest token count >= m that every cast of an expert's call accepts: the input rowwise, plus the
     grad_output rowwise when dgrad is quantized (`rowwise_grad`), plus both columnwise when wgrad is quantized
-    (`columnwise`). Zero rows appended up to it change no GEMM result of the real rows (see docs/numerics.md)."""
+    (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was and add only
+    zero products to wgrad."""
     def fits(n: int) -> bool:
         return (quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
                 and (not (rowwise_grad or columnwise)
@@ -68,7 +69,7 @@ class GroupedLinear(nn.Module):
     forward when no gradient flows. A slice whose token count a format's shape rule cannot take (e.g. 17 rows
     for MXFP8's 32-row columnwise blocks) is zero-padded to the next count it can take inside the op, and the
     padded rows are dropped from the output: the result is bitwise that of the Linear on the zero-padded
-    slice. An expert with no tokens runs no GEMM; its weight gradient is zero.
+    slice. An expert with no tokens runs no quantized GEMM; its weight and bias gradients are zero.
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
