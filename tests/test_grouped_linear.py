@@ -87,10 +87,16 @@ def _run(g, x, gy, splits, grad=True, **kw):
     return y, None, None, None
 
 
+_INT = {2: torch.int16, 4: torch.int32}
+
+
 def _assert_equal(a, b, what):
+    """Bit for bit (a -0.0 differs from a 0.0)."""
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-    assert torch.equal(a, b), f"{what} differs from the per-expert Linear (max abs diff {diff})"
+    bits_a, bits_b = a.contiguous().view(_INT[a.element_size()]), b.contiguous().view(_INT[b.element_size()])
+    bad = (bits_a != bits_b).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a.numel()} elements differ from the reference; first at "
+                              f"{bad[0].tolist()}: {a[tuple(bad[0])].item()!r} vs {b[tuple(bad[0])].item()!r}")
 
 
 def _assert_matches_linears(g, linears, x, gy, splits, grad=True, **kw):
