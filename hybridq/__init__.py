@@ -11,7 +11,7 @@ from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
 from .gemm import register_native_gemm
 from .kernels import extension_available, update_delayed_scaling  # also registers device kernels / GEMMs
-from .nn import ConversionReport, Linear, convert_linears
+from .nn import ConversionReport, GroupedLinear, Linear, convert_experts, convert_linears, grouped_mm
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
 from .distributed import apply_hybrid_fsdp, precompute_scales
@@ -20,7 +20,7 @@ __all__ = [
     "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "BackwardOverride", "Quantizer", "QuantizedPart", "QuantizedTensor",
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
-    "Linear", "convert_linears", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
+    "Linear", "GroupedLinear", "convert_linears", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
     "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
 ]
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -140,6 +140,25 @@ def _output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view(y.contiguous(), (*x.shape[:-1], y.shape[-1]))
 
 
+def cached_quantized_weight(cache: tuple[Any, QuantizedTensor] | None, cache_columnwise: bool, w: torch.Tensor,
+                            q: Quantizer, is_first_microbatch: bool, need_columnwise: bool, name: str
+                            ) -> tuple[tuple[Any, QuantizedTensor], bool, QuantizedTensor]:
+    """The is_first_microbatch weight cache: returns (new cache entry, new columnwise flag, quantized weight).
+    The weight is quantized again on the first micro-batch, when it changed (storage or version) or when a
+    direction asked for now or before is missing: the cache keeps every direction it was ever asked for (usage
+    preservation)."""
+    key = (w.data_ptr(), w._version)
+    cache_columnwise |= need_columnwise
+    stale = cache is None or cache[0] != key
+    if not is_first_microbatch and cache is not None and cache[0] != key:
+        log.warning("%s: is_first_microbatch=False but the weight changed since it was quantized; "
+                    "quantizing it again", name)
+    missing = cache is not None and cache_columnwise and not cache[1].has("columnwise")
+    if is_first_microbatch or stale or missing:
+        cache = (key, q.quantize(w.detach(), rowwise=True, columnwise=cache_columnwise, name=f"weight of {name}"))
+    return cache, cache_columnwise, cache[1]
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -214,6 +233,23 @@ class _LinearFunction(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         db = dy2d.sum(0).to(ctx.b_dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
         return dx, dw, db, None, None
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
+                 weight_cache: Callable[[bool], QuantizedTensor] | None = None) -> torch.Tensor:
+    """`x W^T + b` with the three GEMMs on `cfg`'s quantizers (the computation of one Linear; GroupedLinear runs
+    it once per expert). `weight_cache(need_columnwise)`, when given, returns the cached quantized weight."""
+    # what backward will differentiate: nothing under no_grad / inference_mode (torch.autograd.Function's
+    # ctx.needs_input_grad only looks at requires_grad)
+    grad = torch.is_grad_enabled()
+    need_dgrad = grad and x.requires_grad
+    needs_grad = need_dgrad or (grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))
+    cached = None
+    if weight_cache is not None:
+        cached = weight_cache(cfg.backward_override is None and need_dgrad)
+    if not needs_grad:
+        return _forward_only(x, weight, bias, cached, cfg)
+    return _LinearFunction.apply(x, weight, bias, cached, cfg)
 
 
 class Linear(nn.Linear):
@@ -336,20 +372,10 @@ class Linear(nn.Linear):
         return {t: q.describe() for t, q in self.quantizers().items()}
 
     def _cached_weight(self, is_first_microbatch: bool, need_columnwise: bool) -> QuantizedTensor:
-        w = self.weight
-        key = (w.data_ptr(), w._version)
-        self._cache_columnwise |= need_columnwise
-        cached = self._weight_cache
-        stale = cached is None or cached[0] != key
-        if not is_first_microbatch and cached is not None and cached[0] != key:
-            log.warning("%s: is_first_microbatch=False but the weight changed since it was quantized; "
-                        "quantizing it again", self.name)
-        missing = cached is not None and self._cache_columnwise and not cached[1].has("columnwise")
-        if is_first_microbatch or stale or missing:
-            wq = self.weight_quantizer.quantize(w.detach(), rowwise=True, columnwise=self._cache_columnwise,
-                                                name=f"weight of {self.name}")
-            self._weight_cache = (key, wq)
-        return self._weight_cache[1]
+        self._weight_cache, self._cache_columnwise, wq = cached_quantized_weight(
+            self._weight_cache, self._cache_columnwise, self.weight, self.weight_quantizer,
+            is_first_microbatch, need_columnwise, self.name)
+        return wq
 
     def _config(self, override: str | None) -> _LinearConfig:
         """The autograd function's configuration (cached: rebuilt when anything it copies was replaced)."""
@@ -368,17 +394,10 @@ class Linear(nn.Linear):
             self._check_override(override)
         cfg = self._config(override)
         weight, bias = self.weight, self.bias
-        # what backward will differentiate: nothing under no_grad / inference_mode (torch.autograd.Function's
-        # ctx.needs_input_grad only looks at requires_grad)
-        grad = torch.is_grad_enabled()
-        need_dgrad = grad and x.requires_grad
-        needs_grad = need_dgrad or (grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))
-        cached = None
+        cache = None
         if is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
-            cached = self._cached_weight(is_first_microbatch, override is None and need_dgrad)
-        if not needs_grad:
-            return _forward_only(x, weight, bias, cached, cfg)
-        return _LinearFunction.apply(x, weight, bias, cached, cfg)
+            cache = lambda need_columnwise: self._cached_weight(is_first_microbatch, need_columnwise)
+        return apply_linear(x, weight, bias, cfg, cache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

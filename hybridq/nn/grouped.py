@@ -1,0 +1,323 @@
+"""`hybridq.nn.GroupedLinear`: the expert GEMMs of a mixture-of-experts layer, each expert computed exactly as a
+hybridq Linear on its own token slice."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import FormatShapeError
+from ..formats.base import Quantizer
+from ..recipe import CustomRecipe, Role, check_override_compatible
+from ..tensor import QuantizedTensor
+from .linear import _LinearConfig, apply_linear, cached_quantized_weight
+
+TENSORS = ("input", "weight", "grad_output")
+MODULE_TYPE = "grouped_linear"
+_MAX_PAD = 4096  # larger than any format's block along the token dimension
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The module name an expert's roles carry: `Role("grouped_linear", tensor_type, f"{name}.experts.{e}")`."""
+    return f"{name}.experts.{expert}"
+
+
+class _Expert:
+    """What `_LinearConfig` reads from a module, for one expert (plain object, not a module)."""
+
+    __slots__ = ("name", "input_quantizer", "weight_quantizer", "grad_output_quantizer", "save_original_input")
+
+    def __init__(self, name: str, quantizers: dict[str, Quantizer], save_original_input: bool):
+        self.name = name
+        self.input_quantizer = quantizers["input"]
+        self.weight_quantizer = quantizers["weight"]
+        self.grad_output_quantizer = quantizers["grad_output"]
+        self.save_original_input = save_original_input
+
+
+def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[str, Quantizer],
+                  rowwise_grad: bool, columnwise: bool) -> int:
+    """The smallest token count >= m that every cast of an expert's call accepts: the input rowwise, plus the
+    grad_output rowwise when dgrad is quantized (`rowwise_grad`), plus both columnwise when wgrad is quantized
+    (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was and add only
+    zero products to wgrad."""
+    def fits(n: int) -> bool:
+        return (quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
+                and (not (rowwise_grad or columnwise)
+                     or quantizers["grad_output"].shape_rule(n, out_features, rowwise_grad, columnwise) is None))
+    for n in range(m, m + _MAX_PAD + 1):
+        if fits(n):
+            return n
+    raise FormatShapeError(f"no token count in [{m}, {m + _MAX_PAD}] fits the formats "
+                           f"{quantizers['input'].describe()} / {quantizers['grad_output'].describe()}")
+
+
+class GroupedLinear(nn.Module):
+    """E experts' linear layers in one module: `weight [E, out, in]` (+ `bias [E, out]`), the layout of
+    `torch._grouped_mm` and torchtitan-style MoE code.
+
+    forward(x, m_splits, is_first_microbatch=None): `x [T, in]` holds the tokens sorted by expert, `m_splits`
+    (a list or 1-D integer tensor of length E, zeros allowed, summing to T) the token count of each expert;
+    returns `[T, out]`. Expert e's three GEMMs are those of a hybridq Linear with expert e's quantizers
+    (`recipe.quantizer(Role("grouped_linear", t, f"{name}.experts.{e}"))`) on its slice: the same backward
+    overrides, save_original_input, is_first_microbatch caching with usage preservation and rowwise-only
+    forward when no gradient flows. A slice whose token count a format's shape rule cannot take (e.g. 17 rows
+    for MXFP8's 32-row columnwise blocks) is zero-padded to the next count it can take inside the op, and the
+    padded rows are dropped from the output: the result is bitwise that of the Linear on the zero-padded
+    slice. An expert with no tokens runs no quantized GEMM; its weight and bias gradients are zero.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
+                 dtype=None, *, recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"GroupedLinear {name!r}: num_experts must be >= 1, got {num_experts}")
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(num_experts, out_features, device=device, dtype=dtype))
+                     if bias else None)
+        self.reset_parameters()
+        self._setup(recipe, name, save_original_input)
+
+    def reset_parameters(self) -> None:
+        # each expert initialised as nn.Linear initialises its weight and bias
+        with torch.no_grad():
+            for w in self.weight:
+                nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+                nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_parameters(cls, weight: nn.Parameter, bias: nn.Parameter | None = None, *, recipe: CustomRecipe,
+                        name: str = "", save_original_input: bool = False) -> "GroupedLinear":
+        """Wrap an existing `[E, out, in]` weight (and `[E, out]` bias) parameter (shared, not copied). Raises
+        (nothing changed) on a wrong shape, an invalid recipe or shapes its formats cannot take."""
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 3:
+            raise ValueError(f"GroupedLinear {name!r}: weight must be an nn.Parameter of shape [E, out, in], got "
+                             f"{type(weight).__name__} of shape {tuple(weight.shape)}")
+        e, n, k = weight.shape
+        if bias is not None and tuple(bias.shape) != (e, n):
+            raise ValueError(f"GroupedLinear {name!r}: bias must have shape {(e, n)}, got {tuple(bias.shape)}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.num_experts, new.out_features, new.in_features = e, n, k
+        new.weight, new.bias = weight, bias
+        new._setup(recipe, name, save_original_input)
+        return new
+
+    def _setup(self, recipe: CustomRecipe, name: str, save_original_input: bool) -> None:
+        self.name = name or f"GroupedLinear({self.num_experts}x{self.in_features}->{self.out_features})"
+        self._role_name = name
+        self.save_original_input = save_original_input
+        self._weight_caches: list[tuple[Any, QuantizedTensor] | None] = [None] * self.num_experts
+        self._cache_columnwise = [False] * self.num_experts
+        self.recipe = recipe
+
+    @property
+    def recipe(self) -> CustomRecipe:
+        """The recipe the experts quantize with; assigning validates it first (nothing changes on error), then
+        rebuilds every expert's quantizers and drops the cached quantized weights."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: CustomRecipe) -> None:
+        self.install_recipe(recipe, self.quantizers_for(recipe))
+
+    def install_recipe(self, recipe: CustomRecipe, quantizers: list[dict[str, Quantizer]]) -> None:
+        self._recipe = recipe
+        self.expert_quantizers = quantizers
+        self._weight_caches = [None] * self.num_experts
+        self._cache_columnwise = [False] * self.num_experts
+        self.__dict__.pop("_cfgs", None)
+
+    def quantizers_for(self, recipe: CustomRecipe) -> list[dict[str, Quantizer]]:
+        """Every expert's quantizers from `recipe`, after the checks that need no data (as Linear.quantizers_for:
+        recipe configuration, then the shape rules on in/out features). Changes nothing."""
+        if not isinstance(recipe, CustomRecipe):
+            raise TypeError(f"{self.name}: recipe must be a hybridq recipe (hybridq.recipe(name) or "
+                            f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+        override = recipe.backward_override
+        out = []
+        for e in range(self.num_experts):
+            qs = {t: recipe.quantizer(Role(MODULE_TYPE, t, expert_name(self._role_name, e))) for t in TENSORS}
+            label = f"expert {e} of {self.name}"
+            check_override_compatible(override, qs, label)
+            n, k = self.out_features, self.in_features
+            qs["weight"].validate((n, k), f"weight of {label}", rowwise=True, columnwise=override is None)
+            qs["input"].validate((0, k), f"input of {label}", rowwise=True, columnwise=False)
+            if override is None:
+                qs["grad_output"].validate((0, n), f"grad_output of {label}", rowwise=True, columnwise=False)
+            out.append(qs)
+        return out
+
+    def check_override(self) -> None:
+        """Raise RecipeError if the backward override in force now cannot be used with the experts' quantizers."""
+        override = self.recipe.backward_override
+        for e, qs in enumerate(self.expert_quantizers):
+            check_override_compatible(override, qs, f"expert {e} of {self.name}")
+
+    def describe_formats(self) -> dict[str, str]:
+        """tensor type -> format, with the experts' descriptions joined where they differ."""
+        return {t: " | ".join(dict.fromkeys(qs[t].describe() for qs in self.expert_quantizers)) for t in TENSORS}
+
+    def _configs(self, override: str | None) -> list[_LinearConfig]:
+        key = (override, self.name, self.save_original_input, self.expert_quantizers)
+        cached = self.__dict__.get("_cfgs")
+        if cached is None or not all(map(operator.is_, cached[0], key)):
+            cfgs = [_LinearConfig(_Expert(expert_name(self.name, e), qs, self.save_original_input), override)
+                    for e, qs in enumerate(self.expert_quantizers)]
+            cached = self.__dict__["_cfgs"] = (key, cfgs)
+        return cached[1]
+
+    def _splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
+        """m_splits as a list of ints after the checks (raised before anything is quantized or cached)."""
+        if x.dim() != 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name}: input must have shape [tokens, {self.in_features}] (in_features), got "
+                             f"{tuple(x.shape)}")
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.is_complex():
+                raise ValueError(f"{self.name}: m_splits must be a 1-D integer tensor or a list of ints, got a "
+                                 f"{m_splits.dim()}-D {m_splits.dtype} tensor")
+            splits = [int(v) for v in m_splits.tolist()]
+        else:
+            splits = list(m_splits)
+            if not all(isinstance(v, int) or (isinstance(v, torch.Tensor) and v.numel() == 1) for v in splits):
+                raise ValueError(f"{self.name}: m_splits must be a list of ints or a 1-D integer tensor, got "
+                                 f"{m_splits!r}")
+            splits = [int(v) for v in splits]
+        if len(splits) != self.num_experts:
+            raise ValueError(f"{self.name}: m_splits must have one count per expert ({self.num_experts}), got "
+                             f"{len(splits)}")
+        if any(v < 0 for v in splits):
+            raise ValueError(f"{self.name}: m_splits must be >= 0, got {splits}")
+        if sum(splits) != x.shape[0]:
+            raise ValueError(f"{self.name}: m_splits sum to {sum(splits)} but the input has {x.shape[0]} tokens")
+        return splits
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
+        splits = self._splits(x, m_splits)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        override = self.recipe.backward_override  # may come from the environment: checked every call
+        if override is not None:
+            self.check_override()
+        cfgs = self._configs(override)
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and x.requires_grad
+        need_wgrad = grad and self.weight.requires_grad
+        quantized_bwd = override is None and (need_dgrad or need_wgrad)
+        weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
+        outs = []
+        for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
+            if m == 0:  # no GEMM to quantize; an empty product keeps the output in the graph (zero gradients)
+                y_e = x_e.mm(weights[e].t().to(x.dtype))
+                outs.append(y_e if biases[e] is None else y_e + biases[e].to(x.dtype))
+                continue
+            qs = self.expert_quantizers[e]
+            n = padded_tokens(m, self.in_features, self.out_features, qs, quantized_bwd and need_dgrad,
+                              quantized_bwd and need_wgrad)
+            if n != m:
+                x_e = F.pad(x_e, (0, 0, 0, n - m))
+            cache = None
+            if is_first_microbatch is not None:
+                cache = self._expert_cache(e, weights[e], is_first_microbatch)
+            y_e = apply_linear(x_e, weights[e], biases[e], cfgs[e], cache)
+            outs.append(y_e[:m] if n != m else y_e)
+        return torch.cat(outs, 0)
+
+    def _expert_cache(self, e: int, w: torch.Tensor, is_first_microbatch: bool):
+        def get(need_columnwise: bool) -> QuantizedTensor:
+            self._weight_caches[e], self._cache_columnwise[e], wq = cached_quantized_weight(
+                self._weight_caches[e], self._cache_columnwise[e], w, self.expert_quantizers[e]["weight"],
+                is_first_microbatch, need_columnwise, expert_name(self.name, e))
+            return wq
+        return get
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, recipe={self.recipe.name}")
+
+
+# ---- expert modules: the conversion protocol -------------------------------------------------------------------
+
+PROTOCOL_ATTR = "hybridq_grouped_weights"
+_CONVERTED_ATTR = "_hybridq_grouped"
+
+
+def grouped_mm(module: nn.Module, weight_name: str, x: torch.Tensor,
+               m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """`y[rows of expert e] = x[rows of expert e] @ W[e]^T` for the `[E, out, in]` parameter `weight_name` of an
+    expert module (one listing it in `hybridq_grouped_weights`). After `convert_experts` this is the module's
+    GroupedLinear for that weight (quantized per the recipe); before, the same product in high precision."""
+    weight = getattr(module, weight_name)
+    converted = module.__dict__.get(_CONVERTED_ATTR, {}).get(weight_name)
+    if converted is None:
+        if sum(int(v) for v in m_splits) != x.shape[0]:
+            raise ValueError(f"grouped_mm of {weight_name}: m_splits sum to {sum(int(v) for v in m_splits)} but "
+                             f"the input has {x.shape[0]} tokens")
+        parts = x.split([int(v) for v in m_splits], 0)
+        return torch.cat([p @ w.t().to(x.dtype) for p, w in zip(parts, weight.unbind(0))], 0)
+    if converted.weight is not weight:  # the parameter was replaced (e.g. by a wrapper): read the current one
+        converted._parameters["weight"] = weight
+    return converted(x, m_splits)
+
+
+def expert_weight_names(module: nn.Module) -> tuple[str, ...] | None:
+    """The weight names an expert module declares (`hybridq_grouped_weights`: a tuple of attribute names of
+    `[E, out, in]` parameters), or None if it does not implement the protocol."""
+    names = getattr(type(module), PROTOCOL_ATTR, None)
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{type(module).__name__}.{PROTOCOL_ATTR} must be a tuple of parameter names, got {names!r}")
+    return tuple(names)
+
+
+def converted_experts(module: nn.Module) -> dict[str, GroupedLinear]:
+    """weight name -> GroupedLinear of an expert module converted by convert_experts (empty if not converted)."""
+    return dict(module.__dict__.get(_CONVERTED_ATTR, {}))
+
+
+def convert_experts(model: nn.Module, recipe: CustomRecipe, *, save_original_input: bool = False
+                    ) -> dict[str, dict[str, str]]:
+    """Make every expert module of `model` compute its grouped GEMMs with `recipe`, without changing the model's
+    structure, parameters or state_dict keys.
+
+    An expert module opts in with a class attribute `hybridq_grouped_weights = ("w1", "w2", "w3")` naming its
+    `[E, out, in]` parameters, and computes each grouped product with `hybridq.nn.grouped_mm(self, "w1", x,
+    m_splits)` (high precision until converted). Each listed parameter is wrapped (shared, not copied) by a
+    GroupedLinear named `"{module fqn}.{weight name}"`, whose expert e's roles are
+    `Role("grouped_linear", t, "{module fqn}.{weight name}.experts.{e}")`. Every weight is checked before any
+    module changes (RecipeError / FormatShapeError / ValueError, nothing changed); converting again replaces the
+    recipe. Returns `{fqn.weight_name: formats}`."""
+    if not isinstance(recipe, CustomRecipe):
+        raise TypeError(f"convert_experts: recipe must be a hybridq recipe (hybridq.recipe(name) or "
+                        f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+    planned: list[tuple[nn.Module, dict[str, GroupedLinear]]] = []
+    for fqn, mod in model.named_modules():
+        names = expert_weight_names(mod)
+        if names is None:
+            continue
+        wrapped = {}
+        for n in names:
+            full = f"{fqn}.{n}" if fqn else n
+            param = getattr(mod, n, None)
+            if not isinstance(param, nn.Parameter):
+                raise ValueError(f"convert_experts: {full} is listed in {PROTOCOL_ATTR} but is not a parameter "
+                                 f"(got {type(param).__name__})")
+            wrapped[n] = GroupedLinear.from_parameters(param, recipe=recipe, name=full,
+                                                       save_original_input=save_original_input)
+        planned.append((mod, wrapped))
+    report = {}
+    for mod, wrapped in planned:
+        mod.__dict__[_CONVERTED_ATTR] = wrapped  # not a submodule: parameters and state_dict stay as they were
+        report.update({g.name: g.describe_formats() for g in wrapped.values()})
+    return report
