@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq as hq
+
+from _compare import assert_bitwise
 from hybridq.nn.grouped import padded_tokens
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
@@ -87,16 +89,7 @@ def _run(g, x, gy, splits, grad=True, **kw):
     return y, None, None, None
 
 
-_INT = {2: torch.int16, 4: torch.int32}
-
-
-def _assert_equal(a, b, what):
-    """Bit for bit (a -0.0 differs from a 0.0)."""
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    bits_a, bits_b = a.contiguous().view(_INT[a.element_size()]), b.contiguous().view(_INT[b.element_size()])
-    bad = (bits_a != bits_b).nonzero()
-    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a.numel()} elements differ from the reference; first at "
-                              f"{bad[0].tolist()}: {a[tuple(bad[0])].item()!r} vs {b[tuple(bad[0])].item()!r}")
+_assert_equal = assert_bitwise  # bit for bit (a -0.0 differs from a 0.0)
 
 
 def _assert_matches_linears(g, linears, x, gy, splits, grad=True, **kw):
