@@ -10,7 +10,9 @@ entry points) and `accounting` (bytes on the wire).
 from .accounting import bytes_table, gather_bytes_per_step
 from .api import apply_hybrid_fsdp, precompute_scales
 from .gathered import GatheredWeight
+from .tensor_parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from .weights import HybridWeight
 
 __all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "gather_bytes_per_step",
-           "bytes_table"]
+           "bytes_table",
+           "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]

@@ -94,3 +94,7 @@ class BlockScaledQuantizer(ShardableQuantizer, Quantizer):
 
     def buffer_hints(self, direction):
         return {"tile_rows": self.block} if (self.tiled and direction == "rowwise") else {}
+
+    def split_granularity(self, rowwise, columnwise):
+        b = self.block
+        return (b if (columnwise or self.tiled) else 1), (b if (rowwise or self.tiled) else 1)

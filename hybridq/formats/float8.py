@@ -143,12 +143,14 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
 
     # -- quantization ----------------------------------------------------------------------------
     def reference_parts(self, x2d, rowwise, columnwise, amax: torch.Tensor | None = None, *, shard=None,
-                        stats=None):
+                        stats=None, global_stats=None):
         """`amax` overrides the local max|x| (e.g. a global amax of a sharded tensor). `shard` / `stats`:
-        `x2d` is a row shard and `stats` the MAX-reduced `shard_stats` (the global amax); rows are independent
-        otherwise, so nothing else changes."""
-        if stats is not None and amax is None and self.scaling != Scaling.DELAYED:
-            amax = stats.reshape(-1)[0]
+        `x2d` is a row shard and `stats` the MAX-reduced `shard_stats` (the global amax); `global_stats`: `x2d`
+        is any piece and this the MAX-reduced `global_stats`. Rows are independent otherwise, so nothing else
+        changes."""
+        for given in (stats, global_stats):
+            if given is not None and amax is None and self.scaling != Scaling.DELAYED:
+                amax = given.reshape(-1)[0]
         if self.scaling == Scaling.DELAYED:
             scale = self._delayed_scale(x2d)
         else:
@@ -167,6 +169,14 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         if self.scaling == Scaling.DELAYED:
             raise ValueError(f"{self.describe()}: delayed scaling keeps its own scale state; sharded "
                              f"quantization (FSDP) supports current scaling only")
+        return (x2d.float().abs().amax().reshape(1) if x2d.numel()
+                else torch.zeros(1, dtype=torch.float32, device=x2d.device))
+
+    def global_stats(self, x2d, rowwise, columnwise):
+        """Current scaling: the amax (one value for both directions). Delayed scaling: none (the scale is state;
+        its amax history is reduced over `amax_reduction_group`)."""
+        if self.scaling == Scaling.DELAYED:
+            return None
         return (x2d.float().abs().amax().reshape(1) if x2d.numel()
                 else torch.zeros(1, dtype=torch.float32, device=x2d.device))
 

@@ -67,6 +67,11 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
     block: ClassVar[int] = BLOCK
     whole_blocks: ClassVar[bool] = False  # edge blocks are partial
 
+    def split_granularity(self, rowwise, columnwise):
+        if self.block_dim == 2:  # 128x128 tiles (the partial edge tiles lie at the tensor's end)
+            return BLOCK, BLOCK
+        return super().split_granularity(rowwise, columnwise)
+
     def __post_init__(self):
         self.dtype = fp8_dtype(self.fp8)
         if self.block_dim not in (1, 2):

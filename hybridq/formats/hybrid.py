@@ -68,17 +68,54 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         return ((self.rowwise.shape_rule(m, k, True, False) if need_row else None)
                 or (self.columnwise.shape_rule(m, k, False, True) if columnwise else None))
 
-    def quantize_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
-        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
+    def quantize_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None, global_stats=None):
+        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding).
+        `global_stats`: `x2d` is a piece of a tensor and this the MAX-reduced `global_stats`."""
         if shard is not None and not shard.is_whole:
             return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
+        kw_r, kw_c = self._split_global_stats(global_stats, rowwise, columnwise, x2d)
         double = columnwise and self.columnwise_source == "rowwise_dequantized"
-        row = self.rowwise.quantize_parts(x2d, True, False)[0] if (rowwise or double) else None
+        row = self.rowwise.quantize_parts(x2d, True, False, **kw_r)[0] if (rowwise or double) else None
         col = None
         if columnwise:
             src = row.dequantize_2d().to(x2d.dtype) if double else x2d
-            col = self.columnwise.quantize_parts(src, False, True)[1]
+            col = self.columnwise.quantize_parts(src, False, True, **kw_c)[1]
         return (row if rowwise else None), col
+
+    # -- pieces cut along both dims (tensor parallelism) ------------------------------------------------
+    def split_granularity(self, rowwise, columnwise):
+        import math
+
+        gs = []
+        if rowwise or (columnwise and self._double):
+            gs.append(self.rowwise.split_granularity(True, False))
+        if columnwise:
+            gs.append(self.columnwise.split_granularity(False, True))
+        return (math.lcm(*(g[0] for g in gs)), math.lcm(*(g[1] for g in gs))) if gs else (1, 1)
+
+    def global_stats(self, x2d, rowwise, columnwise):
+        """The rowwise quantizer's (when rowwise is asked), then the columnwise quantizer's."""
+        if columnwise and self._double:
+            # the columnwise statistics are those of the dequantized rowwise form, known only after a first round
+            raise NotImplementedError(
+                f"{self.describe()}: the double-quantized columnwise form of a piece depends on the whole "
+                f"tensor's rowwise form; it cannot be quantized piece by piece")
+        a = self.rowwise.global_stats(x2d, True, False) if rowwise else None
+        b = self.columnwise.global_stats(x2d, False, True) if columnwise else None
+        pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
+        return torch.cat(pieces) if pieces else None
+
+    def _split_global_stats(self, stats, rowwise, columnwise, x2d) -> tuple[dict, dict]:
+        """The keyword arguments passing each sub-quantizer its share of the hybrid's `global_stats`."""
+        if stats is None:
+            return {}, {}
+        probe = torch.empty(0, x2d.shape[1], device="meta")  # sizes only, no data
+        a = self.rowwise.global_stats(probe, True, False) if rowwise else None
+        na = 0 if a is None else a.numel()
+        stats = stats.reshape(-1)
+        kw_r = {"global_stats": stats[:na]} if na else {}
+        kw_c = {"global_stats": stats[na:]} if (columnwise and stats.numel() > na) else {}
+        return kw_r, kw_c
 
     # -- sharded quantization (FSDP): the two sub-quantizers' statistics, side by side ------------------
     @property

@@ -127,9 +127,9 @@ class NVFP4Quantizer(BlockScaledQuantizer):
     def _amax(x: torch.Tensor) -> torch.Tensor:
         return x.abs().amax().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
 
-    def _part(self, x2d: torch.Tensor, columnwise: bool, rht: bool) -> NVFP4Part:
+    def _part(self, x2d: torch.Tensor, columnwise: bool, rht: bool, amax: torch.Tensor | None = None) -> NVFP4Part:
         x = rht16(x2d) if rht else x2d.float()
-        amax = self._amax(x)
+        amax = self._amax(x) if amax is None else amax.reshape(1).to(x.device)
         s_enc = global_encode_scale(amax)
         s = block_scale_e4m3(block_amax(x, BLOCK), s_enc)
         codes = self._codes(x * expand_blocks(element_multiplier(s, s_enc), BLOCK, x.shape[1]))
@@ -137,16 +137,18 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         return NVFP4Part(rows=m, cols=k, columnwise=columnwise, data=pack_nibbles(codes), scale=s, amax=amax,
                          rht=rht)
 
-    def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
-        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
+    def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None, global_stats=None):
+        """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding).
+        `global_stats`: `x2d` is a piece of a tensor and this its MAX-reduced `global_stats` (the amaxes)."""
         if shard is not None and not shard.is_whole:
             return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
+        amaxes = (None, None) if global_stats is None else tuple(global_stats.reshape(-1)[:2].unbind())
         if not self.block_2d:
-            return (self._part(x2d, False, False) if rowwise else None,
-                    self._part(x2d.t(), True, self.rht) if columnwise else None)
+            return (self._part(x2d, False, False, amaxes[0]) if rowwise else None,
+                    self._part(x2d.t(), True, self.rht, amaxes[-1]) if columnwise else None)
         m, k = x2d.shape
         x = x2d.float()
-        amax = self._amax(x)
+        amax = self._amax(x) if global_stats is None else amaxes[0].reshape(1).to(x.device)
         s_enc = global_encode_scale(amax)
         s_tile = block_scale_e4m3(tile_amax(x, BLOCK), s_enc)  # [M/16, K/16]
         s_row = s_tile.repeat_interleave(BLOCK, dim=0)
@@ -157,6 +159,17 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                         scale=tile_scale_columnwise(s_tile, BLOCK), amax=amax.clone(),
                         rht=False) if columnwise else None
         return row, col
+
+    def global_stats(self, x2d, rowwise, columnwise):
+        """The global amax: one for both directions with 16x16 tiles; else [rowwise, columnwise] (the columnwise
+        one after the transform with rht; 0 for a direction not asked)."""
+        x = x2d.float()
+        if self.block_2d:
+            return self._amax(x)
+        zero = torch.zeros(1, device=x.device)
+        row = self._amax(x) if rowwise else zero
+        col = (self._amax(rht16(x.t())) if self.rht else (row if rowwise else self._amax(x))) if columnwise else zero
+        return torch.cat([row, col])
 
     # -- sharded quantization (FSDP) -------------------------------------------------------------
     def _stats_layout(self, shard, k: int) -> StatsLayout:

@@ -66,6 +66,22 @@ class ShardableQuantizer:
         """Keyword arguments for the part's `extract_buffers` / `assign_gathered` (e.g. `tile_rows`)."""
         return {}
 
+    # -- pieces cut along both dims (tensor parallelism: a weight's columns, an activation's features) ---------
+    def split_granularity(self, rowwise: bool, columnwise: bool) -> tuple[int, int]:
+        """(rows, cols): cutting a tensor only at multiples of these along M and along K keeps every scaling
+        block, tile and transform group of the requested directions inside one piece. Such a piece, quantized
+        with the whole tensor's `global_stats`, is bitwise the corresponding piece of the whole tensor's
+        quantization. Default: blocks that never span rows or columns (per-tensor scaling)."""
+        return 1, 1
+
+    def global_stats(self, x2d: torch.Tensor, rowwise: bool, columnwise: bool) -> torch.Tensor | None:
+        """Statistics that span the whole tensor (per-tensor / global amaxes) of the requested directions, as a
+        flat fp32 vector whose length depends only on the quantizer and the directions: an elementwise MAX over
+        the pieces of a tensor cut at `split_granularity` gives the whole tensor's. The pieces are then
+        quantized with `quantize_parts(piece, ..., global_stats=reduced)`. None: nothing spans the tensor (the
+        default; no keyword is then passed)."""
+        return None
+
     def shard_is_plain(self, shard, rowwise: bool, columnwise: bool) -> bool:
         """True when plainly quantizing the shard's rows gives its rows of the full tensor's quantization (no
         cross-shard statistics, no split block): the plain path, device kernels included, can then be used."""

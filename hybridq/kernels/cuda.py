@@ -64,12 +64,13 @@ def _fp8_supports(q: Float8Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
     if q.scaling == "delayed":
         if not _plain_kw({n: v for n, v in kw.items() if n != "shard"}) or kw.get("shard") is not None:
             return False
-    elif not _plain_kw(kw, ("amax", "stats", "shard")):
+    elif not _plain_kw(kw, ("amax", "stats", "shard", "global_stats")):
         return False
     return _input_ok(q, x2d, rowwise, columnwise)
 
 
-def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, shard=None, **_):
+def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, shard=None, global_stats=None,
+             **_):
     x = x2d.contiguous()
     m, k = x.shape
     if q.scaling == "delayed":
@@ -79,8 +80,9 @@ def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None
                                                               q.power_2_scale, rowwise, columnwise, True)
         q.record_amax(cur)
     else:
-        if amax is None and stats is not None:
-            amax = stats.reshape(-1)[0]
+        for given in (stats, global_stats):
+            if amax is None and given is not None:
+                amax = given.reshape(-1)[0]
         if amax is not None:
             amax = amax.to(device=x.device, dtype=torch.float32).reshape(1)
         row, col, scale_inv, _ = _ops().fp8_tensor_quantize(x, q.dtype, None, amax, q.amax_epsilon, q.power_2_scale,
@@ -149,7 +151,7 @@ def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
         if q.stochastic_rounding or q.plain_shard_amaxes(shard, x2d.shape[1], kw.get("stats")) is None:
             return False
         kw = {n: v for n, v in kw.items() if n not in ("shard", "stats")}
-    if not _plain_kw(kw):
+    if not _plain_kw(kw, ("global_stats",)):
         return False
     g = q.generator
     if q.stochastic_rounding and g is not None:
@@ -158,13 +160,16 @@ def _nvfp4_supports(q: NVFP4Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
     return _input_ok(q, x2d, rowwise, columnwise)
 
 
-def _nvfp4_run(q: NVFP4Quantizer, x2d, rowwise, columnwise, shard=None, stats=None, **_):
+def _nvfp4_run(q: NVFP4Quantizer, x2d, rowwise, columnwise, shard=None, stats=None, global_stats=None, **_):
     x = x2d.contiguous()
     m, k = x.shape
     rht = q.rht and not q.block_2d
     amaxes = (None, None)
     if shard is not None and not shard.is_whole:
         amaxes = tuple(a.to(x.device) for a in q.plain_shard_amaxes(shard, k, stats))
+    elif global_stats is not None:  # a piece of a tensor (tensor parallelism): its global amaxes
+        g = global_stats.reshape(-1).to(device=x.device, dtype=torch.float32)
+        amaxes = (g[:1], g[:1]) if q.block_2d else (g[:1], g[1:2])
     row, rs, ra, col, cs, ca = _ops().nvfp4_quantize(x, q.block_2d, rht, q.stochastic_rounding,
                                                      q.generator if q.stochastic_rounding else None, rowwise,
                                                      columnwise, *amaxes)

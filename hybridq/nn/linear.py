@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..formats.base import Quantizer
+from ..formats.base import Quantizer, is_dtensor
 from ..gemm import gemm
 from ..enums import BackwardOverride
 from ..errors import RecipeError
@@ -24,7 +24,8 @@ log = logging.getLogger("hybridq")
 class _LinearConfig:
     """What the autograd function needs from its module (a plain object: not saved as a tensor)."""
 
-    __slots__ = ("name", "input_q", "weight_q", "grad_output_q", "backward_override", "save_original_input")
+    __slots__ = ("name", "input_q", "weight_q", "grad_output_q", "backward_override", "save_original_input",
+                 "input_gather")
 
     def __init__(self, module: "Linear", backward_override: str | None):
         self.name = module.name
@@ -33,6 +34,15 @@ class _LinearConfig:
         self.grad_output_q = module.grad_output_quantizer
         self.backward_override = backward_override
         self.save_original_input = module.save_original_input
+        # sequence parallelism (hybridq.distributed.sequence.SequenceGather): the input is this rank's rows of
+        # the layer's whole input, quantized here and all-gathered in its quantized form; None: x is whole
+        self.input_gather = None
+
+    def replace(self, **changes) -> "_LinearConfig":
+        new = object.__new__(_LinearConfig)
+        for n in self.__slots__:
+            setattr(new, n, changes.get(n, getattr(self, n)))
+        return new
 
 
 class _SharedInputs:
@@ -86,14 +96,21 @@ class shared_input_quantization:
 
 
 def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise: bool,
-                    name: str) -> QuantizedTensor:
+                    name: str, gather=None) -> QuantizedTensor:
     """`x2d` (the `[M, K]` view of the Linear's input `x`) quantized rowwise (+ columnwise), reusing the
-    quantization of another layer that read the same `x` when that is exact (see _SharedInputs)."""
+    quantization of another layer that read the same `x` when that is exact (see _SharedInputs). With `gather`
+    (sequence parallelism), `x2d` is this rank's rows and the result the whole input's quantization, shared
+    under the tensor the layers received (`gather.source`)."""
+    if gather is not None:
+        x = gather.source
     share = (_SHARED.enabled and q.is_deterministic and not x.is_inference()
              and not torch.compiler.is_compiling())
     xq = _SHARED.get(x, q, columnwise) if share else None
     if xq is None:
-        xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name)
+        if gather is not None:
+            xq = gather.quantize(q, x2d, columnwise, name)
+        else:
+            xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name)
         if share:
             _SHARED.put(x, q, xq)
     return xq
@@ -113,7 +130,7 @@ def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cac
     `x_col` / `w_col` ask (for backward), so only those directions' shape rules apply. Returns (the `[M, K]`
     view of x, quantized x, quantized W, y `[M, N]`)."""
     x2d = x.reshape(-1, x.shape[-1])
-    xq = _quantize_input(cfg.input_q, x, x2d, x_col, f"input of {cfg.name}")
+    xq = _quantize_input(cfg.input_q, x, x2d, x_col, f"input of {cfg.name}", cfg.input_gather)
     if isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
         wq = weight
     elif cached_weight is not None:
@@ -131,13 +148,15 @@ def _forward_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """The forward of a call that no gradient will flow through (no_grad, inference_mode, or nothing requires
     grad): rowwise forms only, rowwise shape rules only, nothing saved."""
     _, _, _, y = _fprop(x, weight, bias, cached_weight, cfg, False, False)
-    return _output(y, x)
+    return _output(y, x, cfg)
 
 
-def _output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The `[M, N]` GEMM result in x's leading shape, as a tensor of its own rather than a view (as aten::matmul
-    returns it): FSDP2 drops the pre-backward hook of a module whose output is a view, and warns."""
-    return torch.ops.aten._unsafe_view(y.contiguous(), (*x.shape[:-1], y.shape[-1]))
+def _output(y: torch.Tensor, x: torch.Tensor, cfg: _LinearConfig) -> torch.Tensor:
+    """The `[M, N]` GEMM result in the input's leading shape (the whole input's under sequence parallelism), as
+    a tensor of its own rather than a view (as aten::matmul returns it): FSDP2 drops the pre-backward hook of a
+    module whose output is a view, and warns."""
+    lead = x.shape[:-1] if cfg.input_gather is None else cfg.input_gather.full_shape[:-1]
+    return torch.ops.aten._unsafe_view(y.contiguous(), (*lead, y.shape[-1]))
 
 
 def cached_quantized_weight(cache: tuple[Any, QuantizedTensor] | None, cache_columnwise: bool, w: torch.Tensor,
@@ -189,7 +208,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        return _output(y, x)
+        return _output(y, x, cfg)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -201,6 +220,9 @@ class _LinearFunction(torch.autograd.Function):
             dy2d = dy2d.contiguous()
         dx = dw = None
         override = cfg.backward_override
+        gather = cfg.input_gather
+        if gather is not None and isinstance(saved_x, torch.Tensor) and not isinstance(saved_x, QuantizedTensor):
+            saved_x = gather.full(saved_x)  # the high-precision input this rank saved its rows of
 
         if override == BackwardOverride.HIGH_PRECISION:
             # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
@@ -228,7 +250,7 @@ class _LinearFunction(torch.autograd.Function):
                           f"wgrad of {cfg.name}")
 
         if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
+            dx = dx.reshape(ctx.x_shape) if gather is None else gather.reduce_grad(dx)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
         db = dy2d.sum(0).to(ctx.b_dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
@@ -389,6 +411,16 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        tp = self.__dict__.get("_tensor_parallel")
+        if tp is not None:  # set by hybridq.distributed's ColwiseParallel / RowwiseParallel
+            return tp.forward(self, x, is_first_microbatch)
+        if is_dtensor(x) or is_dtensor(self.weight):
+            # torch's own styles: quantizing a DTensor's local piece as a whole tensor would be silently wrong
+            raise NotImplementedError(
+                f"{self.name}: a hybridq Linear received DTensor "
+                f"{'weight' if is_dtensor(self.weight) else 'input'}: parallelize it with "
+                f"hybridq.distributed.ColwiseParallel / RowwiseParallel / PrepareModuleInput (drop-in replacements "
+                f"for torch's styles, same arguments), not torch.distributed.tensor.parallel's")
         override = self.recipe.backward_override  # may come from the environment: checked every call
         if override is not None:
             self._check_override(override)

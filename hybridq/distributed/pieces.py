@@ -1,0 +1,135 @@
+"""Quantizing the piece of a tensor one rank holds under tensor parallelism, bitwise as the corresponding piece of
+the whole tensor's quantization.
+
+Two kinds of pieces occur (docs/architecture.md "Tensor parallelism"):
+- a *row piece* (rows of the `[M, K]` view; a column-parallel weight, `Shard(0)`): the FSDP2 row-shard machinery
+  applies as is (`shard_stats` reduced with one MAX all-reduce, blocks split by a boundary completed exactly);
+- a *column piece* (columns of the view; a row-parallel weight, `Shard(1)`, a row-parallel input or a
+  column-parallel grad_output, `Shard(-1)`): every boundary must be a multiple of the format's
+  `split_granularity` along K (checked when the layout is known, `check_column_cuts`), and the per-tensor
+  statistics (`global_stats`) are reduced with one MAX all-reduce.
+
+`PieceQuantizer` wraps a format's quantizer so that a hybridq Linear quantizes its local operand through it
+unchanged; nothing here knows a format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..errors import FormatShapeError
+from ..formats._sharding import RowShard
+from ..formats.base import Quantizer, as_2d
+from ..tensor import QuantizedTensor
+
+__all__ = ["PieceQuantizer", "chunk_bounds", "check_column_cuts", "reject_stateful"]
+
+
+def chunk_bounds(size: int, world_size: int) -> list[int]:
+    """Boundaries of DTensor's `Shard` chunks (torch.chunk: ceil-sized, the last ones possibly short or empty)."""
+    chunk = -(-size // world_size) if size else 0
+    return [min(r * chunk, size) for r in range(world_size + 1)]
+
+
+def check_column_cuts(q: Quantizer, k: int, world_size: int, rowwise: bool, columnwise: bool, name: str) -> None:
+    """Raise FormatShapeError unless cutting the K = `k` columns into `world_size` DTensor chunks keeps every
+    block of the requested directions whole."""
+    g = q.split_granularity(rowwise, columnwise)[1]
+    bad = [c for c in chunk_bounds(k, world_size)[1:-1] if 0 < c < k and c % g]
+    if bad:
+        raise FormatShapeError(
+            f"{q.describe()} cannot split {name} along K across {world_size} tensor-parallel ranks: its blocks "
+            f"span {g} columns, so every rank's first column must be a multiple of {g}; K={k} splits at "
+            f"{bad[0]} (choose K a multiple of {g * world_size})")
+
+
+def reject_stateful(q: Quantizer, name: str) -> None:
+    if q.is_stateful:
+        raise ValueError(
+            f"{q.describe()}: {name} uses delayed scaling; under tensor parallelism every rank quantizes its piece "
+            f"with the whole tensor's statistics, which a scale carried over from earlier steps does not give. "
+            f"Use current scaling (e.g. the 'fp8_tensorwise' preset)")
+
+
+@dataclasses.dataclass(eq=False)
+class PieceQuantizer:
+    """Quantizes this rank's piece of a tensor split across `group` along `dim` ("rows" or "columns") as the
+    piece of the whole tensor's quantization. Quacks like the Quantizer it wraps where a Linear calls it."""
+
+    inner: Quantizer
+    dim: str  # "rows" | "columns"
+    total: int  # rows (dim "rows") or columns of the whole tensor
+    group: object
+    world_size: int
+    rank: int
+
+    @property
+    def is_deterministic(self) -> bool:
+        return self.inner.is_deterministic
+
+    @property
+    def is_stateful(self) -> bool:
+        return self.inner.is_stateful
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def quantizers(self) -> tuple[Quantizer, ...]:
+        return self.inner.quantizers()
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PieceQuantizer) and other.dim == self.dim and other.group is self.group
+                and other.inner == self.inner)
+
+    __hash__ = None
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                 name: str = "tensor") -> QuantizedTensor:
+        if self.world_size == 1:
+            return self.inner.quantize(x, rowwise=rowwise, columnwise=columnwise, name=name)
+        q = self.inner
+        reject_stateful(q, name)
+        x2d = as_2d(x.detach() if x.requires_grad else x)
+        if self.dim == "rows":
+            parts = self._row_piece(q, x2d, rowwise, columnwise, name)
+        else:
+            parts = self._column_piece(q, x2d, rowwise, columnwise, name)
+        return QuantizedTensor(*parts, shape=x.shape, dtype=x.dtype)
+
+    def _row_piece(self, q, x2d, rowwise, columnwise, name):
+        """Rows `[offset, offset + local)` of the whole `[M, K]`: the FSDP2 row-shard route (exact also where a
+        block straddles two ranks)."""
+        m_local, k = x2d.shape
+        bounds, rows = chunk_bounds(self.total, self.world_size), self.total
+        if bounds[self.rank + 1] - bounds[self.rank] != m_local:
+            raise ValueError(f"{name}: rank {self.rank} holds {m_local} rows, DTensor's chunks of {rows} rows over "
+                             f"{self.world_size} ranks give it {bounds[self.rank + 1] - bounds[self.rank]}")
+        cuts = tuple(sorted({b for b in bounds if 0 < b < rows}))
+        shard = RowShard(rows, bounds[self.rank], m_local, cuts)
+        q.validate((rows, k), name, rowwise=rowwise, columnwise=columnwise)
+        stats = q.shard_stats(x2d, shard)
+        if stats is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        if q.shard_is_plain(shard, rowwise, columnwise):
+            return q.quantize_parts(x2d, rowwise, columnwise)
+        return q.quantize_parts(x2d, rowwise, columnwise, shard=shard, stats=stats)
+
+    def _column_piece(self, q, x2d, rowwise, columnwise, name):
+        """Columns of the whole `[M, K]` whose boundaries keep blocks whole: plain quantization with the whole
+        tensor's per-tensor statistics."""
+        m, k_local = x2d.shape
+        g = q.split_granularity(rowwise, columnwise)[1]
+        if k_local % g and self.rank != self.world_size - 1:
+            raise FormatShapeError(f"{q.describe()} cannot quantize {name} split along K across tensor-parallel "
+                                   f"ranks: rank {self.rank} holds {k_local} columns, not a multiple of its "
+                                   f"{g}-column blocks")
+        q.validate((m, k_local), name, rowwise=rowwise, columnwise=columnwise)
+        stats = q.global_stats(x2d, rowwise, columnwise)
+        if stats is None:
+            return q.quantize_parts(x2d, rowwise, columnwise)
+        stats = stats.contiguous()
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        return q.quantize_parts(x2d, rowwise, columnwise, global_stats=stats)

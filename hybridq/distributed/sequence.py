@@ -1,0 +1,145 @@
+"""Sequence parallelism: the input of a column-parallel Linear arrives as this rank's slice of the sequence, is
+quantized here (statistics reduced over the tensor-parallel group) and all-gathered in its quantized form.
+
+Each rank's tokens are a row shard of the whole input's `[M, K]` view when the sequence dim is the first dim
+that is larger than 1 (`[S, B, H]`, or `[B, S, H]` with B = 1): the FSDP2 row-shard machinery then applies as
+is, blocks that straddle two ranks' tokens included (`shard_stats`, `payload`). Otherwise (`[B, S, H]` with
+B > 1) a rank's tokens are B separate runs of rows; each run must be a multiple of the format's row blocks
+(`split_granularity`), the rank's rows are quantized as one stacked shard and the gathered block rows are put
+back in the whole input's order. Gradients of the input go back as a reduce-scatter in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..errors import FormatShapeError
+from ..formats._sharding import RowShard
+from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..tensor import QuantizedTensor
+from .payload import assemble_parts, build_payload, quantize_shard
+from .pieces import reject_stateful
+
+__all__ = ["SequenceGather"]
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceGather:
+    """One call's sequence-parallel input: `source` is the tensor the layer received (layers reading the same one
+    share its gathered quantization), `full_shape` the whole input's shape, `seq_dim` the sharded dim."""
+
+    source: torch.Tensor
+    full_shape: tuple[int, ...]
+    seq_dim: int
+    group: object
+    world_size: int
+    rank: int
+
+    @classmethod
+    def create(cls, source: torch.Tensor, full_shape, seq_dim: int, group, name: str) -> "SequenceGather":
+        ws, rank = dist.get_world_size(group), dist.get_rank(group)
+        full_shape = tuple(full_shape)
+        seq_dim = seq_dim % len(full_shape)
+        if seq_dim == len(full_shape) - 1:
+            raise ValueError(f"{name}: the sequence-parallel input is sharded along its last dim (the features); "
+                             f"a column-parallel layer's input must be sharded along a sequence dim")
+        if full_shape[seq_dim] % ws:
+            raise ValueError(f"{name}: sequence parallelism needs the sequence length {full_shape[seq_dim]} (dim "
+                             f"{seq_dim} of the input {full_shape}) to be a multiple of the tensor-parallel size {ws}")
+        return cls(source, full_shape, seq_dim, group, ws, rank)
+
+    # -- layout ----------------------------------------------------------------------------------------
+    @property
+    def leading(self) -> int:
+        """Runs of rows per rank: the product of the dims before the sequence dim."""
+        return math.prod(self.full_shape[:self.seq_dim])
+
+    @property
+    def run_rows(self) -> int:
+        """Rows of the `[M, K]` view in one run of this rank's tokens."""
+        return self.full_shape[self.seq_dim] // self.world_size * math.prod(self.full_shape[self.seq_dim + 1:-1])
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        s = list(self.full_shape)
+        s[self.seq_dim] //= self.world_size
+        return tuple(s)
+
+    def check(self, q: Quantizer, columnwise: bool, name: str) -> None:
+        """The format's rules for the whole input, and (runs of rows) that no block spans two runs."""
+        reject_stateful(q, name)
+        q.validate(self.full_shape, name, rowwise=True, columnwise=columnwise)
+        g = q.split_granularity(True, columnwise)[0]
+        if self.leading > 1 and self.run_rows % g:
+            raise FormatShapeError(
+                f"{q.describe()} cannot quantize {name} sequence-parallel: each rank holds {self.leading} runs of "
+                f"{self.run_rows} rows (input {self.full_shape}, sequence dim {self.seq_dim}) and its blocks span "
+                f"{g} rows; make the local sequence length a multiple of {g}, or put the sequence dim first")
+
+    # -- forward: the quantized all-gather ----------------------------------------------------------------
+    def quantize(self, q: Quantizer, x2d: torch.Tensor, columnwise: bool, name: str) -> QuantizedTensor:
+        """The whole input's quantization (rowwise, + columnwise) from this rank's rows `x2d`."""
+        self.check(q, columnwise, name)
+        send = (ROWWISE, COLUMNWISE) if columnwise else (ROWWISE,)
+        ws, k = self.world_size, x2d.shape[1]
+        local = x2d.shape[0]
+        if self.leading == 1:  # this rank's rows are a row shard of the whole input, in its order
+            rows = math.prod(self.full_shape[:-1])
+        else:  # the ranks' rows stacked rank after rank (their runs are block-aligned, see check)
+            rows = local * ws
+        cuts = tuple(r * local for r in range(1, ws))
+        shards = [RowShard(rows, r * local, local, cuts) for r in range(ws)]
+        shard = shards[self.rank]
+        stats = q.shard_stats(x2d, shard)
+        if stats is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        parts = quantize_shard(q, x2d, shard, send, stats)
+        payload, meta = build_payload(q, parts, shard, shards, (rows, k), x2d.device)
+        gathered = payload.new_empty(ws * payload.numel())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_into_tensor(gathered, payload, group=self.group)
+        full = assemble_parts(meta, gathered.view(ws, -1))
+        if self.leading > 1:
+            full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
+        return QuantizedTensor(full[ROWWISE], full.get(COLUMNWISE), shape=self.full_shape, dtype=x2d.dtype)
+
+    def _in_input_order(self, q: Quantizer, direction: str, part):
+        """A gathered part of the rank-after-rank stack, with its block rows moved to the whole input's order
+        (rank r's run b goes to run b, slot r): an exact permutation of whole blocks."""
+        hints = q.buffer_hints(direction)
+        buffers, replicated = part.extract_buffers(None, **hints)
+        moved = {}
+        for name, t, row_block in buffers:
+            if self.run_rows % row_block:
+                raise FormatShapeError(f"{q.describe()}: {name} has blocks of {row_block} rows across runs of "
+                                       f"{self.run_rows} rows")
+            per_run = self.run_rows // row_block
+            t = t.reshape((self.world_size, self.leading, per_run) + tuple(t.shape[1:]))
+            moved[name] = t.transpose(0, 1).reshape((-1,) + tuple(t.shape[3:])).contiguous()
+        return type(part).assign_gathered(moved, replicated, rows=part.rows, cols=part.cols,
+                                          columnwise=part.columnwise, meta=part.meta(), **hints)
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def full(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The whole input's `[M, K]` in high precision from this rank's rows (backward_override="high_precision"
+        and save_original_input read it)."""
+        local = x2d.reshape(self.local_shape).movedim(self.seq_dim, 0).contiguous()
+        out = local.new_empty((self.world_size * local.shape[0],) + tuple(local.shape[1:]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_into_tensor(out, local, group=self.group)
+        return out.movedim(0, self.seq_dim).reshape(-1, x2d.shape[1])
+
+    def reduce_grad(self, dx2d: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the summed input gradient (every rank computed a partial sum over its output
+        columns): a reduce-scatter along the sequence dim, in high precision."""
+        full = dx2d.reshape(self.full_shape).movedim(self.seq_dim, 0).contiguous()
+        out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        return out.movedim(0, self.seq_dim).contiguous()
