@@ -7,12 +7,12 @@ unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded w
 entry points) and `accounting` (bytes on the wire).
 """
 
-from .accounting import bytes_table, gather_bytes_per_step
+from .accounting import bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
 from .api import apply_hybrid_fsdp, precompute_scales
 from .gathered import GatheredWeight
 from .tensor_parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from .weights import HybridWeight
 
 __all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "gather_bytes_per_step",
-           "bytes_table",
+           "bytes_table", "sequence_gather_bytes", "sequence_bytes_table",
            "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]

@@ -13,7 +13,7 @@ from .plan import make_plan
 from .state import WeightState
 from .transport import transport_view
 
-__all__ = ["bytes_table", "gather_bytes_per_step"]
+__all__ = ["bytes_table", "gather_bytes_per_step", "sequence_bytes_table", "sequence_gather_bytes"]
 
 
 def gather_bytes_per_step(quantizer: Quantizer, shape, world_size: int = 2, *, param_dtype=torch.bfloat16,
@@ -67,4 +67,48 @@ def bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size: int = 2, prese
         rows.append(f"| {name} | {q.describe()} | " + " | ".join(cells) + " |")
     bf = ["4.0000", "1.000"] * len(shapes)
     rows.append("| (bf16 FSDP2) | bfloat16 | " + " | ".join(bf) + " |")
+    return "\n".join(rows)
+
+
+def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_size: int = 2, *,
+                          columnwise: bool = True, dtype=torch.bfloat16) -> dict:
+    """Bytes each rank sends in the sequence-parallel all-gather of one column-parallel layer's input of (whole)
+    `shape`, sharded along `seq_dim` over `world_size` ranks, against a bf16 sequence-parallel all-gather of the
+    same input. `columnwise`: the training default (wgrad reads the gathered columnwise form); False for a
+    backward override or save_original_input, whose backward gathers the input again in high precision (not
+    counted here). Computed on the meta device: no data, no communication."""
+    from ..formats.base import as_2d
+    from .payload import build_payload, quantize_shard
+    from .sequence import SequenceGather, sent_directions
+
+    shape = tuple(shape)
+    g = SequenceGather(None, shape, seq_dim % len(shape), None, world_size, 0)
+    local = torch.empty(g.local_shape, dtype=dtype, device="meta")
+    x2d = as_2d(local)
+    shards = g.shards(x2d.shape[0])
+    send, _ = sent_directions(quantizer, x2d.shape[1], dtype, columnwise)
+    stats = quantizer.shard_stats(x2d, shards[0])
+    parts = quantize_shard(quantizer, x2d, shards[0], send, stats)
+    _, meta = build_payload(quantizer, parts, shards[0], shards, (shards[0].rows, x2d.shape[1]), x2d.device)
+    bf16 = x2d.numel() * 2
+    return {"quantized": meta.nbytes, "sends": "+".join(send), "bf16": bf16, "ratio": meta.nbytes / bf16}
+
+
+def sequence_bytes_table(shape=(1, 4096, 4096), world_size: int = 2, presets=None) -> str:
+    """Markdown table of the sequence-parallel all-gather bytes per rank of one column-parallel layer's input
+    (forward; every layer reading the same input shares it) for each preset's input format vs bf16."""
+    from ..recipe import preset_names, recipe
+
+    presets = presets or preset_names()
+    rows = [f"| preset | input format | bytes per rank ({'x'.join(map(str, shape))}, tp={world_size}) | sends | "
+            f"vs bf16 |", "|---|---|---|---|---|"]
+    for name in presets:
+        q = recipe(name).quantizer(Role("linear", "input"))
+        if q.is_stateful:
+            rows.append(f"| {name} | {q.describe()} | rejected (delayed scaling) | - | - |")
+            continue
+        r = sequence_gather_bytes(q, shape, 1, world_size, columnwise=recipe(name).backward_override is None)
+        rows.append(f"| {name} | {q.describe()} | {r['quantized']:,} | {r['sends']} | {r['ratio']:.3f} |")
+    bf = sequence_gather_bytes(recipe("fp8_tensorwise").quantizer(Role("linear", "input")), shape, 1, world_size)
+    rows.append(f"| (bf16 SP) | bfloat16 | {bf['bf16']:,} | - | 1.000 |")
     return "\n".join(rows)

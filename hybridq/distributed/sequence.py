@@ -25,7 +25,26 @@ from ..tensor import QuantizedTensor
 from .payload import assemble_parts, build_payload, quantize_shard
 from .pieces import reject_stateful
 
-__all__ = ["SequenceGather"]
+__all__ = ["SequenceGather", "sent_directions"]
+
+_DERIVABLE: dict = {}
+
+
+def sent_directions(q: Quantizer, k: int, dtype: torch.dtype, columnwise: bool) -> tuple[tuple[str, ...], bool]:
+    """(directions all-gathered, whether the columnwise form is derived from the gathered rowwise one): a
+    columnwise form that is an exact transform of the rowwise one (`derive_part`) does not travel."""
+    if not columnwise:
+        return (ROWWISE,), False
+    key = (repr(q), k, dtype)
+    if key not in _DERIVABLE:
+        g = max(q.split_granularity(True, True)[0], 1)
+        r, _ = q.quantize_parts(torch.empty(g, k, dtype=dtype, device="meta"), True, False)
+        try:
+            _DERIVABLE[key] = q.derive_part(r, COLUMNWISE, dtype) is not None
+        except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: gather both
+            _DERIVABLE[key] = False
+    derive = _DERIVABLE[key]
+    return ((ROWWISE,) if derive else (ROWWISE, COLUMNWISE)), derive
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,21 +104,15 @@ class SequenceGather:
     def quantize(self, q: Quantizer, x2d: torch.Tensor, columnwise: bool, name: str) -> QuantizedTensor:
         """The whole input's quantization (rowwise, + columnwise) from this rank's rows `x2d`."""
         self.check(q, columnwise, name)
-        send = (ROWWISE, COLUMNWISE) if columnwise else (ROWWISE,)
         ws, k = self.world_size, x2d.shape[1]
-        local = x2d.shape[0]
-        if self.leading == 1:  # this rank's rows are a row shard of the whole input, in its order
-            rows = math.prod(self.full_shape[:-1])
-        else:  # the ranks' rows stacked rank after rank (their runs are block-aligned, see check)
-            rows = local * ws
-        cuts = tuple(r * local for r in range(1, ws))
-        shards = [RowShard(rows, r * local, local, cuts) for r in range(ws)]
+        shards = self.shards(x2d.shape[0])
         shard = shards[self.rank]
         stats = q.shard_stats(x2d, shard)
         if stats is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        send, derive = sent_directions(q, k, x2d.dtype, columnwise)
         parts = quantize_shard(q, x2d, shard, send, stats)
-        payload, meta = build_payload(q, parts, shard, shards, (rows, k), x2d.device)
+        payload, meta = build_payload(q, parts, shard, shards, (shard.rows, k), x2d.device)
         gathered = payload.new_empty(ws * payload.numel())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -107,7 +120,17 @@ class SequenceGather:
         full = assemble_parts(meta, gathered.view(ws, -1))
         if self.leading > 1:
             full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
-        return QuantizedTensor(full[ROWWISE], full.get(COLUMNWISE), shape=self.full_shape, dtype=x2d.dtype)
+        if derive:  # an exact transform of the gathered rowwise form (per-tensor FP8: its transpose)
+            full[COLUMNWISE] = q.derive_part(full[ROWWISE], COLUMNWISE, x2d.dtype)
+        m = math.prod(self.full_shape[:-1])  # the `[M, K]` view, as a Linear quantizes its input
+        return QuantizedTensor(full[ROWWISE], full.get(COLUMNWISE), shape=(m, k), dtype=x2d.dtype)
+
+    def shards(self, local: int) -> list[RowShard]:
+        """Every rank's rows: a row shard of the whole input's view, or (runs of rows) of the rank-after-rank
+        stack of the ranks' rows."""
+        rows = math.prod(self.full_shape[:-1]) if self.leading == 1 else local * self.world_size
+        cuts = tuple(r * local for r in range(1, self.world_size))
+        return [RowShard(rows, r * local, local, cuts) for r in range(self.world_size)]
 
     def _in_input_order(self, q: Quantizer, direction: str, part):
         """A gathered part of the rank-after-rank stack, with its block rows moved to the whole input's order

@@ -1,0 +1,105 @@
+"""Tensor and sequence parallelism with hybridq's styles, in spawned gloo process groups (2 ranks).
+
+Oracles:
+- every quantized operand a rank hands to an fprop GEMM is, bit for bit, its piece of the single-process
+  model's operand (column-parallel: the whole gathered input and this rank's weight rows; row-parallel: this
+  rank's K columns of input and weight);
+- outputs, input gradients, parameter gradients and parameters after two SGD steps equal the single-process
+  hybridq model's within 1e-5 of the largest magnitude (the row-parallel layer sums partial products, which
+  changes the summation order; everything else is computed identically);
+- the sequence-parallel all-gather carries the quantized bytes (uint8 payloads), once per input read by
+  several layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridq
+from hybridq import Role
+from hybridq.distributed import sequence_gather_bytes
+
+from _harness import spawn
+import _tp_jobs
+
+pytestmark = pytest.mark.distributed
+
+PRESETS = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
+           "fp8_fwd_high_precision_bwd"]
+BSH = (2, 256, 128)  # [B, S, H], sequence dim 1: each rank holds 2 runs of 128 tokens
+SBH = (96, 1, 128)  # [S, B, H], sequence dim 0: rank boundary at token 48 splits 32- and 128-row blocks
+
+
+def _cases():
+    cases = [("mlp", p, None, False, BSH, 1) for p in PRESETS]
+    cases += [("mlp", p, None, False, SBH, 0) for p in PRESETS]
+    cases += [("mlp", p, o, False, BSH, 1) for p in ("fp8_tensorwise", "mxfp8", "nvfp4")
+              for o in ("high_precision", "dequantized")]
+    cases += [("mlp", p, None, True, BSH, 1) for p in ("mxfp8", "fp8_block_fwd_mxfp8_bwd")]
+    cases += [("attention", p, None, False, (2, 64, 128), 1) for p in ("fp8_tensorwise", "mxfp8", "nvfp4")]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def block_report():
+    return spawn(_tp_jobs.tp_block_job, 2, "gloo", cases=_cases())
+
+
+@pytest.mark.parametrize("case", range(len(_cases())), ids=lambda i: "-".join(map(str, _cases()[i][:4])))
+def test_tensor_parallel_block_matches_the_single_process_model(block_report, case):
+    block, p, o, soi, shape, sd = _cases()[case]
+    key = f"{block}/{p}/{o}/soi={soi}/{tuple(shape)}/seq{sd}"
+    for rank, rep in enumerate(block_report):
+        assert not rep[key]["diffs"], f"rank {rank}:\n" + "\n".join(rep[key]["diffs"])
+
+
+@pytest.mark.parametrize("case", range(len(_cases())), ids=lambda i: "-".join(map(str, _cases()[i][:4])))
+def test_the_sequence_all_gather_carries_quantized_bytes_once_per_input(block_report, case):
+    block, p, o, soi, shape, sd = _cases()[case]
+    key = f"{block}/{p}/{o}/soi={soi}/{tuple(shape)}/seq{sd}"
+    gathers = block_report[0][key]["gathers"]
+    forward = [g for g in gathers if g[0] == "torch.uint8"]
+    assert len(forward) == 2, f"expected one quantized gather per step (2 steps) shared by the layers, got {gathers}"
+    q = _tp_jobs.deterministic_recipe(p, o).quantizer(Role("linear", "input"))
+    want = sequence_gather_bytes(q, shape, sd, 2, columnwise=o is None and not soi, dtype=torch.float32)
+    for dtype, n in forward:
+        assert n == want["quantized"], f"{key}: gathered {n} bytes, the quantized payload is {want}"
+    high = [g for g in gathers if g[0] != "torch.uint8"]
+    assert bool(high) == (o == "high_precision" or soi), \
+        f"{key}: high-precision gathers {high} (only backward_override=high_precision / save_original_input)"
+
+
+def test_sequence_gather_bytes_per_format():
+    """Per-tensor FP8 sends its rowwise form only (the columnwise one is its transpose); NVFP4 about half of bf16."""
+    shape = (1, 4096, 4096)
+    r = {p: sequence_gather_bytes(hybridq.recipe(p).quantizer(Role("linear", "input")), shape)
+         for p in ("fp8_tensorwise", "mxfp8", "nvfp4")}
+    assert r["fp8_tensorwise"]["sends"] == "rowwise" and r["fp8_tensorwise"]["ratio"] == 0.5, r
+    assert r["mxfp8"]["sends"] == "rowwise+columnwise" and r["mxfp8"]["ratio"] == pytest.approx(33 / 32), r
+    assert r["nvfp4"]["ratio"] == pytest.approx(9 / 16), r
+
+
+@pytest.fixture(scope="module")
+def errors():
+    return spawn(_tp_jobs.tp_errors_job, 2, "gloo")[0]
+
+
+def test_torch_stock_styles_on_a_hybridq_linear_name_the_hybridq_style(errors):
+    msg = errors["stock_style"]
+    assert msg.startswith("NotImplementedError") and "hybridq.distributed.ColwiseParallel" in msg, msg
+
+
+def test_a_k_split_inside_a_block_is_refused_at_parallelize_time(errors):
+    msg = errors["k_split"]
+    assert msg.startswith("FormatShapeError") and "MXFP8" in msg and "weight of" in msg and "32" in msg, msg
+
+
+def test_delayed_scaling_is_refused_under_tensor_parallelism(errors):
+    msg = errors["delayed"]
+    assert msg.startswith("ValueError") and "delayed scaling" in msg, msg
+
+
+def test_sequence_runs_that_split_a_block_are_refused_naming_the_rule(errors):
+    msg = errors["runs"]
+    assert msg.startswith("FormatShapeError") and "24 rows" in msg and "32" in msg, msg
