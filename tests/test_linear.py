@@ -518,8 +518,9 @@ def test_non_reentrant_checkpoint_gives_identical_grads():
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_dtensor_weight_is_rejected_not_silently_wrong(tmp_path):
-    """parallelize_module over a hybridq Linear hands it DTensors: refuse, naming the tensor."""
+def test_torch_stock_tp_style_on_a_hybridq_linear_is_refused_naming_hybridqs_style(tmp_path):
+    """torch's own ColwiseParallel over a hybridq Linear hands it DTensors: refuse, naming the layer and the hybridq
+    style to use (quantizing a local piece as if it were the whole tensor would be silently wrong)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -529,7 +530,7 @@ def test_tensor_parallel_dtensor_weight_is_rejected_not_silently_wrong(tmp_path)
         mesh = init_device_mesh("cpu", (1,))
         q, _ = make_pair(hq.recipe("mxfp8"))
         parallelize_module(q, mesh, ColwiseParallel())
-        with pytest.raises(NotImplementedError, match=r"of fc is a DTensor.*Tensor parallelism"):
+        with pytest.raises(NotImplementedError, match=r"fc: .*DTensor weight.*hybridq.distributed.ColwiseParallel"):
             q(inputs(torch.float32)[0])
     finally:
         dist.destroy_process_group()

@@ -64,7 +64,8 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
                 continue
             if hasattr(child.weight, "device_mesh"):
                 raise ValueError(f"apply_hybrid_fsdp: {full}.weight is already a DTensor; call apply_hybrid_fsdp "
-                                 f"before fully_shard (tensor parallelism is not supported by it yet)")
+                                 f"before parallelize_module and fully_shard (torchtitan's order: convert, tensor-parallelize with "
+                                 f"hybridq.distributed's styles, then fully_shard over the dp mesh dimension)")
             q = recipe.quantizer(Role("linear", "weight", full))  # what convert_linears gives it, converted or not
             if q.is_stateful:
                 raise ValueError(
@@ -123,10 +124,10 @@ def precompute_scales(model: nn.Module) -> dict:
         if info is None or not isinstance(p._local_tensor, HybridWeight):
             continue
         mesh, i, ws, rank = info
-        if ws == 1:
-            continue
         local = p._local_tensor
         st = local._hq
+        if ws == 1 or st.tp_group is not None:  # (a TP piece's per-tensor statistics are reduced at its gather)
+            continue
         dtype = st.param_dtype or local.dtype
         shape = tuple(p.shape)
         shard = dim0_chunks(shape, ws)[rank]

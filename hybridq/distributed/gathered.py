@@ -50,6 +50,8 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._alias()
+        if func is aten.view.default and tuple(args[1]) == tuple(args[0].shape):
+            return args[0]._alias()  # DTensor.to_local() of a tensor-parallel piece (2-D meshes)
         if func is aten.as_strided.default:
             t, size, stride = args[0], args[1], args[2]
             offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)

@@ -85,16 +85,19 @@ class PayloadMeta:
     replicated: dict[str, dict[str, torch.Tensor]]
 
 
-def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions, stats=None):
+def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions, stats=None, global_stats=None):
     """Parts {direction: part} of the row shard `x2d` for the requested directions (HIGH_PRECISION: `x2d` itself,
-    as an identity part)."""
+    as an identity part). `global_stats`: a whole shard that is a tensor-parallel piece, quantized with the whole
+    weight's per-tensor statistics."""
     want_r, want_c = ROWWISE in directions, COLUMNWISE in directions
     out = {}
     if HIGH_PRECISION in directions:
         out[HIGH_PRECISION] = _IDENTITY.quantize_parts(x2d, True, False)[0]
     if not (want_r or want_c):
         return out
-    if shard.is_whole or q.shard_is_plain(shard, want_r, want_c):  # plain quantization (device kernels apply)
+    if shard.is_whole:  # plain quantization (device kernels apply)
+        r, c = q.quantize_parts(x2d, want_r, want_c, **({} if global_stats is None else {"global_stats": global_stats}))
+    elif q.shard_is_plain(shard, want_r, want_c):
         r, c = q.quantize_parts(x2d, want_r, want_c)
     else:
         r, c = q.quantize_parts(x2d, want_r, want_c, shard=shard, stats=stats)

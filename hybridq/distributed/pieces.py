@@ -34,16 +34,18 @@ def chunk_bounds(size: int, world_size: int) -> list[int]:
     return [min(r * chunk, size) for r in range(world_size + 1)]
 
 
-def check_column_cuts(q: Quantizer, k: int, world_size: int, rowwise: bool, columnwise: bool, name: str) -> None:
-    """Raise FormatShapeError unless cutting the K = `k` columns into `world_size` DTensor chunks keeps every
-    block of the requested directions whole."""
-    g = q.split_granularity(rowwise, columnwise)[1]
+def check_column_cuts(q: Quantizer, k: int, world_size: int, rowwise: bool, columnwise: bool, name: str, *,
+                      axis: str = "K") -> None:
+    """Raise FormatShapeError unless cutting the `k` columns (axis "K"; rows with axis "M") into `world_size`
+    DTensor chunks keeps every block of the requested directions whole."""
+    g = q.split_granularity(rowwise, columnwise)[1 if axis == "K" else 0]
     bad = [c for c in chunk_bounds(k, world_size)[1:-1] if 0 < c < k and c % g]
     if bad:
+        what = "column" if axis == "K" else "row"
         raise FormatShapeError(
-            f"{q.describe()} cannot split {name} along K across {world_size} tensor-parallel ranks: its blocks "
-            f"span {g} columns, so every rank's first column must be a multiple of {g}; K={k} splits at "
-            f"{bad[0]} (choose K a multiple of {g * world_size})")
+            f"{q.describe()} cannot split {name} along {axis} across {world_size} tensor-parallel ranks: its blocks "
+            f"span {g} {what}s, so every rank's first {what} must be a multiple of {g}; {axis}={k} splits at "
+            f"{bad[0]} (choose {axis} a multiple of {g * world_size})")
 
 
 def reject_stateful(q: Quantizer, name: str) -> None:

@@ -54,10 +54,12 @@ class WeightState:
         self.counters: collections.Counter = collections.Counter()
         self.kept_payload: KeptPayload | None = None
         self.reuse_payload = True
+        self.tp_group = None  # set by hybridq's tensor-parallel styles: the weight is a TP piece (2-D meshes)
 
     def __deepcopy__(self, memo):
         new = WeightState(self.root() if self.root is not None else None, self.name)
         new.reuse_payload = self.reuse_payload
+        new.tp_group = self.tp_group
         return new
 
     # FSDP2 link ---------------------------------------------------------------------------------
@@ -176,12 +178,30 @@ class WeightState:
         if key is not None and self.stats_key == key:
             self.counters["stats_precomputed"] += 1
             return self.stats
+        if self.tp_group is not None and shard.is_whole:  # a whole TP piece: only per-tensor statistics
+            local = self._tp_global(q, x2d, group)
+            self.stats_key, self.stats = key, local
+            return local
         local = q.shard_stats(x2d, shard)
-        if local is not None:
+        if local is not None and group is not None:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
             self.counters["stats_allreduce"] += 1
+        if self.tp_group is not None:  # per-tensor statistics span the TP pieces too
+            g = self._tp_global(q, x2d, group)
+            if g is not None:
+                local = q.with_global_stats(local, shard, x2d.shape[1], g)
         self.stats_key, self.stats = key, local
         return local
+
+    def _tp_global(self, q, x2d, group):
+        """The whole weight's per-tensor statistics: MAX over this rank's rows, the dp group, the TP group."""
+        g = q.global_stats(x2d, True, True)
+        if g is not None:
+            if group is not None:
+                dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=self.tp_group)
+            self.counters["stats_allreduce"] += 1
+        return g
 
     # lazy materialization (a direction nobody planned for: activation recompute, manual unshard, ...) ----
     def ensure(self, d: str) -> None:

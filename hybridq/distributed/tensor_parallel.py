@@ -123,6 +123,25 @@ def _cached_piece(module: Linear, weight: torch.Tensor, q: PieceQuantizer, is_fi
     return wq
 
 
+def _distribute_weight(module: Linear, mesh, placement) -> None:
+    """The weight as a DTensor piece on the TP mesh. A HybridWeight (apply_hybrid_fsdp, before fully_shard on
+    the dp mesh dimension) stays one around the local piece, told that its per-tensor statistics also reduce over
+    the TP group."""
+    from .weights import HybridWeight
+
+    w = module.weight
+    if not isinstance(w, HybridWeight):
+        return
+    if placement == Shard(0):  # FSDP2 quantizes row shards of this piece: blocks must not span two pieces
+        check_column_cuts(module.weight_quantizer, module.out_features, mesh.size(), True,
+                          module.recipe.backward_override is None, f"weight of {module.name} (FSDP2 x TP)", axis="M")
+    full = distribute_tensor(w._data, mesh, [placement])
+    w._hq.tp_group = mesh.get_group()
+    local = HybridWeight(full.to_local(), w._hq)
+    module.weight = nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
+                                                    stride=full.stride()), requires_grad=w.requires_grad)
+
+
 def _attach(module: Linear, kind: str, mesh) -> None:
     if mesh.ndim != 1:
         raise ValueError(f"{module.name}: tensor-parallel styles take the 1-D tensor-parallel mesh (e.g. "
@@ -144,6 +163,7 @@ class ColwiseParallel(_torch_style.ColwiseParallel):
         if not isinstance(module, Linear):
             return super()._apply(module, device_mesh)
         _attach(module, "colwise", device_mesh)
+        _distribute_weight(module, device_mesh, Shard(0))
         return distribute_module(module, device_mesh, self._partition_linear_fn,
                                  lambda mod, inputs, mesh: self._hybrid_input(inputs, mesh),
                                  lambda mod, outputs, mesh: self._prepare_output_fn(
@@ -169,6 +189,7 @@ class RowwiseParallel(_torch_style.RowwiseParallel):
         if not isinstance(module, Linear):
             return super()._apply(module, device_mesh)
         _attach(module, "rowwise", device_mesh)
+        _distribute_weight(module, device_mesh, Shard(1))
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(module, device_mesh, self._partition_linear_fn,
                                  lambda mod, inputs, mesh: self._prepare_input_fn(

@@ -83,11 +83,15 @@ def prepare_payload(local, param, q: Quantizer, send, shape, ws: int, rank: int,
     data = local._data
     x2d = data.to(dtype).reshape(shard.length, shape[-1])
     stats = None
-    if ws > 1 and any(d != HIGH_PRECISION for d in send):
+    tp = local._hq.tp_group is not None  # a tensor-parallel piece: its statistics also reduce over the TP group
+    if (ws > 1 or tp) and any(d != HIGH_PRECISION for d in send):
         # every rank takes part in the reduction (a whole shard beside empty ones included)
         key = stats_key(param, dtype, shard)
         stats = local._hq.reduced_stats(q, x2d, shard, key, group)
-    parts = quantize_shard(q, x2d, shard, send, stats)
+    if tp and shard.is_whole:  # (reduced_stats gave the whole weight's per-tensor statistics)
+        parts = quantize_shard(q, x2d, shard, send, global_stats=stats)
+    else:
+        parts = quantize_shard(q, x2d, shard, send, stats)
     return build_payload(q, parts, shard, shards, shape, x2d.device)
 
 

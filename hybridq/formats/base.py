@@ -211,8 +211,9 @@ class Quantizer:
             # as if it were the whole tensor gives silently wrong numbers
             raise NotImplementedError(
                 f"{self.describe()}: {name} is a DTensor ({x.placements}); hybridq quantizes plain tensors. "
-                f"Tensor parallelism (parallelize_module) over hybridq layers is not supported yet; under FSDP2 "
-                f"use hybridq.apply_hybrid_fsdp, which quantizes the local shards itself")
+                f"Tensor-parallel layers: parallelize them with hybridq.distributed.ColwiseParallel / "
+                f"RowwiseParallel; under FSDP2 use hybridq.apply_hybrid_fsdp (both quantize the local pieces "
+                f"with the whole tensor's statistics)")
         if not x.is_floating_point():
             raise TypeError(f"{self.describe()}: {name} must be a floating-point tensor, got {x.dtype}")
         self.validate(x.shape, name, rowwise=rowwise, columnwise=columnwise)

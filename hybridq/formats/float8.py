@@ -180,6 +180,9 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         return (x2d.float().abs().amax().reshape(1) if x2d.numel()
                 else torch.zeros(1, dtype=torch.float32, device=x2d.device))
 
+    def with_global_stats(self, stats, shard, k, global_stats):
+        return stats if global_stats is None else global_stats.reshape(1).clone()
+
     def derive_part(self, part, direction, dtype=None):
         """One scale for the whole tensor: either direction is the exact byte transpose of the other."""
         if self.scaling != Scaling.CURRENT or part.direction == direction:

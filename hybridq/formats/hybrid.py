@@ -135,6 +135,23 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
         return torch.cat(pieces) if pieces else None
 
+    def with_global_stats(self, stats, shard, k, global_stats):
+        if stats is None or global_stats is None:
+            return stats
+        na = self._stats_numel(self.rowwise, shard, k)
+        probe = torch.empty(0, k, device="meta")
+        ga = self.rowwise.global_stats(probe, True, False)
+        nga = 0 if ga is None else ga.numel()
+        stats, global_stats = stats.reshape(-1), global_stats.reshape(-1)
+        a = self.rowwise.with_global_stats(stats[:na] if na else None, shard, k, global_stats[:nga] if nga else None)
+        b = None
+        if not self._double:
+            rest = stats[na:] if stats.numel() > na else None
+            b = self.columnwise.with_global_stats(rest, shard, k, global_stats[nga:] if global_stats.numel() > nga
+                                                  else None)
+        pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
+        return torch.cat(pieces) if pieces else None
+
     def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
         na = self._stats_numel(self.rowwise, shard, x2d.shape[1])
         sa = sb = None

@@ -202,6 +202,18 @@ class NVFP4Quantizer(BlockScaledQuantizer):
             vals["amax_c"] = self._amax(rht16(x.t())) if self._rht_aligned(shard) else torch.zeros(1, device=x.device)
         return layout.pack(vals, x2d.device)
 
+    def with_global_stats(self, stats, shard, k, global_stats):
+        if stats is None or global_stats is None:
+            return stats
+        layout = self._stats_layout(shard, k)
+        vals = layout.unpack(stats)
+        g = global_stats.reshape(-1).to(stats.device)
+        if self.block_2d:
+            vals["amax"] = g[:1]
+        else:
+            vals["amax_r"], vals["amax_c"] = g[:1], g[1:2]
+        return layout.pack(vals, stats.device)
+
     def plain_shard_amaxes(self, shard, k: int, stats) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rowwise amax, columnwise amax) from the MAX-reduced `stats` when no block or tile of the row shard is
         split by its boundaries: quantizing the shard is then plain quantization with these global amaxes (the

@@ -82,6 +82,13 @@ class ShardableQuantizer:
         default; no keyword is then passed)."""
         return None
 
+    def with_global_stats(self, stats: torch.Tensor | None, shard, k: int,
+                          global_stats: torch.Tensor | None) -> torch.Tensor | None:
+        """`stats` (reduced `shard_stats` of a row shard of a piece of a tensor) with its per-tensor entries
+        replaced by the whole tensor's `global_stats(x, True, True)` (2-D meshes: FSDP2 row shards of a
+        tensor-parallel piece). Default: no per-tensor entries."""
+        return stats
+
     def shard_is_plain(self, shard, rowwise: bool, columnwise: bool) -> bool:
         """True when plainly quantizing the shard's rows gives its rows of the full tensor's quantization (no
         cross-shard statistics, no split block): the plain path, device kernels included, can then be used."""

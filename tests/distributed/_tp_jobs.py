@@ -276,3 +276,62 @@ def tp_errors_job(rank: int, world_size: int, device) -> dict:
         m(torch.randn(2, 24, 64, requires_grad=True)).sum().backward()  # 2 runs of 24 tokens: blocks are 32
     attempt("runs", runs)
     return out
+
+
+def tp_fsdp_job(rank: int, world_size: int, device, mesh_shape: tuple, presets: list, steps: int = 2) -> dict:
+    """2-D meshes in torchtitan's order: apply_hybrid_fsdp, parallelize_module over "tp", fully_shard over "dp".
+    Each dp rank trains on its own micro-batch (sequence-sharded over tp); the single-process reference runs the
+    micro-batches one by one and averages the gradients (FSDP2's mean). Returns what differed per preset: the
+    weight operand of every fprop (the quantized all-gather over dp of a TP piece, against the piece of the
+    single-process quantization), parameter gradients and parameters after `steps` SGD steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh_shape
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    shape = (1, 256, 128)  # B = 1: each rank's tokens are a row shard of the whole input
+    report = {}
+    for preset in presets:
+        diffs: list[str] = []
+        torch.manual_seed(0)
+        d = shape[-1]
+        ref, model = Block(d, 2 * d).to(device), Block(d, 2 * d).to(device)
+        model.load_state_dict(ref.state_dict())
+        r = deterministic_recipe(preset)
+        hybridq.convert_linears(ref, r)
+        hybridq.apply_hybrid_fsdp(model, r)
+        parallelize_module(model, mesh["tp"], tp_plan(1))
+        fully_shard(model, mesh=mesh["dp"])
+        opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        chunk = shape[1] // tp
+        for step in range(steps):
+            xs = [torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + i)).to(device)
+                  for i in range(dp)]
+            recs = []
+            for x in xs:
+                with GemmRecorder() as rec:
+                    y = ref(x)
+                recs.append(rec)
+                (y.float().square().sum() / y.numel() / dp).backward()
+            with GemmRecorder() as rec_t:
+                y = model(xs[dp_rank][:, tp_rank * chunk:(tp_rank + 1) * chunk].clone())
+            (y.float().square().sum() / (y.numel() * tp)).backward()
+            if step == 0:
+                for name, cols in (("mlp.w1", False), ("mlp.w3", False), ("mlp.w2", True)):
+                    want = recs[dp_rank].seen[name][1]
+                    n = (want.shape[1] if cols else want.shape[0]) // tp
+                    piece = want[:, tp_rank * n:(tp_rank + 1) * n] if cols else want[tp_rank * n:(tp_rank + 1) * n]
+                    _cmp(diffs, f"{preset} {mesh_shape} {name} weight operand", rec_t.seen[name][1], piece)
+            for (n, p), (_, p_r) in zip(model.named_parameters(), ref.named_parameters()):
+                exact = n != "norm.weight"  # the norm's gradient sums over ranks' tokens in another order
+                _cmp(diffs, f"{preset} {mesh_shape} step {step} grad of {n}", _full(p.grad), p_r.grad,
+                     exact=exact, rtol=1e-5)
+            opt_r.step(), opt.step(), opt_r.zero_grad(), opt.zero_grad()
+        for (n, p), (_, p_r) in zip(model.named_parameters(), ref.named_parameters()):
+            _cmp(diffs, f"{preset} {mesh_shape} {n} after {steps} steps", _full(p.detach()), p_r.detach(),
+                 exact=False, rtol=1e-5)
+        report[preset] = diffs
+    return report

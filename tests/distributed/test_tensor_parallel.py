@@ -103,3 +103,21 @@ def test_delayed_scaling_is_refused_under_tensor_parallelism(errors):
 def test_sequence_runs_that_split_a_block_are_refused_naming_the_rule(errors):
     msg = errors["runs"]
     assert msg.startswith("FormatShapeError") and "24 rows" in msg and "32" in msg, msg
+
+
+MESHES = {(2, 2): ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"],
+          (1, 2): ["fp8_tensorwise", "nvfp4"], (2, 1): ["mxfp8", "nvfp4"]}
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_reports():
+    return {m: spawn(_tp_jobs.tp_fsdp_job, m[0] * m[1], "gloo", mesh_shape=m, presets=p) for m, p in MESHES.items()}
+
+
+@pytest.mark.parametrize("mesh,preset", [(m, p) for m, ps in MESHES.items() for p in ps],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_fsdp2_over_dp_on_tensor_parallel_weights_matches_the_single_process_run(fsdp_tp_reports, mesh, preset):
+    """Linear weight gradients and operands bitwise; the norm (summed over other ranks' tokens) and the
+    parameters after two steps within 1e-5 of the largest magnitude."""
+    for rank, rep in enumerate(fsdp_tp_reports[mesh]):
+        assert not rep[preset], f"rank {rank}:\n" + "\n".join(rep[preset])
