@@ -17,6 +17,7 @@ from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource, QuantizedGatherShard
+from . import delayed_state
 
 log = logging.getLogger("hybridq")
 
@@ -284,6 +285,7 @@ class Linear(nn.Linear):
         self._weight_cache: tuple[Any, QuantizedTensor] | None = None
         self._cache_columnwise = False
         self.recipe = recipe
+        delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
 
     @property
     def recipe(self) -> CustomRecipe:
