@@ -16,6 +16,7 @@ from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
 from .offload import CPUOffload
 from .recompute import checkpoint_contexts
+from .export import export_state_dict
 from .distributed import apply_hybrid_fsdp, precompute_scales
 
 __all__ = [
@@ -23,6 +24,6 @@ __all__ = [
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "GroupedLinear", "convert_linears", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
-    "CPUOffload", "checkpoint_contexts", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
+    "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
 ]
 __version__ = "0.1.0"
