@@ -14,6 +14,9 @@ from .kernels import extension_available, update_delayed_scaling  # also registe
 from .nn import ConversionReport, GroupedLinear, Linear, convert_experts, convert_linears, grouped_mm
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
+from .offload import CPUOffload
+from .recompute import checkpoint_contexts
+from .export import export_state_dict
 from .distributed import apply_hybrid_fsdp, precompute_scales
 
 __all__ = [
@@ -21,6 +24,6 @@ __all__ = [
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "GroupedLinear", "convert_linears", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
-    "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
+    "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
 ]
 __version__ = "0.1.0"

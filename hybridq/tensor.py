@@ -190,6 +190,74 @@ def _pin(func, t, device=None):
 
 
 
+# ---- saving for backward ----------------------------------------------------------------------------
+# A QuantizedTensor saved for backward goes through autograd's saved-tensor hooks as its plain tensors (the
+# quantized bytes and scales of every part), so any hook -- `save_on_cpu(pin_memory=True)`, which copies into a
+# plain `torch.empty` buffer, hybridq.CPUOffload, checkpointing -- sees ordinary tensors and round-trips every part.
+
+def save_quantized(ctx, *tensors: torch.Tensor | None, keep: tuple[bool, ...] = ()) -> None:
+    """`ctx.save_for_backward(*tensors)`, with each QuantizedTensor split into its parts' tensors. `keep[i]` True
+    keeps tensor i as it is on `ctx`, outside the hooks: a handle whose buffers their owner refills (FSDP2's
+    gathered weight, whose storage is freed after forward and gathered again in backward), not data to pack."""
+    flat: list = []
+    layout: list = []
+    for i, t in enumerate(tensors):
+        if i < len(keep) and keep[i]:
+            layout.append(("keep", t))
+        elif isinstance(t, QuantizedTensor):
+            entry = []
+            for p in (t._rowwise, t._columnwise):
+                if p is None:
+                    entry.append(None)
+                    continue
+                present = [(n, x) for n, x in p.tensors().items() if x is not None]
+                flat.extend(x for _, x in present)
+                entry.append((type(p), p.rows, p.cols, p.columnwise, p.meta(), tuple(n for n, _ in present)))
+            layout.append(("q", entry, t.shape, t.dtype))
+        else:
+            flat.append(t)
+            layout.append(("t",))
+    ctx.save_for_backward(*flat)
+    ctx.hybridq_saved_layout = layout
+
+
+_BACKWARD = {"task": -1, "epoch": 0}
+
+
+def backward_epoch() -> int:
+    """A counter of the backward passes that ran a hybridq layer's backward (bumped by `saved_quantized` when the
+    autograd graph task changes): delayed-scaling quantizers tell the forward casts of one step from the next."""
+    return _BACKWARD["epoch"]
+
+
+def saved_quantized(ctx) -> tuple:
+    """The tensors given to `save_quantized`, QuantizedTensors rebuilt from their (unpacked) parts."""
+    task = torch._C._current_graph_task_id()
+    if task != _BACKWARD["task"]:
+        _BACKWARD["task"] = task
+        _BACKWARD["epoch"] += 1
+    flat = iter(ctx.saved_tensors)
+    out = []
+    for entry in ctx.hybridq_saved_layout:
+        if entry[0] == "keep":
+            out.append(entry[1])
+        elif entry[0] == "t":
+            out.append(next(flat))
+        else:
+            _, parts, shape, dtype = entry
+            built = []
+            for spec in parts:
+                if spec is None:
+                    built.append(None)
+                    continue
+                cls, rows, cols, columnwise, meta, present = spec
+                fields = dict.fromkeys(cls.tensor_fields)
+                fields.update((n, next(flat)) for n in present)
+                built.append(cls(rows=rows, cols=cols, columnwise=columnwise, **fields, **meta))
+            out.append(QuantizedTensor(built[0], built[1], shape=shape, dtype=dtype))
+    return tuple(out)
+
+
 # ---- serialization ---------------------------------------------------------------------------------
 
 def _part_class_name(cls: type) -> str:

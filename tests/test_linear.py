@@ -488,20 +488,25 @@ def test_assigning_an_unusable_recipe_raises_and_changes_nothing(bad):
 # -- autograd integration -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd"])
-def test_saved_tensors_are_quantized_tensors_and_hooks_see_them(name):
+def test_saved_quantized_tensors_reach_hooks_as_their_plain_part_tensors(name):
+    """A saved QuantizedTensor goes through saved-tensor hooks as the plain tensors of its parts (so offload
+    hooks that copy into plain buffers work): the hooks see no QuantizedTensor, only the quantized bytes."""
     q, _ = make_pair(hq.recipe(name))
     x, gy = inputs(torch.float32)
     packed = []
 
     def pack(t):
-        packed.append(type(t).__name__)
+        packed.append(t)
         return t.to("cpu")  # an offload-style hook: moves every saved tensor
 
     x = x.requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = q(x)
     y.backward(gy)
-    assert packed.count("QuantizedTensor") == 2, packed
+    assert packed and not any(isinstance(t, hq.QuantizedTensor) for t in packed), [type(t) for t in packed]
+    xq = q.input_quantizer.quantize(x.detach().reshape(-1, IN), rowwise=False, columnwise=True)
+    want = [t for t in xq.columnwise.tensors().values() if t is not None]
+    assert [(t.dtype, tuple(t.shape)) for t in packed[:len(want)]] == [(t.dtype, tuple(t.shape)) for t in want]
 
 
 def test_non_reentrant_checkpoint_gives_identical_grads():

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
 from ..enums import Scaling
+from ..tensor import backward_epoch
 from .base import QuantizedPart, Quantizer, transposed_copy
 from .shardable import GatherablePart, ShardableQuantizer
 
@@ -78,6 +79,9 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         self.scale = torch.ones(1)
         self.amax_history = torch.zeros(self.amax_history_len)
         self._update_pending = False
+        self._casts_in_forward = False  # this quantizer casts in forward (input, weight), not only in backward
+        self._forward_scale = self.scale  # the scale of the last forward cast (what a replay uses)
+        self._epoch = self._step_casts = self._step_grad_casts = 0  # forward casts of the current step
 
     def describe(self) -> str:
         return f"FP8 {FP8_NAMES[self.dtype]} ({self.scaling} scaling)"
@@ -94,25 +98,70 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         """True when an amax was recorded since the last update (the next cast updates first)."""
         return self._update_pending
 
+    # A cast that runs inside a backward pass by a quantizer that casts in forward is a replay of its last forward
+    # cast: activation recompute (torch.utils.checkpoint), or save_original_input's backward cast of the same
+    # input. It uses the scale that forward cast used and changes no state (no pending update applied, no amax
+    # recorded), so the recomputed tensor is bitwise the original and the amax history is that of the run without
+    # recompute. A quantizer that cast more than once in the forward being replayed (a layer called twice) cannot
+    # tell which cast is replayed: that raises.
+    def replaying(self) -> bool:
+        """True when a cast now would be a replay of the last forward cast (see above)."""
+        return self._casts_in_forward and torch._C._current_graph_task_id() != -1
+
+    def check_replay(self, name: str = "tensor") -> None:
+        """Raise RuntimeError (changing nothing) when a cast now would be a replay that is ambiguous."""
+        if self.replaying() and self._step_casts > 1:
+            raise RuntimeError(
+                f"{self.describe()}: recomputing the forward cast of {name} in backward (activation checkpointing, "
+                f"save_original_input) needs the scale that cast used, but the quantizer cast {self._step_casts} "
+                f"tensors in that forward (a layer called more than once per step), each with its own scale, so "
+                f"which one is replayed is ambiguous; do not recompute such a layer, or use current scaling")
+
+    def _note_forward_cast(self) -> None:
+        # the casts of one step's forward: a backward pass (backward_epoch) or the first grad-enabled cast after
+        # no-grad ones (an evaluation forward) starts a new count
+        epoch, grad = backward_epoch(), torch.is_grad_enabled()
+        if epoch != self._epoch or (grad and not self._step_grad_casts):
+            self._epoch, self._step_casts, self._step_grad_casts = epoch, 0, 0
+        self._step_casts += 1
+        self._step_grad_casts += grad
+        self._casts_in_forward = True
+        self._forward_scale = self.scale.clone()  # (the CUDA update changes the live scale in place)
+
     def begin_delayed_cast(self, device: torch.device,
                            run_update: Callable[[], None] | None = None) -> torch.Tensor:
         """Move the state to `device`, apply the pending update (by `run_update`, e.g. a batched kernel, else
-        `update()`), and return the scale this cast uses (the live state tensor: clone it to keep it)."""
+        `update()`), and return the scale this cast uses (the live state tensor: clone it to keep it). A replayed
+        cast (see `replaying`) applies no update: it returns the scale of the forward cast it replays."""
         if self.scale.device != device:
             self.scale = self.scale.to(device)
             self.amax_history = self.amax_history.to(device)
+        if self.replaying():
+            self.check_replay()
+            return self._forward_scale.to(device)
         if self._update_pending:
             (run_update or self.update)()
+        if torch._C._current_graph_task_id() == -1:
+            self._note_forward_cast()
         return self.scale
 
     def record_amax(self, amax: torch.Tensor) -> None:
-        """Record a cast's amax (`[1]` fp32) into the current history slot; the next cast updates first."""
+        """Record a cast's amax (`[1]` fp32) into the current history slot; the next cast updates first. A replayed
+        cast records nothing."""
+        if self.replaying():
+            return
         self.amax_history[:1] = torch.maximum(self.amax_history[:1], amax)
         self._update_pending = True
 
     def mark_updated(self) -> None:
         """The state was updated in place by a batched update (see hybridq.update_delayed_scaling)."""
         self._update_pending = False
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
+                 name: str = "tensor"):
+        if self.scaling == Scaling.DELAYED:
+            self.check_replay(name)  # (before anything is cast: the error names the tensor)
+        return super().quantize(x, rowwise=rowwise, columnwise=columnwise, name=name)
 
     # -- scaling ---------------------------------------------------------------------------------
     def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:

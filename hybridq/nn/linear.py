@@ -15,8 +15,9 @@ from ..gemm import gemm
 from ..enums import BackwardOverride
 from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource, QuantizedGatherShard
+from . import delayed_state
 
 log = logging.getLogger("hybridq")
 
@@ -202,7 +203,12 @@ class _LinearFunction(torch.autograd.Function):
         else:
             saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
             saved_w = _only(wq, "columnwise") if need_dgrad else None
-        ctx.save_for_backward(saved_x, saved_w)
+        # a weight quantized before this call (FSDP2's gathered weight, whose buffers its backward unshard refills;
+        # the is_first_microbatch cache) is a handle kept on ctx; what this call quantized goes through the
+        # saved-tensor hooks as plain tensors (offload, checkpointing: see save_quantized)
+        save_quantized(ctx, saved_x, saved_w,
+                       keep=(False, isinstance(saved_w, QuantizedTensor)
+                             and (isinstance(weight, QuantizedTensor) or cached_weight is not None)))
         ctx.cfg = cfg
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
@@ -213,7 +219,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         cfg: _LinearConfig = ctx.cfg
-        saved_x, saved_w = ctx.saved_tensors
+        saved_x, saved_w = saved_quantized(ctx)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
         if not dy2d.is_contiguous():
@@ -301,6 +307,7 @@ class Linear(nn.Linear):
         self._weight_cache: tuple[Any, QuantizedTensor] | None = None
         self._cache_columnwise = False
         self.recipe = recipe
+        delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
 
     @property
     def recipe(self) -> CustomRecipe:
