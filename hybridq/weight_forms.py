@@ -3,6 +3,8 @@
 - `HighPrecisionSource`: a quantized weight that can also give its high-precision form on demand.
 - `QuantizedGatherShard`: a sharded parameter whose all-gather sends bytes laid out by its weight quantizer
   (FSDP2's `HybridWeight`), so that quantizer's format can no longer change.
+- `GroupedGatheredForm`: an unsharded `[E, out, in]` grouped weight whose experts are quantized tensors
+  (`unbind(0)` gives them), gathered by FSDP2 (`GroupedGatheredWeight`).
 
 `backward_override="high_precision"` needs the weight in high precision in backward. A weight that implements
 `HighPrecisionSource` (FSDP2's gathered weight, whose backward unshard gathers it in param_dtype) is saved as a
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HighPrecisionSource", "QuantizedGatherShard"]
+__all__ = ["GroupedGatheredForm", "HighPrecisionSource", "QuantizedGatherShard"]
 
 
 class HighPrecisionSource:
@@ -26,3 +28,12 @@ class HighPrecisionSource:
 
 class QuantizedGatherShard:
     """Mixin for a sharded parameter that FSDP2 all-gathers in its weight quantizer's format."""
+
+
+class GroupedGatheredForm:
+    """Mixin for an unsharded grouped weight `[E, out, in]` whose `unbind(0)` gives each expert's quantized weight."""
+
+    def ensure_direction(self, direction: str) -> None:
+        """Make `direction` of every expert available (a collective when it was not gathered: every rank calls
+        it, whatever its token counts)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement ensure_direction()")

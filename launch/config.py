@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--hidden", type=int, default=None, help="SwiGLU hidden size (default: ~8/3 d-model, "
                    f"rounded up to {ALIGN})")
     g.add_argument("--tie-embeddings", action="store_true", help="the head reuses the embedding matrix")
+    g.add_argument("--moe", type=int, default=0, metavar="E",
+                   help="replace every SwiGLU MLP by a routed mixture of E SwiGLU experts (grouped GEMMs)")
+    g.add_argument("--top-k", type=int, default=1, metavar="K", help="experts per token (with --moe)")
+    g.add_argument("--moe-aux-weight", type=float, default=0.01,
+                   help="weight of the load-balancing loss added to the cross-entropy (with --moe)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps (sets the lr schedule)")
     g.add_argument("--seq", type=int, default=128, help="sequence length")
@@ -103,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def model_config(args) -> ModelConfig:
     return ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                        n_kv_heads=args.n_kv_heads, hidden=args.hidden, max_seq=max(args.seq, 1),
-                       tie_embeddings=args.tie_embeddings)
+                       tie_embeddings=args.tie_embeddings, moe_experts=args.moe, moe_top_k=args.top_k)
 
 
 class ConfigError(Exception):
@@ -136,6 +141,9 @@ def check_args(args, world: int) -> None:
         errors.append(f"--seq {args.seq} x --batch {args.batch} = {args.seq * args.batch} tokens per rank per step "
                       f"must be a multiple of {ALIGN} (MXFP8 and NVFP4 quantize activations in blocks of 32 "
                       "along the token dimension for the weight-gradient GEMM)")
+    if args.moe < 0 or (args.moe and not 1 <= args.top_k <= args.moe) or (not args.moe and args.top_k != 1):
+        errors.append(f"--moe {args.moe} --top-k {args.top_k}: --moe must be >= 0 and --top-k in [1, --moe] "
+                      f"(--top-k only with --moe)")
     if args.compare == args.recipe:
         errors.append(f"--compare {args.compare} is the same as --recipe")
     for flag in ("save_every", "keep_last", "log_every", "eval_batches"):
@@ -172,4 +180,5 @@ def run_meta(recipe: str, args) -> dict:
             "batch": args.batch, "seed": args.seed, "param_dtype": args.param_dtype,
             "quantize_head": args.quantize_head, "steps": args.steps, "lr": args.lr,
             "min_lr_ratio": args.min_lr_ratio, "warmup": warmup, "weight_decay": args.weight_decay,
-            "grad_clip": args.grad_clip, "dp": args.dp}  # dp recorded only: a checkpoint resumes under any dp
+            "grad_clip": args.grad_clip, "moe_aux_weight": args.moe_aux_weight,
+            "dp": args.dp}  # dp recorded only: a checkpoint resumes under any dp

@@ -13,10 +13,11 @@ from config import TORCHAO, ConfigError
 
 
 def head_filter(args):
-    """module_filter_fn: every Linear but the output head unless --quantize-head."""
+    """module_filter_fn: every Linear but the output head unless --quantize-head, and never an MoE router (its
+    logits pick the experts: kept in high precision, as torchtitan keeps it)."""
     if args.quantize_head:
-        return None
-    return lambda module, fqn: fqn != "output"
+        return lambda module, fqn: not fqn.endswith("router")
+    return lambda module, fqn: fqn != "output" and not fqn.endswith("router")
 
 
 def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], str]:
@@ -33,6 +34,7 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
         l = by_name.get(name)
         if l is None:
             why = ("output head kept in high precision (--quantize-head converts it)" if name == "output"
+                   else "MoE router kept in high precision (routing)" if name.endswith("router")
                    else "excluded by module_filter_fn")
             rows.append([name, "skipped", "-", "-", "-", why])
         elif l.converted:
@@ -42,13 +44,20 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
                          ""])
         else:
             rows.append([name, "skipped", "-", "-", "-", l.reason])
+    grouped = [l for l in report.layers if l.name not in set(linear_names)]  # MoE expert weights [E, out, in]
+    for l in grouped:
+        f = l.formats
+        rows.append([f"{l.name} [E={args.moe}]", "converted" if l.converted else "skipped",
+                     f.get("input", "-"), f.get("weight", "-"), f.get("grad_output", "-"), l.reason])
+    n_grouped = sum(l.converted for l in grouped)
     if args.tie_embeddings:
         rows.append(["output (tied)", "skipped", "-", "-", "-",
                      "tied to tok_embeddings (F.linear, not a Linear module)"])
     if n_conv == 0:
         raise ConfigError(no_layer_converted(recipe_name, [(r[0], r[5]) for r in rows[1:]]))
-    summary = (f"{n_conv} of {len(linear_names)} Linear layers converted by hybridq.apply_hybrid_fsdp "
-               "(FSDP2 all-gathers their weights quantized). "
+    summary = (f"{n_conv} of {len(linear_names)} Linear layers"
+               + (f" and {n_grouped} of {len(grouped)} grouped expert weights" if grouped else "")
+               + " converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized). "
                "Directions: forward y = x.row @ W.row; dgrad = dy.row @ W.col; wgrad = dy.col @ x.col "
                "(hybrid[row / col] names both; a plain format serves both).")
     return rows, summary

@@ -1,5 +1,13 @@
 """A small Llama-style decoder for the training job: RMSNorm, causal attention through
-`F.scaled_dot_product_attention` with rotary position embeddings, a SwiGLU MLP, tied or untied head.
+`F.scaled_dot_product_attention` with rotary position embeddings, a SwiGLU MLP (or, with `moe_experts > 0`, a
+routed mixture of SwiGLU experts), tied or untied head.
+
+The mixture of experts (`MoE`) is token-choice top-k: a router (`nn.Linear(d_model, E)`, kept in high precision)
+scores every token, each token goes to its k best experts, the tokens are sorted by expert and the experts run
+as grouped GEMMs over `[E, out, in]` weights (`Experts`, the hybridq expert protocol: `hybridq.grouped_mm`, so
+`apply_hybrid_fsdp` converts them to `GroupedLinear` and FSDP2 gathers them quantized); the outputs are put back
+in token order and combined weighted by the router probabilities. The Switch-Transformer load-balancing loss
+(E * sum_e fraction of routed slots_e * mean router probability_e) is kept on the module for the trainer.
 
 Every projection is a plain `nn.Linear` (no bias), so `hybridq.apply_hybrid_fsdp` / `convert_linears` can swap
 them. Format shape rules (MXFP8 blocks of 32, NVFP4 blocks of 16, FP8 128-blocks may be partial) hold when
@@ -16,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hybridq
+
 ALIGN = 32  # the largest 1-D block any preset needs along a GEMM dimension (MXFP8)
 
 
@@ -31,6 +41,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    moe_experts: int = 0  # > 0: the MLP is a routed mixture of this many SwiGLU experts
+    moe_top_k: int = 1  # experts per token
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -58,12 +70,15 @@ class ModelConfig:
         elif (self.n_kv_heads * self.head_dim) % ALIGN:
             problems.append(f"n_kv_heads*head_dim={self.n_kv_heads * self.head_dim} must be a multiple of "
                             f"{ALIGN}")
+        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
+            problems.append(f"moe: top_k={self.moe_top_k} must be in [1, experts={self.moe_experts}] (experts >= 0)")
         if problems:
             raise ValueError("model config: " + "; ".join(problems))
 
     def num_params(self) -> int:
         d, h, kv = self.d_model, self.hidden, self.n_kv_heads * self.head_dim
-        block = d * (d + 2 * kv) + d * d + 3 * d * h + 2 * d
+        mlp = 3 * d * h * max(self.moe_experts, 1) + d * self.moe_experts  # (+ the router)
+        block = d * (d + 2 * kv) + d * d + mlp + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * block + d + head
 
@@ -128,13 +143,75 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts as `[E, out, in]` weights, computed as grouped GEMMs on tokens sorted by expert (the
+    hybridq expert protocol: high precision until apply_hybrid_fsdp / convert_experts converts them)."""
+
+    hybridq_grouped_weights = ("w1", "w3", "w2")
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # gate
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # down
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        """x [tokens, d_model] sorted by expert, m_splits the token count of each expert."""
+        h = F.silu(hybridq.grouped_mm(self, "w1", x, m_splits)) * hybridq.grouped_mm(self, "w3", x, m_splits)
+        return hybridq.grouped_mm(self, "w2", h, m_splits)
+
+
+def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Token-choice top-k dispatch. probs [T, E] (router softmax). Returns (order, token, weight, m_splits):
+    `order` sorts the T*k (token, choice) slots by expert (stable: token order within an expert), `token[i]` is the
+    token of sorted slot i, `weight[i]` its combine weight (its top-k probabilities renormalised to sum to 1), and
+    `m_splits[e]` the slots of expert e."""
+    top_p, top_e = probs.topk(top_k, dim=-1)  # [T, k]
+    if top_k > 1:
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    flat_e = top_e.reshape(-1)
+    order = torch.argsort(flat_e, stable=True)
+    m_splits = torch.bincount(flat_e, minlength=probs.shape[-1]).tolist()
+    return order, order // top_k, top_p.reshape(-1)[order], m_splits
+
+
+def combine(y_sorted: torch.Tensor, order: torch.Tensor, weight: torch.Tensor, tokens: int, top_k: int
+            ) -> torch.Tensor:
+    """Each token's output: the weighted sum of its k experts' outputs (y_sorted in the order `route` sorted the
+    slots). Slots go back to (token, choice) order and are summed over the choices: deterministic, no atomics."""
+    y = (y_sorted * weight.unsqueeze(-1).to(y_sorted.dtype))
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    return y.view(tokens, top_k, -1).sum(1)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)  # kept in high precision (routing)
+        self.experts = Experts(cfg.moe_experts, cfg.d_model, cfg.hidden)
+        self.aux_loss: torch.Tensor | None = None  # the load-balancing loss of the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.router(flat).float().softmax(-1)  # [T, E]
+        order, token, weight, m_splits = route(probs, self.top_k)
+        y = self.experts(flat[token], m_splits)
+        out = combine(y, order, weight, flat.shape[0], self.top_k)
+        # Switch Transformer: E * sum_e (fraction of slots routed to e) * (mean router probability of e)
+        frac = torch.tensor(m_splits, dtype=torch.float32, device=probs.device) / max(1, order.numel())
+        self.aux_loss = self.num_experts * (frac * probs.mean(0)).sum()
+        return out.view(shape).to(x.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.moe_experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -162,9 +239,9 @@ class Transformer(nn.Module):
         std = 0.02
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight")):
+            if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
-            elif p.dim() == 2 and not name.startswith("tok_embeddings"):
+            elif p.dim() >= 2 and not name.startswith("tok_embeddings"):
                 nn.init.normal_(p, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -180,3 +257,8 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight.to(h.dtype))
         return self.output(h)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The mean load-balancing loss of the MoE layers in the last forward (None without MoE)."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+        return torch.stack(losses).mean() if losses else None

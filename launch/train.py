@@ -167,6 +167,16 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
+def expert_placement(args):
+    """FSDP2's shard_placement_fn for MoE expert weights [E, out, in]: whole experts per rank (Shard(0), the
+    default) unless there are more data-parallel ranks than experts, then rows of every expert (Shard(1), as
+    torchtitan does) where `out` divides evenly (FSDP2 shards dim 1 evenly only)."""
+    if not args.moe or args.dp <= args.moe:
+        return None
+    from torch.distributed.tensor import Shard
+    return lambda p: Shard(1) if p.dim() == 3 and p.shape[1] % args.dp == 0 else None
+
+
 def build(recipe_name: str, args, env: Env, out: Printer):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(args.seed)
@@ -185,7 +195,7 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     pdt = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mesh=env.mesh, mp_policy=mp)
+        fully_shard(block, mesh=env.mesh, mp_policy=mp, shard_placement_fn=expert_placement(args))
     fully_shard(model, mesh=env.mesh, mp_policy=mp)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -269,7 +279,8 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
         logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
+        aux = model.aux_loss()  # MoE load balancing (logged: the cross-entropy alone)
+        (loss if aux is None else loss + args.moe_aux_weight * aux).backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
@@ -359,7 +370,11 @@ def run(args, world: int) -> None:
             f"{env.device.type}, FSDP2 dp={args.dp} tp={args.tp}; runs: {', '.join(names)}")
         out(f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, hidden {cfg.hidden}, heads {cfg.n_heads}"
             f"/{cfg.n_kv_heads} kv, vocab {cfg.vocab_size} (bytes), {cfg.num_params() / 1e6:.2f}M params, "
-            f"{'tied' if cfg.tie_embeddings else 'untied'} head; data: {len(tokens):,} bytes; "
+            f"{'tied' if cfg.tie_embeddings else 'untied'} head"
+            + (f", MoE {cfg.moe_experts} experts top-{cfg.moe_top_k} (expert weights sharded "
+               f"{'Shard(1): rows of every expert' if expert_placement(args) else 'Shard(0): whole experts'}, "
+               f"load-balancing loss x {args.moe_aux_weight})" if cfg.moe_experts else "")
+            + f"; data: {len(tokens):,} bytes; "
             f"{args.dp * args.batch * args.seq:,} tokens/step (seq {args.seq} x batch {args.batch} x dp {args.dp})")
         results = [train_one(name, args, env, out, tokens, plan[name], metrics) for name in names]
         gap = summarize(results, out)

@@ -3,16 +3,18 @@
 Modules, one job each: `plan` (what an unshard gathers), `fsdp_adapter` (the only reader of FSDP2's private
 state), `payload` (packing a quantized shard into bytes and back), `transport` (building and gathering
 payloads), `checks` (sharding rules checked when the layout is known), `state` (per-weight state and the
-unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded weight types), `api` (the public
+unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded weight types), `grouped` (the same for mixture-of-experts
+weights `[E, out, in]`, each expert gathered quantized), `api` (the public
 entry points) and `accounting` (bytes on the wire).
 """
 
 from .accounting import bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
 from .api import apply_hybrid_fsdp, precompute_scales
 from .gathered import GatheredWeight
+from .grouped import GroupedGatheredWeight, GroupedHybridWeight
 from .tensor_parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from .weights import HybridWeight
 
-__all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "gather_bytes_per_step",
-           "bytes_table", "sequence_gather_bytes", "sequence_bytes_table",
-           "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]
+__all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "GroupedHybridWeight",
+           "GroupedGatheredWeight", "gather_bytes_per_step", "bytes_table", "sequence_gather_bytes",
+           "sequence_bytes_table", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]

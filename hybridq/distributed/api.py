@@ -15,6 +15,7 @@ from ..formats._sharding import dim0_chunks
 from ..nn.convert import ConversionReport, convert_linears
 from ..nn.linear import Linear
 from ..recipe import CustomRecipe, Role
+from .grouped import apply_grouped, check_grouped_recipe, grouped_stats_items, plan_grouped
 from .state import WeightState
 from .transport import stats_key
 from .weights import HybridWeight
@@ -41,7 +42,10 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
     """Prepare `model` for FSDP2 with quantized all-gathers; call it before `fully_shard`.
 
     Converts the eligible nn.Linear layers (`convert_linears`, same filter and `on_incompatible` semantics) and
-    wraps the weight of every hybridq Linear in a `HybridWeight`, so that FSDP2 all-gathers the weight in the
+    wraps the weight of every hybridq Linear in a `HybridWeight`; likewise applies the recipe to every
+    `GroupedLinear` and converts every expert module (`hybridq_grouped_weights`, as `convert_experts`) and wraps
+    their `[E, out, in]` weights in a `GroupedHybridWeight` (each expert gathered quantized, for FSDP2's Shard(0)
+    and Shard(1) placements; see `distributed/grouped.py`), so that FSDP2 all-gathers the weight in the
     recipe's weight format: rowwise in forward, only what dgrad reads in backward, a direction that is an exact
     transform of the other derived after the gather. The gathered weight is bitwise the quantization of the
     full weight (global amaxes and split blocks are reduced across shards; see README "FSDP2"). Call
@@ -73,8 +77,12 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
                     f"every rank quantizes its shard and backward re-gathers the weight, so a scale that changes "
                     f"between casts cannot give the single-device result. Use current scaling (e.g. the "
                     f"'fp8_tensorwise' preset: its global amax costs one fused all-reduce per step).")
+    # grouped (mixture-of-experts) weights: GroupedLinear and expert modules (hybridq_grouped_weights)
+    check_grouped_recipe(model, recipe, module_filter_fn)
+    grouped_todo, grouped_skipped = plan_grouped(model, recipe, module_filter_fn, on_incompatible)
     report = convert_linears(model, recipe, module_filter_fn, on_incompatible=on_incompatible)
     counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    report.layers += apply_grouped(model, recipe, grouped_todo, counts) + grouped_skipped
     for fqn, mod in model.named_modules():
         if not isinstance(mod, Linear) or isinstance(mod.weight, HybridWeight):
             continue
@@ -141,6 +149,8 @@ def precompute_scales(model: nn.Module) -> dict:
         device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
                   else torch.device(mesh.device_type))
         per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s.reshape(-1).float()))
+    for group, device, st, key, s in grouped_stats_items(model):  # all experts of a grouped weight: one entry
+        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
     values = 0
     for group, items, device in per_group.values():
         flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device

@@ -40,8 +40,8 @@ class FSDPLink:
         self._group = weakref.ref(group)
 
     @classmethod
-    def find(cls, roots, module: nn.Module) -> "FSDPLink | None":
-        """The link of `module.weight`, searched in the FSDP modules under `roots`; None if not found."""
+    def find(cls, roots, module: nn.Module, param_name: str = "weight") -> "FSDPLink | None":
+        """The link of `module.<param_name>`, searched in the FSDP modules under `roots`; None if not found."""
         try:
             from torch.distributed.fsdp import FSDPModule
         except ImportError:  # pragma: no cover
@@ -61,7 +61,7 @@ class FSDPLink:
                 for g in groups:
                     for p in getattr(g, "fsdp_params", ()):
                         info = getattr(p, "_module_info", None)
-                        if info is not None and info.module is module and info.param_name == "weight":
+                        if info is not None and info.module is module and info.param_name == param_name:
                             return cls(p, g)
         return None
 

@@ -108,9 +108,10 @@ def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions,
     return out
 
 
-def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowShard], shape, device
-                  ) -> tuple[torch.Tensor, PayloadMeta]:
-    """Lay this rank's parts out in a flat uint8 payload (same layout on every rank)."""
+def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowShard], shape, device, *,
+                  pack: bool = True) -> tuple[torch.Tensor | None, PayloadMeta]:
+    """Lay this rank's parts out in a flat uint8 payload (same layout on every rank). pack=False: only the
+    metadata (the payload is None), for a receiver that holds none of the rows but must assemble them."""
     m, k = shard.rows, (shape[-1] if len(shape) else 1)
     chunks: list[torch.Tensor] = []
     specs: list[BufferSpec] = []
@@ -133,21 +134,25 @@ def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowSh
                 raise RuntimeError(f"{part!r}.extract_buffers gave {t.shape[0]} rows of {name!r}, expected "
                                    f"{shard.owned_count(g)} (row_block {g}, rows [{shard.offset}, {shard.end}))")
             spec = BufferSpec(d, name, t.dtype, tuple(t.shape[1:]), g, cap, counts, offset)
+            pad = _align(spec.nbytes) - spec.nbytes
+            specs.append(spec)
+            offset += spec.nbytes + pad
+            if not pack:
+                continue
             if t.shape[0] < cap:
                 t = torch.cat([t, t.new_zeros((cap - t.shape[0],) + tuple(t.shape[1:]))])
             b = (t if t.is_contiguous() else t.contiguous()).view(torch.uint8).reshape(-1) if t.numel() else torch.empty(0, dtype=torch.uint8,
                                                                                           device=t.device)
             if b.numel() != spec.nbytes:
                 raise RuntimeError(f"payload size mismatch for {name!r}: {b.numel()} != {spec.nbytes}")
-            pad = _align(spec.nbytes) - spec.nbytes
             chunks.append(b)
             if pad:
                 chunks.append(torch.zeros(pad, dtype=torch.uint8, device=b.device))
-            specs.append(spec)
-            offset += spec.nbytes + pad
+    meta = PayloadMeta(tuple(shape), len(shards), offset, specs, part_specs, replicated)
+    if not pack:
+        return None, meta
     payload = torch.cat(chunks) if len(chunks) > 1 else (
         chunks[0] if chunks else torch.empty(0, dtype=torch.uint8, device=device))
-    meta = PayloadMeta(tuple(shape), len(shards), offset, specs, part_specs, replicated)
     return payload, meta
 
 

@@ -106,7 +106,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         u_args, u_kwargs = pytree.tree_map_only(HybridWeight, unwrap, (args, kwargs))
         out = func(*u_args, **u_kwargs)
         if func in _PRESERVE:
-            return pytree.tree_map_only(torch.Tensor, lambda t: HybridWeight(t, state), out)
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, state), out)  # (subclasses stay theirs)
         if _mutates_first(func) and args and isinstance(args[0], HybridWeight):
             return args[0]
         return out

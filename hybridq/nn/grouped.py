@@ -11,10 +11,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import FormatShapeError
+from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
+from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 
 TENSORS = ("input", "weight", "grad_output")
@@ -55,6 +56,22 @@ def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[
             return n
     raise FormatShapeError(f"no token count in [{m}, {m + _MAX_PAD}] fits the formats "
                            f"{quantizers['input'].describe()} / {quantizers['grad_output'].describe()}")
+
+
+class _NoTokens(torch.autograd.Function):
+    """The empty product of an expert without tokens whose weight is quantized (gathered by FSDP2): keeps the
+    output in the graph; zero gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_features: int) -> torch.Tensor:
+        ctx.w_meta = (tuple(w.shape), w.dtype)
+        return x.new_empty(0, out_features)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        shape, dtype = ctx.w_meta
+        dw = dy.new_zeros(shape, dtype=dtype) if ctx.needs_input_grad[1] else None
+        return dy.new_zeros(0, shape[1]), dw, None
 
 
 class GroupedLinear(nn.Module):
@@ -154,7 +171,20 @@ class GroupedLinear(nn.Module):
             if override is None:
                 qs["grad_output"].validate((0, n), f"grad_output of {label}", rowwise=True, columnwise=False)
             out.append(qs)
+        self._check_sharded_weight_format(out)
         return out
+
+    def _check_sharded_weight_format(self, quantizers: list[dict[str, Quantizer]]) -> None:
+        """Once fully_shard has sharded the weight with quantized all-gathers (apply_hybrid_fsdp), its gathered
+        buffers are laid out for the experts' weight formats it had then: those can no longer change."""
+        local = getattr(self._parameters.get("weight"), "_local_tensor", None)
+        current = self.__dict__.get("expert_quantizers")
+        if isinstance(local, QuantizedGatherShard) and current is not None and any(
+                a["weight"] != b["weight"] for a, b in zip(quantizers, current)):
+            raise RecipeError(
+                f"{self.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
+                f"{current[0]['weight'].describe()}; a recipe with another weight format "
+                f"({quantizers[0]['weight'].describe()}) must be set before fully_shard")
 
     def check_override(self) -> None:
         """Raise RecipeError if the backward override in force now cannot be used with the experts' quantizers."""
@@ -213,12 +243,16 @@ class GroupedLinear(nn.Module):
         need_dgrad = grad and x.requires_grad
         need_wgrad = grad and self.weight.requires_grad
         quantized_bwd = override is None and (need_dgrad or need_wgrad)
+        gathered = isinstance(self.weight, GroupedGatheredForm)  # FSDP2 gathered the experts quantized
+        if gathered:  # a direction gathered lazily is a collective: every rank asks, whatever its token counts
+            self.weight.ensure_direction("rowwise")
         weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
         biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
         outs = []
         for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
             if m == 0:  # no GEMM to quantize; an empty product keeps the output in the graph (zero gradients)
-                y_e = x_e.mm(weights[e].t().to(x.dtype))
+                y_e = (_NoTokens.apply(x_e, weights[e], self.out_features) if gathered
+                       else x_e.mm(weights[e].t().to(x.dtype)))
                 outs.append(y_e if biases[e] is None else y_e + biases[e].to(x.dtype))
                 continue
             qs = self.expert_quantizers[e]
@@ -227,7 +261,7 @@ class GroupedLinear(nn.Module):
             if n != m:
                 x_e = F.pad(x_e, (0, 0, 0, n - m))
             cache = None
-            if is_first_microbatch is not None:
+            if is_first_microbatch is not None and not gathered:
                 cache = self._expert_cache(e, weights[e], is_first_microbatch)
             y_e = apply_linear(x_e, weights[e], biases[e], cfgs[e], cache)
             outs.append(y_e[:m] if n != m else y_e)
@@ -301,23 +335,34 @@ def convert_experts(model: nn.Module, recipe: CustomRecipe, *, save_original_inp
     if not isinstance(recipe, CustomRecipe):
         raise TypeError(f"convert_experts: recipe must be a hybridq recipe (hybridq.recipe(name) or "
                         f"hybridq.CustomRecipe), got {type(recipe).__name__}")
-    planned: list[tuple[nn.Module, dict[str, GroupedLinear]]] = []
-    for fqn, mod in model.named_modules():
-        names = expert_weight_names(mod)
-        if names is None:
-            continue
-        wrapped = {}
-        for n in names:
-            full = f"{fqn}.{n}" if fqn else n
-            param = getattr(mod, n, None)
-            if not isinstance(param, nn.Parameter):
-                raise ValueError(f"convert_experts: {full} is listed in {PROTOCOL_ATTR} but is not a parameter "
-                                 f"(got {type(param).__name__})")
-            wrapped[n] = GroupedLinear.from_parameters(param, recipe=recipe, name=full,
-                                                       save_original_input=save_original_input)
-        planned.append((mod, wrapped))
+    planned = [(mod, plan_expert_module(fqn, mod, recipe, save_original_input=save_original_input))
+               for fqn, mod in model.named_modules() if expert_weight_names(mod) is not None]
     report = {}
     for mod, wrapped in planned:
-        mod.__dict__[_CONVERTED_ATTR] = wrapped  # not a submodule: parameters and state_dict stay as they were
+        install_expert_module(mod, wrapped)
         report.update({g.name: g.describe_formats() for g in wrapped.values()})
     return report
+
+
+def plan_expert_module(fqn: str, mod: nn.Module, recipe: CustomRecipe, *, save_original_input: bool = False
+                       ) -> dict[str, GroupedLinear]:
+    """The GroupedLinear of each weight an expert module lists, checked against `recipe` (raises with nothing
+    changed); `install_expert_module` makes the module use them."""
+    wrapped = {}
+    for n in expert_weight_names(mod):
+        full = f"{fqn}.{n}" if fqn else n
+        param = getattr(mod, n, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"convert_experts: {full} is listed in {PROTOCOL_ATTR} but is not a parameter "
+                             f"(got {type(param).__name__})")
+        old = converted_experts(mod).get(n)
+        if old is not None:
+            old._parameters["weight"] = param  # (the module's current parameter, e.g. FSDP2's sharded one)
+            old.quantizers_for(recipe)  # (refuses a new weight format once FSDP2 gathers this weight quantized)
+        wrapped[n] = GroupedLinear.from_parameters(param, recipe=recipe, name=full,
+                                                   save_original_input=save_original_input)
+    return wrapped
+
+
+def install_expert_module(mod: nn.Module, wrapped: dict[str, GroupedLinear]) -> None:
+    mod.__dict__[_CONVERTED_ATTR] = wrapped  # not a submodule: parameters and state_dict stay as they were

@@ -1,0 +1,185 @@
+"""Grouped linear (mixture-of-experts) forward+backward step benchmark, eager: bf16 `torch._grouped_mm`, every
+hybridq preset's `GroupedLinear`, and a per-expert loop of bf16 `nn.Linear`.
+
+A config `ExTxKxDxH` is E experts, T tokens each routed to K experts (T*K rows, split over the experts by a
+seeded random top-K routing: uneven counts, as a router gives them), one grouped projection d_model D -> hidden H
+(weight [E, H, D]). One step is y = layer(x sorted by expert, m_splits); y.backward(dy): three GEMMs per expert
+(fprop, dgrad, wgrad) plus every quantization. Defaults: Mixtral-like E=8 top-2 d4096 h14336, E=16 top-4 d2048
+h5632 and fine-grained E=64 top-8 d2048 h3072, each at 16k tokens.
+
+Each candidate is timed in --rounds interleaved rounds after a warm-up step (what ran just before changes the
+GPU clock); the table gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop
+when `torch._grouped_mm` cannot run here, which the output says).
+
+    python launch/bench_grouped.py
+    python launch/bench_grouped.py --configs 8x16384x2x4096x14336 --presets mxfp8,fp8_block --json out.json
+    python launch/bench_grouped.py --smoke      # tiny sizes on the CPU (the test suite runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+import hybridq
+from hybridq.nn.linear import shared_input_quantization
+
+DEFAULT_CONFIGS = "8x16384x2x4096x14336,16x16384x4x2048x5632,64x16384x8x2048x3072"
+SMOKE_CONFIGS = "4x48x2x64x96,8x40x2x32x64"
+GROUPED_MM = "bf16 torch._grouped_mm"
+LOOP = "bf16 nn.Linear per expert"
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    """Milliseconds per call: CUDA events around back-to-back calls on a GPU (host dispatch overlaps the previous
+    call's kernels, as in training), wall time on the CPU."""
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / iters
+
+
+def routed_splits(e: int, tokens: int, top_k: int, seed: int = 0) -> list[int]:
+    """Token counts per expert of a random top-k routing (each token picks k distinct experts)."""
+    g = torch.Generator().manual_seed(seed)
+    choice = torch.rand(tokens, e, generator=g).topk(top_k, dim=-1).indices
+    return torch.bincount(choice.reshape(-1), minlength=e).tolist()
+
+
+class GroupedMM(nn.Module):
+    """bf16 `torch._grouped_mm` over a `[E, out, in]` weight (offsets: the cumulative token counts)."""
+
+    def __init__(self, e: int, k: int, n: int, device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(e, n, k, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=offs)
+
+
+class LinearLoop(nn.Module):
+    """One bf16 nn.Linear per expert on its token slice."""
+
+    def __init__(self, e: int, k: int, n: int, device, dtype):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(k, n, bias=False, device=device, dtype=dtype) for _ in range(e))
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        return torch.cat([lin(part) for lin, part in zip(self.experts, x.split(m_splits))])
+
+
+def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, route):
+    params = list(module.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        module(x, route).backward(dy)
+    return step
+
+
+def candidates(e: int, d: int, h: int, presets: list[str], device, dtype) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, takes offsets) for the bf16 grouped GEMM, every preset and the per-expert loop."""
+    out = []
+    if hasattr(torch, "_grouped_mm"):
+        out.append((GROUPED_MM, GroupedMM(e, d, h, device, dtype), True))
+    for p in presets:
+        out.append((p, hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype,
+                                             recipe=hybridq.recipe(p), name=f"experts[{p}]"), False))
+    out.append((LOOP, LinearLoop(e, d, h, device, dtype), False))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=None, help=f"ExTxKxDxH,... (default {DEFAULT_CONFIGS})")
+    ap.add_argument("--presets", default=",".join(hybridq.preset_names()))
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--iters", type=int, default=5, help="back-to-back steps per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per candidate")
+    ap.add_argument("--smoke", action="store_true", help=f"tiny configs ({SMOKE_CONFIGS}), 1 round of 1 step, CPU")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.configs = args.configs or SMOKE_CONFIGS
+        args.iters, args.rounds = 1, 1
+        args.device = "cpu" if args.device == "auto" else args.device
+    configs = args.configs or DEFAULT_CONFIGS
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype = torch.bfloat16
+    # every step feeds the same input: hybridq must not reuse the previous step's quantization of it
+    shared_input_quantization(False)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    from hybridq.kernels import extension_available
+    print(f"device: {name}; torch {torch.__version__}; hybridq CUDA extension: {extension_available()}; "
+          f"torch._grouped_mm: {'present' if hasattr(torch, '_grouped_mm') else 'absent'}", flush=True)
+    rows, notes = [], []
+    for cfg in configs.split(","):
+        e, t, k, d, h = (int(v) for v in cfg.split("x"))
+        splits = routed_splits(e, t, k)
+        m = sum(splits)
+        torch.manual_seed(0)
+        x = torch.randn(m, d, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn(m, h, device=device, dtype=dtype)
+        offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+        flop = 3 * 2 * m * d * h
+        steps = {}
+        for cname, mod, takes_offs in candidates(e, d, h, args.presets.split(","), device, dtype):
+            with torch.no_grad():
+                for p in mod.parameters():
+                    p.normal_(0, 0.02)
+            step = make_step(mod, x, dy, offs if takes_offs else splits)
+            try:
+                step()  # warm-up (and the check that it runs here)
+            except Exception as err:  # noqa: BLE001 - e.g. torch._grouped_mm on a GPU that lacks it
+                notes.append(f"{cfg} {cname}: cannot run here ({type(err).__name__}: {str(err)[:200]})")
+                print(notes[-1], flush=True)
+                continue
+            steps[cname] = step
+        times: dict = {cname: [] for cname in steps}
+        for _ in range(args.rounds):  # interleaved: clock and power drift hit every candidate alike
+            for cname, step in steps.items():
+                times[cname].append(timed(step, device, args.iters))
+        base_name = GROUPED_MM if GROUPED_MM in times else LOOP
+        base = statistics.median(times[base_name])
+        for cname in steps:
+            ms = statistics.median(times[cname])
+            row = {"config": cfg, "experts": e, "tokens": t, "top_k": k, "d_model": d, "hidden": h,
+                   "m_splits": splits, "name": cname, "ms": ms, "rounds_ms": times[cname],
+                   "tflops": flop / (ms * 1e-3) / 1e12, "vs": base_name, "ratio": base / ms}
+            rows.append(row)
+            print(json.dumps({k_: v for k_, v in row.items() if k_ != "m_splits"}), flush=True)
+        del steps
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print("\n| E x tokens x top-k x d_model x hidden | candidate | step ms | TFLOP/s | speed-up vs bf16 |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        vs = "" if r["vs"] == GROUPED_MM else " (vs the nn.Linear loop)"
+        print(f"| {r['config']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.3g} | {r['ratio']:.2f}x{vs} |")
+    for n in notes:
+        print(f"note: {n}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows, "notes": notes}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

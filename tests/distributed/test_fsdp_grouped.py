@@ -1,0 +1,137 @@
+"""FSDP2 for grouped (mixture-of-experts) weights `[E, out, in]`: GroupedLinear and expert modules converted by
+apply_hybrid_fsdp, sharded by FSDP2 along dim 0 (whole experts, uneven counts included) or dim 1 (rows of every
+expert, `shard_placement_fn=lambda p: Shard(1)`), all-gathered quantized.
+
+Oracles (bitwise): every expert's gathered parts are the one-device quantization of that expert's full `[out, in]`
+weight; a tiny routed MoE trained under FSDP2 has every step's loss, the first step's gradients and the final
+parameters of a single-process replay (each rank's batch run separately, gradients averaged in FSDP2's order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hybridq
+from hybridq.distributed.grouped import GroupedHybridWeight
+
+from _harness import spawn
+import _grouped_jobs as jobs
+
+pytestmark = pytest.mark.distributed
+
+# every preset once, the placements and expert counts (3 experts on 2 ranks: uneven) spread over them, and the
+# backward overrides, reshard_after_forward=False and activation recompute (a lazily gathered rowwise form)
+TRAINING = [
+    dict(preset="fp8_tensorwise", dim=0, experts=3, recompute=True),
+    dict(preset="fp8_block", dim=1, experts=4, reshard_after_forward=False),
+    dict(preset="mxfp8", dim=0, experts=4, backward_override="dequantized"),
+    dict(preset="nvfp4", dim=1, experts=3, backward_override="high_precision"),
+    dict(preset="mxfp8_fwd_nvfp4_bwd", dim=1, experts=4),
+    dict(preset="mxfp8_fwd_nvfp4_bwd", dim=0, experts=3),
+    dict(preset="fp8_block_fwd_mxfp8_bwd", dim=0, experts=3),
+    dict(preset="fp8_fwd_high_precision_bwd", dim=1, experts=3),
+]
+
+
+@pytest.fixture(scope="module")
+def invariance_and_errors():
+    return spawn(jobs.job_grouped_invariance_and_errors, 2, "gloo")
+
+
+@pytest.fixture(scope="module")
+def training():
+    return spawn(jobs.job_moe_training, 2, "gloo", configs=TRAINING)
+
+
+def test_gathered_experts_are_the_single_device_quantization(invariance_and_errors):
+    """Shard(0) and Shard(1), 3 or 4 experts, every format and hybrid of GROUPED_CASES: each expert's gathered
+    rowwise and columnwise parts equal quantizing that expert's full weight on one device, before and after an
+    in-place update; forward-only unshards gather the rowwise form only; buffers are freed at reshard."""
+    for rank, res in enumerate(invariance_and_errors):
+        inv = res["invariance"]
+        assert not inv["not_gathered"], f"rank {rank}: unsharded weight is not a GroupedGatheredWeight: {inv['not_gathered']}"
+        assert not inv["diffs"], f"rank {rank}: gathered experts differ:\n" + "\n".join(inv["diffs"][:30])
+        n_experts = sum(e for _, (e, _, _) in jobs.GROUPED_CASES.values())
+        assert inv["checked"] == 2 * 2 * 2 * n_experts, (rank, inv["checked"])  # dims x rounds x directions
+        for name, mat in inv["materialized"].items():
+            want = ("rowwise" if name.endswith("forward-only") and not name.startswith("identity")
+                    else "rowwise+columnwise")
+            assert mat == want, f"rank {rank}: {name} materialized {mat!r}, expected {want!r}"
+        assert all(inv["freed"]), f"rank {rank}: unsharded expert buffers survived reshard: {inv['freed']}"
+
+
+def test_statistics_of_all_experts_reduce_in_one_all_reduce(invariance_and_errors):
+    """One MAX all-reduce per grouped weight per unshard (not one per expert), and precompute_scales reduces every
+    grouped weight of the model in one all-reduce that the next unshards use."""
+    for rank, res in enumerate(invariance_and_errors):
+        inv = res["invariance"]
+        for pre in inv["precompute"]:
+            assert pre["all_reduces"] == 1 and pre["weights"] > 0, (rank, pre)
+        for per_weight in inv["allreduces"]:
+            assert max(per_weight.values()) == 1, f"rank {rank}: more than one all-reduce per weight: {per_weight}"
+
+
+def test_shard_along_in_features_is_refused_naming_the_weight(invariance_and_errors):
+    for res in invariance_and_errors:
+        msg = res["errors"]["shard2"]
+        assert msg is not None and "moe.w1" in msg and "dim 2" in msg and "Shard(1)" in msg, msg
+
+
+def test_shard1_boundary_the_format_refuses_is_an_error_at_the_first_gather(invariance_and_errors):
+    """NVFP4 with the Hadamard transform needs 16-row aligned shards: 48 rows per expert on 2 ranks cut at 24."""
+    for res in invariance_and_errors:
+        msg = res["errors"]["rht_rows"]
+        assert msg is not None and "moe.w1" in msg and "NVFP4" in msg and "24" in msg, msg
+
+
+@pytest.mark.parametrize("i", range(len(TRAINING)), ids=[
+    f"{c['preset']}-Shard{c['dim']}-E{c['experts']}" + "".join(
+        f"-{k}={v}" for k, v in c.items() if k not in ("preset", "dim", "experts")) for c in TRAINING])
+def test_moe_training_matches_single_process(training, i):
+    for rank, res in enumerate(training):
+        run = res["runs"][i]
+        assert len(run["wrapped"]) == 8, f"{run['where']}: grouped weights wrapped: {run['wrapped']}"
+        for what, diffs in run["diffs"].items():
+            assert not diffs, f"rank {rank}: {what} differ from the single-process replay:\n" + "\n".join(diffs[:10])
+        if TRAINING[i].get("recompute") and TRAINING[i].get("backward_override") is None:
+            assert run["counters"].get("lazy_gathers", 0) > 0, (run["where"], run["counters"])
+        if TRAINING[i].get("reshard_after_forward") is False:
+            assert run["counters"].get("gather_backward", 0) == 0, (run["where"], run["counters"])
+
+
+# ---- set-up, single process ----------------------------------------------------------------------------------
+
+def test_apply_hybrid_fsdp_wraps_grouped_linear_and_expert_weights():
+    model = jobs.TinyMoE(3)
+    sd_keys = set(model.state_dict())
+    report = hybridq.apply_hybrid_fsdp(model, hybridq.recipe("fp8_tensorwise"))
+    wrapped = {n for n, p in model.named_parameters() if isinstance(p.data, GroupedHybridWeight)
+               or isinstance(p, GroupedHybridWeight)}
+    want = {f"blocks.{b}.{w}" for b in range(2) for w in ("experts.w1", "experts.w3", "experts.w2", "proj.weight")}
+    assert wrapped == want
+    assert want - {f"blocks.{b}.proj.weight" for b in range(2)} <= set(report.converted)
+    assert {f"blocks.{b}.proj" for b in range(2)} <= set(report.converted)
+    assert set(model.state_dict()) == sd_keys
+    assert all(type(v) is torch.Tensor for v in model.state_dict().values())
+    x = torch.randint(0, 67, (2, 9))
+    model(x).float().sum().backward()  # unsharded: the wrapped weights compute as before
+    assert model.blocks[0].experts.w1.grad is not None
+
+
+def test_delayed_scaling_on_expert_weights_is_refused_before_anything_changes():
+    model = jobs.TinyMoE(3)
+    before = {n: type(p) for n, p in model.named_parameters()}
+    base = hybridq.recipe("fp8_tensorwise")
+
+    def qfactory(role):  # delayed scaling on the expert weights only: the Linear layers would convert
+        if role.module_type == "grouped_linear" and role.tensor_type == "weight":
+            return hybridq.Float8Quantizer(scaling="delayed")
+        return base.quantizer(role)
+
+    with pytest.raises(ValueError, match=r"expert 0 of blocks\.0\.experts\.w1 uses delayed scaling"):
+        hybridq.apply_hybrid_fsdp(model, hybridq.CustomRecipe(qfactory))
+    assert {n: type(p) for n, p in model.named_parameters()} == before
+    assert not hybridq.nn.grouped.converted_experts(model.blocks[0].experts)
+    assert not isinstance(model.blocks[0].router, hybridq.Linear)

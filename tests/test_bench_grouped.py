@@ -1,0 +1,37 @@
+"""launch/bench_grouped.py runs on the CPU with --smoke (its smoke test; the numbers come from a GPU machine): one
+table row per config and candidate (bf16 torch._grouped_mm, every preset's GroupedLinear, the nn.Linear loop), in
+order, ratios to bf16 torch._grouped_mm, and the JSON holds the same rows with the routing's token counts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hybridq
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = ["E x tokens x top-k x d_model x hidden", "candidate", "step ms", "TFLOP/s", "speed-up vs bf16"]
+
+
+def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
+    out = tmp_path / "grouped.json"
+    r = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_grouped.py"), "--smoke", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"bench_grouped failed:\n{r.stdout}\n{r.stderr}"
+    table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()
+             if line.startswith("|")]
+    assert table[0] == HEADER, table[0]
+    names = ["bf16 torch._grouped_mm", *hybridq.preset_names(), "bf16 nn.Linear per expert"]
+    configs = ["4x48x2x64x96", "8x40x2x32x64"]
+    body = table[2:]
+    assert [(row[0], row[1]) for row in body] == [(c, n) for c in configs for n in names], \
+        f"rows {[(row[0], row[1]) for row in body]}"
+    for cfg, name, ms, _, ratio in body:
+        assert float(ms) > 0 and ratio.endswith("x") and float(ratio[:-1]) > 0, (cfg, name, ms, ratio)
+        if name == "bf16 torch._grouped_mm":
+            assert ratio == "1.00x", (cfg, ratio)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["config"], x["name"], f"{x['ms']:.3f}") for x in rows] == [(c, n, ms) for c, n, ms, _, _ in body]
+    for x in rows:
+        assert sum(x["m_splits"]) == x["tokens"] * x["top_k"] and len(x["m_splits"]) == x["experts"], x

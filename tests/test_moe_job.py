@@ -1,0 +1,120 @@
+"""The mixture-of-experts option of the training job (launch/model.py MoE, `train.py --moe E --top-k K`): the
+router's dispatch and combine against a dense per-token loop, the load-balancing loss, the flags, and one tiny
+torchrun launch (2 processes, gloo) whose loss falls."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
+
+import config  # noqa: E402
+import model as job_model  # noqa: E402
+from metrics import read_metrics, runs_of  # noqa: E402
+
+
+def _moe(e=4, k=2, d=32, h=64, seed=0):
+    torch.manual_seed(seed)
+    cfg = job_model.ModelConfig(d_model=d, n_heads=2, hidden=h, moe_experts=e, moe_top_k=k)
+    moe = job_model.MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+@pytest.mark.parametrize("e, k", [(4, 1), (4, 2), (3, 3), (8, 2)])
+def test_route_sorts_slots_by_expert_and_counts_them(e, k):
+    probs = torch.randn(37, e).softmax(-1)
+    order, token, weight, m_splits = job_model.route(probs, k)
+    top_p, top_e = probs.topk(k, -1)
+    expert_of_slot = top_e.reshape(-1)[order]
+    assert sum(m_splits) == 37 * k and len(m_splits) == e
+    assert torch.equal(expert_of_slot, torch.repeat_interleave(torch.arange(e), torch.tensor(m_splits))), \
+        "slots are not grouped by expert in m_splits order"
+    for ex in range(e):  # stable: token order within an expert
+        toks = token[expert_of_slot == ex]
+        assert torch.equal(toks, toks.sort().values), f"expert {ex}: tokens out of order {toks.tolist()}"
+    want = (top_p / top_p.sum(-1, keepdim=True)) if k > 1 else top_p
+    assert torch.equal(weight, want.reshape(-1)[order])
+
+
+@pytest.mark.parametrize("e, k", [(4, 1), (4, 2), (3, 3)])
+def test_moe_equals_a_dense_per_token_loop(e, k):
+    """Each token's output is sum over its top-k experts of p_e * SwiGLU_e(x), p renormalised over the k."""
+    moe = _moe(e, k).double()  # fp64: only the summation order differs from the loop
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    y = moe(x)
+    flat = x.reshape(-1, 32)
+    probs = moe.router(flat).float().softmax(-1)
+    w1, w3, w2 = moe.experts.w1, moe.experts.w3, moe.experts.w2
+    want = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        p, idx = probs[t].topk(k)
+        p = (p / p.sum() if k > 1 else p).double()
+        for pe, ex in zip(p, idx):
+            h = F.silu(flat[t] @ w1[ex].t()) * (flat[t] @ w3[ex].t())
+            want[t] += pe * (h @ w2[ex].t())
+    torch.testing.assert_close(y.reshape(-1, 32), want, rtol=1e-12, atol=1e-12)
+
+
+def test_load_balancing_loss_is_one_when_routing_is_uniform():
+    """E * sum_e f_e P_e: 1 for a router that spreads tokens and probability evenly, larger when it collapses."""
+    moe = _moe(4, 1)
+    with torch.no_grad():
+        moe.router.weight.zero_()  # equal probabilities; topk then picks expert 0 for every token
+    moe(torch.randn(1, 8, 32))
+    assert moe.aux_loss.item() == pytest.approx(1.0)  # f = (1, 0, 0, 0), P = 1/4 each: 4 * 1/4
+    moe2 = _moe(4, 1)
+    moe2(torch.randn(1, 64, 32))
+    assert moe2.aux_loss.item() >= 1.0 - 1e-6  # (Cauchy-Schwarz-like bound for top-1 routing fractions)
+
+
+def test_moe_gradients_reach_router_and_every_used_expert():
+    moe = _moe(4, 2)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    (moe(x).square().mean() + 0.01 * moe.aux_loss).backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+    for n in ("w1", "w3", "w2"):
+        g = getattr(moe.experts, n).grad
+        assert g is not None and g.abs().sum() > 0, n
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--moe", "4", "--top-k", "5"], "--top-k in [1, --moe]"),
+    (["--moe", "-1"], "--moe must be >= 0"),
+    (["--top-k", "2"], "--top-k only with --moe"),
+])
+def test_bad_moe_flags_are_rejected(flags, needle):
+    args = config.parse_args(["--device", "cpu", *flags])
+    with pytest.raises(config.ConfigError) as e:
+        config.check_args(args, world=2)
+    assert needle in str(e.value)
+
+
+@pytest.mark.distributed
+def test_tiny_moe_job_trains_under_fsdp2(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "launch" / "train.py"), "--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq", "64",
+           "--batch", "2", "--steps", "8", "--eval-batches", "1", "--no-progress", "--timeout", "120", "--device",
+           "cpu", "--recipe", "mxfp8_fwd_nvfp4_bwd", "--moe", "4", "--top-k", "2", "--metrics", "m.jsonl"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-6000:]}"
+    text = p.stdout
+    assert "MoE 4 experts top-2" in text
+    for w in ("w1", "w3", "w2"):
+        line = next(l for l in text.splitlines() if l.startswith(f"layers.0.feed_forward.experts.{w} [E=4]"))
+        assert "converted" in line and "MXFP8" in line, line
+    assert "MoE router kept in high precision" in text
+    assert "3 of 3 grouped expert weights converted" in text
+    losses = runs_of(read_metrics(tmp_path / "m.jsonl"))["mxfp8_fwd_nvfp4_bwd"]["losses"]
+    assert len(losses) == 8 and all(v == v and abs(v) < 1e9 for v in losses), losses
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, f"loss did not fall: {losses}"
