@@ -5,7 +5,9 @@ state), `payload` (packing a quantized shard into bytes and back), `transport` (
 payloads), `checks` (sharding rules checked when the layout is known), `state` (per-weight state and the
 unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded weight types), `grouped` (the same for mixture-of-experts
 weights `[E, out, in]`, each expert gathered quantized), `api` (the public
-entry points) and `accounting` (bytes on the wire).
+entry points) and `accounting` (bytes on the wire). Tensor parallelism: `tensor_parallel` (hybridq's
+ColwiseParallel / RowwiseParallel / PrepareModuleInput), `sequence` (the quantized sequence-parallel all-gather)
+and `pieces` (a rank's piece of a tensor quantized with the whole tensor's statistics).
 """
 
 from .accounting import bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
