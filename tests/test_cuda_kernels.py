@@ -709,3 +709,16 @@ def test_nvfp4_dequantize_large_amax_is_finite(amax, cfg, gen):
         assert bool(torch.isfinite(got).all()), (f"nvfp4 {cfg} amax {amax:g} {p.direction}: "
                                                  f"{int((~torch.isfinite(got)).sum())} non-finite values")
         assert_bitwise(got, _nvfp4_rule_dequantize(p), f"nvfp4 {cfg} amax {amax:g} {p.direction} dequantize")
+
+
+# ---- pieces of a tensor (tensor parallelism): the kernels take the whole tensor's global statistics ----------
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2_pow2", "nvfp4", "nvfp4_rht", "nvfp4_16x16"])
+def test_kernel_with_global_stats_matches_the_reference(name):
+    """A piece quantized by the kernel with a larger global amax (another rank's piece holds the maximum) equals
+    the reference given the same `global_stats`."""
+    gen = torch.Generator().manual_seed(SEED)
+    x = rand_input(256, 512, torch.bfloat16, gen)
+    q = FORMATS[name]()
+    stats = q.global_stats(x, True, True) * 4  # the whole tensor's amaxes exceed this piece's
+    check_quantizer(FORMATS[name], x, True, True, what=f"{name} piece with global stats", global_stats=stats)
