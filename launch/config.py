@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FSDP2 MixedPrecisionPolicy param_dtype (gradients reduce in fp32)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) size; default: world size / tp")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1 for now: see the error)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallelism included; hybridq's styles)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
     g = p.add_argument_group("model")
@@ -123,12 +123,8 @@ def check_args(args, world: int) -> None:
     """Everything that can be wrong with the flags, checked identically on every rank before any collective
     (ConfigError listing every problem). Sets args.dp when it was left to the default."""
     errors = []
-    if args.tp != 1:
-        errors.append(
-            f"--tp {args.tp}: tensor parallelism needs hybridq's tensor-parallel support for its quantized "
-            "Linear (DTensor-sharded weights and sequence-parallel quantized all-gathers), which has not landed "
-            "yet; plain DTensor TP over hybridq.Linear is not correct (it fails for NVFP4 and delayed scaling "
-            "and gives wrong MXFP8 results). Use --tp 1 (FSDP2 only) for now.")
+    if args.tp < 1:
+        errors.append(f"--tp {args.tp} must be >= 1")
     dp = args.dp if args.dp is not None else world // max(args.tp, 1)
     if dp * args.tp != world:
         errors.append(f"--dp {dp} x --tp {args.tp} = {dp * args.tp} must equal the number of processes ({world})")
@@ -160,7 +156,10 @@ def check_args(args, world: int) -> None:
     if args.resume and args.init_state:
         errors.append("--resume and --init-state both set the starting state: pass one")
     try:
-        model_config(args).check()
+        cfg = model_config(args)
+        cfg.check()
+        from parallel import tp_problems
+        errors += tp_problems(args, cfg)
     except ValueError as e:
         errors.append(str(e))
     if TORCHAO in (args.recipe, args.compare):

@@ -50,6 +50,7 @@ from checkpoint import CheckpointError  # noqa: E402
 from config import (BASELINE, TORCHAO, ConfigError, check_args, model_config, parse_args, run_meta,  # noqa: E402
                     runs)
 from convert import convert, convert_torchao  # noqa: E402
+from parallel import apply_tensor_parallel, sequence_bytes_line  # noqa: E402
 from data import ByteBatches, load_tokens  # noqa: E402
 from metrics import MetricsFile, Printer, fmt_bytes, summarize, table, write_plot  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -104,6 +105,11 @@ class Env:
     def main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the tensor-parallel ranks of one dp index share its batches."""
+        return self.mesh["dp"].get_local_rank()
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -131,7 +137,7 @@ def init_distributed(args, world: int) -> Env:
     kw = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the rank to its GPU up front
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), **kw)
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (args.dp,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     return Env(dist.get_rank(), world, device, backend, mesh)
 
 
@@ -192,11 +198,16 @@ def build(recipe_name: str, args, env: Env, out: Printer):
         out(table(rows))
         out(summary)
     model.to(env.device)
+    if args.tp > 1:  # torchtitan's order: convert (above), tensor-parallelize, then fully_shard over dp
+        apply_tensor_parallel(model, env.mesh["tp"])
+        line = sequence_bytes_line(model, args)
+        if line:
+            out(line)
     pdt = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mesh=env.mesh, mp_policy=mp, shard_placement_fn=expert_placement(args))
-    fully_shard(model, mesh=env.mesh, mp_policy=mp)
+        fully_shard(block, mesh=env.mesh["dp"], mp_policy=mp, shard_placement_fn=expert_placement(args))
+    fully_shard(model, mesh=env.mesh["dp"], mp_policy=mp)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -234,8 +245,11 @@ def start_state(recipe_name: str, ck: dict, model, optimizer, args, env: Env, ou
         # the optimizer's param groups come back as saved: this run's weight decay applies from here on
         optimizer.param_groups[0]["weight_decay"] = args.weight_decay
         start, losses = saved["step"], list(saved["losses"])
-        saved_dp = saved.get("dp")
-        across = f" (saved with dp={saved_dp}, now dp={args.dp})" if saved_dp not in (None, args.dp) else ""
+        saved_dp, saved_tp = saved.get("dp"), saved.get("tp", 1)
+        across = ""
+        if saved_dp not in (None, args.dp) or saved_tp != args.tp:  # DCP reshards the DTensors to this layout
+            across = (f" (saved with dp={saved_dp}, now dp={args.dp})" if saved_tp == args.tp == 1 else
+                      f" (saved with dp={saved_dp} x tp={saved_tp}, now dp={args.dp} x tp={args.tp})")
         out(f"[{recipe_name}] resumed from {folder} at step {start}{across}")
         for note in ck["notes"]:
             out(f"[{recipe_name}] changed since the checkpoint: {note}")
@@ -253,7 +267,7 @@ def start_state(recipe_name: str, ck: dict, model, optimizer, args, env: Env, ou
 def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tensor, ck: dict,
               metrics: MetricsFile) -> dict:
     model, optimizer = build(recipe_name, args, env, out)
-    data = ByteBatches(tokens, args.seq, args.batch, dp_rank=env.rank, dp_size=args.dp, seed=args.seed)
+    data = ByteBatches(tokens, args.seq, args.batch, dp_rank=env.dp_rank, dp_size=args.dp, seed=args.seed)
     quantized = recipe_name != BASELINE
     run_dir = ck["run_dir"]
     meta = run_meta(recipe_name, args)
@@ -274,7 +288,7 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         for gr in optimizer.param_groups:
             gr["lr"] = lr
         # stochastic rounding and anything else random: a function of (seed, step, rank) only
-        torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.rank)
+        torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
         x, y = data.get(step)
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
         logits = model(x)
@@ -310,7 +324,8 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
             # no RNG state: step s reseeds from (seed, s, rank); no loader state: batches are a pure function
             # of (seed, s, rank, dp); so this is the whole job state, for any world size that resumes it
-            train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "world": env.world}
+            train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "tp": args.tp,
+                           "world": env.world}
             folder, pruned = checkpoint.save(run_dir, n, model, optimizer, train_state, meta, env.main,
                                              args.keep_last)
             if args.dump_state:

@@ -183,6 +183,7 @@ def runs(tmp_path_factory):
     out["part"] = torchrun("--checkpoint-dir", str(ck), "--save-every", "4", "--stop-after", "6",
                            "--dump-state", str(d / "dumps" / "s21"), "--plot", str(d / "part.png"), cwd=d)
     shutil.copytree(ck, d / "ck21")  # its step-4 checkpoint, for the 2 -> 1 resume below
+    shutil.copytree(ck, d / "ck2t")  # and for the dp 2 x tp 1 -> dp 1 x tp 2 resume
     out["resumed"] = torchrun("--checkpoint-dir", str(ck), "--resume", "--plot", str(d / "resumed.png"), cwd=d)
     js = {k: metrics_of(d / f"{k}.jsonl") for k in ("full", "part", "resumed")}
     return out, js, d
@@ -309,10 +310,15 @@ def reshard_runs(runs):
                             "--dump-state", str(dumps / "r12"), "--plot", str(d / "r12.png"), cwd=d).stdout
     torchrun_n(2, "--recipe", "bf16", "--init-state", str(dumps / "s12" / "bf16_saved_step_000004.pt"),
                "--stop-after", "6", "--plot", str(d / "o12.png"), cwd=d)
+    # dp 2 x tp 1 -> dp 1 x tp 2, RECIPE: DCP reshards the FSDP2 shards into tensor-parallel pieces
+    res["r2t"] = torchrun_n(2, "--tp", "2", "--checkpoint-dir", str(d / "ck2t"), "--resume", "--stop-after", "6",
+                            "--dump-state", str(dumps / "r2t"), "--plot", str(d / "r2t.png"), cwd=d).stdout
+    torchrun_n(2, "--tp", "2", "--init-state", str(dumps / "s21" / f"{RECIPE}_saved_step_000004.pt"),
+               "--stop-after", "6", "--plot", str(d / "o2t.png"), cwd=d)
     # a recipe mismatch, against the 2 -> 1 checkpoint (1 process: it fails before training)
     res["bad_recipe"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--recipe", "fp8_block", cwd=d,
                                    ok=False)
-    js = {k: metrics_of(d / f"{k}.jsonl") for k in ("r21", "o21", "s12", "r12", "o12")}
+    js = {k: metrics_of(d / f"{k}.jsonl") for k in ("r21", "o21", "s12", "r12", "o12", "r2t", "o2t")}
     js["s21"] = runs[1]["part"]
     return res, js, d
 
@@ -336,6 +342,37 @@ def test_resume_across_world_sizes(reshard_runs, case, recipe, saved_world, new_
     assert resumed["start_step"] == 4 and resumed["steps_run"] == 2 and oracle["start_step"] == 4
     assert resumed["losses"][:4] == before["losses"][:4] == saved["losses"], "the loss history carries over"
     assert resumed["losses"] == oracle["losses"], (resumed["losses"], oracle["losses"])
+
+
+@pytest.mark.distributed
+def test_resume_from_data_parallel_into_tensor_parallel(reshard_runs):
+    """Saved with dp=2 x tp=1 (FSDP2 shards), resumed with dp=1 x tp=2 (tensor-parallel pieces): the loaded state
+    is the saved one, and the next steps equal a tp=2 run started from that state without DCP."""
+    res, js, d = reshard_runs
+    ck = d / "ck2t" / RECIPE / "step_000004"
+    assert f"resumed from {ck} at step 4 (saved with dp=2 x tp=1, now dp=1 x tp=2)" in res["r2t"]
+    saved = torch.load(d / "dumps" / "s21" / f"{RECIPE}_saved_step_000004.pt", weights_only=False)
+    loaded = torch.load(d / "dumps" / "r2t" / f"{RECIPE}_loaded_step_000004.pt", weights_only=False)
+    assert_state_equal(saved["model"], loaded["model"], "model")
+    assert_state_equal(saved["optim"], loaded["optim"], "optim")
+    resumed, oracle = js["r2t"]["runs"][RECIPE], js["o2t"]["runs"][RECIPE]
+    assert resumed["start_step"] == 4 and resumed["steps_run"] == 2
+    assert resumed["losses"] == oracle["losses"], (resumed["losses"], oracle["losses"])
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_job_trains_like_the_single_process_job(tmp_path):
+    """--tp 2 (sequence parallelism, quantized all-gathers) against one process on the same data: the losses agree
+    within 1e-2 (the row-parallel layers sum partial products in another order, in bf16), and the start-up report
+    states the sequence-parallel bytes."""
+    flags = ("--recipe", "mxfp8", "--stop-after", "4")
+    tp = torchrun_n(2, "--tp", "2", *flags, "--plot", str(tmp_path / "tp.png"), cwd=tmp_path).stdout
+    torchrun_n(1, *flags, "--metrics", str(tmp_path / "one.jsonl"), "--plot", str(tmp_path / "one.png"),
+               cwd=tmp_path)
+    assert "sequence-parallel all-gathers per step and rank (forward)" in tp and "1.031x" in tp, tp[-2000:]
+    a = metrics_of(tmp_path / "tp.jsonl")["runs"]["mxfp8"]["losses"]
+    b = metrics_of(tmp_path / "one.jsonl")["runs"]["mxfp8"]["losses"]
+    assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b)) < 1e-2, (a, b)
 
 
 @pytest.mark.distributed
