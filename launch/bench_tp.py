@@ -71,9 +71,12 @@ def main() -> None:
     if args.smoke:
         args.dim, args.heads, args.hidden, args.seq, args.batch, args.steps, args.rounds = 256, 4, 512, 64, 1, 1, 1
     warnings.filterwarnings("ignore", category=FutureWarning)
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = (torch.cuda.is_available() and world <= torch.cuda.device_count()) if args.device == "auto" \
+        else args.device == "cuda"  # (auto: the CPU when there are fewer GPUs than processes)
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
 

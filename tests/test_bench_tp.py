@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_tp_smoke_prints_every_mode_with_its_gather_bytes(tmp_path):
     out = tmp_path / "tp.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(ROOT / "launch" / "bench_tp.py"), "--smoke", "--json", str(out)],
+                        str(ROOT / "launch" / "bench_tp.py"), "--smoke", "--device", "cpu", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_tp failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()

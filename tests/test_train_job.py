@@ -46,7 +46,8 @@ def args_for(*extra: str):
 # ---- in-process checks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--tp", "2"], "tensor parallelism needs hybridq's tensor-parallel support"),
+    (["--tp", "2", "--n-heads", "3", "--d-model", "96"], "n_heads=3 must be a multiple of the tensor-parallel size"),
+    (["--tp", "2", "--moe", "4"], "MoE layers are not tensor-parallelized yet"),
     (["--seq", "40", "--batch", "1"], "must be a multiple of 32"),
     (["--d-model", "80", "--n-heads", "2"], "d_model=80 must be a multiple of 32"),
     (["--dp", "3"], "must equal the number of processes"),
