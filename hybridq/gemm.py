@@ -21,7 +21,14 @@ from .dispatch import (NativeGemm, current_gemm_name, find_native_gemm, register
 if TYPE_CHECKING:
     from .formats.base import QuantizedPart
 
-__all__ = ["gemm", "emulated_gemm", "register_native_gemm", "find_native_gemm", "current_gemm_name", "NativeGemm"]
+__all__ = ["gemm", "emulated_gemm", "register_native_gemm", "find_native_gemm", "current_gemm_name", "NativeGemm",
+           "native_row_multiple"]
+
+
+def native_row_multiple(device: torch.device) -> int:
+    """Rows a GEMM operand should come in multiples of for the hardware GEMMs of `device` to take it: the
+    tensor-core GEMMs (torch._scaled_mm, the block-scaled kernels) need M, N and K % 16 == 0; the CPU has none."""
+    return 16 if device.type == "cuda" else 1
 
 
 def emulated_gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype) -> torch.Tensor:

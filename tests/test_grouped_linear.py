@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import hybridq as hq
 
 from _compare import assert_bitwise
+from hybridq.gemm import native_row_multiple
 from hybridq.nn.grouped import padded_tokens
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
@@ -69,7 +70,7 @@ def _reference(linears, qs, x, gy, splits, grad=True, **kw):
     for lin, q, xe, m in zip(linears, qs, x.split(splits), splits):
         if m == 0:
             continue
-        n = padded_tokens(m, IN, OUT, q, quantized_bwd, quantized_bwd)
+        n = padded_tokens(m, IN, OUT, q, quantized_bwd, quantized_bwd, native_row_multiple(xe.device))
         ye = lin(F.pad(xe, (0, 0, 0, n - m)), **kw)
         outs.append(ye[:m])
     y = torch.cat(outs)
@@ -144,6 +145,19 @@ def test_padding_only_to_what_the_columnwise_rule_needs(preset, tokens, padded):
         f"{preset}: {tokens} tokens should be padded to {padded} for the columnwise casts")
     assert padded_tokens(tokens, IN, OUT, g.expert_quantizers[0], False, False) == tokens, (
         f"{preset}: a rowwise-only call should not pad {tokens} tokens")
+
+
+@pytest.mark.parametrize("preset,tokens,padded", [("fp8_tensorwise", 17, 32), ("fp8_tensorwise", 3, 16),
+                                                  ("mxfp8", 17, 32), ("mxfp8", 33, 64)])
+def test_on_a_gpu_token_counts_are_padded_to_what_the_hardware_gemms_take(preset, tokens, padded):
+    """The tensor-core GEMMs need M, N, K % 16 == 0 (wgrad contracts over the tokens): on CUDA an expert's slice is
+    padded to a multiple of 16 as well, in every call (forward-only included), instead of running the fp32
+    emulated GEMM."""
+    q = _grouped(preset).expert_quantizers[0]
+    multiple = native_row_multiple(torch.device("cuda"))
+    assert multiple == 16 and native_row_multiple(torch.device("cpu")) == 1
+    assert padded_tokens(tokens, IN, OUT, q, True, True, multiple) == padded, (preset, tokens)
+    assert padded_tokens(tokens, IN, OUT, q, False, False, multiple) == -(-tokens // 16) * 16, (preset, tokens)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])

@@ -16,6 +16,7 @@ from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
+from ..gemm import native_row_multiple
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 
 TENSORS = ("input", "weight", "grad_output")
@@ -42,13 +43,14 @@ class _Expert:
 
 
 def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[str, Quantizer],
-                  rowwise_grad: bool, columnwise: bool) -> int:
-    """The smallest token count >= m that every cast of an expert's call accepts: the input rowwise, plus the
+                  rowwise_grad: bool, columnwise: bool, multiple: int = 1) -> int:
+    """The smallest token count >= m, a multiple of `multiple` (what the device's hardware GEMMs need, see
+    `gemm.native_row_multiple`), that every cast of an expert's call accepts: the input rowwise, plus the
     grad_output rowwise when dgrad is quantized (`rowwise_grad`), plus both columnwise when wgrad is quantized
-    (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was and add only
-    zero products to wgrad."""
+    (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was, add only zero
+    products to wgrad, and give output rows that are dropped."""
     def fits(n: int) -> bool:
-        return (quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
+        return (n % multiple == 0 and quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
                 and (not (rowwise_grad or columnwise)
                      or quantizers["grad_output"].shape_rule(n, out_features, rowwise_grad, columnwise) is None))
     for n in range(m, m + _MAX_PAD + 1):
@@ -249,6 +251,9 @@ class GroupedLinear(nn.Module):
         weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
         biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
         outs = []
+        # a router's per-expert counts are rarely multiples of 16: without padding the hardware GEMMs refuse them
+        # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
+        multiple = native_row_multiple(x.device)
         for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
             if m == 0:  # no GEMM to quantize; an empty product keeps the output in the graph (zero gradients)
                 y_e = (_NoTokens.apply(x_e, weights[e], self.out_features) if gathered
@@ -257,7 +262,7 @@ class GroupedLinear(nn.Module):
                 continue
             qs = self.expert_quantizers[e]
             n = padded_tokens(m, self.in_features, self.out_features, qs, quantized_bwd and need_dgrad,
-                              quantized_bwd and need_wgrad)
+                              quantized_bwd and need_wgrad, multiple)
             if n != m:
                 x_e = F.pad(x_e, (0, 0, 0, n - m))
             cache = None
