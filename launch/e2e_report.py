@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import shlex
-import shutil
 import signal
 import statistics
 import subprocess
@@ -128,9 +127,8 @@ def plan(a) -> list[dict]:
 # ---- one run ----------------------------------------------------------------------------------------
 
 def launcher(nproc: int) -> list[str]:
-    tr = shutil.which("torchrun")
-    head = [tr] if tr else [sys.executable, "-m", "torch.distributed.run"]
-    return head + ["--standalone", "--nproc-per-node", str(nproc)]
+    # torchrun of this interpreter: a `torchrun` on PATH may belong to another environment without hybridq
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def train_flags(a) -> list[str]:
@@ -155,10 +153,10 @@ def rel(p: pathlib.Path) -> str:
 
 
 def show(cmd: list[str]) -> str:
-    """The command as one would type it (torchrun's path shortened to its name)."""
+    """The command as one would type it (`python -m torch.distributed.run` shown as torchrun)."""
     c = list(cmd)
-    if c and os.path.basename(c[0]) == "torchrun":
-        c[0] = "torchrun"
+    if c[:3] == [sys.executable, "-m", "torch.distributed.run"]:
+        c[:3] = ["torchrun"]
     return "OMP_NUM_THREADS=1 " + shlex.join(c)
 
 
