@@ -104,6 +104,49 @@ __global__ void __launch_bounds__(256) absmax_kernel(const T* __restrict__ x, in
   if (threadIdx.x == 0) atomicMax(out, am);
 }
 
+// one warp per row (grid-stride); consecutive rows of a warp mostly share a group, so the warp keeps a running max
+// and flushes it with one atomicMax when the group changes
+template <typename T>
+__global__ void __launch_bounds__(256) grouped_absmax_kernel(const T* __restrict__ x, int64_t M, int64_t K,
+                                                             const int32_t* __restrict__ row_group, uint32_t* out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t rows_per_warp = (M + nwarps - 1) / nwarps;  // a contiguous run of rows per warp
+  const int64_t r0 = warp * rows_per_warp, r1 = min64(M, r0 + rows_per_warp);
+  constexpr int CH = 16 / static_cast<int>(sizeof(T));
+  const bool vec = K % CH == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  int32_t group = -1;
+  uint32_t m = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int32_t g = row_group[r];
+    if (g != group) {
+      if (group >= 0) {
+        const uint32_t v = warp_max(m);
+        if (lane == 0) atomicMax(out + group, v);
+      }
+      group = g;
+      m = 0;
+    }
+    const T* row = x + r * K;
+    if (vec) {  // 16-byte loads
+      const uint4* rv = reinterpret_cast<const uint4*>(row);
+      uint32_t pm = 0;
+      for (int64_t k = lane; k < K / CH; k += 32) {
+        if constexpr (sizeof(T) == 4) pm = max(pm, absmax_vec<T>(__ldg(rv + k)));
+        else pm = __vmaxu2(pm, absmax_vec<T>(__ldg(rv + k)));
+      }
+      m = max(m, finish_absmax<T>(pm));
+    } else {
+      for (int64_t k = lane; k < K; k += 32) m = max(m, abs_bits(to_f32(row[k])));
+    }
+  }
+  if (group >= 0) {
+    const uint32_t v = warp_max(m);
+    if (lane == 0) atomicMax(out + group, v);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256) rht_amax_kernel(const T* __restrict__ x, int64_t M, int64_t K,
                                                        uint32_t* row_amax, uint32_t* col_amax) {
@@ -144,6 +187,16 @@ cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cud
     const int64_t want = (n / CH + 1023) / 1024 + 1;
     const int blocks = static_cast<int>(min64(want, static_cast<int64_t>(num_sms()) * 8));
     absmax_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), n, out);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_grouped_absmax(InType t, const void* x, int64_t M, int64_t K, const int32_t* row_group,
+                                  uint32_t* out, cudaStream_t stream) {
+  if (M == 0 || K == 0) return cudaSuccess;
+  HQ_DISPATCH_IN(t, {
+    const int blocks = static_cast<int>(min64((M + 7) / 8, static_cast<int64_t>(num_sms()) * 8));
+    grouped_absmax_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), M, K, row_group, out);
     return cudaGetLastError();
   });
 }

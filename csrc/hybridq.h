@@ -39,6 +39,10 @@ struct QuantArgs {
   const float* amax_in;
   float* scale_inv_out;
   uint32_t* amax_out;  // |x| max as fp32 bits (atomicMax), when not null
+  // per-tensor FP8 of row groups (the experts of a grouped linear): row r takes the scale of group row_group[r]
+  // from amax_in[group]; scale_inv_out gets one value per group. Null: one scale for the whole tensor.
+  const int32_t* row_group;
+  int n_groups;
   // MXFP8: GEMM-ready swizzled scales (128x4 tiles) instead of compact [rows, cols/32]
   bool swizzle;
   int64_t row_s_cols_pad, col_s_cols_pad;
@@ -60,6 +64,10 @@ cudaError_t launch_quantize_nvfp4(InType t, bool two_d, const QuantArgs& a, cuda
 
 // max|x| over n elements, as fp32 bits, atomically maxed into *out (which the caller zeroes)
 cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cudaStream_t stream);
+// max|x| of each row group of x [M, K] (row r belongs to group row_group[r]), as fp32 bits, atomically maxed into
+// out[group] (which the caller zeroes)
+cudaError_t launch_grouped_absmax(InType t, const void* x, int64_t M, int64_t K, const int32_t* row_group,
+                                  uint32_t* out, cudaStream_t stream);
 // NVFP4 with RHT: max|x| into *row_amax and max|RHT16(x^T)| into *col_amax in one pass (M % 16 == 0)
 cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, uint32_t* row_amax, uint32_t* col_amax,
                            cudaStream_t stream);

@@ -65,5 +65,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
   return {row, col, scale_inv, amax_out};
 }
 
+// Per-tensor FP8 of row groups (the experts of a grouped linear, each expert's rows one group): every group
+// quantized as its own tensor (its max|x|, its scale), in one amax pass and one cast.
+// row_group: int32 [M], the group of each row (values in [0, n_groups)).
+// returns (rowwise [M, K], columnwise [K, M] | [0], scale_inv [n_groups], amax [n_groups])
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Tensor& x, at::ScalarType dtype,
+                                                                       const Tensor& row_group, int64_t n_groups,
+                                                                       double eps, bool pow2, bool columnwise) {
+  constexpr const char* op = "fp8_tensor_quantize_grouped";
+  check_input(x, op);
+  const auto it = in_type(x, op);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(row_group.scalar_type() == at::kInt && row_group.dim() == 1 && row_group.numel() == M &&
+                  row_group.is_contiguous() && row_group.device() == x.device(),
+              "hybridq::", op, ": row_group must be a contiguous int32 [", M, "] tensor on ", x.device(), ", got ",
+              row_group.scalar_type(), " ", row_group.sizes(), " on ", row_group.device());
+  TORCH_CHECK(n_groups >= 1 && n_groups <= (int64_t{1} << 30), "hybridq::", op, ": n_groups must be >= 1, got ",
+              n_groups);
+  auto a = base_args(x, true, columnwise);
+  set_fp8(a, dtype, eps, pow2, op);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  Tensor row = at::empty({M, K}, x.options().dtype(dtype));
+  Tensor col = columnwise ? at::empty({K, M}, x.options().dtype(dtype)) : empty0(x, dtype);
+  Tensor scale_inv = at::empty({n_groups}, x.options().dtype(at::kFloat));
+  Tensor amax = at::zeros({n_groups}, x.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(hybridq::launch_grouped_absmax(it, x.data_ptr(), M, K, row_group.data_ptr<int32_t>(),
+                                                amax_bits(amax), stream));
+  a.amax_in = amax.data_ptr<float>();
+  a.row_group = row_group.data_ptr<int32_t>();
+  a.n_groups = static_cast<int>(n_groups);
+  a.row_q = u8(row);
+  a.col_q = columnwise ? u8(col) : nullptr;
+  a.scale_inv_out = scale_inv.data_ptr<float>();
+  if (M > 0 && K > 0) C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
+  return {row, col, scale_inv, amax};
+}
+
 }  // namespace ops
 }  // namespace hybridq

@@ -55,6 +55,10 @@ _QUANTIZE: dict[type, list[KernelImpl]] = {}
 _DEQUANTIZE: dict[type, list[KernelImpl]] = {}
 _GEMM: dict[tuple[type, type], list[NativeGemm]] = {}
 _TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
+# (quantizer type, device type) -> quantization of consecutive row groups, each as its own tensor (grouped linear)
+_ROW_GROUPS: dict[tuple[type, str], Callable] = {}
+# device type -> per-tensor FP8 grouped GEMM (hybridq.gemm.grouped_gemm_fp8)
+_GROUPED_FP8_GEMM: dict[str, Callable] = {}
 # what the running GEMM is for (e.g. "dgrad of layers.0.fc1"), so a native kernel's warnings can name the layer
 _GEMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("hybridq_gemm_name", default=None)
 
@@ -88,6 +92,25 @@ def unregister_native_gemm(a_type: type, b_type: type, name: str) -> None:
 def register_transpose(device_type: str, run: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
     """Register a byte transpose for tensors on `device_type`; `run` may return None to decline a tensor."""
     _TRANSPOSE[device_type] = run
+
+
+def register_row_groups(quantizer_type: type, device_type: str, run: Callable) -> None:
+    """Register a device quantization of row groups for `quantizer_type` (see `Float8Quantizer.quantize_row_groups`
+    for the call); `run` may return None to decline a call (the reference runs then)."""
+    _ROW_GROUPS[(quantizer_type, device_type)] = run
+
+
+def row_groups_kernel(quantizer_type: type, device_type: str) -> Callable | None:
+    return _ROW_GROUPS.get((quantizer_type, device_type))
+
+
+def register_grouped_fp8_gemm(device_type: str, run: Callable) -> None:
+    """Register the per-tensor FP8 grouped GEMM of `device_type` (see `hybridq.gemm.grouped_gemm_fp8`)."""
+    _GROUPED_FP8_GEMM[device_type] = run
+
+
+def grouped_fp8_gemm_kernel(device_type: str) -> Callable | None:
+    return _GROUPED_FP8_GEMM.get(device_type)
 
 
 # ---- lookup ---------------------------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dispatch import (NativeGemm, current_gemm_name, find_native_gemm, register_native_gemm, reset_gemm_name,
+from .dispatch import (NativeGemm, grouped_fp8_gemm_kernel, current_gemm_name, find_native_gemm, register_native_gemm, reset_gemm_name,
                        set_gemm_name)
 
 if TYPE_CHECKING:
     from .formats.base import QuantizedPart
 
 __all__ = ["gemm", "emulated_gemm", "register_native_gemm", "find_native_gemm", "current_gemm_name", "NativeGemm",
-           "native_row_multiple"]
+           "native_row_multiple", "grouped_gemm_fp8"]
 
 
 def native_row_multiple(device: torch.device) -> int:
@@ -53,3 +53,19 @@ def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype, name: str |
         return emulated_gemm(a, b, out_dtype)
     finally:
         reset_gemm_name(token)
+
+
+def grouped_gemm_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int], b: torch.Tensor,
+                     b_scale_inv: torch.Tensor, out_dtype: torch.dtype, columnwise: tuple[bool, bool]
+                     ) -> torch.Tensor | None:
+    """Per-tensor FP8 GEMMs of E groups in one call, by the device's registered grouped GEMM, or None where it has
+    none or declines (the caller then runs one `gemm` per group). Group g has its own scales `a_scale_inv[g]`,
+    `b_scale_inv[g]`. Two layouts:
+      - `b` 3-D `[E, N, K]`: `a [rows, K]` holds the groups' rows (`sizes`); result `[rows, N]`, group g's rows
+        `a_g b[g]^T` (fprop, dgrad);
+      - `b` 2-D `[K, cols]`: `a [N, cols]` and `b` hold the groups' columns (`sizes`), contracted per group;
+        result `[E, N, K]`, `a_g b_g^T` (wgrad).
+    `columnwise` says which operands are columnwise forms (the forward GEMM of two rowwise forms may use fast
+    accumulation, as `gemm` does)."""
+    run = grouped_fp8_gemm_kernel(a.device.type)
+    return None if run is None else run(a, a_scale_inv, sizes, b, b_scale_inv, out_dtype, columnwise)

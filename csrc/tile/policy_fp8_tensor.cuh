@@ -23,10 +23,18 @@ struct Fp8TensorPolicy {
     uint32_t my_amax;  // this thread's max|x|, as bits
   };
 
-  static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared&, int tid, int) {
+  static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared&, int tid, int nt) {
     Ctx c;
-    c.mult = a.scale_in != nullptr ? *a.scale_in : scale_from_amax(*a.amax_in, a.fp8_max, a.eps, a.pow2);
-    if (blockIdx.x == 0 && tid == 0 && a.scale_inv_out != nullptr) *a.scale_inv_out = 1.0f / c.mult;
+    if (a.row_group != nullptr) {  // row groups: a scale per row, from its group's amax (see row())
+      c.mult = 1.0f;
+      if (blockIdx.x == 0 && a.scale_inv_out != nullptr) {
+        for (int g = tid; g < a.n_groups; g += nt)
+          a.scale_inv_out[g] = 1.0f / scale_from_amax(a.amax_in[g], a.fp8_max, a.eps, a.pow2);
+      }
+    } else {
+      c.mult = a.scale_in != nullptr ? *a.scale_in : scale_from_amax(*a.amax_in, a.fp8_max, a.eps, a.pow2);
+      if (blockIdx.x == 0 && tid == 0 && a.scale_inv_out != nullptr) *a.scale_inv_out = 1.0f / c.mult;
+    }
     c.e5m2 = a.e5m2;
     c.my_amax = 0;
     return c;
@@ -35,15 +43,19 @@ struct Fp8TensorPolicy {
   static __device__ __forceinline__ void tile_scales(const Ctx&, const QuantArgs&, const uint32_t*, const TilePos&) {}
 
   template <typename T>
-  static __device__ __forceinline__ void row(Ctx& c, const Shared&, const QuantArgs&, const uint32_t*, const TilePos&,
-                                             const float (&xv)[tile::VR], int, int, int64_t, int64_t, int, bool,
-                                             uint32_t (&w)[tile::VR / 4]) {
+  static __device__ __forceinline__ void row(Ctx& c, const Shared&, const QuantArgs& a, const uint32_t*, const TilePos&,
+                                             const float (&xv)[tile::VR], int, int, int64_t gm, int64_t, int,
+                                             bool row_in, uint32_t (&w)[tile::VR / 4]) {
     const uint32_t am = absmax_n(xv);
     c.my_amax = max(c.my_amax, am);
-    encode_fp8(xv, c.mult, c.e5m2, scaled_nonfinite(am, c.mult), w);
+    const float mult = a.row_group == nullptr ? c.mult
+                       : row_in ? scale_from_amax(a.amax_in[a.row_group[gm]], a.fp8_max, a.eps, a.pow2)
+                                : 1.0f;
+    encode_fp8(xv, mult, c.e5m2, scaled_nonfinite(am, mult), w);
   }
 
-  // only when the rowwise part is not requested (else the columnwise part is the rowwise bytes' transpose)
+  // only when the rowwise part is not requested (else the columnwise part is the rowwise bytes' transpose);
+  // never with row groups (the op asks for the rowwise part then)
   template <typename T>
   static __device__ __forceinline__ void col(Ctx& c, const Shared&, const QuantArgs&, const uint32_t*, const uint32_t*,
                                              const TilePos&, const float (&xv)[tile::CV], int, int, int64_t, int64_t,

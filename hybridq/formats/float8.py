@@ -12,6 +12,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.distributed as dist
 
+from .. import dispatch
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
 from ..enums import Scaling
 from ..tensor import backward_epoch
@@ -45,6 +46,38 @@ class Float8TensorPart(GatherablePart, QuantizedPart):
         data = buffers["data"]
         return cls(rows=rows, cols=cols, columnwise=columnwise,
                    data=transposed_copy(data) if columnwise else data, scale_inv=replicated["scale_inv"])
+
+
+@dataclasses.dataclass
+class Float8RowGroups:
+    """Per-tensor FP8 of consecutive row groups, each quantized as its own tensor (the experts of a grouped linear):
+    group g is rows `[offsets[g], offsets[g] + sizes[g])` of `data` (fp8 `[rows, cols]`, rowwise) with the scale
+    `scale_inv[g]` (fp32 `[groups]`) from that group's own max|x|."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    sizes: tuple[int, ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for n in self.sizes:
+            out.append(o)
+            o += n
+        return out
+
+    def part(self, g: int) -> Float8TensorPart:
+        """Group g's rowwise part (views of `data` and `scale_inv`)."""
+        o, n = self.offsets[g], self.sizes[g]
+        return Float8TensorPart(rows=n, cols=self.data.shape[1], columnwise=False, data=self.data[o:o + n],
+                                scale_inv=self.scale_inv[g:g + 1])
+
+    def columnwise_part(self, g: int, transposed: torch.Tensor) -> Float8TensorPart:
+        """Group g's columnwise part from `transposed`, the byte transpose of `data` (one transpose for all groups;
+        the columnwise form of per-tensor FP8 is the transpose of the rowwise one)."""
+        o, n = self.offsets[g], self.sizes[g]
+        return Float8TensorPart(rows=self.data.shape[1], cols=n, columnwise=True,
+                                data=transposed[:, o:o + n].contiguous(), scale_inv=self.scale_inv[g:g + 1])
 
 
 @dataclasses.dataclass
@@ -211,6 +244,32 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
                                data=satfinite_fp8(x2d.float() * scale, self.dtype), scale_inv=rcp(scale))
         col = row.transposed() if columnwise else None
         return (row if rowwise else None), col
+
+    def quantize_row_groups(self, x2d: torch.Tensor, sizes: list[int] | tuple[int, ...],
+                            name: str = "tensor") -> Float8RowGroups:
+        """Quantize consecutive row groups of `x2d` (group g: the next `sizes[g]` rows), each exactly as `quantize`
+        would quantize it alone (its own amax and scale): one amax pass and one cast for all groups on a device
+        with the kernel, a loop over the groups with the reference otherwise. Current scaling only (a delayed
+        scale is one state for the whole tensor)."""
+        if self.scaling != Scaling.CURRENT:
+            raise ValueError(f"{self.describe()}: row groups of {name} need current scaling, got {self.scaling}")
+        if x2d.dim() != 2 or sum(sizes) != x2d.shape[0] or any(n < 0 for n in sizes):
+            raise ValueError(f"{self.describe()}: row groups {list(sizes)} of {name} must be >= 0 and sum to its "
+                             f"{x2d.shape[0] if x2d.dim() == 2 else tuple(x2d.shape)} rows")
+        self.validate(x2d.shape, name, rowwise=True, columnwise=False)
+        sizes = tuple(int(n) for n in sizes)
+        run = dispatch.row_groups_kernel(type(self), x2d.device.type)
+        out = run(self, x2d, sizes) if run is not None else None
+        if out is not None:
+            data, scale_inv = out
+        else:
+            parts, o = [], 0
+            for n in sizes:
+                parts.append(self.reference_parts(x2d[o:o + n], True, False)[0])
+                o += n
+            data = torch.cat([p.data for p in parts]) if parts else x2d.new_empty(0, x2d.shape[1], dtype=self.dtype)
+            scale_inv = torch.cat([p.scale_inv.reshape(1) for p in parts])
+        return Float8RowGroups(data=data, scale_inv=scale_inv, sizes=sizes)
 
     # -- sharded quantization (FSDP) -------------------------------------------------------------
     def shard_stats(self, x2d, shard):

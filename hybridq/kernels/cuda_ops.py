@@ -4,6 +4,9 @@ and torch.compile. Imported by `_ext.load()` once the extension has registered t
 Op reference (all inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
 - fp8_tensor_quantize(x, dtype, scale?, amax?, eps, pow2, rowwise, columnwise, want_amax)
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8, scale_inv [1], amax [1] | [0])
+- fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise): row r quantized with the scale
+  of group row_group[r] (int32 [M]), each group's scale from its own max|x|
+    -> (rowwise [M, K] fp8, columnwise [K, M] fp8 | [0], scale_inv [n_groups], amax [n_groups])
 - fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise)
     -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv)
 - mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle) -> (rowwise, E8M0 scales, columnwise, scales)
@@ -37,6 +40,13 @@ def _fp8_tensor_quantize(x, dtype, scale, amax, eps, pow2, rowwise, columnwise, 
     m, k = x.shape
     return (_or0(x, (m, k), dtype, rowwise), _or0(x, (k, m), dtype, columnwise), x.new_empty((1,), dtype=_F32),
             _or0(x, (1,), _F32, scale is None or want_amax))
+
+
+@register_fake("hybridq::fp8_tensor_quantize_grouped")
+def _fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=dtype), _or0(x, (k, m), dtype, columnwise),
+            x.new_empty((n_groups,), dtype=_F32), x.new_empty((n_groups,), dtype=_F32))
 
 
 @register_fake("hybridq::fp8_block_quantize")

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part, swizzle_mx_scales
-from ..dispatch import current_gemm_name, register_native_gemm
+from ..dispatch import current_gemm_name, register_grouped_fp8_gemm, register_native_gemm
 from . import _ext
 
 log = logging.getLogger("hybridq")
@@ -300,6 +300,56 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _mm_out_dtype = {"ok": True}
 
 
+# ---- per-tensor FP8 grouped GEMM (grouped linear) ----------------------------------------------------------
+
+_GROUP_INDEX: dict = {}  # (sizes, device) -> (offsets, counts) on the device; a step's three GEMMs share them
+
+
+def _group_index(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (tuple(sizes), device)
+    hit = _GROUP_INDEX.get(key)
+    if hit is None:
+        if len(_GROUP_INDEX) >= 8:
+            _GROUP_INDEX.clear()
+        counts = torch.tensor(sizes, dtype=torch.int64)
+        hit = _GROUP_INDEX[key] = (counts.cumsum(0).to(torch.int32).to(device, non_blocking=True),
+                                   counts.to(device, non_blocking=True))
+    return hit
+
+
+def _grouped_fp8_run(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int], b: torch.Tensor,
+                     b_scale_inv: torch.Tensor, out_dtype: torch.dtype, columnwise: tuple[bool, bool]):
+    """`torch._scaled_grouped_mm` (sm_90: E4M3 x E4M3, bf16 output, rowwise fp32 scales) with each group's
+    per-tensor scale expanded over its rows / columns; None where it cannot run (see hybridq.gemm.grouped_gemm_fp8).
+    """
+    e4m3 = torch.float8_e4m3fn
+    if not (_enabled["on"] and a.is_cuda and b.device == a.device and hasattr(torch, "_scaled_grouped_mm")
+            and _cap(a) == (9, 0) and out_dtype == torch.bfloat16 and a.dtype == e4m3 and b.dtype == e4m3
+            and a.is_contiguous() and b.is_contiguous() and not any(s % 16 for s in sizes)):
+        return None
+    offs, counts = _group_index(sizes, a.device)
+    e = len(sizes)
+    if b.dim() == 3:  # a [rows, K] x b [E, N, K]
+        n, k = b.shape[1], b.shape[2]
+        if n % 16 or k % 16:
+            return None
+        sa = torch.repeat_interleave(a_scale_inv, counts, output_size=a.shape[0])
+        sb = b_scale_inv[:, None].expand(e, n).contiguous()
+        fast = FAST_ACCUM_FPROP and not any(columnwise)
+        return torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+    n, k = a.shape[0], b.shape[0]  # a [N, cols] x b [K, cols], contracted over each group's columns
+    if n % 16 or k % 16:
+        return None
+    sa = a_scale_inv[:, None].expand(e, n).reshape(-1).contiguous()
+    sb = b_scale_inv[:, None].expand(e, k).reshape(-1).contiguous()
+    out = torch._scaled_grouped_mm(a, b.t(), sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False)
+    empty = [g for g, s in enumerate(sizes) if s == 0]
+    if empty:  # a group with nothing to contract has a zero product
+        out[empty] = 0
+    return out
+
+
 def register_all() -> None:
     register_native_gemm(Float8TensorPart, Float8TensorPart, "cuda-scaled-mm-tensorwise", _fp8_tensor_run,
                          _fp8_tensor_supports)
@@ -310,3 +360,4 @@ def register_all() -> None:
         for tb in (MXFP8Part, NVFP4Part):
             register_native_gemm(ta, tb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
     register_native_gemm(IdentityPart, IdentityPart, "cuda-bf16", _bf16_run, _bf16_supports)
+    register_grouped_fp8_gemm("cuda", _grouped_fp8_run)

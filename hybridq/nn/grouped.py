@@ -17,6 +17,7 @@ from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
+from .grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 
 TENSORS = ("input", "weight", "grad_output")
@@ -90,6 +91,12 @@ class GroupedLinear(nn.Module):
     padded rows are dropped from the output: the result is bitwise that of the Linear on the zero-padded
     slice. An expert with no tokens runs no quantized GEMM; its weight and bias gradients are zero.
     """
+
+    # per-tensor FP8 with current scaling, the same quantizers for every expert, no bias, override, weight cache,
+    # FSDP2-gathered weight or save_original_input: quantize all experts in one pass per tensor and use grouped
+    # GEMMs (hybridq/nn/grouped_packed.py). False: always the per-expert path (what the packed path is tested
+    # against).
+    packed_path: bool = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype=None, *, recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
@@ -248,12 +255,21 @@ class GroupedLinear(nn.Module):
         gathered = isinstance(self.weight, GroupedGatheredForm)  # FSDP2 gathered the experts quantized
         if gathered:  # a direction gathered lazily is a collective: every rank asks, whatever its token counts
             self.weight.ensure_direction("rowwise")
-        weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
-        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
-        outs = []
         # a router's per-expert counts are rarely multiples of 16: without padding the hardware GEMMs refuse them
         # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
         multiple = native_row_multiple(x.device)
+        packed = (self.packed_path and override is None and not gathered and is_first_microbatch is None
+                  and self.bias is None and not self.save_original_input
+                  and packed_quantizers(self.expert_quantizers) is not None)
+        if packed:
+            qs = self.expert_quantizers[0]
+            padded = [padded_tokens(m, self.in_features, self.out_features, qs, quantized_bwd and need_dgrad,
+                                    quantized_bwd and need_wgrad, multiple) if m else 0 for m in splits]
+            layout = TokenLayout.build(splits, padded, x.device)
+            return PackedFP8Experts.apply(x, self.weight, layout, qs, self.name)
+        weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
+        outs = []
         for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
             if m == 0:  # no GEMM to quantize; an empty product keeps the output in the graph (zero gradients)
                 y_e = (_NoTokens.apply(x_e, weights[e], self.out_features) if gathered

@@ -1,0 +1,145 @@
+"""The packed path of `GroupedLinear` for per-tensor FP8 (current scaling): every expert's tokens, weight and
+gradient quantized in one pass each (`Float8Quantizer.quantize_row_groups`, per-expert scales) instead of one
+quantization per expert, and the three GEMMs as grouped GEMMs where the device has them (`torch._scaled_grouped_mm`
+on sm_90 for E4M3 x E4M3), else one GEMM per expert on views of the packed parts.
+
+Numbers: each expert's slice is quantized exactly as the per-expert path quantizes it (same zero-padded token
+count, its own amax), and each GEMM multiplies the same quantized operands: on the CPU (emulated GEMMs) the result is
+bitwise that of the per-expert path; on a GPU the grouped GEMM may round differently from the per-expert
+`torch._scaled_mm` (stated tolerance in docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..enums import Scaling
+from ..formats import Float8Quantizer
+from ..formats.base import transposed_copy
+from ..formats.float8 import Float8RowGroups, Float8TensorPart
+from ..gemm import gemm, grouped_gemm_fp8
+
+TENSORS = ("input", "weight", "grad_output")
+
+
+def packed_quantizers(expert_quantizers: list[dict]) -> dict | None:
+    """The one quantizer per tensor type every expert shares, when the packed path can run them: plain
+    per-tensor FP8 with current scaling for input, weight and grad_output. None otherwise."""
+    first = expert_quantizers[0]
+    for t in TENSORS:
+        q = first[t]
+        if type(q) is not Float8Quantizer or q.scaling != Scaling.CURRENT:
+            return None
+    if any(qs[t] != first[t] for qs in expert_quantizers[1:] for t in TENSORS):
+        return None
+    return first
+
+
+@dataclass
+class TokenLayout:
+    """Where each expert's tokens sit in the packed buffer: expert e's `splits[e]` tokens start at row
+    `offsets[e]` of a buffer whose slices are `padded[e]` rows long (zero rows after the tokens)."""
+
+    splits: list[int]
+    padded: list[int]
+    rows: torch.Tensor | None  # packed row of each token (None: no padding, the buffer is the input itself)
+
+    @classmethod
+    def build(cls, splits: list[int], padded: list[int], device: torch.device) -> "TokenLayout":
+        if splits == padded:
+            return cls(splits, padded, None)
+        counts = torch.tensor(splits)
+        shift = torch.tensor([p - s for p, s in zip(padded, splits)]).cumsum(0) - torch.tensor(
+            [p - s for p, s in zip(padded, splits)])
+        rows = torch.arange(sum(splits)) + torch.repeat_interleave(shift, counts)
+        return cls(splits, padded, rows.to(device, non_blocking=True))
+
+    @property
+    def total(self) -> int:
+        return sum(self.padded)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return t.contiguous()
+        return t.new_zeros(self.total, t.shape[1]).index_copy_(0, self.rows, t)
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.rows is None else t.index_select(0, self.rows)
+
+
+class PackedFP8Experts(torch.autograd.Function):
+    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layout: TokenLayout, quantizers: dict, name: str
+                ) -> torch.Tensor:
+        e, n, k = weight.shape
+        xg = quantizers["input"].quantize_row_groups(layout.pack(x), layout.padded, name=f"input of {name}")
+        wg = quantizers["weight"].quantize_row_groups(weight.detach().reshape(e * n, k), [n] * e,
+                                                      name=f"weight of {name}")
+        y = _grouped_rows_gemm(xg, wg.data.view(e, n, k), wg.scale_inv, x.dtype, f"fprop of {name}",
+                               b_columnwise=False)
+        ctx.save_for_backward(xg.data, xg.scale_inv, wg.data, wg.scale_inv)
+        ctx.layout, ctx.quantizers, ctx.name, ctx.w_dtype = layout, quantizers, name, weight.dtype
+        return layout.unpack(y)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        layout: TokenLayout = ctx.layout
+        name = ctx.name
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        e, k = len(layout.padded), x_data.shape[1]
+        n = w_data.shape[0] // e
+        dx = dw = None
+        dyg = ctx.quantizers["grad_output"].quantize_row_groups(layout.pack(dy), layout.padded,
+                                                               name=f"grad_output of {name}")
+        if need_dgrad:  # dy rowwise x W columnwise (per-tensor FP8: the byte transpose of W rowwise)
+            w_t = _expert_transpose(w_data, e, n, k)
+            dx = layout.unpack(_grouped_rows_gemm(dyg, w_t, w_scale, dy.dtype, f"dgrad of {name}",
+                                                  b_columnwise=True))
+        if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
+            xg = Float8RowGroups(data=x_data, scale_inv=x_scale, sizes=tuple(layout.padded))
+            dw = _grouped_wgrad(dyg, xg, n, k, dy.dtype, f"wgrad of {name}").to(ctx.w_dtype)
+        return dx, dw, None, None, None
+
+
+def _expert_transpose(w_data: torch.Tensor, e: int, n: int, k: int) -> torch.Tensor:
+    """`[E, K, N]`: each expert's `[N, K]` fp8 weight bytes transposed (its columnwise form)."""
+    return w_data.view(e, n, k).transpose(1, 2).contiguous()
+
+
+def _grouped_rows_gemm(a: Float8RowGroups, b: torch.Tensor, b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                       name: str, b_columnwise: bool) -> torch.Tensor:
+    """Rows of expert e of `a` (rowwise) times `b[e]^T` (`b`: fp8 `[E, N, K]`, one scale per expert; the weight's
+    rowwise form for fprop, its columnwise form for dgrad): `[rows, N]`."""
+    e, n, _ = b.shape
+    out = grouped_gemm_fp8(a.data, a.scale_inv, list(a.sizes), b, b_scale_inv, out_dtype,
+                           columnwise=(False, b_columnwise))
+    if out is not None:
+        return out
+    parts = []
+    for g in range(e):
+        if a.sizes[g] == 0:
+            continue
+        bp = Float8TensorPart(rows=n, cols=b.shape[2], columnwise=b_columnwise, data=b[g],
+                              scale_inv=b_scale_inv[g:g + 1])
+        parts.append(gemm(a.part(g), bp, out_dtype, f"{name} (expert {g})"))
+    return torch.cat(parts) if parts else a.data.new_zeros(0, n, dtype=out_dtype)
+
+
+def _grouped_wgrad(dyg: Float8RowGroups, xg: Float8RowGroups, n: int, k: int, out_dtype: torch.dtype,
+                   name: str) -> torch.Tensor:
+    """dW[e] = dy_e^T x_e for every expert: `[E, N, K]` (zero for an expert without tokens)."""
+    dy_t, x_t = transposed_copy(dyg.data), transposed_copy(xg.data)  # [N, rows], [K, rows]
+    out = grouped_gemm_fp8(dy_t, dyg.scale_inv, list(dyg.sizes), x_t, xg.scale_inv, out_dtype,
+                           columnwise=(True, True))
+    if out is not None:
+        return out
+    dw = dy_t.new_zeros(len(dyg.sizes), n, k, dtype=out_dtype)
+    for g, m in enumerate(dyg.sizes):
+        if m:
+            dw[g] = gemm(dyg.columnwise_part(g, dy_t), xg.columnwise_part(g, x_t), out_dtype, f"{name} (expert {g})")
+    return dw

@@ -1,0 +1,163 @@
+"""GroupedLinear's packed path (per-tensor FP8, current scaling: every expert quantized in one pass per tensor,
+grouped GEMMs where the device has them) gives the per-expert path's numbers: bitwise on the CPU, for any token
+counts (zeros, uneven, padded); it runs only for the recipes it implements. On a GPU: the row-group kernel is
+bitwise the reference; the grouped GEMMs agree with the per-expert GEMMs within the stated tolerance."""
+
+import pytest
+import torch
+
+import hybridq as hq
+import hybridq.nn.grouped as grouped_mod
+from _compare import assert_bitwise
+from hybridq.formats import Float8Quantizer
+from hybridq.nn.grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
+
+E, IN, OUT = 4, 64, 64
+SPLITS = [[5, 0, 17, 40], [16, 32, 0, 48], [0, 0, 3, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+HAVE_CUDA = torch.cuda.is_available()
+
+
+def _run(packed: bool, splits, dtype=torch.bfloat16, x_grad=True, w_grad=True, grad=True, device="cpu",
+         recipe="fp8_tensorwise"):
+    torch.manual_seed(1)
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe(recipe), dtype=dtype, device=device, name="moe")
+    m.packed_path = packed
+    m.weight.requires_grad_(w_grad)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(splits), IN, generator=gen).to(device, dtype).requires_grad_(x_grad)
+    dy = torch.randn(sum(splits), OUT, generator=gen).to(device, dtype)
+    with torch.set_grad_enabled(grad):
+        y = m(x, splits)
+    if grad and (x_grad or w_grad):
+        y.backward(dy)
+    return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
+
+
+def _assert_same(got, ref, what):
+    for k in ref:
+        if ref[k] is None:
+            assert got[k] is None, f"{what}: {k} is {got[k]} on the packed path, None on the per-expert path"
+        else:
+            assert_bitwise(got[k], ref[k], f"{what}: {k}")
+
+
+@pytest.mark.parametrize("multiple", [1, 16], ids=["unpadded", "padded16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", SPLITS, ids=[str(s) for s in SPLITS])
+def test_packed_path_is_bitwise_the_per_expert_path(splits, dtype, multiple, monkeypatch):
+    # multiple=16 pads each expert's tokens as on a GPU (the zero rows must change nothing either way)
+    monkeypatch.setattr(grouped_mod, "native_row_multiple", lambda device: multiple)
+    _assert_same(_run(True, splits, dtype), _run(False, splits, dtype), f"splits {splits}, {dtype}, x{multiple}")
+
+
+@pytest.mark.parametrize("x_grad,w_grad,grad", [(True, False, True), (False, True, True), (True, True, False)],
+                         ids=["dgrad-only", "wgrad-only", "no-grad"])
+def test_packed_path_computes_only_the_gradients_asked_for(x_grad, w_grad, grad):
+    splits = [5, 0, 17, 40]
+    _assert_same(_run(True, splits, x_grad=x_grad, w_grad=w_grad, grad=grad),
+                 _run(False, splits, x_grad=x_grad, w_grad=w_grad, grad=grad), f"x_grad={x_grad} w_grad={w_grad}")
+
+
+@pytest.mark.parametrize("preset,packs", [("fp8_tensorwise", True), ("fp8_delayed", False), ("mxfp8", False),
+                                          ("fp8_block", False), ("nvfp4", False), ("mxfp8_fwd_nvfp4_bwd", False),
+                                          ("fp8_fwd_high_precision_bwd", False)])
+def test_packed_path_runs_only_for_per_tensor_current_scaling(preset, packs):
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe(preset), name="moe")
+    assert (packed_quantizers(m.expert_quantizers) is not None) == packs, (
+        f"{preset}: packed path {'not ' if packs else ''}expected, describe_formats={m.describe_formats()}")
+
+
+def test_experts_with_different_quantizers_take_the_per_expert_path():
+    def factory(role):  # expert 1's input uses another amax epsilon: not one quantizer for all experts
+        eps = 1e-3 if role.name.endswith("experts.1") and role.tensor_type == "input" else 0.0
+        return Float8Quantizer("e5m2" if role.tensor_type == "grad_output" else "e4m3", amax_epsilon=eps)
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.CustomRecipe(factory), name="moe")
+    assert packed_quantizers(m.expert_quantizers) is None, "experts with different quantizers were packed"
+
+
+@pytest.mark.parametrize("bias,override,save_original_input", [(True, None, False), (False, "dequantized", False),
+                                                               (False, None, True)])
+def test_what_the_packed_path_does_not_implement_runs_per_expert(bias, override, save_original_input, monkeypatch):
+    calls = []
+    real = PackedFP8Experts.apply
+    monkeypatch.setattr(PackedFP8Experts, "apply", lambda *a: calls.append(1) or real(*a))
+    m = hq.GroupedLinear(E, IN, OUT, bias=bias, recipe=hq.recipe("fp8_tensorwise", backward_override=override),
+                         save_original_input=save_original_input, name="moe")
+    m(torch.randn(10, IN), [10, 0, 0, 0]).sum().backward()
+    assert not calls, f"bias={bias} override={override} save_original_input={save_original_input} took the packed path"
+
+
+def test_token_layout_packs_each_expert_at_its_padded_offset():
+    layout = TokenLayout.build([2, 0, 3], [16, 0, 16], torch.device("cpu"))
+    x = torch.arange(1, 6, dtype=torch.float32)[:, None]
+    packed = layout.pack(x)
+    assert packed.shape == (32, 1), f"packed shape {tuple(packed.shape)}"
+    assert packed[:2, 0].tolist() == [1, 2] and packed[16:19, 0].tolist() == [3, 4, 5], packed[:, 0].tolist()
+    assert packed[2:16].abs().sum() == 0 and packed[19:].abs().sum() == 0, "padding rows are not zero"
+    assert torch.equal(layout.unpack(packed), x), "unpack(pack(x)) != x"
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 29], [0], [64], [1, 1, 1, 1, 1]], ids=str)
+def test_row_groups_are_each_group_quantized_alone(sizes):
+    q = Float8Quantizer()
+    x = torch.randn(sum(sizes), 32) * torch.logspace(-3, 3, sum(sizes) or 1)[:sum(sizes), None]
+    groups = q.quantize_row_groups(x, sizes)
+    o = 0
+    for g, n in enumerate(sizes):
+        if n:
+            ref = q.quantize(x[o:o + n], rowwise=True, columnwise=True).rowwise
+            assert_bitwise(groups.part(g).data, ref.data, f"group {g} data")
+            assert_bitwise(groups.part(g).scale_inv, ref.scale_inv, f"group {g} scale_inv")
+            col = groups.columnwise_part(g, groups.data.t().contiguous())
+            assert_bitwise(col.data, ref.data.t().contiguous(), f"group {g} columnwise data")
+        o += n
+
+
+def test_row_groups_refuse_delayed_scaling_and_bad_sizes():
+    with pytest.raises(ValueError, match="current scaling"):
+        Float8Quantizer(scaling="delayed").quantize_row_groups(torch.randn(4, 16), [4])
+    with pytest.raises(ValueError, match="sum to its 4 rows"):
+        Float8Quantizer().quantize_row_groups(torch.randn(4, 16), [3], name="input of moe")
+
+
+# ---- GPU --------------------------------------------------------------------------------------------------------
+
+def _ext_ok() -> bool:
+    from hybridq.kernels import extension_available
+    return HAVE_CUDA and extension_available()
+
+
+needs_gpu = pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("sizes", [[16, 0, 48, 32], [3, 0, 29, 1000], [0, 0, 17]], ids=str)
+def test_row_group_kernel_is_bitwise_the_reference(sizes, fp8, dtype):
+    q = Float8Quantizer(fp8)
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(sum(sizes), 96, generator=gen) * 10 ** torch.randint(-3, 4, (sum(sizes), 1), generator=gen))
+    if sum(sizes) > 20:
+        x[5, 7], x[20, 3] = float("inf"), float("nan")  # non-finite values stay in their group
+    x = x.to(dtype)
+    got = q.quantize_row_groups(x.cuda(), sizes)
+    ref = q.quantize_row_groups(x, sizes)
+    assert_bitwise(got.scale_inv.cpu(), ref.scale_inv, f"scale_inv, groups {sizes}")
+    assert_bitwise(got.data.cpu(), ref.data, f"data, groups {sizes}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("splits", [[5, 0, 17, 40], [16, 32, 0, 48], [100, 3, 0, 61]], ids=str)
+def test_gpu_packed_path_agrees_with_the_per_expert_path(splits):
+    """The grouped GEMMs (torch._scaled_grouped_mm on sm_90 for the E4M3 GEMMs) multiply the same quantized
+    operands as the per-expert torch._scaled_mm: the results differ only by the GEMMs' rounding."""
+    got = _run(True, splits, device="cuda")
+    ref = _run(False, splits, device="cuda")
+    for k in ("y", "dx", "dW"):
+        a, b = got[k].float(), ref[k].float()
+        err = (a - b).abs().max().item()
+        scale = b.abs().max().item()
+        assert err <= 1e-2 * scale, f"{k}: max |packed - per-expert| = {err} (max |per-expert| {scale})"
