@@ -63,8 +63,8 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
     `b_scale_inv[g]`. Two layouts:
       - `b` 3-D `[E, N, K]`: `a [rows, K]` holds the groups' rows (`sizes`); result `[rows, N]`, group g's rows
         `a_g b[g]^T` (fprop, dgrad);
-      - `b` 2-D `[K, cols]`: `a [N, cols]` and `b` hold the groups' columns (`sizes`), contracted per group;
-        result `[E, N, K]`, `a_g b_g^T` (wgrad).
+      - `b` 2-D `[rows, K]`: `a [rows, N]` and `b` hold the groups' rows (`sizes`), contracted per group;
+        result `[E, N, K]`, `a_g^T b_g` (wgrad, on the columnwise forms: the transposes of these rows).
     `columnwise` says which operands are columnwise forms (the forward GEMM of two rowwise forms may use fast
     accumulation, as `gemm` does)."""
     run = grouped_fp8_gemm_kernel(a.device.type)

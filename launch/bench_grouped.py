@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 import hybridq
+from hybridq.nn.grouped_packed import packed_quantizers
 from hybridq.nn.linear import shared_input_quantization
 
 DEFAULT_CONFIGS = "8x16384x2x4096x14336,16x16384x4x2048x5632,64x16384x8x2048x3072"
@@ -99,8 +100,14 @@ def candidates(e: int, d: int, h: int, presets: list[str], device, dtype) -> lis
     if hasattr(torch, "_grouped_mm"):
         out.append((GROUPED_MM, GroupedMM(e, d, h, device, dtype), True))
     for p in presets:
-        out.append((p, hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype,
-                                             recipe=hybridq.recipe(p), name=f"experts[{p}]"), False))
+        layer = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
+                                      name=f"experts[{p}]")
+        out.append((p, layer, False))
+        if packed_quantizers(layer.expert_quantizers) is not None:  # the same preset without the packed path
+            loop = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
+                                         name=f"experts[{p}, per expert]")
+            loop.packed_path = False
+            out.append((f"{p} (per-expert path)", loop, False))
     out.append((LOOP, LinearLoop(e, d, h, device, dtype), False))
     return out
 

@@ -148,11 +148,12 @@ def test_padding_only_to_what_the_columnwise_rule_needs(preset, tokens, padded):
 
 
 @pytest.mark.parametrize("preset,tokens,padded", [("fp8_tensorwise", 17, 32), ("fp8_tensorwise", 3, 16),
-                                                  ("mxfp8", 17, 32), ("mxfp8", 33, 64)])
+                                                  ("mxfp8", 17, 32), ("mxfp8", 33, 64), ("fp8_block", 17, 128),
+                                                  ("fp8_block", 129, 256), ("nvfp4", 17, 32)])
 def test_on_a_gpu_token_counts_are_padded_to_what_the_hardware_gemms_take(preset, tokens, padded):
-    """The tensor-core GEMMs need M, N, K % 16 == 0 (wgrad contracts over the tokens): on CUDA an expert's slice is
-    padded to a multiple of 16 as well, in every call (forward-only included), instead of running the fp32
-    emulated GEMM."""
+    """The tensor-core GEMMs need M, N, K % 16 == 0 (wgrad contracts over the tokens), and the block-scaled GEMMs
+    whole scaling blocks along it (FP8 1x128: 128 tokens): on CUDA an expert's slice is padded to those multiples
+    as well, in every call (forward-only: to 16), instead of running the fp32 emulated GEMM."""
     q = _grouped(preset).expert_quantizers[0]
     multiple = native_row_multiple(torch.device("cuda"))
     assert multiple == 16 and native_row_multiple(torch.device("cpu")) == 1

@@ -20,7 +20,8 @@ HAVE_CUDA = torch.cuda.is_available()
 def _run(packed: bool, splits, dtype=torch.bfloat16, x_grad=True, w_grad=True, grad=True, device="cpu",
          recipe="fp8_tensorwise"):
     torch.manual_seed(1)
-    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe(recipe), dtype=dtype, device=device, name="moe")
+    recipe = hq.recipe(recipe) if isinstance(recipe, str) else recipe
+    m = hq.GroupedLinear(E, IN, OUT, recipe=recipe, dtype=dtype, device=device, name="moe")
     m.packed_path = packed
     m.weight.requires_grad_(w_grad)
     gen = torch.Generator().manual_seed(2)
@@ -148,14 +149,19 @@ def test_row_group_kernel_is_bitwise_the_reference(sizes, fp8, dtype):
     assert_bitwise(got.data.cpu(), ref.data, f"data, groups {sizes}")
 
 
+ALL_E4M3 = hq.CustomRecipe(lambda role: Float8Quantizer("e4m3"), name="all_e4m3")  # every GEMM grouped on sm_90
+
+
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", ALL_E4M3], ids=["fp8_tensorwise", "all_e4m3"])
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [16, 32, 0, 48], [100, 3, 0, 61]], ids=str)
-def test_gpu_packed_path_agrees_with_the_per_expert_path(splits):
-    """The grouped GEMMs (torch._scaled_grouped_mm on sm_90 for the E4M3 GEMMs) multiply the same quantized
-    operands as the per-expert torch._scaled_mm: the results differ only by the GEMMs' rounding."""
-    got = _run(True, splits, device="cuda")
-    ref = _run(False, splits, device="cuda")
+def test_gpu_packed_path_agrees_with_the_per_expert_path(splits, recipe):
+    """The grouped GEMMs (torch._scaled_grouped_mm on sm_90 for the E4M3 x E4M3 GEMMs: fprop of fp8_tensorwise,
+    all three with E4M3 gradients) multiply the same quantized operands as the per-expert torch._scaled_mm: the
+    results differ only by the GEMMs' rounding."""
+    got = _run(True, splits, device="cuda", recipe=recipe)
+    ref = _run(False, splits, device="cuda", recipe=recipe)
     for k in ("y", "dx", "dW"):
         a, b = got[k].float(), ref[k].float()
         err = (a - b).abs().max().item()

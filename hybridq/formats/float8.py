@@ -57,6 +57,7 @@ class Float8RowGroups:
     data: torch.Tensor
     scale_inv: torch.Tensor
     sizes: tuple[int, ...]
+    _aligned: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def offsets(self) -> list[int]:
@@ -70,14 +71,23 @@ class Float8RowGroups:
         """Group g's rowwise part (views of `data` and `scale_inv`)."""
         o, n = self.offsets[g], self.sizes[g]
         return Float8TensorPart(rows=n, cols=self.data.shape[1], columnwise=False, data=self.data[o:o + n],
-                                scale_inv=self.scale_inv[g:g + 1])
+                                scale_inv=self.aligned_scale_inv(g))
 
-    def columnwise_part(self, g: int, transposed: torch.Tensor) -> Float8TensorPart:
-        """Group g's columnwise part from `transposed`, the byte transpose of `data` (one transpose for all groups;
-        the columnwise form of per-tensor FP8 is the transpose of the rowwise one)."""
+    def aligned_scale_inv(self, g: int) -> torch.Tensor:
+        """Group g's scale_inv as a `[1]` view that starts 16-byte aligned (cuBLASLt refuses FP8 GEMMs whose scale
+        pointers are not: a plain `scale_inv[g:g + 1]` view is 4-byte aligned)."""
+        if self._aligned is None:
+            self._aligned = self.scale_inv.new_zeros(len(self.sizes), 4)
+            self._aligned[:, 0] = self.scale_inv
+        return self._aligned[g, :1]
+
+    def columnwise_part(self, g: int, transposed: torch.Tensor, whole: bool = False) -> Float8TensorPart:
+        """Group g's columnwise part (per-tensor FP8: the byte transpose of the rowwise one) from `transposed`: the
+        transpose of all of `data` (whole=False) or of group g's rows only (whole=True)."""
         o, n = self.offsets[g], self.sizes[g]
-        return Float8TensorPart(rows=self.data.shape[1], cols=n, columnwise=True,
-                                data=transposed[:, o:o + n].contiguous(), scale_inv=self.scale_inv[g:g + 1])
+        data = transposed if whole else transposed[:, o:o + n].contiguous()
+        return Float8TensorPart(rows=self.data.shape[1], cols=n, columnwise=True, data=data,
+                                scale_inv=self.aligned_scale_inv(g))
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+from ..formats.base import transposed_copy
 from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part, swizzle_mx_scales
 from ..dispatch import current_gemm_name, register_grouped_fp8_gemm, register_native_gemm
 from . import _ext
@@ -338,12 +339,13 @@ def _grouped_fp8_run(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
         fast = FAST_ACCUM_FPROP and not any(columnwise)
         return torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=offs, out_dtype=torch.bfloat16,
                                         use_fast_accum=fast)
-    n, k = a.shape[0], b.shape[0]  # a [N, cols] x b [K, cols], contracted over each group's columns
+    n, k = a.shape[1], b.shape[1]  # a [rows, N], b [rows, K]: contracted over each group's rows
     if n % 16 or k % 16:
         return None
+    a_t, b_t = transposed_copy(a), transposed_copy(b)  # the columnwise forms, [N, rows] and [K, rows]
     sa = a_scale_inv[:, None].expand(e, n).reshape(-1).contiguous()
     sb = b_scale_inv[:, None].expand(e, k).reshape(-1).contiguous()
-    out = torch._scaled_grouped_mm(a, b.t(), sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False)
+    out = torch._scaled_grouped_mm(a_t, b_t.t(), sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False)
     empty = [g for g, s in enumerate(sizes) if s == 0]
     if empty:  # a group with nothing to contract has a zero product
         out[empty] = 0

@@ -49,7 +49,15 @@ def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[
     `gemm.native_row_multiple`), that every cast of an expert's call accepts: the input rowwise, plus the
     grad_output rowwise when dgrad is quantized (`rowwise_grad`), plus both columnwise when wgrad is quantized
     (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was, add only zero
-    products to wgrad, and give output rows that are dropped."""
+    products to wgrad, and give output rows that are dropped. With hardware GEMMs (`multiple` > 1) and a quantized
+    wgrad, the count is also a multiple of the columnwise scaling blocks along the tokens (e.g. 128 for FP8 1x128
+    blocks, which the block-scaled GEMM needs whole along its contraction)."""
+    if multiple > 1 and columnwise:
+        for t in ("input", "grad_output"):
+            granularity = getattr(quantizers[t], "split_granularity", None)
+            if granularity is not None:
+                multiple = math.lcm(multiple, granularity(False, True)[0])
+
     def fits(n: int) -> bool:
         return (n % multiple == 0 and quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
                 and (not (rowwise_grad or columnwise)

@@ -63,7 +63,16 @@ class TokenLayout:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
             return t.contiguous()
+        if t.is_floating_point() and t.element_size() == 1:  # fp8 bytes: copied as uint8 (index_copy_ has no fp8 kernels)
+            return self.pack(t.view(torch.uint8)).view(t.dtype)
         return t.new_zeros(self.total, t.shape[1]).index_copy_(0, self.rows, t)
+
+    def quantize(self, q: Float8Quantizer, t: torch.Tensor, name: str) -> Float8RowGroups:
+        """`t`'s expert slices quantized each alone, laid out in the padded buffer. Zero rows change no amax and
+        quantize to zero bytes, so padding the fp8 bytes equals quantizing the zero-padded slices (and moves half
+        the bytes of padding `t`)."""
+        groups = q.quantize_row_groups(t.contiguous(), self.splits, name=name)
+        return Float8RowGroups(data=self.pack(groups.data), scale_inv=groups.scale_inv, sizes=tuple(self.padded))
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.rows is None else t.index_select(0, self.rows)
@@ -76,7 +85,7 @@ class PackedFP8Experts(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layout: TokenLayout, quantizers: dict, name: str
                 ) -> torch.Tensor:
         e, n, k = weight.shape
-        xg = quantizers["input"].quantize_row_groups(layout.pack(x), layout.padded, name=f"input of {name}")
+        xg = layout.quantize(quantizers["input"], x, f"input of {name}")
         wg = quantizers["weight"].quantize_row_groups(weight.detach().reshape(e * n, k), [n] * e,
                                                       name=f"weight of {name}")
         y = _grouped_rows_gemm(xg, wg.data.view(e, n, k), wg.scale_inv, x.dtype, f"fprop of {name}",
@@ -94,8 +103,7 @@ class PackedFP8Experts(torch.autograd.Function):
         e, k = len(layout.padded), x_data.shape[1]
         n = w_data.shape[0] // e
         dx = dw = None
-        dyg = ctx.quantizers["grad_output"].quantize_row_groups(layout.pack(dy), layout.padded,
-                                                               name=f"grad_output of {name}")
+        dyg = layout.quantize(ctx.quantizers["grad_output"], dy, f"grad_output of {name}")
         if need_dgrad:  # dy rowwise x W columnwise (per-tensor FP8: the byte transpose of W rowwise)
             w_t = _expert_transpose(w_data, e, n, k)
             dx = layout.unpack(_grouped_rows_gemm(dyg, w_t, w_scale, dy.dtype, f"dgrad of {name}",
@@ -121,11 +129,12 @@ def _grouped_rows_gemm(a: Float8RowGroups, b: torch.Tensor, b_scale_inv: torch.T
     if out is not None:
         return out
     parts = []
+    b_groups = Float8RowGroups(data=b.view(-1, b.shape[2]), scale_inv=b_scale_inv, sizes=(n,) * e)
     for g in range(e):
         if a.sizes[g] == 0:
             continue
         bp = Float8TensorPart(rows=n, cols=b.shape[2], columnwise=b_columnwise, data=b[g],
-                              scale_inv=b_scale_inv[g:g + 1])
+                              scale_inv=b_groups.aligned_scale_inv(g))
         parts.append(gemm(a.part(g), bp, out_dtype, f"{name} (expert {g})"))
     return torch.cat(parts) if parts else a.data.new_zeros(0, n, dtype=out_dtype)
 
@@ -133,13 +142,17 @@ def _grouped_rows_gemm(a: Float8RowGroups, b: torch.Tensor, b_scale_inv: torch.T
 def _grouped_wgrad(dyg: Float8RowGroups, xg: Float8RowGroups, n: int, k: int, out_dtype: torch.dtype,
                    name: str) -> torch.Tensor:
     """dW[e] = dy_e^T x_e for every expert: `[E, N, K]` (zero for an expert without tokens)."""
-    dy_t, x_t = transposed_copy(dyg.data), transposed_copy(xg.data)  # [N, rows], [K, rows]
-    out = grouped_gemm_fp8(dy_t, dyg.scale_inv, list(dyg.sizes), x_t, xg.scale_inv, out_dtype,
+    out = grouped_gemm_fp8(dyg.data, dyg.scale_inv, list(dyg.sizes), xg.data, xg.scale_inv, out_dtype,
                            columnwise=(True, True))
     if out is not None:
         return out
-    dw = dy_t.new_zeros(len(dyg.sizes), n, k, dtype=out_dtype)
-    for g, m in enumerate(dyg.sizes):
-        if m:
-            dw[g] = gemm(dyg.columnwise_part(g, dy_t), xg.columnwise_part(g, x_t), out_dtype, f"{name} (expert {g})")
+    dw = dyg.data.new_empty(len(dyg.sizes), n, k, dtype=out_dtype)
+    for g, (o, m) in enumerate(zip(dyg.offsets, dyg.sizes)):
+        if m == 0:
+            dw[g].zero_()
+            continue
+        # each expert's columnwise forms: the transposes of its rows (per-tensor FP8)
+        dy_t, x_t = transposed_copy(dyg.data[o:o + m]), transposed_copy(xg.data[o:o + m])
+        dw[g] = gemm(dyg.columnwise_part(g, dy_t, whole=True), xg.columnwise_part(g, x_t, whole=True), out_dtype,
+                     f"{name} (expert {g})")
     return dw
