@@ -6,7 +6,10 @@ A layer whose recipe uses delayed scaling gets, per delayed-scaling quantizer, t
     {prefix}delayed_scaling.{tensor type}[.{i}].scale          fp32 [1]
     {prefix}delayed_scaling.{tensor type}[.{i}].update_pending bool [] (an amax recorded, the update not yet run)
 
-(`.{i}` numbers the parts of a hybrid quantizer that use delayed scaling). Loading them restores the state bit for
+(`.{i}` numbers the parts of a hybrid quantizer that use delayed scaling). A `GroupedLinear`'s tensor type is per
+expert: `experts.{e}.{tensor type}`. An expert module converted by `convert_experts` holds its GroupedLinears
+outside its submodules (its state_dict keys stay the model's), so the module itself carries their state:
+`{prefix}delayed_scaling.{weight name}.experts.{e}.{tensor type}[.{i}].{field}`. Loading them restores the state bit for
 bit, so a resumed run casts exactly as the uninterrupted one; `torch.load(weights_only=True)` reads them (plain
 tensors), and `torch.distributed.checkpoint` saves them like any other tensor. A layer without delayed scaling has
 no such keys (its state_dict is nn.Linear's). A state_dict with none of a layer's keys (nn.Linear's, weights only)
@@ -24,13 +27,23 @@ PREFIX = "delayed_scaling."
 FIELDS = ("amax_history", "scale", "update_pending")
 
 
+def _roles(module: nn.Module) -> dict:
+    """{key stem of a tensor type: quantizer} of a hybridq Linear, a GroupedLinear or a converted expert module."""
+    from .grouped import converted_experts  # (grouped imports linear, which imports this module)
+
+    if hasattr(module, "expert_quantizers"):  # GroupedLinear: one set per expert
+        return {f"experts.{e}.{t}": q for e, qs in enumerate(module.expert_quantizers) for t, q in qs.items()}
+    if hasattr(module, "quantizers"):  # Linear
+        return module.quantizers()
+    # an expert module: the GroupedLinear of each converted weight, under that weight's name
+    return {f"{name}.{stem}": q for name, layer in converted_experts(module).items()
+            for stem, q in _roles(layer).items()}
+
+
 def delayed_quantizers(module: nn.Module) -> dict[str, Float8Quantizer]:
     """{key stem: quantizer} of the module's delayed-scaling quantizers (hybrids contribute their parts)."""
     out: dict[str, Float8Quantizer] = {}
-    if hasattr(module, "expert_quantizers"):  # GroupedLinear: one set per expert
-        roles = {f"experts.{e}.{t}": q for e, qs in enumerate(module.expert_quantizers) for t, q in qs.items()}
-    else:
-        roles = module.quantizers()
+    roles = _roles(module)
     for role, q in roles.items():
         parts = [p for p in q.quantizers() if isinstance(p, Float8Quantizer) and p.is_stateful]
         for i, p in enumerate(parts):

@@ -17,6 +17,7 @@ from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
+from . import delayed_state
 from .grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 
@@ -152,6 +153,7 @@ class GroupedLinear(nn.Module):
         self._weight_caches: list[tuple[Any, QuantizedTensor] | None] = [None] * self.num_experts
         self._cache_columnwise = [False] * self.num_experts
         self.recipe = recipe
+        delayed_state.install(self)  # each expert's delayed-scaling state in state_dict (nn/delayed_state.py)
 
     @property
     def recipe(self) -> CustomRecipe:
@@ -395,3 +397,5 @@ def plan_expert_module(fqn: str, mod: nn.Module, recipe: CustomRecipe, *, save_o
 
 def install_expert_module(mod: nn.Module, wrapped: dict[str, GroupedLinear]) -> None:
     mod.__dict__[_CONVERTED_ATTR] = wrapped  # not a submodule: parameters and state_dict stay as they were
+    # ...so the module itself carries its GroupedLinears' delayed-scaling state (keys only with delayed scaling)
+    delayed_state.install(mod)
