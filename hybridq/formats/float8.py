@@ -48,6 +48,15 @@ class Float8TensorPart(GatherablePart, QuantizedPart):
                    data=transposed_copy(data) if columnwise else data, scale_inv=replicated["scale_inv"])
 
 
+def aligned_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """`[G, 4]` whose column 0 is `scale_inv [G]`: row g's `[:1]` is group g's scale as a tensor of its own that
+    starts 16-byte aligned (cuBLASLt refuses FP8 GEMMs whose scale pointers are not; a `scale_inv[g:g + 1]` view
+    is only 4-byte aligned)."""
+    out = scale_inv.new_zeros(scale_inv.numel(), 4)
+    out[:, 0] = scale_inv.reshape(-1)
+    return out
+
+
 @dataclasses.dataclass
 class Float8RowGroups:
     """Per-tensor FP8 of consecutive row groups, each quantized as its own tensor (the experts of a grouped linear):
@@ -74,11 +83,9 @@ class Float8RowGroups:
                                 scale_inv=self.aligned_scale_inv(g))
 
     def aligned_scale_inv(self, g: int) -> torch.Tensor:
-        """Group g's scale_inv as a `[1]` view that starts 16-byte aligned (cuBLASLt refuses FP8 GEMMs whose scale
-        pointers are not: a plain `scale_inv[g:g + 1]` view is 4-byte aligned)."""
+        """Group g's scale_inv as a `[1]` view that starts 16-byte aligned (see `aligned_scales`)."""
         if self._aligned is None:
-            self._aligned = self.scale_inv.new_zeros(len(self.sizes), 4)
-            self._aligned[:, 0] = self.scale_inv
+            self._aligned = aligned_scales(self.scale_inv)
         return self._aligned[g, :1]
 
     def columnwise_part(self, g: int, transposed: torch.Tensor, whole: bool = False) -> Float8TensorPart:

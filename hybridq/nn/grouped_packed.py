@@ -18,7 +18,8 @@ import torch
 from ..enums import Scaling
 from ..formats import Float8Quantizer
 from ..formats.base import transposed_copy
-from ..formats.float8 import Float8RowGroups, Float8TensorPart
+from ..dispatch import grouped_fp8_gemm_kernel
+from ..formats.float8 import Float8RowGroups, Float8TensorPart, aligned_scales
 from ..gemm import gemm, grouped_gemm_fp8
 
 TENSORS = ("input", "weight", "grad_output")
@@ -104,8 +105,8 @@ class PackedFP8Experts(torch.autograd.Function):
         n = w_data.shape[0] // e
         dx = dw = None
         dyg = layout.quantize(ctx.quantizers["grad_output"], dy, f"grad_output of {name}")
-        if need_dgrad:  # dy rowwise x W columnwise (per-tensor FP8: the byte transpose of W rowwise)
-            w_t = _expert_transpose(w_data, e, n, k)
+        if need_dgrad:  # dy rowwise x W columnwise (per-tensor FP8: each expert's W rowwise bytes transposed)
+            w_t = [transposed_copy(w) for w in w_data.view(e, n, k)]
             dx = layout.unpack(_grouped_rows_gemm(dyg, w_t, w_scale, dy.dtype, f"dgrad of {name}",
                                                   b_columnwise=True))
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
@@ -114,27 +115,26 @@ class PackedFP8Experts(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _expert_transpose(w_data: torch.Tensor, e: int, n: int, k: int) -> torch.Tensor:
-    """`[E, K, N]`: each expert's `[N, K]` fp8 weight bytes transposed (its columnwise form)."""
-    return w_data.view(e, n, k).transpose(1, 2).contiguous()
-
-
-def _grouped_rows_gemm(a: Float8RowGroups, b: torch.Tensor, b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                       name: str, b_columnwise: bool) -> torch.Tensor:
-    """Rows of expert e of `a` (rowwise) times `b[e]^T` (`b`: fp8 `[E, N, K]`, one scale per expert; the weight's
-    rowwise form for fprop, its columnwise form for dgrad): `[rows, N]`."""
-    e, n, _ = b.shape
-    out = grouped_gemm_fp8(a.data, a.scale_inv, list(a.sizes), b, b_scale_inv, out_dtype,
-                           columnwise=(False, b_columnwise))
-    if out is not None:
-        return out
+def _grouped_rows_gemm(a: Float8RowGroups, b: torch.Tensor | list[torch.Tensor], b_scale_inv: torch.Tensor,
+                       out_dtype: torch.dtype, name: str, b_columnwise: bool) -> torch.Tensor:
+    """Rows of expert e of `a` (rowwise) times `b[e]^T` (`b`: fp8 `[E, N, K]` or E `[N, K]` tensors, one scale per
+    expert; the weight's rowwise form for fprop, its columnwise form for dgrad): `[rows, N]`."""
+    e = len(b)
+    n, k = b[0].shape
+    if isinstance(b, list) and a.data.dtype == b[0].dtype == torch.float8_e4m3fn and grouped_fp8_gemm_kernel(
+            a.data.device.type) is not None:  # (the grouped GEMMs take E4M3 only: stack for them alone)
+        b = torch.stack(b)
+    if not isinstance(b, list):
+        out = grouped_gemm_fp8(a.data, a.scale_inv, list(a.sizes), b, b_scale_inv, out_dtype,
+                               columnwise=(False, b_columnwise))
+        if out is not None:
+            return out
     parts = []
-    b_groups = Float8RowGroups(data=b.view(-1, b.shape[2]), scale_inv=b_scale_inv, sizes=(n,) * e)
+    b_scales = aligned_scales(b_scale_inv)
     for g in range(e):
         if a.sizes[g] == 0:
             continue
-        bp = Float8TensorPart(rows=n, cols=b.shape[2], columnwise=b_columnwise, data=b[g],
-                              scale_inv=b_groups.aligned_scale_inv(g))
+        bp = Float8TensorPart(rows=n, cols=k, columnwise=b_columnwise, data=b[g], scale_inv=b_scales[g, :1])
         parts.append(gemm(a.part(g), bp, out_dtype, f"{name} (expert {g})"))
     return torch.cat(parts) if parts else a.data.new_zeros(0, n, dtype=out_dtype)
 
