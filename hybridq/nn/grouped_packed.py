@@ -6,7 +6,7 @@ on sm_90 for E4M3 x E4M3), else one GEMM per expert on views of the packed parts
 Numbers: each expert's slice is quantized exactly as the per-expert path quantizes it (same zero-padded token
 count, its own amax), and each GEMM multiplies the same quantized operands: on the CPU (emulated GEMMs) the result is
 bitwise that of the per-expert path; on a GPU the grouped GEMM may round differently from the per-expert
-`torch._scaled_mm` (stated tolerance in docs/numerics.md).
+`torch._scaled_mm` (docs/numerics.md, "Row groups and grouped GEMMs").
 """
 
 from __future__ import annotations
