@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import Float8Quantizer
+from .expert_layers import converted_experts
 
 PREFIX = "delayed_scaling."
 FIELDS = ("amax_history", "scale", "update_pending")
@@ -29,8 +30,6 @@ FIELDS = ("amax_history", "scale", "update_pending")
 
 def _roles(module: nn.Module) -> dict:
     """{key stem of a tensor type: quantizer} of a hybridq Linear, a GroupedLinear or a converted expert module."""
-    from .grouped import converted_experts  # (grouped imports linear, which imports this module)
-
     if hasattr(module, "expert_quantizers"):  # GroupedLinear: one set per expert
         return {f"experts.{e}.{t}": q for e, qs in enumerate(module.expert_quantizers) for t, q in qs.items()}
     if hasattr(module, "quantizers"):  # Linear

@@ -18,6 +18,7 @@ from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
 from . import delayed_state
+from .expert_layers import converted_experts, converted_layer, set_converted
 from .grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 
@@ -314,16 +315,13 @@ class GroupedLinear(nn.Module):
 # ---- expert modules: the conversion protocol -------------------------------------------------------------------
 
 PROTOCOL_ATTR = "hybridq_grouped_weights"
-_CONVERTED_ATTR = "_hybridq_grouped"
-
-
 def grouped_mm(module: nn.Module, weight_name: str, x: torch.Tensor,
                m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """`y[rows of expert e] = x[rows of expert e] @ W[e]^T` for the `[E, out, in]` parameter `weight_name` of an
     expert module (one listing it in `hybridq_grouped_weights`). After `convert_experts` this is the module's
     GroupedLinear for that weight (quantized per the recipe); before, the same product in high precision."""
     weight = getattr(module, weight_name)
-    converted = module.__dict__.get(_CONVERTED_ATTR, {}).get(weight_name)
+    converted = converted_layer(module, weight_name)
     if converted is None:
         if sum(int(v) for v in m_splits) != x.shape[0]:
             raise ValueError(f"grouped_mm of {weight_name}: m_splits sum to {sum(int(v) for v in m_splits)} but "
@@ -344,11 +342,6 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...] | None:
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{type(module).__name__}.{PROTOCOL_ATTR} must be a tuple of parameter names, got {names!r}")
     return tuple(names)
-
-
-def converted_experts(module: nn.Module) -> dict[str, GroupedLinear]:
-    """weight name -> GroupedLinear of an expert module converted by convert_experts (empty if not converted)."""
-    return dict(module.__dict__.get(_CONVERTED_ATTR, {}))
 
 
 def convert_experts(model: nn.Module, recipe: CustomRecipe, *, save_original_input: bool = False
@@ -396,6 +389,6 @@ def plan_expert_module(fqn: str, mod: nn.Module, recipe: CustomRecipe, *, save_o
 
 
 def install_expert_module(mod: nn.Module, wrapped: dict[str, GroupedLinear]) -> None:
-    mod.__dict__[_CONVERTED_ATTR] = wrapped  # not a submodule: parameters and state_dict stay as they were
+    set_converted(mod, wrapped)  # not a submodule: parameters and state_dict stay as they were
     # ...so the module itself carries its GroupedLinears' delayed-scaling state (keys only with delayed scaling)
     delayed_state.install(mod)
