@@ -74,7 +74,8 @@ def categorize(name: str) -> str:
     n = name.lower()
     if "hybridq" in n:
         return "hybridq"
-    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn")):
+    # cudnn: torch's cuDNN SDPA backend also launches helper kernels (cudnn::fusion::...); the model has no conv
+    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn", "cudnn")):
         return "attention"
     if "memcpy" in n or "memset" in n or ("copy" in n and ("fsdp" in n or "multi_tensor_apply" in n)):
         return "memcpy"  # FSDP2's all-gather copy-in/out (a foreach copy on the GPU) is data movement, not optimizer
@@ -205,7 +206,9 @@ def summarize_events(events, device_type: str, top: int, hq_functions: frozenset
     inside = collections.Counter()
     if device_type == "cuda":
         for e in events:
-            if e.device_type == DeviceType.CPU and e.kernels and step_of(e.time_range.start) is not None \
+            # ops only ("ns::name"): the profiler also hangs a kernel on its own records (Activity Buffer Request)
+            if e.device_type == DeviceType.CPU and e.kernels and "::" in e.name \
+                    and step_of(e.time_range.start) is not None \
                     and (e.name in hq_functions or any(a in hq_functions for a in _ancestors(e))):
                 for k in e.kernels:
                     inside[categorize(k.name)] += k.duration

@@ -33,6 +33,12 @@ import profile_step as ps  # noqa: E402
     ("_ZN7cutlass13device_kernelIN5flash16enable_sm90_or_laterINS1_16FlashAttnFwdSm90E", "attention"),
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)", "attention"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x256_4x1x1_cga1x1", "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 256>(void const*, void const*, void*)", "attention"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_64x64_8x5_nt_align1>(cutlass_80_simt_sgemm_64x64_8x5_nt_align1"
+     "::Params)", "gemm"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize32x32x8_stage3_warpsize1x2x1_ffma_aligna4_alignc4_execute_kernel",
+     "gemm"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
      "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, 1, 0>>(...)",
      "optimizer"),
