@@ -264,6 +264,23 @@ def start_state(recipe_name: str, ck: dict, model, optimizer, args, env: Env, ou
     return 0, []
 
 
+def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantized: bool) -> torch.Tensor:
+    """One optimizer step on the batch (x, y) already on the device: forward, cross-entropy, backward, gradient
+    clipping, AdamW, and (quantized runs) the next all-gathers' scales. Returns the loss tensor without waiting
+    for it (launch/profile_step.py times and profiles exactly this)."""
+    logits = model(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    aux = model.aux_loss()  # MoE load balancing (logged: the cross-entropy alone)
+    (loss if aux is None else loss + args.moe_aux_weight * aux).backward()
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if quantized:  # the next all-gathers' global amaxes, one fused all-reduce
+        hybridq.precompute_scales(model)
+    return loss
+
+
 def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tensor, ck: dict,
               metrics: MetricsFile) -> dict:
     model, optimizer = build(recipe_name, args, env, out)
@@ -291,16 +308,7 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
         x, y = data.get(step)
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        aux = model.aux_loss()  # MoE load balancing (logged: the cross-entropy alone)
-        (loss if aux is None else loss + args.moe_aux_weight * aux).backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if quantized:  # the next all-gathers' global amaxes, one fused all-reduce
-            hybridq.precompute_scales(model)
+        loss = train_step(model, optimizer, x, y, args, quantized)
         loss_val = all_mean(loss, env)  # also a sync point for the timing
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
