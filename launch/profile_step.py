@@ -305,6 +305,7 @@ def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_function
         pathlib.Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(pathlib.Path(a.trace_dir) / f"{recipe}.json"))
     res = summarize_events(prof.events(), env.device.type, a.top, hq_functions)
+    res["host_top"] = host_top(prof, a.steps, a.top)
     res["profiled_host_ms"] = statistics.fmean(prof_host) * 1e3
     res["profiled_wall_ms_perf_counter"] = statistics.fmean(prof_wall) * 1e3
     del prof
@@ -326,6 +327,13 @@ def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_function
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(env.device)
     return res
+
+
+def host_top(prof, steps: int, top: int) -> list[dict]:
+    """The ops with the most self CPU time (where the host time of a step goes), per step."""
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count / steps}
+            for e in rows[:top] if not e.key.startswith(STEP_MARK)]
 
 
 # ---- printing ---------------------------------------------------------------------------------------
@@ -480,6 +488,11 @@ def main(argv=None) -> int:
             print(f"\n## top {a.top} {'kernels' if env.device.type == 'cuda' else 'CPU ops (self time)'}: "
                   f"{r['recipe']}\n")
             print(top_table(r))
+        for r in results:
+            print(f"\n## top {a.top} host ops by self CPU time: {r['recipe']}\n")
+            print(fmt_table([["op", "self CPU ms/step", "calls/step"]]
+                            + [[h["name"][:90], f"{h['self_cpu_ms']:.2f}", f"{h['calls']:.0f}"]
+                               for h in r["host_top"]]))
         print("\n## step times without the profiler\n")
         for r in results:
             print("\n".join(timing_lines(r)))
