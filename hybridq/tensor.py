@@ -139,7 +139,7 @@ class QuantizedTensor(torch.Tensor):
         if handler is None:
             raise NotImplementedError(
                 f"hybridq QuantizedTensor does not support {func}; call .dequantize() to get a plain "
-                f"tensor first"
+                f"tensor first" + _parameter_hint(args)
             )
         return handler(func, *args, **kwargs)
 
@@ -176,6 +176,28 @@ def _to_copy(func, t, *, dtype=None, layout=None, device=None, pin_memory=None, 
         )
     return t.map_parts(lambda x: x.to(device=device, non_blocking=non_blocking)
                        if not pin_memory else x.to(device=device).pin_memory())
+
+
+@_implements(aten.copy_.default)
+def _copy(func, dst, src, non_blocking=False):
+    """Into a quantized parameter (load_state_dict): the source is quantized with the parameter's quantizer."""
+    if not isinstance(dst, QuantizedTensor):
+        raise NotImplementedError("hybridq: copying a QuantizedTensor into a plain tensor: use .dequantize()")
+    from .nn.quantized_params import copy_into  # (the layers import this module: no import at load time)
+
+    return copy_into(dst, src)
+
+
+def _parameter_hint(args) -> str:
+    """Why an op on a quantized parameter (hybridq.quantized_model_init) cannot run, and what to do instead."""
+    for a in args:
+        info = getattr(a, "_hybridq_param", None) if isinstance(a, QuantizedTensor) else None
+        if info is not None:
+            return (f". It is the quantized weight of {info.layer} ({info.describe()}), which holds no high-precision "
+                    f"values: optimizers must keep fp32 masters (hybridq.distributed.ZeroAdamW or "
+                    f"quantize_master_weights); FSDP2's fully_shard does not take quantized parameters (shard the "
+                    f"high-precision model with hybridq.apply_hybrid_fsdp, which all-gathers weights quantized)")
+    return ""
 
 
 @_implements(aten.is_pinned.default)
