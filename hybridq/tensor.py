@@ -91,10 +91,18 @@ class QuantizedTensor(torch.Tensor):
     def nbytes_quantized(self) -> int:
         return sum(p.nbytes() for p in (self._rowwise, self._columnwise) if p is not None)
 
+    # attributes a quantized parameter carries (hybridq.nn.quantized_params) that survive detach, device moves and
+    # re-wrapping as nn.Parameter (Module.to / _apply build a new Parameter from the moved tensor)
+    carried_attributes = ("_hybridq_param", "_hybridq_init_value")
+
     def map_parts(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedTensor":
         r = self._rowwise.map_tensors(fn) if self._rowwise is not None else None
         c = self._columnwise.map_tensors(fn) if self._columnwise is not None else None
-        return QuantizedTensor(r, c, shape=self.shape, dtype=self.dtype)
+        out = QuantizedTensor(r, c, shape=self.shape, dtype=self.dtype)
+        for name in self.carried_attributes:
+            if name in self.__dict__:
+                out.__dict__[name] = self.__dict__[name]
+        return out
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
