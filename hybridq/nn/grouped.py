@@ -18,6 +18,7 @@ from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
+from .quantized_params import init_config, refuse_grouped
 
 TENSORS = ("input", "weight", "grad_output")
 MODULE_TYPE = "grouped_linear"
@@ -137,6 +138,8 @@ class GroupedLinear(nn.Module):
         self._weight_caches: list[tuple[Any, QuantizedTensor] | None] = [None] * self.num_experts
         self._cache_columnwise = [False] * self.num_experts
         self.recipe = recipe
+        if init_config() is not None:  # inside hybridq.quantized_model_init
+            refuse_grouped(self.name)
 
     @property
     def recipe(self) -> CustomRecipe:

@@ -99,11 +99,15 @@ def _layers(model: nn.Module):
 
     for name, mod in model.named_modules():
         if isinstance(mod, GroupedLinear):
-            raise NotImplementedError(
-                f"hybridq: quantized parameters are not supported for GroupedLinear yet ({name or mod.name!r}); keep "
-                f"its weight in high precision (exclude it, e.g. build it outside quantized_model_init)")
+            refuse_grouped(name or mod.name)
         if isinstance(mod, Linear):
             yield name, mod
+
+
+def refuse_grouped(name: str) -> None:
+    raise NotImplementedError(
+        f"hybridq: quantized parameters are not supported for GroupedLinear yet ({name!r}); keep its weight in high "
+        f"precision (build it outside quantized_model_init, or quantize_parameters on the dense layers only)")
 
 
 def quantize_parameters(model: nn.Module, *, preserve_high_precision_init_val: bool = False) -> list[str]:
