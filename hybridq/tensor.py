@@ -191,9 +191,16 @@ def _copy(func, dst, src, non_blocking=False):
     """Into a quantized parameter (load_state_dict): the source is quantized with the parameter's quantizer."""
     if not isinstance(dst, QuantizedTensor):
         raise NotImplementedError("hybridq: copying a QuantizedTensor into a plain tensor: use .dequantize()")
-    from .nn.quantized_params import copy_into  # (the layers import this module: no import at load time)
+    if not _COPY_INTO:
+        raise NotImplementedError("hybridq QuantizedTensor does not support copy_ (import hybridq.nn)")
+    return _COPY_INTO[0](dst, src)
 
-    return copy_into(dst, src)
+
+_COPY_INTO: list = []  # hybridq.nn.quantized_params registers how a copy into a quantized parameter quantizes
+
+
+def register_copy_into(fn: Callable) -> None:
+    _COPY_INTO[:] = [fn]
 
 
 def _parameter_hint(args) -> str:

@@ -18,7 +18,7 @@ from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource, QuantizedGatherShard
 from . import delayed_state
-from .quantized_params import init_config, quantize_parameters, quantized_param_info, weight_for_call
+from .quantized_params import init_config, quantize_layer, quantized_param_info, weight_for_call
 
 log = logging.getLogger("hybridq")
 
@@ -311,7 +311,7 @@ class Linear(nn.Linear):
         delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
         config = init_config()
         if config is not None:  # inside hybridq.quantized_model_init: hold the weight only quantized
-            quantize_parameters(self, preserve_high_precision_init_val=config["preserve"])
+            quantize_layer(self, preserve_high_precision_init_val=config["preserve"])
 
     @property
     def recipe(self) -> CustomRecipe:

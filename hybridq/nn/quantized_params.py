@@ -2,7 +2,7 @@
 the model's dtype and shape), as Transformer Engine's quantized params / torchao's quantized training hold them.
 
 - `quantized_model_init()`: Linear layers built inside hold their weight only quantized;
-  `quantize_parameters(model)` converts the hybridq Linear layers of an existing model.
+  `quantize_parameters(model)` (param_conversion.py) converts the hybridq Linear layers of an existing model.
 - Stored directions: rowwise (fprop) always; columnwise (dgrad) only when the recipe's backward reads it and it is
   not an exact transform of the rowwise form (per-tensor FP8, 2-D tiles, double quantization derive it at each
   training forward, so FP8 weights take ~1 byte per element and NVFP4 16x16 ~0.56).
@@ -26,9 +26,9 @@ import torch.nn as nn
 
 from ..enums import COLUMNWISE, ROWWISE
 from ..formats.base import Quantizer, shape_2d
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, register_copy_into
 
-__all__ = ["QuantizedParamInfo", "quantized_model_init", "quantize_parameters", "parameter_memory",
+__all__ = ["QuantizedParamInfo", "quantized_model_init", "quantize_layer", "parameter_memory",
            "ParameterMemory", "quantized_param_info", "weight_for_call", "high_precision_init_value"]
 
 INFO_ATTR = "_hybridq_param"  # QuantizedParamInfo on a quantized parameter
@@ -93,34 +93,15 @@ def _columnwise_plan(q: Quantizer, shape, dtype: torch.dtype, columnwise: bool) 
     return not derivable, derivable
 
 
-def _layers(model: nn.Module):
-    from .grouped import GroupedLinear
-    from .linear import Linear
-
-    for name, mod in model.named_modules():
-        if isinstance(mod, GroupedLinear):
-            refuse_grouped(name or mod.name)
-        if isinstance(mod, Linear):
-            yield name, mod
-
-
 def refuse_grouped(name: str) -> None:
     raise NotImplementedError(
         f"hybridq: quantized parameters are not supported for GroupedLinear yet ({name!r}); keep its weight in high "
         f"precision (build it outside quantized_model_init, or quantize_parameters on the dense layers only)")
 
 
-def quantize_parameters(model: nn.Module, *, preserve_high_precision_init_val: bool = False) -> list[str]:
-    """Make the weight of every hybridq `Linear` in `model` (itself included) a quantized parameter, like
-    `quantized_model_init` does at construction; returns the names of the layers converted. Every layer is
-    checked first (shape rules of the directions the recipe needs, delayed scaling, FSDP2 / DTensor weights):
-    an error names the layer, the format and the rule, with no layer changed. Already quantized weights are left
-    as they are. Call it after `convert_linears` and after moving the model to its device and dtype."""
-    layers = [(n, m) for n, m in _layers(model) if quantized_param_info(m.weight) is None]
-    plans = [(n, m, check_layer(m)) for n, m in layers]
-    for _, m, plan in plans:
-        _install(m, plan, preserve_high_precision_init_val)
-    return [m.name for _, m, _ in plans]
+def quantize_layer(layer: nn.Module, *, preserve_high_precision_init_val: bool = False) -> None:
+    """Make one hybridq Linear's weight a quantized parameter (checked first; see `check_layer`)."""
+    _install(layer, check_layer(layer), preserve_high_precision_init_val)
 
 
 def check_layer(layer: nn.Module) -> tuple[Quantizer, bool, bool]:
@@ -209,6 +190,9 @@ def copy_into(dst: QuantizedTensor, src: torch.Tensor) -> QuantizedTensor:
         if dst.has(d):
             copy_part_into(dst.part(d), new.part(d))
     return dst
+
+
+register_copy_into(copy_into)
 
 
 def copy_part_into(dst, src) -> None:
