@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import hybridq as hq
+from hybridq.nn.quantized_params import quantized_param_info
 
 from _compare import assert_bitwise, assert_parts_bitwise
 
@@ -141,3 +142,11 @@ def test_single_process_master_refresh_equals_quantizing_the_master():
     for d in ("rowwise", "columnwise"):
         assert_parts_bitwise(ql.weight.part(d), want.part(d), f"{d} form after the refresh")
     assert_bitwise(ql.bias, torch.ones(M, dtype=torch.bfloat16), "plain parameter after the refresh")
+
+
+def test_apply_hybrid_fsdp_refuses_quantized_parameters():
+    with hq.quantized_model_init():
+        model = nn.Sequential(hq.Linear(64, 64, recipe=hq.recipe("fp8_tensorwise"), name="fc"))
+    with pytest.raises(NotImplementedError, match=r"0.weight is the quantized weight of fc .*ZeroAdamW"):
+        hq.apply_hybrid_fsdp(model, hq.recipe("fp8_tensorwise"))
+    assert quantized_param_info(model[0].weight) is not None
