@@ -63,7 +63,8 @@ class _Task:
     part_type: type | None = None
     meta: dict = dataclasses.field(default_factory=dict)
     hints: dict = dataclasses.field(default_factory=dict)
-    local: torch.Tensor | None = None  # this rank's padded rows filled for quantization (blocks)
+    local: torch.Tensor | None = None  # this rank's padded rows, other ranks' elements 0 (blocks)
+    replicated: dict = dataclasses.field(default_factory=dict)  # tensors every rank computes alike (global scale)
 
     @property
     def columnwise(self) -> bool:
