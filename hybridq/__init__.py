@@ -12,6 +12,7 @@ from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer
 from .gemm import register_native_gemm
 from .kernels import extension_available, update_delayed_scaling  # also registers device kernels / GEMMs
 from .nn import ConversionReport, GroupedLinear, Linear, convert_experts, convert_linears, grouped_mm
+from .nn import ParameterMemory, high_precision_init_value, parameter_memory, quantize_parameters, quantized_model_init
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
 from .offload import CPUOffload
@@ -25,5 +26,6 @@ __all__ = [
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "GroupedLinear", "convert_linears", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
     "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
+    "quantized_model_init", "quantize_parameters", "parameter_memory", "ParameterMemory", "high_precision_init_value",
 ]
 __version__ = "0.1.0"

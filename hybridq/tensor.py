@@ -91,10 +91,18 @@ class QuantizedTensor(torch.Tensor):
     def nbytes_quantized(self) -> int:
         return sum(p.nbytes() for p in (self._rowwise, self._columnwise) if p is not None)
 
+    # attributes a quantized parameter carries (hybridq.nn.quantized_params) that survive detach, device moves and
+    # re-wrapping as nn.Parameter (Module.to / _apply build a new Parameter from the moved tensor)
+    carried_attributes = ("_hybridq_param", "_hybridq_init_value")
+
     def map_parts(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedTensor":
         r = self._rowwise.map_tensors(fn) if self._rowwise is not None else None
         c = self._columnwise.map_tensors(fn) if self._columnwise is not None else None
-        return QuantizedTensor(r, c, shape=self.shape, dtype=self.dtype)
+        out = QuantizedTensor(r, c, shape=self.shape, dtype=self.dtype)
+        for name in self.carried_attributes:
+            if name in self.__dict__:
+                out.__dict__[name] = self.__dict__[name]
+        return out
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -139,7 +147,7 @@ class QuantizedTensor(torch.Tensor):
         if handler is None:
             raise NotImplementedError(
                 f"hybridq QuantizedTensor does not support {func}; call .dequantize() to get a plain "
-                f"tensor first"
+                f"tensor first" + _parameter_hint(args)
             )
         return handler(func, *args, **kwargs)
 
@@ -176,6 +184,35 @@ def _to_copy(func, t, *, dtype=None, layout=None, device=None, pin_memory=None, 
         )
     return t.map_parts(lambda x: x.to(device=device, non_blocking=non_blocking)
                        if not pin_memory else x.to(device=device).pin_memory())
+
+
+@_implements(aten.copy_.default)
+def _copy(func, dst, src, non_blocking=False):
+    """Into a quantized parameter (load_state_dict): the source is quantized with the parameter's quantizer."""
+    if not isinstance(dst, QuantizedTensor):
+        raise NotImplementedError("hybridq: copying a QuantizedTensor into a plain tensor: use .dequantize()")
+    if not _COPY_INTO:
+        raise NotImplementedError("hybridq QuantizedTensor does not support copy_ (import hybridq.nn)")
+    return _COPY_INTO[0](dst, src)
+
+
+_COPY_INTO: list = []  # hybridq.nn.quantized_params registers how a copy into a quantized parameter quantizes
+
+
+def register_copy_into(fn: Callable) -> None:
+    _COPY_INTO[:] = [fn]
+
+
+def _parameter_hint(args) -> str:
+    """Why an op on a quantized parameter (hybridq.quantized_model_init) cannot run, and what to do instead."""
+    for a in args:
+        info = getattr(a, "_hybridq_param", None) if isinstance(a, QuantizedTensor) else None
+        if info is not None:
+            return (f". It is the quantized weight of {info.layer} ({info.describe()}), which holds no high-precision "
+                    f"values: optimizers must keep fp32 masters (hybridq.distributed.ZeroAdamW or "
+                    f"quantize_master_weights); FSDP2's fully_shard does not take quantized parameters (shard the "
+                    f"high-precision model with hybridq.apply_hybrid_fsdp, which all-gathers weights quantized)")
+    return ""
 
 
 @_implements(aten.is_pinned.default)

@@ -7,7 +7,8 @@ unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded w
 weights `[E, out, in]`, each expert gathered quantized), `api` (the public
 entry points) and `accounting` (bytes on the wire). Tensor parallelism: `tensor_parallel` (hybridq's
 ColwiseParallel / RowwiseParallel / PrepareModuleInput), `sequence` (the quantized sequence-parallel all-gather)
-and `pieces` (a rank's piece of a tensor quantized with the whole tensor's statistics).
+and `pieces` (a rank's piece of a tensor quantized with the whole tensor's statistics). ZeRO optimizers:
+`fragments` (flat fragments of a weight), `master_weights` (quantize_master_weights) and `zero` (ZeroAdamW).
 """
 
 from .accounting import bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
@@ -16,7 +17,11 @@ from .gathered import GatheredWeight
 from .grouped import GroupedGatheredWeight, GroupedHybridWeight
 from .tensor_parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from .weights import HybridWeight
+from .fragments import FragmentLayout
+from .master_weights import quantize_master_weights
+from .zero import ZeroAdamW
 
 __all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "GroupedHybridWeight",
            "GroupedGatheredWeight", "gather_bytes_per_step", "bytes_table", "sequence_gather_bytes",
-           "sequence_bytes_table", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]
+           "sequence_bytes_table", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput",
+           "quantize_master_weights", "ZeroAdamW", "FragmentLayout"]

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..formats._sharding import dim0_chunks
 from ..nn.convert import ConversionReport, convert_linears
 from ..nn.linear import Linear
+from ..nn.quantized_params import quantized_param_info
 from ..recipe import CustomRecipe, Role
 from .grouped import apply_grouped, check_grouped_recipe, grouped_stats_items, plan_grouped
 from .state import WeightState
@@ -61,6 +62,14 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
     FP8 and 128x128 blocks: rowwise, the columnwise form derived after the gather), each rank keeps its quantized
     shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
     """
+    for name, p in model.named_parameters():
+        info = quantized_param_info(p)
+        if info is not None:
+            raise NotImplementedError(
+                f"apply_hybrid_fsdp: {name} is the quantized weight of {info.layer} ({info.describe()}), held only "
+                f"quantized (quantized_model_init / quantize_parameters); FSDP2 shards high-precision parameters and "
+                f"all-gathers them quantized itself. Apply it to the model without quantized parameters, or train the "
+                f"quantized-parameter model with hybridq.distributed.ZeroAdamW")
     for fqn, mod in model.named_modules():
         candidates = [(f"{fqn}.{n}" if fqn else n, c) for n, c in mod.named_children() if isinstance(c, nn.Linear)]
         for full, child in candidates:

@@ -21,6 +21,7 @@ from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, set_converted
 from .grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
+from .quantized_params import init_config, refuse_grouped
 
 TENSORS = ("input", "weight", "grad_output")
 MODULE_TYPE = "grouped_linear"
@@ -149,6 +150,8 @@ class GroupedLinear(nn.Module):
 
     def _setup(self, recipe: CustomRecipe, name: str, save_original_input: bool) -> None:
         self.name = name or f"GroupedLinear({self.num_experts}x{self.in_features}->{self.out_features})"
+        if init_config() is not None:  # inside hybridq.quantized_model_init
+            refuse_grouped(self.name)
         self._role_name = name
         self.save_original_input = save_original_input
         self._weight_caches: list[tuple[Any, QuantizedTensor] | None] = [None] * self.num_experts

@@ -18,6 +18,7 @@ from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource, QuantizedGatherShard
 from . import delayed_state
+from .quantized_params import init_config, quantize_layer, quantized_param_info, weight_for_call
 
 log = logging.getLogger("hybridq")
 
@@ -132,10 +133,10 @@ def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cac
     view of x, quantized x, quantized W, y `[M, N]`)."""
     x2d = x.reshape(-1, x.shape[-1])
     xq = _quantize_input(cfg.input_q, x, x2d, x_col, f"input of {cfg.name}", cfg.input_gather)
-    if isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
-        wq = weight
-    elif cached_weight is not None:
+    if cached_weight is not None:  # the is_first_microbatch cache, or a quantized parameter's call form
         wq = cached_weight
+    elif isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
+        wq = weight
     else:
         wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
     y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype, f"fprop of {cfg.name}")
@@ -308,6 +309,9 @@ class Linear(nn.Linear):
         self._cache_columnwise = False
         self.recipe = recipe
         delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
+        config = init_config()
+        if config is not None:  # inside hybridq.quantized_model_init: hold the weight only quantized
+            quantize_layer(self, preserve_high_precision_init_val=config["preserve"])
 
     @property
     def recipe(self) -> CustomRecipe:
@@ -434,7 +438,9 @@ class Linear(nn.Linear):
         cfg = self._config(override)
         weight, bias = self.weight, self.bias
         cache = None
-        if is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
+        if quantized_param_info(weight) is not None:  # the weight is held quantized (quantized_model_init)
+            cache = lambda need_columnwise: weight_for_call(weight, need_columnwise)
+        elif is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
             cache = lambda need_columnwise: self._cached_weight(is_first_microbatch, need_columnwise)
         return apply_linear(x, weight, bias, cfg, cache)
 

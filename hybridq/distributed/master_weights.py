@@ -1,0 +1,382 @@
+"""`quantize_master_weights`: refresh a model's weights from fp32 master fragments owned by different ranks (ZeRO
+optimizers), so that every rank's weight is bitwise the quantization of the whole master cast to the model dtype.
+
+Per call: each fragment is cast to the model dtype (as FSDP2's param_dtype cast); one MAX all-reduce carries every
+per-tensor statistic (global amaxes) and the partial amaxes of the blocks that fragments share
+(`fragments.edge_block_rows`); each rank quantizes the rows its fragment touches, widened to whole block rows,
+with every element it does not own set to its block's full amax -- so each block's amax, hence its scale, is the
+whole weight's, and every owned element is encoded as the whole weight's quantization encodes it; then one
+all-gather carries the owned elements' codes and each rank's share of the scale rows (`owned_block_rows`), from
+which every rank assembles the weight's parts and copies them into the parameter's buffers.
+
+Directions by what their blocks allow:
+- "elementwise": per-tensor FP8 and identity (no blocks): the fragment is quantized as it is;
+- "blocks": 1-D blocks and 2-D tiles (FP8 1x128 / 128x128, MXFP8, NVFP4 without the Hadamard transform);
+- "high_precision": NVFP4's Hadamard-transformed columnwise form mixes 16 rows of a column: the fragments are
+  gathered in the model dtype and every rank quantizes the whole weight in that direction (exact, 2 bytes per
+  element on the wire);
+- "plain": a parameter held in high precision (norms, biases, embeddings): the cast fragment is gathered.
+A direction the format derives exactly from the other (per-tensor FP8, 2-D tiles, double quantization) is not
+stored by a quantized parameter (`quantized_params`), so nothing is sent for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..enums import COLUMNWISE, ROWWISE
+from ..formats._numerics import pack_nibbles, unpack_nibbles
+from ..formats._sharding import cdiv
+from ..formats.base import Quantizer, shape_2d
+from ..formats.float8_block import Float8BlockPart
+from ..formats.hybrid import HybridQuantizer
+from ..nn.quantized_params import copy_part_into, quantized_param_info
+from ..tensor import QuantizedTensor
+from .fragments import FragmentLayout, edge_block_rows, gather_layouts, owned_block_rows, padded_rows
+
+__all__ = ["quantize_master_weights"]
+
+
+@dataclasses.dataclass
+class _Task:
+    """One direction of one weight (or a plain weight): how it is made and what it sends."""
+
+    index: int
+    direction: str | None
+    kind: str  # "elementwise" | "blocks" | "high_precision" | "plain"
+    q: Quantizer | None  # the plain quantizer of this direction
+    m: int
+    k: int
+    dtype: torch.dtype
+    gr: int = 1
+    gc: int = 1
+    n_global: int = 0  # length of the direction's global statistics
+    edges: tuple[int, ...] = ()
+    stats_at: int = 0
+    packed: bool = False  # two codes per byte (NVFP4)
+    code_dtype: torch.dtype | None = None  # the data buffer's dtype
+    scales: tuple = ()  # (name, row_block, row shape, dtype) of each scale buffer in row order
+    part_type: type | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+    hints: dict = dataclasses.field(default_factory=dict)
+    local: torch.Tensor | None = None  # this rank's padded rows, other ranks' elements 0 (blocks)
+    replicated: dict = dataclasses.field(default_factory=dict)  # tensors every rank computes alike (global scale)
+
+    @property
+    def columnwise(self) -> bool:
+        return self.direction == COLUMNWISE
+
+
+def _direction_quantizer(q: Quantizer, d: str) -> Quantizer:
+    if isinstance(q, HybridQuantizer):
+        return q.rowwise if d == ROWWISE else q.columnwise
+    return q
+
+
+def _grid_tiles(part) -> bool:
+    """FP8 128x128 tiles: the part holds its tile-scale grid (sent here as scale rows of 128 tensor rows)."""
+    return isinstance(part, Float8BlockPart) and part.block_dim == 2
+
+
+def _row_buffers(part, hints: dict) -> tuple[list, dict]:
+    """The part's buffers in row order (name, tensor, row_block), and the tensors every rank computes alike."""
+    if _grid_tiles(part):
+        grid = part.scale_inv.t() if part.columnwise else part.scale_inv
+        return [("data", part.data_in_row_order(), 1), ("scale_inv", grid.contiguous(), 128)], {}
+    return part.extract_buffers(None, **hints)
+
+
+def _build_part(t: _Task, buffers: dict, replicated: dict):
+    rows, cols = (t.k, t.m) if t.columnwise else (t.m, t.k)
+    if t.part_type is Float8BlockPart and t.meta.get("block_dim") == 2:
+        grid = buffers["scale_inv"]
+        return Float8BlockPart(rows=rows, cols=cols, columnwise=t.columnwise,
+                               data=Float8BlockPart.data_from_row_order(buffers["data"], t.columnwise),
+                               scale_inv=grid.t().contiguous() if t.columnwise else grid, block_dim=2)
+    return t.part_type.assign_gathered(buffers, replicated, rows=rows, cols=cols, columnwise=t.columnwise,
+                                       meta=t.meta, **t.hints)
+
+
+def _plan(index: int, w: torch.Tensor, name: str) -> list[_Task]:
+    m, k = shape_2d(tuple(w.shape))
+    info = quantized_param_info(w)
+    if info is None:
+        if isinstance(w, QuantizedTensor):
+            raise TypeError(f"hybridq quantize_master_weights: {name} is a QuantizedTensor but not a quantized "
+                            f"parameter (hybridq.quantized_model_init / quantize_parameters)")
+        return [_Task(index, None, "plain", None, m, k, w.dtype)]
+    tasks = []
+    for d in (ROWWISE, COLUMNWISE):
+        if not w.has(d):
+            continue
+        qd = _direction_quantizer(info.quantizer, d)
+        if qd.is_stateful or getattr(qd, "stochastic_rounding", False):
+            raise ValueError(f"hybridq quantize_master_weights: the {d} form of {name} ({info.layer}) uses "
+                             f"{qd.describe()}; {'delayed scaling carries a scale across steps' if qd.is_stateful else 'stochastic rounding draws per fragment'}, "
+                             f"so fragments cannot reproduce the whole weight's quantization")
+        row, col = d == ROWWISE, d == COLUMNWISE
+        if col and getattr(qd, "rht", False):
+            tasks.append(_Task(index, d, "high_precision", qd, m, k, w.dtype))
+            continue
+        gr, gc = qd.split_granularity(row, col)
+        kind = "elementwise" if (gr, gc) == (1, 1) else "blocks"
+        g = qd.global_stats(torch.empty(1, 0, device="meta"), row, col)
+        probe_rows = 1 if kind == "elementwise" else min(gr, m)
+        probe = qd.quantize_parts(torch.empty(probe_rows, k if kind == "blocks" else 1, dtype=w.dtype, device="meta"),
+                                  row, col, **({} if g is None else {"global_stats": torch.zeros(g.numel(),
+                                                                                                 device="meta")}))
+        part = probe[0] if row else probe[1]
+        hints = qd.buffer_hints(d)
+        bufs, _ = _row_buffers(part, hints)
+        data = dict((n, t) for n, t, _ in bufs)["data"]
+        width = k if kind == "blocks" else 1
+        tasks.append(_Task(
+            index, d, kind, qd, m, k, w.dtype, gr, gc, 0 if g is None else g.numel(),
+            packed=data.shape[-1] * 2 == width and width > 1, code_dtype=data.dtype,
+            scales=tuple((n, rb, tuple(t.shape[1:]), t.dtype) for n, t, rb in bufs if n != "data"),
+            part_type=type(part), meta=part.meta(), hints=hints))
+    return tasks
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def _sizes(t: _Task, start: int, length: int) -> list[int]:
+    """Bytes each piece of the task takes in a rank's payload: codes, then each scale buffer's rows."""
+    if t.kind in ("plain", "high_precision"):
+        return [length * _nbytes((), t.dtype)]
+    codes = cdiv(length, 2) if t.packed else length * _nbytes((), t.code_dtype)
+    out = [codes]
+    for _, rb, shape, dtype in t.scales:
+        a, b = owned_block_rows(start, length, t.k, rb)
+        out.append((b - a) * _nbytes(shape, dtype))
+    return out
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8).reshape(-1) if x.numel() else x.new_empty(0, dtype=torch.uint8)
+
+
+def quantize_master_weights(model_weights: Sequence[torch.Tensor], master_weights: Sequence[torch.Tensor | None],
+                            start_offsets: Sequence[int | None], group=None, *,
+                            layouts: Sequence[FragmentLayout] | None = None) -> None:
+    """Refresh `model_weights` from this rank's fp32 master fragments.
+
+    `master_weights[i]`: this rank's fragment of weight i (a 1-D tensor: a contiguous range of the flattened
+    weight), or None; `start_offsets[i]`: its first element in the flattened weight. Each fragment is cast to
+    the weight's dtype; a quantized parameter (hybridq.quantized_model_init) gets every direction it stores,
+    bitwise equal to quantizing the whole cast master on one device; a plain parameter gets the cast values. All
+    ranks of `group` must call it with the same weights. `layouts` (every rank's fragment of each weight, as
+    `FragmentLayout`) saves the all-gather of the layout; ZeroAdamW passes it.
+
+    Raises before anything changes: a fragment that does not fit its weight, fragments that do not partition a
+    weight, a quantized weight whose format cannot be rebuilt from fragments (delayed scaling, stochastic
+    rounding)."""
+    if not (len(model_weights) == len(master_weights) == len(start_offsets)):
+        raise ValueError(f"hybridq quantize_master_weights: {len(model_weights)} model weights, "
+                         f"{len(master_weights)} master weights and {len(start_offsets)} offsets")
+    names = [quantized_param_info(w).layer if quantized_param_info(w) else f"model weight {i}"
+             for i, w in enumerate(model_weights)]
+    starts, lengths = [], []
+    for i, (w, mw, s) in enumerate(zip(model_weights, master_weights, start_offsets)):
+        if mw is None:
+            starts.append(0)
+            lengths.append(0)
+            continue
+        if mw.dim() != 1 or not mw.is_floating_point():
+            raise ValueError(f"hybridq quantize_master_weights: the master fragment of {names[i]} must be a 1-D "
+                             f"floating-point tensor, got {tuple(mw.shape)} {mw.dtype}")
+        if s is None or s < 0 or s + mw.numel() > w.numel():
+            raise ValueError(f"hybridq quantize_master_weights: the master fragment of {names[i]} "
+                             f"[{s}, {None if s is None else s + mw.numel()}) does not fit its {w.numel()} elements")
+        starts.append(int(s))
+        lengths.append(mw.numel())
+    tasks = [t for i, w in enumerate(model_weights) for t in _plan(i, w, names[i])]
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if layouts is None:
+        layouts = (gather_layouts([w.numel() for w in model_weights], starts, lengths, group) if world > 1 else
+                   [FragmentLayout(w.numel(), ((s, n),)) for w, s, n in zip(model_weights, starts, lengths)])
+    for i, lay in enumerate(layouts):
+        lay.check(names[i])
+        if lay.ranges[rank] != (starts[i], lengths[i]):
+            raise ValueError(f"hybridq quantize_master_weights: layout of {names[i]} gives rank {rank} "
+                             f"{lay.ranges[rank]}, its master fragment is ({starts[i]}, {lengths[i]})")
+
+    with torch.no_grad():
+        frags = [None if mw is None else mw.to(device=w.device, dtype=w.dtype)
+                 for w, mw in zip(model_weights, master_weights)]
+        stats = _local_stats(tasks, frags, starts, lengths, layouts, model_weights)
+        if stats is not None and world > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+        payload = _local_payload(tasks, frags, starts, lengths, stats, model_weights)
+        payloads = _all_gather(payload, tasks, layouts, world, group)
+        _assemble(tasks, payloads, layouts, model_weights, stats)
+
+
+# ---- the local side: statistics, then the quantized payload -------------------------------------------------
+
+def _local_stats(tasks, frags, starts, lengths, layouts, weights) -> torch.Tensor | None:
+    pieces, at = [], 0
+    for t in tasks:
+        if t.kind not in ("elementwise", "blocks"):
+            continue
+        x = frags[t.index]
+        device = weights[t.index].device
+        t.stats_at = at
+        if t.n_global:
+            flat = (x if x is not None else torch.zeros(0, dtype=t.dtype, device=device)).reshape(1, -1)
+            pieces.append(t.q.global_stats(flat, not t.columnwise, t.columnwise).reshape(-1).float())
+            at += t.n_global
+        if t.kind != "blocks":
+            continue
+        t.edges = edge_block_rows(layouts[t.index], t.m, t.k, t.gr)
+        ncb = cdiv(t.k, t.gc)
+        part = torch.zeros(len(t.edges), ncb, device=device)
+        s, n = starts[t.index], lengths[t.index]
+        if n:
+            r0, r1 = padded_rows(s, n, t.m, t.k, t.gr)
+            p = torch.zeros(r1 - r0, t.k, dtype=t.dtype, device=device)
+            p.view(-1)[s - r0 * t.k:s - r0 * t.k + n] = x
+            t.local = p
+            for j, b in enumerate(t.edges):
+                if r0 <= b * t.gr < r1:
+                    part[j] = _block_amax(p[b * t.gr - r0:min((b + 1) * t.gr, t.m) - r0], t.gc)
+        pieces.append(part.reshape(-1))
+        at += part.numel()
+    return torch.cat(pieces) if pieces and at else None
+
+
+def _block_amax(rows: torch.Tensor, gc: int) -> torch.Tensor:
+    a = rows.float().abs().amax(dim=0)
+    a = torch.nn.functional.pad(a, (0, cdiv(a.numel(), gc) * gc - a.numel()))
+    return a.view(-1, gc).amax(dim=1)
+
+
+def _global_kw(t: _Task, stats) -> dict:
+    if not t.n_global:
+        return {}
+    return {"global_stats": stats[t.stats_at:t.stats_at + t.n_global]}
+
+
+def _local_part(t: _Task, x, s: int, n: int, stats, device):
+    """This rank's part of the task's direction (over its padded rows, or its fragment as one row)."""
+    row, col = not t.columnwise, t.columnwise
+    if t.kind == "elementwise":
+        flat = (x if x is not None else torch.zeros(0, dtype=t.dtype, device=device)).reshape(1, -1)
+        parts = t.q.quantize_parts(flat, row, col, **_global_kw(t, stats))
+        return parts[0] if row else parts[1]
+    p = t.local if n else torch.zeros(0, t.k, dtype=t.dtype, device=device)
+    if n and t.edges:
+        r0, r1 = padded_rows(s, n, t.m, t.k, t.gr)
+        owned = torch.zeros(r1 - r0, t.k, dtype=torch.bool, device=device)
+        owned.view(-1)[s - r0 * t.k:s - r0 * t.k + n] = True
+        amax = stats[t.stats_at + t.n_global:].view(len(t.edges), -1)
+        p = p.clone()
+        for j, b in enumerate(t.edges):
+            if r0 <= b * t.gr < r1:
+                lo, hi = b * t.gr - r0, min((b + 1) * t.gr, t.m) - r0
+                fill = amax[j].repeat_interleave(t.gc)[:t.k].to(t.dtype)  # exact: an amax of model-dtype values
+                p[lo:hi] = torch.where(owned[lo:hi], p[lo:hi], fill)
+    parts = t.q.quantize_parts(p, row, col, **_global_kw(t, stats))
+    return parts[0] if row else parts[1]
+
+
+def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tensor:
+    out = []
+    for t in tasks:
+        x, s, n = frags[t.index], starts[t.index], lengths[t.index]
+        device = weights[t.index].device
+        if t.kind in ("plain", "high_precision"):
+            out.append(_as_bytes(x) if n else torch.zeros(0, dtype=torch.uint8, device=device))
+            continue
+        part = _local_part(t, x, s, n, stats, device)
+        bufs, replicated = _row_buffers(part, t.hints)
+        t.replicated = replicated
+        by_name = {name: (tensor, rb) for name, tensor, rb in bufs}
+        data = by_name["data"][0]
+        if t.kind == "blocks" and n:
+            r0 = padded_rows(s, n, t.m, t.k, t.gr)[0]
+            codes = unpack_nibbles(data) if t.packed else data
+            codes = codes.reshape(-1)[s - r0 * t.k:s - r0 * t.k + n]
+            out.append(_as_bytes(pack_nibbles(torch.nn.functional.pad(codes, (0, n % 2)).view(1, -1)))
+                       if t.packed else _as_bytes(codes))
+        else:
+            out.append(_as_bytes(data) if n else torch.zeros(0, dtype=torch.uint8, device=device))
+        for name, rb, _, _ in t.scales:
+            tensor = by_name[name][0]
+            if not n:
+                out.append(torch.zeros(0, dtype=torch.uint8, device=device))
+                continue
+            first = padded_rows(s, n, t.m, t.k, t.gr)[0] // rb
+            a, b = owned_block_rows(s, n, t.k, rb)
+            out.append(_as_bytes(tensor[a - first:b - first]))
+    device = weights[0].device if len(weights) else torch.device("cpu")
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _all_gather(payload, tasks, layouts, world, group) -> list[torch.Tensor]:
+    if world == 1:
+        return [payload]
+    sizes = [sum(sum(_sizes(t, *layouts[t.index].ranges[r])) for t in tasks) for r in range(world)]
+    if payload.numel() != sizes[dist.get_rank(group)]:
+        raise RuntimeError(f"hybridq quantize_master_weights: payload of {payload.numel()} bytes, the layout says "
+                           f"{sizes[dist.get_rank(group)]}")
+    width = max(sizes)
+    buf = torch.nn.functional.pad(payload, (0, width - payload.numel()))
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf, group=group)
+    return [o[:n] for o, n in zip(out, sizes)]
+
+
+# ---- assembling every rank's pieces into the weights ------------------------------------------------------
+
+def _assemble(tasks, payloads, layouts, weights, stats) -> None:
+    world = len(payloads)
+    cursor = [0] * world
+    pieces: dict[int, list[list[torch.Tensor]]] = {}
+    for ti, t in enumerate(tasks):  # split every rank's payload into the tasks' pieces (payload order)
+        per_rank = []
+        for r in range(world):
+            sizes = _sizes(t, *layouts[t.index].ranges[r])
+            got = []
+            for nbytes in sizes:
+                got.append(payloads[r][cursor[r]:cursor[r] + nbytes])
+                cursor[r] += nbytes
+            per_rank.append(got)
+        pieces[ti] = per_rank
+    for ti, t in enumerate(tasks):
+        w = weights[t.index]
+        lay = layouts[t.index]
+        order = lay.order()
+        if t.kind in ("plain", "high_precision"):
+            full = torch.cat([pieces[ti][r][0] for r in order]).view(t.dtype).view(t.m, t.k)
+            if t.kind == "plain":
+                w.data.view(-1).copy_(full.view(-1))
+                continue
+            copy_part_into(w.part(t.direction), t.q.quantize_parts(full, False, True)[1])
+            continue
+        codes = []
+        for r in order:
+            s, n = lay.ranges[r]
+            c = pieces[ti][r][0]
+            if t.packed:
+                c = unpack_nibbles(c.view(1, -1)).reshape(-1)[:n]
+            codes.append(c)
+        codes = torch.cat(codes)
+        if t.packed:
+            data = pack_nibbles(codes.view(t.m, t.k))
+        else:
+            data = codes.view(t.code_dtype).view(t.m, t.k)
+        buffers = {"data": data}
+        for j, (name, rb, shape, dtype) in enumerate(t.scales):
+            buffers[name] = torch.cat([pieces[ti][r][1 + j] for r in order]).view(dtype).view(-1, *shape)
+        copy_part_into(w.part(t.direction), _build_part(t, buffers, t.replicated))

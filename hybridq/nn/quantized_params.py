@@ -1,0 +1,273 @@
+"""Quantized parameters: a hybridq Linear whose weight *is* its quantized form (a `QuantizedTensor` parameter of
+the model's dtype and shape), as Transformer Engine's quantized params / torchao's quantized training hold them.
+
+- `quantized_model_init()`: Linear layers built inside hold their weight only quantized;
+  `quantize_parameters(model)` (param_conversion.py) converts the hybridq Linear layers of an existing model.
+- Stored directions: rowwise (fprop) always; columnwise (dgrad) only when the recipe's backward reads it and it is
+  not an exact transform of the rowwise form (per-tensor FP8, 2-D tiles, double quantization derive it at each
+  training forward, so FP8 weights take ~1 byte per element and NVFP4 16x16 ~0.56).
+- Gradients: backward returns a high-precision gradient of the nominal dtype and shape (`param.grad` is a plain
+  tensor). The parameter cannot be stepped in place: high-precision masters live in the optimizer
+  (`hybridq.distributed.ZeroAdamW`, or your own ZeRO optimizer with `quantize_master_weights`). A torch optimizer
+  given a quantized parameter raises before it changes anything (a global optimizer step pre-hook).
+- state_dict: a quantized weight is saved as its dequantized rowwise form (plain tensor, nominal dtype) and
+  `load_state_dict` quantizes what it loads (`copy_` into a quantized parameter quantizes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from ..enums import COLUMNWISE, ROWWISE
+from ..formats.base import Quantizer, shape_2d
+from ..tensor import QuantizedTensor, register_copy_into
+
+__all__ = ["QuantizedParamInfo", "quantized_model_init", "quantize_layer", "parameter_memory",
+           "ParameterMemory", "quantized_param_info", "weight_for_call", "high_precision_init_value"]
+
+INFO_ATTR = "_hybridq_param"  # QuantizedParamInfo on a quantized parameter
+INIT_ATTR = "_hybridq_init_value"  # the high-precision value it was quantized from (preserve_high_precision_init_val)
+
+_STATE = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedParamInfo:
+    """What a quantized parameter is: its layer, quantizer and the directions it stores."""
+
+    layer: str
+    quantizer: Quantizer
+    columnwise_stored: bool  # the columnwise form is held (it is not derivable from the rowwise one)
+    columnwise_derived: bool  # the columnwise form is made from the rowwise one at each training forward
+
+    def describe(self) -> str:
+        return self.quantizer.describe()
+
+
+def quantized_param_info(t: object) -> QuantizedParamInfo | None:
+    return getattr(t, INFO_ATTR, None) if isinstance(t, QuantizedTensor) else None
+
+
+def high_precision_init_value(p: torch.Tensor) -> torch.Tensor | None:
+    """The high-precision value a quantized parameter was created from, when `quantized_model_init(
+    preserve_high_precision_init_val=True)` kept it (on the CPU), else None."""
+    return getattr(p, INIT_ATTR, None)
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, *, preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """Inside, every hybridq `Linear` built (or made by `convert_linears`) holds its weight only quantized, in its
+    recipe's weight format (see the module docstring). `preserve_high_precision_init_val=True` also keeps each
+    weight's initial high-precision value on the CPU (`high_precision_init_value(p)`), which `ZeroAdamW` takes as
+    the fp32 master; without it the masters start from the dequantized weight."""
+    prev = getattr(_STATE, "config", None)
+    _STATE.config = {"preserve": preserve_high_precision_init_val} if enabled else None
+    try:
+        yield
+    finally:
+        _STATE.config = prev
+
+
+def init_config() -> dict | None:
+    """The active `quantized_model_init` configuration (None outside one)."""
+    return getattr(_STATE, "config", None)
+
+
+def _columnwise_plan(q: Quantizer, shape, dtype: torch.dtype, columnwise: bool) -> tuple[bool, bool]:
+    """(store the columnwise form, derive it at use): derive when the format makes it an exact transform of the
+    rowwise form (decided on a meta tensor: no data)."""
+    if not columnwise:
+        return False, False
+    m, k = shape_2d(tuple(shape))
+    row, _ = q.quantize_parts(torch.empty(m, k, dtype=dtype, device="meta"), True, False)
+    try:
+        derivable = q.derive_part(row, COLUMNWISE, dtype) is not None
+    except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: store the direction
+        derivable = False
+    return not derivable, derivable
+
+
+def refuse_grouped(name: str) -> None:
+    raise NotImplementedError(
+        f"hybridq: quantized parameters are not supported for GroupedLinear yet ({name!r}); keep its weight in high "
+        f"precision (build it outside quantized_model_init, or quantize_parameters on the dense layers only)")
+
+
+def quantize_layer(layer: nn.Module, *, preserve_high_precision_init_val: bool = False) -> None:
+    """Make one hybridq Linear's weight a quantized parameter (checked first; see `check_layer`)."""
+    _install(layer, check_layer(layer), preserve_high_precision_init_val)
+
+
+def check_layer(layer: nn.Module) -> tuple[Quantizer, bool, bool]:
+    """The layer's (weight quantizer, store columnwise, derive columnwise), after every check; changes nothing."""
+    from ..formats.base import is_dtensor
+
+    w = layer.weight
+    q = layer.weight_quantizer
+    name = f"weight of {layer.name}"
+    if is_dtensor(w) or type(w).__name__ == "HybridWeight":
+        raise NotImplementedError(
+            f"hybridq: {name} is sharded (FSDP2 / tensor parallelism); quantized parameters are for unsharded models "
+            f"(FSDP2 already all-gathers weights quantized: apply_hybrid_fsdp). Quantize the parameters of an "
+            f"unsharded model and use hybridq.distributed.ZeroAdamW for data parallelism")
+    if q.is_stateful:
+        raise ValueError(f"hybridq: {name} uses {q.describe()}: a quantized parameter is re-quantized from its "
+                         f"master once per optimizer step, which delayed scaling's scale state does not follow; use "
+                         f"current scaling (e.g. the 'fp8_tensorwise' preset)")
+    columnwise = layer.recipe.backward_override is None
+    q.validate(w.shape, name, rowwise=True, columnwise=columnwise)
+    store, derive = _columnwise_plan(q, w.shape, w.dtype, columnwise)
+    return q, store, derive
+
+
+def _install(layer: nn.Module, plan: tuple[Quantizer, bool, bool], preserve: bool) -> None:
+    q, store, derive = plan
+    w = layer.weight
+    with torch.no_grad():
+        qt = q.quantize(w.detach(), rowwise=True, columnwise=store, name=f"weight of {layer.name}")
+    p = nn.Parameter(qt, requires_grad=w.requires_grad)
+    setattr(p, INFO_ATTR, QuantizedParamInfo(layer.name, q, store, derive))
+    if preserve:
+        setattr(p, INIT_ATTR, w.detach().to("cpu", copy=True))
+    layer._parameters["weight"] = p
+    _install_hooks(layer)
+
+
+def weight_for_call(p: QuantizedTensor, need_columnwise: bool) -> QuantizedTensor:
+    """The quantized weight a Linear call multiplies with: the parameter's parts, plus the columnwise form derived
+    from the rowwise one when this call's backward reads it (a detached handle: autograd tracks the parameter)."""
+    info: QuantizedParamInfo = getattr(p, INFO_ATTR)
+    col = p.columnwise
+    if need_columnwise and col is None:
+        if not info.columnwise_derived:
+            raise RuntimeError(
+                f"hybridq: the quantized weight of {info.layer} holds no columnwise form (it was quantized while a "
+                f"backward override was in force); quantize the parameters again without the override")
+        col = info.quantizer.derive_part(p.rowwise, COLUMNWISE, p.dtype)
+    return QuantizedTensor(p.rowwise, col, shape=p.shape, dtype=p.dtype)
+
+
+# ---- state_dict: dequantized values out, quantized on the way in --------------------------------------------
+
+def _dequantized_state_dict(module, state_dict, prefix, local_metadata):
+    for key, v in list(state_dict.items()):
+        if key.startswith(prefix) and isinstance(v, QuantizedTensor):
+            state_dict[key] = v.dequantize()  # the rowwise values, in the nominal dtype
+    return state_dict
+
+
+def _install_hooks(layer: nn.Module) -> None:
+    if not getattr(layer, "_hybridq_qparam_hooks", False):
+        layer._register_state_dict_hook(_dequantized_state_dict)
+        layer._hybridq_qparam_hooks = True
+    _install_optimizer_guard()
+
+
+def copy_into(dst: QuantizedTensor, src: torch.Tensor) -> QuantizedTensor:
+    """`dst.copy_(src)` for a quantized parameter: `src` (high precision, cast to the nominal dtype first, or a
+    QuantizedTensor with the same parts) quantized into dst's own buffers (what load_state_dict does)."""
+    info = quantized_param_info(dst)
+    if isinstance(src, QuantizedTensor):
+        new = src
+    else:
+        if info is None:
+            raise NotImplementedError("hybridq QuantizedTensor.copy_ of a plain tensor needs a quantized parameter "
+                                      "(it knows its quantizer); quantize the source first")
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"hybridq: cannot copy a tensor of shape {tuple(src.shape)} into the quantized weight of "
+                             f"{info.layer} {tuple(dst.shape)}")
+        new = info.quantizer.quantize(src.detach().to(device=dst.device, dtype=dst.dtype), rowwise=True,
+                                      columnwise=info.columnwise_stored, name=f"weight of {info.layer}")
+    for d in (ROWWISE, COLUMNWISE):
+        if dst.has(d) != new.has(d):
+            raise ValueError(f"hybridq: copy_ into a QuantizedTensor holding {dst.usage} from one holding {new.usage}")
+        if dst.has(d):
+            copy_part_into(dst.part(d), new.part(d))
+    return dst
+
+
+register_copy_into(copy_into)
+
+
+def copy_part_into(dst, src) -> None:
+    """Copy a part's tensors into another part of the same layout, in place (the buffers keep their identity)."""
+    if type(dst) is not type(src) or (dst.rows, dst.cols) != (src.rows, src.cols) or dst.meta() != src.meta():
+        raise ValueError(f"hybridq: cannot copy {src!r} into {dst!r} (different layouts)")
+    for n, t in dst.tensors().items():
+        s = getattr(src, n)
+        if t is None or s is None:
+            if (t is None) != (s is None):
+                raise ValueError(f"hybridq: {n} of {dst!r} and {src!r} differ in presence")
+            continue
+        if t is not s:
+            t.copy_(s)
+
+
+# ---- a torch optimizer must not step a quantized parameter ---------------------------------------------------
+
+_GUARD: list = []
+
+
+def _install_optimizer_guard() -> None:
+    if not _GUARD:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _GUARD.append(register_optimizer_step_pre_hook(_refuse_quantized_params))
+
+
+def _refuse_quantized_params(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            info = quantized_param_info(p)
+            if info is not None:
+                raise TypeError(
+                    f"hybridq: {type(optimizer).__name__} would step the quantized weight of {info.layer} "
+                    f"({info.describe()}) in place; a quantized parameter holds no high-precision values to update. "
+                    f"Keep fp32 master weights in the optimizer: hybridq.distributed.ZeroAdamW, or a ZeRO optimizer "
+                    f"that calls hybridq.distributed.quantize_master_weights after each step (nothing was stepped)")
+
+
+# ---- memory -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ParameterMemory:
+    """Bytes of the model's parameters: `before` as high-precision tensors of their nominal dtype, `after` as
+    held (quantized parameters: every stored part, data and scales). `rows`: one per quantized parameter
+    (name, format, elements, before, after)."""
+
+    before: int
+    after: int
+    rows: tuple[tuple[str, str, int, int, int], ...]
+
+    @property
+    def saved(self) -> int:
+        return self.before - self.after
+
+    def table(self) -> str:
+        lines = [f"{'parameter':40s} {'format':36s} {'elements':>10s} {'bytes before':>13s} {'bytes now':>10s} "
+                 f"{'B/elem':>6s}"]
+        for name, fmt, n, b, a in self.rows:
+            lines.append(f"{name:40s} {fmt:36s} {n:>10,d} {b:>13,d} {a:>10,d} {a / max(n, 1):6.3f}")
+        lines.append(f"{'all parameters':40s} {'':36s} {'':>10s} {self.before:>13,d} {self.after:>10,d}")
+        return "\n".join(lines)
+
+
+def parameter_memory(model: nn.Module) -> ParameterMemory:
+    """Bytes the model's parameters take now vs as high-precision tensors of their nominal dtype."""
+    before = after = 0
+    rows = []
+    for name, p in model.named_parameters():
+        hp = p.numel() * p.element_size()
+        info = quantized_param_info(p)
+        now = p.nbytes_quantized() if isinstance(p, QuantizedTensor) else hp
+        before += hp
+        after += now
+        if info is not None:
+            rows.append((name, info.describe(), p.numel(), hp, now))
+    return ParameterMemory(before, after, tuple(rows))
