@@ -19,12 +19,12 @@ PRESETS = [p for p in hq.preset_names() if p != "fp8_delayed"]
 M, K = 256, 384  # out, in: 2 x 3 FP8 tiles, whole MXFP8 / NVFP4 blocks
 
 
-def _pair(preset: str, bias: bool = True):
+def _pair(preset: str, bias: bool = True, device: str = "cpu"):
     """A normal hybridq Linear and one built under quantized_model_init with the same bf16 weight and bias."""
     torch.manual_seed(0)
-    ref = hq.Linear(K, M, bias=bias, recipe=hq.recipe(preset), dtype=torch.bfloat16, name="fc")
+    ref = hq.Linear(K, M, bias=bias, recipe=hq.recipe(preset), dtype=torch.bfloat16, name="fc", device=device)
     with hq.quantized_model_init():
-        ql = hq.Linear(K, M, bias=bias, recipe=hq.recipe(preset), dtype=torch.bfloat16, name="fc")
+        ql = hq.Linear(K, M, bias=bias, recipe=hq.recipe(preset), dtype=torch.bfloat16, name="fc", device=device)
     with torch.no_grad():
         ql.weight.copy_(ref.weight)  # copy_ into a quantized parameter quantizes
         if bias:
@@ -32,11 +32,18 @@ def _pair(preset: str, bias: bool = True):
     return ref, ql
 
 
+def _devices():
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]
+
+
+@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("preset", PRESETS)
-def test_forward_backward_equal_high_precision_weight(preset):
-    ref, ql = _pair(preset)
+def test_forward_backward_equal_high_precision_weight(preset, device):
+    """(On a GPU: the kernels and native GEMMs on both sides.)"""
+    ref, ql = _pair(preset, device=device)
     assert isinstance(ql.weight, hq.QuantizedTensor) and isinstance(ql.weight, nn.Parameter)
-    x = torch.randn(64, K, dtype=torch.bfloat16)
+    x = torch.randn(64, K, dtype=torch.bfloat16, device=device)
     outs = []
     for layer in (ref, ql):
         xi = x.clone().requires_grad_()
