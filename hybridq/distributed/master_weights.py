@@ -34,6 +34,7 @@ from ..formats._sharding import cdiv
 from ..formats.base import Quantizer, shape_2d
 from ..formats.float8_block import Float8BlockPart
 from ..formats.hybrid import HybridQuantizer
+from ..nn.quantized_experts import QuantizedExpertWeights
 from ..nn.quantized_params import copy_part_into, quantized_param_info
 from ..tensor import QuantizedTensor
 from .fragments import FragmentLayout, edge_block_rows, gather_layouts, owned_block_rows, padded_rows
@@ -199,9 +200,12 @@ def quantize_master_weights(model_weights: Sequence[torch.Tensor], master_weight
                              f"[{s}, {None if s is None else s + mw.numel()}) does not fit its {w.numel()} elements")
         starts.append(int(s))
         lengths.append(mw.numel())
-    tasks = [t for i, w in enumerate(model_weights) for t in _plan(i, w, names[i])]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if any(isinstance(w, QuantizedExpertWeights) for w in model_weights):
+        model_weights, master_weights, starts, lengths, layouts, names = _per_expert(
+            model_weights, master_weights, starts, lengths, layouts, names)
+    tasks = [t for i, w in enumerate(model_weights) for t in _plan(i, w, names[i])]
     if layouts is None:
         layouts = (gather_layouts([w.numel() for w in model_weights], starts, lengths, group) if world > 1 else
                    [FragmentLayout(w.numel(), ((s, n),)) for w, s, n in zip(model_weights, starts, lengths)])
@@ -220,6 +224,36 @@ def quantize_master_weights(model_weights: Sequence[torch.Tensor], master_weight
         payload = _local_payload(tasks, frags, starts, lengths, stats, model_weights)
         payloads = _all_gather(payload, tasks, layouts, world, group)
         _assemble(tasks, payloads, layouts, model_weights, stats)
+
+
+def _per_expert(weights, masters, starts, lengths, layouts, names):
+    """A GroupedLinear's quantized weight (`QuantizedExpertWeights`) as its E experts, each a weight of its own
+    with its share of the fragment (and of every rank's fragment in `layouts`): experts are quantized alone."""
+    out = ([], [], [], [], [] if layouts is not None else None, [])
+
+    def cut(span: tuple[int, int], lo: int, size: int) -> tuple[int, int]:
+        a, b = max(span[0], lo), min(span[0] + span[1], lo + size)
+        return (a - lo, b - a) if b > a else (0, 0)
+
+    for i, (w, mw, s, n) in enumerate(zip(weights, masters, starts, lengths)):
+        parts = ([(w, mw, s, n, None if layouts is None else layouts[i], names[i])]
+                 if not isinstance(w, QuantizedExpertWeights) else [])
+        for e, ex in enumerate(w.experts if isinstance(w, QuantizedExpertWeights) else ()):
+            size = ex.numel()
+            es, en = cut((s, n), e * size, size)
+            lay = None if layouts is None else FragmentLayout(size, tuple(cut(r, e * size, size)
+                                                                          for r in layouts[i].ranges))
+            frag = mw[e * size + es - s:e * size + es - s + en] if en else None
+            parts.append((ex, frag, es, en, lay, quantized_param_info(ex).layer))
+        for w_, mw_, s_, n_, lay, name in parts:
+            out[0].append(w_)
+            out[1].append(mw_)
+            out[2].append(s_)
+            out[3].append(n_)
+            if layouts is not None:
+                out[4].append(lay)
+            out[5].append(name)
+    return out
 
 
 # ---- the local side: statistics, then the quantized payload -------------------------------------------------

@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from ..formats._sharding import cdiv
 from ..nn.quantized_params import high_precision_init_value, quantized_param_info
-from ..tensor import QuantizedTensor
 from .fragments import FragmentLayout
 from .master_weights import quantize_master_weights
 
@@ -27,7 +26,7 @@ __all__ = ["ZeroAdamW"]
 def _initial_master(p: torch.Tensor) -> torch.Tensor:
     """fp32 values to start the master from: the preserved initial value of a quantized parameter, else its
     dequantized form (lossy), else the parameter."""
-    if isinstance(p, QuantizedTensor):
+    if quantized_param_info(p) is not None:
         init = high_precision_init_value(p)
         return (init if init is not None else p.dequantize()).detach().float().reshape(-1)
     return p.detach().float().reshape(-1)

@@ -1,4 +1,4 @@
-"""Where a converted expert module keeps its GroupedLinears: a plain dict in the module's `__dict__` (not
+"""Names of experts, and where a converted expert module keeps its GroupedLinears: a plain dict in the module's `__dict__` (not
 submodules, so the model's parameters and state_dict keys stay as they were). A leaf of `hybridq.nn`: both the
 conversion (grouped.py) and the delayed-scaling state (delayed_state.py) read it."""
 
@@ -9,6 +9,11 @@ from typing import Any
 import torch.nn as nn
 
 CONVERTED_ATTR = "_hybridq_grouped"
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The module name an expert's roles carry: `Role("grouped_linear", tensor_type, f"{name}.experts.{e}")`."""
+    return f"{name}.experts.{expert}"
 
 
 def converted_experts(module: nn.Module) -> dict[str, Any]:

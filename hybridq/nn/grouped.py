@@ -18,19 +18,15 @@ from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
 from . import delayed_state
-from .expert_layers import converted_experts, converted_layer, set_converted
+from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
-from .quantized_params import init_config, refuse_grouped
+from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
+from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
 
 TENSORS = ("input", "weight", "grad_output")
 MODULE_TYPE = "grouped_linear"
 _MAX_PAD = 4096  # larger than any format's block along the token dimension
-
-
-def expert_name(name: str, expert: int) -> str:
-    """The module name an expert's roles carry: `Role("grouped_linear", tensor_type, f"{name}.experts.{e}")`."""
-    return f"{name}.experts.{expert}"
 
 
 class _Expert:
@@ -150,14 +146,15 @@ class GroupedLinear(nn.Module):
 
     def _setup(self, recipe: CustomRecipe, name: str, save_original_input: bool) -> None:
         self.name = name or f"GroupedLinear({self.num_experts}x{self.in_features}->{self.out_features})"
-        if init_config() is not None:  # inside hybridq.quantized_model_init
-            refuse_grouped(self.name)
         self._role_name = name
         self.save_original_input = save_original_input
         self._weight_caches: list[tuple[Any, QuantizedTensor] | None] = [None] * self.num_experts
         self._cache_columnwise = [False] * self.num_experts
         self.recipe = recipe
         delayed_state.install(self)  # each expert's delayed-scaling state in state_dict (nn/delayed_state.py)
+        config = init_config()
+        if config is not None:  # inside hybridq.quantized_model_init: hold the experts' weights only quantized
+            install_grouped(self, check_grouped_layer(self), config["preserve"])
 
     @property
     def recipe(self) -> CustomRecipe:
@@ -195,6 +192,7 @@ class GroupedLinear(nn.Module):
                 qs["grad_output"].validate((0, n), f"grad_output of {label}", rowwise=True, columnwise=False)
             out.append(qs)
         self._check_sharded_weight_format(out)
+        check_held_weight_format(self._parameters.get("weight"), [qs["weight"] for qs in out], self.name)
         return out
 
     def _check_sharded_weight_format(self, quantizers: list[dict[str, Quantizer]]) -> None:
@@ -267,12 +265,14 @@ class GroupedLinear(nn.Module):
         need_wgrad = grad and self.weight.requires_grad
         quantized_bwd = override is None and (need_dgrad or need_wgrad)
         gathered = isinstance(self.weight, GroupedGatheredForm)  # FSDP2 gathered the experts quantized
+        held_quantized = is_quantized_experts(self.weight)  # quantized_model_init / quantize_parameters
         if gathered:  # a direction gathered lazily is a collective: every rank asks, whatever its token counts
             self.weight.ensure_direction("rowwise")
         # a router's per-expert counts are rarely multiples of 16: without padding the hardware GEMMs refuse them
         # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
         multiple = native_row_multiple(x.device)
-        packed = (self.packed_path and override is None and not gathered and is_first_microbatch is None
+        packed = (self.packed_path and override is None and not gathered and not held_quantized
+                  and is_first_microbatch is None
                   and self.bias is None and not self.save_original_input
                   and packed_quantizers(self.expert_quantizers) is not None)
         if packed:
@@ -286,7 +286,7 @@ class GroupedLinear(nn.Module):
         outs = []
         for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
             if m == 0:  # no GEMM to quantize; an empty product keeps the output in the graph (zero gradients)
-                y_e = (_NoTokens.apply(x_e, weights[e], self.out_features) if gathered
+                y_e = (_NoTokens.apply(x_e, weights[e], self.out_features) if gathered or held_quantized
                        else x_e.mm(weights[e].t().to(x.dtype)))
                 outs.append(y_e if biases[e] is None else y_e + biases[e].to(x.dtype))
                 continue
@@ -296,7 +296,9 @@ class GroupedLinear(nn.Module):
             if n != m:
                 x_e = F.pad(x_e, (0, 0, 0, n - m))
             cache = None
-            if is_first_microbatch is not None and not gathered:
+            if held_quantized:  # the expert's quantized parameter form (+ its derived columnwise form)
+                cache = lambda need_columnwise, e=e: expert_weight_for_call(self.weight, e, need_columnwise)
+            elif is_first_microbatch is not None and not gathered:
                 cache = self._expert_cache(e, weights[e], is_first_microbatch)
             y_e = apply_linear(x_e, weights[e], biases[e], cfgs[e], cache)
             outs.append(y_e[:m] if n != m else y_e)
@@ -392,6 +394,11 @@ def plan_expert_module(fqn: str, mod: nn.Module, recipe: CustomRecipe, *, save_o
 
 
 def install_expert_module(mod: nn.Module, wrapped: dict[str, GroupedLinear]) -> None:
+    for n, g in wrapped.items():  # (a weight quantized by quantized_model_init is the module's parameter too)
+        if getattr(mod, n) is not g.weight:
+            setattr(mod, n, g.weight)
+        if is_quantized_experts(g.weight):  # the module's state_dict gives it dequantized
+            install_quantized_hooks(mod)
     set_converted(mod, wrapped)  # not a submodule: parameters and state_dict stay as they were
     # ...so the module itself carries its GroupedLinears' delayed-scaling state (keys only with delayed scaling)
     delayed_state.install(mod)

@@ -18,7 +18,8 @@ from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource, QuantizedGatherShard
 from . import delayed_state
-from .quantized_params import init_config, quantize_layer, quantized_param_info, weight_for_call
+from .quantized_params import (check_held_weight_format, init_config, quantize_layer, quantized_param_info,
+                               weight_for_call)
 
 log = logging.getLogger("hybridq")
 
@@ -346,6 +347,7 @@ class Linear(nn.Linear):
                       for t in ("input", "weight", "grad_output")}
         check_override_compatible(override, quantizers, self.name)
         self._check_sharded_weight_format(quantizers["weight"])
+        check_held_weight_format(self._parameters.get("weight"), [quantizers["weight"]], self.name)
         self._check_shapes(quantizers, override)
         return quantizers
 

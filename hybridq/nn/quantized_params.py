@@ -1,8 +1,8 @@
 """Quantized parameters: a hybridq Linear whose weight *is* its quantized form (a `QuantizedTensor` parameter of
 the model's dtype and shape), as Transformer Engine's quantized params / torchao's quantized training hold them.
 
-- `quantized_model_init()`: Linear layers built inside hold their weight only quantized;
-  `quantize_parameters(model)` (param_conversion.py) converts the hybridq Linear layers of an existing model.
+- `quantized_model_init()`: Linear (and GroupedLinear: quantized_experts.py) layers built inside hold their weight
+  only quantized; `quantize_parameters(model)` (param_conversion.py) converts the layers of an existing model.
 - Stored directions: rowwise (fprop) always; columnwise (dgrad) only when the recipe's backward reads it and it is
   not an exact transform of the rowwise form (per-tensor FP8, 2-D tiles, double quantization derive it at each
   training forward, so FP8 weights take ~1 byte per element and NVFP4 16x16 ~0.56).
@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..enums import COLUMNWISE, ROWWISE
+from ..errors import RecipeError
 from ..formats.base import Quantizer, shape_2d
 from ..tensor import QuantizedTensor, register_copy_into
 
@@ -50,8 +51,10 @@ class QuantizedParamInfo:
         return self.quantizer.describe()
 
 
-def quantized_param_info(t: object) -> QuantizedParamInfo | None:
-    return getattr(t, INFO_ATTR, None) if isinstance(t, QuantizedTensor) else None
+def quantized_param_info(t: object):
+    """The `QuantizedParamInfo` of a Linear's quantized weight (a `QuantizedExpertsInfo` for a GroupedLinear's,
+    quantized_experts.py), or None for any other tensor."""
+    return getattr(t, INFO_ATTR, None) if isinstance(t, torch.Tensor) else None
 
 
 def high_precision_init_value(p: torch.Tensor) -> torch.Tensor | None:
@@ -62,8 +65,8 @@ def high_precision_init_value(p: torch.Tensor) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def quantized_model_init(enabled: bool = True, *, preserve_high_precision_init_val: bool = False) -> Iterator[None]:
-    """Inside, every hybridq `Linear` built (or made by `convert_linears`) holds its weight only quantized, in its
-    recipe's weight format (see the module docstring). `preserve_high_precision_init_val=True` also keeps each
+    """Inside, every hybridq `Linear` and `GroupedLinear` built (or made by `convert_linears` / `convert_experts`)
+    holds its weight only quantized, in its recipe's weight format (see the module docstring). `preserve_high_precision_init_val=True` also keeps each
     weight's initial high-precision value on the CPU (`high_precision_init_value(p)`), which `ZeroAdamW` takes as
     the fp32 master; without it the masters start from the dequantized weight."""
     prev = getattr(_STATE, "config", None)
@@ -91,12 +94,6 @@ def _columnwise_plan(q: Quantizer, shape, dtype: torch.dtype, columnwise: bool) 
     except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: store the direction
         derivable = False
     return not derivable, derivable
-
-
-def refuse_grouped(name: str) -> None:
-    raise NotImplementedError(
-        f"hybridq: quantized parameters are not supported for GroupedLinear yet ({name!r}); keep its weight in high "
-        f"precision (build it outside quantized_model_init, or quantize_parameters on the dense layers only)")
 
 
 def quantize_layer(layer: nn.Module, *, preserve_high_precision_init_val: bool = False) -> None:
@@ -136,7 +133,22 @@ def _install(layer: nn.Module, plan: tuple[Quantizer, bool, bool], preserve: boo
     if preserve:
         setattr(p, INIT_ATTR, w.detach().to("cpu", copy=True))
     layer._parameters["weight"] = p
-    _install_hooks(layer)
+    install_quantized_hooks(layer)
+
+
+def check_held_weight_format(weight: torch.Tensor, weight_quantizers: list[Quantizer], layer: str) -> None:
+    """A weight held quantized keeps the format it was quantized in: a recipe giving it another weight quantizer
+    would be silently ignored, so it is refused (RecipeError, nothing changed)."""
+    info = quantized_param_info(weight)
+    if info is None:
+        return
+    held = [i.quantizer for i in getattr(info, "experts", (info,))]
+    for new, old in zip(weight_quantizers, held):
+        if new != old:
+            raise RecipeError(
+                f"{layer}: its weight is held quantized in {old.describe()} (quantized_model_init / "
+                f"quantize_parameters); a recipe with another weight format ({new.describe()}) cannot be applied to "
+                f"it. Set the recipe before quantizing the parameters")
 
 
 def weight_for_call(p: QuantizedTensor, need_columnwise: bool) -> QuantizedTensor:
@@ -157,12 +169,12 @@ def weight_for_call(p: QuantizedTensor, need_columnwise: bool) -> QuantizedTenso
 
 def _dequantized_state_dict(module, state_dict, prefix, local_metadata):
     for key, v in list(state_dict.items()):
-        if key.startswith(prefix) and isinstance(v, QuantizedTensor):
+        if key.startswith(prefix) and (isinstance(v, QuantizedTensor) or quantized_param_info(v) is not None):
             state_dict[key] = v.dequantize()  # the rowwise values, in the nominal dtype
     return state_dict
 
 
-def _install_hooks(layer: nn.Module) -> None:
+def install_quantized_hooks(layer: nn.Module) -> None:
     if not getattr(layer, "_hybridq_qparam_hooks", False):
         layer._register_state_dict_hook(_dequantized_state_dict)
         layer._hybridq_qparam_hooks = True
@@ -265,7 +277,7 @@ def parameter_memory(model: nn.Module) -> ParameterMemory:
     for name, p in model.named_parameters():
         hp = p.numel() * p.element_size()
         info = quantized_param_info(p)
-        now = p.nbytes_quantized() if isinstance(p, QuantizedTensor) else hp
+        now = p.nbytes_quantized() if info is not None else hp
         before += hp
         after += now
         if info is not None:

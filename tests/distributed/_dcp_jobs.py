@@ -15,6 +15,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hybridq
 
+from _compare import parts_diff
+
 RECIPE = "mxfp8_fwd_nvfp4_bwd"
 D, HIDDEN = 64, 128
 
@@ -110,6 +112,31 @@ def job_save(rank, world_size, device, folder):
     return {**out, "saved_loss3": loss3, "refused": refused}
 
 
+def load_into_quantized_parameters(checkpoint: str, saved: dict) -> list[str]:
+    """The checkpoint loaded (get/set_model_state_dict + dcp.load) into an unsharded model whose hybridq weights
+    are held quantized: each weight is the quantization of the saved one, bitwise; other parameters equal."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = plain_model(seed=4)
+    hybridq.convert_linears(model, hybridq.recipe(RECIPE))
+    hybridq.quantize_parameters(model)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_model_state_dict(model, state["model"])
+    out = []
+    for name, layer in model.named_modules():
+        if isinstance(layer, hybridq.Linear):
+            info = layer.weight._hybridq_param
+            want = info.quantizer.quantize(saved[f"{name}.weight"], rowwise=True, columnwise=info.columnwise_stored)
+            for d in ("rowwise", "columnwise"):
+                if want.has(d) and parts_diff(layer.weight.part(d), want.part(d), ""):
+                    out.append(f"quantized-parameter model loaded from DCP: {d} form of {name}.weight differs")
+    biases = {k: v for k, v in saved.items() if k.endswith(".bias")}
+    out += diffs({k: v for k, v in model.state_dict().items() if k in biases}, biases,
+                 "quantized-parameter model loaded from DCP")
+    return out
+
+
 def job_load(rank, world_size, device, folder, saved_world):
     """Load ck{saved_world} into a fresh (differently initialised) sharded model: full state == saved, bitwise;
     the next step's loss; then load it into a plain PyTorch model (no hybridq, no FSDP) and run it."""
@@ -131,6 +158,7 @@ def job_load(rank, world_size, device, folder, saved_world):
     out["diffs"] += diffs(plain2.state_dict(), ref["model"], "plain model loaded from the exported file")
     with torch.no_grad():
         out["plain_out_finite"] = bool(torch.isfinite(plain(torch.randn(4, D))).all())
+    out["diffs"] += load_into_quantized_parameters(os.path.join(folder, f"ck{saved_world}"), ref["model"])
     if world_size == 1:  # 1 -> 2: save from here for the next job
         save(model, opt, os.path.join(folder, "ck1"))
         hybridq.export_state_dict(model, os.path.join(folder, "export1.pt"), format="torch")

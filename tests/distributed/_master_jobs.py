@@ -149,3 +149,82 @@ def job_zero_training(rank, world_size, device, presets, steps=3):
             if mem.after >= mem.before:
                 fails.append(f"{preset}: quantized parameters take {mem.after} bytes, bf16 {mem.before}")
     return fails
+
+
+GROUPED_SHAPE = (3, 160, 288)  # E experts of SHAPE: fragments cut inside experts and across expert boundaries
+GROUPED_FORMATS = ("fp8_e4m3", "fp8blk_128x128_e4m3", "mxfp8_e4m3", "nvfp4", "preset:mxfp8_fwd_nvfp4_bwd")
+
+
+def job_grouped_fragments(rank, world_size, device):
+    """A GroupedLinear's quantized experts refreshed from flat fragments of the whole `[E, out, in]` master: every
+    expert equals quantizing its own slice of the bf16 master (its own amax), bitwise."""
+    fails = []
+    e, m, k = GROUPED_SHAPE
+    n = e * m * k
+    g = torch.Generator().manual_seed(11)
+    master = (torch.randn(e, m, k, generator=g) * torch.tensor([1e-3, 1.0, 1e3]).view(e, 1, 1)).to(device)
+    quantizers = weight_quantizers()
+    for name in GROUPED_FORMATS:
+        q = quantizers[name]()
+        recipe = CustomRecipe(lambda role, q=q: q if role.tensor_type == "weight" else None, name="weight-only")
+        layer = hybridq.GroupedLinear(e, k, m, recipe=recipe, dtype=torch.bfloat16, name="moe").to(device)
+        hybridq.quantize_parameters(layer)
+        p = layer.weight
+        cuts = [m * k, m * k + 17, 2 * m * k - 5, 130 * k + 17, n - 3] + cut_points(n, k, seed=len(name))[-2:]
+        for ci, c in enumerate(cuts):
+            ranges = [(0, c), (c, n - c)] if ci % 2 == 0 else [(c, n - c), (0, c)]
+            s, ln = ranges[rank]
+            frag = master.reshape(-1)[s:s + ln].clone() if ln else None
+            with torch.no_grad():
+                p.copy_(torch.zeros_like(master, dtype=torch.bfloat16))
+            hybridq.distributed.quantize_master_weights([p], [frag], [s if ln else None], group=None)
+            for ex, (got, info) in enumerate(zip(p.experts, p._hybridq_param.experts)):
+                want = info.quantizer.quantize(master[ex].to(torch.bfloat16), rowwise=True,
+                                               columnwise=info.columnwise_stored)
+                for d in ("rowwise", "columnwise"):
+                    if want.has(d):
+                        fails += parts_diff(got.part(d).map_tensors(lambda t: t.cpu()), want.part(d).map_tensors(
+                            lambda t: t.cpu()), f"{name} expert {ex} {d} with fragments {ranges} (rank {rank})")
+            if fails:
+                return fails
+    return fails
+
+
+def job_zero_moe_training(rank, world_size, device, presets, steps=2, experts=3):
+    """TinyMoE (a GroupedLinear and an expert module per block) with quantized parameters under ZeroAdamW vs the
+    single-process replay of its FSDP2 run (test_fsdp_grouped's oracle): losses and final masters bitwise."""
+    import _grouped_jobs
+
+    fails = []
+    for preset in presets:
+        recipe = hybridq.recipe(preset)
+        torch.manual_seed(0)
+        model = _grouped_jobs.TinyMoE(experts)
+        init = copy.deepcopy(model.state_dict())
+        batches = _grouped_jobs._batches(steps, world_size)
+        ref_losses, _, ref_params = _grouped_jobs._reference(init, recipe, batches, experts, 1e-2, device)
+        hybridq.convert_linears(model, recipe)
+        hybridq.convert_experts(model, recipe)
+        for blk in model.blocks:
+            blk.proj.recipe = recipe
+        opt = hybridq.distributed.ZeroAdamW(model, lr=1e-2)
+        model.to(torch.bfloat16)
+        converted = hybridq.quantize_parameters(model)
+        if not any(c.endswith("experts.w1") for c in converted):
+            fails.append(f"{preset}: the expert modules' weights were not quantized ({converted})")
+        opt.refresh()
+        for step in range(steps):
+            tok = batches[step][rank]
+            torch.manual_seed(100 * step + rank)
+            loss = _grouped_jobs._loss(model(tok[:, :-1]), tok[:, 1:])
+            loss.backward()
+            if not torch.equal(loss.detach(), ref_losses[step][rank]):
+                fails.append(f"{preset} step {step}: loss {loss.item()!r} != FSDP2 {ref_losses[step][rank].item()!r}")
+            opt.step()
+            opt.zero_grad()
+        masters = opt.full_masters()
+        for name, want in ref_params.items():
+            if not torch.equal(masters[name], want):
+                fails.append(f"{preset}: master {name} after {steps} steps differs "
+                             f"(max {(masters[name] - want).abs().max().item():.3e})")
+    return fails

@@ -1,8 +1,8 @@
 """torch.distributed.checkpoint from a plain user script on an FSDP2 hybridq model (apply_hybrid_fsdp, then
 fully_shard) and its optimizer, with torch's standard helpers (get_state_dict / set_state_dict + dcp.save /
 dcp.load), on gloo: saved at world size 2, loaded at 2 (the next step continues bit for bit) and at 1, saved at 1
-and loaded at 2; loaded into a plain PyTorch model; and `hybridq.export_state_dict`'s single file loads into a
-plain nn.Module."""
+and loaded at 2; loaded into a plain PyTorch model and into one with quantized parameters; and
+`hybridq.export_state_dict`'s single file loads into a plain nn.Module."""
 
 from __future__ import annotations
 

@@ -36,3 +36,17 @@ def test_zero_adamw_reproduces_fsdp2():
     out = spawn(_master_jobs.job_zero_training, 2, "gloo",
                 presets=["mxfp8_fwd_nvfp4_bwd", "fp8_block", "nvfp4"])
     assert out == [[], []], _report(out)
+
+
+def test_grouped_fragments_give_each_experts_quantization():
+    """A GroupedLinear's quantized experts from fragments of the flat `[E, out, in]` master cut inside experts, at
+    and across expert boundaries: each expert is its own master slice's quantization (own amax), bitwise."""
+    out = spawn(_master_jobs.job_grouped_fragments, 2, "gloo")
+    assert out == [[], []], _report(out)
+
+
+def test_zero_adamw_reproduces_fsdp2_for_experts():
+    """TinyMoE with every weight quantized (GroupedLinear, expert module, dense layers) under ZeroAdamW: the losses
+    and fp32 masters of the FSDP2 run of the same recipe, bitwise."""
+    out = spawn(_master_jobs.job_zero_moe_training, 2, "gloo", presets=["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd"])
+    assert out == [[], []], _report(out)

@@ -1,0 +1,165 @@
+"""Quantized parameters of a `GroupedLinear`: its `[E, out, in]` weight held as E quantized experts, each exactly
+the quantized parameter a hybridq Linear with that expert's weight quantizer would hold (quantized_params.py).
+
+`QuantizedExpertWeights` is the parameter: a tensor of the nominal shape and dtype whose `experts` are the E
+quantized weights (every direction the recipe's backward reads and the format cannot derive, as for Linear).
+Autograd sees `unbind(0)` (each expert's weight, the op the layer's per-expert GEMMs read), so the gradient is a
+plain `[E, out, in]` tensor; `copy_` from a high-precision tensor quantizes each expert into its own buffers
+(load_state_dict, DCP's set_state_dict), and state_dict gives the dequantized `[E, out, in]` weight. Other ops
+raise: the parameter holds no high-precision values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from ..tensor import QuantizedTensor
+from .expert_layers import expert_name
+from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, _columnwise_plan, install_quantized_hooks,
+                               copy_into, quantized_param_info)
+
+__all__ = ["QuantizedExpertWeights", "QuantizedExpertsInfo", "check_grouped_layer", "install_grouped",
+           "expert_weight_for_call"]
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedExpertsInfo:
+    """What a quantized grouped weight is: its layer and each expert's `QuantizedParamInfo`."""
+
+    layer: str
+    experts: tuple[QuantizedParamInfo, ...]
+
+    def describe(self) -> str:
+        return " | ".join(dict.fromkeys(i.describe() for i in self.experts))
+
+
+class QuantizedExpertWeights(torch.Tensor):
+    """The quantized `[E, out, in]` weight of a GroupedLinear (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, experts: list[QuantizedTensor], *, requires_grad: bool = False):
+        first = experts[0]
+        self = torch.Tensor._make_wrapper_subclass(cls, (len(experts), *first.shape), dtype=first.dtype,
+                                                   device=first.device, requires_grad=requires_grad)
+        self._experts = list(experts)
+        return self
+
+    @property
+    def experts(self) -> list[QuantizedTensor]:
+        """Each expert's quantized weight (a quantized parameter's form: `quantized_param_info` describes it)."""
+        return list(self._experts)
+
+    def _alias(self) -> "QuantizedExpertWeights":
+        out = QuantizedExpertWeights(self._experts)
+        if hasattr(self, INFO_ATTR):
+            setattr(out, INFO_ATTR, getattr(self, INFO_ATTR))
+        return out
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The `[E, out, in]` weight from each expert's rowwise form."""
+        return torch.stack([e.dequantize(dtype) for e in self._experts])
+
+    def nbytes_quantized(self) -> int:
+        return sum(e.nbytes_quantized() for e in self._experts)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0]
+        if func in (aten.detach.default, aten.alias.default):
+            return t._alias()
+        if func is aten.unbind.int and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0:
+            return tuple(e.detach() for e in t._experts)
+        if func is aten.copy_.default:
+            src = args[1]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError(f"hybridq: cannot copy a tensor of shape {tuple(src.shape)} into the quantized "
+                                 f"weight of {getattr(t, INFO_ATTR).layer} {tuple(t.shape)}")
+            for e, s in zip(t._experts, src.unbind(0)):
+                copy_into(e, s)
+            return t
+        if func is aten._to_copy.default and kwargs.get("dtype", t.dtype) == t.dtype:
+            return _with_info(t, [e.to(device=kwargs.get("device"), non_blocking=kwargs.get("non_blocking", False))
+                                  for e in t._experts])
+        info = getattr(t, INFO_ATTR, None)
+        raise NotImplementedError(
+            f"hybridq: {func} on the quantized weight of {info.layer if info else 'a GroupedLinear'}: it is held as "
+            f"quantized experts (quantized_model_init / quantize_parameters) and supports only unbind(0), copy_ "
+            f"(quantizes), detach and .to(device); call .dequantize() for its values")
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"QuantizedExpertWeights(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"formats={self._experts[0].formats})")
+
+
+def _with_info(old: QuantizedExpertWeights, experts: list[QuantizedTensor]) -> QuantizedExpertWeights:
+    for new, prev in zip(experts, old._experts):
+        setattr(new, INFO_ATTR, getattr(prev, INFO_ATTR))
+    out = QuantizedExpertWeights(experts)
+    setattr(out, INFO_ATTR, getattr(old, INFO_ATTR))
+    return out
+
+
+def check_grouped_layer(layer: nn.Module) -> list[tuple]:
+    """Each expert's (weight quantizer, store columnwise, derive columnwise) of a GroupedLinear, after every check
+    (as `check_layer` for Linear); changes nothing."""
+    from ..formats.base import is_dtensor
+    from ..weight_forms import QuantizedGatherShard
+
+    w = layer.weight
+    if is_dtensor(w) or isinstance(w, QuantizedGatherShard) or isinstance(getattr(w, "_local_tensor", None),
+                                                                          QuantizedGatherShard):
+        raise NotImplementedError(
+            f"hybridq: the weight of {layer.name} is sharded (FSDP2); quantized parameters are for unsharded models "
+            f"(FSDP2 already all-gathers expert weights quantized: apply_hybrid_fsdp). Quantize the parameters of "
+            f"an unsharded model and use hybridq.distributed.ZeroAdamW for data parallelism")
+    columnwise = layer.recipe.backward_override is None
+    plans = []
+    for e, qs in enumerate(layer.expert_quantizers):
+        q = qs["weight"]
+        name = f"weight of expert {e} of {layer.name}"
+        if q.is_stateful:
+            raise ValueError(f"hybridq: {name} uses {q.describe()}: a quantized parameter is re-quantized from its "
+                             f"master once per optimizer step, which delayed scaling's scale state does not follow; "
+                             f"use current scaling (e.g. the 'fp8_tensorwise' preset)")
+        shape = (layer.out_features, layer.in_features)
+        q.validate(shape, name, rowwise=True, columnwise=columnwise)
+        plans.append((q, *_columnwise_plan(q, shape, w.dtype, columnwise)))
+    return plans
+
+
+def install_grouped(layer: nn.Module, plans: list[tuple], preserve: bool) -> None:
+    """Make a GroupedLinear's weight a `QuantizedExpertWeights` parameter (plans from `check_grouped_layer`)."""
+    w = layer.weight
+    experts, infos = [], []
+    with torch.no_grad():
+        for e, (q, store, derive) in enumerate(plans):
+            info = QuantizedParamInfo(expert_name(layer.name, e), q, store, derive)
+            qt = q.quantize(w[e].detach(), rowwise=True, columnwise=store, name=f"weight of {info.layer}")
+            setattr(qt, INFO_ATTR, info)
+            experts.append(qt)
+            infos.append(info)
+    p = nn.Parameter(QuantizedExpertWeights(experts), requires_grad=w.requires_grad)
+    setattr(p, INFO_ATTR, QuantizedExpertsInfo(layer.name, tuple(infos)))
+    if preserve:
+        setattr(p, INIT_ATTR, w.detach().to("cpu", copy=True))
+    layer._parameters["weight"] = p
+    install_quantized_hooks(layer)
+
+
+def expert_weight_for_call(p: QuantizedExpertWeights, expert: int, need_columnwise: bool) -> QuantizedTensor:
+    """Expert `expert`'s quantized weight for one call (as `weight_for_call` for a Linear's)."""
+    from .quantized_params import weight_for_call
+
+    return weight_for_call(p._experts[expert], need_columnwise)
+
+
+def is_quantized_experts(t: object) -> bool:
+    return isinstance(t, QuantizedExpertWeights) and quantized_param_info(t) is not None
