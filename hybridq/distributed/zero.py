@@ -117,9 +117,9 @@ class ZeroAdamW:
             if m is not None:
                 m.grad = None
 
-    def full_masters(self) -> dict[str, torch.Tensor]:
-        """Every parameter's whole fp32 master (an all-gather; for checkpoints and tests)."""
-        mine = torch.cat([m.detach().reshape(-1) for m in self.masters if m is not None] or [torch.zeros(0)])
+    def _gather(self, pieces: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Whole per-parameter tensors from every rank's per-fragment pieces (an all-gather of the flat buffer)."""
+        mine = torch.cat([p.detach().float().reshape(-1) for p in pieces if p is not None] or [torch.zeros(0)])
         chunk = cdiv(self.total, self.world)
         if self.world > 1:
             buf = torch.nn.functional.pad(mine, (0, chunk - mine.numel()))
@@ -131,19 +131,63 @@ class ZeroAdamW:
         return {n: flat[at:at + _numel(shape)].view(shape).clone()
                 for n, shape, at in zip(self.names, self.shapes, self.offsets)}
 
+    def full_masters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole fp32 master (an all-gather; for checkpoints and tests)."""
+        return self._gather(self.masters)
+
     def state_dict(self) -> dict:
-        """This rank's fragments and AdamW state (the same world size loads it)."""
+        """This rank's fragments and AdamW state (the same world size loads it; `consolidated_state_dict` for
+        another)."""
         return {"world": self.world, "masters": [None if m is None else m.detach().clone() for m in self.masters],
                 "adamw": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["world"] != self.world:
-            raise ValueError(f"ZeroAdamW: state saved with {state['world']} ranks, this run has {self.world}")
+            raise ValueError(f"ZeroAdamW: state saved with {state['world']} ranks, this run has {self.world}; save "
+                             f"consolidated_state_dict() to resume at another world size")
         with torch.no_grad():
             for m, saved in zip(self.masters, state["masters"]):
                 if m is not None:
                     m.copy_(saved)
         self.inner.load_state_dict(state["adamw"])
+        self.refresh()
+
+    def consolidated_state_dict(self) -> dict:
+        """The optimizer's whole state independent of the world size (a collective: every rank gets it): each
+        parameter's fp32 master and AdamW moments by name, the step count and the hyperparameters."""
+        states = [None if m is None else self.inner.state.get(m, {}) for m in self.masters]
+
+        def moment(key: str) -> dict[str, torch.Tensor]:
+            return self._gather([None if m is None else st.get(key, torch.zeros_like(m))
+                                 for m, st in zip(self.masters, states)])
+        steps = [float(st["step"]) for st in states if st and "step" in st]
+        step = torch.tensor(max(steps, default=0.0))
+        if self.world > 1:  # (a rank may own no fragment)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
+        hyper = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
+        return {"masters": self.full_masters(), "exp_avg": moment("exp_avg"), "exp_avg_sq": moment("exp_avg_sq"),
+                "step": float(step), "hyperparameters": hyper}
+
+    def load_consolidated_state_dict(self, state: dict) -> None:
+        """Resume from `consolidated_state_dict()` saved at any world size: this rank takes its fragments of every
+        master and moment, then the model's weights are refreshed. Raises (nothing changed) on a parameter missing
+        or of another shape."""
+        for n, shape in zip(self.names, self.shapes):
+            for key in ("masters", "exp_avg", "exp_avg_sq"):
+                t = state[key].get(n)
+                if t is None or tuple(t.shape) != shape:
+                    raise ValueError(f"ZeroAdamW: the consolidated state's {key} of {n!r} is "
+                                     f"{None if t is None else tuple(t.shape)}, the parameter is {shape}")
+        with torch.no_grad():
+            for n, m, s in zip(self.names, self.masters, self.starts):
+                if m is None:
+                    continue
+                m.copy_(state["masters"][n].reshape(-1)[s:s + m.numel()])
+                self.inner.state[m] = {
+                    "step": torch.tensor(state["step"], dtype=torch.float32),
+                    "exp_avg": state["exp_avg"][n].reshape(-1)[s:s + m.numel()].clone().to(m.device),
+                    "exp_avg_sq": state["exp_avg_sq"][n].reshape(-1)[s:s + m.numel()].clone().to(m.device)}
+            self.inner.param_groups[0].update(state["hyperparameters"])
         self.refresh()
 
 

@@ -228,3 +228,67 @@ def job_zero_moe_training(rank, world_size, device, presets, steps=2, experts=3)
                 fails.append(f"{preset}: master {name} after {steps} steps differs "
                              f"(max {(masters[name] - want).abs().max().item():.3e})")
     return fails
+
+
+def _zero_model(preset, seed):
+    torch.manual_seed(seed)
+    model = TinyLM()
+    hybridq.convert_linears(model, hybridq.recipe(preset))
+    opt = hybridq.distributed.ZeroAdamW(model, lr=1e-2)
+    model.to(torch.bfloat16)
+    hybridq.quantize_parameters(model)
+    opt.refresh()
+    return model, opt
+
+
+def job_zero_resume(rank, world_size, device, folder, preset="mxfp8_fwd_nvfp4_bwd"):
+    """At world size 2: two steps, save `consolidated_state_dict()`, then a step on a batch every rank shares. At
+    world size 1: load it into a differently initialised model; the shared-batch step gives the same loss and
+    masters, bitwise (each rank's gradient is the same, so the 2-rank mean is that gradient exactly)."""
+    import os
+
+    fails = []
+    shared = make_batches(1, 1, 1, seed=9)[0][0][0]
+    path = os.path.join(folder, "zero.pt")
+    if world_size == 2:
+        model, opt = _zero_model(preset, seed=0)
+        for step, per_rank in enumerate(make_batches(2, world_size, 1)):
+            tok = per_rank[rank][0]
+            loss_fn(model(tok[:, :-1]), tok[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        state = opt.consolidated_state_dict()
+        if rank == 0:
+            torch.save(state, path)
+    else:
+        model, opt = _zero_model(preset, seed=1)
+        try:
+            opt.load_state_dict({"world": 2, "masters": [], "adamw": {}})
+            fails.append("a per-rank state of 2 ranks loaded at world size 1")
+        except ValueError as e:
+            if "consolidated_state_dict" not in str(e):
+                fails.append(f"per-rank state of another world size: {e} (does not point to consolidated_state_dict)")
+        state = torch.load(path, weights_only=True)
+        opt.load_consolidated_state_dict(state)
+        again = opt.consolidated_state_dict()
+        for key in ("masters", "exp_avg", "exp_avg_sq"):
+            for n, t in state[key].items():
+                if not torch.equal(again[key][n], t):
+                    fails.append(f"{key} of {n} after load_consolidated_state_dict differs from the saved one")
+        if again["step"] != state["step"] or again["step"] != 2:
+            fails.append(f"step {again['step']} after loading, saved {state['step']}")
+    torch.manual_seed(5)  # stochastic rounding of NVFP4 gradients draws alike in both runs
+    loss = loss_fn(model(shared[:, :-1]), shared[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    after = {"loss": loss.detach(), "masters": opt.full_masters()}
+    if world_size == 2 and rank == 0:
+        torch.save(after, os.path.join(folder, "after.pt"))
+    elif world_size == 1:
+        want = torch.load(os.path.join(folder, "after.pt"), weights_only=True)
+        if not torch.equal(after["loss"], want["loss"]):
+            fails.append(f"shared-batch loss {after['loss'].item()!r} at world size 1, {want['loss'].item()!r} at 2")
+        fails += [f"master {n} after the shared-batch step differs at world size 1"
+                  for n, t in want["masters"].items() if not torch.equal(after["masters"][n], t)]
+    return fails

@@ -50,3 +50,12 @@ def test_zero_adamw_reproduces_fsdp2_for_experts():
     and fp32 masters of the FSDP2 run of the same recipe, bitwise."""
     out = spawn(_master_jobs.job_zero_moe_training, 2, "gloo", presets=["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd"])
     assert out == [[], []], _report(out)
+
+
+def test_zero_adamw_resumes_at_another_world_size(tmp_path):
+    """consolidated_state_dict() saved at 2 ranks loads at 1 (masters and AdamW moments by name): the next step on
+    a batch both runs share gives the same loss and masters, bitwise; per-rank state_dict() refuses the change."""
+    out = spawn(_master_jobs.job_zero_resume, 2, "gloo", folder=str(tmp_path))
+    assert out == [[], []], _report(out)
+    (one,) = spawn(_master_jobs.job_zero_resume, 1, "gloo", folder=str(tmp_path))
+    assert one == [], "\n".join(one)
