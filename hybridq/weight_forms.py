@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GroupedGatheredForm", "HighPrecisionSource", "QuantizedGatherShard"]
+__all__ = ["GroupedGatheredForm", "HighPrecisionSource", "QuantizedGatherShard", "experts_view_op", "unhandled"]
+
+_UNHANDLED = object()
 
 
 class HighPrecisionSource:
@@ -37,3 +39,20 @@ class GroupedGatheredForm:
         """Make `direction` of every expert available (a collective when it was not gathered: every rank calls
         it, whatever its token counts)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement ensure_direction()")
+
+
+def experts_view_op(func, args, kwargs):
+    """The ops every `[E, out, in]` tensor of quantized experts (`_experts`, `_alias()`) supports: detach / alias
+    (an alias over the same experts) and `unbind(0)` (each expert's quantized weight, detached: autograd stacks
+    their gradients into a plain `[E, out, in]` gradient). Returns `_UNHANDLED` for any other op."""
+    aten = torch.ops.aten
+    t = args[0]
+    if func in (aten.detach.default, aten.alias.default):
+        return t._alias()
+    if func is aten.unbind.int and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0:
+        return tuple(e._alias() if hasattr(e, "_alias") else e.detach() for e in t._experts)
+    return _UNHANDLED
+
+
+def unhandled(result) -> bool:
+    return result is _UNHANDLED

@@ -41,7 +41,7 @@ from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..nn.grouped import GroupedLinear, converted_experts, expert_name, expert_weight_names, plan_expert_module, \
     install_expert_module
 from ..recipe import CustomRecipe, Role
-from ..weight_forms import GroupedGatheredForm
+from ..weight_forms import GroupedGatheredForm, experts_view_op, unhandled
 from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink, in_backward, phase_of
 from .payload import ALIGN, DIRECTIONS, HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload, quantize_shard
@@ -511,15 +511,14 @@ class GroupedGatheredWeight(GroupedGatheredForm, torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         t = args[0]
-        if func in (aten.detach.default, aten.alias.default):
-            return t._alias()
+        out = experts_view_op(func, args, kwargs)
+        if not unhandled(out):
+            return out
         if func is aten.as_strided.default:
             size, stride = args[1], args[2]
             offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
             if tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()) and not offset:
                 return t._alias()
-        if func is aten.unbind.int and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0:
-            return tuple(g._alias() for g in t._experts)
         raise TypeError(f"GroupedGatheredWeight (the unsharded quantized weight {t._hq.name}) supports only "
                         f"unbind(0) (each expert's quantized weight), detach and alias; got {func}")
 

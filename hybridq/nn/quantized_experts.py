@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..tensor import QuantizedTensor
+from ..weight_forms import experts_view_op, unhandled
 from .expert_layers import expert_name
 from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, _columnwise_plan, install_quantized_hooks,
                                copy_into, quantized_param_info)
@@ -73,10 +74,9 @@ class QuantizedExpertWeights(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         t = args[0]
-        if func in (aten.detach.default, aten.alias.default):
-            return t._alias()
-        if func is aten.unbind.int and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0:
-            return tuple(e.detach() for e in t._experts)
+        out = experts_view_op(func, args, kwargs)
+        if not unhandled(out):
+            return out
         if func is aten.copy_.default:
             src = args[1]
             if tuple(src.shape) != tuple(t.shape):
