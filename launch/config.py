@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallelism included; hybridq's styles)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder block before fully_shard (torchtitan's practice); hybridq layers "
+                        "run eagerly inside the compiled blocks (a graph break each)")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=128, help=f"model width (multiple of {ALIGN})")
     g.add_argument("--n-layers", type=int, default=2, help="decoder blocks (one FSDP2 unit each)")

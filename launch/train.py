@@ -203,6 +203,9 @@ def build(recipe_name: str, args, env: Env, out: Printer):
         line = sequence_bytes_line(model, args)
         if line:
             out(line)
+    if args.compile:  # per block, before fully_shard; the compiled forward leaves parameter names and hooks as they are
+        for block in model.layers:
+            block.forward = torch.compile(block.forward)
     pdt = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32)
     for block in model.layers:

@@ -220,6 +220,17 @@ def test_cpu_job_trains_and_compares(runs):
 
 
 @pytest.mark.distributed
+def test_compiled_blocks_train_like_eager(runs, tmp_path):
+    """--compile (each block torch.compiled before fully_shard; hybridq layers eager inside): the first steps'
+    losses are the eager run's up to the compiled norms' and activations' rounding."""
+    _, js, _ = runs
+    torchrun("--compile", "--stop-after", "3", "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
+    got = metrics_of(tmp_path / "c.jsonl")["runs"][RECIPE]["losses"]
+    want = js["full"]["runs"][RECIPE]["losses"][:3]
+    assert len(got) == 3 and all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(got, want)), f"{got} vs eager {want}"
+
+
+@pytest.mark.distributed
 def test_cpu_job_prints_the_per_layer_report(runs):
     out, _, _ = runs
     lines = out["full"].splitlines()

@@ -251,6 +251,7 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"{self.name}: m_splits sum to {sum(splits)} but the input has {x.shape[0]} tokens")
         return splits
 
+    @torch.compiler.disable  # eager between compiled regions, as Linear.forward
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None) -> torch.Tensor:
         splits = self._splits(x, m_splits)

@@ -421,6 +421,9 @@ class Linear(nn.Linear):
             cached = self.__dict__["_cfg"] = (key, _LinearConfig(self, override))
         return cached[1]
 
+    # torch.compile: the layer runs eagerly between the compiled regions around it (one graph break per hybridq
+    # layer), since dynamo cannot trace its quantized tensors and autograd function yet
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
