@@ -6,6 +6,7 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python launch/e2e_report.py                      # 2 GPUs: ~1B-parameter model, seq 4096, fits ~9 minutes
     python launch/e2e_report.py --dry-run            # print the commands only
     python launch/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
+    python launch/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
 
 Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
 (= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip a run whose limit would be shorter (default 40 s on GPUs, 5 s on the CPU)")
     p.add_argument("--out-dir", default="e2e_report", help="logs, metrics JSON, report.md and report.json")
     p.add_argument("--dry-run", action="store_true", help="print the commands (and skipped rows) and exit")
+    p.add_argument("--compile", action="store_true",
+                   help="also run every recipe with train.py --compile (each block torch.compiled), side by side "
+                        "with eager; compiled rows compare with bf16 compiled")
     a = p.parse_args(argv)
     base = TINY if a.tiny else FULL
     for k, v in base.items():
@@ -104,7 +108,7 @@ def torchao_status() -> str | None:
 
 
 def plan(a) -> list[dict]:
-    """[{recipe, skip: reason or None}], bf16 first."""
+    """[{recipe, compiled, skip: reason or None}], bf16 first (eager, then compiled with --compile)."""
     import hybridq
     presets = hybridq.preset_names()
     known = [BASELINE] + presets + [TORCHAO]
@@ -120,8 +124,15 @@ def plan(a) -> list[dict]:
             skip = fsdp_rejection(r)
         elif r == TORCHAO:
             skip = torchao_status()
-        rows.append({"recipe": r, "skip": skip})
+        rows.append({"recipe": r, "compiled": False, "skip": skip})
+    if getattr(a, "compile", False):
+        rows += [dict(r, compiled=True) for r in rows]
     return rows
+
+
+def label(recipe: str, compiled: bool) -> str:
+    """A run's name in the table and its files: the recipe, `+compile` for train.py --compile."""
+    return f"{recipe}+compile" if compiled else recipe
 
 
 # ---- one run ----------------------------------------------------------------------------------------
@@ -140,9 +151,10 @@ def train_flags(a) -> list[str]:
     return [str(x) for x in f] + shlex.split(a.train_args)
 
 
-def command(a, recipe: str, nproc: int, out_dir: pathlib.Path) -> list[str]:
-    return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a)
-            + ["--metrics", rel(out_dir / f"{recipe}.jsonl")])
+def command(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = False) -> list[str]:
+    return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a) + (["--compile"] if compiled
+                                                                                         else [])
+            + ["--metrics", rel(out_dir / f"{label(recipe, compiled)}.jsonl")])
 
 
 def rel(p: pathlib.Path) -> str:
@@ -178,13 +190,14 @@ def last_error(text: str) -> str:
     return lines[-1][:200] if lines else "no output"
 
 
-def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float) -> dict:
-    cmd = command(a, recipe, nproc, out_dir)
-    log = out_dir / f"{recipe}.log"
-    js = out_dir / f"{recipe}.jsonl"
+def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, compiled: bool = False) -> dict:
+    cmd = command(a, recipe, nproc, out_dir, compiled)
+    name = label(recipe, compiled)
+    log = out_dir / f"{name}.log"
+    js = out_dir / f"{name}.jsonl"
     js.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-    print(f"\n=== {recipe}: limit {limit_s:.0f} s\n{show(cmd)}", flush=True)
+    print(f"\n=== {name}: limit {limit_s:.0f} s\n{show(cmd)}", flush=True)
     t0 = time.perf_counter()
     timed_out = False
     with open(log, "w") as f:
@@ -207,7 +220,7 @@ def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float) -
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
     steps = step_records(js, recipe)
-    res = {"recipe": recipe, "command": show(cmd), "rc": rc, "wall_s": wall, "log": str(log), "steps_done": 0,
+    res = {"recipe": name, "base": recipe, "compiled": compiled, "command": show(cmd), "rc": rc, "wall_s": wall, "log": str(log), "steps_done": 0,
            "losses": [], "tokens_per_s": None, "peak_memory_bytes": None, "memory_kind": None, "val_loss": None}
     summary = runs_of(read_metrics(js)).get(recipe) if js.exists() else None
     if summary is not None and rc == 0:
@@ -241,13 +254,15 @@ def fmt_mem(b) -> str:
 
 
 def rows_for(results: list[dict]) -> list[dict]:
-    ref = next((r for r in results if r["recipe"] == BASELINE and r.get("losses")), None)
+    """Each run's row with its loss gap and speed against bf16 run the same way (eager / compiled)."""
     out = []
     for r in results:
         row = dict(r)
         if r.get("skip"):
             out.append(row)
             continue
+        ref = next((x for x in results if x.get("base", x["recipe"]) == BASELINE and x.get("losses")
+                    and x.get("compiled", False) == r.get("compiled", False)), None)
         n = len(r["losses"])
         row["loss"] = window_mean(r["losses"], n) if n else None
         row["loss_at"] = n
@@ -274,7 +289,7 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         vs = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else "-"
         loss = f"{r['loss']:.4f} @ {r['loss_at']}" if r.get("loss") is not None else "-"
         gap = (f"{r['gap']:+.4f} ({r['gap_rel']:+.2%}) @ {r['gap_at']}" if r.get("gap") is not None
-               else ("(reference)" if r["recipe"] == BASELINE else "-"))
+               else ("(reference)" if r.get("base", r["recipe"]) == BASELINE else "-"))
         val = f"{r['val_loss']:.4f}" if isinstance(r.get("val_loss"), float) and r["val_loss"] == r["val_loss"] else "-"
         status = r["status"].replace("|", "/")
         lines.append(f"| {r['recipe']} | {status} | {r['steps_done']} | {tps} | {vs} | {fmt_mem(r['peak_memory_bytes'])} "
@@ -315,27 +330,29 @@ def main(argv=None) -> int:
     if a.dry_run:
         print("\n".join(header))
         for t in todo:
-            print(f"\n# {t['recipe']}: skipped: {t['skip']}" if t["skip"] else
-                  f"\n# {t['recipe']}\n{show(command(a, t['recipe'], nproc, out_dir))}")
+            name = label(t["recipe"], t["compiled"])
+            print(f"\n# {name}: skipped: {t['skip']}" if t["skip"] else
+                  f"\n# {name}\n{show(command(a, t['recipe'], nproc, out_dir, t['compiled']))}")
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     print("\n".join(header), flush=True)
     t_start = time.perf_counter()
     results = []
     runnable = [t for t in todo if not t["skip"]]
-    runnable_names = {t["recipe"] for t in runnable}
+    runnable_names = {label(t["recipe"], t["compiled"]) for t in runnable}
     for t in todo:
+        name = label(t["recipe"], t["compiled"])
         if t["skip"]:
-            results.append({"recipe": t["recipe"], "skip": t["skip"]})
+            results.append({"recipe": name, "skip": t["skip"]})
             continue
         left = a.total_budget_s - (time.perf_counter() - t_start)
         runs_left = len(runnable) - sum(1 for r in results if r["recipe"] in runnable_names)  # this one included
         limit = min(a.time_limit_s, left / max(runs_left, 1))
         if limit < min_run:
-            results.append({"recipe": t["recipe"], "skip": f"total budget ({a.total_budget_s:.0f} s) spent",
-                            "command": show(command(a, t["recipe"], nproc, out_dir))})
+            results.append({"recipe": name, "skip": f"total budget ({a.total_budget_s:.0f} s) spent",
+                            "command": show(command(a, t["recipe"], nproc, out_dir, t["compiled"]))})
             continue
-        results.append(run_one(a, t["recipe"], nproc, out_dir, limit))
+        results.append(run_one(a, t["recipe"], nproc, out_dir, limit, t["compiled"]))
     rows = rows_for(results)
     header.append(f"Total wall time {time.perf_counter() - t_start:.0f} s (budget {a.total_budget_s:.0f} s, "
                   f"per run {a.time_limit_s:.0f} s); logs and metrics JSON in {out_dir}.")

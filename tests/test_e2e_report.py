@@ -90,3 +90,17 @@ def test_tiny_report_on_cpu(tmp_path):
     assert rows["fp8_delayed"]["skip"] and "| fp8_delayed | skipped: rejected by hybridq.apply_hybrid_fsdp" in md
     if _torchao_missing():
         assert "| torchao_float8 | skipped: torchao not installed" in md
+
+
+def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
+    a = e2e_report.parse_args(["--tiny", "--recipes", "bf16,fp8_tensorwise", "--compile"])
+    todo = e2e_report.plan(a)
+    assert [e2e_report.label(t["recipe"], t["compiled"]) for t in todo] == [
+        "bf16", "fp8_tensorwise", "bf16+compile", "fp8_tensorwise+compile"]
+    assert "--compile" in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path, compiled=True)
+    assert "--compile" not in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path)
+    run = lambda base, compiled, tps: {"recipe": e2e_report.label(base, compiled), "base": base, "compiled": compiled,
+                                       "losses": [2.0] * 4, "tokens_per_s": tps}
+    rows = e2e_report.rows_for([run("bf16", False, 100.0), run("fp8_tensorwise", False, 110.0),
+                                run("bf16", True, 200.0), run("fp8_tensorwise", True, 300.0)])
+    assert [r.get("speed_vs_bf16") for r in rows] == [1.0, 1.1, 1.0, 1.5], "each mode against its own bf16"
