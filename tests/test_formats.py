@@ -331,3 +331,29 @@ def test_identity_fp64_gemm_is_exact_fp64():
     q = IdentityQuantizer()
     out = gemm(q.quantize(a).rowwise, q.quantize(b).rowwise, torch.float64)
     assert torch.equal(out, a @ b.t()), "an fp64 identity GEMM went through fp32"
+
+
+def _derivations() -> list[tuple[str, str]]:
+    """(format, direction) pairs where the format derives that direction from the other one."""
+    out = []
+    for fmt in ALL:
+        q = FORMATS[fmt]()
+        for to in DIRECTIONS:
+            src = "columnwise" if to == "rowwise" else "rowwise"
+            part = q.quantize(torch.zeros(256, 128), rowwise=src == "rowwise", columnwise=src == "columnwise")
+            if q.derive_part(part.part(src), to, torch.float32) is not None:
+                out.append((fmt, to))
+    return out
+
+
+@pytest.mark.parametrize("fmt,to", _derivations())
+def test_a_derived_direction_is_laid_out_like_a_quantized_one(fmt, to):
+    """A direction derived from the other (per-tensor FP8, 2-D tiles) has contiguous buffers, as a quantized part
+    has: the CUDA kernels and GEMMs that read it take only contiguous tensors."""
+    q = FORMATS[fmt]()
+    src = "columnwise" if to == "rowwise" else "rowwise"
+    x = torch.randn(256, 128, dtype=torch.bfloat16)
+    part = q.quantize(x, rowwise=src == "rowwise", columnwise=src == "columnwise").part(src)
+    derived = q.derive_part(part, to, torch.bfloat16)
+    strided = {n: tuple(t.stride()) for n, t in derived.tensors().items() if t is not None and not t.is_contiguous()}
+    assert not strided, f"{fmt}: {to} derived from {src} has non-contiguous buffers {strided}"

@@ -52,6 +52,8 @@ def _expected_experts(layer: hq.GroupedLinear, weight: torch.Tensor) -> list:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_forward_backward_equal_high_precision_weight(preset, device):
     ref, ql = _pair(preset, device)
+    ref.packed_path = False  # quantized experts take the per-expert path (the packed one's grouped GEMMs may round
+    # differently on a GPU: docs/numerics.md, "Row groups and grouped GEMMs")
     assert isinstance(ql.weight, QuantizedExpertWeights) and isinstance(ql.weight, nn.Parameter)
     x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16, device=device)
     outs = []

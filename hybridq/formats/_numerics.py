@@ -175,7 +175,8 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Element 2i in the low nibble, 2i+1 in the high nibble, along the last dim."""
     c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
+    # contiguous whatever the codes' layout (e.g. a transpose): the kernels reading packed data take no strides
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
