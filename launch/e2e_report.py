@@ -131,8 +131,8 @@ def plan(a) -> list[dict]:
 
 
 def label(recipe: str, compiled: bool) -> str:
-    """A run's name in the table and its files: the recipe, `+compile` for train.py --compile."""
-    return f"{recipe}+compile" if compiled else recipe
+    """A run's name in the table and its files: the recipe, `.compiled` for train.py --compile."""
+    return f"{recipe}.compiled" if compiled else recipe
 
 
 # ---- one run ----------------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     a = e2e_report.parse_args(["--tiny", "--recipes", "bf16,fp8_tensorwise", "--compile"])
     todo = e2e_report.plan(a)
     assert [e2e_report.label(t["recipe"], t["compiled"]) for t in todo] == [
-        "bf16", "fp8_tensorwise", "bf16+compile", "fp8_tensorwise+compile"]
+        "bf16", "fp8_tensorwise", "bf16.compiled", "fp8_tensorwise.compiled"]
     assert "--compile" in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path, compiled=True)
     assert "--compile" not in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path)
     run = lambda base, compiled, tps: {"recipe": e2e_report.label(base, compiled), "base": base, "compiled": compiled,
