@@ -182,7 +182,8 @@ def _to_copy(func, t, *, dtype=None, layout=None, device=None, pin_memory=None, 
         raise NotImplementedError(
             f"hybridq QuantizedTensor cannot be cast to {dtype}; use .dequantize(dtype={dtype})"
         )
-    return t.map_parts(lambda x: x.to(device=device, non_blocking=non_blocking)
+    # (a copy even on the same device: aten._to_copy never aliases its input)
+    return t.map_parts(lambda x: x.to(device=device, non_blocking=non_blocking, copy=True)
                        if not pin_memory else x.to(device=device).pin_memory())
 
 

@@ -212,3 +212,41 @@ def test_dcp_checkpoint_of_a_high_precision_model_loads_into_quantized_parameter
     q = target["dense"].weight_quantizer.quantize(saved["dense"].weight.detach(), rowwise=True, columnwise=True)
     assert_parts_bitwise(target["dense"].weight.part("rowwise"), q.part("rowwise"), "dense rowwise after DCP load")
     assert_bitwise(target["dense"].bias, saved["dense"].bias, "dense bias after the DCP load")
+
+
+def _held_tensors(w) -> list[torch.Tensor]:
+    experts = w.experts if isinstance(w, QuantizedExpertWeights) else [w]
+    return [t for ex in experts for p in (ex.rowwise, ex.columnwise) if p is not None
+            for t in p.tensors().values() if t is not None]
+
+
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_module_conversion_replaces_what_the_parameter_holds(kind):
+    """nn.Module._apply (model.to / .cuda / .half-free conversions) swaps the parameter's contents: the quantized
+    buffers are the converted ones and the parameter stays a described quantized parameter."""
+    with hq.quantized_model_init():
+        layer = (hq.Linear(K, N, recipe=hq.recipe("mxfp8"), dtype=torch.bfloat16, name="m") if kind == "Linear" else
+                 hq.GroupedLinear(E, K, N, recipe=hq.recipe("mxfp8"), dtype=torch.bfloat16, name="m"))
+    w, before = layer.weight, _held_tensors(layer.weight)
+    layer._apply(lambda t: t.to("cpu", copy=True))
+    after = _held_tensors(layer.weight)
+    assert layer.weight is w and quantized_param_info(layer.weight) is not None
+    assert all(a is not b for a, b in zip(after, before)), f"{kind}: the parameter still holds its old buffers"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_a_quantized_model_built_on_the_cpu_moves_to_the_gpu(kind):
+    torch.manual_seed(0)
+    with hq.quantized_model_init():
+        layer = (hq.Linear(K, N, recipe=hq.recipe("mxfp8"), dtype=torch.bfloat16, name="m") if kind == "Linear" else
+                 hq.GroupedLinear(E, K, N, recipe=hq.recipe("mxfp8"), dtype=torch.bfloat16, name="m"))
+    want = [t.cuda() for t in _held_tensors(layer.weight)]
+    layer.cuda()
+    got = _held_tensors(layer.weight)
+    assert all(t.is_cuda for t in got), f"{kind}: quantized buffers left on the CPU after .cuda()"
+    for g, w in zip(got, want):
+        assert_bitwise(g, w, f"{kind}: buffer moved to the GPU")
+    x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16, device="cuda")
+    assert (layer(x) if kind == "Linear" else layer(x, SPLITS)).is_cuda

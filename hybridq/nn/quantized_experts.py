@@ -61,6 +61,20 @@ class QuantizedExpertWeights(torch.Tensor):
             setattr(out, INFO_ATTR, getattr(self, INFO_ATTR))
         return out
 
+    # a traceable wrapper subclass: nn.Module._apply (model.to / .cuda) then swaps the parameter in place
+    # (torch.utils.swap_tensors) instead of setting .data, which would leave the experts where they were
+    def __tensor_flatten__(self):
+        return [f"e{i}" for i in range(len(self._experts))], {"n": len(self._experts)}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return QuantizedExpertWeights([inner[f"e{i}"] for i in range(ctx["n"])])
+
+    def __getattr__(self, name: str):
+        if name.startswith("e") and name[1:].isdigit() and "_experts" in self.__dict__:
+            return self.__dict__["_experts"][int(name[1:])]  # (the inner tensors __tensor_flatten__ names)
+        raise AttributeError(name)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The `[E, out, in]` weight from each expert's rowwise form."""
         return torch.stack([e.dequantize(dtype) for e in self._experts])
@@ -86,8 +100,9 @@ class QuantizedExpertWeights(torch.Tensor):
                 copy_into(e, s)
             return t
         if func is aten._to_copy.default and kwargs.get("dtype", t.dtype) == t.dtype:
-            return _with_info(t, [e.to(device=kwargs.get("device"), non_blocking=kwargs.get("non_blocking", False))
-                                  for e in t._experts])
+            move = lambda x: x.to(device=kwargs.get("device"), non_blocking=kwargs.get("non_blocking", False),
+                                  copy=True)  # (aten._to_copy never aliases)
+            return _with_info(t, [e.map_parts(move) for e in t._experts])
         info = getattr(t, INFO_ATTR, None)
         raise NotImplementedError(
             f"hybridq: {func} on the quantized weight of {info.layer if info else 'a GroupedLinear'}: it is held as "
