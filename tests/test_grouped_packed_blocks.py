@@ -45,27 +45,28 @@ def _recipe(name):
     return CUSTOM[name] if name in CUSTOM else hq.recipe(name)
 
 
-def _layer(recipe, out, packed, dtype=torch.bfloat16, device="cpu", **kw):
+def _layer(recipe, out, packed, dtype=torch.bfloat16, device="cpu", k=IN, **kw):
     torch.manual_seed(1)
-    m = hq.GroupedLinear(E, IN, out, recipe=_recipe(recipe), dtype=dtype, device=device, name="moe", **kw)
+    m = hq.GroupedLinear(E, k, out, recipe=_recipe(recipe), dtype=dtype, device=device, name="moe", **kw)
     m.packed_path = packed
     return m
 
 
-def _data(splits, out, dtype, device="cpu"):
+def _data(splits, out, dtype, device="cpu", k=IN):
     """Tokens and gradients whose magnitude differs by expert (10^-2 .. 10^2): a scaling block shared by two
     experts would change a scale, hence bytes."""
     gen = torch.Generator().manual_seed(2)
     mag = torch.cat([torch.full((m,), 10.0 ** (e - 2)) for e, m in enumerate(splits)])[:, None]
-    x = torch.randn(sum(splits), IN, generator=gen) * mag
+    x = torch.randn(sum(splits), k, generator=gen) * mag
     dy = torch.randn(sum(splits), out, generator=gen) * mag.flip(0)
     return x.to(device, dtype), dy.to(device, dtype)
 
 
-def _run(packed, splits, recipe, out, dtype=torch.bfloat16, x_grad=True, w_grad=True, grad=True, device="cpu"):
-    m = _layer(recipe, out, packed, dtype, device)
+def _run(packed, splits, recipe, out, dtype=torch.bfloat16, x_grad=True, w_grad=True, grad=True, device="cpu",
+         k=IN):
+    m = _layer(recipe, out, packed, dtype, device, k)
     m.weight.requires_grad_(w_grad)
-    x, dy = _data(splits, out, dtype, device)
+    x, dy = _data(splits, out, dtype, device, k)
     x.requires_grad_(x_grad)
     with torch.set_grad_enabled(grad):
         y = m(x, splits)
@@ -225,12 +226,15 @@ def _ext_ok() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")
+@pytest.mark.parametrize("k", [256, IN], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("out", [128, 96], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, out):
+def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, out, k):
     """Each expert's quantized operands are bitwise the per-expert path's (the CUDA quantize kernels are bitwise the
     reference, and no block spans two experts), and each expert's GEMM is the same `gemm` call with the same shapes
-    (the hardware block-scaled GEMM where the device has it, else the emulation): the results are bitwise equal."""
-    _assert_same(_run(True, splits, preset, out, device="cuda"), _run(False, splits, preset, out, device="cuda"),
-                 f"{preset} on CUDA, splits {splits}, N={out}")
+    (K=256: the hardware FP8 block GEMM on sm_90, MXFP8's on sm_100+; K=160: the emulation): the results are
+    bitwise equal."""
+    _assert_same(_run(True, splits, preset, out, device="cuda", k=k),
+                 _run(False, splits, preset, out, device="cuda", k=k),
+                 f"{preset} on CUDA, splits {splits}, N={out}, K={k}")
