@@ -10,7 +10,7 @@ import hybridq as hq
 import hybridq.nn.grouped as grouped_mod
 from _compare import assert_bitwise
 from hybridq.formats import Float8Quantizer
-from hybridq.nn.grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
+from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 
 E, IN, OUT = 4, 64, 64
 SPLITS = [[5, 0, 17, 40], [16, 32, 0, 48], [0, 0, 3, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
@@ -59,13 +59,20 @@ def test_packed_path_computes_only_the_gradients_asked_for(x_grad, w_grad, grad)
                  _run(False, splits, x_grad=x_grad, w_grad=w_grad, grad=grad), f"x_grad={x_grad} w_grad={w_grad}")
 
 
-@pytest.mark.parametrize("preset,packs", [("fp8_tensorwise", True), ("fp8_delayed", False), ("mxfp8", False),
-                                          ("fp8_block", False), ("nvfp4", False), ("mxfp8_fwd_nvfp4_bwd", False),
-                                          ("fp8_fwd_high_precision_bwd", False)])
-def test_packed_path_runs_only_for_per_tensor_current_scaling(preset, packs):
+# the packed path each preset takes (None: per expert); every preset must be listed here
+PACKED_KIND = {"fp8_tensorwise": FP8_TENSOR, "fp8_delayed": None, "fp8_block": BLOCKS, "mxfp8": BLOCKS,
+               "nvfp4": None, "mxfp8_fwd_nvfp4_bwd": None, "fp8_block_fwd_mxfp8_bwd": BLOCKS,
+               "fp8_fwd_high_precision_bwd": None}
+
+
+@pytest.mark.parametrize("preset", hq.preset_names())
+def test_each_preset_takes_its_packed_path(preset):
+    assert preset in PACKED_KIND, f"preset {preset} is not listed in PACKED_KIND"
     m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe(preset), name="moe")
-    assert (packed_quantizers(m.expert_quantizers) is not None) == packs, (
-        f"{preset}: packed path {'not ' if packs else ''}expected, describe_formats={m.describe_formats()}")
+    kind = packed_quantizers(m.expert_quantizers)
+    got = None if kind is None else kind.kind
+    assert got == PACKED_KIND[preset], (
+        f"{preset}: packed path {got!r}, expected {PACKED_KIND[preset]!r}; describe_formats={m.describe_formats()}")
 
 
 def test_experts_with_different_quantizers_take_the_per_expert_path():

@@ -238,3 +238,13 @@ class Quantizer:
     def quantizers(self) -> tuple["Quantizer", ...]:
         """The plain quantizers this one is made of (itself, or a hybrid's two)."""
         return (self,)
+
+    @property
+    def local_scaling(self) -> bool:
+        """True when every scale is a function of its own scaling block (or tile) alone -- no tensor-wide
+        statistic, no state, no random draws -- and zero elements change no block's scale (scales come from block
+        amaxes), e.g. FP8 blocks and MXFP8, not per-tensor FP8 or NVFP4. A tensor made of row groups, each padded
+        with zero rows to a multiple of `split_granularity(...)[0]`, then quantizes group by group exactly as each
+        group would alone, and the parts' `row_slice` cuts the groups apart (GroupedLinear's packed path for block
+        formats)."""
+        return False

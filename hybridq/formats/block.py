@@ -29,6 +29,40 @@ class BlockScaledPart(GatherablePart, QuantizedPart):
 
     block: ClassVar[int]
     scale_field: ClassVar[str] = "scale"
+    partial_blocks: ClassVar[bool] = False  # an edge block may hold fewer than `block` elements (FP8 blocks)
+    values_per_byte: ClassVar[int] = 1  # values packed in one byte of `data` (NVFP4: two E2M1 codes)
+
+    def row_slice(self, start: int, stop: int) -> "BlockScaledPart":
+        """Rows `[start, stop)` of the `[M, K]` tensor this part quantizes, as a part of its own: stored rows of a
+        rowwise part (views of its tensors), stored columns of a columnwise part (a contiguous copy, which the
+        GEMMs need: a memcpy, not a quantization). Tensors every row shares (a global amax) are kept.
+
+        Where blocks run along M (a columnwise part; 2-D tiles) `start` must be a block boundary, and so must
+        `stop` unless it ends the tensor or the format has partial edge blocks. The slice is then what quantizing
+        those rows alone gives (for formats whose scales depend on their own block only, see
+        `Quantizer.local_scaling`), provided a partial last block's remaining rows up to the boundary are zero."""
+        if self.columnwise:
+            self._check_row_slice(start, stop, self.block)
+            s = getattr(self, self.scale_field)[:, start // self.block:-(-stop // self.block)].contiguous()
+            v = self.values_per_byte
+            data = self.data[:, start // v:-(-stop // v)].contiguous()
+            return self._sliced(self.rows, stop - start, data, s)
+        self._check_row_slice(start, stop, 1)
+        return self._sliced(stop - start, self.cols, self.data[start:stop],
+                            getattr(self, self.scale_field)[start:stop])
+
+    def _check_row_slice(self, start: int, stop: int, block: int) -> None:
+        m = self.cols if self.columnwise else self.rows
+        if not 0 <= start <= stop <= m:
+            raise ValueError(f"{self!r}: row slice [{start}, {stop}) is outside its {m} rows")
+        if start % block or (stop % block and stop != m and not self.partial_blocks):
+            raise ValueError(f"{self!r}: row slice [{start}, {stop}) would cut a {self.direction} scaling block of "
+                             f"{block} rows (start{'' if self.partial_blocks else ' and stop'} must be a multiple "
+                             f"of {block})")
+
+    def _sliced(self, rows: int, cols: int, data: torch.Tensor, scale: torch.Tensor) -> "BlockScaledPart":
+        fields = {**self.tensors(), "data": data, self.scale_field: scale}
+        return type(self)(rows=rows, cols=cols, columnwise=self.columnwise, **fields, **self.meta())
 
     def data_in_row_order(self) -> torch.Tensor:
         """The values as the `[M, K]` (rowwise-ordered) buffer that concatenates over row shards."""
@@ -76,6 +110,11 @@ class BlockScaledQuantizer(ShardableQuantizer, Quantizer):
 
     block: ClassVar[int]
     whole_blocks: ClassVar[bool] = True
+    global_statistic: ClassVar[bool] = False  # a statistic of the whole tensor (NVFP4's global amax) sets scales
+
+    @property
+    def local_scaling(self) -> bool:
+        return not self.global_statistic and self.is_deterministic
 
     @property
     def tiled(self) -> bool:

@@ -63,6 +63,12 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
     def quantizers(self) -> tuple[Quantizer, ...]:
         return (self.rowwise, self.columnwise)
 
+    @property
+    def local_scaling(self) -> bool:
+        # (double quantization too: the rowwise form dequantizes element by element, so its columnwise form's
+        # blocks see only their own rows)
+        return self.rowwise.local_scaling and self.columnwise.local_scaling
+
     def shape_rule(self, m, k, rowwise, columnwise):
         need_row = rowwise or (columnwise and self.columnwise_source == "rowwise_dequantized")
         return ((self.rowwise.shape_rule(m, k, True, False) if need_row else None)

@@ -61,6 +61,7 @@ class NVFP4Part(BlockScaledPart):
     tensor_fields = ("data", "scale", "amax")
     block = BLOCK
     meta_fields = ("rht",)
+    values_per_byte = 2
 
     @property
     def transform(self) -> str | None:
@@ -102,6 +103,7 @@ class NVFP4Quantizer(BlockScaledQuantizer):
 
     format_name: ClassVar[str] = "NVFP4"
     block: ClassVar[int] = BLOCK
+    global_statistic: ClassVar[bool] = True  # the global amax (per direction) enters every scale
 
     def __post_init__(self):
         if self.block_2d and self.rht:

@@ -19,10 +19,11 @@ from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
 from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
-from .grouped_packed import PackedFP8Experts, TokenLayout, packed_quantizers
+from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
+from .grouped_packed_blocks import PackedBlockExperts, token_multiple
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
-from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
+from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks, quantized_param_info
 
 TENSORS = ("input", "weight", "grad_output")
 MODULE_TYPE = "grouped_linear"
@@ -99,10 +100,11 @@ class GroupedLinear(nn.Module):
     slice. An expert with no tokens runs no quantized GEMM; its weight and bias gradients are zero.
     """
 
-    # per-tensor FP8 with current scaling, the same quantizers for every expert, no bias, override, weight cache,
-    # FSDP2-gathered weight or save_original_input: quantize all experts in one pass per tensor and use grouped
-    # GEMMs (hybridq/nn/grouped_packed.py). False: always the per-expert path (what the packed path is tested
-    # against).
+    # the same quantizers for every expert, all per-tensor FP8 with current scaling or all block formats without
+    # tensor-wide statistics (FP8 blocks, MXFP8, hybrids of them), and no bias, override, weight cache, quantized
+    # or FSDP2-gathered weight or save_original_input: quantize all experts in one call per tensor
+    # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py). False: always the per-expert path (what the packed
+    # paths are tested against).
     packed_path: bool = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
@@ -272,16 +274,21 @@ class GroupedLinear(nn.Module):
         # a router's per-expert counts are rarely multiples of 16: without padding the hardware GEMMs refuse them
         # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
         multiple = native_row_multiple(x.device)
-        packed = (self.packed_path and override is None and not gathered and not held_quantized
-                  and is_first_microbatch is None
-                  and self.bias is None and not self.save_original_input
-                  and packed_quantizers(self.expert_quantizers) is not None)
-        if packed:
-            qs = self.expert_quantizers[0]
-            padded = [padded_tokens(m, self.in_features, self.out_features, qs, quantized_bwd and need_dgrad,
-                                    quantized_bwd and need_wgrad, multiple) if m else 0 for m in splits]
-            layout = TokenLayout.build(splits, padded, x.device)
-            return PackedFP8Experts.apply(x, self.weight, layout, qs, self.name)
+        kind = (packed_quantizers(self.expert_quantizers)
+                if (self.packed_path and override is None and not gathered and not held_quantized
+                    and quantized_param_info(self.weight) is None and is_first_microbatch is None
+                    and self.bias is None and not self.save_original_input) else None)
+        if kind is not None:  # (override is None: the backward GEMMs are quantized)
+            qs = kind.quantizers
+            padded = [padded_tokens(m, self.in_features, self.out_features, qs, need_dgrad, need_wgrad, multiple)
+                      if m else 0 for m in splits]
+            if kind.kind == FP8_TENSOR:
+                layout = TokenLayout.build(splits, padded, x.device)
+                return PackedFP8Experts.apply(x, self.weight, layout, qs, self.name)
+            # each expert's slot padded on to whole scaling blocks along the tokens (on the CPU padded_tokens
+            # leaves FP8 blocks' counts as they are: their edge blocks may be partial)
+            layout = TokenLayout.build(splits, padded, x.device, token_multiple(qs, need_dgrad, need_wgrad))
+            return PackedBlockExperts.apply(x, self.weight, layout, qs, self.name, need_dgrad, need_wgrad)
         weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
         biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
         outs = []

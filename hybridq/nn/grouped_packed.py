@@ -1,65 +1,97 @@
-"""The packed path of `GroupedLinear` for per-tensor FP8 (current scaling): every expert's tokens, weight and
-gradient quantized in one pass each (`Float8Quantizer.quantize_row_groups`, per-expert scales) instead of one
-quantization per expert, and the three GEMMs as grouped GEMMs where the device has them (`torch._scaled_grouped_mm`
-on sm_90 for E4M3 x E4M3), else one GEMM per expert on views of the packed parts.
+"""The packed paths of `GroupedLinear`: every expert's tokens, weight and gradient quantized in one call per tensor
+instead of one per expert, when every expert has the same quantizers (`packed_quantizers` says which path):
+
+- per-tensor FP8 with current scaling (`FP8_TENSOR`, here): `Float8Quantizer.quantize_row_groups` (per-expert
+  scales) and the three GEMMs as grouped GEMMs where the device has them (`torch._scaled_grouped_mm` on sm_90 for
+  E4M3 x E4M3), else one GEMM per expert on views of the packed parts;
+- block formats without tensor-wide statistics (`BLOCKS`: FP8 1x128 / 128x128 blocks, MXFP8 and hybrids of them,
+  `Quantizer.local_scaling`): one plain `quantize` of the packed buffer, one GEMM per expert on its row slice
+  (grouped_packed_blocks.py).
 
 Numbers: each expert's slice is quantized exactly as the per-expert path quantizes it (same zero-padded token
-count, its own amax), and each GEMM multiplies the same quantized operands: on the CPU (emulated GEMMs) the result is
-bitwise that of the per-expert path; on a GPU the grouped GEMM may round differently from the per-expert
-`torch._scaled_mm` (docs/numerics.md, "Row groups and grouped GEMMs").
+count, its own amax or block scales), and each GEMM multiplies the same quantized operands: on the CPU (emulated
+GEMMs) the result is bitwise that of the per-expert path; on a GPU the FP8 grouped GEMM may round differently from
+the per-expert `torch._scaled_mm` (docs/numerics.md, "Row groups and grouped GEMMs").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..enums import Scaling
 from ..formats import Float8Quantizer
-from ..formats.base import transposed_copy
+from ..formats.base import Quantizer, transposed_copy
 from ..dispatch import grouped_fp8_gemm_kernel
 from ..formats.float8 import Float8RowGroups, Float8TensorPart, aligned_scales
 from ..gemm import gemm, grouped_gemm_fp8
 
 TENSORS = ("input", "weight", "grad_output")
+FP8_TENSOR = "fp8_tensor"  # per-tensor FP8, current scaling: row groups and grouped GEMMs
+BLOCKS = "blocks"  # block scales only (Quantizer.local_scaling): one quantize of the packed buffer, row slices
 
 
-def packed_quantizers(expert_quantizers: list[dict]) -> dict | None:
-    """The one quantizer per tensor type every expert shares, when the packed path can run them: plain
-    per-tensor FP8 with current scaling for input, weight and grad_output. None otherwise."""
+class PackedKind(NamedTuple):
+    """Which packed path runs (`FP8_TENSOR` or `BLOCKS`) and the quantizer per tensor type every expert shares."""
+
+    kind: str
+    quantizers: dict[str, Quantizer]
+
+
+def packed_quantizers(expert_quantizers: list[dict[str, Quantizer]]) -> PackedKind | None:
+    """The packed path for these experts' quantizers, or None (the per-expert path): every expert must have the
+    same quantizer per tensor type, and input, weight and grad_output must all be plain per-tensor FP8 with current
+    scaling (`FP8_TENSOR`), or all formats whose scales come from their own blocks only -- deterministic, no
+    tensor-wide statistic (`BLOCKS`: FP8 blocks, MXFP8, hybrids of these; not NVFP4, whose global amax spans the
+    tensor, nor stochastic rounding or delayed scaling)."""
     first = expert_quantizers[0]
-    for t in TENSORS:
-        q = first[t]
-        if type(q) is not Float8Quantizer or q.scaling != Scaling.CURRENT:
-            return None
     if any(qs[t] != first[t] for qs in expert_quantizers[1:] for t in TENSORS):
         return None
-    return first
+    qs = [first[t] for t in TENSORS]
+    if all(type(q) is Float8Quantizer and q.scaling == Scaling.CURRENT for q in qs):
+        return PackedKind(FP8_TENSOR, first)
+    if all(q.local_scaling for q in qs):
+        return PackedKind(BLOCKS, first)
+    return None
 
 
 @dataclass
 class TokenLayout:
     """Where each expert's tokens sit in the packed buffer: expert e's `splits[e]` tokens start at row
-    `offsets[e]` of a buffer whose slices are `padded[e]` rows long (zero rows after the tokens)."""
+    `offsets[e]`, followed by zero rows. Its GEMMs read `padded[e]` rows (the per-expert path's zero-padded token
+    count); it occupies `slots[e]` >= `padded[e]` rows (padded further to whole scaling blocks along the tokens
+    where the packed quantization needs them: `multiple` in `build`)."""
 
     splits: list[int]
     padded: list[int]
+    slots: list[int]
     rows: torch.Tensor | None  # packed row of each token (None: no padding, the buffer is the input itself)
 
     @classmethod
-    def build(cls, splits: list[int], padded: list[int], device: torch.device) -> "TokenLayout":
-        if splits == padded:
-            return cls(splits, padded, None)
+    def build(cls, splits: list[int], padded: list[int], device: torch.device, multiple: int = 1
+              ) -> "TokenLayout":
+        slots = [-(-p // multiple) * multiple for p in padded]
+        if splits == slots:
+            return cls(splits, padded, slots, None)
         counts = torch.tensor(splits)
-        shift = torch.tensor([p - s for p, s in zip(padded, splits)]).cumsum(0) - torch.tensor(
-            [p - s for p, s in zip(padded, splits)])
+        gaps = torch.tensor([s - m for s, m in zip(slots, splits)])
+        shift = gaps.cumsum(0) - gaps
         rows = torch.arange(sum(splits)) + torch.repeat_interleave(shift, counts)
-        return cls(splits, padded, rows.to(device, non_blocking=True))
+        return cls(splits, padded, slots, rows.to(device, non_blocking=True))
 
     @property
     def total(self) -> int:
-        return sum(self.padded)
+        return sum(self.slots)
+
+    @property
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for n in self.slots:
+            out.append(o)
+            o += n
+        return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
@@ -73,14 +105,15 @@ class TokenLayout:
         quantize to zero bytes, so padding the fp8 bytes equals quantizing the zero-padded slices (and moves half
         the bytes of padding `t`)."""
         groups = q.quantize_row_groups(t.contiguous(), self.splits, name=name)
-        return Float8RowGroups(data=self.pack(groups.data), scale_inv=groups.scale_inv, sizes=tuple(self.padded))
+        return Float8RowGroups(data=self.pack(groups.data), scale_inv=groups.scale_inv, sizes=tuple(self.slots))
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.rows is None else t.index_select(0, self.rows)
 
 
 class PackedFP8Experts(torch.autograd.Function):
-    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 (see the module docstring)."""
+    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 (see the module docstring). Its
+    layout has slots == padded (the GEMMs read the whole packed buffer)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layout: TokenLayout, quantizers: dict, name: str

@@ -1,0 +1,131 @@
+"""The packed path of `GroupedLinear` for block formats without tensor-wide statistics (FP8 1x128 / 128x128 blocks,
+MXFP8 and hybrids of them: `Quantizer.local_scaling`): all experts' tokens packed into one zero-padded buffer
+(`TokenLayout`) and quantized by ONE `quantize` call (rowwise, plus columnwise when wgrad needs it), the gradient
+likewise in backward, the weight `[E*N, K]` in one call; each expert's GEMMs then run on its row slice of the
+quantized parts (`BlockScaledPart.row_slice`), one `hybridq.gemm.gemm` per expert (Hopper has no grouped
+block-scaled GEMM).
+
+Numbers: bitwise the per-expert path. Each expert's slot in the packed buffer is its per-expert zero-padded token
+count rounded up to whole scaling blocks along the tokens (`token_multiple`, from the quantizers'
+`split_granularity`): no block spans two experts, and the zero rows change no block's scale, so each expert's
+slice is bitwise its own quantization; every GEMM reads the per-expert path's operands with its shapes (the padded
+count, not the slot). The weight is quantized packed when N is a whole number of its blocks along N (128x128 tiles:
+128; MXFP8's columnwise 1x32 blocks: 32), else expert by expert (`ExpertWeights`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.base import QuantizedPart, Quantizer
+from ..gemm import gemm
+from ..tensor import QuantizedTensor, save_quantized, saved_quantized
+from .grouped_packed import TokenLayout
+from .linear import _only
+
+
+def token_multiple(quantizers: dict[str, Quantizer], rowwise_grad: bool, columnwise: bool) -> int:
+    """Rows every expert's slot must be a multiple of, so that no scaling block (or tile) along the tokens spans
+    two experts: of the input (rowwise, plus columnwise for wgrad) and of grad_output (rowwise for dgrad,
+    columnwise for wgrad). 1 when every block lies in one row (rowwise 1-D blocks)."""
+    m = quantizers["input"].split_granularity(True, columnwise)[0]
+    if rowwise_grad or columnwise:
+        m = math.lcm(m, quantizers["grad_output"].split_granularity(rowwise_grad, columnwise)[0])
+    return m
+
+
+class ExpertWeights:
+    """The experts' quantized weights: one quantization of the `[E*N, K]` weight cut into experts by row slices
+    (`packed`), or, when N would put a scaling block of the weight format across two experts (128x128 tiles with
+    N % 128 != 0), one quantization per expert."""
+
+    def __init__(self, tensors: list[QuantizedTensor], n: int, packed: bool):
+        self.tensors, self.n, self.packed = tensors, n, packed
+
+    @classmethod
+    def quantize(cls, q: Quantizer, weight: torch.Tensor, columnwise: bool, name: str) -> "ExpertWeights":
+        e, n, k = weight.shape
+        packed = e > 1 and n % q.split_granularity(True, columnwise)[0] == 0
+        if packed:
+            tensors = [q.quantize(weight.reshape(e * n, k), rowwise=True, columnwise=columnwise, name=name)]
+        else:
+            tensors = [q.quantize(w, rowwise=True, columnwise=columnwise, name=f"{name} (expert {g})")
+                       for g, w in enumerate(weight.unbind(0))]
+        return cls(tensors, n, packed)
+
+    def part(self, g: int, direction: str) -> QuantizedPart:
+        """Expert g's part in `direction` (a columnwise row slice is a copy: slice it once per GEMM)."""
+        if self.packed:
+            return self.tensors[0].part(direction).row_slice(g * self.n, (g + 1) * self.n)
+        return self.tensors[g].part(direction)
+
+    def only(self, direction: str) -> "ExpertWeights":
+        """The same weights holding `direction` only (what backward reads)."""
+        return ExpertWeights([_only(t, direction) for t in self.tensors], self.n, self.packed)
+
+
+def _used(layout: TokenLayout) -> list[tuple[int, int, int, int]]:
+    """(expert, slot offset, padded rows, tokens) of every expert with tokens."""
+    return [(g, o, p, m) for g, (o, p, m) in enumerate(zip(layout.offsets, layout.padded, layout.splits)) if m]
+
+
+class PackedBlockExperts(torch.autograd.Function):
+    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, block formats (see the module docstring).
+    `need_dgrad` / `need_wgrad`: the gradients backward will compute (what the columnwise forms are made for;
+    inside forward, autograd's own flags ignore no_grad)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layout: TokenLayout, quantizers: dict[str, Quantizer],
+                name: str, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+        e, n, k = weight.shape
+        used = _used(layout)
+        ctx.layout, ctx.quantizers, ctx.name = layout, quantizers, name
+        ctx.w_shape, ctx.w_dtype = (e, n, k), weight.dtype
+        if not used:  # no tokens: nothing to quantize (zero gradients)
+            ctx.packed_weight = False
+            save_quantized(ctx, None)
+            return x.new_empty(0, n)
+        xq = quantizers["input"].quantize(layout.pack(x), rowwise=True, columnwise=need_wgrad, name=f"input of {name}")
+        wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
+        x_row = xq.part("rowwise")
+        ys = []
+        for g, o, p, m in used:
+            y = gemm(x_row.row_slice(o, o + p), wq.part(g, "rowwise"), x.dtype, f"fprop of {name} (expert {g})")
+            ys.append(y[:m] if p != m else y)
+        # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
+        w_saved = wq.only("columnwise").tensors if need_dgrad else []
+        ctx.packed_weight = wq.packed
+        save_quantized(ctx, _only(xq, "columnwise") if need_wgrad else None, *w_saved)
+        return torch.cat(ys)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x_col, *w_saved = saved_quantized(ctx)
+        layout: TokenLayout = ctx.layout
+        name = ctx.name
+        e, n, k = ctx.w_shape
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        used = _used(layout)
+        dx = dy.new_zeros(0, k) if need_dgrad else None
+        dw = dy.new_zeros(e, n, k, dtype=ctx.w_dtype) if need_wgrad else None
+        if not used or not (need_dgrad or need_wgrad):
+            return dx, dw, None, None, None, None, None
+        dyq = ctx.quantizers["grad_output"].quantize(layout.pack(dy), rowwise=need_dgrad, columnwise=need_wgrad,
+                                                     name=f"grad_output of {name}")
+        if need_dgrad:  # dy rowwise x W columnwise
+            weights = ExpertWeights(w_saved, n, ctx.packed_weight)
+            dy_row = dyq.part("rowwise")
+            parts = []
+            for g, o, p, m in used:
+                dx_g = gemm(dy_row.row_slice(o, o + p), weights.part(g, "columnwise"), dy.dtype,
+                            f"dgrad of {name} (expert {g})")
+                parts.append(dx_g[:m] if p != m else dx_g)
+            dx = torch.cat(parts)
+        if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
+            dy_col, xc = dyq.part("columnwise"), x_col.part("columnwise")
+            for g, o, p, _ in used:
+                dw[g] = gemm(dy_col.row_slice(o, o + p), xc.row_slice(o, o + p), dy.dtype,
+                             f"wgrad of {name} (expert {g})").to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
