@@ -23,7 +23,7 @@ from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_qu
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
 from .linear import _LinearConfig, apply_linear, cached_quantized_weight
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
-from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks, quantized_param_info
+from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
 
 TENSORS = ("input", "weight", "grad_output")
 MODULE_TYPE = "grouped_linear"
@@ -276,7 +276,7 @@ class GroupedLinear(nn.Module):
         multiple = native_row_multiple(x.device)
         kind = (packed_quantizers(self.expert_quantizers)
                 if (self.packed_path and override is None and not gathered and not held_quantized
-                    and quantized_param_info(self.weight) is None and is_first_microbatch is None
+                    and is_first_microbatch is None
                     and self.bias is None and not self.save_original_input) else None)
         if kind is not None:  # (override is None: the backward GEMMs are quantized)
             qs = kind.quantizers
