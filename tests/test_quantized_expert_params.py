@@ -249,4 +249,5 @@ def test_a_quantized_model_built_on_the_cpu_moves_to_the_gpu(kind):
     for g, w in zip(got, want):
         assert_bitwise(g, w, f"{kind}: buffer moved to the GPU")
     x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16, device="cuda")
-    assert (layer(x) if kind == "Linear" else layer(x, SPLITS)).is_cuda
+    with torch.no_grad():  # (forward only: no columnwise rule on the 117 tokens for the Linear)
+        assert (layer(x) if kind == "Linear" else layer(x, SPLITS)).is_cuda
