@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GroupedGatheredForm", "HighPrecisionSource", "QuantizedGatherShard", "experts_view_op", "unhandled"]
-
-_UNHANDLED = object()
+__all__ = ["ExpertsTensor", "GroupedGatheredForm", "HighPrecisionSource", "QuantizedGatherShard"]
 
 
 class HighPrecisionSource:
@@ -41,18 +39,24 @@ class GroupedGatheredForm:
         raise NotImplementedError(f"{type(self).__name__} does not implement ensure_direction()")
 
 
-def experts_view_op(func, args, kwargs):
-    """The ops every `[E, out, in]` tensor of quantized experts (`_experts`, `_alias()`) supports: detach / alias
-    (an alias over the same experts) and `unbind(0)` (each expert's quantized weight, detached: autograd stacks
-    their gradients into a plain `[E, out, in]` gradient). Returns `_UNHANDLED` for any other op."""
-    aten = torch.ops.aten
-    t = args[0]
-    if func in (aten.detach.default, aten.alias.default):
-        return t._alias()
-    if func is aten.unbind.int and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0:
-        return tuple(e._alias() if hasattr(e, "_alias") else e.detach() for e in t._experts)
-    return _UNHANDLED
+class ExpertsTensor(torch.Tensor):
+    """Base of the `[E, out, in]` tensors whose experts are quantized tensors (`_experts`; `_alias()` gives another
+    tensor over the same experts): detach / alias give an alias, `unbind(0)` each expert's quantized weight
+    (detached: autograd stacks their gradients into a plain `[E, out, in]` gradient); any other op goes to the
+    subclass's `_other_op`."""
 
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
-def unhandled(result) -> bool:
-    return result is _UNHANDLED
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        t = args[0]
+        if func in (aten.detach.default, aten.alias.default):
+            return t._alias()
+        if func is aten.unbind.int and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 0:
+            return tuple(e._alias() if hasattr(e, "_alias") else e.detach() for e in t._experts)
+        return t._other_op(func, args, kwargs)
+
+    def _other_op(self, func, args, kwargs):
+        raise NotImplementedError(f"{type(self).__name__} does not support {func}")

@@ -89,3 +89,12 @@ def assert_parts_bitwise(got, want, what: str, *, nan_payload: bool | tuple[torc
 
 
 __all__ = ["raw_bytes", "tensor_diff", "assert_bitwise", "parts_diff", "assert_parts_bitwise"]
+
+
+def assert_results_bitwise(got: dict, want: dict, what: str) -> None:
+    """Two runs' results by name (e.g. output, input and weight gradients) equal bitwise; None only where None."""
+    for k, w in want.items():
+        if w is None:
+            assert got[k] is None, f"{what}: {k} is {got[k]}, expected None"
+        else:
+            assert_bitwise(got[k], w, f"{what}: {k}")

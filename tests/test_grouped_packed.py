@@ -8,7 +8,7 @@ import torch
 
 import hybridq as hq
 import hybridq.nn.grouped as grouped_mod
-from _compare import assert_bitwise
+from _compare import assert_bitwise, assert_results_bitwise
 from hybridq.formats import Float8Quantizer
 from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 
@@ -34,28 +34,20 @@ def _run(packed: bool, splits, dtype=torch.bfloat16, x_grad=True, w_grad=True, g
     return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
 
 
-def _assert_same(got, ref, what):
-    for k in ref:
-        if ref[k] is None:
-            assert got[k] is None, f"{what}: {k} is {got[k]} on the packed path, None on the per-expert path"
-        else:
-            assert_bitwise(got[k], ref[k], f"{what}: {k}")
-
-
 @pytest.mark.parametrize("multiple", [1, 16], ids=["unpadded", "padded16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits", SPLITS, ids=[str(s) for s in SPLITS])
 def test_packed_path_is_bitwise_the_per_expert_path(splits, dtype, multiple, monkeypatch):
     # multiple=16 pads each expert's tokens as on a GPU (the zero rows must change nothing either way)
     monkeypatch.setattr(grouped_mod, "native_row_multiple", lambda device: multiple)
-    _assert_same(_run(True, splits, dtype), _run(False, splits, dtype), f"splits {splits}, {dtype}, x{multiple}")
+    assert_results_bitwise(_run(True, splits, dtype), _run(False, splits, dtype), f"splits {splits}, {dtype}, x{multiple}")
 
 
 @pytest.mark.parametrize("x_grad,w_grad,grad", [(True, False, True), (False, True, True), (True, True, False)],
                          ids=["dgrad-only", "wgrad-only", "no-grad"])
 def test_packed_path_computes_only_the_gradients_asked_for(x_grad, w_grad, grad):
     splits = [5, 0, 17, 40]
-    _assert_same(_run(True, splits, x_grad=x_grad, w_grad=w_grad, grad=grad),
+    assert_results_bitwise(_run(True, splits, x_grad=x_grad, w_grad=w_grad, grad=grad),
                  _run(False, splits, x_grad=x_grad, w_grad=w_grad, grad=grad), f"x_grad={x_grad} w_grad={w_grad}")
 
 

@@ -12,7 +12,7 @@ import torch
 
 import hybridq as hq
 import hybridq.nn.grouped as grouped_mod
-from _compare import assert_bitwise
+from _compare import assert_results_bitwise
 from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
 from hybridq.formats.base import Quantizer
 from hybridq.nn.grouped import padded_tokens
@@ -75,14 +75,6 @@ def _run(packed, splits, recipe, out, dtype=torch.bfloat16, x_grad=True, w_grad=
     return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
 
 
-def _assert_same(got, ref, what):
-    for k in ref:
-        if ref[k] is None:
-            assert got[k] is None, f"{what}: {k} is {got[k]} on the packed path, None on the per-expert path"
-        else:
-            assert_bitwise(got[k], ref[k], f"{what}: {k} (packed vs per-expert path)")
-
-
 @pytest.mark.parametrize("multiple", [1, 16], ids=["cpu-counts", "gpu-padding"])
 @pytest.mark.parametrize("out", OUTS, ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", SPLITS, ids=str)
@@ -90,19 +82,19 @@ def _assert_same(got, ref, what):
 def test_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, out, multiple, monkeypatch):
     # multiple=16 pads each expert's tokens as on a GPU (to 16 and to the columnwise blocks along the tokens)
     monkeypatch.setattr(grouped_mod, "native_row_multiple", lambda device: multiple)
-    _assert_same(_run(True, splits, preset, out), _run(False, splits, preset, out),
+    assert_results_bitwise(_run(True, splits, preset, out), _run(False, splits, preset, out),
                  f"{preset}, splits {splits}, N={out}, x{multiple}")
 
 
 @pytest.mark.parametrize("recipe", sorted(CUSTOM))
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127]], ids=str)
 def test_packed_block_path_is_bitwise_for_double_quantization_and_weight_tiles(recipe, splits):
-    _assert_same(_run(True, splits, recipe, 128), _run(False, splits, recipe, 128), f"{recipe}, splits {splits}")
+    assert_results_bitwise(_run(True, splits, recipe, 128), _run(False, splits, recipe, 128), f"{recipe}, splits {splits}")
 
 
 def test_packed_block_path_is_bitwise_in_fp32():
     splits = [5, 0, 17, 40]
-    _assert_same(_run(True, splits, "fp8_block", 96, torch.float32),
+    assert_results_bitwise(_run(True, splits, "fp8_block", 96, torch.float32),
                  _run(False, splits, "fp8_block", 96, torch.float32), "fp8_block fp32")
 
 
@@ -111,7 +103,7 @@ def test_packed_block_path_is_bitwise_in_fp32():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_packed_block_path_computes_only_the_gradients_asked_for(preset, x_grad, w_grad, grad):
     splits = [130, 1, 0, 17]
-    _assert_same(_run(True, splits, preset, 128, x_grad=x_grad, w_grad=w_grad, grad=grad),
+    assert_results_bitwise(_run(True, splits, preset, 128, x_grad=x_grad, w_grad=w_grad, grad=grad),
                  _run(False, splits, preset, 128, x_grad=x_grad, w_grad=w_grad, grad=grad),
                  f"{preset} x_grad={x_grad} w_grad={w_grad} grad={grad}")
 
@@ -235,6 +227,6 @@ def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, ou
     reference, and no block spans two experts), and each expert's GEMM is the same `gemm` call with the same shapes
     (K=256: the hardware FP8 block GEMM on sm_90, MXFP8's on sm_100+; K=160: the emulation): the results are
     bitwise equal."""
-    _assert_same(_run(True, splits, preset, out, device="cuda", k=k),
+    assert_results_bitwise(_run(True, splits, preset, out, device="cuda", k=k),
                  _run(False, splits, preset, out, device="cuda", k=k),
                  f"{preset} on CUDA, splits {splits}, N={out}, K={k}")

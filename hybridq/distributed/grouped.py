@@ -41,7 +41,7 @@ from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..nn.grouped import GroupedLinear, converted_experts, expert_name, expert_weight_names, plan_expert_module, \
     install_expert_module
 from ..recipe import CustomRecipe, Role
-from ..weight_forms import GroupedGatheredForm, experts_view_op, unhandled
+from ..weight_forms import ExpertsTensor, GroupedGatheredForm
 from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink, in_backward, phase_of
 from .payload import ALIGN, DIRECTIONS, HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload, quantize_shard
@@ -485,7 +485,7 @@ class GroupedHybridWeight(HybridWeight):
 GroupedHybridWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(GroupedHybridWeight.fsdp_pre_all_gather)
 
 
-class GroupedGatheredWeight(GroupedGatheredForm, torch.Tensor):
+class GroupedGatheredWeight(GroupedGatheredForm, ExpertsTensor):
     """The unsharded grouped weight FSDP2 registers on the module between unshard and reshard: `[E, out, in]`
     whose `unbind(0)` gives each expert's `GatheredWeight` (a QuantizedTensor; autograd stacks the experts'
     weight gradients into a plain `[E, out, in]` gradient). Other ops raise: the experts are quantized."""
@@ -505,21 +505,13 @@ class GroupedGatheredWeight(GroupedGatheredForm, torch.Tensor):
         for g in self._experts:
             g.part(direction)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        t = args[0]
-        out = experts_view_op(func, args, kwargs)
-        if not unhandled(out):
-            return out
+    def _other_op(self, func, args, kwargs):
         if func is aten.as_strided.default:
             size, stride = args[1], args[2]
             offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
-            if tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()) and not offset:
-                return t._alias()
-        raise TypeError(f"GroupedGatheredWeight (the unsharded quantized weight {t._hq.name}) supports only "
+            if tuple(size) == tuple(self.shape) and tuple(stride) == tuple(self.stride()) and not offset:
+                return self._alias()
+        raise TypeError(f"GroupedGatheredWeight (the unsharded quantized weight {self._hq.name}) supports only "
                         f"unbind(0) (each expert's quantized weight), detach and alias; got {func}")
 
     def __repr__(self, *, tensor_contents=None) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..tensor import QuantizedTensor
-from ..weight_forms import experts_view_op, unhandled
+from ..weight_forms import ExpertsTensor
 from .expert_layers import expert_name
 from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, _columnwise_plan, install_quantized_hooks,
                                copy_into, quantized_param_info)
@@ -39,7 +39,7 @@ class QuantizedExpertsInfo:
         return " | ".join(dict.fromkeys(i.describe() for i in self.experts))
 
 
-class QuantizedExpertWeights(torch.Tensor):
+class QuantizedExpertWeights(ExpertsTensor):
     """The quantized `[E, out, in]` weight of a GroupedLinear (see the module docstring)."""
 
     @staticmethod
@@ -82,32 +82,26 @@ class QuantizedExpertWeights(torch.Tensor):
     def nbytes_quantized(self) -> int:
         return sum(e.nbytes_quantized() for e in self._experts)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        t = args[0]
-        out = experts_view_op(func, args, kwargs)
-        if not unhandled(out):
-            return out
+    def _other_op(self, func, args, kwargs):
         if func is aten.copy_.default:
             src = args[1]
-            if tuple(src.shape) != tuple(t.shape):
+            if tuple(src.shape) != tuple(self.shape):
                 raise ValueError(f"hybridq: cannot copy a tensor of shape {tuple(src.shape)} into the quantized "
-                                 f"weight of {getattr(t, INFO_ATTR).layer} {tuple(t.shape)}")
-            for e, s in zip(t._experts, src.unbind(0)):
+                                 f"weight of {getattr(self, INFO_ATTR).layer} {tuple(self.shape)}")
+            for e, s in zip(self._experts, src.unbind(0)):
                 copy_into(e, s)
-            return t
-        if func is aten._to_copy.default and kwargs.get("dtype", t.dtype) == t.dtype:
+            return self
+        if func is aten._to_copy.default and kwargs.get("dtype", self.dtype) == self.dtype:
             move = lambda x: x.to(device=kwargs.get("device"), non_blocking=kwargs.get("non_blocking", False),
                                   copy=True)  # (aten._to_copy never aliases)
-            return _with_info(t, [e.map_parts(move) for e in t._experts])
-        info = getattr(t, INFO_ATTR, None)
+            return _with_info(self, [e.map_parts(move) for e in self._experts])
+        info = getattr(self, INFO_ATTR, None)
         raise NotImplementedError(
             f"hybridq: {func} on the quantized weight of {info.layer if info else 'a GroupedLinear'}: it is held as "
             f"quantized experts (quantized_model_init / quantize_parameters) and supports only unbind(0), copy_ "
-            f"(quantizes), detach and .to(device); call .dequantize() for its values")
+            f"(quantizes), detach and .to(device); call .dequantize() for its values. Optimizers keep fp32 masters "
+            f"(hybridq.distributed.ZeroAdamW or quantize_master_weights); FSDP2's fully_shard takes the high-precision "
+            f"model (hybridq.apply_hybrid_fsdp all-gathers weights quantized)")
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"QuantizedExpertWeights(shape={tuple(self.shape)}, dtype={self.dtype}, "
