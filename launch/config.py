@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     g.add_argument("--seed", type=int, default=0, help="initial weights, batches, random rounding")
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final val loss")
+    g.add_argument("--gc-every", type=int, default=50, metavar="N",
+                   help="Python garbage collection: freeze what set-up allocated, turn the automatic collector off "
+                        "and collect the young generations every N steps (torchtitan's practice); 0: automatic")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None,
                    help="DCP checkpoints (model + optimizer) go to DIR/<recipe>/step_NNNNNN")

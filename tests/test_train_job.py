@@ -136,6 +136,24 @@ def test_report_head_options():
     assert "output" not in rep and rep["output (tied)"][0] == "skipped"
 
 
+def test_garbage_collection_is_off_during_training_and_restored_after(monkeypatch):
+    import gc
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or 0)
+    collector = train.GarbageCollection(every=3)
+    try:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0, "automatic collection off, set-up objects frozen"
+        for n in range(7):
+            collector.step(n)
+        assert collected == [2, 1, 1, 1], f"a full collection at set-up, then generation 1 at steps 0, 3, 6: {collected}"
+    finally:
+        collector.close()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    train.GarbageCollection(every=0).close()
+    assert gc.isenabled(), "--gc-every 0 leaves Python's automatic collection alone"
+
+
 def test_data_is_a_pure_function_of_step_and_rank():
     toks = job_data.load_tokens()
     assert job_data.CORPUS.exists() and len(toks) > 100_000 and int(toks.max()) < job_data.VOCAB_SIZE
