@@ -89,7 +89,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
   Tensor row = at::empty({M, K}, x.options().dtype(dtype));
   Tensor col = columnwise ? at::empty({K, M}, x.options().dtype(dtype)) : empty0(x, dtype);
   Tensor scale_inv = at::empty({n_groups}, x.options().dtype(at::kFloat));
-  Tensor amax = at::zeros({n_groups}, x.options().dtype(at::kFloat));
+  Tensor amax = zeros_on_stream({n_groups}, x.options().dtype(at::kFloat));
   C10_CUDA_CHECK(hybridq::launch_grouped_absmax(it, x.data_ptr(), M, K, row_group.data_ptr<int32_t>(),
                                                 amax_bits(amax), stream));
   a.amax_in = amax.data_ptr<float>();

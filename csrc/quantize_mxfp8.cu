@@ -42,8 +42,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mxfp8_quantize(const Tensor& x, at::S
   if (swizzle) {
     a.row_s_cols_pad = round_up(K / 32, 4);
     a.col_s_cols_pad = round_up(M / 32, 4);
-    row_s = rowwise ? at::zeros({round_up(M, 128) * a.row_s_cols_pad}, u8o) : empty0(x, at::kByte);
-    col_s = columnwise ? at::zeros({round_up(K, 128) * a.col_s_cols_pad}, u8o) : empty0(x, at::kByte);
+    row_s = rowwise ? zeros_on_stream({round_up(M, 128) * a.row_s_cols_pad}, u8o) : empty0(x, at::kByte);
+    col_s = columnwise ? zeros_on_stream({round_up(K, 128) * a.col_s_cols_pad}, u8o) : empty0(x, at::kByte);
   } else {
     row_s = rowwise ? at::empty({M, K / 32}, u8o) : empty0(x, at::kByte);
     col_s = columnwise ? at::empty({K, M / 32}, u8o) : empty0(x, at::kByte);

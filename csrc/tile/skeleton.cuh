@@ -34,6 +34,9 @@
 // implementation) and hybridq/kernels/cuda.py (the call). setup.py compiles every csrc/*.cu.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 #include "common.cuh"
 
 namespace hybridq {
@@ -330,8 +333,17 @@ cudaError_t launch_tile_cfg(const QuantArgs& a, cudaStream_t stream) {
       static_cast<size_t>(Cfg::STAGES) * TM * TK * sizeof(T) + static_cast<size_t>(TK) * (CB + 16);
   auto kern = quantize_tile_kernel<T, P, Cfg>;
   if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    // once per device and instantiation (a driver call per launch otherwise)
+    static std::atomic<uint64_t> smem_set{0};
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
+    const uint64_t bit = uint64_t{1} << (dev & 63);
+    if (!(smem_set.load(std::memory_order_relaxed) & bit)) {
+      err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (err != cudaSuccess) return err;
+      smem_set.fetch_or(bit, std::memory_order_relaxed);
+    }
   }
   static int per_sm = 0;  // resident CTAs per SM of this instantiation (the same on every GPU of one kind)
   if (per_sm == 0) {
