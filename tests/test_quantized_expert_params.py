@@ -251,3 +251,20 @@ def test_a_quantized_model_built_on_the_cpu_moves_to_the_gpu(kind):
     x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():  # (forward only: no columnwise rule on the 117 tokens for the Linear)
         assert (layer(x) if kind == "Linear" else layer(x, SPLITS)).is_cuda
+
+
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_deepcopy_of_a_quantized_model_owns_its_buffers(kind):
+    import copy
+
+    with hq.quantized_model_init():
+        layer = (hq.Linear(K, N, recipe=hq.recipe("mxfp8"), dtype=torch.bfloat16, name="m") if kind == "Linear" else
+                 hq.GroupedLinear(E, K, N, recipe=hq.recipe("mxfp8"), dtype=torch.bfloat16, name="m"))
+    twin = copy.deepcopy(layer)
+    assert quantized_param_info(twin.weight) is not None, f"{kind}: the copy's weight is no longer described"
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(_held_tensors(twin.weight),
+                                                                _held_tensors(layer.weight)))
+    x = torch.randn(64, K, dtype=torch.bfloat16)
+    with torch.no_grad():
+        run = (lambda m: m(x)) if kind == "Linear" else (lambda m: m(x, [40, 0, 24]))
+        assert_bitwise(run(twin), run(layer), f"{kind}: output of the deep copy")

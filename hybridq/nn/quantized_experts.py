@@ -91,6 +91,8 @@ class QuantizedExpertWeights(ExpertsTensor):
             for e, s in zip(self._experts, src.unbind(0)):
                 copy_into(e, s)
             return self
+        if func is aten.clone.default:  # (copy.deepcopy of a model)
+            return _with_info(self, [e.map_parts(lambda x: x.clone()) for e in self._experts])
         if func is aten._to_copy.default and kwargs.get("dtype", self.dtype) == self.dtype:
             move = lambda x: x.to(device=kwargs.get("device"), non_blocking=kwargs.get("non_blocking", False),
                                   copy=True)  # (aten._to_copy never aliases)
@@ -99,7 +101,7 @@ class QuantizedExpertWeights(ExpertsTensor):
         raise NotImplementedError(
             f"hybridq: {func} on the quantized weight of {info.layer if info else 'a GroupedLinear'}: it is held as "
             f"quantized experts (quantized_model_init / quantize_parameters) and supports only unbind(0), copy_ "
-            f"(quantizes), detach and .to(device); call .dequantize() for its values. Optimizers keep fp32 masters "
+            f"(quantizes), clone, detach and .to(device); call .dequantize() for its values. Optimizers keep fp32 masters "
             f"(hybridq.distributed.ZeroAdamW or quantize_master_weights); FSDP2's fully_shard takes the high-precision "
             f"model (hybridq.apply_hybrid_fsdp all-gathers weights quantized)")
 
