@@ -19,11 +19,11 @@ import torch.nn as nn
 from ..tensor import QuantizedTensor
 from ..weight_forms import ExpertsTensor
 from .expert_layers import expert_name
-from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, _columnwise_plan, install_quantized_hooks,
+from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, columnwise_plan, install_quantized_hooks,
                                copy_into, quantized_param_info)
 
 __all__ = ["QuantizedExpertWeights", "QuantizedExpertsInfo", "check_grouped_layer", "install_grouped",
-           "expert_weight_for_call"]
+           "expert_weight_for_call", "is_quantized_experts"]
 
 aten = torch.ops.aten
 
@@ -142,7 +142,7 @@ def check_grouped_layer(layer: nn.Module) -> list[tuple]:
                              f"use current scaling (e.g. the 'fp8_tensorwise' preset)")
         shape = (layer.out_features, layer.in_features)
         q.validate(shape, name, rowwise=True, columnwise=columnwise)
-        plans.append((q, *_columnwise_plan(q, shape, w.dtype, columnwise)))
+        plans.append((q, *columnwise_plan(q, shape, w.dtype, columnwise)))
     return plans
 
 

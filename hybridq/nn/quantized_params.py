@@ -82,7 +82,7 @@ def init_config() -> dict | None:
     return getattr(_STATE, "config", None)
 
 
-def _columnwise_plan(q: Quantizer, shape, dtype: torch.dtype, columnwise: bool) -> tuple[bool, bool]:
+def columnwise_plan(q: Quantizer, shape, dtype: torch.dtype, columnwise: bool) -> tuple[bool, bool]:
     """(store the columnwise form, derive it at use): derive when the format makes it an exact transform of the
     rowwise form (decided on a meta tensor: no data)."""
     if not columnwise:
@@ -119,7 +119,7 @@ def check_layer(layer: nn.Module) -> tuple[Quantizer, bool, bool]:
                          f"current scaling (e.g. the 'fp8_tensorwise' preset)")
     columnwise = layer.recipe.backward_override is None
     q.validate(w.shape, name, rowwise=True, columnwise=columnwise)
-    store, derive = _columnwise_plan(q, w.shape, w.dtype, columnwise)
+    store, derive = columnwise_plan(q, w.shape, w.dtype, columnwise)
     return q, store, derive
 
 
