@@ -268,3 +268,24 @@ def test_deepcopy_of_a_quantized_model_owns_its_buffers(kind):
     with torch.no_grad():
         run = (lambda m: m(x)) if kind == "Linear" else (lambda m: m(x, [40, 0, 24]))
         assert_bitwise(run(twin), run(layer), f"{kind}: output of the deep copy")
+
+
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_load_state_dict_with_assign_quantizes_into_a_new_parameter(kind):
+    """assign=True (e.g. after building on the meta device) gives a quantized parameter holding the loaded values
+    on their device, never the high-precision tensor itself (which would silently undo the quantized storage)."""
+    def build():
+        return (hq.Linear(K, N, bias=False, recipe=hq.recipe("nvfp4"), dtype=torch.bfloat16, name="m")
+                if kind == "Linear" else
+                hq.GroupedLinear(E, K, N, recipe=hq.recipe("nvfp4"), dtype=torch.bfloat16, name="m"))
+    with torch.device("meta"), hq.quantized_model_init():
+        layer = build()
+    value = torch.randn(*layer.weight.shape, dtype=torch.bfloat16)
+    with hq.quantized_model_init():
+        want = build()
+    want.load_state_dict({"weight": value})  # copy_ quantizes
+    layer.load_state_dict({"weight": value}, assign=True)
+    assert quantized_param_info(layer.weight) is not None and not layer.weight.is_meta, \
+        f"{kind}: load_state_dict(assign=True) left {type(layer.weight).__name__} on {layer.weight.device}"
+    for got, exp in zip(_held_tensors(layer.weight), _held_tensors(want.weight)):
+        assert_bitwise(got, exp, f"{kind}: quantized buffer after load_state_dict(assign=True)")

@@ -19,8 +19,8 @@ import torch.nn as nn
 from ..tensor import QuantizedTensor
 from ..weight_forms import ExpertsTensor
 from .expert_layers import expert_name
-from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, columnwise_plan, install_quantized_hooks,
-                               copy_into, quantized_param_info)
+from .quantized_params import (INFO_ATTR, INIT_ATTR, QuantizedParamInfo, columnwise_plan, copy_into,
+                               install_quantized_hooks, quantized_param_info, register_requantize)
 
 __all__ = ["QuantizedExpertWeights", "QuantizedExpertsInfo", "check_grouped_layer", "install_grouped",
            "expert_weight_for_call", "is_quantized_experts"]
@@ -146,23 +146,38 @@ def check_grouped_layer(layer: nn.Module) -> list[tuple]:
     return plans
 
 
+def quantized_experts_parameter(info: QuantizedExpertsInfo, value: torch.Tensor, requires_grad: bool
+                                ) -> nn.Parameter:
+    """`value` (`[E, out, in]`, the nominal dtype) as the quantized experts `info` describes."""
+    experts = []
+    with torch.no_grad():
+        for i, v in zip(info.experts, value.detach().unbind(0)):
+            qt = i.quantizer.quantize(v, rowwise=True, columnwise=i.columnwise_stored, name=f"weight of {i.layer}")
+            setattr(qt, INFO_ATTR, i)
+            experts.append(qt)
+    p = nn.Parameter(QuantizedExpertWeights(experts), requires_grad=requires_grad)
+    setattr(p, INFO_ATTR, info)
+    return p
+
+
 def install_grouped(layer: nn.Module, plans: list[tuple], preserve: bool) -> None:
     """Make a GroupedLinear's weight a `QuantizedExpertWeights` parameter (plans from `check_grouped_layer`)."""
     w = layer.weight
-    experts, infos = [], []
-    with torch.no_grad():
-        for e, (q, store, derive) in enumerate(plans):
-            info = QuantizedParamInfo(expert_name(layer.name, e), q, store, derive)
-            qt = q.quantize(w[e].detach(), rowwise=True, columnwise=store, name=f"weight of {info.layer}")
-            setattr(qt, INFO_ATTR, info)
-            experts.append(qt)
-            infos.append(info)
-    p = nn.Parameter(QuantizedExpertWeights(experts), requires_grad=w.requires_grad)
-    setattr(p, INFO_ATTR, QuantizedExpertsInfo(layer.name, tuple(infos)))
+    info = QuantizedExpertsInfo(layer.name, tuple(QuantizedParamInfo(expert_name(layer.name, e), q, store, derive)
+                                                  for e, (q, store, derive) in enumerate(plans)))
+    p = quantized_experts_parameter(info, w, w.requires_grad)
     if preserve:
         setattr(p, INIT_ATTR, w.detach().to("cpu", copy=True))
     layer._parameters["weight"] = p
     install_quantized_hooks(layer)
+
+
+def _requantize_experts(p: QuantizedExpertWeights, value: torch.Tensor) -> nn.Parameter:
+    """A new quantized-experts parameter holding `value` (load_state_dict(assign=True))."""
+    return quantized_experts_parameter(getattr(p, INFO_ATTR), value.to(dtype=p.dtype), p.requires_grad)
+
+
+register_requantize(QuantizedExpertWeights, _requantize_experts)
 
 
 def expert_weight_for_call(p: QuantizedExpertWeights, expert: int, need_columnwise: bool) -> QuantizedTensor:

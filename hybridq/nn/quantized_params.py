@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -123,13 +123,20 @@ def check_layer(layer: nn.Module) -> tuple[Quantizer, bool, bool]:
     return q, store, derive
 
 
+def quantized_parameter(info: QuantizedParamInfo, value: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """`value` (high precision, the nominal dtype) as the quantized parameter `info` describes."""
+    with torch.no_grad():
+        qt = info.quantizer.quantize(value.detach(), rowwise=True, columnwise=info.columnwise_stored,
+                                     name=f"weight of {info.layer}")
+    p = nn.Parameter(qt, requires_grad=requires_grad)
+    setattr(p, INFO_ATTR, info)
+    return p
+
+
 def _install(layer: nn.Module, plan: tuple[Quantizer, bool, bool], preserve: bool) -> None:
     q, store, derive = plan
     w = layer.weight
-    with torch.no_grad():
-        qt = q.quantize(w.detach(), rowwise=True, columnwise=store, name=f"weight of {layer.name}")
-    p = nn.Parameter(qt, requires_grad=w.requires_grad)
-    setattr(p, INFO_ATTR, QuantizedParamInfo(layer.name, q, store, derive))
+    p = quantized_parameter(QuantizedParamInfo(layer.name, q, store, derive), w, w.requires_grad)
     if preserve:
         setattr(p, INIT_ATTR, w.detach().to("cpu", copy=True))
     layer._parameters["weight"] = p
@@ -174,9 +181,43 @@ def _dequantized_state_dict(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
+# load_state_dict(assign=True) would put the loaded high-precision tensor in place of a quantized parameter (the
+# layer silently back to 2 bytes per element): instead the loaded value is quantized into a new quantized parameter
+# on its device, which is what assign means for a parameter held quantized (e.g. after building on the meta device)
+_REQUANTIZE: dict[type, Callable] = {}
+
+
+def register_requantize(param_type: type, fn: Callable) -> None:
+    """How a quantized parameter of `param_type` is rebuilt from a high-precision value (`fn(param, value)` -> a
+    new nn.Parameter holding the value quantized as `param` is)."""
+    _REQUANTIZE[param_type] = fn
+
+
+def _requantize_linear_weight(p: QuantizedTensor, value: torch.Tensor) -> nn.Parameter:
+    return quantized_parameter(getattr(p, INFO_ATTR), value.to(dtype=p.dtype), p.requires_grad)
+
+
+register_requantize(QuantizedTensor, _requantize_linear_weight)
+
+
+def _quantizing_assign(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name, p in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if (quantized_param_info(p) is None or value is None or quantized_param_info(value) is not None
+                or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape)):
+            continue  # (a wrong shape is torch's size-mismatch error)
+        state_dict[prefix + name] = _REQUANTIZE[type(p)](p, value)
+
+
 def install_quantized_hooks(layer: nn.Module) -> None:
+    """state_dict gives quantized parameters dequantized; load_state_dict quantizes (copy_, or a new quantized
+    parameter with assign=True); a torch optimizer refuses them."""
     if not getattr(layer, "_hybridq_qparam_hooks", False):
         layer._register_state_dict_hook(_dequantized_state_dict)
+        layer._register_load_state_dict_pre_hook(_quantizing_assign, with_module=True)
         layer._hybridq_qparam_hooks = True
     _install_optimizer_guard()
 
