@@ -7,6 +7,7 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python launch/e2e_report.py --dry-run            # print the commands only
     python launch/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
     python launch/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
+    python launch/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
 
 Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
 (= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per
@@ -51,6 +52,11 @@ FULL = {"d_model": 2048, "n_layers": 20, "n_heads": 16, "hidden": 5632, "seq": 4
         "lr": 1e-3, "eval_batches": 2}
 TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "hidden": None, "seq": 64, "batch": 2, "steps": 4,
         "lr": 3e-3, "eval_batches": 1}
+# --parity: a ~127M-parameter model trained long enough for loss gaps to mean something (600 steps with a 10%
+# warm-up, the same data order for every recipe: batches are a pure function of seed, step and rank)
+PARITY = {"d_model": 768, "n_layers": 18, "n_heads": 12, "hidden": 2048, "seq": 1024, "batch": 16, "steps": 600,
+          "lr": 1e-3, "eval_batches": 16}
+PARITY_LIMITS = {"time_limit_s": 420.0, "total_budget_s": 3600.0}
 
 
 
@@ -62,12 +68,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, else 2 on the CPU)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="passed to train.py")
     p.add_argument("--tiny", action="store_true", help="tiny model and 4 steps (CPU smoke test)")
+    p.add_argument("--parity", action="store_true",
+                   help=f"loss parity: a ~127M model for {PARITY['steps']} steps (sizes below), every run's loss curve "
+                        f"in parity.png and the final / validation gaps vs bf16 in the table")
     for k in ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "eval_batches"):
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {FULL[k]} (tiny {TINY[k]})")
-    p.add_argument("--lr", type=float, default=None, help=f"default {FULL['lr']} (tiny {TINY['lr']})")
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {FULL[k]} (tiny {TINY[k]}, parity {PARITY[k]})")
+    p.add_argument("--lr", type=float, default=None, help=f"default {FULL['lr']} (tiny {TINY['lr']}, parity {PARITY['lr']})")
     p.add_argument("--train-args", default="", help="more train.py flags for every run (one string)")
-    p.add_argument("--time-limit-s", type=float, default=90.0, help="per run, start-up included")
-    p.add_argument("--total-budget-s", type=float, default=510.0, help="all runs together")
+    p.add_argument("--time-limit-s", type=float, default=None, help="per run, start-up included (default 90, "
+                   f"--parity {PARITY_LIMITS['time_limit_s']:.0f})")
+    p.add_argument("--total-budget-s", type=float, default=None, help="all runs together (default 510, --parity "
+                   f"{PARITY_LIMITS['total_budget_s']:.0f})")
     p.add_argument("--min-run-s", type=float, default=None,
                    help="skip a run whose limit would be shorter (default 40 s on GPUs, 5 s on the CPU)")
     p.add_argument("--out-dir", default="e2e_report", help="logs, metrics JSON, report.md and report.json")
@@ -76,8 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run every recipe with train.py --compile (each block torch.compiled), side by side "
                         "with eager; compiled rows compare with bf16 compiled")
     a = p.parse_args(argv)
-    base = TINY if a.tiny else FULL
-    for k, v in base.items():
+    if a.tiny and a.parity:
+        p.error("--tiny and --parity choose different sizes: pass one (override sizes with --d-model etc.)")
+    base = TINY if a.tiny else PARITY if a.parity else FULL
+    limits = PARITY_LIMITS if a.parity else {"time_limit_s": 90.0, "total_budget_s": 510.0}
+    for k, v in {**base, **limits}.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     return a
@@ -272,6 +286,9 @@ def rows_for(results: list[dict]) -> list[dict]:
             row["gap"], row["gap_rel"], row["gap_at"] = a - b, a / b - 1, k
         if ref is not None and r["tokens_per_s"] and ref["tokens_per_s"]:
             row["speed_vs_bf16"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        vals = (r.get("val_loss"), ref.get("val_loss") if ref is not None else None)
+        if r is not ref and all(isinstance(v, float) and v == v for v in vals):
+            row["val_gap_rel"] = vals[0] / vals[1] - 1
         out.append(row)
     return out
 
@@ -291,10 +308,38 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         gap = (f"{r['gap']:+.4f} ({r['gap_rel']:+.2%}) @ {r['gap_at']}" if r.get("gap") is not None
                else ("(reference)" if r.get("base", r["recipe"]) == BASELINE else "-"))
         val = f"{r['val_loss']:.4f}" if isinstance(r.get("val_loss"), float) and r["val_loss"] == r["val_loss"] else "-"
+        if r.get("val_gap_rel") is not None:
+            val += f" ({r['val_gap_rel']:+.2%})"
         status = r["status"].replace("|", "/")
         lines.append(f"| {r['recipe']} | {status} | {r['steps_done']} | {tps} | {vs} | {fmt_mem(r['peak_memory_bytes'])} "
                      f"| {loss} | {gap} | {val} | `{r['command']}` |")
     return "\n".join(lines)
+
+
+def write_parity_plot(results: list[dict], png: pathlib.Path) -> str:
+    """Every run's training-loss curve (moving mean over 10 steps) in one figure; returns what was done."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"no plot: matplotlib is not installed (pip install -e '.[launch]'); {png.name} not written"
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for r in results:
+        losses = r.get("losses") or []
+        if not losses:
+            continue
+        w = min(10, len(losses))
+        smooth = [statistics.fmean(losses[max(0, i - w + 1):i + 1]) for i in range(len(losses))]
+        ax.plot(range(1, len(smooth) + 1), smooth, lw=1.2, label=r["recipe"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte, mean of 10 steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return f"wrote {png}"
 
 
 def describe(a, nproc: int) -> list[str]:
@@ -356,6 +401,8 @@ def main(argv=None) -> int:
     rows = rows_for(results)
     header.append(f"Total wall time {time.perf_counter() - t_start:.0f} s (budget {a.total_budget_s:.0f} s, "
                   f"per run {a.time_limit_s:.0f} s); logs and metrics JSON in {out_dir}.")
+    if a.parity:
+        header.append(write_parity_plot([r for r in results if not r.get("skip")], out_dir / "parity.png"))
     md = markdown(rows, header)
     (out_dir / "report.md").write_text(md + "\n")
     (out_dir / "report.json").write_text(json.dumps({"args": vars(a), "nproc": nproc, "rows": rows}, indent=1))

@@ -104,3 +104,19 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     rows = e2e_report.rows_for([run("bf16", False, 100.0), run("fp8_tensorwise", False, 110.0),
                                 run("bf16", True, 200.0), run("fp8_tensorwise", True, 300.0)])
     assert [r.get("speed_vs_bf16") for r in rows] == [1.0, 1.1, 1.0, 1.5], "each mode against its own bf16"
+
+
+def test_parity_sizes_limits_and_plot(tmp_path):
+    a = e2e_report.parse_args(["--parity", "--recipes", "bf16,fp8_tensorwise"])
+    assert (a.steps, a.seq, a.time_limit_s) == (600, 1024, 420.0), "parity sizes and a longer per-run limit"
+    assert e2e_report.parse_args(["--parity", "--steps", "50"]).steps == 50, "sizes still override"
+    with pytest.raises(SystemExit):
+        e2e_report.parse_args(["--parity", "--tiny"])
+    run = lambda name, losses, val: {"recipe": name, "base": name, "compiled": False, "losses": losses,
+                                     "tokens_per_s": 1.0, "val_loss": val}
+    rows = e2e_report.rows_for([run("bf16", [3.0, 2.0], 2.0), run("nvfp4", [3.0, 2.1], 2.02)])
+    assert abs(rows[1]["val_gap_rel"] - 0.01) < 1e-12 and "val_gap_rel" not in rows[0]
+    assert "(+1.00%)" in e2e_report.markdown([dict(r, status="ok", steps_done=2, peak_memory_bytes=None,
+                                                     command="c") for r in rows], [])
+    said = e2e_report.write_parity_plot([run("bf16", [3.0, 2.0], 2.0)], tmp_path / "parity.png")
+    assert said.startswith("no plot") or (tmp_path / "parity.png").stat().st_size > 0, said
