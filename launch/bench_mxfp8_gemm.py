@@ -7,6 +7,7 @@ fprop (M, N, K), dgrad (M, K, N), wgrad (N, K, M). TFLOP/s = 2 m n k / time (CUD
 
     python launch/bench_mxfp8_gemm.py
     python launch/bench_mxfp8_gemm.py --shapes 8192x8192x8192 --configs all --json out.json
+    python launch/bench_mxfp8_gemm.py --diag     # where the time goes (see diag())
 """
 
 from __future__ import annotations
@@ -37,6 +38,36 @@ def _dequant(d, s):
     return (d.float() * torch.exp2((e - 127).float())).to(torch.bfloat16)
 
 
+def diag(n: int = 8192) -> None:
+    """Where the kernel's time goes at n^3, per config: MODE 2 is a plain FP8 GEMM in the same kernel (scales
+    ignored, one accumulator: the Triton FP8 ceiling), MODE 1 the fresh product per 32-wide K block added unscaled,
+    MODE 0 the real kernel; with registers / spills, and for MODE 0 the layout conversions and MMA instructions of
+    the compiled kernel (TTGIR / PTX) and the TTGIR lines that convert layouts."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    _, _, a8, b8, sa, sb = _operands(n, n, n, g)
+    for mode in (2, 1, 0):
+        for c in tm._CONFIGS:
+            conf = dict(tm.config_dict(c), MODE=mode)
+            fn = (lambda conf=conf: tm.mxfp8_mm(a8, sa, b8, sb, torch.bfloat16, config=conf))
+            try:
+                fn()
+                kern = tm.LAST_COMPILED["kernel"]
+                ms = bench(fn, iters=3, inner=3)
+            except Exception as e:  # noqa: BLE001
+                print(f"MODE {mode} {c}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            print(f"MODE {mode} {c}: {2 * n ** 3 / (ms * 1e-3) / 1e12:.0f} TFLOP/s, regs {kern.n_regs} spills "
+                  f"{kern.n_spills}", flush=True)
+            if mode == 0:
+                ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
+                print(f"  convert_layout {ttgir.count('convert_layout')}, warp_group_dot "
+                      f"{ttgir.count('warp_group_dot ')}, wgmma.mma_async {ptx.count('wgmma.mma_async')}, "
+                      f"mma.sync {ptx.count('mma.sync')}, bar.sync {ptx.count('bar.sync')}", flush=True)
+                for line in ttgir.splitlines():
+                    if "convert_layout" in line:
+                        print("   ", line.strip()[:240])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8192x8192x8192,8192x4096x14336", help="Linear MxKxN,...")
@@ -44,7 +75,11 @@ def main() -> None:
                     "the first GEMM only; 'none'")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--diag", action="store_true", help="only the per-MODE breakdown at 8192^3 (see diag())")
     args = ap.parse_args()
+    if args.diag:
+        diag()
+        return
     from hybridq.kernels import extension_available
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton available: {tm.available()}; "
           f"hybridq CUDA extension: {extension_available()}", flush=True)

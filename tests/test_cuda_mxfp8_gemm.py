@@ -1,7 +1,9 @@
 """The sm_90 MXFP8 x MXFP8 GEMM in Triton (hybridq.kernels.triton_mxfp8, registered as "triton-mxfp8-sm90").
 
-CPU tests (no mark): the registration order and gating (declines without CUDA, without Triton, off sm_90, on
-operands it cannot take) and the fallback when the kernel fails. GPU tests (`gpu`, skipped without CUDA, Triton or
+The kernel is opt-in (HYBRIDQ_TRITON_MXFP8=1, `native_gemm.TRITON_MXFP8`): it is correct but slower than the bf16
+emulation so far. Every test here turns it on. CPU tests (no mark): the registration order and gating (off by
+default, declines without CUDA, without Triton, off sm_90, on operands it cannot take) and the fallback when the
+kernel fails. GPU tests (`gpu`, skipped without CUDA, Triton or
 an sm_90 device): the kernel against the exact product of the dequantized operands (fp64) and against the fp32
 emulation, within the bound of docs/numerics.md "MXFP8 GEMM on sm_90":
 
@@ -30,6 +32,11 @@ SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2
 ACC_TOL = 2.0 ** -10
 
 
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+    monkeypatch.setitem(ng.TRITON_MXFP8, "on", True)
+
+
 def _parts(m, n, k, fa="e4m3", fb="e4m3", seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     xa = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -45,6 +52,20 @@ def test_registered_before_the_bf16_emulation():
     names = [g.name for g in dispatch._GEMM[(MXFP8Part, MXFP8Part)]]
     assert NAME in names and "cuda-emulated-bf16" in names, names
     assert names.index(NAME) < names.index("cuda-emulated-bf16"), names
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("HYBRIDQ_TRITON_MXFP8", raising=False)
+    assert not ng._triton_mxfp8_env()
+    monkeypatch.setenv("HYBRIDQ_TRITON_MXFP8", "1")
+    assert ng._triton_mxfp8_env()
+
+
+def test_default_off_declines(fake_sm90, monkeypatch):
+    monkeypatch.setitem(ng.TRITON_MXFP8, "on", False)
+    monkeypatch.setattr(tm, "triton", object())
+    a, b = _parts(64, 32, 64)
+    assert not ng._triton_mxfp8_supports(a, b)
 
 
 def test_declines_on_cpu_parts():

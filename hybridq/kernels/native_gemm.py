@@ -7,9 +7,10 @@
   BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
 - MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+: `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16
   (+ TensorWise global) scales in the swizzled 128x4-tile layout, self-checked against the emulation on first use.
-- MXFP8 x MXFP8 on sm_90 (cuBLAS refuses MXFP8 there): a Triton kernel (`triton_mxfp8`) on the FP8 tensor
-  cores that reads the fp8 bytes and E8M0 scales as stored and applies the 32-element K-block scales in its main
-  loop (fp32 accumulation), when Triton imports; off with HYBRIDQ_TRITON_MXFP8=0.
+- MXFP8 x MXFP8 on sm_90 (cuBLAS refuses MXFP8 there), opt-in with HYBRIDQ_TRITON_MXFP8=1: a Triton kernel
+  (`triton_mxfp8`) on the FP8 tensor cores that reads the fp8 bytes and E8M0 scales as stored and applies the
+  32-element K-block scales in its main loop (fp32 accumulation). Off by default: it is correct but, as measured,
+  slower than the bf16 emulation below (BENCHMARKS.md "MXFP8 GEMM on sm_90 in Triton").
 - Otherwise MXFP8 / NVFP4 on sm_90 have no hardware GEMM: they are emulated, and on CUDA
   the emulation multiplies in bf16 (fp32 accumulation) where the operands dequantize exactly to bf16
   (MXFP8; NVFP4 codes times their block scale, the global scales applied to the fp32 product; bf16 identity
@@ -240,7 +241,12 @@ def _blockscaled_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
 
 # ---- MXFP8 x MXFP8 on sm_90: Triton kernel on the FP8 tensor cores ---------------------------------------------
 
-TRITON_MXFP8 = {"on": os.environ.get("HYBRIDQ_TRITON_MXFP8", "1") != "0"}
+# opt-in until it is faster than the bf16 emulation (186 vs 773 TFLOP/s for torch.mm bf16 at 8192^3 on an H100)
+def _triton_mxfp8_env() -> bool:
+    return os.environ.get("HYBRIDQ_TRITON_MXFP8", "0") == "1"
+
+
+TRITON_MXFP8 = {"on": _triton_mxfp8_env()}
 
 
 def _triton_mxfp8_module():

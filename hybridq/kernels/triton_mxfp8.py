@@ -17,7 +17,12 @@ tensor-core accumulation. The scale of a pair of blocks is the fp32 product of t
     (ea + eb >= 382, both blocks within 2^9 of the fp32 range) gives +-inf (NaN where P == 0), where the
     emulation can be finite.
 
-Triton is imported lazily: without it (CPU machines, CI) this module imports and `available()` is False.
+Performance (BENCHMARKS.md "MXFP8 GEMM on sm_90 in Triton"): 186 TFLOP/s at 8192^3 on an H100, against 773 for
+bf16 torch.mm, so hybridq registers it opt-in only (HYBRIDQ_TRITON_MXFP8=1). The compiled kernels are register
+bound (221-255 registers per thread, most configs spill), and the scaling itself costs two fp32 instructions per
+output element per 32-wide K block, twice the tensor-core time of the block's products.
+
+Triton is optional: without it (CPU machines, CI) this module imports and `available()` is False.
 """
 
 from __future__ import annotations
@@ -32,17 +37,16 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 LAST_COMPILED: dict = {}  # the compiled kernel of the last call with a fixed config (benchmarks read its registers)
 
 
-# autotuning candidates: (BLOCK_M, BLOCK_N, SLICES of 32 along K per iteration, num_stages, num_warps, LOOKAHEAD)
-_CONFIGS = ((128, 128, 4, 3, 8, 0), (128, 128, 2, 4, 8, 0), (128, 128, 1, 6, 8, 0), (128, 256, 2, 3, 8, 0),
-            (256, 128, 2, 3, 8, 0), (64, 128, 4, 4, 4, 0), (128, 64, 4, 4, 4, 0), (128, 128, 1, 4, 8, 1),
-            (128, 256, 1, 3, 8, 1))
+# autotuning candidates: (BLOCK_M, BLOCK_N, SLICES of 32 along K per iteration, num_stages, num_warps); the
+# four that ran fastest of nine at 8192^3 on an H100 (BENCHMARKS.md: 186, 119, 115 and 98 TFLOP/s). Larger tiles
+# (128x256, 256x128, 128x128 with 4 slices) spilled registers and ran at 57-74 TFLOP/s.
+_CONFIGS = ((64, 128, 4, 4, 4), (128, 64, 4, 4, 4), (128, 128, 1, 6, 8), (128, 128, 2, 4, 8))
 
 
 def config_dict(c) -> dict:
     """The `config` argument of `mxfp8_mm` for one entry of _CONFIGS."""
-    bm, bn, sl, st, w, la = c
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "SLICES": sl, "GROUP_M": 8, "num_stages": st, "num_warps": w,
-            "LOOKAHEAD": bool(la)}
+    bm, bn, sl, st, w = c
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SLICES": sl, "GROUP_M": 8, "num_stages": st, "num_warps": w}
 
 
 def _configs():
@@ -94,7 +98,7 @@ if triton is not None:
                            stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_cm,
                            M_KEY, N_KEY, K_KEY,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
-                           GROUP_M: tl.constexpr, LOOKAHEAD: tl.constexpr = False):
+                           GROUP_M: tl.constexpr, MODE: tl.constexpr = 0):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -118,38 +122,24 @@ if triton is not None:
         sb_ptrs = sb_ptr + rn * stride_sbn
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LOOKAHEAD:
-            # one K block per step; the product of block k + 1 is issued before block k's is scaled, so the
-            # tensor cores can work while the CUDA cores apply the scales (SLICES is 1 here)
-            p = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)))
-            sa = _pow2_e8m0(tl.load(sa_ptrs).to(tl.int32))
-            sb = _pow2_e8m0(tl.load(sb_ptrs).to(tl.int32))
-            for _ in range(32, K, 32):
-                a_ptrs += 32
-                b_ptrs += 32
-                sa_ptrs += stride_sak
-                sb_ptrs += stride_sbk
-                p_next = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)))
-                ea = tl.load(sa_ptrs).to(tl.int32)
-                eb = tl.load(sb_ptrs).to(tl.int32)
-                acc += p * (sa[:, None] * sb[None, :])
-                p = p_next
-                sa = _pow2_e8m0(ea)
-                sb = _pow2_e8m0(eb)
-            acc += p * (sa[:, None] * sb[None, :])
-        else:
-            for _ in range(0, K, 32 * SLICES):
-                for j in tl.static_range(SLICES):
-                    a = tl.load(a_ptrs + j * 32)
-                    b = tl.load(b_ptrs + j * 32)
-                    ea = tl.load(sa_ptrs + j * stride_sak).to(tl.int32)
-                    eb = tl.load(sb_ptrs + j * stride_sbk).to(tl.int32)
+        for _ in range(0, K, 32 * SLICES):
+            for j in tl.static_range(SLICES):
+                a = tl.load(a_ptrs + j * 32)
+                b = tl.load(b_ptrs + j * 32)
+                ea = tl.load(sa_ptrs + j * stride_sak).to(tl.int32)
+                eb = tl.load(sb_ptrs + j * stride_sbk).to(tl.int32)
+                if MODE == 2:  # (benchmark only) a plain FP8 GEMM, scales ignored: the tensor-core ceiling
+                    acc = tl.dot(a, tl.trans(b), acc)
+                else:
                     p = tl.dot(a, tl.trans(b))  # fresh fp32 product of one 32-wide K block
-                    acc += p * (_pow2_e8m0(ea)[:, None] * _pow2_e8m0(eb)[None, :])
-                a_ptrs += 32 * SLICES
-                b_ptrs += 32 * SLICES
-                sa_ptrs += SLICES * stride_sak
-                sb_ptrs += SLICES * stride_sbk
+                    if MODE == 1:  # (benchmark only) scales ignored
+                        acc += p
+                    else:
+                        acc += p * (_pow2_e8m0(ea)[:, None] * _pow2_e8m0(eb)[None, :])
+            a_ptrs += 32 * SLICES
+            b_ptrs += 32 * SLICES
+            sa_ptrs += SLICES * stride_sak
+            sb_ptrs += SLICES * stride_sbk
 
         c = acc.to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -223,8 +213,8 @@ def mxfp8_mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, 
 
 
 def default_config(k: int) -> dict:
-    sl = 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "SLICES": sl, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    """The fastest measured config that takes this K (without autotuning)."""
+    return config_dict(_CONFIGS[0] if k % 128 == 0 else _CONFIGS[2])
 
 
 def triton_cdiv(a: int, b: int) -> int:
