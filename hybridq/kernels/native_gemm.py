@@ -7,7 +7,11 @@
   BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
 - MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+: `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16
   (+ TensorWise global) scales in the swizzled 128x4-tile layout, self-checked against the emulation on first use.
-- MXFP8 / NVFP4 on sm_90 have no hardware GEMM (cuBLAS refuses them there): they are emulated, and on CUDA
+- MXFP8 x MXFP8 on sm_90 (cuBLAS refuses MXFP8 there), opt-in with HYBRIDQ_TRITON_MXFP8=1: a Triton kernel
+  (`triton_mxfp8`) on the FP8 tensor cores that reads the fp8 bytes and E8M0 scales as stored and applies the
+  32-element K-block scales in its main loop (fp32 accumulation). Off by default: it is correct but, as measured,
+  slower than the bf16 emulation below (BENCHMARKS.md "MXFP8 GEMM on sm_90 in Triton").
+- Otherwise MXFP8 / NVFP4 on sm_90 have no hardware GEMM: they are emulated, and on CUDA
   the emulation multiplies in bf16 (fp32 accumulation) where the operands dequantize exactly to bf16
   (MXFP8; NVFP4 codes times their block scale, the global scales applied to the fp32 product; bf16 identity
   parts), else in fp32 like the CPU path. See `exact_bf16_operand`.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 
 import torch
@@ -234,6 +239,47 @@ def _blockscaled_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     return _blockscaled_mm(a, b, out_dtype)
 
 
+# ---- MXFP8 x MXFP8 on sm_90: Triton kernel on the FP8 tensor cores ---------------------------------------------
+
+# opt-in until it is faster than the bf16 emulation (186 vs 773 TFLOP/s for torch.mm bf16 at 8192^3 on an H100)
+def _triton_mxfp8_env() -> bool:
+    return os.environ.get("HYBRIDQ_TRITON_MXFP8", "0") == "1"
+
+
+TRITON_MXFP8 = {"on": _triton_mxfp8_env()}
+
+
+def _triton_mxfp8_module():
+    """hybridq.kernels.triton_mxfp8 when Triton imports, else None (imported on first use: Triton is optional)."""
+    from . import triton_mxfp8
+    return triton_mxfp8 if triton_mxfp8.available() else None
+
+
+def _triton_mxfp8_supports(a: MXFP8Part, b: MXFP8Part) -> bool:
+    if not (TRITON_MXFP8["on"] and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
+        return False
+    if ("triton-mxfp8", a.device.index) in _failed:
+        return False
+    tm = _triton_mxfp8_module()
+    if tm is None:
+        return False
+    return tm.check_operands(a.data, a.scale, b.data, b.scale, contiguous=False) is None
+
+
+def _triton_mxfp8_run(a: MXFP8Part, b: MXFP8Part, out_dtype: torch.dtype) -> torch.Tensor:
+    """The CUDA quantize kernels store every part row-major; a strided view (the reference quantizer's
+    columnwise parts) is copied first, one byte per element (still less than the emulation's bf16 copy)."""
+    try:
+        return _triton_mxfp8_module().mxfp8_mm(a.data.contiguous(), a.scale, b.data.contiguous(), b.scale,
+                                               out_dtype)
+    except Exception as e:  # noqa: BLE001 (a Triton compile or launch failure: fall back, once per device)
+        key = ("triton-mxfp8", a.device.index)
+        _failed.add(key)
+        _warn_once(key, f"hybridq: Triton MXFP8 GEMM {_shapes(a, b)} failed ({type(e).__name__}: {e}); "
+                   f"using the emulated GEMM")
+    return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
+
+
 # ---- emulation in bf16 where the operands are exactly bf16 ------------------------------------------------
 
 def exact_bf16_operand(p, keep_transform: bool):
@@ -358,6 +404,7 @@ def register_all() -> None:
     register_native_gemm(Float8BlockPart, Float8BlockPart, "cuda-scaled-mm-blockwise", _block_run, _block_supports)
     for t in (MXFP8Part, NVFP4Part):  # before the emulation of the same pairs: sm_100+ only
         register_native_gemm(t, t, "cuda-scaled-mm-blockscaled", _blockscaled_run, _blockscaled_supports)
+    register_native_gemm(MXFP8Part, MXFP8Part, "triton-mxfp8-sm90", _triton_mxfp8_run, _triton_mxfp8_supports)
     for ta in (MXFP8Part, NVFP4Part):
         for tb in (MXFP8Part, NVFP4Part):
             register_native_gemm(ta, tb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
