@@ -72,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     g.add_argument("--seed", type=int, default=0, help="initial weights, batches, random rounding")
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the final val loss")
+    g.add_argument("--corpus-bytes", type=int, default=0, metavar="N",
+                   help="train on N bytes from the corpus generator (data.py, same grammar and seed) instead of the "
+                        "shipped 200 KB corpus.txt, for runs long enough to memorize that (e2e_report --parity); "
+                        "0: corpus.txt")
     g.add_argument("--gc-every", type=int, default=50, metavar="N",
                    help="Python garbage collection: freeze what set-up allocated, turn the automatic collector off "
                         "and collect the young generations every N steps (torchtitan's practice); 0: automatic")
@@ -139,6 +143,8 @@ def check_args(args, world: int) -> None:
         errors.append("--steps must be >= 1")
     if args.seq < 1 or args.batch < 1:
         errors.append("--seq and --batch must be >= 1")
+    if args.corpus_bytes < 0:
+        errors.append(f"--corpus-bytes must be >= 0, got {args.corpus_bytes}")
     if (args.seq * args.batch) % ALIGN:
         errors.append(f"--seq {args.seq} x --batch {args.batch} = {args.seq * args.batch} tokens per rank per step "
                       f"must be a multiple of {ALIGN} (MXFP8 and NVFP4 quantize activations in blocks of 32 "

@@ -8,6 +8,8 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python launch/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
     python launch/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
     python launch/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
+    python launch/e2e_report.py --parity --reuse-finished --recipes bf16,nvfp4  # add runs to an earlier report
+    python launch/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
 
 Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
 (= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per
@@ -49,13 +51,14 @@ TORCHAO = "torchao_float8"
 
 # the default (GPU) size and the --tiny (CPU smoke test) size
 FULL = {"d_model": 2048, "n_layers": 20, "n_heads": 16, "hidden": 5632, "seq": 4096, "batch": 4, "steps": 30,
-        "lr": 1e-3, "eval_batches": 2}
+        "lr": 1e-3, "eval_batches": 2, "corpus_bytes": 0}
 TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "hidden": None, "seq": 64, "batch": 2, "steps": 4,
-        "lr": 3e-3, "eval_batches": 1}
+        "lr": 3e-3, "eval_batches": 1, "corpus_bytes": 0}
 # --parity: a ~127M-parameter model trained long enough for loss gaps to mean something (600 steps with a 10%
-# warm-up, the same data order for every recipe: batches are a pure function of seed, step and rank)
+# warm-up, the same data order for every recipe: batches are a pure function of seed, step and rank), on 20 MB of
+# generated text: 600 x 16,384 tokens would go ~50 times over the shipped 200 KB corpus and measure memorization
 PARITY = {"d_model": 768, "n_layers": 18, "n_heads": 12, "hidden": 2048, "seq": 1024, "batch": 16, "steps": 600,
-          "lr": 1e-3, "eval_batches": 16}
+          "lr": 1e-3, "eval_batches": 16, "corpus_bytes": 20_000_000}
 PARITY_LIMITS = {"time_limit_s": 420.0, "total_budget_s": 3600.0}
 
 
@@ -71,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parity", action="store_true",
                    help=f"loss parity: a ~127M model for {PARITY['steps']} steps (sizes below), every run's loss curve "
                         f"in parity.png and the final / validation gaps vs bf16 in the table")
-    for k in ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "eval_batches"):
+    for k in ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "eval_batches", "corpus_bytes"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {FULL[k]} (tiny {TINY[k]}, parity {PARITY[k]})")
     p.add_argument("--lr", type=float, default=None, help=f"default {FULL['lr']} (tiny {TINY['lr']}, parity {PARITY['lr']})")
     p.add_argument("--train-args", default="", help="more train.py flags for every run (one string)")
@@ -83,6 +86,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip a run whose limit would be shorter (default 40 s on GPUs, 5 s on the CPU)")
     p.add_argument("--out-dir", default="e2e_report", help="logs, metrics JSON, report.md and report.json")
     p.add_argument("--dry-run", action="store_true", help="print the commands (and skipped rows) and exit")
+    p.add_argument("--no-baseline", action="store_true",
+                   help=f"do not run {BASELINE} (split a report over invocations, e.g. in parallel on one GPU for "
+                        f"losses only: the gaps come from a later --reuse-finished invocation that finds {BASELINE})")
+    p.add_argument("--reuse-finished", action="store_true",
+                   help="a run whose metrics file in --out-dir holds a finished run of the same recipe and sizes is "
+                        "read, not run again (split a long report, e.g. --parity, over several invocations; the "
+                        "table then covers every finished run of this plan)")
     p.add_argument("--compile", action="store_true",
                    help="also run every recipe with train.py --compile (each block torch.compiled), side by side "
                         "with eager; compiled rows compare with bf16 compiled")
@@ -130,7 +140,7 @@ def plan(a) -> list[dict]:
     bad = [r for r in names if r not in known]
     if bad:
         raise SystemExit(f"e2e_report.py: unknown recipe(s) {', '.join(bad)}; known: {', '.join(known)}")
-    names = [BASELINE] + [r for r in dict.fromkeys(names) if r != BASELINE]
+    names = ([] if a.no_baseline else [BASELINE]) + [r for r in dict.fromkeys(names) if r != BASELINE]
     rows = []
     for r in names:
         skip = None
@@ -162,6 +172,8 @@ def train_flags(a) -> list[str]:
         f += ["--hidden", a.hidden]
     f += ["--seq", a.seq, "--batch", a.batch, "--steps", a.steps, "--lr", a.lr, "--eval-batches", a.eval_batches,
           "--device", a.device, "--log-every", 1, "--no-progress"]
+    if a.corpus_bytes:
+        f += ["--corpus-bytes", a.corpus_bytes]
     return [str(x) for x in f] + shlex.split(a.train_args)
 
 
@@ -202,6 +214,41 @@ def last_error(text: str) -> str:
         if l.startswith("train.py:") or "Error" in l:
             return l[:200]
     return lines[-1][:200] if lines else "no output"
+
+
+# the train.py flags that must match for a finished run to stand for the one asked for
+SAME_RUN = ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "lr", "eval_batches", "compile",
+            "corpus_bytes")
+
+
+def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = False) -> dict | None:
+    """The result of an earlier finished run of `recipe` with this plan's sizes, read from its metrics file in
+    `out_dir`, or None (no file, a run cut short, other sizes or world size)."""
+    cmd = command(a, recipe, nproc, out_dir, compiled)
+    name = label(recipe, compiled)
+    js = out_dir / f"{name}.jsonl"
+    if not js.exists():
+        return None
+    records = read_metrics(js)
+    config = next((r for r in records if r.get("kind") == "config"), None)
+    summary = runs_of(records).get(recipe)
+    if config is None or summary is None or summary["start_step"] + summary["steps_run"] != a.steps:
+        return None
+    want = {k: v for k, v in vars(parse_args_for_train(cmd)).items() if k in SAME_RUN}
+    got = {k: config["args"].get(k) for k in want}
+    if got != want or config.get("world_size") != nproc:
+        return None
+    return {"recipe": name, "base": recipe, "compiled": compiled, "command": show(cmd), "rc": 0, "wall_s": 0.0,
+            "log": str(out_dir / f"{name}.log"), "status": "ok (reused)", "metrics": str(js),
+            "steps_done": a.steps, "losses": summary["losses"], "tokens_per_s": summary["median_tokens_per_s"],
+            "peak_memory_bytes": summary["peak_memory_bytes"], "memory_kind": summary["peak_memory_kind"],
+            "val_loss": summary["val_loss"], "device_name": config.get("device_name"), "torch": config.get("torch")}
+
+
+def parse_args_for_train(cmd: list[str]) -> argparse.Namespace:
+    """train.py's parsed flags for one of our commands (to compare with a metrics file's config record)."""
+    import config as train_config
+    return train_config.parse_args(cmd[cmd.index("launch/train.py") + 1:])
 
 
 def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, compiled: bool = False) -> dict:
@@ -356,7 +403,8 @@ def describe(a, nproc: int) -> list[str]:
     return [f"End-to-end report, {datetime.date.today().isoformat()}: {dev}, torch {torch.__version__}, {ao}.",
             f"Model: {cfg.n_layers} layers, d_model {cfg.d_model}, hidden {cfg.hidden}, {cfg.n_heads} heads, "
             f"{cfg.num_params() / 1e6:,.1f}M parameters; seq {a.seq} x batch {a.batch} per rank x {nproc} ranks = "
-            f"{a.seq * a.batch * nproc:,} tokens/step; {a.steps} steps (lr {a.lr}, cosine), FSDP2 bf16 params / fp32 "
+            f"{a.seq * a.batch * nproc:,} tokens/step; {a.steps} steps (lr {a.lr}, cosine), "
+            f"{'corpus.txt' if not a.corpus_bytes else f'{a.corpus_bytes:,} generated bytes'}, FSDP2 bf16 params / fp32 "
             "reduce. tokens/s: median after step 1; peak mem: rank 0 (GPU: max allocated); loss: mean of the last "
             "10% of the steps done; gap: vs bf16 over the same steps."]
 
@@ -390,6 +438,11 @@ def main(argv=None) -> int:
         if t["skip"]:
             results.append({"recipe": name, "skip": t["skip"]})
             continue
+        done = finished_run(a, t["recipe"], nproc, out_dir, t["compiled"]) if a.reuse_finished else None
+        if done is not None:
+            print(f"\n=== {name}: reusing the finished run in {rel(out_dir / (name + '.jsonl'))}", flush=True)
+            results.append(done)
+            continue
         left = a.total_budget_s - (time.perf_counter() - t_start)
         runs_left = len(runnable) - sum(1 for r in results if r["recipe"] in runnable_names)  # this one included
         limit = min(a.time_limit_s, left / max(runs_left, 1))
@@ -399,6 +452,9 @@ def main(argv=None) -> int:
             continue
         results.append(run_one(a, t["recipe"], nproc, out_dir, limit, t["compiled"]))
     rows = rows_for(results)
+    reused = sorted({f"{r['device_name']}, torch {r['torch']}" for r in results if r.get("status") == "ok (reused)"})
+    if reused:
+        header.append(f"Rows marked 'ok (reused)' were measured by an earlier invocation on: {'; '.join(reused)}.")
     header.append(f"Total wall time {time.perf_counter() - t_start:.0f} s (budget {a.total_budget_s:.0f} s, "
                   f"per run {a.time_limit_s:.0f} s); logs and metrics JSON in {out_dir}.")
     if a.parity:
@@ -407,7 +463,7 @@ def main(argv=None) -> int:
     (out_dir / "report.md").write_text(md + "\n")
     (out_dir / "report.json").write_text(json.dumps({"args": vars(a), "nproc": nproc, "rows": rows}, indent=1))
     print("\n" + md + f"\n\nwrote {out_dir / 'report.md'} and {out_dir / 'report.json'}", flush=True)
-    return 0 if all(r.get("skip") or r.get("status") == "ok" or r["status"].startswith("time limit")
+    return 0 if all(r.get("skip") or r.get("status", "").startswith("ok") or r["status"].startswith("time limit")
                     for r in results) else 1
 
 

@@ -414,11 +414,12 @@ def run(args, world: int) -> None:
                     checkpoint.clear_for_fresh_run(e["run_dir"])
         dist.barrier()
         cfg = model_config(args)
-        tokens = load_tokens()
+        tokens = load_tokens(corpus_bytes=args.corpus_bytes)
         names = runs(args)
         metrics_path = args.metrics or (str(pathlib.Path(args.plot).with_suffix(".jsonl")) if args.plot else None)
         metrics = MetricsFile(metrics_path, env.main)
         metrics.write("config", args=vars(args), world_size=env.world, backend=env.backend, device=str(env.device),
+                      device_name=(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"),
                       torch=torch.__version__, hybridq=hybridq.__version__)
         out(f"hybridq {hybridq.__version__}, torch {torch.__version__}: {env.world} process(es), {env.backend} on "
             f"{env.device.type}, FSDP2 dp={args.dp} tp={args.tp}; runs: {', '.join(names)}")

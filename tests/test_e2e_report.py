@@ -59,6 +59,8 @@ def test_plan_skips_fp8_delayed_and_puts_bf16_first():
     assert "apply_hybrid_fsdp" in todo["fp8_delayed"] and "delayed scaling" in todo["fp8_delayed"]
     assert todo["fp8_tensorwise"] is None
     assert (todo["torchao_float8"] is not None) == _torchao_missing()
+    alone = e2e_report.parse_args(["--tiny", "--recipes", "fp8_tensorwise", "--no-baseline"])
+    assert [t["recipe"] for t in e2e_report.plan(alone)] == ["fp8_tensorwise"], "--no-baseline runs no bf16"
     with pytest.raises(SystemExit, match="unknown recipe"):
         e2e_report.plan(e2e_report.parse_args(["--recipes", "nope"]))
 
@@ -109,6 +111,8 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
 def test_parity_sizes_limits_and_plot(tmp_path):
     a = e2e_report.parse_args(["--parity", "--recipes", "bf16,fp8_tensorwise"])
     assert (a.steps, a.seq, a.time_limit_s) == (600, 1024, 420.0), "parity sizes and a longer per-run limit"
+    assert "--corpus-bytes" in e2e_report.command(a, "bf16", 1, tmp_path), "parity trains on more than corpus.txt"
+    assert "--corpus-bytes" not in e2e_report.command(e2e_report.parse_args(["--tiny"]), "bf16", 1, tmp_path)
     assert e2e_report.parse_args(["--parity", "--steps", "50"]).steps == 50, "sizes still override"
     with pytest.raises(SystemExit):
         e2e_report.parse_args(["--parity", "--tiny"])
@@ -120,3 +124,28 @@ def test_parity_sizes_limits_and_plot(tmp_path):
                                                      command="c") for r in rows], [])
     said = e2e_report.write_parity_plot([run("bf16", [3.0, 2.0], 2.0)], tmp_path / "parity.png")
     assert said.startswith("no plot") or (tmp_path / "parity.png").stat().st_size > 0, said
+
+
+def _finished_metrics(path: pathlib.Path, a, recipe: str, nproc: int, steps: int) -> None:
+    """A metrics file as train.py leaves it after a finished run with `a`'s sizes."""
+    cmd = e2e_report.command(a, recipe, nproc, path.parent)
+    m = MetricsFile(str(path), main=True)
+    m.write("config", args=vars(e2e_report.parse_args_for_train(cmd)), world_size=nproc, device_name="GPU X",
+            torch="2.x")
+    m.write("summary", recipe=recipe, start_step=0, steps_run=steps, losses=[3.0] * steps, median_tokens_per_s=9.0,
+            peak_memory_bytes=1.0, peak_memory_kind="peak GPU mem", val_loss=2.5)
+    m.close()
+
+
+def test_reuse_finished_reads_a_finished_run_with_the_same_sizes_only(tmp_path):
+    a = e2e_report.parse_args(["--parity", "--recipes", "bf16,nvfp4", "--reuse-finished"])
+    _finished_metrics(tmp_path / "nvfp4.jsonl", a, "nvfp4", nproc=1, steps=a.steps)
+    got = e2e_report.finished_run(a, "nvfp4", 1, tmp_path)
+    assert got is not None and got["status"] == "ok (reused)" and got["val_loss"] == 2.5, got
+    assert got["device_name"] == "GPU X" and len(got["losses"]) == a.steps
+    assert e2e_report.finished_run(a, "nvfp4", 2, tmp_path) is None, "another world size is another run"
+    assert e2e_report.finished_run(a, "bf16", 1, tmp_path) is None, "no metrics file: run it"
+    other = e2e_report.parse_args(["--parity", "--recipes", "nvfp4", "--d-model", "512"])
+    assert e2e_report.finished_run(other, "nvfp4", 1, tmp_path) is None, "other sizes are another run"
+    _finished_metrics(tmp_path / "nvfp4.jsonl", a, "nvfp4", nproc=1, steps=a.steps - 1)
+    assert e2e_report.finished_run(a, "nvfp4", 1, tmp_path) is None, "a run cut short is not finished"

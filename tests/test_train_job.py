@@ -58,6 +58,7 @@ def args_for(*extra: str):
     (["--checkpoint-dir", "c", "--save-every", "-1"], "--save-every -1: must be >= 0"),
     (["--checkpoint-dir", "c", "--keep-last", "-2"], "--keep-last -2: must be >= 0"),
     (["--log-every", "0"], "--log-every 0: must be >= 1"),
+    (["--corpus-bytes", "-1"], "--corpus-bytes must be >= 0"),
     (["--stop-after", "0"], "--stop-after 0: must be >= 1"),
     (["--checkpoint-dir", "c", "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--checkpoint-dir", "c", "--resume", "--init-state", "s.pt"], "--resume and --init-state both set"),
@@ -166,6 +167,13 @@ def test_data_is_a_pure_function_of_step_and_rank():
     assert not torch.equal(whole.get(0)[0], whole.get(1)[0])
     val = halves[0].val_batches(2)
     assert len(val) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(val, halves[0].val_batches(2)))
+
+
+def test_generated_corpus_extends_the_shipped_one():
+    shipped = job_data.load_tokens()
+    big = job_data.load_tokens(corpus_bytes=3 * len(shipped))
+    assert len(big) == 3 * len(shipped) + 1, "the generator's N bytes plus its closing newline"
+    assert torch.equal(big[:len(shipped) - 1], shipped[:-1]), "same grammar and seed: corpus.txt is its prefix"
 
 
 def test_model_shapes_gqa_and_tied_head():
