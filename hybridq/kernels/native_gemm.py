@@ -11,6 +11,11 @@
   (`triton_mxfp8`) on the FP8 tensor cores that reads the fp8 bytes and E8M0 scales as stored and applies the
   32-element K-block scales in its main loop (fp32 accumulation). Off by default: it is correct but, as measured,
   slower than the bf16 emulation below (BENCHMARKS.md "MXFP8 GEMM on sm_90 in Triton").
+- MXFP8 / NVFP4 on sm_90, any pairing (MXFP8 x MXFP8, NVFP4 x NVFP4, MXFP8 x NVFP4, NVFP4 x MXFP8), opt-in with
+  HYBRIDQ_TRITON_DEQUANT_GEMM=1: a Triton kernel (`triton_dequant_gemm`) that reads codes and scales as stored,
+  dequantizes each K tile to bf16 in registers exactly as the emulation below does, and multiplies in bf16 with
+  fp32 accumulation (the same math as the emulation without its bf16 copies in HBM). Off until it is measured
+  faster than the emulation. With both switches on, MXFP8 x MXFP8 takes the HYBRIDQ_TRITON_MXFP8 kernel.
 - Otherwise MXFP8 / NVFP4 on sm_90 have no hardware GEMM: they are emulated, and on CUDA
   the emulation multiplies in bf16 (fp32 accumulation) where the operands dequantize exactly to bf16
   (MXFP8; NVFP4 codes times their block scale, the global scales applied to the fp32 product; bf16 identity
@@ -280,6 +285,55 @@ def _triton_mxfp8_run(a: MXFP8Part, b: MXFP8Part, out_dtype: torch.dtype) -> tor
     return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
 
 
+# ---- MXFP8 / NVFP4 (any pairing) on sm_90: Triton kernel that dequantizes K tiles to bf16 in registers ---------
+
+# opt-in until measured faster than the bf16 emulation (BENCHMARKS.md "MXFP8 / NVFP4 GEMMs on sm_90: dequantize in
+# registers")
+def _triton_dequant_gemm_env() -> bool:
+    return os.environ.get("HYBRIDQ_TRITON_DEQUANT_GEMM", "0") == "1"
+
+
+TRITON_DEQUANT_GEMM = {"on": _triton_dequant_gemm_env()}
+
+
+def _triton_dequant_module():
+    """hybridq.kernels.triton_dequant_gemm when Triton imports, else None (imported on first use)."""
+    from . import triton_dequant_gemm
+    return triton_dequant_gemm if triton_dequant_gemm.available() else None
+
+
+def _dequant_operand(tdg, p, contiguous: bool):
+    """The kernel's view of an MXFP8 / NVFP4 part (`tdg.Operand`); `contiguous`: a strided MXFP8 view (the
+    reference quantizer's columnwise parts) is copied row-major, one byte per element."""
+    if isinstance(p, MXFP8Part):
+        return tdg.mxfp8_operand(p.data.contiguous() if contiguous else p.data, p.scale)
+    return tdg.nvfp4_operand(p.data.contiguous() if contiguous else p.data, p.scale, p.amax)
+
+
+def _triton_dequant_supports(a, b) -> bool:
+    if not (TRITON_DEQUANT_GEMM["on"] and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
+        return False
+    if ("triton-dequant", a.device.index) in _failed or not _transforms_compatible(a, b):
+        return False
+    tdg = _triton_dequant_module()
+    if tdg is None:
+        return False
+    return tdg.check_operands(_dequant_operand(tdg, a, False), _dequant_operand(tdg, b, False),
+                              contiguous=False) is None
+
+
+def _triton_dequant_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    try:
+        tdg = _triton_dequant_module()
+        return tdg.dequant_mm(_dequant_operand(tdg, a, True), _dequant_operand(tdg, b, True), out_dtype)
+    except Exception as e:  # noqa: BLE001 (a Triton compile or launch failure: fall back, once per device)
+        key = ("triton-dequant", a.device.index)
+        _failed.add(key)
+        _warn_once(key, f"hybridq: Triton {a.format_name} x {b.format_name} GEMM {_shapes(a, b)} failed "
+                   f"({type(e).__name__}: {e}); using the emulated GEMM")
+    return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
+
+
 # ---- emulation in bf16 where the operands are exactly bf16 ------------------------------------------------
 
 def exact_bf16_operand(p, keep_transform: bool):
@@ -312,11 +366,14 @@ def _bf16_supports(a, b) -> bool:
         return a.data.dtype == torch.bfloat16 and b.data.dtype == torch.bfloat16
     if not _ext.available_for(a.device):
         return False
+    return _transforms_compatible(a, b)
+
+
+def _transforms_compatible(a, b) -> bool:
+    """An NVFP4 part in the Hadamard domain (rht) is multiplied as stored only against a part with the same
+    transform, since (A R)(B R)^T = A B^T; against any other part the transform must be undone (fp32 emulation)."""
     same = a.transform is not None and a.transform == b.transform
-    for p in (a, b):
-        if isinstance(p, NVFP4Part) and p.rht and not same:
-            return False
-    return True
+    return not any(isinstance(p, NVFP4Part) and p.rht and not same for p in (a, b))
 
 
 def _bf16_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
@@ -407,6 +464,7 @@ def register_all() -> None:
     register_native_gemm(MXFP8Part, MXFP8Part, "triton-mxfp8-sm90", _triton_mxfp8_run, _triton_mxfp8_supports)
     for ta in (MXFP8Part, NVFP4Part):
         for tb in (MXFP8Part, NVFP4Part):
+            register_native_gemm(ta, tb, "triton-dequant-sm90", _triton_dequant_run, _triton_dequant_supports)
             register_native_gemm(ta, tb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
     register_native_gemm(IdentityPart, IdentityPart, "cuda-bf16", _bf16_run, _bf16_supports)
     register_grouped_fp8_gemm("cuda", _grouped_fp8_run)

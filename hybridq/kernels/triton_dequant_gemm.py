@@ -63,12 +63,13 @@ class Operand:
 
     fmt: MXFP8 or NVFP4. codes: fp8 `[rows, K]` (MXFP8) or uint8 `[rows, K/2]` (NVFP4, element 2i in the low
     nibble). scale: uint8 E8M0 `[rows, K/32]` (MXFP8) or E4M3 `[rows, K/16]` (NVFP4; uint8 bytes or
-    float8_e4m3fn). global_factor: fp32 `[1]`, `amax / 2688` (NVFP4), None for MXFP8. k: the contracted size."""
+    float8_e4m3fn). amax: the NVFP4 global amax, fp32 `[1]` (the kernel applies `amax / 2688`), None for MXFP8.
+    k: the contracted size."""
 
     fmt: int
     codes: torch.Tensor
     scale: torch.Tensor
-    global_factor: torch.Tensor | None
+    amax: torch.Tensor | None
     k: int
 
     @property
@@ -94,13 +95,13 @@ def nvfp4_global_factor(amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_operand(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> Operand:
     """An NVFP4 part's fields (`NVFP4Part.data`, `.scale`, `.amax`) as an operand."""
-    return Operand(NVFP4, data, scale, nvfp4_global_factor(amax), 2 * data.shape[-1])
+    return Operand(NVFP4, data, scale, amax, 2 * data.shape[-1])
 
 
 def check_operands(a: Operand, b: Operand, contiguous: bool = True) -> str | None:
     """Why the kernel cannot take these operands, or None. Codes 2-D, rows contiguous (unless `contiguous=False`:
     the caller makes them so), one K; MXFP8: fp8 codes, K % 32 == 0, uint8 scales `[rows, K/32]`; NVFP4: uint8
-    codes `[rows, K/2]`, K % 16 == 0, one-byte scales `[rows, K/16]`, a one-element global factor."""
+    codes `[rows, K/2]`, K % 16 == 0, one-byte scales `[rows, K/16]`, a one-element fp32 global amax."""
     if a.k != b.k:
         return f"contracted sizes differ: {a.describe()} x {b.describe()}"
     for p in (a, b):
@@ -113,8 +114,8 @@ def check_operands(a: Operand, b: Operand, contiguous: bool = True) -> str | Non
         elif p.fmt == NVFP4:
             if p.codes.dtype != torch.uint8:
                 return f"{p.describe()}: packed uint8 codes expected, got {p.codes.dtype}"
-            if p.global_factor is None or p.global_factor.numel() != 1 or p.global_factor.dtype != torch.float32:
-                return f"{p.describe()}: needs an fp32 global factor of one element"
+            if p.amax is None or p.amax.numel() != 1 or p.amax.dtype != torch.float32:
+                return f"{p.describe()}: needs an fp32 global amax of one element"
             block, want_scale = NVFP4_BLOCK, (torch.uint8, torch.float8_e4m3fn)
         else:
             return f"unknown operand format {p.fmt}"
@@ -316,8 +317,8 @@ def dequant_mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.bfloat16,
         return c if od == out_dtype else c.to(out_dtype)
     sa, sb = _kernel_scale(a), _kernel_scale(b)
     # an MXFP8 operand has no global factor: the kernel never reads the pointer then (A_FMT / B_FMT are constexpr)
-    ga = a.global_factor if a.global_factor is not None else sa
-    gb = b.global_factor if b.global_factor is not None else sb
+    ga = nvfp4_global_factor(a.amax) if a.fmt == NVFP4 else sa
+    gb = nvfp4_global_factor(b.amax) if b.fmt == NVFP4 else sb
     args = (a.codes, sa, ga, b.codes, sb, gb, c, m, n, k, a.codes.stride(0), sa.stride(0), sa.stride(1),
             b.codes.stride(0), sb.stride(0), sb.stride(1), c.stride(0), triton_next_pow2(m), triton_next_pow2(n),
             triton_next_pow2(k))
