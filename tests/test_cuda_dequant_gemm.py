@@ -263,8 +263,7 @@ def _aot_compile_sm90(a_fmt: int, b_fmt: int, a_ptr: str, b_ptr: str, out_ptr: s
     for n in cons:
         sig[n] = "constexpr"
     names = list(sig)
-    aligned = ("a_ptr", "sa_ptr", "ga_ptr", "b_ptr", "sb_ptr", "gb_ptr", "c_ptr", "stride_am", "stride_sam",
-               "stride_bn", "stride_sbn", "stride_cm")
+    aligned = ("a_ptr", "sa_ptr", "ga_ptr", "b_ptr", "sb_ptr", "gb_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(tdg._dequant_gemm_kernel, signature=sig, constexprs=cons, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -326,10 +325,16 @@ def _bf16_operand(p) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _emulation(a, b, out_dtype):
-    """`native_gemm._bf16_run` with the mirrored operands (cuBLAS bf16 GEMM; MXFP8 x MXFP8 rounded to bf16 first)."""
+    """`native_gemm._bf16_run` with the mirrored operands (cuBLAS bf16 GEMM; MXFP8 x MXFP8 rounded to bf16 first,
+    here with cuBLAS's reduced-precision (bf16) split-K reductions off, so that it is rounded once)."""
     (ma, fa), (mb, fb) = _bf16_operand(a), _bf16_operand(b)
     if fa is None and fb is None:
-        return torch.mm(ma, mb.t()).to(out_dtype)
+        flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            return torch.mm(ma, mb.t()).to(out_dtype)
+        finally:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
     y = ng._mm_fp32_out(ma, mb.t())
     for f in (fa, fb):
         if f is not None:
@@ -394,7 +399,7 @@ def _check_operands_match_the_emulation(a, b):
 
 
 GPU_PAIRS = [("e4m3", "e4m3"), ("nvfp4", "nvfp4"), ("e4m3", "nvfp4"), ("nvfp4", "e4m3"), ("e5m2", "nvfp4"),
-             ("nvfp4_2d", "e5m2")]
+             ("e5m2", "e4m3")]
 SHAPES = [(128, 128, 64), (200, 72, 96), (257, 384, 4096), (1, 300, 64), (1000, 136, 256)]
 
 
@@ -420,6 +425,15 @@ def test_nvfp4_k_multiple_of_16(mnk):
     a, b = _parts(*mnk, "nvfp4", "nvfp4", seed=SEED, device="cuda")
     assert find_native_gemm(a, b).name == NAME
     _check(gemm(a, b, torch.float32), a, b, f"nvfp4 K={mnk[2]}")
+
+
+@on_gpu
+def test_nvfp4_16x16_weight_tiles():
+    """A 16x16-tiled NVFP4 part (weights; rows a multiple of 16) against NVFP4 and MXFP8 E5M2."""
+    for fb in ("nvfp4", "e5m2"):
+        a, b = _parts(256, 72, 512, "nvfp4_2d", fb, seed=SEED, device="cuda")
+        assert find_native_gemm(a, b).name == NAME
+        _check(gemm(a, b, torch.bfloat16), a, b, f"nvfp4 16x16 x {fb}")
 
 
 @on_gpu

@@ -226,8 +226,10 @@ if triton is not None:
             v = _e2m1_times_2_pow_m14(codes) * _expand_blocks(s, ROWS, BLOCK_K // 16, 16)
         return v.to(tl.bfloat16)
 
-    # sizes are not specialized on (one compile serves every M, N, K); the data strides are (16-byte alignment)
-    @triton.jit(do_not_specialize=["M", "N", "K", "M_KEY", "N_KEY", "K_KEY"])
+    # sizes are not specialized on (one compile serves every M, N, K), nor the scales' row strides (K/32, K/16: tiny
+    # loads, fewer compiles); the codes' and output's row strides are (16-byte alignment), the scales' K stride too
+    # (1: contiguous scale loads)
+    @triton.jit(do_not_specialize=["M", "N", "K", "stride_sam", "stride_sbn", "M_KEY", "N_KEY", "K_KEY"])
     def _dequant_gemm_kernel(a_ptr, sa_ptr, ga_ptr, b_ptr, sb_ptr, gb_ptr, c_ptr, M, N, K,
                              stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, stride_cm,
                              M_KEY, N_KEY, K_KEY,
