@@ -9,6 +9,7 @@ before changes the clock); the SM clock and board power while it ran come from n
 
     python launch/bench_linear.py
     python launch/bench_linear.py --shapes 8192x8192x8192 --presets fp8_tensorwise --no-torchao --json out.json
+    python launch/bench_linear.py --presets mxfp8,nvfp4 --no-torchao --triton-dequant-gemm   # with and without it
 """
 
 from __future__ import annotations
@@ -88,6 +89,24 @@ def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return step
 
 
+DEQUANT_TAG = " +triton-dequant-gemm"
+
+
+def dequant_gemm_switch(step, on: bool):
+    """`step` with the sm_90 Triton dequant GEMM switched on or off while it runs (the process-wide switch
+    that HYBRIDQ_TRITON_DEQUANT_GEMM sets at import), so both variants of a preset run interleaved in one process."""
+    from hybridq.kernels import native_gemm as ng
+
+    def run():
+        prev = ng.TRITON_DEQUANT_GEMM["on"]
+        ng.TRITON_DEQUANT_GEMM["on"] = on
+        try:
+            step()
+        finally:
+            ng.TRITON_DEQUANT_GEMM["on"] = prev
+    return run
+
+
 def profile_step(step, name: str, path: str, steps: int = 3) -> None:
     """Append to `path` the device kernels of `steps` steps (torch.profiler), largest total time first."""
     from torch.profiler import ProfilerActivity, profile
@@ -141,6 +160,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per candidate")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="append each linear's kernel profile (3 extra steps) to this file")
+    ap.add_argument("--triton-dequant-gemm", action="store_true",
+                    help="also time each preset with the sm_90 Triton dequant GEMM on (HYBRIDQ_TRITON_DEQUANT_GEMM), "
+                    "as '<preset> +triton-dequant-gemm', interleaved with the same preset with it off")
     args = ap.parse_args()
     # every step feeds the same input tensor: with sharing on, hybridq would reuse its quantization from the step
     # before (the cache that lets wq/wk/wv quantize one input once), which a real step with a fresh input cannot
@@ -160,6 +182,9 @@ def main() -> None:
         for p in args.presets.split(","):
             cands.append((p, hybridq.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16,
                                             recipe=hybridq.recipe(p))))
+            if args.triton_dequant_gemm:
+                cands.append((p + DEQUANT_TAG, hybridq.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16,
+                                                               recipe=hybridq.recipe(p))))
         if not args.no_torchao:
             cands += torchao_modules(k, n, {f"torchao_{v}" for v in args.torchao.split(",") if v})
         steps = {}
@@ -168,6 +193,8 @@ def main() -> None:
                 for p in mod.parameters():
                     p.normal_(0, 0.02)
             steps[name] = make_step(mod, x, dy)
+            if args.triton_dequant_gemm:
+                steps[name] = dequant_gemm_switch(steps[name], name.endswith(DEQUANT_TAG))
             try:
                 steps[name]()  # compiles (torch.compile'd candidates) before the measured, sampled rounds
             except Exception as e:  # noqa: BLE001

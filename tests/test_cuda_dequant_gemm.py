@@ -628,3 +628,21 @@ def test_linear_presets_exist():
     for p in ("mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"):
         assert p in hybridq.preset_names()
 
+
+
+def test_bench_linear_switch_toggles_and_restores(monkeypatch):
+    """launch/bench_linear.py --triton-dequant-gemm: the wrapped step runs with the switch as asked, then restores
+    it (so the interleaved variants of a preset do not leak into each other)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "launch"))
+    bench_linear = importlib.import_module("bench_linear")
+    seen = []
+    for on in (True, False):
+        monkeypatch.setitem(ng.TRITON_DEQUANT_GEMM, "on", not on)
+        bench_linear.dequant_gemm_switch(lambda: seen.append(ng.TRITON_DEQUANT_GEMM["on"]), on)()
+        assert ng.TRITON_DEQUANT_GEMM["on"] is (not on), "switch not restored"
+    assert seen == [True, False], seen
+    assert "bench_linear" in sys.modules
