@@ -48,8 +48,8 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAST_COMPILED: dict = {}  # the compiled kernel of the last call with a fixed config (benchmarks read its registers)
 
 # autotuning candidates: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). Not yet timed on hardware (written
-# without a GPU); compiled for sm_90 with Triton 3.6 (AOT, tests/test_triton_dequant_compile.py) all use 168-255
-# registers without spilling. 64x128 / 128x64 with 4 warps fit 3 CTAs per SM (168 registers), so one CTA's
+# without a GPU). Compiled for sm_90 with Triton 3.6 ahead of time (test_compiles_for_sm90), all use 168-255
+# registers without spilling; 64x128 / 128x64 with 4 warps fit 3 CTAs per SM (168 registers), so one CTA's
 # dequantization can overlap another's wgmma; the 8-warp tiles fit one.
 # The BLOCK_K 32 / 16 entries serve K that no larger BLOCK_K divides (K % 64 != 0; 16: NVFP4 x NVFP4 only).
 _CONFIGS = ((128, 128, 64, 4, 8), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 3, 8),
