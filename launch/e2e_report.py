@@ -452,8 +452,12 @@ def main(argv=None) -> int:
             continue
         results.append(run_one(a, t["recipe"], nproc, out_dir, limit, t["compiled"]))
     rows = rows_for(results)
-    reused = sorted({f"{r['device_name']}, torch {r['torch']}" for r in results if r.get("status") == "ok (reused)"})
-    if reused:
+    ran = [r for r in results if not r.get("skip")]
+    reused = sorted({f"{r['device_name']}, torch {r['torch']}" for r in ran if r.get("status") == "ok (reused)"})
+    if reused and all(r.get("status") == "ok (reused)" for r in ran):  # nothing ran here: name where they ran
+        header[0] = (f"End-to-end report, {datetime.date.today().isoformat()}: every row read from earlier runs "
+                     f"({nproc} process(es) each) on {'; '.join(reused)}.")
+    elif reused:
         header.append(f"Rows marked 'ok (reused)' were measured by an earlier invocation on: {'; '.join(reused)}.")
     header.append(f"Total wall time {time.perf_counter() - t_start:.0f} s (budget {a.total_budget_s:.0f} s, "
                   f"per run {a.time_limit_s:.0f} s); logs and metrics JSON in {out_dir}.")
