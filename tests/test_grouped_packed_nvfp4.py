@@ -189,10 +189,21 @@ def _ext_ok() -> bool:
 @pytest.mark.parametrize("out", [128, 48], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)
 @pytest.mark.parametrize("recipe", PRESETS + ["nvfp4_round_to_nearest", "nvfp4_sr_input"])
-def test_gpu_packed_nvfp4_path_is_bitwise_the_per_expert_path(recipe, splits, out, k):
+def test_gpu_packed_nvfp4_path_is_bitwise_the_per_expert_path(recipe, splits, out, k, monkeypatch):
     """Each expert's quantized operands are bitwise the per-expert path's (the row-groups CUDA kernel is bitwise the
     per-expert kernel: per-expert amaxes, the same Philox offsets and element indices), and each expert's GEMM is the
-    same `gemm` call with the same shapes: the results are bitwise equal."""
-    assert_results_bitwise(_run(True, splits, recipe, out, device="cuda", k=k),
-                           _run(False, splits, recipe, out, device="cuda", k=k),
+    same `gemm` call with the same shapes: the results are bitwise equal. The packed run quantizes every NVFP4 tensor
+    with the row-groups kernel (one launch per tensor), never with the reference."""
+    from hybridq import dispatch
+    key = (NVFP4Quantizer, "cuda")
+    kernel, ran = dispatch._ROW_GROUPS[key], []
+
+    def spy(q, x, *a):  # (one call: a second one would draw stochastic-rounding numbers again)
+        out = kernel(q, x, *a)
+        ran.append(out is not None)
+        return out
+    monkeypatch.setitem(dispatch._ROW_GROUPS, key, spy)
+    packed = _run(True, splits, recipe, out, device="cuda", k=k)
+    assert ran and all(ran), f"{recipe}: the CUDA row-groups kernel declined a call ({ran})"
+    assert_results_bitwise(packed, _run(False, splits, recipe, out, device="cuda", k=k),
                            f"{recipe} on CUDA, splits {splits}, N={out}, K={k}")
