@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..tensor import QuantizedTensor
@@ -80,7 +82,9 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
                 and (not self._double or self.rowwise.local_scaling)
                 and (self.rowwise.is_deterministic or self.columnwise.is_deterministic))
 
-    def quantize_groups(self, x2d, sizes, *, rowwise=True, columnwise=False, name="tensor", draw_order=None):
+    def quantize_groups(self, x2d: torch.Tensor, sizes: Sequence[int], *, rowwise: bool = True,
+                        columnwise: bool = False, name: str = "tensor",
+                        draw_order: Sequence[int] | None = None) -> QuantizedTensor:
         """Row groups (see `Quantizer.quantize_groups`): the rowwise part from the rowwise quantizer's row groups,
         the columnwise part from the columnwise quantizer's."""
         if self.local_scaling or not self.packs_row_groups:  # one plain quantize (or the error naming the tensor)
