@@ -1,5 +1,6 @@
 // Global amax reductions: max|x| (per-tensor FP8, NVFP4) and, for NVFP4 with the Hadamard transform,
-// max|x| and max|RHT16(x^T)| in one pass.
+// max|x| and max|RHT16(x^T)| in one pass; each also per row group (the experts of a grouped linear) in one launch,
+// and the row -> group index those take.
 #include <cstdlib>
 
 #include "binding_checks.h"
@@ -178,6 +179,71 @@ __global__ void __launch_bounds__(256) rht_amax_kernel(const T* __restrict__ x, 
   }
 }
 
+// the row-group variant of rht_amax_kernel: each CTA takes a contiguous run of (16-row group, 256-column block)
+// items, 16-row group major, so consecutive items mostly share a row group (uniform over the CTA: all its threads
+// work on one item) and the CTA flushes its running maxima with one atomicMax pair per row group it touched.
+// Row groups are whole 16-row groups (the caller checks), so row_group[16 g] is the group of all 16 rows.
+template <typename T>
+__global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const T* __restrict__ x, int64_t M, int64_t K,
+                                                               const int32_t* __restrict__ row_group,
+                                                               uint32_t* row_amax, uint32_t* col_amax) {
+  const int64_t cblocks = (K + 255) / 256, work = (M / 16) * cblocks;
+  const int64_t per = (work + gridDim.x - 1) / gridDim.x;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per, b1 = min64(work, b0 + per);
+  int32_t group = -1;
+  uint32_t ra = 0, ca = 0;
+  auto flush = [&]() {  // (called by every thread of the CTA: group is uniform)
+    const uint32_t r = block_reduce_max<T>(ra);
+    __syncthreads();
+    const uint32_t c = block_reduce_max<T>(ca);
+    if (threadIdx.x == 0) {
+      atomicMax(row_amax + group, r);
+      atomicMax(col_amax + group, c);
+    }
+    __syncthreads();  // block_reduce_max's shared slots are free for the next flush
+  };
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t g = b / cblocks, c = (b % cblocks) * 256 + threadIdx.x;
+    const int32_t grp = row_group[g * 16];
+    if (grp != group) {
+      if (group >= 0) flush();
+      group = grp;
+      ra = ca = 0;
+    }
+    if (c < K) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = to_f32(x[(g * 16 + i) * K + c]);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) ra = max(ra, abs_bits(v[i]));
+      if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = round_bf16(v[i]);
+      }
+      rht16_forward(v);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) ca = max(ca, abs_bits(v[i]));
+    }
+  }
+  if (group >= 0) flush();
+}
+
+// row_group[r] = the group g with starts[g] <= r < starts[g + 1] (starts: G + 1 non-decreasing row offsets, the
+// last one M; empty groups own no row)
+__global__ void __launch_bounds__(256) row_groups_from_starts_kernel(const int64_t* __restrict__ starts, int n_groups,
+                                                                     int64_t M, int32_t* __restrict__ row_group) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < M; r += stride) {
+    int lo = 0, hi = n_groups;  // the last g in [0, n_groups) with starts[g] <= r
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (starts[mid] <= r) lo = mid;
+      else hi = mid;
+    }
+    row_group[r] = lo;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cudaStream_t stream) {
@@ -210,6 +276,26 @@ cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K,
     rht_amax_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), M, K, row_amax, col_amax);
     return cudaGetLastError();
   });
+}
+
+cudaError_t launch_grouped_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, const int32_t* row_group,
+                                          uint32_t* row_amax, uint32_t* col_amax, cudaStream_t stream) {
+  const int64_t work = (M / 16) * ((K + 255) / 256);
+  if (work == 0) return cudaSuccess;
+  HQ_DISPATCH_IN(t, {
+    const int blocks = static_cast<int>(min64(work, static_cast<int64_t>(num_sms()) * 8));
+    grouped_rht_amax_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), M, K, row_group, row_amax,
+                                                           col_amax);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_row_groups_from_starts(const int64_t* starts, int n_groups, int64_t M, int32_t* row_group,
+                                          cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(min64((M + 255) / 256, static_cast<int64_t>(num_sms()) * 8));
+  row_groups_from_starts_kernel<<<blocks, 256, 0, stream>>>(starts, n_groups, M, row_group);
+  return cudaGetLastError();
 }
 
 }  // namespace hybridq

@@ -52,6 +52,12 @@ struct QuantArgs {
   bool rht;
   bool sr;
   PhiloxArgs philox;
+  // NVFP4 of row groups (row_group != null, n_groups groups, each a whole number of 16-row groups when a block or
+  // tile runs along M): amax_row / amax_col hold one global amax per group, group g's rows start at group_start[g]
+  // (int64 [n_groups + 1]), and its stochastic-rounding draws are those of the draw_rank[g]-th per-group launch
+  // (Philox offset + 4 * draw_rank[g], element indices relative to the group)
+  const int64_t* group_start;
+  const int32_t* draw_rank;
   // tile order of the persistent CTAs: groups of `tile_group` tile rows, column-major inside a group (1: row-major);
   // set by the launcher
   int tile_group;
@@ -71,6 +77,14 @@ cudaError_t launch_grouped_absmax(InType t, const void* x, int64_t M, int64_t K,
 // NVFP4 with RHT: max|x| into *row_amax and max|RHT16(x^T)| into *col_amax in one pass (M % 16 == 0)
 cudaError_t launch_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, uint32_t* row_amax, uint32_t* col_amax,
                            cudaStream_t stream);
+// ... per row group (row r in group row_group[r]; every group a whole number of 16-row groups): into
+// row_amax[group] / col_amax[group] (zeroed by the caller), one launch for all groups
+cudaError_t launch_grouped_nvfp4_rht_amax(InType t, const void* x, int64_t M, int64_t K, const int32_t* row_group,
+                                          uint32_t* row_amax, uint32_t* col_amax, cudaStream_t stream);
+// row_group[r] (int32 [M]) = the group g with starts[g] <= r < starts[g + 1] (starts: int64 [n_groups + 1] on the
+// device, non-decreasing, starts[n_groups] == M)
+cudaError_t launch_row_groups_from_starts(const int64_t* starts, int n_groups, int64_t M, int32_t* row_group,
+                                          cudaStream_t stream);
 
 // Delayed-scaling update of one per-tensor FP8 quantizer's state (in place), see delayed_scaling.cu
 struct DelayedEntry {

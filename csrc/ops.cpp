@@ -27,6 +27,10 @@ TORCH_LIBRARY(hybridq, m) {
       "nvfp4_quantize(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
       "bool rowwise, bool columnwise, Tensor? amax=None, Tensor? amax_col=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "nvfp4_quantize_grouped(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
+      "bool rowwise, bool columnwise, int[] sizes, int[] draw_rank, int n_draws) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("amax(Tensor x) -> Tensor");
   m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def("dequantize_fp8(Tensor data, Tensor scale, int mode, ScalarType out_dtype) -> Tensor");
@@ -45,6 +49,7 @@ TORCH_LIBRARY(hybridq, m) {
   m.impl("fp8_block_quantize", &fp8_block_quantize);     \
   m.impl("mxfp8_quantize", &mxfp8_quantize);             \
   m.impl("nvfp4_quantize", &nvfp4_quantize);             \
+  m.impl("nvfp4_quantize_grouped", &nvfp4_quantize_grouped); \
   m.impl("amax", &amax_op);                              \
   m.impl("dequantize_fp8", &dequantize_fp8);             \
   m.impl("dequantize_nvfp4", &dequantize_nvfp4);         \

@@ -33,6 +33,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize(
     const Tensor& x, bool block_2d, bool rht, bool stochastic_rounding, const std::optional<at::Generator>& generator,
     bool rowwise, bool columnwise, const std::optional<Tensor>& amax, const std::optional<Tensor>& amax_col);
 
+// NVFP4 of row groups (one amax launch and one quantize launch for all groups) -> (row data, row scales,
+// row amax [G], col data, col scales, col amax [G])
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_grouped(
+    const Tensor& x, bool block_2d, bool rht, bool stochastic_rounding, const std::optional<at::Generator>& generator,
+    bool rowwise, bool columnwise, at::IntArrayRef sizes, at::IntArrayRef draw_rank, int64_t n_draws);
+
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);
 Tensor dequantize_fp8(const Tensor& data, const Tensor& scale, int64_t mode, at::ScalarType out_dtype);

@@ -95,8 +95,9 @@ def register_transpose(device_type: str, run: Callable[[torch.Tensor], torch.Ten
 
 
 def register_row_groups(quantizer_type: type, device_type: str, run: Callable) -> None:
-    """Register a device quantization of row groups for `quantizer_type` (see `Float8Quantizer.quantize_row_groups`
-    for the call); `run` may return None to decline a call (the reference runs then)."""
+    """Register a device quantization of row groups for `quantizer_type` (the call is the quantizer's: see
+    `Float8Quantizer.quantize_row_groups`, `NVFP4Quantizer.quantize_groups`); `run` may return None to decline a
+    call (the reference runs then)."""
     _ROW_GROUPS[(quantizer_type, device_type)] = run
 
 

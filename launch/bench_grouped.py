@@ -10,8 +10,8 @@ h5632 and fine-grained E=64 top-8 d2048 h3072, each at 16k tokens.
 Each candidate is timed in --rounds interleaved rounds after a warm-up step (what ran just before changes the
 GPU clock); the table gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop
 when `torch._grouped_mm` cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
-paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid) is timed a second time with
-`packed_path = False`: the "(per-expert path)" row right after it.
+paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid; NVFP4 and its hybrid) is timed a
+second time with `packed_path = False`: the "(per-expert path)" row right after it.
 
     python launch/bench_grouped.py
     python launch/bench_grouped.py --configs 8x16384x2x4096x14336 --presets mxfp8,fp8_block --json out.json

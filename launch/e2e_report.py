@@ -364,27 +364,43 @@ def markdown(rows: list[dict], header: list[str]) -> str:
 
 
 def write_parity_plot(results: list[dict], png: pathlib.Path) -> str:
-    """Every run's training-loss curve (moving mean over 10 steps) in one figure; returns what was done."""
+    """Every run's training-loss curve (moving mean over 10 steps, log scale) and, beside it, each run's relative
+    gap to bf16's curve at the same step (the curves overlap at loss scale); returns what was done."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return f"no plot: matplotlib is not installed (pip install -e '.[launch]'); {png.name} not written"
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+
+    def smooth(losses: list[float]) -> list[float]:
+        w = min(10, len(losses))
+        return [statistics.fmean(losses[max(0, i - w + 1):i + 1]) for i in range(len(losses))]
+
+    ref = next((smooth(r["losses"]) for r in results if r.get("base", r["recipe"]) == BASELINE and r.get("losses")),
+               None)
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 4.8))
     for r in results:
         losses = r.get("losses") or []
         if not losses:
             continue
-        w = min(10, len(losses))
-        smooth = [statistics.fmean(losses[max(0, i - w + 1):i + 1]) for i in range(len(losses))]
-        ax.plot(range(1, len(smooth) + 1), smooth, lw=1.2, label=r["recipe"])
+        sm = smooth(losses)
+        (line,) = ax.plot(range(1, len(sm) + 1), sm, lw=1.2, label=r["recipe"])
+        if ref is not None and r.get("base", r["recipe"]) != BASELINE:
+            n = min(len(sm), len(ref))
+            gx.plot(range(1, n + 1), [100 * (sm[i] / ref[i] - 1) for i in range(n)], lw=1.0, color=line.get_color())
+    ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/byte, mean of 10 steps)")
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    gx.axhline(0, color="k", lw=0.8)
+    gx.set_ylim(-5, 5)
+    gx.set_xlabel("step")
+    gx.set_ylabel(f"gap to {BASELINE} at the same step (%, 10-step means)")
+    gx.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
     return f"wrote {png}"
 
@@ -452,8 +468,12 @@ def main(argv=None) -> int:
             continue
         results.append(run_one(a, t["recipe"], nproc, out_dir, limit, t["compiled"]))
     rows = rows_for(results)
-    reused = sorted({f"{r['device_name']}, torch {r['torch']}" for r in results if r.get("status") == "ok (reused)"})
-    if reused:
+    ran = [r for r in results if not r.get("skip")]
+    reused = sorted({f"{r['device_name']}, torch {r['torch']}" for r in ran if r.get("status") == "ok (reused)"})
+    if reused and all(r.get("status") == "ok (reused)" for r in ran):  # nothing ran here: name where they ran
+        header[0] = (f"End-to-end report, {datetime.date.today().isoformat()}: every row read from earlier runs "
+                     f"({nproc} process(es) each) on {'; '.join(reused)}.")
+    elif reused:
         header.append(f"Rows marked 'ok (reused)' were measured by an earlier invocation on: {'; '.join(reused)}.")
     header.append(f"Total wall time {time.perf_counter() - t_start:.0f} s (budget {a.total_budget_s:.0f} s, "
                   f"per run {a.time_limit_s:.0f} s); logs and metrics JSON in {out_dir}.")

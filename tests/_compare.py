@@ -33,14 +33,15 @@ def tensor_diff(got: torch.Tensor, want: torch.Tensor, what: str, *, nan_payload
     if got.shape != want.shape:
         return f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     got = got.to(want.device)
+    bg, bw = _bits(got), _bits(want)
     if got.is_floating_point() and (nan_payload is True or (nan_payload and got.dtype in nan_payload)):
         gn, wn = torch.isnan(got), torch.isnan(want)
         if not torch.equal(gn, wn):
             bad = (gn != wn).nonzero()
             return (f"{what}: NaN positions differ at {bad.shape[0]} elements; first at {bad[0].tolist()}: "
                     f"got {got[tuple(bad[0])].item()!r}, want {want[tuple(bad[0])].item()!r}")
-        got, want = got.masked_fill(gn, 0), want.masked_fill(wn, 0)
-    bg, bw = _bits(got), _bits(want)
+        # payloads ignored: NaNs compared as zero bits (on the integer view: CUDA has no masked_fill for fp8)
+        bg, bw = bg.masked_fill(gn.reshape(bg.shape), 0), bw.masked_fill(wn.reshape(bw.shape), 0)
     bad = (bg != bw).nonzero()
     if bad.numel() == 0:
         return None

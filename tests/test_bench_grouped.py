@@ -22,9 +22,9 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
     table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()
              if line.startswith("|")]
     assert table[0] == HEADER, table[0]
-    # a preset a packed path takes (per-tensor FP8; the block formats) is also timed on the per-expert path, right
-    # after it
-    packed = {"fp8_tensorwise", "fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"}
+    # a preset a packed path takes (per-tensor FP8; the block formats; NVFP4 and its hybrid) is also timed on the
+    # per-expert path, right after it
+    packed = {"fp8_tensorwise", "fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "nvfp4", "mxfp8_fwd_nvfp4_bwd"}
     names = ["bf16 torch._grouped_mm",
              *[n for p in hybridq.preset_names() for n in ([p, f"{p} (per-expert path)"] if p in packed else [p])],
              "bf16 nn.Linear per expert"]

@@ -10,7 +10,7 @@ import hybridq as hq
 import hybridq.nn.grouped as grouped_mod
 from _compare import assert_bitwise, assert_results_bitwise
 from hybridq.formats import Float8Quantizer
-from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
+from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, PackedFP8Experts, TokenLayout, packed_quantizers
 
 E, IN, OUT = 4, 64, 64
 SPLITS = [[5, 0, 17, 40], [16, 32, 0, 48], [0, 0, 3, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
@@ -53,7 +53,7 @@ def test_packed_path_computes_only_the_gradients_asked_for(x_grad, w_grad, grad)
 
 # the packed path each preset takes (None: per expert); every preset must be listed here
 PACKED_KIND = {"fp8_tensorwise": FP8_TENSOR, "fp8_delayed": None, "fp8_block": BLOCKS, "mxfp8": BLOCKS,
-               "nvfp4": None, "mxfp8_fwd_nvfp4_bwd": None, "fp8_block_fwd_mxfp8_bwd": BLOCKS,
+               "nvfp4": ROW_GROUPS, "mxfp8_fwd_nvfp4_bwd": ROW_GROUPS, "fp8_block_fwd_mxfp8_bwd": BLOCKS,
                "fp8_fwd_high_precision_bwd": None}
 
 

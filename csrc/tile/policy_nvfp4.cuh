@@ -2,6 +2,12 @@
 // global scale from the rowwise / columnwise amax; 1x16 rowwise and 16x1 columnwise blocks (the columnwise input
 // optionally through the 16-point random Hadamard transform), or 16x16 tiles (one scale per tile for both
 // directions, one global amax); round to nearest or stochastic rounding from a Philox stream.
+//
+// Row groups (a.row_group != null: the experts of a grouped linear, one launch for all): every row takes the global
+// encode scale of its group's amax, and its stochastic-rounding draws are the ones the group's own launch would
+// make (that launch's Philox offset, element indices relative to the group), so each group's bytes are bitwise
+// those of quantizing it alone. Groups are whole 16-row groups wherever a block or tile runs along M, so every
+// block lies in one group.
 #pragma once
 
 #include "skeleton.cuh"
@@ -16,6 +22,24 @@ __device__ __forceinline__ void philox_unpack(const PhiloxArgs& p, uint64_t& see
     seed = p.seed;
     offset = p.offset;
   }
+}
+
+// What a block needs of its row group: the global encode scale, the Philox offset of the group's launch and the
+// block's first row and element count (rows of the tensor along M) relative to the group. Without row groups: the
+// tensor's (the whole tensor is one group).
+struct Nvfp4Group {
+  float s_enc;
+  uint64_t offset;
+  int64_t row0;  // the group's first row
+  int64_t rows;  // the group's rows
+};
+
+__device__ __forceinline__ Nvfp4Group nvfp4_group_of(const QuantArgs& a, const float* amax, int64_t row,
+                                                     uint64_t offset) {
+  // (row < M: the callers clamp rows outside the tensor, whose outputs are not stored)
+  const int32_t g = a.row_group[row];
+  return {nvfp4_global_encode(amax[g]), offset + 4u * static_cast<uint64_t>(a.draw_rank[g]), a.group_start[g],
+          a.group_start[g + 1] - a.group_start[g]};
 }
 
 template <bool TWO_D, bool SR>
@@ -41,9 +65,10 @@ struct Nvfp4Policy {
 
   static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared& sh, int tid, int nt) {
     Ctx c{1.0f, 1.0f, 0, 0};
+    if constexpr (SR) philox_unpack(a.philox, c.seed, c.offset);
+    if (a.row_group != nullptr) return c;  // row groups: a global scale per group, computed per block
     if (a.amax_row != nullptr) c.s_enc_row = nvfp4_global_encode(*a.amax_row);
     if (a.amax_col != nullptr) c.s_enc_col = nvfp4_global_encode(*a.amax_col);
-    if constexpr (SR) philox_unpack(a.philox, c.seed, c.offset);
     for (int i = tid; i < 256; i += nt) {
       sh.enc_tab[0][i] = nvfp4_elem_mult(static_cast<uint8_t>(i), c.s_enc_row);
       sh.enc_tab[1][i] = nvfp4_elem_mult(static_cast<uint8_t>(i), c.s_enc_col);
@@ -57,9 +82,12 @@ struct Nvfp4Policy {
   template <typename T>
   static __device__ __forceinline__ void row(Ctx& c, const Shared& sh, const QuantArgs& a, const uint32_t* tile_amax,
                                              const TilePos& p, const float (&xv)[tile::VR], int r, int v, int64_t gm,
-                                             int64_t gk, int nvalid, bool, uint32_t (&w)[tile::VR / 8]) {
+                                             int64_t gk, int nvalid, bool row_in, uint32_t (&w)[tile::VR / 8]) {
     using tile::TK;
     const int64_t K = p.K;
+    const bool grouped = a.row_group != nullptr;
+    Nvfp4Group grp{c.s_enc_row, c.offset, 0, p.M};
+    if (grouped) grp = nvfp4_group_of(a, a.amax_row, row_in ? gm : 0, c.offset);
 #pragma unroll
     for (int q = 0; q < 4; ++q) w[q] = 0u;
 #pragma unroll
@@ -70,16 +98,17 @@ struct Nvfp4Policy {
       uint32_t tam;
       if constexpr (TWO_D) tam = tile_amax[(r / 16) * (TK / 16) + 2 * v + b];
       else tam = absmax_n(g);
-      const uint8_t sc = nvfp4_block_scale(u2f(tam), c.s_enc_row);
-      const float enc = sh.enc_tab[0][sc];
+      const uint8_t sc = nvfp4_block_scale(u2f(tam), grp.s_enc);
+      const float enc = grouped ? nvfp4_elem_mult(sc, grp.s_enc) : sh.enc_tab[0][sc];
       if (16 * b < nvalid) static_cast<uint8_t*>(a.row_s)[gm * (K / 16) + gk / 16 + b] = sc;
       float u[16];
       if constexpr (SR) {
-        const uint64_t idx = static_cast<uint64_t>(gm * K + gk + 16 * b);  // K % 16 == 0: idx % 16 == 0
+        // K % 16 == 0: idx % 16 == 0
+        const uint64_t idx = static_cast<uint64_t>((gm - grp.row0) * K + gk + 16 * b);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           float u4[4];
-          philox_uniform4(c.seed, c.offset, 0, idx / 4 + q, u4);
+          philox_uniform4(c.seed, grp.offset, 0, idx / 4 + q, u4);
 #pragma unroll
           for (int j = 0; j < 4; ++j) u[4 * q + j] = u4[j];
         }
@@ -104,6 +133,7 @@ struct Nvfp4Policy {
     using tile::CV;
     using tile::TK;
     const int64_t M = p.M, K = p.K;
+    const bool grouped = a.row_group != nullptr;
 #pragma unroll
     for (int q = 0; q < 4; ++q) w[q] = 0u;
 #pragma unroll
@@ -111,12 +141,14 @@ struct Nvfp4Policy {
       float g[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) g[i] = xv[16 * b + i];
+      const int64_t gm = gm0 + 16 * b;  // the block's first row (a block lies in one row group)
+      // 16x16 tiles: one global amax for both directions (amax_row; amax_col without row groups is the same)
+      Nvfp4Group grp{TWO_D ? c.s_enc_row : c.s_enc_col, c.offset, 0, M};
+      if (grouped) grp = nvfp4_group_of(a, TWO_D ? a.amax_row : a.amax_col, gm < M ? gm : 0, c.offset);
       uint32_t bam;
-      float s_enc;
       int tab;
       if constexpr (TWO_D) {
         bam = tile_amax[((ch * CV + 16 * b) / 16) * (TK / 16) + col / 16];
-        s_enc = c.s_enc_row;  // one global amax for both directions
         tab = 0;
       } else {
         if (a.rht) {
@@ -127,29 +159,29 @@ struct Nvfp4Policy {
           rht16_forward(g);
         }
         bam = absmax_n(g);
-        s_enc = c.s_enc_col;
         tab = 1;
       }
-      const uint8_t s = nvfp4_block_scale(u2f(bam), s_enc);
-      const float enc = sh.enc_tab[tab][s];
+      const uint8_t s = nvfp4_block_scale(u2f(bam), grp.s_enc);
+      const float enc = grouped ? nvfp4_elem_mult(s, grp.s_enc) : sh.enc_tab[tab][s];
       if (16 * b < nvalid) static_cast<uint8_t*>(a.col_s)[gk * (M / 16) + gm0 / 16 + b] = s;
       float u[16];
       if constexpr (SR) {
         if constexpr (TWO_D) {  // the same draw as the rowwise element (m, k): columnwise = transpose
 #pragma unroll
           for (int i = 0; i < 16; ++i) {
-            const uint64_t idx = static_cast<uint64_t>((gm0 + 16 * b + i) * K + gk);
+            const uint64_t idx = static_cast<uint64_t>((gm - grp.row0 + i) * K + gk);
             float u4[4];
-            philox_uniform4(c.seed, c.offset, 0, idx / 4, u4);
+            philox_uniform4(c.seed, grp.offset, 0, idx / 4, u4);
             const int sel = static_cast<int>(idx % 4);
             u[i] = sel == 0 ? u4[0] : (sel == 1 ? u4[1] : (sel == 2 ? u4[2] : u4[3]));
           }
         } else {
-          const uint64_t idx = static_cast<uint64_t>(gk * M + gm0 + 16 * b);  // M % 16 == 0
+          // the group's [K, rows] columnwise tensor; rows % 16 == 0
+          const uint64_t idx = static_cast<uint64_t>(gk * grp.rows + (gm - grp.row0));
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             float u4[4];
-            philox_uniform4(c.seed, c.offset, 1, idx / 4 + q, u4);
+            philox_uniform4(c.seed, grp.offset, 1, idx / 4 + q, u4);
 #pragma unroll
             for (int j = 0; j < 4; ++j) u[4 * q + j] = u4[j];
           }

@@ -11,7 +11,7 @@ Both parts are therefore stored in GEMM orientation ("rows x contracted dim"), s
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
@@ -240,6 +240,37 @@ class Quantizer:
         return (self,)
 
     @property
+    def packs_row_groups(self) -> bool:
+        """True when `quantize_groups` quantizes consecutive row groups of one buffer in one call, each
+        group bitwise as it would be quantized alone: the formats with `local_scaling` (one plain quantization of
+        the buffer) and those that keep their tensor-wide statistics per group (NVFP4's global amaxes)."""
+        return self.local_scaling
+
+    def quantize_groups(self, x2d: torch.Tensor, sizes: Sequence[int], *, rowwise: bool = True,
+                        columnwise: bool = False, name: str = "tensor",
+                        draw_order: Sequence[int] | None = None) -> QuantizedTensor:
+        """Quantize the consecutive row groups of `x2d` (group g: the next `sizes[g]` rows) in one call, each group
+        exactly as quantizing it alone would: its rows of the result, `part(d).row_slice(start, stop, group=g)`, are
+        bitwise that quantization (GroupedLinear's packed paths: one group per expert).
+
+        With `local_scaling` this is one plain `quantize` of `x2d`: every group must be a whole number of the
+        scaling blocks along the rows (`split_granularity(...)[0]`; the caller pads groups with zero rows, which
+        change no block's scale). Formats with per-group statistics override it (NVFP4). `draw_order`: the order
+        in which the groups draw their stochastic-rounding numbers, as if each group were quantized by its own call
+        in that order (default: first to last; groups without rows draw nothing)."""
+        if not self.packs_row_groups:
+            raise NotImplementedError(f"{self.describe()}: row groups of {name} cannot be quantized in one call "
+                                      f"(a tensor-wide statistic, state or random draws that are not per group)")
+        sizes = check_row_groups(self, x2d, sizes, name)
+        g = self.split_granularity(rowwise, columnwise)[0]
+        for i, n in enumerate(sizes):
+            if n % g:
+                raise ValueError(f"{self.describe()}: row group {i} of {name} has {n} rows; {self.describe()} "
+                                 f"blocks span {g} rows, so every group must be a multiple of {g} rows (pad it with "
+                                 f"zero rows) or a block would hold two groups")
+        return self.quantize(x2d, rowwise=rowwise, columnwise=columnwise, name=name)
+
+    @property
     def local_scaling(self) -> bool:
         """True when every scale is a function of its own scaling block (or tile) alone -- no tensor-wide
         statistic, no state, no random draws -- and zero elements change no block's scale (scales come from block
@@ -248,3 +279,22 @@ class Quantizer:
         group would alone, and the parts' `row_slice` cuts the groups apart (GroupedLinear's packed path for block
         formats)."""
         return False
+
+
+def check_row_groups(q: Quantizer, x2d: torch.Tensor, sizes: Sequence[int], name: str) -> tuple[int, ...]:
+    """`sizes` as a tuple of ints after the checks every row-groups quantization makes (a 2-D input whose rows the
+    groups, all >= 0, cover exactly)."""
+    sizes = tuple(int(n) for n in sizes)
+    if x2d.dim() != 2 or sum(sizes) != x2d.shape[0] or any(n < 0 for n in sizes):
+        raise ValueError(f"{q.describe()}: row groups {list(sizes)} of {name} must be >= 0 and sum to its "
+                         f"{x2d.shape[0] if x2d.dim() == 2 else tuple(x2d.shape)} rows")
+    return sizes
+
+
+def draw_sequence(sizes: Sequence[int], draw_order: Sequence[int] | None, what: str) -> list[int]:
+    """The groups with rows, in the order they draw stochastic-rounding numbers (`draw_order`, default first to
+    last): a permutation of the groups is required (each group draws once)."""
+    order = list(range(len(sizes))) if draw_order is None else [int(g) for g in draw_order]
+    if sorted(order) != list(range(len(sizes))):
+        raise ValueError(f"{what}: draw_order {order} must list each of the {len(sizes)} row groups once")
+    return [g for g in order if sizes[g]]

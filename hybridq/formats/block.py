@@ -32,24 +32,32 @@ class BlockScaledPart(GatherablePart, QuantizedPart):
     partial_blocks: ClassVar[bool] = False  # an edge block may hold fewer than `block` elements (FP8 blocks)
     values_per_byte: ClassVar[int] = 1  # values packed in one byte of `data` (NVFP4: two E2M1 codes)
 
-    def row_slice(self, start: int, stop: int) -> "BlockScaledPart":
+    def row_slice(self, start: int, stop: int, group: int | None = None) -> "BlockScaledPart":
         """Rows `[start, stop)` of the `[M, K]` tensor this part quantizes, as a part of its own: stored rows of a
         rowwise part (views of its tensors), stored columns of a columnwise part (a contiguous copy, which the
-        GEMMs need: a memcpy, not a quantization). Tensors every row shares (a global amax) are kept.
+        GEMMs need: a memcpy, not a quantization). Tensors every row shares (a global amax) are kept; a part of
+        row groups that holds such a statistic per group (`Quantizer.quantize_groups`, NVFP4) gives group
+        `group`'s (see `group_tensors`).
 
         Where blocks run along M (a columnwise part; 2-D tiles) `start` must be a block boundary, and so must
         `stop` unless it ends the tensor or the format has partial edge blocks. The slice is then what quantizing
         those rows alone gives (for formats whose scales depend on their own block only, see
         `Quantizer.local_scaling`), provided a partial last block's remaining rows up to the boundary are zero."""
+        per_group = self.group_tensors(group)
         if self.columnwise:
             self._check_row_slice(start, stop, self.block)
             s = getattr(self, self.scale_field)[:, start // self.block:-(-stop // self.block)].contiguous()
             v = self.values_per_byte
             data = self.data[:, start // v:-(-stop // v)].contiguous()
-            return self._sliced(self.rows, stop - start, data, s)
+            return self._sliced(self.rows, stop - start, data, s, per_group)
         self._check_row_slice(start, stop, 1)
         return self._sliced(stop - start, self.cols, self.data[start:stop],
-                            getattr(self, self.scale_field)[start:stop])
+                            getattr(self, self.scale_field)[start:stop], per_group)
+
+    def group_tensors(self, group: int | None) -> dict[str, torch.Tensor]:
+        """The tensors of row group `group` that replace the part's own in a row slice: none for formats whose
+        statistics are all per block (NVFP4 overrides it: a part of row groups holds one global amax per group)."""
+        return {}
 
     def _check_row_slice(self, start: int, stop: int, block: int) -> None:
         m = self.cols if self.columnwise else self.rows
@@ -60,8 +68,9 @@ class BlockScaledPart(GatherablePart, QuantizedPart):
                              f"{block} rows (start{'' if self.partial_blocks else ' and stop'} must be a multiple "
                              f"of {block})")
 
-    def _sliced(self, rows: int, cols: int, data: torch.Tensor, scale: torch.Tensor) -> "BlockScaledPart":
-        fields = {**self.tensors(), "data": data, self.scale_field: scale}
+    def _sliced(self, rows: int, cols: int, data: torch.Tensor, scale: torch.Tensor,
+                per_group: dict[str, torch.Tensor]) -> "BlockScaledPart":
+        fields = {**self.tensors(), "data": data, self.scale_field: scale, **per_group}
         return type(self)(rows=rows, cols=cols, columnwise=self.columnwise, **fields, **self.meta())
 
     def data_in_row_order(self) -> torch.Tensor:

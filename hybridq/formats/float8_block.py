@@ -28,17 +28,17 @@ class Float8BlockPart(BlockScaledPart):
     scale_field = "scale_inv"
     partial_blocks = True
 
-    def row_slice(self, start: int, stop: int) -> "Float8BlockPart":
+    def row_slice(self, start: int, stop: int, group: int | None = None) -> "Float8BlockPart":
         """As `BlockScaledPart.row_slice`; 128x128 tiles keep the rows of the tile grid the slice covers (`start`
-        on a tile boundary in both directions)."""
+        on a tile boundary in both directions). Every statistic is per block: `group` changes nothing."""
         if self.block_dim != 2:
-            return super().row_slice(start, stop)
+            return super().row_slice(start, stop, group)
         self._check_row_slice(start, stop, BLOCK)
         tiles = slice(start // BLOCK, -(-stop // BLOCK))
         if self.columnwise:
             return self._sliced(self.rows, stop - start, self.data[:, start:stop].contiguous(),
-                                self.scale_inv[:, tiles].contiguous())
-        return self._sliced(stop - start, self.cols, self.data[start:stop], self.scale_inv[tiles])
+                                self.scale_inv[:, tiles].contiguous(), {})
+        return self._sliced(stop - start, self.cols, self.data[start:stop], self.scale_inv[tiles], {})
 
     def scale_inv_per_element(self) -> torch.Tensor:
         if self.block_dim == 2:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from ..tensor import QuantizedTensor
 from .base import Quantizer
 from .shardable import ShardableQuantizer
 
@@ -68,6 +71,35 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         # (double quantization too: the rowwise form dequantizes element by element, so its columnwise form's
         # blocks see only their own rows)
         return self.rowwise.local_scaling and self.columnwise.local_scaling
+
+    @property
+    def packs_row_groups(self) -> bool:
+        # each direction's groups from its own quantizer; a columnwise form quantized from the dequantized rowwise
+        # one needs that rowwise form to dequantize element by element (local scaling: no per-group statistic in
+        # the way); and only one of the two may draw random numbers, since the packed call draws all of one
+        # direction's groups before the other's while a per-group call draws rowwise then columnwise
+        return (self.rowwise.packs_row_groups and self.columnwise.packs_row_groups
+                and (not self._double or self.rowwise.local_scaling)
+                and (self.rowwise.is_deterministic or self.columnwise.is_deterministic))
+
+    def quantize_groups(self, x2d: torch.Tensor, sizes: Sequence[int], *, rowwise: bool = True,
+                        columnwise: bool = False, name: str = "tensor",
+                        draw_order: Sequence[int] | None = None) -> QuantizedTensor:
+        """Row groups (see `Quantizer.quantize_groups`): the rowwise part from the rowwise quantizer's row groups,
+        the columnwise part from the columnwise quantizer's."""
+        if self.local_scaling or not self.packs_row_groups:  # one plain quantize (or the error naming the tensor)
+            return super().quantize_groups(x2d, sizes, rowwise=rowwise, columnwise=columnwise, name=name,
+                                           draw_order=draw_order)
+        double = columnwise and self._double
+        row = col = None
+        if rowwise or double:
+            row = self.rowwise.quantize_groups(x2d, sizes, rowwise=True, columnwise=False, name=name,
+                                               draw_order=draw_order).part("rowwise")
+        if columnwise:
+            src = row.dequantize_2d().to(x2d.dtype) if double else x2d
+            col = self.columnwise.quantize_groups(src, sizes, rowwise=False, columnwise=True, name=name,
+                                                  draw_order=draw_order).part("columnwise")
+        return QuantizedTensor(row if rowwise else None, col, shape=x2d.shape, dtype=x2d.dtype)
 
     def shape_rule(self, m, k, rowwise, columnwise):
         need_row = rowwise or (columnwise and self.columnwise_source == "rowwise_dequantized")

@@ -1,17 +1,22 @@
 """NVFP4 (docs/numerics.md "NVFP4"): E2M1 values in blocks of 16 with an E4M3 block scale and an fp32 global
 amax per direction; optional 16x16 weight tiles, random Hadamard transform (columnwise only) and
-stochastic rounding."""
+stochastic rounding. Row groups (docs/numerics.md "Row groups and grouped GEMMs"): consecutive row groups of one
+buffer quantized in one call, each with its own global amaxes (`NVFP4Quantizer.quantize_groups`), the experts of
+GroupedLinear's packed path."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 
+from .. import dispatch
+from ..tensor import QuantizedTensor
 from ._numerics import (FLT_MAX, block_amax, e2m1_codes, e2m1_codes_stochastic, e2m1_decode, expand_blocks,
                         pack_nibbles, rht16, rht16_inverse, satfinite_fp8, tile_amax, unpack_nibbles)
 from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, merge_cut, tile_amax_rows
+from .base import check_row_groups, draw_sequence
 from .block import BlockScaledPart, BlockScaledQuantizer, tile_scale_columnwise
 
 BLOCK = 16
@@ -55,7 +60,10 @@ def element_multiplier(s: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
 class NVFP4Part(BlockScaledPart):
     """data: packed E2M1 codes, uint8 `[rows, cols/2]` (element 2i low nibble); scale: E4M3 `[rows, cols/16]`
     (a 16x16 tile's scale repeated on each of its rows); amax: fp32 `[1]`, the global amax of this
-    direction. rht: the values are in the Hadamard domain along the contracted dim."""
+    direction. rht: the values are in the Hadamard domain along the contracted dim.
+
+    A part of G row groups (`NVFP4Quantizer.quantize_groups`) holds amax `[G]`, one global amax per group: it is
+    only read through `row_slice(start, stop, group=g)`, which gives group g's rows with its amax `[1]`."""
 
     format_name = "NVFP4"
     tensor_fields = ("data", "scale", "amax")
@@ -83,6 +91,14 @@ class NVFP4Part(BlockScaledPart):
 
     def replicated(self) -> dict[str, torch.Tensor]:
         return {"amax": self.amax}
+
+    def group_tensors(self, group: int | None) -> dict[str, torch.Tensor]:
+        if self.amax.numel() == 1:  # one global amax: the part's rows are one group
+            return {}
+        if group is None or not 0 <= group < self.amax.numel():
+            raise ValueError(f"{self!r} holds {self.amax.numel()} row groups (one global amax each): a row slice "
+                             f"must name its group in [0, {self.amax.numel()}), got group={group}")
+        return {"amax": self.amax[group:group + 1]}
 
 
 @dataclasses.dataclass
@@ -119,11 +135,17 @@ class NVFP4Quantizer(BlockScaledQuantizer):
     def is_deterministic(self) -> bool:
         return not self.stochastic_rounding  # stochastic rounding draws new random numbers on every cast
 
-    def _codes(self, v: torch.Tensor) -> torch.Tensor:
+    def _codes(self, v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tensor:
+        """E2M1 codes of the scaled values; with stochastic rounding from `rand` (uniform draws of v's shape) or
+        from new draws of `generator`."""
         if not self.stochastic_rounding:
             return e2m1_codes(v)
-        rand = torch.rand(v.shape, generator=self.generator, device=v.device, dtype=torch.float32)
+        if rand is None:
+            rand = self._draw(v.shape, v.device)
         return e2m1_codes_stochastic(v, rand)
+
+    def _draw(self, shape, device) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=device, dtype=torch.float32)
 
     @staticmethod
     def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +183,98 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                         scale=tile_scale_columnwise(s_tile, BLOCK), amax=amax.clone(),
                         rht=False) if columnwise else None
         return row, col
+
+    # -- row groups (GroupedLinear's packed path) --------------------------------------------------------
+    @property
+    def packs_row_groups(self) -> bool:
+        return True  # the global amaxes are kept per group; stochastic rounding draws per group (draw_order)
+
+    def quantize_groups(self, x2d: torch.Tensor, sizes: Sequence[int], *, rowwise: bool = True,
+                        columnwise: bool = False, name: str = "tensor",
+                        draw_order: Sequence[int] | None = None) -> QuantizedTensor:
+        """Consecutive row groups of `x2d` (group g: the next `sizes[g]` rows) in one call, each quantized exactly as
+        `quantize_parts` quantizes it alone: its own global amax per direction (after the transform with rht; one
+        for both directions with 16x16 tiles), hence its own global encode scale. Every group must satisfy the
+        shape rule on its own (M % 16 == 0 columnwise or with tiles), so no 1x16 / 16x1 block, 16x16 tile or
+        16-row Hadamard group holds rows of two groups. The parts hold amax `[G]`; cut them apart with
+        `row_slice(start, stop, group=g)`.
+
+        Stochastic rounding: the groups draw from `generator` one after another in `draw_order` (default first
+        to last; empty groups draw nothing), each group as its own call would (rowwise then columnwise; once for
+        both with tiles), so the draws are those of the per-group calls made in that order. On a CUDA device with
+        the extension: one amax pass for all groups and one quantize launch, whose draws are keyed like the
+        per-group launches' (one Philox offset step per group, in draw order)."""
+        sizes = check_row_groups(self, x2d, sizes, name)
+        for g, n in enumerate(sizes):
+            self.validate((n, x2d.shape[1]), f"row group {g} of {name}", rowwise=rowwise, columnwise=columnwise)
+        order = draw_sequence(sizes, draw_order, f"{self.describe()}: row groups of {name}")
+        run = dispatch.row_groups_kernel(type(self), x2d.device.type)
+        parts = run(self, x2d, sizes, rowwise, columnwise, order) if run is not None else None
+        if parts is None:
+            parts = self.reference_groups(x2d, sizes, rowwise, columnwise, order)
+        return QuantizedTensor(*parts, shape=x2d.shape, dtype=x2d.dtype)
+
+    def reference_groups(self, x2d: torch.Tensor, sizes: tuple[int, ...], rowwise: bool, columnwise: bool,
+                         order: list[int]) -> tuple[NVFP4Part | None, NVFP4Part | None]:
+        """The pure-PyTorch `quantize_groups` (the contract the CUDA kernel matches): the quantize_parts formulas
+        with the global encode scale taken per row from the row's group (the fp32 operations are elementwise, so
+        each group's values are bitwise its own quantization's)."""
+        m, k = x2d.shape
+        x = x2d.float()
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        group_of_row = torch.repeat_interleave(torch.arange(len(sizes), device=x.device),
+                                               torch.tensor(sizes, dtype=torch.long, device=x.device), output_size=m)
+
+        def group_amax(t: torch.Tensor, along_cols: bool) -> torch.Tensor:  # [G]: max|t| over each group's rows
+            pieces = [self._amax(t[:, o:o + n] if along_cols else t[o:o + n]) for o, n in zip(starts, sizes)]
+            return torch.cat(pieces) if pieces else torch.zeros(0, device=t.device)
+
+        rand_row, rand_col = self._group_draws(sizes, starts, order, m, k, rowwise, columnwise, x.device)
+        if self.block_2d:
+            amax = group_amax(x, False)
+            s_enc = global_encode_scale(amax)[group_of_row][:, None]  # [M, 1]: each row's group's
+            s_tile = block_scale_e4m3(tile_amax(x, BLOCK), s_enc[::BLOCK])  # groups are whole 16-row tiles
+            s_row = s_tile.repeat_interleave(BLOCK, dim=0)
+            codes = self._codes(x * expand_blocks(element_multiplier(s_row, s_enc), BLOCK, k), rand_row)
+            row = NVFP4Part(rows=m, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
+                            rht=False) if rowwise else None
+            col = NVFP4Part(rows=k, cols=m, columnwise=True, data=pack_nibbles(codes.t()),
+                            scale=tile_scale_columnwise(s_tile, BLOCK), amax=amax.clone(),
+                            rht=False) if columnwise else None
+            return row, col
+        row = col = None
+        if rowwise:
+            amax = group_amax(x, False)
+            s_enc = global_encode_scale(amax)[group_of_row][:, None]  # [M, 1]
+            s = block_scale_e4m3(block_amax(x, BLOCK), s_enc)
+            codes = self._codes(x * expand_blocks(element_multiplier(s, s_enc), BLOCK, k), rand_row)
+            row = NVFP4Part(rows=m, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s, amax=amax, rht=False)
+        if columnwise:
+            # the transform mixes 16 consecutive rows; groups are whole 16-row groups, so it never mixes two
+            xt = rht16(x2d.t()) if self.rht else x.t()
+            amax = group_amax(xt, True)
+            s_enc = global_encode_scale(amax)[group_of_row][None, ::BLOCK]  # [1, M/16]: each block's group's
+            s = block_scale_e4m3(block_amax(xt, BLOCK), s_enc)
+            codes = self._codes(xt * expand_blocks(element_multiplier(s, s_enc), BLOCK, m), rand_col)
+            col = NVFP4Part(rows=k, cols=m, columnwise=True, data=pack_nibbles(codes), scale=s, amax=amax,
+                            rht=self.rht)
+        return row, col
+
+    def _group_draws(self, sizes, starts, order, m, k, rowwise, columnwise, device):
+        """Stochastic rounding: the uniform draws of the rowwise `[M, K]` and columnwise `[K, M]` values, each
+        group's drawn as its own quantize_parts call draws them (rowwise, then columnwise; once with tiles), the
+        groups in `order`. (None, None) without stochastic rounding."""
+        if not self.stochastic_rounding:
+            return None, None
+        rand_row = torch.empty(m, k, device=device) if (rowwise or self.block_2d) else None
+        rand_col = torch.empty(k, m, device=device) if (columnwise and not self.block_2d) else None
+        for g in order:
+            o, n = starts[g], sizes[g]
+            if rand_row is not None:
+                rand_row[o:o + n] = self._draw((n, k), device)
+            if rand_col is not None:
+                rand_col[:, o:o + n] = self._draw((k, n), device)
+        return rand_row, rand_col
 
     def global_stats(self, x2d, rowwise, columnwise):
         """The global amax: one for both directions with 16x16 tiles; else [rowwise, columnwise] (the columnwise

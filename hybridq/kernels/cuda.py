@@ -193,6 +193,27 @@ def _nvfp4_run(q: NVFP4Quantizer, x2d, rowwise, columnwise, shard=None, stats=No
     return r, c
 
 
+def _nvfp4_row_groups(q: NVFP4Quantizer, x2d, sizes, rowwise, columnwise, order):
+    """`NVFP4Quantizer.quantize_groups` in one amax launch and one quantize launch for all groups (None: the
+    reference runs): (rowwise part, columnwise part) holding amax `[G]`. Stochastic rounding: group g draws as the
+    `order.index(g)`-th of `len(order)` consecutive `nvfp4_quantize` launches would (one Philox offset step each)."""
+    fields = {f.name for f in dataclasses.fields(q)}
+    if not (fields <= NVFP4_OPTIONS and _nvfp4_supports(q, x2d, rowwise, columnwise)):
+        return None
+    x = x2d.contiguous()
+    m, k = x.shape
+    rht = q.rht and not q.block_2d
+    rank = [0] * len(sizes)
+    for i, g in enumerate(order):
+        rank[g] = i
+    row, rs, ra, col, cs, ca = _ops().nvfp4_quantize_grouped(x, q.block_2d, rht, q.stochastic_rounding,
+                                                             q.generator if q.stochastic_rounding else None, rowwise,
+                                                             columnwise, list(sizes), rank, len(order))
+    r = NVFP4Part(rows=m, cols=k, columnwise=False, data=row, scale=rs, amax=ra, rht=False) if rowwise else None
+    c = NVFP4Part(rows=k, cols=m, columnwise=True, data=col, scale=cs, amax=ca, rht=rht) if columnwise else None
+    return r, c
+
+
 # ---- dequantize -------------------------------------------------------------------------------------------------
 
 def _part_ok(part, fields) -> bool:
@@ -242,6 +263,7 @@ def register_all() -> None:
                                                        FP8_BLOCK_OPTIONS))
     register_quantize(MXFP8Quantizer, KernelImpl("cuda-mxfp8", "cuda", _mx_run, _block_supports, MXFP8_OPTIONS))
     register_quantize(NVFP4Quantizer, KernelImpl("cuda-nvfp4", "cuda", _nvfp4_run, _nvfp4_supports, NVFP4_OPTIONS))
+    register_row_groups(NVFP4Quantizer, "cuda", _nvfp4_row_groups)
     register_dequantize(Float8TensorPart, KernelImpl("cuda-fp8-tensor", "cuda", _deq_tensor, _fp8_part_supports))
     register_dequantize(Float8BlockPart, KernelImpl("cuda-fp8-block", "cuda", _deq_block, _fp8_part_supports))
     register_dequantize(MXFP8Part, KernelImpl("cuda-mxfp8", "cuda", _deq_mx, _mx_part_supports))

@@ -13,6 +13,9 @@ Op reference (all inputs 2-D and contiguous; a direction not asked for returns a
 - nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise, amax?, amax_col?)
     (amax / amax_col: given global amaxes, e.g. of the whole tensor when x is a row shard of it)
     -> (row data [M, K/2], row scales [M, K/16] e4m3, row amax [1], col data [K, M/2], col scales, col amax)
+- nvfp4_quantize_grouped(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise, sizes, draw_rank,
+  n_draws): row group g (the next sizes[g] rows) quantized as nvfp4_quantize quantizes it alone, its draws those of
+  the draw_rank[g]-th of n_draws launches -> as nvfp4_quantize with amaxes [G]
 - amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
   apply_global, out_dtype)
 - fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: Float8Quantizer.update() of many
@@ -77,6 +80,17 @@ def _nvfp4_quantize(x, block_2d, rht, stochastic_rounding, generator, rowwise, c
     return (_or0(x, (m, k // 2), torch.uint8, rowwise), _or0(x, (m, k // 16), e4, rowwise), _or0(x, (1,), _F32, rowwise),
             _or0(x, (k, m // 2), torch.uint8, columnwise), _or0(x, (k, m // 16), e4, columnwise),
             _or0(x, (1,), _F32, columnwise))
+
+
+@register_fake("hybridq::nvfp4_quantize_grouped")
+def _nvfp4_quantize_grouped(x, block_2d, rht, stochastic_rounding, generator, rowwise, columnwise, sizes, draw_rank,
+                            n_draws):
+    m, k = x.shape
+    g = len(sizes)
+    e4 = torch.float8_e4m3fn
+    return (_or0(x, (m, k // 2), torch.uint8, rowwise), _or0(x, (m, k // 16), e4, rowwise), _or0(x, (g,), _F32, rowwise),
+            _or0(x, (k, m // 2), torch.uint8, columnwise), _or0(x, (k, m // 16), e4, columnwise),
+            _or0(x, (g,), _F32, columnwise))
 
 
 @register_fake("hybridq::amax")

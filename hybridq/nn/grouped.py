@@ -100,11 +100,12 @@ class GroupedLinear(nn.Module):
     slice. An expert with no tokens runs no quantized GEMM; its weight and bias gradients are zero.
     """
 
-    # the same quantizers for every expert, all per-tensor FP8 with current scaling or all block formats without
-    # tensor-wide statistics (FP8 blocks, MXFP8, hybrids of them), and no bias, override, weight cache, quantized
-    # or FSDP2-gathered weight or save_original_input: quantize all experts in one call per tensor
-    # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py). False: always the per-expert path (what the packed
-    # paths are tested against).
+    # the same quantizers for every expert, all per-tensor FP8 with current scaling, all block formats without
+    # tensor-wide statistics (FP8 blocks, MXFP8, hybrids of them) or all NVFP4 / its hybrids (per-expert global
+    # amaxes; a weight without stochastic rounding), and no bias, override, weight cache, quantized or
+    # FSDP2-gathered weight or save_original_input: quantize all experts in one call per tensor
+    # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py; `packed_quantizers` decides). False: always the
+    # per-expert path (what the packed paths are tested against).
     packed_path: bool = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
@@ -285,8 +286,8 @@ class GroupedLinear(nn.Module):
             if kind.kind == FP8_TENSOR:
                 layout = TokenLayout.build(splits, padded, x.device)
                 return PackedFP8Experts.apply(x, self.weight, layout, qs, self.name)
-            # each expert's slot padded on to whole scaling blocks along the tokens (on the CPU padded_tokens
-            # leaves FP8 blocks' counts as they are: their edge blocks may be partial)
+            # BLOCKS / ROW_GROUPS: each expert's slot padded on to whole scaling blocks along the tokens (on the CPU
+            # padded_tokens leaves FP8 blocks' counts as they are: their edge blocks may be partial)
             layout = TokenLayout.build(splits, padded, x.device, token_multiple(qs, need_dgrad, need_wgrad))
             return PackedBlockExperts.apply(x, self.weight, layout, qs, self.name, need_dgrad, need_wgrad)
         weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad

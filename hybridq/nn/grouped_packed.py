@@ -6,7 +6,10 @@ instead of one per expert, when every expert has the same quantizers (`packed_qu
   E4M3 x E4M3), else one GEMM per expert on views of the packed parts;
 - block formats without tensor-wide statistics (`BLOCKS`: FP8 1x128 / 128x128 blocks, MXFP8 and hybrids of them,
   `Quantizer.local_scaling`): one plain `quantize` of the packed buffer, one GEMM per expert on its row slice
-  (grouped_packed_blocks.py).
+  (grouped_packed_blocks.py);
+- NVFP4 and hybrids with it (`ROW_GROUPS`, `Quantizer.packs_row_groups`): the same, with one `quantize_groups` call
+  per tensor that keeps NVFP4's global amaxes per expert and draws each expert's stochastic-rounding numbers as its
+  own call would (grouped_packed_blocks.py).
 
 Numbers: each expert's slice is quantized exactly as the per-expert path quantizes it (same zero-padded token
 count, its own amax or block scales), and each GEMM multiplies the same quantized operands: on the CPU (emulated
@@ -31,10 +34,12 @@ from ..gemm import gemm, grouped_gemm_fp8
 TENSORS = ("input", "weight", "grad_output")
 FP8_TENSOR = "fp8_tensor"  # per-tensor FP8, current scaling: row groups and grouped GEMMs
 BLOCKS = "blocks"  # block scales only (Quantizer.local_scaling): one quantize of the packed buffer, row slices
+ROW_GROUPS = "row_groups"  # statistics per expert (NVFP4's global amaxes): one quantize_groups call, row slices
 
 
 class PackedKind(NamedTuple):
-    """Which packed path runs (`FP8_TENSOR` or `BLOCKS`) and the quantizer per tensor type every expert shares."""
+    """Which packed path runs (`FP8_TENSOR`, `BLOCKS` or `ROW_GROUPS`) and the quantizer per tensor type every expert
+    shares."""
 
     kind: str
     quantizers: dict[str, Quantizer]
@@ -42,10 +47,19 @@ class PackedKind(NamedTuple):
 
 def packed_quantizers(expert_quantizers: list[dict[str, Quantizer]]) -> PackedKind | None:
     """The packed path for these experts' quantizers, or None (the per-expert path): every expert must have the
-    same quantizer per tensor type, and input, weight and grad_output must all be plain per-tensor FP8 with current
-    scaling (`FP8_TENSOR`), or all formats whose scales come from their own blocks only -- deterministic, no
-    tensor-wide statistic (`BLOCKS`: FP8 blocks, MXFP8, hybrids of these; not NVFP4, whose global amax spans the
-    tensor, nor stochastic rounding or delayed scaling)."""
+    same quantizer per tensor type, and input, weight and grad_output must all be
+
+    - plain per-tensor FP8 with current scaling (`FP8_TENSOR`), or
+    - formats whose scales come from their own blocks only -- deterministic, no tensor-wide statistic (`BLOCKS`:
+      FP8 blocks, MXFP8, hybrids of these), or
+    - formats that quantize row groups in one call with per-group statistics (`ROW_GROUPS`,
+      `Quantizer.packs_row_groups`: NVFP4 and its hybrids with the formats above, with or without RHT and 16x16
+      tiles), where the weight draws no random numbers (the per-expert path quantizes each expert's input and
+      weight in turn, so two random tensors would draw in another order; a weight of an expert without tokens is
+      not quantized there). Stochastic rounding of the input and grad_output is drawn expert by expert in the
+      per-expert path's order.
+
+    Delayed scaling and per-tensor FP8 mixed with block formats run per expert."""
     first = expert_quantizers[0]
     if any(qs[t] != first[t] for qs in expert_quantizers[1:] for t in TENSORS):
         return None
@@ -54,6 +68,8 @@ def packed_quantizers(expert_quantizers: list[dict[str, Quantizer]]) -> PackedKi
         return PackedKind(FP8_TENSOR, first)
     if all(q.local_scaling for q in qs):
         return PackedKind(BLOCKS, first)
+    if all(q.packs_row_groups for q in qs) and first["weight"].is_deterministic:
+        return PackedKind(ROW_GROUPS, first)
     return None
 
 

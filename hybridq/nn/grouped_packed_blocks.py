@@ -1,16 +1,21 @@
-"""The packed path of `GroupedLinear` for block formats without tensor-wide statistics (FP8 1x128 / 128x128 blocks,
-MXFP8 and hybrids of them: `Quantizer.local_scaling`): all experts' tokens packed into one zero-padded buffer
-(`TokenLayout`) and quantized by ONE `quantize` call (rowwise, plus columnwise when wgrad needs it), the gradient
+"""The packed path of `GroupedLinear` for block formats: those without tensor-wide statistics (FP8 1x128 / 128x128
+blocks, MXFP8 and hybrids of them: `Quantizer.local_scaling`) and NVFP4 with its hybrids, whose global amaxes are kept
+per expert (`Quantizer.packs_row_groups`). All experts' tokens are packed into one zero-padded buffer (`TokenLayout`)
+and quantized by ONE `Quantizer.quantize_groups` call (rowwise, plus columnwise when wgrad needs it), the gradient
 likewise in backward, the weight `[E*N, K]` in one call; each expert's GEMMs then run on its row slice of the
-quantized parts (`BlockScaledPart.row_slice`), one `hybridq.gemm.gemm` per expert (Hopper has no grouped
-block-scaled GEMM).
+quantized parts (`BlockScaledPart.row_slice(..., group=e)`, which also picks the expert's global amax), one
+`hybridq.gemm.gemm` per expert (Hopper has no grouped block-scaled GEMM).
 
 Numbers: bitwise the per-expert path. Each expert's slot in the packed buffer is its per-expert zero-padded token
 count rounded up to whole scaling blocks along the tokens (`token_multiple`, from the quantizers'
 `split_granularity`): no block spans two experts, and the zero rows change no block's scale, so each expert's
 slice is bitwise its own quantization; every GEMM reads the per-expert path's operands with its shapes (the padded
-count, not the slot). The weight is quantized packed when N is a whole number of its blocks along N (128x128 tiles:
-128; MXFP8's columnwise 1x32 blocks: 32), else expert by expert (`ExpertWeights`).
+count, not the slot). With per-expert statistics (NVFP4) the slot is the padded count itself (its shape rule already
+asks for whole 16-row blocks), each expert gets its own global amax and encode scale, and stochastic rounding draws
+each expert's numbers as the per-expert call would: the input's experts first to last (as the per-expert forward
+quantizes them), grad_output's last to first (autograd runs the per-expert backward from the last expert created).
+The weight is quantized packed when N is a whole number of its blocks along N (128x128 tiles: 128; MXFP8's
+columnwise 1x32 blocks: 32; NVFP4: always, its shape rule asks for it), else expert by expert (`ExpertWeights`).
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ class ExpertWeights:
     def quantize(cls, q: Quantizer, weight: torch.Tensor, columnwise: bool, name: str) -> "ExpertWeights":
         e, n, k = weight.shape
         packed = e > 1 and n % q.split_granularity(True, columnwise)[0] == 0
-        if packed:
-            tensors = [q.quantize(weight.reshape(e * n, k), rowwise=True, columnwise=columnwise, name=name)]
+        if packed:  # the experts' N rows are the row groups
+            tensors = [q.quantize_groups(weight.reshape(e * n, k), [n] * e, rowwise=True, columnwise=columnwise,
+                                         name=name)]
         else:
             tensors = [q.quantize(w, rowwise=True, columnwise=columnwise, name=f"{name} (expert {g})")
                        for g, w in enumerate(weight.unbind(0))]
@@ -58,7 +64,7 @@ class ExpertWeights:
     def part(self, g: int, direction: str) -> QuantizedPart:
         """Expert g's part in `direction` (a columnwise row slice is a copy: slice it once per GEMM)."""
         if self.packed:
-            return self.tensors[0].part(direction).row_slice(g * self.n, (g + 1) * self.n)
+            return self.tensors[0].part(direction).row_slice(g * self.n, (g + 1) * self.n, group=g)
         return self.tensors[g].part(direction)
 
     def only(self, direction: str) -> "ExpertWeights":
@@ -71,8 +77,17 @@ def _used(layout: TokenLayout) -> list[tuple[int, int, int, int]]:
     return [(g, o, p, m) for g, (o, p, m) in enumerate(zip(layout.offsets, layout.padded, layout.splits)) if m]
 
 
+def _check_slots(layout: TokenLayout, quantizers: dict[str, Quantizer]) -> None:
+    """Per-expert statistics and draws (NVFP4) are those of the expert's padded slice: its slot must be exactly that
+    (padded_tokens already gives whole 16-row blocks, so this holds; a layout that broke it would change draws)."""
+    if layout.slots != layout.padded and not all(q.local_scaling for q in quantizers.values()):
+        raise RuntimeError(f"packed row groups: expert slots {layout.slots} differ from the padded token counts "
+                           f"{layout.padded}, which per-expert statistics need")
+
+
 class PackedBlockExperts(torch.autograd.Function):
-    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, block formats (see the module docstring).
+    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, block formats and NVFP4 (see the module
+    docstring).
     `need_dgrad` / `need_wgrad`: the gradients backward will compute (what the columnwise forms are made for;
     inside forward, autograd's own flags ignore no_grad)."""
 
@@ -87,12 +102,16 @@ class PackedBlockExperts(torch.autograd.Function):
             ctx.packed_weight = False
             save_quantized(ctx, None)
             return x.new_empty(0, n)
-        xq = quantizers["input"].quantize(layout.pack(x), rowwise=True, columnwise=need_wgrad, name=f"input of {name}")
+        _check_slots(layout, quantizers)
+        # (stochastic rounding: the per-expert forward quantizes the experts' inputs first to last)
+        xq = quantizers["input"].quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=need_wgrad,
+                                                 name=f"input of {name}")
         wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
         x_row = xq.part("rowwise")
         ys = []
         for g, o, p, m in used:
-            y = gemm(x_row.row_slice(o, o + p), wq.part(g, "rowwise"), x.dtype, f"fprop of {name} (expert {g})")
+            y = gemm(x_row.row_slice(o, o + p, group=g), wq.part(g, "rowwise"), x.dtype,
+                     f"fprop of {name} (expert {g})")
             ys.append(y[:m] if p != m else y)
         # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
         w_saved = wq.only("columnwise").tensors if need_dgrad else []
@@ -112,20 +131,22 @@ class PackedBlockExperts(torch.autograd.Function):
         dw = dy.new_zeros(e, n, k, dtype=ctx.w_dtype) if need_wgrad else None
         if not used or not (need_dgrad or need_wgrad):
             return dx, dw, None, None, None, None, None
-        dyq = ctx.quantizers["grad_output"].quantize(layout.pack(dy), rowwise=need_dgrad, columnwise=need_wgrad,
-                                                     name=f"grad_output of {name}")
+        # (stochastic rounding: autograd runs the per-expert backward from the last expert to the first)
+        dyq = ctx.quantizers["grad_output"].quantize_groups(layout.pack(dy), layout.slots, rowwise=need_dgrad,
+                                                            columnwise=need_wgrad, name=f"grad_output of {name}",
+                                                            draw_order=range(e - 1, -1, -1))
         if need_dgrad:  # dy rowwise x W columnwise
             weights = ExpertWeights(w_saved, n, ctx.packed_weight)
             dy_row = dyq.part("rowwise")
             parts = []
             for g, o, p, m in used:
-                dx_g = gemm(dy_row.row_slice(o, o + p), weights.part(g, "columnwise"), dy.dtype,
+                dx_g = gemm(dy_row.row_slice(o, o + p, group=g), weights.part(g, "columnwise"), dy.dtype,
                             f"dgrad of {name} (expert {g})")
                 parts.append(dx_g[:m] if p != m else dx_g)
             dx = torch.cat(parts)
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
             dy_col, xc = dyq.part("columnwise"), x_col.part("columnwise")
             for g, o, p, _ in used:
-                dw[g] = gemm(dy_col.row_slice(o, o + p), xc.row_slice(o, o + p), dy.dtype,
+                dw[g] = gemm(dy_col.row_slice(o, o + p, group=g), xc.row_slice(o, o + p, group=g), dy.dtype,
                              f"wgrad of {name} (expert {g})").to(ctx.w_dtype)
         return dx, dw, None, None, None, None, None
