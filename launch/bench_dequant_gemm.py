@@ -12,6 +12,8 @@ emulation's fp32 math on the same operands.
     python launch/bench_dequant_gemm.py --smoke     # one small GEMM per pairing: does it compile, is it right?
     python launch/bench_dequant_gemm.py
     python launch/bench_dequant_gemm.py --shapes 8192x8192x8192 --pairs nvfp4xnvfp4 --configs --json out.json
+    ncu --section SpeedOfLight --section WarpStateStats --section Occupancy --section InstructionStats \
+        -k regex:dequant python launch/bench_dequant_gemm.py --profile-once   # one launch per pairing, for Nsight
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ def smoke() -> int:
     return 1 if failed else 0
 
 
+def profile_once(n: int = 8192) -> None:
+    """Two launches per pairing (MXFP8 x MXFP8, NVFP4 x NVFP4) at n^3 with the config the autotuner chose on an
+    H100 (128x256x64, 8 warps, 3 stages), nothing else on the GPU: the target of an Nsight Compute run."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    conf = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    for fa, fb in (PAIRS["mxfp8xmxfp8"], PAIRS["nvfp4xnvfp4"]):
+        a, b = operand(fa, n, n, g), operand(fb, n, n, g)
+        for _ in range(2):
+            tdg.dequant_mm(a, b, torch.bfloat16, config=conf)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8192x8192x8192,8192x4096x14336", help="Linear MxKxN,...")
@@ -117,9 +131,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="only the smoke test (see smoke()); exit 1 on failure")
+    ap.add_argument("--profile-once", action="store_true", help="only the launches to profile (see profile_once())")
     args = ap.parse_args()
     if args.smoke:
         sys.exit(smoke())
+    if args.profile_once:
+        return profile_once()
     from hybridq.kernels import extension_available
     from hybridq.kernels import triton_mxfp8 as tm
 
