@@ -233,10 +233,10 @@ def _pin(func, t, device=None):
 # quantized bytes and scales of every part), so any hook -- `save_on_cpu(pin_memory=True)`, which copies into a
 # plain `torch.empty` buffer, hybridq.CPUOffload, checkpointing -- sees ordinary tensors and round-trips every part.
 
-def save_quantized(ctx, *tensors: torch.Tensor | None, keep: tuple[bool, ...] = ()) -> None:
-    """`ctx.save_for_backward(*tensors)`, with each QuantizedTensor split into its parts' tensors. `keep[i]` True
-    keeps tensor i as it is on `ctx`, outside the hooks: a handle whose buffers their owner refills (FSDP2's
-    gathered weight, whose storage is freed after forward and gathered again in backward), not data to pack."""
+def flatten_quantized(tensors, keep: tuple[bool, ...] = ()) -> tuple[list, list]:
+    """(plain tensors, layout) of `tensors` (QuantizedTensors split into their parts' tensors; None and plain
+    tensors as they are): what `unflatten_quantized` rebuilds them from. `keep[i]` True puts tensor i itself in
+    the layout, outside the flat list."""
     flat: list = []
     layout: list = []
     for i, t in enumerate(tensors):
@@ -255,28 +255,14 @@ def save_quantized(ctx, *tensors: torch.Tensor | None, keep: tuple[bool, ...] = 
         else:
             flat.append(t)
             layout.append(("t",))
-    ctx.save_for_backward(*flat)
-    ctx.hybridq_saved_layout = layout
+    return flat, layout
 
 
-_BACKWARD = {"task": -1, "epoch": 0}
-
-
-def backward_epoch() -> int:
-    """A counter of the backward passes that ran a hybridq layer's backward (bumped by `saved_quantized` when the
-    autograd graph task changes): delayed-scaling quantizers tell the forward casts of one step from the next."""
-    return _BACKWARD["epoch"]
-
-
-def saved_quantized(ctx) -> tuple:
-    """The tensors given to `save_quantized`, QuantizedTensors rebuilt from their (unpacked) parts."""
-    task = torch._C._current_graph_task_id()
-    if task != _BACKWARD["task"]:
-        _BACKWARD["task"] = task
-        _BACKWARD["epoch"] += 1
-    flat = iter(ctx.saved_tensors)
+def unflatten_quantized(flat, layout: list) -> tuple:
+    """The tensors `flatten_quantized` gave `(flat, layout)` for, QuantizedTensors rebuilt from their parts."""
+    flat = iter(flat)
     out = []
-    for entry in ctx.hybridq_saved_layout:
+    for entry in layout:
         if entry[0] == "keep":
             out.append(entry[1])
         elif entry[0] == "t":
@@ -294,6 +280,37 @@ def saved_quantized(ctx) -> tuple:
                 built.append(cls(rows=rows, cols=cols, columnwise=columnwise, **fields, **meta))
             out.append(QuantizedTensor(built[0], built[1], shape=shape, dtype=dtype))
     return tuple(out)
+
+
+def save_quantized(ctx, *tensors: torch.Tensor | None, keep: tuple[bool, ...] = ()) -> None:
+    """`ctx.save_for_backward(*tensors)`, with each QuantizedTensor split into its parts' tensors. `keep[i]` True
+    keeps tensor i as it is on `ctx`, outside the hooks: a handle whose buffers their owner refills (FSDP2's
+    gathered weight, whose storage is freed after forward and gathered again in backward), not data to pack."""
+    flat, ctx.hybridq_saved_layout = flatten_quantized(tensors, keep)
+    ctx.save_for_backward(*flat)
+
+
+_BACKWARD = {"task": -1, "epoch": 0}
+
+
+def backward_epoch() -> int:
+    """A counter of the backward passes that ran a hybridq layer's backward (bumped by `saved_quantized` when the
+    autograd graph task changes): delayed-scaling quantizers tell the forward casts of one step from the next."""
+    return _BACKWARD["epoch"]
+
+
+def count_backward_pass() -> None:
+    """Bump `backward_epoch` when the autograd graph task changed since the last hybridq backward."""
+    task = torch._C._current_graph_task_id()
+    if task != _BACKWARD["task"]:
+        _BACKWARD["task"] = task
+        _BACKWARD["epoch"] += 1
+
+
+def saved_quantized(ctx) -> tuple:
+    """The tensors given to `save_quantized`, QuantizedTensors rebuilt from their (unpacked) parts."""
+    count_backward_pass()
+    return unflatten_quantized(ctx.saved_tensors, ctx.hybridq_saved_layout)
 
 
 # ---- serialization ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from _format_cases import FORMATS
 from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Part, NVFP4Quantizer,
                              swizzle_mx_scales)
-from hybridq.formats._numerics import (E2M1_VALUES, e2m1_decode, expand_blocks, rht16, unpack_nibbles)
+from hybridq.formats._numerics import (e2m1_values, e2m1_decode, expand_blocks, rht16, unpack_nibbles)
 from hybridq.formats.nvfp4 import element_multiplier, global_encode_scale
 
 import _compare
@@ -335,7 +335,7 @@ def test_nvfp4_sr_unbiased(direction, gen):
     n = 400
     acc = torch.zeros_like(y, dtype=torch.float64)
     xg = x.cuda()
-    lo = E2M1_VALUES
+    lo = e2m1_values()
     for i in range(n):
         torch.cuda.manual_seed(1000 + i)
         p = NVFP4Quantizer(rht=True, stochastic_rounding=True).quantize_parts(xg, True, True)[direction]

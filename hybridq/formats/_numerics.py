@@ -127,7 +127,15 @@ def e8m0_to_pow2(e: torch.Tensor, negate: bool = False) -> torch.Tensor:
 
 # ---- E2M1 (NVFP4 values) ---------------------------------------------------------------------------
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 8 E2M1 magnitudes (codes 0-7) as fp32 on `device`, built per call rather than held in a module-level
+    tensor, which fake-tensor tracing (torch.compile) cannot read."""
+    return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+
+
 # Midpoints between neighbours; at a tie the even code wins (codes 0, 2, 4, 6 are even).
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
@@ -153,7 +161,7 @@ def e2m1_codes_stochastic(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
 
     `rand` holds uniform [0, 1) fp32 draws of v's shape. Saturates at 6; NaN -> +6 as in e2m1_codes.
     """
-    vals = E2M1_VALUES.to(v.device)
+    vals = e2m1_values(v.device)
     a = v.float().abs().clamp(max=6.0).contiguous()
     lo_code = (torch.searchsorted(vals, a, right=True) - 1).clamp(0, 7)
     hi_code = (lo_code + 1).clamp(max=7)
@@ -166,7 +174,7 @@ def e2m1_codes_stochastic(v: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    vals = E2M1_VALUES.to(codes.device)
+    vals = e2m1_values(codes.device)
     c = codes.to(torch.int64)
     mag = vals[c & 7]
     return torch.where((c & 8) != 0, -mag, mag)

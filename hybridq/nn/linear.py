@@ -28,7 +28,7 @@ class _LinearConfig:
     """What the autograd function needs from its module (a plain object: not saved as a tensor)."""
 
     __slots__ = ("name", "input_q", "weight_q", "grad_output_q", "backward_override", "save_original_input",
-                 "input_gather")
+                 "input_gather", "op_id")
 
     def __init__(self, module: "Linear", backward_override: str | None):
         self.name = module.name
@@ -40,11 +40,13 @@ class _LinearConfig:
         # sequence parallelism (hybridq.distributed.sequence.SequenceGather): the input is this rank's rows of
         # the layer's whole input, quantized here and all-gathered in its quantized form; None: x is whole
         self.input_gather = None
+        self.op_id = None  # its key for the compiled path's custom ops, once used there (compiled_linear.config_id)
 
     def replace(self, **changes) -> "_LinearConfig":
         new = object.__new__(_LinearConfig)
-        for n in self.__slots__:
+        for n in self.__slots__[:-1]:
             setattr(new, n, changes.get(n, getattr(self, n)))
+        new.op_id = None
         return new
 
 
@@ -181,30 +183,83 @@ def cached_quantized_weight(cache: tuple[Any, QuantizedTensor] | None, cache_col
     return cache, cache_columnwise, cache[1]
 
 
+def forward_and_saved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      cached_weight: QuantizedTensor | None, cfg: _LinearConfig, need_dgrad: bool, need_wgrad: bool
+                      ) -> tuple[torch.Tensor, Any, Any]:
+    """The forward of a call that gradients flow through: (y `[M, N]`, what wgrad reads, what dgrad reads). The
+    saved operands are quantized forms holding only the direction backward reads, or -- with
+    backward_override="high_precision" or save_original_input -- the input's `[M, K]` view and the weight."""
+    override = cfg.backward_override
+    # With an override set, forward quantizes rowwise only: backward never reads a columnwise form.
+    x_col = need_wgrad and override is None and not cfg.save_original_input
+    w_col = need_dgrad and override is None
+    x2d, xq, wq, y = _fprop(x, weight, bias, cached_weight, cfg, x_col, w_col)
+    if override == BackwardOverride.HIGH_PRECISION:
+        saved_w = weight if need_dgrad else None
+        if need_dgrad and isinstance(weight, QuantizedTensor):
+            # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
+            # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
+            saved_w = weight.detach() if isinstance(weight, HighPrecisionSource) else weight.dequantize()
+        saved_x = x2d if need_wgrad else None
+    elif override == BackwardOverride.DEQUANTIZED:
+        saved_x = _only(xq, "rowwise") if need_wgrad else None
+        saved_w = _only(wq, "rowwise") if need_dgrad else None
+    else:
+        saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
+        saved_w = _only(wq, "columnwise") if need_dgrad else None
+    return y, saved_x, saved_w
+
+
+def linear_grads(cfg: _LinearConfig, dy: torch.Tensor, saved_x: Any, saved_w: Any, need_dgrad: bool,
+                 need_wgrad: bool, need_bgrad: bool, x_shape: torch.Size, w_dtype: torch.dtype,
+                 b_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
+    """(dx in `x_shape`, dw, db) from the output gradient and what `forward_and_saved` saved."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    if not dy2d.is_contiguous():
+        dy2d = dy2d.contiguous()
+    dx = dw = None
+    override = cfg.backward_override
+    gather = cfg.input_gather
+    if gather is not None and isinstance(saved_x, torch.Tensor) and not isinstance(saved_x, QuantizedTensor):
+        saved_x = gather.full(saved_x)  # the high-precision input this rank saved its rows of
+
+    if override == BackwardOverride.HIGH_PRECISION:
+        # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
+        if need_dgrad:
+            w = saved_w.high_precision() if isinstance(saved_w, QuantizedTensor) else saved_w
+            dx = dy2d.mm(w.to(dy.dtype))
+        if need_wgrad:
+            dw = dy2d.t().mm(saved_x.to(dy.dtype))
+    elif override == BackwardOverride.DEQUANTIZED:
+        if need_dgrad:
+            dx = dy2d.mm(saved_w.dequantize(dy.dtype))
+        if need_wgrad:
+            dw = dy2d.t().mm(saved_x.dequantize(dy.dtype))
+    elif need_dgrad or need_wgrad:  # (a bias-only backward quantizes nothing)
+        dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
+                                         name=f"grad_output of {cfg.name}")
+        if need_dgrad:
+            dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype, f"dgrad of {cfg.name}")
+        if need_wgrad:
+            xq = saved_x
+            if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
+                xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
+            dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype, f"wgrad of {cfg.name}")
+
+    if dx is not None:
+        dx = dx.reshape(x_shape) if gather is None else gather.reduce_grad(dx)
+    if dw is not None:
+        dw = dw.to(w_dtype)
+    db = dy2d.sum(0).to(b_dtype) if need_bgrad else None
+    return dx, dw, db
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 cached_weight: QuantizedTensor | None, cfg: _LinearConfig) -> torch.Tensor:
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        override = cfg.backward_override
-        # With an override set, forward quantizes rowwise only: backward never reads a columnwise form.
-        x_col = need_wgrad and override is None and not cfg.save_original_input
-        w_col = need_dgrad and override is None
-        x2d, xq, wq, y = _fprop(x, weight, bias, cached_weight, cfg, x_col, w_col)
-
-        if override == BackwardOverride.HIGH_PRECISION:
-            saved_w = weight if need_dgrad else None
-            if need_dgrad and isinstance(weight, QuantizedTensor):
-                # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
-                # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
-                saved_w = weight.detach() if isinstance(weight, HighPrecisionSource) else weight.dequantize()
-            saved_x = x2d if need_wgrad else None
-        elif override == BackwardOverride.DEQUANTIZED:
-            saved_x = _only(xq, "rowwise") if need_wgrad else None
-            saved_w = _only(wq, "rowwise") if need_dgrad else None
-        else:
-            saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
-            saved_w = _only(wq, "columnwise") if need_dgrad else None
+        y, saved_x, saved_w = forward_and_saved(x, weight, bias, cached_weight, cfg, ctx.needs_input_grad[0],
+                                                ctx.needs_input_grad[1])
         # a weight quantized before this call (FSDP2's gathered weight, whose buffers its backward unshard refills;
         # the is_first_microbatch cache) is a handle kept on ctx; what this call quantized goes through the
         # saved-tensor hooks as plain tensors (offload, checkpointing: see save_quantized)
@@ -212,7 +267,6 @@ class _LinearFunction(torch.autograd.Function):
                        keep=(False, isinstance(saved_w, QuantizedTensor)
                              and (isinstance(weight, QuantizedTensor) or cached_weight is not None)))
         ctx.cfg = cfg
-        ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -220,48 +274,10 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        cfg: _LinearConfig = ctx.cfg
         saved_x, saved_w = saved_quantized(ctx)
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        if not dy2d.is_contiguous():
-            dy2d = dy2d.contiguous()
-        dx = dw = None
-        override = cfg.backward_override
-        gather = cfg.input_gather
-        if gather is not None and isinstance(saved_x, torch.Tensor) and not isinstance(saved_x, QuantizedTensor):
-            saved_x = gather.full(saved_x)  # the high-precision input this rank saved its rows of
-
-        if override == BackwardOverride.HIGH_PRECISION:
-            # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
-            if need_dgrad:
-                w = saved_w.high_precision() if isinstance(saved_w, QuantizedTensor) else saved_w
-                dx = dy2d.mm(w.to(dy.dtype))
-            if need_wgrad:
-                dw = dy2d.t().mm(saved_x.to(dy.dtype))
-        elif override == BackwardOverride.DEQUANTIZED:
-            if need_dgrad:
-                dx = dy2d.mm(saved_w.dequantize(dy.dtype))
-            if need_wgrad:
-                dw = dy2d.t().mm(saved_x.dequantize(dy.dtype))
-        elif need_dgrad or need_wgrad:  # (a bias-only backward quantizes nothing)
-            dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
-                                             name=f"grad_output of {cfg.name}")
-            if need_dgrad:
-                dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype,
-                          f"dgrad of {cfg.name}")
-            if need_wgrad:
-                xq = saved_x
-                if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
-                    xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
-                dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype,
-                          f"wgrad of {cfg.name}")
-
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape) if gather is None else gather.reduce_grad(dx)
-        if dw is not None:
-            dw = dw.to(ctx.w_dtype)
-        db = dy2d.sum(0).to(ctx.b_dtype) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
+        need_bgrad = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        dx, dw, db = linear_grads(ctx.cfg, dy, saved_x, saved_w, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                  need_bgrad, ctx.x_shape, ctx.w_dtype, ctx.b_dtype)
         return dx, dw, db, None, None
 
 
@@ -421,12 +437,22 @@ class Linear(nn.Linear):
             cached = self.__dict__["_cfg"] = (key, _LinearConfig(self, override))
         return cached[1]
 
-    # torch.compile: the layer runs eagerly between the compiled regions around it (one graph break per hybridq
-    # layer), since dynamo cannot trace its quantized tensors and autograd function yet
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if torch.compiler.is_compiling() and compiled_linear.compiles_in_graph(self, x, self.weight,
+                                                                                is_first_microbatch):
+            # inside torch.compile's graph as two custom ops (nn/compiled_linear.py)
+            override = self.recipe.backward_override
+            if override is not None:
+                self._check_override(override)
+            return compiled_linear.compiled_linear(self, x, override)
+        return self._eager_forward(x, is_first_microbatch)
+
+    # torch.compile, for what compiled_linear does not take: the layer runs eagerly between the compiled regions
+    # around it (a graph break), since dynamo cannot trace its quantized tensors and autograd function
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: bool | None) -> torch.Tensor:
         tp = self.__dict__.get("_tensor_parallel")
         if tp is not None:  # set by hybridq.distributed's ColwiseParallel / RowwiseParallel
             return tp.forward(self, x, is_first_microbatch)
@@ -451,3 +477,6 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+from . import compiled_linear  # noqa: E402  (it builds on this module)

@@ -1,0 +1,180 @@
+"""A hybridq Linear inside torch.compile's graph: the layer as two opaque custom ops.
+
+Dynamo cannot trace a QuantizedTensor or hybridq's autograd function, so a Linear in a compiled region was a graph
+break (the region split in two around an eager call). Here the Linear's forward and backward are each one custom
+op over plain tensors -- `hybridq::linear_forward` returns the output and the saved operands' tensors,
+`hybridq::linear_backward` the three gradients -- with autograd registered on the forward op, so a compiled block
+keeps every Linear in its graph and Inductor fuses around them. Inside each op the eager code runs unchanged
+(`linear.forward_and_saved` / `linear.linear_grads`): the results are bitwise the eager layer's.
+
+Fake implementations (what compile traces with): the forward runs the same code on fake tensors (every quantize
+and GEMM op hybridq calls has one), which gives the saved tensors' shapes and dtypes; the backward's outputs have
+the input's, weight's and bias's shapes.
+
+What stays a graph break (the eager path): a weight that is not a plain tensor (FSDP2's quantized all-gather
+gives a `GatheredWeight`, quantized parameters, DTensors), tensor/sequence parallelism, the is_first_microbatch
+cache, and quantizers with state that changes across calls (delayed scaling: its history would be mutated behind
+the graph's back). `compiles_in_graph` says which.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..enums import BackwardOverride
+from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
+from .linear import _LinearConfig, forward_and_saved, linear_grads, shared_input_quantization
+
+__all__ = ["compiles_in_graph", "compiled_linear"]
+
+# configs by id: the custom ops take plain values only, so a layer's configuration travels as an int. Only the
+# compiled path registers configs: one per layer and backward override in use (a strong reference each).
+_CONFIGS: dict[int, _LinearConfig] = {}
+# how the saved tensors of a forward call rebuild into quantized operands, by (config, grads needed, shapes,
+# dtype): a pure function of those, recorded by the forward op for the backward op
+_LAYOUTS: "OrderedDict[tuple, list]" = OrderedDict()
+_MAX_LAYOUTS = 4096
+# layout entries of a saved operand that is not a quantized tensor: absent, or the op's own input or weight (an
+# op cannot return its inputs; the backward op takes them)
+_NONE, _INPUT, _WEIGHT = "none", "input", "weight"
+
+
+@torch.compiler.assume_constant_result  # runs (not traced) when compile traces it: the fake op needs the entry
+def config_id(module, override: str | None) -> int:
+    """The int `module`'s configuration for `override` travels as (registered on first use)."""
+    cfg = module._config(override)
+    if cfg.op_id is None:
+        cfg.op_id = len(_CONFIGS)
+        _CONFIGS[cfg.op_id] = cfg
+    return cfg.op_id
+
+
+def compiles_in_graph(module, x: torch.Tensor, weight: torch.Tensor, is_first_microbatch: bool | None) -> bool:
+    """Whether `module`'s call runs as the custom ops (inside a compiled graph) rather than as a graph break."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (is_first_microbatch is None and type(weight) in plain and type(x) in plain
+            and module.__dict__.get("_tensor_parallel") is None
+            and not any(q.is_stateful for q in module.quantizers().values()))
+
+
+def _layout_key(cid: int, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape, dtype: torch.dtype) -> tuple:
+    return (cid, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype)
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: int, need_dgrad: bool,
+             need_wgrad: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+    cfg = _CONFIGS[cid]
+    # no input sharing across layers: an op's outputs must be its own tensors, not another op's
+    with shared_input_quantization(False):
+        y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
+    flat, layout = [], []
+    for t, mark in ((saved_x, _INPUT), (saved_w, _WEIGHT)):
+        if t is None:
+            layout.append((_NONE,))
+        elif not isinstance(t, QuantizedTensor):  # the input's [M, K] view or the weight: backward takes those
+            layout.append((mark,))
+        else:
+            tensors, entry = flatten_quantized([t])
+            flat += tensors
+            layout += entry
+    # an op's outputs may alias neither its inputs (an identity quantizer's part is its input) nor one another
+    # (a derived direction can be a view of the other's bytes): those are copied
+    seen = {StorageWeakRef(t.untyped_storage()) for t in (x, weight, bias) if t is not None}
+    out = []
+    for t in flat:
+        ref = StorageWeakRef(t.untyped_storage())
+        out.append(t.clone() if ref in seen else t)
+        seen.add(ref)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), out, layout
+
+
+@torch.library.custom_op("hybridq::linear_forward", mutates_args=())
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: int, need_dgrad: bool,
+                   need_wgrad: bool) -> list[torch.Tensor]:
+    """[y, *saved tensors] of a hybridq Linear call (config `cid`) that gradients flow through."""
+    y, flat, layout = _forward(x, weight, bias, cid, need_dgrad, need_wgrad)
+    key = _layout_key(cid, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype)
+    _LAYOUTS[key] = layout
+    _LAYOUTS.move_to_end(key)
+    if len(_LAYOUTS) > _MAX_LAYOUTS:
+        _LAYOUTS.popitem(last=False)
+    return [y, *flat]
+
+
+@linear_forward.register_fake
+def _(x, weight, bias, cid, need_dgrad, need_wgrad):
+    y, flat, _ = _forward(x, weight, bias, cid, need_dgrad, need_wgrad)
+    return [y, *flat]
+
+
+@torch.library.custom_op("hybridq::linear_backward", mutates_args=())
+def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                    saved: list[torch.Tensor], cid: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
+                    x_shape: list[int], w_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
+                    b_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx, dw, db] (an empty tensor for a gradient not asked for) of the call `linear_forward` saved `saved` for."""
+    count_backward_pass()
+    cfg = _CONFIGS[cid]
+    layout = _LAYOUTS[_layout_key(cid, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype)]
+    flat = iter(saved)
+    operands = []
+    for entry in layout:
+        if entry[0] == _NONE:
+            operands.append(None)
+        elif entry[0] == _INPUT:
+            operands.append(x.reshape(-1, x.shape[-1]))
+        elif entry[0] == _WEIGHT:
+            operands.append(weight)
+        else:
+            operands += unflatten_quantized(flat, [entry])
+    saved_x, saved_w = operands
+    grads = linear_grads(cfg, dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
+                         w_dtype, b_dtype)
+    return [g if g is not None else dy.new_empty(0) for g in grads]
+
+
+@linear_backward.register_fake
+def _(dy, x, weight, saved, cid, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype):
+    empty = dy.new_empty(0)
+    return [dy.new_empty(x_shape) if need_dgrad else empty,
+            dy.new_empty(w_shape, dtype=w_dtype) if need_wgrad else empty,
+            dy.new_empty(w_shape[:1], dtype=b_dtype) if need_bgrad else empty]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, cid, need_dgrad, need_wgrad = inputs
+    cfg = _CONFIGS[cid]
+    hp = cfg.backward_override == BackwardOverride.HIGH_PRECISION
+    # the input and weight are kept only where backward reads them as they are
+    keep_x = need_wgrad and (hp or (cfg.backward_override is None and cfg.save_original_input))
+    keep_w = need_dgrad and hp
+    ctx.save_for_backward(x if keep_x else None, weight if keep_w else None, *output[1:])
+    ctx.args = (cid, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype,
+                weight.dtype if bias is None else bias.dtype)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grads):
+    x, weight, *saved = ctx.saved_tensors
+    cid, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype = ctx.args
+    need_bgrad = ctx.has_bias and ctx.needs_input_grad[2]
+    dx, dw, db = torch.ops.hybridq.linear_backward(grads[0], x, weight, saved, cid, need_dgrad, need_wgrad,
+                                                   need_bgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype)
+    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_bgrad else None, None, None, None)
+
+
+linear_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tensor:
+    """`x W^T + b` of a hybridq Linear as the custom ops (see the module docstring)."""
+    weight, bias = module.weight, module.bias
+    grad = torch.is_grad_enabled()
+    need_dgrad = grad and x.requires_grad
+    need_wgrad = grad and weight.requires_grad
+    if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
+        need_dgrad = need_wgrad = False  # forward only: rowwise forms, nothing saved
+    return torch.ops.hybridq.linear_forward(x, weight, bias, config_id(module, override), need_dgrad,
+                                            need_wgrad)[0]
