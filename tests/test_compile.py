@@ -1,5 +1,7 @@
-"""torch.compile of a model with hybridq layers (torchtitan's per-block compile): the hybridq layers run eagerly
-between compiled regions (a graph break each), so compiling works and computes what eager computes."""
+"""torch.compile of a model with hybridq layers (torchtitan's per-block compile). A Linear with a plain weight
+compiles into the graph as hybridq's custom ops (nn/compiled_linear.py) and computes bitwise what eager computes;
+what those ops do not take (GroupedLinear, delayed scaling, the is_first_microbatch cache, FSDP2's quantized
+all-gather) runs eagerly between compiled regions (a graph break each) and computes what eager computes."""
 
 from __future__ import annotations
 
@@ -53,8 +55,143 @@ def test_compiled_block_computes_what_eager_computes(preset):
         assert rel < 2e-2, f"{preset}: compiled {what} differs from eager by {rel:.2e} (relative norm)"
 
 
-def test_hybridq_layers_are_graph_breaks_not_errors():
+def test_grouped_linear_is_a_graph_break_and_linear_is_not():
     block = Block("fp8_tensorwise")
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(torch.randn(sum(SPLITS), 128))
-    assert explained.graph_break_count == 2, f"expected a break at each of the 2 hybridq layers: {explained}"
+    assert explained.graph_break_count == 1, f"expected one break, at the GroupedLinear only: {explained}"
+    assert _ops_in_graphs(explained) == 1, f"the Linear is not in the graph: {explained}"
+
+
+# ---- the Linear inside the graph ------------------------------------------------------------------------------
+
+IN_GRAPH_PRESETS = [p for p in hq.preset_names() if not hq.recipe(p).quantizer(
+    hq.Role("linear", "input", "x")).is_stateful]
+
+
+class MLP(nn.Module):
+    def __init__(self, recipe, save_original_input=False, bias=True, act=F.silu):
+        super().__init__()
+        self.act = act
+        self.fc1 = hq.Linear(64, 128, bias=bias, recipe=recipe, name="fc1", save_original_input=save_original_input)
+        self.fc2 = hq.Linear(128, 64, bias=False, recipe=recipe, name="fc2")
+
+    def forward(self, x, **kw):
+        return self.fc2(self.act(self.fc1(x, **kw)), **kw)
+
+
+def _ops_in_graphs(explained) -> int:
+    """How many hybridq Linear forward ops the compiled graphs hold."""
+    op = torch.ops.hybridq.linear_forward
+    return sum(n.target in (op, op.default) for g in explained.graphs for n in g.graph.nodes)
+
+
+def _grads(model, x, call, seed=5, **kw):
+    """Output, input gradient and parameter gradients of `call(x)`; the RNG seeded first (stochastic rounding)."""
+    x = x.clone().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    y = call(x, **kw)
+    y.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+def _assert_same(got, want, what):
+    assert_bitwise(got[0], want[0], f"{what}: output")
+    if want[1] is not None:
+        assert_bitwise(got[1], want[1], f"{what}: grad input")
+    assert got[2].keys() == want[2].keys(), f"{what}: gradients of {sorted(got[2])} vs eager {sorted(want[2])}"
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{what}: grad {n}")
+
+
+@pytest.mark.parametrize("save_original_input", [False, True])
+@pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
+@pytest.mark.parametrize("preset", IN_GRAPH_PRESETS)
+def test_linear_in_graph_is_bitwise_eager(preset, override, save_original_input):
+    """fullgraph=True: no graph break at a Linear; forward and every gradient bit for bit the eager layer's."""
+    torch.manual_seed(0)
+    model = MLP(hq.recipe(preset, backward_override=override), save_original_input)
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    got = _grads(model, x, torch.compile(model, fullgraph=True, backend="aot_eager"))
+    want = _grads(model, x, model)
+    _assert_same(got, want, f"{preset}, backward_override={override}, save_original_input={save_original_input}")
+
+
+def test_linear_in_graph_with_inductor():
+    """The default backend (Inductor) around the ops. Inductor may round the element-wise math between them
+    differently from eager (SiLU's backward), so here the Linears follow each other directly."""
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("mxfp8_fwd_nvfp4_bwd"), act=lambda t: t)
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    _assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), "inductor")
+
+
+@pytest.mark.parametrize("case", ["no_grad", "input_only", "weights_frozen", "bias_only"])
+def test_linear_in_graph_computes_only_the_gradients_asked_for(case):
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_block"))
+    x = torch.randn(2, 32, 64, requires_grad=case in ("input_only", "weights_frozen"))
+    if case in ("input_only", "weights_frozen", "bias_only"):
+        model.fc1.weight.requires_grad_(False)
+        model.fc2.weight.requires_grad_(False)
+    if case == "input_only":
+        model.fc1.bias.requires_grad_(False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    if case == "no_grad":
+        with torch.no_grad():
+            assert_bitwise(compiled(x), model(x), "no_grad output")
+        return
+    _assert_same(_grads(model, x, compiled), _grads(model, x, model), case)
+
+
+def test_recipe_change_after_compile_takes_effect():
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_tensorwise"))
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    _grads(model, x, compiled)
+    model.fc1.recipe = model.fc2.recipe = hq.recipe("mxfp8")
+    _assert_same(_grads(model, x, compiled), _grads(model, x, model), "after the recipe changed to mxfp8")
+
+
+def test_what_the_ops_do_not_take_stays_eager_and_correct():
+    """Delayed scaling (its state changes per call) and the is_first_microbatch cache: a graph break each, the
+    same results as an identical eager model."""
+    torch.manual_seed(0)
+    model, twin = MLP(hq.recipe("fp8_delayed")), MLP(hq.recipe("fp8_delayed"))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    explained = torch._dynamo.explain(MLP(hq.recipe("fp8_delayed")))(x)
+    assert explained.break_reasons and _ops_in_graphs(explained) == 0, f"delayed scaling in the graph: {explained}"
+    for step in range(2):
+        _assert_same(_grads(model, x, compiled), _grads(twin, x, twin), f"fp8_delayed, step {step}")
+    cached = MLP(hq.recipe("fp8_tensorwise"))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(cached)(x, is_first_microbatch=True)
+    assert explained.break_reasons and _ops_in_graphs(explained) == 0, f"weight cache in the graph: {explained}"
+    compiled = torch.compile(cached, backend="aot_eager")
+    for first in (True, False):
+        _assert_same(_grads(cached, x, compiled, is_first_microbatch=first),
+                     _grads(cached, x, cached, is_first_microbatch=first), f"is_first_microbatch={first}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", IN_GRAPH_PRESETS)
+def test_linear_in_graph_on_cuda_is_bitwise_eager(preset):
+    """On the GPU: the CUDA kernels' fake implementations trace, Inductor compiles around the ops, and the
+    results are bit for bit the eager layer's (bf16 activations, as in training)."""
+    torch.manual_seed(0)
+    model = MLP(hq.recipe(preset), act=lambda t: t).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    got = _grads(model, x, torch.compile(model, fullgraph=True))
+    _assert_same(got, _grads(model, x, model), f"{preset} on CUDA")
