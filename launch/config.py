@@ -45,8 +45,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder block before fully_shard (torchtitan's practice); hybridq layers "
-                        "run eagerly inside the compiled blocks (a graph break each)")
+                   help="torch.compile each decoder block before fully_shard (torchtitan's practice); a hybridq "
+                        "Linear compiles into the block's graph when its weight is a plain tensor (--weight-gather "
+                        "high_precision), else it runs eagerly inside the compiled block (a graph break each)")
+    g.add_argument("--weight-gather", default="quantized", choices=["quantized", "high_precision"],
+                   help="quantized: FSDP2 all-gathers each converted weight in the recipe's weight format "
+                        "(hybridq.apply_hybrid_fsdp); high_precision: in param_dtype, each Linear quantizing its "
+                        "gathered weight itself every call (hybridq.convert_linears; twice the all-gather bytes of "
+                        "FP8; with --compile the Linears compile into the blocks' graphs). Not with --moe")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=128, help=f"model width (multiple of {ALIGN})")
     g.add_argument("--n-layers", type=int, default=2, help="decoder blocks (one FSDP2 unit each)")
@@ -152,6 +158,9 @@ def check_args(args, world: int) -> None:
     if args.moe < 0 or (args.moe and not 1 <= args.top_k <= args.moe) or (not args.moe and args.top_k != 1):
         errors.append(f"--moe {args.moe} --top-k {args.top_k}: --moe must be >= 0 and --top-k in [1, --moe] "
                       f"(--top-k only with --moe)")
+    if args.moe and args.weight_gather == "high_precision":
+        errors.append("--weight-gather high_precision: not with --moe (the expert weights are converted by "
+                      "apply_hybrid_fsdp only); use --weight-gather quantized")
     if args.compare == args.recipe:
         errors.append(f"--compare {args.compare} is the same as --recipe")
     for flag in ("save_every", "keep_last", "log_every", "eval_batches"):

@@ -25,8 +25,9 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
     one-line summary."""
     linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     filt = head_filter(args)
-    report = hybridq.apply_hybrid_fsdp(model, hybridq.recipe(recipe_name), module_filter_fn=filt,
-                                       on_incompatible="skip")
+    gather_quantized = args.weight_gather == "quantized"  # (--moe: quantized only, see config.check_args)
+    convert_fn = hybridq.apply_hybrid_fsdp if gather_quantized else hybridq.convert_linears
+    report = convert_fn(model, hybridq.recipe(recipe_name), module_filter_fn=filt, on_incompatible="skip")
     by_name = {l.name: l for l in report.layers}
     rows = [["layer", "status", "input (row / col)", "weight (row / col)", "grad_output (row / col)", "why"]]
     n_conv = 0
@@ -57,8 +58,10 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
         raise ConfigError(no_layer_converted(recipe_name, [(r[0], r[5]) for r in rows[1:]]))
     summary = (f"{n_conv} of {len(linear_names)} Linear layers"
                + (f" and {n_grouped} of {len(grouped)} grouped expert weights" if grouped else "")
-               + " converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized). "
-               "Directions: forward y = x.row @ W.row; dgrad = dy.row @ W.col; wgrad = dy.col @ x.col "
+               + (" converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized). "
+                  if gather_quantized else " converted by hybridq.convert_linears (FSDP2 all-gathers their weights "
+                  "in param_dtype; each Linear quantizes its weight itself). ")
+               + "Directions: forward y = x.row @ W.row; dgrad = dy.row @ W.col; wgrad = dy.col @ x.col "
                "(hybrid[row / col] names both; a plain format serves both).")
     return rows, summary
 

@@ -59,6 +59,7 @@ def args_for(*extra: str):
     (["--checkpoint-dir", "c", "--keep-last", "-2"], "--keep-last -2: must be >= 0"),
     (["--log-every", "0"], "--log-every 0: must be >= 1"),
     (["--corpus-bytes", "-1"], "--corpus-bytes must be >= 0"),
+    (["--weight-gather", "high_precision", "--moe", "4"], "--weight-gather high_precision: not with --moe"),
     (["--stop-after", "0"], "--stop-after 0: must be >= 1"),
     (["--checkpoint-dir", "c", "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--checkpoint-dir", "c", "--resume", "--init-state", "s.pt"], "--resume and --init-state both set"),
@@ -251,6 +252,20 @@ def test_compiled_blocks_train_like_eager(runs, tmp_path):
     losses are the eager run's up to the compiled norms' and activations' rounding."""
     _, js, _ = runs
     torchrun("--compile", "--stop-after", "3", "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
+    got = metrics_of(tmp_path / "c.jsonl")["runs"][RECIPE]["losses"]
+    want = js["full"]["runs"][RECIPE]["losses"][:3]
+    assert len(got) == 3 and all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(got, want)), f"{got} vs eager {want}"
+
+
+@pytest.mark.distributed
+def test_compiled_blocks_with_high_precision_gather_train_like_eager(runs, tmp_path):
+    """--compile --weight-gather high_precision: FSDP2 gathers bf16 weights, each hybridq Linear compiles into its
+    block's graph and quantizes its weight itself, which is bitwise what the quantized all-gather gives (sharding
+    invariance); the losses are the eager run's up to the compiled norms' and activations' rounding."""
+    _, js, _ = runs
+    out = torchrun("--compile", "--weight-gather", "high_precision", "--stop-after", "3", "--metrics",
+                   str(tmp_path / "c.jsonl"), cwd=tmp_path)
+    assert "converted by hybridq.convert_linears" in out, out[-2000:]
     got = metrics_of(tmp_path / "c.jsonl")["runs"][RECIPE]["losses"]
     want = js["full"]["runs"][RECIPE]["losses"][:3]
     assert len(got) == 3 and all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(got, want)), f"{got} vs eager {want}"

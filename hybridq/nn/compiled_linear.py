@@ -42,8 +42,9 @@ _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 
 
 @torch.compiler.assume_constant_result  # runs (not traced) when compile traces it: the fake op needs the entry
-def config_id(module, override: str | None) -> int:
-    """The int `module`'s configuration for `override` travels as (registered on first use)."""
+def config_id(module, override: str | None, *guarded) -> int:
+    """The int `module`'s configuration for `override` travels as (registered on first use). `guarded`: what the
+    configuration depends on, read by the caller's traced code so that compile guards on it."""
     cfg = module._config(override)
     if cfg.op_id is None:
         cfg.op_id = len(_CONFIGS)
@@ -51,10 +52,13 @@ def config_id(module, override: str | None) -> int:
     return cfg.op_id
 
 
-def compiles_in_graph(module, x: torch.Tensor, weight: torch.Tensor, is_first_microbatch: bool | None) -> bool:
-    """Whether `module`'s call runs as the custom ops (inside a compiled graph) rather than as a graph break."""
-    plain = (torch.Tensor, torch.nn.Parameter)
-    return (is_first_microbatch is None and type(weight) in plain and type(x) in plain
+@torch.compiler.assume_constant_result  # runs when traced: dynamo must not wrap a quantized weight to look at it
+def compiles_in_graph(module) -> bool:
+    """Whether `module`'s calls can run as the custom ops (inside a compiled graph) rather than as a graph break:
+    a plain weight, no tensor parallelism, no quantizer with state. (Decided when compile traces the call and not
+    guarded: if the weight later becomes a plain tensor the layer stays a graph break, and if it stops being one
+    the plain weight's own guard fails and the call is traced again.)"""
+    return (type(module.weight) in (torch.Tensor, torch.nn.Parameter)
             and module.__dict__.get("_tensor_parallel") is None
             and not any(q.is_stateful for q in module.quantizers().values()))
 
@@ -176,5 +180,5 @@ def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tens
     need_wgrad = grad and weight.requires_grad
     if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
         need_dgrad = need_wgrad = False  # forward only: rowwise forms, nothing saved
-    return torch.ops.hybridq.linear_forward(x, weight, bias, config_id(module, override), need_dgrad,
-                                            need_wgrad)[0]
+    cid = config_id(module, override, module._quantizers_version, module.save_original_input, module.name)
+    return torch.ops.hybridq.linear_forward(x, weight, bias, cid, need_dgrad, need_wgrad)[0]

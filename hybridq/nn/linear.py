@@ -350,6 +350,8 @@ class Linear(nn.Linear):
         self._weight_cache = None
         self._cache_columnwise = False
         self.__dict__.pop("_cfg", None)
+        # read by compiled code, so that torch.compile guards on it and traces again with the new quantizers
+        self._quantizers_version = self.__dict__.get("_quantizers_version", 0) + 1
 
     def quantizers_for(self, recipe: CustomRecipe) -> dict[str, Quantizer]:
         """The quantizers `recipe` gives this layer, after every check that does not need data: the recipe's
@@ -440,8 +442,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if torch.compiler.is_compiling() and compiled_linear.compiles_in_graph(self, x, self.weight,
-                                                                                is_first_microbatch):
+        if (torch.compiler.is_compiling() and is_first_microbatch is None
+                and type(x) in (torch.Tensor, nn.Parameter) and compiled_linear.compiles_in_graph(self)):
             # inside torch.compile's graph as two custom ops (nn/compiled_linear.py)
             override = self.recipe.backward_override
             if override is not None:
