@@ -195,3 +195,18 @@ def test_linear_in_graph_on_cuda_is_bitwise_eager(preset):
     torch._dynamo.reset()
     got = _grads(model, x, torch.compile(model, fullgraph=True))
     _assert_same(got, _grads(model, x, model), f"{preset} on CUDA")
+
+
+def test_a_copied_layer_compiles_with_its_own_configuration():
+    """The compiled path names a layer by an id: a deepcopy gets its own, so it uses its own recipe."""
+    import copy
+
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_tensorwise"))
+    twin = copy.deepcopy(model)
+    assert twin.fc1._hybridq_id != model.fc1._hybridq_id
+    twin.fc1.recipe = twin.fc2.recipe = hq.recipe("nvfp4")
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    for m, what in ((model, "original"), (twin, "copy")):
+        _assert_same(_grads(m, x, torch.compile(m, backend="aot_eager")), _grads(m, x, m), what)

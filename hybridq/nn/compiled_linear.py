@@ -20,6 +20,9 @@ the graph's back). `compiles_in_graph` says which.
 from __future__ import annotations
 
 from collections import OrderedDict
+import itertools
+import weakref
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -29,6 +32,10 @@ from .linear import _LinearConfig, forward_and_saved, linear_grads, shared_input
 
 __all__ = ["compiles_in_graph", "compiled_linear"]
 
+# layers by id: the functions that compile runs at trace time (assume_constant_result) take constants only (torch
+# 2.11 refuses a module), so a layer is named by the int `_hybridq_id` its traced code reads
+_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+_MODULE_IDS = itertools.count()
 # configs by id: the custom ops take plain values only, so a layer's configuration travels as an int. Only the
 # compiled path registers configs: one per layer and backward override in use (a strong reference each).
 _CONFIGS: dict[int, _LinearConfig] = {}
@@ -41,11 +48,17 @@ _MAX_LAYOUTS = 4096
 _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 
 
+def register_module(module: torch.nn.Module) -> None:
+    """Give `module` a fresh `_hybridq_id` (at construction, and for each copy: see Linear.__setstate__)."""
+    module._hybridq_id = next(_MODULE_IDS)
+    _MODULES[module._hybridq_id] = module
+
+
 @torch.compiler.assume_constant_result  # runs (not traced) when compile traces it: the fake op needs the entry
-def config_id(module, override: str | None, *guarded) -> int:
-    """The int `module`'s configuration for `override` travels as (registered on first use). `guarded`: what the
-    configuration depends on, read by the caller's traced code so that compile guards on it."""
-    cfg = module._config(override)
+def config_id(module_id: int, override: str | None, *guarded) -> int:
+    """The int the configuration of layer `module_id` for `override` travels as (registered on first use).
+    `guarded`: what the configuration depends on, read by the caller's traced code so that compile guards on it."""
+    cfg = _MODULES[module_id]._config(override)
     if cfg.op_id is None:
         cfg.op_id = len(_CONFIGS)
         _CONFIGS[cfg.op_id] = cfg
@@ -53,11 +66,12 @@ def config_id(module, override: str | None, *guarded) -> int:
 
 
 @torch.compiler.assume_constant_result  # runs when traced: dynamo must not wrap a quantized weight to look at it
-def compiles_in_graph(module) -> bool:
-    """Whether `module`'s calls can run as the custom ops (inside a compiled graph) rather than as a graph break:
-    a plain weight, no tensor parallelism, no quantizer with state. (Decided when compile traces the call and not
-    guarded: if the weight later becomes a plain tensor the layer stays a graph break, and if it stops being one
-    the plain weight's own guard fails and the call is traced again.)"""
+def compiles_in_graph(module_id: int) -> bool:
+    """Whether layer `module_id`'s calls can run as the custom ops (inside a compiled graph) rather than as a
+    graph break: a plain weight, no tensor parallelism, no quantizer with state. (Decided when compile traces the
+    call and not guarded: if the weight later becomes a plain tensor the layer stays a graph break, and if it stops
+    being one the plain weight's own guard fails and the call is traced again.)"""
+    module = _MODULES[module_id]
     return (type(module.weight) in (torch.Tensor, torch.nn.Parameter)
             and module.__dict__.get("_tensor_parallel") is None
             and not any(q.is_stateful for q in module.quantizers().values()))
@@ -180,5 +194,6 @@ def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tens
     need_wgrad = grad and weight.requires_grad
     if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
         need_dgrad = need_wgrad = False  # forward only: rowwise forms, nothing saved
-    cid = config_id(module, override, module._quantizers_version, module.save_original_input, module.name)
+    cid = config_id(module._hybridq_id, override, module._quantizers_version, module.save_original_input,
+                    module.name)
     return torch.ops.hybridq.linear_forward(x, weight, bias, cid, need_dgrad, need_wgrad)[0]

@@ -324,6 +324,7 @@ class Linear(nn.Linear):
         self.save_original_input = save_original_input
         self._weight_cache: tuple[Any, QuantizedTensor] | None = None
         self._cache_columnwise = False
+        compiled_linear.register_module(self)
         self.recipe = recipe
         delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
         config = init_config()
@@ -443,7 +444,7 @@ class Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if (torch.compiler.is_compiling() and is_first_microbatch is None
-                and type(x) in (torch.Tensor, nn.Parameter) and compiled_linear.compiles_in_graph(self)):
+                and type(x) in (torch.Tensor, nn.Parameter) and compiled_linear.compiles_in_graph(self._hybridq_id)):
             # inside torch.compile's graph as two custom ops (nn/compiled_linear.py)
             override = self.recipe.backward_override
             if override is not None:
@@ -476,6 +477,11 @@ class Linear(nn.Linear):
         elif is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
             cache = lambda need_columnwise: self._cached_weight(is_first_microbatch, need_columnwise)
         return apply_linear(x, weight, bias, cfg, cache)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        compiled_linear.register_module(self)  # a copy (copy / deepcopy / unpickling) is a layer of its own
+        self.__dict__.setdefault("_quantizers_version", 1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
