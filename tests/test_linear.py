@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import hybridq as hq
-from hybridq.nn import linear as hq_linear
+from hybridq.nn import linear_function as hq_linear
 from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 

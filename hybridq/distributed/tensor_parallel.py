@@ -24,7 +24,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import style as _torch_style
 
-from ..nn.linear import Linear, apply_linear, cached_quantized_weight
+from ..nn.linear import Linear
+from ..nn.linear_function import apply_linear, cached_quantized_weight
 from .pieces import PieceQuantizer, check_column_cuts, reject_stateful
 from .sequence import SequenceGather
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 import itertools
+import uuid
 import weakref
 
 import torch
@@ -28,17 +29,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..enums import BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
-from .linear import _LinearConfig, forward_and_saved, linear_grads, shared_input_quantization
+from .linear_function import _LinearConfig, forward_and_saved, linear_grads, shared_input_quantization
 
 __all__ = ["compiles_in_graph", "compiled_linear"]
 
 # layers by id: the functions that compile runs at trace time (assume_constant_result) take constants only (torch
-# 2.11 refuses a module), so a layer is named by the int `_hybridq_id` its traced code reads
-_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+# 2.11 refuses a module), so a layer is named by the `_hybridq_id` its traced code reads -- a string, since dynamo
+# makes an FSDP2-managed module's int attributes symbolic
+_MODULES: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
 _MODULE_IDS = itertools.count()
-# configs by id: the custom ops take plain values only, so a layer's configuration travels as an int. Only the
-# compiled path registers configs: one per layer and backward override in use (a strong reference each).
-_CONFIGS: dict[int, _LinearConfig] = {}
+# configs by key: the custom ops take plain values only, so a layer's configuration travels as a string. The key
+# is unique to this process: Inductor's and AOTAutograd's caches on disk key a compiled graph by its ops and
+# constants, so another process's graph must never name this process's configurations. Only the compiled path
+# registers configs: one per layer and backward override in use (a strong reference each).
+_CONFIGS: dict[str, _LinearConfig] = {}
+_PROCESS = uuid.uuid4().hex[:12]
 # how the saved tensors of a forward call rebuild into quantized operands, by (config, grads needed, shapes,
 # dtype): a pure function of those, recorded by the forward op for the backward op
 _LAYOUTS: "OrderedDict[tuple, list]" = OrderedDict()
@@ -50,23 +55,23 @@ _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 
 def register_module(module: torch.nn.Module) -> None:
     """Give `module` a fresh `_hybridq_id` (at construction, and for each copy: see Linear.__setstate__)."""
-    module._hybridq_id = next(_MODULE_IDS)
+    module._hybridq_id = f"linear{next(_MODULE_IDS)}"
     _MODULES[module._hybridq_id] = module
 
 
 @torch.compiler.assume_constant_result  # runs (not traced) when compile traces it: the fake op needs the entry
-def config_id(module_id: int, override: str | None, *guarded) -> int:
-    """The int the configuration of layer `module_id` for `override` travels as (registered on first use).
+def config_id(module_id: str, override: str | None, *guarded) -> str:
+    """The key the configuration of layer `module_id` for `override` travels as (registered on first use).
     `guarded`: what the configuration depends on, read by the caller's traced code so that compile guards on it."""
     cfg = _MODULES[module_id]._config(override)
     if cfg.op_id is None:
-        cfg.op_id = len(_CONFIGS)
+        cfg.op_id = f"{cfg.name}#{len(_CONFIGS)}@{_PROCESS}"
         _CONFIGS[cfg.op_id] = cfg
     return cfg.op_id
 
 
 @torch.compiler.assume_constant_result  # runs when traced: dynamo must not wrap a quantized weight to look at it
-def compiles_in_graph(module_id: int) -> bool:
+def compiles_in_graph(module_id: str) -> bool:
     """Whether layer `module_id`'s calls can run as the custom ops (inside a compiled graph) rather than as a
     graph break: a plain weight, no tensor parallelism, no quantizer with state. (Decided when compile traces the
     call and not guarded: if the weight later becomes a plain tensor the layer stays a graph break, and if it stops
@@ -77,11 +82,11 @@ def compiles_in_graph(module_id: int) -> bool:
             and not any(q.is_stateful for q in module.quantizers().values()))
 
 
-def _layout_key(cid: int, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape, dtype: torch.dtype) -> tuple:
+def _layout_key(cid: str, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape, dtype: torch.dtype) -> tuple:
     return (cid, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype)
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: int, need_dgrad: bool,
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: str, need_dgrad: bool,
              need_wgrad: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
     cfg = _CONFIGS[cid]
     # no input sharing across layers: an op's outputs must be its own tensors, not another op's
@@ -98,18 +103,20 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
             flat += tensors
             layout += entry
     # an op's outputs may alias neither its inputs (an identity quantizer's part is its input) nor one another
-    # (a derived direction can be a view of the other's bytes): those are copied
+    # (a derived direction can be a view of the other's bytes): those are copied. Every output is contiguous:
+    # Inductor checks the real outputs' strides against a fake run whose input layouts may differ from the real
+    # one's (elementwise ops keep their input's layout)
     seen = {StorageWeakRef(t.untyped_storage()) for t in (x, weight, bias) if t is not None}
     out = []
     for t in flat:
         ref = StorageWeakRef(t.untyped_storage())
-        out.append(t.clone() if ref in seen else t)
+        out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
         seen.add(ref)
-    return y.reshape(*x.shape[:-1], y.shape[-1]), out, layout
+    return y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(), out, layout
 
 
 @torch.library.custom_op("hybridq::linear_forward", mutates_args=())
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: int, need_dgrad: bool,
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: str, need_dgrad: bool,
                    need_wgrad: bool) -> list[torch.Tensor]:
     """[y, *saved tensors] of a hybridq Linear call (config `cid`) that gradients flow through."""
     y, flat, layout = _forward(x, weight, bias, cid, need_dgrad, need_wgrad)
@@ -129,7 +136,7 @@ def _(x, weight, bias, cid, need_dgrad, need_wgrad):
 
 @torch.library.custom_op("hybridq::linear_backward", mutates_args=())
 def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
-                    saved: list[torch.Tensor], cid: int, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
+                    saved: list[torch.Tensor], cid: str, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
                     x_shape: list[int], w_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
                     b_dtype: torch.dtype) -> list[torch.Tensor]:
     """[dx, dw, db] (an empty tensor for a gradient not asked for) of the call `linear_forward` saved `saved` for."""

@@ -21,7 +21,7 @@ from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
-from .linear import _LinearConfig, apply_linear, cached_quantized_weight
+from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
 from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
 

@@ -28,7 +28,7 @@ from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from .grouped_packed import TokenLayout
-from .linear import _only
+from .linear_function import _only
 
 
 def token_multiple(quantizers: dict[str, Quantizer], rowwise_grad: bool, columnwise: bool) -> int:

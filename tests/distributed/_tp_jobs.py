@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq
-import hybridq.nn.linear as hq_linear
+import hybridq.nn.linear_function as hq_linear
 from hybridq import NVFP4Quantizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))

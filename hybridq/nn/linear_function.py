@@ -1,0 +1,294 @@
+"""The computation of a hybridq Linear, apart from the module: its configuration, the input sharing between layers
+that read one tensor, the forward (what it saves for backward), the gradients, and the autograd function that joins
+them. `Linear` (linear.py), `GroupedLinear` (one call per expert), tensor parallelism and the compiled path
+(compiled_linear.py) all run it."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..formats.base import Quantizer
+from ..gemm import gemm
+from ..enums import BackwardOverride
+from ..tensor import QuantizedTensor, save_quantized, saved_quantized
+from ..weight_forms import HighPrecisionSource
+
+log = logging.getLogger("hybridq")
+
+
+class _LinearConfig:
+    """What the autograd function needs from its module (a plain object: not saved as a tensor)."""
+
+    __slots__ = ("name", "input_q", "weight_q", "grad_output_q", "backward_override", "save_original_input",
+                 "input_gather", "op_id")
+
+    def __init__(self, module, backward_override: str | None):  # module: a Linear (or one expert's view of one)
+        self.name = module.name
+        self.input_q = module.input_quantizer
+        self.weight_q = module.weight_quantizer
+        self.grad_output_q = module.grad_output_quantizer
+        self.backward_override = backward_override
+        self.save_original_input = module.save_original_input
+        # sequence parallelism (hybridq.distributed.sequence.SequenceGather): the input is this rank's rows of
+        # the layer's whole input, quantized here and all-gathered in its quantized form; None: x is whole
+        self.input_gather = None
+        self.op_id: str | None = None  # its key for the compiled path's ops, once used there (compiled_linear)
+
+    def replace(self, **changes) -> "_LinearConfig":
+        new = object.__new__(_LinearConfig)
+        for n in self.__slots__[:-1]:
+            setattr(new, n, changes.get(n, getattr(self, n)))
+        new.op_id = None
+        return new
+
+
+class _SharedInputs:
+    """The last few quantized Linear inputs, so that layers reading the same tensor (wq/wk/wv, w1/w3) quantize
+    it once. An entry serves only the same tensor object at the same version (an in-place change invalidates
+    it), an equal deterministic quantizer and the directions it holds; it is dropped as soon as that tensor
+    dies, so a quantized copy never outlives its source."""
+
+    slots = 2
+
+    def __init__(self):
+        self.enabled = True
+        self.entries: tuple = ()  # (weakref to x, x._version, quantizer, QuantizedTensor), newest last
+
+    def get(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | None:
+        for ref, version, eq, xq in self.entries:
+            if (ref() is x and version == x._version and (eq is q or eq == q)
+                    and (not columnwise or xq.has("columnwise"))):
+                return xq
+        return None
+
+    def put(self, x: torch.Tensor, q: Quantizer, xq: QuantizedTensor) -> None:
+        keep = tuple(e for e in self.entries  # drop dead entries and the one this supersedes
+                     if e[0]() is not None and not (e[0]() is x and (e[2] is q or e[2] == q)))
+        self.entries = (keep + ((weakref.ref(x, self._drop), x._version, q, xq),))[-self.slots:]
+
+    def _drop(self, ref: weakref.ref) -> None:  # x died
+        self.entries = tuple(e for e in self.entries if e[0] is not ref)
+
+
+_SHARED = _SharedInputs()
+
+
+class shared_input_quantization:
+    """Whether Linear layers reading the same input tensor share one quantization of it (default: on). Only
+    deterministic input quantizers are shared (`Quantizer.is_deterministic`: not delayed scaling, not stochastic
+    rounding); results are bitwise equal either way. `shared_input_quantization(False)` turns sharing off from
+    then on; `with shared_input_quantization(False): ...` only inside the block (like torch.set_grad_enabled)."""
+
+    def __init__(self, enabled: bool):
+        self.prev = _SHARED.enabled
+        _SHARED.enabled = bool(enabled)
+        if not enabled:
+            _SHARED.entries = ()
+
+    def __enter__(self) -> "shared_input_quantization":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shared_input_quantization(self.prev)
+
+
+def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise: bool,
+                    name: str, gather=None) -> QuantizedTensor:
+    """`x2d` (the `[M, K]` view of the Linear's input `x`) quantized rowwise (+ columnwise), reusing the
+    quantization of another layer that read the same `x` when that is exact (see _SharedInputs). With `gather`
+    (sequence parallelism), `x2d` is this rank's rows and the result the whole input's quantization, shared
+    under the tensor the layers received (`gather.source`)."""
+    if gather is not None:
+        x = gather.source
+    share = (_SHARED.enabled and q.is_deterministic and not x.is_inference()
+             and not torch.compiler.is_compiling())
+    xq = _SHARED.get(x, q, columnwise) if share else None
+    if xq is None:
+        if gather is not None:
+            xq = gather.quantize(q, x2d, columnwise, name)
+        else:
+            xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name)
+        if share:
+            _SHARED.put(x, q, xq)
+    return xq
+
+
+def _only(q: QuantizedTensor, direction: str) -> QuantizedTensor:
+    """Keep a single direction (drop what backward does not read, so it is not held in memory)."""
+    if direction == "columnwise":
+        return QuantizedTensor(None, q.part("columnwise"), shape=q.shape, dtype=q.dtype)
+    return QuantizedTensor(q.part("rowwise"), None, shape=q.shape, dtype=q.dtype)
+
+
+def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cached_weight: QuantizedTensor | None,
+           cfg: _LinearConfig, x_col: bool, w_col: bool
+           ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor, torch.Tensor]:
+    """`y = x W^T + b` on the rowwise forms; the input and weight are quantized rowwise plus columnwise where
+    `x_col` / `w_col` ask (for backward), so only those directions' shape rules apply. Returns (the `[M, K]`
+    view of x, quantized x, quantized W, y `[M, N]`)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    xq = _quantize_input(cfg.input_q, x, x2d, x_col, f"input of {cfg.name}", cfg.input_gather)
+    if cached_weight is not None:  # the is_first_microbatch cache, or a quantized parameter's call form
+        wq = cached_weight
+    elif isinstance(weight, QuantizedTensor):  # already quantized (e.g. gathered by FSDP2)
+        wq = weight
+    else:
+        wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
+    y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype, f"fprop of {cfg.name}")
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return x2d, xq, wq, y
+
+
+def _forward_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  cached_weight: QuantizedTensor | None, cfg: _LinearConfig) -> torch.Tensor:
+    """The forward of a call that no gradient will flow through (no_grad, inference_mode, or nothing requires
+    grad): rowwise forms only, rowwise shape rules only, nothing saved."""
+    _, _, _, y = _fprop(x, weight, bias, cached_weight, cfg, False, False)
+    return _output(y, x, cfg)
+
+
+def _output(y: torch.Tensor, x: torch.Tensor, cfg: _LinearConfig) -> torch.Tensor:
+    """The `[M, N]` GEMM result in the input's leading shape (the whole input's under sequence parallelism), as
+    a tensor of its own rather than a view (as aten::matmul returns it): FSDP2 drops the pre-backward hook of a
+    module whose output is a view, and warns."""
+    lead = x.shape[:-1] if cfg.input_gather is None else cfg.input_gather.full_shape[:-1]
+    return torch.ops.aten._unsafe_view(y.contiguous(), (*lead, y.shape[-1]))
+
+
+def cached_quantized_weight(cache: tuple[Any, QuantizedTensor] | None, cache_columnwise: bool, w: torch.Tensor,
+                            q: Quantizer, is_first_microbatch: bool, need_columnwise: bool, name: str
+                            ) -> tuple[tuple[Any, QuantizedTensor], bool, QuantizedTensor]:
+    """The is_first_microbatch weight cache: returns (new cache entry, new columnwise flag, quantized weight).
+    The weight is quantized again on the first micro-batch, when it changed (storage or version) or when a
+    direction asked for now or before is missing: the cache keeps every direction it was ever asked for (usage
+    preservation)."""
+    key = (w.data_ptr(), w._version)
+    cache_columnwise |= need_columnwise
+    stale = cache is None or cache[0] != key
+    if not is_first_microbatch and cache is not None and cache[0] != key:
+        log.warning("%s: is_first_microbatch=False but the weight changed since it was quantized; "
+                    "quantizing it again", name)
+    missing = cache is not None and cache_columnwise and not cache[1].has("columnwise")
+    if is_first_microbatch or stale or missing:
+        cache = (key, q.quantize(w.detach(), rowwise=True, columnwise=cache_columnwise, name=f"weight of {name}"))
+    return cache, cache_columnwise, cache[1]
+
+
+def forward_and_saved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      cached_weight: QuantizedTensor | None, cfg: _LinearConfig, need_dgrad: bool, need_wgrad: bool
+                      ) -> tuple[torch.Tensor, Any, Any]:
+    """The forward of a call that gradients flow through: (y `[M, N]`, what wgrad reads, what dgrad reads). The
+    saved operands are quantized forms holding only the direction backward reads, or -- with
+    backward_override="high_precision" or save_original_input -- the input's `[M, K]` view and the weight."""
+    override = cfg.backward_override
+    # With an override set, forward quantizes rowwise only: backward never reads a columnwise form.
+    x_col = need_wgrad and override is None and not cfg.save_original_input
+    w_col = need_dgrad and override is None
+    x2d, xq, wq, y = _fprop(x, weight, bias, cached_weight, cfg, x_col, w_col)
+    if override == BackwardOverride.HIGH_PRECISION:
+        saved_w = weight if need_dgrad else None
+        if need_dgrad and isinstance(weight, QuantizedTensor):
+            # a weight that can give its high-precision form (FSDP2's GatheredWeight: the backward unshard
+            # gathers it in param_dtype) is kept as a handle; any other quantized weight is dequantized
+            saved_w = weight.detach() if isinstance(weight, HighPrecisionSource) else weight.dequantize()
+        saved_x = x2d if need_wgrad else None
+    elif override == BackwardOverride.DEQUANTIZED:
+        saved_x = _only(xq, "rowwise") if need_wgrad else None
+        saved_w = _only(wq, "rowwise") if need_dgrad else None
+    else:
+        saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
+        saved_w = _only(wq, "columnwise") if need_dgrad else None
+    return y, saved_x, saved_w
+
+
+def linear_grads(cfg: _LinearConfig, dy: torch.Tensor, saved_x: Any, saved_w: Any, need_dgrad: bool,
+                 need_wgrad: bool, need_bgrad: bool, x_shape: torch.Size, w_dtype: torch.dtype,
+                 b_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
+    """(dx in `x_shape`, dw, db) from the output gradient and what `forward_and_saved` saved."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    if not dy2d.is_contiguous():
+        dy2d = dy2d.contiguous()
+    dx = dw = None
+    override = cfg.backward_override
+    gather = cfg.input_gather
+    if gather is not None and isinstance(saved_x, torch.Tensor) and not isinstance(saved_x, QuantizedTensor):
+        saved_x = gather.full(saved_x)  # the high-precision input this rank saved its rows of
+
+    if override == BackwardOverride.HIGH_PRECISION:
+        # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
+        if need_dgrad:
+            w = saved_w.high_precision() if isinstance(saved_w, QuantizedTensor) else saved_w
+            dx = dy2d.mm(w.to(dy.dtype))
+        if need_wgrad:
+            dw = dy2d.t().mm(saved_x.to(dy.dtype))
+    elif override == BackwardOverride.DEQUANTIZED:
+        if need_dgrad:
+            dx = dy2d.mm(saved_w.dequantize(dy.dtype))
+        if need_wgrad:
+            dw = dy2d.t().mm(saved_x.dequantize(dy.dtype))
+    elif need_dgrad or need_wgrad:  # (a bias-only backward quantizes nothing)
+        dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
+                                         name=f"grad_output of {cfg.name}")
+        if need_dgrad:
+            dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype, f"dgrad of {cfg.name}")
+        if need_wgrad:
+            xq = saved_x
+            if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
+                xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
+            dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype, f"wgrad of {cfg.name}")
+
+    if dx is not None:
+        dx = dx.reshape(x_shape) if gather is None else gather.reduce_grad(dx)
+    if dw is not None:
+        dw = dw.to(w_dtype)
+    db = dy2d.sum(0).to(b_dtype) if need_bgrad else None
+    return dx, dw, db
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cached_weight: QuantizedTensor | None, cfg: _LinearConfig) -> torch.Tensor:
+        y, saved_x, saved_w = forward_and_saved(x, weight, bias, cached_weight, cfg, ctx.needs_input_grad[0],
+                                                ctx.needs_input_grad[1])
+        # a weight quantized before this call (FSDP2's gathered weight, whose buffers its backward unshard refills;
+        # the is_first_microbatch cache) is a handle kept on ctx; what this call quantized goes through the
+        # saved-tensor hooks as plain tensors (offload, checkpointing: see save_quantized)
+        save_quantized(ctx, saved_x, saved_w,
+                       keep=(False, isinstance(saved_w, QuantizedTensor)
+                             and (isinstance(weight, QuantizedTensor) or cached_weight is not None)))
+        ctx.cfg = cfg
+        ctx.x_shape = x.shape
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        return _output(y, x, cfg)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        saved_x, saved_w = saved_quantized(ctx)
+        need_bgrad = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        dx, dw, db = linear_grads(ctx.cfg, dy, saved_x, saved_w, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                  need_bgrad, ctx.x_shape, ctx.w_dtype, ctx.b_dtype)
+        return dx, dw, db, None, None
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
+                 weight_cache: Callable[[bool], QuantizedTensor] | None = None) -> torch.Tensor:
+    """`x W^T + b` with the three GEMMs on `cfg`'s quantizers (the computation of one Linear; GroupedLinear runs
+    it once per expert). `weight_cache(need_columnwise)`, when given, returns the cached quantized weight."""
+    # what backward will differentiate: nothing under no_grad / inference_mode (torch.autograd.Function's
+    # ctx.needs_input_grad only looks at requires_grad)
+    grad = torch.is_grad_enabled()
+    need_dgrad = grad and x.requires_grad
+    needs_grad = need_dgrad or (grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))
+    cached = None
+    if weight_cache is not None:
+        cached = weight_cache(cfg.backward_override is None and need_dgrad)
+    if not needs_grad:
+        return _forward_only(x, weight, bias, cached, cfg)
+    return _LinearFunction.apply(x, weight, bias, cached, cfg)
