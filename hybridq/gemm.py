@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .dispatch import (NativeGemm, grouped_fp8_gemm_kernel, current_gemm_name, find_native_gemm, register_native_gemm, reset_gemm_name,
                        set_gemm_name)
@@ -40,11 +41,20 @@ def emulated_gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype) ->
     return (da.to(wide) @ db.to(wide).t()).to(out_dtype)
 
 
+def _is_fake(p: QuantizedPart) -> bool:
+    t = next(t for t in p.tensors().values() if t is not None)
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
 def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
     """`a @ b^T` for parts `a: [m, k]`, `b: [n, k]`; result `[m, n]` in out_dtype. `name` says what the GEMM is
     for (e.g. "fprop of fc1"); native kernels name it when they warn or fall back."""
     if a.cols != b.cols:
         raise ValueError(f"gemm{f' ({name})' if name else ''}: contracted dims differ: {a!r} x {b!r}")
+    if _is_fake(a):
+        # tracing (torch.compile's fake tensors): only the result's shape and dtype matter, and a native kernel
+        # probed here could fail where the real call would not and be turned off for the real calls
+        return torch.empty(a.rows, b.rows, dtype=out_dtype, device=a.device)
     token = set_gemm_name(name)
     try:
         native = find_native_gemm(a, b)

@@ -210,3 +210,55 @@ def test_a_copied_layer_compiles_with_its_own_configuration():
     torch._dynamo.reset()
     for m, what in ((model, "original"), (twin, "copy")):
         _assert_same(_grads(m, x, torch.compile(m, backend="aot_eager")), _grads(m, x, m), what)
+
+
+_OTHER_PROCESS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import hybridq as hq
+from test_compile import MLP, _grads, _assert_same
+torch.manual_seed(0)
+model = MLP(hq.recipe(sys.argv[1]), act=lambda t: t)
+x = torch.randn(2, 32, 64)
+_assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), sys.argv[1])
+print("same as eager")
+"""
+
+
+def test_another_process_with_another_recipe_does_not_reuse_a_cached_graph(tmp_path):
+    """Inductor and AOTAutograd cache compiled graphs on disk, keyed by their ops and constants. Two processes
+    compiling the same model with different recipes (same shapes) each compute their own recipe: the ops name a
+    layer's configuration by a key unique to the process (an int key once served the first run's graph -- the
+    first recipe's numbers -- to the second)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = str(pathlib.Path(__file__).resolve().parent)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1", PYTHONPATH=str(pathlib.Path(tests).parent), OMP_NUM_THREADS="1")
+    for preset in ("fp8_block", "fp8_tensorwise"):
+        p = subprocess.run([sys.executable, "-c", _OTHER_PROCESS.format(tests=tests), preset], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "same as eager" in p.stdout, f"{preset}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+def test_tracing_never_runs_or_turns_off_a_native_gemm(monkeypatch):
+    """Under fake tensors (what compile traces with) `gemm` gives an empty result of the right shape and dtype
+    without looking for a native kernel: a native kernel probed on fake tensors can fail (torch 2.11's meta
+    function of the FP8 block GEMM does) and a failure turns that kernel off for the real calls too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hybridq import gemm as gemm_module
+
+    def refuse(*_):
+        raise AssertionError("a native GEMM was looked up on fake tensors")
+
+    monkeypatch.setattr(gemm_module, "find_native_gemm", refuse)
+    q = hq.recipe("fp8_block").quantizer(hq.Role("linear", "input", "x"))
+    with FakeTensorMode():
+        a = q.quantize(torch.randn(64, 128), rowwise=True, columnwise=False, name="a").part("rowwise")
+        b = q.quantize(torch.randn(32, 128), rowwise=True, columnwise=False, name="b").part("rowwise")
+        y = gemm_module.gemm(a, b, torch.bfloat16, "test")
+    assert (tuple(y.shape), y.dtype) == ((64, 32), torch.bfloat16), f"fake result {tuple(y.shape)} {y.dtype}"
