@@ -198,18 +198,44 @@ def test_linear_in_graph_on_cuda_is_bitwise_eager(preset):
 
 
 def test_a_copied_layer_compiles_with_its_own_configuration():
-    """The compiled path names a layer by an id: a deepcopy gets its own, so it uses its own recipe."""
     import copy
 
     torch.manual_seed(0)
     model = MLP(hq.recipe("fp8_tensorwise"))
     twin = copy.deepcopy(model)
-    assert twin.fc1._hybridq_id != model.fc1._hybridq_id
     twin.fc1.recipe = twin.fc2.recipe = hq.recipe("nvfp4")
     x = torch.randn(2, 32, 64)
     torch._dynamo.reset()
     for m, what in ((model, "original"), (twin, "copy")):
         _assert_same(_grads(m, x, torch.compile(m, backend="aot_eager")), _grads(m, x, m), what)
+
+
+def test_blocks_that_differ_in_layer_names_share_one_compiled_graph():
+    """torchtitan compiles each block (same code, other layers): layers with equal configurations must not make
+    dynamo trace every block again (after 8 it would give up and run the rest eagerly)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    x = torch.randn(2, 32, 64)
+    for i in range(12):
+        block = MLP(hq.recipe("mxfp8"))
+        block.fc1.name, block.fc2.name = f"layers.{i}.fc1", f"layers.{i}.fc2"
+        block.forward = torch.compile(block.forward, backend=counter)
+        block(x).sum().backward()
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled for 12 blocks of one configuration"
+
+
+def test_quantized_parameters_stay_eager_and_correct():
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_tensorwise"), bias=False)
+    hq.quantize_parameters(model)
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert _ops_in_graphs(explained) == 0, f"a quantized parameter's layer in the graph: {explained}"
+    _assert_same(_grads(model, x, torch.compile(model, backend="aot_eager")), _grads(model, x, model),
+                 "quantized parameters")
 
 
 _OTHER_PROCESS = """

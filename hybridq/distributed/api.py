@@ -104,6 +104,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
         state = WeightState(model, f"{fqn}.weight" if fqn else "weight")
         state.reuse_payload = reuse_forward_payload
         mod.weight = nn.Parameter(HybridWeight(w.data, state), requires_grad=w.requires_grad)
+        mod.mark_weight_quantized_elsewhere()
     if not getattr(model, "_hybridq_state_dict_hook", False):
         if hasattr(model, "register_state_dict_post_hook"):
             model.register_state_dict_post_hook(_unwrap_state_dict)

@@ -20,9 +20,7 @@ the graph's back). `compiles_in_graph` says which.
 from __future__ import annotations
 
 from collections import OrderedDict
-import itertools
 import uuid
-import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,18 +29,17 @@ from ..enums import BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
 from .linear_function import _LinearConfig, forward_and_saved, linear_grads, shared_input_quantization
 
-__all__ = ["compiles_in_graph", "compiled_linear"]
+__all__ = ["compiled_linear", "configuration_key", "runs_in_graph"]
 
-# layers by id: the functions that compile runs at trace time (assume_constant_result) take constants only (torch
-# 2.11 refuses a module), so a layer is named by the `_hybridq_id` its traced code reads -- a string, since dynamo
-# makes an FSDP2-managed module's int attributes symbolic
-_MODULES: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
-_MODULE_IDS = itertools.count()
-# configs by key: the custom ops take plain values only, so a layer's configuration travels as a string. The key
-# is unique to this process: Inductor's and AOTAutograd's caches on disk key a compiled graph by its ops and
-# constants, so another process's graph must never name this process's configurations. Only the compiled path
-# registers configs: one per layer and backward override in use (a strong reference each).
-_CONFIGS: dict[str, _LinearConfig] = {}
+# Configurations by key. The custom ops take plain values only, so a layer's configuration (its three quantizers
+# and save_original_input) travels as a string, and every string in a graph is a constant the graph is compiled
+# for: the key is the configuration's content, so that the blocks of a model, whose layers differ in name only,
+# share one compiled graph (a key per layer would make dynamo compile each block anew, up to its recompile limit,
+# and run the rest eagerly). It also names this process: Inductor's and AOTAutograd's caches on disk key a compiled
+# graph by its ops and constants, so another process's graph must never name this process's configurations.
+_CONTENT: dict[str, str] = {}  # content -> key
+_LAYERS: dict[str, tuple] = {}  # key -> (name of the first layer, quantizers, save_original_input)
+_CONFIGS: dict[tuple, _LinearConfig] = {}  # (key, backward override) -> the config the ops run with
 _PROCESS = uuid.uuid4().hex[:12]
 # how the saved tensors of a forward call rebuild into quantized operands, by (config, grads needed, shapes,
 # dtype): a pure function of those, recorded by the forward op for the backward op
@@ -53,42 +50,58 @@ _MAX_LAYOUTS = 4096
 _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 
 
-def register_module(module: torch.nn.Module) -> None:
-    """Give `module` a fresh `_hybridq_id` (at construction, and for each copy: see Linear.__setstate__)."""
-    module._hybridq_id = f"linear{next(_MODULE_IDS)}"
-    _MODULES[module._hybridq_id] = module
+class _Layer:
+    """What a _LinearConfig reads from its module."""
+
+    def __init__(self, name: str, quantizers: dict, save_original_input: bool):
+        self.name = name
+        self.input_quantizer = quantizers["input"]
+        self.weight_quantizer = quantizers["weight"]
+        self.grad_output_quantizer = quantizers["grad_output"]
+        self.save_original_input = save_original_input
 
 
-@torch.compiler.assume_constant_result  # runs (not traced) when compile traces it: the fake op needs the entry
-def config_id(module_id: str, override: str | None, *guarded) -> str:
-    """The key the configuration of layer `module_id` for `override` travels as (registered on first use).
-    `guarded`: what the configuration depends on, read by the caller's traced code so that compile guards on it."""
-    cfg = _MODULES[module_id]._config(override)
-    if cfg.op_id is None:
-        cfg.op_id = f"{cfg.name}#{len(_CONFIGS)}@{_PROCESS}"
-        _CONFIGS[cfg.op_id] = cfg
-    return cfg.op_id
+def configuration_key(name: str, quantizers: dict, save_original_input: bool) -> str:
+    """The key of a layer's configuration (registered on first use; called eagerly, when a layer's recipe or
+    save_original_input is set, never while compile traces)."""
+    content = "|".join([repr(quantizers[t]) for t in ("input", "weight", "grad_output")]
+                       + [f"save_original_input={save_original_input}"])
+    key = _CONTENT.get(content)
+    if key is None:
+        key = _CONTENT[content] = f"linear-config-{len(_CONTENT)}@{_PROCESS}"
+        _LAYERS[key] = (name, dict(quantizers), save_original_input)
+    return key
 
 
-@torch.compiler.assume_constant_result  # runs when traced: dynamo must not wrap a quantized weight to look at it
-def compiles_in_graph(module_id: str) -> bool:
-    """Whether layer `module_id`'s calls can run as the custom ops (inside a compiled graph) rather than as a
-    graph break: a plain weight, no tensor parallelism, no quantizer with state. (Decided when compile traces the
-    call and not guarded: if the weight later becomes a plain tensor the layer stays a graph break, and if it stops
-    being one the plain weight's own guard fails and the call is traced again.)"""
-    module = _MODULES[module_id]
-    return (type(module.weight) in (torch.Tensor, torch.nn.Parameter)
-            and module.__dict__.get("_tensor_parallel") is None
-            and not any(q.is_stateful for q in module.quantizers().values()))
+def _config(key: str, override: str | None) -> _LinearConfig:
+    cfg = _CONFIGS.get((key, override))
+    if cfg is None:
+        name, quantizers, save_original_input = _LAYERS[key]
+        # messages name the first layer built with this configuration: the others share its compiled graph
+        label = f"{name} (or a layer with its configuration, compiled)"
+        cfg = _CONFIGS[(key, override)] = _LinearConfig(_Layer(label, quantizers, save_original_input), override)
+    return cfg
 
 
-def _layout_key(cid: str, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape, dtype: torch.dtype) -> tuple:
-    return (cid, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype)
+def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> bool:
+    """Whether this call of `module` (a Linear) runs as the custom ops inside a compiled graph, rather than as a
+    graph break: a plain weight, no tensor parallelism, no quantizer with state, no weight cache. Traced by dynamo:
+    the weight is looked at only after the flags that say it may be a quantized tensor subclass, which dynamo
+    cannot wrap."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (is_first_microbatch is None and not module._weight_quantized_elsewhere
+            and not module._quantizers_stateful and module.__dict__.get("_tensor_parallel") is None
+            and type(x) in plain and type(module.weight) in plain)
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: str, need_dgrad: bool,
-             need_wgrad: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
-    cfg = _CONFIGS[cid]
+def _layout_key(key: str, override: str | None, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape,
+                dtype: torch.dtype) -> tuple:
+    return (key, override, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype)
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str, override: str | None,
+             need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+    cfg = _config(key, override)
     # no input sharing across layers: an op's outputs must be its own tensors, not another op's
     with shared_input_quantization(False):
         y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
@@ -116,33 +129,34 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
 
 
 @torch.library.custom_op("hybridq::linear_forward", mutates_args=())
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cid: str, need_dgrad: bool,
-                   need_wgrad: bool) -> list[torch.Tensor]:
-    """[y, *saved tensors] of a hybridq Linear call (config `cid`) that gradients flow through."""
-    y, flat, layout = _forward(x, weight, bias, cid, need_dgrad, need_wgrad)
-    key = _layout_key(cid, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype)
-    _LAYOUTS[key] = layout
-    _LAYOUTS.move_to_end(key)
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str,
+                   override: str | None, need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
+    """[y, *saved tensors] of a hybridq Linear call (configuration `key`) that gradients flow through."""
+    y, flat, layout = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad)
+    lkey = _layout_key(key, override, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype)
+    _LAYOUTS[lkey] = layout
+    _LAYOUTS.move_to_end(lkey)
     if len(_LAYOUTS) > _MAX_LAYOUTS:
         _LAYOUTS.popitem(last=False)
     return [y, *flat]
 
 
 @linear_forward.register_fake
-def _(x, weight, bias, cid, need_dgrad, need_wgrad):
-    y, flat, _ = _forward(x, weight, bias, cid, need_dgrad, need_wgrad)
+def _(x, weight, bias, key, override, need_dgrad, need_wgrad):
+    y, flat, _ = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad)
     return [y, *flat]
 
 
 @torch.library.custom_op("hybridq::linear_backward", mutates_args=())
 def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
-                    saved: list[torch.Tensor], cid: str, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool,
+                    saved: list[torch.Tensor], key: str, override: str | None, need_dgrad: bool, need_wgrad: bool,
+                    need_bgrad: bool,
                     x_shape: list[int], w_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
                     b_dtype: torch.dtype) -> list[torch.Tensor]:
     """[dx, dw, db] (an empty tensor for a gradient not asked for) of the call `linear_forward` saved `saved` for."""
     count_backward_pass()
-    cfg = _CONFIGS[cid]
-    layout = _LAYOUTS[_layout_key(cid, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype)]
+    cfg = _config(key, override)
+    layout = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype)]
     flat = iter(saved)
     operands = []
     for entry in layout:
@@ -161,7 +175,7 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
 
 
 @linear_backward.register_fake
-def _(dy, x, weight, saved, cid, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype):
+def _(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype):
     empty = dy.new_empty(0)
     return [dy.new_empty(x_shape) if need_dgrad else empty,
             dy.new_empty(w_shape, dtype=w_dtype) if need_wgrad else empty,
@@ -169,38 +183,40 @@ def _(dy, x, weight, saved, cid, need_dgrad, need_wgrad, need_bgrad, x_shape, w_
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, cid, need_dgrad, need_wgrad = inputs
-    cfg = _CONFIGS[cid]
+    x, weight, bias, key, override, need_dgrad, need_wgrad = inputs
+    cfg = _config(key, override)
     hp = cfg.backward_override == BackwardOverride.HIGH_PRECISION
     # the input and weight are kept only where backward reads them as they are
     keep_x = need_wgrad and (hp or (cfg.backward_override is None and cfg.save_original_input))
     keep_w = need_dgrad and hp
     ctx.save_for_backward(x if keep_x else None, weight if keep_w else None, *output[1:])
-    ctx.args = (cid, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype,
+    ctx.args = (key, override, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype,
                 weight.dtype if bias is None else bias.dtype)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, grads):
     x, weight, *saved = ctx.saved_tensors
-    cid, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype = ctx.args
+    key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype = ctx.args
     need_bgrad = ctx.has_bias and ctx.needs_input_grad[2]
-    dx, dw, db = torch.ops.hybridq.linear_backward(grads[0], x, weight, saved, cid, need_dgrad, need_wgrad,
-                                                   need_bgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype)
-    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_bgrad else None, None, None, None)
+    dx, dw, db = torch.ops.hybridq.linear_backward(grads[0], x, weight, saved, key, override, need_dgrad,
+                                                   need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype,
+                                                   b_dtype)
+    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_bgrad else None, None, None, None,
+            None)
 
 
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tensor:
-    """`x W^T + b` of a hybridq Linear as the custom ops (see the module docstring)."""
+    """`x W^T + b` of a hybridq Linear as the custom ops (see the module docstring); traced by dynamo."""
     weight, bias = module.weight, module.bias
     grad = torch.is_grad_enabled()
     need_dgrad = grad and x.requires_grad
     need_wgrad = grad and weight.requires_grad
     if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
         need_dgrad = need_wgrad = False  # forward only: rowwise forms, nothing saved
-    cid = config_id(module._hybridq_id, override, module._quantizers_version, module.save_original_input,
-                    module.name)
-    return torch.ops.hybridq.linear_forward(x, weight, bias, cid, need_dgrad, need_wgrad)[0]
+    return torch.ops.hybridq.linear_forward(x, weight, bias, module._configuration_key,
+                                            None if override is None else str(override), need_dgrad,
+                                            need_wgrad)[0]

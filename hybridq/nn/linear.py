@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any
 
@@ -19,9 +18,6 @@ from .linear_function import (_LinearConfig, apply_linear, cached_quantized_weig
                               shared_input_quantization)
 from .quantized_params import (check_held_weight_format, init_config, quantize_layer, quantized_param_info,
                                weight_for_call)
-
-_QUANTIZER_VERSIONS = itertools.count()
-
 
 class Linear(nn.Linear):
     """Drop-in nn.Linear whose three GEMMs use the recipe's quantizers for input, weight and grad_output.
@@ -49,7 +45,7 @@ class Linear(nn.Linear):
         self.save_original_input = save_original_input
         self._weight_cache: tuple[Any, QuantizedTensor] | None = None
         self._cache_columnwise = False
-        compiled_linear.register_module(self)
+        self._weight_quantized_elsewhere = False  # see mark_weight_quantized_elsewhere
         self.recipe = recipe
         delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
         config = init_config()
@@ -76,8 +72,8 @@ class Linear(nn.Linear):
         self._weight_cache = None
         self._cache_columnwise = False
         self.__dict__.pop("_cfg", None)
-        # read by compiled code, so that torch.compile guards on it and traces again with the new quantizers
-        self._quantizers_version = f"q{next(_QUANTIZER_VERSIONS)}"  # (a string: see compiled_linear._MODULES)
+        self._quantizers_stateful = any(q.is_stateful for q in quantizers.values())
+        self._update_configuration_key()
 
     def quantizers_for(self, recipe: CustomRecipe) -> dict[str, Quantizer]:
         """The quantizers `recipe` gives this layer, after every check that does not need data: the recipe's
@@ -168,8 +164,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if (torch.compiler.is_compiling() and is_first_microbatch is None
-                and type(x) in (torch.Tensor, nn.Parameter) and compiled_linear.compiles_in_graph(self._hybridq_id)):
+        if torch.compiler.is_compiling() and compiled_linear.runs_in_graph(self, x, is_first_microbatch):
             # inside torch.compile's graph as two custom ops (nn/compiled_linear.py)
             override = self.recipe.backward_override
             if override is not None:
@@ -203,10 +198,28 @@ class Linear(nn.Linear):
             cache = lambda need_columnwise: self._cached_weight(is_first_microbatch, need_columnwise)
         return apply_linear(x, weight, bias, cfg, cache)
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        compiled_linear.register_module(self)  # a copy (copy / deepcopy / unpickling) is a layer of its own
-        self.__dict__.setdefault("_quantizers_version", f"q{next(_QUANTIZER_VERSIONS)}")
+    # -- torch.compile (nn/compiled_linear.py) ---------------------------------------------------------------
+    @property
+    def save_original_input(self) -> bool:
+        """Save the high-precision input for wgrad instead of its quantized columnwise form (see README)."""
+        return self._save_original_input
+
+    @save_original_input.setter
+    def save_original_input(self, value: bool) -> None:
+        self._save_original_input = bool(value)
+        self.__dict__.pop("_cfg", None)
+        if "_recipe" in self.__dict__:
+            self._update_configuration_key()
+
+    def _update_configuration_key(self) -> None:
+        # read by compiled code: torch.compile guards on it, so a change traces the layer again
+        self._configuration_key = compiled_linear.configuration_key(self.name, self.quantizers(),
+                                                                    self._save_original_input)
+
+    def mark_weight_quantized_elsewhere(self) -> None:
+        """The weight this layer receives in forward will be a quantized tensor made elsewhere (FSDP2's quantized
+        all-gather, a quantized parameter): compiled code must not look at it (see compiled_linear.runs_in_graph)."""
+        self._weight_quantized_elsewhere = True
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

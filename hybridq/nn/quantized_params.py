@@ -140,6 +140,7 @@ def _install(layer: nn.Module, plan: tuple[Quantizer, bool, bool], preserve: boo
     if preserve:
         setattr(p, INIT_ATTR, w.detach().to("cpu", copy=True))
     layer._parameters["weight"] = p
+    layer.mark_weight_quantized_elsewhere()
     install_quantized_hooks(layer)
 
 
