@@ -108,7 +108,8 @@ def attribute(name: str, ancestors: list[str], hybridq_functions: frozenset[str]
 
 
 def hybridq_function_names() -> frozenset[str]:
-    """Profiler event names of hybridq's autograd Functions: `Cls` (forward) and `ClsBackward`."""
+    """Profiler event names of hybridq's autograd Functions (`Cls` for forward, `ClsBackward`) and of the custom
+    ops a compiled Linear runs as (`hybridq::linear_forward`, `hybridq::linear_backward`)."""
     import hybridq  # noqa: F401  (imports every module that defines one)
     names, todo = set(), list(torch.autograd.Function.__subclasses__())
     while todo:
@@ -116,7 +117,7 @@ def hybridq_function_names() -> frozenset[str]:
         todo += c.__subclasses__()
         if c.__module__.startswith("hybridq") and not c.__name__.endswith("Backward"):
             names |= {c.__name__, c.__name__ + "Backward"}
-    return frozenset(names)
+    return frozenset(names | {"hybridq::linear_forward", "hybridq::linear_backward"})
 
 
 # ---- profile events -> per-step numbers ------------------------------------------------------------
