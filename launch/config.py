@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch.compile each decoder block before fully_shard (torchtitan's practice); a hybridq "
                         "Linear compiles into the block's graph when its weight is a plain tensor (--weight-gather "
                         "high_precision), else it runs eagerly inside the compiled block (a graph break each)")
+    g.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
+                                                            "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode for --compile (reduce-overhead: CUDA graphs)")
     g.add_argument("--weight-gather", default="quantized", choices=["quantized", "high_precision"],
                    help="quantized: FSDP2 all-gathers each converted weight in the recipe's weight format "
                         "(hybridq.apply_hybrid_fsdp); high_precision: in param_dtype, each Linear quantizing its "
@@ -158,6 +161,8 @@ def check_args(args, world: int) -> None:
     if args.moe < 0 or (args.moe and not 1 <= args.top_k <= args.moe) or (not args.moe and args.top_k != 1):
         errors.append(f"--moe {args.moe} --top-k {args.top_k}: --moe must be >= 0 and --top-k in [1, --moe] "
                       f"(--top-k only with --moe)")
+    if args.compile_mode is not None and not args.compile:
+        errors.append(f"--compile-mode {args.compile_mode}: needs --compile")
     if args.moe and args.weight_gather == "high_precision":
         errors.append("--weight-gather high_precision: not with --moe (the expert weights are converted by "
                       "apply_hybrid_fsdp only); use --weight-gather quantized")

@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="also run every recipe with train.py --compile (each block torch.compiled), side by side "
                         "with eager; compiled rows compare with bf16 compiled")
+    p.add_argument("--compile-mode", default=None, help="train.py --compile-mode for the compiled runs "
+                   "(e.g. reduce-overhead: CUDA graphs)")
     a = p.parse_args(argv)
     if a.tiny and a.parity:
         p.error("--tiny and --parity choose different sizes: pass one (override sizes with --d-model etc.)")
@@ -178,8 +180,9 @@ def train_flags(a) -> list[str]:
 
 
 def command(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = False) -> list[str]:
-    return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a) + (["--compile"] if compiled
-                                                                                         else [])
+    mode = ["--compile-mode", a.compile_mode] if a.compile_mode else []
+    return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a)
+            + (["--compile"] + mode if compiled else [])
             + ["--metrics", rel(out_dir / f"{label(recipe, compiled)}.jsonl")])
 
 

@@ -206,7 +206,7 @@ def build(recipe_name: str, args, env: Env, out: Printer):
             out(line)
     if args.compile:  # per block, before fully_shard; the compiled forward leaves parameter names and hooks as they are
         for block in model.layers:
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, mode=args.compile_mode)
     pdt = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32)
     for block in model.layers:
@@ -229,12 +229,20 @@ def all_mean(x: torch.Tensor, env: Env) -> float:
     return x.item() / env.world
 
 
+def mark_cuda_graph_step(args) -> None:
+    """With CUDA graphs (--compile-mode reduce-overhead / max-autotune) a new forward starts a new graph step: the
+    previous step's outputs may be overwritten from here on."""
+    if args.compile and args.compile_mode in ("reduce-overhead", "max-autotune"):
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def evaluate(model, data: ByteBatches, args, env: Env) -> float:
     model.eval()
     total = torch.zeros(1, device=env.device)
     with torch.no_grad():
         for x, y in data.val_batches(args.eval_batches):
             x, y = x.to(env.device), y.to(env.device)
+            mark_cuda_graph_step(args)
             total += F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
     model.train()
     return all_mean(total / max(args.eval_batches, 1), env)
@@ -272,6 +280,7 @@ def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantiz
     """One optimizer step on the batch (x, y) already on the device: forward, cross-entropy, backward, gradient
     clipping, AdamW, and (quantized runs) the next all-gathers' scales. Returns the loss tensor without waiting
     for it (launch/profile_step.py times and profiles exactly this)."""
+    mark_cuda_graph_step(args)
     logits = model(x)
     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     aux = model.aux_loss()  # MoE load balancing (logged: the cross-entropy alone)

@@ -60,6 +60,7 @@ def args_for(*extra: str):
     (["--log-every", "0"], "--log-every 0: must be >= 1"),
     (["--corpus-bytes", "-1"], "--corpus-bytes must be >= 0"),
     (["--weight-gather", "high_precision", "--moe", "4"], "--weight-gather high_precision: not with --moe"),
+    (["--compile-mode", "reduce-overhead"], "--compile-mode reduce-overhead: needs --compile"),
     (["--stop-after", "0"], "--stop-after 0: must be >= 1"),
     (["--checkpoint-dir", "c", "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--checkpoint-dir", "c", "--resume", "--init-state", "s.pt"], "--resume and --init-state both set"),
