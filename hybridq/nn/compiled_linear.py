@@ -5,7 +5,7 @@ break (the region split in two around an eager call). Here the Linear's forward 
 op over plain tensors -- `hybridq::linear_forward` returns the output and the saved operands' tensors,
 `hybridq::linear_backward` the three gradients -- with autograd registered on the forward op, so a compiled block
 keeps every Linear in its graph and Inductor fuses around them. Inside each op the eager code runs unchanged
-(`linear.forward_and_saved` / `linear.linear_grads`): the results are bitwise the eager layer's.
+(`linear_function.forward_and_saved` / `linear_function.linear_grads`): the results are bitwise the eager layer's.
 
 Fake implementations (what compile traces with): the forward runs the same code on fake tensors (every quantize
 and GEMM op hybridq calls has one), which gives the saved tensors' shapes and dtypes; the backward's outputs have
@@ -14,13 +14,15 @@ the input's, weight's and bias's shapes.
 What stays a graph break (the eager path): a weight that is not a plain tensor (FSDP2's quantized all-gather
 gives a `GatheredWeight`, quantized parameters, DTensors), tensor/sequence parallelism, the is_first_microbatch
 cache, and quantizers with state that changes across calls (delayed scaling: its history would be mutated behind
-the graph's back). `compiles_in_graph` says which.
+the graph's back). `runs_in_graph` says which. Under CUDA graphs (mode="reduce-overhead") only the ops' kernels
+replay: nothing in them depends on host state but the layouts recorded below (fixed per configuration and shape)
+and stochastic rounding's Philox offsets, which the NVFP4 kernel reads from PyTorch's graph-safe state.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 import uuid
+from collections import OrderedDict
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
