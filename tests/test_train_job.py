@@ -260,12 +260,12 @@ def test_compiled_blocks_train_like_eager(runs, tmp_path):
 
 @pytest.mark.distributed
 def test_compiled_blocks_with_high_precision_gather_train_like_eager(runs, tmp_path):
-    """--compile --weight-gather high_precision: FSDP2 gathers bf16 weights, each hybridq Linear compiles into its
-    block's graph and quantizes its weight itself, which is bitwise what the quantized all-gather gives (sharding
+    """--compile --weight-gather high_precision (and reduce-overhead's graph steps, which on the CPU compile
+    without CUDA graphs): FSDP2 gathers bf16 weights, each hybridq Linear compiles into its block's graph and quantizes its weight itself, which is bitwise what the quantized all-gather gives (sharding
     invariance); the losses are the eager run's up to the compiled norms' and activations' rounding."""
     _, js, _ = runs
-    out = torchrun("--compile", "--weight-gather", "high_precision", "--stop-after", "3", "--metrics",
-                   str(tmp_path / "c.jsonl"), cwd=tmp_path)
+    out = torchrun("--compile", "--compile-mode", "reduce-overhead", "--weight-gather", "high_precision",
+                   "--stop-after", "3", "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
     assert "converted by hybridq.convert_linears" in out, out[-2000:]
     got = metrics_of(tmp_path / "c.jsonl")["runs"][RECIPE]["losses"]
     want = js["full"]["runs"][RECIPE]["losses"][:3]
