@@ -118,9 +118,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
             flat += tensors
             layout += entry
     # an op's outputs may alias neither its inputs (an identity quantizer's part is its input) nor one another
-    # (a derived direction can be a view of the other's bytes): those are copied. Every output is contiguous:
-    # Inductor checks the real outputs' strides against a fake run whose input layouts may differ from the real
-    # one's (elementwise ops keep their input's layout)
+    # (a derived direction can be a view of the other's bytes): those are copied. Every output is made
+    # contiguous, so the real outputs' strides match the fake run's whatever path (kernel or reference) made them:
+    # Inductor checks them
     seen = {StorageWeakRef(t.untyped_storage()) for t in (x, weight, bias) if t is not None}
     out = []
     for t in flat:
