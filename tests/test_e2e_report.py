@@ -108,6 +108,13 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     assert [r.get("speed_vs_bf16") for r in rows] == [1.0, 1.1, 1.0, 1.5], "each mode against its own bf16"
 
 
+def test_compile_mode_goes_to_the_compiled_runs_only(tmp_path):
+    a = e2e_report.parse_args(["--tiny", "--recipes", "bf16", "--compile", "--compile-mode", "reduce-overhead"])
+    compiled = e2e_report.command(a, "bf16", 2, tmp_path, compiled=True)
+    assert compiled[compiled.index("--compile-mode") + 1] == "reduce-overhead", compiled
+    assert "--compile-mode" not in e2e_report.command(a, "bf16", 2, tmp_path), "an eager run got --compile-mode"
+
+
 def test_parity_sizes_limits_and_plot(tmp_path):
     a = e2e_report.parse_args(["--parity", "--recipes", "bf16,fp8_tensorwise"])
     assert (a.steps, a.seq, a.time_limit_s) == (600, 1024, 420.0), "parity sizes and a longer per-run limit"
