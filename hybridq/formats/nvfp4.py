@@ -174,9 +174,17 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         x = x2d.float()
         amax = self._amax(x) if global_stats is None else amaxes[0].reshape(1).to(x.device)
         s_enc = global_encode_scale(amax)
-        s_tile = block_scale_e4m3(tile_amax(x, BLOCK), s_enc)  # [M/16, K/16]
+        return self._tile_parts(x, amax, s_enc, s_enc, rowwise, columnwise)
+
+    def _tile_parts(self, x: torch.Tensor, amax: torch.Tensor, s_enc_tiles: torch.Tensor, s_enc: torch.Tensor,
+                    rowwise: bool, columnwise: bool, rand: torch.Tensor | None = None
+                    ) -> tuple[NVFP4Part | None, NVFP4Part | None]:
+        """16x16-tile parts of fp32 `x [M, K]`: one E4M3 scale per tile, encoded with `s_enc_tiles` (per tile
+        row) and applied with `s_enc` (per element row); both directions share the codes."""
+        m, k = x.shape
+        s_tile = block_scale_e4m3(tile_amax(x, BLOCK), s_enc_tiles)  # [M/16, K/16]
         s_row = s_tile.repeat_interleave(BLOCK, dim=0)
-        codes = self._codes(x * expand_blocks(element_multiplier(s_row, s_enc), BLOCK, k))
+        codes = self._codes(x * expand_blocks(element_multiplier(s_row, s_enc), BLOCK, k), rand)
         row = NVFP4Part(rows=m, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
                         rht=False) if rowwise else None
         col = NVFP4Part(rows=k, cols=m, columnwise=True, data=pack_nibbles(codes.t()),
@@ -233,15 +241,8 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         if self.block_2d:
             amax = group_amax(x, False)
             s_enc = global_encode_scale(amax)[group_of_row][:, None]  # [M, 1]: each row's group's
-            s_tile = block_scale_e4m3(tile_amax(x, BLOCK), s_enc[::BLOCK])  # groups are whole 16-row tiles
-            s_row = s_tile.repeat_interleave(BLOCK, dim=0)
-            codes = self._codes(x * expand_blocks(element_multiplier(s_row, s_enc), BLOCK, k), rand_row)
-            row = NVFP4Part(rows=m, cols=k, columnwise=False, data=pack_nibbles(codes), scale=s_row, amax=amax,
-                            rht=False) if rowwise else None
-            col = NVFP4Part(rows=k, cols=m, columnwise=True, data=pack_nibbles(codes.t()),
-                            scale=tile_scale_columnwise(s_tile, BLOCK), amax=amax.clone(),
-                            rht=False) if columnwise else None
-            return row, col
+            # groups are whole 16-row tiles
+            return self._tile_parts(x, amax, s_enc[::BLOCK], s_enc, rowwise, columnwise, rand_row)
         row = col = None
         if rowwise:
             amax = group_amax(x, False)

@@ -274,13 +274,19 @@ def _triton_mxfp8_supports(a: MXFP8Part, b: MXFP8Part) -> bool:
 def _triton_mxfp8_run(a: MXFP8Part, b: MXFP8Part, out_dtype: torch.dtype) -> torch.Tensor:
     """The CUDA quantize kernels store every part row-major; a strided view (the reference quantizer's
     columnwise parts) is copied first, one byte per element (still less than the emulation's bf16 copy)."""
+    return _triton_or_emulated("triton-mxfp8", "MXFP8", a, b, out_dtype, lambda: _triton_mxfp8_module().mxfp8_mm(
+        a.data.contiguous(), a.scale, b.data.contiguous(), b.scale, out_dtype))
+
+
+def _triton_or_emulated(name: str, what: str, a, b, out_dtype: torch.dtype, run) -> torch.Tensor:
+    """`run()`, a Triton GEMM; a compile or launch failure turns that kernel off on the device (warned once) and
+    this call takes the emulated GEMM."""
     try:
-        return _triton_mxfp8_module().mxfp8_mm(a.data.contiguous(), a.scale, b.data.contiguous(), b.scale,
-                                               out_dtype)
+        return run()
     except Exception as e:  # noqa: BLE001 (a Triton compile or launch failure: fall back, once per device)
-        key = ("triton-mxfp8", a.device.index)
+        key = (name, a.device.index)
         _failed.add(key)
-        _warn_once(key, f"hybridq: Triton MXFP8 GEMM {_shapes(a, b)} failed ({type(e).__name__}: {e}); "
+        _warn_once(key, f"hybridq: Triton {what} GEMM {_shapes(a, b)} failed ({type(e).__name__}: {e}); "
                    f"using the emulated GEMM")
     return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
 
@@ -323,15 +329,11 @@ def _triton_dequant_supports(a, b) -> bool:
 
 
 def _triton_dequant_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
-    try:
+    def run():
         tdg = _triton_dequant_module()
         return tdg.dequant_mm(_dequant_operand(tdg, a, True), _dequant_operand(tdg, b, True), out_dtype)
-    except Exception as e:  # noqa: BLE001 (a Triton compile or launch failure: fall back, once per device)
-        key = ("triton-dequant", a.device.index)
-        _failed.add(key)
-        _warn_once(key, f"hybridq: Triton {a.format_name} x {b.format_name} GEMM {_shapes(a, b)} failed "
-                   f"({type(e).__name__}: {e}); using the emulated GEMM")
-    return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
+
+    return _triton_or_emulated("triton-dequant", f"{a.format_name} x {b.format_name}", a, b, out_dtype, run)
 
 
 # ---- emulation in bf16 where the operands are exactly bf16 ------------------------------------------------
