@@ -97,6 +97,17 @@ class Float8RowGroups:
                                 scale_inv=self.aligned_scale_inv(g))
 
 
+def float8_current_scaling(x2d: torch.Tensor, dtype: torch.dtype, amax_epsilon: float = 0.0,
+                           power_2_scale: bool = False, amax: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 with current scaling on plain tensors, the reference (docs/numerics.md "Per-tensor FP8"):
+    (fp8 data `[M, K]`, scale_inv `[1]`). `amax` overrides the tensor's own max|x| (e.g. a global amax)."""
+    if amax is None:
+        amax = x2d.float().abs().amax() if x2d.numel() else torch.zeros((), device=x2d.device)
+    scale = scale_from_amax(amax.to(x2d.device).reshape(1), FP8_MAX[dtype], amax_epsilon, power_2_scale)
+    return satfinite_fp8(x2d.float() * scale, dtype), rcp(scale)
+
+
 @dataclasses.dataclass
 class Float8Quantizer(ShardableQuantizer, Quantizer):
     """Per-tensor FP8. `Float8Quantizer()` is E4M3 with current scaling.
@@ -213,11 +224,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
             self.check_replay(name)  # (before anything is cast: the error names the tensor)
         return super().quantize(x, rowwise=rowwise, columnwise=columnwise, name=name)
 
-    # -- scaling ---------------------------------------------------------------------------------
-    def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
-        """Current-scaling scale from an amax (docs/numerics.md "Terms")."""
-        return scale_from_amax(amax.reshape(1), FP8_MAX[self.dtype], self.amax_epsilon, self.power_2_scale)
-
+    # -- delayed scaling ---------------------------------------------------------------------------
     def update(self) -> None:
         """Delayed scaling: reduce the recorded amax, roll the history and compute the next scale."""
         if self.scaling != Scaling.DELAYED:
@@ -252,13 +259,11 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
                 amax = given.reshape(-1)[0]
         if self.scaling == Scaling.DELAYED:
             scale = self._delayed_scale(x2d)
+            data, scale_inv = satfinite_fp8(x2d.float() * scale, self.dtype), rcp(scale)
         else:
-            if amax is None:
-                amax = x2d.float().abs().amax() if x2d.numel() else torch.zeros((), device=x2d.device)
-            scale = self.compute_scale(amax.to(x2d.device))
+            data, scale_inv = float8_current_scaling(x2d, self.dtype, self.amax_epsilon, self.power_2_scale, amax)
         m, k = x2d.shape
-        row = Float8TensorPart(rows=m, cols=k, columnwise=False,
-                               data=satfinite_fp8(x2d.float() * scale, self.dtype), scale_inv=rcp(scale))
+        row = Float8TensorPart(rows=m, cols=k, columnwise=False, data=data, scale_inv=scale_inv)
         col = row.transposed() if columnwise else None
         return (row if rowwise else None), col
 

@@ -87,13 +87,21 @@ def _on_cuda(a, b) -> bool:
 
 # ---- FP8 tensorwise ----------------------------------------------------------------------------------------
 
+def native_enabled() -> bool:
+    """False inside `disabled()` (every GEMM here declines)."""
+    return _enabled["on"]
+
+
+def fp8_tensor_pair_supported(a_dtype: torch.dtype, b_dtype: torch.dtype) -> bool:
+    """Whether cuBLAS's FP8 GEMM takes operands of these element types (E4M3 / E5M2, not both E5M2)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return a_dtype in fp8 and b_dtype in fp8 and not (a_dtype == b_dtype == torch.float8_e5m2)
+
+
 def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
     if not _on_cuda(a, b) or _cap(a.data) < (8, 9):
         return False
-    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
-        return False  # cuBLAS has no E5M2 x E5M2
-    if a.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.data.dtype not in (
-            torch.float8_e4m3fn, torch.float8_e5m2):
+    if not fp8_tensor_pair_supported(a.data.dtype, b.data.dtype):
         return False
     if a.cols % 16 or b.rows % 16 or a.rows % 16:
         _warn_once(("fp8", a.rows, a.cols, b.rows), f"hybridq: FP8 GEMM {_shapes(a, b)}: dimensions not divisible "
@@ -102,12 +110,25 @@ def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
     return a.data.is_contiguous() and b.data.is_contiguous()
 
 
+def fp8_tensor_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """`a @ b^T` of per-tensor FP8 operands `a [m, k]`, `b [n, k]` (contiguous, dequantize = data * scale_inv) by
+    `torch._scaled_mm` (a result dtype it cannot write is converted from fp32)."""
+    od = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    y = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.reshape(()), scale_b=b_scale_inv.reshape(()),
+                         out_dtype=od, use_fast_accum=fast_accum)
+    return y if od == out_dtype else y.to(out_dtype)
+
+
+def fp8_tensor_emulated_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    """`gemm.emulated_gemm` of two per-tensor FP8 parts on plain tensors: dequantize to fp32, multiply."""
+    return ((a.float() * a_scale_inv) @ (b.float() * b_scale_inv).t()).to(out_dtype)
+
+
 def _fp8_tensor_run(a: Float8TensorPart, b: Float8TensorPart, out_dtype: torch.dtype) -> torch.Tensor:
     fast = FAST_ACCUM_FPROP and not a.columnwise and not b.columnwise
-    od = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    y = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv.reshape(()), scale_b=b.scale_inv.reshape(()),
-                         out_dtype=od, use_fast_accum=fast)
-    return y if od == out_dtype else y.to(out_dtype)
+    return fp8_tensor_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, fast)
 
 
 # ---- FP8 block (1x128 x 128x128, 1x128 x 1x128) ------------------------------------------------------------

@@ -13,7 +13,7 @@ from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 from ..weight_forms import QuantizedGatherShard
-from . import compiled_linear, delayed_state
+from . import compiled_linear, delayed_state, float8_graph
 from .linear_function import (_LinearConfig, apply_linear, cached_quantized_weight,  # noqa: F401 (re-exported)
                               shared_input_quantization)
 from .quantized_params import (check_held_weight_format, init_config, quantize_layer, quantized_param_info,
@@ -165,10 +165,13 @@ class Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if torch.compiler.is_compiling() and compiled_linear.runs_in_graph(self, x, is_first_microbatch):
-            # inside torch.compile's graph as two custom ops (nn/compiled_linear.py)
             override = self.recipe.backward_override
             if override is not None:
                 self._check_override(override)
+            elif float8_graph.takes(self._float8_graph_spec, x, self.weight):
+                # per-tensor FP8: its kernels and GEMMs themselves in the graph (nn/float8_graph.py)
+                return float8_graph.float8_graph_linear(x, self.weight, self.bias, self._float8_graph_spec)
+            # any other layer: inside the graph as two custom ops (nn/compiled_linear.py)
             return compiled_linear.compiled_linear(self, x, override)
         return self._eager_forward(x, is_first_microbatch)
 
@@ -215,6 +218,7 @@ class Linear(nn.Linear):
         # read by compiled code: torch.compile guards on it, so a change traces the layer again
         self._configuration_key = compiled_linear.configuration_key(self.name, self.quantizers(),
                                                                     self._save_original_input)
+        self._float8_graph_spec = float8_graph.graph_spec(self.quantizers(), self._save_original_input)
 
     def mark_weight_quantized_elsewhere(self) -> None:
         """The weight this layer receives in forward will be a quantized tensor made elsewhere (FSDP2's quantized

@@ -1,0 +1,202 @@
+"""A per-tensor FP8 Linear under torch.compile runs as the ops it is made of (nn/float8_graph.py): traced into the
+graph (no custom op around eager Python), bitwise the eager layer, and one cast for a tensor that several layers
+read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+
+import hybridq as hq
+from hybridq.formats import Float8Quantizer
+from hybridq.nn.float8_graph import graph_spec
+
+from _compare import assert_bitwise
+from test_compile import MLP, _grads
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def fp8_recipe(grad: str = "e5m2", **options) -> hq.CustomRecipe:
+    """Per-tensor FP8 with current scaling: E4M3 input and weight, `grad` gradients, `options` on every cast."""
+    return hq.CustomRecipe(lambda role: Float8Quantizer(grad if role.tensor_type.startswith("grad") else "e4m3",
+                                                        **options), name="fp8-test")
+
+
+def _assert_same(got, want, what):
+    """Output and gradients bitwise eager's, except a bias gradient: a plain sum over the rows, whose order
+    Inductor may choose differently (as for any compiled nn.Linear); it is compared to a sum's rounding."""
+    assert_bitwise(got[0], want[0], f"{what}: output")
+    if want[1] is not None:
+        assert_bitwise(got[1], want[1], f"{what}: grad input")
+    assert got[2].keys() == want[2].keys(), f"{what}: gradients of {sorted(got[2])} vs eager {sorted(want[2])}"
+    for n in want[2]:
+        if n.endswith(".bias"):
+            torch.testing.assert_close(got[2][n], want[2][n], msg=lambda m: f"{what}: grad {n}: {m}")
+        else:
+            assert_bitwise(got[2][n], want[2][n], f"{what}: grad {n}")
+
+
+def _traced_and_custom(explained) -> tuple[int, int]:
+    """(traced autograd functions, hybridq custom Linear ops) in the graphs dynamo captured."""
+    traced = torch.ops.higher_order.autograd_function_apply
+    op = torch.ops.hybridq.linear_forward
+    nodes = [n.target for g in explained.graphs for n in g.graph.nodes]
+    return sum(t is traced for t in nodes), sum(t in (op, op.default) for t in nodes)
+
+
+def _forward_graphs(model, x) -> list[torch.fx.GraphModule]:
+    """The forward graphs AOTAutograd hands to Inductor for `model(x)` (after its partitioner and CSE)."""
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=backend)(x).sum().backward()
+    return graphs
+
+
+def _count(graphs, *targets) -> int:
+    return sum(n.target in targets for g in graphs for n in g.graph.nodes)
+
+
+@pytest.mark.parametrize("preset", hq.preset_names())
+def test_only_per_tensor_fp8_with_current_scaling_gets_a_graph_spec(preset):
+    q = {t: hq.recipe(preset).quantizer(hq.Role("linear", t, "x")) for t in ("input", "weight", "grad_output")}
+    spec = graph_spec(q, False)
+    assert (spec is not None) == (preset == "fp8_tensorwise"), f"{preset}: graph spec {spec}"
+
+
+def test_a_float8_quantizer_subclass_gets_no_graph_spec():
+    """A subclass may change the numerics: it runs through the custom ops (the eager code) instead."""
+
+    class Custom(Float8Quantizer):
+        pass
+
+    q = {t: Custom() for t in ("input", "weight", "grad_output")}
+    assert graph_spec(q, False) is None, "a Float8Quantizer subclass would be traced as plain per-tensor FP8"
+
+
+def test_per_tensor_fp8_layer_traces_as_its_ops_not_the_custom_op():
+    model = MLP(hq.recipe("fp8_tensorwise"))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 32, 64))
+    assert explained.graph_break_count == 0, f"graph breaks: {explained.break_reasons}"
+    assert _traced_and_custom(explained) == (2, 0), f"(traced, custom ops) = {_traced_and_custom(explained)}"
+
+
+@pytest.mark.parametrize("options, save_original_input, bias", [
+    ({}, False, True), ({"power_2_scale": True}, False, True), ({"amax_epsilon": 1.0}, False, True),
+    ({"grad": "e4m3"}, False, True), ({}, True, True), ({}, False, False)],
+    ids=["default", "pow2", "eps", "e4m3_grads", "save_original_input", "no_bias"])
+def test_per_tensor_fp8_layer_under_inductor_is_bitwise_eager(options, save_original_input, bias):
+    """Inductor compiles the casts' reference ops (CPU) or calls the kernels (CUDA) and the GEMMs as eager does."""
+    torch.manual_seed(0)
+    model = MLP(fp8_recipe(**options), save_original_input, bias=bias, act=lambda t: t)
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.reset()
+    got = _grads(model, x, torch.compile(model, fullgraph=True))
+    _assert_same(got, _grads(model, x, model), f"{options}, save_original_input={save_original_input}")
+
+
+@pytest.mark.parametrize("case", ["no_grad", "input_only", "weights_frozen", "bias_only"])
+def test_per_tensor_fp8_layer_computes_only_the_gradients_asked_for(case):
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_tensorwise"))
+    x = torch.randn(2, 32, 64, requires_grad=case in ("input_only", "weights_frozen"))
+    if case in ("input_only", "weights_frozen", "bias_only"):
+        model.fc1.weight.requires_grad_(False)
+        model.fc2.weight.requires_grad_(False)
+    if case == "input_only":
+        model.fc1.bias.requires_grad_(False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    if case == "no_grad":
+        with torch.no_grad():
+            assert_bitwise(compiled(x), model(x), "no_grad output")
+        return
+    _assert_same(_grads(model, x, compiled), _grads(model, x, model), case)
+
+
+class QKV(nn.Module):
+    """Three layers reading one input (attention's q/k/v projections)."""
+
+    def __init__(self, recipe):
+        super().__init__()
+        self.q, self.k, self.v = (hq.Linear(64, 64, bias=False, recipe=recipe, name=n) for n in "qkv")
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)  # (exact: no rounding of its own)
+
+
+def test_layers_reading_one_input_share_its_cast_in_the_graph():
+    """As the eager path shares the quantized input of q/k/v, the graph casts it once: AOTAutograd's CSE merges
+    the three identical casts. Forward casts: the input once and the three weights (one max|x| reduction each)."""
+    torch.manual_seed(0)
+    model = QKV(hq.recipe("fp8_tensorwise"))
+    x = torch.randn(2, 32, 64)
+    graphs = _forward_graphs(model, x.clone().requires_grad_())
+    model.zero_grad(set_to_none=True)
+    amaxes = _count(graphs, torch.ops.aten.amax.default)
+    assert amaxes == 4, f"{amaxes} max|x| reductions in the forward graph, want 4 (x once, three weights)"
+    torch._dynamo.reset()
+    _assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), "q/k/v")
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@CUDA
+def test_per_tensor_fp8_layer_on_cuda_calls_the_kernels_and_scaled_mm():
+    """On the GPU the graph holds the extension's cast op and torch._scaled_mm themselves, the input of q/k/v is
+    cast once, and the results are bitwise eager's."""
+    torch.manual_seed(0)
+    model = QKV(hq.recipe("fp8_tensorwise")).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    graphs = _forward_graphs(model, x.clone().requires_grad_())
+    model.zero_grad(set_to_none=True)
+    casts = _count(graphs, torch.ops.hybridq.fp8_tensor_quantize.default)
+    gemms = _count(graphs, torch.ops.aten._scaled_mm.default)
+    assert (casts, gemms) == (4, 3), f"forward graph: {casts} casts (want 4), {gemms} FP8 GEMMs (want 3)"
+    torch._dynamo.reset()
+    _assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), "q/k/v on CUDA")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("save_original_input", [False, True])
+@pytest.mark.parametrize("options", [{}, {"power_2_scale": True}, {"grad": "e4m3"}], ids=["default", "pow2", "e4m3"])
+def test_per_tensor_fp8_layer_on_cuda_is_bitwise_eager(options, save_original_input):
+    torch.manual_seed(0)
+    model = MLP(fp8_recipe(**options), save_original_input, act=lambda t: t).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    got = _grads(model, x, torch.compile(model, fullgraph=True))
+    _assert_same(got, _grads(model, x, model), f"{options}, save_original_input={save_original_input} on CUDA")
+
+
+@pytest.mark.gpu
+@CUDA
+def test_dims_the_fp8_gemm_cannot_take_run_as_the_custom_ops_on_cuda(monkeypatch):
+    """M = 2 x 36 rows (not a multiple of 16): the eager layer emulates that GEMM (and warns), so the compiled
+    layer runs the eager code through compiled_linear's ops instead of calling torch._scaled_mm."""
+    from hybridq.kernels import native_gemm
+
+    monkeypatch.setattr(native_gemm, "_warned", set())  # (the warning is given once per process and shape)
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_tensorwise"), act=lambda t: t).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 36, 64, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert _traced_and_custom(explained) == (0, 2), f"(traced, custom ops) = {_traced_and_custom(explained)}"
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="not divisible by 16"):
+        got = _grads(model, x, torch.compile(model, fullgraph=True))
+    _assert_same(got, _grads(model, x, model), "M=72 on CUDA")
