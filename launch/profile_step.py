@@ -157,7 +157,10 @@ def summarize_events(events, device_type: str, top: int, hq_functions: frozenset
     """Per-step numbers from torch.profiler's FunctionEvents of the profiled steps (each inside a
     `profile_step#i` range): kernel (CPU: op self) time per category and per name, busy / idle / launches."""
     from torch.autograd import DeviceType
-    steps = sorted((e for e in events if e.name.startswith(STEP_MARK)), key=lambda e: e.time_range.start)
+    # the host-side ranges only: on CUDA the profiler also records each range's GPU copy (a user annotation on the
+    # device timeline), which counted as a second step once and halved every per-step number
+    steps = sorted((e for e in events if e.name.startswith(STEP_MARK) and e.device_type == DeviceType.CPU),
+                   key=lambda e: e.time_range.start)
     n = max(len(steps), 1)
     windows = [(s.time_range.start, s.time_range.end) for s in steps]
     annotations = {e.name for e in events if getattr(e, "is_user_annotation", False)}

@@ -92,6 +92,27 @@ def test_step_stats_lists_slow_steps():
     assert s["max_ms"] == pytest.approx(550)
 
 
+def test_device_copies_of_the_step_ranges_are_not_steps():
+    """On CUDA the profiler records each `profile_step#i` range twice: on the host and as a user annotation on the
+    GPU timeline. Only the host ranges are steps (counting both halved every per-step number, busy time included)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation, kernels=[], cpu_parent=None, self_cpu_time_total=0)
+
+    events = [event(f"{ps.STEP_MARK}0", DeviceType.CPU, 0, 1000),
+              event(f"{ps.STEP_MARK}0", DeviceType.CUDA, 100, 1000, annotation=True),
+              event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", DeviceType.CUDA, 200, 500),
+              event("triton_poi_fused_add_0", DeviceType.CUDA, 600, 700)]
+    r = ps.summarize_events(events, "cuda", 5, frozenset())
+    assert r["profiled_steps"] == 1, f"{r['profiled_steps']} steps counted for one profiled step"
+    assert r["busy_ms"] == pytest.approx(0.4) and r["idle_ms"] == pytest.approx(0.6), (r["busy_ms"], r["idle_ms"])
+    assert r["categories_ms"]["gemm"] == pytest.approx(0.3), r["categories_ms"]
+
+
 def test_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "prof.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
