@@ -1,5 +1,6 @@
 """torch.compile of a model with hybridq layers (torchtitan's per-block compile). A Linear with a plain weight
-compiles into the graph as hybridq's custom ops (nn/compiled_linear.py) and computes bitwise what eager computes;
+compiles into the graph as hybridq's custom ops (nn/compiled_linear.py; per-tensor FP8 layers as their traced ops,
+nn/float8_graph.py, see test_float8_graph.py) and computes bitwise what eager computes;
 what those ops do not take (GroupedLinear, delayed scaling, the is_first_microbatch cache, FSDP2's quantized
 all-gather) runs eagerly between compiled regions (a graph break each) and computes what eager computes."""
 
