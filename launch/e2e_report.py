@@ -111,6 +111,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- which recipes run -----------------------------------------------------------------------------
 
+def weight_gather(train_args: str) -> str:
+    """The --weight-gather mode that `train_args` (train.py flags, one string) select (train.py's default: quantized)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--weight-gather", default="quantized")
+    return p.parse_known_args(shlex.split(train_args))[0].weight_gather
+
+
 def fsdp_rejection(preset: str) -> str | None:
     """apply_hybrid_fsdp's reason for refusing `preset` (on a one-Linear model), or None when it converts."""
     import torch.nn as nn
@@ -143,10 +150,13 @@ def plan(a) -> list[dict]:
     if bad:
         raise SystemExit(f"e2e_report.py: unknown recipe(s) {', '.join(bad)}; known: {', '.join(known)}")
     names = ([] if a.no_baseline else [BASELINE]) + [r for r in dict.fromkeys(names) if r != BASELINE]
+    # train.py converts with apply_hybrid_fsdp unless --weight-gather high_precision (then convert_linears, which
+    # takes every preset): only the former's refusals are known in advance
+    quantized_gather = weight_gather(a.train_args or "") == "quantized"
     rows = []
     for r in names:
         skip = None
-        if r in presets:
+        if r in presets and quantized_gather:
             skip = fsdp_rejection(r)
         elif r == TORCHAO:
             skip = torchao_status()

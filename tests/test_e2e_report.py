@@ -65,6 +65,15 @@ def test_plan_skips_fp8_delayed_and_puts_bf16_first():
         e2e_report.plan(e2e_report.parse_args(["--recipes", "nope"]))
 
 
+@pytest.mark.parametrize("flags", ["--weight-gather high_precision", "--compile --weight-gather=high_precision"])
+def test_plan_runs_fp8_delayed_when_train_gathers_high_precision_weights(flags):
+    """train.py --weight-gather high_precision converts with convert_linears, which takes delayed scaling: only
+    apply_hybrid_fsdp's refusals (the quantized gather) are known in advance."""
+    a = e2e_report.parse_args(["--tiny", "--recipes", "fp8_delayed", "--train-args", flags])
+    todo = {t["recipe"]: t["skip"] for t in e2e_report.plan(a)}
+    assert todo["fp8_delayed"] is None, f"fp8_delayed skipped with train args {flags!r}: {todo['fp8_delayed']}"
+
+
 @pytest.mark.skipif(not _torchao_missing(), reason="torchao is installed: the error path does not apply")
 def test_train_torchao_recipe_without_torchao_is_a_clear_error():
     args = config.parse_args(["--recipe", "torchao_float8", "--device", "cpu"])
