@@ -1,6 +1,6 @@
-"""A per-tensor FP8 Linear under torch.compile runs as the ops it is made of (nn/float8_graph.py): traced into the
-graph (no custom op around eager Python), bitwise the eager layer, and one cast for a tensor that several layers
-read."""
+"""An FP8 Linear (per-tensor or block scaling) under torch.compile runs as the ops it is made of
+(nn/float8_graph.py): traced into the graph (no custom op around eager Python), bitwise the eager layer, and one cast
+for a tensor that several layers read."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
 import hybridq as hq
-from hybridq.formats import Float8Quantizer
+from hybridq.formats import Float8BlockQuantizer, Float8Quantizer
 from hybridq.nn.float8_graph import graph_spec
 
 from _compare import assert_bitwise
@@ -20,10 +20,26 @@ from test_compile import MLP, _grads
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+TRACED = ["fp8_tensorwise", "fp8_block"]
+
+
 def fp8_recipe(grad: str = "e5m2", **options) -> hq.CustomRecipe:
     """Per-tensor FP8 with current scaling: E4M3 input and weight, `grad` gradients, `options` on every cast."""
     return hq.CustomRecipe(lambda role: Float8Quantizer(grad if role.tensor_type.startswith("grad") else "e4m3",
                                                         **options), name="fp8-test")
+
+
+def block_recipe(weight_block_dim: int = 2, **options) -> hq.CustomRecipe:
+    """FP8 block scaling: 1x128 input and gradient blocks, weights in `weight_block_dim` blocks."""
+    return hq.CustomRecipe(lambda role: Float8BlockQuantizer(
+        block_dim=weight_block_dim if role.tensor_type == "weight" else 1, **options), name="fp8-block-test")
+
+
+RECIPES = {"fp8_tensorwise": lambda: hq.recipe("fp8_tensorwise"), "fp8_block": lambda: hq.recipe("fp8_block"),
+           "tensor_pow2": lambda: fp8_recipe(power_2_scale=True), "tensor_eps": lambda: fp8_recipe(amax_epsilon=1.0),
+           "tensor_e4m3_grads": lambda: fp8_recipe(grad="e4m3"),
+           "block_exact_scales": lambda: block_recipe(power_2_scale=False),
+           "block_1x128_weights": lambda: block_recipe(weight_block_dim=1)}
 
 
 def _assert_same(got, want, what):
@@ -68,10 +84,22 @@ def _count(graphs, *targets) -> int:
 
 
 @pytest.mark.parametrize("preset", hq.preset_names())
-def test_only_per_tensor_fp8_with_current_scaling_gets_a_graph_spec(preset):
+def test_only_fp8_presets_with_current_scaling_get_a_graph_spec(preset):
     q = {t: hq.recipe(preset).quantizer(hq.Role("linear", t, "x")) for t in ("input", "weight", "grad_output")}
     spec = graph_spec(q, False)
-    assert (spec is not None) == (preset == "fp8_tensorwise"), f"{preset}: graph spec {spec}"
+    assert (spec is not None) == (preset in TRACED), f"{preset}: graph spec {spec}"
+
+
+def test_block_inputs_in_128x128_tiles_get_no_graph_spec():
+    """The block GEMM's first operand (input in fprop, gradient in backward) must be in 1x128 blocks."""
+    q = {"input": Float8BlockQuantizer(block_dim=2), "weight": Float8BlockQuantizer(block_dim=2),
+         "grad_output": Float8BlockQuantizer(block_dim=1)}
+    assert graph_spec(q, False) is None, "a 128x128-tiled input would be traced"
+
+
+def test_mixed_per_tensor_and_block_quantizers_get_no_graph_spec():
+    q = {"input": Float8Quantizer(), "weight": Float8BlockQuantizer(block_dim=2), "grad_output": Float8Quantizer()}
+    assert graph_spec(q, False) is None, "a per-tensor x block pairing would be traced"
 
 
 def test_a_float8_quantizer_subclass_gets_no_graph_spec():
@@ -84,32 +112,36 @@ def test_a_float8_quantizer_subclass_gets_no_graph_spec():
     assert graph_spec(q, False) is None, "a Float8Quantizer subclass would be traced as plain per-tensor FP8"
 
 
-def test_per_tensor_fp8_layer_traces_as_its_ops_not_the_custom_op():
-    model = MLP(hq.recipe("fp8_tensorwise"))
+@pytest.mark.parametrize("preset", TRACED)
+def test_fp8_layer_traces_as_its_ops_not_the_custom_op(preset):
+    model = MLP(hq.recipe(preset))
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(torch.randn(2, 32, 64))
     assert explained.graph_break_count == 0, f"graph breaks: {explained.break_reasons}"
     assert _traced_and_custom(explained) == (2, 0), f"(traced, custom ops) = {_traced_and_custom(explained)}"
 
 
-@pytest.mark.parametrize("options, save_original_input, bias", [
-    ({}, False, True), ({"power_2_scale": True}, False, True), ({"amax_epsilon": 1.0}, False, True),
-    ({"grad": "e4m3"}, False, True), ({}, True, True), ({}, False, False)],
-    ids=["default", "pow2", "eps", "e4m3_grads", "save_original_input", "no_bias"])
-def test_per_tensor_fp8_layer_under_inductor_is_bitwise_eager(options, save_original_input, bias):
-    """Inductor compiles the casts' reference ops (CPU) or calls the kernels (CUDA) and the GEMMs as eager does."""
+@pytest.mark.parametrize("recipe, save_original_input, bias", [
+    ("fp8_tensorwise", False, True), ("tensor_pow2", False, True), ("tensor_eps", False, True),
+    ("tensor_e4m3_grads", False, True), ("fp8_tensorwise", True, True), ("fp8_tensorwise", False, False),
+    ("fp8_block", False, True), ("block_exact_scales", False, True), ("block_1x128_weights", False, True),
+    ("fp8_block", True, False)])
+def test_fp8_layer_under_inductor_is_bitwise_eager(recipe, save_original_input, bias):
+    """Inductor compiles the casts' reference ops (CPU) or calls the kernels (CUDA) and the GEMMs as eager does.
+    (Sizes not multiples of 128: the block formats' partial edge blocks.)"""
     torch.manual_seed(0)
-    model = MLP(fp8_recipe(**options), save_original_input, bias=bias, act=lambda t: t)
-    x = torch.randn(2, 32, 64)
+    model = MLP(RECIPES[recipe](), save_original_input, bias=bias, act=lambda t: t)
+    x = torch.randn(2, 40, 64)
     torch._dynamo.reset()
     got = _grads(model, x, torch.compile(model, fullgraph=True))
-    _assert_same(got, _grads(model, x, model), f"{options}, save_original_input={save_original_input}")
+    _assert_same(got, _grads(model, x, model), f"{recipe}, save_original_input={save_original_input}, bias={bias}")
 
 
+@pytest.mark.parametrize("preset", TRACED)
 @pytest.mark.parametrize("case", ["no_grad", "input_only", "weights_frozen", "bias_only"])
-def test_per_tensor_fp8_layer_computes_only_the_gradients_asked_for(case):
+def test_fp8_layer_computes_only_the_gradients_asked_for(case, preset):
     torch.manual_seed(0)
-    model = MLP(hq.recipe("fp8_tensorwise"))
+    model = MLP(hq.recipe(preset))
     x = torch.randn(2, 32, 64, requires_grad=case in ("input_only", "weights_frozen"))
     if case in ("input_only", "weights_frozen", "bias_only"):
         model.fc1.weight.requires_grad_(False)
@@ -128,24 +160,26 @@ def test_per_tensor_fp8_layer_computes_only_the_gradients_asked_for(case):
 class QKV(nn.Module):
     """Three layers reading one input (attention's q/k/v projections)."""
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, d: int = 64):
         super().__init__()
-        self.q, self.k, self.v = (hq.Linear(64, 64, bias=False, recipe=recipe, name=n) for n in "qkv")
+        self.q, self.k, self.v = (hq.Linear(d, d, bias=False, recipe=recipe, name=n) for n in "qkv")
 
     def forward(self, x):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)  # (exact: no rounding of its own)
 
 
-def test_layers_reading_one_input_share_its_cast_in_the_graph():
+@pytest.mark.parametrize("preset, want", [("fp8_tensorwise", 4), ("fp8_block", 5)])
+def test_layers_reading_one_input_share_its_cast_in_the_graph(preset, want):
     """As the eager path shares the quantized input of q/k/v, the graph casts it once: AOTAutograd's CSE merges
-    the three identical casts. Forward casts: the input once and the three weights (one max|x| reduction each)."""
+    the three identical casts. Forward casts: the input once and the three weights; max|x| reductions per cast:
+    one per-tensor, two for 1x128 blocks (rowwise and columnwise blocks), one for 128x128 weight tiles."""
     torch.manual_seed(0)
-    model = QKV(hq.recipe("fp8_tensorwise"))
+    model = QKV(hq.recipe(preset))
     x = torch.randn(2, 32, 64)
     graphs = _forward_graphs(model, x.clone().requires_grad_())
     model.zero_grad(set_to_none=True)
     amaxes = _count(graphs, torch.ops.aten.amax.default)
-    assert amaxes == 4, f"{amaxes} max|x| reductions in the forward graph, want 4 (x once, three weights)"
+    assert amaxes == want, f"{preset}: {amaxes} max|x| reductions in the forward graph, want {want} (x cast once)"
     torch._dynamo.reset()
     _assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), "q/k/v")
 
@@ -154,32 +188,39 @@ def test_layers_reading_one_input_share_its_cast_in_the_graph():
 
 @pytest.mark.gpu
 @CUDA
-def test_per_tensor_fp8_layer_on_cuda_calls_the_kernels_and_scaled_mm():
-    """On the GPU the graph holds the extension's cast op and torch._scaled_mm themselves, the input of q/k/v is
-    cast once, and the results are bitwise eager's."""
+@pytest.mark.parametrize("preset", TRACED)
+def test_fp8_layer_on_cuda_calls_the_kernels_and_gemms(preset):
+    """On the GPU the graph holds the extension's cast op and the GEMM op themselves (torch._scaled_mm;
+    hybridq::fp8_block_gemm for blocks), the input of q/k/v is cast once, and the results are bitwise eager's."""
+    cast, mm = {"fp8_tensorwise": (torch.ops.hybridq.fp8_tensor_quantize, torch.ops.aten._scaled_mm),
+                "fp8_block": (torch.ops.hybridq.fp8_block_quantize, torch.ops.hybridq.fp8_block_gemm)}[preset]
     torch.manual_seed(0)
-    model = QKV(hq.recipe("fp8_tensorwise")).cuda().to(torch.bfloat16)
-    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    model = QKV(hq.recipe(preset), d=128).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16)
     graphs = _forward_graphs(model, x.clone().requires_grad_())
     model.zero_grad(set_to_none=True)
-    casts = _count(graphs, torch.ops.hybridq.fp8_tensor_quantize.default)
-    gemms = _count(graphs, torch.ops.aten._scaled_mm.default)
-    assert (casts, gemms) == (4, 3), f"forward graph: {casts} casts (want 4), {gemms} FP8 GEMMs (want 3)"
+    casts, gemms = _count(graphs, cast.default), _count(graphs, mm.default)
+    assert (casts, gemms) == (4, 3), f"{preset} forward graph: {casts} casts (want 4), {gemms} GEMMs (want 3)"
     torch._dynamo.reset()
     _assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), "q/k/v on CUDA")
 
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("save_original_input", [False, True])
-@pytest.mark.parametrize("options", [{}, {"power_2_scale": True}, {"grad": "e4m3"}], ids=["default", "pow2", "e4m3"])
-def test_per_tensor_fp8_layer_on_cuda_is_bitwise_eager(options, save_original_input):
+@pytest.mark.parametrize("recipe, save_original_input, d", [
+    ("fp8_tensorwise", False, 64), ("fp8_tensorwise", True, 64), ("tensor_pow2", False, 64),
+    ("tensor_e4m3_grads", False, 64), ("fp8_block", False, 128), ("fp8_block", True, 128),
+    ("block_exact_scales", False, 128), ("block_1x128_weights", False, 128), ("fp8_block", False, 64)])
+def test_fp8_layer_on_cuda_is_bitwise_eager(recipe, save_original_input, d):
+    """(d=64 with blocks: K = 64 is not a multiple of 128, so the block GEMMs are emulated, as in eager.)"""
     torch.manual_seed(0)
-    model = MLP(fp8_recipe(**options), save_original_input, act=lambda t: t).cuda().to(torch.bfloat16)
-    x = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    model = QKV(RECIPES[recipe](), d).cuda().to(torch.bfloat16)
+    for layer in (model.q, model.k, model.v):
+        layer.save_original_input = save_original_input
+    x = torch.randn(2, 64, d, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
     got = _grads(model, x, torch.compile(model, fullgraph=True))
-    _assert_same(got, _grads(model, x, model), f"{options}, save_original_input={save_original_input} on CUDA")
+    _assert_same(got, _grads(model, x, model), f"{recipe}, save_original_input={save_original_input}, d={d} on CUDA")
 
 
 @pytest.mark.gpu

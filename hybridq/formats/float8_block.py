@@ -66,6 +66,31 @@ class Float8BlockPart(BlockScaledPart):
                                        tile_rows=tile_rows)
 
 
+def float8_block_current(x2d: torch.Tensor, dtype: torch.dtype, block_dim: int, amax_epsilon: float,
+                         power_2_scale: bool, rowwise: bool, columnwise: bool
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """FP8 block scaling of a whole tensor on plain tensors, the reference: (rowwise data, its scale_inv, columnwise
+    data, its scale_inv), None for a direction not asked for. 1x128 blocks (block_dim 1: the columnwise form has its
+    own 128x1 blocks) or 128x128 tiles shared by both directions (block_dim 2)."""
+    def scale_of(amax):
+        return scale_from_amax(amax, FP8_MAX[dtype], amax_epsilon, power_2_scale)
+
+    if block_dim == 1:
+        def blocks(t):
+            scale = scale_of(block_amax(t, BLOCK))
+            return satfinite_fp8(t.float() * expand_blocks(scale, BLOCK, t.shape[1]), dtype), rcp(scale)
+
+        row, rs = blocks(x2d) if rowwise else (None, None)
+        col, cs = blocks(x2d.t()) if columnwise else (None, None)
+        return row, rs, col, cs
+    m, k = x2d.shape
+    scale = scale_of(tile_amax(x2d, BLOCK))
+    q = satfinite_fp8(x2d.float() * expand_tiles(scale, BLOCK, m, k), dtype)
+    s_inv = rcp(scale)
+    col, cs = (q.t().contiguous(), s_inv.t().contiguous()) if columnwise else (None, None)
+    return (q, s_inv, col, cs) if rowwise else (None, None, col, cs)
+
+
 @dataclasses.dataclass
 class Float8BlockQuantizer(BlockScaledQuantizer):
     """block_dim=1: 1x128 rowwise / 128x1 columnwise (activations, gradients);
@@ -100,26 +125,21 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
 
     def _quantize_1d(self, x2d: torch.Tensor, columnwise: bool) -> Float8BlockPart:
         m, k = x2d.shape
-        scale = self._scale(block_amax(x2d, BLOCK))
-        q = satfinite_fp8(x2d.float() * expand_blocks(scale, BLOCK, k), self.dtype)
-        return Float8BlockPart(rows=m, cols=k, columnwise=columnwise, data=q, scale_inv=rcp(scale), block_dim=1)
+        q, s_inv, _, _ = float8_block_current(x2d, self.dtype, 1, self.amax_epsilon, self.power_2_scale, True, False)
+        return Float8BlockPart(rows=m, cols=k, columnwise=columnwise, data=q, scale_inv=s_inv, block_dim=1)
 
     def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
         """`shard` / `stats`: quantize the row shard `x2d` with the MAX-reduced `shard_stats` (see _sharding)."""
         if shard is not None and not shard.is_whole:
             return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
-        if self.block_dim == 1:
-            row = self._quantize_1d(x2d, False) if rowwise else None
-            col = self._quantize_1d(x2d.t(), True) if columnwise else None
-            return row, col
         m, k = x2d.shape
-        scale = self._scale(tile_amax(x2d, BLOCK))
-        q = satfinite_fp8(x2d.float() * expand_tiles(scale, BLOCK, m, k), self.dtype)
-        s_inv = rcp(scale)
-        row = Float8BlockPart(rows=m, cols=k, columnwise=False, data=q, scale_inv=s_inv, block_dim=2)
-        col = Float8BlockPart(rows=k, cols=m, columnwise=True, data=q.t().contiguous(),
-                              scale_inv=s_inv.t().contiguous(), block_dim=2) if columnwise else None
-        return (row if rowwise else None), col
+        row, rs, col, cs = float8_block_current(x2d, self.dtype, self.block_dim, self.amax_epsilon,
+                                                self.power_2_scale, rowwise, columnwise)
+        bd = self.block_dim
+        return (Float8BlockPart(rows=m, cols=k, columnwise=False, data=row, scale_inv=rs, block_dim=bd)
+                if rowwise else None,
+                Float8BlockPart(rows=k, cols=m, columnwise=True, data=col, scale_inv=cs, block_dim=bd)
+                if columnwise else None)
 
     # -- sharded quantization (FSDP) -------------------------------------------------------------
     def _stats_layout(self, shard, k: int) -> StatsLayout:

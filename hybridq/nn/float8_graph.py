@@ -1,19 +1,22 @@
-"""A per-tensor FP8 Linear inside torch.compile's graph as the individual ops it is made of.
+"""An FP8 Linear (per-tensor or block scaling) inside torch.compile's graph as the individual ops it is made of.
 
 compiled_linear.py puts any hybridq Linear into a compiled graph as two opaque custom ops whose bodies run the eager
 Python: exact for every format, but each call still pays that Python (~0.25 ms forward, ~0.23 ms backward on the
-host), and Inductor sees nothing inside. A layer whose three quantizers are per-tensor FP8 with current scaling needs
-none of that machinery: each cast is one call of the extension's `hybridq::fp8_tensor_quantize` op (C++, with a
-fake), each GEMM one `torch._scaled_mm`. Here that layer is an autograd.Function dynamo traces through, so the graph
-holds those ops themselves: no Python runs per call, and AOTAutograd's common-subexpression pass merges the casts of
-one tensor read by several layers (q/k/v, w1/w3) into one, as the eager path's input sharing does.
+host), and Inductor sees nothing inside. A layer whose three quantizers are per-tensor FP8 with current scaling, or
+all FP8 block scaling (1x128 activations and gradients, 1x128 or 128x128 weights), needs none of that machinery:
+each cast is one call of the extension's C++ op (`hybridq::fp8_tensor_quantize` / `hybridq::fp8_block_quantize`,
+with fakes), each GEMM one `torch._scaled_mm` (per-tensor) or one `hybridq::fp8_block_gemm` (block scaling: a small
+op around hybridq's eager GEMM dispatch, since torch 2.11's block-scaled GEMM cannot run on fake tensors). Here that
+layer is an autograd.Function dynamo traces through, so the graph holds those ops themselves, and AOTAutograd's
+common-subexpression pass merges the casts of one tensor read by several layers (q/k/v, w1/w3) into one, as the
+eager path's input sharing does.
 
 The results are bitwise those of the eager layer: the same kernels (or, on the CPU, the same reference ops) with the
-same arguments, the same GEMM calls (fast accumulation in forward only), the same saved directions. Where the eager
-layer would take another path -- no extension or no FP8 tensor cores on the device, a dimension the FP8 GEMM cannot
-take (not a multiple of 16: the eager layer warns and emulates), an input dtype the kernels do not read --
-`takes` says no and the layer runs as compiled_linear's ops, which run the eager code. On the CPU the casts are the
-pure-PyTorch reference and the GEMMs the fp32 emulation (dequantize, multiply), as in eager.
+same arguments, the same GEMMs, the same saved directions. Where the eager layer would take another path -- no
+extension or no FP8 tensor cores on the device, a per-tensor GEMM dimension that is not a multiple of 16 (the eager
+layer warns and emulates), an input dtype the kernels do not read -- `takes` says no and the layer runs as
+compiled_linear's ops, which run the eager code. On the CPU the casts are the pure-PyTorch reference and the GEMMs
+the fp32 emulation (dequantize, multiply), as in eager.
 """
 
 from __future__ import annotations
@@ -25,18 +28,23 @@ import torch
 
 from ..enums import Scaling
 from ..formats.float8 import Float8Quantizer, float8_current_scaling
+from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8_block_current
+from ..gemm import gemm
 from ..kernels import _ext, native_gemm
-from ..kernels.cuda import FP8_TENSOR_OPTIONS, IN_DTYPES
+from ..kernels.cuda import FP8_BLOCK_OPTIONS, FP8_TENSOR_OPTIONS, IN_DTYPES
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear"]
 
+PER_TENSOR = 0  # Float8Cast.block_dim of a per-tensor scale (1: 1x128 blocks, 2: 128x128 tiles)
+
 
 class Float8Cast(NamedTuple):
-    """What one per-tensor FP8 cast with current scaling depends on."""
+    """What one FP8 cast with current scaling depends on."""
 
     dtype: torch.dtype
     amax_epsilon: float
     power_2_scale: bool
+    block_dim: int  # PER_TENSOR, 1 or 2
 
 
 class Float8GraphSpec(NamedTuple):
@@ -47,19 +55,37 @@ class Float8GraphSpec(NamedTuple):
     grad_output: Float8Cast
     save_original_input: bool
 
+    @property
+    def per_tensor(self) -> bool:
+        return self.input.block_dim == PER_TENSOR
+
+
+def _cast(q) -> Float8Cast | None:
+    """The cast of a quantizer this module implements (exactly `Float8Quantizer` with current scaling or exactly
+    `Float8BlockQuantizer`, with no option it does not know), else None."""
+    if type(q) is Float8Quantizer and q.scaling == Scaling.CURRENT:
+        options, block_dim = FP8_TENSOR_OPTIONS, PER_TENSOR
+    elif type(q) is Float8BlockQuantizer:
+        options, block_dim = FP8_BLOCK_OPTIONS, q.block_dim
+    else:
+        return None
+    if {f.name for f in dataclasses.fields(q)} - options:
+        return None  # an option added later is never silently ignored here
+    return Float8Cast(q.dtype, float(q.amax_epsilon), bool(q.power_2_scale), block_dim)
+
 
 def graph_spec(quantizers: dict, save_original_input: bool) -> Float8GraphSpec | None:
     """The spec of a layer whose input, weight and grad_output quantizers are all per-tensor FP8 with current
-    scaling (exactly `Float8Quantizer`, with no option this path does not implement), else None."""
-    casts = []
-    for role in ("input", "weight", "grad_output"):
-        q = quantizers[role]
-        if type(q) is not Float8Quantizer or q.scaling != Scaling.CURRENT:
-            return None
-        if {f.name for f in dataclasses.fields(q)} - FP8_TENSOR_OPTIONS:
-            return None  # an option added later is never silently ignored here
-        casts.append(Float8Cast(q.dtype, float(q.amax_epsilon), bool(q.power_2_scale)))
-    return Float8GraphSpec(*casts, bool(save_original_input))
+    scaling, or all FP8 block scaling with 1x128 input and grad_output blocks (the GEMMs' first operands), else
+    None."""
+    casts = [_cast(quantizers[role]) for role in ("input", "weight", "grad_output")]
+    if any(c is None for c in casts):
+        return None
+    x, w, g = casts
+    if {c.block_dim == PER_TENSOR for c in casts} != {True} and not (x.block_dim == g.block_dim == 1
+                                                                    and w.block_dim in (1, 2)):
+        return None
+    return Float8GraphSpec(x, w, g, bool(save_original_input))
 
 
 @torch.compiler.assume_constant_result
@@ -79,33 +105,66 @@ def takes(spec: Float8GraphSpec | None, x: torch.Tensor, weight: torch.Tensor) -
         return True
     if x.device.type != "cuda" or x.dtype not in IN_DTYPES or weight.dtype not in IN_DTYPES:
         return False
-    if not native_gemm.native_enabled() or not _cuda_fp8_ready(x.device.index or 0):
+    if not _cuda_fp8_ready(x.device.index or 0):
         return False
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
+    if not spec.per_tensor:  # (the block GEMM op runs the eager GEMM dispatch, whatever the shapes)
+        return m > 0
     pairs = ((spec.input.dtype, spec.weight.dtype), (spec.grad_output.dtype, spec.weight.dtype),
              (spec.grad_output.dtype, spec.input.dtype))
-    return (m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+    return (native_gemm.native_enabled() and m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
             and all(native_gemm.fp8_tensor_pair_supported(a, b) for a, b in pairs))
 
 
-def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bool
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """(rowwise fp8 `[M, K]`, columnwise fp8 `[K, M]`, scale_inv `[1]`); a direction not asked for is None."""
-    if x2d.is_cuda:
-        row, col, scale_inv, _ = torch.ops.hybridq.fp8_tensor_quantize(
-            x2d.contiguous(), cast.dtype, None, None, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise,
-            False)
-        return (row if rowwise else None), (col if columnwise else None), scale_inv
-    data, scale_inv = float8_current_scaling(x2d, cast.dtype, cast.amax_epsilon, cast.power_2_scale)
-    return (data if rowwise else None), (data.t().contiguous() if columnwise else None), scale_inv
+def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bool) -> tuple:
+    """(rowwise fp8 `[M, K]`, its scale_inv, columnwise fp8 `[K, M]`, its scale_inv), each None for a direction
+    not asked for; per-tensor scaling: both directions share the one scale_inv `[1]`."""
+    if cast.block_dim == PER_TENSOR:
+        if x2d.is_cuda:
+            row, col, rs, _ = torch.ops.hybridq.fp8_tensor_quantize(
+                x2d.contiguous(), cast.dtype, None, None, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise,
+                False)
+        else:
+            row, rs = float8_current_scaling(x2d, cast.dtype, cast.amax_epsilon, cast.power_2_scale)
+            col = row.t().contiguous() if columnwise else None
+        cs = rs
+    elif x2d.is_cuda:
+        row, rs, col, cs = torch.ops.hybridq.fp8_block_quantize(
+            x2d.contiguous(), cast.dtype, cast.block_dim, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise)
+    else:
+        row, rs, col, cs = float8_block_current(x2d, cast.dtype, cast.block_dim, cast.amax_epsilon,
+                                                cast.power_2_scale, rowwise, columnwise)
+    return ((row, rs) if rowwise else (None, None)) + ((col, cs) if columnwise else (None, None))
 
 
-def _mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-        out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """`a @ b^T` of two per-tensor FP8 operands in GEMM orientation: the FP8 GEMM on CUDA, the emulation on CPU."""
+@torch.library.custom_op("hybridq::fp8_block_gemm", mutates_args=())
+def fp8_block_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block_dim: int, a_columnwise: bool,
+                   b: torch.Tensor, b_scale_inv: torch.Tensor, b_block_dim: int, b_columnwise: bool,
+                   out_dtype: torch.dtype, what: str) -> torch.Tensor:
+    """`a @ b^T` of two FP8-block operands as plain tensors, by hybridq's GEMM dispatch: the native block GEMM
+    where it takes them, else the emulation (with the eager layer's warnings; `what` names the GEMM)."""
+    parts = [Float8BlockPart(rows=t.shape[0], cols=t.shape[1], columnwise=c, data=t, scale_inv=s, block_dim=d)
+             for t, s, d, c in ((a, a_scale_inv, a_block_dim, a_columnwise), (b, b_scale_inv, b_block_dim,
+                                                                            b_columnwise))]
+    return gemm(*parts, out_dtype, what)
+
+
+@fp8_block_gemm.register_fake
+def _(a, a_scale_inv, a_block_dim, a_columnwise, b, b_scale_inv, b_block_dim, b_columnwise, out_dtype, what):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def _mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_cast: Float8Cast, a_columnwise: bool, b: torch.Tensor,
+        b_scale_inv: torch.Tensor, b_cast: Float8Cast, b_columnwise: bool, out_dtype: torch.dtype,
+        what: str) -> torch.Tensor:
+    """`a @ b^T` of two FP8 operands in GEMM orientation, as the eager `gemm` computes it."""
+    if a_cast.block_dim != PER_TENSOR:
+        return torch.ops.hybridq.fp8_block_gemm(a, a_scale_inv, a_cast.block_dim, a_columnwise, b, b_scale_inv,
+                                                b_cast.block_dim, b_columnwise, out_dtype, what)
     if a.is_cuda:
-        return native_gemm.fp8_tensor_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, fast_accum)
+        fast = native_gemm.FAST_ACCUM_FPROP and not a_columnwise and not b_columnwise
+        return native_gemm.fp8_tensor_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, fast)
     return native_gemm.fp8_tensor_emulated_mm(a, a_scale_inv, b, b_scale_inv, out_dtype)
 
 
@@ -115,12 +174,12 @@ class _Float8GraphLinear(torch.autograd.Function):
                 need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         keep_x = need_wgrad and spec.save_original_input  # wgrad quantizes the original input in backward
-        xr, xc, x_si = _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
-        wr, wc, w_si = _quantize(weight, spec.weight, True, need_dgrad)
-        y = _mm(xr, x_si, wr, w_si, x.dtype, native_gemm.FAST_ACCUM_FPROP)
+        xr, xrs, xc, xcs = _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
+        wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
+        y = _mm(xr, xrs, spec.input, False, wr, wrs, spec.weight, False, x.dtype, "fprop of a compiled layer")
         if bias is not None:
             y = y + bias.to(x.dtype)
-        ctx.save_for_backward(x2d if keep_x else xc, wc, x_si, w_si)
+        ctx.save_for_backward(x2d if keep_x else xc, xcs, wc, wcs)
         ctx.spec, ctx.need_dgrad, ctx.need_wgrad = spec, need_dgrad, need_wgrad
         ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -129,19 +188,21 @@ class _Float8GraphLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_saved, wc, x_si, w_si = ctx.saved_tensors
+        x_saved, xcs, wc, wcs = ctx.saved_tensors
         spec, need_dgrad, need_wgrad = ctx.spec, ctx.need_dgrad, ctx.need_wgrad
         dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
         dx = dw = db = None
         if need_dgrad or need_wgrad:
-            gr, gc, g_si = _quantize(dy2d, spec.grad_output, need_dgrad, need_wgrad)
+            gr, grs, gc, gcs = _quantize(dy2d, spec.grad_output, need_dgrad, need_wgrad)
             if need_dgrad:
-                dx = _mm(gr, g_si, wc, w_si, dy.dtype, False).reshape(ctx.x_shape)
+                dx = _mm(gr, grs, spec.grad_output, False, wc, wcs, spec.weight, True, dy.dtype,
+                         "dgrad of a compiled layer").reshape(ctx.x_shape)
             if need_wgrad:
                 xc = x_saved
                 if spec.save_original_input:
-                    _, xc, x_si = _quantize(x_saved, spec.input, False, True)
-                dw = _mm(gc, g_si, xc, x_si, dy.dtype, False).to(ctx.w_dtype)
+                    _, _, xc, xcs = _quantize(x_saved, spec.input, False, True)
+                dw = _mm(gc, gcs, spec.grad_output, True, xc, xcs, spec.input, True, dy.dtype,
+                         "wgrad of a compiled layer").to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None, None
@@ -149,7 +210,7 @@ class _Float8GraphLinear(torch.autograd.Function):
 
 def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         spec: Float8GraphSpec) -> torch.Tensor:
-    """`x W^T + b` of a per-tensor FP8 layer as traceable ops (call only where `takes` says yes)."""
+    """`x W^T + b` of an FP8 layer as traceable ops (call only where `takes` says yes)."""
     grad = torch.is_grad_enabled()
     need_dgrad = grad and x.requires_grad
     need_wgrad = grad and weight.requires_grad
