@@ -133,10 +133,11 @@ def test_linear_in_graph_with_inductor():
     _assert_same(_grads(model, x, torch.compile(model, fullgraph=True)), _grads(model, x, model), "inductor")
 
 
+@pytest.mark.parametrize("preset", ["mxfp8", "fp8_tensorwise", "fp8_block"])  # custom ops; traced (float8_graph)
 @pytest.mark.parametrize("case", ["no_grad", "input_only", "weights_frozen", "bias_only"])
-def test_linear_in_graph_computes_only_the_gradients_asked_for(case):
+def test_linear_in_graph_computes_only_the_gradients_asked_for(case, preset):
     torch.manual_seed(0)
-    model = MLP(hq.recipe("fp8_block"))
+    model = MLP(hq.recipe(preset))
     x = torch.randn(2, 32, 64, requires_grad=case in ("input_only", "weights_frozen"))
     if case in ("input_only", "weights_frozen", "bias_only"):
         model.fc1.weight.requires_grad_(False)
@@ -213,7 +214,8 @@ def test_a_copied_layer_compiles_with_its_own_configuration():
         _assert_same(_grads(m, x, torch.compile(m, backend="aot_eager")), _grads(m, x, m), what)
 
 
-def test_blocks_that_differ_in_layer_names_share_one_compiled_graph():
+@pytest.mark.parametrize("preset", ["mxfp8", "fp8_tensorwise"])  # custom ops; traced (float8_graph)
+def test_blocks_that_differ_in_layer_names_share_one_compiled_graph(preset):
     """torchtitan compiles each block (same code, other layers): layers with equal configurations must not make
     dynamo trace every block again (after 8 it would give up and run the rest eagerly)."""
     from torch._dynamo.testing import CompileCounter
@@ -222,7 +224,7 @@ def test_blocks_that_differ_in_layer_names_share_one_compiled_graph():
     counter = CompileCounter()
     x = torch.randn(2, 32, 64)
     for i in range(12):
-        block = MLP(hq.recipe("mxfp8"))
+        block = MLP(hq.recipe(preset))
         block.fc1.name, block.fc2.name = f"layers.{i}.fc1", f"layers.{i}.fc2"
         block.forward = torch.compile(block.forward, backend=counter)
         block(x).sum().backward()
@@ -267,7 +269,7 @@ def test_another_process_with_another_recipe_does_not_reuse_a_cached_graph(tmp_p
     tests = str(pathlib.Path(__file__).resolve().parent)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                TORCHINDUCTOR_AUTOGRAD_CACHE="1", PYTHONPATH=str(pathlib.Path(tests).parent), OMP_NUM_THREADS="1")
-    for preset in ("fp8_block", "fp8_tensorwise"):
+    for preset in ("mxfp8", "fp8_block_fwd_mxfp8_bwd"):  # (two configurations that run as the custom ops)
         p = subprocess.run([sys.executable, "-c", _OTHER_PROCESS.format(tests=tests), preset], env=env,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "same as eager" in p.stdout, f"{preset}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
