@@ -1,7 +1,7 @@
 """A hybridq Linear inside torch.compile's graph: the layer as two opaque custom ops.
 
-(A layer whose quantizers are all per-tensor FP8 with current scaling is traced as its own ops instead:
-float8_graph.py. Everything else comes here.)
+(A layer whose quantizers are all FP8 with current scaling, per-tensor or in blocks, is traced as its own ops
+instead: float8_graph.py. Everything else comes here.)
 
 Dynamo cannot trace a QuantizedTensor or hybridq's autograd function, so a Linear in a compiled region was a graph
 break (the region split in two around an eager call). Here the Linear's forward and backward are each one custom

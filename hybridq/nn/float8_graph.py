@@ -82,8 +82,9 @@ def graph_spec(quantizers: dict, save_original_input: bool) -> Float8GraphSpec |
     if any(c is None for c in casts):
         return None
     x, w, g = casts
-    if {c.block_dim == PER_TENSOR for c in casts} != {True} and not (x.block_dim == g.block_dim == 1
-                                                                    and w.block_dim in (1, 2)):
+    per_tensor = all(c.block_dim == PER_TENSOR for c in casts)
+    blocks = x.block_dim == g.block_dim == 1 and w.block_dim in (1, 2)
+    if not (per_tensor or blocks):
         return None
     return Float8GraphSpec(x, w, g, bool(save_original_input))
 

@@ -169,7 +169,7 @@ class Linear(nn.Linear):
             if override is not None:
                 self._check_override(override)
             elif float8_graph.takes(self._float8_graph_spec, x, self.weight):
-                # per-tensor FP8: its kernels and GEMMs themselves in the graph (nn/float8_graph.py)
+                # FP8 (per-tensor or blocks): its kernels and GEMMs themselves in the graph (nn/float8_graph.py)
                 return float8_graph.float8_graph_linear(x, self.weight, self.bias, self._float8_graph_spec)
             # any other layer: inside the graph as two custom ops (nn/compiled_linear.py)
             return compiled_linear.compiled_linear(self, x, override)
