@@ -16,7 +16,7 @@ same arguments, the same GEMMs, the same saved directions. Where the eager layer
 extension or no FP8 tensor cores on the device, a per-tensor GEMM dimension that is not a multiple of 16 (the eager
 layer warns and emulates), an input dtype the kernels do not read -- `takes` says no and the layer runs as
 compiled_linear's ops, which run the eager code. On the CPU the casts are the pure-PyTorch reference and the GEMMs
-the fp32 emulation (dequantize, multiply), as in eager.
+the fp32 emulation (dequantize, multiply), as in eager (the block reference as one opaque op: see below).
 """
 
 from __future__ import annotations
@@ -134,9 +134,29 @@ def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bo
         row, rs, col, cs = torch.ops.hybridq.fp8_block_quantize(
             x2d.contiguous(), cast.dtype, cast.block_dim, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise)
     else:
-        row, rs, col, cs = float8_block_current(x2d, cast.dtype, cast.block_dim, cast.amax_epsilon,
-                                                cast.power_2_scale, rowwise, columnwise)
+        row, rs, col, cs = torch.ops.hybridq.fp8_block_quantize_reference(
+            x2d, cast.dtype, cast.block_dim, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise)
     return ((row, rs) if rowwise else (None, None)) + ((col, cs) if columnwise else (None, None))
+
+
+def _block_reference(x2d, dtype, block_dim, amax_epsilon, power_2_scale, rowwise, columnwise) -> list[torch.Tensor]:
+    out = float8_block_current(x2d, dtype, block_dim, amax_epsilon, power_2_scale, rowwise, columnwise)
+    # (copies: an op's outputs may alias neither its input nor one another, e.g. a one-tile scale and its transpose)
+    return [x2d.new_empty(0) if t is None else t.clone(memory_format=torch.contiguous_format) for t in out]
+
+
+# The CPU reference of block scaling as one opaque op: Inductor's CPU code generation fails on its padded block
+# views for some shapes (an internal assertion, e.g. 192 columns in 128-wide blocks, torch 2.13), and CPU speed does
+# not matter. Real and fake run the same reference (on fake tensors for the fake).
+@torch.library.custom_op("hybridq::fp8_block_quantize_reference", mutates_args=())
+def fp8_block_quantize_reference(x2d: torch.Tensor, dtype: torch.dtype, block_dim: int, amax_epsilon: float,
+                                 power_2_scale: bool, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    """`float8_block_current` as an op: [rowwise data, scale_inv, columnwise data, scale_inv] (empty when not
+    asked for)."""
+    return _block_reference(x2d, dtype, block_dim, amax_epsilon, power_2_scale, rowwise, columnwise)
+
+
+fp8_block_quantize_reference.register_fake(_block_reference)
 
 
 @torch.library.custom_op("hybridq::fp8_block_gemm", mutates_args=())
