@@ -273,15 +273,18 @@ def test_compiled_blocks_with_high_precision_gather_train_like_eager(runs, tmp_p
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_block"])
-def test_traced_fp8_layers_in_compiled_fsdp2_blocks_train_like_eager(recipe, tmp_path):
-    """FSDP2 on 2 gloo ranks, each block compiled, bf16-gathered weights: the FP8 layers run traced into the blocks'
-    graphs (nn/float8_graph.py); the first losses are the eager run's up to the compiled norms' rounding."""
-    common = ("--recipe", recipe, "--weight-gather", "high_precision", "--stop-after", "3")
+def test_traced_fp8_layers_in_compiled_fsdp2_blocks_train_like_eager(tmp_path):
+    """FSDP2 on 2 gloo ranks, each block compiled, bf16-gathered weights: the FP8 layers (per-tensor and block
+    scaling) run traced into the blocks' graphs (nn/float8_graph.py); the first losses are the eager run's up to the
+    compiled norms' rounding."""
+    common = ("--recipe", "fp8_tensorwise", "--compare", "fp8_block", "--weight-gather", "high_precision",
+              "--stop-after", "3")
     torchrun(*common, "--metrics", str(tmp_path / "eager.jsonl"), cwd=tmp_path)
     torchrun(*common, "--compile", "--metrics", str(tmp_path / "compiled.jsonl"), cwd=tmp_path)
-    want, got = (metrics_of(tmp_path / f"{k}.jsonl")["runs"][recipe]["losses"] for k in ("eager", "compiled"))
-    assert len(got) == 3 and all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(got, want)), f"{got} vs eager {want}"
+    for recipe in ("fp8_tensorwise", "fp8_block"):
+        want, got = (metrics_of(tmp_path / f"{k}.jsonl")["runs"][recipe]["losses"] for k in ("eager", "compiled"))
+        assert len(got) == 3 and all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(got, want)), \
+            f"{recipe}: {got} vs eager {want}"
 
 
 @pytest.mark.distributed
