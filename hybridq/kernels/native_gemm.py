@@ -98,12 +98,17 @@ def fp8_tensor_pair_supported(a_dtype: torch.dtype, b_dtype: torch.dtype) -> boo
     return a_dtype in fp8 and b_dtype in fp8 and not (a_dtype == b_dtype == torch.float8_e5m2)
 
 
+def fp8_tensor_shape_supported(m: int, k: int, n: int) -> bool:
+    """Whether the FP8 tensor cores take an `[m, k] x [n, k]^T` GEMM (every dimension a multiple of 16)."""
+    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+
+
 def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
     if not _on_cuda(a, b) or _cap(a.data) < (8, 9):
         return False
     if not fp8_tensor_pair_supported(a.data.dtype, b.data.dtype):
         return False
-    if a.cols % 16 or b.rows % 16 or a.rows % 16:
+    if not fp8_tensor_shape_supported(a.rows, a.cols, b.rows):
         _warn_once(("fp8", a.rows, a.cols, b.rows), f"hybridq: FP8 GEMM {_shapes(a, b)}: dimensions not divisible "
                    f"by 16 (the FP8 tensor cores need them); using the emulated GEMM")
         return False

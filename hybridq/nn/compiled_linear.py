@@ -32,7 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..enums import BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
-from .linear_function import _LinearConfig, forward_and_saved, linear_grads, shared_input_quantization
+from .linear_function import (_LinearConfig, forward_and_saved, gradients_needed, linear_grads,
+                              shared_input_quantization)
 
 __all__ = ["compiled_linear", "configuration_key", "runs_in_graph"]
 
@@ -217,11 +218,7 @@ linear_forward.register_autograd(_backward, setup_context=_setup_context)
 def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tensor:
     """`x W^T + b` of a hybridq Linear as the custom ops (see the module docstring); traced by dynamo."""
     weight, bias = module.weight, module.bias
-    grad = torch.is_grad_enabled()
-    need_dgrad = grad and x.requires_grad
-    need_wgrad = grad and weight.requires_grad
-    if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
-        need_dgrad = need_wgrad = False  # forward only: rowwise forms, nothing saved
+    need_dgrad, need_wgrad = gradients_needed(x, weight)  # neither: rowwise forms only, nothing saved
     return torch.ops.hybridq.linear_forward(x, weight, bias, module._configuration_key,
                                             None if override is None else str(override), need_dgrad,
                                             need_wgrad)[0]

@@ -32,6 +32,7 @@ from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8
 from ..gemm import gemm
 from ..kernels import _ext, native_gemm
 from ..kernels.cuda import FP8_BLOCK_OPTIONS, FP8_TENSOR_OPTIONS, IN_DTYPES
+from .linear_function import gradients_needed
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear"]
 
@@ -114,7 +115,8 @@ def takes(spec: Float8GraphSpec | None, x: torch.Tensor, weight: torch.Tensor) -
         return m > 0
     pairs = ((spec.input.dtype, spec.weight.dtype), (spec.grad_output.dtype, spec.weight.dtype),
              (spec.grad_output.dtype, spec.input.dtype))
-    return (native_gemm.native_enabled() and m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+    # fprop [m, k] x [n, k], dgrad [m, n] x [k, n], wgrad [n, m] x [k, m]: the same three dimensions
+    return (native_gemm.native_enabled() and m > 0 and native_gemm.fp8_tensor_shape_supported(m, k, n)
             and all(native_gemm.fp8_tensor_pair_supported(a, b) for a, b in pairs))
 
 
@@ -232,9 +234,5 @@ class _Float8GraphLinear(torch.autograd.Function):
 def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         spec: Float8GraphSpec) -> torch.Tensor:
     """`x W^T + b` of an FP8 layer as traceable ops (call only where `takes` says yes)."""
-    grad = torch.is_grad_enabled()
-    need_dgrad = grad and x.requires_grad
-    need_wgrad = grad and weight.requires_grad
-    if not (need_dgrad or need_wgrad or (grad and bias is not None and bias.requires_grad)):
-        need_dgrad = need_wgrad = False  # forward only: rowwise forms, nothing saved
+    need_dgrad, need_wgrad = gradients_needed(x, weight)  # neither: rowwise forms only, nothing saved
     return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad)

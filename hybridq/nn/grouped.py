@@ -21,7 +21,7 @@ from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
-from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight
+from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
 from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
 
@@ -264,9 +264,7 @@ class GroupedLinear(nn.Module):
         if override is not None:
             self.check_override()
         cfgs = self._configs(override)
-        grad = torch.is_grad_enabled()
-        need_dgrad = grad and x.requires_grad
-        need_wgrad = grad and self.weight.requires_grad
+        need_dgrad, need_wgrad = gradients_needed(x, self.weight)
         quantized_bwd = override is None and (need_dgrad or need_wgrad)
         gathered = isinstance(self.weight, GroupedGatheredForm)  # FSDP2 gathered the experts quantized
         held_quantized = is_quantized_experts(self.weight)  # quantized_model_init / quantize_parameters

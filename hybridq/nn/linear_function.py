@@ -24,7 +24,7 @@ class _LinearConfig:
     """What the autograd function needs from its module (a plain object: not saved as a tensor)."""
 
     __slots__ = ("name", "input_q", "weight_q", "grad_output_q", "backward_override", "save_original_input",
-                 "input_gather", "op_id")
+                 "input_gather")
 
     def __init__(self, module, backward_override: str | None):  # module: a Linear (or one expert's view of one)
         self.name = module.name
@@ -36,13 +36,11 @@ class _LinearConfig:
         # sequence parallelism (hybridq.distributed.sequence.SequenceGather): the input is this rank's rows of
         # the layer's whole input, quantized here and all-gathered in its quantized form; None: x is whole
         self.input_gather = None
-        self.op_id: str | None = None  # its key for the compiled path's ops, once used there (compiled_linear)
 
     def replace(self, **changes) -> "_LinearConfig":
         new = object.__new__(_LinearConfig)
-        for n in self.__slots__[:-1]:
+        for n in self.__slots__:
             setattr(new, n, changes.get(n, getattr(self, n)))
-        new.op_id = None
         return new
 
 
@@ -277,15 +275,19 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def gradients_needed(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool]:
+    """(need_dgrad, need_wgrad) of a call: what backward will differentiate. Nothing under no_grad /
+    inference_mode (torch.autograd.Function's ctx.needs_input_grad only looks at requires_grad)."""
+    grad = torch.is_grad_enabled()
+    return grad and x.requires_grad, grad and weight.requires_grad
+
+
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
                  weight_cache: Callable[[bool], QuantizedTensor] | None = None) -> torch.Tensor:
     """`x W^T + b` with the three GEMMs on `cfg`'s quantizers (the computation of one Linear; GroupedLinear runs
     it once per expert). `weight_cache(need_columnwise)`, when given, returns the cached quantized weight."""
-    # what backward will differentiate: nothing under no_grad / inference_mode (torch.autograd.Function's
-    # ctx.needs_input_grad only looks at requires_grad)
-    grad = torch.is_grad_enabled()
-    need_dgrad = grad and x.requires_grad
-    needs_grad = need_dgrad or (grad and (weight.requires_grad or (bias is not None and bias.requires_grad)))
+    need_dgrad, need_wgrad = gradients_needed(x, weight)
+    needs_grad = need_dgrad or need_wgrad or (torch.is_grad_enabled() and bias is not None and bias.requires_grad)
     cached = None
     if weight_cache is not None:
         cached = weight_cache(cfg.backward_override is None and need_dgrad)
