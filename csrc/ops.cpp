@@ -31,6 +31,8 @@ TORCH_LIBRARY(hybridq, m) {
       "nvfp4_quantize_grouped(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
       "bool rowwise, bool columnwise, int[] sizes, int[] draw_rank, int n_draws) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("rms_norm_forward(Tensor x, Tensor? weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, bool weight_grad) -> (Tensor, Tensor)");
   m.def("amax(Tensor x) -> Tensor");
   m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def("dequantize_fp8(Tensor data, Tensor scale, int mode, ScalarType out_dtype) -> Tensor");
@@ -50,6 +52,8 @@ TORCH_LIBRARY(hybridq, m) {
   m.impl("mxfp8_quantize", &mxfp8_quantize);             \
   m.impl("nvfp4_quantize", &nvfp4_quantize);             \
   m.impl("nvfp4_quantize_grouped", &nvfp4_quantize_grouped); \
+  m.impl("rms_norm_forward", &rms_norm_forward);         \
+  m.impl("rms_norm_backward", &rms_norm_backward);       \
   m.impl("amax", &amax_op);                              \
   m.impl("dequantize_fp8", &dequantize_fp8);             \
   m.impl("dequantize_nvfp4", &dequantize_nvfp4);         \

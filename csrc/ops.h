@@ -1,5 +1,5 @@
 // The torch ops of hybridq._C (schemas and registration in ops.cpp); each is implemented next to its kernels:
-// quantize_<format>.cu, amax.cu, transpose.cu, dequantize.cu, delayed_scaling.cu.
+// quantize_<format>.cu, amax.cu, transpose.cu, dequantize.cu, delayed_scaling.cu, rms_norm.cu.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,6 +38,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_grouped(
     const Tensor& x, bool block_2d, bool rht, bool stochastic_rounding, const std::optional<at::Generator>& generator,
     bool rowwise, bool columnwise, at::IntArrayRef sizes, at::IntArrayRef draw_rank, int64_t n_draws);
+
+// RMSNorm over the last dimension -> (y, rstd [M] fp32, max|y| [1] fp32); backward -> (dx, dweight | [0])
+std::tuple<Tensor, Tensor, Tensor> rms_norm_forward(const Tensor& x, const std::optional<Tensor>& weight, double eps);
+std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& weight,
+                                             const Tensor& rstd, bool weight_grad);
 
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);

@@ -27,7 +27,8 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
     filt = head_filter(args)
     gather_quantized = args.weight_gather == "quantized"  # (--moe: quantized only, see config.check_args)
     convert_fn = hybridq.apply_hybrid_fsdp if gather_quantized else hybridq.convert_linears
-    report = convert_fn(model, hybridq.recipe(recipe_name), module_filter_fn=filt, on_incompatible="skip")
+    report = convert_fn(model, hybridq.recipe(recipe_name), module_filter_fn=filt, on_incompatible="skip",
+                        norms=args.norms != "model")
     by_name = {l.name: l for l in report.layers}
     rows = [["layer", "status", "input (row / col)", "weight (row / col)", "grad_output (row / col)", "why"]]
     n_conv = 0
@@ -56,11 +57,15 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
                      "tied to tok_embeddings (F.linear, not a Linear module)"])
     if n_conv == 0:
         raise ConfigError(no_layer_converted(recipe_name, [(r[0], r[5]) for r in rows[1:]]))
+    for l in report.norms:
+        rows.append([l.name, "hybridq.nn.RMSNorm" if l.converted else "norm kept", "-", "-", "-", l.reason])
     summary = (f"{n_conv} of {len(linear_names)} Linear layers"
                + (f" and {n_grouped} of {len(grouped)} grouped expert weights" if grouped else "")
                + (" converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized). "
                   if gather_quantized else " converted by hybridq.convert_linears (FSDP2 all-gathers their weights "
                   "in param_dtype; each Linear quantizes its weight itself). ")
+               + (f"{sum(l.converted for l in report.norms)} RMSNorm modules run as hybridq.nn.RMSNorm. "
+                  if report.norms else "")
                + "Directions: forward y = x.row @ W.row; dgrad = dy.row @ W.col; wgrad = dy.col @ x.col "
                "(hybrid[row / col] names both; a plain format serves both).")
     return rows, summary

@@ -39,7 +39,8 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
                       module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                      on_incompatible: str = "skip", reuse_forward_payload: bool = True) -> ConversionReport:
+                      on_incompatible: str = "skip", reuse_forward_payload: bool = True,
+                      norms: bool = True) -> ConversionReport:
     """Prepare `model` for FSDP2 with quantized all-gathers; call it before `fully_shard`.
 
     Converts the eligible nn.Linear layers (`convert_linears`, same filter and `on_incompatible` semantics) and
@@ -61,6 +62,8 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
     reuse_forward_payload: when the backward unshard gathers the same directions as the forward one (per-tensor
     FP8 and 128x128 blocks: rowwise, the columnwise form derived after the gather), each rank keeps its quantized
     shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
+
+    norms: swap the model's RMSNorm modules for hybridq.nn.RMSNorm (as `convert_linears(..., norms=True)`).
     """
     for name, p in model.named_parameters():
         info = quantized_param_info(p)
@@ -89,7 +92,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
     # grouped (mixture-of-experts) weights: GroupedLinear and expert modules (hybridq_grouped_weights)
     check_grouped_recipe(model, recipe, module_filter_fn)
     grouped_todo, grouped_skipped = plan_grouped(model, recipe, module_filter_fn, on_incompatible)
-    report = convert_linears(model, recipe, module_filter_fn, on_incompatible=on_incompatible)
+    report = convert_linears(model, recipe, module_filter_fn, on_incompatible=on_incompatible, norms=norms)
     counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     report.layers += apply_grouped(model, recipe, grouped_todo, counts) + grouped_skipped
     for fqn, mod in model.named_modules():

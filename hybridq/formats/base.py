@@ -198,8 +198,14 @@ class Quantizer:
             shown = f" (shape {tuple(shape)})" if 0 not in tuple(shape) else ""
             raise FormatShapeError(f"{self.describe()} {why} for {name}{shown}")
 
+    def stats_from_amax(self, amax: torch.Tensor, rowwise: bool, columnwise: bool) -> torch.Tensor | None:
+        """This format's `global_stats` of a tensor whose max|x| is `amax`, when they are that value alone (per-tensor
+        current scaling); None when they are something else or there are none (then `quantize` computes what it
+        needs itself)."""
+        return None
+
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
-                 name: str = "tensor") -> QuantizedTensor:
+                 name: str = "tensor", global_stats: torch.Tensor | None = None) -> QuantizedTensor:
         rowwise = self.usage[0] if rowwise is None else rowwise
         columnwise = self.usage[1] if columnwise is None else columnwise
         if not (rowwise or columnwise):
@@ -218,7 +224,8 @@ class Quantizer:
             raise TypeError(f"{self.describe()}: {name} must be a floating-point tensor, got {x.dtype}")
         self.validate(x.shape, name, rowwise=rowwise, columnwise=columnwise)
         x2d = x.detach() if x.requires_grad else x
-        row, col = self.quantize_parts(x2d if x2d.dim() == 2 else as_2d(x2d), rowwise, columnwise)
+        kw = {} if global_stats is None else {"global_stats": global_stats}  # (e.g. a max|x| known beforehand)
+        row, col = self.quantize_parts(x2d if x2d.dim() == 2 else as_2d(x2d), rowwise, columnwise, **kw)
         return QuantizedTensor(row, col, shape=x.shape, dtype=x.dtype)
 
     def __call__(self, x: torch.Tensor, **kw) -> "QuantizedTensor":

@@ -219,10 +219,14 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         self._update_pending = False
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
-                 name: str = "tensor"):
+                 name: str = "tensor", global_stats: torch.Tensor | None = None):
         if self.scaling == Scaling.DELAYED:
             self.check_replay(name)  # (before anything is cast: the error names the tensor)
-        return super().quantize(x, rowwise=rowwise, columnwise=columnwise, name=name)
+        return super().quantize(x, rowwise=rowwise, columnwise=columnwise, name=name, global_stats=global_stats)
+
+    def stats_from_amax(self, amax, rowwise, columnwise):
+        """Current scaling: the amax itself (one value for both directions); delayed scaling has no statistics."""
+        return amax.reshape(1).float() if self.scaling == Scaling.CURRENT else None
 
     # -- delayed scaling ---------------------------------------------------------------------------
     def update(self) -> None:

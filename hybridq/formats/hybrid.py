@@ -143,6 +143,22 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
         return torch.cat(pieces) if pieces else None
 
+    def stats_from_amax(self, amax, rowwise, columnwise):
+        """The two sub-quantizers' statistics side by side (as `global_stats`), when each that has statistics can
+        take them from the amax."""
+        if columnwise and self._double:
+            return None  # (the columnwise statistics are those of the dequantized rowwise form)
+        probe = torch.empty(0, 1, device="meta")  # sizes only: does a sub-quantizer have statistics at all?
+        pieces = []
+        for q, use, r, c in ((self.rowwise, rowwise, True, False), (self.columnwise, columnwise, False, True)):
+            if not use or q.global_stats(probe, r, c) is None:
+                continue
+            s = q.stats_from_amax(amax, r, c)
+            if s is None:
+                return None
+            pieces.append(s.reshape(-1).float())
+        return torch.cat(pieces) if pieces else None
+
     def _split_global_stats(self, stats, rowwise, columnwise, x2d) -> tuple[dict, dict]:
         """The keyword arguments passing each sub-quantizer its share of the hybrid's `global_stats`."""
         if stats is None:

@@ -277,6 +277,16 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                 rand_col[:, o:o + n] = self._draw((k, n), device)
         return rand_row, rand_col
 
+    def stats_from_amax(self, amax, rowwise, columnwise):
+        """`global_stats` from max|x|: all of them except the columnwise amax with rht (that of the transform)."""
+        a = amax.reshape(1).float()
+        if self.block_2d:
+            return a
+        if columnwise and self.rht:
+            return None
+        zero = torch.zeros_like(a)
+        return torch.cat([a if rowwise else zero, a if columnwise else zero])
+
     def global_stats(self, x2d, rowwise, columnwise):
         """The global amax: one for both directions with 16x16 tiles; else [rowwise, columnwise] (the columnwise
         one after the transform with rht; 0 for a direction not asked)."""

@@ -16,6 +16,8 @@ Op reference (all inputs 2-D and contiguous; a direction not asked for returns a
 - nvfp4_quantize_grouped(x, block_2d, rht, stochastic_rounding, generator?, rowwise, columnwise, sizes, draw_rank,
   n_draws): row group g (the next sizes[g] rows) quantized as nvfp4_quantize quantizes it alone, its draws those of
   the draw_rank[g]-th of n_draws launches -> as nvfp4_quantize with amaxes [G]
+- rms_norm_forward(x, weight?, eps) -> (y like x, rstd [M] fp32, max|y| [1] fp32);
+  rms_norm_backward(dy, x, weight?, rstd, weight_grad) -> (dx like x, dweight like weight | [0] fp32)
 - amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements; dequantize_fp8(data, scale, mode, out_dtype); dequantize_nvfp4(data, scale, amax, rht_inverse,
   apply_global, out_dtype)
 - fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: Float8Quantizer.update() of many
@@ -91,6 +93,17 @@ def _nvfp4_quantize_grouped(x, block_2d, rht, stochastic_rounding, generator, ro
     return (_or0(x, (m, k // 2), torch.uint8, rowwise), _or0(x, (m, k // 16), e4, rowwise), _or0(x, (g,), _F32, rowwise),
             _or0(x, (k, m // 2), torch.uint8, columnwise), _or0(x, (k, m // 16), e4, columnwise),
             _or0(x, (g,), _F32, columnwise))
+
+
+@register_fake("hybridq::rms_norm_forward")
+def _rms_norm_forward(x, weight, eps):
+    return torch.empty_like(x), x.new_empty((x.shape[0],), dtype=_F32), x.new_empty((1,), dtype=_F32)
+
+
+@register_fake("hybridq::rms_norm_backward")
+def _rms_norm_backward(dy, x, weight, rstd, weight_grad):
+    on = weight_grad and weight is not None
+    return torch.empty_like(x), (weight.new_empty(weight.shape) if on else x.new_empty((0,), dtype=_F32))
 
 
 @register_fake("hybridq::amax")

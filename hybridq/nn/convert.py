@@ -12,6 +12,7 @@ import torch.nn as nn
 from ..errors import FormatShapeError
 from ..recipe import CustomRecipe
 from .linear import Linear
+from .norm import RMSNorm, is_rms_norm_candidate
 
 log = logging.getLogger("hybridq")
 
@@ -43,6 +44,8 @@ class LayerReport:
 @dataclasses.dataclass
 class ConversionReport:
     layers: list[LayerReport]
+    # RMSNorm modules swapped for hybridq.nn.RMSNorm (converted) or left as they are (with the reason)
+    norms: list[LayerReport] = dataclasses.field(default_factory=list)
 
     @property
     def converted(self) -> list[str]:
@@ -60,17 +63,22 @@ class ConversionReport:
             f = l.formats if l.converted else {}
             rows.append((l.name, l.status, f.get("input", ""), f.get("weight", ""), f.get("grad_output", ""),
                          l.reason))
+        for l in self.norms:
+            rows.append((l.name, "hybridq.nn.RMSNorm" if l.converted else "norm kept", "", "", "", l.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _linear_children(model: nn.Module, module_filter_fn) -> list[tuple[nn.Module, str, str, nn.Linear]]:
-    """(parent, attribute, qualified name, layer) of every nn.Linear the filter accepts, hybridq ones included."""
+def _children(model: nn.Module, module_filter_fn,
+                     kind: Callable[[nn.Module], bool] = lambda m: isinstance(m, nn.Linear)
+                     ) -> list[tuple[nn.Module, str, str, nn.Module]]:
+    """(parent, attribute, qualified name, module) of every module of `kind` (default: nn.Linear, hybridq ones
+    included) the filter accepts."""
     out = []
     for fqn, mod in model.named_modules():
         for child_name, child in mod.named_children():
             full = f"{fqn}.{child_name}" if fqn else child_name
-            if not isinstance(child, nn.Linear):
+            if not kind(child):
                 continue
             if module_filter_fn is not None and not module_filter_fn(child, full):
                 continue
@@ -80,7 +88,7 @@ def _linear_children(model: nn.Module, module_filter_fn) -> list[tuple[nn.Module
 
 def convert_linears(model: nn.Module, recipe: CustomRecipe,
                     module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
-                    on_incompatible: str = "skip") -> ConversionReport:
+                    on_incompatible: str = "skip", norms: bool = True) -> ConversionReport:
     """Replace every nn.Linear of `model` (for which `module_filter_fn(module, fqn)` is true) by a hybridq
     Linear sharing its parameters; a layer that is already a hybridq Linear with another recipe gets `recipe`
     (its report row says which recipe it had), one with an equal recipe is left as it is ("already converted").
@@ -88,7 +96,12 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
     Everything is checked before the first layer changes. A recipe that is wrong in itself (unknown backward
     override, also from HYBRIDQ_BACKWARD_OVERRIDE; an override with delayed scaling; a factory that fails)
     always raises. A layer whose shapes the recipe's formats cannot take (FormatShapeError) keeps its previous
-    precision with a logged reason (on_incompatible="skip") or raises ("error")."""
+    precision with a logged reason (on_incompatible="skip") or raises ("error").
+
+    norms: also swap every RMSNorm the filter accepts (torch.nn.RMSNorm, or a module following the RMSNorm
+    protocol, see hybridq.nn.norm) for hybridq.nn.RMSNorm sharing its weight: one kernel per pass on CUDA, and
+    max|y| computed in passing for the per-tensor casts of the Linear layers that read y. A candidate whose math
+    does not match on a probe input, or that has hooks, is kept (the report says why)."""
     if on_incompatible not in ON_INCOMPATIBLE:
         raise ValueError(f"on_incompatible must be one of {ON_INCOMPATIBLE}, got {on_incompatible!r}")
     if not isinstance(recipe, CustomRecipe):
@@ -98,7 +111,7 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
     replace: list[tuple[nn.Module, str, Linear]] = []
     reapply: list[tuple[Linear, dict, LayerReport]] = []
     layers: list[LayerReport] = []
-    for parent, child_name, full, child in _linear_children(model, module_filter_fn):
+    for parent, child_name, full, child in _children(model, module_filter_fn):
         previous = child.recipe.name if isinstance(child, Linear) else None
         if isinstance(child, Linear) and child.recipe == recipe:
             child.check_override()  # (the override may come from the environment, changed since)
@@ -133,4 +146,22 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
         report.formats = layer.describe_formats()
         log.info("hybridq: layer '%s' re-converted from recipe '%s' to '%s'", report.name, report.previous_recipe,
                  recipe.name)
-    return ConversionReport(layers)
+    return ConversionReport(layers, convert_norms(model, module_filter_fn) if norms else [])
+
+
+def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None
+                  ) -> list[LayerReport]:
+    """Swap every RMSNorm of `model` the filter accepts -- torch.nn.RMSNorm, or a module following the RMSNorm
+    protocol (hybridq.nn.norm) -- for hybridq.nn.RMSNorm sharing its weight; a candidate that fails the protocol's
+    checks is kept, with the reason in its report row (never raises: nothing is changed for it)."""
+    reports = []
+    for parent, child_name, full, child in _children(model, module_filter_fn, is_rms_norm_candidate):
+        try:
+            new = RMSNorm.from_module(child, name=full)
+        except ValueError as e:
+            log.warning("hybridq: keeping norm '%s': %s", full, e)
+            reports.append(LayerReport(full, False, reason=str(e)))
+            continue
+        setattr(parent, child_name, new)
+        reports.append(LayerReport(full, True))
+    return reports

@@ -6,7 +6,6 @@ them. `Linear` (linear.py), `GroupedLinear` (one call per expert), tensor parall
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -16,6 +15,8 @@ from ..gemm import gemm
 from ..enums import BackwardOverride
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource
+from .known_amax import known_amax
+from .side_table import TensorSideTable
 
 log = logging.getLogger("hybridq")
 
@@ -44,32 +45,20 @@ class _LinearConfig:
         return new
 
 
-class _SharedInputs:
+class _SharedInputs(TensorSideTable):
     """The last few quantized Linear inputs, so that layers reading the same tensor (wq/wk/wv, w1/w3) quantize
-    it once. An entry serves only the same tensor object at the same version (an in-place change invalidates
-    it), an equal deterministic quantizer and the directions it holds; it is dropped as soon as that tensor
-    dies, so a quantized copy never outlives its source."""
-
-    slots = 2
+    it once: an entry serves an equal deterministic quantizer and the directions it holds (see TensorSideTable for
+    when an entry lives)."""
 
     def __init__(self):
+        super().__init__(slots=2)
         self.enabled = True
-        self.entries: tuple = ()  # (weakref to x, x._version, quantizer, QuantizedTensor), newest last
 
     def get(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | None:
-        for ref, version, eq, xq in self.entries:
-            if (ref() is x and version == x._version and (eq is q or eq == q)
-                    and (not columnwise or xq.has("columnwise"))):
-                return xq
-        return None
+        return self.find(x, lambda eq, xq: (eq is q or eq == q) and (not columnwise or xq.has("columnwise")))
 
     def put(self, x: torch.Tensor, q: Quantizer, xq: QuantizedTensor) -> None:
-        keep = tuple(e for e in self.entries  # drop dead entries and the one this supersedes
-                     if e[0]() is not None and not (e[0]() is x and (e[2] is q or e[2] == q)))
-        self.entries = (keep + ((weakref.ref(x, self._drop), x._version, q, xq),))[-self.slots:]
-
-    def _drop(self, ref: weakref.ref) -> None:  # x died
-        self.entries = tuple(e for e in self.entries if e[0] is not ref)
+        super().put(x, q, xq, same_key=lambda eq: eq is q or eq == q)
 
 
 _SHARED = _SharedInputs()
@@ -85,7 +74,7 @@ class shared_input_quantization:
         self.prev = _SHARED.enabled
         _SHARED.enabled = bool(enabled)
         if not enabled:
-            _SHARED.entries = ()
+            _SHARED.clear()
 
     def __enter__(self) -> "shared_input_quantization":
         return self
@@ -109,7 +98,10 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise
         if gather is not None:
             xq = gather.quantize(q, x2d, columnwise, name)
         else:
-            xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name)
+            amax = None if torch.compiler.is_compiling() else known_amax(x)  # (its producer computed max|x|)
+            stats = None if amax is None else q.stats_from_amax(amax, True, columnwise)
+            kw = {} if stats is None else {"global_stats": stats}
+            xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name, **kw)
         if share:
             _SHARED.put(x, q, xq)
     return xq

@@ -1,0 +1,187 @@
+"""hybridq.nn.RMSNorm: RMSNorm over the last dimension in one CUDA kernel per pass, which also computes max|y| of
+its output so that the per-tensor scaled cast of that output by the Linear layers reading it (q/k/v, w1/w3) skips
+its own max|y| pass (Transformer Engine's LayerNormLinear idea, without merging the modules).
+
+`convert_linears` / `apply_hybrid_fsdp` swap in this module for `torch.nn.RMSNorm` and for modules that follow the
+RMSNorm protocol (a class named `*RMSNorm` with a 1-D `weight` and a float `eps` whose forward is
+`x * rsqrt(mean(x^2) + eps) * weight`, checked on a probe input before anything changes), sharing the weight.
+Numerics (docs/numerics.md "RMSNorm"): torch's rms_norm with its fp32 computation and one rounding to the input
+dtype; the kernel's row sums run in another order than torch's, so y may differ in the last bit from the eager
+module, and max|y| is exact (of the rounded y). On the CPU, under torch.compile and for DTensors the same math
+runs as PyTorch operations."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from ..formats.base import is_dtensor
+from ..kernels import _ext
+from .known_amax import remember_amax
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _eps_for(x: torch.Tensor, eps: float | None) -> float:
+    """torch.nn.RMSNorm's default: the machine epsilon of the computation dtype (fp32 for 16-bit inputs)."""
+    if eps is not None:
+        return float(eps)
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The contract, in PyTorch operations (torch's rms_norm decomposition)."""
+    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y.to(x.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """The CUDA kernels: forward saves x and the per-row rstd (not the normalized fp32 copies eager autograd keeps)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        w = None if weight is None else weight.contiguous()
+        y, rstd, amax = torch.ops.hybridq.rms_norm_forward(x2d, w, eps)
+        ctx.save_for_backward(x2d, w, rstd)
+        ctx.shape = x.shape
+        ctx.mark_non_differentiable(amax)
+        return y.view(x.shape), amax
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor, _damax):
+        x2d, w, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.hybridq.rms_norm_backward(dy.reshape(x2d.shape).contiguous(), x2d, w, rstd,
+                                                     ctx.needs_input_grad[1])
+        return dx.view(ctx.shape), (dw if ctx.needs_input_grad[1] else None), None
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() >= 1 and not torch.compiler.is_compiling()
+            and not is_dtensor(x) and (weight is None or (not is_dtensor(weight) and weight.dtype in _KERNEL_DTYPES
+                                                          and weight.device == x.device))
+            and _ext.available_for(x.device))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = None,
+             name: str = "RMSNorm") -> torch.Tensor:
+    """RMSNorm of `x` over its last dimension (see the module docstring); records max|y| for the layers that
+    quantize y (hybridq.nn.known_amax). `eps=None`: torch.nn.RMSNorm's default."""
+    if weight is not None and (weight.dim() != 1 or x.shape[-1:] != weight.shape):
+        raise ValueError(f"{name}: its weight of shape {tuple(weight.shape)} normalizes a last dimension of that "
+                         f"size, got an input of shape {tuple(x.shape)}")
+    eps = _eps_for(x, eps)
+    if _kernel_takes(x, weight):
+        y, amax = _RMSNormFunction.apply(x, weight, eps)
+        remember_amax(y, amax)
+        return y
+    y = rms_norm_reference(x, weight, eps)
+    if not (torch.compiler.is_compiling() or is_dtensor(y)):
+        with torch.no_grad():  # what the kernel computes in passing (a cast of y would compute it anyway)
+            remember_amax(y, y.float().abs().amax() if y.numel() else y.new_zeros((), dtype=torch.float32))
+    return y
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension (torch.nn.RMSNorm's math and parameters, 1-D `normalized_shape`), run by
+    hybridq's kernel on CUDA; see the module docstring."""
+
+    def __init__(self, normalized_shape: int | tuple[int], eps: float | None = None, elementwise_affine: bool = True,
+                 device=None, dtype=None, *, name: str = "RMSNorm"):
+        super().__init__()
+        dims = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(dims) != 1:
+            raise ValueError(f"hybridq.nn.RMSNorm normalizes the last dimension only, got normalized_shape {dims}")
+        self.normalized_shape = dims
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.name = name
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dims, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, name=self.name)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str = "RMSNorm") -> "RMSNorm":
+        """A hybridq RMSNorm sharing `module`'s weight (the same Parameter object: optimizer state, state_dict keys
+        and FSDP2 sharding are unchanged). Raises ValueError naming the module if it is not a plain RMSNorm
+        (`rms_norm_mismatch`)."""
+        why = rms_norm_mismatch(module)
+        if why is not None:
+            raise ValueError(f"{name} cannot run as hybridq.nn.RMSNorm: {why}")
+        weight = module.weight
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.normalized_shape = (weight.shape[0],) if weight is not None else tuple(module.normalized_shape)
+        new.eps = None if module.eps is None else float(module.eps)
+        new.elementwise_affine = weight is not None
+        new.name = name
+        if weight is not None:
+            new.weight = weight
+        else:
+            new.register_parameter("weight", None)
+        new.train(module.training)
+        return new
+
+
+def is_rms_norm_candidate(module: nn.Module) -> bool:
+    """torch.nn.RMSNorm, or a module following the RMSNorm protocol by name and attributes (a class named
+    `*RMSNorm` with a 1-D `weight` parameter and a float `eps`); `rms_norm_mismatch` then checks its math."""
+    if isinstance(module, RMSNorm):
+        return False
+    if isinstance(module, nn.RMSNorm):
+        return True
+    w = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(w, nn.Parameter) and w.dim() == 1
+            and isinstance(getattr(module, "eps", None), float))
+
+
+def rms_norm_mismatch(module: nn.Module) -> str | None:
+    """Why `module` cannot be replaced by hybridq.nn.RMSNorm with its weight and eps (None if it can): the
+    attributes, hooks (e.g. a parallel style's), a parameter that is already sharded, and its output on a probe
+    input (fp32, random weight) against `rms_norm_reference`."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "eps", None)
+    if isinstance(module, nn.RMSNorm):
+        if len(module.normalized_shape) != 1:
+            return f"it normalizes {len(module.normalized_shape)} dimensions {tuple(module.normalized_shape)}"
+    elif not (isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(eps, float)):
+        return "it has no 1-D weight parameter and float eps"
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return "it has hooks (e.g. a tensor-parallel style or FSDP2): swap norms before parallelizing or sharding"
+    if weight is not None and is_dtensor(weight):
+        return "its weight is already a DTensor: swap norms before parallelizing or sharding"
+    dim = weight.shape[0] if weight is not None else module.normalized_shape[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, dim, generator=g) * 3
+    try:
+        probe = copy.deepcopy(module)
+        if weight is not None:
+            if weight.device.type == "meta":
+                probe = probe.to_empty(device="cpu")
+            probe = probe.to(device="cpu", dtype=torch.float32)
+            with torch.no_grad():
+                probe.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+        with torch.no_grad():
+            got = probe(x)
+    except Exception as e:  # noqa: BLE001 (any failure means: not the protocol)
+        return f"its forward failed on a probe input: {type(e).__name__}: {e}"
+    with torch.no_grad():
+        want = rms_norm_reference(x, None if weight is None else probe.weight, _eps_for(x, eps))
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        return "its output on a probe input is not a tensor of the input's shape and dtype"
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return (f"its output differs from x * rsqrt(mean(x^2) + eps) * weight on a probe input (max |diff| "
+                f"{(got - want).abs().max().item():.3g})")
+    return None
