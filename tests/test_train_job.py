@@ -106,6 +106,7 @@ def _report(recipe: str, *flags: str) -> dict[str, list[str]]:
 
 LINEARS = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv", "layers.0.attention.wo",
            "layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.0.feed_forward.w2"]
+NORMS = ["norm", "layers.0.attention_norm", "layers.0.ffn_norm"]
 
 
 @pytest.mark.parametrize("recipe, expect", [
@@ -122,7 +123,7 @@ LINEARS = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention
 ])
 def test_per_layer_report_lists_each_directions_format(recipe, expect):
     rep = _report(recipe)
-    assert list(rep) == LINEARS + ["output"], "every Linear, in model order"
+    assert list(rep) == LINEARS + ["output"] + NORMS, "every Linear, in model order, then the RMSNorms"
     for name in LINEARS:
         status, *cells, why = rep[name]
         assert status == "converted", (name, why)
@@ -130,6 +131,12 @@ def test_per_layer_report_lists_each_directions_format(recipe, expect):
             pos = [cell.find(n) for n in needles]
             assert all(p >= 0 for p in pos) and pos == sorted(pos), (recipe, name, cell, needles)
     assert rep["output"][0] == "skipped" and "high precision" in rep["output"][-1]
+    assert all(rep[n][0] == "hybridq.nn.RMSNorm" for n in NORMS), [rep[n] for n in NORMS]
+
+
+def test_norms_model_keeps_the_models_rms_norms():
+    rep = _report("fp8_tensorwise", "--norms", "model")
+    assert list(rep) == LINEARS + ["output"], "--norms model still swapped norms"
 
 
 def test_report_head_options():
