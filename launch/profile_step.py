@@ -58,8 +58,8 @@ FULL = {"d_model": 2048, "n_layers": 20, "n_heads": 16, "hidden": 5632, "seq": 4
 SMOKE = {"d_model": 64, "n_layers": 1, "n_heads": 2, "hidden": None, "seq": 64, "batch": 2}
 JITTER = 1.3  # a step slower than this x the median is listed
 
-CATEGORIES = ("gemm", "hybridq", "attention", "optimizer", "collectives", "memcpy", "elementwise", "other")
-LABELS = {"gemm": "GEMM", "hybridq": "hybridq quantize/dequantize", "attention": "attention",
+CATEGORIES = ("gemm", "hybridq", "norm", "attention", "optimizer", "collectives", "memcpy", "elementwise", "other")
+LABELS = {"gemm": "GEMM", "hybridq": "hybridq quantize/dequantize", "norm": "RMSNorm kernels", "attention": "attention",
           "optimizer": "optimizer (foreach)", "collectives": "NCCL / collectives", "memcpy": "memcpy / memset / copies",
           "elementwise": "elementwise / reduction", "other": "other"}
 # an op under one of these (CPU profile) counts for it, unless the op itself is a GEMM or a collective
@@ -72,6 +72,8 @@ def categorize(name: str) -> str:
     """The category of a GPU kernel (or, on the CPU, an op) from its name alone. Order matters: FlashAttention
     kernels are cutlass kernels too, FSDP2's copy-in op names contain "all_gather"."""
     n = name.lower()
+    if "rms_norm" in n or "rmsnorm" in n:  # hybridq.nn.RMSNorm's kernels (or torch's fused one)
+        return "norm"
     if "hybridq" in n:
         return "hybridq"
     # cudnn: torch's cuDNN SDPA backend also launches helper kernels (cudnn::fusion::...); the model has no conv

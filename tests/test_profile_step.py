@@ -27,6 +27,8 @@ import profile_step as ps  # noqa: E402
     ("void hybridq::quantize_tile_kernel<hybridq::Fp8TensorTile, __nv_bfloat16>(...)", "hybridq"),
     ("void hybridq::(anonymous namespace)::absmax_kernel<c10::BFloat16>(...)", "hybridq"),
     ("void hybridq::transpose_u8_kernel<32>(...)", "hybridq"),
+    ("void hybridq::(anonymous namespace)::rms_norm_fwd_kernel<8, __nv_bfloat16, float>(...)", "norm"),
+    ("void hybridq::(anonymous namespace)::rms_norm_bwd_dw_kernel<__nv_bfloat16>(...)", "norm"),
     ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>(...)",
      "attention"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>(...)", "attention"),
