@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -21,23 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybridq  # noqa: E402
 from hybridq.nn.linear_function import _quantize_input, shared_input_quantization  # noqa: E402
+from bench_kernels import bench  # noqa: E402
 from model import RMSNorm as ModelRMSNorm  # noqa: E402
-
-
-def time_ms(fn, iters: int, rounds: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        samples.append(s.elapsed_time(e) / iters)
-    return statistics.median(samples)
 
 
 def main(argv=None) -> None:
@@ -74,8 +58,7 @@ def main(argv=None) -> None:
                 y = norm(x)
                 return _quantize_input(q, y, y, True, "input of wq")
 
-            rows.append((name, time_ms(fwd, args.iters, args.rounds), time_ms(fwd_bwd, args.iters, args.rounds),
-                         time_ms(fwd_cast, args.iters, args.rounds)))
+            rows.append((name, *(bench(f, iters=args.rounds, inner=args.iters) for f in (fwd, fwd_bwd, fwd_cast))))
     base = rows[0]
     print(f"RMSNorm [{args.tokens}, {args.dim}] bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'norm':32s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'vs eager':>9s} {'fwd+fp8 cast ms':>16s} {'vs eager':>9s}")
