@@ -12,8 +12,8 @@ namespace {
 
 constexpr int kDsThreads = 256;
 
-__global__ void __launch_bounds__(kDsThreads) delayed_update_kernel(const DelayedEntry* __restrict__ entries) {
-  const DelayedEntry e = entries[blockIdx.x];
+// one quantizer's update by one CTA of kDsThreads threads
+__device__ __forceinline__ void delayed_update_one(const DelayedEntry e) {
   const int tid = threadIdx.x;
   const int64_t L = e.len;
   // every thread reads the values it will write (new[j] = old[(j + 1) % L]) before anyone writes: the amax over
@@ -66,6 +66,22 @@ __global__ void __launch_bounds__(kDsThreads) delayed_update_kernel(const Delaye
   }
 }
 
+__global__ void __launch_bounds__(kDsThreads) delayed_update_kernel(const DelayedEntry* __restrict__ entries) {
+  delayed_update_one(entries[blockIdx.x]);
+}
+
+// A few entries (a delayed cast's own pending update): passed by value as the kernel parameter, so the launch needs
+// no pinned host buffer and no host-to-device copy (a pinned allocation per cast cost ~70 us of host time and
+// could wait for the GPU).
+constexpr int64_t kInlineEntries = 16;
+struct InlineEntries {
+  DelayedEntry e[kInlineEntries];
+};
+
+__global__ void __launch_bounds__(kDsThreads) delayed_update_inline_kernel(const InlineEntries entries) {
+  delayed_update_one(entries.e[blockIdx.x]);
+}
+
 }  // namespace
 
 cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream) {
@@ -76,6 +92,11 @@ cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cu
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+cudaError_t launch_delayed_update_inline(const InlineEntries& entries, int64_t n, cudaStream_t stream) {
+  delayed_update_inline_kernel<<<static_cast<unsigned int>(n), kDsThreads, 0, stream>>>(entries);
+  return cudaGetLastError();
 }
 
 }  // namespace hybridq
@@ -109,18 +130,26 @@ void fp8_delayed_update(at::TensorList histories, at::TensorList scales, at::Arr
     TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1 && s.is_contiguous(), "hybridq::", op, ": scales[", i,
                 "] must be a float32 tensor of one element, got ", s.scalar_type(), " of shape ", s.sizes());
   }
+  const auto entry = [&](int64_t i) {
+    return hybridq::DelayedEntry{histories[i].data_ptr<float>(), scales[i].data_ptr<float>(), histories[i].numel(),
+                                 static_cast<float>(fp8_maxes[i]), static_cast<float>(divisors[i]),
+                                 most_recent[i] != 0 ? 1 : 0, 0};
+  };
+  c10::cuda::CUDAGuard guard(dev);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (n <= hybridq::kInlineEntries) {
+    hybridq::InlineEntries inline_entries{};
+    for (int64_t i = 0; i < n; ++i) inline_entries.e[i] = entry(i);
+    C10_CUDA_CHECK(hybridq::launch_delayed_update_inline(inline_entries, n, stream));
+    return;
+  }
   Tensor host = at::empty({n * static_cast<int64_t>(sizeof(hybridq::DelayedEntry))},
                           at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   auto* e = reinterpret_cast<hybridq::DelayedEntry*>(host.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    e[i] = hybridq::DelayedEntry{histories[i].data_ptr<float>(), scales[i].data_ptr<float>(), histories[i].numel(),
-                                 static_cast<float>(fp8_maxes[i]), static_cast<float>(divisors[i]),
-                                 most_recent[i] != 0 ? 1 : 0, 0};
-  }
-  c10::cuda::CUDAGuard guard(dev);
+  for (int64_t i = 0; i < n; ++i) e[i] = entry(i);
   Tensor entries = host.to(dev, /*non_blocking=*/true);
   C10_CUDA_CHECK(hybridq::launch_delayed_update(reinterpret_cast<const hybridq::DelayedEntry*>(entries.data_ptr()), n,
-                                                c10::cuda::getCurrentCUDAStream()));
+                                                stream));
 }
 
 }  // namespace ops

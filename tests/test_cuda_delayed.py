@@ -79,10 +79,11 @@ def test_update_delayed_scaling_cpu_fallback():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("n", [1, 16, 40])  # up to 16 entries go by value in the launch, more through a buffer
 @pytest.mark.parametrize("steps", [1, 5])
-def test_update_delayed_scaling_cuda_bitwise(steps):
+def test_update_delayed_scaling_cuda_bitwise(steps, n):
     gen = torch.Generator().manual_seed(SEED)
-    qs = _make(gen, 40)
+    qs = _make(gen, n)
     g, r = _clone_state(qs, "cuda"), _clone_state(qs, "cpu")
     hist_ids = [id(q.amax_history) for q in g]
     for step in range(steps):

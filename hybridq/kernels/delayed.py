@@ -17,6 +17,7 @@ hybrid quantizers contribute their parts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable
 
 import torch
@@ -55,6 +56,7 @@ def _kernel_ok(q: Float8Quantizer) -> bool:
             and _ext.available_for(h.device))
 
 
+@functools.lru_cache(maxsize=None)
 def _divisor(margin: int) -> float:
     # the reference divides the fp32 scale by the Python float 2.0 ** margin, which torch rounds to fp32
     return float(torch.tensor(2.0 ** margin, dtype=torch.float64).float().item())
