@@ -165,6 +165,19 @@ def test_an_in_place_change_of_the_output_forgets_its_max():
     assert known_amax(y) is None, "a stale max|y| survived an in-place change"
 
 
+def test_inference_mode_runs_and_records_nothing():
+    model = _random_weights(Block())
+    hybridq.convert_linears(model, hybridq.recipe("fp8_tensorwise"))
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        want = model(x)
+    with torch.inference_mode():
+        got = model(x)
+        y = model.attention_norm(x)
+        assert known_amax(y) is None, "an inference tensor (no version counter) got a recorded max"
+    assert torch.equal(got, want), "inference mode changed the output"
+
+
 @pytest.mark.parametrize("preset", ["fp8_tensorwise", "nvfp4", "mxfp8", "fp8_block"])
 def test_a_recorded_max_is_what_the_linear_input_cast_uses(preset):
     """Record a max other than the true one: formats whose statistics are the max|x| must quantize with it (the
