@@ -211,7 +211,8 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         cast records nothing."""
         if self.replaying():
             return
-        self.amax_history[:1] = torch.maximum(self.amax_history[:1], amax)
+        slot = self.amax_history[:1]
+        torch.maximum(slot, amax.to(slot.device).reshape(1), out=slot)  # (one launch, in place)
         self._update_pending = True
 
     def mark_updated(self) -> None:
