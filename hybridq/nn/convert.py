@@ -70,8 +70,8 @@ class ConversionReport:
 
 
 def _children(model: nn.Module, module_filter_fn,
-                     kind: Callable[[nn.Module], bool] = lambda m: isinstance(m, nn.Linear)
-                     ) -> list[tuple[nn.Module, str, str, nn.Module]]:
+              kind: Callable[[nn.Module], bool] = lambda m: isinstance(m, nn.Linear)
+              ) -> list[tuple[nn.Module, str, str, nn.Module]]:
     """(parent, attribute, qualified name, module) of every module of `kind` (default: nn.Linear, hybridq ones
     included) the filter accepts."""
     out = []
