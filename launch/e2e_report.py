@@ -48,6 +48,9 @@ sys.path.insert(0, str(ROOT / "launch"))
 from metrics import read_metrics, runs_of  # noqa: E402
 BASELINE = "bf16"
 TORCHAO = "torchao_float8"
+# --norm-baseline: bf16 with hybridq.RMSNorm (train.py --recipe bf16 --norms hybridq), to show how much of a preset's
+# speed is the norm kernel that its conversion swaps in, apart from quantization
+NORM_BASELINE = "bf16+hybridq_rmsnorm"
 
 # the default (GPU) size and the --tiny (CPU smoke test) size
 FULL = {"d_model": 2048, "n_layers": 20, "n_heads": 16, "hidden": 5632, "seq": 4096, "batch": 4, "steps": 30,
@@ -93,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a run whose metrics file in --out-dir holds a finished run of the same recipe and sizes is "
                         "read, not run again (split a long report, e.g. --parity, over several invocations; the "
                         "table then covers every finished run of this plan)")
+    p.add_argument("--norm-baseline", action="store_true",
+                   help=f"also run {NORM_BASELINE}: {BASELINE} with hybridq.RMSNorm swapped in (train.py --norms "
+                        "hybridq), the presets' norm kernel without quantization")
     p.add_argument("--compile", action="store_true",
                    help="also run every recipe with train.py --compile (each block torch.compiled), side by side "
                         "with eager; compiled rows compare with bf16 compiled")
@@ -111,11 +117,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- which recipes run -----------------------------------------------------------------------------
 
-def weight_gather(train_args: str) -> str:
-    """The --weight-gather mode that `train_args` (train.py flags, one string) select (train.py's default: quantized)."""
+def train_option(train_args: str, flag: str, default: str) -> str:
+    """The value of train.py's `flag` in `train_args` (train.py flags, one string), or train.py's default."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--weight-gather", default="quantized")
-    return p.parse_known_args(shlex.split(train_args))[0].weight_gather
+    p.add_argument(flag, default=default)
+    return getattr(p.parse_known_args(shlex.split(train_args))[0], flag.lstrip("-").replace("-", "_"))
+
+
+def weight_gather(train_args: str) -> str:
+    """The --weight-gather mode that `train_args` select (train.py's default: quantized)."""
+    return train_option(train_args, "--weight-gather", "quantized")
 
 
 def fsdp_rejection(preset: str) -> str | None:
@@ -150,6 +161,8 @@ def plan(a) -> list[dict]:
     if bad:
         raise SystemExit(f"e2e_report.py: unknown recipe(s) {', '.join(bad)}; known: {', '.join(known)}")
     names = ([] if a.no_baseline else [BASELINE]) + [r for r in dict.fromkeys(names) if r != BASELINE]
+    if getattr(a, "norm_baseline", False):
+        names.insert(0 if a.no_baseline else 1, NORM_BASELINE)
     # train.py converts with apply_hybrid_fsdp unless --weight-gather high_precision (then convert_linears, which
     # takes every preset): only the former's refusals are known in advance
     quantized_gather = weight_gather(a.train_args or "") == "quantized"
@@ -164,6 +177,11 @@ def plan(a) -> list[dict]:
     if getattr(a, "compile", False):
         rows += [dict(r, compiled=True) for r in rows]
     return rows
+
+
+def train_recipe(recipe: str) -> tuple[str, list[str]]:
+    """The train.py recipe of a row and the flags that make it that row (the name its metrics file records)."""
+    return (BASELINE, ["--norms", "hybridq"]) if recipe == NORM_BASELINE else (recipe, [])
 
 
 def label(recipe: str, compiled: bool) -> str:
@@ -191,7 +209,8 @@ def train_flags(a) -> list[str]:
 
 def command(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = False) -> list[str]:
     mode = ["--compile-mode", a.compile_mode] if a.compile_mode else []
-    return (launcher(nproc) + ["launch/train.py", "--recipe", recipe] + train_flags(a)
+    base, extra = train_recipe(recipe)
+    return (launcher(nproc) + ["launch/train.py", "--recipe", base] + extra + train_flags(a)
             + (["--compile"] + mode if compiled else [])
             + ["--metrics", rel(out_dir / f"{label(recipe, compiled)}.jsonl")])
 
@@ -244,7 +263,7 @@ def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bo
         return None
     records = read_metrics(js)
     config = next((r for r in records if r.get("kind") == "config"), None)
-    summary = runs_of(records).get(recipe)
+    summary = runs_of(records).get(train_recipe(recipe)[0])
     if config is None or summary is None or summary["start_step"] + summary["steps_run"] != a.steps:
         return None
     want = {k: v for k, v in vars(parse_args_for_train(cmd)).items() if k in SAME_RUN}
@@ -293,10 +312,10 @@ def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, c
             rc = proc.returncode
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
-    steps = step_records(js, recipe)
+    steps = step_records(js, train_recipe(recipe)[0])
     res = {"recipe": name, "base": recipe, "compiled": compiled, "command": show(cmd), "rc": rc, "wall_s": wall, "log": str(log), "steps_done": 0,
            "losses": [], "tokens_per_s": None, "peak_memory_bytes": None, "memory_kind": None, "val_loss": None}
-    summary = runs_of(read_metrics(js)).get(recipe) if js.exists() else None
+    summary = runs_of(read_metrics(js)).get(train_recipe(recipe)[0]) if js.exists() else None
     if summary is not None and rc == 0:
         m = summary
         res.update(steps_done=m["start_step"] + m["steps_run"], losses=m["losses"],
@@ -435,7 +454,13 @@ def describe(a, nproc: int) -> list[str]:
             f"{a.seq * a.batch * nproc:,} tokens/step; {a.steps} steps (lr {a.lr}, cosine), "
             f"{'corpus.txt' if not a.corpus_bytes else f'{a.corpus_bytes:,} generated bytes'}, FSDP2 bf16 params / fp32 "
             "reduce. tokens/s: median after step 1; peak mem: rank 0 (GPU: max allocated); loss: mean of the last "
-            "10% of the steps done; gap: vs bf16 over the same steps."]
+            "10% of the steps done; gap: vs bf16 over the same steps.",
+            {"auto": f"RMSNorm: hybridq.RMSNorm in the hybridq presets' runs (their conversion swaps it in), the model's "
+                     f"own in {BASELINE} and {TORCHAO}" + (f" ({NORM_BASELINE}: {BASELINE} with hybridq.RMSNorm)"
+                                                          if getattr(a, "norm_baseline", False) else "") + ".",
+             "hybridq": "RMSNorm: hybridq.RMSNorm in every run (--norms hybridq).",
+             "model": "RMSNorm: the model's own in every run (--norms model)."}[
+                train_option(a.train_args or "", "--norms", "auto")]]
 
 
 def main(argv=None) -> int:

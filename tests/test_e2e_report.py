@@ -117,6 +117,20 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     assert [r.get("speed_vs_bf16") for r in rows] == [1.0, 1.1, 1.0, 1.5], "each mode against its own bf16"
 
 
+def test_norm_baseline_runs_bf16_with_the_norm_kernel_compared_with_plain_bf16(tmp_path):
+    a = e2e_report.parse_args(["--tiny", "--recipes", "fp8_tensorwise", "--norm-baseline"])
+    names = [t["recipe"] for t in e2e_report.plan(a)]
+    assert names == ["bf16", e2e_report.NORM_BASELINE, "fp8_tensorwise"], names
+    cmd = e2e_report.command(a, e2e_report.NORM_BASELINE, 2, tmp_path)
+    i = cmd.index("--recipe")
+    assert cmd[i + 1:i + 4] == ["bf16", "--norms", "hybridq"], cmd
+    assert cmd[-1].endswith(f"{e2e_report.NORM_BASELINE}.jsonl")
+    run = lambda name, tps: {"recipe": name, "base": name, "compiled": False, "losses": [2.0] * 4,
+                             "tokens_per_s": tps}
+    rows = e2e_report.rows_for([run("bf16", 100.0), run(e2e_report.NORM_BASELINE, 115.0), run("fp8_tensorwise", 130.0)])
+    assert [r.get("speed_vs_bf16") for r in rows] == [1.0, 1.15, 1.3], "the norm row is not the bf16 reference"
+
+
 def test_compile_mode_goes_to_the_compiled_runs_only(tmp_path):
     a = e2e_report.parse_args(["--tiny", "--recipes", "bf16", "--compile", "--compile-mode", "reduce-overhead"])
     compiled = e2e_report.command(a, "bf16", 2, tmp_path, compiled=True)
