@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq
+from comm import GatherCounter  # launch/: run as a script, its folder is on sys.path
 
 
 class RMSNorm(nn.Module):
@@ -80,36 +81,6 @@ class Stack(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.norm(x)
-
-
-class GatherCounter:
-    """Counts bytes each rank sends through the tensor all-gathers FSDP2 uses (`all_gather_single` in torch
-    2.13, `all_gather_into_tensor` before; nested calls are counted once)."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor")
-
-    def __init__(self):
-        self.bytes = 0
-        self._orig = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-        self._depth = 0
-
-    def __enter__(self):
-        for name, fn in self._orig.items():
-            def counted(output_tensor, input_tensor, *args, _fn=fn, **kwargs):
-                if self._depth == 0:
-                    self.bytes += input_tensor.numel() * input_tensor.element_size()
-                self._depth += 1
-                try:
-                    return _fn(output_tensor, input_tensor, *args, **kwargs)
-                finally:
-                    self._depth -= 1
-
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
 
 
 def build(mode: str, args, device, mesh):

@@ -10,6 +10,8 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python launch/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
     python launch/e2e_report.py --parity --reuse-finished --recipes bf16,nvfp4  # add runs to an earlier report
     python launch/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
+    python launch/e2e_report.py --scaling 1,2,4,8    # weak scaling: every recipe on 1, 2, 4 and 8 GPUs
+    python launch/e2e_report.py --size 7b            # a Llama-2-7B-shaped model (8 GPUs; sizes below)
 
 Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
 (= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per
@@ -18,6 +20,18 @@ NVFP4, the FP8 128-blocks and torchao's multiple-of-16 rule all hold, and the to
 32. No activation recompute: activations of ~16k tokens x 20 layers plus the sharded fp32 params, grads and
 AdamW state (~8 GB per GPU) stay well below 141 GB (batch 8 would likely fit too, but an OOM costs a device
 run; raise --batch once the peak memory of a first report is known).
+
+--size 7b: d_model 4096, 32 layers, 32 heads, SwiGLU hidden 11008 (Llama-2-7B's shape; byte vocabulary): 6.48B
+parameters, seq 4096 x batch 1 per rank. Per GPU on 8 ranks: ~13 GB of sharded fp32 params, grads and AdamW
+state, plus the activations of 4,096 tokens x 32 layers (no recompute; ~30 GB in bf16); every rank first builds
+the whole model on the CPU (26 GB of host memory each, ~1 minute) and moves it to its GPU before sharding it
+(26 GB there for a moment), hence the longer per-run limit. One GPU cannot hold it (~104 GB of states alone).
+
+--scaling N1,N2,...: weak scaling -- every planned recipe once per world size, the per-rank batch fixed (so tokens
+per step grow with the GPUs); a second table gives tokens/s per GPU and the scaling efficiency against the same
+recipe at the smallest world size. A world size larger than the GPUs visible is a skipped row, so one command
+serves a 2-, 4- or 8-GPU machine. Every row also shows the bytes rank 0 sends in all-gathers per step (FSDP2's
+parameter gathers; train.py counts them: launch/comm.py).
 
 Time: each run is a separate torchrun (~20-30 s of start-up: CUDA/NCCL init, 1B-parameter init on the CPU).
 A run stops at --steps or at its time limit, whichever comes first: the limit is min(--time-limit-s, the
@@ -63,6 +77,10 @@ TINY = {"d_model": 64, "n_layers": 1, "n_heads": 2, "hidden": None, "seq": 64, "
 PARITY = {"d_model": 768, "n_layers": 18, "n_heads": 12, "hidden": 2048, "seq": 1024, "batch": 16, "steps": 600,
           "lr": 1e-3, "eval_batches": 16, "corpus_bytes": 20_000_000}
 PARITY_LIMITS = {"time_limit_s": 420.0, "total_budget_s": 3600.0}
+# --size 7b: Llama-2-7B's shape (see the docstring for its memory)
+LLAMA_7B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "hidden": 11008, "seq": 4096, "batch": 1, "steps": 20,
+            "lr": 3e-4, "eval_batches": 1, "corpus_bytes": 0}
+LLAMA_7B_LIMITS = {"time_limit_s": 240.0, "total_budget_s": 560.0}
 
 
 
@@ -74,12 +92,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, else 2 on the CPU)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="passed to train.py")
     p.add_argument("--tiny", action="store_true", help="tiny model and 4 steps (CPU smoke test)")
+    p.add_argument("--size", choices=["1b", "7b"], default=None,
+                   help="the model on GPUs: 1b (default, sizes below) or 7b (Llama-2-7B's shape, for 8 GPUs)")
+    p.add_argument("--scaling", default=None, metavar="N1,N2,...",
+                   help="weak scaling: run every recipe on each of these world sizes (per-rank batch fixed); world "
+                        "sizes above the visible GPUs are skipped rows")
     p.add_argument("--parity", action="store_true",
                    help=f"loss parity: a ~127M model for {PARITY['steps']} steps (sizes below), every run's loss curve "
                         f"in parity.png and the final / validation gaps vs bf16 in the table")
     for k in ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "eval_batches", "corpus_bytes"):
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {FULL[k]} (tiny {TINY[k]}, parity {PARITY[k]})")
-    p.add_argument("--lr", type=float, default=None, help=f"default {FULL['lr']} (tiny {TINY['lr']}, parity {PARITY['lr']})")
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
+                       help=f"default {FULL[k]} (tiny {TINY[k]}, parity {PARITY[k]}, 7b {LLAMA_7B[k]})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"default {FULL['lr']} (tiny {TINY['lr']}, parity {PARITY['lr']}, 7b {LLAMA_7B['lr']})")
     p.add_argument("--train-args", default="", help="more train.py flags for every run (one string)")
     p.add_argument("--time-limit-s", type=float, default=None, help="per run, start-up included (default 90, "
                    f"--parity {PARITY_LIMITS['time_limit_s']:.0f})")
@@ -105,14 +130,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-mode", default=None, help="train.py --compile-mode for the compiled runs "
                    "(e.g. reduce-overhead: CUDA graphs)")
     a = p.parse_args(argv)
-    if a.tiny and a.parity:
-        p.error("--tiny and --parity choose different sizes: pass one (override sizes with --d-model etc.)")
-    base = TINY if a.tiny else PARITY if a.parity else FULL
-    limits = PARITY_LIMITS if a.parity else {"time_limit_s": 90.0, "total_budget_s": 510.0}
+    chosen = [f for f, on in (("--tiny", a.tiny), ("--parity", a.parity), ("--size", a.size)) if on]
+    if len(chosen) > 1:
+        p.error(f"{' and '.join(chosen)} choose different sizes: pass one (override sizes with --d-model etc.)")
+    a.scaling = parse_world_sizes(p, a.scaling) if a.scaling is not None else None
+    big = a.size == "7b"
+    base = TINY if a.tiny else PARITY if a.parity else LLAMA_7B if big else FULL
+    limits = (PARITY_LIMITS if a.parity else LLAMA_7B_LIMITS if big
+              else {"time_limit_s": 90.0, "total_budget_s": 510.0})
     for k, v in {**base, **limits}.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     return a
+
+
+def parse_world_sizes(p: argparse.ArgumentParser, text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--scaling takes world sizes like 1,2,4,8, got {text!r}")
+    if not sizes or any(n < 1 for n in sizes):
+        p.error(f"--scaling takes world sizes >= 1 like 1,2,4,8, got {text!r}")
+    return sorted(set(sizes))
 
 
 # ---- which recipes run -----------------------------------------------------------------------------
@@ -184,9 +223,29 @@ def train_recipe(recipe: str) -> tuple[str, list[str]]:
     return (BASELINE, ["--norms", "hybridq"]) if recipe == NORM_BASELINE else (recipe, [])
 
 
-def label(recipe: str, compiled: bool) -> str:
-    """A run's name in the table and its files: the recipe, `.compiled` for train.py --compile."""
-    return f"{recipe}.compiled" if compiled else recipe
+def label(recipe: str, compiled: bool, nproc: int | None = None) -> str:
+    """A run's name in the table and its files: the recipe, `.compiled` for train.py --compile, `@N` for N processes
+    (--scaling)."""
+    return (f"{recipe}.compiled" if compiled else recipe) + (f"@{nproc}" if nproc is not None else "")
+
+
+def run_name(a, recipe: str, compiled: bool, nproc: int) -> str:
+    """label() of a run of this report: the world size is part of the name under --scaling only."""
+    return label(recipe, compiled, nproc if a.scaling else None)
+
+
+def schedule(a, nproc: int, gpus: int | None) -> list[dict]:
+    """plan(a) with each row's world size: once per --scaling size, else once at `nproc`. A world size above `gpus`
+    (the CUDA devices visible; None on the CPU) is a skipped row, so one command serves any machine size."""
+    rows = []
+    base = plan(a)
+    for n in a.scaling or [nproc]:
+        for t in base:
+            t = dict(t, nproc=n)
+            if not t["skip"] and gpus is not None and n > gpus:
+                t["skip"] = f"needs {n} GPUs, {gpus} visible"
+            rows.append(t)
+    return rows
 
 
 # ---- one run ----------------------------------------------------------------------------------------
@@ -212,7 +271,7 @@ def command(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = 
     base, extra = train_recipe(recipe)
     return (launcher(nproc) + ["launch/train.py", "--recipe", base] + extra + train_flags(a)
             + (["--compile"] + mode if compiled else [])
-            + ["--metrics", rel(out_dir / f"{label(recipe, compiled)}.jsonl")])
+            + ["--metrics", rel(out_dir / f"{run_name(a, recipe, compiled, nproc)}.jsonl")])
 
 
 def rel(p: pathlib.Path) -> str:
@@ -257,7 +316,7 @@ def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bo
     """The result of an earlier finished run of `recipe` with this plan's sizes, read from its metrics file in
     `out_dir`, or None (no file, a run cut short, other sizes or world size)."""
     cmd = command(a, recipe, nproc, out_dir, compiled)
-    name = label(recipe, compiled)
+    name = run_name(a, recipe, compiled, nproc)
     js = out_dir / f"{name}.jsonl"
     if not js.exists():
         return None
@@ -270,7 +329,8 @@ def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bo
     got = {k: config["args"].get(k) for k in want}
     if got != want or config.get("world_size") != nproc:
         return None
-    return {"recipe": name, "base": recipe, "compiled": compiled, "command": show(cmd), "rc": 0, "wall_s": 0.0,
+    return {"recipe": name, "base": recipe, "compiled": compiled, "nproc": nproc, "command": show(cmd), "rc": 0,
+            "wall_s": 0.0, "allgather_bytes": summary.get("allgather_bytes_per_step"),
             "log": str(out_dir / f"{name}.log"), "status": "ok (reused)", "metrics": str(js),
             "steps_done": a.steps, "losses": summary["losses"], "tokens_per_s": summary["median_tokens_per_s"],
             "peak_memory_bytes": summary["peak_memory_bytes"], "memory_kind": summary["peak_memory_kind"],
@@ -285,7 +345,7 @@ def parse_args_for_train(cmd: list[str]) -> argparse.Namespace:
 
 def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, compiled: bool = False) -> dict:
     cmd = command(a, recipe, nproc, out_dir, compiled)
-    name = label(recipe, compiled)
+    name = run_name(a, recipe, compiled, nproc)
     log = out_dir / f"{name}.log"
     js = out_dir / f"{name}.jsonl"
     js.unlink(missing_ok=True)
@@ -313,26 +373,34 @@ def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, c
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
     steps = step_records(js, train_recipe(recipe)[0])
-    res = {"recipe": name, "base": recipe, "compiled": compiled, "command": show(cmd), "rc": rc, "wall_s": wall, "log": str(log), "steps_done": 0,
-           "losses": [], "tokens_per_s": None, "peak_memory_bytes": None, "memory_kind": None, "val_loss": None}
+    res = {"recipe": name, "base": recipe, "compiled": compiled, "nproc": nproc, "command": show(cmd), "rc": rc,
+           "wall_s": wall, "log": str(log), "steps_done": 0, "losses": [], "tokens_per_s": None,
+           "peak_memory_bytes": None, "memory_kind": None, "val_loss": None, "allgather_bytes": None}
     summary = runs_of(read_metrics(js)).get(train_recipe(recipe)[0]) if js.exists() else None
     if summary is not None and rc == 0:
         m = summary
         res.update(steps_done=m["start_step"] + m["steps_run"], losses=m["losses"],
                    tokens_per_s=m["median_tokens_per_s"], peak_memory_bytes=m["peak_memory_bytes"],
-                   memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], status="ok", metrics=str(js))
+                   memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], status="ok", metrics=str(js),
+                   allgather_bytes=m.get("allgather_bytes_per_step"))
     else:
         if steps:
             tps = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]  # step 1 includes warm-up
             res.update(steps_done=steps[-1]["step"], losses=[s["loss"] for s in steps],
                        tokens_per_s=statistics.median(tps), peak_memory_bytes=max(s["peak_memory_bytes"] for s in steps),
-                       memory_kind=steps[-1]["peak_memory_kind"])
+                       memory_kind=steps[-1]["peak_memory_kind"],
+                       allgather_bytes=median_or_none([s.get("allgather_bytes") for s in steps]))
         if timed_out:
             res["status"] = f"time limit ({limit_s:.0f} s) after {res['steps_done']} of {a.steps} steps"
         else:
             res["status"] = f"failed (exit {rc}: {last_error(text)})"
     print(f"--> {res['status']}, {res['steps_done']} steps, {wall:.0f} s", flush=True)
     return res
+
+
+def median_or_none(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 # ---- the table ----------------------------------------------------------------------------------------
@@ -343,11 +411,14 @@ def window_mean(losses: list[float], n: int) -> float:
 
 
 def fmt_mem(b) -> str:
-    return "-" if b is None else (f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB")
+    if b is None:
+        return "-"
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB" if b >= 2**20 else f"{b / 2**10:.0f} KiB"
 
 
 def rows_for(results: list[dict]) -> list[dict]:
-    """Each run's row with its loss gap and speed against bf16 run the same way (eager / compiled)."""
+    """Each run's row with its loss gap and speed against bf16 run the same way (eager / compiled, same world
+    size)."""
     out = []
     for r in results:
         row = dict(r)
@@ -355,7 +426,8 @@ def rows_for(results: list[dict]) -> list[dict]:
             out.append(row)
             continue
         ref = next((x for x in results if x.get("base", x["recipe"]) == BASELINE and x.get("losses")
-                    and x.get("compiled", False) == r.get("compiled", False)), None)
+                    and x.get("compiled", False) == r.get("compiled", False) and x.get("nproc") == r.get("nproc")),
+                   None)
         n = len(r["losses"])
         row["loss"] = window_mean(r["losses"], n) if n else None
         row["loss_at"] = n
@@ -374,12 +446,12 @@ def rows_for(results: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict], header: list[str]) -> str:
     lines = header + ["",
-                      "| recipe | status | steps | tokens/s | vs bf16 | peak mem | loss (last 10% of steps) | "
-                      "gap vs bf16 (same steps) | val loss | command |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| recipe | status | steps | tokens/s | vs bf16 | peak mem | all-gather/rank/step | "
+                      "loss (last 10% of steps) | gap vs bf16 (same steps) | val loss | command |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("skip"):
-            lines.append(f"| {r['recipe']} | skipped: {r['skip'].replace('|', '/')} | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {r['recipe']} | skipped: {r['skip'].replace('|', '/')} | - | - | - | - | - | - | - | - | - |")
             continue
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         vs = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else "-"
@@ -391,7 +463,37 @@ def markdown(rows: list[dict], header: list[str]) -> str:
             val += f" ({r['val_gap_rel']:+.2%})"
         status = r["status"].replace("|", "/")
         lines.append(f"| {r['recipe']} | {status} | {r['steps_done']} | {tps} | {vs} | {fmt_mem(r['peak_memory_bytes'])} "
-                     f"| {loss} | {gap} | {val} | `{r['command']}` |")
+                     f"| {fmt_mem(r.get('allgather_bytes'))} | {loss} | {gap} | {val} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def scaling_rows(rows: list[dict]) -> list[dict]:
+    """Weak scaling per recipe: tokens/s per process and its efficiency against the same recipe (eager / compiled)
+    at the smallest world size that produced a speed."""
+    out = []
+    for r in rows:
+        if r.get("skip") or not r.get("tokens_per_s") or r.get("nproc") is None:
+            continue
+        same = [x for x in rows if not x.get("skip") and x.get("tokens_per_s") and x.get("base") == r.get("base")
+                and x.get("compiled", False) == r.get("compiled", False) and x.get("nproc") is not None]
+        first = min(same, key=lambda x: x["nproc"])
+        per = r["tokens_per_s"] / r["nproc"]
+        out.append({"recipe": label(r["base"], r.get("compiled", False)), "nproc": r["nproc"],
+                    "tokens_per_s": r["tokens_per_s"], "per_process": per,
+                    "efficiency": per / (first["tokens_per_s"] / first["nproc"]), "from_nproc": first["nproc"],
+                    "speed_vs_bf16": r.get("speed_vs_bf16"), "peak_memory_bytes": r.get("peak_memory_bytes"),
+                    "allgather_bytes": r.get("allgather_bytes")})
+    return sorted(out, key=lambda x: (x["recipe"] != BASELINE, x["recipe"], x["nproc"]))
+
+
+def scaling_markdown(rows: list[dict]) -> str:
+    lines = ["| recipe | processes | tokens/s | tokens/s per process | scaling efficiency | vs bf16 (same size) | "
+             "peak mem | all-gather/rank/step |", "|---|---|---|---|---|---|---|---|"]
+    for r in scaling_rows(rows):
+        vs = f"{r['speed_vs_bf16']:.2f}x" if r.get("speed_vs_bf16") else "-"
+        lines.append(f"| {r['recipe']} | {r['nproc']} | {r['tokens_per_s']:,.0f} | {r['per_process']:,.0f} | "
+                     f"{r['efficiency']:.0%} (vs {r['from_nproc']}) | {vs} | {fmt_mem(r['peak_memory_bytes'])} | "
+                     f"{fmt_mem(r['allgather_bytes'])} |")
     return "\n".join(lines)
 
 
@@ -438,23 +540,27 @@ def write_parity_plot(results: list[dict], png: pathlib.Path) -> str:
 
 
 def describe(a, nproc: int) -> list[str]:
+    """The report's header; under --scaling `nproc` stands for each world size of a.scaling."""
     import torch
     sys.path.insert(0, str(ROOT / "launch"))
     from model import ModelConfig
     cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, hidden=a.hidden)
     cuda = a.device != "cpu" and torch.cuda.is_available()
-    dev = f"{nproc}x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else f"{nproc} CPU processes (gloo)"
+    sizes = ",".join(map(str, a.scaling)) if a.scaling else str(nproc)
+    dev = f"{sizes}x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else f"{sizes} CPU processes (gloo)"
     ao = torchao_status()
     if ao is None:
         import torchao
         ao = f"torchao {getattr(torchao, '__version__', '?')}"
     return [f"End-to-end report, {datetime.date.today().isoformat()}: {dev}, torch {torch.__version__}, {ao}.",
             f"Model: {cfg.n_layers} layers, d_model {cfg.d_model}, hidden {cfg.hidden}, {cfg.n_heads} heads, "
-            f"{cfg.num_params() / 1e6:,.1f}M parameters; seq {a.seq} x batch {a.batch} per rank x {nproc} ranks = "
-            f"{a.seq * a.batch * nproc:,} tokens/step; {a.steps} steps (lr {a.lr}, cosine), "
+            f"{cfg.num_params() / 1e6:,.1f}M parameters; seq {a.seq} x batch {a.batch} per rank x {sizes} ranks = "
+            f"{'/'.join(f'{a.seq * a.batch * n:,}' for n in a.scaling or [nproc])} tokens/step; {a.steps} steps "
+            f"(lr {a.lr}, cosine), "
             f"{'corpus.txt' if not a.corpus_bytes else f'{a.corpus_bytes:,} generated bytes'}, FSDP2 bf16 params / fp32 "
-            "reduce. tokens/s: median after step 1; peak mem: rank 0 (GPU: max allocated); loss: mean of the last "
-            "10% of the steps done; gap: vs bf16 over the same steps.",
+            "reduce. tokens/s: median after step 1; peak mem: rank 0 (GPU: max allocated); all-gather: bytes rank 0 "
+            "sends per step (median); loss: mean of the last 10% of the steps done; gap: vs bf16 over the same "
+            "steps.",
             {"auto": f"RMSNorm: hybridq.RMSNorm in the hybridq presets' runs (their conversion swaps it in), the model's "
                      f"own in {BASELINE} and {TORCHAO}" + (f" ({NORM_BASELINE}: {BASELINE} with hybridq.RMSNorm)"
                                                           if getattr(a, "norm_baseline", False) else "") + ".",
@@ -472,27 +578,28 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(a.out_dir)
     if not out_dir.is_absolute():
         out_dir = ROOT / out_dir
-    todo = plan(a)
+    todo = schedule(a, nproc, torch.cuda.device_count() if cuda else None)
     header = describe(a, nproc)
     if a.dry_run:
         print("\n".join(header))
         for t in todo:
-            name = label(t["recipe"], t["compiled"])
+            name = run_name(a, t["recipe"], t["compiled"], t["nproc"])
             print(f"\n# {name}: skipped: {t['skip']}" if t["skip"] else
-                  f"\n# {name}\n{show(command(a, t['recipe'], nproc, out_dir, t['compiled']))}")
+                  f"\n# {name}\n{show(command(a, t['recipe'], t['nproc'], out_dir, t['compiled']))}")
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     print("\n".join(header), flush=True)
     t_start = time.perf_counter()
     results = []
     runnable = [t for t in todo if not t["skip"]]
-    runnable_names = {label(t["recipe"], t["compiled"]) for t in runnable}
+    runnable_names = {run_name(a, t["recipe"], t["compiled"], t["nproc"]) for t in runnable}
     for t in todo:
-        name = label(t["recipe"], t["compiled"])
+        n = t["nproc"]
+        name = run_name(a, t["recipe"], t["compiled"], n)
         if t["skip"]:
-            results.append({"recipe": name, "skip": t["skip"]})
+            results.append({"recipe": name, "skip": t["skip"], "nproc": n})
             continue
-        done = finished_run(a, t["recipe"], nproc, out_dir, t["compiled"]) if a.reuse_finished else None
+        done = finished_run(a, t["recipe"], n, out_dir, t["compiled"]) if a.reuse_finished else None
         if done is not None:
             print(f"\n=== {name}: reusing the finished run in {rel(out_dir / (name + '.jsonl'))}", flush=True)
             results.append(done)
@@ -501,10 +608,10 @@ def main(argv=None) -> int:
         runs_left = len(runnable) - sum(1 for r in results if r["recipe"] in runnable_names)  # this one included
         limit = min(a.time_limit_s, left / max(runs_left, 1))
         if limit < min_run:
-            results.append({"recipe": name, "skip": f"total budget ({a.total_budget_s:.0f} s) spent",
-                            "command": show(command(a, t["recipe"], nproc, out_dir, t["compiled"]))})
+            results.append({"recipe": name, "skip": f"total budget ({a.total_budget_s:.0f} s) spent", "nproc": n,
+                            "command": show(command(a, t["recipe"], n, out_dir, t["compiled"]))})
             continue
-        results.append(run_one(a, t["recipe"], nproc, out_dir, limit, t["compiled"]))
+        results.append(run_one(a, t["recipe"], n, out_dir, limit, t["compiled"]))
     rows = rows_for(results)
     ran = [r for r in results if not r.get("skip")]
     reused = sorted({f"{r['device_name']}, torch {r['torch']}" for r in ran if r.get("status") == "ok (reused)"})
@@ -518,6 +625,8 @@ def main(argv=None) -> int:
     if a.parity:
         header.append(write_parity_plot([r for r in results if not r.get("skip")], out_dir / "parity.png"))
     md = markdown(rows, header)
+    if a.scaling:
+        md += "\n\nWeak scaling (per-rank batch fixed):\n\n" + scaling_markdown(rows)
     (out_dir / "report.md").write_text(md + "\n")
     (out_dir / "report.json").write_text(json.dumps({"args": vars(a), "nproc": nproc, "rows": rows}, indent=1))
     print("\n" + md + f"\n\nwrote {out_dir / 'report.md'} and {out_dir / 'report.json'}", flush=True)

@@ -25,8 +25,12 @@ precompute_scales' for the quantized recipes).
 
 The model is that of launch/e2e_report.py's default (d_model 2048, 20 layers, 16 heads, hidden 5632, seq 4096 x
 batch 4: 1.03B parameters, 16,384 tokens per step), built by train.py's `build` (hybridq.apply_hybrid_fsdp, then
-fully_shard per block and root, AdamW) and stepped by train.py's `train_step`. One process: a world of one
-(gloo on the CPU, NCCL on the GPU); run it with plain python.
+fully_shard per block and root, AdamW) and stepped by train.py's `train_step`. Plain python: a world of one (gloo on
+the CPU, NCCL on the GPU). Under torchrun every rank runs the same steps and rank 0 reports; the collectives row is
+then also split by kind (FSDP2's all-gathers and reduce-scatters, the all-reduces), which is how the multi-GPU runs
+measure the all-gather time:
+
+    torchrun --standalone --nproc-per-node 8 launch/profile_step.py --recipes bf16,fp8_tensorwise
 """
 
 from __future__ import annotations
@@ -91,6 +95,19 @@ def categorize(name: str) -> str:
         return "gemm"
     if any(k in n for k in ("at::native", "elementwise", "reduce_kernel", "reduction", "aten::", "triton", "vectorized", "unrolled")):
         return "elementwise"
+    return "other"
+
+
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "other")
+
+
+def collective_kind(name: str) -> str:
+    """Which collective a collectives-category kernel or op is (NCCL kernels: ncclDevKernel_AllGather_RING_LL, ...;
+    CPU: c10d::_allgather_base_, FSDP::all_gather, ...)."""
+    n = name.lower().replace("_", "")
+    for key, kind in (("allgather", "all-gather"), ("reducescatter", "reduce-scatter"), ("allreduce", "all-reduce")):
+        if key in n:
+            return kind
     return "other"
 
 
@@ -174,6 +191,7 @@ def summarize_events(events, device_type: str, top: int, hq_functions: frozenset
         return None
 
     by_cat = collections.Counter()
+    by_coll = collections.Counter()  # collectives by kind
     by_name: dict[str, list] = {}  # name -> [total us, calls, category]
     busy = [[] for _ in windows]
     launches = 0
@@ -188,6 +206,8 @@ def summarize_events(events, device_type: str, top: int, hq_functions: frozenset
             busy[i].append((k.time_range.start, k.time_range.end))
             launches += 1
             by_cat[cat] += dur
+            if cat == "collectives":
+                by_coll[collective_kind(k.name)] += dur
             row = by_name.setdefault(k.name, [0.0, 0, cat])
             row[0] += dur
             row[1] += 1
@@ -202,6 +222,8 @@ def summarize_events(events, device_type: str, top: int, hq_functions: frozenset
             dur = e.self_cpu_time_total
             launches += e.name.startswith("aten::")
             by_cat[cat] += dur
+            if cat == "collectives":
+                by_coll[collective_kind(e.name)] += dur
             row = by_name.setdefault(e.name, [0.0, 0, cat])
             row[0] += dur
             row[1] += 1
@@ -230,6 +252,7 @@ def summarize_events(events, device_type: str, top: int, hq_functions: frozenset
     return {
         "profiled_steps": len(steps),
         "categories_ms": {c: by_cat.get(c, 0.0) / n / 1e3 for c in CATEGORIES},
+        "collectives_ms": {c: by_coll.get(c, 0.0) / n / 1e3 for c in COLLECTIVE_KINDS},
         "kernel_total_ms": kernel_total / n / 1e3,
         "step_wall_ms": statistics.fmean(wall) / 1e3 if wall else float("nan"),
         "busy_ms": statistics.fmean(busy_us) / 1e3 if busy_us else float("nan"),
@@ -380,6 +403,16 @@ def category_table(results: list[dict], device_type: str) -> str:
     return fmt_table(rows)
 
 
+def collectives_table(results: list[dict]) -> str:
+    """The collectives row split by kind: FSDP2's parameter all-gathers and gradient reduce-scatters, the loss's and
+    precompute_scales' all-reduces."""
+    rows = [["collective"] + [r["recipe"] for r in results]]
+    for c in COLLECTIVE_KINDS:
+        if any(r["collectives_ms"][c] for r in results):
+            rows.append([c] + [f"{r['collectives_ms'][c]:8.2f}" for r in results])
+    return fmt_table(rows)
+
+
 def inside_table(results: list[dict]) -> str:
     """Kernel time launched from inside hybridq's autograd Functions, per category (quantized recipes)."""
     rows = [["category"] + [r["recipe"] for r in results]]
@@ -469,6 +502,9 @@ def main(argv=None) -> int:
     world = train.world_from_environment()
     targs = train_args(a, world)
     env = train.init_distributed(targs, world)
+    if not env.main:  # under torchrun every rank profiles the same steps (they share the collectives); rank 0 reports
+        sys.stdout = open(os.devnull, "w")
+        a.json = None
     try:
         hq = hybridq_function_names()
         tokens = load_tokens()
@@ -486,6 +522,10 @@ def main(argv=None) -> int:
         unit = "GPU kernel time" if env.device.type == "cuda" else "CPU op self time"
         print(f"\n## {unit} per step by category (mean of {a.steps} profiled steps)\n")
         print(category_table(results, env.device.type))
+        if any(v for r in results for v in r["collectives_ms"].values()):
+            print(f"\n## {unit} per step in collectives, by kind (NCCL kernels run until the slowest rank arrives: "
+                  "waiting for a peer counts)\n")
+            print(collectives_table(results))
         quantized = [r for r in results if r["recipe"] != BASELINE]
         if env.device.type == "cuda" and quantized:
             print("\n## of which launched inside hybridq's autograd Functions (GPU ms/step)\n")

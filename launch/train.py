@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hybridq  # noqa: E402
 import checkpoint  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
+from comm import GatherCounter  # noqa: E402
 from config import (BASELINE, TORCHAO, ConfigError, check_args, model_config, parse_args, run_meta,  # noqa: E402
                     runs)
 from convert import convert, convert_torchao  # noqa: E402
@@ -336,53 +337,56 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
             + " (pass a larger --steps to train further); the summary shows the saved state")
 
     tokens_per_step = args.dp * args.batch * args.seq
-    times, tps = [], []
+    times, tps, gathered = [], [], []
     mem_label = peak_memory(env)[1]
     t_run = time.perf_counter()
     collector = GarbageCollection(args.gc_every)
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        collector.step(step)
-        lr = lr_at(step, args)
-        for gr in optimizer.param_groups:
-            gr["lr"] = lr
-        # stochastic rounding and anything else random: a function of (seed, step, rank) only
-        torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
-        x, y = data.get(step)
-        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-        loss = train_step(model, optimizer, x, y, args, quantized)
-        loss_val = all_mean(loss, env)  # also a sync point for the timing
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
-        dt = time.perf_counter() - t0
-        losses.append(loss_val)
-        times.append(dt)
-        tps.append(tokens_per_step / dt)
-        if not math.isfinite(loss_val):
-            raise ConfigError(f"[{recipe_name}] loss is {loss_val} at step {step + 1}")
-        n = step + 1
-        if n % args.log_every == 0 or n == end or n == start + 1:
-            mem = peak_memory(env)[0]
-            out(f"[{recipe_name}] step {n:>{len(str(args.steps))}}/{args.steps} | loss {loss_val:.4f} | "
-                f"lr {lr:.2e} | {tokens_per_step / dt:>9,.0f} tok/s | step {dt * 1e3:7.1f} ms | "
-                f"{mem_label} {fmt_bytes(mem)}")
-            metrics.write("step", recipe=recipe_name, step=n, steps=args.steps, loss=loss_val, lr=lr,
-                          tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
-                          peak_memory_kind=mem_label)
-        done = n - start
-        out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
-        if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
-            # no RNG state: step s reseeds from (seed, s, rank); no loader state: batches are a pure function
-            # of (seed, s, rank, dp); so this is the whole job state, for any world size that resumes it
-            train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "tp": args.tp,
-                           "world": env.world}
-            folder, pruned = checkpoint.save(run_dir, n, model, optimizer, train_state, meta, env.main,
-                                             args.keep_last)
-            if args.dump_state:
-                checkpoint.dump_full_state(pathlib.Path(args.dump_state), f"{recipe_name}_saved", n, losses, model,
-                                           optimizer, env.world, env.main)
-            out(f"[{recipe_name}] saved checkpoint {folder}"
-                + (f" (removed {', '.join(p.name for p in pruned)}: --keep-last {args.keep_last})" if pruned else ""))
+    with GatherCounter() as gathers:  # the bytes this rank sends in all-gathers, per step
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            sent0 = gathers.bytes
+            collector.step(step)
+            lr = lr_at(step, args)
+            for gr in optimizer.param_groups:
+                gr["lr"] = lr
+            # stochastic rounding and anything else random: a function of (seed, step, rank) only
+            torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
+            x, y = data.get(step)
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            loss = train_step(model, optimizer, x, y, args, quantized)
+            loss_val = all_mean(loss, env)  # also a sync point for the timing
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            dt = time.perf_counter() - t0
+            losses.append(loss_val)
+            times.append(dt)
+            tps.append(tokens_per_step / dt)
+            gathered.append(gathers.bytes - sent0)
+            if not math.isfinite(loss_val):
+                raise ConfigError(f"[{recipe_name}] loss is {loss_val} at step {step + 1}")
+            n = step + 1
+            if n % args.log_every == 0 or n == end or n == start + 1:
+                mem = peak_memory(env)[0]
+                out(f"[{recipe_name}] step {n:>{len(str(args.steps))}}/{args.steps} | loss {loss_val:.4f} | "
+                    f"lr {lr:.2e} | {tokens_per_step / dt:>9,.0f} tok/s | step {dt * 1e3:7.1f} ms | "
+                    f"{mem_label} {fmt_bytes(mem)}")
+                metrics.write("step", recipe=recipe_name, step=n, steps=args.steps, loss=loss_val, lr=lr,
+                              tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
+                              peak_memory_kind=mem_label, allgather_bytes=gathered[-1])
+            done = n - start
+            out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
+            if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
+                # no RNG state: step s reseeds from (seed, s, rank); no loader state: batches are a pure function
+                # of (seed, s, rank, dp); so this is the whole job state, for any world size that resumes it
+                train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "tp": args.tp,
+                               "world": env.world}
+                folder, pruned = checkpoint.save(run_dir, n, model, optimizer, train_state, meta, env.main,
+                                                 args.keep_last)
+                if args.dump_state:
+                    checkpoint.dump_full_state(pathlib.Path(args.dump_state), f"{recipe_name}_saved", n, losses, model,
+                                               optimizer, env.world, env.main)
+                removed = f" (removed {', '.join(p.name for p in pruned)}: --keep-last {args.keep_last})"
+                out(f"[{recipe_name}] saved checkpoint {folder}" + (removed if pruned else ""))
     out.end_progress()
     collector.close()
     val = evaluate(model, data, args, env) if end == args.steps and args.eval_batches > 0 else float("nan")
@@ -395,6 +399,7 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         "median_step_s": statistics.median(steady) if steady else None,
         "median_tokens_per_s": tokens_per_step / statistics.median(steady) if steady else None,
         "peak_memory_bytes": peak_memory(env)[0], "peak_memory_kind": mem_label,
+        "allgather_bytes_per_step": statistics.median(gathered) if gathered else None,  # rank 0's (the metrics file's)
         "wall_s": time.perf_counter() - t_run,
     }
     metrics.write("summary", **result)

@@ -98,6 +98,9 @@ def test_tiny_report_on_cpu(tmp_path):
         assert f"train.py --recipe {name} " in r["command"] and f"| {name} | ok | 4 |" in md
         assert (tmp_path / f"{name}.jsonl").exists()
     assert abs(rows["fp8_tensorwise"]["gap"]) < 0.2 and rows["fp8_tensorwise"]["gap_at"] == 4
+    # the quantized all-gather sends FP8 bytes (plus scales) where bf16 sends 2 bytes per weight
+    sent = {n: rows[n]["allgather_bytes"] for n in ("bf16", "fp8_tensorwise")}
+    assert 0 < sent["fp8_tensorwise"] < sent["bf16"], f"all-gather bytes per rank per step: {sent}"
     assert rows["fp8_delayed"]["skip"] and "| fp8_delayed | skipped: rejected by hybridq.apply_hybrid_fsdp" in md
     if _torchao_missing():
         assert "| torchao_float8 | skipped: torchao not installed" in md
@@ -179,3 +182,66 @@ def test_reuse_finished_reads_a_finished_run_with_the_same_sizes_only(tmp_path):
     assert e2e_report.finished_run(other, "nvfp4", 1, tmp_path) is None, "other sizes are another run"
     _finished_metrics(tmp_path / "nvfp4.jsonl", a, "nvfp4", nproc=1, steps=a.steps - 1)
     assert e2e_report.finished_run(a, "nvfp4", 1, tmp_path) is None, "a run cut short is not finished"
+
+
+def test_scaling_runs_every_recipe_at_each_world_size_and_skips_those_above_the_gpus(tmp_path):
+    a = e2e_report.parse_args(["--tiny", "--recipes", "bf16,fp8_tensorwise", "--scaling", "4,1,2,8"])
+    todo = e2e_report.schedule(a, nproc=2, gpus=4)
+    names = [e2e_report.run_name(a, t["recipe"], t["compiled"], t["nproc"]) for t in todo]
+    assert names == ["bf16@1", "fp8_tensorwise@1", "bf16@2", "fp8_tensorwise@2", "bf16@4", "fp8_tensorwise@4",
+                     "bf16@8", "fp8_tensorwise@8"], names
+    skips = {e2e_report.run_name(a, t["recipe"], t["compiled"], t["nproc"]): t["skip"] for t in todo}
+    assert skips["bf16@8"] == "needs 8 GPUs, 4 visible" and skips["bf16@4"] is None, skips
+    assert all(t["skip"] is None for t in e2e_report.schedule(a, nproc=2, gpus=None)), "CPU: any world size"
+    cmd = e2e_report.command(a, "bf16", 4, tmp_path)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[-1].endswith("bf16@4.jsonl"), cmd
+    plain = e2e_report.parse_args(["--tiny", "--recipes", "bf16"])
+    assert [t["nproc"] for t in e2e_report.schedule(plain, nproc=2, gpus=8)] == [2], "no --scaling: one world size"
+    assert e2e_report.command(plain, "bf16", 2, tmp_path)[-1].endswith("/bf16.jsonl"), "no @N without --scaling"
+    for bad in ("0,2", "1,x"):
+        with pytest.raises(SystemExit):
+            e2e_report.parse_args(["--scaling", bad])
+
+
+def test_scaling_efficiency_is_per_process_speed_against_the_smallest_world_size():
+    run = lambda base, n, tps: {"recipe": f"{base}@{n}", "base": base, "compiled": False, "nproc": n,
+                                "losses": [2.0] * 4, "tokens_per_s": tps, "status": "ok"}
+    rows = e2e_report.rows_for([run("bf16", 1, 100.0), run("fp8_tensorwise", 1, 130.0), run("bf16", 2, 180.0),
+                                run("fp8_tensorwise", 2, 250.0), {"recipe": "bf16@8", "skip": "needs 8 GPUs",
+                                                                  "nproc": 8}])
+    assert [r.get("speed_vs_bf16") for r in rows[:4]] == pytest.approx([1.0, 1.3, 1.0, 250 / 180]), \
+        "each world size against its own bf16"
+    sc = {(r["recipe"], r["nproc"]): r for r in e2e_report.scaling_rows(rows)}
+    assert set(sc) == {("bf16", 1), ("bf16", 2), ("fp8_tensorwise", 1), ("fp8_tensorwise", 2)}
+    assert sc[("bf16", 2)]["per_process"] == 90.0 and sc[("bf16", 2)]["efficiency"] == pytest.approx(0.9)
+    assert sc[("fp8_tensorwise", 2)]["efficiency"] == pytest.approx(125 / 130)
+    assert "| bf16 | 2 | 180 | 90 | 90% (vs 1) | 1.00x |" in e2e_report.scaling_markdown(rows)
+
+
+def test_size_7b_is_llama_2_7b_shaped_with_a_longer_limit(tmp_path):
+    import model
+
+    a = e2e_report.parse_args(["--size", "7b", "--recipes", "bf16"])
+    assert (a.d_model, a.n_layers, a.n_heads, a.hidden, a.seq, a.batch) == (4096, 32, 32, 11008, 4096, 1)
+    assert a.time_limit_s == 240.0, "start-up builds 6.5B parameters on the CPU of every rank"
+    cfg = model.ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, hidden=a.hidden)
+    assert 6.4e9 < cfg.num_params() < 6.6e9, cfg.num_params()
+    assert all(v % 128 == 0 for v in (a.d_model, a.hidden, a.d_model // a.n_heads)), "FP8 / MX / NVFP4 blocks hold"
+    assert e2e_report.parse_args(["--size", "7b", "--batch", "2"]).batch == 2, "sizes still override"
+    with pytest.raises(SystemExit):
+        e2e_report.parse_args(["--size", "7b", "--parity"])
+
+
+@pytest.mark.distributed
+def test_tiny_scaling_report_on_cpu(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "launch" / "e2e_report.py"), "--device", "cpu", "--tiny", "--scaling", "1,2",
+           "--recipes", "bf16", "--steps", "3", "--out-dir", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["recipe"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    assert set(rows) == {"bf16@1", "bf16@2"}, sorted(rows)
+    assert rows["bf16@1"]["allgather_bytes"] == 0, "one rank: FSDP2 gathers nothing"
+    assert rows["bf16@2"]["allgather_bytes"] > 0
+    md = (tmp_path / "report.md").read_text()
+    assert "Weak scaling (per-rank batch fixed):" in md and "| bf16 | 2 |" in md and "(vs 1)" in md

@@ -70,6 +70,23 @@ def test_categorize_real_kernel_names(name, category):
     assert category in ps.CATEGORIES
 
 
+@pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-gather"),
+    ("ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclWorkElem)", "all-gather"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "reduce-scatter"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-reduce"),
+    ("c10d::_allgather_base_", "all-gather"),
+    ("FSDP::all_gather (layers.0)", "all-gather"),
+    ("c10d::_reduce_scatter_base_", "reduce-scatter"),
+    ("c10d::allreduce_", "all-reduce"),
+    ("record_param_comms", "other"),
+])
+def test_collectives_split_by_kind(name, kind):
+    """The multi-GPU runs read the all-gather time from this split of the collectives row."""
+    assert ps.categorize(name) == "collectives", name
+    assert ps.collective_kind(name) == kind
+
+
 def test_cpu_attribution_keeps_gemms_and_takes_sticky_ancestors():
     hq = frozenset({"_LinearFunction", "_LinearFunctionBackward"})
     fwd = ["FSDP::pre_forward (layers.0)", "_LinearFunction"]
@@ -137,7 +154,8 @@ def test_smoke_run_on_cpu(tmp_path):
     for r in doc["results"]:
         assert {"categories_ms", "kernel_total_ms", "step_wall_ms", "busy_ms", "idle_ms", "launches_per_step",
                 "hybridq_host_ms", "inside_hybridq_functions_ms", "top", "timed", "allocator",
-                "profiled_host_ms"} <= set(r)
+                "profiled_host_ms", "collectives_ms"} <= set(r)
+        assert set(r["collectives_ms"]) == set(ps.COLLECTIVE_KINDS)
         assert set(r["categories_ms"]) == set(ps.CATEGORIES)
         assert r["profiled_steps"] == 2 and r["timed"]["n"] == 3 and 0 < len(r["top"]) <= 15
         assert {"name", "category", "total_ms_per_step", "calls_per_step", "avg_us"} <= set(r["top"][0])
