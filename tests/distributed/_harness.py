@@ -1,4 +1,4 @@
-"""Spawning helpers for the distributed tests (CPU gloo and 2-GPU NCCL).
+"""Spawning helpers for the distributed tests (CPU gloo and multi-GPU NCCL).
 
 Each spawned job runs several checks, since a 2-process spawn costs ~3 s on the CI machine. A rank that
 fails raises, which `torch.multiprocessing.spawn` reports with the worker's traceback; the process group has a
@@ -22,8 +22,17 @@ TIMEOUT_S = 120
 
 def backends() -> list:
     """gloo always; nccl when two CUDA devices are visible (the GPU machine)."""
-    nccl = torch.cuda.is_available() and torch.cuda.device_count() >= 2 and torch.distributed.is_nccl_available()
-    return ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not nccl, reason="needs 2 CUDA devices + NCCL"))]
+    return ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not nccl_devices(2), reason="needs 2 CUDA devices + NCCL"))]
+
+
+def nccl_devices(n: int) -> bool:
+    """Whether an n-rank NCCL job can run here (n CUDA devices visible, NCCL built in)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n and torch.distributed.is_nccl_available()
+
+
+def job_several(rank, world_size, device, jobs: dict):
+    """Several jobs in one spawn (8 processes take ~10 s to start): {name: job(...)} for name, (job, kwargs)."""
+    return {name: job(rank=rank, world_size=world_size, device=device, **kw) for name, (job, kw) in jobs.items()}
 
 
 def _entry(rank, world_size, backend, job, kwargs, out_dir):

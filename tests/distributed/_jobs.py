@@ -96,16 +96,29 @@ INVARIANCE_CASES = {  # formats from tests/_format_cases.py
 }
 
 
+# Eight ranks cut nvfp4_rht's 64 rows into 8-row shards, which NVFP4's Hadamard transform (16 consecutive rows)
+# cannot take: apply_hybrid_fsdp refuses that layout. The same format on 128 rows (16-row shards) stands in there.
+REFUSED_AT = {8: {"nvfp4_rht": "nvfp4_rht_128_rows"}}
+STAND_INS = {"nvfp4_rht_128_rows": (FORMATS["nvfp4_rht"], (128, 32))}
+
+
+def invariance_names(world_size: int) -> list[str]:
+    """The INVARIANCE_CASES a world of this size can shard, with the stand-ins of those it cannot."""
+    swap = REFUSED_AT.get(world_size, {})
+    return [swap.get(n, n) for n in INVARIANCE_CASES]
+
+
 def _invariance_model(names, seed: int = 0):
     torch.manual_seed(seed)
+    cases = {**INVARIANCE_CASES, **STAND_INS}
     layers = nn.ModuleList()
     for n in names:
-        m, k = INVARIANCE_CASES[n][1]
+        m, k = cases[n][1]
         lin = nn.Linear(k, m, bias=False)
         with torch.no_grad():  # rows spanning many magnitudes: per-tensor and per-block scales all differ
             lin.weight.mul_(torch.logspace(-2, 2, m).unsqueeze(1))
         layers.append(lin)
-    by_index = {str(i): INVARIANCE_CASES[n][0] for i, n in enumerate(names)}
+    by_index = {str(i): cases[n][0] for i, n in enumerate(names)}
 
     def qfactory(role):
         return by_index[role.name]() if role.tensor_type == "weight" else None
@@ -113,11 +126,12 @@ def _invariance_model(names, seed: int = 0):
     return layers, hybridq.CustomRecipe(qfactory, name="invariance")
 
 
-def job_invariance(rank, world_size, device, names=None):
+def job_invariance(rank, world_size, device, names=None, refused=()):
     """Unshards every INVARIANCE_CASES weight twice (the second time after an in-place update and
     precompute_scales) with reshard_after_forward=False, then forward-only; returns the gathered parts that
     differ from the one-device quantization of the full weight, the materialized directions, whether the
-    quantized buffers were freed at reshard, and the counters."""
+    quantized buffers were freed at reshard, and the counters. `refused`: cases whose unshard must raise; their
+    messages under "refused" ("no error" where none was raised)."""
     fully_shard, mp = _fsdp(device, world_size)
     names = names or list(INVARIANCE_CASES)
     layers, recipe = _invariance_model(names)
@@ -127,7 +141,7 @@ def job_invariance(rank, world_size, device, names=None):
     for lin in layers:
         fully_shard(lin, mp_policy=mp, reshard_after_forward=False)
     out = {"diffs": [], "not_gathered_weight": [], "materialized": {}, "freed": [], "precompute": None,
-           "checked": 0}
+           "checked": 0, "refused": {}}
     for rnd in range(2):
         if rnd == 1:  # an optimizer-like in-place update, then the fused statistics reduction
             with torch.no_grad():
@@ -161,6 +175,16 @@ def job_invariance(rank, world_size, device, names=None):
         ref_r, _ = lin.weight_quantizer.quantize_parts(w.to(torch.bfloat16), True, False)
         out["diffs"] += parts_diff(lin.weight.part(ROWWISE), ref_r, f"{names[i]} rowwise-only")
         lin.reshard()
+    for n in refused:  # the layout check runs before the all-gather, on every rank alike
+        layers, recipe = _invariance_model([n])
+        layers.to(device)
+        apply_hybrid_fsdp(layers, recipe, on_incompatible="error")
+        fully_shard(layers[0], mp_policy=mp)
+        try:
+            layers[0].unshard()
+            out["refused"][n] = "no error"
+        except ValueError as e:
+            out["refused"][n] = str(e)
     return out
 
 
@@ -186,17 +210,38 @@ def run_training(rank, world_size, device, *, env_override=None, **kw):
             os.environ[BACKWARD_OVERRIDE_ENV] = old
 
 
+def _grad_differs(got, want, rtol) -> tuple[float, bool]:
+    """(max |got - want| / max |want|, whether that exceeds rtol; NaN exceeds it)."""
+    err = (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() or 1.0)
+    return err, not err <= rtol
+
+
 def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
                   recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
-                  memory=False, backward_override=None, offload=False, unsharded_accum=False, reuse_payload=True):
+                  memory=False, backward_override=None, offload=False, unsharded_accum=False, reuse_payload=True,
+                  grad_rtol=None):
+    """grad_rtol None: the whole run against one free-running replay, bitwise (2 shards, the 2x2 HSDP mesh).
+
+    grad_rtol given (more than two shards, where the reduce-scatter sums in another order than the replay):
+    every step is replayed from the parameters the sharded model holds at its start, so each step is checked
+    on its own: its losses bitwise (the forward reads the same weights), its reduced gradients within
+    grad_rtol x max |replay's| per tensor, and the sharded AdamW step bitwise equal to a plain AdamW fed the
+    same gradients. (A free-running comparison cannot be tight: once a last-bit difference flips one weight's
+    bf16 or quantized value, later steps differ by up to ~lr per element; see test_large_world.py.)"""
     mesh_shape = mesh_shape or (1, world_size)
+    per_step = grad_rtol is not None
     fully_shard, mp = _fsdp(device, world_size, mesh_shape)
     torch.manual_seed(0)
     model = TinyLM()
     init = copy.deepcopy(model.state_dict())
     batches = make_batches(steps, world_size, accum)
-    ref_losses, ref_g0, ref_params = reference_run(init, preset, batches, mesh_shape=mesh_shape, device=device,
-                                                   backward_override=backward_override)
+    if per_step:  # the plain AdamW the sharded optimizer step must match
+        master = {n: nn.Parameter(p.detach().clone().to(device)) for n, p in model.named_parameters()}
+        master_opt = torch.optim.AdamW(master.values(), lr=1e-2, foreach=False)
+        worst_grad = (0.0, "")
+    else:
+        ref_losses, ref_g0, ref_params = reference_run(init, preset, batches, mesh_shape=mesh_shape, device=device,
+                                                       backward_override=backward_override)
     model.to(device)
     report = apply_hybrid_fsdp(model, hybridq.recipe(preset, backward_override=backward_override),
                                reuse_forward_payload=reuse_payload)
@@ -211,12 +256,16 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     mem = []
-    diffs = {"losses": [], "grads_step0": [], "params_final": [], "state_dict": []}
+    diffs = {"losses": [], "grads_step0": [], "params_final": [], "state_dict": [], "grads": [], "params": []}
     clip_norm = None
     for step in range(steps):
         if memory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
+        if per_step:
+            now = {n: p.full_tensor() for n, p in model.named_parameters()}
+            ref_losses, ref_g0, _ = reference_run(now, preset, batches[step:step + 1], mesh_shape=mesh_shape,
+                                                  device=device, backward_override=backward_override, first_step=step)
         for m in range(accum):
             if accum > 1:
                 model.set_requires_gradient_sync(m == accum - 1)
@@ -226,10 +275,22 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
             tok = batches[step][rank][m].to(device)
             loss = loss_fn(model(tok[:, :-1]), tok[:, 1:])
             loss.backward()
-            ref = ref_losses[step][rank][m]
+            ref = ref_losses[0 if per_step else step][rank][m]
             if not torch.equal(loss.detach(), ref.to(device)):
                 diffs["losses"].append(f"step {step} micro {m}: loss {loss.item()!r} != reference {ref.item()!r}")
-        if step == 0:
+        if per_step:
+            for n, p in model.named_parameters():
+                g = p.grad.full_tensor()
+                err, bad = _grad_differs(g, ref_g0[n], grad_rtol)
+                if err > worst_grad[0]:
+                    worst_grad = (err, f"step {step} grad of {n}")
+                if bad:
+                    diffs["grads"].append(f"step {step} grad of {n}: max |diff| {err:.3e} x max |reference| "
+                                          f"> {grad_rtol:.0e}")
+                master[n].grad = g.clone()
+            master_opt.step()
+            master_opt.zero_grad(set_to_none=True)
+        elif step == 0:
             for n, p in model.named_parameters():
                 g = p.grad.full_tensor()
                 if not torch.equal(g, ref_g0[n].to(device)):
@@ -240,14 +301,21 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
             clip_norm = norm.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if per_step:
+            for n, p in model.named_parameters():
+                if not torch.equal(p.full_tensor(), master[n].detach()):
+                    diffs["params"].append(f"step {step}: sharded AdamW left parameter {n} "
+                                           f"{_max_diff(p.full_tensor(), master[n].detach())} from plain AdamW's")
         if precompute:
             precompute_scales(model)
         if memory:  # (allocated after the step, peak during the step)
             torch.cuda.synchronize()
             mem.append((torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
+    if per_step:  # (checked after every step above)
+        ref_params = {n: p.detach() for n, p in master.items()}
     for n, p in model.named_parameters():
         full = p.full_tensor()
-        if not torch.equal(full, ref_params[n].to(device)):
+        if not per_step and not torch.equal(full, ref_params[n].to(device)):
             diffs["params_final"].append(f"parameter {n} after {steps} steps: {_max_diff(full, ref_params[n].to(device))}")
     freed = _owned_freed(model)
     states = _states(model)
@@ -259,7 +327,8 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
         diffs["state_dict"] = _state_dict_diffs(model, ref_params, device)
     return {"preset": preset, "converted": len(report.converted), "wrapped": len(states), "counters": total,
             "memory": mem, "diffs": diffs, "freed": freed, "clip_norm": clip_norm,
-            "reshard_after_forward": reshard_after_forward, "recompute": recompute}
+            "reshard_after_forward": reshard_after_forward, "recompute": recompute,
+            "worst_grad": worst_grad if per_step else None}
 
 
 def _state_dict_diffs(model, ref_params, device) -> list[str]:

@@ -82,9 +82,10 @@ def micro_seed(step: int, rank: int, micro: int) -> int:
 
 
 def reference_run(init_state, recipe_name: str, batches, *, mesh_shape, lr: float = 1e-2, device="cpu",
-                  model_kw=None, backward_override=None):
+                  model_kw=None, backward_override=None, first_step: int = 0):
     """Single-process replay of the FSDP2 run. mesh_shape = (replicas, shards); rank = r * shards + s.
-    Returns (losses[step][rank][micro], grads of step 0 {name: fp32}, final master params {name: fp32})."""
+    Returns (losses[step][rank][micro], grads of step 0 {name: fp32}, final master params {name: fp32}).
+    first_step: the training step batches[0] is (seeds the micro-batches' random draws as that step did)."""
     model_kw = model_kw or {}
     recipe = hybridq.recipe(recipe_name, backward_override=backward_override)
     master = TinyLM(**model_kw).to(device)
@@ -105,7 +106,7 @@ def reference_run(init_state, recipe_name: str, batches, *, mesh_shape, lr: floa
             acc, rl = None, []
             for m, tok in enumerate(micros):
                 tok = tok.to(device)
-                torch.manual_seed(micro_seed(step, rank, m))
+                torch.manual_seed(micro_seed(first_step + step, rank, m))
                 loss = loss_fn(work(tok[:, :-1]), tok[:, 1:])
                 loss.backward()
                 g = {n: p.grad.float() for n, p in work.named_parameters()}

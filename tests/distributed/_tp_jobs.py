@@ -144,10 +144,12 @@ def _cmp(out: list, what: str, got, want, *, exact: bool = True, rtol: float = 0
         if d is not None:
             out.append(d)
         return
-    err = (got.float() - want.float()).abs().max().item()
+    diff = (got.float() - want.float()).abs()
+    err = diff.max().item()
     scale = want.float().abs().max().item() or 1.0
-    if err > rtol * scale:
-        out.append(f"{what}: max |diff| {err:.3e} > {rtol:.1e} x max |want| {scale:.3e}")
+    if not err <= rtol * scale:  # (NaN fails) how many elements: a few = one moved quantization step, many = a bug
+        out.append(f"{what}: max |diff| {err:.3e} > {rtol:.1e} x max |want| {scale:.3e} "
+                   f"({int((diff > rtol * scale).sum())} of {diff.numel()} elements beyond)")
 
 
 def tp_block_job(rank: int, world_size: int, device, cases: list) -> dict:
@@ -291,7 +293,14 @@ def tp_fsdp_job(rank: int, world_size: int, device, mesh_shape: tuple, presets: 
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp", "tp"))
     dp, tp = mesh_shape
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
-    shape = (1, 256, 128)  # B = 1: each rank's tokens are a row shard of the whole input
+    # B = 1: each rank's tokens are a row shard of the whole input. 128 tokens and 128 weight rows / columns per
+    # TP rank (d = 64 tp, at least 128): whole 128-row / 128x128 blocks (fp8_block) in every TP piece
+    shape = (1, 128 * max(tp, 2), 64 * max(tp, 2))
+    # Linear weight gradients are bitwise on the CPU where FSDP2 averages at most two dp ranks (a sum of two,
+    # halved) and tp <= 2. Elsewhere within rtol: a mean over 4 ranks is summed in another order than the
+    # reference's; a TP piece's GEMM has another shape than the reference's, which at tp = 4 moved 27 of 131072
+    # elements of fp8_tensorwise's w2 gradient by an ulp on the CPU, and on CUDA may pick another cuBLAS kernel
+    exact_grads = dp <= 2 and tp <= 2 and device.type == "cpu"
     report = {}
     for preset in presets:
         diffs: list[str] = []
@@ -326,7 +335,7 @@ def tp_fsdp_job(rank: int, world_size: int, device, mesh_shape: tuple, presets: 
                     piece = want[:, tp_rank * n:(tp_rank + 1) * n] if cols else want[tp_rank * n:(tp_rank + 1) * n]
                     _cmp(diffs, f"{preset} {mesh_shape} {name} weight operand", rec_t.seen[name][1], piece)
             for (n, p), (_, p_r) in zip(model.named_parameters(), ref.named_parameters()):
-                exact = n != "norm.weight"  # the norm's gradient sums over ranks' tokens in another order
+                exact = exact_grads and n != "norm.weight"  # the norm's gradient sums over ranks' tokens in another order
                 _cmp(diffs, f"{preset} {mesh_shape} step {step} grad of {n}", _full(p.grad), p_r.grad,
                      exact=exact, rtol=1e-5)
             opt_r.step(), opt.step(), opt_r.zero_grad(), opt.zero_grad()
