@@ -9,7 +9,10 @@
 #   bash launch/multi_gpu_runs.sh scaling            # 4 / 8 GPUs: weak scaling 1 -> 2 -> 4 -> 8 (<= 7.5 min)
 #   bash launch/multi_gpu_runs.sh 7b                 # 4 / 8 GPUs: the Llama-2-7B shape (<= 7 min; repeat it: each
 #                                                    # call runs the recipes earlier calls did not finish)
-# A fresh machine first builds the extension (~1 min) unless hybridq/_C*.so is carried.
+# A fresh machine first builds the extension (~1 min) unless hybridq/_C*.so is carried. The torchao float8 rows need
+# torchao, which the device machines lack (no internet there): download the wheel where there is internet
+# (`pip download torchao==0.18.0 --no-deps -d .devrun/wheels`; its float8 training is Python over torch._scaled_mm),
+# carry it, and set TORCHAO_WHEEL=.devrun/wheels/torchao-0.18.0-...whl: the script installs it first (--no-deps).
 #
 # Stages (approximate limits):
 #   nccl      150 s  the NCCL suites: pytest -m distributed tests/distributed -k nccl (world 2; test_large_world apart)
@@ -43,6 +46,10 @@ nvidia-smi -L; date -u
 if ! ls hybridq/_C*.so >/dev/null 2>&1; then
   python3 setup.py build_ext --inplace -j 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
   report build 0
+fi
+if [ -n "${TORCHAO_WHEEL:-}" ]; then
+  python3 -m pip install -q --no-deps "$TORCHAO_WHEEL" > "$OUT/torchao_install.log" 2>&1
+  report "torchao install from $TORCHAO_WHEEL" $?
 fi
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node $N"
 E2E="python3 launch/e2e_report.py"
