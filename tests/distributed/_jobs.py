@@ -227,7 +227,7 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
     on its own: its losses bitwise (the forward reads the same weights), its reduced gradients within
     grad_rtol x max |replay's| per tensor, and the sharded AdamW step bitwise equal to a plain AdamW fed the
     same gradients. (A free-running comparison cannot be tight: once a last-bit difference flips one weight's
-    bf16 or quantized value, later steps differ by up to ~lr per element; see test_large_world.py.)"""
+    bf16 or quantized value, later steps differ by up to ~lr per element; see GRAD_RTOL in test_large_world.py.)"""
     mesh_shape = mesh_shape or (1, world_size)
     per_step = grad_rtol is not None
     fully_shard, mp = _fsdp(device, world_size, mesh_shape)
@@ -303,20 +303,23 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
         opt.zero_grad(set_to_none=True)
         if per_step:
             for n, p in model.named_parameters():
-                if not torch.equal(p.full_tensor(), master[n].detach()):
+                full = p.full_tensor()
+                if not torch.equal(full, master[n].detach()):
                     diffs["params"].append(f"step {step}: sharded AdamW left parameter {n} "
-                                           f"{_max_diff(p.full_tensor(), master[n].detach())} from plain AdamW's")
+                                           f"{_max_diff(full, master[n].detach())} from plain AdamW's")
         if precompute:
             precompute_scales(model)
         if memory:  # (allocated after the step, peak during the step)
             torch.cuda.synchronize()
             mem.append((torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
-    if per_step:  # (checked after every step above)
+    if per_step:  # (compared after every step above)
         ref_params = {n: p.detach() for n, p in master.items()}
-    for n, p in model.named_parameters():
-        full = p.full_tensor()
-        if not per_step and not torch.equal(full, ref_params[n].to(device)):
-            diffs["params_final"].append(f"parameter {n} after {steps} steps: {_max_diff(full, ref_params[n].to(device))}")
+    else:
+        for n, p in model.named_parameters():
+            full = p.full_tensor()
+            if not torch.equal(full, ref_params[n].to(device)):
+                diffs["params_final"].append(f"parameter {n} after {steps} steps: "
+                                             f"{_max_diff(full, ref_params[n].to(device))}")
     freed = _owned_freed(model)
     states = _states(model)
     total = {}
