@@ -5,7 +5,7 @@
 #
 #   bash launch/multi_gpu_runs.sh                    # = nccl fsdp tp e2e: the 2-GPU set (<= 9.5 min)
 #   bash launch/multi_gpu_runs.sh compiled           # the 1B job eager + compiled on all GPUs (<= 9 min)
-#   bash launch/multi_gpu_runs.sh large profile      # 4 / 8 GPUs: world-4/8 NCCL tests, all-gather time (<= 6.5 min)
+#   bash launch/multi_gpu_runs.sh large profile      # 4 / 8 GPUs: world-4/8 NCCL tests, all-gather time (<= 8 min)
 #   bash launch/multi_gpu_runs.sh scaling            # 4 / 8 GPUs: weak scaling 1 -> 2 -> 4 -> 8 (<= 7.5 min)
 #   bash launch/multi_gpu_runs.sh 7b                 # 4 / 8 GPUs: the Llama-2-7B shape (<= 7 min; repeat it: each
 #                                                    # call runs the recipes earlier calls did not finish)
@@ -26,7 +26,7 @@
 #   scaling   450 s  launch/e2e_report.py --scaling 1,2,4,8 (sizes above the GPUs skipped): bf16 vs fp8_tensorwise
 #   7b        420 s  launch/e2e_report.py --size 7b on all GPUs: bf16, every preset, torchao float8 where installed,
 #                    as many as fit; rows finished by an earlier call are read back (--reuse-finished)
-#   profile   150 s  launch/profile_step.py under torchrun on all GPUs: the collectives split by kind (all-gather
+#   profile   240 s  launch/profile_step.py under torchrun on all GPUs: the collectives split by kind (all-gather
 #                    GPU time per step), bf16 vs fp8_tensorwise
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,7 +89,7 @@ for s in $STAGES; do
         --time-limit-s 200 --total-budget-s 410 --out-dir "$d" > "$d/log" 2>&1
       rc=$?; grep -E "^\|" "$d/log" ;;
     profile)
-      timeout 150 $TORCHRUN launch/profile_step.py --recipes bf16,fp8_tensorwise --timed-steps 4 \
+      timeout 240 $TORCHRUN launch/profile_step.py --recipes bf16,fp8_tensorwise --timed-steps 4 \
         --json "$d/profile.json" > "$d/log" 2>&1
       rc=$?; sed -n '/by category/,/^## top/p' "$d/log" ;;
   esac
