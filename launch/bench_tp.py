@@ -7,7 +7,7 @@ memory (CUDA).
 
     torchrun --nproc_per_node 2 launch/bench_tp.py                         # d 4096, seq 4096, batch 1, bf16
     torchrun --nproc_per_node 4 launch/bench_tp.py --modes bf16,fp8_tensorwise,mxfp8 --json tp.json
-    torchrun --nproc_per_node 2 launch/bench_tp.py --smoke                 # tiny sizes on the CPU (gloo)
+    torchrun --nproc_per_node 2 launch/bench_tp.py --smoke                 # tiny sizes on the CPU (gloo; any world)
 """
 
 from __future__ import annotations
@@ -68,11 +68,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 step, 1 round (CI on the CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.smoke:
-        args.dim, args.heads, args.hidden, args.seq, args.batch, args.steps, args.rounds = 256, 4, 512, 64, 1, 1, 1
     warnings.filterwarnings("ignore", category=FutureWarning)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.smoke:  # the smallest sizes every preset splits over `world` ranks: 128 columns, 32 sequence rows each
+        args.dim, args.heads, args.hidden, args.seq = 128 * world, 2 * world, 256 * world, 32 * world
+        args.batch, args.steps, args.rounds = 1, 1, 1
     cuda = (torch.cuda.is_available() and world <= torch.cuda.device_count()) if args.device == "auto" \
         else args.device == "cuda"  # (auto: the CPU when there are fewer GPUs than processes)
     if cuda:
