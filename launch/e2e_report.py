@@ -59,7 +59,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
-from metrics import read_metrics, runs_of  # noqa: E402
+from metrics import fmt_bytes, read_metrics, runs_of  # noqa: E402
 BASELINE = "bf16"
 TORCHAO = "torchao_float8"
 # --norm-baseline: bf16 with hybridq.RMSNorm (train.py --recipe bf16 --norms hybridq), to show how much of a preset's
@@ -411,9 +411,7 @@ def window_mean(losses: list[float], n: int) -> float:
 
 
 def fmt_mem(b) -> str:
-    if b is None:
-        return "-"
-    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB" if b >= 2**20 else f"{b / 2**10:.0f} KiB"
+    return fmt_bytes(b, gib_digits=1)
 
 
 def rows_for(results: list[dict]) -> list[dict]:

@@ -93,10 +93,12 @@ def runs_of(records: list[dict]) -> dict[str, dict]:
     return {r["recipe"]: r for r in records if r.get("kind") == "summary"}
 
 
-def fmt_bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None, gib_digits: int = 2) -> str:
     if n is None:
         return "-"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.{gib_digits}f} GiB"
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def table(rows: list[list[str]], right: set[int] = frozenset()) -> str:

@@ -51,6 +51,18 @@ def tensor_diff(got: torch.Tensor, want: torch.Tensor, what: str, *, nan_payload
             f"got {vg!r} (bits {int(bg[i])}), want {vw!r} (bits {int(bw[i])})")
 
 
+def close_diff(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float) -> tuple[float, str | None]:
+    """(max |got - want| / max |want|, None) when that is within `rtol`, else (it, a message saying how many elements
+    are beyond: a few = one moved quantization step, many = a bug). NaN never passes."""
+    diff = (got.float() - want.float().to(got.device)).abs()
+    scale = want.float().abs().max().item() or 1.0
+    err = diff.max().item() / scale
+    if err <= rtol:
+        return err, None
+    return err, (f"{what}: max |diff| {err * scale:.3e} = {err:.3e} x max |want| {scale:.3e} > {rtol:.1e} "
+                 f"({int((diff > rtol * scale).sum())} of {diff.numel()} elements beyond)")
+
+
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str, *, nan_payload: bool | tuple[torch.dtype, ...] = False) -> None:
     """`got` equals `want` bit for bit (see tensor_diff)."""
     diff = tensor_diff(got, want, what, nan_payload=nan_payload)

@@ -19,7 +19,7 @@ from hybridq.formats import COLUMNWISE, ROWWISE
 
 # the shared test helpers live one level up; spawned ranks inherit this sys.path
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from _compare import assert_parts_bitwise as assert_parts_equal, parts_diff  # noqa: E402
+from _compare import assert_parts_bitwise as assert_parts_equal, close_diff, parts_diff  # noqa: E402
 from _format_cases import FORMATS, hybrid  # noqa: E402
 from _models import TinyLM, loss_fn, make_batches, micro_seed, reference_run
 
@@ -210,12 +210,6 @@ def run_training(rank, world_size, device, *, env_override=None, **kw):
             os.environ[BACKWARD_OVERRIDE_ENV] = old
 
 
-def _grad_differs(got, want, rtol) -> tuple[float, bool]:
-    """(max |got - want| / max |want|, whether that exceeds rtol; NaN exceeds it)."""
-    err = (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() or 1.0)
-    return err, not err <= rtol
-
-
 def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_after_forward=True, accum=1,
                   recompute=False, precompute=True, steps=3, check_state_dict=False, check_clip=False,
                   memory=False, backward_override=None, offload=False, unsharded_accum=False, reuse_payload=True,
@@ -281,12 +275,11 @@ def _run_training(rank, world_size, device, *, preset, mesh_shape=None, reshard_
         if per_step:
             for n, p in model.named_parameters():
                 g = p.grad.full_tensor()
-                err, bad = _grad_differs(g, ref_g0[n], grad_rtol)
+                err, bad = close_diff(g, ref_g0[n], f"step {step} grad of {n}", grad_rtol)
                 if err > worst_grad[0]:
                     worst_grad = (err, f"step {step} grad of {n}")
-                if bad:
-                    diffs["grads"].append(f"step {step} grad of {n}: max |diff| {err:.3e} x max |reference| "
-                                          f"> {grad_rtol:.0e}")
+                if bad is not None:
+                    diffs["grads"].append(bad)
                 master[n].grad = g.clone()
             master_opt.step()
             master_opt.zero_grad(set_to_none=True)
