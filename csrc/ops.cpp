@@ -13,7 +13,7 @@ using namespace hybridq::ops;
 TORCH_LIBRARY(hybridq, m) {
   m.def(
       "fp8_tensor_quantize(Tensor x, ScalarType dtype, Tensor? scale, Tensor? amax, float eps, bool pow2, "
-      "bool rowwise, bool columnwise, bool want_amax) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool rowwise, bool columnwise, bool want_amax, Tensor(a!)? amax_history=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
       "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");

@@ -20,7 +20,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
                                                                const std::optional<Tensor>& scale,
                                                                const std::optional<Tensor>& amax, double eps,
                                                                bool pow2, bool rowwise, bool columnwise,
-                                                               bool want_amax);
+                                                               bool want_amax,
+                                                               const std::optional<Tensor>& amax_history);
 // FP8 block scaling -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv)
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize(const Tensor& x, at::ScalarType dtype,
                                                               int64_t block_dim, double eps, bool pow2, bool rowwise,

@@ -16,14 +16,18 @@ namespace hybridq {
 namespace ops {
 
 // ---- per-tensor FP8 ---------------------------------------------------------------------------------
-// scale given (delayed scaling): cast with it; want_amax records max|x| in the same pass.
+// scale given (delayed scaling): cast with it; want_amax records max|x| in the same pass, into a new [1] tensor, or,
+// with amax_history given, max-combined in place into its element 0 (the quantizer's current history slot: one
+// memset and one torch.maximum launch fewer per cast; the combine is the kernels' atomic max of the fp32 bit
+// patterns, which is the value maximum for the non-negative amaxes a history holds).
 // else amax given (e.g. a global amax): scale from it; else max|x| first (one extra read).
 // returns (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1], amax [1] | [0])
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, at::ScalarType dtype,
                                                                const std::optional<Tensor>& scale,
                                                                const std::optional<Tensor>& amax, double eps,
                                                                bool pow2, bool rowwise, bool columnwise,
-                                                               bool want_amax) {
+                                                               bool want_amax,
+                                                               const std::optional<Tensor>& amax_history) {
   constexpr const char* op = "fp8_tensor_quantize";
   check_input(x, op);
   const auto it = in_type(x, op);
@@ -33,6 +37,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
     TORCH_CHECK(scale->numel() == 1, "hybridq::", op, ": scale must have one element, got shape ", scale->sizes());
   } else if (amax.has_value()) {
     TORCH_CHECK(amax->numel() == 1, "hybridq::", op, ": amax must have one element, got shape ", amax->sizes());
+  }
+  if (amax_history.has_value()) {
+    const Tensor& h = *amax_history;
+    TORCH_CHECK(scale.has_value() && want_amax, "hybridq::", op,
+                ": amax_history (record max|x| in place) needs a given scale and want_amax=True (delayed scaling)");
+    TORCH_CHECK(h.is_cuda() && h.device() == x.device(), "hybridq::", op, ": amax_history must be on ", x.device(),
+                ", got ", h.device());
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 1 && h.numel() >= 1 && h.is_contiguous(), "hybridq::",
+                op, ": amax_history must be a contiguous 1-D fp32 tensor with at least one element, got ",
+                h.scalar_type(), " of shape ", h.sizes());
   }
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -44,7 +58,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
   if (scale.has_value()) {
     scale_t = scale->to(x.device(), at::kFloat).contiguous();
     a.scale_in = scale_t.data_ptr<float>();
-    if (want_amax) {
+    if (amax_history.has_value()) {
+      amax_out = empty0(x, at::kFloat);
+      a.amax_out = amax_bits(*amax_history);
+    } else if (want_amax) {
       amax_out = zeros_amax(x);
       a.amax_out = amax_bits(amax_out);
     } else {

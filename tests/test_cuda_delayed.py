@@ -148,3 +148,49 @@ def test_delayed_cast_uses_batched_update():
         pr = qr.reference_parts(x.to(torch.bfloat16), True, True)
         assert torch.equal(pg[0].data.view(torch.uint8).cpu(), pr[0].data.view(torch.uint8)), f"step {step} data"
         assert _bits_equal(qg.scale, qr.scale) and _bits_equal(qg.amax_history, qr.amax_history), f"step {step}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_cast_records_its_amax_in_the_history_in_place(algo):
+    """The cast kernel max-combines max|x| into amax_history[0] itself (no separate record op, the history tensor
+    kept): history and scale equal the reference's over steps that include all-zero and infinite inputs."""
+    gen = torch.Generator().manual_seed(SEED + 3)
+    qg = Float8Quantizer(scaling="delayed", amax_history_len=8, amax_compute_algo=algo)
+    qr = Float8Quantizer(scaling="delayed", amax_history_len=8, amax_compute_algo=algo)
+    for step in range(7):
+        x = torch.randn(96, 160, generator=gen) * 2.0 ** (3 * step - 9)
+        if step == 2:
+            x.zero_()
+        if step == 4:
+            x[5, 7] = float("inf")
+        x = x.to(torch.bfloat16)
+        qg.quantize_parts(x.cuda(), True, step % 2 == 0)
+        history = qg.amax_history
+        qr.reference_parts(x, True, step % 2 == 0)
+        assert qg.amax_history is history, f"step {step}: the history was replaced, not written in place"
+        assert qg.update_pending, f"step {step}: the cast left no update pending"
+        assert _bits_equal(qg.amax_history, qr.amax_history), (
+            f"step {step}: history {qg.amax_history.tolist()} != {qr.amax_history.tolist()} (seed {SEED})")
+        assert _bits_equal(qg.scale, qr.scale), f"step {step}: scale {qg.scale.item()!r} != {qr.scale.item()!r}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_record_is_torch_maximum_of_the_slot_and_the_amax():
+    """The op's in-place record (amax_history=) equals torch.maximum(history[0], the amax it returns otherwise),
+    for first slots from 0 to inf; the other entries are untouched."""
+    ops = torch.ops.hybridq
+    gen = torch.Generator().manual_seed(SEED + 4)
+    x = (torch.randn(64, 96, generator=gen) * 3).to(torch.bfloat16).cuda()
+    scale = torch.full((1,), 2.0, device="cuda")
+    _, _, _, amax = ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, scale, None, 0.0, False, True, True, True)
+    for first in (0.0, 1e-30, float(amax) / 2, float(amax), float(amax) * 2, float("inf")):
+        h = torch.tensor([first, 5.0, 0.0, 7.0], device="cuda")
+        want = h.clone()
+        want[:1] = torch.maximum(want[:1], amax)
+        row, col, _, out_amax = ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, scale, None, 0.0, False, True, True,
+                                                       True, h)
+        assert out_amax.numel() == 0, "the recorded amax went to the history, not to a returned tensor"
+        assert _bits_equal(h, want), f"history[0] = {first!r}: got {h.tolist()}, want {want.tolist()}"

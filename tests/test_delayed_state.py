@@ -87,6 +87,20 @@ def test_loading_a_history_of_another_length_raises_naming_the_key_and_changes_n
     assert_bitwise(layer.input_quantizer.amax_history, before, "history after a refused load")
 
 
+@pytest.mark.parametrize("bad", [-1.5, -0.0])
+def test_loading_a_history_with_a_negative_entry_raises_naming_the_key_and_changes_nothing(bad):
+    """Histories hold amaxes; the cast kernels max-combine into them by bit pattern, where a set sign bit (-0.0
+    too) would win over every amax."""
+    layer = _model()[0]
+    sd = layer.state_dict()
+    sd["delayed_scaling.weight.amax_history"][5] = bad
+    before = layer.weight_quantizer.amax_history.clone()
+    with pytest.raises(RuntimeError, match=rf"delayed_scaling\.weight\.amax_history: an amax history holds amaxes "
+                                           rf"\(sign bit clear.*got {bad!r} at index 5"):
+        layer.load_state_dict(sd)
+    assert_bitwise(layer.weight_quantizer.amax_history, before, "history after a refused load")
+
+
 def test_a_plain_linear_state_dict_loads_and_keeps_the_layers_delayed_state():
     """Weights only (nn.Linear's keys): loads strictly; the layer's own delayed-scaling state stays."""
     layer = _model()[0]

@@ -159,15 +159,22 @@ def test_delayed_scaling_replay_of_a_layer_called_twice_raises_naming_the_tensor
         y.float().sum().backward()
 
 
-def test_delayed_scaling_replay_uses_the_forward_scale_even_after_an_update():
-    """An update between forward and backward (update_delayed_scaling) changes the live scale; the recomputed cast
-    still uses the one its forward used, so the gradients are those of the run without recompute."""
+def _devices():
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_delayed_scaling_replay_uses_the_forward_scale_even_after_an_update(device):
+    """An update between forward and backward (update_delayed_scaling) changes the live scale (on CUDA in place);
+    the recomputed cast still uses the one its forward used, so the gradients are those of the run without
+    recompute."""
     def grads(recompute):
         torch.manual_seed(0)
-        layer = hq.Linear(D, D, recipe=hq.recipe("fp8_delayed"), name="fc").to(torch.bfloat16)
+        layer = hq.Linear(D, D, recipe=hq.recipe("fp8_delayed"), name="fc").to(device, torch.bfloat16)
         out = []
         for step in range(3):  # from step 1 on, the update changes the scale
-            x = torch.randn(32, D, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            x = torch.randn(32, D, generator=torch.Generator().manual_seed(step)).to(device, torch.bfloat16)
             x.requires_grad_()
             y = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
             hq.update_delayed_scaling(layer.quantizers().values())

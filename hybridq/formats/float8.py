@@ -187,7 +187,10 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         self._step_casts += 1
         self._step_grad_casts += grad
         self._casts_in_forward = True
-        self._forward_scale = self.scale.clone()  # (the CUDA update changes the live scale in place)
+        # the live scale itself, not a copy (a launch per cast): an in-place update (the CUDA one) comes either at
+        # this quantizer's next non-replayed cast, after which no replay of this cast can come, or from a batched
+        # `update_delayed_scaling`, which copies it first (`detach_forward_scale`)
+        self._forward_scale = self.scale
 
     def begin_delayed_cast(self, device: torch.device,
                            run_update: Callable[[], None] | None = None) -> torch.Tensor:
@@ -213,11 +216,22 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
             return
         slot = self.amax_history[:1]
         torch.maximum(slot, amax.to(slot.device).reshape(1), out=slot)  # (one launch, in place)
+        self.mark_amax_recorded()
+
+    def mark_amax_recorded(self) -> None:
+        """A cast's amax was max-combined into `amax_history[0]` in place (by `record_amax` or by the cast's kernel
+        itself); the next cast updates first."""
         self._update_pending = True
 
     def mark_updated(self) -> None:
         """The state was updated in place by a batched update (see hybridq.update_delayed_scaling)."""
         self._update_pending = False
+
+    def detach_forward_scale(self) -> None:
+        """Before an in-place update of `scale` that a replay of the last forward cast may still follow: keep that
+        cast's scale in a copy."""
+        if self._forward_scale is self.scale:
+            self._forward_scale = self.scale.clone()
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool | None = None, columnwise: bool | None = None,
                  name: str = "tensor", global_stats: torch.Tensor | None = None):

@@ -18,7 +18,7 @@ import torch
 from ..formats import (Float8BlockPart, Float8BlockQuantizer, Float8Quantizer, Float8TensorPart, MXFP8Part,
                        MXFP8Quantizer, NVFP4Part, NVFP4Quantizer)
 from . import _ext
-from .delayed import update_delayed_scaling
+from .delayed import update_before_cast
 from ..dispatch import KernelImpl, register_dequantize, register_quantize, register_row_groups
 
 log = logging.getLogger("hybridq")
@@ -75,11 +75,16 @@ def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None
     x = x2d.contiguous()
     m, k = x.shape
     if q.scaling == "delayed":
-        # the pending update in one launch instead of the Python update's ~10 small ops (same values)
-        scale = q.begin_delayed_cast(x.device, lambda: update_delayed_scaling([q]))
-        row, col, scale_inv, cur = _ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
-                                                              q.power_2_scale, rowwise, columnwise, True)
-        q.record_amax(cur)
+        # the pending update in one launch instead of the Python update's ~10 small ops (same values), and the
+        # cast's max|x| max-combined into the history slot by the cast kernel itself (a replay records nothing)
+        replay = q.replaying()
+        scale = q.begin_delayed_cast(x.device, lambda: update_before_cast(q))
+        history = None if replay else q.amax_history
+        row, col, scale_inv, _ = _ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
+                                                            q.power_2_scale, rowwise, columnwise,
+                                                            history is not None, history)
+        if history is not None:
+            q.mark_amax_recorded()
     else:
         for given in (stats, global_stats):
             if amax is None and given is not None:

@@ -80,6 +80,14 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
             errors.append(f"{k}: expected a tensor of shape {tuple(want)} for {q.describe()} "
                           f"(amax_history_len={q.amax_history_len}), got "
                           f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+        elif f == "amax_history":
+            # a history holds amaxes; the cast kernels max-combine into it by bit pattern (docs/numerics.md)
+            negative = (torch.signbit(v) & ~torch.isnan(v)).nonzero()
+            if negative.numel():
+                i = int(negative[0, 0])
+                errors.append(f"{k}: an amax history holds amaxes (sign bit clear: the cast kernels max-combine by bit "
+                              f"pattern) for {q.describe()}, got "
+                              f"{v[i].item()!r} at index {i}")
     if errors:
         error_msgs.extend(errors)
         return
