@@ -13,7 +13,10 @@ using namespace hybridq::ops;
 TORCH_LIBRARY(hybridq, m) {
   m.def(
       "fp8_tensor_quantize(Tensor x, ScalarType dtype, Tensor? scale, Tensor? amax, float eps, bool pow2, "
-      "bool rowwise, bool columnwise, bool want_amax, Tensor(a!)? amax_history=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool rowwise, bool columnwise, bool want_amax) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_tensor_quantize_delayed(Tensor x, ScalarType dtype, Tensor scale, Tensor(a!) amax_history, float eps, "
+      "bool pow2, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)");
   m.def(
       "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
       "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
@@ -47,6 +50,7 @@ TORCH_LIBRARY(hybridq, m) {
 #define HQ_IMPL_ALL(m)                                   \
   m.impl("transpose_bytes", &transpose_bytes);           \
   m.impl("fp8_tensor_quantize", &fp8_tensor_quantize);   \
+  m.impl("fp8_tensor_quantize_delayed", &fp8_tensor_quantize_delayed); \
   m.impl("fp8_tensor_quantize_grouped", &fp8_tensor_quantize_grouped); \
   m.impl("fp8_block_quantize", &fp8_block_quantize);     \
   m.impl("mxfp8_quantize", &mxfp8_quantize);             \

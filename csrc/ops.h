@@ -20,8 +20,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
                                                                const std::optional<Tensor>& scale,
                                                                const std::optional<Tensor>& amax, double eps,
                                                                bool pow2, bool rowwise, bool columnwise,
-                                                               bool want_amax,
-                                                               const std::optional<Tensor>& amax_history);
+                                                               bool want_amax);
+// delayed scaling: cast with scale, max|x| max-combined into amax_history[0] in place -> (rowwise, columnwise, scale_inv)
+std::tuple<Tensor, Tensor, Tensor> fp8_tensor_quantize_delayed(const Tensor& x, at::ScalarType dtype,
+                                                               const Tensor& scale, const Tensor& amax_history,
+                                                               double eps, bool pow2, bool rowwise, bool columnwise);
 // FP8 block scaling -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv)
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize(const Tensor& x, at::ScalarType dtype,
                                                               int64_t block_dim, double eps, bool pow2, bool rowwise,

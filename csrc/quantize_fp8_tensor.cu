@@ -1,5 +1,5 @@
 // Per-tensor FP8: the tile kernel with Fp8TensorPolicy (fused cast + transpose; the amax pass is in amax.cu) and
-// the fp8_tensor_quantize op.
+// the fp8_tensor_quantize / fp8_tensor_quantize_delayed ops.
 #include "binding_checks.h"
 #include "ops.h"
 #include "tile/policy_fp8_tensor.cuh"
@@ -16,57 +16,30 @@ namespace hybridq {
 namespace ops {
 
 // ---- per-tensor FP8 ---------------------------------------------------------------------------------
-// scale given (delayed scaling): cast with it; want_amax records max|x| in the same pass, into a new [1] tensor, or,
-// with amax_history given, max-combined in place into its element 0 (the quantizer's current history slot: one
-// memset and one torch.maximum launch fewer per cast; the combine is the kernels' atomic max of the fp32 bit
-// patterns, which is the value maximum for the non-negative amaxes a history holds).
-// else amax given (e.g. a global amax): scale from it; else max|x| first (one extra read).
-// returns (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1], amax [1] | [0])
-std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, at::ScalarType dtype,
+namespace {
+
+// The cast of both ops below. scale given (delayed scaling): cast with it and, with record_into, max-combine max|x|
+// into *record_into in the same pass (the kernels' atomic max of fp32 bit patterns: the value maximum for the
+// non-negative amaxes recorded there); else amax given (e.g. a global amax): scale from it; else max|x| first (one
+// extra read). Returns (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1], amax used [1] | [0]).
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_tensor(const char* op, const Tensor& x, at::ScalarType dtype,
                                                                const std::optional<Tensor>& scale,
                                                                const std::optional<Tensor>& amax, double eps,
                                                                bool pow2, bool rowwise, bool columnwise,
-                                                               bool want_amax,
-                                                               const std::optional<Tensor>& amax_history) {
-  constexpr const char* op = "fp8_tensor_quantize";
-  check_input(x, op);
+                                                               uint32_t* record_into) {
   const auto it = in_type(x, op);
   auto a = base_args(x, rowwise, columnwise);
   set_fp8(a, dtype, eps, pow2, op);
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->numel() == 1, "hybridq::", op, ": scale must have one element, got shape ", scale->sizes());
-  } else if (amax.has_value()) {
-    TORCH_CHECK(amax->numel() == 1, "hybridq::", op, ": amax must have one element, got shape ", amax->sizes());
-  }
-  if (amax_history.has_value()) {
-    const Tensor& h = *amax_history;
-    TORCH_CHECK(scale.has_value() && want_amax, "hybridq::", op,
-                ": amax_history (record max|x| in place) needs a given scale and want_amax=True (delayed scaling)");
-    TORCH_CHECK(h.is_cuda() && h.device() == x.device(), "hybridq::", op, ": amax_history must be on ", x.device(),
-                ", got ", h.device());
-    TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 1 && h.numel() >= 1 && h.is_contiguous(), "hybridq::",
-                op, ": amax_history must be a contiguous 1-D fp32 tensor with at least one element, got ",
-                h.scalar_type(), " of shape ", h.sizes());
-  }
-  c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1);
   Tensor row = rowwise ? at::empty({M, K}, x.options().dtype(dtype)) : empty0(x, dtype);
   Tensor col = columnwise ? at::empty({K, M}, x.options().dtype(dtype)) : empty0(x, dtype);
   Tensor scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
-  Tensor amax_out, scale_t;
+  Tensor amax_out = empty0(x, at::kFloat), scale_t;
   if (scale.has_value()) {
     scale_t = scale->to(x.device(), at::kFloat).contiguous();
     a.scale_in = scale_t.data_ptr<float>();
-    if (amax_history.has_value()) {
-      amax_out = empty0(x, at::kFloat);
-      a.amax_out = amax_bits(*amax_history);
-    } else if (want_amax) {
-      amax_out = zeros_amax(x);
-      a.amax_out = amax_bits(amax_out);
-    } else {
-      amax_out = empty0(x, at::kFloat);
-    }
+    a.amax_out = record_into;
   } else if (amax.has_value()) {
     amax_out = amax->to(x.device(), at::kFloat).reshape({1}).clone();
     a.amax_in = amax_out.data_ptr<float>();
@@ -80,6 +53,56 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
   a.scale_inv_out = scale_inv.data_ptr<float>();
   C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
   return {row, col, scale_inv, amax_out};
+}
+
+void check_scale(const Tensor& scale, const char* op) {
+  TORCH_CHECK(scale.numel() == 1, "hybridq::", op, ": scale must have one element, got shape ", scale.sizes());
+}
+
+}  // namespace
+
+// scale given (delayed scaling): cast with it; want_amax returns max|x| of the same pass. Else amax given (e.g. a
+// global amax): scale from it; else max|x| first (one extra read).
+// returns (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1], amax [1] | [0])
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, at::ScalarType dtype,
+                                                               const std::optional<Tensor>& scale,
+                                                               const std::optional<Tensor>& amax, double eps,
+                                                               bool pow2, bool rowwise, bool columnwise,
+                                                               bool want_amax) {
+  constexpr const char* op = "fp8_tensor_quantize";
+  check_input(x, op);
+  if (scale.has_value()) {
+    check_scale(*scale, op);
+  } else if (amax.has_value()) {
+    TORCH_CHECK(amax->numel() == 1, "hybridq::", op, ": amax must have one element, got shape ", amax->sizes());
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor recorded = scale.has_value() && want_amax ? zeros_amax(x) : Tensor();
+  auto out = quantize_fp8_tensor(op, x, dtype, scale, amax, eps, pow2, rowwise, columnwise,
+                                 recorded.defined() ? amax_bits(recorded) : nullptr);
+  if (recorded.defined()) std::get<3>(out) = recorded;
+  return out;
+}
+
+// Delayed scaling's cast: with the quantizer's scale, max|x| max-combined in place into amax_history[0] (its current
+// slot) by the cast kernel itself -- one memset and one torch.maximum launch fewer per cast than returning it.
+// A separate op so that fp8_tensor_quantize stays functional (a mutable argument would make torch.compile wrap
+// every call in auto_functionalized). returns (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1])
+std::tuple<Tensor, Tensor, Tensor> fp8_tensor_quantize_delayed(const Tensor& x, at::ScalarType dtype,
+                                                               const Tensor& scale, const Tensor& amax_history,
+                                                               double eps, bool pow2, bool rowwise, bool columnwise) {
+  constexpr const char* op = "fp8_tensor_quantize_delayed";
+  check_input(x, op);
+  check_scale(scale, op);
+  const Tensor& h = amax_history;
+  TORCH_CHECK(h.is_cuda() && h.device() == x.device(), "hybridq::", op, ": amax_history must be on ", x.device(),
+              ", got ", h.device());
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 1 && h.numel() >= 1 && h.is_contiguous(), "hybridq::", op,
+              ": amax_history must be a contiguous 1-D fp32 tensor with at least one element, got ", h.scalar_type(),
+              " of shape ", h.sizes());
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = quantize_fp8_tensor(op, x, dtype, scale, std::nullopt, eps, pow2, rowwise, columnwise, amax_bits(h));
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }
 
 // Per-tensor FP8 of row groups (the experts of a grouped linear, each expert's rows one group): every group

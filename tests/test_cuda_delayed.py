@@ -179,18 +179,18 @@ def test_delayed_cast_records_its_amax_in_the_history_in_place(algo):
 @pytest.mark.gpu
 @needs_gpu
 def test_kernel_record_is_torch_maximum_of_the_slot_and_the_amax():
-    """The op's in-place record (amax_history=) equals torch.maximum(history[0], the amax it returns otherwise),
-    for first slots from 0 to inf; the other entries are untouched."""
+    """fp8_tensor_quantize_delayed's in-place record equals torch.maximum(history[0], the amax fp8_tensor_quantize
+    returns), for first slots from 0 to inf; the other entries and the cast are untouched."""
     ops = torch.ops.hybridq
     gen = torch.Generator().manual_seed(SEED + 4)
     x = (torch.randn(64, 96, generator=gen) * 3).to(torch.bfloat16).cuda()
     scale = torch.full((1,), 2.0, device="cuda")
-    _, _, _, amax = ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, scale, None, 0.0, False, True, True, True)
+    *cast, amax = ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, scale, None, 0.0, False, True, True, True)
     for first in (0.0, 1e-30, float(amax) / 2, float(amax), float(amax) * 2, float("inf")):
         h = torch.tensor([first, 5.0, 0.0, 7.0], device="cuda")
         want = h.clone()
         want[:1] = torch.maximum(want[:1], amax)
-        row, col, _, out_amax = ops.fp8_tensor_quantize(x, torch.float8_e4m3fn, scale, None, 0.0, False, True, True,
-                                                       True, h)
-        assert out_amax.numel() == 0, "the recorded amax went to the history, not to a returned tensor"
+        got = ops.fp8_tensor_quantize_delayed(x, torch.float8_e4m3fn, scale, h, 0.0, False, True, True)
         assert _bits_equal(h, want), f"history[0] = {first!r}: got {h.tolist()}, want {want.tolist()}"
+        for name, a, b in zip(("rowwise", "columnwise", "scale_inv"), got, cast):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} differs from fp8_tensor_quantize's"

@@ -471,8 +471,8 @@ def test_opcheck():
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.fp8_tensor_quantize, (x, torch.float8_e4m3fn, None, None, 0.0, False, True, True, False),
                           test_utils=tests)
-    torch.library.opcheck(ops.fp8_tensor_quantize, (x, torch.float8_e4m3fn, torch.ones(1, device="cuda"), None, 0.0,
-                                                    False, True, True, True, torch.zeros(4, device="cuda")),
+    torch.library.opcheck(ops.fp8_tensor_quantize_delayed, (x, torch.float8_e4m3fn, torch.ones(1, device="cuda"),
+                                                            torch.zeros(4, device="cuda"), 0.0, False, True, True),
                           test_utils=tests)
     torch.library.opcheck(ops.fp8_block_quantize, (x, torch.float8_e5m2, 1, 0.0, True, True, True), test_utils=tests)
     torch.library.opcheck(ops.mxfp8_quantize, (x, torch.float8_e4m3fn, True, True, True, False), test_utils=tests)
@@ -513,12 +513,13 @@ cases = [
      ["scale must have one element", "[2]"]),
     (lambda: ops.fp8_tensor_quantize(x, e4, None, torch.ones(3), 0.0, False, True, True, False),
      ["amax must have one element"]),
-    (lambda: ops.fp8_tensor_quantize(x, e4, None, None, 0.0, False, True, True, True, torch.zeros(4, device="cuda")),
-     ["amax_history", "needs a given scale"]),
-    (lambda: ops.fp8_tensor_quantize(x, e4, torch.ones(1, device="cuda"), None, 0.0, False, True, True, True,
-                                     torch.zeros(4)), ["amax_history must be on cuda", "cpu"]),
-    (lambda: ops.fp8_tensor_quantize(x, e4, torch.ones(1, device="cuda"), None, 0.0, False, True, True, True,
-                                     torch.zeros(4, 2, device="cuda")), ["amax_history must be", "[4, 2]"]),
+    (lambda: ops.fp8_tensor_quantize_delayed(x, e4, torch.ones(1, device="cuda"), torch.zeros(4), 0.0, False, True,
+                                             True), ["fp8_tensor_quantize_delayed", "amax_history must be on cuda",
+                                                     "cpu"]),
+    (lambda: ops.fp8_tensor_quantize_delayed(x, e4, torch.ones(1, device="cuda"), torch.zeros(4, 2, device="cuda"),
+                                             0.0, False, True, True), ["amax_history must be", "[4, 2]"]),
+    (lambda: ops.fp8_tensor_quantize_delayed(x, e4, torch.ones(3, device="cuda"), torch.zeros(4, device="cuda"),
+                                             0.0, False, True, True), ["scale must have one element", "[3]"]),
     (lambda: ops.dequantize_fp8(q8, torch.ones(2, device="cuda"), 0, torch.float32), ["needs 1 scale elements"]),
     (lambda: ops.dequantize_fp8(q8, torch.ones(1, device="cuda"), 7, torch.float32), ["mode", "got 7"]),
     (lambda: ops.dequantize_fp8(q8, torch.ones(1, device="cuda"), 0, torch.float16), ["out_dtype", "Half"]),

@@ -79,11 +79,13 @@ def _fp8_run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None
         # cast's max|x| max-combined into the history slot by the cast kernel itself (a replay records nothing)
         replay = q.replaying()
         scale = q.begin_delayed_cast(x.device, lambda: update_before_cast(q))
-        history = None if replay else q.amax_history
-        row, col, scale_inv, _ = _ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
-                                                            q.power_2_scale, rowwise, columnwise,
-                                                            history is not None, history)
-        if history is not None:
+        if replay:
+            row, col, scale_inv, _ = _ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
+                                                                q.power_2_scale, rowwise, columnwise, False)
+        else:
+            row, col, scale_inv = _ops().fp8_tensor_quantize_delayed(x, q.dtype, scale, q.amax_history,
+                                                                     q.amax_epsilon, q.power_2_scale, rowwise,
+                                                                     columnwise)
             q.mark_amax_recorded()
     else:
         for given in (stats, global_stats):

@@ -2,9 +2,10 @@
 and torch.compile. Imported by `_ext.load()` once the extension has registered the ops.
 
 Op reference (all inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
-- fp8_tensor_quantize(x, dtype, scale?, amax?, eps, pow2, rowwise, columnwise, want_amax, amax_history?)
+- fp8_tensor_quantize(x, dtype, scale?, amax?, eps, pow2, rowwise, columnwise, want_amax)
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8, scale_inv [1], amax [1] | [0])
-    (amax_history: delayed scaling records max|x| in place, max-combined into its element 0; amax is then [0])
+- fp8_tensor_quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwise, columnwise): delayed scaling's cast,
+  max|x| max-combined into amax_history[0] in place -> (rowwise, columnwise, scale_inv [1])
 - fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise): row r quantized with the scale
   of group row_group[r] (int32 [M]), each group's scale from its own max|x|
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8 | [0], scale_inv [n_groups], amax [n_groups])
@@ -42,10 +43,15 @@ def _cdiv(a, b):
 
 
 @register_fake("hybridq::fp8_tensor_quantize")
-def _fp8_tensor_quantize(x, dtype, scale, amax, eps, pow2, rowwise, columnwise, want_amax, amax_history=None):
+def _fp8_tensor_quantize(x, dtype, scale, amax, eps, pow2, rowwise, columnwise, want_amax):
     m, k = x.shape
     return (_or0(x, (m, k), dtype, rowwise), _or0(x, (k, m), dtype, columnwise), x.new_empty((1,), dtype=_F32),
-            _or0(x, (1,), _F32, scale is None or (want_amax and amax_history is None)))
+            _or0(x, (1,), _F32, scale is None or want_amax))
+
+
+@register_fake("hybridq::fp8_tensor_quantize_delayed")
+def _fp8_tensor_quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwise, columnwise):
+    return _fp8_tensor_quantize(x, dtype, scale, None, eps, pow2, rowwise, columnwise, False)[:3]
 
 
 @register_fake("hybridq::fp8_tensor_quantize_grouped")
