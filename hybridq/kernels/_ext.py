@@ -23,9 +23,10 @@ ENV_PATH = "HYBRIDQ_EXT_PATH"  # load this shared library instead of the hybridq
 ENV_DISABLE = "HYBRIDQ_DISABLE_CUDA_KERNELS"  # "1": never use the CUDA kernels (references only)
 
 # every op the Python side uses (an older build lacks some: it is reported as out of date, not used)
-REQUIRED_OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_block_quantize", "mxfp8_quantize", "nvfp4_quantize",
-                "nvfp4_quantize_grouped", "amax", "rms_norm_forward", "rms_norm_backward",
-                "dequantize_fp8", "dequantize_nvfp4", "fp8_delayed_update", "transpose_bytes")
+REQUIRED_OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped",
+                "fp8_block_quantize", "mxfp8_quantize", "nvfp4_quantize", "nvfp4_quantize_grouped", "amax",
+                "rms_norm_forward", "rms_norm_backward", "dequantize_fp8", "dequantize_nvfp4", "fp8_delayed_update",
+                "transpose_bytes")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}

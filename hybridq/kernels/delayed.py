@@ -116,8 +116,7 @@ def update_before_cast(q: Float8Quantizer) -> None:
     This is the per-cast path, so it skips what the batched one needs for many quantizers (about 30 us of host time
     per cast). No replay can follow an update made here: a forward cast replaces the scale a replay uses, and a
     quantizer that casts only in backward is never replayed, so the scale is updated in place without a copy."""
-    if (q.amax_reduction_group is None or not dist.is_initialized()) and _state_ok(q) \
-            and _type_ok(type(q), dispatch.quantize_options(Float8Quantizer)):
+    if (q.amax_reduction_group is None or not dist.is_initialized()) and _kernel_ok(q):
         _launch([q])
     else:
         update_delayed_scaling([q])

@@ -85,9 +85,8 @@ def _load_pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metad
             negative = (torch.signbit(v) & ~torch.isnan(v)).nonzero()
             if negative.numel():
                 i = int(negative[0, 0])
-                errors.append(f"{k}: an amax history holds amaxes (sign bit clear: the cast kernels max-combine by bit "
-                              f"pattern) for {q.describe()}, got "
-                              f"{v[i].item()!r} at index {i}")
+                errors.append(f"{k}: an amax history holds amaxes (sign bit clear: the cast kernels max-combine by "
+                              f"bit pattern) for {q.describe()}, got {v[i].item()!r} at index {i}")
     if errors:
         error_msgs.extend(errors)
         return
