@@ -4,6 +4,26 @@ Each tensor may use one quantization format for its rowwise (forward) use and an
 (backward) use. See README.md.
 """
 
+
+def _require_torch() -> None:
+    """torch is not a declared dependency (pip would put its default wheel over a CPU or custom build): say what
+    is missing in one message before any submodule fails on `import torch`."""
+    import re
+    hint = ("e.g. `pip install torch` (CUDA build) or `pip install torch --index-url "
+            "https://download.pytorch.org/whl/cpu` (CPU build); see https://pytorch.org/get-started/locally/")
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise ImportError(f"hybridq needs PyTorch >= 2.11: install it first, {hint}") from None
+    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    if m is None or (int(m.group(1)), int(m.group(2))) < (2, 11):
+        raise ImportError(f"hybridq needs PyTorch >= 2.11, found torch {torch.__version__}: upgrade it, {hint}")
+
+
+_require_torch()
+
 from . import dispatch
 from .enums import BackwardOverride, Direction, Scaling
 from .errors import FormatShapeError, RecipeError
