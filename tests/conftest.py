@@ -1,12 +1,15 @@
 """Shared pytest fixtures and hooks for the hybridq test suite.
 
-Informative output goes to the terminal summary, once, never between the progress dots: tests hand tables to
-the `summary_table` fixture (carried by the test reports, so it also works under pytest-xdist), and the
-round-trip rows to `roundtrip_report`. Tests skipped for want of a CUDA device are summarised in one line;
-other skips are listed one by one.
+Informative output goes to a file, never between the progress dots: tests hand tables to the `summary_table`
+fixture (carried by the test reports, so it also works under pytest-xdist) and the round-trip rows to
+`roundtrip_report`; at the end the tables and every skipped test with its reason are written to
+.pytest_cache/d/hybridq/test-report.txt, and the terminal gets two lines: the skip counts and that path.
 """
 
 from __future__ import annotations
+
+import pathlib
+import tempfile
 
 import pytest
 
@@ -41,8 +44,9 @@ def _skip_line(report) -> str:
     return f"SKIPPED {report.nodeid}: {report.longrepr}"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    tr = terminalreporter
+def _report_lines(tr, config) -> list[str]:
+    """The informative tables tests handed in, the round-trip errors and the skipped tests, as text lines."""
+    lines: list[str] = []
     tables: dict[str, str] = {}
     for reports in tr.stats.values():
         for rep in reports:
@@ -51,23 +55,41 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                     title, text = value
                     tables[title] = text
     for title, text in tables.items():
-        tr.section(title)
-        for line in text.splitlines():
-            tr.write_line(line)
+        lines += [f"== {title}", *text.splitlines(), ""]
 
     rows = config.stash.get(_ROUNDTRIP_ROWS, [])
     if rows:
-        tr.section("round-trip relative error ||dq(q(x)) - x|| / ||x||  (x ~ N(0,1), 256x512, seed 0)")
-        tr.write_line(f"{'format':<22} {'direction':<11} {'rel. error':>11} {'bound':>8}")
-        for fmt, direction, err, bound in sorted(rows):
-            tr.write_line(f"{fmt:<22} {direction:<11} {err:>11.6f} {bound:>8.4f}")
+        lines.append("== round-trip relative error ||dq(q(x)) - x|| / ||x||  (x ~ N(0,1), 256x512, seed 0)")
+        lines.append(f"{'format':<22} {'direction':<11} {'rel. error':>11} {'bound':>8}")
+        lines += [f"{fmt:<22} {direction:<11} {err:>11.6f} {bound:>8.4f}" for fmt, direction, err, bound in sorted(rows)]
+        lines.append("")
 
     skipped = [r for r in tr.stats.get("skipped", []) if getattr(r, "skipped", False)]
-    gpu = [r for r in skipped if _is_gpu_skip(r)]
-    others = [r for r in skipped if not _is_gpu_skip(r)]
-    if gpu or others:
-        tr.section("skipped")
-        if gpu:
-            tr.write_line(f"{len(gpu)} GPU tests skipped (no CUDA device, not enough of them, or no built extension)")
-        for r in others:
-            tr.write_line(_skip_line(r))
+    if skipped:
+        lines.append("== skipped")
+        lines += [_skip_line(r) for r in skipped]
+    return lines
+
+
+def _report_path(config) -> pathlib.Path:
+    if config.cache is not None:  # .pytest_cache/d/hybridq (pytest's cache folder ignores itself in git)
+        return config.cache.mkdir("hybridq") / "test-report.txt"
+    return pathlib.Path(tempfile.gettempdir()) / "hybridq-test-report.txt"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Two lines at most after the dots: the skips in one line, and where the tables and skip reasons went."""
+    tr = terminalreporter
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    lines = _report_lines(tr, config)
+    if not lines:
+        return
+    path = _report_path(config)
+    path.write_text("\n".join(lines) + "\n")
+    skipped = [r for r in tr.stats.get("skipped", []) if getattr(r, "skipped", False)]
+    gpu = sum(_is_gpu_skip(r) for r in skipped)
+    if skipped:
+        tr.write_line(f"hybridq: {len(skipped)} skipped ({gpu} need a CUDA device, more GPUs or the built extension; "
+                      f"{len(skipped) - gpu} other)")
+    tr.write_line(f"hybridq: the tests' tables and every skip reason: {path}")
