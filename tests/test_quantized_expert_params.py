@@ -289,3 +289,21 @@ def test_load_state_dict_with_assign_quantizes_into_a_new_parameter(kind):
         f"{kind}: load_state_dict(assign=True) left {type(layer.weight).__name__} on {layer.weight.device}"
     for got, exp in zip(_held_tensors(layer.weight), _held_tensors(want.weight)):
         assert_bitwise(got, exp, f"{kind}: quantized buffer after load_state_dict(assign=True)")
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_forward_without_grad_equals_high_precision_weight(preset, mode):
+    """A quantized-parameter GroupedLinear runs under inference_mode (where unbind's views of the held experts
+    once raised "Cannot set version_counter for inference tensor") and no_grad, bitwise as the high-precision one."""
+    ref, ql = _pair(preset)
+    ref.packed_path = False
+    x = torch.randn(sum(SPLITS), K, dtype=torch.bfloat16)
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with ctx():
+        torch.manual_seed(3)
+        want = ref(x, SPLITS)
+        torch.manual_seed(3)
+        got = ql(x, SPLITS)
+    assert_bitwise(got, want, f"{preset}: {mode} output of the quantized-parameter GroupedLinear")
+    assert isinstance(ql.weight, QuantizedExpertWeights), "the forward replaced the quantized parameter"

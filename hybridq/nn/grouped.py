@@ -15,12 +15,13 @@ from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
-from ..weight_forms import GroupedGatheredForm, QuantizedGatherShard
+from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import native_row_multiple
 from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
+from .m_splits import host_m_splits
 from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
 from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
@@ -67,6 +68,15 @@ def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[
             return n
     raise FormatShapeError(f"no token count in [{m}, {m + _MAX_PAD}] fits the formats "
                            f"{quantizers['input'].describe()} / {quantizers['grad_output'].describe()}")
+
+
+def _unbind_experts(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`weight.unbind(0)`; under inference_mode an experts tensor's (quantized parameter, FSDP2-gathered) experts
+    as held: unbind is a view op whose outputs get the base's version counter, which inference tensors refuse
+    ("Cannot set version_counter for inference tensor"), and no autograd graph is recorded there to need views."""
+    if torch.is_inference_mode_enabled() and isinstance(weight, ExpertsTensor):
+        return tuple(weight._experts)
+    return weight.unbind(0)
 
 
 class _NoTokens(torch.autograd.Function):
@@ -234,25 +244,7 @@ class GroupedLinear(nn.Module):
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input must have shape [tokens, {self.in_features}] (in_features), got "
                              f"{tuple(x.shape)}")
-        if isinstance(m_splits, torch.Tensor):
-            if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.is_complex():
-                raise ValueError(f"{self.name}: m_splits must be a 1-D integer tensor or a list of ints, got a "
-                                 f"{m_splits.dim()}-D {m_splits.dtype} tensor")
-            splits = [int(v) for v in m_splits.tolist()]
-        else:
-            splits = list(m_splits)
-            if not all(isinstance(v, int) or (isinstance(v, torch.Tensor) and v.numel() == 1) for v in splits):
-                raise ValueError(f"{self.name}: m_splits must be a list of ints or a 1-D integer tensor, got "
-                                 f"{m_splits!r}")
-            splits = [int(v) for v in splits]
-        if len(splits) != self.num_experts:
-            raise ValueError(f"{self.name}: m_splits must have one count per expert ({self.num_experts}), got "
-                             f"{len(splits)}")
-        if any(v < 0 for v in splits):
-            raise ValueError(f"{self.name}: m_splits must be >= 0, got {splits}")
-        if sum(splits) != x.shape[0]:
-            raise ValueError(f"{self.name}: m_splits sum to {sum(splits)} but the input has {x.shape[0]} tokens")
-        return splits
+        return host_m_splits(m_splits, self.num_experts, x.shape[0], self.name)  # (m_splits.py: the shared rules)
 
     @torch.compiler.disable  # eager between compiled regions, as Linear.forward
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
@@ -288,7 +280,7 @@ class GroupedLinear(nn.Module):
             # padded_tokens leaves FP8 blocks' counts as they are: their edge blocks may be partial)
             layout = TokenLayout.build(splits, padded, x.device, token_multiple(qs, need_dgrad, need_wgrad))
             return PackedBlockExperts.apply(x, self.weight, layout, qs, self.name, need_dgrad, need_wgrad)
-        weights = self.weight.unbind(0)  # views; their gradients stack exactly into weight.grad
+        weights = _unbind_experts(self.weight)  # views: their gradients stack exactly into weight.grad
         biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
         outs = []
         for e, (x_e, m) in enumerate(zip(x.split(splits, 0), splits)):
@@ -334,11 +326,8 @@ def grouped_mm(module: nn.Module, weight_name: str, x: torch.Tensor,
     GroupedLinear for that weight (quantized per the recipe); before, the same product in high precision."""
     weight = getattr(module, weight_name)
     converted = converted_layer(module, weight_name)
-    if converted is None:
-        if sum(int(v) for v in m_splits) != x.shape[0]:
-            raise ValueError(f"grouped_mm of {weight_name}: m_splits sum to {sum(int(v) for v in m_splits)} but "
-                             f"the input has {x.shape[0]} tokens")
-        parts = x.split([int(v) for v in m_splits], 0)
+    if converted is None:  # (the same m_splits rules as the converted GroupedLinear's)
+        parts = x.split(host_m_splits(m_splits, weight.shape[0], x.shape[0], f"grouped_mm of {weight_name}"), 0)
         return torch.cat([p @ w.t().to(x.dtype) for p, w in zip(parts, weight.unbind(0))], 0)
     if converted.weight is not weight:  # the parameter was replaced (e.g. by a wrapper): read the current one
         converted._parameters["weight"] = weight
