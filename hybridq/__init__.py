@@ -40,6 +40,7 @@ from .offload import CPUOffload
 from .recompute import checkpoint_contexts
 from .export import export_state_dict
 from .distributed import apply_hybrid_fsdp, precompute_scales
+from . import checkpoint  # noqa: E402 hybridq.checkpoint.write_manifest / verify_manifest around dcp.save / dcp.load
 
 __all__ = [
     "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "BackwardOverride", "Quantizer", "QuantizedPart", "QuantizedTensor",
