@@ -17,6 +17,7 @@ from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource
 from .known_amax import known_amax
 from .side_table import TensorSideTable
+from .weight_fingerprint import WeightFingerprint
 
 log = logging.getLogger("hybridq")
 
@@ -150,22 +151,27 @@ def _output(y: torch.Tensor, x: torch.Tensor, cfg: _LinearConfig) -> torch.Tenso
     return torch.ops.aten._unsafe_view(y.contiguous(), (*lead, y.shape[-1]))
 
 
-def cached_quantized_weight(cache: tuple[Any, QuantizedTensor] | None, cache_columnwise: bool, w: torch.Tensor,
-                            q: Quantizer, is_first_microbatch: bool, need_columnwise: bool, name: str
-                            ) -> tuple[tuple[Any, QuantizedTensor], bool, QuantizedTensor]:
-    """The is_first_microbatch weight cache: returns (new cache entry, new columnwise flag, quantized weight).
-    The weight is quantized again on the first micro-batch, when it changed (storage or version) or when a
-    direction asked for now or before is missing: the cache keeps every direction it was ever asked for (usage
-    preservation)."""
+def cached_quantized_weight(cache: tuple[Any, QuantizedTensor, WeightFingerprint] | None, cache_columnwise: bool,
+                            w: torch.Tensor, q: Quantizer, is_first_microbatch: bool, need_columnwise: bool, name: str
+                            ) -> tuple[tuple[Any, QuantizedTensor, WeightFingerprint], bool, QuantizedTensor]:
+    """The is_first_microbatch weight cache: returns (new cache entry (key, quantized weight, fingerprint), new
+    columnwise flag, quantized weight). The weight is quantized again on the first micro-batch, when it changed
+    or when a direction asked for now or before is missing: the cache keeps every direction it was ever asked
+    for (usage preservation). A change is seen from the key (storage or version) or, for writes that change
+    neither (through `.data`), from the weight's fingerprint: at once on the CPU (re-quantized with a warning),
+    asynchronously on a GPU (StaleWeightError at a later call: see weight_fingerprint.py)."""
     key = (w.data_ptr(), w._version)
     cache_columnwise |= need_columnwise
-    stale = cache is None or cache[0] != key
-    if not is_first_microbatch and cache is not None and cache[0] != key:
+    if cache is not None:  # what the asynchronous checks of earlier calls found (waited for on a refresh)
+        cache[2].check(name, wait=is_first_microbatch)
+    stale = cache is None or cache[0] != key or (not is_first_microbatch and cache[2].changed(w))
+    if not is_first_microbatch and cache is not None and stale:
         log.warning("%s: is_first_microbatch=False but the weight changed since it was quantized; "
                     "quantizing it again", name)
     missing = cache is not None and cache_columnwise and not cache[1].has("columnwise")
     if is_first_microbatch or stale or missing:
-        cache = (key, q.quantize(w.detach(), rowwise=True, columnwise=cache_columnwise, name=f"weight of {name}"))
+        cache = (key, q.quantize(w.detach(), rowwise=True, columnwise=cache_columnwise, name=f"weight of {name}"),
+                 WeightFingerprint(w))
     return cache, cache_columnwise, cache[1]
 
 
@@ -267,6 +273,30 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+class _EmptyProduct(torch.autograd.Function):
+    """`x W^T + b` of a layer with in_features or out_features 0, as nn.Linear computes it: the product has no
+    element to quantize and is exact in any precision (zeros: the output is the bias, or has no columns), and so
+    are its gradients (dx zeros or empty, dW empty, db the summed output gradient). Reads only the weight's shape
+    and dtype, so a weight held quantized takes it too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.meta = (x.shape, tuple(weight.shape), weight.dtype, None if bias is None else bias.dtype)
+        shape = (*x.shape[:-1], weight.shape[0])
+        if bias is None:
+            return x.new_zeros(shape)
+        return bias.to(x.dtype).expand(shape).clone(memory_format=torch.contiguous_format)  # (never the bias itself)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x_shape, w_shape, w_dtype, b_dtype = ctx.meta
+        dx = dy.new_zeros(x_shape) if ctx.needs_input_grad[0] else None
+        dw = dy.new_zeros(w_shape, dtype=w_dtype) if ctx.needs_input_grad[1] else None
+        db = (dy.reshape(dy.shape[:-1].numel(), dy.shape[-1]).sum(0).to(b_dtype)  # (linear_grads' bias gradient)
+              if b_dtype is not None and ctx.needs_input_grad[2] else None)
+        return dx, dw, db
+
+
 def gradients_needed(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool]:
     """(need_dgrad, need_wgrad) of a call: what backward will differentiate. Nothing under no_grad /
     inference_mode (torch.autograd.Function's ctx.needs_input_grad only looks at requires_grad)."""
@@ -278,6 +308,8 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  weight_cache: Callable[[bool], QuantizedTensor] | None = None) -> torch.Tensor:
     """`x W^T + b` with the three GEMMs on `cfg`'s quantizers (the computation of one Linear; GroupedLinear runs
     it once per expert). `weight_cache(need_columnwise)`, when given, returns the cached quantized weight."""
+    if x.shape[-1] == 0 or weight.shape[0] == 0:  # (in_features or out_features 0: nothing to quantize)
+        return _EmptyProduct.apply(x, weight, bias)
     need_dgrad, need_wgrad = gradients_needed(x, weight)
     needs_grad = need_dgrad or need_wgrad or (torch.is_grad_enabled() and bias is not None and bias.requires_grad)
     cached = None
