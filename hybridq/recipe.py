@@ -173,3 +173,16 @@ def recipe(name: str, *, backward_override: str | None = None) -> CustomRecipe:
 
 def preset_names() -> list[str]:
     return list(PRESETS)
+
+
+def resolve_recipe(value: CustomRecipe | str, caller: str, argument: str = "recipe") -> CustomRecipe:
+    """The recipe an entry point was given: a CustomRecipe as it is, a preset name as `recipe(name)` (an unknown name
+    raises RecipeError listing the presets); anything else raises TypeError naming `caller`'s `argument`."""
+    if isinstance(value, CustomRecipe):
+        return value
+    if isinstance(value, str):
+        if value not in PRESETS:
+            raise RecipeError(f"{caller}: {argument}={value!r} is not a preset; presets: {', '.join(PRESETS)}")
+        return recipe(value)
+    raise TypeError(f"{caller}: {argument} must be a hybridq recipe (hybridq.recipe(name), hybridq.CustomRecipe) or "
+                    f"a preset name ({', '.join(PRESETS)}), got {type(value).__name__}")

@@ -1,5 +1,6 @@
 """`convert_linears`: swap nn.Linear modules for hybridq Linear in place (or re-apply a recipe to layers
-already converted), with a per-layer report."""
+already converted), with a per-layer report. A module the swap would lose behaviour of is kept, with the reason
+(hybridq.nn.replaceable)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ from typing import Callable
 import torch.nn as nn
 
 from ..errors import FormatShapeError
-from ..recipe import CustomRecipe
+from ..recipe import CustomRecipe, resolve_recipe
 from .linear import Linear
 from .norm import RMSNorm, is_rms_norm_candidate
+from .replaceable import carry_over, direct_readers, replacement_blocker
 
 log = logging.getLogger("hybridq")
 
 ON_INCOMPATIBLE = ("skip", "error")
+_LINEAR = "hybridq.nn.Linear"
+_LINEAR_ATTRS = frozenset(vars(nn.Linear(1, 1, device="meta")))  # what Linear.from_linear sets up itself
+_NORM = "hybridq.nn.RMSNorm"
+_NORM_ATTRS = frozenset(vars(nn.RMSNorm(1, device="meta")))
 
 
 @dataclasses.dataclass
@@ -86,33 +92,44 @@ def _children(model: nn.Module, module_filter_fn,
     return out
 
 
-def convert_linears(model: nn.Module, recipe: CustomRecipe,
+def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
                     module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
                     on_incompatible: str = "skip", norms: bool = True) -> ConversionReport:
     """Replace every nn.Linear of `model` (for which `module_filter_fn(module, fqn)` is true) by a hybridq
     Linear sharing its parameters; a layer that is already a hybridq Linear with another recipe gets `recipe`
     (its report row says which recipe it had), one with an equal recipe is left as it is ("already converted").
+    `recipe`: a recipe or a preset name.
 
     Everything is checked before the first layer changes. A recipe that is wrong in itself (unknown backward
     override, also from HYBRIDQ_BACKWARD_OVERRIDE; an override with delayed scaling; a factory that fails)
-    always raises. A layer whose shapes the recipe's formats cannot take (FormatShapeError) keeps its previous
-    precision with a logged reason (on_incompatible="skip") or raises ("error").
+    always raises. A layer whose shapes the recipe's formats cannot take (FormatShapeError), or that the swap
+    would lose behaviour of, keeps its previous precision with a logged reason (on_incompatible="skip") or
+    raises ("error"; ValueError naming the layer and the rule for the latter). The swap keeps the parameters (the
+    same objects), the training flag and plain instance attributes; it is refused for a subclass overriding
+    nn.Linear's methods (e.g. a LoRA-style forward), extra parameters / buffers / submodules, a parametrized
+    weight, module hooks and Module.compile(), and for a layer whose parameters an ancestor's forward reads itself
+    (nn.MultiheadAttention's out_proj, nn.TransformerEncoderLayer's inference fast path): its forward would not run.
 
     norms: also swap every RMSNorm the filter accepts (torch.nn.RMSNorm, or a module following the RMSNorm
     protocol, see hybridq.nn.norm) for hybridq.nn.RMSNorm sharing its weight: one kernel per pass on CUDA, and
     max|y| computed in passing for the per-tensor casts of the Linear layers that read y. A candidate whose math
-    does not match on a probe input, or that has hooks, is kept (the report says why)."""
+    does not match on a probe input, or that the swap would lose behaviour of, is kept (the report says why)."""
     if on_incompatible not in ON_INCOMPATIBLE:
         raise ValueError(f"on_incompatible must be one of {ON_INCOMPATIBLE}, got {on_incompatible!r}")
-    if not isinstance(recipe, CustomRecipe):
-        raise TypeError(f"convert_linears: recipe must be a hybridq recipe (hybridq.recipe(name) or "
-                        f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+    recipe = resolve_recipe(recipe, "convert_linears")
     recipe.backward_override  # an invalid override raises even on a model without Linear layers
+    readers = direct_readers(model)
     replace: list[tuple[nn.Module, str, Linear]] = []
     reapply: list[tuple[Linear, dict, LayerReport]] = []
     layers: list[LayerReport] = []
     for parent, child_name, full, child in _children(model, module_filter_fn):
         previous = child.recipe.name if isinstance(child, Linear) else None
+        why = readers.get(full)
+        if why is None and not isinstance(child, Linear):
+            why = replacement_blocker(child, nn.Linear, ("weight", "bias"), _LINEAR)
+        if why is not None:
+            _keep(layers, full, child, previous, why, on_incompatible)
+            continue
         if isinstance(child, Linear) and child.recipe == recipe:
             child.check_override()  # (the override may come from the environment, changed since)
             layers.append(LayerReport(full, True, formats=child.describe_formats(), previous_recipe=previous,
@@ -132,6 +149,11 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
                 log.warning("hybridq: keeping layer '%s' with its recipe '%s': %s", full, previous, e)
             layers.append(LayerReport(full, False, reason=str(e), previous_recipe=previous))
             continue
+        if not isinstance(child, Linear):
+            why = carry_over(child, new, _LINEAR_ATTRS, _LINEAR)
+            if why is not None:
+                _keep(layers, full, child, previous, why, on_incompatible)
+                continue
         report = LayerReport(full, True, previous_recipe=previous)
         layers.append(report)
         if isinstance(child, Linear):
@@ -149,18 +171,39 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe,
     return ConversionReport(layers, convert_norms(model, module_filter_fn) if norms else [])
 
 
+def _keep(layers: list[LayerReport], full: str, child: nn.Module, previous: str | None, why: str,
+          on_incompatible: str) -> None:
+    """A layer conversion would lose behaviour of: raise ("error") or keep it as it is, with the reason."""
+    if on_incompatible == "error":
+        raise ValueError(f"cannot convert layer '{full}' ({type(child).__name__}) to {_LINEAR} without losing "
+                         f"behaviour: {why}. Conversion keeps what a module does and owns or leaves the module as it "
+                         f"is: exclude it with module_filter_fn, or pass on_incompatible='skip' to keep it")
+    what = "in high precision" if previous is None else f"with its recipe '{previous}'"
+    log.warning("hybridq: keeping layer '%s' %s: %s", full, what, why)
+    layers.append(LayerReport(full, False, reason=why, previous_recipe=previous))
+
+
 def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None
                   ) -> list[LayerReport]:
     """Swap every RMSNorm of `model` the filter accepts -- torch.nn.RMSNorm, or a module following the RMSNorm
     protocol (hybridq.nn.norm) -- for hybridq.nn.RMSNorm sharing its weight; a candidate that fails the protocol's
-    checks is kept, with the reason in its report row (never raises: nothing is changed for it)."""
+    checks, or that the swap would lose behaviour of (as in `convert_linears`; its forward is checked on a probe
+    input instead), is kept, with the reason in its report row (never raises: nothing is changed for it)."""
+    readers = direct_readers(model)
     reports = []
     for parent, child_name, full, child in _children(model, module_filter_fn, is_rms_norm_candidate):
-        try:
-            new = RMSNorm.from_module(child, name=full)
-        except ValueError as e:
-            log.warning("hybridq: keeping norm '%s': %s", full, e)
-            reports.append(LayerReport(full, False, reason=str(e)))
+        base = nn.RMSNorm if isinstance(child, nn.RMSNorm) else nn.Module
+        why = readers.get(full) or replacement_blocker(child, base, ("weight",), _NORM, frozenset({"forward"}))
+        if why is None:
+            try:
+                new = RMSNorm.from_module(child, name=full)
+            except ValueError as e:
+                why = str(e)
+            else:
+                why = carry_over(child, new, _NORM_ATTRS, _NORM)
+        if why is not None:
+            log.warning("hybridq: keeping norm '%s': %s", full, why)
+            reports.append(LayerReport(full, False, reason=why))
             continue
         setattr(parent, child_name, new)
         reports.append(LayerReport(full, True))
