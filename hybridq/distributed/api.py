@@ -15,7 +15,7 @@ from ..formats._sharding import dim0_chunks
 from ..nn.convert import ConversionReport, convert_linears
 from ..nn.linear import Linear
 from ..nn.quantized_params import quantized_param_info
-from ..recipe import CustomRecipe, Role
+from ..recipe import CustomRecipe, Role, resolve_recipe
 from .grouped import apply_grouped, check_grouped_recipe, grouped_stats_items, plan_grouped
 from .state import WeightState
 from .transport import stats_key
@@ -37,7 +37,7 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
             state_dict[key] = v._data
 
 
-def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
+def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
                       module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                       on_incompatible: str = "skip", reuse_forward_payload: bool = True,
                       norms: bool = True) -> ConversionReport:
@@ -64,7 +64,9 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe,
     shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
 
     norms: swap the model's RMSNorm modules for hybridq.nn.RMSNorm (as `convert_linears(..., norms=True)`).
+    `recipe`: a recipe or a preset name (TypeError for anything else).
     """
+    recipe = resolve_recipe(recipe, "apply_hybrid_fsdp")
     for name, p in model.named_parameters():
         info = quantized_param_info(p)
         if info is not None:
