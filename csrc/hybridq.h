@@ -27,6 +27,7 @@ struct QuantArgs {
   bool rowwise, columnwise;
   uint8_t* row_q;  // fp8 bytes, or packed E2M1 nibbles for NVFP4
   uint8_t* col_q;
+  int64_t col_pitch;  // elements between the columnwise rows (0: M)
   void* row_s;  // per-block scales: fp32 scale_inv (FP8 block), E8M0 bytes (MXFP8), E4M3 bytes (NVFP4)
   void* col_s;
   // FP8 (all FP8 formats)

@@ -19,7 +19,7 @@ TORCH_LIBRARY(hybridq, m) {
       "bool pow2, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)");
   m.def(
       "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
-      "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool columnwise, int col_pitch=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
       "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");

@@ -15,7 +15,8 @@ using at::Tensor;
 // per-tensor FP8 -> (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1], amax [1] | [0])
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Tensor& x, at::ScalarType dtype,
                                                                        const Tensor& row_group, int64_t n_groups,
-                                                                       double eps, bool pow2, bool columnwise);
+                                                                       double eps, bool pow2, bool columnwise,
+                                                                       int64_t col_pitch);
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, at::ScalarType dtype,
                                                                const std::optional<Tensor>& scale,
                                                                const std::optional<Tensor>& amax, double eps,

@@ -107,11 +107,14 @@ std::tuple<Tensor, Tensor, Tensor> fp8_tensor_quantize_delayed(const Tensor& x, 
 
 // Per-tensor FP8 of row groups (the experts of a grouped linear, each expert's rows one group): every group
 // quantized as its own tensor (its max|x|, its scale), in one amax pass and one cast.
-// row_group: int32 [M], the group of each row (values in [0, n_groups)).
+// row_group: int32 [M], the group of each row (values in [0, n_groups)). col_pitch: elements between the columnwise
+// rows (0: M; else >= M, e.g. M rounded up to 16 for 16-byte aligned rows, the grouped wgrad GEMM's reads); the
+// columnwise part is then a [K, M] view of a [K, col_pitch] buffer whose extra columns are left unwritten.
 // returns (rowwise [M, K], columnwise [K, M] | [0], scale_inv [n_groups], amax [n_groups])
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Tensor& x, at::ScalarType dtype,
                                                                        const Tensor& row_group, int64_t n_groups,
-                                                                       double eps, bool pow2, bool columnwise) {
+                                                                       double eps, bool pow2, bool columnwise,
+                                                                       int64_t col_pitch) {
   constexpr const char* op = "fp8_tensor_quantize_grouped";
   check_input(x, op);
   const auto it = in_type(x, op);
@@ -122,12 +125,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
               row_group.scalar_type(), " ", row_group.sizes(), " on ", row_group.device());
   TORCH_CHECK(n_groups >= 1 && n_groups <= (int64_t{1} << 30), "hybridq::", op, ": n_groups must be >= 1, got ",
               n_groups);
+  TORCH_CHECK(col_pitch == 0 || col_pitch >= M, "hybridq::", op, ": col_pitch must be 0 or >= the ", M,
+              " rows, got ", col_pitch);
+  const int64_t pitch = col_pitch > 0 ? col_pitch : M;
   auto a = base_args(x, true, columnwise);
+  a.col_pitch = pitch;
   set_fp8(a, dtype, eps, pow2, op);
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   Tensor row = at::empty({M, K}, x.options().dtype(dtype));
-  Tensor col = columnwise ? at::empty({K, M}, x.options().dtype(dtype)) : empty0(x, dtype);
+  Tensor col = columnwise ? at::empty({K, pitch}, x.options().dtype(dtype)).narrow(1, 0, M) : empty0(x, dtype);
   Tensor scale_inv = at::empty({n_groups}, x.options().dtype(at::kFloat));
   Tensor amax = zeros_on_stream({n_groups}, x.options().dtype(at::kFloat));
   C10_CUDA_CHECK(hybridq::launch_grouped_absmax(it, x.data_ptr(), M, K, row_group.data_ptr<int32_t>(),

@@ -12,6 +12,8 @@ Tables (keyed by type, looked up by the exact type of the quantizer / part):
 - dequantize: `run(part, undo_transform) -> fp32 [rows, cols]`
 - GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by the pair of part types
 - transpose:  `run(t) -> t.t().contiguous()` for 2-D 1-byte tensors, keyed by device type
+- jagged FP8 experts: the grouped quantize and GEMMs of per-tensor FP8 experts on device offsets, keyed by device
+  type (`hybridq.gemm.JaggedFP8Kernels`)
 
 A quantize implementation declares the quantizer options it implements (`options`); a quantizer with any
 other dataclass field (an option added later, or a subclass's own) is sent to the reference, with a one-time
@@ -59,6 +61,8 @@ _TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 _ROW_GROUPS: dict[tuple[type, str], Callable] = {}
 # device type -> per-tensor FP8 grouped GEMM (hybridq.gemm.grouped_gemm_fp8)
 _GROUPED_FP8_GEMM: dict[str, Callable] = {}
+# device type -> the kernels of per-tensor FP8 experts on the jagged token layout (hybridq.gemm.jagged_fp8_kernels)
+_JAGGED_FP8: dict[str, Any] = {}
 # what the running GEMM is for (e.g. "dgrad of layers.0.fc1"), so a native kernel's warnings can name the layer
 _GEMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("hybridq_gemm_name", default=None)
 
@@ -112,6 +116,17 @@ def register_grouped_fp8_gemm(device_type: str, run: Callable) -> None:
 
 def grouped_fp8_gemm_kernel(device_type: str) -> Callable | None:
     return _GROUPED_FP8_GEMM.get(device_type)
+
+
+def register_jagged_fp8(device_type: str, kernels: Any) -> None:
+    """Register the kernels of per-tensor FP8 experts on the jagged token layout for `device_type`: an object with
+    `supports(device, in_features, out_features, quantizers) -> bool`, `quantize`, `mm` and `wgrad` (see
+    `hybridq.gemm.JaggedFP8Kernels`)."""
+    _JAGGED_FP8[device_type] = kernels
+
+
+def jagged_fp8_kernels(device_type: str) -> Any | None:
+    return _JAGGED_FP8.get(device_type)
 
 
 # ---- lookup ---------------------------------------------------------------------------------------------------

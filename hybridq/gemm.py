@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .formats.base import QuantizedPart
 
 __all__ = ["gemm", "emulated_gemm", "register_native_gemm", "find_native_gemm", "current_gemm_name", "NativeGemm",
-           "native_row_multiple", "grouped_gemm_fp8"]
+           "native_row_multiple", "grouped_gemm_fp8", "JaggedFP8", "JaggedFP8Kernels", "jagged_fp8_kernels"]
 
 
 def native_row_multiple(device: torch.device) -> int:
@@ -79,3 +79,91 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
     accumulation, as `gemm` does)."""
     run = grouped_fp8_gemm_kernel(a.device.type)
     return None if run is None else run(a, a_scale_inv, sizes, b, b_scale_inv, out_dtype, columnwise)
+
+
+# ---- per-tensor FP8 experts on the jagged token layout -----------------------------------------------------------
+
+class JaggedFP8:
+    """Per-tensor FP8 of E row groups of one tensor, each group quantized as its own tensor (its amax, its scale):
+    `row` fp8 `[M, K]` (rowwise), `col` fp8 `[K, M]` (the byte transpose: the columnwise form of every group, group
+    g's columns at its rows' positions) or None, `scale_inv` fp32 `[E]`."""
+
+    __slots__ = ("row", "col", "scale_inv")
+
+    def __init__(self, row: torch.Tensor, col: torch.Tensor | None, scale_inv: torch.Tensor):
+        self.row, self.col, self.scale_inv = row, col, scale_inv
+
+
+class JaggedFP8Kernels:
+    """The operations of per-tensor FP8 experts on the jagged token layout (`hybridq.nn.grouped_jagged`): every
+    expert's tokens are consecutive rows, `groups` (a `TokenGroups`) gives their bounds. This class is the reference
+    (any device, one quantization and one `gemm` per group, host token counts: bitwise the per-expert path on the
+    CPU); a device registers faster ones with `hybridq.dispatch.register_jagged_fp8` (the CUDA ones take the bounds
+    from the device, without a host sync).
+
+    - `quantize(q, x2d, groups, columnwise, name)` -> JaggedFP8: each group as `q.quantize` quantizes it alone;
+    - `mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, groups, out_dtype, precise)` -> `[M, n]`:
+      group g's rows of `a` (fp8 `[M, K]`) times `b_g^T`, `b_g[j, :]` starting at element `g * b_group_stride +
+      j * b_row_stride` of `b` (contiguous along K); `precise`: the GEMM of a columnwise form (no fast accumulation);
+    - `wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype)` -> `[E, M, N]`: `a_t [M, T]` and `b_t [N, T]`
+      (columnwise forms) contracted over each group's tokens (zero for a group without tokens)."""
+
+    name = "reference"
+
+    def supports(self, device: torch.device, in_features: int, out_features: int, quantizers: dict) -> bool:
+        return device.type == "cpu"
+
+    def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
+        from .formats.base import transposed_copy
+        g = q.quantize_row_groups(x2d, groups.host_sizes(), name=name)
+        return JaggedFP8(g.data, transposed_copy(g.data) if columnwise else None, g.scale_inv)
+
+    def mm(self, a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, groups,
+           out_dtype: torch.dtype, precise: bool, name: str = "grouped GEMM") -> torch.Tensor:
+        from .formats.float8 import Float8TensorPart, aligned_scales
+        k = a.shape[1]
+        out = a.new_empty(a.shape[0], n, dtype=out_dtype)
+        sa, sb = aligned_scales(a_scale_inv), aligned_scales(b_scale_inv)
+        o = 0
+        for g, m in enumerate(groups.host_sizes()):
+            if m:
+                bg = b.as_strided((n, k), (b_row_stride, 1), b.storage_offset() + g * b_group_stride).contiguous()
+                ap = Float8TensorPart(rows=m, cols=k, columnwise=False, data=a[o:o + m], scale_inv=sa[g, :1])
+                bp = Float8TensorPart(rows=n, cols=k, columnwise=precise, data=bg, scale_inv=sb[g, :1])
+                out[o:o + m] = gemm(ap, bp, out_dtype, f"{name} (expert {g})")
+            o += m
+        return out
+
+    def wgrad(self, a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype,
+              name: str = "grouped wgrad") -> torch.Tensor:
+        from .formats.float8 import Float8TensorPart, aligned_scales
+        sizes = groups.host_sizes()
+        out = a_t.new_empty(len(sizes), a_t.shape[0], b_t.shape[0], dtype=out_dtype)
+        sa, sb = aligned_scales(a_scale_inv), aligned_scales(b_scale_inv)
+        o = 0
+        for g, m in enumerate(sizes):
+            if m:
+                ap = Float8TensorPart(rows=a_t.shape[0], cols=m, columnwise=True, data=a_t[:, o:o + m].contiguous(),
+                                      scale_inv=sa[g, :1])
+                bp = Float8TensorPart(rows=b_t.shape[0], cols=m, columnwise=True, data=b_t[:, o:o + m].contiguous(),
+                                      scale_inv=sb[g, :1])
+                out[g] = gemm(ap, bp, out_dtype, f"{name} (expert {g})")
+            else:
+                out[g].zero_()
+            o += m
+        return out
+
+
+REFERENCE_JAGGED_FP8 = JaggedFP8Kernels()
+
+
+def jagged_fp8_kernels(device: torch.device, in_features: int, out_features: int,
+                       quantizers: dict) -> JaggedFP8Kernels | None:
+    """The kernels for per-tensor FP8 experts of these shapes and quantizers on `device`: the device's registered
+    ones where they take the call, the reference on the CPU, else None (the caller takes another path)."""
+    from .dispatch import jagged_fp8_kernels as registered
+    k = registered(device.type)
+    if k is not None and k.supports(device, in_features, out_features, quantizers):
+        return k
+    return REFERENCE_JAGGED_FP8 if REFERENCE_JAGGED_FP8.supports(device, in_features, out_features, quantizers) \
+        else None

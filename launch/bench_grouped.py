@@ -11,11 +11,20 @@ Each candidate is timed in --rounds interleaved rounds after a warm-up step (wha
 GPU clock); the table gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop
 when `torch._grouped_mm` cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
 paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid; NVFP4 and its hybrid) is timed a
-second time with `packed_path = False`: the "(per-expert path)" row right after it.
+second time with `packed_path = False`: the "(per-expert path)" row right after it; per-tensor FP8 where the jagged
+path runs (tokens as routed, group bounds on the device: CUDA sm_90 with Triton, and the CPU) a third time with
+`jagged_path = False`: the "(padded packed path)" row.
+
+Where torchao imports (0.18: `torchao.prototype.moe_training`), its FP8 rowwise grouped GEMM (dynamic rowwise E4M3
+for every operand, `torch._scaled_grouped_mm` for all three GEMMs) is timed eager and torch.compile'd ("torchao
+fp8 rowwise", "... compiled"; --torchao picks them). torchao 0.18 takes only groups that are multiples of 16 tokens
+(its in-op padding is not implemented): its input is the routed tokens with each expert's count rounded up to 16
+(at most 15 extra rows per expert), the rest of the step as for the others.
 
     python launch/bench_grouped.py
     python launch/bench_grouped.py --configs 8x16384x2x4096x14336 --presets mxfp8,fp8_block --json out.json
     python launch/bench_grouped.py --smoke      # tiny sizes on the CPU (the test suite runs this)
+    python launch/bench_grouped.py --torchao ""  # without the torchao rows
 """
 
 from __future__ import annotations
@@ -29,13 +38,15 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq.nn.grouped_packed import packed_quantizers
+from hybridq.gemm import jagged_fp8_kernels
+from hybridq.nn.grouped_packed import FP8_TENSOR, packed_quantizers
 from hybridq.nn.linear import shared_input_quantization
 
 DEFAULT_CONFIGS = "8x16384x2x4096x14336,16x16384x4x2048x5632,64x16384x8x2048x3072"
 SMOKE_CONFIGS = "4x48x2x64x96,8x40x2x32x64"
 GROUPED_MM = "bf16 torch._grouped_mm"
 LOOP = "bf16 nn.Linear per expert"
+TORCHAO = {"rowwise": "torchao fp8 rowwise", "rowwise_compiled": "torchao fp8 rowwise compiled"}
 
 
 def timed(fn, device: torch.device, iters: int) -> float:
@@ -74,6 +85,38 @@ class GroupedMM(nn.Module):
         return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=offs)
 
 
+class TorchaoRowwise(nn.Module):
+    """torchao's FP8 rowwise grouped GEMM over a `[E, out, in]` weight; takes offsets whose groups are multiples of 16
+    (the caller pads the routing: see the module docstring)."""
+
+    def __init__(self, e: int, k: int, n: int, device, dtype):
+        super().__init__()
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+        self.mm = _to_fp8_rowwise_then_scaled_grouped_mm
+        self.weight = nn.Parameter(torch.empty(e, n, k, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self.mm(x, self.weight.transpose(-2, -1), offs, out_dtype=torch.bfloat16,
+                       pad_token_groups_for_grouped_mm=False)
+
+
+def torchao_candidates(e: int, d: int, h: int, which: list[str], device, dtype) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, takes offsets) for the torchao rows asked for; [] (with a note) where torchao does not import
+    or has no grouped FP8 GEMM here."""
+    if not which or device.type != "cuda":
+        return []
+    try:
+        TorchaoRowwise(1, 16, 16, "meta", dtype)
+    except Exception as err:  # noqa: BLE001 (ImportError, or an API torchao no longer has)
+        print(f"torchao FP8 grouped GEMM not available ({type(err).__name__}: {err}); skipping it", flush=True)
+        return []
+    out = []
+    for w in which:
+        mod = TorchaoRowwise(e, d, h, device, dtype)
+        out.append((TORCHAO[w], torch.compile(mod) if w.endswith("_compiled") else mod, True))
+    return out
+
+
 class LinearLoop(nn.Module):
     """One bf16 nn.Linear per expert on its token slice."""
 
@@ -105,11 +148,18 @@ def candidates(e: int, d: int, h: int, presets: list[str], device, dtype) -> lis
         layer = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
                                       name=f"experts[{p}]")
         out.append((p, layer, False))
-        if packed_quantizers(layer.expert_quantizers) is not None:  # the same preset without the packed path
+        kind = packed_quantizers(layer.expert_quantizers)
+        if kind is not None:  # the same preset without the packed path
             loop = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
                                          name=f"experts[{p}, per expert]")
             loop.packed_path = False
             out.append((f"{p} (per-expert path)", loop, False))
+        if kind is not None and kind.kind == FP8_TENSOR and jagged_fp8_kernels(
+                torch.device(device), d, h, kind.quantizers) is not None:  # ... and without the jagged layout
+            padded = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype,
+                                           recipe=hybridq.recipe(p), name=f"experts[{p}, padded]")
+            padded.jagged_path = False
+            out.append((f"{p} (padded packed path)", padded, False))
     out.append((LOOP, LinearLoop(e, d, h, device, dtype), False))
     return out
 
@@ -122,8 +172,13 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=5, help="back-to-back steps per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per candidate")
     ap.add_argument("--smoke", action="store_true", help=f"tiny configs ({SMOKE_CONFIGS}), 1 round of 1 step, CPU")
+    ap.add_argument("--torchao", default="rowwise,rowwise_compiled",
+                    help=f"torchao rows where torchao imports ({', '.join(TORCHAO)}; '' for none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    torchao = [w for w in args.torchao.split(",") if w]
+    if any(w not in TORCHAO for w in torchao):
+        ap.error(f"--torchao takes {', '.join(TORCHAO)}, got {args.torchao!r}")
     if args.smoke:
         args.configs = args.configs or SMOKE_CONFIGS
         args.iters, args.rounds = 1, 1
@@ -147,13 +202,22 @@ def main(argv=None) -> None:
         x = torch.randn(m, d, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn(m, h, device=device, dtype=dtype)
         offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+        # torchao's rows: each expert's tokens rounded up to 16 (see the module docstring)
+        splits16 = [-(-s // 16) * 16 for s in splits]
+        x16 = torch.randn(sum(splits16), d, device=device, dtype=dtype, requires_grad=True)
+        dy16 = torch.randn(sum(splits16), h, device=device, dtype=dtype)
+        offs16 = torch.tensor(splits16, device=device).cumsum(0).to(torch.int32)
         flop = 3 * 2 * m * d * h
         steps = {}
-        for cname, mod, takes_offs in candidates(e, d, h, args.presets.split(","), device, dtype):
+        for cname, mod, takes_offs in (candidates(e, d, h, args.presets.split(","), device, dtype)
+                                       + torchao_candidates(e, d, h, torchao, device, dtype)):
             with torch.no_grad():
                 for p in mod.parameters():
                     p.normal_(0, 0.02)
-            step = make_step(mod, x, dy, offs if takes_offs else splits)
+            if cname in TORCHAO.values():
+                step = make_step(mod, x16, dy16, offs16)
+            else:
+                step = make_step(mod, x, dy, offs if takes_offs else splits)
             try:
                 step()  # warm-up (and the check that it runs here)
             except Exception as err:  # noqa: BLE001 - e.g. torch._grouped_mm on a GPU that lacks it

@@ -23,10 +23,14 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
              if line.startswith("|")]
     assert table[0] == HEADER, table[0]
     # a preset a packed path takes (per-tensor FP8; the block formats; NVFP4 and its hybrid) is also timed on the
-    # per-expert path, right after it
+    # per-expert path, right after it; per-tensor FP8 (the jagged path on the CPU) also on the padded packed path
     packed = {"fp8_tensorwise", "fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "nvfp4", "mxfp8_fwd_nvfp4_bwd"}
-    names = ["bf16 torch._grouped_mm",
-             *[n for p in hybridq.preset_names() for n in ([p, f"{p} (per-expert path)"] if p in packed else [p])],
+    jagged = {"fp8_tensorwise"}
+
+    def rows(p):
+        return [p] + ([f"{p} (per-expert path)"] if p in packed else []) + (
+            [f"{p} (padded packed path)"] if p in jagged else [])
+    names = ["bf16 torch._grouped_mm", *[n for p in hybridq.preset_names() for n in rows(p)],
              "bf16 nn.Linear per expert"]
     configs = ["4x48x2x64x96", "8x40x2x32x64"]
     body = table[2:]

@@ -1,7 +1,9 @@
-"""GroupedLinear's packed path (per-tensor FP8, current scaling: every expert quantized in one pass per tensor,
-grouped GEMMs where the device has them) gives the per-expert path's numbers: bitwise on the CPU, for any token
-counts (zeros, uneven, padded); it runs only for the recipes it implements. On a GPU: the row-group kernel is
-bitwise the reference; the grouped GEMMs agree with the per-expert GEMMs within the stated tolerance."""
+"""GroupedLinear's packed paths for per-tensor FP8 with current scaling (every expert quantized in one pass per
+tensor) give the per-expert path's numbers: bitwise on the CPU, for any token counts (zeros, uneven, padded); they run
+only for the recipes they implement. The jagged path (tokens where the router put them, group bounds on the device,
+hybridq/nn/grouped_jagged.py) runs where its kernels do (the CPU reference; CUDA sm_90 with Triton); elsewhere the
+padded packed path (TokenLayout). On a GPU: the row-group kernel is bitwise the reference; the grouped GEMMs agree
+with the per-expert GEMMs within the stated tolerance, with no host sync."""
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ import hybridq as hq
 import hybridq.nn.grouped as grouped_mod
 from _compare import assert_bitwise, assert_results_bitwise
 from hybridq.formats import Float8Quantizer
+from hybridq.gemm import JaggedFP8Kernels
+from hybridq.nn.grouped_jagged import JaggedFP8Experts, TokenGroups
 from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, PackedFP8Experts, TokenLayout, packed_quantizers
 
 E, IN, OUT = 4, 64, 64
@@ -34,13 +38,70 @@ def _run(packed: bool, splits, dtype=torch.bfloat16, x_grad=True, w_grad=True, g
     return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
 
 
-@pytest.mark.parametrize("multiple", [1, 16], ids=["unpadded", "padded16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits", SPLITS, ids=[str(s) for s in SPLITS])
-def test_packed_path_is_bitwise_the_per_expert_path(splits, dtype, multiple, monkeypatch):
-    # multiple=16 pads each expert's tokens as on a GPU (the zero rows must change nothing either way)
-    monkeypatch.setattr(grouped_mod, "native_row_multiple", lambda device: multiple)
-    assert_results_bitwise(_run(True, splits, dtype), _run(False, splits, dtype), f"splits {splits}, {dtype}, x{multiple}")
+def test_jagged_path_is_bitwise_the_per_expert_path(splits, dtype):
+    assert_results_bitwise(_run(True, splits, dtype), _run(False, splits, dtype), f"splits {splits}, {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", SPLITS, ids=[str(s) for s in SPLITS])
+def test_padded_packed_path_is_bitwise_the_per_expert_path(splits, dtype, monkeypatch):
+    """Where the jagged kernels do not run (a GPU without them): each expert's tokens padded to 16 as on a GPU, in
+    the packed layout and in the per-expert path alike (the zero rows must change nothing)."""
+    monkeypatch.setattr(grouped_mod, "native_row_multiple", lambda device: 16)
+    monkeypatch.setattr(grouped_mod, "jagged_fp8_kernels", lambda *a: None)
+    assert_results_bitwise(_run(True, splits, dtype), _run(False, splits, dtype), f"splits {splits}, {dtype}, x16")
+
+
+class _Counting(JaggedFP8Kernels):
+    """The reference kernels, counting the calls of each operation."""
+
+    def __init__(self):
+        self.calls = []
+
+    def quantize(self, q, x2d, groups, columnwise, name):
+        self.calls.append(("quantize", name.split(" of ")[0], columnwise))
+        return super().quantize(q, x2d, groups, columnwise, name)
+
+    def mm(self, *a, name="", **kw):
+        self.calls.append(("mm", name.split(" of ")[0]))
+        return super().mm(*a, name=name, **kw)
+
+    def wgrad(self, *a, name="", **kw):
+        self.calls.append(("wgrad", name.split(" of ")[0]))
+        return super().wgrad(*a, name=name, **kw)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_jagged_path_quantizes_each_operand_once_and_runs_one_grouped_gemm_per_phase(as_tensor, monkeypatch):
+    kernels = _Counting()
+    monkeypatch.setattr(grouped_mod, "jagged_fp8_kernels", lambda *a: kernels)
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe("fp8_tensorwise"), name="moe")
+    splits = [5, 0, 17, 40]
+    x = torch.randn(sum(splits), IN, requires_grad=True)
+    m(x, torch.tensor(splits) if as_tensor else splits).sum().backward()
+    assert kernels.calls == [("quantize", "input", True), ("quantize", "weight", True), ("mm", "fprop"),
+                             ("quantize", "grad_output", True), ("mm", "dgrad"), ("wgrad", "wgrad")], kernels.calls
+
+
+def test_jagged_path_makes_only_the_columnwise_forms_backward_reads(monkeypatch):
+    kernels = _Counting()
+    monkeypatch.setattr(grouped_mod, "jagged_fp8_kernels", lambda *a: kernels)
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe("fp8_tensorwise"), name="moe")
+    m.weight.requires_grad_(False)
+    x = torch.randn(30, IN, requires_grad=True)
+    m(x, [10, 0, 20, 0]).sum().backward()  # dgrad only: no columnwise input, no wgrad
+    assert kernels.calls == [("quantize", "input", False), ("quantize", "weight", True), ("mm", "fprop"),
+                             ("quantize", "grad_output", False), ("mm", "dgrad")], kernels.calls
+
+
+def test_token_groups_from_a_list_or_a_tensor():
+    for splits in ([3, 0, 5], torch.tensor([3, 0, 5])):
+        g = TokenGroups.build(splits, 8, torch.device("cpu"))
+        assert g.ends.tolist() == [3, 3, 8] and g.ends.dtype == torch.int32, g.ends
+        assert g.row_group.tolist() == [0, 0, 0, 2, 2, 2, 2, 2] and g.row_group.dtype == torch.int32, g.row_group
+        assert g.host_sizes() == [3, 0, 5], g.host_sizes()
 
 
 @pytest.mark.parametrize("x_grad,w_grad,grad", [(True, False, True), (False, True, True), (True, True, False)],
@@ -79,8 +140,8 @@ def test_experts_with_different_quantizers_take_the_per_expert_path():
                                                                (False, None, True)])
 def test_what_the_packed_path_does_not_implement_runs_per_expert(bias, override, save_original_input, monkeypatch):
     calls = []
-    real = PackedFP8Experts.apply
-    monkeypatch.setattr(PackedFP8Experts, "apply", lambda *a: calls.append(1) or real(*a))
+    for fn in (PackedFP8Experts, JaggedFP8Experts):
+        monkeypatch.setattr(fn, "apply", lambda *a, real=fn.apply: calls.append(1) or real(*a))
     m = hq.GroupedLinear(E, IN, OUT, bias=bias, recipe=hq.recipe("fp8_tensorwise", backward_override=override),
                          save_original_input=save_original_input, name="moe")
     m(torch.randn(10, IN), [10, 0, 0, 0]).sum().backward()
@@ -166,3 +227,114 @@ def test_gpu_packed_path_agrees_with_the_per_expert_path(splits, recipe):
         err = (a - b).abs().max().item()
         scale = b.abs().max().item()
         assert err <= 1e-2 * scale, f"{k}: max |packed - per-expert| = {err} (max |per-expert| {scale})"
+
+
+def _cuda_jagged_kernels():
+    """The CUDA jagged kernels when they run here (sm_90, Triton, the extension), else None."""
+    if not _ext_ok():
+        return None
+    from hybridq.gemm import jagged_fp8_kernels
+    q = Float8Quantizer()
+    k = jagged_fp8_kernels(torch.device("cuda"), 64, 64, {"input": q, "weight": q, "grad_output": q})
+    return None if k is None or k.name == "reference" else k
+
+
+needs_jagged_gpu = pytest.mark.skipif(_cuda_jagged_kernels() is None,
+                                      reason="needs the CUDA jagged kernels (sm_90, Triton, the built extension)")
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("sizes", [[16, 0, 48, 32], [3, 0, 29, 1000], [0, 0, 17], [0, 0, 0]], ids=str)
+def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, fp8):
+    """One launch per operand for all experts: rowwise bytes, per-expert scales and the columnwise bytes (rows 16-byte
+    aligned for the wgrad GEMM) are bitwise the reference quantization of each expert alone."""
+    from hybridq.gemm import REFERENCE_JAGGED_FP8
+    q = Float8Quantizer(fp8)
+    gen = torch.Generator().manual_seed(3)
+    t = sum(sizes)
+    x = torch.randn(t, 96, generator=gen) * 10 ** torch.randint(-3, 4, (t, 1), generator=gen)
+    if t > 20:
+        x[5, 7], x[20, 3] = float("inf"), float("nan")  # non-finite values stay in their expert
+    x = x.to(torch.bfloat16)
+    got = _cuda_jagged_kernels().quantize(q, x.cuda(), TokenGroups.build(sizes, t, torch.device("cuda")), True, "x")
+    ref = REFERENCE_JAGGED_FP8.quantize(q, x, TokenGroups.build(sizes, t, torch.device("cpu")), True, "x")
+    assert_bitwise(got.scale_inv.cpu(), ref.scale_inv, f"scale_inv, groups {sizes}")
+    assert_bitwise(got.row.cpu(), ref.row, f"rowwise, groups {sizes}")
+    assert_bitwise(got.col.cpu(), ref.col, f"columnwise, groups {sizes}")
+    assert got.col.stride(0) % 16 == 0, f"columnwise row pitch {got.col.stride(0)} is not a multiple of 16"
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "cuda-tensor"])
+def test_gpu_jagged_path_runs_without_a_host_sync(as_tensor):
+    """Forward and backward with m_splits as a CUDA tensor never synchronize with the host (a list: one
+    host-to-device copy from pinned memory, no sync either)."""
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe("fp8_tensorwise"), name="moe", device="cuda",
+                         dtype=torch.bfloat16)
+    splits = [5, 0, 17, 40]
+    route = torch.tensor(splits, device="cuda") if as_tensor else splits
+    x = torch.randn(sum(splits), IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), OUT, device="cuda", dtype=torch.bfloat16)
+    m(x, route).backward(dy)  # (first call: Triton compiles, the extension loads)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m(x, route).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
+def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands():
+    """The Triton grouped GEMMs multiply the quantized operands: against the fp32 products of the same dequantized
+    operands (per expert) within the tolerance of the tensor cores' summation (docs/numerics.md)."""
+    kernels = _cuda_jagged_kernels()
+    splits, n, k = [100, 3, 0, 61, 16], 96, 128
+    e, t = len(splits), sum(splits)
+    dev = torch.device("cuda")
+    groups = TokenGroups.build(splits, t, dev)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(t, k, device=dev, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(e * n, k, device=dev, generator=gen, dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device=dev, generator=gen, dtype=torch.bfloat16)
+    qx, qw, qg = Float8Quantizer("e4m3"), Float8Quantizer("e4m3"), Float8Quantizer("e5m2")
+    xq = kernels.quantize(qx, x, groups, True, "x")
+    wq = kernels.quantize(qw, w, TokenGroups.uniform(e, n, dev), True, "w")
+    gq = kernels.quantize(qg, dy, groups, True, "dy")
+    y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, torch.float32, precise=False)
+    dx = kernels.mm(gq.row, gq.scale_inv, wq.col, n, wq.col.stride(0), k, wq.scale_inv, groups, torch.float32,
+                    precise=True)
+    dw = kernels.wgrad(gq.col, gq.scale_inv, xq.col, xq.scale_inv, groups, torch.float32)
+    o = 0
+    for g, m in enumerate(splits):
+        xs = xq.row[o:o + m].float() * xq.scale_inv[g]
+        ws = wq.row[g * n:(g + 1) * n].float() * wq.scale_inv[g]
+        gs = gq.row[o:o + m].float() * gq.scale_inv[g]
+        for what, got, want in (("fprop", y[o:o + m], xs @ ws.t()), ("dgrad", dx[o:o + m], gs @ ws),
+                                ("wgrad", dw[g], gs.t() @ xs)):
+            scale = want.abs().max().item() if want.numel() else 0.0
+            err = (got - want).abs().max().item() if want.numel() else 0.0
+            assert err <= 1e-3 * max(scale, 1e-30) or (scale == 0 and err == 0), \
+                f"{what} of expert {g} ({m} tokens): max error {err} of max {scale}"
+        o += m
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_jagged_gpu])])
+def test_a_non_finite_input_stays_in_its_expert(device):
+    """A NaN in expert 0's tokens makes expert 0's outputs and weight gradient non-finite and no other expert's (the
+    grouped GEMMs never mix two experts' tokens, even inside one tile)."""
+    m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe("fp8_tensorwise"), name="moe", device=device)
+    splits = [5, 0, 17, 40]
+    x = torch.randn(sum(splits), IN, device=device)
+    x[2, 3] = float("nan")
+    x.requires_grad_(True)
+    y = m(x, splits)
+    y.backward(torch.ones_like(y))
+    assert torch.isfinite(y[5:]).all(), "another expert's outputs are not finite"
+    assert torch.isfinite(m.weight.grad[1:]).all(), "another expert's weight gradient is not finite"
+    assert not torch.isfinite(m.weight.grad[0]).all(), "expert 0's weight gradient lost its NaN"

@@ -86,9 +86,10 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   const T* x = static_cast<const T*>(a.x);
   const bool vec = (K % (16 / static_cast<int>(sizeof(T))) == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
   // rowwise / columnwise output rows start 16-byte aligned (the full-tile fast paths store 16 bytes at a time)
-  const int64_t row_bytes = K / EPB, col_bytes = M / EPB;
+  // (the columnwise rows may be longer than M: a.col_pitch elements, e.g. 16-byte aligned rows for a GEMM)
+  const int64_t row_bytes = K / EPB, col_bytes = M / EPB, col_pitch = (a.col_pitch > 0 ? a.col_pitch : M) / EPB;
   const bool row_vec16 = a.row_q != nullptr && row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.row_q) & 15) == 0;
-  const bool col_vec16 = a.col_q != nullptr && col_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.col_q) & 15) == 0;
+  const bool col_vec16 = a.col_q != nullptr && col_pitch % 16 == 0 && (reinterpret_cast<uintptr_t>(a.col_q) & 15) == 0;
   const bool transpose_cols = P::kColFromRow && a.rowwise && a.columnwise;
   uint32_t* const byte_tile = reinterpret_cast<uint32_t*>(so);  // [TM][TK / 4] words, byte_tile_word (fits in so)
 
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int64_t gk = k0 + 4 * q + i;
-            uint8_t* dst = a.col_q + gk * M + gm;
+            uint8_t* dst = a.col_q + gk * col_pitch + gm;
             if (full && col_vec16) {
               *reinterpret_cast<uint4*>(dst) = make_uint4(cw[i][0], cw[i][1], cw[i][2], cw[i][3]);
             } else if (gk < K && gm < M) {
@@ -295,12 +296,12 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
         const int64_t gk = k0 + c, off = seg0 + j * 16;
         const uint4 v = *reinterpret_cast<const uint4*>(so + c * SO_STRIDE + j * 16);
         if (full && col_vec16) {
-          *reinterpret_cast<uint4*>(a.col_q + gk * col_bytes + off) = v;
+          *reinterpret_cast<uint4*>(a.col_q + gk * col_pitch + off) = v;
           continue;
         }
         if (gk >= K || off >= col_bytes) continue;
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        store_bytes(a.col_q + gk * col_bytes + off, w, static_cast<int>(min64(16, col_bytes - off)));
+        store_bytes(a.col_q + gk * col_pitch + off, w, static_cast<int>(min64(16, col_bytes - off)));
       }
     }
     __syncthreads();  // the stage, the staging buffer and the 2-D amaxes are free for the next tile

@@ -35,11 +35,12 @@ def transpose_bytes(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _register_builtin() -> None:
-    from . import cuda, native_gemm
+    from . import cuda, grouped_fp8, native_gemm
 
     cuda.register_all()
     native_gemm.register_all()
     dispatch.register_transpose("cuda", transpose_bytes)
+    dispatch.register_jagged_fp8("cuda", grouped_fp8.CudaJaggedFP8())
 
 
 _register_builtin()

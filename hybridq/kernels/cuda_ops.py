@@ -6,9 +6,11 @@ Op reference (all inputs 2-D and contiguous; a direction not asked for returns a
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8, scale_inv [1], amax [1] | [0])
 - fp8_tensor_quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwise, columnwise): delayed scaling's cast,
   max|x| max-combined into amax_history[0] in place -> (rowwise, columnwise, scale_inv [1])
-- fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise): row r quantized with the scale
-  of group row_group[r] (int32 [M]), each group's scale from its own max|x|
-    -> (rowwise [M, K] fp8, columnwise [K, M] fp8 | [0], scale_inv [n_groups], amax [n_groups])
+- fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0): row r quantized
+  with the scale of group row_group[r] (int32 [M]), each group's scale from its own max|x|; the columnwise rows
+  col_pitch (>= M; 0: M) elements apart
+    -> (rowwise [M, K] fp8, columnwise [K, M] fp8 (strides (col_pitch, 1)) | [0], scale_inv [n_groups],
+        amax [n_groups])
 - fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise)
     -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv)
 - mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle) -> (rowwise, E8M0 scales, columnwise, scales)
@@ -55,10 +57,12 @@ def _fp8_tensor_quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwi
 
 
 @register_fake("hybridq::fp8_tensor_quantize_grouped")
-def _fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise):
+def _fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0):
     m, k = x.shape
-    return (x.new_empty((m, k), dtype=dtype), _or0(x, (k, m), dtype, columnwise),
-            x.new_empty((n_groups,), dtype=_F32), x.new_empty((n_groups,), dtype=_F32))
+    col = (x.new_empty_strided((k, m), (col_pitch or m, 1), dtype=dtype) if columnwise
+           else x.new_empty((0,), dtype=dtype))
+    return (x.new_empty((m, k), dtype=dtype), col, x.new_empty((n_groups,), dtype=_F32),
+            x.new_empty((n_groups,), dtype=_F32))
 
 
 @register_fake("hybridq::fp8_block_quantize")

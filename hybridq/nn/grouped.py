@@ -16,12 +16,13 @@ from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible
 from ..tensor import QuantizedTensor
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherShard
-from ..gemm import native_row_multiple
+from ..gemm import jagged_fp8_kernels, native_row_multiple
 from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
-from .m_splits import host_m_splits
+from .grouped_jagged import JaggedFP8Experts, TokenGroups
+from .m_splits import check_split_values, checked_m_splits, host_m_splits
 from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
 from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
@@ -117,6 +118,10 @@ class GroupedLinear(nn.Module):
     # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py; `packed_quantizers` decides). False: always the
     # per-expert path (what the packed paths are tested against).
     packed_path: bool = True
+    # per-tensor FP8 (the FP8_TENSOR packed path) takes the jagged layout (hybridq/nn/grouped_jagged.py: tokens as
+    # routed, group bounds on the device, no host sync) where its kernels run here (the CPU reference; CUDA sm_90
+    # with Triton and the extension), else the padded packed layout. False: always the padded one (benchmarks, tests).
+    jagged_path: bool = True
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype=None, *, recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
@@ -239,12 +244,18 @@ class GroupedLinear(nn.Module):
             cached = self.__dict__["_cfgs"] = (key, cfgs)
         return cached[1]
 
-    def _splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
-        """m_splits as a list of ints after the checks (raised before anything is quantized or cached)."""
+    def _splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int] | torch.Tensor:
+        """m_splits after the checks that need no host sync (raised before anything is quantized or cached): a list
+        of ints, or a device tensor whose values only the device reads (the jagged path) or `_host_splits` reads."""
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"{self.name}: input must have shape [tokens, {self.in_features}] (in_features), got "
                              f"{tuple(x.shape)}")
-        return host_m_splits(m_splits, self.num_experts, x.shape[0], self.name)  # (m_splits.py: the shared rules)
+        return checked_m_splits(m_splits, self.num_experts, x.shape[0], self.name)  # (m_splits.py: shared rules)
+
+    def _host_splits(self, splits: list[int] | torch.Tensor, tokens: int) -> list[int]:
+        if isinstance(splits, torch.Tensor):  # (one host sync: the per-expert and padded paths slice on the host)
+            return check_split_values(splits.tolist(), self.num_experts, tokens, self.name)
+        return splits
 
     @torch.compiler.disable  # eager between compiled regions, as Linear.forward
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
@@ -269,6 +280,13 @@ class GroupedLinear(nn.Module):
                 if (self.packed_path and override is None and not gathered and not held_quantized
                     and is_first_microbatch is None
                     and self.bias is None and not self.save_original_input) else None)
+        if kind is not None and kind.kind == FP8_TENSOR and self.jagged_path:  # where its kernels run here
+            kernels = jagged_fp8_kernels(x.device, self.in_features, self.out_features, kind.quantizers)
+            if kernels is not None:
+                groups = TokenGroups.build(splits, x.shape[0], x.device, self.name)
+                return JaggedFP8Experts.apply(x, self.weight, groups, kind.quantizers, self.name, need_dgrad,
+                                              need_wgrad, kernels)
+        splits = self._host_splits(splits, x.shape[0])
         if kind is not None:  # (override is None: the backward GEMMs are quantized)
             qs = kind.quantizers
             padded = [padded_tokens(m, self.in_features, self.out_features, qs, need_dgrad, need_wgrad, multiple)

@@ -1,0 +1,251 @@
+"""Per-tensor FP8 grouped GEMMs of a grouped linear (mixture of experts) for Hopper (sm_90) in Triton, on the jagged
+token layout: every expert's tokens are consecutive rows of one tensor, group g's rows `[starts[g], ends[g])` with
+`ends` (int32 `[E]`, cumulative token counts, the `offs` of `torch._grouped_mm`) on the device. No padding, no
+packing copy and no host synchronization: the kernels read the group bounds from `ends` and mask the rows (fprop,
+dgrad) or the contracted tokens (wgrad) of each group.
+
+  - `jagged_mm` (fprop, dgrad: 2-D x 3-D): `out[rows of g] = (a[rows of g] @ b[g]^T) * (sa[g] * sb[g])` with
+    `a` fp8 `[T, K]` (rows), `b[g]` fp8 `[N, K]` given by a base tensor and strides (the weight's rowwise bytes
+    `[E*N, K]` for fprop, a column slice of its columnwise bytes `[K, E*N]` for dgrad: no per-expert copy);
+  - `jagged_wgrad` (wgrad: 2-D x 2-D, contracted over each group's tokens): `out[g] = (a_t[:, tokens of g] @
+    b_t[:, tokens of g]^T) * (sa[g] * sb[g])` with the columnwise (transposed) bytes `a_t [N, T]`, `b_t [K, T]`;
+    an expert without tokens gets a zero product.
+
+Any pairing of E4M3 / E5M2 (the gradients of the fp8_tensorwise preset are E5M2, which `torch._scaled_grouped_mm`
+does not take on sm_90). The products accumulate in fp32 on the tensor cores; with `precise=True` (the backward
+GEMMs, as `torch._scaled_mm` without fast accumulation) each 128-wide K block's partial sum is added into a separate
+fp32 accumulator (DeepGEMM's promotion; Triton's `max_num_imprecise_acc`), with `precise=False` (fprop, fast
+accumulation) the tensor cores accumulate the whole K. The per-group scales multiply the fp32 result once, before the
+one rounding to the output dtype. Numerics against one `torch._scaled_mm` per expert (docs/numerics.md "Row groups and
+grouped GEMMs"): the same operands and the same exact products, summed in another order.
+
+wgrad reads 16-byte chunks of the columnwise rows: their row pitch (stride) must be a multiple of 16 bytes (the
+grouped quantize writes them so); a group's first and last K tiles are read aligned and the tokens of the
+neighbouring groups are zeroed in registers (both operands: a NaN of another expert must not enter this one's sum).
+
+Triton is optional: without it (CPU machines, CI) this module imports and `available()` is False.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU machines and CI have none
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 (ImportError, or a broken install)
+    triton = tl = None
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+PROMOTE_K = 128  # precise accumulation: a separate fp32 sum every 128 products (the K tile)
+LAST_COMPILED: dict = {}  # the last compiled kernel per name (benchmarks read registers / spills)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per kernel and accumulation mode; overridable per call
+# for the benchmarks (`config=`)
+CONFIGS = {
+    ("mm", False): (128, 256, 128, 8, 8, 3),
+    ("mm", True): (128, 128, 128, 8, 8, 4),
+    ("wgrad", False): (128, 256, 128, 8, 8, 3),
+    ("wgrad", True): (128, 128, 128, 8, 8, 4),
+}
+
+
+def available() -> bool:
+    """True when Triton imports (the device checks are the caller's)."""
+    return triton is not None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+if triton is not None:
+    @triton.jit
+    def _group_bounds(ends_ptr, E, EP: tl.constexpr):
+        """(group index vector, starts, sizes) of the E groups, padded to EP lanes with empty groups."""
+        gi = tl.arange(0, EP)
+        ends = tl.load(ends_ptr + gi, mask=gi < E, other=0)
+        starts = tl.load(ends_ptr + gi - 1, mask=(gi >= 1) & (gi < E), other=0)
+        sizes = tl.where(gi < E, ends - starts, 0)
+        return gi, starts, sizes
+
+    @triton.jit
+    def _pick(gi, vec, g):
+        """vec[g] as a scalar."""
+        return tl.sum(tl.where(gi == g, vec, 0), axis=0)
+
+    @triton.jit(do_not_specialize=["T", "E"])
+    def _jagged_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, T, N, K, E,
+                          stride_am, stride_bg, stride_bn, stride_cm,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, EP: tl.constexpr, PRECISE: tl.constexpr):
+        pid = tl.program_id(0)
+        gi, starts, sizes = _group_bounds(ends_ptr, E, EP)
+        mt = (sizes + BLOCK_M - 1) // BLOCK_M  # row tiles of each group
+        mt_end = tl.cumsum(mt, 0)
+        total_mt = tl.sum(mt, axis=0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        if pid >= total_mt * num_n:  # (the grid is an upper bound: the tile counts live on the device)
+            return
+        # grouped launch order: GROUP_M row tiles share their B tiles in L2
+        width = GROUP_M * num_n
+        grp = pid // width
+        first_m = grp * GROUP_M
+        size_m = tl.minimum(total_mt - first_m, GROUP_M)
+        tm = first_m + (pid % width) % size_m
+        tn = (pid % width) // size_m
+        g = tl.sum((mt_end <= tm).to(tl.int32), axis=0)  # the group of row tile tm
+        g_start = _pick(gi, starts, g)
+        g_size = _pick(gi, sizes, g)
+        row0 = (tm - _pick(gi, mt_end - mt, g)) * BLOCK_M
+
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = rm < g_size
+        col_ok = rn < N
+        a_ptrs = a_ptr + (g_start + rm).to(tl.int64)[:, None] * stride_am + rk[None, :]
+        b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+            if PRECISE:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
+        c = (acc * scale).to(c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + (g_start + rm).to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _wgrad_edge(acc, a_ptrs, b_ptrs, row_ok, col_ok, k, lo, hi, pitch, PRECISE: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """One K tile starting at the 16-aligned token k, of which only tokens [lo, hi) belong to the group: read
+        whole 16-byte chunks (inside the row pitch), zero the others' tokens in registers."""
+        rk = k + tl.arange(0, BLOCK_K)
+        inside = rk < pitch
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & inside[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None] & inside[None, :], other=0.0)
+        mine = ((rk >= lo) & (rk < hi))[None, :]
+        a = tl.where(mine, a, tl.zeros_like(a))
+        b = tl.where(mine, b, tl.zeros_like(b))
+        if PRECISE:
+            return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        return tl.dot(a, tl.trans(b), acc)
+
+    @triton.jit(do_not_specialize=["E"])
+    def _jagged_wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, M, N, E, pitch_a, pitch_b,
+                             stride_cg, stride_cm,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, PRECISE: tl.constexpr):
+        pid = tl.program_id(0)
+        g = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        grp = pid // width
+        first_m = grp * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        tm = first_m + (pid % width) % size_m
+        tn = (pid % width) // size_m
+        end = tl.load(ends_ptr + g)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
+
+        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = rm < M
+        col_ok = rn < N
+        k0 = tl.multiple_of((start // 16) * 16, 16)  # the group's first 16-byte chunk
+        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * pitch_a + (k0 + rk)[None, :]
+        b_ptrs = b_ptr + rn.to(tl.int64)[:, None] * pitch_b + (k0 + rk)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if start < end:  # the head tile: tokens before `start` belong to the previous group
+            acc = _wgrad_edge(acc, a_ptrs, b_ptrs, row_ok, col_ok, k0, start, end, pitch_a, PRECISE, BLOCK_K)
+        n_full = tl.maximum(end - k0 - BLOCK_K, 0) // BLOCK_K  # whole tiles inside the group after the head
+        for _ in range(0, n_full):
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+            if PRECISE:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        k_tail = k0 + BLOCK_K * (n_full + 1)
+        if k_tail < end:  # the tail tile: tokens from `end` on belong to the next group
+            acc = _wgrad_edge(acc, a_ptrs + BLOCK_K, b_ptrs + BLOCK_K, row_ok, col_ok, k_tail, start, end, pitch_a,
+                              PRECISE, BLOCK_K)
+        scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
+        c = (acc * scale).to(c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _config(kind: str, precise: bool, k: int, config) -> tuple:
+    bm, bn, bk, gm, w, st = config if config is not None else CONFIGS[(kind, precise)]
+    while bk > 32 and k % bk:
+        bk //= 2
+    return bm, bn, bk, gm, w, st
+
+
+def check_jagged(a: torch.Tensor, b_rows: int, k: int, ends: torch.Tensor) -> str | None:
+    """Why `jagged_mm` / `jagged_wgrad` cannot take these operands, or None."""
+    if a.dtype not in _FP8 or not a.is_cuda:
+        return f"fp8 CUDA operands expected, got {a.dtype} on {a.device}"
+    if k % 32:
+        return f"the contracted size {k} is not a multiple of 32"
+    if ends.dtype != torch.int32 or ends.dim() != 1 or not ends.is_contiguous():
+        return "ends must be a contiguous int32 [E] tensor"
+    return None
+
+
+def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_group_stride: int, b_row_stride: int,
+              n: int, b_scale_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+              precise: bool = False, config=None) -> torch.Tensor:
+    """`out[rows of g] = a[rows of g] @ b_g^T * (a_scale_inv[g] * b_scale_inv[g])` for the E groups of `ends` (see
+    the module docstring); `b_g[j, :]` starts at element `g * b_group_stride + j * b_row_stride` of `b` (contiguous
+    along K), `n` rows each. `a` fp8 `[T, K]` contiguous; result `[T, n]` in out_dtype."""
+    t, k = a.shape
+    e = ends.shape[0]
+    c = torch.empty(t, n, device=a.device, dtype=out_dtype)
+    if t == 0 or n == 0:
+        return c
+    bm, bn, bk, gm, w, st = _config("mm", precise, k, config)
+    grid = ((_cdiv(t, bm) + e) * _cdiv(n, bn),)  # an upper bound of the row tiles: each group may end one partial
+    LAST_COMPILED["mm"] = _jagged_mm_kernel[grid](
+        a, b, c, a_scale_inv, b_scale_inv, ends, t, n, k, e, a.stride(0), b_group_stride, b_row_stride, c.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EP=max(16, _next_pow2(e)), PRECISE=precise,
+        num_warps=w, num_stages=st)
+    return c
+
+
+def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor, b_scale_inv: torch.Tensor,
+                 ends: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, precise: bool = True,
+                 config=None) -> torch.Tensor:
+    """`out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T * (a_scale_inv[g] * b_scale_inv[g])`: `[E, M, N]` for
+    `a_t` fp8 `[M, T]`, `b_t` fp8 `[N, T]` (unit stride along the tokens; row strides multiples of 16)."""
+    m, n = a_t.shape[0], b_t.shape[0]
+    e = ends.shape[0]
+    c = torch.empty(e, m, n, device=a_t.device, dtype=out_dtype)
+    if c.numel() == 0:
+        return c
+    if a_t.shape[1] == 0:  # no tokens at all: every expert's product is empty
+        return c.zero_()
+    if a_t.stride(0) % 16 or b_t.stride(0) % 16 or a_t.stride(0) != b_t.stride(0):
+        raise ValueError(f"jagged_wgrad: the columnwise rows need one row pitch, a multiple of 16 bytes; got "
+                         f"{a_t.stride(0)} and {b_t.stride(0)}")
+    bm, bn, bk, gm, w, st = _config("wgrad", precise, 128, config)
+    grid = (_cdiv(m, bm) * _cdiv(n, bn), e)
+    LAST_COMPILED["wgrad"] = _jagged_wgrad_kernel[grid](
+        a_t, b_t, c, a_scale_inv, b_scale_inv, ends, m, n, e, a_t.stride(0), b_t.stride(0), c.stride(0),
+        c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise, num_warps=w, num_stages=st)
+    return c

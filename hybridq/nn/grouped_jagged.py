@@ -1,0 +1,131 @@
+"""The jagged path of `GroupedLinear` for per-tensor FP8 with current scaling: every expert's tokens stay where the
+router put them (consecutive rows of one `[T, in]` tensor) and the group bounds live on the device, as for
+`torch._grouped_mm`. Per forward + backward, one quantize call per operand for all experts (input, weight `[E*N, K]`,
+gradient; each expert's rows with its own amax and scale, rowwise and the columnwise transpose in the same pass) and
+one grouped GEMM per phase:
+
+    fprop  y  [T, N]    = x rowwise (jagged rows)    x W rowwise `[E, N, K]`
+    dgrad  dx [T, K]    = dy rowwise (jagged rows)   x W columnwise (column slices of its `[K, E*N]` transpose)
+    wgrad  dW [E, N, K] = dy columnwise `[N, T]`     x x columnwise `[K, T]`, contracted over each expert's tokens
+
+No padding, no packing copy, no per-expert Python work on the device path, and no host sync: `m_splits` as a device
+tensor stays on the device (its values are checked there, asynchronously), a list costs one host-to-device copy.
+
+Which kernels run is `hybridq.gemm.jagged_fp8_kernels`: on CUDA sm_90 the grouped quantize of the extension and the
+Triton grouped GEMMs (hybridq/kernels/grouped_fp8.py); on the CPU the reference (one quantization and one emulated
+GEMM per expert on its slice), which is bitwise the per-expert path. On a GPU the quantized operands are bitwise those
+of the per-expert path and the GEMMs sum the same exact products in another order (docs/numerics.md "Row groups and
+grouped GEMMs").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import Quantizer
+from ..gemm import JaggedFP8Kernels
+from ..kernels.native_gemm import FAST_ACCUM_FPROP
+
+
+class TokenGroups:
+    """The expert groups of a jagged `[T, ...]` tensor: `n` groups, group g's rows `[ends[g-1], ends[g])`.
+    `ends` (int32 `[n]`, cumulative counts) and `row_group` (int32 `[T]`, each row's group) live on the tensor's
+    device and are made on first use; `host_sizes()` gives the counts as ints (a host sync when they were given as a
+    device tensor: only the reference kernels ask)."""
+
+    def __init__(self, counts: torch.Tensor, tokens: int, sizes: list[int] | None):
+        self.n = counts.shape[0]
+        self.tokens = tokens
+        self._counts, self._sizes = counts, sizes
+        self._ends: torch.Tensor | None = None
+        self._row_group: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
+              name: str = "GroupedLinear") -> "TokenGroups":
+        """From checked `m_splits` (`hybridq.nn.m_splits.checked_m_splits`): a list (one host-to-device copy, from
+        pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously)."""
+        if isinstance(m_splits, torch.Tensor):
+            counts = m_splits.to(device=device, dtype=torch.int64)
+            if counts.device.type != "cpu":  # the host checks need the values: check them where they are
+                torch._assert_async(((counts >= 0).all() & (counts.sum() == tokens)).reshape(()),
+                                    f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
+                return cls(counts, tokens, None)
+            return cls(counts, tokens, [int(v) for v in counts.tolist()])
+        sizes = list(m_splits)
+        host = torch.tensor(sizes, dtype=torch.int64, pin_memory=device.type == "cuda")
+        return cls(host.to(device, non_blocking=True), tokens, sizes)
+
+    @classmethod
+    def uniform(cls, n: int, rows: int, device: torch.device) -> "TokenGroups":
+        """n groups of `rows` rows each (the experts' weights `[E*N, K]`), cached per shape and device."""
+        key = (n, rows, device)
+        hit = _UNIFORM.get(key)
+        if hit is None:
+            if len(_UNIFORM) >= 32:
+                _UNIFORM.clear()
+            hit = _UNIFORM[key] = cls(torch.full((n,), rows, dtype=torch.int64, device=device), n * rows,
+                                      [rows] * n)
+        return hit
+
+    @property
+    def ends(self) -> torch.Tensor:
+        if self._ends is None:
+            self._ends = self._counts.cumsum(0).to(torch.int32)
+        return self._ends
+
+    @property
+    def row_group(self) -> torch.Tensor:
+        if self._row_group is None:
+            ids = torch.arange(self.n, dtype=torch.int32, device=self._counts.device)
+            self._row_group = torch.repeat_interleave(ids, self._counts, output_size=self.tokens)
+        return self._row_group
+
+    def host_sizes(self) -> list[int]:
+        if self._sizes is None:
+            self._sizes = [int(v) for v in self._counts.tolist()]
+        return self._sizes
+
+
+_UNIFORM: dict = {}
+
+
+class JaggedFP8Experts(torch.autograd.Function):
+    """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 on the jagged layout (see the
+    module docstring). `need_dgrad` / `need_wgrad`: the gradients backward will compute (which columnwise forms the
+    forward makes; inside forward, autograd's own flags ignore no_grad)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
+                name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels) -> torch.Tensor:
+        e, n, k = weight.shape
+        xq = kernels.quantize(quantizers["input"], x, groups, need_wgrad, f"input of {name}")
+        wq = kernels.quantize(quantizers["weight"], weight.detach().reshape(e * n, k),
+                              TokenGroups.uniform(e, n, x.device), need_dgrad, f"weight of {name}")
+        y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, x.dtype,
+                       precise=not FAST_ACCUM_FPROP, name=f"fprop of {name}")
+        # backward reads the columnwise forms only: x's for wgrad, W's for dgrad
+        ctx.save_for_backward(xq.col if need_wgrad else None, xq.scale_inv, wq.col if need_dgrad else None,
+                              wq.scale_inv)
+        ctx.groups, ctx.quantizers, ctx.name, ctx.kernels = groups, quantizers, name, kernels
+        ctx.w_shape, ctx.w_dtype = (e, n, k), weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x_col, x_scale, w_col, w_scale = ctx.saved_tensors
+        groups, kernels, name = ctx.groups, ctx.kernels, ctx.name
+        e, n, k = ctx.w_shape
+        need_dgrad = ctx.needs_input_grad[0] and w_col is not None
+        need_wgrad = ctx.needs_input_grad[1] and x_col is not None
+        dx = dw = None
+        if not (need_dgrad or need_wgrad):
+            return dx, dw, None, None, None, None, None, None
+        dyq = kernels.quantize(ctx.quantizers["grad_output"], dy, groups, need_wgrad, f"grad_output of {name}")
+        if need_dgrad:  # dy rowwise x W columnwise: expert g's `[K, N]` is columns [g*N, (g+1)*N) of `[K, E*N]`
+            dx = kernels.mm(dyq.row, dyq.scale_inv, w_col, n, w_col.stride(0), k, w_scale, groups, dy.dtype,
+                            precise=True, name=f"dgrad of {name}")
+        if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
+            dw = kernels.wgrad(dyq.col, dyq.scale_inv, x_col, x_scale, groups, dy.dtype,
+                               name=f"wgrad of {name}").to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None
