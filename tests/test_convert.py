@@ -302,13 +302,13 @@ def test_training_job_conversion_refuses_an_unknown_environment_override(monkeyp
 
 
 def test_readme_conversion_snippet_converts_fresh_layers_in_every_call(monkeypatch):
-    """The README "Recipes and presets" example: every convert_linears call converts nn.Linear layers (none of
-    them re-converts a model an earlier call converted)."""
+    """The docs/formats-and-recipes.md "Presets and your own recipe" example: every convert_linears call converts
+    nn.Linear layers (none of them re-converts a model an earlier call converted)."""
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("## Recipes and presets"):text.index("### Backward override")]
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "formats-and-recipes.md").read_text()
+    section = text[text.index("## Presets and your own recipe"):text.index("## The Linear module")]
     (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     reports = []
 
@@ -319,11 +319,12 @@ def test_readme_conversion_snippet_converts_fresh_layers_in_every_call(monkeypat
     real = hq.convert_linears
     monkeypatch.setattr(hq, "convert_linears", recording)
     monkeypatch.setattr("builtins.print", lambda *a, **k: None)
-    exec(compile(snippet, "README.md", "exec"), {})
+    exec(compile(snippet, "formats-and-recipes.md", "exec"), {})
     assert len(reports) == 2, f"the snippet calls convert_linears {len(reports)} times"
     for i, report in enumerate(reports):
         statuses = [l.status for l in report.layers]
-        assert statuses and set(statuses) == {"converted"}, f"call {i + 1}: {statuses}"
+        # fresh layers only: converted, or skipped for a shape (the example's 100-row layer), never re-converted
+        assert "converted" in statuses and set(statuses) <= {"converted", "skipped"}, f"call {i + 1}: {statuses}"
 
 
 def _sharded(tmp_path, recipe_name):
