@@ -145,7 +145,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
   a.row_q = u8(row);
   a.col_q = columnwise ? u8(col) : nullptr;
   a.scale_inv_out = scale_inv.data_ptr<float>();
-  if (M > 0 && K > 0) C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
+  if (M > 0 && K > 0) {
+    C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
+  } else {  // no element: every group is empty, amax 0 (the kernel, which writes the scales, does not run)
+    scale_inv.fill_(1.0f / hybridq::scale_from_amax(0.0f, a.fp8_max, a.eps, a.pow2));
+  }
   return {row, col, scale_inv, amax};
 }
 

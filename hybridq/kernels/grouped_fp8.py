@@ -18,6 +18,7 @@ import torch
 
 from ..enums import Scaling
 from ..formats import Float8Quantizer
+from ..formats.float8 import aligned_scales
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from . import _ext, native_gemm
 from .cuda import FP8_TENSOR_OPTIONS, IN_DTYPES
@@ -57,15 +58,72 @@ class CudaJaggedFP8(JaggedFP8Kernels):
             x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, columnwise, pitch)
         return JaggedFP8(row, col if columnwise else None, scale_inv)
 
+    # which GEMMs run when the token counts are known on the host (a list m_splits): "cublas" (one torch._scaled_mm
+    # per expert on its slice), "triton" (one grouped launch); with device counts only, always "triton" (no sync)
+    gemms = {"mm": "cublas", "wgrad": "cublas"}
+
+    def _cublas(self, which: str, groups) -> bool:
+        return self.gemms[which] == "cublas" and groups.known_sizes() is not None
+
     def mm(self, a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, groups,
            out_dtype: torch.dtype, precise: bool, name: str = "grouped GEMM") -> torch.Tensor:
-        od = out_dtype if out_dtype in IN_DTYPES else torch.float32
-        out = _triton().jagged_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, groups.ends, od,
-                                  precise)
+        od = out_dtype if out_dtype in _MM_OUT else torch.float32
+        if self._cublas("mm", groups):
+            out = _per_expert_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv,
+                                 groups.known_sizes(), od, precise)
+        else:
+            out = _triton().jagged_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, groups.ends,
+                                      od, precise)
         return out if od == out_dtype else out.to(out_dtype)
 
     def wgrad(self, a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype,
               name: str = "grouped wgrad") -> torch.Tensor:
-        od = out_dtype if out_dtype in IN_DTYPES else torch.float32
-        out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups.ends, od, precise=True)
+        od = out_dtype if out_dtype in _MM_OUT else torch.float32
+        if self._cublas("wgrad", groups):
+            out = _per_expert_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups, od)
+        else:
+            out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups.ends, od, precise=True)
         return out if od == out_dtype else out.to(out_dtype)
+
+
+_MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _per_expert_mm(a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, sizes: list[int],
+                   out_dtype: torch.dtype, precise: bool) -> torch.Tensor:
+    """One `torch._scaled_mm` per expert on its rows (cuBLAS takes any row count), written in place into the
+    result; `b_g^T` is a column-major view of the weight's bytes (no copy)."""
+    k = a.shape[1]
+    out = a.new_empty(a.shape[0], n, dtype=out_dtype)
+    sa, sb = aligned_scales(a_scale_inv), aligned_scales(b_scale_inv)
+    o = 0
+    for g, m in enumerate(sizes):
+        if m:
+            bg = b.as_strided((n, k), (b_row_stride, 1), b.storage_offset() + g * b_group_stride)
+            torch._scaled_mm(a[o:o + m], bg.t(), sa[g, :1], sb[g, :1], out_dtype=out_dtype, use_fast_accum=not precise,
+                             out=out[o:o + m])
+        o += m
+    return out
+
+
+def _per_expert_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype) -> torch.Tensor:
+    """One `torch._scaled_mm` per expert, contracted over its tokens: cuBLAS needs them 16-byte aligned and a
+    multiple of 16, so both columnwise forms are first copied into a layout whose groups start at multiples of 16
+    and are zero-padded to them (one launch each; zero columns add nothing)."""
+    sizes = groups.known_sizes()
+    padded = [-(-m // 16) * 16 for m in sizes]
+    pends = groups.padded_ends(16)
+    tg = _triton()
+    ap = tg.pad_groups(a_t, groups.ends, pends, sum(padded))
+    bp = tg.pad_groups(b_t, groups.ends, pends, sum(padded))
+    out = a_t.new_empty(len(sizes), a_t.shape[0], b_t.shape[0], dtype=out_dtype)
+    sa, sb = aligned_scales(a_scale_inv), aligned_scales(b_scale_inv)
+    o = 0
+    for g, p in enumerate(padded):
+        if p:
+            torch._scaled_mm(ap[:, o:o + p], bp[:, o:o + p].t(), sa[g, :1], sb[g, :1], out_dtype=out_dtype,
+                             use_fast_accum=False, out=out[g])
+        else:
+            out[g].zero_()
+        o += p
+    return out

@@ -190,6 +190,38 @@ if triton is not None:
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
 
 
+if triton is not None:
+    @triton.jit(do_not_specialize=["E"])
+    def _pad_groups_kernel(src_ptr, dst_ptr, ends_ptr, pends_ptr, R, E, src_pitch, dst_pitch,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dst[:, pstart_g + j] = src[:, start_g + j] for the group's tokens j, zeros up to its padded end."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        g = tl.program_id(1)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
+        size = tl.load(ends_ptr + g) - start
+        pstart = tl.multiple_of(tl.load(pends_ptr + g - 1, mask=g > 0, other=0), 16)
+        psize = tl.load(pends_ptr + g) - pstart
+        row_ok = (r < R)[:, None]
+        src = src_ptr + r.to(tl.int64)[:, None] * src_pitch + start
+        dst = dst_ptr + r.to(tl.int64)[:, None] * dst_pitch + pstart
+        for c in range(0, psize, BLOCK_C):
+            cols = c + tl.arange(0, BLOCK_C)[None, :]
+            v = tl.load(src + cols, mask=row_ok & (cols < size), other=0)
+            tl.store(dst + cols, v, mask=row_ok & (cols < psize))
+
+
+def pad_groups(t: torch.Tensor, ends: torch.Tensor, padded_ends: torch.Tensor, total: int) -> torch.Tensor:
+    """`[R, total]` (1-byte elements): the columns of each group of `t [R, T]` (group bounds `ends`) copied to
+    16-aligned column offsets (`padded_ends`, cumulative multiples of 16), zeros up to each group's padded end."""
+    rows = t.shape[0]
+    out = torch.empty(rows, total, device=t.device, dtype=t.dtype)
+    if out.numel():
+        grid = (_cdiv(rows, 32), ends.shape[0])
+        _pad_groups_kernel[grid](t.view(torch.uint8), out.view(torch.uint8), ends, padded_ends, rows, ends.shape[0],
+                                 t.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=256, num_warps=4)
+    return out
+
+
 def _config(kind: str, precise: bool, k: int, config) -> tuple:
     bm, bn, bk, gm, w, st = config if config is not None else CONFIGS[(kind, precise)]
     while bk > 32 and k % bk:
