@@ -6,7 +6,8 @@ A block runs with `python` unless the line before its fence (blank lines aside) 
     <!-- fragment: REASON -->    not runnable on its own (e.g. continues the block above); listed as skipped with
                                  its reason, never silently left out
 
-Each block runs in an empty temporary folder with CUDA hidden, so what it writes (checkpoints, files) goes there.
+Each block runs in its own process in an empty temporary folder with CUDA hidden, so what it writes (checkpoints,
+files) goes there; single-process blocks are forked from one interpreter that has imported torch and hybridq.
 Relative links between the pages must resolve too (files and #anchors).
 """
 
@@ -16,6 +17,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import select
 import subprocess
 import sys
 
@@ -84,8 +86,64 @@ def snippets(page: pathlib.Path) -> list[Snippet]:
 ALL = [s for page in PAGES for s in snippets(page)]
 
 
+# One warm interpreter that has imported torch and hybridq (~5 s of CPU per process, most of a small snippet's
+# cost) forks a fresh child per single-process snippet: each still runs alone, from a clean __main__, in its folder.
+_SERVER = r"""
+import os, runpy, sys, traceback
+import torch, hybridq  # noqa: F401
+for line in sys.stdin:
+    script, log = line.rstrip("\n").split("\t")
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(os.path.dirname(script))
+        sys.argv = [script]
+        code = 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def warm_python():
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=_env())
+
+    def run(script: pathlib.Path) -> tuple[int, str]:
+        log = script.with_suffix(".log")
+        proc.stdin.write(f"{script}\t{log}\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
+        if not ready:
+            proc.kill()
+            raise TimeoutError(f"{script.name} ran longer than {TIMEOUT_S} s")
+        code = int(proc.stdout.readline())
+        return code, log.read_text()
+
+    yield run
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
 @pytest.mark.parametrize("snippet", ALL, ids=[s.name for s in ALL])
-def test_snippet_runs(snippet: Snippet, tmp_path):
+def test_snippet_runs(snippet: Snippet, tmp_path, warm_python):
     if snippet.fragment is not None:
         pytest.skip(f"fragment: {snippet.fragment}")
     script = tmp_path / "snippet.py"
@@ -93,13 +151,33 @@ def test_snippet_runs(snippet: Snippet, tmp_path):
     if snippet.nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(snippet.nproc),
                str(script)]
+        r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        code, output = r.returncode, r.stdout[-2000:] + "\n" + r.stderr[-4000:]
+        how = f"torchrun --nproc-per-node {snippet.nproc}"
     else:
-        cmd = [sys.executable, str(script)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert r.returncode == 0, (f"{snippet.name} failed (exit {r.returncode}) as `{' '.join(cmd[1:])}`:\n"
-                               f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+        code, output = warm_python(script)
+        output, how = output[-6000:], "python"
+    assert code == 0, f"{snippet.name} failed (exit {code}) under {how}:\n{output}"
+
+
+def test_the_runner_reports_a_failing_block(tmp_path, warm_python):
+    script = tmp_path / "snippet.py"
+    script.write_text("import hybridq\nprint('before')\nhybridq.recipe('no_such_preset')\n")
+    code, output = warm_python(script)
+    assert code == 1 and "before" in output and "no_such_preset" in output, (code, output)
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert warm_python(script)[0] == 3
+
+
+def test_markers_are_parsed(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("a\n\n<!-- run: torchrun 2 -->\n```python\nx = 1\n```\n\n<!-- fragment: continues above -->\n"
+                    "```python\ny = x\n```\n\n```python\nz = 2\n```\n\n```bash\nls\n```\n")
+    found = [(s.line, s.nproc, s.fragment, s.code) for s in snippets(page)]
+    assert found == [(4, 2, None, "x = 1\n"), (9, 0, "continues above", "y = x\n"), (13, 0, None, "z = 2\n")]
+    page.write_text("<!-- run: mpirun 2 -->\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="unknown launcher 'mpirun 2'"):
+        snippets(page)
 
 
 def test_pages_have_runnable_snippets():
