@@ -182,6 +182,7 @@ def main(argv=None) -> int:
             return 1
         print(f"README.md's sample output: {n} losses match the current code")
         return 0
+    readme = README.read_text()  # again: the README may have been edited during the run
     i, j = _block_span(readme)
     README.write_text(readme[:i] + block(stdout, datetime.date.today()) + readme[j:])
     print(f"rewrote the sample block of {README}")
