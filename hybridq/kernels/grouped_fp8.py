@@ -58,17 +58,24 @@ class CudaJaggedFP8(JaggedFP8Kernels):
             x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, columnwise, pitch)
         return JaggedFP8(row, col if columnwise else None, scale_inv)
 
-    # which GEMMs run when the token counts are known on the host (a list m_splits): "cublas" (one torch._scaled_mm
-    # per expert on its slice), "triton" (one grouped launch); with device counts only, always "triton" (no sync)
-    gemms = {"mm": "cublas", "wgrad": "cublas"}
+    # fprop / dgrad as one torch._scaled_mm per expert (cuBLAS, ~1.1-1.3 PFLOP/s on an H200 at these shapes,
+    # measured ~60-100 us of host time per call) when the host has the token counts (a list m_splits) and the average
+    # expert's GEMM takes at least this long on the GPU (estimated at 1.1 PFLOP/s); else one Triton grouped launch
+    # (BENCHMARKS.md, "MoE": per-expert cuBLAS wins at 8 experts x 4096 tokens and 16 x 4096, the grouped launch at
+    # 64 x 2048, where the per-expert calls are host-bound). wgrad is always the grouped launch (cuBLAS would need
+    # each expert's tokens 16-aligned: a copy of both columnwise forms).
+    per_expert_min_us = 50.0
 
-    def _cublas(self, which: str, groups) -> bool:
-        return self.gemms[which] == "cublas" and groups.known_sizes() is not None
+    def _per_expert(self, groups, k: int, n: int) -> bool:
+        sizes = groups.known_sizes()
+        if sizes is None or not sizes:
+            return False
+        return 2.0 * (sum(sizes) / len(sizes)) * k * n / 1.1e15 * 1e6 >= self.per_expert_min_us
 
     def mm(self, a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, groups,
            out_dtype: torch.dtype, precise: bool, name: str = "grouped GEMM") -> torch.Tensor:
         od = out_dtype if out_dtype in _MM_OUT else torch.float32
-        if self._cublas("mm", groups):
+        if self._per_expert(groups, a.shape[1], n):
             out = _per_expert_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv,
                                  groups.known_sizes(), od, precise)
         else:
@@ -79,10 +86,7 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     def wgrad(self, a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype,
               name: str = "grouped wgrad") -> torch.Tensor:
         od = out_dtype if out_dtype in _MM_OUT else torch.float32
-        if self._cublas("wgrad", groups):
-            out = _per_expert_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups, od)
-        else:
-            out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups.ends, od, precise=True)
+        out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups.ends, od, precise=True)
         return out if od == out_dtype else out.to(out_dtype)
 
 
@@ -103,27 +107,4 @@ def _per_expert_mm(a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n:
             torch._scaled_mm(a[o:o + m], bg.t(), sa[g, :1], sb[g, :1], out_dtype=out_dtype, use_fast_accum=not precise,
                              out=out[o:o + m])
         o += m
-    return out
-
-
-def _per_expert_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype) -> torch.Tensor:
-    """One `torch._scaled_mm` per expert, contracted over its tokens: cuBLAS needs them 16-byte aligned and a
-    multiple of 16, so both columnwise forms are first copied into a layout whose groups start at multiples of 16
-    and are zero-padded to them (one launch each; zero columns add nothing)."""
-    sizes = groups.known_sizes()
-    padded = [-(-m // 16) * 16 for m in sizes]
-    pends = groups.padded_ends(16)
-    tg = _triton()
-    ap = tg.pad_groups(a_t, groups.ends, pends, sum(padded))
-    bp = tg.pad_groups(b_t, groups.ends, pends, sum(padded))
-    out = a_t.new_empty(len(sizes), a_t.shape[0], b_t.shape[0], dtype=out_dtype)
-    sa, sb = aligned_scales(a_scale_inv), aligned_scales(b_scale_inv)
-    o = 0
-    for g, p in enumerate(padded):
-        if p:
-            torch._scaled_mm(ap[:, o:o + p], bp[:, o:o + p].t(), sa[g, :1], sb[g, :1], out_dtype=out_dtype,
-                             use_fast_accum=False, out=out[g])
-        else:
-            out[g].zero_()
-        o += p
     return out

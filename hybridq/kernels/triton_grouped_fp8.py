@@ -42,9 +42,11 @@ LAST_COMPILED: dict = {}  # the last compiled kernel per name (benchmarks read r
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per kernel and accumulation mode; overridable per call
 # for the benchmarks (`config=`)
+# (the fastest of those measured on an H200 at the bench_grouped configs; the precise ones keep two fp32 accumulators,
+# which larger tiles spill: BENCHMARKS.md "MoE")
 CONFIGS = {
     ("mm", False): (128, 256, 128, 8, 8, 3),
-    ("mm", True): (128, 128, 128, 8, 8, 4),
+    ("mm", True): (256, 128, 128, 8, 8, 3),
     ("wgrad", False): (128, 256, 128, 8, 8, 3),
     ("wgrad", True): (128, 128, 128, 8, 8, 4),
 }
@@ -126,19 +128,15 @@ if triton is not None:
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _wgrad_edge(acc, a_ptrs, b_ptrs, row_ok, col_ok, k, lo, hi, pitch, PRECISE: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """One K tile starting at the 16-aligned token k, of which only tokens [lo, hi) belong to the group: read
-        whole 16-byte chunks (inside the row pitch), zero the others' tokens in registers."""
-        rk = k + tl.arange(0, BLOCK_K)
-        inside = rk < pitch
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & inside[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=col_ok[:, None] & inside[None, :], other=0.0)
+    def _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, k, lo, hi, PRECISE: tl.constexpr):
+        """The group's tokens [lo, hi) (fewer than 16, at a 16-token boundary) inside the 32-token window from the
+        16-aligned token k: masked loads (the neighbours' tokens read as zeros), one K = 32 product."""
+        rk = k + tl.arange(0, 32)
         mine = ((rk >= lo) & (rk < hi))[None, :]
-        a = tl.where(mine, a, tl.zeros_like(a))
-        b = tl.where(mine, b, tl.zeros_like(b))
+        a = tl.load(a_ptr + a_rows[:, None] + rk[None, :], mask=row_ok[:, None] & mine, other=0.0)
+        b = tl.load(b_ptr + b_rows[:, None] + rk[None, :], mask=col_ok[:, None] & mine, other=0.0)
         if PRECISE:
-            return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit(do_not_specialize=["E"])
@@ -164,62 +162,34 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         row_ok = rm < M
         col_ok = rn < N
-        k0 = tl.multiple_of((start // 16) * 16, 16)  # the group's first 16-byte chunk
-        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * pitch_a + (k0 + rk)[None, :]
-        b_ptrs = b_ptr + rn.to(tl.int64)[:, None] * pitch_b + (k0 + rk)[None, :]
+        a_rows = rm.to(tl.int64) * pitch_a
+        b_rows = rn.to(tl.int64) * pitch_b
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if start < end:  # the head tile: tokens before `start` belong to the previous group
-            acc = _wgrad_edge(acc, a_ptrs, b_ptrs, row_ok, col_ok, k0, start, end, pitch_a, PRECISE, BLOCK_K)
-        n_full = tl.maximum(end - k0 - BLOCK_K, 0) // BLOCK_K  # whole tiles inside the group after the head
-        for _ in range(0, n_full):
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        # the group's whole 16-token chunks [s16, e16) in the main loop (16-byte loads, a 16-token granular mask on
+        # the last tile); the < 16 tokens before s16 and from e16 on as two small masked products
+        s16 = tl.multiple_of((start + 15) // 16 * 16, 16)
+        e16 = tl.multiple_of(end // 16 * 16, 16)
+        if start < tl.minimum(s16, end):  # head: [start, min(s16, end))
+            acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, s16 - 16, start,
+                              tl.minimum(s16, end), PRECISE)
+        a_ptrs = a_ptr + a_rows[:, None] + (s16 + rk)[None, :]
+        b_ptrs = b_ptr + b_rows[:, None] + (s16 + rk)[None, :]
+        for k in range(s16, e16, BLOCK_K):
+            inside = (k + rk < e16)[None, :]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & inside, other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None] & inside, other=0.0)
             if PRECISE:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        k_tail = k0 + BLOCK_K * (n_full + 1)
-        if k_tail < end:  # the tail tile: tokens from `end` on belong to the next group
-            acc = _wgrad_edge(acc, a_ptrs + BLOCK_K, b_ptrs + BLOCK_K, row_ok, col_ok, k_tail, start, end, pitch_a,
-                              PRECISE, BLOCK_K)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if (e16 >= s16) & (e16 < end):  # tail: [e16, end)
+            acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, e16, e16, end, PRECISE)
         scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
         c = (acc * scale).to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
-
-
-if triton is not None:
-    @triton.jit(do_not_specialize=["E"])
-    def _pad_groups_kernel(src_ptr, dst_ptr, ends_ptr, pends_ptr, R, E, src_pitch, dst_pitch,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """dst[:, pstart_g + j] = src[:, start_g + j] for the group's tokens j, zeros up to its padded end."""
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        g = tl.program_id(1)
-        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
-        size = tl.load(ends_ptr + g) - start
-        pstart = tl.multiple_of(tl.load(pends_ptr + g - 1, mask=g > 0, other=0), 16)
-        psize = tl.load(pends_ptr + g) - pstart
-        row_ok = (r < R)[:, None]
-        src = src_ptr + r.to(tl.int64)[:, None] * src_pitch + start
-        dst = dst_ptr + r.to(tl.int64)[:, None] * dst_pitch + pstart
-        for c in range(0, psize, BLOCK_C):
-            cols = c + tl.arange(0, BLOCK_C)[None, :]
-            v = tl.load(src + cols, mask=row_ok & (cols < size), other=0)
-            tl.store(dst + cols, v, mask=row_ok & (cols < psize))
-
-
-def pad_groups(t: torch.Tensor, ends: torch.Tensor, padded_ends: torch.Tensor, total: int) -> torch.Tensor:
-    """`[R, total]` (1-byte elements): the columns of each group of `t [R, T]` (group bounds `ends`) copied to
-    16-aligned column offsets (`padded_ends`, cumulative multiples of 16), zeros up to each group's padded end."""
-    rows = t.shape[0]
-    out = torch.empty(rows, total, device=t.device, dtype=t.dtype)
-    if out.numel():
-        grid = (_cdiv(rows, 32), ends.shape[0])
-        _pad_groups_kernel[grid](t.view(torch.uint8), out.view(torch.uint8), ends, padded_ends, rows, ends.shape[0],
-                                 t.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=256, num_warps=4)
-    return out
 
 
 def _config(kind: str, precise: bool, k: int, config) -> tuple:

@@ -90,15 +90,6 @@ class TokenGroups:
         """The counts if the host has them (given as a list), else None (no sync)."""
         return self._sizes
 
-    def padded_ends(self, multiple: int) -> torch.Tensor:
-        """int32 `[n]`: the cumulative counts, each rounded up to `multiple` (on the device)."""
-        key = ("_pends", multiple)
-        hit = self.__dict__.get(key)
-        if hit is None:
-            hit = self.__dict__[key] = ((self._counts + multiple - 1) // multiple * multiple).cumsum(0).to(
-                torch.int32)
-        return hit
-
 
 _UNIFORM: dict = {}
 
