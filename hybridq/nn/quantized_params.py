@@ -276,6 +276,8 @@ def _install_optimizer_guard() -> None:
 
 
 def _refuse_quantized_params(optimizer, args, kwargs) -> None:
+    if getattr(optimizer, "hybridq_keeps_masters", False):  # (ZeroAdamW: steps fp32 masters, re-quantizes the weights)
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             info = quantized_param_info(p)
