@@ -2,12 +2,13 @@
 the whole tensor's quantization.
 
 Two kinds of pieces occur (docs/architecture.md "Tensor parallelism"):
-- a *row piece* (rows of the `[M, K]` view; a column-parallel weight, `Shard(0)`): the FSDP2 row-shard machinery
-  applies as is (`shard_stats` reduced with one MAX all-reduce, blocks split by a boundary completed exactly);
+- a *row piece* (rows of the `[M, K]` view; a column-parallel weight, `Shard(0)`);
 - a *column piece* (columns of the view; a row-parallel weight, `Shard(1)`, a row-parallel input or a
-  column-parallel grad_output, `Shard(-1)`): every boundary must be a multiple of the format's
-  `split_granularity` along K (checked when the layout is known, `check_column_cuts`), and the per-tensor
-  statistics (`global_stats`) are reduced with one MAX all-reduce.
+  column-parallel grad_output, `Shard(-1)`).
+The GEMM uses a piece as a tensor of its own, so every boundary must be a multiple of the format's
+`split_granularity` along the cut dim (checked when the layout is known, `check_column_cuts`); the per-tensor
+statistics (`global_stats`) are then reduced with one MAX all-reduce and the piece is quantized plainly with them.
+(A sequence-parallel input, which is gathered before use, may cut blocks: see `sequence`.)
 
 `PieceQuantizer` wraps a format's quantizer so that a hybridq Linear quantizes its local operand through it
 unchanged; nothing here knows a format.
@@ -18,11 +19,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from ..errors import FormatShapeError
-from ..formats._sharding import RowShard
 from ..formats.base import Quantizer, as_2d
+from ..formats._reduce import max_all_reduce_
 from ..tensor import QuantizedTensor
 
 __all__ = ["PieceQuantizer", "chunk_bounds", "check_column_cuts", "reject_stateful"]
@@ -102,22 +102,19 @@ class PieceQuantizer:
         return QuantizedTensor(*parts, shape=x.shape, dtype=x.dtype)
 
     def _row_piece(self, q, x2d, rowwise, columnwise, name):
-        """Rows `[offset, offset + local)` of the whole `[M, K]`: the FSDP2 row-shard route (exact also where a
-        block straddles two ranks)."""
+        """Rows `[offset, offset + local)` of the whole `[M, K]`. The GEMM uses the piece as a tensor of its own,
+        so no block may straddle two ranks (a shard part, which FSDP2 completes by gathering, would pair the
+        piece's rows with another block's scale): the boundaries must be multiples of the format's row
+        granularity, checked here on every rank alike before any collective; the piece is then quantized as a
+        column piece is, with the whole tensor's per-tensor statistics."""
         m_local, k = x2d.shape
         bounds, rows = chunk_bounds(self.total, self.world_size), self.total
         if bounds[self.rank + 1] - bounds[self.rank] != m_local:
             raise ValueError(f"{name}: rank {self.rank} holds {m_local} rows, DTensor's chunks of {rows} rows over "
                              f"{self.world_size} ranks give it {bounds[self.rank + 1] - bounds[self.rank]}")
-        cuts = tuple(sorted({b for b in bounds if 0 < b < rows}))
-        shard = RowShard(rows, bounds[self.rank], m_local, cuts)
         q.validate((rows, k), name, rowwise=rowwise, columnwise=columnwise)
-        stats = q.shard_stats(x2d, shard)
-        if stats is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
-        if q.shard_is_plain(shard, rowwise, columnwise):
-            return q.quantize_parts(x2d, rowwise, columnwise)
-        return q.quantize_parts(x2d, rowwise, columnwise, shard=shard, stats=stats)
+        check_column_cuts(q, rows, self.world_size, rowwise, columnwise, name, axis="M")
+        return self._with_global_stats(q, x2d, rowwise, columnwise)
 
     def _column_piece(self, q, x2d, rowwise, columnwise, name):
         """Columns of the whole `[M, K]` whose boundaries keep blocks whole: plain quantization with the whole
@@ -129,9 +126,14 @@ class PieceQuantizer:
                                    f"ranks: rank {self.rank} holds {k_local} columns, not a multiple of its "
                                    f"{g}-column blocks")
         q.validate((m, k_local), name, rowwise=rowwise, columnwise=columnwise)
+        return self._with_global_stats(q, x2d, rowwise, columnwise)
+
+    def _with_global_stats(self, q, x2d, rowwise, columnwise):
+        """A piece cut at the format's split granularity: plain quantization with the whole tensor's per-tensor
+        statistics (MAX-reduced over the group), bitwise that piece of the whole tensor's quantization."""
         stats = q.global_stats(x2d, rowwise, columnwise)
         if stats is None:
             return q.quantize_parts(x2d, rowwise, columnwise)
         stats = stats.contiguous()
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        max_all_reduce_(stats, self.group)
         return q.quantize_parts(x2d, rowwise, columnwise, global_stats=stats)

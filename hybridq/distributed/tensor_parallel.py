@@ -73,7 +73,9 @@ class TensorParallelLinear:
         override = module.recipe.backward_override
         for t, q in module.quantizers().items():
             reject_stateful(q, f"{t} of {module.name}")
-        if self.kind == "colwise":
+        if self.kind == "colwise":  # the weight's rows (its pieces are GEMM operands of their own)
+            check_column_cuts(module.weight_quantizer, self.out_features, ws, True, override is None,
+                              f"weight of {module.name}", axis="M")
             if override is None:
                 check_column_cuts(module.grad_output_quantizer, self.out_features, ws, True, True,
                                   f"grad_output of {module.name}")

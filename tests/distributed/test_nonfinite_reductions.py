@@ -1,0 +1,119 @@
+"""A NaN or an inf in a piece held by a rank other than 0 gives the single-device result, non-finite included, at
+every distributed statistic reduction (issue 29): FSDP2 gathers and precompute_scales, tensor-parallel weight and
+input pieces, the sequence-parallel input all-gather, master-weight fragments and ZeroAdamW, grouped experts,
+delayed-scaling amax histories, and FSDP2 x TP (dp2 x tp2). A plain MAX all-reduce may drop a NaN from another
+rank (gloo does), after which NVFP4, which carries a NaN only in its global amax, came out all finite.
+
+Oracles: the quantized parts bitwise equal to quantizing the whole tensor on one device (NaN positions equal, NaN
+payloads free), or the GEMM operands bitwise equal to their piece of the single-device model's; outputs and
+input gradients non-finite exactly where one device has them. Jobs in _nonfinite_jobs.py (gloo, 2 and 4 ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import _nonfinite_jobs as jobs
+from _harness import nccl_devices, spawn
+
+pytestmark = pytest.mark.distributed
+
+FORMATS = jobs.stat_formats()  # every format whose sharded quantization reduces statistics
+TENSOR_WIDE = jobs.tensor_wide_formats()  # those with a per-tensor / global amax
+VALUES = list(jobs.VALUES)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return spawn(jobs.job_all, 2, "gloo", formats=FORMATS, tensor_wide=TENSOR_WIDE)
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2() -> list[dict]:
+    return spawn(jobs.job_fsdp_tp, 4, "gloo", formats=TENSOR_WIDE)
+
+
+def _check(report: list[dict], key: str) -> None:
+    missing = [r for r, rep in enumerate(report) if key not in rep]
+    assert not missing, f"{key}: not run on ranks {missing}"
+    bad = [f"rank {r}: {d}" for r, rep in enumerate(report) for d in rep[key][:4]]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("what", ["float/torch.float32", "float/torch.float64", "float/torch.bfloat16",
+                                  "float/torch.float16", "view/payload", "int64"])
+def test_max_all_reduce_keeps_nan_and_is_the_one_device_max(two_ranks, what):
+    """max_all_reduce_: NaN (either sign) on any rank gives NaN (payload kept); +-inf, -0.0 < +0.0, subnormals and
+    negative values as amax over the ranks' values; in place on a view; dtype kept; integers as they are."""
+    _check(two_ranks, f"helper/{what}")
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fsdp2_gathered_weight_keeps_non_finite(two_ranks, fmt, value):
+    _check(two_ranks, f"gather/{fmt}/{value}")
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_precompute_scales_keeps_non_finite(two_ranks, fmt, value):
+    _check(two_ranks, f"precompute/{fmt}/{value}")
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fsdp2_outputs_and_input_grads_are_non_finite_where_one_device_has_them(two_ranks, fmt, value):
+    """The issue's repro: NVFP4 with a NaN in rank 1's weight shard gave 0 non-finite outputs (one device: all)."""
+    _check(two_ranks, f"forward/{fmt}/{value}")
+
+
+@pytest.mark.parametrize("value", list(jobs.TP_VALUES))
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("site", jobs.TP_SITES)
+def test_tensor_and_sequence_parallel_operands_keep_non_finite(two_ranks, site, fmt, value):
+    """Column-parallel weight rows, row-parallel weight and input columns, the sequence-parallel input: every GEMM
+    operand bitwise its piece of the single-device one (also with finite values: the pieces of a column-parallel
+    weight cut at the format's row granularity are exact for 128x128 tiles of different magnitudes)."""
+    _check(two_ranks, f"{site}/{fmt}/{value}")
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", TENSOR_WIDE)
+def test_master_weight_fragments_keep_non_finite(two_ranks, fmt, value):
+    _check(two_ranks, f"master/{fmt}/{value}")
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", TENSOR_WIDE)
+def test_zero_adamw_master_fragment_non_finite_reaches_the_weight(two_ranks, fmt, value):
+    """The issue's repro: a ZeroAdamW master fragment holding a NaN on rank 1 gave a weight without one."""
+    _check(two_ranks, f"zero/{fmt}/{value}")
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("how", ["gather", "precompute"])
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", TENSOR_WIDE)
+def test_grouped_experts_keep_non_finite(two_ranks, fmt, value, how, dim):
+    _check(two_ranks, f"grouped_{how}/{fmt}/{value}/Shard({dim})")
+
+
+@pytest.mark.parametrize("how", ["update", "update_delayed_scaling"])
+@pytest.mark.parametrize("value", VALUES)
+def test_delayed_scaling_history_keeps_non_finite(two_ranks, value, how):
+    _check(two_ranks, f"delayed_{how}/{value}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not nccl_devices(2), reason="needs 2 CUDA devices + NCCL")
+def test_delayed_scaling_history_keeps_non_finite_in_the_batched_device_update():
+    """On CUDA with the extension, update_delayed_scaling reduces the histories in its batched path."""
+    report = spawn(jobs.job_delayed, 2, "nccl")
+    for key in report[0]:
+        _check(report, key)
+
+
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("fmt", TENSOR_WIDE)
+def test_fsdp2_x_tensor_parallel_keeps_non_finite(dp2_tp2, fmt, value):
+    _check(dp2_tp2, f"fsdp_tp/{fmt}/{value}")
