@@ -5,7 +5,7 @@ state), `payload` (packing a quantized shard into bytes and back), `transport` (
 payloads), `checks` (sharding rules checked when the layout is known), `state` (per-weight state and the
 unsharded weight's buffers), `gathered` / `weights` (the unsharded and sharded weight types), `grouped` (the same for mixture-of-experts
 weights `[E, out, in]`, each expert gathered quantized), `api` (the public
-entry points) and `accounting` (bytes on the wire). Tensor parallelism: `tensor_parallel` (hybridq's
+entry points), `accounting` (bytes on the wire) and `grad_reduce` (the low-precision gradient reduce-scatter). Tensor parallelism: `tensor_parallel` (hybridq's
 ColwiseParallel / RowwiseParallel / PrepareModuleInput), `sequence` (the quantized sequence-parallel all-gather)
 and `pieces` (a rank's piece of a tensor quantized with the whole tensor's statistics). ZeRO optimizers:
 `fragments` (flat fragments of a weight), `master_weights` (quantize_master_weights) and `zero` (ZeroAdamW).
@@ -13,6 +13,7 @@ and `pieces` (a rank's piece of a tensor quantized with the whole tensor's stati
 
 from .accounting import bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
 from .api import apply_hybrid_fsdp, precompute_scales
+from .grad_reduce import grad_reduce_bytes
 from .gathered import GatheredWeight
 from .grouped import GroupedGatheredWeight, GroupedHybridWeight
 from .tensor_parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
@@ -23,5 +24,5 @@ from .zero import ZeroAdamW
 
 __all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "GroupedHybridWeight",
            "GroupedGatheredWeight", "gather_bytes_per_step", "bytes_table", "sequence_gather_bytes",
-           "sequence_bytes_table", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput",
+           "sequence_bytes_table", "grad_reduce_bytes", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput",
            "quantize_master_weights", "ZeroAdamW", "FragmentLayout"]

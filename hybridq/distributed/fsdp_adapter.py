@@ -16,7 +16,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-__all__ = ["FSDPLink", "in_backward", "phase_of"]
+__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "phase_of"]
 
 
 def in_backward() -> bool:
@@ -99,3 +99,20 @@ def phase_of(group) -> str:
     if name == "FORWARD":
         return "forward"
     return "backward" if in_backward() else "forward"
+
+
+try:  # the interface FSDP2's set_custom_reduce_scatter takes (torch >= 2.9: allocate() and __call__)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterComm
+except ImportError:  # pragma: no cover - older torch: grad_reduce refuses before it gets here
+    ReduceScatterComm = object
+
+
+def custom_reduce_scatters(fsdp_module: nn.Module) -> list:
+    """The reduce-scatter comms of `fsdp_module`'s param groups that are not FSDP2's default one (a custom comm,
+    symmetric memory or process-group allocation set by the user, or one hybridq installed)."""
+    try:
+        groups = _param_groups(fsdp_module._get_fsdp_state())
+    except Exception:  # noqa: BLE001 - internals differ: nothing known
+        return []
+    comms = [getattr(g, "_reduce_scatter_comm", None) for g in groups]
+    return [c for c in comms if c is not None and type(c).__name__ != "DefaultReduceScatter"]
