@@ -248,3 +248,17 @@ def test_tiny_scaling_report_on_cpu(tmp_path):
     assert rows["bf16@2"]["allgather_bytes"] > 0
     md = (tmp_path / "report.md").read_text()
     assert "Weak scaling (per-rank batch fixed):" in md and "| bf16 | 2 |" in md and "(vs 1)" in md
+
+
+def test_header_states_the_model_train_py_builds_from_the_train_args():
+    """--train-args that change the model (an MoE with its own hidden size, grouped-query attention) show in the
+    header as train.py builds it."""
+    import model
+    a = e2e_report.parse_args(["--recipes", "bf16", "--train-args", "--moe 16 --top-k 2 --hidden 1024 --n-kv-heads 4"])
+    line = e2e_report.describe(a, 2)[1]
+    cfg = model.ModelConfig(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=4, hidden=1024, moe_experts=16,
+                            moe_top_k=2)
+    assert line.startswith(f"Model: 20 layers, d_model 2048, hidden 1024 per expert, MoE 16 experts top-2, 16 heads "
+                           f"(4 kv), {cfg.num_params() / 1e6:,.1f}M parameters (all experts); seq 4096"), line
+    dense = e2e_report.describe(e2e_report.parse_args(["--recipes", "bf16"]), 2)[1]
+    assert dense.startswith("Model: 20 layers, d_model 2048, hidden 5632, 16 heads, 1,028.7M parameters; "), dense
