@@ -20,7 +20,6 @@ the workers reach the same verdict.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -28,7 +27,9 @@ import re
 import shutil
 from typing import Callable
 
-MANIFEST = "manifest.json"
+import lock
+
+MANIFEST = "manifest.json"  # (hybridq.checkpoint.MANIFEST)
 META = "meta.json"
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
@@ -72,50 +73,21 @@ def check_folder(path: pathlib.Path, what: str) -> None:
         raise CheckpointError(f"{what} {path} is a file, not a folder")
 
 
-# ---- manifest ------------------------------------------------------------------------------------
+# ---- manifest (hybridq.checkpoint: the library function user scripts call around dcp.save / dcp.load) --------
 
-def file_sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_manifest(folder: pathlib.Path, step: int) -> None:
-    files = {}
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            files[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": file_sha256(p)}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"format": 1, "step": step, "files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+def write_manifest(folder: pathlib.Path) -> None:
+    from hybridq.checkpoint import write_manifest as write
+    write(folder)
 
 
 def verify(folder: pathlib.Path) -> None:
-    """Raise CheckpointError naming the first file that is missing, of another size or other content than the
-    manifest says (or the manifest itself when it is missing or unreadable)."""
-    mf = folder / MANIFEST
-    if not mf.is_file():
-        raise CheckpointError(f"{folder} has no {MANIFEST}: it is incomplete (a save that did not finish) or was "
-                              "not written by this job, so its contents cannot be verified")
+    """Raise CheckpointError naming the first file that is missing, added, of another size or other content than
+    the manifest says (or the manifest itself when it is missing or unreadable)."""
+    from hybridq.checkpoint import CheckpointIntegrityError, verify_manifest
     try:
-        manifest = json.loads(mf.read_text())
-        files = manifest["files"]
-        assert isinstance(files, dict) and files
-    except Exception as e:
-        raise CheckpointError(f"{mf} is unreadable ({type(e).__name__}: {e})") from None
-    for name, want in files.items():
-        p = folder / name
-        if not p.is_file():
-            raise CheckpointError(f"checkpoint {folder} is damaged: {name} is missing (listed in {MANIFEST})")
-        size = p.stat().st_size
-        if size != want.get("size"):
-            raise CheckpointError(f"checkpoint {folder} is damaged: {name} has {size} bytes, the manifest says "
-                                  f"{want.get('size')}")
-        if file_sha256(p) != want.get("sha256"):
-            raise CheckpointError(f"checkpoint {folder} is damaged: {name} has other content than the SHA-256 "
-                                  f"recorded in {MANIFEST} says (same size, changed bytes)")
+        verify_manifest(folder)
+    except CheckpointIntegrityError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # ---- the JSON files ------------------------------------------------------------------------------
@@ -217,7 +189,7 @@ def finish_save(run_dir: pathlib.Path, step: int, train_state: dict, meta: dict)
     tmp = final.with_name(final.name + ".tmp")
     (tmp / TRAIN_STATE).write_text(json.dumps(train_state))
     (tmp / META).write_text(json.dumps(meta, indent=1))
-    write_manifest(tmp, step)
+    write_manifest(tmp)
     os.rename(tmp, final)
     pointer = run_dir / (LATEST + ".tmp")
     pointer.write_text(final.name)
@@ -250,10 +222,29 @@ def clear_for_fresh_run(run_dir: pathlib.Path) -> None:
 
 # ---- the plan for one invocation -------------------------------------------------------------------
 
+def check_writable(run_dir: pathlib.Path) -> None:
+    """Refuse (CheckpointError) a checkpoint folder this process cannot write: a probe file is created and deleted in
+    `run_dir`, or in its nearest existing parent when it does not exist yet (then the save creates it there). A real
+    write, not a permission check: it also sees read-only mounts, full disks' refusals of new files, ACLs."""
+    import tempfile
+    where = run_dir
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoints to {run_dir}: creating a file in {where} failed "
+                              f"({e.strerror or e}); pick a writable --checkpoint-dir (or drop --save-every)") from None
+
+
 def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite: bool,
-         meta_for: Callable[[str], dict]) -> dict[str, dict]:
+         meta_for: Callable[[str], dict], writes: bool = False) -> dict[str, dict]:
     """Per recipe: {"run_dir", "resume_from", "train_state", "notes"}; every refusal as CheckpointError before
-    anything is written or deleted. `meta_for(recipe)` is this run's configuration record."""
+    anything is written or deleted (a probe file is created and deleted when `writes`: the run will save or
+    delete checkpoints). Refuses a folder another live job holds (lock.py). `meta_for(recipe)` is this run's
+    configuration record."""
     out: dict[str, dict] = {}
     if checkpoint_dir is None:
         return {r: {"run_dir": None, "resume_from": None, "train_state": None, "notes": []} for r in recipes}
@@ -262,6 +253,9 @@ def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite
     for r in recipes:
         run_dir = root / r
         entry = {"run_dir": run_dir, "resume_from": None, "train_state": None, "notes": []}
+        busy = lock.refusal(run_dir)
+        if busy:
+            raise CheckpointError(busy)
         if resume:
             try:
                 entry["resume_from"], entry["train_state"], entry["notes"] = choose_resume(run_dir, meta_for(r))
@@ -280,6 +274,8 @@ def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite
                 raise CheckpointError(
                     f"{run_dir} holds checkpoints of an earlier run: pass --resume to continue it, or --overwrite "
                     "to delete them and start a fresh run (or pick another --checkpoint-dir)")
+        if writes:
+            check_writable(run_dir)
         out[r] = entry
     return out
 
@@ -288,29 +284,124 @@ def plan(checkpoint_dir: str | None, recipes: list[str], resume: bool, overwrite
 
 def save(run_dir: pathlib.Path, step: int, model, optimizer, train_state: dict, meta: dict, main: bool,
          keep_last: int) -> tuple[pathlib.Path, list[pathlib.Path]]:
-    """Write step `step` as described in the module docstring; return (its folder, the pruned folders)."""
+    """Write step `step` as described in the module docstring; return (its folder, the pruned folders).
+
+    A save that fails (a full disk, a folder that became read-only, any writer error) raises CheckpointError on
+    every rank with one message naming the checkpoint, the cause and the space it needs; the older checkpoints stay
+    and the partial `step_N.tmp` is removed. No rank waits for a failed one: each stage (rank 0 prepares, every rank
+    writes its DCP files, rank 0 finishes) ends in a collective that carries every rank's outcome."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    tmp = step_dir(run_dir, step).with_name(f"step_{step:06d}.tmp")
-    verdict: list = [None]
-    if main:
-        try:
-            begin_save(run_dir, step)
-        except CheckpointError as e:
-            verdict[0] = str(e)
-    dist.broadcast_object_list(verdict, src=0)  # every rank stops on a refusal, none waits in a barrier
-    if verdict[0] is not None:
-        raise CheckpointError(verdict[0])
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-    dist.barrier()
+    need = checkpoint_bytes(run_dir, {"model": msd, "optim": osd})
+
+    def agree(error: str | None, every_rank: bool) -> None:
+        """Every rank's outcome (or rank 0's) on every rank; all raise the first failure, after rank 0 removed the
+        partial folder."""
+        if every_rank:
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        else:
+            errors = [error]
+            dist.broadcast_object_list(errors, src=0)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(first)
+
+    def attempt(fn) -> str | None:
+        try:
+            fn()
+            return None
+        except CheckpointError as e:  # a refusal (e.g. the step exists already): its own message
+            return str(e)
+        except BaseException as e:  # noqa: BLE001 (DCP raises CheckpointException, a BaseException)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return not_written(run_dir, step, e, need)
+
+    agree(attempt(lambda: begin_save(run_dir, step)) if main else None, every_rank=False)
+    agree(attempt(lambda: dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))), every_rank=True)
     removed: list[pathlib.Path] = []
-    if main:  # one train_state.json for the whole job: nothing in it depends on the rank or the world size
+
+    def finish() -> None:  # one train_state.json for the whole job: nothing in it depends on the rank or world size
         finish_save(run_dir, step, train_state, meta)
-        removed = prune(run_dir, keep_last)
-    dist.barrier()
-    return step_dir(run_dir, step), removed
+        removed.extend(prune(run_dir, keep_last))
+
+    agree(attempt(finish) if main else None, every_rank=False)
+    return final, removed
+
+
+def checkpoint_bytes(run_dir: pathlib.Path, state: dict) -> int:
+    """About what one checkpoint takes on disk: the newest complete one's files, else the state dict's tensors
+    (global sizes: a DTensor counts whole)."""
+    done = [p for _, p in step_folders(run_dir) if (p / MANIFEST).is_file()]
+    if done:
+        return sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file())
+    import torch
+
+    def walk(v) -> int:
+        if isinstance(v, torch.Tensor):
+            return v.numel() * v.element_size()
+        if isinstance(v, dict):
+            return sum(walk(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return sum(walk(x) for x in v)
+        return 0
+    return walk(state)
+
+
+def not_written(run_dir: pathlib.Path, step: int, error: BaseException, need: int) -> str:
+    """The one-line message for a save that failed with `error`: the checkpoint, the cause (the OS error behind it
+    where there is one: DCP wraps each rank's), the space it needs and has, what is kept."""
+    where = run_dir
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    cause = _os_error(error)
+    if cause is None:
+        inner = _innermost(error)
+        cause = ("no space left on device" if free < need else
+                 f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}")
+    name = step_dir(run_dir, step).name
+    kept = [p.name for _, p in step_folders(run_dir) if (p / MANIFEST).is_file() and p.name != name]
+    if cause == "file too large":
+        cause += " (a limit on the size of one file: ulimit -f, or the filesystem's)"
+    fix = "free space" if "space" in cause else "lift that"
+    return (f"checkpoint {name} not written: {cause} (needs ~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free in "
+            f"{where}); " + (f"the older checkpoints are kept ({', '.join(kept)}): {fix} (or pick another "
+                             f"--checkpoint-dir) and --resume to continue from {kept[-1]}" if kept else
+                             f"no earlier checkpoint of this run: {fix} or pick another --checkpoint-dir"))
+
+
+def _chain(error: BaseException):
+    """`error`, its causes and contexts, and the per-rank exceptions a DCP CheckpointException carries."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        todo += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple) and f]
+
+
+def _os_error(error: BaseException) -> str | None:
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno:
+            text = os.strerror(e.errno)
+            return text[:1].lower() + text[1:]
+    return None
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The first exception of the chain that is not DCP's wrapper."""
+    return next((e for e in _chain(error) if not hasattr(e, "failures")), error)
 
 
 def load(folder: pathlib.Path, model, optimizer) -> None:

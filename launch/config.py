@@ -1,21 +1,25 @@
 """The training job's flags and their validation: everything checked before any process group exists.
 
-`train.py --check-only` runs these checks (the flags, and the checkpoint folder through checkpoint.plan) in a
-single process; launch/run.sh calls it before torchrun, so a refusal is one message and a non-zero exit. The
-workers run the same checks again (users also call torchrun directly).
+Nothing here imports torch: `train.py --help` and a refused flag are answered before torch is imported (seconds on a
+loaded machine). The checks that need torch (the format and tensor-parallel layout rules on a meta-device model, the
+checkpoint folder) are train.py's pre-flight (trainer.preflight). `train.py --check-only` runs both in a single
+process; launch/run.sh calls it before torchrun, so a refusal is one message and a non-zero exit. The workers run
+the same checks again (users also call torchrun directly).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 
-import hybridq
-from data import VOCAB_SIZE
-from model import ALIGN, ModelConfig
+from model_config import ALIGN, HIDDEN_MULTIPLE, VOCAB_SIZE, ModelConfig, default_hidden
 
 BASELINE = "bf16"
 TORCHAO = "torchao_float8"  # baseline: torchao float8 training (tensorwise, float8 all-gather); needs torchao
+# hybridq.preset_names(), listed here so that --help needs no torch (tests/test_train_job.py keeps them equal)
+PRESETS = ("fp8_tensorwise", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
+           "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -26,7 +30,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    names = [BASELINE] + hybridq.preset_names() + [TORCHAO]
+    names = [BASELINE, *PRESETS, TORCHAO]
     p = argparse.ArgumentParser(description="Train a small Llama-style decoder with FSDP2 and a hybridq recipe.",
                                 formatter_class=_Help)
     g = p.add_argument_group("recipe")
@@ -67,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--n-kv-heads", type=int, default=None,
                    help="key/value heads for grouped-query attention (default: n-heads)")
     g.add_argument("--hidden", type=int, default=None, help="SwiGLU hidden size (default: ~8/3 d-model, "
-                   f"rounded up to {ALIGN})")
+                   f"rounded up to a multiple of {HIDDEN_MULTIPLE}: {default_hidden(128)} for d-model 128)")
     g.add_argument("--tie-embeddings", action="store_true", help="the head reuses the embedding matrix")
     g.add_argument("--moe", type=int, default=0, metavar="E",
                    help="replace every SwiGLU MLP by a routed mixture of E SwiGLU experts (grouped GEMMs)")
@@ -188,10 +192,12 @@ def check_args(args, world: int) -> None:
     try:
         cfg = model_config(args)
         cfg.check()
-        from parallel import tp_problems
         errors += tp_problems(args, cfg)
     except ValueError as e:
         errors.append(str(e))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        errors.append(f"--plot {args.plot} needs matplotlib, which is not installed here: pip install matplotlib (or "
+                      "pip install -e '.[launch]'), or drop --plot (--metrics FILE.jsonl keeps the numbers)")
     if TORCHAO in (args.recipe, args.compare):
         try:
             import torchao.float8  # noqa: F401
@@ -200,6 +206,24 @@ def check_args(args, world: int) -> None:
                           f"({type(e).__name__}: {e}); install it (pip install torchao) or pick another recipe")
     if errors:
         raise ConfigError("\n  ".join(["invalid arguments:"] + errors))
+
+
+def tp_problems(args, cfg: ModelConfig) -> list[str]:
+    """What the model and flags must satisfy for --tp, before any format rule (the pre-flight's
+    parallel.layout_problems checks those on the converted model)."""
+    tp, out = args.tp, []
+    if tp == 1:
+        return out
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("--seq", args.seq)):
+        if n % tp:
+            out.append(f"--tp {tp}: {what}={n} must be a multiple of the tensor-parallel size")
+    if cfg.tie_embeddings:
+        out.append(f"--tp {tp}: tied embeddings are not tensor-parallelized here; drop --tie-embeddings")
+    if TORCHAO in (args.recipe, args.compare):
+        out.append(f"--tp {tp}: the torchao float8 baseline is not tensor-parallelized here")
+    if args.moe:
+        out.append(f"--tp {tp}: MoE layers are not tensor-parallelized yet; use --tp 1 with --moe")
+    return out
 
 
 def run_meta(recipe: str, args) -> dict:

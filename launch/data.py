@@ -17,8 +17,9 @@ import random
 
 import torch
 
+from model_config import VOCAB_SIZE  # noqa: F401 (bytes: 256)
+
 CORPUS = pathlib.Path(__file__).with_name("corpus.txt")
-VOCAB_SIZE = 256
 VAL_FRACTION = 0.05
 
 # ---- the generator -------------------------------------------------------------------------------

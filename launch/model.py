@@ -10,14 +10,12 @@ in token order and combined weighted by the router probabilities. The Switch-Tra
 (E * sum_e fraction of routed slots_e * mean router probability_e) is kept on the module for the trainer.
 
 Every projection is a plain `nn.Linear` (no bias), so `hybridq.apply_hybrid_fsdp` / `convert_linears` can swap
-them. Format shape rules (MXFP8 blocks of 32, NVFP4 blocks of 16, FP8 128-blocks may be partial) hold when
-d_model, the MLP hidden size and the tokens per rank per step are multiples of 32: `ModelConfig.check` says
-so before anything is built.
+them. The shape (`ModelConfig`, its format shape rules and default sizes) is in model_config.py, which needs no
+torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -25,62 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq
-
-ALIGN = 32  # the largest 1-D block any preset needs along a GEMM dimension (MXFP8)
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # grouped-query attention when smaller than n_heads
-    hidden: int | None = None  # SwiGLU hidden size; default ~8/3 d_model rounded up to ALIGN
-    max_seq: int = 4096
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    moe_experts: int = 0  # > 0: the MLP is a routed mixture of this many SwiGLU experts
-    moe_top_k: int = 1  # experts per token
-
-    def __post_init__(self):
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.hidden is None:
-            self.hidden = ALIGN * math.ceil(8 * self.d_model / 3 / ALIGN)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def check(self) -> None:
-        """Raise ValueError if a dimension breaks a format rule or the attention layout."""
-        problems = []
-        for name in ("d_model", "hidden"):
-            v = getattr(self, name)
-            if v % ALIGN:
-                problems.append(f"{name}={v} must be a multiple of {ALIGN} (MXFP8/NVFP4 block sizes)")
-        if self.d_model % self.n_heads:
-            problems.append(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        elif self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even (rotary embeddings)")
-        if self.n_heads % self.n_kv_heads:
-            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        elif (self.n_kv_heads * self.head_dim) % ALIGN:
-            problems.append(f"n_kv_heads*head_dim={self.n_kv_heads * self.head_dim} must be a multiple of "
-                            f"{ALIGN}")
-        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
-            problems.append(f"moe: top_k={self.moe_top_k} must be in [1, experts={self.moe_experts}] (experts >= 0)")
-        if problems:
-            raise ValueError("model config: " + "; ".join(problems))
-
-    def num_params(self) -> int:
-        d, h, kv = self.d_model, self.hidden, self.n_kv_heads * self.head_dim
-        mlp = 3 * d * h * max(self.moe_experts, 1) + d * self.moe_experts  # (+ the router)
-        block = d * (d + 2 * kv) + d * d + mlp + 2 * d
-        head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * block + d + head
+from model_config import ALIGN, ModelConfig  # noqa: F401 (re-exported: the model's shape)
 
 
 class RMSNorm(nn.Module):

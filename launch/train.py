@@ -2,115 +2,20 @@
 
     torchrun --standalone --nproc-per-node 2 launch/train.py --recipe mxfp8_fwd_nvfp4_bwd --compare bf16
 
-CPU (gloo) when no GPU is present, one process per GPU with NCCL otherwise; the same code either way.
-`--recipe` is any hybridq preset or `bf16` (the unquantized baseline: bf16 parameters and activations, fp32
-gradient reduction, exactly what the quantized runs use around their GEMMs). The quantized Linear layers
-are set up by `hybridq.apply_hybrid_fsdp` before `fully_shard` (per block, then the root), and
-`hybridq.precompute_scales` runs after every optimizer step.
-
-Determinism: the initial weights, the batches (a pure function of seed and step), the learning rate (a pure
-function of step) and the random stream of each step (reseeded from seed, step and rank) do not depend on
-where a run started, so `--resume` from a checkpoint continues bit for bit like the uninterrupted run.
-
-Module map: config.py (flags, validation), checkpoint.py (save, manifest, verify, resume choice, prune),
-convert.py (the Linear conversion and per-layer report), metrics.py (console, JSON-lines metrics, summary,
-plot); this file has the process group, the training loop and main.
-
-Checkpoints are world-size independent: model and optimizer go through DCP (which reshards), and the rest of
-the job's state is one file written by rank 0 (`train_state.json`: step, loss history, seed, the saving
-run's dp). Nothing per-rank is saved: the data of step s on rank r is a pure function of (seed, s, r, dp)
-and every step reseeds the random stream from (seed, s, r). So a run saved with dp=2 resumes with dp=1 (and
-1 -> 2): the parameters and AdamW state after loading are bitwise those saved, the loss history carries
-over, and the following steps are exactly those of a dp=1 run started from that state (the global batch is
-now dp x --batch sequences, so the losses are not those of the uninterrupted dp=2 run).
+This file is the entry point: it parses and checks the flags without importing torch (so `--help` and a refused
+flag answer at once), then runs the job in trainer.py (its docstring describes the job; `import train;
+train.build(...)` still reaches trainer's functions).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import gc
-import math
 import os
 import socket
-import pathlib
-import statistics
 import sys
-import time
-import warnings
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hybridq  # noqa: E402
-import checkpoint  # noqa: E402
-from checkpoint import CheckpointError  # noqa: E402
-from comm import GatherCounter  # noqa: E402
-from config import (BASELINE, TORCHAO, ConfigError, check_args, model_config, parse_args, run_meta,  # noqa: E402
-                    runs)
-from convert import convert, convert_torchao  # noqa: E402
-from parallel import apply_tensor_parallel, sequence_bytes_line  # noqa: E402
-from data import ByteBatches, load_tokens  # noqa: E402
-from metrics import MetricsFile, Printer, fmt_bytes, summarize, table, write_plot  # noqa: E402
-from model import Transformer  # noqa: E402
-
-REFUSALS = (ConfigError, CheckpointError)  # known refusals: one message, exit 1, no traceback
-
-
-# ---- pre-flight: everything that can be refused before a process group exists -------------------
-
-def preflight(args, world: int) -> dict[str, dict]:
-    """Check the flags for `world` processes, that every quantized recipe converts at least one layer (on a
-    meta-device model: no memory, no time), and the checkpoint folder; return checkpoint.plan's result.
-    Raises ConfigError / CheckpointError; writes and deletes nothing."""
-    check_args(args, world)
-    for name in runs(args):
-        if name not in (BASELINE, TORCHAO):
-            with torch.device("meta"):
-                model = Transformer(model_config(args))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                convert(model, name, args)
-    return checkpoint.plan(args.checkpoint_dir, runs(args), args.resume, args.overwrite,
-                           lambda r: run_meta(r, args))
-
-
-def describe_plan(args, world: int, plan: dict[str, dict]) -> str:
-    lines = [f"train.py --check-only: the flags are valid for {world} process(es) (dp={args.dp}, tp={args.tp})"]
-    for name, e in plan.items():
-        if e["resume_from"] is not None:
-            lines.append(f"[{name}] would resume from {e['resume_from']} (verified) at step "
-                         f"{e['train_state']['step']} of {args.steps}")
-            lines += [f"[{name}]   changed: {n}" for n in e["notes"]]
-        elif e["run_dir"] is not None and args.overwrite and checkpoint.holds_checkpoints(e["run_dir"]):
-            lines.append(f"[{name}] would delete the checkpoints in {e['run_dir']} (--overwrite) and start at step 0")
-        else:
-            lines.append(f"[{name}] would start at step 0" + (f", checkpoints to {e['run_dir']}"
-                                                              if e["run_dir"] is not None and args.save_every else ""))
-    return "\n".join(lines)
-
-
-# ---- distributed set-up --------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Env:
-    rank: int
-    world: int
-    device: torch.device
-    backend: str
-    mesh: object
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: the tensor-parallel ranks of one dp index share its batches."""
-        return self.mesh["dp"].get_local_rank()
+from config import ConfigError, check_args, parse_args  # noqa: E402,F401 (parse_args: also train.parse_args)
 
 
 def _free_port() -> int:
@@ -126,356 +31,30 @@ def world_from_environment() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def init_distributed(args, world: int) -> Env:
-    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda but CUDA is not available")
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device, backend = torch.device("cuda", local), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    kw = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the rank to its GPU up front
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), **kw)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-    return Env(dist.get_rank(), world, device, backend, mesh)
-
-
-def peak_memory(env: Env) -> tuple[float, str]:
-    """(bytes, label): peak allocated GPU memory on a GPU, else the process's peak resident set size."""
-    if env.device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(env.device)), "peak GPU mem"
-    import resource
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak RSS"
-
-
-def on_rank0_then_broadcast(fn, env: Env):
-    """Run `fn` on rank 0 only and give every rank its result, or raise its refusal on every rank."""
-    box: list = [None]
-    if env.main:
-        try:
-            box[0] = ("ok", fn())
-        except REFUSALS as e:
-            box[0] = ("refused", type(e).__name__, str(e))
-    dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "refused":
-        raise (ConfigError if box[0][1] == "ConfigError" else CheckpointError)(box[0][2])
-    return box[0][1]
-
-
-# ---- one training run ----------------------------------------------------------------------------
-
-def lr_at(step: int, args) -> float:
-    warm = args.warmup if args.warmup is not None else max(1, args.steps // 10)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    t = (step - warm) / max(1, args.steps - warm)
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
-def expert_placement(args):
-    """FSDP2's shard_placement_fn for MoE expert weights [E, out, in]: whole experts per rank (Shard(0), the
-    default) unless there are more data-parallel ranks than experts, then rows of every expert (Shard(1), as
-    torchtitan does) where `out` divides evenly (FSDP2 shards dim 1 evenly only)."""
-    if not args.moe or args.dp <= args.moe:
-        return None
-    from torch.distributed.tensor import Shard
-    return lambda p: Shard(1) if p.dim() == 3 and p.shape[1] % args.dp == 0 else None
-
-
-def build(recipe_name: str, args, env: Env, out: Printer):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    torch.manual_seed(args.seed)
-    model = Transformer(model_config(args))  # identical initial weights on every rank and for every recipe
-    if recipe_name in (BASELINE, TORCHAO) and args.norms == "hybridq":
-        swapped = [l.name for l in hybridq.convert_norms(model) if l.converted]
-        out(f"\n{len(swapped)} RMSNorm modules run as hybridq.nn.RMSNorm (--norms hybridq)")
-    if recipe_name == TORCHAO:
-        convert_torchao(model, args, out)
-    elif recipe_name != BASELINE:
-        try:
-            rows, summary = convert(model, recipe_name, args)
-        except ValueError as e:  # raised identically on every rank, before any collective
-            raise ConfigError(f"recipe {recipe_name}: {e}") from None
-        out(f"\nper-layer report, recipe {recipe_name}:")
-        out(table(rows))
-        out(summary)
-    model.to(env.device)
-    if args.tp > 1:  # torchtitan's order: convert (above), tensor-parallelize, then fully_shard over dp
-        apply_tensor_parallel(model, env.mesh["tp"])
-        line = sequence_bytes_line(model, args)
-        if line:
-            out(line)
-    if args.compile:  # per block, before fully_shard; the compiled forward leaves parameter names and hooks as they are
-        for block in model.layers:
-            block.forward = torch.compile(block.forward, mode=args.compile_mode)
-    pdt = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=env.mesh["dp"], mp_policy=mp, shard_placement_fn=expert_placement(args))
-    fully_shard(model, mesh=env.mesh["dp"], mp_policy=mp)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if recipe_name == TORCHAO:  # the next float8 all-gathers' scales, one fused all-reduce (a collective)
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
-    return model, optimizer
-
-
-def all_mean(x: torch.Tensor, env: Env) -> float:
-    x = x.detach().float().reshape(1).clone()
-    dist.all_reduce(x)
-    return x.item() / env.world
-
-
-def mark_cuda_graph_step(args) -> None:
-    """With CUDA graphs (--compile-mode reduce-overhead / max-autotune) a new forward starts a new graph step: the
-    previous step's outputs may be overwritten from here on."""
-    if args.compile and args.compile_mode in ("reduce-overhead", "max-autotune"):
-        torch.compiler.cudagraph_mark_step_begin()
-
-
-def evaluate(model, data: ByteBatches, args, env: Env) -> float:
-    model.eval()
-    total = torch.zeros(1, device=env.device)
-    with torch.no_grad():
-        for x, y in data.val_batches(args.eval_batches):
-            x, y = x.to(env.device), y.to(env.device)
-            mark_cuda_graph_step(args)
-            total += F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-    model.train()
-    return all_mean(total / max(args.eval_batches, 1), env)
-
-
-def start_state(recipe_name: str, ck: dict, model, optimizer, args, env: Env, out: Printer) -> tuple[int, list]:
-    """(first step, loss history) of this run: from the verified checkpoint chosen by the pre-flight, from
-    --init-state, or step 0."""
-    if ck["resume_from"] is not None:
-        folder, saved = ck["resume_from"], ck["train_state"]
-        checkpoint.load(folder, model, optimizer)
-        # the optimizer's param groups come back as saved: this run's weight decay applies from here on
-        optimizer.param_groups[0]["weight_decay"] = args.weight_decay
-        start, losses = saved["step"], list(saved["losses"])
-        saved_dp, saved_tp = saved.get("dp"), saved.get("tp", 1)
-        across = ""
-        if saved_dp not in (None, args.dp) or saved_tp != args.tp:  # DCP reshards the DTensors to this layout
-            across = (f" (saved with dp={saved_dp}, now dp={args.dp})" if saved_tp == args.tp == 1 else
-                      f" (saved with dp={saved_dp} x tp={saved_tp}, now dp={args.dp} x tp={args.tp})")
-        out(f"[{recipe_name}] resumed from {folder} at step {start}{across}")
-        for note in ck["notes"]:
-            out(f"[{recipe_name}] changed since the checkpoint: {note}")
-        if args.dump_state:
-            checkpoint.dump_full_state(pathlib.Path(args.dump_state), f"{recipe_name}_loaded", start, losses, model,
-                                       optimizer, env.world, env.main)
-        return start, losses
-    if args.init_state:
-        st = checkpoint.init_from_full_state(pathlib.Path(args.init_state), model, optimizer)
-        out(f"[{recipe_name}] started from the full state in {args.init_state} at step {st['step']}")
-        return st["step"], list(st["losses"])
-    return 0, []
-
-
-def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantized: bool) -> torch.Tensor:
-    """One optimizer step on the batch (x, y) already on the device: forward, cross-entropy, backward, gradient
-    clipping, AdamW, and (quantized runs) the next all-gathers' scales. Returns the loss tensor without waiting
-    for it (launch/profile_step.py times and profiles exactly this)."""
-    mark_cuda_graph_step(args)
-    logits = model(x)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    aux = model.aux_loss()  # MoE load balancing (logged: the cross-entropy alone)
-    (loss if aux is None else loss + args.moe_aux_weight * aux).backward()
-    if args.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if quantized:  # the next all-gathers' global amaxes, one fused all-reduce
-        hybridq.precompute_scales(model)
-    return loss
-
-
-class GarbageCollection:
-    """Python's garbage collector during training, as torchtitan runs it: what set-up allocated (modules,
-    parameters, optimizer state) is frozen, the automatic collector is off, and the young generations are
-    collected every `every` steps at a step boundary. With it on, a full collection walks every object of the
-    process and lands on whichever step crosses its threshold (a quantized step allocates more short-lived Python
-    objects, so it crosses more often): tens of ms on random steps. every=0 leaves Python's automatic collection."""
-
-    def __init__(self, every: int):
-        self.every = every
-        if every > 0:
-            gc.collect()
-            gc.freeze()
-            gc.disable()
-
-    def step(self, n: int) -> None:
-        if self.every > 0 and n % self.every == 0:
-            gc.collect(1)
-
-    def close(self) -> None:
-        if self.every > 0:
-            gc.enable()
-            gc.unfreeze()
-
-
-def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tensor, ck: dict,
-              metrics: MetricsFile) -> dict:
-    model, optimizer = build(recipe_name, args, env, out)
-    data = ByteBatches(tokens, args.seq, args.batch, dp_rank=env.dp_rank, dp_size=args.dp, seed=args.seed)
-    quantized = recipe_name != BASELINE
-    run_dir = ck["run_dir"]
-    meta = run_meta(recipe_name, args)
-    start, losses = start_state(recipe_name, ck, model, optimizer, args, env, out)
-    end = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
-    if start >= end:
-        out(f"[{recipe_name}] nothing to do: the run is at step {start}, "
-            + (f"--steps is {args.steps}" if end == args.steps else f"--stop-after is {args.stop_after}")
-            + " (pass a larger --steps to train further); the summary shows the saved state")
-
-    tokens_per_step = args.dp * args.batch * args.seq
-    times, tps, gathered = [], [], []
-    mem_label = peak_memory(env)[1]
-    t_run = time.perf_counter()
-    collector = GarbageCollection(args.gc_every)
-    with GatherCounter() as gathers:  # the bytes this rank sends in all-gathers, per step
-        for step in range(start, end):
-            t0 = time.perf_counter()
-            sent0 = gathers.bytes
-            collector.step(step)
-            lr = lr_at(step, args)
-            for gr in optimizer.param_groups:
-                gr["lr"] = lr
-            # stochastic rounding and anything else random: a function of (seed, step, rank) only
-            torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
-            x, y = data.get(step)
-            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            loss = train_step(model, optimizer, x, y, args, quantized)
-            loss_val = all_mean(loss, env)  # also a sync point for the timing
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            dt = time.perf_counter() - t0
-            losses.append(loss_val)
-            times.append(dt)
-            tps.append(tokens_per_step / dt)
-            gathered.append(gathers.bytes - sent0)
-            if not math.isfinite(loss_val):
-                raise ConfigError(f"[{recipe_name}] loss is {loss_val} at step {step + 1}")
-            n = step + 1
-            if n % args.log_every == 0 or n == end or n == start + 1:
-                mem = peak_memory(env)[0]
-                out(f"[{recipe_name}] step {n:>{len(str(args.steps))}}/{args.steps} | loss {loss_val:.4f} | "
-                    f"lr {lr:.2e} | {tokens_per_step / dt:>9,.0f} tok/s | step {dt * 1e3:7.1f} ms | "
-                    f"{mem_label} {fmt_bytes(mem)}")
-                metrics.write("step", recipe=recipe_name, step=n, steps=args.steps, loss=loss_val, lr=lr,
-                              tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
-                              peak_memory_kind=mem_label, allgather_bytes=gathered[-1])
-            done = n - start
-            out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
-            if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
-                # no RNG state: step s reseeds from (seed, s, rank); no loader state: batches are a pure function
-                # of (seed, s, rank, dp); so this is the whole job state, for any world size that resumes it
-                train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "tp": args.tp,
-                               "world": env.world}
-                folder, pruned = checkpoint.save(run_dir, n, model, optimizer, train_state, meta, env.main,
-                                                 args.keep_last)
-                if args.dump_state:
-                    checkpoint.dump_full_state(pathlib.Path(args.dump_state), f"{recipe_name}_saved", n, losses, model,
-                                               optimizer, env.world, env.main)
-                removed = f" (removed {', '.join(p.name for p in pruned)}: --keep-last {args.keep_last})"
-                out(f"[{recipe_name}] saved checkpoint {folder}" + (removed if pruned else ""))
-    out.end_progress()
-    collector.close()
-    val = evaluate(model, data, args, env) if end == args.steps and args.eval_batches > 0 else float("nan")
-    steady = times[1:] if len(times) > 1 else times  # the first step includes warm-up work
-    result = {
-        "recipe": recipe_name, "start_step": start, "steps_run": len(times), "losses": losses,
-        "step_times_s": times, "tokens_per_s": tps, "tokens_per_step": tokens_per_step,
-        "final_loss": statistics.fmean(losses[-max(1, len(losses) // 10):]) if losses else float("nan"),
-        "val_loss": val,
-        "median_step_s": statistics.median(steady) if steady else None,
-        "median_tokens_per_s": tokens_per_step / statistics.median(steady) if steady else None,
-        "peak_memory_bytes": peak_memory(env)[0], "peak_memory_kind": mem_label,
-        "allgather_bytes_per_step": statistics.median(gathered) if gathered else None,  # rank 0's (the metrics file's)
-        "wall_s": time.perf_counter() - t_run,
-    }
-    metrics.write("summary", **result)
-    del model, optimizer
-    if env.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
-
-
-# ---- main ----------------------------------------------------------------------------------------
-
-def check_only(args) -> int:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan = preflight(args, world)
-    print(describe_plan(args, world, plan), flush=True)
-    return 0
-
-
-def run(args, world: int) -> None:
-    check_args(args, world)  # pure: every rank refuses the same flags before any collective
-    env = init_distributed(args, world)
-    out = Printer(env.main, bar=not args.no_progress)
-    try:
-        plan = on_rank0_then_broadcast(lambda: preflight(args, world), env)
-        if args.overwrite and env.main:
-            for name, e in plan.items():
-                if e["run_dir"] is not None and checkpoint.holds_checkpoints(e["run_dir"]):
-                    out(f"removing the checkpoints in {e['run_dir']} (--overwrite)")
-                    checkpoint.clear_for_fresh_run(e["run_dir"])
-        dist.barrier()
-        cfg = model_config(args)
-        tokens = load_tokens(corpus_bytes=args.corpus_bytes)
-        names = runs(args)
-        metrics_path = args.metrics or (str(pathlib.Path(args.plot).with_suffix(".jsonl")) if args.plot else None)
-        metrics = MetricsFile(metrics_path, env.main)
-        metrics.write("config", args=vars(args), world_size=env.world, backend=env.backend, device=str(env.device),
-                      device_name=(torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"),
-                      torch=torch.__version__, hybridq=hybridq.__version__)
-        out(f"hybridq {hybridq.__version__}, torch {torch.__version__}: {env.world} process(es), {env.backend} on "
-            f"{env.device.type}, FSDP2 dp={args.dp} tp={args.tp}; runs: {', '.join(names)}")
-        out(f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, hidden {cfg.hidden}, heads {cfg.n_heads}"
-            f"/{cfg.n_kv_heads} kv, vocab {cfg.vocab_size} (bytes), {cfg.num_params() / 1e6:.2f}M params, "
-            f"{'tied' if cfg.tie_embeddings else 'untied'} head"
-            + (f", MoE {cfg.moe_experts} experts top-{cfg.moe_top_k} (expert weights sharded "
-               f"{'Shard(1): rows of every expert' if expert_placement(args) else 'Shard(0): whole experts'}, "
-               f"load-balancing loss x {args.moe_aux_weight})" if cfg.moe_experts else "")
-            + f"; data: {len(tokens):,} bytes; "
-            f"{args.dp * args.batch * args.seq:,} tokens/step (seq {args.seq} x batch {args.batch} x dp {args.dp})")
-        results = [train_one(name, args, env, out, tokens, plan[name], metrics) for name in names]
-        gap = summarize(results, out)
-        if gap:
-            metrics.write("gap", **gap)
-        metrics.close()
-        if metrics_path:
-            out(f"metrics: {metrics_path}")
-        if args.plot and env.main:
-            write_plot(args.plot, pathlib.Path(metrics_path), out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> int:
-    """The job; returns the exit code. A known refusal is one message on stderr (rank 0 only) and exit 1."""
-    # hybridq.Linear returns a reshaped (view) output; the job never modifies a module output in place
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    """The job; returns the exit code. A refused flag is one message on stderr (rank 0 only) and exit 1, before
+    torch is imported; argparse's own errors exit 2 as usual."""
     args = parse_args(argv)
+    # --check-only checks for $WORLD_SIZE processes (run.sh sets it to torchrun's) without becoming a process group
+    world = int(os.environ.get("WORLD_SIZE", "1")) if args.check_only else world_from_environment()
     try:
-        if args.check_only:
-            return check_only(args)
-        run(args, world_from_environment())
-        return 0
-    except REFUSALS as e:
+        check_args(args, world)
+    except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"train.py: {e}", file=sys.stderr, flush=True)
         return 1
+    import trainer
+    return trainer.main(args, world)
+
+
+def __getattr__(name: str):
+    """The job's functions (build, train_step, init_distributed, ...) live in trainer.py; reach them from here too
+    (importing torch then)."""
+    import trainer
+    try:
+        return getattr(trainer, name)
+    except AttributeError:
+        raise AttributeError(f"module 'train' has no attribute {name!r}") from None
 
 
 if __name__ == "__main__":

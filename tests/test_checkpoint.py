@@ -141,7 +141,7 @@ def test_malformed_json_files_are_refused_before_training(run_dir, fault, needle
         (folder / ck.META).write_text("[1, 2]")
     # re-hash, as if written so: the manifest then passes and the content checks must catch it
     (folder / ck.MANIFEST).unlink()
-    ck.write_manifest(folder, 8)
+    ck.write_manifest(folder)
     with pytest.raises(CheckpointError, match=needle):
         ck.choose_resume(run_dir, META)
 

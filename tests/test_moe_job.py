@@ -118,3 +118,24 @@ def test_tiny_moe_job_trains_under_fsdp2(tmp_path):
     losses = runs_of(read_metrics(tmp_path / "m.jsonl"))["mxfp8_fwd_nvfp4_bwd"]["losses"]
     assert len(losses) == 8 and all(v == v and abs(v) < 1e9 for v in losses), losses
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, f"loss did not fall: {losses}"
+
+
+@pytest.mark.parametrize("recipe", [r for r in config.PRESETS if r != "fp8_delayed"])
+def test_moe_on_the_default_model_passes_the_pre_flight(recipe):
+    """`--moe 4` on the default model (run.sh's size) for every preset that FSDP2 gathers quantized: every expert
+    weight converts and the pre-flight finds nothing to refuse (the tiny launch above trains one)."""
+    import trainer
+    args = config.parse_args(["--device", "cpu", "--moe", "4", "--recipe", recipe, "--compare", "bf16"])
+    assert list(trainer.preflight(args, world=2)) == [recipe, "bf16"]
+    with torch.device("meta"):
+        m = job_model.Transformer(config.model_config(args))
+    rows, summary = trainer.convert_refusing(m, recipe, args)
+    assert "6 of 6 grouped expert weights converted" in summary, summary
+
+
+def test_fp8_delayed_with_moe_is_one_refusal_in_the_pre_flight():
+    import trainer
+    args = config.parse_args(["--device", "cpu", "--moe", "4", "--recipe", "fp8_delayed"])
+    with pytest.raises(config.ConfigError, match="recipe fp8_delayed: apply_hybrid_fsdp: the weight of .* uses delayed "
+                                                 "scaling"):
+        trainer.preflight(args, world=2)

@@ -1,7 +1,7 @@
 """The training job (launch/train.py) on CPU: argument checks, the per-layer report, the data and model, and
 three torchrun launches (2 processes, gloo) of a tiny model:
 
-    full     8 steps of mxfp8_fwd_nvfp4_bwd with --compare bf16 and --plot (metrics JSON lines beside it)
+    full     8 steps of mxfp8_fwd_nvfp4_bwd with --compare bf16 (metrics JSON lines)
     part     the same flags with --checkpoint-dir --save-every 4 --stop-after 6 (an interrupted run)
     resumed  --resume from part's step-4 checkpoint to step 8
 
@@ -15,11 +15,14 @@ and from run.sh before torchrun starts. The checkpoint logic itself is tested in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -93,6 +96,170 @@ def test_check_only_validates_and_writes_nothing(tmp_path, capsys, monkeypatch):
     assert train.main(TINY + ["--checkpoint-dir", str(ck), "--resume", "--check-only"]) == 1
     assert capsys.readouterr().err == f"train.py: --resume: no checkpoint in {ck / RECIPE} (drop --resume to start " \
                                       "a fresh run)\n"
+
+
+# ---- the pre-flight: answered before torch is imported, before training, before any collective ---------------
+
+def test_the_presets_listed_without_torch_are_hybridqs():
+    import hybridq
+    assert config.PRESETS == tuple(hybridq.preset_names()), "config.PRESETS must list hybridq.preset_names()"
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--recipe", "nope"], 2), (["--steps", "0"], 1),
+                                        (["--tp", "3"], 1)])
+def test_help_and_refused_flags_are_answered_before_torch_is_imported(argv, code):
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import train\n"
+             "try:\n    code = train.main(sys.argv[2:])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('exit', code, 'torch imported:', 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-c", probe, str(ROOT / "launch"), *argv], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.stdout.splitlines()[-1] == f"exit {code} torch imported: False", p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_plot_without_matplotlib_is_refused_before_training(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # Python's mark for a module that cannot be imported
+    with pytest.raises(config.ConfigError) as e:
+        config.check_args(args_for("--plot", "out.png"), world=2)
+    assert str(e.value).splitlines()[1:] == [
+        "  --plot out.png needs matplotlib, which is not installed here: pip install matplotlib (or pip install -e "
+        "'.[launch]'), or drop --plot (--metrics FILE.jsonl keeps the numbers)"], str(e.value)
+
+
+def default_args(*flags: str):
+    """The job's default model and recipes (run.sh's), on the CPU."""
+    return config.parse_args(["--device", "cpu", "--compare", "bf16", *flags])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("recipe", [r for r in config.PRESETS if r not in ("fp8_delayed", "fp8_block",
+                                                                           "fp8_block_fwd_mxfp8_bwd")])
+def test_the_default_model_splits_for_tensor_parallelism(recipe, tp):
+    """Every preset but delayed scaling (no tensor parallelism) and FP8-block's 128-wide tiles (d_model 128 cannot
+    split into 128-wide pieces) runs the default model at --tp 2 and 4: the pre-flight finds no layout problem."""
+    import trainer
+    plan = trainer.preflight(default_args("--recipe", recipe, "--tp", str(tp)), world=tp)
+    assert list(plan) == [recipe, "bf16"]
+
+
+def test_a_size_that_does_not_split_is_refused_in_the_pre_flight_naming_the_flag():
+    import trainer
+    with pytest.raises(config.ConfigError) as e:
+        trainer.preflight(default_args("--tp", "2", "--hidden", "352"), world=2)
+    assert str(e.value).splitlines() == [
+        "invalid layout:",
+        f"  --tp 2, recipe {RECIPE}: change --hidden (352): hybrid[MXFP8 E4M3 / NVFP4] cannot split weight of "
+        "layers.0.feed_forward.w2 along K across 2 tensor-parallel ranks: its blocks span 32 columns, so every "
+        "rank's first column must be a multiple of 32; K=352 splits at 176 (choose K a multiple of 64)"]
+
+
+def test_every_recipe_of_the_invocation_and_sequence_parallelism_are_checked():
+    """--compare's recipe too; FP8-block's 1x128 input blocks span 128 tokens, so each rank's sequence piece must be
+    a multiple of 128 (sequence parallelism); one line per flag, the first layer that breaks it."""
+    import trainer
+    with pytest.raises(config.ConfigError) as e:
+        trainer.preflight(config.parse_args(["--device", "cpu", "--recipe", "bf16", "--compare", "fp8_block",
+                                             "--tp", "2"]), world=2)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[1].startswith("  --tp 2, recipe fp8_block: change --d-model (128): FP8-block E4M3 "), lines[1]
+    assert "layers.0.attention.wq" in lines[1] and lines[1].endswith(("splits at 64 (choose K a multiple of 256)",
+                                                                      "splits at 64 (choose M a multiple of 256)")), \
+        lines[1]
+    assert lines[2].startswith("  --tp 2, recipe fp8_block: change --seq (128): FP8-block E4M3 1x128 cannot quantize "
+                               "input of layers.0.attention.wq sequence-parallel: each rank holds 8 runs of 64 rows"), \
+        lines[2]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder this process cannot write into: mode 0555 for a normal user; root writes through modes, so for root
+    a read-only tmpfs mounted on it (skipped where root may not mount)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d, "Permission denied"
+        d.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("running as root without the right to mount: no way to make a read-only folder here")
+    try:
+        yield d, "Read-only file system"
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_a_read_only_checkpoint_dir_is_refused_by_the_check(read_only_dir, capsys, monkeypatch):
+    ro, why = read_only_dir
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(TINY + ["--checkpoint-dir", str(ro / "ck"), "--save-every", "4", "--check-only"]) == 1
+    assert capsys.readouterr().err == (
+        f"train.py: cannot write checkpoints to {ro / 'ck' / RECIPE}: creating a file in {ro} failed ({why}); pick a "
+        "writable --checkpoint-dir (or drop --save-every)\n")
+    assert train.main(TINY + ["--checkpoint-dir", str(ro / "ck"), "--check-only"]) == 0, "no save: nothing to write"
+
+
+# ---- one job per checkpoint folder -----------------------------------------------------------------
+
+def lock_holder(folder: pathlib.Path) -> subprocess.Popen:
+    """Another process that takes `folder`'s lock (lock.acquire, as a job's rank 0 does) and holds it until killed."""
+    code = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import lock; "
+            "lock.acquire(pathlib.Path(sys.argv[2]), command='holder'); print('locked', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(ROOT / "launch"), str(folder)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_a_folder_lock_admits_one_job_and_a_dead_jobs_lock_is_taken_over(tmp_path):
+    import lock
+    d = tmp_path / "run"
+    other = lock_holder(d)
+    try:
+        msg = lock.refusal(d)
+        assert msg is not None and msg.startswith(f"{d} is in use by another training job (pid {other.pid} on host "
+                                                  f"{socket.gethostname()} since "), msg
+        with pytest.raises(lock.LockError, match="is in use by another training job"):
+            lock.acquire(d)
+    finally:
+        other.kill()
+        other.wait()
+    assert lock.refusal(d) is None, "the holder is dead: its lock is stale"
+    note = lock.acquire(d)
+    assert note is not None and note.startswith(f"took over the stale lock {d / lock.LOCK} of a job that is no longer "
+                                                f"running (pid {other.pid} "), note
+    assert lock.holder(d)["pid"] == os.getpid()
+    lock.release(d)
+    assert not (d / lock.LOCK).exists()
+    assert lock.acquire(d) is None, "a free folder: no note"
+    lock.release(d)
+
+
+def test_a_lock_of_another_host_is_refused_with_the_file_to_delete(tmp_path):
+    import json
+    import lock
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / lock.LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "2026-01-01T00:00:00"}))
+    assert lock.refusal(d).endswith(f"(if that job is no longer running, delete {d / lock.LOCK})")
+    with pytest.raises(lock.LockError):
+        lock.acquire(d)
+
+
+def test_a_locked_checkpoint_folder_is_refused_by_the_check(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ck = tmp_path / "ck"
+    other = lock_holder(ck / RECIPE)
+    try:
+        assert train.main(TINY + ["--checkpoint-dir", str(ck), "--save-every", "4", "--check-only"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"train.py: {ck / RECIPE} is in use by another training job (pid {other.pid} on host "), err
+        assert len(err.splitlines()) == 1, err
+    finally:
+        other.kill()
+        other.wait()
 
 
 def _report(recipe: str, *flags: str) -> dict[str, list[str]]:
@@ -214,13 +381,13 @@ def torchrun(*flags: str, cwd: pathlib.Path) -> str:
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("train_job")
     out = {}
-    out["full"] = torchrun("--compare", "bf16", "--plot", str(d / "full.png"), cwd=d)
+    out["full"] = torchrun("--compare", "bf16", "--metrics", str(d / "full.jsonl"), cwd=d)
     ck = d / "ckpt"
     out["part"] = torchrun("--checkpoint-dir", str(ck), "--save-every", "4", "--stop-after", "6",
-                           "--dump-state", str(d / "dumps" / "s21"), "--plot", str(d / "part.png"), cwd=d)
+                           "--dump-state", str(d / "dumps" / "s21"), "--metrics", str(d / "part.jsonl"), cwd=d)
     shutil.copytree(ck, d / "ck21")  # its step-4 checkpoint, for the 2 -> 1 resume below
     shutil.copytree(ck, d / "ck2t")  # and for the dp 2 x tp 1 -> dp 1 x tp 2 resume
-    out["resumed"] = torchrun("--checkpoint-dir", str(ck), "--resume", "--plot", str(d / "resumed.png"), cwd=d)
+    out["resumed"] = torchrun("--checkpoint-dir", str(ck), "--resume", "--metrics", str(d / "resumed.jsonl"), cwd=d)
     js = {k: metrics_of(d / f"{k}.jsonl") for k in ("full", "part", "resumed")}
     return out, js, d
 
@@ -375,22 +542,22 @@ def reshard_runs(runs):
     # 2 -> 1, RECIPE
     ck = d / "ck21"
     res["r21"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--stop-after", "6",
-                            "--dump-state", str(dumps / "r21"), "--plot", str(d / "r21.png"), cwd=d).stdout
+                            "--dump-state", str(dumps / "r21"), "--metrics", str(d / "r21.jsonl"), cwd=d).stdout
     torchrun_n(1, "--init-state", str(dumps / "s21" / f"{RECIPE}_saved_step_000004.pt"), "--stop-after", "6",
-               "--plot", str(d / "o21.png"), cwd=d)
+               "--metrics", str(d / "o21.jsonl"), cwd=d)
     # 1 -> 2, bf16
     ck12 = d / "ck12"
     torchrun_n(1, "--recipe", "bf16", "--checkpoint-dir", str(ck12), "--save-every", "4", "--stop-after", "4",
-               "--dump-state", str(dumps / "s12"), "--plot", str(d / "s12.png"), cwd=d)
+               "--dump-state", str(dumps / "s12"), "--metrics", str(d / "s12.jsonl"), cwd=d)
     res["r12"] = torchrun_n(2, "--recipe", "bf16", "--checkpoint-dir", str(ck12), "--resume", "--stop-after", "6",
-                            "--dump-state", str(dumps / "r12"), "--plot", str(d / "r12.png"), cwd=d).stdout
+                            "--dump-state", str(dumps / "r12"), "--metrics", str(d / "r12.jsonl"), cwd=d).stdout
     torchrun_n(2, "--recipe", "bf16", "--init-state", str(dumps / "s12" / "bf16_saved_step_000004.pt"),
-               "--stop-after", "6", "--plot", str(d / "o12.png"), cwd=d)
+               "--stop-after", "6", "--metrics", str(d / "o12.jsonl"), cwd=d)
     # dp 2 x tp 1 -> dp 1 x tp 2, RECIPE: DCP reshards the FSDP2 shards into tensor-parallel pieces
     res["r2t"] = torchrun_n(2, "--tp", "2", "--checkpoint-dir", str(d / "ck2t"), "--resume", "--stop-after", "6",
-                            "--dump-state", str(dumps / "r2t"), "--plot", str(d / "r2t.png"), cwd=d).stdout
+                            "--dump-state", str(dumps / "r2t"), "--metrics", str(d / "r2t.jsonl"), cwd=d).stdout
     torchrun_n(2, "--tp", "2", "--init-state", str(dumps / "s21" / f"{RECIPE}_saved_step_000004.pt"),
-               "--stop-after", "6", "--plot", str(d / "o2t.png"), cwd=d)
+               "--stop-after", "6", "--metrics", str(d / "o2t.jsonl"), cwd=d)
     # a recipe mismatch, against the 2 -> 1 checkpoint (1 process: it fails before training)
     res["bad_recipe"] = torchrun_n(1, "--checkpoint-dir", str(ck), "--resume", "--recipe", "fp8_block", cwd=d,
                                    ok=False)
@@ -442,9 +609,8 @@ def test_tensor_parallel_job_trains_like_the_single_process_job(tmp_path):
     within 1e-2 (the row-parallel layers sum partial products in another order, in bf16), and the start-up report
     states the sequence-parallel bytes."""
     flags = ("--recipe", "mxfp8", "--stop-after", "4")
-    tp = torchrun_n(2, "--tp", "2", *flags, "--plot", str(tmp_path / "tp.png"), cwd=tmp_path).stdout
-    torchrun_n(1, *flags, "--metrics", str(tmp_path / "one.jsonl"), "--plot", str(tmp_path / "one.png"),
-               cwd=tmp_path)
+    tp = torchrun_n(2, "--tp", "2", *flags, "--metrics", str(tmp_path / "tp.jsonl"), cwd=tmp_path).stdout
+    torchrun_n(1, *flags, "--metrics", str(tmp_path / "one.jsonl"), cwd=tmp_path)
     assert "sequence-parallel all-gathers per step and rank (forward)" in tp and "1.031x" in tp, tp[-2000:]
     a = metrics_of(tmp_path / "tp.jsonl")["runs"]["mxfp8"]["losses"]
     b = metrics_of(tmp_path / "one.jsonl")["runs"]["mxfp8"]["losses"]
@@ -555,3 +721,146 @@ def test_plain_single_process_runs_take_a_free_port_each(monkeypatch):
         train.world_from_environment()
         second = int(os.environ["MASTER_PORT"])
     assert second != first, f"two single-process runs got the same rendezvous port {first}"
+
+
+# ---- the job on a faulty disk, a wrong layout, a busy folder ----------------------------------------
+
+@pytest.mark.distributed
+def test_the_readme_tensor_parallel_command_trains_the_default_model(tmp_path):
+    """`torchrun --nproc-per-node 2 launch/train.py --tp 2` on the default model (its hidden size splits)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "launch" / "train.py"), "--tp", "2", "--steps", "2", "--eval-batches", "1", "--no-progress",
+           "--device", "cpu", "--timeout", "120", "--metrics", str(tmp_path / "m.jsonl")]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert "FSDP2 dp=1 tp=2" in p.stdout and "hidden 512" in p.stdout, p.stdout[-3000:]
+    losses = metrics_of(tmp_path / "m.jsonl")["runs"][RECIPE]["losses"]
+    assert len(losses) == 2 and all(map(lambda v: 0 < v < 10, losses)), losses
+
+
+@pytest.mark.distributed
+def test_a_read_only_checkpoint_dir_is_refused_before_training(read_only_dir, tmp_path):
+    ro, why = read_only_dir
+    p = python_job("--checkpoint-dir", str(ro / "ck"), "--save-every", "4", cwd=tmp_path)
+    assert p.returncode == 1
+    assert p.stderr.splitlines() == [f"train.py: cannot write checkpoints to {ro / 'ck' / RECIPE}: creating a file in "
+                                     f"{ro} failed ({why}); pick a writable --checkpoint-dir (or drop --save-every)"], \
+        p.stderr[-3000:]
+    assert "step 1/" not in p.stdout, "it trained before refusing"
+
+
+def file_pages(d: pathlib.Path) -> int:
+    """Bytes `d`'s files take on a tmpfs (whole 4 KiB pages each)."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in d.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: pathlib.Path, size: int):
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root with the right to mount (the RLIMIT_FSIZE case runs anywhere)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def set_file_size_limit(limit: int):
+    """preexec_fn: RLIMIT_FSIZE for torchrun and its workers (Python ignores SIGXFSZ: a write past it fails with
+    EFBIG)."""
+    import resource
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["full disk", "file size limit"])
+def test_a_save_that_fails_is_one_message_keeps_the_older_checkpoints_and_ends_every_rank(runs, tmp_path, fault):
+    """The run resumes part's step-4 checkpoint and saves step 8: on a tmpfs with room for one checkpoint and a
+    half (ENOSPC), or under a file size limit smaller than a rank's DCP file (EFBIG). Both ranks end (no rank
+    waits for a failed one), rank 0 says what was not written and why, step 4 is intact, nothing partial stays."""
+    saved = runs[2] / "ckpt"
+    step4 = saved / RECIPE / "step_000004"
+    with contextlib.ExitStack() as stack:
+        if fault == "full disk":
+            ck = stack.enter_context(small_tmpfs(tmp_path / "fs", file_pages(saved) * 3 // 2 + 8 * 4096)) / "ck"
+            preexec, cause = None, "no space left on device"
+        else:
+            ck = tmp_path / "ck"
+            preexec = set_file_size_limit(max(p.stat().st_size for p in step4.glob("*.distcp")) // 2)
+            cause = "file too large (a limit on the size of one file: ulimit -f, or the filesystem's)"
+        shutil.copytree(saved, ck)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "launch" / "train.py"), *TINY, "--checkpoint-dir", str(ck), "--resume", "--save-every", "4"]
+        p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                           preexec_fn=preexec)
+        run_dir = ck / RECIPE
+        assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-4000:]
+        assert f"[{RECIPE}] step 8/8" in p.stdout, "it trained up to the failed save"
+        lines = [l for l in p.stderr.splitlines() if l.startswith("train.py:")]
+        assert len(lines) == 1 and lines[0].startswith(f"train.py: checkpoint step_000008 not written: {cause} "
+                                                       "(needs ~"), p.stderr[-4000:]
+        assert lines[0].endswith(f"the older checkpoints are kept (step_000004): "
+                                 f"{'free space' if fault == 'full disk' else 'lift that'} (or pick another "
+                                 "--checkpoint-dir) and --resume to continue from step_000004"), lines[0]
+        assert "[rank0]" not in p.stderr and "[rank1]" not in p.stderr, "a rank printed a traceback"
+        assert sorted(q.name for q in run_dir.iterdir()) == ["latest", "step_000004"], "partial files or a lock stay"
+        import hybridq.checkpoint
+        hybridq.checkpoint.verify_manifest(run_dir / "step_000004")
+
+
+@pytest.mark.distributed
+def test_a_second_job_on_a_busy_checkpoint_folder_is_refused_up_front(runs, tmp_path):
+    """A job left a stale lock (killed); job A takes it over and trains; job B, resuming into the same folder while
+    A runs, is refused before it trains; A ends normally and releases the lock."""
+    import lock
+    ck = tmp_path / "ck"
+    shutil.copytree(runs[2] / "ckpt", ck)
+    run_dir = ck / RECIPE
+    dead = lock_holder(run_dir)
+    dead.kill()
+    dead.wait()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    a = subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), *TINY, "--steps", "60", "--checkpoint-dir",
+                          str(ck), "--resume", "--save-every", "30", "--keep-last", "1"], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # A holds the lock once its own check passed
+            if (lock.holder(run_dir) or {}).get("pid") == a.pid or a.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert (lock.holder(run_dir) or {}).get("pid") == a.pid, "job A did not take the lock"
+        b = python_job("--checkpoint-dir", str(ck), "--resume", "--save-every", "4", cwd=tmp_path)
+        a_running = a.poll() is None
+        out, err = a.communicate(timeout=400)
+    finally:
+        a.kill()
+    assert a_running, "job A ended before job B's check: the test did not overlap them"
+    assert b.returncode == 1 and "step 1" not in b.stdout and "step 5/" not in b.stdout
+    assert len(b.stderr.splitlines()) == 1, b.stderr
+    line = b.stderr.strip()
+    assert line.startswith(f"train.py: {run_dir} is in use by another training job (pid {a.pid} on host "
+                           f"{socket.gethostname()} since "), line
+    assert line.endswith("two jobs writing one checkpoint folder would overwrite and prune each other's checkpoints; "
+                         "wait for it, or pick another --checkpoint-dir"), line
+    assert a.returncode == 0, err[-3000:]
+    assert f"took over the stale lock {run_dir / lock.LOCK} of a job that is no longer running (pid {dead.pid} " in out
+    assert sorted(q.name for q in run_dir.iterdir()) == ["latest", "step_000060"], "A's lock is released"
+
+
+def test_peak_memory_restarts_for_each_run():
+    import trainer
+    mem = trainer.PeakMemory(trainer.Env(0, 1, torch.device("cpu"), "gloo", None))
+    mem.reset()
+    if mem.label != "peak RSS":
+        pytest.skip("this OS cannot reset a process's peak RSS: the summary labels it 'peak RSS (process)'")
+    base = mem.read()
+    x = torch.ones(64 * 2**20)  # 256 MiB, written
+    high = mem.read()
+    del x
+    mem.reset()
+    low = mem.read()
+    assert high - base > 200 * 2**20, (base, high)
+    assert high - low > 200 * 2**20, f"after a reset the peak still includes the freed 256 MiB: {high} -> {low}"
