@@ -3,8 +3,9 @@
 #
 # Installs what it needs, saying what and why (numpy first: torch warns at import without it; torch 2.13.0
 # only when torch is not importable -- a machine that has torch keeps it; then this repository in editable
-# mode), checks the flags and the checkpoint folder (train.py --check-only: a refusal is one message and a
-# non-zero exit, before any worker starts), and trains the small Llama-style decoder with FSDP2 under
+# mode), checks the flags, the layout and the checkpoint folder (train.py --check-only: a refusal is one message and
+# a non-zero exit, before any worker starts; e.g. --plot without matplotlib, a --hidden that does not split across
+# --tp ranks, a read-only or busy --checkpoint-dir), and trains the small Llama-style decoder with FSDP2 under
 # torchrun: the hybrid recipe mxfp8_fwd_nvfp4_bwd against the bf16 baseline, same data and initial weights.
 # CPU: 2 processes on gloo (a couple of minutes on 2 cores). GPUs: one process per GPU on NCCL.
 # Extra arguments pass through to launch/train.py and override the defaults below (e.g. --steps 300,
