@@ -65,3 +65,22 @@ def test_in_features_0_with_a_quantized_parameter_gives_the_bias():
     assert torch.equal(y, q.bias.detach().expand(32, 64)), "in_features 0: the output is not the bias"
     assert torch.equal(q.bias.grad, torch.full((64,), 32.0)), "the bias gradient is not the summed output gradient"
     assert x.grad.shape == (32, 0)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("shape", ["in_features 0", "out_features 0"])
+def test_empty_dimension_under_torch_compile(shape):
+    k, n, x_shape = SHAPES[shape]
+    torch.manual_seed(0)
+    ref = nn.Linear(k, n)
+    q = hq.Linear(k, n, recipe=hq.recipe("mxfp8"), name="fc")
+    q.load_state_dict(ref.state_dict())
+    x = torch.randn(x_shape)
+    xq, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = torch.compile(q)(xq)
+    y.sum().backward()
+    yr = ref(xr)
+    yr.sum().backward()
+    assert_bitwise(y, yr, f"{shape}: compiled output")
+    assert_bitwise(xq.grad, xr.grad, f"{shape}: compiled grad input")
+    assert_bitwise(q.bias.grad, ref.bias.grad, f"{shape}: compiled grad bias")

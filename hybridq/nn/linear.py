@@ -164,7 +164,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        if torch.compiler.is_compiling() and compiled_linear.runs_in_graph(self, x, is_first_microbatch):
+        # (in or out features 0: no GEMM to put in a graph; the eager path computes the empty product)
+        if (torch.compiler.is_compiling() and self.in_features and self.out_features
+                and compiled_linear.runs_in_graph(self, x, is_first_microbatch)):
             override = self.recipe.backward_override
             if override is not None:
                 self._check_override(override)
