@@ -263,7 +263,7 @@ def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, fp8):
     assert_bitwise(got.scale_inv.cpu(), ref.scale_inv, f"scale_inv, groups {sizes}")
     assert_bitwise(got.row.cpu(), ref.row, f"rowwise, groups {sizes}")
     assert_bitwise(got.col.cpu(), ref.col, f"columnwise, groups {sizes}")
-    assert got.col.stride(0) % 16 == 0, f"columnwise row pitch {got.col.stride(0)} is not a multiple of 16"
+    assert t == 0 or got.col.stride(0) % 16 == 0, f"columnwise row pitch {got.col.stride(0)} is not a multiple of 16"
 
 
 @pytest.mark.gpu

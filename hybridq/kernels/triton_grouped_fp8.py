@@ -174,16 +174,25 @@ if triton is not None:
                               tl.minimum(s16, end), PRECISE)
         a_ptrs = a_ptr + a_rows[:, None] + (s16 + rk)[None, :]
         b_ptrs = b_ptr + b_rows[:, None] + (s16 + rk)[None, :]
-        for k in range(s16, e16, BLOCK_K):
-            inside = (k + rk < e16)[None, :]
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & inside, other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[:, None] & inside, other=0.0)
+        n_full = tl.maximum(e16 - s16, 0) // BLOCK_K
+        for _ in range(0, n_full):  # whole K tiles: the masks are loop-invariant (as in fprop)
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
             if PRECISE:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        k_last = s16 + n_full * BLOCK_K
+        if k_last < e16:  # the last, partial tile of whole 16-token chunks
+            inside = (k_last + rk < e16)[None, :]
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & inside, other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None] & inside, other=0.0)
+            if PRECISE:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
         if (e16 >= s16) & (e16 < end):  # tail: [e16, end)
             acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, e16, e16, end, PRECISE)
         scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)

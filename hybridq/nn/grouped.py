@@ -21,7 +21,7 @@ from . import delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
-from .grouped_jagged import JaggedFP8Experts, TokenGroups
+from .grouped_jagged import JaggedFP8Experts, TokenGroups, held_fp8_experts
 from .m_splits import check_split_values, checked_m_splits, host_m_splits
 from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
@@ -280,12 +280,10 @@ class GroupedLinear(nn.Module):
                 if (self.packed_path and override is None and not gathered and not held_quantized
                     and is_first_microbatch is None
                     and self.bias is None and not self.save_original_input) else None)
-        if kind is not None and kind.kind == FP8_TENSOR and self.jagged_path:  # where its kernels run here
-            kernels = jagged_fp8_kernels(x.device, self.in_features, self.out_features, kind.quantizers)
-            if kernels is not None:
-                groups = TokenGroups.build(splits, x.shape[0], x.device, self.name)
-                return JaggedFP8Experts.apply(x, self.weight, groups, kind.quantizers, self.name, need_dgrad,
-                                              need_wgrad, kernels)
+        y = self._jagged(x, splits, kind, gathered, held_quantized, override, is_first_microbatch, need_dgrad,
+                         need_wgrad)
+        if y is not None:
+            return y
         splits = self._host_splits(splits, x.shape[0])
         if kind is not None:  # (override is None: the backward GEMMs are quantized)
             qs = kind.quantizers
@@ -320,6 +318,27 @@ class GroupedLinear(nn.Module):
             y_e = apply_linear(x_e, weights[e], biases[e], cfgs[e], cache)
             outs.append(y_e[:m] if n != m else y_e)
         return torch.cat(outs, 0)
+
+    def _jagged(self, x, splits, kind, gathered, held_quantized, override, is_first_microbatch, need_dgrad,
+                need_wgrad) -> torch.Tensor | None:
+        """Per-tensor FP8 on the jagged layout (grouped_jagged.py) where its kernels run here, its weight quantized
+        in the op or gathered so by FSDP2 (the experts' rowwise parts); None: another path runs."""
+        if not (self.packed_path and self.jagged_path and override is None and not held_quantized
+                and is_first_microbatch is None and self.bias is None and not self.save_original_input):
+            return None
+        if gathered:  # (kind is None for a gathered weight: the packed paths quantize the weight themselves)
+            kind = packed_quantizers(self.expert_quantizers)
+        if kind is None or kind.kind != FP8_TENSOR:
+            return None
+        kernels = jagged_fp8_kernels(x.device, self.in_features, self.out_features, kind.quantizers)
+        if kernels is None:
+            return None
+        held = held_fp8_experts(_unbind_experts(self.weight), need_dgrad) if gathered else None
+        if gathered and held is None:
+            return None
+        groups = TokenGroups.build(splits, x.shape[0], x.device, self.name)
+        return JaggedFP8Experts.apply(x, self.weight, groups, kind.quantizers, self.name, need_dgrad, need_wgrad,
+                                      kernels, held)
 
     def _expert_cache(self, e: int, w: torch.Tensor, is_first_microbatch: bool):
         def get(need_columnwise: bool) -> QuantizedTensor:

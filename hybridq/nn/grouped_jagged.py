@@ -10,6 +10,8 @@ one grouped GEMM per phase:
 
 No padding, no packing copy, no per-expert Python work on the device path, and no host sync: `m_splits` as a device
 tensor stays on the device (its values are checked there, asynchronously), a list costs one host-to-device copy.
+A weight FSDP2 gathered as per-tensor FP8 (apply_hybrid_fsdp) is used as gathered: the experts' rowwise parts
+concatenated, its columnwise form their byte transpose (`held_fp8_experts`).
 
 Which kernels run is `hybridq.gemm.jagged_fp8_kernels`: on CUDA sm_90 the grouped quantize of the extension and the
 Triton grouped GEMMs (hybridq/kernels/grouped_fp8.py); on the CPU the reference (one quantization and one emulated
@@ -22,8 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import Quantizer
-from ..gemm import JaggedFP8Kernels
+from ..formats.base import Quantizer, transposed_copy
+from ..formats.float8 import Float8TensorPart
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from ..gemm import JaggedFP8, JaggedFP8Kernels
 from ..kernels.native_gemm import FAST_ACCUM_FPROP
 
 
@@ -94,18 +99,34 @@ class TokenGroups:
 _UNIFORM: dict = {}
 
 
+def held_fp8_experts(experts, columnwise: bool) -> JaggedFP8 | None:
+    """The experts' weights already quantized as per-tensor FP8 (e.g. gathered so by FSDP2: each expert's rowwise
+    part) as the jagged layout's operand: rowwise `[E*N, K]`, columnwise (its byte transpose, exactly the derived
+    columnwise form) when asked, the experts' scales; None if any expert's rowwise part is not per-tensor FP8."""
+    parts = [w.part("rowwise") for w in experts]
+    dtypes = {p.data.dtype for p in parts}
+    if not all(isinstance(p, Float8TensorPart) for p in parts) or len(dtypes) != 1 or not dtypes <= set(FP8_DTYPES):
+        return None
+    row = torch.cat([p.data for p in parts])
+    scale_inv = torch.cat([p.scale_inv.reshape(1) for p in parts]).float()
+    return JaggedFP8(row, transposed_copy(row) if columnwise else None, scale_inv)
+
+
 class JaggedFP8Experts(torch.autograd.Function):
     """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 on the jagged layout (see the
     module docstring). `need_dgrad` / `need_wgrad`: the gradients backward will compute (which columnwise forms the
-    forward makes; inside forward, autograd's own flags ignore no_grad)."""
+    forward makes; inside forward, autograd's own flags ignore no_grad). `held`: the weight already quantized
+    (`held_fp8_experts`: FSDP2's gathered experts), else the weight is quantized here."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
-                name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels) -> torch.Tensor:
+                name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels,
+                held: JaggedFP8 | None = None) -> torch.Tensor:
         e, n, k = weight.shape
         xq = kernels.quantize(quantizers["input"], x, groups, need_wgrad, f"input of {name}")
-        wq = kernels.quantize(quantizers["weight"], weight.detach().reshape(e * n, k),
-                              TokenGroups.uniform(e, n, x.device), need_dgrad, f"weight of {name}")
+        wq = held if held is not None else kernels.quantize(
+            quantizers["weight"], weight.detach().reshape(e * n, k), TokenGroups.uniform(e, n, x.device), need_dgrad,
+            f"weight of {name}")
         y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, x.dtype,
                        precise=not FAST_ACCUM_FPROP, name=f"fprop of {name}")
         # backward reads the columnwise forms only: x's for wgrad, W's for dgrad
@@ -124,7 +145,7 @@ class JaggedFP8Experts(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] and x_col is not None
         dx = dw = None
         if not (need_dgrad or need_wgrad):
-            return dx, dw, None, None, None, None, None, None
+            return dx, dw, None, None, None, None, None, None, None
         dyq = kernels.quantize(ctx.quantizers["grad_output"], dy, groups, need_wgrad, f"grad_output of {name}")
         if need_dgrad:  # dy rowwise x W columnwise: expert g's `[K, N]` is columns [g*N, (g+1)*N) of `[K, E*N]`
             dx = kernels.mm(dyq.row, dyq.scale_inv, w_col, n, w_col.stride(0), k, w_scale, groups, dy.dtype,
@@ -132,4 +153,4 @@ class JaggedFP8Experts(torch.autograd.Function):
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
             dw = kernels.wgrad(dyq.col, dyq.scale_inv, x_col, x_scale, groups, dy.dtype,
                                name=f"wgrad of {name}").to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
