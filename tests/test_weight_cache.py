@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn as nn
 
 import hybridq as hq
 from hybridq.nn.weight_fingerprint import StaleWeightError
