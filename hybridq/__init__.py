@@ -26,7 +26,7 @@ _require_torch()
 
 from . import dispatch
 from .enums import BackwardOverride, Direction, Scaling
-from .errors import FormatShapeError, RecipeError
+from .errors import FormatShapeError, RecipeError, StaleWeightError
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
 from .gemm import register_native_gemm
@@ -47,7 +47,7 @@ __all__ = [
     "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "GroupedLinear", "RMSNorm", "convert_linears", "convert_norms", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
-    "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError",
+    "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError", "StaleWeightError",
     "quantized_model_init", "quantize_parameters", "parameter_memory", "ParameterMemory", "high_precision_init_value",
 ]
 __version__ = "0.1.0"

@@ -16,3 +16,8 @@ class FormatShapeError(ValueError):
 
 class RecipeError(ValueError):
     """A recipe or quantizer configuration that cannot be used (independent of any tensor's shape)."""
+
+
+class StaleWeightError(RuntimeError):
+    """A cached quantized weight was used after its high-precision weight changed where the cache key cannot see
+    it (a write through `.data`)."""

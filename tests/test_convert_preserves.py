@@ -354,3 +354,13 @@ def test_an_unknown_preset_name_is_a_recipe_error_listing_the_presets(convert):
     with pytest.raises(hq.RecipeError, match=rf"{convert}: recipe='mxfp9' is not a preset; presets: fp8_tensorwise"):
         CONVERTERS[convert](model, "mxfp9")
     assert type(model[0]) is nn.Linear
+
+
+def test_linear_takes_a_preset_name_as_its_recipe_and_refuses_other_types():
+    layer = hq.Linear(D, D, recipe="mxfp8")
+    assert layer.recipe == hq.recipe("mxfp8")
+    layer.recipe = "fp8_block"
+    assert layer.recipe == hq.recipe("fp8_block")
+    with pytest.raises(TypeError, match=r"recipe must be a hybridq recipe .* got int"):
+        layer.recipe = 3
+    assert layer.recipe == hq.recipe("fp8_block"), "a refused recipe changed the layer"

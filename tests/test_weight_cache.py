@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hybridq as hq
-from hybridq.nn.weight_fingerprint import StaleWeightError
+from hybridq import StaleWeightError
 
 from _compare import assert_bitwise
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..formats.base import Quantizer, is_dtensor
 from ..errors import RecipeError
-from ..recipe import CustomRecipe, Role, check_override_compatible
+from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_recipe
 from ..tensor import QuantizedTensor
 from ..weight_forms import QuantizedGatherShard
 from . import compiled_linear, delayed_state, float8_graph
@@ -35,7 +35,7 @@ class Linear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
+                 recipe: CustomRecipe | str, name: str = "", save_original_input: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(recipe, name, save_original_input)
 
@@ -60,7 +60,8 @@ class Linear(nn.Linear):
         return self._recipe
 
     @recipe.setter
-    def recipe(self, recipe: CustomRecipe) -> None:
+    def recipe(self, recipe: CustomRecipe | str) -> None:
+        recipe = resolve_recipe(recipe, self.name)
         self.install_recipe(recipe, self.quantizers_for(recipe))
 
     def install_recipe(self, recipe: CustomRecipe, quantizers: dict[str, Quantizer]) -> None:
@@ -79,9 +80,7 @@ class Linear(nn.Linear):
         """The quantizers `recipe` gives this layer, after every check that does not need data: the recipe's
         own configuration first (backward override value, override with delayed scaling, the factory:
         RecipeError / TypeError), then the shape rules (FormatShapeError). Changes nothing."""
-        if not isinstance(recipe, CustomRecipe):
-            raise TypeError(f"{self.name}: recipe must be a hybridq recipe (hybridq.recipe(name) or "
-                            f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+        recipe = resolve_recipe(recipe, self.name)
         override = recipe.backward_override
         quantizers = {t: recipe.quantizer(Role("linear", t, self._role_name))
                       for t in ("input", "weight", "grad_output")}

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import StaleWeightError
+
 __all__ = ["StaleWeightError", "WeightFingerprint"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class StaleWeightError(RuntimeError):
-    """A cached quantized weight was used after its high-precision weight changed where the cache key cannot see
-    it (a write through `.data`)."""
 
 
 def _bits_sum(w: torch.Tensor) -> torch.Tensor:
