@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats._reduce import max_all_reduce_
 from ..tensor import QuantizedTensor
+from .collectives import all_gather_single, reduce_scatter_single
 from .payload import assemble_parts, build_payload, quantize_shard
 from .pieces import reject_stateful
 
@@ -101,10 +101,34 @@ class SequenceGather:
                 f"{self.run_rows} rows (input {self.full_shape}, sequence dim {self.seq_dim}) and its blocks span "
                 f"{g} rows; make the local sequence length a multiple of {g}, or put the sequence dim first")
 
+    def check_equal_pieces(self, x2d: torch.Tensor, name: str) -> None:
+        """Raise ValueError on every rank unless every rank holds the same number of tokens, the input's share of
+        this rank (the all-gathers and the reduce-scatter move equal pieces; gloo aborts the process on unequal
+        ones, NCCL may hang). A rank sees only its own count, so the counts meet in one small all-reduce (their
+        max and -min) that every rank reads alike: all raise together, none is left waiting in a collective. (The
+        read waits for the device: once per sequence-parallel input and forward, before its all-gather.)"""
+        rows = x2d.shape[0]
+        counts = torch.tensor([rows, -rows], dtype=torch.int64, device=x2d.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+        hi, lo = counts.tolist()
+        lo = -lo
+        per_token = max(math.prod(self.local_shape[:-1]) // max(self.local_shape[self.seq_dim], 1), 1)
+        rule = (f"{name}: sequence parallelism needs every one of the {self.world_size} tensor-parallel ranks to hold "
+                f"the same share of the sequence (dim {self.seq_dim}): equal pieces are all-gathered and "
+                f"reduce-scattered")
+        if hi != lo:
+            raise ValueError(f"{rule}; the ranks hold between {lo // per_token} and {hi // per_token} tokens (this "
+                             f"rank {rows // per_token}). Split the sequence evenly: a length that is a multiple of "
+                             f"{self.world_size}, padded if need be")
+        if rows != math.prod(self.local_shape[:-1]):
+            raise ValueError(f"{rule}; every rank holds {rows // per_token} tokens, but the input's shape "
+                             f"{self.full_shape} gives each {self.local_shape[self.seq_dim]}")
+
     # -- forward: the quantized all-gather ----------------------------------------------------------------
     def quantize(self, q: Quantizer, x2d: torch.Tensor, columnwise: bool, name: str) -> QuantizedTensor:
         """The whole input's quantization (rowwise, + columnwise) from this rank's rows `x2d`."""
         self.check(q, columnwise, name)
+        self.check_equal_pieces(x2d, name)
         ws, k = self.world_size, x2d.shape[1]
         shards = self.shards(x2d.shape[0])
         shard = shards[self.rank]
@@ -115,9 +139,7 @@ class SequenceGather:
         parts = quantize_shard(q, x2d, shard, send, stats)
         payload, meta = build_payload(q, parts, shard, shards, (shard.rows, k), x2d.device)
         gathered = payload.new_empty(ws * payload.numel())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            dist.all_gather_into_tensor(gathered, payload, group=self.group)
+        all_gather_single(gathered, payload, group=self.group)
         full = assemble_parts(meta, gathered.view(ws, -1))
         if self.leading > 1:
             full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
@@ -155,9 +177,7 @@ class SequenceGather:
         and save_original_input read it)."""
         local = x2d.reshape(self.local_shape).movedim(self.seq_dim, 0).contiguous()
         out = local.new_empty((self.world_size * local.shape[0],) + tuple(local.shape[1:]))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            dist.all_gather_into_tensor(out, local, group=self.group)
+        all_gather_single(out, local, group=self.group)
         return out.movedim(0, self.seq_dim).reshape(-1, x2d.shape[1])
 
     def reduce_grad(self, dx2d: torch.Tensor) -> torch.Tensor:
@@ -165,5 +185,5 @@ class SequenceGather:
         columns): a reduce-scatter along the sequence dim, in high precision."""
         full = dx2d.reshape(self.full_shape).movedim(self.seq_dim, 0).contiguous()
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group)
         return out.movedim(0, self.seq_dim).contiguous()

@@ -184,7 +184,7 @@ def tp_block_job(rank: int, world_size: int, device, cases: list) -> dict:
         sl = tuple(sl)
         gathers = []
         import hybridq.distributed.sequence as seq_mod
-        orig_gather = seq_mod.dist.all_gather_into_tensor
+        orig_gather = seq_mod.all_gather_single
 
         for step in range(2):
             x = torch.randn(shape, generator=torch.Generator().manual_seed(10 + step)).to(device)
@@ -197,7 +197,7 @@ def tp_block_job(rank: int, world_size: int, device, cases: list) -> dict:
             def recording_gather(out, inp, group=None, **kw):
                 gathers.append((inp.dtype, inp.numel()))
                 return orig_gather(out, inp, group=group, **kw)
-            seq_mod.dist.all_gather_into_tensor = recording_gather
+            seq_mod.all_gather_single = recording_gather
             try:
                 with GemmRecorder() as rec_t:
                     yl = tp(xl)
@@ -206,7 +206,7 @@ def tp_block_job(rank: int, world_size: int, device, cases: list) -> dict:
                 loss = yl_full.float().square().sum() / yr.numel()
                 loss.backward()
             finally:
-                seq_mod.dist.all_gather_into_tensor = orig_gather
+                seq_mod.all_gather_single = orig_gather
             if step == 0:
                 for name in colwise:  # column-parallel: whole input, this rank's weight rows
                     (a_t, b_t), (a_r, b_r) = rec_t.seen[name], rec_r.seen[name]
