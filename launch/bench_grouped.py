@@ -12,8 +12,9 @@ GPU clock); the table gives the median round and the ratio to bf16 `torch._group
 when `torch._grouped_mm` cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
 paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid; NVFP4 and its hybrid) is timed a
 second time with `packed_path = False`: the "(per-expert path)" row right after it; per-tensor FP8 where the jagged
-path runs (tokens as routed, group bounds on the device: CUDA sm_90 with Triton, and the CPU) a third time with
-`jagged_path = False`: the "(padded packed path)" row.
+path runs (tokens as routed, group bounds on the device: CUDA sm_90 with Triton, and the CPU) also with the jagged
+layout forced (`jagged_path = True`; the preset's own row is GroupedLinear's automatic choice) and off
+(`jagged_path = False`): the "(jagged path)" and "(padded packed path)" rows.
 
 Where torchao imports (0.18: `torchao.prototype.moe_training`), its FP8 rowwise grouped GEMM (dynamic rowwise E4M3
 for every operand, `torch._scaled_grouped_mm` for all three GEMMs) is timed eager and torch.compile'd ("torchao
@@ -155,11 +156,12 @@ def candidates(e: int, d: int, h: int, presets: list[str], device, dtype) -> lis
             loop.packed_path = False
             out.append((f"{p} (per-expert path)", loop, False))
         if kind is not None and kind.kind == FP8_TENSOR and jagged_fp8_kernels(
-                torch.device(device), d, h, kind.quantizers) is not None:  # ... and without the jagged layout
-            padded = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype,
-                                           recipe=hybridq.recipe(p), name=f"experts[{p}, padded]")
-            padded.jagged_path = False
-            out.append((f"{p} (padded packed path)", padded, False))
+                torch.device(device), d, h, kind.quantizers) is not None:  # ... with and without the jagged layout
+            for name, on in (("jagged path", True), ("padded packed path", False)):
+                forced = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype,
+                                               recipe=hybridq.recipe(p), name=f"experts[{p}, {name}]")
+                forced.jagged_path = on
+                out.append((f"{p} ({name})", forced, False))
     out.append((LOOP, LinearLoop(e, d, h, device, dtype), False))
     return out
 

@@ -29,7 +29,7 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
 
     def rows(p):
         return [p] + ([f"{p} (per-expert path)"] if p in packed else []) + (
-            [f"{p} (padded packed path)"] if p in jagged else [])
+            [f"{p} (jagged path)", f"{p} (padded packed path)"] if p in jagged else [])
     names = ["bf16 torch._grouped_mm", *[n for p in hybridq.preset_names() for n in rows(p)],
              "bf16 nn.Linear per expert"]
     configs = ["4x48x2x64x96", "8x40x2x32x64"]
@@ -37,10 +37,12 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
     assert [(row[0], row[1]) for row in body] == [(c, n) for c in configs for n in names], \
         f"rows {[(row[0], row[1]) for row in body]}"
     for cfg, name, ms, _, ratio in body:
-        assert float(ms) > 0 and ratio.endswith("x") and float(ratio[:-1]) > 0, (cfg, name, ms, ratio)
+        # (two decimals: a candidate 200x slower than bf16 on a loaded CPU prints 0.00x; the JSON has the ratio)
+        assert float(ms) > 0 and ratio.endswith("x") and float(ratio[:-1]) >= 0, (cfg, name, ms, ratio)
         if name == "bf16 torch._grouped_mm":
             assert ratio == "1.00x", (cfg, ratio)
     rows = json.loads(out.read_text())["rows"]
     assert [(x["config"], x["name"], f"{x['ms']:.3f}") for x in rows] == [(c, n, ms) for c, n, ms, _, _ in body]
     for x in rows:
         assert sum(x["m_splits"]) == x["tokens"] * x["top_k"] and len(x["m_splits"]) == x["experts"], x
+        assert x["ratio"] > 0, x

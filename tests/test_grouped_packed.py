@@ -341,3 +341,21 @@ def test_a_non_finite_input_stays_in_its_expert(device):
     assert torch.isfinite(y[5:]).all(), "another expert's outputs are not finite"
     assert torch.isfinite(m.weight.grad[1:]).all(), "another expert's weight gradient is not finite"
     assert not torch.isfinite(m.weight.grad[0]).all(), "expert 0's weight gradient lost its NaN"
+
+
+class _PrefersPerExpert(_Counting):
+    def prefers_per_expert_path(self, sizes, in_features, out_features):
+        return True
+
+
+@pytest.mark.parametrize("jagged_path", [None, True], ids=["automatic", "forced"])
+def test_kernels_that_measure_the_per_expert_path_faster_send_host_counts_there(jagged_path, monkeypatch):
+    """jagged_path=None: where the device's kernels measure the per-expert path faster for these host token counts,
+    it runs (bitwise the same numbers on the CPU); jagged_path=True keeps the jagged layout."""
+    kernels = _PrefersPerExpert()
+    monkeypatch.setattr(grouped_mod, "jagged_fp8_kernels", lambda *a: kernels)
+    monkeypatch.setattr(hq.GroupedLinear, "jagged_path", jagged_path)
+    splits = [5, 0, 17, 40]
+    got = _run(True, splits)
+    assert bool(kernels.calls) == (jagged_path is True), kernels.calls
+    assert_results_bitwise(got, _run(False, splits), f"jagged_path={jagged_path}")

@@ -80,6 +80,9 @@ def _unbind_experts(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return weight.unbind(0)
 
 
+_PER_EXPERT = object()  # (GroupedLinear._jagged: take the per-expert path)
+
+
 class _NoTokens(torch.autograd.Function):
     """The empty product of an expert without tokens whose weight is quantized (gathered by FSDP2): keeps the
     output in the graph; zero gradients."""
@@ -120,8 +123,10 @@ class GroupedLinear(nn.Module):
     packed_path: bool = True
     # per-tensor FP8 (the FP8_TENSOR packed path) takes the jagged layout (hybridq/nn/grouped_jagged.py: tokens as
     # routed, group bounds on the device, no host sync) where its kernels run here (the CPU reference; CUDA sm_90
-    # with Triton and the extension), else the padded packed layout. False: always the padded one (benchmarks, tests).
-    jagged_path: bool = True
+    # with Triton and the extension), else the padded packed layout. None: the jagged layout unless its kernels
+    # measure the per-expert path faster at these token counts (few, large experts with host counts:
+    # `prefers_per_expert_path`); True: the jagged layout wherever its kernels run; False: never (benchmarks, tests).
+    jagged_path: bool | None = None
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype=None, *, recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
@@ -282,7 +287,9 @@ class GroupedLinear(nn.Module):
                     and self.bias is None and not self.save_original_input) else None)
         y = self._jagged(x, splits, kind, gathered, held_quantized, override, is_first_microbatch, need_dgrad,
                          need_wgrad)
-        if y is not None:
+        if y is _PER_EXPERT:
+            kind = None
+        elif y is not None:
             return y
         splits = self._host_splits(splits, x.shape[0])
         if kind is not None:  # (override is None: the backward GEMMs are quantized)
@@ -322,8 +329,9 @@ class GroupedLinear(nn.Module):
     def _jagged(self, x, splits, kind, gathered, held_quantized, override, is_first_microbatch, need_dgrad,
                 need_wgrad) -> torch.Tensor | None:
         """Per-tensor FP8 on the jagged layout (grouped_jagged.py) where its kernels run here, its weight quantized
-        in the op or gathered so by FSDP2 (the experts' rowwise parts); None: another path runs."""
-        if not (self.packed_path and self.jagged_path and override is None and not held_quantized
+        in the op or gathered so by FSDP2 (the experts' rowwise parts); None: another path runs; _PER_EXPERT: the
+        per-expert path, measured faster here (see `jagged_path`)."""
+        if not (self.packed_path and self.jagged_path is not False and override is None and not held_quantized
                 and is_first_microbatch is None and self.bias is None and not self.save_original_input):
             return None
         if gathered:  # (kind is None for a gathered weight: the packed paths quantize the weight themselves)
@@ -333,6 +341,9 @@ class GroupedLinear(nn.Module):
         kernels = jagged_fp8_kernels(x.device, self.in_features, self.out_features, kind.quantizers)
         if kernels is None:
             return None
+        if (self.jagged_path is None and isinstance(splits, list)
+                and kernels.prefers_per_expert_path(splits, self.in_features, self.out_features)):
+            return _PER_EXPERT
         held = held_fp8_experts(_unbind_experts(self.weight), need_dgrad) if gathered else None
         if gathered and held is None:
             return None
