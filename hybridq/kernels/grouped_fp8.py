@@ -2,7 +2,10 @@
 for device type "cuda": the grouped quantize of the extension (`hybridq::fp8_tensor_quantize_grouped`: one amax launch
 and one cast launch for all groups, rowwise and columnwise in the same pass, the columnwise rows 16-byte aligned for
 the wgrad GEMM) and the Triton grouped GEMMs of `triton_grouped_fp8` (sm_90), all reading the group bounds from the
-device: no host sync, no padding or packing copies.
+device: no host sync, no padding or packing copies. Where the host has the token counts and each expert's GEMM is
+long enough to hide a call's host cost, fprop and dgrad run as one cuBLAS `torch._scaled_mm` per expert on its rows
+instead (faster than the Triton kernel with precise accumulation; `per_expert_min_us`), and GroupedLinear's whole
+per-expert path is preferred for few, long experts (`prefers_per_expert_path`: its cuBLAS wgrad beats the Triton one).
 
 Taken where every piece runs: a CUDA sm_90 device, Triton, the built extension, FP8 GEMMs enabled
 (`native_gemm.disabled()` turns them off), contracted sizes (in_features for fprop, out_features for dgrad) multiple
