@@ -839,8 +839,9 @@ def test_a_second_job_on_a_busy_checkpoint_folder_is_refused_up_front(runs, tmp_
         a.kill()
     assert a_running, "job A ended before job B's check: the test did not overlap them"
     assert b.returncode == 1 and "step 1" not in b.stdout and "step 5/" not in b.stdout
-    assert len(b.stderr.splitlines()) == 1, b.stderr
-    line = b.stderr.strip()
+    refusals = [l for l in b.stderr.splitlines() if l.startswith("train.py:")]
+    assert len(refusals) == 1 and "Traceback" not in b.stderr, b.stderr
+    line = refusals[0]
     assert line.startswith(f"train.py: {run_dir} is in use by another training job (pid {a.pid} on host "
                            f"{socket.gethostname()} since "), line
     assert line.endswith("two jobs writing one checkpoint folder would overwrite and prune each other's checkpoints; "
