@@ -255,7 +255,8 @@ def test_a_locked_checkpoint_folder_is_refused_by_the_check(tmp_path, capsys, mo
     try:
         assert train.main(TINY + ["--checkpoint-dir", str(ck), "--save-every", "4", "--check-only"]) == 1
         err = capsys.readouterr().err
-        assert err.startswith(f"train.py: {ck / RECIPE} is in use by another training job (pid {other.pid} on host "), err
+        assert err.startswith(f"train.py: {ck / RECIPE} is in use by another training job (pid {other.pid} on "
+                              "host "), err
         assert len(err.splitlines()) == 1, err
     finally:
         other.kill()
