@@ -128,11 +128,16 @@ if triton is not None:
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _edge_load(ptr, rows, ok, k, lo, hi):
-        """The 32-token window from the 16-aligned token k, tokens outside [lo, hi) read as zeros (masked loads)."""
+    def _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, k, lo, hi, PRECISE: tl.constexpr):
+        """The group's tokens [lo, hi) (fewer than 16, at a 16-token boundary) inside the 32-token window from the
+        16-aligned token k: masked loads (the neighbours' tokens read as zeros), one K = 32 product."""
         rk = k + tl.arange(0, 32)
-        return tl.load(ptr + rows[:, None] + rk[None, :], mask=ok[:, None] & ((rk >= lo) & (rk < hi))[None, :],
-                       other=0.0)
+        mine = ((rk >= lo) & (rk < hi))[None, :]
+        a = tl.load(a_ptr + a_rows[:, None] + rk[None, :], mask=row_ok[:, None] & mine, other=0.0)
+        b = tl.load(b_ptr + b_rows[:, None] + rk[None, :], mask=col_ok[:, None] & mine, other=0.0)
+        if PRECISE:
+            return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
+        return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit(do_not_specialize=["E"])
     def _jagged_wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, M, N, E, pitch_a, pitch_b,
@@ -159,18 +164,14 @@ if triton is not None:
         col_ok = rn < N
         a_rows = rm.to(tl.int64) * pitch_a
         b_rows = rn.to(tl.int64) * pitch_b
-        # the group's whole 16-token chunks [s16, e16) in the main loop (16-byte loads); the < 16 tokens before s16
-        # and from e16 on as two K = 32 products on masked loads issued before the main loop, so that their latency
-        # hides behind it (not pipelined, they cost ~40% of the kernel when waited for: BENCHMARKS.md "MoE")
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # the group's whole 16-token chunks [s16, e16) in the main loop (16-byte loads, a 16-token granular mask on
+        # the last tile); the < 16 tokens before s16 and from e16 on as two small masked products
         s16 = tl.multiple_of((start + 15) // 16 * 16, 16)
         e16 = tl.multiple_of(end // 16 * 16, 16)
-        head_hi = tl.minimum(s16, end)
-        tail_lo = tl.maximum(e16, start)
-        a_head = _edge_load(a_ptr, a_rows, row_ok, s16 - 16, start, head_hi)
-        b_head = _edge_load(b_ptr, b_rows, col_ok, s16 - 16, start, head_hi)
-        a_tail = _edge_load(a_ptr, a_rows, row_ok, e16, tail_lo, end)
-        b_tail = _edge_load(b_ptr, b_rows, col_ok, e16, tail_lo, end)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if start < tl.minimum(s16, end):  # head: [start, min(s16, end))
+            acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, s16 - 16, start,
+                              tl.minimum(s16, end), PRECISE)
         a_ptrs = a_ptr + a_rows[:, None] + (s16 + rk)[None, :]
         b_ptrs = b_ptr + b_rows[:, None] + (s16 + rk)[None, :]
         n_full = tl.maximum(e16 - s16, 0) // BLOCK_K
@@ -192,16 +193,8 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        if start < head_hi:  # head: [start, min(s16, end))
-            if PRECISE:
-                acc = tl.dot(a_head, tl.trans(b_head), acc, max_num_imprecise_acc=32)
-            else:
-                acc = tl.dot(a_head, tl.trans(b_head), acc)
-        if (e16 >= s16) & (tail_lo < end):  # tail: [e16, end)
-            if PRECISE:
-                acc = tl.dot(a_tail, tl.trans(b_tail), acc, max_num_imprecise_acc=32)
-            else:
-                acc = tl.dot(a_tail, tl.trans(b_tail), acc)
+        if (e16 >= s16) & (e16 < end):  # tail: [e16, end)
+            acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, e16, e16, end, PRECISE)
         scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
         c = (acc * scale).to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
