@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..formats._sharding import dim0_chunks
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from ..nn.convert import ConversionReport, convert_linears
 from ..nn.linear import Linear
 from ..nn.quantized_params import quantized_param_info
@@ -179,7 +179,7 @@ def precompute_scales(model: nn.Module) -> dict:
     values = 0
     for group, items, device in per_group.values():
         flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device
-        max_all_reduce_(flat, group)
+        amax_all_reduce_(flat, group)
         i = 0
         for st, key, s in items:
             st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight

@@ -38,7 +38,7 @@ import torch.nn as nn
 from ..errors import RecipeError
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from ..nn.grouped import GroupedLinear, converted_experts, expert_name, expert_weight_names, plan_expert_module, \
     install_expert_module
 from ..recipe import CustomRecipe, Role
@@ -292,7 +292,7 @@ class GroupedWeightState:
         else:
             flat = pack_stats(local)
             if flat is not None:
-                max_all_reduce_(flat, group)
+                amax_all_reduce_(flat, group)
                 self.count("stats_allreduce")
             self.stats_key, self.stats = key, flat
         out, i = [], 0

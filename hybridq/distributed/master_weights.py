@@ -34,7 +34,7 @@ from ..formats._sharding import cdiv
 from ..formats.base import Quantizer, shape_2d
 from ..formats.float8_block import Float8BlockPart
 from ..formats.hybrid import HybridQuantizer
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from ..nn.quantized_experts import QuantizedExpertWeights
 from ..nn.quantized_params import copy_part_into, quantized_param_info
 from ..tensor import QuantizedTensor
@@ -221,7 +221,7 @@ def quantize_master_weights(model_weights: Sequence[torch.Tensor], master_weight
                  for w, mw in zip(model_weights, master_weights)]
         stats = _local_stats(tasks, frags, starts, lengths, layouts, model_weights)
         if stats is not None and world > 1:
-            max_all_reduce_(stats, group)
+            amax_all_reduce_(stats, group)
         payload = _local_payload(tasks, frags, starts, lengths, stats, model_weights)
         payloads = _all_gather(payload, tasks, layouts, world, group)
         _assemble(tasks, payloads, layouts, model_weights, stats)

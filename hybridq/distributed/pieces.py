@@ -22,7 +22,7 @@ import torch
 
 from ..errors import FormatShapeError
 from ..formats.base import Quantizer, as_2d
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from ..tensor import QuantizedTensor
 
 __all__ = ["PieceQuantizer", "chunk_bounds", "check_column_cuts", "reject_stateful"]
@@ -135,5 +135,5 @@ class PieceQuantizer:
         if stats is None:
             return q.quantize_parts(x2d, rowwise, columnwise)
         stats = stats.contiguous()
-        max_all_reduce_(stats, self.group)
+        amax_all_reduce_(stats, self.group)
         return q.quantize_parts(x2d, rowwise, columnwise, global_stats=stats)

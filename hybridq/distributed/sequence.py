@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..errors import FormatShapeError
 from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from ..tensor import QuantizedTensor
 from .collectives import all_gather_single, reduce_scatter_single
 from .payload import assemble_parts, build_payload, quantize_shard
@@ -134,7 +134,7 @@ class SequenceGather:
         shard = shards[self.rank]
         stats = q.shard_stats(x2d, shard)
         if stats is not None:
-            max_all_reduce_(stats, self.group)
+            amax_all_reduce_(stats, self.group)
         send, derive = sent_directions(q, k, x2d.dtype, columnwise)
         parts = quantize_shard(q, x2d, shard, send, stats)
         payload, meta = build_payload(q, parts, shard, shards, (shard.rows, k), x2d.device)

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats.identity import IdentityPart
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GatheredWeight
 from .payload import DIRECTIONS, HIGH_PRECISION, PayloadMeta, rows_of
@@ -184,7 +184,7 @@ class WeightState:
             return local
         local = q.shard_stats(x2d, shard)
         if local is not None and group is not None:
-            max_all_reduce_(local, group)
+            amax_all_reduce_(local, group)
             self.counters["stats_allreduce"] += 1
         if self.tp_group is not None:  # per-tensor statistics span the TP pieces too
             g = self._tp_global(q, x2d, group)
@@ -198,8 +198,8 @@ class WeightState:
         g = q.global_stats(x2d, True, True)
         if g is not None:
             if group is not None:
-                max_all_reduce_(g, group)
-            max_all_reduce_(g, self.tp_group)
+                amax_all_reduce_(g, group)
+            amax_all_reduce_(g, self.tp_group)
             self.counters["stats_allreduce"] += 1
         return g
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import dispatch
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
-from ._reduce import max_all_reduce_
+from ._reduce import amax_all_reduce_
 from ..enums import Scaling
 from ..tensor import backward_epoch
 from .base import QuantizedPart, Quantizer, transposed_copy
@@ -250,7 +250,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         if self.scaling != Scaling.DELAYED:
             return
         if self.amax_reduction_group is not None and dist.is_initialized():
-            max_all_reduce_(self.amax_history[:1], self.amax_reduction_group)
+            amax_all_reduce_(self.amax_history[:1], self.amax_reduction_group)
         h = self.amax_history
         amax = h.max().reshape(1) if self.amax_compute_algo == "max" else h[:1].clone()
         self.amax_history = torch.roll(h, -1)

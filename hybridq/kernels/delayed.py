@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import dispatch
 from ..formats import Float8Quantizer
 from ..formats._numerics import FP8_MAX
-from ..formats._reduce import max_all_reduce_
+from ..formats._reduce import amax_all_reduce_
 from . import _ext
 
 MAX_HISTORY = 4096  # csrc/hybridq.h kDelayedMaxLen
@@ -97,7 +97,7 @@ def update_delayed_scaling(quantizers: Iterable) -> None:
             groups.setdefault(id(q.amax_reduction_group), (q.amax_reduction_group, []))[1].append(q)
     for group, qs in groups.values():
         buf = torch.cat([q.amax_history[:1] for q in qs])
-        max_all_reduce_(buf, group)
+        amax_all_reduce_(buf, group)
         for i, q in enumerate(qs):
             q.amax_history[:1].copy_(buf[i:i + 1])
 

@@ -40,11 +40,12 @@ def _check(report: list[dict], key: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("what", ["float/torch.float32", "float/torch.float64", "float/torch.bfloat16",
-                                  "float/torch.float16", "view/payload", "int64"])
-def test_max_all_reduce_keeps_nan_and_is_the_one_device_max(two_ranks, what):
-    """max_all_reduce_: NaN (either sign) on any rank gives NaN (payload kept); +-inf, -0.0 < +0.0, subnormals and
-    negative values as amax over the ranks' values; in place on a view; dtype kept; integers as they are."""
+@pytest.mark.parametrize("what", [f"float/torch.{d}/{l}" for d in ("float32", "float64", "bfloat16", "float16")
+                                  for l in ("contiguous", "strided")] + ["view/payload", "int64"])
+def test_amax_all_reduce_is_the_one_device_amax_and_keeps_nan(two_ranks, what):
+    """amax_all_reduce_ (hybridq/formats/_reduce.py), the one reduction of statistics: torch.amax of the ranks'
+    magnitudes on one device, so NaN (either sign, payload kept) on any rank gives NaN, +-inf gives +inf, -0.0 is
+    0; in place on a view and a strided tensor, dtype kept; integers refused."""
     _check(two_ranks, f"helper/{what}")
 
 
