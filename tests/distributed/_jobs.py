@@ -673,7 +673,7 @@ def job_layout_errors(rank, world_size, device, cases):
 # ---- FSDP2's "returned a view tensor" warning --------------------------------------------------------------
 
 def readme_model(width: int = 64, hidden: int = 256, blocks: int = 2) -> nn.Sequential:
-    """The README "FSDP2" snippet's model: blocks of Linear -> GELU -> Linear (no bias), each block its own FSDP2
+    """The model of docs/fsdp2.md's example: blocks of Linear -> GELU -> Linear (no bias), each block its own FSDP2
     unit, so each unit returns a Linear's output."""
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden, bias=False), nn.GELU(),
                                          nn.Linear(hidden, width, bias=False)) for _ in range(blocks)])

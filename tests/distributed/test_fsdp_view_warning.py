@@ -1,6 +1,6 @@
 """An FSDP2 unit whose output is a hybridq Linear's output on a [batch, seq, features] input returns a tensor
 FSDP2 can hook like the plain model's (not a view: FSDP2 warns that an in-place op on a view drops its
-pre-backward hook). The model is the README "FSDP2" snippet's."""
+pre-backward hook). The model is that of docs/fsdp2.md's example."""
 
 from __future__ import annotations
 
