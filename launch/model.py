@@ -98,25 +98,23 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # down
 
-    def forward(self, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
-        """x [tokens, d_model] sorted by expert, m_splits the token count of each expert (an integer tensor on x's
-        device: the grouped paths that take device counts then run without a host sync)."""
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        """x [tokens, d_model] sorted by expert, m_splits the token count of each expert."""
         h = F.silu(hybridq.grouped_mm(self, "w1", x, m_splits)) * hybridq.grouped_mm(self, "w3", x, m_splits)
         return hybridq.grouped_mm(self, "w2", h, m_splits)
 
 
-def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Token-choice top-k dispatch. probs [T, E] (router softmax). Returns (order, token, weight, m_splits):
     `order` sorts the T*k (token, choice) slots by expert (stable: token order within an expert), `token[i]` is the
     token of sorted slot i, `weight[i]` its combine weight (its top-k probabilities renormalised to sum to 1), and
-    `m_splits[e]` the slots of expert e (a tensor on the router's device, not read to the host: `.tolist()` here
-    was a host sync per MoE layer)."""
+    `m_splits[e]` the slots of expert e."""
     top_p, top_e = probs.topk(top_k, dim=-1)  # [T, k]
     if top_k > 1:
         top_p = top_p / top_p.sum(-1, keepdim=True)
     flat_e = top_e.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
-    m_splits = torch.bincount(flat_e, minlength=probs.shape[-1])
+    m_splits = torch.bincount(flat_e, minlength=probs.shape[-1]).tolist()
     return order, order // top_k, top_p.reshape(-1)[order], m_splits
 
 
@@ -145,7 +143,7 @@ class MoE(nn.Module):
         y = self.experts(flat[token], m_splits)
         out = combine(y, order, weight, flat.shape[0], self.top_k)
         # Switch Transformer: E * sum_e (fraction of slots routed to e) * (mean router probability of e)
-        frac = m_splits.to(torch.float32) / max(1, order.numel())
+        frac = torch.tensor(m_splits, dtype=torch.float32, device=probs.device) / max(1, order.numel())
         self.aux_loss = self.num_experts * (frac * probs.mean(0)).sum()
         return out.view(shape).to(x.dtype)
 

@@ -37,7 +37,7 @@ def test_route_sorts_slots_by_expert_and_counts_them(e, k):
     top_p, top_e = probs.topk(k, -1)
     expert_of_slot = top_e.reshape(-1)[order]
     assert sum(m_splits) == 37 * k and len(m_splits) == e
-    assert torch.equal(expert_of_slot, torch.repeat_interleave(torch.arange(e), m_splits)), \
+    assert torch.equal(expert_of_slot, torch.repeat_interleave(torch.arange(e), torch.tensor(m_splits))), \
         "slots are not grouped by expert in m_splits order"
     for ex in range(e):  # stable: token order within an expert
         toks = token[expert_of_slot == ex]
