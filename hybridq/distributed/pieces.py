@@ -120,11 +120,7 @@ class PieceQuantizer:
         """Columns of the whole `[M, K]` whose boundaries keep blocks whole: plain quantization with the whole
         tensor's per-tensor statistics."""
         m, k_local = x2d.shape
-        g = q.split_granularity(rowwise, columnwise)[1]
-        if k_local % g and self.rank != self.world_size - 1:
-            raise FormatShapeError(f"{q.describe()} cannot quantize {name} split along K across tensor-parallel "
-                                   f"ranks: rank {self.rank} holds {k_local} columns, not a multiple of its "
-                                   f"{g}-column blocks")
+        check_column_cuts(q, self.total, self.world_size, rowwise, columnwise, name)  # (alike on every rank)
         q.validate((m, k_local), name, rowwise=rowwise, columnwise=columnwise)
         return self._with_global_stats(q, x2d, rowwise, columnwise)
 
