@@ -72,43 +72,59 @@ def bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size: int = 2, prese
 
 def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_size: int = 2, *,
                           columnwise: bool = True, dtype=torch.bfloat16) -> dict:
-    """Bytes each rank sends in the sequence-parallel all-gather of one column-parallel layer's input of (whole)
-    `shape`, sharded along `seq_dim` over `world_size` ranks, against a bf16 sequence-parallel all-gather of the
-    same input. `columnwise`: the training default (wgrad reads the gathered columnwise form); False for a
-    backward override or save_original_input, whose backward gathers the input again in high precision (not
-    counted here). Computed on the meta device: no data, no communication."""
+    """Bytes each rank sends in the sequence-parallel all-gathers of one column-parallel layer's input of (whole)
+    `shape`, sharded along `seq_dim` over `world_size` ranks, per training step, against bf16 sequence
+    parallelism (one bf16 all-gather in forward; the gathered input kept for wgrad). `columnwise`: the training
+    default (wgrad reads the gathered columnwise form); False for a backward override or save_original_input, whose
+    backward gathers the input again in high precision. Computed on the meta device: no data, no communication.
+
+    Returns: "forward" (the all-gather's payload: quantized rows, or the rows in `dtype` when that is fewer bytes;
+    see `sequence.gather_plan`), "sends", "backward", "total", "bf16", "ratio" (total / bf16), "quantized" (the
+    forward bytes again, its older name), "quantized_payload" (the quantized rows' payload, sent or not),
+    "saved_bytes" (what the layer keeps of the whole input for backward, per
+    rank), "bf16_saved_bytes" (bf16 SP's: the gathered input) and "saved_vs_bf16" (the activation bytes saved)."""
     from ..formats.base import as_2d
-    from .payload import build_payload, quantize_shard
-    from .sequence import SequenceGather, sent_directions
+    from .sequence import SequenceGather, gather_plan
 
     shape = tuple(shape)
     g = SequenceGather(None, shape, seq_dim % len(shape), None, world_size, 0)
-    local = torch.empty(g.local_shape, dtype=dtype, device="meta")
-    x2d = as_2d(local)
-    shards = g.shards(x2d.shape[0])
-    send, _ = sent_directions(quantizer, x2d.shape[1], dtype, columnwise)
-    stats = quantizer.shard_stats(x2d, shards[0])
-    parts = quantize_shard(quantizer, x2d, shards[0], send, stats)
-    _, meta = build_payload(quantizer, parts, shards[0], shards, (shards[0].rows, x2d.shape[1]), x2d.device)
+    x2d = as_2d(torch.empty(g.local_shape, dtype=dtype, device="meta"))
+    local, k = x2d.shape
+    plan = gather_plan(quantizer, g, local, k, dtype, columnwise)
     bf16 = x2d.numel() * 2
-    return {"quantized": meta.nbytes, "sends": "+".join(send), "bf16": bf16, "ratio": meta.nbytes / bf16}
+    backward = 0 if columnwise else x2d.numel() * dtype.itemsize  # (the override's high-precision re-gather)
+    m = math.prod(shape[:-1])
+    whole = torch.empty(m, k, dtype=dtype, device="meta")
+    if columnwise:
+        _, col = quantizer.quantize_parts(whole, False, True)
+        saved = col.nbytes()
+    else:  # the rank's own rows in high precision (re-gathered in backward)
+        saved = x2d.numel() * dtype.itemsize
+    sends = "high_precision" if plan.kind == "high_precision" else "+".join(plan.send)
+    return {"forward": plan.nbytes, "sends": sends, "backward": backward, "total": plan.nbytes + backward,
+            "bf16": bf16, "ratio": (plan.nbytes + backward) / bf16, "quantized": plan.nbytes,
+            "quantized_payload": plan.quantized_nbytes,
+            "saved_bytes": saved, "bf16_saved_bytes": m * k * 2, "saved_vs_bf16": m * k * 2 - saved}
 
 
 def sequence_bytes_table(shape=(1, 4096, 4096), world_size: int = 2, presets=None) -> str:
-    """Markdown table of the sequence-parallel all-gather bytes per rank of one column-parallel layer's input
-    (forward; every layer reading the same input shares it) for each preset's input format vs bf16."""
+    """Markdown table, per preset, of one column-parallel layer's sequence-parallel input (bf16, every layer
+    reading the same input sharing it): the bytes each rank sends in forward and in backward per training step
+    against bf16 sequence parallelism, and the activation bytes kept for backward against bf16 SP's."""
     from ..recipe import preset_names, recipe
 
     presets = presets or preset_names()
-    rows = [f"| preset | input format | bytes per rank ({'x'.join(map(str, shape))}, tp={world_size}) | sends | "
-            f"vs bf16 |", "|---|---|---|---|---|"]
+    head = f"{'x'.join(map(str, shape))}, tp={world_size}"
+    rows = [f"| preset | input format | sends in forward | forward bytes per rank ({head}) | backward bytes | vs bf16 | "
+            f"kept for backward per rank | activation bytes saved vs bf16 SP |", "|---|---|---|---|---|---|---|---|"]
     for name in presets:
         q = recipe(name).quantizer(Role("linear", "input"))
         if q.is_stateful:
-            rows.append(f"| {name} | {q.describe()} | rejected (delayed scaling) | - | - |")
+            rows.append(f"| {name} | {q.describe()} | rejected (delayed scaling) | - | - | - | - | - |")
             continue
         r = sequence_gather_bytes(q, shape, 1, world_size, columnwise=recipe(name).backward_override is None)
-        rows.append(f"| {name} | {q.describe()} | {r['quantized']:,} | {r['sends']} | {r['ratio']:.3f} |")
+        rows.append(f"| {name} | {q.describe()} | {r['sends']} | {r['forward']:,} | {r['backward']:,} | "
+                    f"{r['ratio']:.3f} | {r['saved_bytes']:,} | {r['saved_vs_bf16']:,} |")
     bf = sequence_gather_bytes(recipe("fp8_tensorwise").quantizer(Role("linear", "input")), shape, 1, world_size)
-    rows.append(f"| (bf16 SP) | bfloat16 | {bf['bf16']:,} | - | 1.000 |")
+    rows.append(f"| (bf16 SP) | bfloat16 | bfloat16 | {bf['bf16']:,} | 0 | 1.000 | {bf['bf16_saved_bytes']:,} | 0 |")
     return "\n".join(rows)

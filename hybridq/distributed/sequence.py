@@ -7,6 +7,11 @@ is, blocks that straddle two ranks' tokens included (`shard_stats`, `payload`). 
 B > 1) a rank's tokens are B separate runs of rows; each run must be a multiple of the format's row blocks
 (`split_granularity`), the rank's rows are quantized as one stacked shard and the gathered block rows are put
 back in the whole input's order. Gradients of the input go back as a reduce-scatter in high precision.
+
+When the rows in the input's dtype are fewer bytes than their quantized payload (bf16 inputs of formats that
+send both directions in 8 bits, or an identity columnwise form: `gather_plan`), the rows are all-gathered as they
+are and every rank quantizes the whole input: the same bits, since the sharded quantization reduces every
+statistic that crosses a rank boundary. So no preset's gather sends more than bf16 sequence parallelism.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from .collectives import all_gather_single, reduce_scatter_single
 from .payload import assemble_parts, build_payload, quantize_shard
 from .pieces import reject_stateful
 
-__all__ = ["SequenceGather", "sent_directions"]
+__all__ = ["GatherPlan", "SequenceGather", "gather_plan", "sent_directions"]
 
 _DERIVABLE: dict = {}
+_PLANS: dict = {}
 
 
 def sent_directions(q: Quantizer, k: int, dtype: torch.dtype, columnwise: bool) -> tuple[tuple[str, ...], bool]:
@@ -46,6 +52,44 @@ def sent_directions(q: Quantizer, k: int, dtype: torch.dtype, columnwise: bool) 
             _DERIVABLE[key] = False
     derive = _DERIVABLE[key]
     return ((ROWWISE,) if derive else (ROWWISE, COLUMNWISE)), derive
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherPlan:
+    """What a sequence-parallel all-gather sends. "quantized": each rank's quantized rows (`send`, the columnwise
+    form derived after the gather when `derive`); "high_precision": each rank's rows in the input's dtype, every
+    rank quantizing the whole gathered input (bitwise the same parts: the sharded quantization reduces every
+    cross-rank statistic, so it equals the whole input's). `nbytes`: the payload of one rank."""
+
+    kind: str
+    send: tuple[str, ...]
+    derive: bool
+    nbytes: int
+    quantized_nbytes: int
+
+
+def gather_plan(q: Quantizer, gather: "SequenceGather", local_rows: int, k: int, dtype: torch.dtype,
+                columnwise: bool) -> GatherPlan:
+    """The cheaper of the two ways to gather the whole input's quantization (the same on every rank: computed on
+    the meta device from rank 0's shard, whose payload layout every rank shares). The high-precision gather is
+    taken when its payload is strictly smaller (e.g. bf16 inputs of 8-bit block formats sending both directions,
+    or an identity columnwise form) and the quantizer is deterministic (a whole-input quantization on every rank
+    then gives the bits the ranks' shards would)."""
+    key = (repr(q), gather.full_shape, gather.seq_dim, gather.world_size, local_rows, k, dtype, columnwise)
+    plan = _PLANS.get(key)
+    if plan is None:
+        send, derive = sent_directions(q, k, dtype, columnwise)
+        x = torch.empty(local_rows, k, dtype=dtype, device="meta")
+        shards = gather.shards(local_rows)
+        parts = quantize_shard(q, x, shards[0], send, q.shard_stats(x, shards[0]))
+        _, meta = build_payload(q, parts, shards[0], shards, (shards[0].rows, k), x.device, pack=False)
+        high = local_rows * k * dtype.itemsize
+        if q.is_deterministic and high < meta.nbytes:
+            plan = GatherPlan("high_precision", (), False, high, meta.nbytes)
+        else:
+            plan = GatherPlan("quantized", send, derive, meta.nbytes, meta.nbytes)
+        _PLANS[key] = plan
+    return plan
 
 
 @dataclasses.dataclass(eq=False)
@@ -130,22 +174,25 @@ class SequenceGather:
         self.check(q, columnwise, name)
         self.check_equal_pieces(x2d, name)
         ws, k = self.world_size, x2d.shape[1]
+        m = math.prod(self.full_shape[:-1])  # the `[M, K]` view, as a Linear quantizes its input
+        plan = gather_plan(q, self, x2d.shape[0], k, x2d.dtype, columnwise)
+        if plan.kind == "high_precision":  # fewer bytes: gather the rows as they are, quantize the whole input
+            row, col = q.quantize_parts(self.full(x2d), True, columnwise)
+            return QuantizedTensor(row, col, shape=(m, k), dtype=x2d.dtype)
         shards = self.shards(x2d.shape[0])
         shard = shards[self.rank]
         stats = q.shard_stats(x2d, shard)
         if stats is not None:
             amax_all_reduce_(stats, self.group)
-        send, derive = sent_directions(q, k, x2d.dtype, columnwise)
-        parts = quantize_shard(q, x2d, shard, send, stats)
+        parts = quantize_shard(q, x2d, shard, plan.send, stats)
         payload, meta = build_payload(q, parts, shard, shards, (shard.rows, k), x2d.device)
         gathered = payload.new_empty(ws * payload.numel())
         all_gather_single(gathered, payload, group=self.group)
         full = assemble_parts(meta, gathered.view(ws, -1))
         if self.leading > 1:
             full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
-        if derive:  # an exact transform of the gathered rowwise form (per-tensor FP8: its transpose)
+        if plan.derive:  # an exact transform of the gathered rowwise form (per-tensor FP8: its transpose)
             full[COLUMNWISE] = q.derive_part(full[ROWWISE], COLUMNWISE, x2d.dtype)
-        m = math.prod(self.full_shape[:-1])  # the `[M, K]` view, as a Linear quantizes its input
         return QuantizedTensor(full[ROWWISE], full.get(COLUMNWISE), shape=(m, k), dtype=x2d.dtype)
 
     def shards(self, local: int) -> list[RowShard]:
@@ -174,7 +221,7 @@ class SequenceGather:
     # -- backward ------------------------------------------------------------------------------------------
     def full(self, x2d: torch.Tensor) -> torch.Tensor:
         """The whole input's `[M, K]` in high precision from this rank's rows (backward_override="high_precision"
-        and save_original_input read it)."""
+        and save_original_input read it; the forward's high-precision plan quantizes it)."""
         local = x2d.reshape(self.local_shape).movedim(self.seq_dim, 0).contiguous()
         out = local.new_empty((self.world_size * local.shape[0],) + tuple(local.shape[1:]))
         all_gather_single(out, local, group=self.group)
