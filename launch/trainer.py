@@ -145,6 +145,10 @@ def init_distributed(args, world: int) -> Env:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), **kw)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    if args.tp > 1:
+        # clip_grad_norm_ over parameters sharded on both dimensions reduces the norm over ("dp", "tp"): DTensor
+        # warns (_NormPartial) for every step unless that pair exists as one flattened dimension of the mesh
+        mesh[("dp", "tp")]._flatten("dp_tp")
     return Env(dist.get_rank(), world, device, backend, mesh)
 
 

@@ -736,6 +736,8 @@ def test_the_readme_tensor_parallel_command_trains_the_default_model(tmp_path):
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "FSDP2 dp=1 tp=2" in p.stdout and "hidden 512" in p.stdout, p.stdout[-3000:]
+    warned = [line for line in (p.stdout + p.stderr).splitlines() if "Warning" in line or "_NormPartial" in line]
+    assert not warned, f"the TP run printed warnings (hybridq's calls or DTensor's norm reduction):\n" + "\n".join(warned)
     losses = metrics_of(tmp_path / "m.jsonl")["runs"][RECIPE]["losses"]
     assert len(losses) == 2 and all(map(lambda v: 0 < v < 10, losses)), losses
 
