@@ -72,7 +72,8 @@ def _report_lines(tr, config) -> list[str]:
 
 
 def _report_path(config) -> pathlib.Path:
-    if config.cache is not None:  # .pytest_cache/d/hybridq (pytest's cache folder ignores itself in git)
+    # .pytest_cache/d/hybridq (pytest's cache folder ignores itself in git); no cache under -p no:cacheprovider
+    if getattr(config, "cache", None) is not None:
         return config.cache.mkdir("hybridq") / "test-report.txt"
     return pathlib.Path(tempfile.gettempdir()) / "hybridq-test-report.txt"
 

@@ -109,7 +109,8 @@ def test_recompute_keeps_only_each_blocks_input(smoke):
 
 
 def test_on_the_cpu_offload_moves_nothing(smoke):
-    """hybridq.CPUOffload keeps tensors that are already in CPU memory (README: a no-op move on the CPU)."""
+    """hybridq.CPUOffload keeps tensors that are already in CPU memory (docs/offload-recompute-checkpoints.md: a
+    no-op move on the CPU)."""
     _, rows = smoke
     assert all(r["offloaded_bytes_per_layer"] == 0 for r in rows if r["mode"] == "offload"), rows
 

@@ -364,3 +364,14 @@ def test_linear_takes_a_preset_name_as_its_recipe_and_refuses_other_types():
     with pytest.raises(TypeError, match=r"recipe must be a hybridq recipe .* got int"):
         layer.recipe = 3
     assert layer.recipe == hq.recipe("fp8_block"), "a refused recipe changed the layer"
+
+
+def test_grouped_linear_and_convert_experts_take_a_preset_name():
+    layer = hq.GroupedLinear(2, D, D, recipe="mxfp8")
+    assert layer.recipe == hq.recipe("mxfp8")
+    layer.recipe = "fp8_block"
+    assert layer.recipe == hq.recipe("fp8_block")
+    with pytest.raises(TypeError, match=r"convert_experts: recipe must be a hybridq recipe .* got int"):
+        hq.convert_experts(nn.Sequential(), 3)
+    with pytest.raises(hq.RecipeError, match=r"convert_experts: recipe='mxfp9' is not a preset"):
+        hq.convert_experts(nn.Sequential(), "mxfp9")

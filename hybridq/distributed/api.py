@@ -51,7 +51,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
     and Shard(1) placements; see `distributed/grouped.py`), so that FSDP2 all-gathers the weight in the
     recipe's weight format: rowwise in forward, only what dgrad reads in backward, a direction that is an exact
     transform of the other derived after the gather. The gathered weight is bitwise the quantization of the
-    full weight (global amaxes and split blocks are reduced across shards; see README "FSDP2"). Call
+    full weight (global amaxes and split blocks are reduced across shards; see docs/fsdp2.md). Call
     `hybridq.precompute_scales(model)` after each `optimizer.step()` to fuse those reductions into one
     all-reduce (optional). Delayed-scaling weight quantizers are rejected (use current scaling). A weight shared
     with another module (tied embeddings) stays a plain parameter (gathered in high precision).

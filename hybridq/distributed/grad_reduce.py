@@ -41,7 +41,7 @@ returns, while `apply_hybrid_fsdp` runs before `fully_shard`. `apply_hybrid_fsdp
 on the model and registers a forward pre-hook on it; the first forward after `fully_shard` installs one comm
 per param group of every FSDP module under the model (FSDP2's own root pre-forward runs first, and gradients
 are only reduced in backward, after that forward), then removes the hook. The user calls nothing more than
-the README shows, the choice survives any number of `fully_shard` calls in any order (nested blocks, then the
+docs/fsdp2.md shows, the choice survives any number of `fully_shard` calls in any order (nested blocks, then the
 root), and a forward before `fully_shard` (nothing to install) leaves the hook armed. An FSDP module whose
 reduce-scatter is already custom (the user's comm, symmetric memory, process-group allocation) is refused
 with its name rather than overridden; an FSDP unit *enclosing* the model keeps FSDP2's fp32 reduce.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer
-from ..recipe import CustomRecipe, Role, check_override_compatible
+from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_recipe
 from ..tensor import QuantizedTensor
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import jagged_fp8_kernels, native_row_multiple
@@ -129,7 +129,7 @@ class GroupedLinear(nn.Module):
     jagged_path: bool | None = None
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,
-                 dtype=None, *, recipe: CustomRecipe, name: str = "", save_original_input: bool = False):
+                 dtype=None, *, recipe: CustomRecipe | str, name: str = "", save_original_input: bool = False):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"GroupedLinear {name!r}: num_experts must be >= 1, got {num_experts}")
@@ -186,7 +186,8 @@ class GroupedLinear(nn.Module):
         return self._recipe
 
     @recipe.setter
-    def recipe(self, recipe: CustomRecipe) -> None:
+    def recipe(self, recipe: CustomRecipe | str) -> None:
+        recipe = resolve_recipe(recipe, self.name)
         self.install_recipe(recipe, self.quantizers_for(recipe))
 
     def install_recipe(self, recipe: CustomRecipe, quantizers: list[dict[str, Quantizer]]) -> None:
@@ -199,9 +200,7 @@ class GroupedLinear(nn.Module):
     def quantizers_for(self, recipe: CustomRecipe) -> list[dict[str, Quantizer]]:
         """Every expert's quantizers from `recipe`, after the checks that need no data (as Linear.quantizers_for:
         recipe configuration, then the shape rules on in/out features). Changes nothing."""
-        if not isinstance(recipe, CustomRecipe):
-            raise TypeError(f"{self.name}: recipe must be a hybridq recipe (hybridq.recipe(name) or "
-                            f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+        recipe = resolve_recipe(recipe, self.name)
         override = recipe.backward_override
         out = []
         for e in range(self.num_experts):
@@ -393,7 +392,7 @@ def expert_weight_names(module: nn.Module) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def convert_experts(model: nn.Module, recipe: CustomRecipe, *, save_original_input: bool = False
+def convert_experts(model: nn.Module, recipe: CustomRecipe | str, *, save_original_input: bool = False
                     ) -> dict[str, dict[str, str]]:
     """Make every expert module of `model` compute its grouped GEMMs with `recipe`, without changing the model's
     structure, parameters or state_dict keys.
@@ -405,9 +404,7 @@ def convert_experts(model: nn.Module, recipe: CustomRecipe, *, save_original_inp
     `Role("grouped_linear", t, "{module fqn}.{weight name}.experts.{e}")`. Every weight is checked before any
     module changes (RecipeError / FormatShapeError / ValueError, nothing changed); converting again replaces the
     recipe. Returns `{fqn.weight_name: formats}`."""
-    if not isinstance(recipe, CustomRecipe):
-        raise TypeError(f"convert_experts: recipe must be a hybridq recipe (hybridq.recipe(name) or "
-                        f"hybridq.CustomRecipe), got {type(recipe).__name__}")
+    recipe = resolve_recipe(recipe, "convert_experts")
     planned = [(mod, plan_expert_module(fqn, mod, recipe, save_original_input=save_original_input))
                for fqn, mod in model.named_modules() if expert_weight_names(mod) is not None]
     report = {}

@@ -205,7 +205,8 @@ class Linear(nn.Linear):
     # -- torch.compile (nn/compiled_linear.py) ---------------------------------------------------------------
     @property
     def save_original_input(self) -> bool:
-        """Save the high-precision input for wgrad instead of its quantized columnwise form (see README)."""
+        """Save the high-precision input for wgrad instead of its quantized columnwise form (see
+        docs/formats-and-recipes.md)."""
         return self._save_original_input
 
     @save_original_input.setter
