@@ -84,7 +84,9 @@ def layout_problems(model: Transformer, recipe: str, args) -> list[str]:
     def run(what: str, check) -> None:
         try:
             check()
-        except ValueError as e:  # FormatShapeError, delayed scaling
+        except hybridq.RecipeError as e:  # the recipe itself (delayed scaling): no size would help
+            found.setdefault("recipe", f"--tp {tp}, recipe {recipe}: choose another recipe: {e}")
+        except ValueError as e:  # FormatShapeError: a size to change
             found.setdefault(what, f"--tp {tp}, recipe {recipe}: change {what}: {e}")
 
     plans = [("", top_plan())] + [(f"layers.{i}.", block_plan()) for i in range(len(model.layers))]

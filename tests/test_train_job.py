@@ -153,6 +153,18 @@ def test_a_size_that_does_not_split_is_refused_in_the_pre_flight_naming_the_flag
         "rank's first column must be a multiple of 32; K=352 splits at 176 (choose K a multiple of 64)"]
 
 
+def test_delayed_scaling_under_tensor_parallelism_is_refused_as_a_recipe_not_a_size():
+    """No size makes delayed scaling tensor-parallel: one line naming the recipe, no advice to change a size."""
+    import trainer
+    with pytest.raises(config.ConfigError) as e:
+        trainer.preflight(default_args("--recipe", "fp8_delayed", "--tp", "2", "--weight-gather", "high_precision"),
+                          world=2)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "invalid layout:" and len(lines) == 2, lines
+    assert lines[1].startswith("  --tp 2, recipe fp8_delayed: choose another recipe: "), lines[1]
+    assert "delayed scaling" in lines[1], lines[1]
+
+
 def test_every_recipe_of_the_invocation_and_sequence_parallelism_are_checked():
     """--compare's recipe too; FP8-block's 1x128 input blocks span 128 tokens, so each rank's sequence piece must be
     a multiple of 128 (sequence parallelism); one line per flag, the first layer that breaks it."""

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from ..errors import FormatShapeError
+from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer, as_2d
 from ..formats._reduce import amax_all_reduce_
 from ..tensor import QuantizedTensor
@@ -49,8 +49,8 @@ def check_column_cuts(q: Quantizer, k: int, world_size: int, rowwise: bool, colu
 
 
 def reject_stateful(q: Quantizer, name: str) -> None:
-    if q.is_stateful:
-        raise ValueError(
+    if q.is_stateful:  # (a rule of the recipe, whatever the shapes: RecipeError, a ValueError)
+        raise RecipeError(
             f"{q.describe()}: {name} uses delayed scaling; under tensor parallelism every rank quantizes its piece "
             f"with the whole tensor's statistics, which a scale carried over from earlier steps does not give. "
             f"Use current scaling (e.g. the 'fp8_tensorwise' preset)")

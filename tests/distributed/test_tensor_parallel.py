@@ -102,7 +102,7 @@ def test_a_k_split_inside_a_block_is_refused_at_parallelize_time(errors):
 
 def test_delayed_scaling_is_refused_under_tensor_parallelism(errors):
     msg = errors["delayed"]
-    assert msg.startswith("ValueError") and "delayed scaling" in msg, msg
+    assert msg.startswith("RecipeError") and "delayed scaling" in msg, msg  # (a ValueError: a rule of the recipe)
 
 
 def test_sequence_runs_that_split_a_block_are_refused_naming_the_rule(errors):
