@@ -142,6 +142,10 @@ def init_distributed(args, world: int) -> Env:
     else:
         device, backend = torch.device("cpu"), "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the rank to its GPU up front
+    if world == 1:
+        # a world of one needs no rendezvous: an in-process store, not a TCP port (a port found free by train.py can
+        # be taken by another job's connection before this one listens on it: EADDRINUSE)
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), **kw)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
