@@ -9,7 +9,7 @@ Environment:
     HYBRIDQ_NO_CUDA_EXT=1      skip the extension even where it could be built
     HYBRIDQ_CUDA_ARCHS="90a;100"   targets (default: 90a, plus 100 when nvcc knows sm_100)
     HYBRIDQ_TILE_VARIANTS=1    also compile the alternative tile-kernel configurations (bf16) that
-                               launch/bench_kernels.py --tile-cfgs compares (HYBRIDQ_TILE_CFG at run time)
+                               benchmarks/bench_kernels.py --tile-cfgs compares (HYBRIDQ_TILE_CFG at run time)
     MAX_JOBS=N                 parallel compile jobs (ninja)
 
 The extension links the shared libstdc++ that torch itself loaded. Some toolchains link libstdc++ statically

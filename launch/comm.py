@@ -4,7 +4,7 @@ FSDP2 calls `torch.distributed.all_gather_into_tensor` (torch 2.11) or `all_gath
 unshard of a parameter group, with the rank's packed shard as input; the counter wraps both for as long as it is
 entered. What a quantized recipe saves on the wire shows here (FP8 sends ~half of bf16's bytes); the statistics
 all-reduces of `hybridq.precompute_scales` are all-reduces and are not counted. The all-gather *time* is the
-NCCL kernels' GPU time: launch/profile_step.py under torchrun splits its collectives row by kind.
+NCCL kernels' GPU time: benchmarks/profile_step.py under torchrun splits its collectives row by kind.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
 def convert_torchao(model: nn.Module, args, out) -> None:
     """The torchao float8 baseline (before fully_shard): torchao.float8.convert_to_float8_training, tensorwise
     dynamic scaling, enable_fsdp_float8_all_gather=True, same head filter as the hybridq recipes; build()
-    adds precompute_float8_dynamic_scale_for_fsdp after each optimizer step (as launch/bench_fsdp.py does)."""
+    adds precompute_float8_dynamic_scale_for_fsdp after each optimizer step (as benchmarks/bench_fsdp.py does)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),

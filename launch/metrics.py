@@ -9,7 +9,7 @@ The metrics file has one JSON object per line, each with a "kind":
     {"kind": "summary", "recipe", ...}           one per finished run: every loss, the medians, val loss
     {"kind": "gap", ...}                         with --compare: recipe minus compare
 
-Lines are flushed as they are written, so a run that is killed leaves its steps readable. launch/e2e_report.py
+Lines are flushed as they are written, so a run that is killed leaves its steps readable. benchmarks/e2e_report.py
 and the plot read this file; nothing parses the console text.
 """
 

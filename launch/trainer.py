@@ -345,7 +345,7 @@ def start_state(recipe_name: str, ck: dict, model, optimizer, args, env: Env, ou
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantized: bool) -> torch.Tensor:
     """One optimizer step on the batch (x, y) already on the device: forward, cross-entropy, backward, gradient
     clipping, AdamW, and (quantized runs) the next all-gathers' scales. Returns the loss tensor without waiting
-    for it (launch/profile_step.py times and profiles exactly this)."""
+    for it (benchmarks/profile_step.py times and profiles exactly this)."""
     mark_cuda_graph_step(args)
     logits = model(x)
     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())

@@ -1,4 +1,4 @@
-"""launch/bench_grouped.py runs on the CPU with --smoke (its smoke test; the numbers come from a GPU machine): one
+"""benchmarks/bench_grouped.py runs on the CPU with --smoke (its smoke test; the numbers come from a GPU machine): one
 table row per config and candidate (bf16 torch._grouped_mm, every preset's GroupedLinear, the per-expert path of
 the presets the packed path takes, the nn.Linear loop), in order, ratios to bf16 torch._grouped_mm, and the JSON holds the same rows with the routing's token counts."""
 
@@ -16,7 +16,7 @@ HEADER = ["E x tokens x top-k x d_model x hidden", "candidate", "step ms", "TFLO
 
 def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
     out = tmp_path / "grouped.json"
-    r = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_grouped.py"), "--smoke", "--json", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_grouped.py"), "--smoke", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_grouped failed:\n{r.stdout}\n{r.stderr}"
     table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""launch/bench_host.py runs on the CPU (its smoke test; the numbers that matter come from a GPU machine): the table a
+"""benchmarks/bench_host.py runs on the CPU (its smoke test; the numbers that matter come from a GPU machine): the table a
 user reads has its header and one row per call of the CPU ladder, in order, and the JSON holds the same rows."""
 
 import json
@@ -28,7 +28,7 @@ CPU_ROWS = [  # every row a CPU run prints (the CUDA rows come after them on a G
 def test_bench_host_prints_the_table_of_every_call_on_cpu(tmp_path):
     out = tmp_path / "host.json"
     prof = tmp_path / "prof.txt"
-    r = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_host.py"), "--device", "cpu", "--dim", "32",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--device", "cpu", "--dim", "32",
                         "--n", "3", "--rounds", "2", "--json", str(out), "--profile", str(prof)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_host failed:\n{r.stdout}\n{r.stderr}"

@@ -1,4 +1,4 @@
-"""launch/bench_memory.py and its saved-bytes counter (launch/saved_bytes.py).
+"""benchmarks/bench_memory.py and its saved-bytes counter (benchmarks/saved_bytes.py).
 
 The counter: a block's saved bytes are those of the distinct storages autograd keeps for its backward,
 parameters excluded, a quantized tensor counted part by part. The benchmark runs on the CPU with --smoke (its
@@ -20,7 +20,7 @@ import torch.nn as nn
 import hybridq
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from saved_bytes import SavedBytes  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_a_quantized_tensor_saved_as_one_object_is_counted_part_by_part():
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_memory") / "memory.json"
-    r = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_memory.py"), "--smoke", "--device", "cpu",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--smoke", "--device", "cpu",
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_memory failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

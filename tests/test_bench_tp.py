@@ -1,4 +1,4 @@
-"""launch/bench_tp.py runs on the CPU with --smoke under torchrun (2 and 4 gloo processes; its numbers come from GPU
+"""benchmarks/bench_tp.py runs on the CPU with --smoke under torchrun (2 and 4 gloo processes; its numbers come from GPU
 machines): one row per mode (bf16 first, then every preset but delayed scaling), ratios to bf16, and each row's
 sequence-parallel gather bytes equal the accounting function's."""
 
@@ -22,7 +22,7 @@ def test_bench_tp_smoke_prints_every_mode_with_its_gather_bytes(tmp_path, tp):
     TP=4 failed at the fixed 2-rank sizes)."""
     out = tmp_path / "tp.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
-                        str(ROOT / "launch" / "bench_tp.py"), "--smoke", "--device", "cpu", "--json", str(out)],
+                        str(ROOT / "benchmarks" / "bench_tp.py"), "--smoke", "--device", "cpu", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_tp failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()

@@ -631,13 +631,13 @@ def test_linear_presets_exist():
 
 
 def test_bench_linear_switch_toggles_and_restores(monkeypatch):
-    """launch/bench_linear.py --triton-dequant-gemm: the wrapped step runs with the switch as asked, then restores
+    """benchmarks/bench_linear.py --triton-dequant-gemm: the wrapped step runs with the switch as asked, then restores
     it (so the interleaved variants of a preset do not leak into each other)."""
     import importlib
     import sys
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "launch"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench_linear = importlib.import_module("bench_linear")
     seen = []
     for on in (True, False):

@@ -1,4 +1,4 @@
-"""launch/e2e_report.py on CPU: reading train.py's metrics file and the budget rows in-process, the torchao_float8 error path of
+"""benchmarks/e2e_report.py on CPU: reading train.py's metrics file and the budget rows in-process, the torchao_float8 error path of
 launch/train.py, and one tiny end-to-end report (2 gloo processes, bf16 + fp8_tensorwise launched; fp8_delayed
 skipped as apply_hybrid_fsdp rejects it; torchao_float8 a "not installed" row where torchao does not import, a run
 where it does)."""
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "launch")]  # the reports, the job
 
 import config  # noqa: E402
 import e2e_report  # noqa: E402
@@ -85,7 +85,7 @@ def test_train_torchao_recipe_without_torchao_is_a_clear_error():
 @pytest.mark.distributed
 def test_tiny_report_on_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(ROOT / "launch" / "e2e_report.py"), "--device", "cpu", "--tiny", "--nproc", "2",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e_report.py"), "--device", "cpu", "--tiny", "--nproc", "2",
            "--recipes", "bf16,fp8_tensorwise,fp8_delayed,torchao_float8", "--out-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -238,7 +238,7 @@ def test_size_7b_is_llama_2_7b_shaped_with_a_longer_limit(tmp_path):
 @pytest.mark.distributed
 def test_tiny_scaling_report_on_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(ROOT / "launch" / "e2e_report.py"), "--device", "cpu", "--tiny", "--scaling", "1,2",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e_report.py"), "--device", "cpu", "--tiny", "--scaling", "1,2",
            "--recipes", "bf16", "--steps", "3", "--out-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

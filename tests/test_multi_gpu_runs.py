@@ -1,4 +1,4 @@
-"""launch/multi_gpu_runs.sh (issue 18's runs, for machines lent only at times) checked on the CPU, so that device
+"""benchmarks/multi_gpu_runs.sh (issue 18's runs, for machines lent only at times) checked on the CPU, so that device
 time is not spent on a typo: stage names, the refusal without GPUs, and the flags of every e2e_report.py /
 profile_step.py command it runs (parsed by the scripts' own parsers, e2e_report's train.py commands by train.py's)."""
 
@@ -14,8 +14,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "launch" / "multi_gpu_runs.sh"
-sys.path.insert(0, str(ROOT / "launch"))
+SCRIPT = ROOT / "benchmarks" / "multi_gpu_runs.sh"
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import e2e_report  # noqa: E402
 import profile_step  # noqa: E402
@@ -64,7 +64,7 @@ def test_every_e2e_report_command_parses_and_plans_train_commands_that_parse(tmp
 
 
 def test_every_profile_step_command_parses():
-    cmds = [c[c.index("launch/profile_step.py") + 1:] for c in _commands("$TORCHRUN") if "launch/profile_step.py" in c]
+    cmds = [c[c.index("benchmarks/profile_step.py") + 1:] for c in _commands("$TORCHRUN") if "benchmarks/profile_step.py" in c]
     assert len(cmds) == 1, cmds
     for args in cmds:
         a = profile_step.parse_args(args)

@@ -1,4 +1,4 @@
-"""launch/profile_step.py: the kernel-name categories (real names from H100 traces), the CPU attribution rule, the
+"""benchmarks/profile_step.py: the kernel-name categories (real names from H100 traces), the CPU attribution rule, the
 interval union, and the CPU smoke run in a subprocess (table structure and JSON keys; times are not checked)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import profile_step as ps  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "prof.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    cmd = [sys.executable, "launch/profile_step.py", "--smoke", "--device", "cpu", "--recipes", "bf16,fp8_tensorwise",
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--smoke", "--device", "cpu", "--recipes", "bf16,fp8_tensorwise",
            "--json", str(out), "--trace-dir", str(tmp_path / "traces")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -8,9 +8,9 @@ and precomputed scales) when torchao is importable. Per mode: median step time, 
 all-gather bytes sent per rank per step (every `all_gather_into_tensor`, statistics all-reduces excluded),
 peak allocated memory.
 
-    torchrun --nproc_per_node 2 launch/bench_fsdp.py                      # d=4096, 8 layers, seq 4096
-    torchrun --nproc_per_node 2 launch/bench_fsdp.py --modes bf16,fp8_tensorwise,torchao --json bench.json
-    torchrun --nproc_per_node 2 launch/bench_fsdp.py --device cpu --dim 256 --layers 2 --seq 128 --steps 2
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py                      # d=4096, 8 layers, seq 4096
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --modes bf16,fp8_tensorwise,torchao --json bench.json
+    torchrun --nproc_per_node 2 benchmarks/bench_fsdp.py --device cpu --dim 256 --layers 2 --seq 128 --steps 2
                                                                           # smoke test on CPU (gloo)
 Targets: fp8_tensorwise >= 1.3x bf16 tokens/s and ahead of torchao eager; every preset's
 all-gather bytes below bf16's.
@@ -24,6 +24,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -32,8 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import hybridq
-from comm import GatherCounter  # launch/: run as a script, its folder is on sys.path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
+
+import hybridq  # noqa: E402
+from comm import GatherCounter  # noqa: E402 (launch/comm.py: the job counts its gathers the same way)
 
 
 class RMSNorm(nn.Module):

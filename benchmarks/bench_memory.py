@@ -8,7 +8,7 @@ Modes:
 - recompute: each block under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (only the block's
   inputs are kept; the block runs again in backward).
 
-Per (preset, mode): saved bytes per block (measured with saved_tensors_hooks by launch/saved_bytes.py: the distinct
+Per (preset, mode): saved bytes per block (measured with saved_tensors_hooks by benchmarks/saved_bytes.py: the distinct
 storages a block saves for backward, quantized activations counted part by part, parameters excluded; a hybridq
 layer's quantized copy of its weight, held from forward to backward for dgrad, counts too: at small token counts
 it can outweigh the activation savings; under
@@ -17,11 +17,11 @@ memory of a step (torch.cuda.max_memory_allocated; the CPU has no allocator stat
 bf16 plain measured in the same run, and the median step time. The bf16 model is the same module with no
 conversion; parameters are bf16 in every mode.
 
-    python launch/bench_memory.py                              # 1B config on the GPU: d 2048, 20 layers, seq 4096
-    python launch/bench_memory.py --presets mxfp8,nvfp4 --modes plain,recompute --json memory.json
-    python launch/bench_memory.py --smoke --device cpu         # tiny sizes on the CPU (the test suite runs this)
+    python benchmarks/bench_memory.py                              # 1B config on the GPU: d 2048, 20 layers, seq 4096
+    python benchmarks/bench_memory.py --presets mxfp8,nvfp4 --modes plain,recompute --json memory.json
+    python benchmarks/bench_memory.py --smoke --device cpu         # tiny sizes on the CPU (the test suite runs this)
 
-The default size is the end-to-end report's ~1B model and per-GPU batch (launch/e2e_report.py: d_model 2048,
+The default size is the end-to-end report's ~1B model and per-GPU batch (benchmarks/e2e_report.py: d_model 2048,
 20 layers, 16 heads, SwiGLU hidden 5632, batch 4 x seq 4096); `--batch 2` halves the activations if a GPU is short.
 """
 
@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
 
 import hybridq  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402

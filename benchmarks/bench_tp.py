@@ -5,9 +5,9 @@ in interleaved rounds in one run. Per mode: median forward+backward step time, r
 all-gather bytes per rank per step (forward, from `hybridq.distributed.sequence_gather_bytes`), peak allocated
 memory (CUDA).
 
-    torchrun --nproc_per_node 2 launch/bench_tp.py                         # d 4096, seq 4096, batch 1, bf16
-    torchrun --nproc_per_node 4 launch/bench_tp.py --modes bf16,fp8_tensorwise,mxfp8 --json tp.json
-    torchrun --nproc_per_node 2 launch/bench_tp.py --smoke                 # tiny sizes on the CPU (gloo; any world)
+    torchrun --nproc_per_node 2 benchmarks/bench_tp.py                         # d 4096, seq 4096, batch 1, bf16
+    torchrun --nproc_per_node 4 benchmarks/bench_tp.py --modes bf16,fp8_tensorwise,mxfp8 --json tp.json
+    torchrun --nproc_per_node 2 benchmarks/bench_tp.py --smoke                 # tiny sizes on the CPU (gloo; any world)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
 
 import hybridq  # noqa: E402
 from model import Block, ModelConfig, rope_tables  # noqa: E402

@@ -3,15 +3,15 @@ GPUs, once per recipe -- bf16, every hybridq preset that runs under FSDP2, and t
 float8 all-gather) where torchao imports -- and one markdown table: tokens/s, peak GPU memory, loss after the
 steps done, loss gap vs bf16, and the exact command that reproduces each row.
 
-    python launch/e2e_report.py                      # 2 GPUs: ~1B-parameter model, seq 4096, fits ~9 minutes
-    python launch/e2e_report.py --dry-run            # print the commands only
-    python launch/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
-    python launch/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
-    python launch/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
-    python launch/e2e_report.py --parity --reuse-finished --recipes bf16,nvfp4  # add runs to an earlier report
-    python launch/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
-    python launch/e2e_report.py --scaling 1,2,4,8    # weak scaling: every recipe on 1, 2, 4 and 8 GPUs
-    python launch/e2e_report.py --size 7b            # a Llama-2-7B-shaped model (8 GPUs; sizes below)
+    python benchmarks/e2e_report.py                      # 2 GPUs: ~1B-parameter model, seq 4096, fits ~9 minutes
+    python benchmarks/e2e_report.py --dry-run            # print the commands only
+    python benchmarks/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
+    python benchmarks/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
+    python benchmarks/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
+    python benchmarks/e2e_report.py --parity --reuse-finished --recipes bf16,nvfp4  # add runs to an earlier report
+    python benchmarks/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
+    python benchmarks/e2e_report.py --scaling 1,2,4,8    # weak scaling: every recipe on 1, 2, 4 and 8 GPUs
+    python benchmarks/e2e_report.py --size 7b            # a Llama-2-7B-shaped model (8 GPUs; sizes below)
 
 Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
 (= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per

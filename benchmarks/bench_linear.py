@@ -7,9 +7,9 @@ y = linear(x); y.backward(dy) (three GEMMs: fprop, dgrad, wgrad, plus every quan
 Each candidate is timed in --rounds interleaved rounds (the FP8 GEMMs run at the power limit, so what ran just
 before changes the clock); the SM clock and board power while it ran come from nvidia-smi.
 
-    python launch/bench_linear.py
-    python launch/bench_linear.py --shapes 8192x8192x8192 --presets fp8_tensorwise --no-torchao --json out.json
-    python launch/bench_linear.py --presets mxfp8,nvfp4 --no-torchao --triton-dequant-gemm   # with and without it
+    python benchmarks/bench_linear.py
+    python benchmarks/bench_linear.py --shapes 8192x8192x8192 --presets fp8_tensorwise --no-torchao --json out.json
+    python benchmarks/bench_linear.py --presets mxfp8,nvfp4 --no-torchao --triton-dequant-gemm   # with and without it
 """
 
 from __future__ import annotations

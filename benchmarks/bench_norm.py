@@ -2,8 +2,8 @@
 read), for hybridq.nn.RMSNorm against the baselines measured in the same run: the launch model's eager RMSNorm
 (torchtitan's: fp32 PyTorch operations), torch.nn.RMSNorm, and the model's norm under torch.compile.
 
-    python launch/bench_norm.py                      # 1B-job shape: 16384 tokens x 2048, bf16 (CUDA)
-    python launch/bench_norm.py --tokens 8192 --dim 4096
+    python benchmarks/bench_norm.py                      # 1B-job shape: 16384 tokens x 2048, bf16 (CUDA)
+    python benchmarks/bench_norm.py --tokens 8192 --dim 4096
 
 Times are medians of CUDA-event samples (ms); the ratio column is the eager model norm's time over the row's.
 """
@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
 
 import hybridq  # noqa: E402
 from hybridq.nn.linear_function import _quantize_input, shared_input_quantization  # noqa: E402

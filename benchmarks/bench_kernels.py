@@ -5,10 +5,10 @@ included), of the eager PyTorch reference and of `torch.compile` of the referenc
 (bytes read + bytes written, counting the input once and every output once) as a fraction of the device's
 copy bandwidth measured in the same run.
 
-    python launch/bench_kernels.py                 # everything (torch.compile: a few minutes of compiling)
-    python launch/bench_kernels.py --no-compile    # skip torch.compile
-    python launch/bench_kernels.py --sizes 8192 --cases fp8_tensorwise,mxfp8 --json out.json
-    python launch/bench_kernels.py --tile-cfgs 0,2,g8  # also time the op under other tile-kernel configurations:
+    python benchmarks/bench_kernels.py                 # everything (torch.compile: a few minutes of compiling)
+    python benchmarks/bench_kernels.py --no-compile    # skip torch.compile
+    python benchmarks/bench_kernels.py --sizes 8192 --cases fp8_tensorwise,mxfp8 --json out.json
+    python benchmarks/bench_kernels.py --tile-cfgs 0,2,g8  # also time the op under other tile-kernel configurations:
                         # N = HYBRIDQ_TILE_CFG=N (needs a build with HYBRIDQ_TILE_VARIANTS=1; 0 one-shot, 2 three
                         # stages x 512 threads), gN = HYBRIDQ_TILE_GROUP=N (tile order: groups of N tile rows)
 

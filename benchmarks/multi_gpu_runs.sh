@@ -3,11 +3,11 @@
 # each fit one device command together (<= ~9 minutes per call; each stage has its own time limit). Logs go to $OUT
 # (default out/multi_gpu), one folder per stage.
 #
-#   bash launch/multi_gpu_runs.sh                    # = nccl fsdp tp e2e: the 2-GPU set (<= 9.5 min)
-#   bash launch/multi_gpu_runs.sh compiled           # the 1B job eager + compiled on all GPUs (<= 9 min)
-#   bash launch/multi_gpu_runs.sh large profile      # 4 / 8 GPUs: world-4/8 NCCL tests, all-gather time (<= 8 min)
-#   bash launch/multi_gpu_runs.sh scaling            # 4 / 8 GPUs: weak scaling 1 -> 2 -> 4 -> 8 (<= 7.5 min)
-#   bash launch/multi_gpu_runs.sh 7b                 # 4 / 8 GPUs: the Llama-2-7B shape (<= 7 min; repeat it: each
+#   bash benchmarks/multi_gpu_runs.sh                    # = nccl fsdp tp e2e: the 2-GPU set (<= 9.5 min)
+#   bash benchmarks/multi_gpu_runs.sh compiled           # the 1B job eager + compiled on all GPUs (<= 9 min)
+#   bash benchmarks/multi_gpu_runs.sh large profile      # 4 / 8 GPUs: world-4/8 NCCL tests, all-gather time (<= 8 min)
+#   bash benchmarks/multi_gpu_runs.sh scaling            # 4 / 8 GPUs: weak scaling 1 -> 2 -> 4 -> 8 (<= 7.5 min)
+#   bash benchmarks/multi_gpu_runs.sh 7b                 # 4 / 8 GPUs: the Llama-2-7B shape (<= 7 min; repeat it: each
 #                                                    # call runs the recipes earlier calls did not finish)
 # A fresh machine first builds the extension (~1 min) unless hybridq/_C*.so is carried. The torchao float8 rows need
 # torchao, which the device machines lack (no internet there): download the wheel where there is internet
@@ -16,17 +16,17 @@
 #
 # Stages (approximate limits):
 #   nccl      150 s  the NCCL suites: pytest -m distributed tests/distributed -k nccl (world 2; test_large_world apart)
-#   fsdp      150 s  launch/bench_fsdp.py on all GPUs (bf16 vs presets vs torchao where installed)
-#   tp         90 s  launch/bench_tp.py on all GPUs
-#   e2e       150 s  launch/e2e_report.py, bf16 vs fp8_tensorwise, all GPUs, eager (quantized all-gathers)
-#   compiled  540 s  launch/e2e_report.py --compile: bf16 / fp8_tensorwise / fp8_block eager and compiled (each
+#   fsdp      150 s  benchmarks/bench_fsdp.py on all GPUs (bf16 vs presets vs torchao where installed)
+#   tp         90 s  benchmarks/bench_tp.py on all GPUs
+#   e2e       150 s  benchmarks/e2e_report.py, bf16 vs fp8_tensorwise, all GPUs, eager (quantized all-gathers)
+#   compiled  540 s  benchmarks/e2e_report.py --compile: bf16 / fp8_tensorwise / fp8_block eager and compiled (each
 #                    Linear in its block's graph: --weight-gather high_precision)
 #   large     240 s  tests/distributed/test_large_world.py -k nccl: sharding invariance and training parity at world
 #                    4 and 8 (FSDP2, HSDP, FSDP2 x TP); the 8-rank cases skip on 4 GPUs
-#   scaling   450 s  launch/e2e_report.py --scaling 1,2,4,8 (sizes above the GPUs skipped): bf16 vs fp8_tensorwise
-#   7b        420 s  launch/e2e_report.py --size 7b on all GPUs: bf16, every preset, torchao float8 where installed,
+#   scaling   450 s  benchmarks/e2e_report.py --scaling 1,2,4,8 (sizes above the GPUs skipped): bf16 vs fp8_tensorwise
+#   7b        420 s  benchmarks/e2e_report.py --size 7b on all GPUs: bf16, every preset, torchao float8 where installed,
 #                    as many as fit; rows finished by an earlier call are read back (--reuse-finished)
-#   profile   240 s  launch/profile_step.py under torchrun on all GPUs: the collectives split by kind (all-gather
+#   profile   240 s  benchmarks/profile_step.py under torchrun on all GPUs: the collectives split by kind (all-gather
 #                    GPU time per step), bf16 vs fp8_tensorwise
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +52,7 @@ if [ -n "${TORCHAO_WHEEL:-}" ]; then
   report "torchao install from $TORCHAO_WHEEL" $?
 fi
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node $N"
-E2E="python3 launch/e2e_report.py"
+E2E="python3 benchmarks/e2e_report.py"
 
 for s in $STAGES; do
   d="$OUT/$s"
@@ -63,10 +63,10 @@ for s in $STAGES; do
         --ignore tests/distributed/test_large_world.py > "$d/log" 2>&1
       rc=$?; tail -3 "$d/log" ;;
     fsdp)
-      timeout 150 $TORCHRUN launch/bench_fsdp.py --batch 4 --steps 5 --warmup 2 > "$d/log" 2>&1
+      timeout 150 $TORCHRUN benchmarks/bench_fsdp.py --batch 4 --steps 5 --warmup 2 > "$d/log" 2>&1
       rc=$?; grep -E "^\|" "$d/log" ;;
     tp)
-      timeout 90 $TORCHRUN launch/bench_tp.py > "$d/log" 2>&1
+      timeout 90 $TORCHRUN benchmarks/bench_tp.py > "$d/log" 2>&1
       rc=$?; grep -E "^\|" "$d/log" ;;
     e2e)
       timeout 150 $E2E --recipes bf16,fp8_tensorwise --nproc "$N" --steps 15 --total-budget-s 140 \
@@ -89,7 +89,7 @@ for s in $STAGES; do
         --time-limit-s 200 --total-budget-s 410 --out-dir "$d" > "$d/log" 2>&1
       rc=$?; grep -E "^\|" "$d/log" ;;
     profile)
-      timeout 240 $TORCHRUN launch/profile_step.py --recipes bf16,fp8_tensorwise --timed-steps 4 \
+      timeout 240 $TORCHRUN benchmarks/profile_step.py --recipes bf16,fp8_tensorwise --timed-steps 4 \
         --json "$d/profile.json" > "$d/log" 2>&1
       rc=$?; sed -n '/by category/,/^## top/p' "$d/log" ;;
   esac

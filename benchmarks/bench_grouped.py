@@ -22,10 +22,10 @@ fp8 rowwise", "... compiled"; --torchao picks them). torchao 0.18 takes only gro
 (its in-op padding is not implemented): its input is the routed tokens with each expert's count rounded up to 16
 (at most 15 extra rows per expert), the rest of the step as for the others.
 
-    python launch/bench_grouped.py
-    python launch/bench_grouped.py --configs 8x16384x2x4096x14336 --presets mxfp8,fp8_block --json out.json
-    python launch/bench_grouped.py --smoke      # tiny sizes on the CPU (the test suite runs this)
-    python launch/bench_grouped.py --torchao ""  # without the torchao rows
+    python benchmarks/bench_grouped.py
+    python benchmarks/bench_grouped.py --configs 8x16384x2x4096x14336 --presets mxfp8,fp8_block --json out.json
+    python benchmarks/bench_grouped.py --smoke      # tiny sizes on the CPU (the test suite runs this)
+    python benchmarks/bench_grouped.py --torchao ""  # without the torchao rows
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ bf16, torch._scaled_mm FP8 tensorwise (E4M3, fast accumulation on and off) and t
 For each Linear shape [tokens M, in K, out N] the three GEMMs of a step, as `a @ b^T` with a [m, k], b [n, k]:
 fprop (M, N, K), dgrad (M, K, N), wgrad (N, K, M). TFLOP/s = 2 m n k / time (CUDA events, median).
 
-    python launch/bench_mxfp8_gemm.py
-    python launch/bench_mxfp8_gemm.py --shapes 8192x8192x8192 --configs all --json out.json
-    python launch/bench_mxfp8_gemm.py --diag     # where the time goes (see diag())
+    python benchmarks/bench_mxfp8_gemm.py
+    python benchmarks/bench_mxfp8_gemm.py --shapes 8192x8192x8192 --configs all --json out.json
+    python benchmarks/bench_mxfp8_gemm.py --diag     # where the time goes (see diag())
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Where the time of one training step goes: the end-to-end job's step (launch/train.py: FSDP2 on one rank, bf16
 params / fp32 reduce, AdamW, grad clipping, hybridq.precompute_scales) under torch.profiler, per recipe.
 
-    python launch/profile_step.py                                    # GPU: the 1B e2e config, bf16 vs fp8_tensorwise
-    python launch/profile_step.py --recipes bf16,fp8_tensorwise,mxfp8 --json prof.json --trace-dir traces
-    python launch/profile_step.py --smoke --device cpu               # tiny model on the CPU (a few seconds)
+    python benchmarks/profile_step.py                                    # GPU: the 1B e2e config, bf16 vs fp8_tensorwise
+    python benchmarks/profile_step.py --recipes bf16,fp8_tensorwise,mxfp8 --json prof.json --trace-dir traces
+    python benchmarks/profile_step.py --smoke --device cpu               # tiny model on the CPU (a few seconds)
 
 For each recipe: --warmup steps, then --steps steps under torch.profiler (CPU + CUDA activities), then
 --timed-steps steps without the profiler. It prints
@@ -23,14 +23,14 @@ Functions by category (the quantized Linear's own element-wise work vs the model
 no all-gathers or reduce-scatters; the collectives row shows what remains (the logged loss's all-reduce, and
 precompute_scales' for the quantized recipes).
 
-The model is that of launch/e2e_report.py's default (d_model 2048, 20 layers, 16 heads, hidden 5632, seq 4096 x
+The model is that of benchmarks/e2e_report.py's default (d_model 2048, 20 layers, 16 heads, hidden 5632, seq 4096 x
 batch 4: 1.03B parameters, 16,384 tokens per step), built by train.py's `build` (hybridq.apply_hybrid_fsdp, then
 fully_shard per block and root, AdamW) and stepped by train.py's `train_step`. Plain python: a world of one (gloo on
 the CPU, NCCL on the GPU). Under torchrun every rank runs the same steps and rank 0 reports; the collectives row is
 then also split by kind (FSDP2's all-gathers and reduce-scatters, the all-reduces), which is how the multi-GPU runs
 measure the all-gather time:
 
-    torchrun --standalone --nproc-per-node 8 launch/profile_step.py --recipes bf16,fp8_tensorwise
+    torchrun --standalone --nproc-per-node 8 benchmarks/profile_step.py --recipes bf16,fp8_tensorwise
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
 
 import config  # noqa: E402
 import train  # noqa: E402

@@ -9,11 +9,11 @@ fprop (M, N, K), dgrad (M, K, N), wgrad (N, K, M); pairings MXFP8 x MXFP8, NVFP4
 TFLOP/s = 2 m n k / time (CUDA events, median). Each GEMM first prints the kernel's relative error against the
 emulation's fp32 math on the same operands.
 
-    python launch/bench_dequant_gemm.py --smoke     # one small GEMM per pairing: does it compile, is it right?
-    python launch/bench_dequant_gemm.py
-    python launch/bench_dequant_gemm.py --shapes 8192x8192x8192 --pairs nvfp4xnvfp4 --configs --json out.json
+    python benchmarks/bench_dequant_gemm.py --smoke     # one small GEMM per pairing: does it compile, is it right?
+    python benchmarks/bench_dequant_gemm.py
+    python benchmarks/bench_dequant_gemm.py --shapes 8192x8192x8192 --pairs nvfp4xnvfp4 --configs --json out.json
     ncu --section SpeedOfLight --section WarpStateStats --section Occupancy --section InstructionStats \
-        -k regex:dequant python launch/bench_dequant_gemm.py --profile-once   # one launch per pairing, for Nsight
+        -k regex:dequant python benchmarks/bench_dequant_gemm.py --profile-once   # one launch per pairing, for Nsight
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ same with one piece of hybridq's work inside its forward or backward, so each pi
 paid in a real step) is its row minus the empty one. Every row is measured in --rounds interleaved rounds and the
 median round is reported (single runs on a fresh GPU machine were seen to move by +-30%).
 
-    python launch/bench_host.py                 # CUDA (the numbers that matter); CPU works too, as a smoke test
-    python launch/bench_host.py --dim 256 --json host.json --profile host_prof.txt
+    python benchmarks/bench_host.py                 # CUDA (the numbers that matter); CPU works too, as a smoke test
+    python benchmarks/bench_host.py --dim 256 --json host.json --profile host_prof.txt
 """
 
 from __future__ import annotations
