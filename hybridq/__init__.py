@@ -29,6 +29,7 @@ from .enums import BackwardOverride, Direction, Scaling
 from .errors import FormatShapeError, RecipeError, StaleWeightError
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
+from .formats import Float8RowwiseQuantizer
 from .gemm import register_native_gemm
 from .kernels import extension_available, update_delayed_scaling  # also registers device kernels / GEMMs
 from .nn import (ConversionReport, GroupedLinear, Linear, RMSNorm, convert_experts, convert_linears, convert_norms,
@@ -44,7 +45,8 @@ from . import checkpoint  # noqa: E402 hybridq.checkpoint.write_manifest / verif
 
 __all__ = [
     "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "BackwardOverride", "Quantizer", "QuantizedPart", "QuantizedTensor",
-    "Float8Quantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "IdentityQuantizer",
+    "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
+    "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "GroupedLinear", "RMSNorm", "convert_linears", "convert_norms", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
     "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError", "StaleWeightError",

@@ -10,7 +10,9 @@ same, bit for bit (stochastic rounding aside).
 Tables (keyed by type, looked up by the exact type of the quantizer / part):
 - quantize:   `run(quantizer, x2d, rowwise, columnwise, **kw) -> (rowwise part | None, columnwise part | None)`
 - dequantize: `run(part, undo_transform) -> fp32 [rows, cols]`
-- GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by the pair of part types
+- GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by the pair of part types, or by the pair of the parts'
+              declared scale layouts (`QuantizedPart.scale_layout`: what the hardware GEMM needs, whatever the format
+              class); a type pair's GEMMs are tried first
 - transpose:  `run(t) -> t.t().contiguous()` for 2-D 1-byte tensors, keyed by device type
 - jagged FP8 experts: the grouped quantize and GEMMs of per-tensor FP8 experts on device offsets, keyed by device
   type (`hybridq.gemm.JaggedFP8Kernels`)
@@ -56,6 +58,7 @@ class NativeGemm:
 _QUANTIZE: dict[type, list[KernelImpl]] = {}
 _DEQUANTIZE: dict[type, list[KernelImpl]] = {}
 _GEMM: dict[tuple[type, type], list[NativeGemm]] = {}
+_LAYOUT_GEMM: dict[tuple[Any, Any], list[NativeGemm]] = {}  # (scale layout of a, of b) -> GEMMs
 _TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 # (quantizer type, device type) -> quantization of consecutive row groups, each as its own tensor (grouped linear)
 _ROW_GROUPS: dict[tuple[type, str], Callable] = {}
@@ -82,6 +85,13 @@ def register_dequantize(part_type: type, impl: KernelImpl) -> None:
 def register_native_gemm(a_type: type, b_type: type, name: str, run: Callable, supports: Callable) -> None:
     """Register a hardware GEMM for a pair of part types (e.g. FP8 tensorwise on sm_89+)."""
     _GEMM.setdefault((a_type, b_type), []).append(NativeGemm(name, run, supports))
+
+
+def register_layout_gemm(a_layout: Any, b_layout: Any, name: str, run: Callable, supports: Callable) -> None:
+    """Register a hardware GEMM for every pair of parts that declare these scale layouts
+    (`hybridq.formats.ScaleLayout`, e.g. ROW x ROW: `torch._scaled_mm` with per-row scales); a new format whose parts
+    declare a layout gets the GEMM without being named here."""
+    _LAYOUT_GEMM.setdefault((a_layout, b_layout), []).append(NativeGemm(name, run, supports))
 
 
 def unregister_native_gemm(a_type: type, b_type: type, name: str) -> None:
@@ -182,6 +192,10 @@ def quantize_options(quantizer_type: type) -> frozenset[str] | None:
 def find_native_gemm(a, b) -> NativeGemm | None:
     """The registered hardware GEMM that takes `a @ b^T`, or None (then the GEMM is emulated)."""
     for g in _GEMM.get((type(a), type(b)), ()):
+        if g.supports(a, b):
+            return g
+    layouts = (getattr(a, "scale_layout", None), getattr(b, "scale_layout", None))
+    for g in _LAYOUT_GEMM.get(layouts, ()) if None not in layouts else ():
         if g.supports(a, b):
             return g
     return None

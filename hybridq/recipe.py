@@ -10,6 +10,7 @@ from .enums import BackwardOverride
 from .errors import RecipeError
 from .formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
                       NVFP4Quantizer, Quantizer)
+from .formats._presets import declared_presets
 
 TENSOR_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
 BACKWARD_OVERRIDES = (None, *BackwardOverride)
@@ -160,6 +161,12 @@ PRESETS: dict[str, tuple[Callable[[Role], Quantizer | None], str]] = {
     "fp8_fwd_high_precision_bwd": (_fp8_fwd_high_precision_bwd,
                                    "per-tensor FP8 E4M3 forward, backward GEMMs in high precision"),
 }
+# then the presets a format module declares beside its format (`formats._presets.declare_preset`, e.g. fp8_rowwise
+# in formats/float8_rowwise.py): a format and its named recipe are added in that one module
+_clash = PRESETS.keys() & declared_presets().keys()
+if _clash:
+    raise ValueError(f"presets {sorted(_clash)} are declared by a format module and in recipe.PRESETS")
+PRESETS.update(declared_presets())
 
 
 def recipe(name: str, *, backward_override: str | None = None) -> CustomRecipe:

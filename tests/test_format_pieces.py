@@ -1,7 +1,8 @@
 """Pieces of a tensor cut along K (tensor parallelism: a row-parallel weight or input, a column-parallel
-grad_output): each piece quantized with the whole tensor's MAX-reduced `global_stats` is, bit for bit, the
-corresponding piece of quantizing the whole tensor, for every format and hybrid; cuts that split a block are
-refused by `check_column_cuts` before anything is quantized."""
+grad_output) or along M (a column-parallel weight): each piece quantized with the MAX-reduced `piece_stats` of its
+cut (per-tensor statistics, or per-axis ones such as rowwise FP8's row amaxes) is, bit for bit, the corresponding
+piece of quantizing the whole tensor, for every format and hybrid; cuts that split a block are refused by
+`check_column_cuts` before anything is quantized."""
 
 from __future__ import annotations
 
@@ -20,13 +21,12 @@ CASES["hybrid_fp8_identity"] = hybrid("fp8_e4m3", "identity")
 CASES["hybrid_fp8blk_mxfp8"] = hybrid("fp8blk_1x128_e4m3", "mxfp8_e4m3")
 
 
-def _pieces(q, x, cuts, rowwise, columnwise):
-    bounds = [0, *cuts, x.shape[1]]
-    pieces = [x[:, a:b].contiguous() for a, b in zip(bounds, bounds[1:])]
-    stats = [q.global_stats(p, rowwise, columnwise) for p in pieces]
+def _pieces(q, x, cuts, rowwise, columnwise, cut="K"):
+    bounds = [0, *cuts, x.shape[1 if cut == "K" else 0]]
+    pieces = [(x[:, a:b] if cut == "K" else x[a:b]).contiguous() for a, b in zip(bounds, bounds[1:])]
+    stats = [q.piece_stats(p, rowwise, columnwise, cut) for p in pieces]
     reduced = None if stats[0] is None else torch.stack(stats).amax(0)
-    kw = {} if reduced is None else {"global_stats": reduced}
-    return bounds, [q.quantize_parts(p, rowwise, columnwise, **kw) for p in pieces]
+    return bounds, [q.quantize_piece(p, rowwise, columnwise, reduced, cut) for p in pieces]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -48,6 +48,27 @@ def test_a_column_piece_is_the_piece_of_the_whole_quantization(name, direction):
             want_vals = want_vals[:, a:b] if d == 0 else want_vals[a:b, :]
             assert_bitwise(got.dequantize_2d(), want_vals,
                            f"{name} {('rowwise', 'columnwise')[d]} values of columns [{a}, {b})")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise", "both"])
+def test_a_row_piece_is_the_piece_of_the_whole_quantization(name, direction):
+    q = CASES[name]()
+    rowwise, columnwise = direction in ("rowwise", "both"), direction in ("columnwise", "both")
+    g_rows, g_cols = q.split_granularity(rowwise, columnwise)
+    m, k = 3 * max(g_rows, 16), 2 * max(g_cols, 16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, m)[:, None]
+    x[-1, 0] = 300.0  # the global amax lies in the last piece
+    whole = q.quantize_parts(x, rowwise, columnwise)
+    bounds, pieces = _pieces(q, x, [m // 3, 2 * m // 3], rowwise, columnwise, cut="M")
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for d, (got, want) in enumerate(zip(pieces[i], whole)):
+            if want is None:
+                continue
+            want_vals = want.dequantize_2d()
+            want_vals = want_vals[a:b, :] if d == 0 else want_vals[:, a:b]
+            assert_bitwise(got.dequantize_2d(), want_vals,
+                           f"{name} {('rowwise', 'columnwise')[d]} values of rows [{a}, {b})")
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "fp8blk_1x128_e4m3", "nvfp4", "hybrid_mxfp8_nvfp4_rht"])

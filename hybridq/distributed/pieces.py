@@ -114,7 +114,7 @@ class PieceQuantizer:
                              f"{self.world_size} ranks give it {bounds[self.rank + 1] - bounds[self.rank]}")
         q.validate((rows, k), name, rowwise=rowwise, columnwise=columnwise)
         check_column_cuts(q, rows, self.world_size, rowwise, columnwise, name, axis="M")
-        return self._with_global_stats(q, x2d, rowwise, columnwise)
+        return self._with_global_stats(q, x2d, rowwise, columnwise, "M")
 
     def _column_piece(self, q, x2d, rowwise, columnwise, name):
         """Columns of the whole `[M, K]` whose boundaries keep blocks whole: plain quantization with the whole
@@ -122,14 +122,14 @@ class PieceQuantizer:
         m, k_local = x2d.shape
         check_column_cuts(q, self.total, self.world_size, rowwise, columnwise, name)  # (alike on every rank)
         q.validate((m, k_local), name, rowwise=rowwise, columnwise=columnwise)
-        return self._with_global_stats(q, x2d, rowwise, columnwise)
+        return self._with_global_stats(q, x2d, rowwise, columnwise, "K")
 
-    def _with_global_stats(self, q, x2d, rowwise, columnwise):
-        """A piece cut at the format's split granularity: plain quantization with the whole tensor's per-tensor
-        statistics (MAX-reduced over the group), bitwise that piece of the whole tensor's quantization."""
-        stats = q.global_stats(x2d, rowwise, columnwise)
-        if stats is None:
-            return q.quantize_parts(x2d, rowwise, columnwise)
-        stats = stats.contiguous()
-        amax_all_reduce_(stats, self.group)
-        return q.quantize_parts(x2d, rowwise, columnwise, global_stats=stats)
+    def _with_global_stats(self, q, x2d, rowwise, columnwise, cut):
+        """A piece cut along `cut` at the format's split granularity: quantized with the statistics it shares with
+        the other pieces (`piece_stats`: per-tensor ones, or those of the axis it is cut along; MAX-reduced over the
+        group), bitwise that piece of the whole tensor's quantization."""
+        stats = q.piece_stats(x2d, rowwise, columnwise, cut)
+        if stats is not None:
+            stats = stats.contiguous()
+            amax_all_reduce_(stats, self.group)
+        return q.quantize_piece(x2d, rowwise, columnwise, stats, cut)

@@ -11,6 +11,7 @@ Both parts are therefore stored in GEMM orientation ("rows x contracted dim"), s
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Callable, ClassVar, Sequence
 
 import torch
@@ -63,6 +64,16 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous()
 
 
+class ScaleLayout(enum.Enum):
+    """How a part's scales cover its stored `[rows, cols]` matrix: what a hardware GEMM asks of its operands
+    (`hybridq.dispatch.register_native_gemm` selects by it, with `QuantizedPart.block_shape`)."""
+
+    TENSOR = "tensor"  # one scale for the whole part
+    ROW = "row"  # one scale per stored row (all of the contracted dim)
+    BLOCK = "block"  # one scale per `block_shape` block (1 x b along the contracted dim, or b x b tiles)
+    NONE = "none"  # no scale (a high-precision passthrough)
+
+
 class QuantizedPart:
     """One direction of a quantized tensor: a 2-D matrix in GEMM orientation plus its scales.
 
@@ -72,6 +83,7 @@ class QuantizedPart:
     """
 
     format_name: ClassVar[str] = "?"
+    scale_layout: ClassVar[ScaleLayout | None] = None  # None: not declared (GEMMs are then keyed by part type)
     tensor_fields: ClassVar[tuple[str, ...]] = ()
     meta_fields: ClassVar[tuple[str, ...]] = ()
     _field_set: ClassVar[frozenset] = frozenset()
@@ -96,6 +108,15 @@ class QuantizedPart:
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         """Pure-PyTorch dequantization (the numerics contract)."""
         raise NotImplementedError
+
+    def element_values(self) -> torch.Tensor:
+        """The stored element values before scaling, 2-D in stored orientation, as comparable integers or floats
+        (fp8 bytes, unpacked 4-bit codes, a passthrough's data): what a test compares bit for bit."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its element values")
+
+    def element_scales(self) -> torch.Tensor:
+        """The fp32 decode scale of every element (stored orientation): dequantize = decode(values) * scales."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its element scales")
 
     @property
     def transform(self) -> str | None:
@@ -168,6 +189,24 @@ class Quantizer:
 
     def describe(self) -> str:
         return self.format_name
+
+    # -- what a format states about itself (docs/numerics.md; the test suite reads these, so a new format is
+    # -- covered by the existing tests without editing them) ------------------------------------------------------
+    @property
+    def round_trip_bound(self) -> float:
+        """The stated bound on ||dequantize(quantize(x)) - x|| / ||x|| for x ~ N(0, 1) (docs/numerics.md)."""
+        raise NotImplementedError(f"{type(self).__name__} states no round-trip error bound")
+
+    def storage_bytes(self, m: int, k: int, rowwise: bool, columnwise: bool,
+                      dtype: torch.dtype = torch.float32) -> int:
+        """Bytes the requested parts of a `[m, k]` tensor of `dtype` take, by the format's definition."""
+        raise NotImplementedError(f"{type(self).__name__} states no storage size")
+
+    @property
+    def columnwise_is_transpose(self) -> bool:
+        """True when the columnwise part stores the exact transpose of the rowwise part (values and scales), by the
+        format's definition (one scale per tensor, or square tiles shared by both directions)."""
+        return False
 
     # -- generic --------------------------------------------------------------------------------
     def quantize_parts(

@@ -32,6 +32,9 @@ class BlockScaledPart(GatherablePart, QuantizedPart):
     partial_blocks: ClassVar[bool] = False  # an edge block may hold fewer than `block` elements (FP8 blocks)
     values_per_byte: ClassVar[int] = 1  # values packed in one byte of `data` (NVFP4: two E2M1 codes)
 
+    def element_values(self) -> torch.Tensor:
+        return self.data.view(torch.uint8)  # (fp8 bytes; NVFP4 unpacks its nibbles)
+
     def row_slice(self, start: int, stop: int, group: int | None = None) -> "BlockScaledPart":
         """Rows `[start, stop)` of the `[M, K]` tensor this part quantizes, as a part of its own: stored rows of a
         rowwise part (views of its tensors), stored columns of a columnwise part (a contiguous copy, which the

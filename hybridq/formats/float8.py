@@ -17,7 +17,7 @@ from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp
 from ._reduce import amax_all_reduce_
 from ..enums import Scaling
 from ..tensor import backward_epoch
-from .base import QuantizedPart, Quantizer, transposed_copy
+from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
 from .shardable import GatherablePart, ShardableQuantizer
 
 _ALGOS = ("max", "most_recent")
@@ -28,9 +28,16 @@ class Float8TensorPart(GatherablePart, QuantizedPart):
 
     format_name = "FP8"
     tensor_fields = ("data", "scale_inv")
+    scale_layout = ScaleLayout.TENSOR
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv
+
+    def element_values(self) -> torch.Tensor:
+        return self.data.view(torch.uint8)
+
+    def element_scales(self) -> torch.Tensor:
+        return self.scale_inv.expand(self.rows, self.cols)
 
     def transposed(self) -> "Float8TensorPart":
         return Float8TensorPart(rows=self.cols, cols=self.rows, columnwise=not self.columnwise,
@@ -147,6 +154,17 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
 
     def describe(self) -> str:
         return f"FP8 {FP8_NAMES[self.dtype]} ({self.scaling} scaling)"
+
+    @property
+    def round_trip_bound(self) -> float:
+        return 0.030 if self.dtype == torch.float8_e4m3fn else 0.060
+
+    def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
+        return (rowwise + columnwise) * (m * k + 4)
+
+    @property
+    def columnwise_is_transpose(self) -> bool:
+        return True
 
     @property
     def is_stateful(self) -> bool:

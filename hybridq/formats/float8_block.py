@@ -48,6 +48,9 @@ class Float8BlockPart(BlockScaledPart):
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv_per_element()
 
+    def element_scales(self) -> torch.Tensor:
+        return self.scale_inv_per_element()
+
     # FSDP buffer protocol: 128x128 tiles replicate their tile scales (sharded quantization all-reduces the
     # whole tile-amax grid, so every shard holds every tile scale) and send only the data; 1-D blocks send
     # their scales as every block-scaled part does.
@@ -119,6 +122,19 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
     def describe(self) -> str:
         shape = "128x128" if self.block_dim == 2 else "1x128"
         return f"FP8-block {FP8_NAMES[self.dtype]} {shape}"
+
+    @property
+    def round_trip_bound(self) -> float:
+        return 0.030 if self.dtype == torch.float8_e4m3fn else 0.060
+
+    def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
+        def one(r, c):  # fp8 values + fp32 scales: one per 1x128 block, or one per 128x128 tile
+            return r * c + 4 * (-(-r // BLOCK) if self.block_dim == 2 else r) * -(-c // BLOCK)
+        return rowwise * one(m, k) + columnwise * one(k, m)
+
+    @property
+    def columnwise_is_transpose(self) -> bool:
+        return self.block_dim == 2
 
     def _scale(self, amax: torch.Tensor) -> torch.Tensor:
         return scale_from_amax(amax, FP8_MAX[self.dtype], self.amax_epsilon, self.power_2_scale)

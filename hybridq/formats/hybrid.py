@@ -56,6 +56,14 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         return f"hybrid[{self.rowwise.describe()} / {self.columnwise.describe()}]"
 
     @property
+    def round_trip_bound(self) -> float:
+        return max(self.rowwise.round_trip_bound, self.columnwise.round_trip_bound)
+
+    def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
+        return (self.rowwise.storage_bytes(m, k, rowwise, False, dtype)
+                + self.columnwise.storage_bytes(m, k, False, columnwise, dtype))
+
+    @property
     def is_stateful(self) -> bool:
         return self.rowwise.is_stateful or self.columnwise.is_stateful
 

@@ -17,6 +17,9 @@ class IdentityPart(GatherablePart, QuantizedPart):
     format_name = "identity"
     tensor_fields = ("data",)
 
+    def element_values(self) -> torch.Tensor:
+        return self.data
+
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         # fp32 at least; a wider input (fp64) keeps its dtype so the passthrough stays exact
         d = self.data if self.data.dtype == torch.float64 else self.data.float()
@@ -39,6 +42,18 @@ class IdentityQuantizer(ShardableQuantizer, Quantizer):
 
     def describe(self) -> str:
         return "identity" if self.dtype is None else f"identity ({self.dtype})"
+
+    @property
+    def round_trip_bound(self) -> float:
+        """Exact, or one rounding to `dtype` (its root-mean-square error is ulp / sqrt(12), under a quarter ulp:
+        2^-(mantissa bits + 2) relative)."""
+        if self.dtype is None or self.dtype in (torch.float32, torch.float64):
+            return 0.0
+        return torch.finfo(self.dtype).eps / 4  # (eps = 2^-mantissa bits)
+
+    def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
+        # one buffer serves both directions
+        return (rowwise or columnwise) * m * k * (self.dtype or dtype).itemsize
 
     def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
         data = x2d if self.dtype is None else x2d.to(self.dtype)

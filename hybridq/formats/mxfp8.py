@@ -39,6 +39,9 @@ class MXFP8Part(BlockScaledPart):
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * expand_blocks(e8m0_to_pow2(self.scale), BLOCK, self.cols)
 
+    def element_scales(self) -> torch.Tensor:
+        return expand_blocks(e8m0_to_pow2(self.scale), BLOCK, self.cols)
+
     def swizzled_scale(self) -> torch.Tensor:
         return swizzle_mx_scales(self.scale)
 
@@ -59,6 +62,17 @@ class MXFP8Quantizer(BlockScaledQuantizer):
 
     def describe(self) -> str:
         return f"MXFP8 {FP8_NAMES[self.dtype]}" + (" 32x32" if self.block_2d else "")
+
+    @property
+    def round_trip_bound(self) -> float:
+        return 0.030 if self.dtype == torch.float8_e4m3fn else 0.060
+
+    def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
+        return (rowwise + columnwise) * (m * k + m * k // BLOCK)  # fp8 values + one E8M0 byte per 32 (tiles: per row)
+
+    @property
+    def columnwise_is_transpose(self) -> bool:
+        return self.block_2d
 
     def _exponent(self, amax: torch.Tensor) -> torch.Tensor:
         # a multiply by the rounded reciprocal of fp8_max, not a division (it matters at powers of two)

@@ -75,6 +75,12 @@ class NVFP4Part(BlockScaledPart):
     def transform(self) -> str | None:
         return "rht16" if self.rht else None
 
+    def element_values(self) -> torch.Tensor:
+        return unpack_nibbles(self.data)
+
+    def element_scales(self) -> torch.Tensor:
+        return expand_blocks(self.scale.float(), BLOCK, self.cols) * self.amax
+
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         vals = e2m1_decode(unpack_nibbles(self.data))
         x = dequantize_values(vals, expand_blocks(self.scale.float(), BLOCK, self.cols), self.amax)
@@ -130,6 +136,20 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         extras = [n for n, on in (("16x16", self.block_2d), ("RHT", self.rht), ("SR", self.stochastic_rounding))
                   if on]
         return "NVFP4" + (f" ({', '.join(extras)})" if extras else "")
+
+    @property
+    def round_trip_bound(self) -> float:
+        if self.stochastic_rounding:
+            return 0.150  # unbiased rounding: larger errors than round-to-nearest
+        return 0.125 if self.block_2d else 0.105  # a 16x16 tile's scale fits its largest of 16 rows
+
+    def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
+        # E2M1 nibbles, an E4M3 scale per 16 (a tile's repeated on its rows), one fp32 global amax
+        return (rowwise + columnwise) * (m * k // 2 + m * k // BLOCK + 4)
+
+    @property
+    def columnwise_is_transpose(self) -> bool:
+        return self.block_2d
 
     @property
     def is_deterministic(self) -> bool:

@@ -82,6 +82,23 @@ class ShardableQuantizer:
         default; no keyword is then passed)."""
         return None
 
+    # Statistics per axis: a scale may span one axis of the tensor (per-row scales span the row's columns), so a
+    # piece cut along that axis shares it with the other pieces while a piece cut along the other axis does not.
+    # `piece_stats` says what a piece cut along `cut` shares, `quantize_piece` quantizes it with the reduced values.
+    # The defaults are the per-tensor statistics above (the same whatever the cut).
+    def piece_stats(self, x2d: torch.Tensor, rowwise: bool, columnwise: bool, cut: str) -> torch.Tensor | None:
+        """Statistics a tensor-parallel piece cut along `cut` ("M": a row piece, "K": a column piece) shares with
+        the other pieces: a flat fp32 vector of the same length on every piece (the uncut axis's length, or the
+        quantizer's), such that an elementwise MAX over the pieces (`amax_all_reduce_`) gives the whole tensor's.
+        None: nothing to share. Default: `global_stats`."""
+        return self.global_stats(x2d, rowwise, columnwise)
+
+    def quantize_piece(self, x2d: torch.Tensor, rowwise: bool, columnwise: bool, stats: torch.Tensor | None,
+                       cut: str):
+        """(rowwise part, columnwise part) of the piece `x2d` cut along `cut`, quantized with the MAX-reduced
+        `piece_stats`: bitwise that piece of the whole tensor's quantization."""
+        return self.quantize_parts(x2d, rowwise, columnwise, **({} if stats is None else {"global_stats": stats}))
+
     def with_global_stats(self, stats: torch.Tensor | None, shard, k: int,
                           global_stats: torch.Tensor | None) -> torch.Tensor | None:
         """`stats` (reduced `shard_stats` of a row shard of a piece of a tensor) with its per-tensor entries

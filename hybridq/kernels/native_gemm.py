@@ -3,6 +3,9 @@
 - Float8TensorPart x Float8TensorPart (sm_89+): `torch._scaled_mm` (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3).
   Both parts are stored `[rows, K]` row-major, so `b.data.t()` is the column-major operand cuBLAS wants.
   The forward GEMM (rowwise x rowwise) uses fast accumulation (`FAST_ACCUM_FPROP`), the backward ones do not.
+- parts with one scale per row (`ScaleLayout.ROW`: the rowwise FP8 format), E4M3 x E4M3 on sm_90: `torch._scaled_mm`'s
+  rowwise kernel (scale_a `[M, 1]`, scale_b `[1, N]` fp32, bf16 result), selected by the parts' declared scale
+  layout; fast accumulation for the forward GEMM as above (torchao's rowwise recipe does the same).
 - Float8BlockPart 1x128 x 128x128 and 1x128 x 1x128 (sm_90): `torch.nn.functional.scaled_mm` with
   BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
 - MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+: `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16
@@ -34,7 +37,8 @@ import torch
 
 from ..formats.base import transposed_copy
 from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part, swizzle_mx_scales
-from ..dispatch import current_gemm_name, register_grouped_fp8_gemm, register_native_gemm
+from ..formats.base import ScaleLayout
+from ..dispatch import current_gemm_name, register_grouped_fp8_gemm, register_layout_gemm, register_native_gemm
 from . import _ext
 
 log = logging.getLogger("hybridq")
@@ -134,6 +138,38 @@ def fp8_tensor_emulated_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.
 def _fp8_tensor_run(a: Float8TensorPart, b: Float8TensorPart, out_dtype: torch.dtype) -> torch.Tensor:
     fast = FAST_ACCUM_FPROP and not a.columnwise and not b.columnwise
     return fp8_tensor_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, fast)
+
+
+# ---- FP8 with one scale per row (ScaleLayout.ROW x ROW: the rowwise format, any part declaring that layout) ----
+
+def _fp8_row_supports(a, b) -> bool:
+    """`torch._scaled_mm` with per-row scales (CUTLASS, sm_90): E4M3 x E4M3, fp32 scales `[M, 1]` x `[1, N]`, every
+    dimension a multiple of 16."""
+    if not _on_cuda(a, b) or _cap(a.data) < (9, 0):
+        return False
+    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+        return False
+    if not fp8_tensor_shape_supported(a.rows, a.cols, b.rows):
+        _warn_once(("fp8-row", a.rows, a.cols, b.rows), f"hybridq: FP8 rowwise GEMM {_shapes(a, b)}: dimensions not "
+                   f"divisible by 16 (the FP8 tensor cores need them); using the emulated GEMM")
+        return False
+    return a.data.is_contiguous() and b.data.is_contiguous()
+
+
+def fp8_row_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+               out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """`a @ b^T` of FP8 operands `a [m, k]`, `b [n, k]` with one scale per row (`[m, 1]`, `[n, 1]`; dequantize =
+    data * scale_inv) by `torch._scaled_mm`'s rowwise kernel (bf16 result: the only one it writes)."""
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.float().reshape(-1, 1).contiguous(),
+                            scale_b=b_scale_inv.float().reshape(1, -1).contiguous(), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
+def _fp8_row_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    if out_dtype != torch.bfloat16:  # (rounding through bf16 would lose what an fp32 / fp16 result keeps)
+        return _emulated_fp32(a, b, out_dtype)
+    fast = FAST_ACCUM_FPROP and not a.columnwise and not b.columnwise
+    return fp8_row_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, fast)
 
 
 # ---- FP8 block (1x128 x 128x128, 1x128 x 1x128) ------------------------------------------------------------
@@ -487,6 +523,7 @@ def register_all() -> None:
     register_native_gemm(Float8TensorPart, Float8TensorPart, "cuda-scaled-mm-tensorwise", _fp8_tensor_run,
                          _fp8_tensor_supports)
     register_native_gemm(Float8BlockPart, Float8BlockPart, "cuda-scaled-mm-blockwise", _block_run, _block_supports)
+    register_layout_gemm(ScaleLayout.ROW, ScaleLayout.ROW, "cuda-scaled-mm-rowwise", _fp8_row_run, _fp8_row_supports)
     for t in (MXFP8Part, NVFP4Part):  # before the emulation of the same pairs: sm_100+ only
         register_native_gemm(t, t, "cuda-scaled-mm-blockscaled", _blockscaled_run, _blockscaled_supports)
     register_native_gemm(MXFP8Part, MXFP8Part, "triton-mxfp8-sm90", _triton_mxfp8_run, _triton_mxfp8_supports)
