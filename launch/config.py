@@ -19,7 +19,7 @@ BASELINE = "bf16"
 TORCHAO = "torchao_float8"  # baseline: torchao float8 training (tensorwise, float8 all-gather); needs torchao
 # hybridq.preset_names(), listed here so that --help needs no torch (tests/test_train_job.py keeps them equal)
 PRESETS = ("fp8_tensorwise", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
-           "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd")
+           "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd", "fp8_rowwise")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
