@@ -289,6 +289,21 @@ def test_round_trip_error_bound(fmt, roundtrip_report):
         assert err <= BOUNDS[fmt], f"{fmt} {d}: relative round-trip error {err:.5f} > bound {BOUNDS[fmt]}"
 
 
+# ---- storage: the bytes each format states ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("direction", [*DIRECTIONS, "both"])
+@pytest.mark.parametrize("fmt", ALL)
+def test_parts_take_the_bytes_the_format_states(fmt, direction, dtype):
+    rowwise, columnwise = direction in ("rowwise", "both"), direction in ("columnwise", "both")
+    m, k = 256, 384
+    q = FORMATS[fmt]()
+    t = q.quantize(gaussian(m, k, dtype=dtype), rowwise=rowwise, columnwise=columnwise)
+    got = sum(t.part(d).nbytes() for d, on in zip(DIRECTIONS, (rowwise, columnwise)) if on)
+    want = q.storage_bytes(m, k, rowwise, columnwise, dtype)
+    assert got == want, f"{fmt} {direction} {dtype}: the parts take {got} bytes, {q.describe()} states {want}"
+
+
 # ---- empty tensors (docs/numerics.md, "Empty tensors") -------------------------------------------
 
 EMPTY_SHAPES = [(0, 128), (128, 0), (0, 0), (2, 0, 64)]

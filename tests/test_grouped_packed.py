@@ -112,20 +112,29 @@ def test_packed_path_computes_only_the_gradients_asked_for(x_grad, w_grad, grad)
                  _run(False, splits, x_grad=x_grad, w_grad=w_grad, grad=grad), f"x_grad={x_grad} w_grad={w_grad}")
 
 
-# the packed path each preset takes (None: per expert); every preset must be listed here
+# the packed path these presets take (None: per expert): a fast path they keep. Which path a preset takes follows
+# from its quantizers' declared properties (Quantizer.local_scaling, packs_row_groups); whichever it is, it computes
+# the per-expert path's numbers (test_every_preset_packed_path_is_bitwise_the_per_expert_path), so a new preset
+# needs no line here
 PACKED_KIND = {"fp8_tensorwise": FP8_TENSOR, "fp8_delayed": None, "fp8_block": BLOCKS, "mxfp8": BLOCKS,
                "nvfp4": ROW_GROUPS, "mxfp8_fwd_nvfp4_bwd": ROW_GROUPS, "fp8_block_fwd_mxfp8_bwd": BLOCKS,
                "fp8_fwd_high_precision_bwd": None}
 
 
-@pytest.mark.parametrize("preset", hq.preset_names())
+@pytest.mark.parametrize("preset", sorted(PACKED_KIND))
 def test_each_preset_takes_its_packed_path(preset):
-    assert preset in PACKED_KIND, f"preset {preset} is not listed in PACKED_KIND"
     m = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe(preset), name="moe")
     kind = packed_quantizers(m.expert_quantizers)
     got = None if kind is None else kind.kind
     assert got == PACKED_KIND[preset], (
         f"{preset}: packed path {got!r}, expected {PACKED_KIND[preset]!r}; describe_formats={m.describe_formats()}")
+
+
+@pytest.mark.parametrize("preset", hq.preset_names())
+def test_every_preset_packed_path_is_bitwise_the_per_expert_path(preset):
+    splits = [5, 0, 17, 42]
+    packed, per_expert = _run(True, splits, recipe=preset), _run(False, splits, recipe=preset)
+    assert_results_bitwise(packed, per_expert, f"{preset}: packed path vs per expert, splits {splits}")
 
 
 def test_experts_with_different_quantizers_take_the_per_expert_path():

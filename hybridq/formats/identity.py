@@ -52,8 +52,7 @@ class IdentityQuantizer(ShardableQuantizer, Quantizer):
         return torch.finfo(self.dtype).eps / 4  # (eps = 2^-mantissa bits)
 
     def storage_bytes(self, m, k, rowwise, columnwise, dtype=torch.float32):
-        # one buffer serves both directions
-        return (rowwise or columnwise) * m * k * (self.dtype or dtype).itemsize
+        return (rowwise + columnwise) * m * k * (self.dtype or dtype).itemsize
 
     def reference_parts(self, x2d, rowwise, columnwise, *, shard=None, stats=None):
         data = x2d if self.dtype is None else x2d.to(self.dtype)

@@ -110,3 +110,29 @@ class ShardableQuantizer:
         """True when plainly quantizing the shard's rows gives its rows of the full tensor's quantization (no
         cross-shard statistics, no split block): the plain path, device kernels included, can then be used."""
         return shard.is_whole
+
+
+def check_shardable(q, shape, dtype: torch.dtype, name: str, caller: str) -> None:
+    """Raise NotImplementedError naming `name` (a weight), the format and the missing hooks unless FSDP2 can gather
+    `q`'s quantization of a `shape` tensor: every plain quantizer a `ShardableQuantizer` and its parts
+    `GatherablePart`s. Checked when the weight is prepared (`apply_hybrid_fsdp`), not at its first all-gather."""
+    for plain in q.quantizers():
+        why = None
+        if not isinstance(plain, ShardableQuantizer):
+            why = "its quantizer is not a ShardableQuantizer (shard_stats, derive_part, ...)"
+        else:
+            try:  # the part type, from a quantization on the meta device (no data, no kernels)
+                m = 1
+                for d in tuple(shape)[:-1]:
+                    m *= d
+                parts = plain.quantize_parts(torch.empty(m, tuple(shape)[-1], dtype=dtype, device="meta"), True, True)
+            except Exception:  # noqa: BLE001 - a reference that cannot run on meta: its parts are checked at gather
+                parts = ()
+            bad = [type(p).__name__ for p in parts if p is not None and not isinstance(p, GatherablePart)]
+            if bad:
+                why = f"its part {bad[0]} is not a GatherablePart (extract_buffers / assign_gathered)"
+        if why is not None:
+            raise NotImplementedError(
+                f"{caller}: {name} uses {plain.describe()}, which FSDP2 cannot all-gather quantized: {why}. Add the "
+                f"FSDP hooks to the format (hybridq/formats/shardable.py), or keep this weight out of "
+                f"apply_hybrid_fsdp (module_filter_fn) so that FSDP2 gathers it in high precision")
