@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..formats._sharding import dim0_chunks
 from ..formats._reduce import amax_all_reduce_
+from ..formats.shardable import check_shardable
 from ..nn.convert import ConversionReport, convert_linears
 from ..nn.linear import Linear
 from ..nn.quantized_params import quantized_param_info
@@ -94,6 +95,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
                                  f"before parallelize_module and fully_shard (torchtitan's order: convert, tensor-parallelize with "
                                  f"hybridq.distributed's styles, then fully_shard over the dp mesh dimension)")
             q = recipe.quantizer(Role("linear", "weight", full))  # what convert_linears gives it, converted or not
+            check_shardable(q, child.weight.shape, child.weight.dtype, f"the weight of {full}", "apply_hybrid_fsdp")
             if q.is_stateful:
                 raise ValueError(
                     f"apply_hybrid_fsdp: the weight of {full} uses delayed scaling ({q.describe()}); under FSDP2 "
