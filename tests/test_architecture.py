@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -114,3 +115,34 @@ def test_formats_depend_only_on_the_leaves_the_tensor_and_each_other():
 
 def test_tensor_module_does_not_import_formats():
     assert not {d for d in GRAPH["hybridq.tensor"] if d != "hybridq.enums"}, GRAPH["hybridq.tensor"]
+
+
+# ---- a format lives in one module (docs/architecture.md "Extension points"; fp8_rowwise is the worked example) ----
+
+REPO = ROOT.parent
+# where the rowwise FP8 format may be named: its module, the export lines, its documentation and its tests, the
+# training job's torch-free preset list and the Linear benchmark's rows; nothing else in the package
+FORMAT_EXAMPLE_FILES = {
+    "hybridq/formats/float8_rowwise.py", "hybridq/formats/__init__.py", "hybridq/__init__.py",
+    "docs/numerics.md", "docs/architecture.md", "tests/_format_cases.py", "tests/test_format_float8_rowwise.py",
+    "tests/distributed/test_rowwise_preset.py", "tests/test_architecture.py", "launch/config.py",
+    "benchmarks/bench_linear.py", "README.md",
+}
+
+
+def test_the_rowwise_format_is_named_only_in_the_documented_files():
+    names = re.compile(r"\b(float8_rowwise|Float8Rowwise\w*|fp8_rowwise|fp8rw_\w+)\b")
+    found = set()
+    for path in REPO.rglob("*"):
+        if path.suffix not in (".py", ".md", ".cu", ".cuh", ".h", ".cpp", ".sh") or not path.is_file():
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith((".", "build/")) or "/." in rel:
+            continue
+        if names.search(path.read_text(errors="replace")):
+            found.add(rel)
+    extra = sorted(found - FORMAT_EXAMPLE_FILES)
+    assert not extra, f"the rowwise FP8 format is named outside the files a format touches: {extra}"
+    package = sorted(f for f in found if f.startswith("hybridq/"))
+    assert package == ["hybridq/__init__.py", "hybridq/formats/__init__.py", "hybridq/formats/float8_rowwise.py"], \
+        f"a format is one module and its export lines; in the package it is named in {package}"
