@@ -161,8 +161,8 @@ PRESETS: dict[str, tuple[Callable[[Role], Quantizer | None], str]] = {
     "fp8_fwd_high_precision_bwd": (_fp8_fwd_high_precision_bwd,
                                    "per-tensor FP8 E4M3 forward, backward GEMMs in high precision"),
 }
-# then the presets a format module declares beside its format (`formats._presets.declare_preset`, e.g. fp8_rowwise
-# in formats/float8_rowwise.py): a format and its named recipe are added in that one module
+# then the presets a format module declares beside its format (`formats._presets.declare_preset`): a format and its
+# named recipe are added in that one module (docs/architecture.md "Extension points")
 _clash = PRESETS.keys() & declared_presets().keys()
 if _clash:
     raise ValueError(f"presets {sorted(_clash)} are declared by a format module and in recipe.PRESETS")
