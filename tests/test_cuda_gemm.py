@@ -138,8 +138,11 @@ def test_bf16_emulation(case, gen):
 
 # ---- Linear forward / backward: native vs emulated ------------------------------------------------------------
 
+# native vs emulated GEMMs: 2e-2 where an FP8 tensor-core GEMM runs (fast accumulation in fprop, bf16 results),
+# tighter where the native path is exact bf16 arithmetic; a preset not listed gets the FP8 bound
 PRESET_BOUND = {"fp8_tensorwise": 2e-2, "fp8_delayed": 2e-2, "fp8_block": 2e-2, "mxfp8": 5e-3, "nvfp4": 5e-3,
                 "mxfp8_fwd_nvfp4_bwd": 5e-3, "fp8_block_fwd_mxfp8_bwd": 2e-2, "fp8_fwd_high_precision_bwd": 2e-2}
+DEFAULT_BOUND = 2e-2
 
 
 def _linear_step(preset, w, bias, x, dy, seed):
@@ -157,8 +160,7 @@ def _linear_step(preset, w, bias, x, dy, seed):
 
 @pytest.mark.parametrize("preset", hybridq.preset_names())
 def test_linear_native_vs_emulated(preset, gen):
-    if preset not in PRESET_BOUND:
-        pytest.skip(f"no bound recorded for preset {preset}")
+    bound = PRESET_BOUND.get(preset, DEFAULT_BOUND)
     m, k, n = 256, 512, 384
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
     bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -170,7 +172,7 @@ def test_linear_native_vs_emulated(preset, gen):
     for name, g, r in zip(("y", "dx", "dw"), got, ref):
         assert torch.isfinite(g).all(), f"{preset}: non-finite {name}"
         e = rel_err(g, r)
-        assert e < PRESET_BOUND[preset], f"{preset}: {name} native vs emulated relative error {e:.2e}"
+        assert e < bound, f"{preset}: {name} native vs emulated relative error {e:.2e} (bound {bound:g})"
 
 
 @needs_ext
