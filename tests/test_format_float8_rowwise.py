@@ -89,6 +89,31 @@ def test_row_shards_gather_into_the_whole_quantization(shape, world_size):
                                                                f"shards")
 
 
+# ---- the preset ---------------------------------------------------------------------------------------------------
+
+def test_fp8_rowwise_is_torchaos_rowwise_recipe():
+    """torchao's Float8LinearRecipeName.ROWWISE: E4M3 for input, weight and grad_output, axiswise scales rounded down
+    to powers of two (docs/numerics.md "Rowwise FP8")."""
+    r = hq.recipe("fp8_rowwise")
+    for t in ("input", "weight", "grad_output"):
+        q = r.quantizer(hq.Role("linear", t, "fc"))
+        assert isinstance(q, Float8RowwiseQuantizer), f"{t}: {q!r}"
+        assert q.dtype == torch.float8_e4m3fn and q.power_2_scale, f"{t}: {q.describe()}, pow2={q.power_2_scale}"
+
+
+def test_the_format_module_declares_its_preset():
+    from hybridq.formats import float8_rowwise
+    from hybridq.formats._presets import declared_presets
+    assert declared_presets()["fp8_rowwise"][0] is float8_rowwise.fp8_rowwise
+    assert "fp8_rowwise" in hq.preset_names() and hq.recipe("fp8_rowwise").qfactory is float8_rowwise.fp8_rowwise
+
+
+def test_declaring_a_preset_name_twice_is_refused():
+    from hybridq.formats._presets import declare_preset
+    with pytest.raises(ValueError, match="'fp8_rowwise' is declared twice"):
+        declare_preset("fp8_rowwise", "another")(lambda role: None)
+
+
 # ---- GEMM: selected by the declared scale layout ----------------------------------------------------------------
 
 def test_rowwise_parts_declare_the_row_scale_layout():
