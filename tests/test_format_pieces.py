@@ -29,46 +29,38 @@ def _pieces(q, x, cuts, rowwise, columnwise, cut="K"):
     return bounds, [q.quantize_piece(p, rowwise, columnwise, reduced, cut) for p in pieces]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("direction", ["rowwise", "columnwise", "both"])
-def test_a_column_piece_is_the_piece_of_the_whole_quantization(name, direction):
-    q = CASES[name]()
-    rowwise, columnwise = direction in ("rowwise", "both"), direction in ("columnwise", "both")
-    g_rows, g_cols = q.split_granularity(rowwise, columnwise)
-    m, k = 2 * max(g_rows, 16), 3 * max(g_cols, 16)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-2, 2, k)
-    x[0, -1] = 300.0  # the global amax lies in the last piece
-    whole = q.quantize_parts(x, rowwise, columnwise)
-    bounds, pieces = _pieces(q, x, [k // 3, 2 * k // 3], rowwise, columnwise)
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        for d, (got, want) in enumerate(zip(pieces[i], whole)):
-            if want is None:
-                continue
-            want_vals = want.dequantize_2d()
-            want_vals = want_vals[:, a:b] if d == 0 else want_vals[a:b, :]
-            assert_bitwise(got.dequantize_2d(), want_vals,
-                           f"{name} {('rowwise', 'columnwise')[d]} values of columns [{a}, {b})")
+def _piece_of(t: torch.Tensor, cut: str, a: int, b: int) -> torch.Tensor:
+    """Rows (cut "M") or columns (cut "K") [a, b) of a `[M, K]` tensor."""
+    return t[:, a:b] if cut == "K" else t[a:b]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise", "both"])
-def test_a_row_piece_is_the_piece_of_the_whole_quantization(name, direction):
+@pytest.mark.parametrize("cut", ["K", "M"], ids=["column_pieces", "row_pieces"])
+def test_a_piece_is_the_piece_of_the_whole_quantization(name, direction, cut):
     q = CASES[name]()
     rowwise, columnwise = direction in ("rowwise", "both"), direction in ("columnwise", "both")
     g_rows, g_cols = q.split_granularity(rowwise, columnwise)
-    m, k = 3 * max(g_rows, 16), 2 * max(g_cols, 16)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, m)[:, None]
-    x[-1, 0] = 300.0  # the global amax lies in the last piece
+    if cut == "K":  # 3 pieces of K, the global amax in the last one
+        m, k = 2 * max(g_rows, 16), 3 * max(g_cols, 16)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-2, 2, k)
+        x[0, -1] = 300.0
+    else:  # 3 pieces of M
+        m, k = 3 * max(g_rows, 16), 2 * max(g_cols, 16)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, m)[:, None]
+        x[-1, 0] = 300.0
+    n = k if cut == "K" else m
     whole = q.quantize_parts(x, rowwise, columnwise)
-    bounds, pieces = _pieces(q, x, [m // 3, 2 * m // 3], rowwise, columnwise, cut="M")
+    bounds, pieces = _pieces(q, x, [n // 3, 2 * n // 3], rowwise, columnwise, cut)
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         for d, (got, want) in enumerate(zip(pieces[i], whole)):
             if want is None:
                 continue
-            want_vals = want.dequantize_2d()
-            want_vals = want_vals[a:b, :] if d == 0 else want_vals[:, a:b]
-            assert_bitwise(got.dequantize_2d(), want_vals,
-                           f"{name} {('rowwise', 'columnwise')[d]} values of rows [{a}, {b})")
+            stored = want.dequantize_2d()  # [M, K] rowwise, [K, M] columnwise
+            want_vals = _piece_of(stored if d == 0 else stored.t(), cut, a, b)
+            assert_bitwise(got.dequantize_2d(), want_vals if d == 0 else want_vals.t(),
+                           f"{name} {('rowwise', 'columnwise')[d]} values of {'columns' if cut == 'K' else 'rows'} "
+                           f"[{a}, {b})")
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "fp8blk_1x128_e4m3", "nvfp4", "hybrid_mxfp8_nvfp4_rht"])
