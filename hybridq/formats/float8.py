@@ -23,12 +23,9 @@ from .shardable import GatherablePart, ShardableQuantizer
 _ALGOS = ("max", "most_recent")
 
 
-class Float8TensorPart(GatherablePart, QuantizedPart):
-    """data: fp8 `[rows, cols]`; scale_inv: fp32 `[1]` (dequantize = fp32(data) * scale_inv)."""
-
-    format_name = "FP8"
-    tensor_fields = ("data", "scale_inv")
-    scale_layout = ScaleLayout.TENSOR
+class ScaledFP8Values:
+    """What FP8 parts of fp8 `data` and an fp32 `scale_inv` that broadcasts over it share (per tensor `[1]`, per row
+    `[rows, 1]`): dequantize = fp32(data) * scale_inv."""
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv
@@ -38,6 +35,14 @@ class Float8TensorPart(GatherablePart, QuantizedPart):
 
     def element_scales(self) -> torch.Tensor:
         return self.scale_inv.expand(self.rows, self.cols)
+
+
+class Float8TensorPart(ScaledFP8Values, GatherablePart, QuantizedPart):
+    """data: fp8 `[rows, cols]`; scale_inv: fp32 `[1]` (dequantize = fp32(data) * scale_inv)."""
+
+    format_name = "FP8"
+    tensor_fields = ("data", "scale_inv")
+    scale_layout = ScaleLayout.TENSOR
 
     def transposed(self) -> "Float8TensorPart":
         return Float8TensorPart(rows=self.cols, cols=self.rows, columnwise=not self.columnwise,

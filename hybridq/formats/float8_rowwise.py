@@ -23,26 +23,18 @@ import torch
 from ._numerics import FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
 from ._presets import declare_preset
 from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
+from .float8 import ScaledFP8Values
 from .shardable import GatherablePart, ShardableQuantizer
 
 CUTS = ("M", "K")  # a tensor-parallel piece is cut along M (a row piece) or along K (a column piece)
 
 
-class Float8RowwisePart(GatherablePart, QuantizedPart):
+class Float8RowwisePart(ScaledFP8Values, GatherablePart, QuantizedPart):
     """data: fp8 `[rows, cols]`; scale_inv: fp32 `[rows, 1]`, one per stored row (dequantize = data * scale_inv)."""
 
     format_name = "FP8-rowwise"
     tensor_fields = ("data", "scale_inv")
     scale_layout = ScaleLayout.ROW
-
-    def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
-        return self.data.float() * self.scale_inv
-
-    def element_values(self) -> torch.Tensor:
-        return self.data.view(torch.uint8)
-
-    def element_scales(self) -> torch.Tensor:
-        return self.scale_inv.expand(self.rows, self.cols)
 
     # FSDP buffer protocol: a rowwise part's scales are per row of the shard (gathered with the data); a columnwise
     # part's are per column of the whole tensor, from the reduced column amaxes, so every shard holds them all.
