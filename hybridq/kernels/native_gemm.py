@@ -107,16 +107,23 @@ def fp8_tensor_shape_supported(m: int, k: int, n: int) -> bool:
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
 
 
-def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
-    if not _on_cuda(a, b) or _cap(a.data) < (8, 9):
+def _fp8_supports(a, b, min_cap: tuple[int, int], pair_ok, what: str) -> bool:
+    """Whether an FP8 tensor-core GEMM takes parts `a`, `b` (fp8 `data`): one CUDA device of capability >= `min_cap`,
+    element types `pair_ok(a_dtype, b_dtype)`, contiguous data, every dimension a multiple of 16 (else a one-time
+    warning naming the operands: the emulated GEMM runs)."""
+    if not _on_cuda(a, b) or _cap(a.data) < min_cap:
         return False
-    if not fp8_tensor_pair_supported(a.data.dtype, b.data.dtype):
+    if not pair_ok(a.data.dtype, b.data.dtype):
         return False
     if not fp8_tensor_shape_supported(a.rows, a.cols, b.rows):
-        _warn_once(("fp8", a.rows, a.cols, b.rows), f"hybridq: FP8 GEMM {_shapes(a, b)}: dimensions not divisible "
+        _warn_once((what, a.rows, a.cols, b.rows), f"hybridq: {what} GEMM {_shapes(a, b)}: dimensions not divisible "
                    f"by 16 (the FP8 tensor cores need them); using the emulated GEMM")
         return False
     return a.data.is_contiguous() and b.data.is_contiguous()
+
+
+def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
+    return _fp8_supports(a, b, (8, 9), fp8_tensor_pair_supported, "FP8")
 
 
 def fp8_tensor_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
@@ -143,17 +150,8 @@ def _fp8_tensor_run(a: Float8TensorPart, b: Float8TensorPart, out_dtype: torch.d
 # ---- FP8 with one scale per row (ScaleLayout.ROW x ROW: the rowwise format, any part declaring that layout) ----
 
 def _fp8_row_supports(a, b) -> bool:
-    """`torch._scaled_mm` with per-row scales (CUTLASS, sm_90): E4M3 x E4M3, fp32 scales `[M, 1]` x `[1, N]`, every
-    dimension a multiple of 16."""
-    if not _on_cuda(a, b) or _cap(a.data) < (9, 0):
-        return False
-    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
-        return False
-    if not fp8_tensor_shape_supported(a.rows, a.cols, b.rows):
-        _warn_once(("fp8-row", a.rows, a.cols, b.rows), f"hybridq: FP8 rowwise GEMM {_shapes(a, b)}: dimensions not "
-                   f"divisible by 16 (the FP8 tensor cores need them); using the emulated GEMM")
-        return False
-    return a.data.is_contiguous() and b.data.is_contiguous()
+    """`torch._scaled_mm` with per-row scales (CUTLASS, sm_90): E4M3 x E4M3, fp32 scales `[M, 1]` x `[1, N]`."""
+    return _fp8_supports(a, b, (9, 0), lambda da, db: da == db == torch.float8_e4m3fn, "FP8 rowwise")
 
 
 def fp8_row_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
