@@ -117,6 +117,44 @@ def test_tensor_module_does_not_import_formats():
     assert not {d for d in GRAPH["hybridq.tensor"] if d != "hybridq.enums"}, GRAPH["hybridq.tensor"]
 
 
+# torch's private state: read only through the adapters, so that a torch upgrade touches these files only
+TORCH_ADAPTERS = {"hybridq.torch_private", "hybridq.distributed.fsdp_adapter"}
+TORCH_PRIVATE = {
+    "_local_tensor", "_storage_Use_Count",  # DTensor's local tensor, a storage's use count
+    # FSDP2's state: its param groups, their training state and reduce-scatter, an FSDPParam's module and outputs
+    "_get_fsdp_state", "_fsdp_param_group", "_fsdp_param_groups", "_training_state", "_module_info",
+    "_reduce_scatter_comm", "all_gather_outputs", "post_forward_mesh_info",
+}
+
+
+def _private_reads(path: pathlib.Path) -> list[str]:
+    """`line: name` of every read of a TORCH_PRIVATE attribute (attribute access or a getattr / setattr / hasattr
+    string) and every import of FSDP2's private modules in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in TORCH_PRIVATE:
+            out.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and node.args[1].value in TORCH_PRIVATE:
+            out.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.fsdp._"):
+            out.append(f"{node.lineno}: from {node.module} import ...")
+    return out
+
+
+def test_torch_private_state_is_read_only_through_the_adapters():
+    found = {m: _private_reads(p) for m, p in MODULES.items() if m not in TORCH_ADAPTERS}
+    found = {m: r for m, r in found.items() if r}
+    assert not found, ("torch private state read outside " + ", ".join(sorted(TORCH_ADAPTERS)) + " (use "
+                       "hybridq.torch_private.local_tensor / storage_use_count or distributed.fsdp_adapter): "
+                       + "; ".join(f"{m} {r}" for m, r in sorted(found.items())))
+
+
+def test_the_torch_adapter_is_a_leaf():
+    assert GRAPH["hybridq.torch_private"] == set(), GRAPH["hybridq.torch_private"]
+
+
 # ---- a format lives in one module (docs/architecture.md "Extension points"; fp8_rowwise is the worked example) ----
 
 REPO = ROOT.parent

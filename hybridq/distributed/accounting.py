@@ -11,7 +11,7 @@ from ..recipe import Role
 from .payload import gather_bytes_for, rows_of
 from .plan import make_plan
 from .state import WeightState
-from .transport import transport_view
+from .layout import transport_view
 
 __all__ = ["bytes_table", "gather_bytes_per_step", "sequence_bytes_table", "sequence_gather_bytes"]
 

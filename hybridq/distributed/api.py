@@ -1,5 +1,6 @@
-"""Public entry points: `apply_hybrid_fsdp` (before `fully_shard`) and `precompute_scales` (after each
-optimizer step)."""
+"""`apply_hybrid_fsdp` (before `fully_shard`): check the recipe against every weight, convert the layers, and wrap
+each weight FSDP2 will shard in the type whose all-gather hooks gather it quantized: a Linear's `HybridWeight`, a
+GroupedLinear's or expert module's `GroupedHybridWeight` (`weights.py`). `precompute_scales` is in `scales.py`."""
 
 from __future__ import annotations
 
@@ -7,33 +8,42 @@ import collections
 import logging
 from typing import Callable
 
-import torch
 import torch.nn as nn
 
-from ..formats._sharding import dim0_chunks
-from ..formats._reduce import amax_all_reduce_
+from ..errors import FormatShapeError
+from ..formats.base import Quantizer
 from ..formats.shardable import check_shardable
-from ..nn.convert import ConversionReport, convert_linears
+from ..nn.convert import ConversionReport, LayerReport, convert_linears
+from ..nn.grouped import GroupedLinear, converted_experts, expert_name, expert_weight_names, install_expert_module, \
+    plan_expert_module
 from ..nn.linear import Linear
 from ..nn.quantized_params import quantized_param_info
 from ..recipe import CustomRecipe, Role, resolve_recipe
+from ..torch_private import local_tensor
 from .grad_reduce import arm_grad_reduce, check_rearm, parse_grad_reduce
-from .grouped import apply_grouped, check_grouped_recipe, grouped_stats_items, plan_grouped
-from .state import WeightState
-from .transport import stats_key
-from .weights import HybridWeight
+from .state import GroupedWeightState, WeightState
+from .weights import GroupedHybridWeight, HybridWeight
 
-__all__ = ["apply_hybrid_fsdp", "precompute_scales"]
+__all__ = ["apply_hybrid_fsdp"]
 
 log = logging.getLogger("hybridq")
+
+
+def _refuse_delayed(q: Quantizer, whose: str) -> None:
+    if q.is_stateful:
+        raise ValueError(
+            f"apply_hybrid_fsdp: the weight of {whose} uses delayed scaling ({q.describe()}); under FSDP2 every rank "
+            f"quantizes its shard and backward re-gathers the weight, so a scale that changes between casts cannot "
+            f"give the single-device result. Use current scaling (e.g. the 'fp8_tensorwise' preset: its global amax "
+            f"costs one fused all-reduce per step).")
 
 
 def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
     from torch.distributed.tensor import DTensor
 
     for key, v in list(state_dict.items()):
-        if isinstance(v, DTensor) and isinstance(v._local_tensor, HybridWeight):
-            state_dict[key] = DTensor.from_local(v._local_tensor._data, v.device_mesh, v.placements,
+        if isinstance(v, DTensor) and isinstance(local_tensor(v), HybridWeight):
+            state_dict[key] = DTensor.from_local(local_tensor(v)._data, v.device_mesh, v.placements,
                                                  run_check=False, shape=v.shape, stride=v.stride())
         elif isinstance(v, HybridWeight):
             state_dict[key] = v._data
@@ -49,7 +59,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
     wraps the weight of every hybridq Linear in a `HybridWeight`; likewise applies the recipe to every
     `GroupedLinear` and converts every expert module (`hybridq_grouped_weights`, as `convert_experts`) and wraps
     their `[E, out, in]` weights in a `GroupedHybridWeight` (each expert gathered quantized, for FSDP2's Shard(0)
-    and Shard(1) placements; see `distributed/grouped.py`), so that FSDP2 all-gathers the weight in the
+    and Shard(1) placements; see `distributed/layout.py`), so that FSDP2 all-gathers the weight in the
     recipe's weight format: rowwise in forward, only what dgrad reads in backward, a direction that is an exact
     transform of the other derived after the gather. The gathered weight is bitwise the quantization of the
     full weight (global amaxes and split blocks are reduced across shards; see docs/fsdp2.md). Call
@@ -94,20 +104,16 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
                 raise ValueError(f"apply_hybrid_fsdp: {full}.weight is already a DTensor; call apply_hybrid_fsdp "
                                  f"before parallelize_module and fully_shard (torchtitan's order: convert, tensor-parallelize with "
                                  f"hybridq.distributed's styles, then fully_shard over the dp mesh dimension)")
-            q = recipe.quantizer(Role("linear", "weight", full))  # what convert_linears gives it, converted or not
+            # (what convert_linears gives it, converted or not)
+            q = recipe.quantizer(Role("linear", "weight", full))
             check_shardable(q, child.weight.shape, child.weight.dtype, f"the weight of {full}", "apply_hybrid_fsdp")
-            if q.is_stateful:
-                raise ValueError(
-                    f"apply_hybrid_fsdp: the weight of {full} uses delayed scaling ({q.describe()}); under FSDP2 "
-                    f"every rank quantizes its shard and backward re-gathers the weight, so a scale that changes "
-                    f"between casts cannot give the single-device result. Use current scaling (e.g. the "
-                    f"'fp8_tensorwise' preset: its global amax costs one fused all-reduce per step).")
+            _refuse_delayed(q, full)
     # grouped (mixture-of-experts) weights: GroupedLinear and expert modules (hybridq_grouped_weights)
-    check_grouped_recipe(model, recipe, module_filter_fn)
-    grouped_todo, grouped_skipped = plan_grouped(model, recipe, module_filter_fn, on_incompatible)
+    _check_grouped_recipe(model, recipe, module_filter_fn)
+    grouped_todo, grouped_skipped = _plan_grouped(model, recipe, module_filter_fn, on_incompatible)
     report = convert_linears(model, recipe, module_filter_fn, on_incompatible=on_incompatible, norms=norms)
     counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    report.layers += apply_grouped(model, recipe, grouped_todo, counts) + grouped_skipped
+    report.layers += _apply_grouped(model, recipe, grouped_todo, counts) + grouped_skipped
     for fqn, mod in model.named_modules():
         if not isinstance(mod, Linear) or isinstance(mod.weight, HybridWeight):
             continue
@@ -131,61 +137,81 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
     return report
 
 
-def _shard_info(p):
-    """(mesh, shard mesh dim, world size, rank) of a DTensor parameter sharded on dim 0, else None."""
-    from torch.distributed.tensor import DTensor, Shard
+# ---- the grouped weights: GroupedLinear and expert modules -------------------------------------------------------
 
-    if not isinstance(p, DTensor):
-        return None
-    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == 0]
-    if len(dims) != 1:
-        return None
-    mesh, i = p.device_mesh, dims[0]
-    return mesh, i, mesh.size(i), mesh.get_local_rank(i)
+def _grouped_weight_modules(model: nn.Module, module_filter_fn=None) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) of every GroupedLinear and expert module (`hybridq_grouped_weights`) the filter accepts."""
+    out = []
+    for fqn, mod in model.named_modules():
+        if not (isinstance(mod, GroupedLinear) or expert_weight_names(mod) is not None):
+            continue
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+            continue
+        out.append((fqn, mod))
+    return out
 
 
-@torch.no_grad()
-def precompute_scales(model: nn.Module) -> dict:
-    """Reduce the cross-shard statistics of every converted FSDP2-sharded weight of `model` in one fused
-    all-reduce per process group; call it after `optimizer.step()` on every rank (it is a collective). The
-    next all-gathers use them instead of one all-reduce per weight. A harmless no-op on a model that is not
-    sharded. Returns {"weights": n, "values": reduced fp32 values, "all_reduces": collectives issued}."""
-    per_group: dict = {}
-    for mod in model.modules():
-        if not isinstance(mod, Linear):
-            continue
-        p = mod._parameters.get("weight")
-        info = _shard_info(p)
-        if info is None or not isinstance(p._local_tensor, HybridWeight):
-            continue
-        mesh, i, ws, rank = info
-        local = p._local_tensor
-        st = local._hq
-        if ws == 1 or st.tp_group is not None:  # (a TP piece's per-tensor statistics are reduced at its gather)
-            continue
-        dtype = st.param_dtype or local.dtype
-        shape = tuple(p.shape)
-        shard = dim0_chunks(shape, ws)[rank]
-        data = local._data
-        x2d = data.to(dtype).reshape(shard.length, shape[-1])
-        s = mod.weight_quantizer.shard_stats(x2d, shard)
-        if s is None:
-            continue
-        key = stats_key(p, dtype, shard)
-        group = mesh.get_group(i)
-        device = (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
-                  else torch.device(mesh.device_type))
-        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s.reshape(-1).float()))
-    for group, device, st, key, s in grouped_stats_items(model):  # all experts of a grouped weight: one entry
-        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
-    values = 0
-    for group, items, device in per_group.values():
-        flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device
-        amax_all_reduce_(flat, group)
-        i = 0
-        for st, key, s in items:
-            st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
-            i += s.numel()
-        values += flat.numel()
-    return {"weights": sum(len(v[1]) for v in per_group.values()), "values": values,
-            "all_reduces": len(per_group)}
+def _check_grouped_recipe(model: nn.Module, recipe: CustomRecipe, module_filter_fn=None) -> None:
+    """Reject delayed scaling on any expert weight (as apply_hybrid_fsdp does for Linear weights)."""
+    for fqn, mod in _grouped_weight_modules(model, module_filter_fn):
+        if isinstance(mod, GroupedLinear):
+            names, weights = [mod._role_name or fqn], [mod.weight]
+        else:
+            names = [f"{fqn}.{n}" if fqn else n for n in expert_weight_names(mod)]
+            weights = [getattr(mod, n, None) for n in expert_weight_names(mod)]
+        for name, w in zip(names, weights):
+            if hasattr(w, "device_mesh"):
+                raise ValueError(f"apply_hybrid_fsdp: {name} is already a DTensor; call apply_hybrid_fsdp before "
+                                 f"fully_shard")
+            for e in range(w.shape[0] if w is not None and w.dim() == 3 else 0):
+                _refuse_delayed(recipe.quantizer(Role("grouped_linear", "weight", expert_name(name, e))),
+                                f"expert {e} of {name}")
+
+
+def _plan_grouped(model: nn.Module, recipe: CustomRecipe, module_filter_fn=None, on_incompatible: str = "skip"):
+    """Check every grouped weight against `recipe` before anything changes. Returns the work `_apply_grouped`
+    does and the report rows of the layers kept in their precision."""
+    todo, skipped = [], []
+    for fqn, mod in _grouped_weight_modules(model, module_filter_fn):
+        try:
+            if isinstance(mod, GroupedLinear):
+                quantizers = None if mod.recipe == recipe else mod.quantizers_for(recipe)
+                todo.append((fqn, mod, quantizers))
+            else:
+                todo.append((fqn, mod, plan_expert_module(fqn, mod, recipe)))
+        except FormatShapeError as e:
+            if on_incompatible != "skip":
+                raise
+            log.warning("hybridq: keeping grouped layer %r in its precision: %s", fqn, e)
+            prev = mod.recipe.name if isinstance(mod, GroupedLinear) else None
+            skipped.append(LayerReport(fqn, False, reason=str(e), previous_recipe=prev))
+    return todo, skipped
+
+
+def _apply_grouped(model: nn.Module, recipe: CustomRecipe, todo, counts) -> list:
+    """Install the planned recipes and wrap each grouped weight in a GroupedHybridWeight. Returns report rows."""
+    rows = []
+    for fqn, mod, plan in todo:
+        if isinstance(mod, GroupedLinear):
+            prev = mod.recipe.name
+            if plan is not None:
+                mod.install_recipe(recipe, plan)
+            rows.append(LayerReport(fqn, True, mod.describe_formats(), previous_recipe=prev, unchanged=plan is None))
+            targets = [("weight", f"{fqn or mod.name}.weight", mod)]
+        else:
+            install_expert_module(mod, plan)
+            layers = converted_experts(mod)
+            rows += [LayerReport(g.name, True, g.describe_formats()) for g in layers.values()]
+            targets = [(n, g.name, g) for n, g in layers.items()]
+        for attr, name, layer in targets:
+            w = getattr(mod, attr)
+            if isinstance(w, GroupedHybridWeight):
+                continue
+            if counts[id(w)] > 1:
+                log.warning("hybridq: %s is shared with another module; FSDP2 gathers it in high precision", name)
+                continue
+            new = nn.Parameter(GroupedHybridWeight(w.data, GroupedWeightState(model, name, attr)),
+                               requires_grad=w.requires_grad)
+            setattr(mod, attr, new)
+            layer._parameters["weight"] = new
+    return rows

@@ -1,21 +1,33 @@
-"""The unsharded weight FSDP2 registers on the module between unshard and reshard."""
+"""The unsharded weight FSDP2 registers on the module between unshard and reshard: a Linear's `GatheredWeight`, a
+grouped weight's `GroupedGatheredWeight` (whose `unbind(0)` gives each expert's `GatheredWeight`); and the steps
+that take FSDP2's all-gather output to the parts they hold (`received`, `complete_parts`)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..tensor import QuantizedTensor
-from ..weight_forms import HighPrecisionSource
+from ..weight_forms import ExpertsTensor, GroupedGatheredForm, HighPrecisionSource
 from .payload import DIRECTIONS, HIGH_PRECISION
+from .plan import GatherPlan
 
-__all__ = ["GatheredWeight"]
+__all__ = ["GatheredWeight", "GroupedGatheredWeight", "complete_parts", "received"]
 
 aten = torch.ops.aten
 
 
+def _whole_view(args, kwargs) -> bool:
+    """as_strided(t, size, stride, offset) onto t's own shape and strides (how FSDP2 views the unsharded
+    parameter): an alias."""
+    t, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    return tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()) and not offset
+
+
 class GatheredWeight(QuantizedTensor, HighPrecisionSource):
     """A QuantizedTensor whose directions are filled by the all-gathers (or, for a direction nobody planned
-    for, gathered on first use). Its buffers belong to the weight's `WeightState` (`state.py`)."""
+    for, gathered on first use). Its buffers belong to the weight's `WeightState` (`state.py`, `buffers.py`)."""
 
     @staticmethod
     def __new__(cls, rowwise, columnwise, *, shape, dtype, state, requires_grad: bool = False):
@@ -52,13 +64,69 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
             return args[0]._alias()
         if func is aten.view.default and tuple(args[1]) == tuple(args[0].shape):
             return args[0]._alias()  # DTensor.to_local() of a tensor-parallel piece (2-D meshes)
-        if func is aten.as_strided.default:
-            t, size, stride = args[0], args[1], args[2]
-            offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
-            if tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()) and not offset:
-                return t._alias()
+        if func is aten.as_strided.default and _whole_view(args, kwargs):
+            return args[0]._alias()
         return QuantizedTensor.__torch_dispatch__(func, types, args, kwargs)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, formats={self.formats}, "
                 f"materialized={self.materialized or 'none'})")
+
+
+class GroupedGatheredWeight(GroupedGatheredForm, ExpertsTensor):
+    """The unsharded grouped weight FSDP2 registers on the module between unshard and reshard: `[E, out, in]`
+    whose `unbind(0)` gives each expert's `GatheredWeight` (a QuantizedTensor; autograd stacks the experts'
+    weight gradients into a plain `[E, out, in]` gradient). Other ops raise: the experts are quantized."""
+
+    @staticmethod
+    def __new__(cls, experts, *, shape, dtype, state):
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=experts[0].device,
+                                                   requires_grad=False)
+        self._experts = list(experts)
+        self._hq = state
+        return self
+
+    def _alias(self) -> "GroupedGatheredWeight":
+        return GroupedGatheredWeight(self._experts, shape=self.shape, dtype=self.dtype, state=self._hq)
+
+    def ensure_direction(self, direction: str) -> None:
+        for g in self._experts:
+            g.part(direction)
+
+    def _other_op(self, func, args, kwargs):
+        if func is aten.as_strided.default and _whole_view(args, kwargs):
+            return self._alias()
+        raise TypeError(f"GroupedGatheredWeight (the unsharded quantized weight {self._hq.name}) supports only "
+                        f"unbind(0) (each expert's quantized weight), detach and alias; got {func}")
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"GroupedGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"experts={len(self._experts)}, formats={self._experts[0].formats})")
+
+
+def received(gathered: torch.Tensor, metas) -> dict:
+    """After the all-gather: keep the replicated tensors alive for this stream; the storages never to adopt."""
+    replicated = [t for meta in metas for rep in meta.replicated.values() for t in rep.values() if t is not None]
+    if gathered.is_cuda:
+        # fsdp_pre_all_gather ran on FSDP2's all-gather copy-in stream: the replicated tensors (per-tensor
+        # scales, tile-scale grids, global amaxes) were allocated there and are read here on the current
+        # stream. Without this, once the metadata is dropped the caching allocator hands their blocks to
+        # the next weight's pre-all-gather (copy-in stream) while this stream's reads are still queued.
+        stream = torch.cuda.current_stream(gathered.device)
+        for t in replicated:
+            if t.is_cuda:
+                t.record_stream(stream)
+    # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
+    return {"forbidden": {gathered.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr()
+                                                                     for t in replicated}}
+
+
+def complete_parts(q: Quantizer, parts: dict, plan: GatherPlan, dtype) -> dict:
+    """The gathered parts plus what this unshard makes locally: quantized from the gathered high-precision weight
+    (the full weight), or the columnwise form derived from the rowwise one."""
+    if plan.local:
+        r, c = q.quantize_parts(parts[HIGH_PRECISION].data, ROWWISE in plan.local, COLUMNWISE in plan.local)
+        parts.update({d: p for d, p in ((ROWWISE, r), (COLUMNWISE, c)) if d in plan.local})
+    elif plan.derive:
+        parts[COLUMNWISE] = q.derive_part(parts[ROWWISE], COLUMNWISE, dtype)
+    return parts

@@ -17,154 +17,26 @@ Directions by what their blocks allow:
   element on the wire);
 - "plain": a parameter held in high precision (norms, biases, embeddings): the cast fragment is gathered.
 A direction the format derives exactly from the other (per-tensor FP8, 2-D tiles, double quantization) is not
-stored by a quantized parameter (`quantized_params`), so nothing is sent for it.
+stored by a quantized parameter (`quantized_params`), so nothing is sent for it. Each direction's plan (a `Task`)
+is made in `master_tasks.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..enums import COLUMNWISE, ROWWISE
 from ..formats._numerics import pack_nibbles, unpack_nibbles
-from ..formats._sharding import cdiv
-from ..formats.base import Quantizer, shape_2d
-from ..formats.float8_block import Float8BlockPart
-from ..formats.hybrid import HybridQuantizer
 from ..formats._reduce import amax_all_reduce_
+from ..formats._sharding import cdiv
 from ..nn.quantized_experts import QuantizedExpertWeights
 from ..nn.quantized_params import copy_part_into, quantized_param_info
-from ..tensor import QuantizedTensor
 from .fragments import FragmentLayout, edge_block_rows, gather_layouts, owned_block_rows, padded_rows
+from .master_tasks import Task, as_bytes, build_part, piece_sizes, plan_tasks, row_buffers
 
 __all__ = ["quantize_master_weights"]
-
-
-@dataclasses.dataclass
-class _Task:
-    """One direction of one weight (or a plain weight): how it is made and what it sends."""
-
-    index: int
-    direction: str | None
-    kind: str  # "elementwise" | "blocks" | "high_precision" | "plain"
-    q: Quantizer | None  # the plain quantizer of this direction
-    m: int
-    k: int
-    dtype: torch.dtype
-    gr: int = 1
-    gc: int = 1
-    n_global: int = 0  # length of the direction's global statistics
-    edges: tuple[int, ...] = ()
-    stats_at: int = 0
-    packed: bool = False  # two codes per byte (NVFP4)
-    code_dtype: torch.dtype | None = None  # the data buffer's dtype
-    scales: tuple = ()  # (name, row_block, row shape, dtype) of each scale buffer in row order
-    part_type: type | None = None
-    meta: dict = dataclasses.field(default_factory=dict)
-    hints: dict = dataclasses.field(default_factory=dict)
-    local: torch.Tensor | None = None  # this rank's padded rows, other ranks' elements 0 (blocks)
-    replicated: dict = dataclasses.field(default_factory=dict)  # tensors every rank computes alike (global scale)
-
-    @property
-    def columnwise(self) -> bool:
-        return self.direction == COLUMNWISE
-
-
-def _direction_quantizer(q: Quantizer, d: str) -> Quantizer:
-    if isinstance(q, HybridQuantizer):
-        return q.rowwise if d == ROWWISE else q.columnwise
-    return q
-
-
-def _grid_tiles(part) -> bool:
-    """FP8 128x128 tiles: the part holds its tile-scale grid (sent here as scale rows of 128 tensor rows)."""
-    return isinstance(part, Float8BlockPart) and part.block_dim == 2
-
-
-def _row_buffers(part, hints: dict) -> tuple[list, dict]:
-    """The part's buffers in row order (name, tensor, row_block), and the tensors every rank computes alike."""
-    if _grid_tiles(part):
-        grid = part.scale_inv.t() if part.columnwise else part.scale_inv
-        return [("data", part.data_in_row_order(), 1), ("scale_inv", grid.contiguous(), 128)], {}
-    return part.extract_buffers(None, **hints)
-
-
-def _build_part(t: _Task, buffers: dict, replicated: dict):
-    rows, cols = (t.k, t.m) if t.columnwise else (t.m, t.k)
-    if t.part_type is Float8BlockPart and t.meta.get("block_dim") == 2:
-        grid = buffers["scale_inv"]
-        return Float8BlockPart(rows=rows, cols=cols, columnwise=t.columnwise,
-                               data=Float8BlockPart.data_from_row_order(buffers["data"], t.columnwise),
-                               scale_inv=grid.t().contiguous() if t.columnwise else grid, block_dim=2)
-    return t.part_type.assign_gathered(buffers, replicated, rows=rows, cols=cols, columnwise=t.columnwise,
-                                       meta=t.meta, **t.hints)
-
-
-def _plan(index: int, w: torch.Tensor, name: str) -> list[_Task]:
-    m, k = shape_2d(tuple(w.shape))
-    info = quantized_param_info(w)
-    if info is None:
-        if isinstance(w, QuantizedTensor):
-            raise TypeError(f"hybridq quantize_master_weights: {name} is a QuantizedTensor but not a quantized "
-                            f"parameter (hybridq.quantized_model_init / quantize_parameters)")
-        return [_Task(index, None, "plain", None, m, k, w.dtype)]
-    tasks = []
-    for d in (ROWWISE, COLUMNWISE):
-        if not w.has(d):
-            continue
-        qd = _direction_quantizer(info.quantizer, d)
-        if qd.is_stateful or getattr(qd, "stochastic_rounding", False):
-            raise ValueError(f"hybridq quantize_master_weights: the {d} form of {name} ({info.layer}) uses "
-                             f"{qd.describe()}; {'delayed scaling carries a scale across steps' if qd.is_stateful else 'stochastic rounding draws per fragment'}, "
-                             f"so fragments cannot reproduce the whole weight's quantization")
-        row, col = d == ROWWISE, d == COLUMNWISE
-        if col and getattr(qd, "rht", False):
-            tasks.append(_Task(index, d, "high_precision", qd, m, k, w.dtype))
-            continue
-        gr, gc = qd.split_granularity(row, col)
-        kind = "elementwise" if (gr, gc) == (1, 1) else "blocks"
-        g = qd.global_stats(torch.empty(1, 0, device="meta"), row, col)
-        probe_rows = 1 if kind == "elementwise" else min(gr, m)
-        probe = qd.quantize_parts(torch.empty(probe_rows, k if kind == "blocks" else 1, dtype=w.dtype, device="meta"),
-                                  row, col, **({} if g is None else {"global_stats": torch.zeros(g.numel(),
-                                                                                                 device="meta")}))
-        part = probe[0] if row else probe[1]
-        hints = qd.buffer_hints(d)
-        bufs, _ = _row_buffers(part, hints)
-        data = dict((n, t) for n, t, _ in bufs)["data"]
-        width = k if kind == "blocks" else 1
-        tasks.append(_Task(
-            index, d, kind, qd, m, k, w.dtype, gr, gc, 0 if g is None else g.numel(),
-            packed=data.shape[-1] * 2 == width and width > 1, code_dtype=data.dtype,
-            scales=tuple((n, rb, tuple(t.shape[1:]), t.dtype) for n, t, rb in bufs if n != "data"),
-            part_type=type(part), meta=part.meta(), hints=hints))
-    return tasks
-
-
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty(0, dtype=dtype).element_size()
-
-
-def _sizes(t: _Task, start: int, length: int) -> list[int]:
-    """Bytes each piece of the task takes in a rank's payload: codes, then each scale buffer's rows."""
-    if t.kind in ("plain", "high_precision"):
-        return [length * _nbytes((), t.dtype)]
-    codes = cdiv(length, 2) if t.packed else length * _nbytes((), t.code_dtype)
-    out = [codes]
-    for _, rb, shape, dtype in t.scales:
-        a, b = owned_block_rows(start, length, t.k, rb)
-        out.append((b - a) * _nbytes(shape, dtype))
-    return out
-
-
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8).reshape(-1) if x.numel() else x.new_empty(0, dtype=torch.uint8)
 
 
 def quantize_master_weights(model_weights: Sequence[torch.Tensor], master_weights: Sequence[torch.Tensor | None],
@@ -206,7 +78,7 @@ def quantize_master_weights(model_weights: Sequence[torch.Tensor], master_weight
     if any(isinstance(w, QuantizedExpertWeights) for w in model_weights):
         model_weights, master_weights, starts, lengths, layouts, names = _per_expert(
             model_weights, master_weights, starts, lengths, layouts, names)
-    tasks = [t for i, w in enumerate(model_weights) for t in _plan(i, w, names[i])]
+    tasks = [t for i, w in enumerate(model_weights) for t in plan_tasks(i, w, names[i])]
     if layouts is None:
         layouts = (gather_layouts([w.numel() for w in model_weights], starts, lengths, group) if world > 1 else
                    [FragmentLayout(w.numel(), ((s, n),)) for w, s, n in zip(model_weights, starts, lengths)])
@@ -296,13 +168,13 @@ def _block_amax(rows: torch.Tensor, gc: int) -> torch.Tensor:
     return a.view(-1, gc).amax(dim=1)
 
 
-def _global_kw(t: _Task, stats) -> dict:
+def _global_kw(t: Task, stats) -> dict:
     if not t.n_global:
         return {}
     return {"global_stats": stats[t.stats_at:t.stats_at + t.n_global]}
 
 
-def _local_part(t: _Task, x, s: int, n: int, stats, device):
+def _local_part(t: Task, x, s: int, n: int, stats, device):
     """This rank's part of the task's direction (over its padded rows, or its fragment as one row)."""
     row, col = not t.columnwise, t.columnwise
     if t.kind == "elementwise":
@@ -331,10 +203,10 @@ def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tenso
         x, s, n = frags[t.index], starts[t.index], lengths[t.index]
         device = weights[t.index].device
         if t.kind in ("plain", "high_precision"):
-            out.append(_as_bytes(x) if n else torch.zeros(0, dtype=torch.uint8, device=device))
+            out.append(as_bytes(x) if n else torch.zeros(0, dtype=torch.uint8, device=device))
             continue
         part = _local_part(t, x, s, n, stats, device)
-        bufs, replicated = _row_buffers(part, t.hints)
+        bufs, replicated = row_buffers(part, t.hints)
         t.replicated = replicated
         by_name = {name: (tensor, rb) for name, tensor, rb in bufs}
         data = by_name["data"][0]
@@ -342,10 +214,10 @@ def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tenso
             r0 = padded_rows(s, n, t.m, t.k, t.gr)[0]
             codes = unpack_nibbles(data) if t.packed else data
             codes = codes.reshape(-1)[s - r0 * t.k:s - r0 * t.k + n]
-            out.append(_as_bytes(pack_nibbles(torch.nn.functional.pad(codes, (0, n % 2)).view(1, -1)))
-                       if t.packed else _as_bytes(codes))
+            out.append(as_bytes(pack_nibbles(torch.nn.functional.pad(codes, (0, n % 2)).view(1, -1)))
+                       if t.packed else as_bytes(codes))
         else:
-            out.append(_as_bytes(data) if n else torch.zeros(0, dtype=torch.uint8, device=device))
+            out.append(as_bytes(data) if n else torch.zeros(0, dtype=torch.uint8, device=device))
         for name, rb, _, _ in t.scales:
             tensor = by_name[name][0]
             if not n:
@@ -353,7 +225,7 @@ def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tenso
                 continue
             first = padded_rows(s, n, t.m, t.k, t.gr)[0] // rb
             a, b = owned_block_rows(s, n, t.k, rb)
-            out.append(_as_bytes(tensor[a - first:b - first]))
+            out.append(as_bytes(tensor[a - first:b - first]))
     device = weights[0].device if len(weights) else torch.device("cpu")
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8, device=device)
 
@@ -361,7 +233,7 @@ def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tenso
 def _all_gather(payload, tasks, layouts, world, group) -> list[torch.Tensor]:
     if world == 1:
         return [payload]
-    sizes = [sum(sum(_sizes(t, *layouts[t.index].ranges[r])) for t in tasks) for r in range(world)]
+    sizes = [sum(sum(piece_sizes(t, *layouts[t.index].ranges[r])) for t in tasks) for r in range(world)]
     if payload.numel() != sizes[dist.get_rank(group)]:
         raise RuntimeError(f"hybridq quantize_master_weights: payload of {payload.numel()} bytes, the layout says "
                            f"{sizes[dist.get_rank(group)]}")
@@ -381,7 +253,7 @@ def _assemble(tasks, payloads, layouts, weights, stats) -> None:
     for ti, t in enumerate(tasks):  # split every rank's payload into the tasks' pieces (payload order)
         per_rank = []
         for r in range(world):
-            sizes = _sizes(t, *layouts[t.index].ranges[r])
+            sizes = piece_sizes(t, *layouts[t.index].ranges[r])
             got = []
             for nbytes in sizes:
                 got.append(payloads[r][cursor[r]:cursor[r] + nbytes])
@@ -414,4 +286,4 @@ def _assemble(tasks, payloads, layouts, weights, stats) -> None:
         buffers = {"data": data}
         for j, (name, rb, shape, dtype) in enumerate(t.scales):
             buffers[name] = torch.cat([pieces[ti][r][1 + j] for r in order]).view(dtype).view(-1, *shape)
-        copy_part_into(w.part(t.direction), _build_part(t, buffers, t.replicated))
+        copy_part_into(w.part(t.direction), build_part(t, buffers, t.replicated))

@@ -35,7 +35,8 @@ def rows_of(shape) -> int:
     return math.prod(shape[:-1]) if len(shape) > 1 else 1
 
 
-def _align(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -134,7 +135,7 @@ def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowSh
                 raise RuntimeError(f"{part!r}.extract_buffers gave {t.shape[0]} rows of {name!r}, expected "
                                    f"{shard.owned_count(g)} (row_block {g}, rows [{shard.offset}, {shard.end}))")
             spec = BufferSpec(d, name, t.dtype, tuple(t.shape[1:]), g, cap, counts, offset)
-            pad = _align(spec.nbytes) - spec.nbytes
+            pad = aligned(spec.nbytes) - spec.nbytes
             specs.append(spec)
             offset += spec.nbytes + pad
             if not pack:

@@ -1,7 +1,8 @@
 """The gather plan: which directions of a weight one FSDP2 unshard sends, materializes, derives and defers.
 
 A pure function of the phase, the FSDP2 settings and the weight's format (no tensors, no FSDP2 state), so
-it is cached and can be asked for every direction a weight will ever gather (see `checks.py`).
+it is cached and can be asked for every direction a weight will ever gather (see `checks.py`); `unshard_plan`
+reads those settings from FSDP2 (through `fsdp_adapter.FSDPLink`) for the unshard running now.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import dataclasses
 import functools
 
 from ..formats.base import COLUMNWISE, ROWWISE
+from .fsdp_adapter import FSDPLink, phase_of
 from .payload import DIRECTIONS, HIGH_PRECISION
 
-__all__ = ["GatherPlan", "make_plan", "every_plan"]
+__all__ = ["GatherPlan", "make_plan", "every_plan", "unshard_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +81,17 @@ def every_plan(backward_override: str | None, derivable: bool) -> tuple[GatherPl
              for phase in ("forward", "backward") for ra in (True, False, None) for known in (True, False)
              for extra in extras}
     return tuple(sorted(plans, key=repr))
+
+
+def unshard_plan(link: FSDPLink | None, backward_extra, backward_override: str | None, derivable: bool
+                 ) -> tuple[str, bool | None, set[str], GatherPlan]:
+    """(phase, reshard_after_forward, backward extras, plan) of the unshard running now, from FSDP2's state (link
+    None: FSDP2 internals not found; the plan then keeps the payload constant)."""
+    phase = phase_of(link.group if link is not None else None)
+    ra = link.reshard_after_forward() if link is not None else None
+    extra = set(backward_extra)
+    if link is not None and not link.reshard_after_backward():
+        extra.add(ROWWISE)  # parameters stay unsharded into the next forward
+    plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=backward_override,
+                     derivable=derivable, known=link is not None, backward_extra=extra)
+    return phase, ra, extra, plan

@@ -1,14 +1,14 @@
 """Building the bytes one rank all-gathers, and all-gathering them outside FSDP2.
 
 `prepare_payload` casts a rank's shard to the gather dtype, reduces the cross-shard statistics and packs the
-quantized shard (`payload.py`); `transport_view` gives FSDP2 the all-gather input it accepts; `gather_now` runs
-the same gather as a plain collective (a direction nobody planned for, materialized on first use).
+quantized shard (`payload.py`); `prepare_grouped` does the same for every expert of a grouped weight, one slot per
+expert (`layout.ExpertLayout`); `gather_now` / `gather_grouped_now` run the same gather as a plain collective (a
+direction nobody planned for, materialized on first use).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 import weakref
 
@@ -17,21 +17,20 @@ import torch.distributed as dist
 
 from ..formats._sharding import dim0_chunks
 from ..formats.base import Quantizer
+from ..torch_private import local_tensor
+from .layout import ExpertLayout
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload, quantize_shard
 
-__all__ = ["GatherContext", "gather_now", "payload_key", "prepare_payload", "stats_key", "transport_view"]
-
-# payload element types for an unevenly sharded weight (FSDP2 then wants every all-gather input to have the
-# padded shard's shape); gloo has no int16 all-gather, float16 views are only copied, never computed on
-_ITEM_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
+__all__ = ["GatherContext", "gather_grouped_now", "gather_now", "payload_key", "prepare_grouped", "prepare_payload",
+           "stats_key"]
 
 
 @dataclasses.dataclass
 class GatherContext:
     """What the last FSDP2 unshard of a weight knew, kept to gather a direction later on the same ranks."""
 
-    local: weakref.ref  # the sharded HybridWeight
-    module: weakref.ref  # its hybridq Linear
+    local: weakref.ref  # the sharded HybridWeight (or GroupedHybridWeight)
+    module: weakref.ref  # its hybridq Linear (or the module FSDP2 registers the grouped weight on)
     shape: tuple[int, ...]
     dtype: torch.dtype  # the gather dtype (FSDP's param_dtype)
     world_size: int
@@ -39,23 +38,7 @@ class GatherContext:
     group: object  # the process group, None for one rank
     device: torch.device
     param: weakref.ref | None  # FSDP2's sharded DTensor parameter, when found
-
-
-def transport_view(payload: torch.Tensor, shape, ws: int) -> torch.Tensor:
-    """The all-gather input: the flat payload, or (uneven dim-0 sharding) a view with the padded shard's shape,
-    which FSDP2 requires of every input then."""
-    if shape[0] % ws == 0:
-        return payload
-    chunk = -(-shape[0] // ws)
-    n = chunk * math.prod(shape[1:])
-    for size, dt in _ITEM_DTYPES.items():
-        if size * n >= payload.numel():
-            buf = payload
-            if size * n > payload.numel():
-                buf = torch.cat([payload, payload.new_zeros(size * n - payload.numel())])
-            return buf.view(dt).view((chunk,) + tuple(shape[1:]))
-    raise RuntimeError(f"hybridq FSDP: quantized payload ({payload.numel()} bytes) exceeds 8 bytes per element "
-                       f"of the padded shard {chunk}x{tuple(shape[1:])}")
+    layout: ExpertLayout | None = None  # a grouped weight's: where each expert's rows live
 
 
 def stats_key(param, dtype, shard):
@@ -65,7 +48,7 @@ def stats_key(param, dtype, shard):
     the parameter the statistics are not cached."""
     if param is None:
         return None
-    local = param._local_tensor
+    local = local_tensor(param)
     return (id(param), param._version, id(local), local._version, local._data.data_ptr(), dtype, shard)
 
 
@@ -95,17 +78,57 @@ def prepare_payload(local, param, q: Quantizer, send, shape, ws: int, rank: int,
     return build_payload(q, parts, shard, shards, shape, x2d.device)
 
 
+def all_gather_bytes(payload: torch.Tensor, ws: int, group) -> torch.Tensor:
+    """Every rank's payload one after another (flat): a plain all-gather outside FSDP2; every rank must call it."""
+    if ws == 1:
+        return payload
+    gathered = payload.new_empty(ws * payload.numel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(gathered, payload, group=group)
+    return gathered
+
+
 def gather_now(local, q: Quantizer, send, ctx: GatherContext) -> dict:
     """An all-gather outside FSDP2 (lazy materialization): every rank must take the same path."""
     ws = ctx.world_size
     param = ctx.param() if ctx.param is not None else None
     payload, meta = prepare_payload(local, param, q, send, ctx.shape, ws, ctx.rank, ctx.dtype, ctx.group)
-    if ws == 1:
-        gathered = payload.view(1, -1)
-    else:
-        gathered = payload.new_empty(ws * payload.numel())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            dist.all_gather_into_tensor(gathered, payload, group=ctx.group)
-        gathered = gathered.view(ws, -1)
-    return assemble_parts(meta, gathered)
+    return assemble_parts(meta, all_gather_bytes(payload, ws, ctx.group).view(ws, -1))
+
+
+def prepare_grouped(local, param, qs, send, layout: ExpertLayout, dtype, group
+                    ) -> tuple[torch.Tensor, list[PayloadMeta], int]:
+    """This rank's payload of a grouped weight (one slot per expert it sends), every expert's metadata and the
+    slot size."""
+    data = local._data.to(dtype)
+    pieces = [layout.local_piece(data, e) for e in range(layout.experts)]
+    stats: list = [None] * layout.experts
+    if layout.world_size > 1 and any(d != HIGH_PRECISION for d in send):
+        key = stats_key(param, dtype, layout)
+        stats = local._hq.reduced_stats(qs, pieces, layout, key, group)
+    payloads, metas = [], []
+    shape = (layout.rows, layout.cols)
+    for e, (q, x) in enumerate(zip(qs, pieces)):
+        shard, shards = layout.payload_shards(e)
+        parts = quantize_shard(q, x, shard, send, stats[e])
+        payload, meta = build_payload(q, parts, shard, shards, shape, data.device, pack=layout.held(e))
+        payloads.append(payload)
+        metas.append(meta)
+    slot = layout.slot_bytes(metas)
+    chunks = []
+    for e in layout.slots():
+        p = payloads[e] if e is not None else data.new_empty(0, dtype=torch.uint8)
+        chunks.append(p)
+        if slot > p.numel():
+            chunks.append(torch.zeros(slot - p.numel(), dtype=torch.uint8, device=data.device))
+    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=data.device)
+    return payload, metas, slot
+
+
+def gather_grouped_now(local, param, qs, send, ctx: GatherContext) -> tuple[torch.Tensor, list[PayloadMeta], int]:
+    """A grouped weight's all-gather outside FSDP2 (lazy materialization; rank-major): the gathered bytes, every
+    expert's metadata and the slot size."""
+    layout = ctx.layout
+    payload, metas, slot = prepare_grouped(local, param, qs, send, layout, ctx.dtype, ctx.group)
+    return all_gather_bytes(payload, layout.world_size, ctx.group), metas, slot

@@ -1,5 +1,6 @@
-"""The sharded high-precision weight FSDP2 holds (`HybridWeight`) and its all-gather hooks, which gather the
-quantized form the module's weight quantizer defines into a `GatheredWeight`.
+"""The sharded high-precision weight FSDP2 holds (`HybridWeight`; `GroupedHybridWeight` for a grouped `[E, out, in]`
+weight) and its all-gather hooks, which gather the quantized form the module's weight quantizer defines into a
+`GatheredWeight` (a `GroupedGatheredWeight` of one per expert, each quantized on its own).
 
 Flow per unshard (all format knowledge stays in the formats, reached through `payload.py`):
 
@@ -9,8 +10,13 @@ Flow per unshard (all format knowledge stays in the formats, reached through `pa
     --> derive the other direction where exact --> copy into the unsharded weight's own buffers
 
 The unsharded weight's two parts always exist as objects; their tensors are allocated and freed by FSDP2
-through the list of inner tensors handed to it (storage resize, as FSDP2 does for plain parameters), so
-autograd's saved views stay valid across reshard / re-gather and nothing quantized outlives a reshard.
+through the list of inner tensors handed to it (`buffers.py`).
+
+A grouped weight: per unshard every rank computes each expert's cross-shard statistics, reduces them for all
+experts in one MAX all-reduce (a receiver needs the per-tensor values of experts it does not hold, e.g. an FP8
+scale), quantizes its pieces exactly as the full expert would be quantized and packs them, one slot per expert,
+into one payload (`transport.prepare_grouped`, laid out by `layout.ExpertLayout`). After the all-gather each
+expert's slots are assembled into its full parts, held by one `ExpertWeightState` per expert (`state.py`).
 """
 
 from __future__ import annotations
@@ -22,17 +28,21 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
-from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..errors import RecipeError
+from ..formats.base import Quantizer
 from ..nn.linear import Linear
+from ..torch_private import local_tensor
 from ..weight_forms import QuantizedGatherShard
 from .checks import check_shard_layout
-from .fsdp_adapter import FSDPLink, phase_of
+from .fsdp_adapter import FSDPLink
+from .gathered import complete_parts, received
+from .layout import ExpertLayout, transport_view
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts
-from .plan import GatherPlan, make_plan
-from .state import KeptPayload, WeightState
-from .transport import GatherContext, payload_key, prepare_payload, transport_view
+from .plan import GatherPlan, make_plan, unshard_plan
+from .state import GroupedWeightState, KeptPayload, WeightState
+from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload
 
-__all__ = ["HybridWeight"]
+__all__ = ["GroupedHybridWeight", "HybridWeight"]
 
 aten = torch.ops.aten
 
@@ -61,14 +71,42 @@ class GatherMetadata:
     quantizer: Quantizer
 
 
-def _sharded_param(local: "HybridWeight", module, link: FSDPLink | None):
+@dataclasses.dataclass(frozen=True)
+class GroupedGatherMetadata:
+    """What a grouped weight's `fsdp_pre_all_gather` hands to its `fsdp_post_all_gather` through FSDP2."""
+
+    metas: tuple[PayloadMeta, ...]
+    plan: GatherPlan
+    dtype: torch.dtype
+    quantizers: tuple[Quantizer, ...]
+    layout: ExpertLayout
+    slot: int
+
+
+def _sharded_param(local: "HybridWeight", module, attr: str, link: FSDPLink | None):
     """The DTensor parameter whose local tensor is `local` (its version counter sees in-place updates), or whose
     local tensor `local` was copied from (CPU offload moves it to the GPU before each all-gather)."""
-    for p in (module._parameters.get("weight"), link.sharded_param() if link is not None else None):
-        mine = getattr(p, "_local_tensor", None)
+    for p in (module._parameters.get(attr), link.sharded_param() if link is not None else None):
+        mine = local_tensor(p)
         if mine is local or (isinstance(mine, HybridWeight) and mine._hq is local._hq):
             return p
     return None
+
+
+def _mesh_info(mesh) -> tuple[int, int, object]:
+    """(world size, this rank, process group: None for one rank) of FSDP2's shard mesh."""
+    ws = mesh.size()
+    return ws, (mesh.get_local_rank() if ws > 1 else 0), (mesh.get_group() if ws > 1 else None)
+
+
+def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
+    """Bookkeeping of an all-gather input about to be sent."""
+    sig = (tuple(inp.shape), inp.dtype)
+    if link is not None and st.last_sig is not None and sig != st.last_sig:
+        link.drop_all_gather_outputs()  # the payload changed size: let FSDP2 allocate new outputs
+    st.last_sig = sig
+    st.counters[f"gather_{phase}"] += 1
+    st.counters["bytes_sent"] += inp.numel() * inp.element_size()
 
 
 class HybridWeight(QuantizedGatherShard, torch.Tensor):
@@ -127,9 +165,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if not isinstance(module, Linear):
             raise TypeError(f"hybridq FSDP: HybridWeight belongs to a hybridq Linear, got {type(module).__name__}")
         q = module.weight_quantizer
-        ws = mesh.size()
-        rank = mesh.get_local_rank() if ws > 1 else 0
-        group = mesh.get_group() if ws > 1 else None
+        ws, rank, group = _mesh_info(mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         shape = tuple(outer_size)
         override = module.recipe.backward_override
@@ -140,16 +176,9 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
             st.layouts_checked.add(layout)
         st.param_dtype = dtype
         link = st.link(module)
-        group_state = link.group if link is not None else None
-        phase = phase_of(group_state)
-        ra = link.reshard_after_forward() if link is not None else None
-        extra = set(st.backward_extra)
-        if link is not None and not link.reshard_after_backward():
-            extra.add(ROWWISE)  # parameters stay unsharded into the next forward
-        plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=override, derivable=derivable,
-                         known=link is not None, backward_extra=extra)
+        phase, ra, extra, plan = unshard_plan(link, st.backward_extra, override, derivable)
         with torch.no_grad():
-            param = _sharded_param(self, module, link)
+            param = _sharded_param(self, module, "weight", link)
             key = payload_key(param, dtype, shape, ws, rank, plan.send)
             kept, st.kept_payload = st.kept_payload, None
             if key is not None and kept is not None and kept.key == key:
@@ -164,51 +193,28 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                 # derived): keep this shard's payload until then instead of casting and quantizing it again
                 st.kept_payload = KeptPayload(key, payload, meta)
             inp = transport_view(payload, shape, ws)
-        sig = (tuple(inp.shape), inp.dtype)
-        if link is not None and st.last_sig is not None and sig != st.last_sig:
-            link.drop_all_gather_outputs()  # the payload changed size: let FSDP2 allocate new outputs
-        st.last_sig = sig
+        _sent(st, link, inp, phase)
         st.deferred = set(plan.deferred)
         if st.parts:
             st.set_inner(plan.materialize)  # what FSDP2 allocates before fsdp_post_all_gather fills it
         st.ctx = GatherContext(local=weakref.ref(self), module=weakref.ref(module), shape=shape, dtype=dtype,
                                world_size=ws, rank=rank, group=group, device=self.device,
                                param=weakref.ref(param) if param is not None else None)
-        st.counters[f"gather_{phase}"] += 1
-        st.counters["bytes_sent"] += inp.numel() * inp.element_size()
         return (inp,), GatherMetadata(meta, plan, dtype, q)
 
     def fsdp_post_all_gather(self, outputs, metadata: GatherMetadata, param_dtype, *, out=None):
         meta, plan, dtype, q = metadata.payload, metadata.plan, metadata.dtype, metadata.quantizer
         st = self._hq
         with torch.no_grad():
+            adopt = received(outputs[0], (meta,))
             gathered = outputs[0].reshape(-1).view(torch.uint8).view(meta.world_size, -1)
-            if gathered.is_cuda:
-                # fsdp_pre_all_gather ran on FSDP2's all-gather copy-in stream: the replicated tensors (per-tensor
-                # scales, tile-scale grids, global amaxes) were allocated there and are read here on the current
-                # stream. Without this, once the metadata is dropped the caching allocator hands their blocks to
-                # the next weight's pre-all-gather (copy-in stream) while this stream's reads are still queued.
-                stream = torch.cuda.current_stream(gathered.device)
-                for rep in meta.replicated.values():
-                    for t in rep.values():
-                        if t is not None and t.is_cuda:
-                            t.record_stream(stream)
-            parts = assemble_parts(meta, gathered)
-            if plan.local:  # quantized here from the gathered high-precision weight (the full weight)
-                r, c = q.quantize_parts(parts[HIGH_PRECISION].data, ROWWISE in plan.local, COLUMNWISE in plan.local)
-                parts.update({d: p for d, p in ((ROWWISE, r), (COLUMNWISE, c)) if d in plan.local})
-            elif plan.derive:
-                parts[COLUMNWISE] = q.derive_part(parts[ROWWISE], COLUMNWISE, dtype)
+            parts = complete_parts(q, assemble_parts(meta, gathered), plan, dtype)
             first = st.gathered is None
             if first:
                 st.create(q, meta.shape, dtype, gathered.device)
             if HIGH_PRECISION in plan.materialize:
                 st.create_high_precision()
-            # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
             out_ptr = outputs[0].untyped_storage().data_ptr()
-            adopt = {"forbidden": {out_ptr} | {
-                t.untyped_storage().data_ptr() for rep in meta.replicated.values() for t in rep.values()
-                if t is not None}}
             for d in plan.materialize:  # (a derived direction is never aliased, even where it is a view)
                 st.fill(d, parts[d], adopt, alias=out_ptr if d in plan.send else None)
             if first:
@@ -219,5 +225,83 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         return st.gathered._alias(), st.inner
 
 
+class GroupedHybridWeight(HybridWeight):
+    """The high-precision `[E, out, in]` weight of a GroupedLinear (or of a converted expert module) as FSDP2
+    shards it. Every op runs on the plain tensor; FSDP2's all-gather hooks gather each expert quantized."""
+
+    _hq: GroupedWeightState
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return GroupedHybridWeight(inner["_data"], ctx["state"])
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"GroupedHybridWeight({self._data!r})"
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        st: GroupedWeightState = self._hq
+        layer = st.layer(module)
+        qs = tuple(q["weight"] for q in layer.expert_quantizers)
+        if st.quantizers is not None and qs != st.quantizers:
+            raise RecipeError(
+                f"{layer.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
+                f"{st.quantizers[0].describe()}; a recipe with another weight format ({qs[0].describe()}) must be set "
+                f"before fully_shard (apply_hybrid_fsdp, convert_experts, or GroupedLinear.recipe)")
+        ws, rank, group = _mesh_info(mesh)
+        dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
+        shape = tuple(outer_size)
+        layout = ExpertLayout.infer(st.name, shape, tuple(self.shape), ws, rank, qs[0].describe())
+        override = layer.recipe.backward_override
+        derivable = st.is_derivable(qs, shape[1:], dtype)
+        check = (tuple(map(id, qs)), shape, layout.dim, ws, dtype, override)
+        if check not in st.layouts_checked:  # before anything is quantized or sent
+            if layout.dim == 1:  # (dim 0: every expert is whole on one rank, nothing can straddle)
+                for e, q in enumerate(qs):
+                    if q not in qs[:e]:
+                        check_shard_layout(q, f"{st.name} (Shard(1): rows of every expert)", shape[1:], ws, dtype,
+                                           override, derivable)
+            st.layouts_checked.add(check)
+        st.param_dtype = dtype
+        link = st.link(module)
+        phase, _, _, plan = unshard_plan(link, st.backward_extra, override, derivable)
+        with torch.no_grad():
+            param = _sharded_param(self, module, st.attr, link)
+            payload, metas, slot = prepare_grouped(self, param, qs, plan.send, layout, dtype, group)
+            inp = layout.transport(payload, slot)
+        _sent(st, link, inp, phase)
+        st.set_deferred(plan.deferred)
+        if st.gathered is not None:
+            st.set_inner(plan.materialize)
+        st.ctx = GatherContext(local=weakref.ref(self), module=weakref.ref(module), shape=shape, dtype=dtype,
+                               world_size=ws, rank=rank, group=group, device=self.device,
+                               param=weakref.ref(param) if param is not None else None, layout=layout)
+        return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot)
+
+    def fsdp_post_all_gather(self, outputs, metadata: GroupedGatherMetadata, param_dtype, *, out=None):
+        plan, dtype, qs, layout = metadata.plan, metadata.dtype, metadata.quantizers, metadata.layout
+        st: GroupedWeightState = self._hq
+        with torch.no_grad():
+            gathered = outputs[0]
+            adopt = received(gathered, metadata.metas)
+            first = st.gathered is None
+            if first:
+                st.create(qs, layout, dtype, gathered.device)
+            for e, (est, q, meta) in enumerate(zip(st.experts, qs, metadata.metas)):
+                parts = assemble_parts(meta, layout.expert_bytes(gathered, metadata.slot, e, meta,
+                                                                 expert_major=layout.dim == 1))
+                parts = complete_parts(q, parts, plan, dtype)
+                if HIGH_PRECISION in plan.materialize:
+                    est.create_high_precision()
+                for d in plan.materialize:
+                    est.fill(d, parts[d], adopt)
+                if first:
+                    est.free_others(plan.materialize)
+            st.set_inner(plan.materialize)
+        if out is not None:
+            return None
+        return st.gathered._alias(), st.inner
+
+
 # FSDP2 inspects the hook's signature on every all-gather; a precomputed __signature__ makes that a lookup
-HybridWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HybridWeight.fsdp_pre_all_gather)
+for _cls in (HybridWeight, GroupedHybridWeight):
+    _cls.fsdp_pre_all_gather.__signature__ = inspect.signature(_cls.fsdp_pre_all_gather)

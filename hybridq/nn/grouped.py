@@ -15,6 +15,7 @@ from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_recipe
 from ..tensor import QuantizedTensor
+from ..torch_private import local_tensor
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import jagged_fp8_kernels, native_row_multiple
 from . import delayed_state
@@ -220,7 +221,7 @@ class GroupedLinear(nn.Module):
     def _check_sharded_weight_format(self, quantizers: list[dict[str, Quantizer]]) -> None:
         """Once fully_shard has sharded the weight with quantized all-gathers (apply_hybrid_fsdp), its gathered
         buffers are laid out for the experts' weight formats it had then: those can no longer change."""
-        local = getattr(self._parameters.get("weight"), "_local_tensor", None)
+        local = local_tensor(self._parameters.get("weight"))
         current = self.__dict__.get("expert_quantizers")
         if isinstance(local, QuantizedGatherShard) and current is not None and any(
                 a["weight"] != b["weight"] for a, b in zip(quantizers, current)):

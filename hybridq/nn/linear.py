@@ -12,6 +12,7 @@ from ..formats.base import Quantizer, is_dtensor
 from ..errors import RecipeError
 from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_recipe
 from ..tensor import QuantizedTensor
+from ..torch_private import local_tensor
 from ..weight_forms import QuantizedGatherShard
 from . import compiled_linear, delayed_state, float8_graph
 from .linear_function import (_LinearConfig, apply_linear, cached_quantized_weight,  # noqa: F401 (re-exported)
@@ -93,7 +94,7 @@ class Linear(nn.Linear):
     def _check_sharded_weight_format(self, weight_q: Quantizer) -> None:
         """Once fully_shard has sharded a weight that FSDP2 all-gathers quantized (apply_hybrid_fsdp), its
         gathered buffers are laid out for the weight format it had then: that format can no longer change."""
-        local = getattr(self._parameters.get("weight"), "_local_tensor", None)
+        local = local_tensor(self._parameters.get("weight"))
         current = self.__dict__.get("weight_quantizer")
         if isinstance(local, QuantizedGatherShard) and current is not None and weight_q != current:
             raise RecipeError(

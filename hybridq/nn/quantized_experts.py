@@ -122,11 +122,11 @@ def check_grouped_layer(layer: nn.Module) -> list[tuple]:
     """Each expert's (weight quantizer, store columnwise, derive columnwise) of a GroupedLinear, after every check
     (as `check_layer` for Linear); changes nothing."""
     from ..formats.base import is_dtensor
+    from ..torch_private import local_tensor
     from ..weight_forms import QuantizedGatherShard
 
     w = layer.weight
-    if is_dtensor(w) or isinstance(w, QuantizedGatherShard) or isinstance(getattr(w, "_local_tensor", None),
-                                                                          QuantizedGatherShard):
+    if is_dtensor(w) or isinstance(w, QuantizedGatherShard) or isinstance(local_tensor(w), QuantizedGatherShard):
         raise NotImplementedError(
             f"hybridq: the weight of {layer.name} is sharded (FSDP2); quantized parameters are for unsharded models "
             f"(FSDP2 already all-gathers expert weights quantized: apply_hybrid_fsdp). Quantize the parameters of "

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hybridq
 from hybridq.distributed import apply_hybrid_fsdp, precompute_scales
-from hybridq.distributed.grouped import GroupedGatheredWeight, GroupedHybridWeight
+from hybridq.distributed import GroupedGatheredWeight, GroupedHybridWeight
 from hybridq.formats import COLUMNWISE, ROWWISE
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))

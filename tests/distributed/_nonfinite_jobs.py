@@ -389,7 +389,7 @@ def job_grouped(rank, world_size, device, formats: list[str]) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from hybridq.distributed.grouped import GroupedGatheredWeight
+    from hybridq.distributed import GroupedGatheredWeight
 
     mesh = init_device_mesh(device.type, (world_size,))
     out = {}

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq.distributed.grouped import GroupedHybridWeight
+from hybridq.distributed import GroupedHybridWeight
 
 from _harness import spawn
 import _grouped_jobs as jobs

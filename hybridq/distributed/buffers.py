@@ -1,0 +1,154 @@
+"""The unsharded weight's own buffers: its parts' tensors, allocated once (on the meta layout of the weight
+format) and then allocated and freed by FSDP2 through the list of inner tensors handed to it (storage resize, as
+FSDP2 does for plain parameters), so autograd's saved views stay valid across reshard / re-gather and nothing
+quantized outlives a reshard. Gathered parts are filled in by aliasing FSDP2's all-gather output, adopting a fresh
+allocation, or copying (`UnshardedBuffers.fill`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..formats.identity import IdentityPart
+from ..torch_private import storage_use_count
+from .gathered import GatheredWeight
+from .payload import DIRECTIONS, HIGH_PRECISION, rows_of
+
+__all__ = ["UnshardedBuffers"]
+
+
+class UnshardedBuffers:
+    """Mixin of a weight's state: the unsharded weight's parts (`parts`, own tensors per direction in `owned`) and
+    which of them FSDP2 allocates and frees (the state's `inner`)."""
+
+    def _init_buffers(self) -> None:
+        self.derivable: dict = {}
+        self.gathered: GatheredWeight | None = None
+        self.parts: dict[str, object] = {}  # the unsharded weight's parts (own tensors)
+        self.owned: dict[str, list[torch.Tensor]] = {}
+        self.aliased: set[int] = set()  # ids of own tensors that are views of FSDP2's all-gather output
+        self.device: torch.device | None = None
+
+    def create(self, q: Quantizer, shape, dtype, device) -> GatheredWeight:
+        m, k = rows_of(shape), shape[-1]
+        # a direction the format cannot take for this shape (e.g. columnwise with a backward override) has no part
+        can = [q.shape_rule(m, k, d == ROWWISE, d == COLUMNWISE) is None for d in (ROWWISE, COLUMNWISE)]
+        desc = q.quantize_parts(torch.empty(m, k, dtype=dtype, device="meta"), *can)
+        owned_by_id: dict[int, torch.Tensor] = {}
+        for d, p in zip((ROWWISE, COLUMNWISE), desc):
+            if p is None:
+                self.parts[d], self.owned[d] = None, []
+                continue
+            fields, mine = {}, []
+            for n, t in p.tensors().items():
+                if t is None:
+                    fields[n] = None
+                    continue
+                if id(t) not in owned_by_id:
+                    owned_by_id[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                fields[n] = owned_by_id[id(t)]
+                if not any(fields[n] is x for x in mine):
+                    mine.append(fields[n])
+            self.parts[d] = type(p)(rows=p.rows, cols=p.cols, columnwise=p.columnwise, **fields, **p.meta())
+            self.owned[d] = mine
+        self.parts[HIGH_PRECISION], self.owned[HIGH_PRECISION] = None, []  # created when first gathered
+        self.device = device
+        self.gathered = GatheredWeight(self.parts[ROWWISE], self.parts[COLUMNWISE], shape=shape, dtype=dtype,
+                                       state=self)
+        return self.gathered
+
+    def create_high_precision(self) -> None:
+        """The unsharded weight's high-precision buffer ([rows, K] in the gather dtype), allocated on first use
+        (its storage is then allocated and freed with the others)."""
+        if self.parts.get(HIGH_PRECISION) is not None:
+            return
+        g = self.gathered
+        m, k = rows_of(g.shape), g.shape[-1]
+        data = torch.empty(m, k, dtype=g.dtype, device=self.device)
+        self.parts[HIGH_PRECISION] = IdentityPart(rows=m, cols=k, columnwise=False, data=data)
+        self.owned[HIGH_PRECISION] = [data]
+
+    def materialized(self, d: str) -> bool:
+        return all(t.numel() == 0 or t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+                   for t in self.owned.get(d, ()))
+
+    def _unique(self, dirs) -> list[torch.Tensor]:
+        """The own tensors of `dirs` whose storage is ours (not those aliasing FSDP2's all-gather output)."""
+        out: list[torch.Tensor] = []
+        for d in dirs:
+            for t in self.owned.get(d, ()):
+                if id(t) not in self.aliased and not any(t is x for x in out):
+                    out.append(t)
+        return out
+
+    def set_inner(self, dirs) -> None:
+        self.inner[:] = self._unique(dirs)
+
+    def free_others(self, keep) -> None:
+        keep_t = self._unique(keep)
+        for t in self._unique(DIRECTIONS):
+            if not any(t is x for x in keep_t) and t.untyped_storage().nbytes():
+                t.untyped_storage().resize_(0)
+
+    def fill(self, d: str, src, adopt: dict | None = None, alias: int | None = None) -> None:
+        """Put `src`'s tensors into the unsharded weight's own tensors of direction `d`. With `adopt` (a dict of
+        storages already taken in this unshard, "forbidden": storages never to take) and `alias` (the storage of
+        FSDP2's all-gather output, for a direction that was gathered): a source tensor that is a view of the
+        all-gather output (a payload of one buffer: per-tensor FP8 or 128x128-tile data, the high-precision shard)
+        is aliased -- the own tensor points at it, and FSDP2 allocates and frees that storage around each unshard
+        as it does for a plain parameter; a fresh, exclusively owned, contiguous, 16-byte aligned allocation of
+        exactly the right size (a derived direction, a concatenated or re-laid-out buffer) becomes the own
+        tensor's storage (`set_`); anything else is copied."""
+        dst = self.parts[d]
+        for n, t in dst.tensors().items():
+            if t is None:
+                continue
+            s = getattr(src, n)
+            if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
+                raise RuntimeError(f"hybridq FSDP: gathered {d} {n} is {tuple(s.shape)} {s.dtype}, the unsharded "
+                                   f"weight holds {tuple(t.shape)} {t.dtype}")
+            if alias is not None and type(s) is torch.Tensor and s.untyped_storage().data_ptr() == alias \
+                    and s.device == t.device:
+                if not (t.untyped_storage().data_ptr() == alias and t.storage_offset() == s.storage_offset()
+                        and t.stride() == s.stride()):
+                    t.set_(s.untyped_storage(), s.storage_offset(), s.shape, s.stride())
+                self.aliased.add(id(t))
+                self.counters["aliased"] += 1
+                continue
+            if id(t) in self.aliased:  # it pointed at an all-gather output: it gets its own storage again
+                self.aliased.discard(id(t))
+                t.set_(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
+            need = t.numel() * t.element_size()
+            if adopt is not None and _adoptable(s, t, need, adopt):
+                adopt[s.untyped_storage().data_ptr()] = True
+                t.set_(s.untyped_storage(), 0, t.shape, t.stride())
+                self.counters["adopted"] += 1
+                continue
+            if t.untyped_storage().nbytes() < need:
+                t.untyped_storage().resize_(need)
+            t.copy_(s)
+
+    def is_derivable(self, q, shape, dtype) -> bool:
+        """Whether `q`'s columnwise form of a weight of `shape` is derived exactly from its rowwise form (then
+        only the rowwise form is gathered)."""
+        key = (id(q), tuple(shape), dtype)
+        if key not in self.derivable:
+            m, k = rows_of(shape), shape[-1]
+            r, _ = q.quantize_parts(torch.empty(m, k, dtype=dtype, device="meta"), True, False)
+            try:
+                self.derivable[key] = q.derive_part(r, COLUMNWISE, dtype) is not None
+            except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: gather it
+                self.derivable[key] = False
+        return self.derivable[key]
+
+
+def _adoptable(s: torch.Tensor, t: torch.Tensor, need: int, adopt: dict) -> bool:
+    if s is t or type(s) is not torch.Tensor or s.device != t.device or need == 0 or s.storage_offset() != 0:
+        return False
+    st = s.untyped_storage()
+    ptr = st.data_ptr()
+    if st.nbytes() != need or ptr in adopt or ptr in adopt.get("forbidden", ()) or ptr % 16:
+        return False
+    if t.untyped_storage().data_ptr() == ptr or not s.is_contiguous() or tuple(s.stride()) != tuple(t.stride()):
+        return False
+    return storage_use_count(st) <= 2  # no other tensor (view) shares it

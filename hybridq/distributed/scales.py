@@ -1,0 +1,118 @@
+"""`precompute_scales`: every FSDP2-sharded weight's cross-shard statistics reduced in one fused all-reduce per
+process group after the optimizer step, so that the next all-gathers reuse them instead of one all-reduce per
+weight (each weight's state keeps them under a key of the shard values they came from: `transport.stats_key`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..formats._sharding import dim0_chunks
+from ..formats._reduce import amax_all_reduce_
+from ..nn.linear import Linear
+from ..torch_private import local_tensor
+from .layout import ExpertLayout
+from .state import GroupedWeightState, pack_stats
+from .transport import stats_key
+from .weights import GroupedHybridWeight, HybridWeight
+
+__all__ = ["precompute_scales"]
+
+
+def _sharded(p, dim0_only: bool):
+    """(mesh, shard mesh dim, world size, rank) of a DTensor parameter sharded along one tensor dim (dim 0 only,
+    if asked), else None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return None
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and (pl.dim == 0 or not dim0_only)]
+    if len(dims) != 1:
+        return None
+    mesh, i = p.device_mesh, dims[0]
+    return mesh, i, mesh.size(i), mesh.get_local_rank(i)
+
+
+def _device(mesh) -> torch.device:
+    """Where the mesh's collectives run (CPU-offloaded shards are reduced there)."""
+    return (torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda"
+            else torch.device(mesh.device_type))
+
+
+def _linear_items(model: nn.Module) -> list:
+    """(process group, device, state, key, local statistics) of every FSDP2-sharded Linear weight of `model` whose
+    format reduces statistics."""
+    items = []
+    for mod in model.modules():
+        if not isinstance(mod, Linear):
+            continue
+        p = mod._parameters.get("weight")
+        info = _sharded(p, dim0_only=True)
+        if info is None or not isinstance(local_tensor(p), HybridWeight):
+            continue
+        mesh, i, ws, rank = info
+        local = local_tensor(p)
+        st = local._hq
+        if ws == 1 or st.tp_group is not None:  # (a TP piece's per-tensor statistics are reduced at its gather)
+            continue
+        dtype = st.param_dtype or local.dtype
+        shape = tuple(p.shape)
+        shard = dim0_chunks(shape, ws)[rank]
+        data = local._data
+        x2d = data.to(dtype).reshape(shard.length, shape[-1])
+        s = mod.weight_quantizer.shard_stats(x2d, shard)
+        if s is None:
+            continue
+        items.append((mesh.get_group(i), _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float()))
+    return items
+
+
+def _grouped_items(model: nn.Module) -> list:
+    """The same for every FSDP2-sharded grouped weight: all experts of one weight in one entry."""
+    items = []
+    for mod in model.modules():
+        for attr, p in mod._parameters.items():
+            info = _sharded(p, dim0_only=False)
+            if info is None or not isinstance(local_tensor(p), GroupedHybridWeight):
+                continue
+            mesh, i, ws, rank = info
+            if ws == 1:
+                continue
+            local = local_tensor(p)
+            st: GroupedWeightState = local._hq
+            try:
+                layer = st.layer(mod)
+            except TypeError:
+                continue
+            qs = tuple(q["weight"] for q in layer.expert_quantizers)
+            dtype = st.param_dtype or local.dtype
+            layout = ExpertLayout.infer(st.name, tuple(p.shape), tuple(local.shape), ws, rank, qs[0].describe())
+            data = local._data.to(dtype)
+            flat = pack_stats([q.shard_stats(layout.local_piece(data, e), layout.stats_shard(e))
+                               for e, q in enumerate(qs)])
+            if flat is None:
+                continue
+            items.append((mesh.get_group(i), _device(mesh), st, stats_key(p, dtype, layout), flat))
+    return items
+
+
+@torch.no_grad()
+def precompute_scales(model: nn.Module) -> dict:
+    """Reduce the cross-shard statistics of every converted FSDP2-sharded weight of `model` in one fused
+    all-reduce per process group; call it after `optimizer.step()` on every rank (it is a collective). The
+    next all-gathers use them instead of one all-reduce per weight. A harmless no-op on a model that is not
+    sharded. Returns {"weights": n, "values": reduced fp32 values, "all_reduces": collectives issued}."""
+    per_group: dict = {}
+    for group, device, st, key, s in _linear_items(model) + _grouped_items(model):
+        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
+    values = 0
+    for group, items, device in per_group.values():
+        flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device
+        amax_all_reduce_(flat, group)
+        i = 0
+        for st, key, s in items:
+            st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
+            i += s.numel()
+        values += flat.numel()
+    return {"weights": sum(len(v[1]) for v in per_group.values()), "values": values,
+            "all_reduces": len(per_group)}
