@@ -8,9 +8,11 @@ import shlex
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
 
 BASELINE = "bf16"
 TORCHAO = "torchao_float8"
+TORCHAO_MOE = "torchao_moe"  # with an MoE (--train-args "--moe E"): torchao's MoE training conversion of the experts
 # --norm-baseline: bf16 with hybridq.RMSNorm (train.py --recipe bf16 --norms hybridq), to show how much of a preset's
 # speed is the norm kernel that its conversion swaps in, apart from quantization
 NORM_BASELINE = "bf16+hybridq_rmsnorm"
@@ -52,12 +54,26 @@ def torchao_status() -> str | None:
     return None
 
 
+def torchao_moe_status(a) -> str | None:
+    """None when train.py can run the torchao_moe baseline with this report's flags, else why not (the job's own
+    check: an MoE model, torchao's moe_training, a CUDA device)."""
+    import config as train_config
+    problems = train_config.torchao_moe_problems(train_config.parse_args(train_flags(a)))
+    return "; ".join(problems) or None
+
+
+def moe_model(a) -> bool:
+    """Whether the report's train.py flags make an MoE model."""
+    return int(train_option(a.train_args or "", "--moe", "0")) > 0
+
+
 def plan(a) -> list[dict]:
     """[{recipe, compiled, skip: reason or None}], bf16 first (eager, then compiled with --compile)."""
     import hybridq
     presets = hybridq.preset_names()
-    known = [BASELINE] + presets + [TORCHAO]
-    names = known if a.recipes == "all" else [r.strip() for r in a.recipes.split(",") if r.strip()]
+    known = [BASELINE] + presets + [TORCHAO, TORCHAO_MOE]
+    everything = [r for r in known if r != TORCHAO_MOE or moe_model(a)]  # ('all': the MoE baseline with an MoE)
+    names = everything if a.recipes == "all" else [r.strip() for r in a.recipes.split(",") if r.strip()]
     bad = [r for r in names if r not in known]
     if bad:
         raise SystemExit(f"e2e_report.py: unknown recipe(s) {', '.join(bad)}; known: {', '.join(known)}")
@@ -74,6 +90,8 @@ def plan(a) -> list[dict]:
             skip = fsdp_rejection(r)
         elif r == TORCHAO:
             skip = torchao_status()
+        elif r == TORCHAO_MOE:
+            skip = torchao_moe_status(a)
         rows.append({"recipe": r, "compiled": False, "skip": skip})
     if getattr(a, "compile", False):
         rows += [dict(r, compiled=True) for r in rows]

@@ -1,6 +1,7 @@
 """The end-to-end report: the main job (launch/train.py under torchrun, FSDP2) at a size that fills the
-GPUs, once per recipe -- bf16, every hybridq preset that runs under FSDP2, and torchao float8 (tensorwise,
-float8 all-gather) where torchao imports -- and one markdown table: tokens/s, peak GPU memory, loss after the
+GPUs, once per recipe -- bf16, every hybridq preset that runs under FSDP2, torchao float8 (tensorwise,
+float8 all-gather) where torchao imports, and for an MoE (`--train-args "--moe E --top-k K"`) torchao_moe (torchao's
+MoE training conversion of the experts: FP8 rowwise grouped GEMMs; CUDA only) -- and one markdown table: tokens/s, peak GPU memory, loss after the
 steps done, loss gap vs bf16, and the exact command that reproduces each row.
 
     python benchmarks/e2e_report.py                      # 2 GPUs: ~1B-parameter model, seq 4096, fits ~9 minutes
@@ -12,6 +13,7 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python benchmarks/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
     python benchmarks/e2e_report.py --scaling 1,2,4,8    # weak scaling: every recipe on 1, 2, 4 and 8 GPUs
     python benchmarks/e2e_report.py --size 7b            # a Llama-2-7B-shaped model (8 GPUs; sizes below)
+    python benchmarks/e2e_report.py --train-args "--moe 8 --top-k 2 --hidden 1024"  # MoE: + the torchao_moe row
 
 Default size (2x H200, 141 GB each): d_model 2048, 20 layers, 16 heads (head_dim 128), SwiGLU hidden 5632
 (= 44 x 128), untied byte-level head: 1.03B parameters. seq 4096 x batch 4 sequences per rank = 16,384 tokens per
@@ -55,8 +57,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # (its modules, also when imported from elsewhere)
 
 # the report's parts (re-exported: the tests and multi_gpu_runs read them from here)
-from e2e_plan import (BASELINE, NORM_BASELINE, TORCHAO, command, fsdp_rejection, label, plan, rel,  # noqa: E402,F401
-                      run_name, schedule, show, torchao_status, train_flags, train_option, weight_gather)
+from e2e_plan import (BASELINE, NORM_BASELINE, TORCHAO, TORCHAO_MOE, command, fsdp_rejection, label,  # noqa: E402,F401
+                      plan, rel, run_name, schedule, show, torchao_moe_status, torchao_status, train_flags,
+                      train_option, weight_gather)
 from e2e_runs import finished_run, parse_args_for_train, run_one, step_records  # noqa: E402,F401
 from e2e_table import (describe, markdown, rows_for, scaling_markdown, scaling_rows,  # noqa: E402,F401
                        write_parity_plot)
@@ -82,8 +85,9 @@ LLAMA_7B_LIMITS = {"time_limit_s": 240.0, "total_budget_s": 560.0}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="all",
-                   help=f"comma list of {BASELINE}, hybridq presets and {TORCHAO}; 'all' (default): {BASELINE}, "
-                        f"every preset, {TORCHAO}. {BASELINE} always runs first (the loss-gap reference)")
+                   help=f"comma list of {BASELINE}, hybridq presets, {TORCHAO} and {TORCHAO_MOE}; 'all' (default): "
+                        f"{BASELINE}, every preset, {TORCHAO}, and {TORCHAO_MOE} when --train-args make an MoE "
+                        f"(--moe E). {BASELINE} always runs first (the loss-gap reference)")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, else 2 on the CPU)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="passed to train.py")
     p.add_argument("--tiny", action="store_true", help="tiny model and 4 steps (CPU smoke test)")

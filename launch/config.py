@@ -17,6 +17,10 @@ from model_config import ALIGN, HIDDEN_MULTIPLE, VOCAB_SIZE, ModelConfig, defaul
 
 BASELINE = "bf16"
 TORCHAO = "torchao_float8"  # baseline: torchao float8 training (tensorwise, float8 all-gather); needs torchao
+# baseline for --moe: TORCHAO's Linears plus torchao's MoE training conversion of the experts (FP8 rowwise grouped
+# GEMMs, torchao.prototype.moe_training); needs torchao and CUDA (torchao_moe.py)
+TORCHAO_MOE = "torchao_moe"
+TORCHAO_RECIPES = (TORCHAO, TORCHAO_MOE)
 # hybridq.preset_names(), listed here so that --help needs no torch (tests/test_train_job.py keeps them equal)
 PRESETS = ("fp8_tensorwise", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
            "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd", "fp8_rowwise")
@@ -30,7 +34,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    names = [BASELINE, *PRESETS, TORCHAO]
+    names = [BASELINE, *PRESETS, *TORCHAO_RECIPES]
     p = argparse.ArgumentParser(description="Train a small Llama-style decoder with FSDP2 and a hybridq recipe.",
                                 formatter_class=_Help)
     g = p.add_argument_group("recipe")
@@ -204,8 +208,29 @@ def check_args(args, world: int) -> None:
         except Exception as e:  # identical on every rank
             errors.append(f"{TORCHAO} (the torchao float8 baseline) needs torchao, which is not importable here "
                           f"({type(e).__name__}: {e}); install it (pip install torchao) or pick another recipe")
+    if TORCHAO_MOE in (args.recipe, args.compare):
+        errors += torchao_moe_problems(args)
     if errors:
         raise ConfigError("\n  ".join(["invalid arguments:"] + errors))
+
+
+def torchao_moe_problems(args) -> list[str]:
+    """Why the torchao_moe baseline cannot run with these flags here (identical on every rank): it needs an MoE
+    model, torchao's MoE training (torchao.prototype.moe_training, torchao >= 0.18) and a CUDA device (its FP8
+    grouped GEMMs, torch._scaled_grouped_mm, run on CUDA only). torch is imported only when it is asked for."""
+    what = f"{TORCHAO_MOE} (torchao's MoE training conversion of the experts)"
+    if not args.moe:
+        return [f"{what} needs an MoE model: pass --moe E (it converts the expert weights)"]
+    try:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401
+    except Exception as e:
+        return [f"{what} needs torchao >= 0.18 with torchao.prototype.moe_training, which is not importable here "
+                f"({type(e).__name__}: {e}); install it (pip install torchao) or pick another recipe"]
+    import torch
+    if args.device == "cpu" or not torch.cuda.is_available():
+        return [f"{what} needs a CUDA device (torchao's FP8 grouped GEMMs, torch._scaled_grouped_mm, run on CUDA "
+                f"only); {'--device cpu' if args.device == 'cpu' else 'no CUDA device is visible here'}"]
+    return []
 
 
 def tp_problems(args, cfg: ModelConfig) -> list[str]:
@@ -219,8 +244,9 @@ def tp_problems(args, cfg: ModelConfig) -> list[str]:
             out.append(f"--tp {tp}: {what}={n} must be a multiple of the tensor-parallel size")
     if cfg.tie_embeddings:
         out.append(f"--tp {tp}: tied embeddings are not tensor-parallelized here; drop --tie-embeddings")
-    if TORCHAO in (args.recipe, args.compare):
-        out.append(f"--tp {tp}: the torchao float8 baseline is not tensor-parallelized here")
+    for name in TORCHAO_RECIPES:
+        if name in (args.recipe, args.compare):
+            out.append(f"--tp {tp}: the {name} baseline is not tensor-parallelized here")
     if args.moe:
         out.append(f"--tp {tp}: MoE layers are not tensor-parallelized yet; use --tp 1 with --moe")
     return out

@@ -74,3 +74,20 @@ class ModelConfig:
         block = d * (d + 2 * kv) + d * d + mlp + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * block + d + head
+
+    def active_params(self) -> int:
+        """The parameters one token's forward reads: num_params() less the experts it is not routed to (top-k of
+        the experts per layer); num_params() without MoE."""
+        idle = max(self.moe_experts - self.moe_top_k, 0)
+        return self.num_params() - self.n_layers * 3 * self.d_model * self.hidden * idle
+
+    def shape_line(self) -> str:
+        """The model's shape in one line (the job's and the end-to-end report's headers): layers, widths, heads,
+        and for an MoE its experts, top-k, expert hidden size, total and active parameters."""
+        heads = f"{self.n_heads} heads" + (f" ({self.n_kv_heads} kv)" if self.n_kv_heads != self.n_heads else "")
+        if not self.moe_experts:
+            return (f"{self.n_layers} layers, d_model {self.d_model}, hidden {self.hidden}, {heads}, "
+                    f"{self.num_params() / 1e6:,.1f}M parameters")
+        return (f"{self.n_layers} layers, d_model {self.d_model}, {heads}, MoE {self.moe_experts} experts top-"
+                f"{self.moe_top_k}, expert hidden {self.hidden}, {self.num_params() / 1e6:,.1f}M parameters "
+                f"({self.active_params() / 1e6:,.1f}M active per token)")

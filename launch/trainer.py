@@ -52,8 +52,8 @@ import checkpoint  # noqa: E402
 import lock  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from comm import GatherCounter  # noqa: E402
-from config import (BASELINE, TORCHAO, ConfigError, check_args, model_config, run_meta,  # noqa: E402
-                    runs)
+from config import (BASELINE, TORCHAO, TORCHAO_MOE, TORCHAO_RECIPES, ConfigError, check_args,  # noqa: E402
+                    model_config, run_meta, runs)
 from convert import convert, convert_torchao  # noqa: E402
 from parallel import apply_tensor_parallel, layout_problems, sequence_bytes_line  # noqa: E402
 from data import ByteBatches, load_tokens  # noqa: E402
@@ -74,7 +74,7 @@ def preflight(args, world: int) -> dict[str, dict]:
     check_args(args, world)
     problems = []
     for name in runs(args):
-        if name not in (BASELINE, TORCHAO):
+        if name not in (BASELINE, *TORCHAO_RECIPES):
             with torch.device("meta"):
                 model = Transformer(model_config(args))
             with warnings.catch_warnings():
@@ -254,11 +254,14 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(args.seed)
     model = Transformer(model_config(args))  # identical initial weights on every rank and for every recipe
-    if recipe_name in (BASELINE, TORCHAO) and args.norms == "hybridq":
+    if recipe_name in (BASELINE, *TORCHAO_RECIPES) and args.norms == "hybridq":
         swapped = [l.name for l in hybridq.convert_norms(model) if l.converted]
         out(f"\n{len(swapped)} RMSNorm modules run as hybridq.nn.RMSNorm (--norms hybridq)")
     if recipe_name == TORCHAO:
         convert_torchao(model, args, out)
+    elif recipe_name == TORCHAO_MOE:
+        from torchao_moe import convert_torchao_moe
+        convert_torchao_moe(model, args, out)
     elif recipe_name != BASELINE:
         rows, summary = convert_refusing(model, recipe_name, args)
         out(f"\nper-layer report, recipe {recipe_name}:")
@@ -283,7 +286,7 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if recipe_name == TORCHAO:  # the next float8 all-gathers' scales, one fused all-reduce (a collective)
+    if recipe_name in TORCHAO_RECIPES:  # the next float8 all-gathers' scales, one fused all-reduce (a collective)
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     return model, optimizer

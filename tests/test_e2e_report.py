@@ -258,7 +258,20 @@ def test_header_states_the_model_train_py_builds_from_the_train_args():
     line = e2e_report.describe(a, 2)[1]
     cfg = model.ModelConfig(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=4, hidden=1024, moe_experts=16,
                             moe_top_k=2)
-    assert line.startswith(f"Model: 20 layers, d_model 2048, hidden 1024 per expert, MoE 16 experts top-2, 16 heads "
-                           f"(4 kv), {cfg.num_params() / 1e6:,.1f}M parameters (all experts); seq 4096"), line
+    active = cfg.num_params() - 20 * 3 * 2048 * 1024 * (16 - 2)  # 14 of 16 experts idle per token and layer
+    assert line.startswith(f"Model: 20 layers, d_model 2048, 16 heads (4 kv), MoE 16 experts top-2, expert hidden "
+                           f"1024, {cfg.num_params() / 1e6:,.1f}M parameters ({active / 1e6:,.1f}M active per "
+                           "token); seq 4096"), line
     dense = e2e_report.describe(e2e_report.parse_args(["--recipes", "bf16"]), 2)[1]
     assert dense.startswith("Model: 20 layers, d_model 2048, hidden 5632, 16 heads, 1,028.7M parameters; "), dense
+
+
+def test_torchao_moe_row_with_an_moe_only_and_skipped_with_the_job_s_reason_without_cuda_or_torchao():
+    """'all' plans the torchao_moe baseline when --train-args make an MoE (not for a dense model); on a machine
+    without torchao or CUDA its row is skipped with train.py's own refusal, which names what is missing."""
+    dense = e2e_report.plan(e2e_report.parse_args(["--device", "cpu", "--tiny"]))
+    assert "torchao_moe" not in [r["recipe"] for r in dense], dense
+    moe = e2e_report.plan(e2e_report.parse_args(["--device", "cpu", "--tiny", "--train-args", "--moe 2"]))
+    row = next(r for r in moe if r["recipe"] == "torchao_moe")
+    assert row["skip"] is not None and "torchao_moe" in row["skip"], row
+    assert ("needs torchao" in row["skip"]) if _torchao_missing() else ("needs a CUDA device" in row["skip"]), row
