@@ -85,8 +85,10 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
 
 class JaggedFP8:
     """Per-tensor FP8 of E row groups of one tensor, each group quantized as its own tensor (its amax, its scale):
-    `row` fp8 `[M, K]` (rowwise), `col` fp8 `[K, M]` (the byte transpose: the columnwise form of every group, group
-    g's columns at its rows' positions) or None, `scale_inv` fp32 `[E]`."""
+    `row` fp8 `[M, K]` (rowwise), `col` the columnwise form of every group or None, `scale_inv` fp32 `[E]`. `col` is
+    in the layout of the kernels that made it, which only their `wgrad` reads: the reference's is the byte transpose
+    `[K, M]` (group g's columns at its rows' positions); the CUDA kernels' starts every group at a multiple of 16
+    columns, zero-padded (hybridq/kernels/grouped_fp8.py)."""
 
     __slots__ = ("row", "col", "scale_inv")
 

@@ -252,13 +252,42 @@ needs_jagged_gpu = pytest.mark.skipif(_cuda_jagged_kernels() is None,
                                       reason="needs the CUDA jagged kernels (sm_90, Triton, the built extension)")
 
 
+def test_token_groups_give_the_padded_layout_bounds_without_a_host_sync():
+    """Each group rounded up to a multiple of 16 tokens, cumulated on the device; the padded width exact where the host
+    has the counts, else an upper bound (fewer than 16 more per group) that needs no device-to-host copy."""
+    sizes = [5, 0, 17, 32, 1]
+    known = TokenGroups.build(sizes, sum(sizes), torch.device("cpu"))
+    assert known.padded_ends.tolist() == [16, 16, 48, 80, 96], known.padded_ends
+    assert known.padded_width() == 96
+    assert not known.aligned16() and TokenGroups.build([16, 0, 32], 48, torch.device("cpu")).aligned16()
+    device_only = TokenGroups(torch.tensor(sizes), sum(sizes), None)  # (as a CUDA m_splits: no host counts)
+    assert device_only.padded_width() == 144 and device_only.padded_width() % 16 == 0, device_only.padded_width()
+    assert not device_only.aligned16(), "unknown counts cannot be promised aligned"
+    assert device_only.known_sizes() is None, "padded_width read the device counts"
+
+
+def _unpadded_columns(col: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[str]]:
+    """The columnwise form of the CUDA kernels' padded layout (each group from a column multiple of 16, zero-padded
+    to a multiple of 16) as the plain byte transpose, and what is wrong with its padding."""
+    parts, wrong, o = [], [], 0
+    for g, m in enumerate(sizes):
+        p = -(-m // 16) * 16
+        parts.append(col[:, o:o + m])
+        if col[:, o + m:o + p].view(torch.uint8).any():
+            wrong.append(f"group {g}: padding columns [{o + m}, {o + p}) not zero")
+        o += p
+    return torch.cat(parts, 1), wrong
+
+
 @pytest.mark.gpu
 @needs_jagged_gpu
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "cuda-tensor"])
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("sizes", [[16, 0, 48, 32], [3, 0, 29, 1000], [0, 0, 17], [0, 0, 0]], ids=str)
-def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, fp8):
-    """One launch per operand for all experts: rowwise bytes, per-expert scales and the columnwise bytes (rows 16-byte
-    aligned for the wgrad GEMM) are bitwise the reference quantization of each expert alone."""
+def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, fp8, as_tensor):
+    """One launch per operand for all experts: rowwise bytes and per-expert scales are bitwise the reference
+    quantization of each expert alone; the columnwise bytes too, in the padded layout the wgrad GEMM reads (each
+    expert's tokens from a 16-aligned column, zeros up to a multiple of 16, rows 16-byte aligned)."""
     from hybridq.gemm import REFERENCE_JAGGED_FP8
     q = Float8Quantizer(fp8)
     gen = torch.Generator().manual_seed(3)
@@ -267,11 +296,15 @@ def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, fp8):
     if t > 20:
         x[5, 7], x[20, 3] = float("inf"), float("nan")  # non-finite values stay in their expert
     x = x.to(torch.bfloat16)
-    got = _cuda_jagged_kernels().quantize(q, x.cuda(), TokenGroups.build(sizes, t, torch.device("cuda")), True, "x")
+    route = torch.tensor(sizes, device="cuda") if as_tensor else sizes
+    assert t <= _cuda_jagged_kernels().padded_max_tokens_per_expert * len(sizes), "(groups small enough to be padded)"
+    got = _cuda_jagged_kernels().quantize(q, x.cuda(), TokenGroups.build(route, t, torch.device("cuda")), True, "x")
     ref = REFERENCE_JAGGED_FP8.quantize(q, x, TokenGroups.build(sizes, t, torch.device("cpu")), True, "x")
     assert_bitwise(got.scale_inv.cpu(), ref.scale_inv, f"scale_inv, groups {sizes}")
     assert_bitwise(got.row.cpu(), ref.row, f"rowwise, groups {sizes}")
-    assert_bitwise(got.col.cpu(), ref.col, f"columnwise, groups {sizes}")
+    col, wrong = _unpadded_columns(got.col.cpu(), sizes)
+    assert not wrong, f"groups {sizes}: {wrong}"
+    assert_bitwise(col, ref.col, f"columnwise, groups {sizes}")
     assert t == 0 or got.col.stride(0) % 16 == 0, f"columnwise row pitch {got.col.stride(0)} is not a multiple of 16"
 
 
@@ -299,17 +332,20 @@ def test_gpu_jagged_path_runs_without_a_host_sync(as_tensor):
 
 @pytest.mark.gpu
 @needs_jagged_gpu
+@pytest.mark.parametrize("padded", [True, False], ids=["padded-columnwise", "plain-columnwise"])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "cuda-tensor"])
 @pytest.mark.parametrize("per_expert", [True, False], ids=["cublas-per-expert", "triton-grouped"])
-def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, monkeypatch):
+def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, as_tensor, padded, monkeypatch):
     """The grouped GEMMs (fprop / dgrad: one cuBLAS GEMM per expert, or the Triton grouped kernel; wgrad: the Triton
-    grouped kernel) multiply the quantized operands: against the fp32 products of the same dequantized operands (per
-    expert) within the tolerance of the tensor cores' summation (docs/numerics.md)."""
+    grouped kernel on either columnwise layout) multiply the quantized operands: against the fp32 products of the
+    same dequantized operands (per expert) within the tolerance of the tensor cores' summation (docs/numerics.md)."""
     kernels = _cuda_jagged_kernels()
     monkeypatch.setattr(kernels, "per_expert_min_us", 0.0 if per_expert else float("inf"))
-    splits, n, k = [100, 3, 0, 61, 16], 96, 128
+    monkeypatch.setattr(kernels, "padded_max_tokens_per_expert", float("inf") if padded else 0.0)
+    splits, n, k = [100, 3, 0, 61, 16, 300], 96, 128
     e, t = len(splits), sum(splits)
     dev = torch.device("cuda")
-    groups = TokenGroups.build(splits, t, dev)
+    groups = TokenGroups.build(torch.tensor(splits, device=dev) if as_tensor else splits, t, dev)
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(t, k, device=dev, generator=gen, dtype=torch.bfloat16)
     w = torch.randn(e * n, k, device=dev, generator=gen, dtype=torch.bfloat16)
@@ -318,6 +354,7 @@ def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, m
     xq = kernels.quantize(qx, x, groups, True, "x")
     wq = kernels.quantize(qw, w, TokenGroups.uniform(e, n, dev), True, "w")
     gq = kernels.quantize(qg, dy, groups, True, "dy")
+    assert (xq.col.shape[1] != t) == padded, f"columnwise layout {tuple(xq.col.shape)} for {t} tokens"
     y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, torch.float32, precise=False)
     dx = kernels.mm(gq.row, gq.scale_inv, wq.col, n, wq.col.stride(0), k, wq.scale_inv, groups, torch.float32,
                     precise=True)

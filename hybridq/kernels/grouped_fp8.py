@@ -52,13 +52,21 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         return _triton() is not None and _ext.available_for(device)
 
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
+        """The columnwise form comes in the padded layout (`padded_transpose`: each group's tokens from a 16-aligned
+        column, zero-padded to a multiple of 16), which the wgrad GEMM reads without edge products. Groups the host
+        knows are 16-aligned (the experts' weights) have it as the plain transpose, written by the cast itself; the
+        others' is a transpose of the rowwise bytes (one more read of them, ~0.1 ms per 256 MB)."""
         if x2d.dtype not in IN_DTYPES:
             raise TypeError(f"{name}: the FP8 cast takes float32 / bfloat16 / float16, got {x2d.dtype}")
         x = x2d.contiguous()
         m = x.shape[0]
-        pitch = -(-m // 16) * 16 if columnwise else 0  # 16-byte aligned columnwise rows (the wgrad GEMM's reads)
+        in_cast = columnwise and (groups.aligned16()
+                                  or groups.tokens > self.padded_max_tokens_per_expert * groups.n)
+        pitch = -(-m // 16) * 16 if in_cast else 0  # 16-byte aligned columnwise rows (the GEMMs' reads)
         row, col, scale_inv, _ = torch.ops.hybridq.fp8_tensor_quantize_grouped(
-            x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, columnwise, pitch)
+            x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, in_cast, pitch)
+        if columnwise and not in_cast:
+            col = _triton().padded_transpose(row, groups.ends, groups.padded_ends, groups.padded_width())
         return JaggedFP8(row, col if columnwise else None, scale_inv)
 
     # fprop / dgrad as one torch._scaled_mm per expert (cuBLAS, ~1.1-1.3 PFLOP/s on an H200 at these shapes,
@@ -73,6 +81,13 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     # this long: measured 1.26x vs 1.09x bf16 at 8 experts x 4096 tokens (d 4096, h 14336; ~440 us per GEMM), 0.42x
     # vs 0.94x at 16 x 4096 (d 2048, h 5632; ~90 us)
     per_expert_path_min_us = 200.0
+
+    # token groups get the padded columnwise layout (see quantize) where the average expert has at most this many
+    # tokens, else the plain transpose written by the cast (the wgrad kernel then reads each expert's < 16 edge tokens
+    # per side with two small masked products). Measured on one H200 (BENCHMARKS.md "MoE", GPU ms per forward +
+    # backward, plain -> padded): 64 experts x 2048 tokens 8.45 -> 8.18 (wgrad 3.43 -> 2.83, transpose +0.50), 16 x
+    # 4096 6.01 -> 6.31 (wgrad unchanged), 8 x 4096 (d 4096) 13.80 -> 13.16. 0: never; inf: always.
+    padded_max_tokens_per_expert: float = 2048.0
 
     def prefers_per_expert_path(self, sizes: list[int], in_features: int, out_features: int) -> bool:
         return bool(sizes) and _gemm_us(sizes, in_features, out_features) >= self.per_expert_path_min_us
@@ -95,7 +110,11 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     def wgrad(self, a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype,
               name: str = "grouped wgrad") -> torch.Tensor:
         od = out_dtype if out_dtype in _MM_OUT else torch.float32
-        out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, groups.ends, od, precise=True)
+        # the columnwise forms of `quantize`: the padded layout (every group's bounds multiples of 16) is wider than
+        # the tokens, or all groups are 16-aligned (both layouts are one); else the plain transpose, edges and all
+        padded = a_t.shape[1] != groups.tokens or groups.aligned16()
+        out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv,
+                                     groups.padded_ends if padded else groups.ends, od, precise=True, aligned=padded)
         return out if od == out_dtype else out.to(out_dtype)
 
 

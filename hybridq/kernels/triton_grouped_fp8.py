@@ -50,6 +50,8 @@ CONFIGS = {
     ("wgrad", False): (128, 256, 128, 8, 8, 3),
     ("wgrad", True): (128, 128, 128, 8, 8, 4),
 }
+# (BLOCK_T, BLOCK_K, num_warps) of padded_transpose: 128-byte rows on both sides
+TRANSPOSE_CONFIG = (128, 128, 8)
 
 
 def available() -> bool:
@@ -143,7 +145,7 @@ if triton is not None:
     def _jagged_wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, M, N, E, pitch_a, pitch_b,
                              stride_cg, stride_cm,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, PRECISE: tl.constexpr):
+                             GROUP_M: tl.constexpr, PRECISE: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         g = tl.program_id(1)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -156,6 +158,9 @@ if triton is not None:
         tn = (pid % width) // size_m
         end = tl.load(ends_ptr + g)
         start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
+        if ALIGNED:  # (the padded layout: every group's bounds are multiples of 16, no edge tokens)
+            start = tl.multiple_of(start, 16)
+            end = tl.multiple_of(end, 16)
 
         rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,9 +174,10 @@ if triton is not None:
         # the last tile); the < 16 tokens before s16 and from e16 on as two small masked products
         s16 = tl.multiple_of((start + 15) // 16 * 16, 16)
         e16 = tl.multiple_of(end // 16 * 16, 16)
-        if start < tl.minimum(s16, end):  # head: [start, min(s16, end))
-            acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, s16 - 16, start,
-                              tl.minimum(s16, end), PRECISE)
+        if not ALIGNED:
+            if start < tl.minimum(s16, end):  # head: [start, min(s16, end))
+                acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, s16 - 16, start,
+                                  tl.minimum(s16, end), PRECISE)
         a_ptrs = a_ptr + a_rows[:, None] + (s16 + rk)[None, :]
         b_ptrs = b_ptr + b_rows[:, None] + (s16 + rk)[None, :]
         n_full = tl.maximum(e16 - s16, 0) // BLOCK_K
@@ -193,12 +199,59 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        if (e16 >= s16) & (e16 < end):  # tail: [e16, end)
-            acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, e16, e16, end, PRECISE)
+        if not ALIGNED:
+            if (e16 >= s16) & (e16 < end):  # tail: [e16, end)
+                acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, e16, e16, end, PRECISE)
         scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
         c = (acc * scale).to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["E"])
+    def _padded_transpose_kernel(src_ptr, dst_ptr, ends_ptr, pends_ptr, K, E, dst_pitch,
+                                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, EP: tl.constexpr):
+        """dst[k, pstart_g + j] = src[start_g + j, k] for the tokens j of group g, zeros for j in [size_g,
+        psize_g): one program per (BLOCK_T padded tokens of one group, BLOCK_K columns). The loads run along K
+        (rows of src, any token offset), the stores along the tokens from a 16-aligned column: both vectorized."""
+        pid = tl.program_id(0)
+        gi, starts, sizes = _group_bounds(ends_ptr, E, EP)
+        _, pstarts, psizes = _group_bounds(pends_ptr, E, EP)
+        tt = (psizes + BLOCK_T - 1) // BLOCK_T  # token tiles of each group's padded slot
+        tt_end = tl.cumsum(tt, 0)
+        if pid >= tl.sum(tt, axis=0):  # (the grid is an upper bound: the counts live on the device)
+            return
+        g = tl.sum((tt_end <= pid).to(tl.int32), axis=0)
+        i0 = (pid - _pick(gi, tt_end - tt, g)) * BLOCK_T
+        start = _pick(gi, starts, g)
+        size = _pick(gi, sizes, g)
+        pstart = tl.multiple_of(_pick(gi, pstarts, g), 16)
+        psize = tl.multiple_of(_pick(gi, psizes, g), 16)
+        ri = i0 + tl.arange(0, BLOCK_T)
+        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        v = tl.load(src_ptr + (start + ri).to(tl.int64)[:, None] * K + rk[None, :],
+                    mask=(ri < size)[:, None] & k_ok[None, :], other=0)
+        tl.store(dst_ptr + rk.to(tl.int64)[:, None] * dst_pitch + (pstart + ri)[None, :], tl.trans(v),
+                 mask=k_ok[:, None] & (ri < psize)[None, :])
+
+
+def padded_transpose(row: torch.Tensor, ends: torch.Tensor, padded_ends: torch.Tensor, width: int) -> torch.Tensor:
+    """The columnwise form of the jagged fp8 `row [T, K]` in the padded group layout: `[K, width]` with group g's
+    tokens at columns `[padded_ends[g-1], padded_ends[g-1] + size_g)` and zeros up to `padded_ends[g]` (cumulative
+    multiples of 16, int32 on the device); columns from `padded_ends[-1]` to `width` are not written (`width` >= the
+    padded total, a multiple of 16: an upper bound when the host has no counts)."""
+    t, k = row.shape
+    e = ends.shape[0]
+    out = torch.empty(k, width, device=row.device, dtype=row.dtype)
+    if out.numel() == 0:
+        return out
+    bt, bk, w = TRANSPOSE_CONFIG
+    grid = (_cdiv(width, bt) + e, _cdiv(k, bk))  # an upper bound of the token tiles: each group may end one partial
+    _padded_transpose_kernel[grid](row.view(torch.uint8), out.view(torch.uint8), ends, padded_ends, k, e, width,
+                                   BLOCK_T=bt, BLOCK_K=bk, EP=max(16, _next_pow2(e)), num_warps=w)
+    return out
 
 
 def _config(kind: str, precise: bool, k: int, config) -> tuple:
@@ -241,9 +294,11 @@ def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_gro
 
 def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor, b_scale_inv: torch.Tensor,
                  ends: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, precise: bool = True,
-                 config=None) -> torch.Tensor:
+                 config=None, aligned: bool = False) -> torch.Tensor:
     """`out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T * (a_scale_inv[g] * b_scale_inv[g])`: `[E, M, N]` for
-    `a_t` fp8 `[M, T]`, `b_t` fp8 `[N, T]` (unit stride along the tokens; row strides multiples of 16)."""
+    `a_t` fp8 `[M, T]`, `b_t` fp8 `[N, T]` (unit stride along the tokens; row strides multiples of 16). `aligned`:
+    every group's bounds in `ends` are multiples of 16 (the padded layout of `padded_transpose`), so the kernel has no
+    edge products (~1.4x faster)."""
     m, n = a_t.shape[0], b_t.shape[0]
     e = ends.shape[0]
     c = torch.empty(e, m, n, device=a_t.device, dtype=out_dtype)
@@ -258,5 +313,6 @@ def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor
     grid = (_cdiv(m, bm) * _cdiv(n, bn), e)
     LAST_COMPILED["wgrad"] = _jagged_wgrad_kernel[grid](
         a_t, b_t, c, a_scale_inv, b_scale_inv, ends, m, n, e, a_t.stride(0), b_t.stride(0), c.stride(0),
-        c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise, num_warps=w, num_stages=st)
+        c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise, ALIGNED=aligned, num_warps=w,
+        num_stages=st)
     return c

@@ -43,6 +43,7 @@ class TokenGroups:
         self.tokens = tokens
         self._counts, self._sizes = counts, sizes
         self._ends: torch.Tensor | None = None
+        self._padded_ends: torch.Tensor | None = None
         self._row_group: torch.Tensor | None = None
 
     @classmethod
@@ -78,6 +79,26 @@ class TokenGroups:
         if self._ends is None:
             self._ends = self._counts.cumsum(0).to(torch.int32)
         return self._ends
+
+    @property
+    def padded_ends(self) -> torch.Tensor:
+        """int32 `[n]`: the cumulative counts, each group's rounded up to a multiple of 16 (the padded layout of the
+        CUDA kernels' columnwise forms, hybridq/kernels/grouped_fp8.py)."""
+        if self._padded_ends is None:
+            self._padded_ends = ((self._counts + 15) // 16 * 16).cumsum(0).to(torch.int32)
+        return self._padded_ends
+
+    def padded_width(self) -> int:
+        """The columns of the padded layout: the padded total where the host has the counts, else its upper bound
+        (each group adds fewer than 16 columns), a multiple of 16 either way; no host sync."""
+        if self._sizes is not None:
+            return sum(-(-m // 16) * 16 for m in self._sizes)
+        return -(-(self.tokens + 15 * self.n) // 16) * 16
+
+    def aligned16(self) -> bool:
+        """Whether the host knows every group starts and ends at a multiple of 16 rows (then the padded layout is the
+        plain one: e.g. the experts' weights `[E*N, K]` with N a multiple of 16)."""
+        return self._sizes is not None and all(m % 16 == 0 for m in self._sizes)
 
     @property
     def row_group(self) -> torch.Tensor:
