@@ -164,7 +164,7 @@ FORMAT_EXAMPLE_FILES = {
     "hybridq/formats/float8_rowwise.py", "hybridq/formats/__init__.py", "hybridq/__init__.py",
     "docs/numerics.md", "docs/architecture.md", "tests/_format_cases.py", "tests/test_format_float8_rowwise.py",
     "tests/distributed/test_rowwise_preset.py", "tests/test_architecture.py", "launch/config.py",
-    "benchmarks/bench_linear.py", "README.md",
+    "docs/training-job.md", "README.md",
 }
 
 
