@@ -60,6 +60,22 @@ def test_a_large_outlier_row_leaves_the_other_rows_scales_alone():
     assert_bitwise(a.scale_inv[keep], b.scale_inv[keep], "scales of the rows without the outlier")
 
 
+def test_a_nan_stays_in_its_row_and_column():
+    """A NaN gives its row (rowwise) and its column (columnwise) scale 1 and stays NaN; every other row and column is
+    quantized as without it."""
+    x = _x(32, 48)
+    y = x.clone()
+    y[4, 7] = float("nan")
+    a, b = (Float8RowwiseQuantizer().quantize(v, rowwise=True, columnwise=True) for v in (x, y))
+    for d, line in (("rowwise", 4), ("columnwise", 7)):
+        pa, pb = a.part(d), b.part(d)
+        assert pb.scale_inv[line].item() == 1.0, f"{d}: the NaN's line has scale_inv {pb.scale_inv[line].item()}"
+        keep = [i for i in range(pa.rows) if i != line]
+        assert_bitwise(pb.data[keep].view(torch.uint8), pa.data[keep].view(torch.uint8), f"{d}: the other lines")
+        assert_bitwise(pb.scale_inv[keep], pa.scale_inv[keep], f"{d}: the other lines' scales")
+    assert torch.isnan(b.dequantize(direction="rowwise")[4, 7]) and torch.isnan(b.dequantize(direction="columnwise")[4, 7])
+
+
 @pytest.mark.parametrize("shape", [(96, 64), (97, 48), (5, 32), (1, 16)], ids=str)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_row_shards_gather_into_the_whole_quantization(shape, world_size):
