@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ._sharding import RowShard, owned_rows
-from .base import QuantizedPart, Quantizer, transposed_copy
+from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
 from .shardable import GatherablePart, ShardableQuantizer
 
 
@@ -28,6 +28,7 @@ class BlockScaledPart(GatherablePart, QuantizedPart):
     """A part with per-block scales in the field `scale_field` (`[rows, cols/block]`, compact)."""
 
     block: ClassVar[int]
+    scale_layout = ScaleLayout.BLOCK
     scale_field: ClassVar[str] = "scale"
     partial_blocks: ClassVar[bool] = False  # an edge block may hold fewer than `block` elements (FP8 blocks)
     values_per_byte: ClassVar[int] = 1  # values packed in one byte of `data` (NVFP4: two E2M1 codes)

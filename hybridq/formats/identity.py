@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import QuantizedPart, Quantizer
+from .base import QuantizedPart, Quantizer, ScaleLayout
 from .shardable import GatherablePart, ShardableQuantizer
 
 
@@ -16,6 +16,7 @@ class IdentityPart(GatherablePart, QuantizedPart):
 
     format_name = "identity"
     tensor_fields = ("data",)
+    scale_layout = ScaleLayout.NONE
 
     def element_values(self) -> torch.Tensor:
         return self.data
