@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
 
 import hybridq  # noqa: E402
-from comm import GatherCounter  # noqa: E402 (launch/comm.py: the job counts its gathers the same way)
+from comm import CommCounter  # noqa: E402 (launch/comm.py: the job counts its gathers the same way)
 
 
 class RMSNorm(nn.Module):
@@ -182,7 +182,7 @@ def run_mode(mode: str, args, device, mesh) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
-    with GatherCounter() as counter:
+    with CommCounter() as counter:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             loss = step()
@@ -197,7 +197,7 @@ def run_mode(mode: str, args, device, mesh) -> dict:
     ws = dist.get_world_size()
     row = {
         "mode": mode, "step_ms": ms, "tokens_per_s": args.batch * args.seq * ws / (ms / 1e3),
-        "allgather_MB_per_rank_step": counter.bytes / args.steps / 2**20,
+        "allgather_MB_per_rank_step": counter.bytes["allgather"] / args.steps / 2**20,
         "host_ms": 1e3 * statistics.median(host),
         "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if is_cuda else float("nan"),
         "loss": float(loss.detach()),

@@ -39,7 +39,19 @@ def last_error(text: str) -> str:
 
 # the train.py flags that must match for a finished run to stand for the one asked for
 SAME_RUN = ("d_model", "n_layers", "n_heads", "hidden", "seq", "batch", "steps", "lr", "eval_batches", "compile",
-            "corpus_bytes")
+            "corpus_bytes", "grad_reduce")
+FLAG_SINCE = {"grad_reduce": "fp32"}  # a flag newer than some metrics files: what their runs did
+WIRES = ("allgather", "reduce_scatter", "tp")  # train.py's bytes per step and wire (launch/comm.py)
+
+
+def summary_bytes(summary: dict) -> dict:
+    """A run's bytes per step and wire from its summary record: {"allgather_bytes": ..., ...} (None: not counted)."""
+    return {f"{w}_bytes": summary.get(f"{w}_bytes_per_step") for w in WIRES}
+
+
+def steps_bytes(steps: list[dict]) -> dict:
+    """The same from the step records of a run cut short: the median of each wire's bytes over its steps."""
+    return {f"{w}_bytes": median_or_none([s.get(f"{w}_bytes") for s in steps]) for w in WIRES}
 
 
 def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = False) -> dict | None:
@@ -56,11 +68,11 @@ def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bo
     if config is None or summary is None or summary["start_step"] + summary["steps_run"] != a.steps:
         return None
     want = {k: v for k, v in vars(parse_args_for_train(cmd)).items() if k in SAME_RUN}
-    got = {k: config["args"].get(k) for k in want}
+    got = {k: config["args"].get(k, FLAG_SINCE.get(k)) for k in want}
     if got != want or config.get("world_size") != nproc:
         return None
     return {"recipe": name, "base": recipe, "compiled": compiled, "nproc": nproc, "command": show(cmd), "rc": 0,
-            "wall_s": 0.0, "allgather_bytes": summary.get("allgather_bytes_per_step"),
+            "wall_s": 0.0, **summary_bytes(summary),
             "log": str(out_dir / f"{name}.log"), "status": "ok (reused)", "metrics": str(js),
             "steps_done": a.steps, "losses": summary["losses"], "tokens_per_s": summary["median_tokens_per_s"],
             "peak_memory_bytes": summary["peak_memory_bytes"], "memory_kind": summary["peak_memory_kind"],
@@ -105,21 +117,20 @@ def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, c
     steps = step_records(js, train_recipe(recipe)[0])
     res = {"recipe": name, "base": recipe, "compiled": compiled, "nproc": nproc, "command": show(cmd), "rc": rc,
            "wall_s": wall, "log": str(log), "steps_done": 0, "losses": [], "tokens_per_s": None,
-           "peak_memory_bytes": None, "memory_kind": None, "val_loss": None, "allgather_bytes": None}
+           "peak_memory_bytes": None, "memory_kind": None, "val_loss": None, **dict.fromkeys(summary_bytes({}))}
     summary = runs_of(read_metrics(js)).get(train_recipe(recipe)[0]) if js.exists() else None
     if summary is not None and rc == 0:
         m = summary
         res.update(steps_done=m["start_step"] + m["steps_run"], losses=m["losses"],
                    tokens_per_s=m["median_tokens_per_s"], peak_memory_bytes=m["peak_memory_bytes"],
                    memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], status="ok", metrics=str(js),
-                   allgather_bytes=m.get("allgather_bytes_per_step"))
+                   **summary_bytes(m))
     else:
         if steps:
             tps = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]  # step 1 includes warm-up
             res.update(steps_done=steps[-1]["step"], losses=[s["loss"] for s in steps],
                        tokens_per_s=statistics.median(tps), peak_memory_bytes=max(s["peak_memory_bytes"] for s in steps),
-                       memory_kind=steps[-1]["peak_memory_kind"],
-                       allgather_bytes=median_or_none([s.get("allgather_bytes") for s in steps]))
+                       memory_kind=steps[-1]["peak_memory_kind"], **steps_bytes(steps))
         if timed_out:
             res["status"] = f"time limit ({limit_s:.0f} s) after {res['steps_done']} of {a.steps} steps"
         else:

@@ -21,6 +21,9 @@ TORCHAO = "torchao_float8"  # baseline: torchao float8 training (tensorwise, flo
 # GEMMs, torchao.prototype.moe_training); needs torchao and CUDA (torchao_moe.py)
 TORCHAO_MOE = "torchao_moe"
 TORCHAO_RECIPES = (TORCHAO, TORCHAO_MOE)
+# --grad-reduce: the wire of FSDP2's gradient reduce-scatter (hybridq.apply_hybrid_fsdp(grad_reduce=...))
+GRAD_WIRES = {"fp32": "in fp32 (FSDP2's own)", "bf16": "as bf16, summed in fp32 by the receiving rank (hybridq)",
+              "mxfp8": "as mxfp8 (MXFP8 blocks of 32), summed in fp32 by the receiving rank (hybridq)"}
 # hybridq.preset_names(), listed here so that --help needs no torch (tests/test_train_job.py keeps them equal)
 PRESETS = ("fp8_tensorwise", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
            "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd", "fp8_rowwise")
@@ -54,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("parallelism")
     g.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) size; default: world size / tp")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallelism included; hybridq's styles)")
+    g.add_argument("--grad-reduce", default="fp32", choices=list(GRAD_WIRES),
+                   help="the wire of FSDP2's gradient reduce-scatter in the hybridq recipes' runs (apply_hybrid_fsdp's "
+                        "grad_reduce): fp32 (FSDP2's own, reduce_dtype), bf16 (0.5x the bytes) or mxfp8 (~0.26x); each "
+                        "rank sums what it receives in fp32. The bf16 / torchao baselines reduce in fp32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
     g.add_argument("--compile", action="store_true",
@@ -175,6 +182,12 @@ def check_args(args, world: int) -> None:
                       f"(--top-k only with --moe)")
     if args.compile_mode is not None and not args.compile:
         errors.append(f"--compile-mode {args.compile_mode}: needs --compile")
+    if args.grad_reduce != "fp32" and args.weight_gather == "high_precision":
+        errors.append(f"--grad-reduce {args.grad_reduce}: needs --weight-gather quantized (the wire is installed by "
+                      "hybridq.apply_hybrid_fsdp; --weight-gather high_precision converts with convert_linears)")
+    if args.grad_reduce != "fp32" and all(r in (BASELINE, *TORCHAO_RECIPES) for r in runs(args)):
+        errors.append(f"--grad-reduce {args.grad_reduce}: applies to hybridq recipes only (the bf16 / torchao "
+                      f"baselines reduce in fp32), and this invocation runs none ({', '.join(runs(args))})")
     if args.moe and args.weight_gather == "high_precision":
         errors.append("--weight-gather high_precision: not with --moe (the expert weights are converted by "
                       "apply_hybrid_fsdp only); use --weight-gather quantized")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 import hybridq
-from config import TORCHAO, ConfigError
+from config import GRAD_WIRES, TORCHAO, ConfigError
 
 
 def head_filter(args):
@@ -26,9 +26,13 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
     linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     filt = head_filter(args)
     gather_quantized = args.weight_gather == "quantized"  # (--moe: quantized only, see config.check_args)
-    convert_fn = hybridq.apply_hybrid_fsdp if gather_quantized else hybridq.convert_linears
-    report = convert_fn(model, hybridq.recipe(recipe_name), module_filter_fn=filt, on_incompatible="skip",
-                        norms=args.norms != "model")
+    if gather_quantized:  # (--grad-reduce: the gradient wire, installed at the first forward after fully_shard)
+        report = hybridq.apply_hybrid_fsdp(model, hybridq.recipe(recipe_name), module_filter_fn=filt,
+                                           on_incompatible="skip", norms=args.norms != "model",
+                                           grad_reduce=args.grad_reduce)
+    else:
+        report = hybridq.convert_linears(model, hybridq.recipe(recipe_name), module_filter_fn=filt,
+                                         on_incompatible="skip", norms=args.norms != "model")
     by_name = {l.name: l for l in report.layers}
     rows = [["layer", "status", "input (row / col)", "weight (row / col)", "grad_output (row / col)", "why"]]
     n_conv = 0
@@ -61,7 +65,8 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
         rows.append([l.name, "hybridq.nn.RMSNorm" if l.converted else "norm kept", "-", "-", "-", l.reason])
     summary = (f"{n_conv} of {len(linear_names)} Linear layers"
                + (f" and {n_grouped} of {len(grouped)} grouped expert weights" if grouped else "")
-               + (" converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized). "
+               + (" converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized; gradients "
+                  f"reduce-scattered {GRAD_WIRES[args.grad_reduce]}). "
                   if gather_quantized else " converted by hybridq.convert_linears (FSDP2 all-gathers their weights "
                   "in param_dtype; each Linear quantizes its weight itself). ")
                + (f"{sum(l.converted for l in report.norms)} RMSNorm modules run as hybridq.nn.RMSNorm. "

@@ -4,8 +4,10 @@ The metrics file has one JSON object per line, each with a "kind":
 
     {"kind": "config", ...}                      the flags, world size, backend, device, torch version
     {"kind": "step", "recipe", "step", "steps", "loss", "lr", "tokens_per_s", "step_ms", "peak_memory_bytes",
-     "peak_memory_kind", "allgather_bytes"}      one per logged step (what the step line prints; allgather_bytes:
-                                                 what this rank sent in all-gathers during the step, launch/comm.py)
+     "peak_memory_kind", "allgather_bytes",      one per logged step (what the step line prints; the bytes this
+     "reduce_scatter_bytes"[, "tp_bytes"]}       rank handed to FSDP2's parameter all-gathers, to its gradient
+                                                 reduce-scatters and, with --tp, to the tensor-parallel gathers and
+                                                 reduce-scatters of both directions during the step: launch/comm.py)
     {"kind": "summary", "recipe", ...}           one per finished run: every loss, the medians, val loss
     {"kind": "gap", ...}                         with --compare: recipe minus compare
 
@@ -117,18 +119,21 @@ def _num(v: float | None, fmt: str) -> str:
 def summarize(results: list[dict], out: Printer) -> dict:
     """Print the summary table, the loss curve and (two runs) the gap; return the gap record ({} if none).
     A run that trained no step this invocation (resumed at its last step) shows '-' for its speed."""
+    tp = any(r.get("tp_bytes_per_step") is not None for r in results)
     rows = [["run", "steps", "first loss", "final loss", "val loss", "tokens/s", "step ms", "peak mem",
-             "all-gather/step", "wall s"]]
+             "all-gather/step", "reduce-scatter/step"] + (["TP/step"] if tp else []) + ["wall s"]]
     for r in results:
         first = f"{r['losses'][0]:.4f}" if r["losses"] else "-"
         rows.append([r["recipe"], f"{r['start_step'] + r['steps_run']}", first, _num(r["final_loss"], ".4f"),
                      _num(r["val_loss"], ".4f"), _num(r["median_tokens_per_s"], ",.0f"),
                      _num(r["median_step_s"] and r["median_step_s"] * 1e3, ".1f"),
                      fmt_bytes(r["peak_memory_bytes"]), fmt_bytes(r.get("allgather_bytes_per_step")),
-                     f"{r['wall_s']:.1f}"])
+                     fmt_bytes(r.get("reduce_scatter_bytes_per_step"))]
+                    + ([fmt_bytes(r.get("tp_bytes_per_step"))] if tp else []) + [f"{r['wall_s']:.1f}"])
     out("\nsummary (final loss: mean of the last 10% of steps; tokens/s and step ms: medians after step 1; "
-        f"{results[0]['peak_memory_kind']} and all-gather bytes sent per step of rank 0):")
-    out(table(rows, right=set(range(1, 10))))
+        f"{results[0]['peak_memory_kind']} and the bytes rank 0 hands to each kind of collective per step, "
+        "launch/comm.py):")
+    out(table(rows, right=set(range(1, len(rows[0])))))
     n = max(len(r["losses"]) for r in results)
     if n:
         marks = sorted({max(1, round(n * k / 10)) for k in range(1, 11)} | {1})

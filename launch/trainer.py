@@ -51,7 +51,7 @@ import hybridq  # noqa: E402
 import checkpoint  # noqa: E402
 import lock  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from comm import GatherCounter  # noqa: E402
+from comm import KINDS, CommCounter  # noqa: E402
 from config import (BASELINE, TORCHAO, TORCHAO_MOE, TORCHAO_RECIPES, ConfigError, check_args,  # noqa: E402
                     model_config, run_meta, runs)
 from convert import convert, convert_torchao  # noqa: E402
@@ -250,6 +250,17 @@ def expert_placement(args):
     return lambda p: Shard(1) if p.dim() == 3 and p.shape[1] % args.dp == 0 else None
 
 
+def step_wires(args) -> tuple[str, ...]:
+    """The wires (comm.KINDS) a step of this job uses: tp only with tensor parallelism."""
+    return tuple(k for k in KINDS if k != "tp" or args.tp > 1)
+
+
+def grad_reduce_of(recipe_name: str, args) -> str:
+    """The gradient reduce-scatter wire of a run: --grad-reduce for a hybridq recipe (apply_hybrid_fsdp installs it),
+    fp32 (FSDP2's own) for the bf16 / torchao baselines."""
+    return "fp32" if recipe_name in (BASELINE, *TORCHAO_RECIPES) else args.grad_reduce
+
+
 def build(recipe_name: str, args, env: Env, out: Printer):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(args.seed)
@@ -404,14 +415,15 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
             + " (pass a larger --steps to train further); the summary shows the saved state")
 
     tokens_per_step = args.dp * args.batch * args.seq
-    times, tps, gathered = [], [], []
+    times, tps = [], []
+    sent = {k: [] for k in KINDS}  # this rank's bytes per step and wire (comm.py)
     mem_label = memory.label
     t_run = time.perf_counter()
     collector = GarbageCollection(args.gc_every)
-    with GatherCounter() as gathers:  # the bytes this rank sends in all-gathers, per step
+    with CommCounter(env.mesh["tp"].get_group() if args.tp > 1 else None) as comms:
         for step in range(start, end):
             t0 = time.perf_counter()
-            sent0 = gathers.bytes
+            sent0 = dict(comms.bytes)
             collector.step(step)
             lr = lr_at(step, args)
             for gr in optimizer.param_groups:
@@ -428,7 +440,8 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
             losses.append(loss_val)
             times.append(dt)
             tps.append(tokens_per_step / dt)
-            gathered.append(gathers.bytes - sent0)
+            for k in KINDS:
+                sent[k].append(comms.bytes[k] - sent0[k])
             if not math.isfinite(loss_val):
                 raise ConfigError(f"[{recipe_name}] loss is {loss_val} at step {step + 1}")
             n = step + 1
@@ -439,7 +452,7 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
                     f"{mem_label} {fmt_bytes(mem)}")
                 metrics.write("step", recipe=recipe_name, step=n, steps=args.steps, loss=loss_val, lr=lr,
                               tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
-                              peak_memory_kind=mem_label, allgather_bytes=gathered[-1])
+                              peak_memory_kind=mem_label, **{f"{k}_bytes": sent[k][-1] for k in step_wires(args)})
             done = n - start
             out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
             if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
@@ -466,7 +479,10 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         "median_step_s": statistics.median(steady) if steady else None,
         "median_tokens_per_s": tokens_per_step / statistics.median(steady) if steady else None,
         "peak_memory_bytes": memory.read(), "peak_memory_kind": mem_label,
-        "allgather_bytes_per_step": statistics.median(gathered) if gathered else None,  # rank 0's (the metrics file's)
+        # rank 0's bytes per step (the metrics file's), per wire; tp: None without tensor parallelism
+        **{f"{k}_bytes_per_step": statistics.median(sent[k]) if sent[k] and k in step_wires(args) else None
+           for k in KINDS},
+        "grad_reduce": grad_reduce_of(recipe_name, args),
         "wall_s": time.perf_counter() - t_run,
     }
     metrics.write("summary", **result)

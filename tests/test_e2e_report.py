@@ -100,6 +100,11 @@ def test_tiny_report_on_cpu(tmp_path):
     # the quantized all-gather sends FP8 bytes (plus scales) where bf16 sends 2 bytes per weight
     sent = {n: rows[n]["allgather_bytes"] for n in ("bf16", "fp8_tensorwise")}
     assert 0 < sent["fp8_tensorwise"] < sent["bf16"], f"all-gather bytes per rank per step: {sent}"
+    # both reduce their gradients in fp32 (the same parameters: the same bytes); no TP, no TP column
+    reduced = {n: rows[n]["reduce_scatter_bytes"] for n in ("bf16", "fp8_tensorwise")}
+    assert reduced["bf16"] > 0 and reduced["bf16"] == reduced["fp8_tensorwise"], f"reduce-scatter bytes: {reduced}"
+    assert rows["bf16"]["tp_bytes"] is None
+    assert "| all-gather/rank/step | reduce-scatter/rank/step | TP gathers/rank/step |" in md
     assert rows["fp8_delayed"]["skip"] and "| fp8_delayed | skipped: rejected by hybridq.apply_hybrid_fsdp" in md
     if _torchao_missing():
         assert "| torchao_float8 | skipped: torchao not installed" in md

@@ -67,6 +67,8 @@ def args_for(*extra: str):
     (["--stop-after", "0"], "--stop-after 0: must be >= 1"),
     (["--checkpoint-dir", "c", "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--checkpoint-dir", "c", "--resume", "--init-state", "s.pt"], "--resume and --init-state both set"),
+    (["--grad-reduce", "bf16", "--weight-gather", "high_precision"], "--grad-reduce bf16: needs --weight-gather quantized"),
+    (["--recipe", "bf16", "--grad-reduce", "mxfp8"], "--grad-reduce mxfp8: applies to hybridq recipes only"),
 ])
 def test_bad_arguments_are_rejected_before_any_collective(flags, needle):
     with pytest.raises(config.ConfigError) as e:
@@ -432,6 +434,35 @@ def test_cpu_job_trains_and_compares(runs):
     logged = [(s["recipe"], s["step"]) for s in js["full"]["steps"]]
     assert logged == [(RECIPE, n) for n in range(1, 9)] + [("bf16", n) for n in range(1, 9)], "one record per step"
     assert "summary (" in text and "loss curve:" in text
+    # bytes per step on each wire (launch/comm.py): both runs gather weights and reduce-scatter fp32 gradients of
+    # the same parameters (the same bytes); no tensor parallelism, so no TP bytes
+    q, b = js["full"]["runs"][RECIPE], js["full"]["runs"]["bf16"]
+    assert 0 < q["allgather_bytes_per_step"] < b["allgather_bytes_per_step"], (q, b)
+    assert q["reduce_scatter_bytes_per_step"] == b["reduce_scatter_bytes_per_step"] > 0, (q, b)
+    assert q["tp_bytes_per_step"] is None and q["grad_reduce"] == b["grad_reduce"] == "fp32"
+    assert all(s["reduce_scatter_bytes"] > 0 and "tp_bytes" not in s for s in js["full"]["steps"])
+
+
+@pytest.mark.distributed
+def test_grad_reduce_wire_sends_its_bytes_and_trains(runs, tmp_path):
+    """--grad-reduce mxfp8: the hybridq recipe's gradients go through hybridq's wire (~0.26x of the fp32
+    reduce-scatter's bytes, counted per step: 33/32 bytes per element against 4), the bf16 baseline keeps fp32, and
+    the recipe still trains like the fp32-reduce run of the same flags (the loss within 2% at every step). (The bf16
+    wire's numerics and bytes: tests/distributed/test_grad_reduce.py.)"""
+    _, js, _ = runs
+    fp32 = js["full"]["runs"][RECIPE]
+    for wire, lo, hi in (("mxfp8", 0.25, 0.27),):
+        out = torchrun("--grad-reduce", wire, "--compare", "bf16", "--stop-after", "3",
+                       "--metrics", str(tmp_path / f"{wire}.jsonl"), cwd=tmp_path)
+        assert f"gradients reduce-scattered as {wire}" in out, out[-3000:]
+        got = metrics_of(tmp_path / f"{wire}.jsonl")["runs"]
+        q, b = got[RECIPE], got["bf16"]
+        assert q["grad_reduce"] == wire and b["grad_reduce"] == "fp32", (q["grad_reduce"], b["grad_reduce"])
+        assert b["reduce_scatter_bytes_per_step"] == fp32["reduce_scatter_bytes_per_step"]
+        ratio = q["reduce_scatter_bytes_per_step"] / fp32["reduce_scatter_bytes_per_step"]
+        assert lo <= round(ratio, 3) <= hi, f"{wire}: reduce-scatter bytes {ratio:.4f} x fp32's"
+        assert q["allgather_bytes_per_step"] == fp32["allgather_bytes_per_step"], "the weights' wire is unchanged"
+        assert all(abs(a - w) < 0.02 * w for a, w in zip(q["losses"], fp32["losses"][:3])), (wire, q["losses"])
 
 
 @pytest.mark.distributed
@@ -751,8 +782,11 @@ def test_the_readme_tensor_parallel_command_trains_the_default_model(tmp_path):
     assert "FSDP2 dp=1 tp=2" in p.stdout and "hidden 512" in p.stdout, p.stdout[-3000:]
     warned = [line for line in (p.stdout + p.stderr).splitlines() if "Warning" in line or "_NormPartial" in line]
     assert not warned, f"the TP run printed warnings (hybridq's calls or DTensor's norm reduction):\n" + "\n".join(warned)
-    losses = metrics_of(tmp_path / "m.jsonl")["runs"][RECIPE]["losses"]
+    run = metrics_of(tmp_path / "m.jsonl")["runs"][RECIPE]
+    losses = run["losses"]
     assert len(losses) == 2 and all(map(lambda v: 0 < v < 10, losses)), losses
+    # dp=1: FSDP2 gathers and reduces nothing; the sequence-parallel gathers and reduce-scatters are the TP bytes
+    assert run["tp_bytes_per_step"] > 0 and run["reduce_scatter_bytes_per_step"] == 0, run
 
 
 @pytest.mark.distributed
