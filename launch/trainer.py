@@ -14,10 +14,12 @@ function of step) and the random stream of each step (reseeded from seed, step a
 where a run started, so `--resume` from a checkpoint continues bit for bit like the uninterrupted run.
 
 Module map: train.py (entry point), config.py (flags, validation; no torch), model_config.py (the model's shape),
-checkpoint.py (save, manifest through hybridq.checkpoint, verify, resume choice, prune), lock.py (one job per
-checkpoint folder), parallel.py (the tensor-parallel plan and its layout rules), convert.py (the Linear conversion
-and per-layer report), metrics.py (console, JSON-lines metrics, summary, plot); this file has the pre-flight, the
-process group, the training loop and main.
+checkpoint.py (save and load, collective) and checkpoint_files.py (layout, manifest through hybridq.checkpoint,
+verify, resume choice, prune), lock.py (one job per checkpoint folder), parallel.py (the tensor-parallel plan and its
+layout rules), convert.py (the Linear conversion and per-layer report), torchao_moe.py (the torchao MoE baseline),
+comm.py (bytes per wire), metrics.py (console, JSON-lines metrics, summary, plot), preflight.py (everything refused
+before a process group exists), dist_env.py (the process group, peak memory, rank-0 decisions); this file has the
+training loop and main.
 
 Checkpoints are world-size independent: model and optimizer go through DCP (which reshards), and the rest of
 the job's state is one file written by rank 0 (`train_state.json`: step, loss history, seed, the saving
@@ -30,8 +32,6 @@ now dp x --batch sequences, so the losses are not those of the uninterrupted dp=
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import gc
 import math
 import os
@@ -49,185 +49,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybridq  # noqa: E402
 import checkpoint  # noqa: E402
-import lock  # noqa: E402
-from checkpoint import CheckpointError  # noqa: E402
 from comm import KINDS, CommCounter  # noqa: E402
 from config import (BASELINE, TORCHAO, TORCHAO_MOE, TORCHAO_RECIPES, ConfigError, check_args,  # noqa: E402
                     model_config, run_meta, runs)
-from convert import convert, convert_torchao  # noqa: E402
-from parallel import apply_tensor_parallel, layout_problems, sequence_bytes_line  # noqa: E402
+from convert import convert_torchao  # noqa: E402
+from parallel import apply_tensor_parallel, sequence_bytes_line  # noqa: E402
 from data import ByteBatches, load_tokens  # noqa: E402
 from metrics import MetricsFile, Printer, fmt_bytes, summarize, table, write_plot  # noqa: E402
 from model import Transformer  # noqa: E402
-
-REFUSALS = (ConfigError, CheckpointError)  # known refusals: one message, exit 1, no traceback
-
-
-# ---- pre-flight: everything that can be refused before a process group exists -------------------
-
-def preflight(args, world: int) -> dict[str, dict]:
-    """Check the flags for `world` processes; convert the model for every quantized recipe of the invocation (on a
-    meta-device model: no memory, no time), refusing one that converts no layer and every layout rule the run would
-    meet later (format x tensor-parallel splits, sequence parallelism: parallel.layout_problems); check the
-    checkpoint folder (verified resume, writable when the run will save, not locked by another live job). Return
-    checkpoint.plan's result. Raises ConfigError / CheckpointError; writes nothing (but a probe file it deletes)."""
-    check_args(args, world)
-    problems = []
-    for name in runs(args):
-        if name not in (BASELINE, *TORCHAO_RECIPES):
-            with torch.device("meta"):
-                model = Transformer(model_config(args))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                convert_refusing(model, name, args)
-            problems += layout_problems(model, name, args)
-    if problems:
-        raise ConfigError("\n  ".join(["invalid layout:"] + problems))
-    return checkpoint.plan(args.checkpoint_dir, runs(args), args.resume, args.overwrite,
-                           lambda r: run_meta(r, args), writes=bool(args.save_every or args.overwrite))
-
-
-def convert_refusing(model, recipe_name: str, args):
-    """convert.convert, with what hybridq refuses (delayed scaling under FSDP2, a bad override) as the job's refusal:
-    raised identically on every rank, before any collective."""
-    try:
-        return convert(model, recipe_name, args)
-    except ValueError as e:
-        raise ConfigError(f"recipe {recipe_name}: {e}") from None
-
-
-def describe_plan(args, world: int, plan: dict[str, dict]) -> str:
-    lines = [f"train.py --check-only: the flags are valid for {world} process(es) (dp={args.dp}, tp={args.tp})"]
-    for name, e in plan.items():
-        if e["resume_from"] is not None:
-            lines.append(f"[{name}] would resume from {e['resume_from']} (verified) at step "
-                         f"{e['train_state']['step']} of {args.steps}")
-            lines += [f"[{name}]   changed: {n}" for n in e["notes"]]
-        elif e["run_dir"] is not None and args.overwrite and checkpoint.holds_checkpoints(e["run_dir"]):
-            lines.append(f"[{name}] would delete the checkpoints in {e['run_dir']} (--overwrite) and start at step 0")
-        else:
-            lines.append(f"[{name}] would start at step 0" + (f", checkpoints to {e['run_dir']}"
-                                                              if e["run_dir"] is not None and args.save_every else ""))
-    return "\n".join(lines)
-
-
-# ---- distributed set-up --------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Env:
-    rank: int
-    world: int
-    device: torch.device
-    backend: str
-    mesh: object
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: the tensor-parallel ranks of one dp index share its batches."""
-        return self.mesh["dp"].get_local_rank()
-
-
-def init_distributed(args, world: int) -> Env:
-    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda but CUDA is not available")
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device, backend = torch.device("cuda", local), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    kw = {"device_id": device} if device.type == "cuda" else {}  # NCCL: bind the rank to its GPU up front
-    if world == 1:
-        # a world of one needs no rendezvous: an in-process store, not a TCP port (a port found free by train.py can
-        # be taken by another job's connection before this one listens on it: EADDRINUSE)
-        kw.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), **kw)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-    if args.tp > 1:
-        # clip_grad_norm_ over parameters sharded on both dimensions reduces the norm over ("dp", "tp"): DTensor
-        # warns (_NormPartial) for every step unless that pair exists as one flattened dimension of the mesh
-        mesh[("dp", "tp")]._flatten("dp_tp")
-    return Env(dist.get_rank(), world, device, backend, mesh)
-
-
-class PeakMemory:
-    """Each run's own peak memory: peak allocated GPU memory on a GPU (its peak statistic reset when a run starts),
-    else the peak resident set size. On Linux the RSS peak (VmHWM) is reset too (/proc/self/clear_refs, after
-    handing the heap's free memory back to the OS); where that is not possible the label says the peak is the
-    process's since it started (all runs so far)."""
-
-    def __init__(self, env: Env):
-        self.device = env.device
-        self.label = "peak GPU mem" if env.device.type == "cuda" else "peak RSS"
-
-    def reset(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
-            import ctypes
-            ctypes.CDLL(None).malloc_trim(0)  # glibc: the freed heap back to the OS, so the RSS is what is live
-        except (OSError, AttributeError):
-            pass
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # Linux >= 4.0: the peak RSS restarts from the current RSS
-        except OSError:
-            self.label = "peak RSS (process)"
-
-    def read(self) -> float:
-        if self.device.type == "cuda":
-            return float(torch.cuda.max_memory_allocated(self.device))
-        try:
-            with open("/proc/self/status") as f:
-                return float(next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) * 1024)
-        except (OSError, StopIteration, ValueError):
-            import resource
-            return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def on_rank0_then_broadcast(fn, env: Env):
-    """Run `fn` on rank 0 only and give every rank its result, or raise its refusal on every rank (an unexpected
-    error too: rank 0 raises it, the others stop instead of waiting in the next collective)."""
-    box: list = [None]
-    error = None
-    if env.main:
-        try:
-            box[0] = ("ok", fn())
-        except REFUSALS as e:
-            box[0] = ("refused", type(e).__name__, str(e))
-        except Exception as e:  # noqa: BLE001 (re-raised below, after the others know)
-            box[0], error = ("failed", "ConfigError", f"rank 0 failed: {type(e).__name__}: {e}"), e
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[0][0] != "ok":
-        raise (ConfigError if box[0][1] == "ConfigError" else CheckpointError)(box[0][2])
-    return box[0][1]
-
-
-def take_locks(plan: dict[str, dict], held: list[pathlib.Path]) -> list[str]:
-    """Rank 0: the lock of every recipe folder this run writes (lock.py), appended to `held`; the notes of stale
-    locks taken over. CheckpointError (after releasing what it took) when another live job holds one."""
-    notes = []
-    try:
-        for e in plan.values():
-            if e["run_dir"] is not None:
-                note = lock.acquire(e["run_dir"], command=" ".join(["train.py", *sys.argv[1:]]))
-                held.append(e["run_dir"])
-                if note:
-                    notes.append(note)
-    except (lock.LockError, OSError) as e:
-        release_locks(held)
-        raise CheckpointError(str(e)) from None
-    return notes
+# the pre-flight and the distributed set-up (re-exported: train.py, profile_step.py and the tests reach them here)
+from preflight import (REFUSALS, convert_refusing, describe_plan, preflight, release_locks,  # noqa: E402,F401
+                       take_locks)
+from dist_env import Env, PeakMemory, all_mean, init_distributed, on_rank0_then_broadcast  # noqa: E402,F401
 
 
 # ---- one training run ----------------------------------------------------------------------------
@@ -301,12 +134,6 @@ def build(recipe_name: str, args, env: Env, out: Printer):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     return model, optimizer
-
-
-def all_mean(x: torch.Tensor, env: Env) -> float:
-    x = x.detach().float().reshape(1).clone()
-    dist.all_reduce(x)
-    return x.item() / env.world
 
 
 def mark_cuda_graph_step(args) -> None:
@@ -557,12 +384,6 @@ def run(args, world: int) -> int:
     finally:
         release_locks(locked)
         dist.destroy_process_group()
-
-
-def release_locks(locked: list[pathlib.Path]) -> None:
-    for d in locked:
-        lock.release(d)
-    locked.clear()
 
 
 def main(args, world: int) -> int:
