@@ -53,15 +53,15 @@ class CudaJaggedFP8(JaggedFP8Kernels):
 
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
         """The columnwise form comes in the padded layout (`padded_transpose`: each group's tokens from a 16-aligned
-        column, zero-padded to a multiple of 16), which the wgrad GEMM reads without edge products. Groups the host
-        knows are 16-aligned (the experts' weights) have it as the plain transpose, written by the cast itself; the
-        others' is a transpose of the rowwise bytes (one more read of them, ~0.1 ms per 256 MB)."""
+        column, zero-padded to a multiple of 16), which the wgrad GEMM reads without edge products, made by a transpose of
+        the rowwise bytes (one more read of them). Groups the host knows are 16-aligned (the experts' weights), and
+        groups whose average has more than `padded_max_tokens_per_expert` tokens, have the plain transpose instead,
+        written by the cast itself (rows `ceil16(T)` apart)."""
         if x2d.dtype not in IN_DTYPES:
             raise TypeError(f"{name}: the FP8 cast takes float32 / bfloat16 / float16, got {x2d.dtype}")
         x = x2d.contiguous()
         m = x.shape[0]
-        in_cast = columnwise and (groups.aligned16()
-                                  or groups.tokens > self.padded_max_tokens_per_expert * groups.n)
+        in_cast = columnwise and self._in_cast(groups)
         pitch = -(-m // 16) * 16 if in_cast else 0  # 16-byte aligned columnwise rows (the GEMMs' reads)
         row, col, scale_inv, _ = torch.ops.hybridq.fp8_tensor_quantize_grouped(
             x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, in_cast, pitch)
@@ -88,6 +88,17 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     # backward, plain -> padded): 64 experts x 2048 tokens 8.45 -> 8.18 (wgrad 3.43 -> 2.83, transpose +0.50), 16 x
     # 4096 6.01 -> 6.31 (wgrad unchanged), 8 x 4096 (d 4096) 13.80 -> 13.16. 0: never; inf: always.
     padded_max_tokens_per_expert: float = 2048.0
+
+    def _in_cast(self, groups) -> bool:
+        """Whether the cast writes these groups' columnwise form (the plain transpose, rows `ceil16(T)` apart), else
+        the padded layout."""
+        return groups.aligned16() or groups.tokens > self.padded_max_tokens_per_expert * groups.n
+
+    def columnwise_width(self, groups) -> int:
+        return -(-groups.tokens // 16) * 16 if self._in_cast(groups) else groups.padded_width()
+
+    def columnwise_form(self, buffer: torch.Tensor, groups) -> torch.Tensor:
+        return buffer[:, :groups.tokens] if self._in_cast(groups) else buffer
 
     def prefers_per_expert_path(self, sizes: list[int], in_features: int, out_features: int) -> bool:
         return bool(sizes) and _gemm_us(sizes, in_features, out_features) >= self.per_expert_path_min_us

@@ -18,7 +18,7 @@ from ..tensor import QuantizedTensor
 from ..torch_private import local_tensor
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherShard
 from ..gemm import jagged_fp8_kernels, native_row_multiple
-from . import delayed_state
+from . import compiled_grouped, delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
@@ -194,6 +194,7 @@ class GroupedLinear(nn.Module):
     def install_recipe(self, recipe: CustomRecipe, quantizers: list[dict[str, Quantizer]]) -> None:
         self._recipe = recipe
         self.expert_quantizers = quantizers
+        self._graph_key = compiled_grouped.graph_key(self)  # (read by compiled code: a change traces again)
         self._weight_caches = [None] * self.num_experts
         self._cache_columnwise = [False] * self.num_experts
         self.__dict__.pop("_cfgs", None)
@@ -262,12 +263,19 @@ class GroupedLinear(nn.Module):
             return check_split_values(splits.tolist(), self.num_experts, tokens, self.name)
         return splits
 
-    @torch.compiler.disable  # eager between compiled regions, as Linear.forward
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None) -> torch.Tensor:
-        splits = self._splits(x, m_splits)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if torch.compiler.is_compiling() and compiled_grouped.runs_in_graph(self, x, m_splits, is_first_microbatch):
+            # per-tensor FP8 on the jagged layout with tensor counts: two custom ops in the graph (compiled_grouped.py)
+            return compiled_grouped.grouped_in_graph(self, x, m_splits)
+        return self._eager_forward(x, m_splits, is_first_microbatch)
+
+    @torch.compiler.disable  # what the graph's ops do not take runs eagerly between compiled regions, as Linear's
+    def _eager_forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                       is_first_microbatch: bool | None) -> torch.Tensor:
+        splits = self._splits(x, m_splits)
         override = self.recipe.backward_override  # may come from the environment: checked every call
         if override is not None:
             self.check_override()

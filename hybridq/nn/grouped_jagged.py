@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..enums import ROWWISE
 from ..formats.base import Quantizer, transposed_copy
 from ..formats.float8 import Float8TensorPart
 
@@ -124,13 +125,50 @@ def held_fp8_experts(experts, columnwise: bool) -> JaggedFP8 | None:
     """The experts' weights already quantized as per-tensor FP8 (e.g. gathered so by FSDP2: each expert's rowwise
     part) as the jagged layout's operand: rowwise `[E*N, K]`, columnwise (its byte transpose, exactly the derived
     columnwise form) when asked, the experts' scales; None if any expert's rowwise part is not per-tensor FP8."""
-    parts = [w.part("rowwise") for w in experts]
+    parts = [w.part(ROWWISE) for w in experts]
     dtypes = {p.data.dtype for p in parts}
     if not all(isinstance(p, Float8TensorPart) for p in parts) or len(dtypes) != 1 or not dtypes <= set(FP8_DTYPES):
         return None
     row = torch.cat([p.data for p in parts])
     scale_inv = torch.cat([p.scale_inv.reshape(1) for p in parts]).float()
     return JaggedFP8(row, transposed_copy(row) if columnwise else None, scale_inv)
+
+
+def jagged_forward(x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
+                   name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels,
+                   held: JaggedFP8 | None = None) -> tuple[torch.Tensor, tuple]:
+    """The forward of `JaggedFP8Experts` (and of the compiled op, nn/compiled_grouped.py): `y` and what backward reads,
+    `(x columnwise | None, x scale_inv, W columnwise | None, W scale_inv)`."""
+    e, n, k = weight.shape
+    xq = kernels.quantize(quantizers["input"], x, groups, need_wgrad, f"input of {name}")
+    wq = held if held is not None else kernels.quantize(
+        quantizers["weight"], weight.detach().reshape(e * n, k), TokenGroups.uniform(e, n, x.device), need_dgrad,
+        f"weight of {name}")
+    y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, x.dtype,
+                   precise=not FAST_ACCUM_FPROP, name=f"fprop of {name}")
+    # backward reads the columnwise forms only: x's for wgrad, W's for dgrad
+    return y, (xq.col if need_wgrad else None, xq.scale_inv, wq.col if need_dgrad else None, wq.scale_inv)
+
+
+def jagged_backward(dy: torch.Tensor, saved: tuple, groups: TokenGroups, quantizers: dict[str, Quantizer], name: str,
+                    kernels: JaggedFP8Kernels, w_shape: tuple[int, int, int], w_dtype: torch.dtype,
+                    need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dW) from what `jagged_forward` saved; a gradient not asked for (or whose operand was not saved) is None."""
+    x_col, x_scale, w_col, w_scale = saved
+    e, n, k = w_shape
+    need_dgrad = need_dgrad and w_col is not None
+    need_wgrad = need_wgrad and x_col is not None
+    dx = dw = None
+    if not (need_dgrad or need_wgrad):
+        return dx, dw
+    dyq = kernels.quantize(quantizers["grad_output"], dy, groups, need_wgrad, f"grad_output of {name}")
+    if need_dgrad:  # dy rowwise x W columnwise: expert g's `[K, N]` is columns [g*N, (g+1)*N) of `[K, E*N]`
+        dx = kernels.mm(dyq.row, dyq.scale_inv, w_col, n, w_col.stride(0), k, w_scale, groups, dy.dtype,
+                        precise=True, name=f"dgrad of {name}")
+    if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
+        dw = kernels.wgrad(dyq.col, dyq.scale_inv, x_col, x_scale, groups, dy.dtype,
+                           name=f"wgrad of {name}").to(w_dtype)
+    return dx, dw
 
 
 class JaggedFP8Experts(torch.autograd.Function):
@@ -143,35 +181,14 @@ class JaggedFP8Experts(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
                 name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels,
                 held: JaggedFP8 | None = None) -> torch.Tensor:
-        e, n, k = weight.shape
-        xq = kernels.quantize(quantizers["input"], x, groups, need_wgrad, f"input of {name}")
-        wq = held if held is not None else kernels.quantize(
-            quantizers["weight"], weight.detach().reshape(e * n, k), TokenGroups.uniform(e, n, x.device), need_dgrad,
-            f"weight of {name}")
-        y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, x.dtype,
-                       precise=not FAST_ACCUM_FPROP, name=f"fprop of {name}")
-        # backward reads the columnwise forms only: x's for wgrad, W's for dgrad
-        ctx.save_for_backward(xq.col if need_wgrad else None, xq.scale_inv, wq.col if need_dgrad else None,
-                              wq.scale_inv)
+        y, saved = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad, kernels, held)
+        ctx.save_for_backward(*saved)
         ctx.groups, ctx.quantizers, ctx.name, ctx.kernels = groups, quantizers, name, kernels
-        ctx.w_shape, ctx.w_dtype = (e, n, k), weight.dtype
+        ctx.w_shape, ctx.w_dtype = tuple(weight.shape), weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_col, x_scale, w_col, w_scale = ctx.saved_tensors
-        groups, kernels, name = ctx.groups, ctx.kernels, ctx.name
-        e, n, k = ctx.w_shape
-        need_dgrad = ctx.needs_input_grad[0] and w_col is not None
-        need_wgrad = ctx.needs_input_grad[1] and x_col is not None
-        dx = dw = None
-        if not (need_dgrad or need_wgrad):
-            return dx, dw, None, None, None, None, None, None, None
-        dyq = kernels.quantize(ctx.quantizers["grad_output"], dy, groups, need_wgrad, f"grad_output of {name}")
-        if need_dgrad:  # dy rowwise x W columnwise: expert g's `[K, N]` is columns [g*N, (g+1)*N) of `[K, E*N]`
-            dx = kernels.mm(dyq.row, dyq.scale_inv, w_col, n, w_col.stride(0), k, w_scale, groups, dy.dtype,
-                            precise=True, name=f"dgrad of {name}")
-        if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
-            dw = kernels.wgrad(dyq.col, dyq.scale_inv, x_col, x_scale, groups, dy.dtype,
-                               name=f"wgrad of {name}").to(ctx.w_dtype)
+        dx, dw = jagged_backward(dy, ctx.saved_tensors, ctx.groups, ctx.quantizers, ctx.name, ctx.kernels,
+                                 ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None, None, None, None
