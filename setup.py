@@ -25,7 +25,8 @@ import sys
 
 from setuptools import setup
 
-# ops.cpp registers the ops; every .cu is one kernel family with its ops (a new format's .cu is picked up here)
+# ops.cpp: the module and the format-independent ops; every .cu is one kernel family that registers its own ops
+# (a new format's csrc/quantize_<format>.cu is picked up here)
 SOURCES = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/*.cu"))
 
 

@@ -51,8 +51,8 @@ def emulation_operand(p: tdg.Operand) -> tuple[torch.Tensor, torch.Tensor | None
     (`native_gemm.exact_bf16_operand`)."""
     ops = torch.ops.hybridq
     if p.fmt == tdg.MXFP8:
-        return ops.dequantize_fp8(p.codes, p.scale, 3, torch.bfloat16), None
-    return ops.dequantize_nvfp4(p.codes, p.scale, p.amax, False, False, torch.bfloat16), p.amax / 2688.0
+        return ops.mxfp8_dequantize(p.codes, p.scale, torch.bfloat16), None
+    return ops.nvfp4_dequantize(p.codes, p.scale, p.amax, False, False, torch.bfloat16), p.amax / 2688.0
 
 
 def emulation(a: tdg.Operand, b: tdg.Operand, fp32_out: bool = False) -> torch.Tensor:

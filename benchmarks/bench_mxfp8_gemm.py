@@ -33,7 +33,7 @@ def _operands(m, n, k, g):
 def _dequant(d, s):
     from hybridq.kernels import extension_available
     if extension_available():
-        return torch.ops.hybridq.dequantize_fp8(d, s, 3, torch.bfloat16)
+        return torch.ops.hybridq.mxfp8_dequantize(d, s, torch.bfloat16)
     e = s.to(torch.int32).repeat_interleave(32, 1)
     return (d.float() * torch.exp2((e - 127).float())).to(torch.bfloat16)
 

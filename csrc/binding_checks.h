@@ -1,12 +1,13 @@
-// Shared argument checks and allocation helpers of the op bindings (csrc/quantize_*.cu and the other kernels' .cu
-// files). Every bad argument raises a RuntimeError that names the op, the tensor and the rule it breaks, before
-// anything is allocated or launched.
+// Shared argument checks, allocation and registration helpers of the op bindings (csrc/quantize_*.cu and the other
+// kernels' .cu files). Every bad argument raises a RuntimeError that names the op, the tensor and the rule it
+// breaks, before anything is allocated or launched.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include "hybridq.h"
 
@@ -55,8 +56,11 @@ inline Tensor empty0(const Tensor& x, at::ScalarType t) { return at::empty({0}, 
 
 inline uint8_t* u8(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
-inline hybridq::QuantArgs base_args(const Tensor& x, bool rowwise, bool columnwise) {
-  hybridq::QuantArgs a{};
+// The tile-kernel arguments of one format (A: its policy's Args, csrc/tile/policy_<format>.cuh) for the input x and
+// the directions asked for; zero elsewhere (the caller sets the outputs and the format's fields)
+template <class A>
+inline A tile_args(const Tensor& x, bool rowwise, bool columnwise) {
+  A a{};
   a.x = x.data_ptr();
   a.M = x.size(0);
   a.K = x.size(1);
@@ -65,12 +69,14 @@ inline hybridq::QuantArgs base_args(const Tensor& x, bool rowwise, bool columnwi
   return a;
 }
 
-inline void set_fp8(hybridq::QuantArgs& a, at::ScalarType dtype, double eps, bool pow2, const char* op) {
+inline hybridq::Fp8Encoding fp8_encoding(at::ScalarType dtype, double eps, bool pow2, const char* op) {
   TORCH_CHECK(eps >= 0.0, "hybridq::", op, ": amax epsilon must be >= 0, got ", eps);
-  a.e5m2 = is_e5m2(dtype, op);
-  a.fp8_max = a.e5m2 ? 57344.0f : 448.0f;
-  a.eps = static_cast<float>(eps);
-  a.pow2 = pow2;
+  hybridq::Fp8Encoding e{};
+  e.e5m2 = is_e5m2(dtype, op);
+  e.max = e.e5m2 ? 57344.0f : 448.0f;
+  e.eps = static_cast<float>(eps);
+  e.pow2 = pow2;
+  return e;
 }
 
 // Zeroed by one cudaMemsetAsync on the tensor's device's current stream: at::zeros goes through a fill kernel's
@@ -95,5 +101,48 @@ inline at::ScalarType out_type(at::ScalarType t, const char* op) {
   return t;
 }
 
+// The dequantize kernel's arguments of one format (A: its policy's DequantArgs) for the codes `data` of a part with
+// `cols` elements per row; zero elsewhere (the caller sets the scales)
+template <class A>
+inline A dequant_args(const Tensor& data, int64_t cols) {
+  A a{};
+  a.q = u8(data);
+  a.rows = data.size(0);
+  a.cols = cols;
+  return a;
+}
+
+// A scale tensor of a part to dequantize: contiguous, on the codes' device, with `want` elements (`layout` names its
+// shape rule)
+inline void check_part_scale_layout(const Tensor& scale, const Tensor& data, const char* op, const char* name,
+                                    int64_t want, const char* layout) {
+  TORCH_CHECK(scale.is_cuda() && scale.is_contiguous(), "hybridq::", op, ": ", name,
+              " must be a contiguous CUDA tensor");
+  check_same_device(scale, data, op, name);
+  TORCH_CHECK(scale.numel() == want, "hybridq::", op, ": ", name, " needs ", want, " scale elements (", layout,
+              ") for data of shape ", data.sizes(), ", got ", scale.numel());
+}
+
+// ... and of dtype `dtype` (`what` names the format's scale type)
+inline void check_part_scale(const Tensor& scale, const Tensor& data, const char* op, const char* name,
+                             at::ScalarType dtype, const char* what, int64_t want, const char* layout) {
+  TORCH_CHECK(scale.scalar_type() == dtype, "hybridq::", op, ": ", name, " must be ", what, ", got ",
+              scale.scalar_type());
+  check_part_scale_layout(scale, data, op, name, want, layout);
+}
+
+// The output of a dequantize op: [rows, cols] of out_dtype (float32 or bfloat16)
+inline Tensor dequant_out(const Tensor& data, int64_t cols, at::ScalarType out_dtype, const char* op) {
+  return at::empty({data.size(0), cols}, data.options().dtype(out_type(out_dtype, op)));
+}
+
 }  // namespace ops
 }  // namespace hybridq
+
+// Registers the implementations of one file's ops (a function `void (torch::Library&)` that calls m.impl for each)
+// for CUDA tensors, and for CPU tensors: their argument checks reject those with a clear message (rather than the
+// dispatcher's "could not run ... with arguments from the 'CPU' backend"; the CPU path is the Python references).
+// The file declares its schemas itself, in a TORCH_LIBRARY_FRAGMENT(hybridq, m) block.
+#define HQ_IMPL_CUDA_AND_CPU(impls)              \
+  TORCH_LIBRARY_IMPL(hybridq, CUDA, m) { impls(m); } \
+  TORCH_LIBRARY_IMPL(hybridq, CPU, m) { impls(m); }

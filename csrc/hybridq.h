@@ -8,66 +8,40 @@ namespace hybridq {
 
 enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-// Stochastic-rounding stream: torch's PhiloxCudaState, flattened (seed/offset by value, or by pointer while a
-// CUDA graph is captured).
-struct PhiloxArgs {
-  uint64_t seed;
-  uint64_t offset;
-  const int64_t* seed_ptr;
-  const int64_t* offset_ptr;
-  uint64_t offset_intragraph;
-  bool captured;
-};
-
-// One fused quantization of a 2-D [M, K] input into its rowwise ([M, K], blocks along K) and/or columnwise
-// ([K, M] = transposed, blocks along M) parts. Unused pointers are null.
-struct QuantArgs {
+// The format-independent arguments of the tile quantization kernel (csrc/tile/skeleton.cuh): one fused
+// quantization of a 2-D [M, K] input into its rowwise ([M, K], blocks along K) and/or columnwise ([K, M] =
+// transposed, blocks along M) parts. Each format's policy extends it with its own fields (Policy::Args, in
+// csrc/tile/policy_<format>.cuh). Unused pointers are null.
+struct TileArgs {
   const void* x;
   int64_t M, K;
   bool rowwise, columnwise;
-  uint8_t* row_q;  // fp8 bytes, or packed E2M1 nibbles for NVFP4
+  uint8_t* row_q;  // element codes: fp8 bytes, or packed E2M1 nibbles
   uint8_t* col_q;
   int64_t col_pitch;  // elements between the columnwise rows (0: M)
-  void* row_s;  // per-block scales: fp32 scale_inv (FP8 block), E8M0 bytes (MXFP8), E4M3 bytes (NVFP4)
+  void* row_s;  // per-block scales, in the format's scale type and layout
   void* col_s;
-  // FP8 (all FP8 formats)
-  bool e5m2;
-  float fp8_max;
-  float eps;
-  bool pow2;
-  // per-tensor FP8: scale_in (delayed scaling) or amax_in (current scaling) gives the scale
-  const float* scale_in;
-  const float* amax_in;
-  float* scale_inv_out;
-  uint32_t* amax_out;  // |x| max as fp32 bits (atomicMax), when not null
-  // per-tensor FP8 of row groups (the experts of a grouped linear): row r takes the scale of group row_group[r]
-  // from amax_in[group]; scale_inv_out gets one value per group. Null: one scale for the whole tensor.
-  const int32_t* row_group;
-  int n_groups;
-  // MXFP8: GEMM-ready swizzled scales (128x4 tiles) instead of compact [rows, cols/32]
-  bool swizzle;
-  int64_t row_s_cols_pad, col_s_cols_pad;
-  // NVFP4: global amaxes (fp32 [1]) of the rowwise input and of the (transformed) columnwise input
-  const float* amax_row;
-  const float* amax_col;
-  bool rht;
-  bool sr;
-  PhiloxArgs philox;
-  // NVFP4 of row groups (row_group != null, n_groups groups, each a whole number of 16-row groups when a block or
-  // tile runs along M): amax_row / amax_col hold one global amax per group, group g's rows start at group_start[g]
-  // (int64 [n_groups + 1]), and its stochastic-rounding draws are those of the draw_rank[g]-th per-group launch
-  // (Philox offset + 4 * draw_rank[g], element indices relative to the group)
-  const int64_t* group_start;
-  const int32_t* draw_rank;
   // tile order of the persistent CTAs: groups of `tile_group` tile rows, column-major inside a group (1: row-major);
   // set by the launcher
   int tile_group;
 };
 
-cudaError_t launch_quantize_fp8_tensor(InType t, const QuantArgs& a, cudaStream_t stream);
-cudaError_t launch_quantize_fp8_block(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream);
-cudaError_t launch_quantize_mxfp8(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream);
-cudaError_t launch_quantize_nvfp4(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream);
+// The element encoding of the FP8 formats (per-tensor, block, MXFP8): E4M3 or E5M2, its largest finite value, and
+// the scale rule from an amax (csrc/numerics.cuh scale_from_amax)
+struct Fp8Encoding {
+  bool e5m2;
+  float max;
+  float eps;
+  bool pow2;
+};
+
+// The format-independent arguments of the dequantize kernel (csrc/tile/dequantize.cuh): the [rows, cols] element
+// codes of one part (cols elements per row, kElemsPerByte of them per byte). Each format's policy extends it with
+// its scales (Policy::DequantArgs).
+struct DequantTile {
+  const uint8_t* q;
+  int64_t rows, cols;
+};
 
 // max|x| over n elements, as fp32 bits, atomically maxed into *out (which the caller zeroes)
 cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cudaStream_t stream);
@@ -103,20 +77,5 @@ constexpr int64_t kDelayedMaxLen = 256 * kDelayedMaxPerThread;  // longer histor
 cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int64_t C, cudaStream_t stream);
 
 cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream);
-
-// Scale layout of FP8 data to dequantize; the values are the `mode` argument of the dequantize_fp8 op
-enum class DequantMode : int {
-  kTensor = 0,       // per-tensor scale_inv [1]
-  kBlock1x128 = 1,   // fp32 scale_inv of 1x128 blocks [rows, ceil(cols/128)]
-  kTile128 = 2,      // fp32 scale_inv of 128x128 tiles [ceil(rows/128), ceil(cols/128)]
-  kMx1x32 = 3,       // E8M0 bytes of 1x32 blocks [rows, cols/32]
-};
-
-// Dequantize to fp32 (out_bf16: to bf16)
-cudaError_t launch_dequant_fp8(DequantMode mode, const uint8_t* q, const void* scale, int64_t rows, int64_t cols, bool e5m2,
-                        bool out_bf16, void* out, cudaStream_t stream);
-// NVFP4: q * s (times amax / 2688 if apply_global, see nvfp4_apply_global), then the inverse RHT along cols if rht_inverse
-cudaError_t launch_dequant_nvfp4(const uint8_t* q, const uint8_t* s, const float* amax, int64_t rows, int64_t cols,
-                          bool rht_inverse, bool apply_global, bool out_bf16, void* out, cudaStream_t stream);
 
 }  // namespace hybridq

@@ -1,21 +1,20 @@
-// Float8 block scaling: the tile kernel with Fp8BlockPolicy (1x128 / 128x1 blocks or 128x128 tiles) and the
-// fp8_block_quantize op.
+// Float8 block scaling: the tile kernel with Fp8BlockPolicy (1x128 / 128x1 blocks or 128x128 tiles), the dequantize
+// kernel with the same policy, and their ops fp8_block_quantize / fp8_block_dequantize.
 #include "binding_checks.h"
-#include "ops.h"
+#include "tile/dequantize.cuh"
 #include "tile/policy_fp8_block.cuh"
 
 namespace hybridq {
 
-cudaError_t launch_quantize_fp8_block(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream) {
+namespace {
+cudaError_t launch_quantize_fp8_block(InType t, bool two_d, const Fp8BlockArgs& a, cudaStream_t stream) {
   if (two_d) {
     HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8BlockPolicy<true>>(a, stream)));
   }
   HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8BlockPolicy<false>>(a, stream)));
 }
+}  // namespace
 
-}  // namespace hybridq
-
-namespace hybridq {
 namespace ops {
 
 // ---- FP8 block ----------------------------------------------------------------------------------------
@@ -33,8 +32,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize(const Tensor& x, a
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t nbm = (M + 127) / 128, nbk = (K + 127) / 128;
-  auto a = base_args(x, rowwise, columnwise);
-  set_fp8(a, dtype, eps, pow2, op);
+  auto a = tile_args<Fp8BlockArgs>(x, rowwise, columnwise);
+  a.fp8 = fp8_encoding(dtype, eps, pow2, op);
   auto f32 = x.options().dtype(at::kFloat);
   Tensor row = rowwise ? at::empty({M, K}, x.options().dtype(dtype)) : empty0(x, dtype);
   Tensor col = columnwise ? at::empty({K, M}, x.options().dtype(dtype)) : empty0(x, dtype);
@@ -50,9 +49,55 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize(const Tensor& x, a
   a.col_q = columnwise ? u8(col) : nullptr;
   a.row_s = rowwise ? row_s.data_ptr() : nullptr;
   a.col_s = columnwise ? col_s.data_ptr() : nullptr;
-  C10_CUDA_CHECK(hybridq::launch_quantize_fp8_block(it, block_dim == 2, a, stream));
+  C10_CUDA_CHECK(launch_quantize_fp8_block(it, block_dim == 2, a, stream));
   return {row, row_s, col, col_s};
 }
 
+// data [rows, cols] fp8 with scale_inv of 1x128 blocks [rows, ceil(cols/128)] (block_dim 1) or of 128x128 tiles
+// [ceil(rows/128), ceil(cols/128)] (block_dim 2) -> [rows, cols] of out_dtype
+Tensor fp8_block_dequantize(const Tensor& data, const Tensor& scale_inv, int64_t block_dim, at::ScalarType out_dtype) {
+  constexpr const char* op = "fp8_block_dequantize";
+  check_input(data, op, "data");
+  TORCH_CHECK(block_dim == 1 || block_dim == 2, "hybridq::", op,
+              ": block_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), got ", block_dim);
+  const bool e5m2 = is_e5m2(data.scalar_type(), op);
+  const int64_t rows = data.size(0), cols = data.size(1);
+  const int64_t nbc = (cols + 127) / 128;
+  if (block_dim == 1) {
+    check_part_scale(scale_inv, data, op, "scale_inv", at::kFloat, "float32", rows * nbc, "[rows, ceil(cols/128)]");
+  } else {
+    check_part_scale(scale_inv, data, op, "scale_inv", at::kFloat, "float32", ((rows + 127) / 128) * nbc,
+                     "[ceil(rows/128), ceil(cols/128)]");
+  }
+  c10::cuda::CUDAGuard guard(data.device());
+  Tensor out = dequant_out(data, cols, out_dtype, op);
+  auto a = dequant_args<Fp8BlockDequantArgs>(data, cols);
+  a.scale_inv = scale_inv.data_ptr<float>();
+  a.e5m2 = e5m2;
+  const bool bf16 = out_dtype == at::kBFloat16;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (block_dim == 2) {
+    C10_CUDA_CHECK(launch_dequantize<Fp8BlockPolicy<true>>(a, bf16, out.data_ptr(), stream));
+  } else {
+    C10_CUDA_CHECK(launch_dequantize<Fp8BlockPolicy<false>>(a, bf16, out.data_ptr(), stream));
+  }
+  return out;
+}
+
+namespace {
+void impls(torch::Library& m) {
+  m.impl("fp8_block_quantize", &fp8_block_quantize);
+  m.impl("fp8_block_dequantize", &fp8_block_dequantize);
+}
+}  // namespace
+
 }  // namespace ops
 }  // namespace hybridq
+
+TORCH_LIBRARY_FRAGMENT(hybridq, m) {
+  m.def(
+      "fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
+      "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_block_dequantize(Tensor data, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
+}
+HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

@@ -1,18 +1,18 @@
-// Per-tensor FP8: the tile kernel with Fp8TensorPolicy (fused cast + transpose; the amax pass is in amax.cu) and
-// the fp8_tensor_quantize / fp8_tensor_quantize_delayed ops.
+// Per-tensor FP8: the tile kernel with Fp8TensorPolicy (fused cast + transpose; the amax pass is in amax.cu), the
+// dequantize kernel with the same policy, and their ops fp8_tensor_quantize / fp8_tensor_quantize_delayed /
+// fp8_tensor_quantize_grouped / fp8_tensor_dequantize.
 #include "binding_checks.h"
-#include "ops.h"
+#include "tile/dequantize.cuh"
 #include "tile/policy_fp8_tensor.cuh"
 
 namespace hybridq {
 
-cudaError_t launch_quantize_fp8_tensor(InType t, const QuantArgs& a, cudaStream_t stream) {
+namespace {
+cudaError_t launch_quantize_fp8_tensor(InType t, const Fp8TensorArgs& a, cudaStream_t stream) {
   HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8TensorPolicy>(a, stream)));
 }
+}  // namespace
 
-}  // namespace hybridq
-
-namespace hybridq {
 namespace ops {
 
 // ---- per-tensor FP8 ---------------------------------------------------------------------------------
@@ -28,8 +28,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_tensor(const char* op, c
                                                                bool pow2, bool rowwise, bool columnwise,
                                                                uint32_t* record_into) {
   const auto it = in_type(x, op);
-  auto a = base_args(x, rowwise, columnwise);
-  set_fp8(a, dtype, eps, pow2, op);
+  auto a = tile_args<Fp8TensorArgs>(x, rowwise, columnwise);
+  a.fp8 = fp8_encoding(dtype, eps, pow2, op);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t M = x.size(0), K = x.size(1);
   Tensor row = rowwise ? at::empty({M, K}, x.options().dtype(dtype)) : empty0(x, dtype);
@@ -51,7 +51,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_tensor(const char* op, c
   a.row_q = rowwise ? u8(row) : nullptr;
   a.col_q = columnwise ? u8(col) : nullptr;
   a.scale_inv_out = scale_inv.data_ptr<float>();
-  C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
+  C10_CUDA_CHECK(launch_quantize_fp8_tensor(it, a, stream));
   return {row, col, scale_inv, amax_out};
 }
 
@@ -128,9 +128,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
   TORCH_CHECK(col_pitch == 0 || col_pitch >= M, "hybridq::", op, ": col_pitch must be 0 or >= the ", M,
               " rows, got ", col_pitch);
   const int64_t pitch = col_pitch > 0 ? col_pitch : M;
-  auto a = base_args(x, true, columnwise);
+  auto a = tile_args<Fp8TensorArgs>(x, true, columnwise);
   a.col_pitch = pitch;
-  set_fp8(a, dtype, eps, pow2, op);
+  a.fp8 = fp8_encoding(dtype, eps, pow2, op);
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   Tensor row = at::empty({M, K}, x.options().dtype(dtype));
@@ -146,12 +146,51 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
   a.col_q = columnwise ? u8(col) : nullptr;
   a.scale_inv_out = scale_inv.data_ptr<float>();
   if (M > 0 && K > 0) {
-    C10_CUDA_CHECK(hybridq::launch_quantize_fp8_tensor(it, a, stream));
+    C10_CUDA_CHECK(launch_quantize_fp8_tensor(it, a, stream));
   } else {  // no element: every group is empty, amax 0 (the kernel, which writes the scales, does not run)
-    scale_inv.fill_(1.0f / hybridq::scale_from_amax(0.0f, a.fp8_max, a.eps, a.pow2));
+    scale_inv.fill_(1.0f / hybridq::scale_from_amax(0.0f, a.fp8.max, a.fp8.eps, a.fp8.pow2));
   }
   return {row, col, scale_inv, amax};
 }
 
+// data [rows, cols] fp8 with its one scale_inv [1] -> [rows, cols] of out_dtype
+Tensor fp8_tensor_dequantize(const Tensor& data, const Tensor& scale_inv, at::ScalarType out_dtype) {
+  constexpr const char* op = "fp8_tensor_dequantize";
+  check_input(data, op, "data");
+  const bool e5m2 = is_e5m2(data.scalar_type(), op);
+  check_part_scale(scale_inv, data, op, "scale_inv", at::kFloat, "float32", 1, "one per-tensor scale");
+  c10::cuda::CUDAGuard guard(data.device());
+  Tensor out = dequant_out(data, data.size(1), out_dtype, op);
+  auto a = dequant_args<Fp8TensorDequantArgs>(data, data.size(1));
+  a.scale_inv = scale_inv.data_ptr<float>();
+  a.e5m2 = e5m2;
+  C10_CUDA_CHECK(launch_dequantize<Fp8TensorPolicy>(a, out_dtype == at::kBFloat16, out.data_ptr(),
+                                                    c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+namespace {
+void impls(torch::Library& m) {
+  m.impl("fp8_tensor_quantize", &fp8_tensor_quantize);
+  m.impl("fp8_tensor_quantize_delayed", &fp8_tensor_quantize_delayed);
+  m.impl("fp8_tensor_quantize_grouped", &fp8_tensor_quantize_grouped);
+  m.impl("fp8_tensor_dequantize", &fp8_tensor_dequantize);
+}
+}  // namespace
+
 }  // namespace ops
 }  // namespace hybridq
+
+TORCH_LIBRARY_FRAGMENT(hybridq, m) {
+  m.def(
+      "fp8_tensor_quantize(Tensor x, ScalarType dtype, Tensor? scale, Tensor? amax, float eps, bool pow2, "
+      "bool rowwise, bool columnwise, bool want_amax) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_tensor_quantize_delayed(Tensor x, ScalarType dtype, Tensor scale, Tensor(a!) amax_history, float eps, "
+      "bool pow2, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
+      "bool columnwise, int col_pitch=0) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_tensor_dequantize(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+}
+HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

@@ -7,14 +7,14 @@
 #include <mutex>
 
 #include "binding_checks.h"
-#include "ops.h"
+#include "tile/dequantize.cuh"
 #include "tile/policy_nvfp4.cuh"
 
 namespace hybridq {
 
-cudaError_t launch_quantize_nvfp4_2d(InType t, const QuantArgs& a, cudaStream_t stream);  // quantize_nvfp4_2d.cu
+cudaError_t launch_quantize_nvfp4_2d(InType t, const Nvfp4Args& a, cudaStream_t stream);  // quantize_nvfp4_2d.cu
 
-cudaError_t launch_quantize_nvfp4(InType t, bool two_d, const QuantArgs& a, cudaStream_t stream) {
+cudaError_t launch_quantize_nvfp4(InType t, bool two_d, const Nvfp4Args& a, cudaStream_t stream) {
   if (two_d) return launch_quantize_nvfp4_2d(t, a, stream);
   if (a.sr) {
     HQ_DISPATCH_IN(t, return (launch_tile<T, Nvfp4Policy<false, true>>(a, stream)));
@@ -32,7 +32,7 @@ namespace {
 // The Philox stream of `launches` consecutive quantize launches, each of which takes 4 offset steps (one for the
 // rowwise draws, one for the columnwise ones, rounded up as torch rounds): one reservation of 4 * launches steps
 // gives the first launch's offset, and launch j's is that plus 4 j -- what j + 1 separate reservations give.
-hybridq::PhiloxArgs philox_args(const std::optional<at::Generator>& generator, const Tensor& x, int64_t launches) {
+PhiloxArgs philox_args(const std::optional<at::Generator>& generator, const Tensor& x, int64_t launches) {
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
       generator, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
   at::PhiloxCudaState st;
@@ -40,7 +40,7 @@ hybridq::PhiloxArgs philox_args(const std::optional<at::Generator>& generator, c
     std::lock_guard<std::mutex> lock(gen->mutex_);
     st = gen->philox_cuda_state(static_cast<uint64_t>(4 * launches));
   }
-  hybridq::PhiloxArgs p{};
+  PhiloxArgs p{};
   p.captured = st.captured_;
   if (st.captured_) {
     p.seed_ptr = st.seed_.ptr;
@@ -85,8 +85,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize(const 
   check_generator(stochastic_rounding, generator, op);
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  auto a = base_args(x, rowwise, columnwise);
-  a.fp8_max = 448.0f;
+  auto a = tile_args<Nvfp4Args>(x, rowwise, columnwise);
   auto u8o = x.options().dtype(at::kByte);
   auto e4 = x.options().dtype(at::kFloat8_e4m3fn);
   Tensor row = rowwise ? at::empty({M, K / 2}, u8o) : empty0(x, at::kByte);
@@ -210,8 +209,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_groupe
                                                   amax_bits(amax_r), stream));
     amax_c = columnwise ? (rowwise ? amax_r.clone() : amax_r) : empty0(x, at::kFloat);
   }
-  auto a = base_args(x, rowwise, columnwise);
-  a.fp8_max = 448.0f;
+  auto a = tile_args<Nvfp4Args>(x, rowwise, columnwise);
   // 16x16 tiles read one global amax for both directions (amax_row), also when only the columnwise part is asked
   a.amax_row = (rowwise || block_2d) ? amax_r.data_ptr<float>() : nullptr;
   a.amax_col = columnwise ? amax_c.data_ptr<float>() : nullptr;
@@ -219,7 +217,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_groupe
   a.sr = stochastic_rounding;
   if (stochastic_rounding && n_draws > 0) a.philox = philox_args(generator, x, n_draws);
   a.row_group = row_group.data_ptr<int32_t>();
-  a.n_groups = static_cast<int>(G);
   a.group_start = group_start;
   a.draw_rank = ranks;
   a.row_q = rowwise ? u8(row) : nullptr;
@@ -231,5 +228,60 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_groupe
   return {row, row_s, rowwise ? amax_r : empty0(x, at::kFloat), col, col_s, amax_c};
 }
 
+// data [rows, cols/2] packed E2M1 with E4M3 scales [rows, cols/16] and the global amax [1] -> [rows, cols] of
+// out_dtype: codes times scales, times amax / 2688 if apply_global (nvfp4_apply_global), then the inverse RHT of
+// each block if rht_inverse
+Tensor nvfp4_dequantize(const Tensor& data, const Tensor& scale, const Tensor& amax, bool rht_inverse,
+                        bool apply_global, at::ScalarType out_dtype) {
+  constexpr const char* op = "nvfp4_dequantize";
+  check_input(data, op, "data");
+  TORCH_CHECK(data.scalar_type() == at::kByte, "hybridq::", op, ": data must be uint8 (packed E2M1), got ",
+              data.scalar_type());
+  TORCH_CHECK(amax.is_cuda() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
+              "hybridq::", op, ": amax must be a CUDA float32 tensor of one element");
+  check_same_device(amax, data, op, "amax");
+  const int64_t rows = data.size(0), cols = data.size(1) * 2;
+  TORCH_CHECK(cols % 16 == 0, "hybridq::", op, ": NVFP4 needs cols (2 * data.size(1)) divisible by 16, got data of "
+              "shape ", data.sizes());
+  TORCH_CHECK(scale.element_size() == 1, "hybridq::", op,
+              ": scale must be E4M3 bytes (float8_e4m3fn or uint8), got ", scale.scalar_type());
+  check_part_scale_layout(scale, data, op, "scale", rows * (cols / 16), "[rows, cols/16]");
+  c10::cuda::CUDAGuard guard(data.device());
+  Tensor out = dequant_out(data, cols, out_dtype, op);
+  const Tensor amax_c = amax.contiguous();
+  auto a = dequant_args<Nvfp4DequantArgs>(data, cols);
+  a.scale = static_cast<const uint8_t*>(scale.data_ptr());
+  a.amax = amax_c.data_ptr<float>();
+  a.rht_inverse = rht_inverse;
+  a.apply_global = apply_global;
+  using P = Nvfp4Policy<false, false>;  // (one dequantize step for every block kind)
+  C10_CUDA_CHECK(
+      launch_dequantize<P>(a, out_dtype == at::kBFloat16, out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+namespace {
+void impls(torch::Library& m) {
+  m.impl("nvfp4_quantize", &nvfp4_quantize);
+  m.impl("nvfp4_quantize_grouped", &nvfp4_quantize_grouped);
+  m.impl("nvfp4_dequantize", &nvfp4_dequantize);
+}
+}  // namespace
+
 }  // namespace ops
 }  // namespace hybridq
+
+TORCH_LIBRARY_FRAGMENT(hybridq, m) {
+  m.def(
+      "nvfp4_quantize(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
+      "bool rowwise, bool columnwise, Tensor? amax=None, Tensor? amax_col=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "nvfp4_quantize_grouped(Tensor x, bool block_2d, bool rht, bool stochastic_rounding, Generator? generator, "
+      "bool rowwise, bool columnwise, int[] sizes, int[] draw_rank, int n_draws) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "nvfp4_dequantize(Tensor data, Tensor scale, Tensor amax, bool rht_inverse, bool apply_global, "
+      "ScalarType out_dtype) -> Tensor");
+}
+HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

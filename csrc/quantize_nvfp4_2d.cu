@@ -4,7 +4,7 @@
 
 namespace hybridq {
 
-cudaError_t launch_quantize_nvfp4_2d(InType t, const QuantArgs& a, cudaStream_t stream) {
+cudaError_t launch_quantize_nvfp4_2d(InType t, const Nvfp4Args& a, cudaStream_t stream) {
   if (a.sr) {
     HQ_DISPATCH_IN(t, return (launch_tile<T, Nvfp4Policy<true, true>>(a, stream)));
   }

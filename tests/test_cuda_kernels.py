@@ -240,7 +240,7 @@ def test_mxfp8_powers_of_two_at_block_max(gen):
 
 @pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "32x32"])
 def test_mxfp8_swizzled_scales(block_2d, gen):
-    from hybridq.kernels.cuda import mxfp8_quantize
+    from hybridq.kernels.cuda_mxfp8 import mxfp8_quantize
     for m, k in ((32, 32), (160, 96), (256, 1024), (96, 4128)):
         x = rand_input(m, k, torch.bfloat16, gen).cuda()
         row, rs, col, cs = mxfp8_quantize(x, block_2d=block_2d, rowwise=True, columnwise=True, swizzle=False)
@@ -482,6 +482,19 @@ def test_opcheck():
     hs = [torch.rand(4, device="cuda"), torch.rand(1, device="cuda")]
     ss = [torch.ones(1, device="cuda"), torch.ones(1, device="cuda")]
     torch.library.opcheck(ops.fp8_delayed_update, (hs, ss, [448.0, 57344.0], [1.0, 2.0], [0, 1]), test_utils=tests)
+    # (the dequantize ops take fp8 tensors, which opcheck's schema test cannot compare: their fakes only)
+    q8 = torch.randn(64, 96, device="cuda").to(torch.float8_e4m3fn)
+    fake = ("test_faketensor",)
+    torch.library.opcheck(ops.fp8_tensor_dequantize, (q8, torch.ones(1, device="cuda"), torch.bfloat16),
+                          test_utils=fake)
+    torch.library.opcheck(ops.fp8_block_dequantize, (q8, torch.ones(1, 1, device="cuda"), 2, torch.float32),
+                          test_utils=fake)
+    torch.library.opcheck(ops.mxfp8_dequantize, (q8, torch.full((64, 3), 127, device="cuda", dtype=torch.uint8),
+                                                 torch.float32), test_utils=fake)
+    q4 = torch.randint(0, 256, (64, 48), device="cuda", dtype=torch.uint8)
+    torch.library.opcheck(ops.nvfp4_dequantize, (q4, torch.ones(64, 6, device="cuda").to(torch.float8_e4m3fn),
+                                                 torch.ones(1, device="cuda"), True, True, torch.bfloat16),
+                          test_utils=fake)
 
 
 _BAD_CALLS = r"""
@@ -520,11 +533,14 @@ cases = [
                                              0.0, False, True, True), ["amax_history must be", "[4, 2]"]),
     (lambda: ops.fp8_tensor_quantize_delayed(x, e4, torch.ones(3, device="cuda"), torch.zeros(4, device="cuda"),
                                              0.0, False, True, True), ["scale must have one element", "[3]"]),
-    (lambda: ops.dequantize_fp8(q8, torch.ones(2, device="cuda"), 0, torch.float32), ["needs 1 scale elements"]),
-    (lambda: ops.dequantize_fp8(q8, torch.ones(1, device="cuda"), 7, torch.float32), ["mode", "got 7"]),
-    (lambda: ops.dequantize_fp8(q8, torch.ones(1, device="cuda"), 0, torch.float16), ["out_dtype", "Half"]),
-    (lambda: ops.dequantize_fp8(q8, torch.ones(64, 3, device="cuda"), 3, torch.float32), ["uint8", "E8M0"]),
-    (lambda: ops.dequantize_nvfp4(torch.zeros(16, 4, device="cuda", dtype=torch.uint8),
+    (lambda: ops.fp8_tensor_dequantize(q8, torch.ones(2, device="cuda"), torch.float32),
+     ["fp8_tensor_dequantize", "scale_inv needs 1 scale elements", "[64, 96]"]),
+    (lambda: ops.fp8_block_dequantize(q8, torch.ones(64, 1, device="cuda"), 3, torch.float32), ["block_dim", "got 3"]),
+    (lambda: ops.fp8_block_dequantize(q8, torch.ones(1, 1, device="cuda"), 1, torch.float32),
+     ["fp8_block_dequantize", "needs 64 scale elements", "[rows, ceil(cols/128)]"]),
+    (lambda: ops.fp8_tensor_dequantize(q8, torch.ones(1, device="cuda"), torch.float16), ["out_dtype", "Half"]),
+    (lambda: ops.mxfp8_dequantize(q8, torch.ones(64, 3, device="cuda"), torch.float32), ["uint8", "E8M0"]),
+    (lambda: ops.nvfp4_dequantize(torch.zeros(16, 4, device="cuda", dtype=torch.uint8),
                                   torch.zeros(16, 1, device="cuda", dtype=e4), torch.ones(1, device="cuda"), False,
                                   True, torch.float32), ["divisible by 16", "[16, 4]"]),
     (lambda: ops.fp8_delayed_update([torch.zeros(4, device="cuda")], [torch.ones(1, device="cuda")], [448.0], [1.0],

@@ -177,14 +177,14 @@ GPU_SIZES = [[16, 0, 48, 32], [0, 0, 160], [128, 16, 0, 256, 32], [0, 16, 0]]
 @pytest.mark.parametrize("sizes", GPU_SIZES, ids=str)
 @pytest.mark.parametrize("option", ["plain", "rht", "16x16"])
 def test_gpu_row_groups_kernel_is_bitwise_the_reference(option, sizes, direction, dtype):
-    from hybridq.kernels import cuda as cuda_kernels
+    from hybridq.kernels import cuda_nvfp4
     rowwise, columnwise = DIRECTIONS[direction]
     q = NVFP4Quantizer(**OPTIONS[option])
     x = _groups(sizes, dtype=dtype)
     if x.shape[0]:  # edge values in the first row: only its group's statistics may change
         x[0, :3] = torch.tensor([float("inf"), 2.0 ** 126, -0.0])
     order = [g for g in range(len(sizes)) if sizes[g]]
-    got = cuda_kernels._nvfp4_row_groups(q, x.cuda(), tuple(sizes), rowwise, columnwise, order)
+    got = cuda_nvfp4.row_groups(q, x.cuda(), tuple(sizes), rowwise, columnwise, order)
     assert got is not None, f"NVFP4 {option}: the CUDA row-groups kernel declined {sizes}"
     want = q.reference_groups(x, tuple(sizes), rowwise, columnwise, order)
     for d, direction_name in enumerate(("rowwise", "columnwise")):

@@ -191,6 +191,12 @@ __device__ __forceinline__ void encode_fp8(const float (&x)[N], float mult, bool
   }
 }
 
+// 16 fp8 codes (4 words, little-endian bytes) times one scale, each product rounded as the reference rounds it
+__device__ __forceinline__ void decode_fp8_16(const uint32_t (&w)[4], bool e5m2, float s, float (&o)[16]) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j] = mul_ref(fp8_to_f32(static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4))), e5m2), s);
+}
+
 template <int N>
 __device__ __forceinline__ uint32_t absmax_n(const float (&x)[N]) {
   uint32_t m = 0;

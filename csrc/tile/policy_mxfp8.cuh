@@ -23,6 +23,20 @@ __device__ __forceinline__ void write_mx_scale(void* s, int64_t r, int64_t c, in
 // the amax so that a finite amax scales to at most about fp8_max.
 __device__ __forceinline__ bool block_nonfinite(uint32_t amax_bits) { return amax_bits >= 0x7F800000u; }
 
+// The tile kernel's arguments (csrc/tile/skeleton.cuh) of MXFP8
+struct Mxfp8Args : TileArgs {
+  Fp8Encoding fp8;
+  // GEMM-ready swizzled scales (128x4 tiles, see write_mx_scale) instead of compact [rows, cols/32]
+  bool swizzle;
+  int64_t row_s_cols_pad, col_s_cols_pad;
+};
+
+// The dequantize kernel's arguments (csrc/tile/dequantize.cuh) of an MXFP8 part
+struct Mxfp8DequantArgs : DequantTile {
+  const uint8_t* scale;  // E8M0 bytes, compact [rows, cols/32]
+  bool e5m2;
+};
+
 template <bool TWO_D>
 struct Mxfp8Policy {
   static constexpr int kBlock = 32;
@@ -34,21 +48,22 @@ struct Mxfp8Policy {
   static constexpr bool kColScalesInTranspose = TWO_D;
   static constexpr bool kRecordsAmax = false;
 
+  using Args = Mxfp8Args;
   struct Shared {};
   struct Ctx {
     float rcp_max;  // multiply by the rounded reciprocal of fp8_max, not a division
     bool e5m2;
   };
 
-  static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared&, int, int) {
-    return Ctx{1.0f / a.fp8_max, a.e5m2};
+  static __device__ __forceinline__ Ctx init(const Args& a, Shared&, int, int) {
+    return Ctx{1.0f / a.fp8.max, a.fp8.e5m2};
   }
 
-  static __device__ __forceinline__ void tile_scales(const Ctx&, const QuantArgs&, const uint32_t*, const TilePos&) {}
+  static __device__ __forceinline__ void tile_scales(const Ctx&, const Args&, const uint32_t*, const TilePos&) {}
 
   // the task is one block
   template <typename T>
-  static __device__ __forceinline__ void row(Ctx& c, const Shared&, const QuantArgs& a, const uint32_t* tile_amax,
+  static __device__ __forceinline__ void row(Ctx& c, const Shared&, const Args& a, const uint32_t* tile_amax,
                                              const TilePos& p, const float (&xv)[tile::VR], int r, int v, int64_t gm,
                                              int64_t gk, int nvalid, bool, uint32_t (&w)[tile::VR / 4]) {
     uint32_t bam;
@@ -61,7 +76,7 @@ struct Mxfp8Policy {
   }
 
   template <typename T>
-  static __device__ __forceinline__ void col(Ctx& c, const Shared&, const QuantArgs& a, const uint32_t* tile_amax,
+  static __device__ __forceinline__ void col(Ctx& c, const Shared&, const Args& a, const uint32_t* tile_amax,
                                              const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
                                              int ch, int64_t gk, int64_t gm0, int nvalid,
                                              uint32_t (&w)[tile::CV / 4]) {
@@ -75,11 +90,21 @@ struct Mxfp8Policy {
   }
 
   // 32x32 tiles, byte-transpose path: the scale of the block of tile rows r .. r + 31 of tile column col
-  static __device__ __forceinline__ void transposed_col_scale(const Ctx& c, const QuantArgs& a,
+  static __device__ __forceinline__ void transposed_col_scale(const Ctx& c, const Args& a,
                                                               const uint32_t* tile_amax, const TilePos& p, int r,
                                                               int col, int64_t gk, int64_t gm) {
     const uint8_t e = e8m0_round_up(u2f(tile_amax[(r / 32) * (tile::TK / 32) + col / 32]) * c.rcp_max);
     write_mx_scale(a.col_s, gk, gm / 32, p.M / 32, a.swizzle, a.col_s_cols_pad, e);
+  }
+
+  // ---- dequantize (csrc/tile/dequantize.cuh): each element times 2^(e - 127) of its 1x32 block -------------
+  // (both block kinds: a 32x32 tile's scale is stored for each of its rows)
+  using DequantArgs = Mxfp8DequantArgs;
+  struct DequantCtx {};
+  static __device__ __forceinline__ DequantCtx dequant_init(const DequantArgs&) { return {}; }
+  static __device__ __forceinline__ void dequant16(const DequantCtx&, const DequantArgs& a, int64_t r, int64_t c0,
+                                                   const uint32_t (&w)[4], float (&o)[16]) {
+    decode_fp8_16(w, a.e5m2, e8m0_pow2(__ldg(a.scale + r * (a.cols / 32) + c0 / 32), false), o);
   }
 };
 

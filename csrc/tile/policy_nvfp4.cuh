@@ -14,6 +14,17 @@
 
 namespace hybridq {
 
+// Stochastic-rounding stream: torch's PhiloxCudaState, flattened (seed/offset by value, or by pointer while a
+// CUDA graph is captured).
+struct PhiloxArgs {
+  uint64_t seed;
+  uint64_t offset;
+  const int64_t* seed_ptr;
+  const int64_t* offset_ptr;
+  uint64_t offset_intragraph;
+  bool captured;
+};
+
 __device__ __forceinline__ void philox_unpack(const PhiloxArgs& p, uint64_t& seed, uint64_t& offset) {
   if (p.captured) {
     seed = static_cast<uint64_t>(*p.seed_ptr);
@@ -23,6 +34,23 @@ __device__ __forceinline__ void philox_unpack(const PhiloxArgs& p, uint64_t& see
     offset = p.offset;
   }
 }
+
+// The tile kernel's arguments (csrc/tile/skeleton.cuh) of NVFP4
+struct Nvfp4Args : TileArgs {
+  // global amaxes (fp32 [1]) of the rowwise input and of the (transformed) columnwise input
+  const float* amax_row;
+  const float* amax_col;
+  bool rht;
+  bool sr;  // (picks the SR instantiation at launch)
+  PhiloxArgs philox;
+  // row groups (row_group != null, each a whole number of 16-row groups when a block or tile runs along M):
+  // amax_row / amax_col hold one global amax per group, group g's rows start at group_start[g] (int64
+  // [n_groups + 1]), and its stochastic-rounding draws are those of the draw_rank[g]-th per-group launch (Philox
+  // offset + 4 * draw_rank[g], element indices relative to the group)
+  const int32_t* row_group;
+  const int64_t* group_start;
+  const int32_t* draw_rank;
+};
 
 // What a block needs of its row group: the global encode scale, the Philox offset of the group's launch and the
 // block's first row and element count (rows of the tensor along M) relative to the group. Without row groups: the
@@ -34,13 +62,21 @@ struct Nvfp4Group {
   int64_t rows;  // the group's rows
 };
 
-__device__ __forceinline__ Nvfp4Group nvfp4_group_of(const QuantArgs& a, const float* amax, int64_t row,
+__device__ __forceinline__ Nvfp4Group nvfp4_group_of(const Nvfp4Args& a, const float* amax, int64_t row,
                                                      uint64_t offset) {
   // (row < M: the callers clamp rows outside the tensor, whose outputs are not stored)
   const int32_t g = a.row_group[row];
   return {nvfp4_global_encode(amax[g]), offset + 4u * static_cast<uint64_t>(a.draw_rank[g]), a.group_start[g],
           a.group_start[g + 1] - a.group_start[g]};
 }
+
+// The dequantize kernel's arguments (csrc/tile/dequantize.cuh) of an NVFP4 part
+struct Nvfp4DequantArgs : DequantTile {
+  const uint8_t* scale;  // E4M3 bytes [rows, cols/16]
+  const float* amax;     // [1]
+  bool rht_inverse;
+  bool apply_global;
+};
 
 template <bool TWO_D, bool SR>
 struct Nvfp4Policy {
@@ -53,6 +89,7 @@ struct Nvfp4Policy {
   static constexpr bool kColScalesInTranspose = false;
   static constexpr bool kRecordsAmax = false;
 
+  using Args = Nvfp4Args;
   struct Shared {
     // the element multiplier of every E4M3 scale byte under the rowwise [0] / columnwise [1] global scale,
     // computed once per CTA with nvfp4_elem_mult: a table lookup instead of two IEEE divisions per block
@@ -63,7 +100,7 @@ struct Nvfp4Policy {
     uint64_t seed, offset;
   };
 
-  static __device__ __forceinline__ Ctx init(const QuantArgs& a, Shared& sh, int tid, int nt) {
+  static __device__ __forceinline__ Ctx init(const Args& a, Shared& sh, int tid, int nt) {
     Ctx c{1.0f, 1.0f, 0, 0};
     if constexpr (SR) philox_unpack(a.philox, c.seed, c.offset);
     if (a.row_group != nullptr) return c;  // row groups: a global scale per group, computed per block
@@ -76,11 +113,11 @@ struct Nvfp4Policy {
     return c;
   }
 
-  static __device__ __forceinline__ void tile_scales(const Ctx&, const QuantArgs&, const uint32_t*, const TilePos&) {}
+  static __device__ __forceinline__ void tile_scales(const Ctx&, const Args&, const uint32_t*, const TilePos&) {}
 
   // two blocks of 16
   template <typename T>
-  static __device__ __forceinline__ void row(Ctx& c, const Shared& sh, const QuantArgs& a, const uint32_t* tile_amax,
+  static __device__ __forceinline__ void row(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
                                              const TilePos& p, const float (&xv)[tile::VR], int r, int v, int64_t gm,
                                              int64_t gk, int nvalid, bool row_in, uint32_t (&w)[tile::VR / 8]) {
     using tile::TK;
@@ -126,7 +163,7 @@ struct Nvfp4Policy {
 
   // two blocks of 16 rows of one column; 1-D: through the RHT when a.rht
   template <typename T>
-  static __device__ __forceinline__ void col(Ctx& c, const Shared& sh, const QuantArgs& a, const uint32_t* tile_amax,
+  static __device__ __forceinline__ void col(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
                                              const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
                                              int ch, int64_t gk, int64_t gm0, int nvalid,
                                              uint32_t (&w)[tile::CV / 8]) {
@@ -198,8 +235,28 @@ struct Nvfp4Policy {
     }
   }
 
-  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const QuantArgs&, const uint32_t*,
+  static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const Args&, const uint32_t*,
                                                               const TilePos&, int, int, int64_t, int64_t) {}
+
+  // ---- dequantize (csrc/tile/dequantize.cuh): each E2M1 value times its block's E4M3 scale, then (apply_global)
+  // the global factor amax / 2688 (nvfp4_apply_global), then (rht_inverse) the inverse RHT of the block ----------
+  using DequantArgs = Nvfp4DequantArgs;
+  struct DequantCtx {
+    float amax;
+  };
+  static __device__ __forceinline__ DequantCtx dequant_init(const DequantArgs& a) {
+    return {a.apply_global ? *a.amax : 1.0f};
+  }
+  static __device__ __forceinline__ void dequant16(const DequantCtx& c, const DequantArgs& a, int64_t r, int64_t c0,
+                                                   const uint32_t (&w)[2], float (&o)[16]) {
+    const float sf = fp8_to_f32(__ldg(a.scale + r * (a.cols / 16) + c0 / 16), false);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[j] = e2m1_value((w[j / 8] >> (4 * (j % 8))) & 0xFu) * sf;
+      if (a.apply_global) o[j] = nvfp4_apply_global(o[j], c.amax);
+    }
+    if (a.rht_inverse) rht16_inverse(o);
+  }
 };
 
 }  // namespace hybridq

@@ -23,15 +23,18 @@
 //   traits   kBlock (elements per block along a direction; 1 = one per-tensor scale), kTwoD (kBlock x kBlock
 //            tiles, one scale per tile), kStochastic, kElemsPerByte (1: fp8, 2: packed fp4), kColFromRow,
 //            kColChunkAmax, kColScalesInTranspose, kRecordsAmax
-//   types    Shared (the policy's shared memory), Ctx (per-CTA values)
+//   types    Args (the kernel's argument: TileArgs, csrc/hybridq.h, plus the format's own fields; with
+//            kRecordsAmax a `uint32_t* amax_out`), Shared (the policy's shared memory), Ctx (per-CTA values)
 //   init(a, sh, tid, nt) -> Ctx; tile_scales(ctx, a, tile_amax, pos) (after the 2-D pre-phase, thread 0);
 //   row<T>(...) and col<T>(...) (one task -> packed words, scales written); transposed_col_scale(...);
 //   the skeleton reduces ctx.my_amax into a.amax_out when kRecordsAmax.
+// The same policy dequantizes (csrc/tile/dequantize.cuh: DequantArgs, dequant_init, dequant16).
 //
-// A new format with a kernel touches: csrc/tile/policy_<format>.cuh (new: numerics of one task),
-// csrc/quantize_<format>.cu (new: instantiation, argument checks, allocation, launch), csrc/ops.h (the op's
-// declaration), csrc/ops.cpp (its schema and impl line); and on the Python side hybridq/kernels/cuda_ops.py (fake
-// implementation) and hybridq/kernels/cuda.py (the call). setup.py compiles every csrc/*.cu.
+// A new format with a kernel touches: csrc/tile/policy_<format>.cuh (new: numerics of one task, quantize and
+// dequantize) and csrc/quantize_<format>.cu (new: instantiations, argument checks, allocation, launches, and its
+// ops' schemas and registration); on the Python side hybridq/kernels/cuda_<format>.py (new: the calls, the fake
+// implementations and the dispatch registrations). setup.py compiles every csrc/*.cu; hybridq/kernels/cuda.py
+// finds every cuda_<format>.py.
 #pragma once
 
 #include <atomic>
@@ -50,8 +53,11 @@ struct TilePos {
   bool full;                 // the whole tile is inside the tensor (no bounds checks)
 };
 
+// `a` is __grid_constant__: read from the parameter space where it is used, as the compiler read the one argument
+// struct of every format before; copied into registers up front (what it makes of a policy's smaller Args by
+// default) the tile loop compiles differently: 12% slower for MXFP8 on an H200.
 template <typename T, class P, class Cfg>
-__global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const QuantArgs a) {
+__global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const __grid_constant__ typename P::Args a) {
   using namespace tile;
   constexpr int NT = Cfg::NT;
   constexpr int STAGES = Cfg::STAGES;
@@ -325,7 +331,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
 }
 
 template <typename T, class P, class Cfg>
-cudaError_t launch_tile_cfg(const QuantArgs& a, cudaStream_t stream) {
+cudaError_t launch_tile_cfg(const typename P::Args& a, cudaStream_t stream) {
   using namespace tile;
   const int64_t tiles = ((a.M + TM - 1) / TM) * ((a.K + TK - 1) / TK);
   if (tiles == 0) return cudaSuccess;
@@ -354,7 +360,7 @@ cudaError_t launch_tile_cfg(const QuantArgs& a, cudaStream_t stream) {
     per_sm = n > 0 ? n : 1;
   }
   const int64_t grid = Cfg::STAGES == 1 ? tiles : min64(tiles, static_cast<int64_t>(per_sm) * tile_num_sms());
-  QuantArgs b = a;
+  typename P::Args b = a;
   b.tile_group = tile_group_default();
   kern<<<static_cast<unsigned int>(grid), Cfg::NT, smem, stream>>>(b);
   return cudaGetLastError();
@@ -363,7 +369,7 @@ cudaError_t launch_tile_cfg(const QuantArgs& a, cudaStream_t stream) {
 // The launch of one (input type, policy) instantiation with the default configuration (HQ_TILE_VARIANTS builds:
 // the benchmark variants of HYBRIDQ_TILE_CFG for bf16 inputs without stochastic rounding).
 template <typename T, class P>
-cudaError_t launch_tile(const QuantArgs& a, cudaStream_t stream) {
+cudaError_t launch_tile(const typename P::Args& a, cudaStream_t stream) {
 #ifdef HQ_TILE_VARIANTS
   if constexpr (std::is_same<T, __nv_bfloat16>::value && !P::kStochastic) {
     switch (tile_cfg_override()) {

@@ -6,10 +6,10 @@ for tensors on a CUDA device when their `supports` check accepts the call, and t
 Either way the call signature and the result (bit for bit) are the same.
 
 CUDA: `cuda` registers the kernels of the optional extension `hybridq._C` (loaded on first use with a CUDA
-tensor, see `_ext`); `native_gemm` registers the hardware GEMMs (FP8 tensorwise and blockwise through
-torch's scaled_mm) and the bf16 emulation of the block-scaled formats. `extension_available()` says whether
-the extension is built and loadable. `update_delayed_scaling(quantizers)` runs the delayed-scaling update of many
-per-tensor FP8 quantizers in one launch (the Python update on the CPU).
+tensor, see `_ext`), one module per format (`cuda_<format>.py`); `native_gemm` registers the hardware GEMMs
+(FP8 tensorwise and blockwise through torch's scaled_mm) and the bf16 emulation of the block-scaled formats.
+`extension_available()` says whether the extension is built and loadable. `update_delayed_scaling(quantizers)`
+runs the delayed-scaling update of many per-tensor FP8 quantizers in one launch (the Python update on the CPU).
 """
 
 import torch

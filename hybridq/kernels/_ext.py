@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import warnings
+from typing import Callable
 
 import torch
 
@@ -22,14 +23,18 @@ BUILD_HINT = ("build it from the hybridq checkout with `pip install --no-build-i
 ENV_PATH = "HYBRIDQ_EXT_PATH"  # load this shared library instead of the hybridq._C module
 ENV_DISABLE = "HYBRIDQ_DISABLE_CUDA_KERNELS"  # "1": never use the CUDA kernels (references only)
 
-# every op the Python side uses (an older build lacks some: it is reported as out of date, not used)
-REQUIRED_OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped",
-                "fp8_block_quantize", "mxfp8_quantize", "nvfp4_quantize", "nvfp4_quantize_grouped", "amax",
-                "rms_norm_forward", "rms_norm_backward", "dequantize_fp8", "dequantize_nvfp4", "fp8_delayed_update",
-                "transpose_bytes")
-
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ok": False, "error": None, "warned": False}
+# (ops, on_load) of each kernel family that uses the extension, see require()
+_required: list[tuple[tuple[str, ...], Callable[[], None]]] = []
+
+
+def require(ops: tuple[str, ...], on_load: Callable[[], None]) -> None:
+    """Declare the `torch.ops.hybridq` ops a kernel module calls (a build without one of them is reported as out of
+    date and not used) and what to run once the extension has registered them (their fake implementations).
+    Declared when `hybridq.kernels` is imported, before the first load."""
+    if (ops, on_load) not in _required:
+        _required.append((ops, on_load))
 
 
 def load() -> bool:
@@ -49,16 +54,19 @@ def load() -> bool:
                     torch.ops.load_library(path)
                 else:
                     importlib.import_module("hybridq._C")
-                missing = [op for op in REQUIRED_OPS if not hasattr(torch.ops.hybridq, op)]
+                # every op the Python side uses (an older build lacks some: it is reported as out of date, not used)
+                required = [op for ops, _ in _required for op in ops]
+                missing = [op for op in required if not hasattr(torch.ops.hybridq, op)]
                 ok = not missing
-                if len(missing) == len(REQUIRED_OPS):
+                if len(missing) == len(required):
                     err = "the library loaded but registered no hybridq ops"
                 elif missing:
                     err = f"the built extension is out of date (no op {', '.join(missing)}); rebuild it"
             except (ImportError, OSError, RuntimeError) as e:
                 err = f"{type(e).__name__}: {e}"
         if ok:
-            from . import cuda_ops  # noqa: F401  (fake implementations for torch.compile / meta tensors)
+            for _, on_load in _required:  # fake implementations for torch.compile / meta tensors
+                on_load()
         _state.update(tried=True, ok=ok, error=err)
         return ok
 

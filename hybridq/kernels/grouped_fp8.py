@@ -9,7 +9,7 @@ per-expert path is preferred for few, long experts (`prefers_per_expert_path`: i
 
 Taken where every piece runs: a CUDA sm_90 device, Triton, the built extension, FP8 GEMMs enabled
 (`native_gemm.disabled()` turns them off), contracted sizes (in_features for fprop, out_features for dgrad) multiple
-of 32, and quantizers whose every option the cast kernel implements (`cuda.FP8_TENSOR_OPTIONS`). Elsewhere the
+of 32, and quantizers whose every option the cast kernel implements (`cuda_fp8_tensor.OPTIONS`). Elsewhere the
 caller takes another path (`hybridq.gemm.jagged_fp8_kernels`).
 """
 
@@ -24,7 +24,8 @@ from ..formats import Float8Quantizer
 from ..formats.float8 import aligned_scales
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from . import _ext, native_gemm
-from .cuda import FP8_TENSOR_OPTIONS, IN_DTYPES
+from .cuda import IN_DTYPES
+from .cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
 
 
 def _triton():

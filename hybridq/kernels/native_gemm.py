@@ -411,11 +411,11 @@ def exact_bf16_operand(p, keep_transform: bool):
     if isinstance(p, MXFP8Part):
         if p.scale.dtype != torch.uint8 or tuple(p.scale.shape) != (p.rows, p.cols // 32):
             return None
-        return ops.dequantize_fp8(p.data, p.scale, 3, torch.bfloat16), None
+        return ops.mxfp8_dequantize(p.data, p.scale, torch.bfloat16), None
     if isinstance(p, NVFP4Part):
         if p.rht and not keep_transform:
             return None
-        return ops.dequantize_nvfp4(p.data, p.scale, p.amax, False, False, torch.bfloat16), p.amax / 2688.0
+        return ops.nvfp4_dequantize(p.data, p.scale, p.amax, False, False, torch.bfloat16), p.amax / 2688.0
     if isinstance(p, IdentityPart) and p.data.dtype == torch.bfloat16 and p.data.dim() == 2:
         return (p.data.t() if p.columnwise else p.data), None
     return None

@@ -213,7 +213,7 @@ if triton is not None:
     @triton.jit
     def _bf16_tile(codes_ptrs, scale_ptrs, FMT: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
         """The [ROWS, BLOCK_K] bf16 values of one operand tile, bitwise those of the emulation's dequantize kernel
-        (`torch.ops.hybridq.dequantize_fp8` mode 3 / `dequantize_nvfp4` without the global factor, bf16 out).
+        (`torch.ops.hybridq.mxfp8_dequantize` / `nvfp4_dequantize` without the global factor, bf16 out).
         codes_ptrs: [ROWS, BLOCK_K] fp8 (MXFP8) or [ROWS, BLOCK_K / 2] uint8 (NVFP4) pointers; scale_ptrs:
         [ROWS, BLOCK_K / 32] uint8 (MXFP8) or [ROWS, BLOCK_K / 16] E4M3 (NVFP4) pointers."""
         if FMT == 0:  # MXFP8: fp32 code * 2^(e - 127), rounded to bf16 (exact down to bf16's subnormals)

@@ -31,7 +31,9 @@ from ..formats.float8 import Float8Quantizer, float8_current_scaling
 from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8_block_current
 from ..gemm import gemm
 from ..kernels import _ext, native_gemm
-from ..kernels.cuda import FP8_BLOCK_OPTIONS, FP8_TENSOR_OPTIONS, IN_DTYPES
+from ..kernels.cuda import IN_DTYPES
+from ..kernels.cuda_fp8_block import OPTIONS as FP8_BLOCK_OPTIONS
+from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
 from .linear_function import gradients_needed
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear"]

@@ -23,7 +23,7 @@ _FUSED_TYPES = None
 
 
 def _fused_on_gpu(q, kw) -> bool:
-    """Whether hybridq.kernels.cuda would take this quantize_parts call on a CUDA tensor (see _plain_kw)."""
+    """Whether hybridq.kernels.cuda_<format> would take this quantize_parts call on a CUDA tensor (see plain_kw)."""
     global _FUSED_TYPES
     from hybridq.formats import Float8BlockQuantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 
@@ -31,9 +31,9 @@ def _fused_on_gpu(q, kw) -> bool:
         _FUSED_TYPES = (Float8Quantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
     if type(q) not in _FUSED_TYPES:
         return False
-    from hybridq.kernels.cuda import _plain_kw
+    from hybridq.kernels.cuda import plain_kw
 
-    return _plain_kw(kw, ("amax", "stats", "shard") if type(q) is Float8Quantizer else ())
+    return plain_kw(kw, ("amax", "stats", "shard") if type(q) is Float8Quantizer else ())
 
 
 class OpCounter(TorchDispatchMode):

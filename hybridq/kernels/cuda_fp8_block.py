@@ -1,0 +1,80 @@
+"""Float8 block scaling (`Float8BlockQuantizer`, `Float8BlockPart`) on the CUDA kernels of
+csrc/quantize_fp8_block.cu: 1x128 / 128x1 blocks or 128x128 tiles, and the dequantize.
+
+Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
+- fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise)
+    -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv); block_dim 1: scales [M, ceil(K/128)] and
+    [K, ceil(M/128)]; block_dim 2: [ceil(M/128), ceil(K/128)] and its transpose
+- fp8_block_dequantize(data, scale_inv, block_dim, out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import KernelImpl, register_dequantize, register_quantize
+from ..formats import Float8BlockPart, Float8BlockQuantizer
+from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
+
+OPS = ("fp8_block_quantize", "fp8_block_dequantize")
+
+# The quantizer options the kernel implements (any other: the reference runs)
+OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
+
+
+def supports(q: Float8BlockQuantizer, x2d, rowwise, columnwise, **kw) -> bool:
+    shard = kw.get("shard")
+    if shard is not None and not shard.is_whole:
+        # a row shard (FSDP) of 128x128 tiles none of which it splits: plain quantization of its rows, with the
+        # whole tile-scale grid of the reduced statistics
+        if kw.get("stats") is None or not q.tiles_inside(shard):
+            return False
+        kw = {n: v for n, v in kw.items() if n not in ("shard", "stats")}
+    return plain_kw(kw) and input_ok(q, x2d, rowwise, columnwise)
+
+
+def run(q: Float8BlockQuantizer, x2d, rowwise, columnwise, shard=None, stats=None, **_):
+    x = x2d.contiguous()
+    m, k = x.shape
+    row, rs, col, cs = ops().fp8_block_quantize(x, q.dtype, q.block_dim, q.amax_epsilon, q.power_2_scale, rowwise,
+                                                columnwise)
+    if shard is not None and not shard.is_whole:  # the shard's own tile scales are rows of the whole grid
+        rs = q.shard_scale_inv(shard, k, stats.to(x.device))
+        cs = rs.t().contiguous() if columnwise else cs
+    r = Float8BlockPart(rows=m, cols=k, columnwise=False, data=row, scale_inv=rs, block_dim=q.block_dim) \
+        if rowwise else None
+    c = Float8BlockPart(rows=k, cols=m, columnwise=True, data=col, scale_inv=cs, block_dim=q.block_dim) \
+        if columnwise else None
+    return r, c
+
+
+def part_supports(part: Float8BlockPart, undo_transform) -> bool:
+    return part.data.dtype in FP8_DTYPES and part.data.dim() == 2 and part.scale_inv.dtype == torch.float32 and \
+        part_ok(part, ("data", "scale_inv"))
+
+
+def dequantize(part: Float8BlockPart, undo_transform=True):
+    return ops().fp8_block_dequantize(part.data, part.scale_inv, part.block_dim, torch.float32)
+
+
+def register_fakes() -> None:
+    from torch.library import register_fake
+
+    f32 = torch.float32
+
+    @register_fake("hybridq::fp8_block_quantize")
+    def _quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise):
+        m, k = x.shape
+        bm, bk = -(-m // 128), -(-k // 128)
+        rs, cs = ((m, bk), (k, bm)) if block_dim == 1 else ((bm, bk), (bk, bm))
+        return (or_empty(x, (m, k), dtype, rowwise), or_empty(x, rs, f32, rowwise),
+                or_empty(x, (k, m), dtype, columnwise), or_empty(x, cs, f32, columnwise))
+
+    @register_fake("hybridq::fp8_block_dequantize")
+    def _dequantize(data, scale_inv, block_dim, out_dtype):
+        return data.new_empty(data.shape, dtype=out_dtype)
+
+
+def register() -> None:
+    register_quantize(Float8BlockQuantizer, KernelImpl("cuda-fp8-block", "cuda", run, supports, OPTIONS))
+    register_dequantize(Float8BlockPart, KernelImpl("cuda-fp8-block", "cuda", dequantize, part_supports))

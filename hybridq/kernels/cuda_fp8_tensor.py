@@ -1,0 +1,131 @@
+"""Per-tensor FP8 (`Float8Quantizer`, `Float8TensorPart`) on the CUDA kernels of csrc/quantize_fp8_tensor.cu: the
+fused cast + transpose (current and delayed scaling), the row-group cast of grouped linears, and the dequantize.
+
+Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
+- fp8_tensor_quantize(x, dtype, scale?, amax?, eps, pow2, rowwise, columnwise, want_amax)
+    -> (rowwise [M, K] fp8, columnwise [K, M] fp8, scale_inv [1], amax [1] | [0])
+- fp8_tensor_quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwise, columnwise): delayed scaling's cast,
+  max|x| max-combined into amax_history[0] in place -> (rowwise, columnwise, scale_inv [1])
+- fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0): row r quantized
+  with the scale of group row_group[r] (int32 [M]), each group's scale from its own max|x|; the columnwise rows
+  col_pitch (>= M; 0: M) elements apart
+    -> (rowwise [M, K] fp8, columnwise [K, M] fp8 (strides (col_pitch, 1)) | [0], scale_inv [n_groups],
+        amax [n_groups])
+- fp8_tensor_dequantize(data, scale_inv [1], out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..dispatch import KernelImpl, register_dequantize, register_quantize, register_row_groups
+from ..enums import Scaling
+from ..formats import Float8Quantizer, Float8TensorPart
+from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
+from .delayed import update_before_cast
+
+OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize")
+
+# The quantizer options the kernel implements (the dispatch sends a quantizer with any other option to the
+# reference, so an option added later is never silently ignored by the kernel).
+OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "scaling", "amax_epsilon", "power_2_scale", "amax_history_len",
+                     "amax_compute_algo", "margin", "amax_reduction_group"})
+
+
+def supports(q: Float8Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
+    # per-tensor scaling: rows are independent, so a row shard only needs the global amax (`amax`, or `stats`,
+    # the MAX-reduced shard statistics, whose first value is that amax)
+    if q.scaling == Scaling.DELAYED:
+        if not plain_kw({n: v for n, v in kw.items() if n != "shard"}) or kw.get("shard") is not None:
+            return False
+    elif not plain_kw(kw, ("amax", "stats", "shard", "global_stats")):
+        return False
+    return input_ok(q, x2d, rowwise, columnwise)
+
+
+def run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, shard=None, global_stats=None, **_):
+    x = x2d.contiguous()
+    m, k = x.shape
+    if q.scaling == Scaling.DELAYED:
+        # the pending update in one launch instead of the Python update's ~10 small ops (same values), and the
+        # cast's max|x| max-combined into the history slot by the cast kernel itself (a replay records nothing)
+        replay = q.replaying()
+        scale = q.begin_delayed_cast(x.device, lambda: update_before_cast(q))
+        if replay:
+            row, col, scale_inv, _ = ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
+                                                               q.power_2_scale, rowwise, columnwise, False)
+        else:
+            row, col, scale_inv = ops().fp8_tensor_quantize_delayed(x, q.dtype, scale, q.amax_history,
+                                                                    q.amax_epsilon, q.power_2_scale, rowwise,
+                                                                    columnwise)
+            q.mark_amax_recorded()
+    else:
+        for given in (stats, global_stats):
+            if amax is None and given is not None:
+                amax = given.reshape(-1)[0]
+        if amax is not None:
+            amax = amax.to(device=x.device, dtype=torch.float32).reshape(1)
+        row, col, scale_inv, _ = ops().fp8_tensor_quantize(x, q.dtype, None, amax, q.amax_epsilon, q.power_2_scale,
+                                                           rowwise, columnwise, False)
+    r = Float8TensorPart(rows=m, cols=k, columnwise=False, data=row, scale_inv=scale_inv) if rowwise else None
+    c = Float8TensorPart(rows=k, cols=m, columnwise=True, data=col, scale_inv=scale_inv) if columnwise else None
+    return r, c
+
+
+def row_groups(q: Float8Quantizer, x2d, sizes):
+    """`Float8Quantizer.quantize_row_groups` in one amax pass and one cast (None: the reference runs)."""
+    fields = {f.name for f in dataclasses.fields(q)}
+    if not (fields <= OPTIONS and input_ok(q, x2d, True, False)):
+        return None
+    x = x2d.contiguous()
+    counts = torch.tensor(sizes, dtype=torch.int64).to(x.device, non_blocking=True)
+    row_group = torch.repeat_interleave(torch.arange(len(sizes), device=x.device, dtype=torch.int32), counts,
+                                        output_size=x.shape[0])
+    row, _, scale_inv, _ = ops().fp8_tensor_quantize_grouped(x, q.dtype, row_group, len(sizes), q.amax_epsilon,
+                                                             q.power_2_scale, False)
+    return row, scale_inv
+
+
+def part_supports(part: Float8TensorPart, undo_transform) -> bool:
+    return part.data.dtype in FP8_DTYPES and part.data.dim() == 2 and part.scale_inv.dtype == torch.float32 and \
+        part_ok(part, ("data", "scale_inv"))
+
+
+def dequantize(part: Float8TensorPart, undo_transform=True):
+    return ops().fp8_tensor_dequantize(part.data, part.scale_inv, torch.float32)
+
+
+def register_fakes() -> None:
+    from torch.library import register_fake
+
+    f32 = torch.float32
+
+    @register_fake("hybridq::fp8_tensor_quantize")
+    def _quantize(x, dtype, scale, amax, eps, pow2, rowwise, columnwise, want_amax):
+        m, k = x.shape
+        return (or_empty(x, (m, k), dtype, rowwise), or_empty(x, (k, m), dtype, columnwise),
+                x.new_empty((1,), dtype=f32), or_empty(x, (1,), f32, scale is None or want_amax))
+
+    @register_fake("hybridq::fp8_tensor_quantize_delayed")
+    def _quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwise, columnwise):
+        return _quantize(x, dtype, scale, None, eps, pow2, rowwise, columnwise, False)[:3]
+
+    @register_fake("hybridq::fp8_tensor_quantize_grouped")
+    def _quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0):
+        m, k = x.shape
+        col = (x.new_empty_strided((k, m), (col_pitch or m, 1), dtype=dtype) if columnwise
+               else x.new_empty((0,), dtype=dtype))
+        return (x.new_empty((m, k), dtype=dtype), col, x.new_empty((n_groups,), dtype=f32),
+                x.new_empty((n_groups,), dtype=f32))
+
+    @register_fake("hybridq::fp8_tensor_dequantize")
+    def _dequantize(data, scale_inv, out_dtype):
+        return data.new_empty(data.shape, dtype=out_dtype)
+
+
+def register() -> None:
+    register_quantize(Float8Quantizer, KernelImpl("cuda-fp8-tensor", "cuda", run, supports, OPTIONS))
+    register_row_groups(Float8Quantizer, "cuda", row_groups)
+    register_dequantize(Float8TensorPart, KernelImpl("cuda-fp8-tensor", "cuda", dequantize, part_supports))

@@ -1,0 +1,93 @@
+"""The CUDA backend's layout (docs/architecture.md "Extension points"): a format's kernel lives in its own three
+files -- csrc/tile/policy_<format>.cuh, csrc/quantize_<format>.cu (its ops' schemas and registration) and
+hybridq/kernels/cuda_<format>.py (the calls, fakes and dispatch registrations) -- and what they share names no
+format. Read from the sources and checked against the op schemas they declare; no GPU or build needed."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import hybridq
+from hybridq.kernels import cuda
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+_DEF = re.compile(r'\bm\.def\(\s*((?:"(?:[^"\\]|\\.)*"\s*)+)\)')
+_LIT = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def schemas(path: pathlib.Path) -> dict[str, str]:
+    """The op schemas a C++ file declares (`m.def("...")`, adjacent string literals joined), by op name."""
+    out = {}
+    for m in _DEF.finditer(path.read_text()):
+        schema = "".join(_LIT.findall(m.group(1)))
+        out[schema.split("(", 1)[0]] = schema
+    return out
+
+
+def format_names() -> set[str]:
+    return {m.__name__.rsplit(".", 1)[1][len(cuda.FORMAT_MODULE_PREFIX):] for m in cuda.format_modules()}
+
+
+def test_every_format_kernel_has_its_three_files():
+    bindings = {p.stem[len("quantize_"):] for p in CSRC.glob("quantize_*.cu")} - {"nvfp4_2d"}
+    assert format_names() == bindings, (f"kernel modules hybridq/kernels/cuda_<format>.py {sorted(format_names())} "
+                                        f"vs binding files csrc/quantize_<format>.cu {sorted(bindings)}")
+    for fmt in format_names():
+        assert (CSRC / "tile" / f"policy_{fmt}.cuh").exists(), f"{fmt}: no csrc/tile/policy_{fmt}.cuh"
+
+
+def test_each_format_declares_exactly_its_modules_ops():
+    """A format's ops are declared in its own binding file (TORCH_LIBRARY_FRAGMENT), and its Python module calls
+    exactly those."""
+    for mod in cuda.format_modules():
+        fmt = mod.__name__.rsplit(".", 1)[1][len(cuda.FORMAT_MODULE_PREFIX):]
+        declared = set(schemas(CSRC / f"quantize_{fmt}.cu"))
+        assert set(mod.OPS) == declared, f"{mod.__name__}.OPS {sorted(mod.OPS)} vs quantize_{fmt}.cu {sorted(declared)}"
+
+
+def test_shared_registration_declares_only_shared_ops():
+    declared = set(schemas(CSRC / "ops.cpp"))
+    assert declared == set(cuda.SHARED_OPS), f"csrc/ops.cpp declares {sorted(declared)}, expected {cuda.SHARED_OPS}"
+    for path in CSRC.rglob("*"):
+        if path.suffix in (".cu", ".cpp", ".h", ".cuh") and not path.name.startswith("quantize_"):
+            assert set(schemas(path)) <= set(cuda.SHARED_OPS), f"{path.name} declares a format's op"
+
+
+def test_shared_kernel_module_names_no_format():
+    src = (ROOT / "hybridq" / "kernels" / "cuda.py").read_text()
+    types = [n for n in hybridq.formats.__all__ if n.endswith(("Quantizer", "Part"))]
+    named = [n for n in types if re.search(rf"\b{n}\b", src)]
+    assert not named, f"hybridq/kernels/cuda.py names format types {named}: they belong in cuda_<format>.py"
+
+
+_FAKES = r"""
+import sys, torch
+from hybridq.kernels import cuda
+defs = eval(sys.argv[1])
+lib = torch.library.Library("hybridq", "DEF")
+for schema in defs.values():
+    lib.define(schema)
+from torch._library.simple_registry import singleton
+cuda._register_shared_fakes()
+for mod in cuda.format_modules():
+    mod.register_fakes()
+missing = [op for op in defs if singleton.find("hybridq::" + op).fake_impl.kernel is None]
+print("MISSING", missing)
+"""
+
+
+def test_every_declared_op_gets_a_fake():
+    """With the schemas of csrc/ declared (as the extension declares them), the kernel modules register a fake for
+    every op (in a subprocess: the `hybridq` namespace stays free in this one)."""
+    defs = {}
+    for path in CSRC.rglob("*"):
+        if path.suffix in (".cu", ".cpp"):
+            defs.update(schemas(path))
+    assert set(cuda.SHARED_OPS) | {op for m in cuda.format_modules() for op in m.OPS} == set(defs)
+    r = subprocess.run([sys.executable, "-c", _FAKES, repr(defs)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MISSING []" in r.stdout, f"ops without a fake implementation: {r.stdout}"
