@@ -10,9 +10,9 @@ same, bit for bit (stochastic rounding aside).
 Tables (keyed by type, looked up by the exact type of the quantizer / part):
 - quantize:   `run(quantizer, x2d, rowwise, columnwise, **kw) -> (rowwise part | None, columnwise part | None)`
 - dequantize: `run(part, undo_transform) -> fp32 [rows, cols]`
-- GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by the pair of part types, or by the pair of the parts'
-              declared scale layouts (`QuantizedPart.scale_layout`: what the hardware GEMM needs, whatever the format
-              class); a type pair's GEMMs are tried first
+- GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by what the parts declare (`QuantizedPart.gemm_kind`: scale
+              layout, block shape, scale dtype; or the scale layouts alone), whatever the format class; a user's
+              GEMMs for a pair of part types (`register_native_gemm`) are tried first (`gemm_candidates`)
 - transpose:  `run(t) -> t.t().contiguous()` for 2-D 1-byte tensors, keyed by device type
 - jagged FP8 experts: the grouped quantize and GEMMs of per-tensor FP8 experts on device offsets, keyed by device
   type (`hybridq.gemm.JaggedFP8Kernels`)
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -58,12 +58,13 @@ class NativeGemm:
 _QUANTIZE: dict[type, list[KernelImpl]] = {}
 _DEQUANTIZE: dict[type, list[KernelImpl]] = {}
 _GEMM: dict[tuple[type, type], list[NativeGemm]] = {}
-_LAYOUT_GEMM: dict[tuple[Any, Any], list[NativeGemm]] = {}  # (scale layout of a, of b) -> GEMMs
+# (OperandKind of a, of b) or (ScaleLayout of a, of b) -> GEMMs
+_LAYOUT_GEMM: dict[tuple[Any, Any], list[NativeGemm]] = {}
 _TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 # (quantizer type, device type) -> quantization of consecutive row groups, each as its own tensor (grouped linear)
 _ROW_GROUPS: dict[tuple[type, str], Callable] = {}
-# device type -> per-tensor FP8 grouped GEMM (hybridq.gemm.grouped_gemm_fp8)
-_GROUPED_FP8_GEMM: dict[str, Callable] = {}
+# (operand kind of every group, device type) -> grouped GEMM of row groups with one scale each (hybridq.gemm)
+_GROUPED_GEMM: dict[tuple[Any, str], Callable] = {}
 # device type -> the kernels of per-tensor FP8 experts on the jagged token layout (hybridq.gemm.jagged_fp8_kernels)
 _JAGGED_FP8: dict[str, Any] = {}
 # what the running GEMM is for (e.g. "dgrad of layers.0.fc1"), so a native kernel's warnings can name the layer
@@ -83,14 +84,17 @@ def register_dequantize(part_type: type, impl: KernelImpl) -> None:
 
 
 def register_native_gemm(a_type: type, b_type: type, name: str, run: Callable, supports: Callable) -> None:
-    """Register a hardware GEMM for a pair of part types (e.g. FP8 tensorwise on sm_89+)."""
+    """Register a hardware GEMM for a pair of part types (exactly these types, not subclasses). It is tried before
+    the GEMMs registered by the parts' declared kinds (`register_layout_gemm`), so it can replace them for a pair."""
     _GEMM.setdefault((a_type, b_type), []).append(NativeGemm(name, run, supports))
 
 
 def register_layout_gemm(a_layout: Any, b_layout: Any, name: str, run: Callable, supports: Callable) -> None:
-    """Register a hardware GEMM for every pair of parts that declare these scale layouts
-    (`hybridq.formats.ScaleLayout`, e.g. ROW x ROW: `torch._scaled_mm` with per-row scales); a new format whose parts
-    declare a layout gets the GEMM without being named here."""
+    """Register a hardware GEMM for every pair of parts that declare these operand kinds (`hybridq.formats.OperandKind`:
+    scale layout, block shape, scale dtype, e.g. 1x32 E8M0 blocks) or, given a bare `hybridq.formats.ScaleLayout`
+    on both sides, these scale layouts whatever their blocks (e.g. ROW x ROW: `torch._scaled_mm` with per-row
+    scales); a new format whose parts declare them gets the GEMM without being named here. `supports(a, b)` checks
+    the rest (element dtypes, transform, device, shapes)."""
     _LAYOUT_GEMM.setdefault((a_layout, b_layout), []).append(NativeGemm(name, run, supports))
 
 
@@ -109,9 +113,9 @@ def register_transpose(device_type: str, run: Callable[[torch.Tensor], torch.Ten
 
 
 def register_row_groups(quantizer_type: type, device_type: str, run: Callable) -> None:
-    """Register a device quantization of row groups for `quantizer_type` (the call is the quantizer's: see
-    `Float8Quantizer.quantize_row_groups`, `NVFP4Quantizer.quantize_groups`); `run` may return None to decline a
-    call (the reference runs then)."""
+    """Register a device quantization of row groups for `quantizer_type` (the call signature is the quantizer's own:
+    see its `quantize_row_groups` / `quantize_groups`); `run` may return None to decline a call (the reference runs
+    then)."""
     _ROW_GROUPS[(quantizer_type, device_type)] = run
 
 
@@ -119,13 +123,14 @@ def row_groups_kernel(quantizer_type: type, device_type: str) -> Callable | None
     return _ROW_GROUPS.get((quantizer_type, device_type))
 
 
-def register_grouped_fp8_gemm(device_type: str, run: Callable) -> None:
-    """Register the per-tensor FP8 grouped GEMM of `device_type` (see `hybridq.gemm.grouped_gemm_fp8`)."""
-    _GROUPED_FP8_GEMM[device_type] = run
+def register_grouped_gemm(kind: Any, device_type: str, run: Callable) -> None:
+    """Register the grouped GEMM of `device_type` for row groups whose every group is an operand of `kind` (a
+    `hybridq.formats.OperandKind`, e.g. one fp32 scale per group's tensor: see `hybridq.gemm.grouped_gemm_fp8`)."""
+    _GROUPED_GEMM[(kind, device_type)] = run
 
 
-def grouped_fp8_gemm_kernel(device_type: str) -> Callable | None:
-    return _GROUPED_FP8_GEMM.get(device_type)
+def grouped_gemm_kernel(kind: Any, device_type: str) -> Callable | None:
+    return _GROUPED_GEMM.get((kind, device_type))
 
 
 def register_jagged_fp8(device_type: str, kernels: Any) -> None:
@@ -189,13 +194,20 @@ def quantize_options(quantizer_type: type) -> frozenset[str] | None:
     return impls[0].options if impls else None
 
 
+def gemm_candidates(a, b) -> Iterator[NativeGemm]:
+    """The GEMMs registered for `a @ b^T`, in the order `find_native_gemm` tries them (before their `supports`
+    checks): those of the pair of part types, then those of the parts' operand kinds, then of their scale layouts."""
+    yield from _GEMM.get((type(a), type(b)), ())
+    ka, kb = getattr(a, "gemm_kind", None), getattr(b, "gemm_kind", None)
+    if ka is None or kb is None:
+        return
+    yield from _LAYOUT_GEMM.get((ka, kb), ())
+    yield from _LAYOUT_GEMM.get((ka.layout, kb.layout), ())
+
+
 def find_native_gemm(a, b) -> NativeGemm | None:
     """The registered hardware GEMM that takes `a @ b^T`, or None (then the GEMM is emulated)."""
-    for g in _GEMM.get((type(a), type(b)), ()):
-        if g.supports(a, b):
-            return g
-    layouts = (getattr(a, "scale_layout", None), getattr(b, "scale_layout", None))
-    for g in _LAYOUT_GEMM.get(layouts, ()) if None not in layouts else ():
+    for g in gemm_candidates(a, b):
         if g.supports(a, b):
             return g
     return None

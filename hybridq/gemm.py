@@ -16,14 +16,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .dispatch import (NativeGemm, grouped_fp8_gemm_kernel, current_gemm_name, find_native_gemm, register_native_gemm, reset_gemm_name,
-                       set_gemm_name)
+from .dispatch import (NativeGemm, current_gemm_name, find_native_gemm, grouped_gemm_kernel, register_native_gemm,
+                       reset_gemm_name, set_gemm_name)
+from .formats.base import OperandKind, ScaleLayout
 
 if TYPE_CHECKING:
     from .formats.base import QuantizedPart
 
 __all__ = ["gemm", "emulated_gemm", "register_native_gemm", "find_native_gemm", "current_gemm_name", "NativeGemm",
-           "native_row_multiple", "grouped_gemm_fp8", "JaggedFP8", "JaggedFP8Kernels", "jagged_fp8_kernels"]
+           "native_row_multiple", "grouped_gemm_fp8", "grouped_fp8_gemm_kernel", "JaggedFP8", "JaggedFP8Kernels",
+           "jagged_fp8_kernels"]
+
+# every group of `grouped_gemm_fp8`'s operands: FP8 with one fp32 scale for the group's tensor
+PER_GROUP_TENSOR = OperandKind(ScaleLayout.TENSOR, None, torch.float32)
 
 
 def native_row_multiple(device: torch.device) -> int:
@@ -81,6 +86,12 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
     return None if run is None else run(a, a_scale_inv, sizes, b, b_scale_inv, out_dtype, columnwise)
 
 
+def grouped_fp8_gemm_kernel(device_type: str):
+    """The grouped GEMM `grouped_gemm_fp8` runs on `device_type` (registered for `PER_GROUP_TENSOR` operands), or
+    None."""
+    return grouped_gemm_kernel(PER_GROUP_TENSOR, device_type)
+
+
 # ---- per-tensor FP8 experts on the jagged token layout -----------------------------------------------------------
 
 class JaggedFP8:
@@ -118,16 +129,6 @@ class JaggedFP8Kernels:
     def prefers_per_expert_path(self, sizes: list[int], in_features: int, out_features: int) -> bool:
         """Whether GroupedLinear's per-expert path is measured faster than these kernels at these token counts."""
         return False
-
-    def columnwise_width(self, groups) -> int:
-        """The columns of the buffer that holds the columnwise form `quantize` makes for token `groups` (here the
-        byte transpose: one per token), from what the host knows without a sync (the compiled op's fake: nn/
-        compiled_grouped.py)."""
-        return groups.tokens
-
-    def columnwise_form(self, buffer: torch.Tensor, groups) -> torch.Tensor:
-        """The columnwise form `quantize` returned, from the whole buffer that holds it (`columnwise_width` columns)."""
-        return buffer
 
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
         from .formats.base import transposed_copy

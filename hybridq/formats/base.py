@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, NamedTuple, Sequence
 
 import torch
 
@@ -66,12 +66,24 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
 
 class ScaleLayout(enum.Enum):
     """How a part's scales cover its stored `[rows, cols]` matrix: what a hardware GEMM asks of its operands
-    (`hybridq.dispatch.register_native_gemm` selects by it, with `QuantizedPart.block_shape`)."""
+    (`hybridq.dispatch.register_layout_gemm` selects by it, with `QuantizedPart.block_shape` and `scale_dtype`)."""
 
     TENSOR = "tensor"  # one scale for the whole part
     ROW = "row"  # one scale per stored row (all of the contracted dim)
     BLOCK = "block"  # one scale per `block_shape` block (1 x b along the contracted dim, or b x b tiles)
     NONE = "none"  # no scale (a high-precision passthrough)
+
+
+class OperandKind(NamedTuple):
+    """What a hardware GEMM needs to know of an operand before it looks at shapes and devices, as its part declares
+    it (`QuantizedPart.gemm_kind`): how the scales cover the stored matrix, the stored rows x cols one scale covers
+    (`BLOCK` layouts: `(1, b)` along the contracted dim, `(b, b)` tiles) and the dtype the scales decode as.
+    `hybridq.dispatch.register_layout_gemm` keys GEMMs by it, so a new format whose parts declare a kind gets that
+    kind's GEMMs without being named anywhere."""
+
+    layout: ScaleLayout
+    block: tuple[int, int] | None = None
+    scale_dtype: torch.dtype | None = None
 
 
 class QuantizedPart:
@@ -84,6 +96,8 @@ class QuantizedPart:
 
     format_name: ClassVar[str] = "?"
     scale_layout: ClassVar[ScaleLayout | None] = None  # None: not declared (GEMMs are then keyed by part type)
+    scale_dtype: ClassVar[torch.dtype | None] = None  # what the scales decode as (E8M0 stored as bytes included)
+    quantizer_type: ClassVar[type | None] = None  # the quantizer class whose default instance makes this part type
     tensor_fields: ClassVar[tuple[str, ...]] = ()
     meta_fields: ClassVar[tuple[str, ...]] = ()
     _field_set: ClassVar[frozenset] = frozenset()
@@ -123,6 +137,35 @@ class QuantizedPart:
         """Name of an orthogonal transform applied along the contracted dim (e.g. "rht16"), else None.
         Two operands with the same transform can be multiplied without undoing it."""
         return None
+
+    # -- what a hardware GEMM reads (declared, so that kernels/native_gemm.py names no format) ----------
+    @property
+    def block_shape(self) -> tuple[int, int] | None:
+        """Stored rows x cols that one stored scale covers, for `ScaleLayout.BLOCK` parts (else None)."""
+        return None
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """The decode scales as stored (`scale_layout` and `block_shape` say how they cover the data; None: none)."""
+        return None
+
+    @property
+    def global_decode_scale(self) -> torch.Tensor | None:
+        """An fp32 `[1]` factor every element is multiplied by on top of its block scale (a tensor-wide decode
+        scale), or None."""
+        return None
+
+    @property
+    def element_dtype(self) -> torch.dtype:
+        """The dtype of the stored elements as a GEMM names them (packed 4-bit pairs: `torch.float4_e2m1fn_x2`)."""
+        return self.data.dtype
+
+    @property
+    def gemm_kind(self) -> OperandKind | None:
+        """`OperandKind` of this part (None where it declares no scale layout)."""
+        if self.scale_layout is None:
+            return None
+        return OperandKind(self.scale_layout, self.block_shape, self.scale_dtype)
 
     # -- generic --------------------------------------------------------------------------------
     def dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:

@@ -36,6 +36,14 @@ class BlockScaledPart(GatherablePart, QuantizedPart):
     def element_values(self) -> torch.Tensor:
         return self.data.view(torch.uint8)  # (fp8 bytes; NVFP4 unpacks its nibbles)
 
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return 1, self.block  # (a 2-D tile's scale is stored on each of its rows)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return getattr(self, self.scale_field)
+
     def row_slice(self, start: int, stop: int, group: int | None = None) -> "BlockScaledPart":
         """Rows `[start, stop)` of the `[M, K]` tensor this part quantizes, as a part of its own: stored rows of a
         rowwise part (views of its tensors), stored columns of a columnwise part (a contiguous copy, which the

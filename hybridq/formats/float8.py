@@ -27,6 +27,12 @@ class ScaledFP8Values:
     """What FP8 parts of fp8 `data` and an fp32 `scale_inv` that broadcasts over it share (per tensor `[1]`, per row
     `[rows, 1]`): dequantize = fp32(data) * scale_inv."""
 
+    scale_dtype = torch.float32
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.scale_inv
+
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * self.scale_inv
 
@@ -361,3 +367,6 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         if self.scaling != Scaling.CURRENT or part.direction == direction:
             return None
         return part.transposed()
+
+
+Float8TensorPart.quantizer_type = Float8Quantizer

@@ -26,7 +26,12 @@ class Float8BlockPart(BlockScaledPart):
     meta_fields = ("block_dim",)
     block = BLOCK
     scale_field = "scale_inv"
+    scale_dtype = torch.float32
     partial_blocks = True
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (BLOCK, BLOCK) if self.block_dim == 2 else (1, BLOCK)
 
     def row_slice(self, start: int, stop: int, group: int | None = None) -> "Float8BlockPart":
         """As `BlockScaledPart.row_slice`; 128x128 tiles keep the rows of the tile grid the slice covers (`start`
@@ -224,3 +229,6 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
         if self.block_dim == 2:
             return shard.is_whole  # the tile-scale grid is shared by every shard
         return not columnwise or shard.aligned(BLOCK)
+
+
+Float8BlockPart.quantizer_type = Float8BlockQuantizer

@@ -150,3 +150,6 @@ def fp8_rowwise(role) -> Quantizer:
     """torchao's Float8LinearRecipeName.ROWWISE: axiswise E4M3 casts of input, weight and grad_output (each operand
     scaled along the GEMM's contracted dim), scales rounded down to powers of two."""
     return Float8RowwiseQuantizer()
+
+
+Float8RowwisePart.quantizer_type = Float8RowwiseQuantizer

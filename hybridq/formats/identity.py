@@ -70,3 +70,6 @@ class IdentityQuantizer(ShardableQuantizer, Quantizer):
 
     def shard_is_plain(self, shard, rowwise, columnwise):
         return True
+
+
+IdentityPart.quantizer_type = IdentityQuantizer

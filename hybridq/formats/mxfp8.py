@@ -35,6 +35,7 @@ class MXFP8Part(BlockScaledPart):
     format_name = "MXFP8"
     tensor_fields = ("data", "scale")
     block = BLOCK
+    scale_dtype = torch.float8_e8m0fnu  # (stored as uint8 bytes)
 
     def reference_dequantize_2d(self, undo_transform: bool = True) -> torch.Tensor:
         return self.data.float() * expand_blocks(e8m0_to_pow2(self.scale), BLOCK, self.cols)
@@ -151,3 +152,6 @@ class MXFP8Quantizer(BlockScaledQuantizer):
 
     def shard_is_plain(self, shard, rowwise, columnwise):
         return shard.aligned(BLOCK) if (self.block_2d or columnwise) else True
+
+
+MXFP8Part.quantizer_type = MXFP8Quantizer

@@ -70,10 +70,19 @@ class NVFP4Part(BlockScaledPart):
     block = BLOCK
     meta_fields = ("rht",)
     values_per_byte = 2
+    scale_dtype = torch.float8_e4m3fn
 
     @property
     def transform(self) -> str | None:
         return "rht16" if self.rht else None
+
+    @property
+    def element_dtype(self) -> torch.dtype:
+        return getattr(torch, "float4_e2m1fn_x2", torch.uint8)  # (E2M1 pairs; uint8 where torch cannot name them)
+
+    @property
+    def global_decode_scale(self) -> torch.Tensor:
+        return self.amax / (FP4_MAX * E4M3_MAX)  # (amax / 2688: fp32, as dequantize_values applies it)
 
     def element_values(self) -> torch.Tensor:
         return unpack_nibbles(self.data)
@@ -434,3 +443,6 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         return NVFP4Part(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
                          data=pack_nibbles(codes.t()), scale=tile_scale_columnwise(s_tile, BLOCK),
                          amax=part.amax.clone(), rht=False)
+
+
+NVFP4Part.quantizer_type = NVFP4Quantizer

@@ -1,20 +1,24 @@
-"""Hardware GEMMs for pairs of quantized parts on CUDA, registered through `hybridq.dispatch.register_native_gemm`.
+"""Hardware GEMMs for pairs of quantized parts on CUDA, selected by what the parts declare
+(`QuantizedPart.gemm_kind`: scale layout, block shape, scale dtype; `hybridq.dispatch.register_layout_gemm`), so
+this module names no format: a new format whose parts declare a kind below gets its GEMMs. The kinds (`KINDS`) and
+the formats that declare them today:
 
-- Float8TensorPart x Float8TensorPart (sm_89+): `torch._scaled_mm` (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3).
+- TENSOR fp32 x TENSOR fp32 (per-tensor FP8), sm_89+: `torch._scaled_mm` (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3).
   Both parts are stored `[rows, K]` row-major, so `b.data.t()` is the column-major operand cuBLAS wants.
   The forward GEMM (rowwise x rowwise) uses fast accumulation (`FAST_ACCUM_FPROP`), the backward ones do not.
-- parts with one scale per row (`ScaleLayout.ROW`: the rowwise FP8 format), E4M3 x E4M3 on sm_90: `torch._scaled_mm`'s
-  rowwise kernel (scale_a `[M, 1]`, scale_b `[1, N]` fp32, bf16 result), selected by the parts' declared scale
-  layout; fast accumulation for the forward GEMM as above (torchao's rowwise recipe does the same).
-- Float8BlockPart 1x128 x 128x128 and 1x128 x 1x128 (sm_90): `torch.nn.functional.scaled_mm` with
+- ROW x ROW, any blocks (one scale per row: rowwise FP8), E4M3 x E4M3 on sm_90: `torch._scaled_mm`'s rowwise kernel
+  (scale_a `[M, 1]`, scale_b `[1, N]` fp32, bf16 result); fast accumulation for the forward GEMM as above
+  (torchao's rowwise recipe does the same).
+- BLOCK 1x128 fp32 x BLOCK 128x128 / 1x128 fp32 (FP8 blocks), sm_90: `torch.nn.functional.scaled_mm` with
   BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
-- MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+: `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16
-  (+ TensorWise global) scales in the swizzled 128x4-tile layout, self-checked against the emulation on first use.
-- MXFP8 x MXFP8 on sm_90 (cuBLAS refuses MXFP8 there), opt-in with HYBRIDQ_TRITON_MXFP8=1: a Triton kernel
+- BLOCK 1x32 E8M0 (MXFP8) x the same, BLOCK 1x16 E4M3 with a global decode scale (NVFP4) x the same, on sm_100+:
+  `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16 (+ TensorWise global) scales in the swizzled
+  128x4-tile layout, self-checked against the emulation on first use.
+- 1x32 E8M0 x 1x32 E8M0 on sm_90 (cuBLAS refuses MXFP8 there), opt-in with HYBRIDQ_TRITON_MXFP8=1: a Triton kernel
   (`triton_mxfp8`) on the FP8 tensor cores that reads the fp8 bytes and E8M0 scales as stored and applies the
   32-element K-block scales in its main loop (fp32 accumulation). Off by default: it is correct but, as measured,
   slower than the bf16 emulation below (BENCHMARKS.md "MXFP8 GEMM on sm_90 in Triton").
-- MXFP8 / NVFP4 on sm_90, any pairing (MXFP8 x MXFP8, NVFP4 x NVFP4, MXFP8 x NVFP4, NVFP4 x MXFP8), opt-in with
+- 1x32 E8M0 / 1x16 E4M3 on sm_90, any pairing (MXFP8 x MXFP8, NVFP4 x NVFP4, MXFP8 x NVFP4, NVFP4 x MXFP8), opt-in with
   HYBRIDQ_TRITON_DEQUANT_GEMM=1: a Triton kernel (`triton_dequant_gemm`) that reads codes and scales as stored,
   dequantizes each K tile to bf16 in registers exactly as the emulation below does, and multiplies in bf16 with
   fp32 accumulation (the same math as the emulation without its bf16 copies in HBM). Off until it is measured
@@ -22,8 +26,9 @@
 - Otherwise MXFP8 / NVFP4 on sm_90 have no hardware GEMM: they are emulated, and on CUDA
   the emulation multiplies in bf16 (fp32 accumulation) where the operands dequantize exactly to bf16
   (MXFP8; NVFP4 codes times their block scale, the global scales applied to the fp32 product; bf16 identity
-  parts), else in fp32 like the CPU path. See `exact_bf16_operand`.
-Shapes the hardware cannot take fall back to the emulated GEMM with a one-time warning naming the operands.
+  parts, NONE x NONE), else in fp32 like the CPU path. See `exact_bf16_operand`.
+Shapes the hardware cannot take fall back to the emulated GEMM with a one-time warning naming the operands. A user's
+GEMM registered for a pair of part types (`hybridq.register_native_gemm`) is tried before these.
 """
 
 from __future__ import annotations
@@ -35,10 +40,9 @@ import warnings
 
 import torch
 
-from ..formats.base import transposed_copy
-from ..formats import Float8BlockPart, Float8TensorPart, IdentityPart, MXFP8Part, NVFP4Part, swizzle_mx_scales
-from ..formats.base import ScaleLayout
-from ..dispatch import current_gemm_name, register_grouped_fp8_gemm, register_layout_gemm, register_native_gemm
+from ..formats.base import OperandKind, ScaleLayout, transposed_copy
+from ..formats import swizzle_mx_scales
+from ..dispatch import current_gemm_name, register_grouped_gemm, register_layout_gemm
 from . import _ext
 
 log = logging.getLogger("hybridq")
@@ -47,6 +51,15 @@ FAST_ACCUM_FPROP = True
 _enabled = {"on": True}
 _warned: set = set()
 _failed: set = set()
+
+# The operand kinds the GEMMs here are registered for (see the module docstring)
+TENSOR = OperandKind(ScaleLayout.TENSOR, None, torch.float32)
+BLOCK_1X128 = OperandKind(ScaleLayout.BLOCK, (1, 128), torch.float32)
+TILE_128X128 = OperandKind(ScaleLayout.BLOCK, (128, 128), torch.float32)
+E8M0_1X32 = OperandKind(ScaleLayout.BLOCK, (1, 32), torch.float8_e8m0fnu)
+E4M3_1X16 = OperandKind(ScaleLayout.BLOCK, (1, 16), torch.float8_e4m3fn)  # with a global decode scale
+NO_SCALE = OperandKind(ScaleLayout.NONE)
+MICROSCALED = (E8M0_1X32, E4M3_1X16)  # cuBLAS's block-scaled GEMMs on sm_100; the bf16 emulation on sm_90
 
 
 @contextlib.contextmanager
@@ -122,7 +135,7 @@ def _fp8_supports(a, b, min_cap: tuple[int, int], pair_ok, what: str) -> bool:
     return a.data.is_contiguous() and b.data.is_contiguous()
 
 
-def _fp8_tensor_supports(a: Float8TensorPart, b: Float8TensorPart) -> bool:
+def _fp8_tensor_supports(a, b) -> bool:
     return _fp8_supports(a, b, (8, 9), fp8_tensor_pair_supported, "FP8")
 
 
@@ -142,9 +155,9 @@ def fp8_tensor_emulated_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.
     return ((a.float() * a_scale_inv) @ (b.float() * b_scale_inv).t()).to(out_dtype)
 
 
-def _fp8_tensor_run(a: Float8TensorPart, b: Float8TensorPart, out_dtype: torch.dtype) -> torch.Tensor:
+def _fp8_tensor_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     fast = FAST_ACCUM_FPROP and not a.columnwise and not b.columnwise
-    return fp8_tensor_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, fast)
+    return fp8_tensor_mm(a.data, a.scales, b.data, b.scales, out_dtype, fast)
 
 
 # ---- FP8 with one scale per row (ScaleLayout.ROW x ROW: the rowwise format, any part declaring that layout) ----
@@ -167,19 +180,19 @@ def _fp8_row_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     if out_dtype != torch.bfloat16:  # (rounding through bf16 would lose what an fp32 / fp16 result keeps)
         return _emulated_fp32(a, b, out_dtype)
     fast = FAST_ACCUM_FPROP and not a.columnwise and not b.columnwise
-    return fp8_row_mm(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype, fast)
+    return fp8_row_mm(a.data, a.scales, b.data, b.scales, out_dtype, fast)
 
 
 # ---- FP8 block (1x128 x 128x128, 1x128 x 1x128) ------------------------------------------------------------
 
-def _block_supports(a: Float8BlockPart, b: Float8BlockPart) -> bool:
+def _block_supports(a, b) -> bool:
     if not _on_cuda(a, b) or _cap(a.data) != (9, 0):
         return False
     if not hasattr(torch.nn.functional, "scaled_mm"):
         return False
-    if a.block_dim != 1 or a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+    if a.block_shape != (1, 128) or a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
         return False
-    key = ("block", a.rows, a.cols, b.rows, b.block_dim)
+    key = ("block", a.rows, a.cols, b.rows, b.block_shape)
     if key in _failed:
         return False
     if a.cols % 128 or a.rows % 16 or b.rows % 16:
@@ -194,22 +207,22 @@ def _outer_major(s: torch.Tensor) -> torch.Tensor:
     return s.t().contiguous().t()
 
 
-def _block_run(a: Float8BlockPart, b: Float8BlockPart, out_dtype: torch.dtype) -> torch.Tensor:
+def _block_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     F = torch.nn.functional
-    sa = _outer_major(a.scale_inv)
-    if b.block_dim == 2:
-        sb = b.scale_inv  # [ceil(N/128), K/128]
+    sa = _outer_major(a.scales)
+    if b.block_shape == (128, 128):
+        sb = b.scales  # [ceil(N/128), K/128]
         pad = -sb.shape[1] % 4
         if pad:
             sb = F.pad(sb, (0, pad))
         sb, rb = sb.t(), F.ScalingType.BlockWise128x128
     else:
-        sb, rb = _outer_major(b.scale_inv), F.ScalingType.BlockWise1x128  # [N, K/128], outer-dim-major
+        sb, rb = _outer_major(b.scales), F.ScalingType.BlockWise1x128  # [N, K/128], outer-dim-major
     od = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
     try:
         y = F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, rb, output_dtype=od)
     except RuntimeError as e:
-        key = ("block", a.rows, a.cols, b.rows, b.block_dim)
+        key = ("block", a.rows, a.cols, b.rows, b.block_shape)
         _failed.add(key)
         _warn_once(key, f"hybridq: FP8 block GEMM {_shapes(a, b)} failed in torch ({e}); using the emulated GEMM")
         return _emulated_fp32(a, b, out_dtype)
@@ -220,7 +233,7 @@ def _emulated_fp32(a, b, out_dtype):
     return (a.dequantize_2d() @ b.dequantize_2d().t()).to(out_dtype)
 
 
-# ---- MXFP8 x MXFP8 and NVFP4 x NVFP4 on sm_100+ (cuBLAS block-scaled GEMMs) ------------------------------------
+# ---- 1x32 E8M0 (MXFP8) and 1x16 E4M3 (NVFP4) pairs on sm_100+ (cuBLAS block-scaled GEMMs) ----------------------
 # Behind a compute-capability check: never tried below sm_100 (Hopper has no such GEMM). This path could not be
 # run on sm_100 hardware here, so its first use on each device checks it against the emulated GEMM on a small
 # problem and, if the two disagree (or torch refuses the call), turns it off for that device with one warning.
@@ -230,17 +243,20 @@ _blockscaled_ok: dict = {}  # (part type, device index) -> bool, set by the firs
 
 
 def _blockscaled_operand(p):
-    """(matrix, scales, scale recipes, swizzles) of one operand for torch.nn.functional.scaled_mm: MXFP8 with its
-    E8M0 1x32 scales, NVFP4 (E2M1 pairs) with its E4M3 1x16 scales and the global decode scale amax / (6 * 448);
-    block scales in the 128x4-tile layout of `swizzle_mx_scales`."""
+    """(matrix, scales, scale recipes, swizzles) of one operand for torch.nn.functional.scaled_mm: the elements as
+    their declared dtype (fp8; E2M1 pairs), the 1 x b block scales as their declared dtype (E8M0 1x32, E4M3 1x16) in
+    the 128x4-tile layout of `swizzle_mx_scales`, then the global decode scale where the part has one (NVFP4:
+    amax / (6 * 448))."""
     F = torch.nn.functional
-    tiles = swizzle_mx_scales(p.scale)
-    if isinstance(p, MXFP8Part):
-        return p.data, [tiles.view(torch.float8_e8m0fnu)], [F.ScalingType.BlockWise1x32], \
-            [F.SwizzleType.SWIZZLE_32_4_4]
-    decode = (p.amax.float() / 2688.0).reshape(())
-    return p.data.view(torch.float4_e2m1fn_x2), [tiles.view(torch.float8_e4m3fn), decode], \
-        [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise], [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+    scales = [swizzle_mx_scales(p.scales).view(p.scale_dtype)]
+    recipes = [getattr(F.ScalingType, f"BlockWise1x{p.block_shape[1]}")]
+    swizzles = [F.SwizzleType.SWIZZLE_32_4_4]
+    decode = p.global_decode_scale
+    if decode is not None:
+        scales.append(decode.float().reshape(()))
+        recipes.append(F.ScalingType.TensorWise)
+        swizzles.append(F.SwizzleType.NO_SWIZZLE)
+    return p.data.view(p.element_dtype), scales, recipes, swizzles
 
 
 def _blockscaled_mm(a, b, out_dtype: torch.dtype) -> torch.Tensor:
@@ -254,9 +270,9 @@ def _blockscaled_mm(a, b, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _blockscaled_self_check(part_type: type, device: torch.device) -> bool:
-    from ..formats import MXFP8Quantizer, NVFP4Quantizer
-
-    q = MXFP8Quantizer() if part_type is MXFP8Part else NVFP4Quantizer()
+    if part_type.quantizer_type is None:
+        return False  # (nothing to make check operands with: the emulated GEMM runs)
+    q = part_type.quantizer_type()
     g = torch.Generator(device=device).manual_seed(0)
     a, b = (q.quantize_parts(torch.randn(m, 512, generator=g, device=device).to(torch.bfloat16), True, False)[0]
             for m in (256, 128))
@@ -279,20 +295,20 @@ def _blockscaled_self_check(part_type: type, device: torch.device) -> bool:
 def _blockscaled_supports(a, b) -> bool:
     F = torch.nn.functional
     if type(a) is not type(b) or not _on_cuda(a, b) or _cap(a.data) < (10, 0):
-        return False  # (cuBLAS has no MXFP8 x NVFP4 product)
+        return False  # (cuBLAS has no MXFP8 x NVFP4 product; the self-check is per part type)
     if not (hasattr(F, "scaled_mm") and hasattr(F, "SwizzleType") and hasattr(F.ScalingType, "BlockWise1x16")):
         return False
     if _blockscaled_ok.get((type(a), a.device.index)) is False:
         return False
-    if isinstance(a, NVFP4Part) and (a.transform != b.transform or not hasattr(torch, "float4_e2m1fn_x2")):
-        return False  # one operand Hadamard-rotated, the other not: the emulation undoes the transform
-    if isinstance(a, MXFP8Part) and a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
+    if a.transform != b.transform or a.element_dtype == torch.uint8:
+        return False  # one operand Hadamard-rotated, the other not (the emulation undoes it); packed codes unnamed
+    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
         return False
     if a.cols % 32 or a.rows % 16 or b.rows % 16:
         _warn_once(("blockscaled", a.rows, a.cols, b.rows), f"hybridq: {a.format_name} GEMM {_shapes(a, b)}: the "
                    f"block-scaled tensor cores need K % 32 == 0 and M, N % 16 == 0; using the emulated GEMM")
         return False
-    return all(t.is_contiguous() for t in (a.data, b.data, a.scale, b.scale))
+    return all(t.is_contiguous() for t in (a.data, b.data, a.scales, b.scales))
 
 
 def _blockscaled_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
@@ -304,7 +320,7 @@ def _blockscaled_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     return _blockscaled_mm(a, b, out_dtype)
 
 
-# ---- MXFP8 x MXFP8 on sm_90: Triton kernel on the FP8 tensor cores ---------------------------------------------
+# ---- 1x32 E8M0 x 1x32 E8M0 (MXFP8) on sm_90: Triton kernel on the FP8 tensor cores -----------------------------
 
 # opt-in until it is faster than the bf16 emulation (186 vs 773 TFLOP/s for torch.mm bf16 at 8192^3 on an H100)
 def _triton_mxfp8_env() -> bool:
@@ -320,7 +336,7 @@ def _triton_mxfp8_module():
     return triton_mxfp8 if triton_mxfp8.available() else None
 
 
-def _triton_mxfp8_supports(a: MXFP8Part, b: MXFP8Part) -> bool:
+def _triton_mxfp8_supports(a, b) -> bool:
     if not (TRITON_MXFP8["on"] and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
         return False
     if ("triton-mxfp8", a.device.index) in _failed:
@@ -328,14 +344,14 @@ def _triton_mxfp8_supports(a: MXFP8Part, b: MXFP8Part) -> bool:
     tm = _triton_mxfp8_module()
     if tm is None:
         return False
-    return tm.check_operands(a.data, a.scale, b.data, b.scale, contiguous=False) is None
+    return tm.check_operands(a.data, a.scales, b.data, b.scales, contiguous=False) is None
 
 
-def _triton_mxfp8_run(a: MXFP8Part, b: MXFP8Part, out_dtype: torch.dtype) -> torch.Tensor:
+def _triton_mxfp8_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     """The CUDA quantize kernels store every part row-major; a strided view (the reference quantizer's
     columnwise parts) is copied first, one byte per element (still less than the emulation's bf16 copy)."""
     return _triton_or_emulated("triton-mxfp8", "MXFP8", a, b, out_dtype, lambda: _triton_mxfp8_module().mxfp8_mm(
-        a.data.contiguous(), a.scale, b.data.contiguous(), b.scale, out_dtype))
+        a.data.contiguous(), a.scales, b.data.contiguous(), b.scales, out_dtype))
 
 
 def _triton_or_emulated(name: str, what: str, a, b, out_dtype: torch.dtype, run) -> torch.Tensor:
@@ -351,7 +367,7 @@ def _triton_or_emulated(name: str, what: str, a, b, out_dtype: torch.dtype, run)
     return _bf16_run(a, b, out_dtype) if _bf16_supports(a, b) else _emulated_fp32(a, b, out_dtype)
 
 
-# ---- MXFP8 / NVFP4 (any pairing) on sm_90: Triton kernel that dequantizes K tiles to bf16 in registers ---------
+# ---- 1x32 E8M0 / 1x16 E4M3 (any pairing) on sm_90: Triton kernel that dequantizes K tiles to bf16 in registers --
 
 # opt-in until measured faster than the bf16 emulation (BENCHMARKS.md "MXFP8 / NVFP4 GEMMs on sm_90: dequantize in
 # registers")
@@ -369,11 +385,12 @@ def _triton_dequant_module():
 
 
 def _dequant_operand(tdg, p, contiguous: bool):
-    """The kernel's view of an MXFP8 / NVFP4 part (`tdg.Operand`); `contiguous`: a strided MXFP8 view (the
-    reference quantizer's columnwise parts) is copied row-major, one byte per element."""
-    if isinstance(p, MXFP8Part):
-        return tdg.mxfp8_operand(p.data.contiguous() if contiguous else p.data, p.scale)
-    return tdg.nvfp4_operand(p.data.contiguous() if contiguous else p.data, p.scale, p.amax)
+    """The kernel's view of a 1x32 E8M0 (MXFP8) / 1x16 E4M3 (NVFP4) part (`tdg.Operand`; the latter's global amax,
+    from which the kernel takes amax / 2688 as the part's `global_decode_scale` does); `contiguous`: a strided fp8
+    view (the reference quantizer's columnwise parts) is copied row-major, one byte per element."""
+    if p.gemm_kind == E8M0_1X32:
+        return tdg.mxfp8_operand(p.data.contiguous() if contiguous else p.data, p.scales)
+    return tdg.nvfp4_operand(p.data.contiguous() if contiguous else p.data, p.scales, p.amax)
 
 
 def _triton_dequant_supports(a, b) -> bool:
@@ -405,18 +422,19 @@ def exact_bf16_operand(p, keep_transform: bool):
     i.e. blocks whose amax is under ~2^-117, land in bf16 subnormals); NVFP4 codes times their E4M3 block
     scale have at most 6 significant bits, and the global factor amax/2688 is returned separately; identity
     parts holding bf16. Anything else (FP8 per-tensor / block scales, an inverse Hadamard transform) is not
-    exactly bf16 and returns None.
+    exactly bf16 and returns None. Which one a part is: its declared kind (1x32 E8M0, 1x16 E4M3, no scale).
     """
     ops = torch.ops.hybridq
-    if isinstance(p, MXFP8Part):
-        if p.scale.dtype != torch.uint8 or tuple(p.scale.shape) != (p.rows, p.cols // 32):
+    kind = p.gemm_kind
+    if kind == E8M0_1X32:
+        if p.scales.dtype != torch.uint8 or tuple(p.scales.shape) != (p.rows, p.cols // 32):
             return None
-        return ops.mxfp8_dequantize(p.data, p.scale, torch.bfloat16), None
-    if isinstance(p, NVFP4Part):
-        if p.rht and not keep_transform:
+        return ops.dequantize_fp8(p.data, p.scales, 3, torch.bfloat16), None
+    if kind == E4M3_1X16:
+        if p.transform is not None and not keep_transform:
             return None
-        return ops.nvfp4_dequantize(p.data, p.scale, p.amax, False, False, torch.bfloat16), p.amax / 2688.0
-    if isinstance(p, IdentityPart) and p.data.dtype == torch.bfloat16 and p.data.dim() == 2:
+        return ops.dequantize_nvfp4(p.data, p.scales, p.amax, False, False, torch.bfloat16), p.global_decode_scale
+    if kind == NO_SCALE and p.data.dtype == torch.bfloat16 and p.data.dim() == 2:
         return (p.data.t() if p.columnwise else p.data), None
     return None
 
@@ -424,7 +442,7 @@ def exact_bf16_operand(p, keep_transform: bool):
 def _bf16_supports(a, b) -> bool:
     if not _on_cuda(a, b):
         return False
-    if isinstance(a, IdentityPart) and isinstance(b, IdentityPart):
+    if a.gemm_kind == NO_SCALE and b.gemm_kind == NO_SCALE:
         return a.data.dtype == torch.bfloat16 and b.data.dtype == torch.bfloat16
     if not _ext.available_for(a.device):
         return False
@@ -432,10 +450,11 @@ def _bf16_supports(a, b) -> bool:
 
 
 def _transforms_compatible(a, b) -> bool:
-    """An NVFP4 part in the Hadamard domain (rht) is multiplied as stored only against a part with the same
-    transform, since (A R)(B R)^T = A B^T; against any other part the transform must be undone (fp32 emulation)."""
+    """A part in a transformed domain (NVFP4's Hadamard rotation) is multiplied as stored only against a part with the
+    same transform, since (A R)(B R)^T = A B^T; against any other part the transform must be undone (fp32
+    emulation)."""
     same = a.transform is not None and a.transform == b.transform
-    return not any(isinstance(p, NVFP4Part) and p.rht and not same for p in (a, b))
+    return same or (a.transform is None and b.transform is None)
 
 
 def _bf16_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
@@ -518,16 +537,16 @@ def _grouped_fp8_run(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
 
 
 def register_all() -> None:
-    register_native_gemm(Float8TensorPart, Float8TensorPart, "cuda-scaled-mm-tensorwise", _fp8_tensor_run,
-                         _fp8_tensor_supports)
-    register_native_gemm(Float8BlockPart, Float8BlockPart, "cuda-scaled-mm-blockwise", _block_run, _block_supports)
+    register_layout_gemm(TENSOR, TENSOR, "cuda-scaled-mm-tensorwise", _fp8_tensor_run, _fp8_tensor_supports)
+    for kb in (TILE_128X128, BLOCK_1X128):
+        register_layout_gemm(BLOCK_1X128, kb, "cuda-scaled-mm-blockwise", _block_run, _block_supports)
     register_layout_gemm(ScaleLayout.ROW, ScaleLayout.ROW, "cuda-scaled-mm-rowwise", _fp8_row_run, _fp8_row_supports)
-    for t in (MXFP8Part, NVFP4Part):  # before the emulation of the same pairs: sm_100+ only
-        register_native_gemm(t, t, "cuda-scaled-mm-blockscaled", _blockscaled_run, _blockscaled_supports)
-    register_native_gemm(MXFP8Part, MXFP8Part, "triton-mxfp8-sm90", _triton_mxfp8_run, _triton_mxfp8_supports)
-    for ta in (MXFP8Part, NVFP4Part):
-        for tb in (MXFP8Part, NVFP4Part):
-            register_native_gemm(ta, tb, "triton-dequant-sm90", _triton_dequant_run, _triton_dequant_supports)
-            register_native_gemm(ta, tb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
-    register_native_gemm(IdentityPart, IdentityPart, "cuda-bf16", _bf16_run, _bf16_supports)
-    register_grouped_fp8_gemm("cuda", _grouped_fp8_run)
+    for k in MICROSCALED:  # before the emulation of the same pairs: sm_100+ only
+        register_layout_gemm(k, k, "cuda-scaled-mm-blockscaled", _blockscaled_run, _blockscaled_supports)
+    register_layout_gemm(E8M0_1X32, E8M0_1X32, "triton-mxfp8-sm90", _triton_mxfp8_run, _triton_mxfp8_supports)
+    for ka in MICROSCALED:
+        for kb in MICROSCALED:
+            register_layout_gemm(ka, kb, "triton-dequant-sm90", _triton_dequant_run, _triton_dequant_supports)
+            register_layout_gemm(ka, kb, "cuda-emulated-bf16", _bf16_run, _bf16_supports)
+    register_layout_gemm(NO_SCALE, NO_SCALE, "cuda-bf16", _bf16_run, _bf16_supports)
+    register_grouped_gemm(TENSOR, "cuda", _grouped_fp8_run)  # (each group one per-tensor FP8 operand)

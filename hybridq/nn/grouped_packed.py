@@ -27,9 +27,8 @@ import torch
 from ..enums import Scaling
 from ..formats import Float8Quantizer
 from ..formats.base import Quantizer, transposed_copy
-from ..dispatch import grouped_fp8_gemm_kernel
 from ..formats.float8 import Float8RowGroups, Float8TensorPart, aligned_scales
-from ..gemm import gemm, grouped_gemm_fp8
+from ..gemm import gemm, grouped_fp8_gemm_kernel, grouped_gemm_fp8
 
 TENSORS = ("input", "weight", "grad_output")
 FP8_TENSOR = "fp8_tensor"  # per-tensor FP8, current scaling: row groups and grouped GEMMs
