@@ -130,6 +130,16 @@ class JaggedFP8Kernels:
         """Whether GroupedLinear's per-expert path is measured faster than these kernels at these token counts."""
         return False
 
+    def columnwise_width(self, groups) -> int:
+        """The columns of the buffer that holds the columnwise form `quantize` makes for token `groups` (here the
+        byte transpose: one per token), from what the host knows without a sync (the compiled op's fake: nn/
+        compiled_grouped.py)."""
+        return groups.tokens
+
+    def columnwise_form(self, buffer: torch.Tensor, groups) -> torch.Tensor:
+        """The columnwise form `quantize` returned, from the whole buffer that holds it (`columnwise_width` columns)."""
+        return buffer
+
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
         from .formats.base import transposed_copy
         g = q.quantize_row_groups(x2d, groups.host_sizes(), name=name)

@@ -429,11 +429,11 @@ def exact_bf16_operand(p, keep_transform: bool):
     if kind == E8M0_1X32:
         if p.scales.dtype != torch.uint8 or tuple(p.scales.shape) != (p.rows, p.cols // 32):
             return None
-        return ops.dequantize_fp8(p.data, p.scales, 3, torch.bfloat16), None
+        return ops.mxfp8_dequantize(p.data, p.scales, torch.bfloat16), None
     if kind == E4M3_1X16:
         if p.transform is not None and not keep_transform:
             return None
-        return ops.dequantize_nvfp4(p.data, p.scales, p.amax, False, False, torch.bfloat16), p.global_decode_scale
+        return ops.nvfp4_dequantize(p.data, p.scales, p.amax, False, False, torch.bfloat16), p.global_decode_scale
     if kind == NO_SCALE and p.data.dtype == torch.bfloat16 and p.data.dim() == 2:
         return (p.data.t() if p.columnwise else p.data), None
     return None
