@@ -4,7 +4,8 @@
 // decodes them (its scale layout and element type, and any step after the scale: a global factor, an inverse
 // transform).
 //
-// Policy interface: kElemsPerByte (as for quantizing); DequantArgs (the kernel's argument: DequantTile,
+// Policy interface: kElemsPerByte (as for quantizing); kDequantWholeChunks (every part's cols is a multiple of 16,
+// which its op checks: no partial-chunk path is compiled); DequantArgs (the kernel's argument: DequantTile,
 // csrc/hybridq.h, plus the format's scales); DequantCtx dequant_init(a) (per-thread values, before the loop);
 // dequant16(ctx, a, r, c0, codes, out[16]) (elements c0 .. c0 + 15 of row r; codes: 16 / kElemsPerByte bytes as
 // words).
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(256) dequantize_kernel(const typename P::Dequa
   constexpr int EPB = P::kElemsPerByte;
   const int64_t rows = a.rows, cols = a.cols;
   const int64_t cchunks = (cols + 15) / 16, total = rows * cchunks;
-  const bool vec = cols % 16 == 0;
+  const bool vec = P::kDequantWholeChunks || cols % 16 == 0;
   const typename P::DequantCtx ctx = P::dequant_init(a);
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {

@@ -85,6 +85,7 @@ struct Fp8BlockPolicy {
 
   // ---- dequantize (csrc/tile/dequantize.cuh): each element times its block's (tile's) scale_inv ------------
   using DequantArgs = Fp8BlockDequantArgs;
+  static constexpr bool kDequantWholeChunks = false;
   struct DequantCtx {
     int64_t nbc;  // scale columns
   };

@@ -91,6 +91,7 @@ struct Fp8TensorPolicy {
 
   // ---- dequantize (csrc/tile/dequantize.cuh): every element times the one scale_inv ----------------------
   using DequantArgs = Fp8TensorDequantArgs;
+  static constexpr bool kDequantWholeChunks = false;
   struct DequantCtx {
     float s;
   };

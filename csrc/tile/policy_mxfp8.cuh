@@ -100,6 +100,7 @@ struct Mxfp8Policy {
   // ---- dequantize (csrc/tile/dequantize.cuh): each element times 2^(e - 127) of its 1x32 block -------------
   // (both block kinds: a 32x32 tile's scale is stored for each of its rows)
   using DequantArgs = Mxfp8DequantArgs;
+  static constexpr bool kDequantWholeChunks = false;
   struct DequantCtx {};
   static __device__ __forceinline__ DequantCtx dequant_init(const DequantArgs&) { return {}; }
   static __device__ __forceinline__ void dequant16(const DequantCtx&, const DequantArgs& a, int64_t r, int64_t c0,

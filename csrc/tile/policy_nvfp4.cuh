@@ -241,11 +241,12 @@ struct Nvfp4Policy {
   // ---- dequantize (csrc/tile/dequantize.cuh): each E2M1 value times its block's E4M3 scale, then (apply_global)
   // the global factor amax / 2688 (nvfp4_apply_global), then (rht_inverse) the inverse RHT of the block ----------
   using DequantArgs = Nvfp4DequantArgs;
+  static constexpr bool kDequantWholeChunks = true;  // blocks of 16 along cols
   struct DequantCtx {
     float amax;
   };
   static __device__ __forceinline__ DequantCtx dequant_init(const DequantArgs& a) {
-    return {a.apply_global ? *a.amax : 1.0f};
+    return {a.apply_global ? __ldg(a.amax) : 1.0f};
   }
   static __device__ __forceinline__ void dequant16(const DequantCtx& c, const DequantArgs& a, int64_t r, int64_t c0,
                                                    const uint32_t (&w)[2], float (&o)[16]) {
