@@ -58,6 +58,78 @@ class BackwardOverride(_StrEnum):
     DEQUANTIZED = "dequantized"
 
 
+class TensorType(_StrEnum):
+    """Which tensor of a module a quantizer is for (a recipe's `Role`)."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    OUTPUT = "output"
+    GRAD_OUTPUT = "grad_output"
+    GRAD_INPUT = "grad_input"
+
+
+class Phase(_StrEnum):
+    """Which pass an FSDP2 unshard (or a piece of work) serves: forward, or backward (autograd running, or FSDP2's
+    param group in its pre/post-backward state)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class AmaxComputeAlgo(_StrEnum):
+    """How delayed scaling reads its amax history: its maximum (max) or its newest entry (most_recent)."""
+
+    MAX = "max"
+    MOST_RECENT = "most_recent"
+
+
+class ColumnwiseSource(_StrEnum):
+    """What a hybrid quantizer's columnwise form is quantized from: the original tensor, or the dequantized rowwise
+    form (double quantization)."""
+
+    ORIGINAL = "original"
+    ROWWISE_DEQUANTIZED = "rowwise_dequantized"
+
+
+class OnIncompatible(_StrEnum):
+    """What a conversion does with a layer its recipe's formats cannot take: keep it in its precision with a
+    logged reason (skip), or raise (error)."""
+
+    SKIP = "skip"
+    ERROR = "error"
+
+
+class ParallelStyle(_StrEnum):
+    """How tensor parallelism cuts a Linear: its output features (colwise: weight rows) or its input features
+    (rowwise: weight columns)."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+
+
+class SequenceSend(_StrEnum):
+    """What a sequence-parallel all-gather sends: each rank's rows quantized, or in the input's dtype (when that
+    is fewer bytes; the whole input is then quantized after the gather)."""
+
+    QUANTIZED = "quantized"
+    HIGH_PRECISION = "high_precision"
+
+
+class FragmentKind(_StrEnum):
+    """How quantize_master_weights makes one direction of a weight from fragments (distributed/master_weights.py):
+    elementwise (no blocks), blocks (1-D blocks, 2-D tiles), high_precision (the fragments gathered in the model
+    dtype, the whole weight quantized on every rank) or plain (a parameter held in high precision)."""
+
+    ELEMENTWISE = "elementwise"
+    BLOCKS = "blocks"
+    HIGH_PRECISION = "high_precision"
+    PLAIN = "plain"
+
+
+# the high-precision "direction" beside rowwise / columnwise: a tensor's values as they are, in the gather dtype
+# (what backward_override="high_precision" reads)
+HIGH_PRECISION = BackwardOverride.HIGH_PRECISION
+
 ROWWISE = Direction.ROWWISE
 COLUMNWISE = Direction.COLUMNWISE
 DIRECTIONS = (ROWWISE, COLUMNWISE)

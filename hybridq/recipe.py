@@ -6,28 +6,28 @@ import dataclasses
 import os
 from typing import Callable
 
-from .enums import BackwardOverride
+from .enums import BackwardOverride, TensorType
 from .errors import RecipeError
 from .formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
                       NVFP4Quantizer, Quantizer)
 from .formats._presets import declared_presets
 
-TENSOR_TYPES = ("input", "weight", "output", "grad_output", "grad_input")
+TENSOR_TYPES = tuple(TensorType)
 BACKWARD_OVERRIDES = (None, *BackwardOverride)
 BACKWARD_OVERRIDE_ENV = "HYBRIDQ_BACKWARD_OVERRIDE"
 
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """What a quantizer is for: module type ("linear"), tensor type (one of TENSOR_TYPES) and module name."""
+    """What a quantizer is for: module type ("linear"), tensor type (a `TensorType` or its string) and module
+    name."""
 
     module_type: str
-    tensor_type: str
+    tensor_type: TensorType
     name: str = ""
 
     def __post_init__(self):
-        if self.tensor_type not in TENSOR_TYPES:
-            raise ValueError(f"Role tensor_type must be one of {TENSOR_TYPES}, got {self.tensor_type!r}")
+        object.__setattr__(self, "tensor_type", TensorType.parse(self.tensor_type, "Role tensor_type"))
 
 
 DEFAULT_OVERRIDE_NAME = "default"  # accepted (any case) as the name of the default mode, None
@@ -115,7 +115,7 @@ def _fp8_delayed(role: Role) -> Quantizer:
 
 
 def _fp8_block(role: Role) -> Quantizer:
-    return Float8BlockQuantizer(block_dim=2 if role.tensor_type == "weight" else 1)
+    return Float8BlockQuantizer(block_dim=2 if role.tensor_type == TensorType.WEIGHT else 1)
 
 
 def _mxfp8(role: Role) -> Quantizer:
@@ -123,24 +123,24 @@ def _mxfp8(role: Role) -> Quantizer:
 
 
 def _nvfp4(role: Role) -> Quantizer:
-    if role.tensor_type == "weight":
+    if role.tensor_type == TensorType.WEIGHT:
         return NVFP4Quantizer(block_2d=True)
     grad = role.tensor_type.startswith("grad")
     return NVFP4Quantizer(rht=True, stochastic_rounding=grad)
 
 
 def _mxfp8_fwd_nvfp4_bwd(role: Role) -> Quantizer:
-    if role.tensor_type == "grad_output" or role.tensor_type == "grad_input":
+    if role.tensor_type in (TensorType.GRAD_OUTPUT, TensorType.GRAD_INPUT):
         return NVFP4Quantizer(rht=True, stochastic_rounding=True)
     # the columnwise form only feeds backward GEMMs, so it takes the backward format
-    col = NVFP4Quantizer(rht=role.tensor_type != "weight")
+    col = NVFP4Quantizer(rht=role.tensor_type != TensorType.WEIGHT)
     return HybridQuantizer(rowwise=MXFP8Quantizer(), columnwise=col)
 
 
 def _fp8_block_fwd_mxfp8_bwd(role: Role) -> Quantizer:
     if role.tensor_type.startswith("grad"):
         return MXFP8Quantizer()
-    row = Float8BlockQuantizer(block_dim=2 if role.tensor_type == "weight" else 1)
+    row = Float8BlockQuantizer(block_dim=2 if role.tensor_type == TensorType.WEIGHT else 1)
     return HybridQuantizer(rowwise=row, columnwise=MXFP8Quantizer())
 
 

@@ -13,18 +13,18 @@ and `pieces` (a rank's piece of a tensor quantized with the whole tensor's stati
 `fragments` (flat fragments of a weight), `master_weights` (quantize_master_weights) and `zero` (ZeroAdamW).
 """
 
-from .accounting import bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
+from .accounting import GatherBytes, bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
 from .api import apply_hybrid_fsdp
 from .grad_reduce import grad_reduce_bytes
 from .gathered import GatheredWeight, GroupedGatheredWeight
-from .scales import precompute_scales
+from .scales import PrecomputedScales, precompute_scales
 from .tensor_parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from .weights import GroupedHybridWeight, HybridWeight
 from .fragments import FragmentLayout
 from .master_weights import quantize_master_weights
 from .zero import ZeroAdamW
 
-__all__ = ["apply_hybrid_fsdp", "precompute_scales", "HybridWeight", "GatheredWeight", "GroupedHybridWeight",
-           "GroupedGatheredWeight", "gather_bytes_per_step", "bytes_table", "sequence_gather_bytes",
-           "sequence_bytes_table", "grad_reduce_bytes", "ColwiseParallel", "RowwiseParallel", "PrepareModuleInput",
-           "quantize_master_weights", "ZeroAdamW", "FragmentLayout"]
+__all__ = ["apply_hybrid_fsdp", "precompute_scales", "PrecomputedScales", "GatherBytes", "HybridWeight",
+           "GatheredWeight", "GroupedHybridWeight", "GroupedGatheredWeight", "gather_bytes_per_step", "bytes_table",
+           "sequence_gather_bytes", "sequence_bytes_table", "grad_reduce_bytes", "ColwiseParallel", "RowwiseParallel",
+           "PrepareModuleInput", "quantize_master_weights", "ZeroAdamW", "FragmentLayout"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
+from ..enums import Phase, SequenceSend
 from ..formats.base import Quantizer
 from ..recipe import Role
 from .payload import gather_bytes_for, rows_of
@@ -13,11 +15,32 @@ from .plan import make_plan
 from .state import WeightState
 from .layout import transport_view
 
-__all__ = ["bytes_table", "gather_bytes_per_step", "sequence_bytes_table", "sequence_gather_bytes"]
+__all__ = ["GatherBytes", "bytes_table", "gather_bytes_per_step", "sequence_bytes_table", "sequence_gather_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherBytes:
+    """Bytes each rank contributes to the all-gathers of one weight in one training step (`gather_bytes_per_step`),
+    transport padding included, against a bf16 FSDP2 all-gather of the same weight."""
+
+    forward: int  # the forward unshard's all-gather input
+    forward_sends: tuple[str, ...]  # what it sends: directions, or "high_precision" (the shard in param_dtype)
+    backward: int | None  # the backward re-gather's; None: no backward unshard (reshard_after_forward=False)
+    backward_sends: tuple[str, ...] | None
+    bf16_total: int  # bf16 FSDP2's, over the same unshards
+
+    @property
+    def total(self) -> int:
+        return self.forward + (self.backward or 0)
+
+    @property
+    def ratio(self) -> float:
+        """total / bf16_total."""
+        return self.total / self.bf16_total
 
 
 def gather_bytes_per_step(quantizer: Quantizer, shape, world_size: int = 2, *, param_dtype=torch.bfloat16,
-                          reshard_after_forward: bool = True, backward_override: str | None = None) -> dict:
+                          reshard_after_forward: bool = True, backward_override: str | None = None) -> GatherBytes:
     """Bytes each rank contributes to the all-gathers of one weight in one training step (forward, and backward
     when it re-gathers), against a bf16 FSDP2 all-gather of the same weight. Counts the transport padding
     of unevenly sharded weights; the statistics all-reduce (a few fp32 per weight) is not included."""
@@ -25,21 +48,18 @@ def gather_bytes_per_step(quantizer: Quantizer, shape, world_size: int = 2, *, p
     if quantizer.is_stateful:
         raise ValueError(f"{quantizer.describe()}: delayed scaling is rejected under FSDP2")
     derivable = WeightState().is_derivable(quantizer, shape, param_dtype)
-    out = {}
-    phases = ("forward", "backward") if reshard_after_forward else ("forward",)
+    sent = {}
+    phases = tuple(Phase) if reshard_after_forward else (Phase.FORWARD,)
     for phase in phases:
         plan = make_plan(phase=phase, reshard_after_forward=reshard_after_forward,
                          backward_override=backward_override, derivable=derivable, known=True)
         b = gather_bytes_for(quantizer, shape, world_size, plan.send, param_dtype)
         payload = torch.empty(b, dtype=torch.uint8, device="meta")
         t = transport_view(payload, shape, world_size)
-        out[phase] = t.numel() * t.element_size()
-        out[f"{phase}_sends"] = "+".join(plan.send)
-    out["total"] = sum(out[p] for p in phases)
+        sent[phase] = (t.numel() * t.element_size(), tuple(plan.send))
     chunk = -(-shape[0] // world_size) * math.prod(shape[1:])
-    out["bf16_total"] = chunk * 2 * len(phases)
-    out["ratio"] = out["total"] / out["bf16_total"]
-    return out
+    backward = sent.get(Phase.BACKWARD, (None, None))
+    return GatherBytes(*sent[Phase.FORWARD], *backward, bf16_total=chunk * 2 * len(phases))
 
 
 def bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size: int = 2, presets=None) -> str:
@@ -62,8 +82,9 @@ def bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size: int = 2, prese
                 cells += [f"kept in bf16 ({why})", "1.000"]
                 continue
             r = gather_bytes_per_step(q, shape, world_size)
-            per_elem = r["total"] / (math.prod(shape) / world_size)
-            cells += [f"{per_elem:.4f} ({r['forward_sends']} / {r['backward_sends']})", f"{r['ratio']:.3f}"]
+            per_elem = r.total / (math.prod(shape) / world_size)
+            sends = " / ".join("+".join(s) for s in (r.forward_sends, r.backward_sends))
+            cells += [f"{per_elem:.4f} ({sends})", f"{r.ratio:.3f}"]
         rows.append(f"| {name} | {q.describe()} | " + " | ".join(cells) + " |")
     bf = ["4.0000", "1.000"] * len(shapes)
     rows.append("| (bf16 FSDP2) | bfloat16 | " + " | ".join(bf) + " |")
@@ -100,7 +121,7 @@ def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_s
         saved = col.nbytes()
     else:  # the rank's own rows in high precision (re-gathered in backward)
         saved = x2d.numel() * dtype.itemsize
-    sends = "high_precision" if plan.kind == "high_precision" else "+".join(plan.send)
+    sends = plan.kind.value if plan.kind == SequenceSend.HIGH_PRECISION else "+".join(plan.send)
     return {"forward": plan.nbytes, "sends": sends, "backward": backward, "total": plan.nbytes + backward,
             "bf16": bf16, "ratio": (plan.nbytes + backward) / bf16, "quantized": plan.nbytes,
             "quantized_payload": plan.quantized_nbytes,

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from ..enums import OnIncompatible
 from ..errors import FormatShapeError
 from ..formats.base import Quantizer
 from ..formats.shardable import check_shardable
@@ -51,7 +52,7 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
                       module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                      on_incompatible: str = "skip", reuse_forward_payload: bool = True,
+                      on_incompatible: OnIncompatible | str = "skip", reuse_forward_payload: bool = True,
                       norms: bool = True, grad_reduce: str = "fp32") -> ConversionReport:
     """Prepare `model` for FSDP2 with quantized all-gathers; call it before `fully_shard`.
 
@@ -84,6 +85,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
     `hybridq/distributed/grad_reduce.py`). Installed on every FSDP module under `model` at the first forward
     after `fully_shard`; `hybridq.distributed.grad_reduce_bytes(model)` counts the bytes sent.
     """
+    on_incompatible = OnIncompatible.parse(on_incompatible, "on_incompatible")
     wire = parse_grad_reduce(grad_reduce)
     check_rearm(model, wire)
     recipe = resolve_recipe(recipe, "apply_hybrid_fsdp")
@@ -168,7 +170,7 @@ def _check_grouped_recipe(model: nn.Module, recipe: CustomRecipe, module_filter_
                                 f"expert {e} of {name}")
 
 
-def _plan_grouped(model: nn.Module, recipe: CustomRecipe, module_filter_fn=None, on_incompatible: str = "skip"):
+def _plan_grouped(model: nn.Module, recipe: CustomRecipe, module_filter_fn, on_incompatible: OnIncompatible):
     """Check every grouped weight against `recipe` before anything changes. Returns the work `_apply_grouped`
     does and the report rows of the layers kept in their precision."""
     todo, skipped = [], []
@@ -180,7 +182,7 @@ def _plan_grouped(model: nn.Module, recipe: CustomRecipe, module_filter_fn=None,
             else:
                 todo.append((fqn, mod, plan_expert_module(fqn, mod, recipe)))
         except FormatShapeError as e:
-            if on_incompatible != "skip":
+            if on_incompatible != OnIncompatible.SKIP:
                 raise
             log.warning("hybridq: keeping grouped layer %r in its precision: %s", fqn, e)
             prev = mod.recipe.name if isinstance(mod, GroupedLinear) else None

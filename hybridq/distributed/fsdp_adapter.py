@@ -16,6 +16,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..enums import Phase
+
 __all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "phase_of"]
 
 
@@ -73,7 +75,7 @@ class FSDPLink:
     def group(self):
         return self._group()
 
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         return phase_of(self._group())
 
     def reshard_after_forward(self) -> bool:
@@ -91,14 +93,14 @@ class FSDPLink:
         self._param().all_gather_outputs = []
 
 
-def phase_of(group) -> str:
-    """"forward" or "backward": the group's training state, or (no group) whether autograd is running."""
+def phase_of(group) -> Phase:
+    """The group's training state, or (no group) whether autograd is running."""
     name = getattr(getattr(group, "_training_state", None), "name", "") if group is not None else ""
     if name in ("PRE_BACKWARD", "POST_BACKWARD"):
-        return "backward"
+        return Phase.BACKWARD
     if name == "FORWARD":
-        return "forward"
-    return "backward" if in_backward() else "forward"
+        return Phase.FORWARD
+    return Phase.BACKWARD if in_backward() else Phase.FORWARD
 
 
 try:  # the interface FSDP2's set_custom_reduce_scatter takes (torch >= 2.9: allocate() and __call__)

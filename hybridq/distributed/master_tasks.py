@@ -1,5 +1,5 @@
 """What `quantize_master_weights` does for each direction of each weight (a `Task`): how the direction is made
-from fragments ("elementwise", "blocks", "high_precision", "plain"; see master_weights.py), which buffers it sends
+from fragments (`FragmentKind`; see master_weights.py), which buffers it sends
 in row order, how many bytes each rank's piece of them takes, and how the gathered buffers become the part."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from ..enums import COLUMNWISE, ROWWISE
+from ..enums import COLUMNWISE, ROWWISE, FragmentKind
 from ..formats._sharding import cdiv
 from ..formats.base import Quantizer, shape_2d
 from ..formats.float8_block import Float8BlockPart
@@ -26,7 +26,7 @@ class Task:
 
     index: int
     direction: str | None
-    kind: str  # "elementwise" | "blocks" | "high_precision" | "plain"
+    kind: FragmentKind
     q: Quantizer | None  # the plain quantizer of this direction
     m: int
     k: int
@@ -87,7 +87,7 @@ def plan_tasks(index: int, w: torch.Tensor, name: str) -> list[Task]:
         if isinstance(w, QuantizedTensor):
             raise TypeError(f"hybridq quantize_master_weights: {name} is a QuantizedTensor but not a quantized "
                             f"parameter (hybridq.quantized_model_init / quantize_parameters)")
-        return [Task(index, None, "plain", None, m, k, w.dtype)]
+        return [Task(index, None, FragmentKind.PLAIN, None, m, k, w.dtype)]
     tasks = []
     for d in (ROWWISE, COLUMNWISE):
         if not w.has(d):
@@ -99,20 +99,20 @@ def plan_tasks(index: int, w: torch.Tensor, name: str) -> list[Task]:
                              f"so fragments cannot reproduce the whole weight's quantization")
         row, col = d == ROWWISE, d == COLUMNWISE
         if col and getattr(qd, "rht", False):
-            tasks.append(Task(index, d, "high_precision", qd, m, k, w.dtype))
+            tasks.append(Task(index, d, FragmentKind.HIGH_PRECISION, qd, m, k, w.dtype))
             continue
         gr, gc = qd.split_granularity(row, col)
-        kind = "elementwise" if (gr, gc) == (1, 1) else "blocks"
+        kind = FragmentKind.ELEMENTWISE if (gr, gc) == (1, 1) else FragmentKind.BLOCKS
         g = qd.global_stats(torch.empty(1, 0, device="meta"), row, col)
-        probe_rows = 1 if kind == "elementwise" else min(gr, m)
-        probe = qd.quantize_parts(torch.empty(probe_rows, k if kind == "blocks" else 1, dtype=w.dtype, device="meta"),
+        probe_rows = 1 if kind == FragmentKind.ELEMENTWISE else min(gr, m)
+        width = k if kind == FragmentKind.BLOCKS else 1
+        probe = qd.quantize_parts(torch.empty(probe_rows, width, dtype=w.dtype, device="meta"),
                                   row, col, **({} if g is None else {"global_stats": torch.zeros(g.numel(),
                                                                                                  device="meta")}))
         part = probe[0] if row else probe[1]
         hints = qd.buffer_hints(d)
         bufs, _ = row_buffers(part, hints)
         data = dict((n, t) for n, t, _ in bufs)["data"]
-        width = k if kind == "blocks" else 1
         tasks.append(Task(
             index, d, kind, qd, m, k, w.dtype, gr, gc, 0 if g is None else g.numel(),
             packed=data.shape[-1] * 2 == width and width > 1, code_dtype=data.dtype,
@@ -130,7 +130,7 @@ def _nbytes(shape, dtype) -> int:
 
 def piece_sizes(t: Task, start: int, length: int) -> list[int]:
     """Bytes each piece of the task takes in a rank's payload: codes, then each scale buffer's rows."""
-    if t.kind in ("plain", "high_precision"):
+    if t.kind in (FragmentKind.PLAIN, FragmentKind.HIGH_PRECISION):
         return [length * _nbytes((), t.dtype)]
     codes = cdiv(length, 2) if t.packed else length * _nbytes((), t.code_dtype)
     out = [codes]

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..enums import FragmentKind
 from ..formats._numerics import pack_nibbles, unpack_nibbles
 from ..formats._reduce import amax_all_reduce_
 from ..formats._sharding import cdiv
@@ -134,7 +135,7 @@ def _per_expert(weights, masters, starts, lengths, layouts, names):
 def _local_stats(tasks, frags, starts, lengths, layouts, weights) -> torch.Tensor | None:
     pieces, at = [], 0
     for t in tasks:
-        if t.kind not in ("elementwise", "blocks"):
+        if t.kind not in (FragmentKind.ELEMENTWISE, FragmentKind.BLOCKS):
             continue
         x = frags[t.index]
         device = weights[t.index].device
@@ -143,7 +144,7 @@ def _local_stats(tasks, frags, starts, lengths, layouts, weights) -> torch.Tenso
             flat = (x if x is not None else torch.zeros(0, dtype=t.dtype, device=device)).reshape(1, -1)
             pieces.append(t.q.global_stats(flat, not t.columnwise, t.columnwise).reshape(-1).float())
             at += t.n_global
-        if t.kind != "blocks":
+        if t.kind != FragmentKind.BLOCKS:
             continue
         t.edges = edge_block_rows(layouts[t.index], t.m, t.k, t.gr)
         ncb = cdiv(t.k, t.gc)
@@ -177,7 +178,7 @@ def _global_kw(t: Task, stats) -> dict:
 def _local_part(t: Task, x, s: int, n: int, stats, device):
     """This rank's part of the task's direction (over its padded rows, or its fragment as one row)."""
     row, col = not t.columnwise, t.columnwise
-    if t.kind == "elementwise":
+    if t.kind == FragmentKind.ELEMENTWISE:
         flat = (x if x is not None else torch.zeros(0, dtype=t.dtype, device=device)).reshape(1, -1)
         parts = t.q.quantize_parts(flat, row, col, **_global_kw(t, stats))
         return parts[0] if row else parts[1]
@@ -202,7 +203,7 @@ def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tenso
     for t in tasks:
         x, s, n = frags[t.index], starts[t.index], lengths[t.index]
         device = weights[t.index].device
-        if t.kind in ("plain", "high_precision"):
+        if t.kind in (FragmentKind.PLAIN, FragmentKind.HIGH_PRECISION):
             out.append(as_bytes(x) if n else torch.zeros(0, dtype=torch.uint8, device=device))
             continue
         part = _local_part(t, x, s, n, stats, device)
@@ -210,7 +211,7 @@ def _local_payload(tasks, frags, starts, lengths, stats, weights) -> torch.Tenso
         t.replicated = replicated
         by_name = {name: (tensor, rb) for name, tensor, rb in bufs}
         data = by_name["data"][0]
-        if t.kind == "blocks" and n:
+        if t.kind == FragmentKind.BLOCKS and n:
             r0 = padded_rows(s, n, t.m, t.k, t.gr)[0]
             codes = unpack_nibbles(data) if t.packed else data
             codes = codes.reshape(-1)[s - r0 * t.k:s - r0 * t.k + n]
@@ -264,9 +265,9 @@ def _assemble(tasks, payloads, layouts, weights, stats) -> None:
         w = weights[t.index]
         lay = layouts[t.index]
         order = lay.order()
-        if t.kind in ("plain", "high_precision"):
+        if t.kind in (FragmentKind.PLAIN, FragmentKind.HIGH_PRECISION):
             full = torch.cat([pieces[ti][r][0] for r in order]).view(t.dtype).view(t.m, t.k)
-            if t.kind == "plain":
+            if t.kind == FragmentKind.PLAIN:
                 w.data.view(-1).copy_(full.view(-1))
                 continue
             copy_part_into(w.part(t.direction), t.q.quantize_parts(full, False, True)[1])

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Mapping
 
 import torch
 
+from ..enums import HIGH_PRECISION
 from ..formats._sharding import RowShard, dim0_chunks
-from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart, Quantizer
 from ..formats.identity import IdentityQuantizer
 
 # a third "direction" beside rowwise / columnwise: the shard itself in the gather dtype (FSDP's param_dtype), sent
 # as an identity part (backward_override="high_precision": dgrad reads the high-precision weight)
-HIGH_PRECISION = "high_precision"
 DIRECTIONS = (ROWWISE, COLUMNWISE, HIGH_PRECISION)
 _IDENTITY = IdentityQuantizer()
 
@@ -63,14 +64,20 @@ class BufferSpec:
         return self.capacity * self.row_bytes
 
 
+PartMeta = Mapping[str, object]  # a part's constructor fields besides its tensors (`QuantizedPart.meta()`)
+BufferHints = Mapping[str, object]  # keyword arguments of its extract_buffers / assign_gathered (`buffer_hints`)
+
+
 @dataclasses.dataclass(frozen=True)
 class PartSpec:
-    cls: type
+    """How the receiver rebuilds one part from its gathered buffers (`assign_gathered`)."""
+
+    cls: type[QuantizedPart]
     rows: int
     cols: int
     columnwise: bool
-    meta: dict
-    hints: dict
+    meta: PartMeta
+    hints: BufferHints
 
 
 @dataclasses.dataclass

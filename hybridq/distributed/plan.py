@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..formats.base import COLUMNWISE, ROWWISE
+from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Phase
 from .fsdp_adapter import FSDPLink, phase_of
 from .payload import DIRECTIONS, HIGH_PRECISION
 
@@ -30,9 +30,9 @@ def _order(dirs) -> tuple[str, ...]:
     return tuple(d for d in DIRECTIONS if d in dirs)
 
 
-def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_override: str | None,
+def make_plan(*, phase: Phase | str, reshard_after_forward: bool | None, backward_override: str | None,
               derivable: bool, known: bool, backward_extra=()) -> GatherPlan:
-    """phase: "forward" or "backward". reshard_after_forward None = unknown (conservative). derivable: the
+    """phase: forward or backward. reshard_after_forward None = unknown (conservative). derivable: the
     columnwise form is an exact transform of the rowwise one. known=False: FSDP2 internals were not found, so
     the payload must not change between unshards (every unshard sends the same directions). backward_extra:
     directions an earlier backward had to gather lazily (activation recompute reads the rowwise form).
@@ -41,16 +41,17 @@ def make_plan(*, phase: str, reshard_after_forward: bool | None, backward_overri
     HIGH_PRECISION "direction" (the shard itself) is what backward gathers. When it is gathered, any quantized
     direction of the same unshard is quantized from it on every rank (bitwise the one-device quantization of
     the full weight) instead of being sent too: reshard_after_forward=False then sends param_dtype bytes only."""
-    return _make_plan(phase, reshard_after_forward, backward_override, derivable, known, frozenset(backward_extra))
+    return _make_plan(Phase.parse(phase, "phase"), reshard_after_forward, backward_override, derivable, known,
+                      frozenset(backward_extra))
 
 
 @functools.lru_cache(maxsize=256)  # (a handful of distinct arguments; asked for on every all-gather)
-def _make_plan(phase: str, reshard_after_forward: bool | None, backward_override: str | None, derivable: bool,
+def _make_plan(phase: Phase, reshard_after_forward: bool | None, backward_override: str | None, derivable: bool,
                known: bool, backward_extra: frozenset) -> GatherPlan:
     bwd = {COLUMNWISE} if backward_override is None else (
-        {ROWWISE} if backward_override == "dequantized" else {HIGH_PRECISION})
+        {ROWWISE} if backward_override == BackwardOverride.DEQUANTIZED else {HIGH_PRECISION})
     deferred: set[str] = set()
-    if phase == "backward":
+    if phase == Phase.BACKWARD:
         mat = set(bwd) | set(backward_extra)
     else:
         mat = {ROWWISE}
@@ -78,13 +79,13 @@ def every_plan(backward_override: str | None, derivable: bool) -> tuple[GatherPl
     (activation recompute, reshard_after_backward=False)."""
     extras = ((), (ROWWISE,))
     plans = {_make_plan(phase, ra, backward_override, derivable, known, frozenset(extra))
-             for phase in ("forward", "backward") for ra in (True, False, None) for known in (True, False)
+             for phase in Phase for ra in (True, False, None) for known in (True, False)
              for extra in extras}
     return tuple(sorted(plans, key=repr))
 
 
 def unshard_plan(link: FSDPLink | None, backward_extra, backward_override: str | None, derivable: bool
-                 ) -> tuple[str, bool | None, set[str], GatherPlan]:
+                 ) -> tuple[Phase, bool | None, set[str], GatherPlan]:
     """(phase, reshard_after_forward, backward extras, plan) of the unshard running now, from FSDP2's state (link
     None: FSDP2 internals not found; the plan then keeps the payload constant)."""
     phase = phase_of(link.group if link is not None else None)

@@ -4,6 +4,8 @@ weight (each weight's state keeps them under a key of the shard values they came
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -16,7 +18,7 @@ from .state import GroupedWeightState, pack_stats
 from .transport import stats_key
 from .weights import GroupedHybridWeight, HybridWeight
 
-__all__ = ["precompute_scales"]
+__all__ = ["PrecomputedScales", "precompute_scales"]
 
 
 def _sharded(p, dim0_only: bool):
@@ -96,12 +98,21 @@ def _grouped_items(model: nn.Module) -> list:
     return items
 
 
+@dataclasses.dataclass(frozen=True)
+class PrecomputedScales:
+    """What `precompute_scales` reduced."""
+
+    weights: int  # sharded weights whose statistics were reduced (a grouped weight counts once)
+    values: int  # fp32 values reduced
+    all_reduces: int  # collectives issued (one per process group)
+
+
 @torch.no_grad()
-def precompute_scales(model: nn.Module) -> dict:
+def precompute_scales(model: nn.Module) -> PrecomputedScales:
     """Reduce the cross-shard statistics of every converted FSDP2-sharded weight of `model` in one fused
     all-reduce per process group; call it after `optimizer.step()` on every rank (it is a collective). The
     next all-gathers use them instead of one all-reduce per weight. A harmless no-op on a model that is not
-    sharded. Returns {"weights": n, "values": reduced fp32 values, "all_reduces": collectives issued}."""
+    sharded (all counts 0)."""
     per_group: dict = {}
     for group, device, st, key, s in _linear_items(model) + _grouped_items(model):
         per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
@@ -114,5 +125,5 @@ def precompute_scales(model: nn.Module) -> dict:
             st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
             i += s.numel()
         values += flat.numel()
-    return {"weights": sum(len(v[1]) for v in per_group.values()), "values": values,
-            "all_reduces": len(per_group)}
+    return PrecomputedScales(weights=sum(len(v[1]) for v in per_group.values()), values=values,
+                             all_reduces=len(per_group))

@@ -22,6 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..enums import SequenceSend
 from ..errors import FormatShapeError
 from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
@@ -61,7 +62,7 @@ class GatherPlan:
     rank quantizing the whole gathered input (bitwise the same parts: the sharded quantization reduces every
     cross-rank statistic, so it equals the whole input's). `nbytes`: the payload of one rank."""
 
-    kind: str
+    kind: SequenceSend
     send: tuple[str, ...]
     derive: bool
     nbytes: int
@@ -85,9 +86,9 @@ def gather_plan(q: Quantizer, gather: "SequenceGather", local_rows: int, k: int,
         _, meta = build_payload(q, parts, shards[0], shards, (shards[0].rows, k), x.device, pack=False)
         high = local_rows * k * dtype.itemsize
         if q.is_deterministic and high < meta.nbytes:
-            plan = GatherPlan("high_precision", (), False, high, meta.nbytes)
+            plan = GatherPlan(SequenceSend.HIGH_PRECISION, (), False, high, meta.nbytes)
         else:
-            plan = GatherPlan("quantized", send, derive, meta.nbytes, meta.nbytes)
+            plan = GatherPlan(SequenceSend.QUANTIZED, send, derive, meta.nbytes, meta.nbytes)
         _PLANS[key] = plan
     return plan
 
@@ -176,7 +177,7 @@ class SequenceGather:
         ws, k = self.world_size, x2d.shape[1]
         m = math.prod(self.full_shape[:-1])  # the `[M, K]` view, as a Linear quantizes its input
         plan = gather_plan(q, self, x2d.shape[0], k, x2d.dtype, columnwise)
-        if plan.kind == "high_precision":  # fewer bytes: gather the rows as they are, quantize the whole input
+        if plan.kind == SequenceSend.HIGH_PRECISION:  # fewer bytes: gather the rows, quantize the whole input
             row, col = q.quantize_parts(self.full(x2d), True, columnwise)
             return QuantizedTensor(row, col, shape=(m, k), dtype=x2d.dtype)
         shards = self.shards(x2d.shape[0])

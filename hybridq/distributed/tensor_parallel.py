@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import style as _torch_style
 
+from ..enums import ParallelStyle
 from ..nn.linear import Linear
 from ..nn.linear_function import apply_linear, cached_quantized_weight
 from .pieces import PieceQuantizer, check_column_cuts, reject_stateful
@@ -40,10 +41,13 @@ def _is_sequence_shard(p) -> bool:
 class TensorParallelLinear:
     """What a hybridq Linear needs to run its three GEMMs on this rank's pieces (set by the styles)."""
 
-    kind: str  # "colwise" | "rowwise"
+    kind: ParallelStyle
     mesh: object
     in_features: int
     out_features: int
+
+    def __post_init__(self):
+        self.kind = ParallelStyle.parse(self.kind, "TensorParallelLinear kind")
 
     @property
     def group(self):
@@ -57,7 +61,7 @@ class TensorParallelLinear:
             return cached[1]
         g, ws, rank = self.group, self.mesh.size(), self.mesh.get_local_rank()
         n, k = self.out_features, self.in_features
-        if self.kind == "colwise":
+        if self.kind == ParallelStyle.COLWISE:
             out = {"weight_q": PieceQuantizer(module.weight_quantizer, "rows", n, g, ws, rank),
                    "grad_output_q": PieceQuantizer(module.grad_output_quantizer, "columns", n, g, ws, rank)}
         else:
@@ -73,7 +77,7 @@ class TensorParallelLinear:
         override = module.recipe.backward_override
         for t, q in module.quantizers().items():
             reject_stateful(q, f"{t} of {module.name}")
-        if self.kind == "colwise":  # the weight's rows (its pieces are GEMM operands of their own)
+        if self.kind == ParallelStyle.COLWISE:  # the weight's rows (its pieces are GEMM operands of their own)
             check_column_cuts(module.weight_quantizer, self.out_features, ws, True, override is None,
                               f"weight of {module.name}", axis="M")
             if override is None:
@@ -95,24 +99,25 @@ class TensorParallelLinear:
             x_local = x.to_local()
         else:
             placement, full_shape, x_local = None, None, x
-        if self.kind == "colwise" and _is_sequence_shard(placement):
+        if self.kind == ParallelStyle.COLWISE and _is_sequence_shard(placement):
             cfg = cfg.replace(input_gather=SequenceGather.create(x, full_shape, placement.dim, self.group,
                                                                  f"input of {module.name}"))
-        elif self.kind == "rowwise" and isinstance(placement, Replicate):
+        elif self.kind == ParallelStyle.ROWWISE and isinstance(placement, Replicate):
             x_local = x.redistribute(placements=[Shard(-1)]).to_local()
         elif placement is not None and not (isinstance(placement, Replicate) or (
-                self.kind == "rowwise" and isinstance(placement, Shard) and placement.dim in (-1, x.ndim - 1))):
+                self.kind == ParallelStyle.ROWWISE and isinstance(placement, Shard)
+                and placement.dim in (-1, x.ndim - 1))):
             raise ValueError(f"{module.name}: a {self.kind}-parallel layer cannot take an input placed "
                              f"{placement}")
         weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
         bias = module.bias
-        local_bias = bias.to_local() if (self.kind == "colwise" and isinstance(bias, DTensor)) else None
+        local_bias = bias.to_local() if (self.kind == ParallelStyle.COLWISE and isinstance(bias, DTensor)) else None
         cache = None
         if is_first_microbatch is not None:
             cache = lambda need_columnwise: _cached_piece(module, weight, cfg.weight_q, is_first_microbatch,
                                                           need_columnwise)
         y = apply_linear(x_local, weight, local_bias, cfg, cache)
-        if self.kind == "colwise":
+        if self.kind == ParallelStyle.COLWISE:
             return DTensor.from_local(y, self.mesh, [Shard(y.ndim - 1)], run_check=False)
         out = DTensor.from_local(y, self.mesh, [Partial()], run_check=False)
         return out if bias is None else out + bias  # DTensor reduces the partial sums before adding the bias
@@ -145,7 +150,7 @@ def _distribute_weight(module: Linear, mesh, placement) -> None:
                                                     stride=full.stride()), requires_grad=w.requires_grad)
 
 
-def _attach(module: Linear, kind: str, mesh) -> None:
+def _attach(module: Linear, kind: ParallelStyle, mesh) -> None:
     if mesh.ndim != 1:
         raise ValueError(f"{module.name}: tensor-parallel styles take the 1-D tensor-parallel mesh (e.g. "
                          f"mesh['tp']), got a {mesh.ndim}-D mesh")
@@ -165,7 +170,7 @@ class ColwiseParallel(_torch_style.ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, Linear):
             return super()._apply(module, device_mesh)
-        _attach(module, "colwise", device_mesh)
+        _attach(module, ParallelStyle.COLWISE, device_mesh)
         _distribute_weight(module, device_mesh, Shard(0))
         return distribute_module(module, device_mesh, self._partition_linear_fn,
                                  lambda mod, inputs, mesh: self._hybrid_input(inputs, mesh),
@@ -191,7 +196,7 @@ class RowwiseParallel(_torch_style.RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, Linear):
             return super()._apply(module, device_mesh)
-        _attach(module, "rowwise", device_mesh)
+        _attach(module, ParallelStyle.ROWWISE, device_mesh)
         _distribute_weight(module, device_mesh, Shard(1))
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(module, device_mesh, self._partition_linear_fn,

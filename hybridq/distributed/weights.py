@@ -28,6 +28,7 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
+from ..enums import Phase
 from ..errors import RecipeError
 from ..formats.base import Quantizer
 from ..nn.linear import Linear
@@ -186,8 +187,8 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                 st.counters["payload_reused"] += 1
             else:
                 payload, meta = prepare_payload(self, param, q, plan.send, shape, ws, rank, dtype, group)
-            if st.reuse_payload and key is not None and phase == "forward" and plan.deferred and make_plan(
-                    phase="backward", reshard_after_forward=ra, backward_override=override, derivable=derivable,
+            if st.reuse_payload and key is not None and phase == Phase.FORWARD and plan.deferred and make_plan(
+                    phase=Phase.BACKWARD, reshard_after_forward=ra, backward_override=override, derivable=derivable,
                     known=True, backward_extra=extra).send == plan.send:
                 # the backward unshard re-gathers the same directions (e.g. per-tensor FP8 rowwise, columnwise
                 # derived): keep this shard's payload until then instead of casting and quantizing it again

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..enums import ROWWISE
 from ._sharding import RowShard, owned_rows
 from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
 from .shardable import GatherablePart, ShardableQuantizer
@@ -153,7 +154,7 @@ class BlockScaledQuantizer(ShardableQuantizer, Quantizer):
         return None
 
     def buffer_hints(self, direction):
-        return {"tile_rows": self.block} if (self.tiled and direction == "rowwise") else {}
+        return {"tile_rows": self.block} if (self.tiled and direction == ROWWISE) else {}
 
     def split_granularity(self, rowwise, columnwise):
         b = self.block

@@ -15,12 +15,10 @@ import torch.distributed as dist
 from .. import dispatch
 from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
 from ._reduce import amax_all_reduce_
-from ..enums import Scaling
+from ..enums import AmaxComputeAlgo, Scaling
 from ..tensor import backward_epoch
 from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
 from .shardable import GatherablePart, ShardableQuantizer
-
-_ALGOS = ("max", "most_recent")
 
 
 class ScaledFP8Values:
@@ -141,7 +139,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
     amax_epsilon: float = 0.0
     power_2_scale: bool = False
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_compute_algo: AmaxComputeAlgo | str = AmaxComputeAlgo.MAX
     margin: int = 0
     amax_reduction_group: object = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -150,9 +148,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
     def __post_init__(self):
         self.dtype = fp8_dtype(self.fp8)
         self.scaling = Scaling.parse(self.scaling, "Float8Quantizer scaling")
-        if self.amax_compute_algo not in _ALGOS:
-            raise ValueError(f"Float8Quantizer amax_compute_algo must be one of {_ALGOS}, "
-                             f"got {self.amax_compute_algo!r}")
+        self.amax_compute_algo = AmaxComputeAlgo.parse(self.amax_compute_algo, "Float8Quantizer amax_compute_algo")
         if self.amax_history_len < 1:
             raise ValueError(f"Float8Quantizer amax_history_len must be >= 1, got {self.amax_history_len}")
         # delayed-scaling state (unused with current scaling)
@@ -281,7 +277,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         if self.amax_reduction_group is not None and dist.is_initialized():
             amax_all_reduce_(self.amax_history[:1], self.amax_reduction_group)
         h = self.amax_history
-        amax = h.max().reshape(1) if self.amax_compute_algo == "max" else h[:1].clone()
+        amax = h.max().reshape(1) if self.amax_compute_algo == AmaxComputeAlgo.MAX else h[:1].clone()
         self.amax_history = torch.roll(h, -1)
         self.amax_history[0] = 0
         scale = (torch.full_like(amax, FP8_MAX[self.dtype]) / amax) / (2.0 ** self.margin)

@@ -6,12 +6,10 @@ from typing import Sequence
 
 import torch
 
+from ..enums import COLUMNWISE, ROWWISE, ColumnwiseSource
 from ..tensor import QuantizedTensor
 from .base import Quantizer
 from .shardable import ShardableQuantizer
-
-_SOURCES = ("original", "rowwise_dequantized")
-
 
 class HybridQuantizer(ShardableQuantizer, Quantizer):
     """`HybridQuantizer(rowwise=MXFP8Quantizer(), columnwise=NVFP4Quantizer())`.
@@ -24,20 +22,18 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
 
     format_name = "hybrid"
 
-    def __init__(self, rowwise: Quantizer, columnwise: Quantizer, columnwise_source: str = "original", *,
+    def __init__(self, rowwise: Quantizer, columnwise: Quantizer,
+                 columnwise_source: ColumnwiseSource | str = ColumnwiseSource.ORIGINAL, *,
                  rowwise_usage: bool = True, columnwise_usage: bool = False):
-        for d, q in (("rowwise", rowwise), ("columnwise", columnwise)):
+        for d, q in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
             if not isinstance(q, Quantizer) or isinstance(q, HybridQuantizer):
                 raise TypeError(f"HybridQuantizer {d}= must be a plain hybridq quantizer, got {q!r}")
         if rowwise is columnwise and rowwise.is_stateful:
             raise ValueError("HybridQuantizer: one delayed-scaling quantizer cannot serve both directions (its "
                              "scale would update between the two casts); pass two instances")
-        if columnwise_source not in _SOURCES:
-            raise ValueError(f"HybridQuantizer columnwise_source must be one of {_SOURCES}, "
-                             f"got {columnwise_source!r}")
         self.rowwise = rowwise
         self.columnwise = columnwise
-        self.columnwise_source = columnwise_source
+        self.columnwise_source = ColumnwiseSource.parse(columnwise_source, "HybridQuantizer columnwise_source")
         self._usage = (rowwise_usage, columnwise_usage)
 
     @property
@@ -102,15 +98,15 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         row = col = None
         if rowwise or double:
             row = self.rowwise.quantize_groups(x2d, sizes, rowwise=True, columnwise=False, name=name,
-                                               draw_order=draw_order).part("rowwise")
+                                               draw_order=draw_order).part(ROWWISE)
         if columnwise:
             src = row.dequantize_2d().to(x2d.dtype) if double else x2d
             col = self.columnwise.quantize_groups(src, sizes, rowwise=False, columnwise=True, name=name,
-                                                  draw_order=draw_order).part("columnwise")
+                                                  draw_order=draw_order).part(COLUMNWISE)
         return QuantizedTensor(row if rowwise else None, col, shape=x2d.shape, dtype=x2d.dtype)
 
     def shape_rule(self, m, k, rowwise, columnwise):
-        need_row = rowwise or (columnwise and self.columnwise_source == "rowwise_dequantized")
+        need_row = rowwise or (columnwise and self.columnwise_source == ColumnwiseSource.ROWWISE_DEQUANTIZED)
         return ((self.rowwise.shape_rule(m, k, True, False) if need_row else None)
                 or (self.columnwise.shape_rule(m, k, False, True) if columnwise else None))
 
@@ -120,7 +116,7 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         if shard is not None and not shard.is_whole:
             return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
         kw_r, kw_c = self._split_global_stats(global_stats, rowwise, columnwise, x2d)
-        double = columnwise and self.columnwise_source == "rowwise_dequantized"
+        double = columnwise and self.columnwise_source == ColumnwiseSource.ROWWISE_DEQUANTIZED
         row = self.rowwise.quantize_parts(x2d, True, False, **kw_r)[0] if (rowwise or double) else None
         col = None
         if columnwise:
@@ -182,7 +178,7 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
     # -- sharded quantization (FSDP): the two sub-quantizers' statistics, side by side ------------------
     @property
     def _double(self) -> bool:
-        return self.columnwise_source == "rowwise_dequantized"
+        return self.columnwise_source == ColumnwiseSource.ROWWISE_DEQUANTIZED
 
     @staticmethod
     def _stats_numel(q: Quantizer, shard, k: int) -> int:
@@ -240,7 +236,7 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         if part.direction == direction:
             return None
         if self._double:
-            if direction != "columnwise":
+            if direction != COLUMNWISE:
                 return None
             src = part.dequantize_2d().to(dtype or torch.float32)
             return self.columnwise.quantize_parts(src, False, True)[1]
@@ -249,7 +245,7 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
         return None
 
     def buffer_hints(self, direction):
-        q = self.rowwise if direction == "rowwise" else self.columnwise
+        q = self.rowwise if direction == ROWWISE else self.columnwise
         return q.buffer_hints(direction)
 
     def shard_is_plain(self, shard, rowwise, columnwise):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dispatch
+from ..enums import AmaxComputeAlgo, Scaling
 from ..formats import Float8Quantizer
 from ..formats._numerics import FP8_MAX
 from ..formats._reduce import amax_all_reduce_
@@ -53,7 +54,7 @@ def _type_ok(cls: type, options: frozenset | None) -> bool:
 def _state_ok(q: Float8Quantizer) -> bool:
     # the state the update kernel takes
     h, s = q.amax_history, q.scale
-    return (q.amax_compute_algo in ("max", "most_recent")
+    return (q.amax_compute_algo in (AmaxComputeAlgo.MAX, AmaxComputeAlgo.MOST_RECENT)
             and isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor)
             and h.is_cuda and s.device == h.device and h.dtype == torch.float32 and s.dtype == torch.float32
             and h.dim() == 1 and 1 <= h.numel() <= MAX_HISTORY and h.is_contiguous()
@@ -69,7 +70,7 @@ def _launch(qs: list) -> None:
     # (the op sets its device from the tensors')
     torch.ops.hybridq.fp8_delayed_update([q.amax_history for q in qs], [q.scale for q in qs],
                                          [FP8_MAX[q.dtype] for q in qs], [_divisor(q.margin) for q in qs],
-                                         [int(q.amax_compute_algo == "most_recent") for q in qs])
+                                         [int(q.amax_compute_algo == AmaxComputeAlgo.MOST_RECENT) for q in qs])
     for q in qs:
         q.mark_updated()
 
@@ -83,7 +84,7 @@ def _divisor(margin: int) -> float:
 def update_delayed_scaling(quantizers: Iterable) -> None:
     """`q.update()` for every delayed-scaling quantizer in `quantizers` (and in the hybrids among them): one CUDA
     launch per device for the CUDA-resident states, the Python update for the rest. See the module docstring."""
-    delayed = [q for q in _flatten(quantizers) if isinstance(q, Float8Quantizer) and q.scaling == "delayed"]
+    delayed = [q for q in _flatten(quantizers) if isinstance(q, Float8Quantizer) and q.scaling == Scaling.DELAYED]
     batch = [q for q in delayed if _kernel_ok(q)]
     ptrs = [t.data_ptr() for q in batch for t in (q.amax_history, q.scale)]
     if len(set(ptrs)) != len(ptrs):  # shared state: the sequential Python semantics

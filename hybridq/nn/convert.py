@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from ..enums import OnIncompatible
 from ..errors import FormatShapeError
 from ..recipe import CustomRecipe, resolve_recipe
 from .linear import Linear
@@ -18,7 +19,6 @@ from .replaceable import carry_over, direct_readers, replacement_blocker
 
 log = logging.getLogger("hybridq")
 
-ON_INCOMPATIBLE = ("skip", "error")
 _LINEAR = "hybridq.nn.Linear"
 _LINEAR_ATTRS = frozenset(vars(nn.Linear(1, 1, device="meta")))  # what Linear.from_linear sets up itself
 _NORM = "hybridq.nn.RMSNorm"
@@ -94,7 +94,7 @@ def _children(model: nn.Module, module_filter_fn,
 
 def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
                     module_filter_fn: Callable[[nn.Module, str], bool] | None = None, *,
-                    on_incompatible: str = "skip", norms: bool = True) -> ConversionReport:
+                    on_incompatible: OnIncompatible | str = "skip", norms: bool = True) -> ConversionReport:
     """Replace every nn.Linear of `model` (for which `module_filter_fn(module, fqn)` is true) by a hybridq
     Linear sharing its parameters; a layer that is already a hybridq Linear with another recipe gets `recipe`
     (its report row says which recipe it had), one with an equal recipe is left as it is ("already converted").
@@ -114,8 +114,7 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
     protocol, see hybridq.nn.norm) for hybridq.nn.RMSNorm sharing its weight: one kernel per pass on CUDA, and
     max|y| computed in passing for the per-tensor casts of the Linear layers that read y. A candidate whose math
     does not match on a probe input, or that the swap would lose behaviour of, is kept (the report says why)."""
-    if on_incompatible not in ON_INCOMPATIBLE:
-        raise ValueError(f"on_incompatible must be one of {ON_INCOMPATIBLE}, got {on_incompatible!r}")
+    on_incompatible = OnIncompatible.parse(on_incompatible, "on_incompatible")
     recipe = resolve_recipe(recipe, "convert_linears")
     recipe.backward_override  # an invalid override raises even on a model without Linear layers
     readers = direct_readers(model)
@@ -141,7 +140,7 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
             else:
                 new = Linear.from_linear(child, recipe, name=full)
         except FormatShapeError as e:
-            if on_incompatible == "error":
+            if on_incompatible == OnIncompatible.ERROR:
                 raise
             if previous is None:
                 log.warning("hybridq: keeping layer '%s' in high precision: %s", full, e)
@@ -172,9 +171,9 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
 
 
 def _keep(layers: list[LayerReport], full: str, child: nn.Module, previous: str | None, why: str,
-          on_incompatible: str) -> None:
+          on_incompatible: OnIncompatible) -> None:
     """A layer conversion would lose behaviour of: raise ("error") or keep it as it is, with the reason."""
-    if on_incompatible == "error":
+    if on_incompatible == OnIncompatible.ERROR:
         raise ValueError(f"cannot convert layer '{full}' ({type(child).__name__}) to {_LINEAR} without losing "
                          f"behaviour: {why}. Conversion keeps what a module does and owns or leaves the module as it "
                          f"is: exclude it with module_filter_fn, or pass on_incompatible='skip' to keep it")

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..enums import ROWWISE
 from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_recipe
@@ -285,7 +286,7 @@ class GroupedLinear(nn.Module):
         gathered = isinstance(self.weight, GroupedGatheredForm)  # FSDP2 gathered the experts quantized
         held_quantized = is_quantized_experts(self.weight)  # quantized_model_init / quantize_parameters
         if gathered:  # a direction gathered lazily is a collective: every rank asks, whatever its token counts
-            self.weight.ensure_direction("rowwise")
+            self.weight.ensure_direction(ROWWISE)
         # a router's per-expert counts are rarely multiples of 16: without padding the hardware GEMMs refuse them
         # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
         multiple = native_row_multiple(x.device)

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from ..enums import COLUMNWISE, ROWWISE
 from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
@@ -107,16 +108,16 @@ class PackedBlockExperts(torch.autograd.Function):
         xq = quantizers["input"].quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=need_wgrad,
                                                  name=f"input of {name}")
         wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
-        x_row = xq.part("rowwise")
+        x_row = xq.part(ROWWISE)
         ys = []
         for g, o, p, m in used:
-            y = gemm(x_row.row_slice(o, o + p, group=g), wq.part(g, "rowwise"), x.dtype,
+            y = gemm(x_row.row_slice(o, o + p, group=g), wq.part(g, ROWWISE), x.dtype,
                      f"fprop of {name} (expert {g})")
             ys.append(y[:m] if p != m else y)
         # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
-        w_saved = wq.only("columnwise").tensors if need_dgrad else []
+        w_saved = wq.only(COLUMNWISE).tensors if need_dgrad else []
         ctx.packed_weight = wq.packed
-        save_quantized(ctx, _only(xq, "columnwise") if need_wgrad else None, *w_saved)
+        save_quantized(ctx, _only(xq, COLUMNWISE) if need_wgrad else None, *w_saved)
         return torch.cat(ys)
 
     @staticmethod
@@ -137,15 +138,15 @@ class PackedBlockExperts(torch.autograd.Function):
                                                             draw_order=range(e - 1, -1, -1))
         if need_dgrad:  # dy rowwise x W columnwise
             weights = ExpertWeights(w_saved, n, ctx.packed_weight)
-            dy_row = dyq.part("rowwise")
+            dy_row = dyq.part(ROWWISE)
             parts = []
             for g, o, p, m in used:
-                dx_g = gemm(dy_row.row_slice(o, o + p, group=g), weights.part(g, "columnwise"), dy.dtype,
+                dx_g = gemm(dy_row.row_slice(o, o + p, group=g), weights.part(g, COLUMNWISE), dy.dtype,
                             f"dgrad of {name} (expert {g})")
                 parts.append(dx_g[:m] if p != m else dx_g)
             dx = torch.cat(parts)
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
-            dy_col, xc = dyq.part("columnwise"), x_col.part("columnwise")
+            dy_col, xc = dyq.part(COLUMNWISE), x_col.part(COLUMNWISE)
             for g, o, p, _ in used:
                 dw[g] = gemm(dy_col.row_slice(o, o + p, group=g), xc.row_slice(o, o + p, group=g), dy.dtype,
                              f"wgrad of {name} (expert {g})").to(ctx.w_dtype)

@@ -12,7 +12,7 @@ import torch
 
 from ..formats.base import Quantizer
 from ..gemm import gemm
-from ..enums import BackwardOverride
+from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Direction
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource
 from .known_amax import known_amax
@@ -56,7 +56,7 @@ class _SharedInputs(TensorSideTable):
         self.enabled = True
 
     def get(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | None:
-        return self.find(x, lambda eq, xq: (eq is q or eq == q) and (not columnwise or xq.has("columnwise")))
+        return self.find(x, lambda eq, xq: (eq is q or eq == q) and (not columnwise or xq.has(COLUMNWISE)))
 
     def put(self, x: torch.Tensor, q: Quantizer, xq: QuantizedTensor) -> None:
         super().put(x, q, xq, same_key=lambda eq: eq is q or eq == q)
@@ -108,11 +108,11 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise
     return xq
 
 
-def _only(q: QuantizedTensor, direction: str) -> QuantizedTensor:
+def _only(q: QuantizedTensor, direction: Direction) -> QuantizedTensor:
     """Keep a single direction (drop what backward does not read, so it is not held in memory)."""
-    if direction == "columnwise":
-        return QuantizedTensor(None, q.part("columnwise"), shape=q.shape, dtype=q.dtype)
-    return QuantizedTensor(q.part("rowwise"), None, shape=q.shape, dtype=q.dtype)
+    if direction == COLUMNWISE:
+        return QuantizedTensor(None, q.part(COLUMNWISE), shape=q.shape, dtype=q.dtype)
+    return QuantizedTensor(q.part(ROWWISE), None, shape=q.shape, dtype=q.dtype)
 
 
 def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cached_weight: QuantizedTensor | None,
@@ -129,7 +129,7 @@ def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cac
         wq = weight
     else:
         wq = cfg.weight_q.quantize(weight, rowwise=True, columnwise=w_col, name=f"weight of {cfg.name}")
-    y = gemm(xq.part("rowwise"), wq.part("rowwise"), x.dtype, f"fprop of {cfg.name}")
+    y = gemm(xq.part(ROWWISE), wq.part(ROWWISE), x.dtype, f"fprop of {cfg.name}")
     if bias is not None:
         y = y + bias.to(x.dtype)
     return x2d, xq, wq, y
@@ -168,7 +168,7 @@ def cached_quantized_weight(cache: tuple[Any, QuantizedTensor, WeightFingerprint
     if not is_first_microbatch and cache is not None and stale:
         log.warning("%s: is_first_microbatch=False but the weight changed since it was quantized; "
                     "quantizing it again", name)
-    missing = cache is not None and cache_columnwise and not cache[1].has("columnwise")
+    missing = cache is not None and cache_columnwise and not cache[1].has(COLUMNWISE)
     if is_first_microbatch or stale or missing:
         cache = (key, q.quantize(w.detach(), rowwise=True, columnwise=cache_columnwise, name=f"weight of {name}"),
                  WeightFingerprint(w))
@@ -194,11 +194,11 @@ def forward_and_saved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             saved_w = weight.detach() if isinstance(weight, HighPrecisionSource) else weight.dequantize()
         saved_x = x2d if need_wgrad else None
     elif override == BackwardOverride.DEQUANTIZED:
-        saved_x = _only(xq, "rowwise") if need_wgrad else None
-        saved_w = _only(wq, "rowwise") if need_dgrad else None
+        saved_x = _only(xq, ROWWISE) if need_wgrad else None
+        saved_w = _only(wq, ROWWISE) if need_dgrad else None
     else:
-        saved_x = (x2d if cfg.save_original_input else _only(xq, "columnwise")) if need_wgrad else None
-        saved_w = _only(wq, "columnwise") if need_dgrad else None
+        saved_x = (x2d if cfg.save_original_input else _only(xq, COLUMNWISE)) if need_wgrad else None
+        saved_w = _only(wq, COLUMNWISE) if need_dgrad else None
     return y, saved_x, saved_w
 
 
@@ -231,12 +231,12 @@ def linear_grads(cfg: _LinearConfig, dy: torch.Tensor, saved_x: Any, saved_w: An
         dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
                                          name=f"grad_output of {cfg.name}")
         if need_dgrad:
-            dx = gemm(dyq.part("rowwise"), saved_w.part("columnwise"), dy.dtype, f"dgrad of {cfg.name}")
+            dx = gemm(dyq.part(ROWWISE), saved_w.part(COLUMNWISE), dy.dtype, f"dgrad of {cfg.name}")
         if need_wgrad:
             xq = saved_x
             if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
                 xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
-            dw = gemm(dyq.part("columnwise"), xq.part("columnwise"), dy.dtype, f"wgrad of {cfg.name}")
+            dw = gemm(dyq.part(COLUMNWISE), xq.part(COLUMNWISE), dy.dtype, f"wgrad of {cfg.name}")
 
     if dx is not None:
         dx = dx.reshape(x_shape) if gather is None else gather.reduce_grad(dx)

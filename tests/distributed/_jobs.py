@@ -453,7 +453,7 @@ def job_high_precision(rank, world_size, device, presets, steps=2):
             sent = (st.counters["bytes_sent"] - before) / steps
             expect = gather_bytes_per_step(lin.weight_quantizer, HP_SHAPE, world_size, reshard_after_forward=ra,
                                            backward_override="high_precision")
-            out[name] = {"bytes_per_step": sent, "expected_bytes_per_step": expect["total"], "diffs": diffs,
+            out[name] = {"bytes_per_step": sent, "expected_bytes_per_step": expect.total, "diffs": diffs,
                          "freed": _owned_freed(model), "reshard_after_forward": ra, "counters": dict(st.counters)}
         finally:
             if from_env:

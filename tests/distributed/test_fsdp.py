@@ -51,7 +51,7 @@ def check_invariance(inv: dict, world_size: int, rank: int, names=_jobs.INVARIAN
         assert mat == want, f"{where}: {name} materialized {mat!r}, expected {want!r}"
     assert all(inv["freed"]), f"{where}: quantized unsharded buffers survived reshard (rounds {inv['freed']})"
     if world_size > 1:
-        assert inv["precompute"]["all_reduces"] == 1, (where, inv["precompute"])
+        assert inv["precompute"].all_reduces == 1, (where, inv["precompute"])
         over = {n: c for n, c in inv["counters"].items() if c.get("stats_allreduce", 0) > 1}
         assert not over, f"{where}: the second round did not use the precomputed statistics: {over}"
 
@@ -108,7 +108,7 @@ def test_training_matches_single_process_every_preset(backend):
         assert c.get("stats_allreduce", 0) <= run["converted"], run
         # a backward unshard that sends what the forward one sent reuses the forward's quantized shard
         sends = gather_bytes_per_step(hybridq.recipe(run["preset"]).quantizer(Role("linear", "weight")), (256, 256))
-        want = c["gather_backward"] if sends["forward_sends"] == sends["backward_sends"] else 0
+        want = c["gather_backward"] if sends.forward_sends == sends.backward_sends else 0
         assert c.get("payload_reused", 0) == want, (run["preset"], sends, c)
         if run["preset"] in ("fp8_tensorwise", "fp8_block"):  # payload of one buffer: no copy after the gather
             assert c.get("aliased", 0) >= c["gather_forward"], (run["preset"], c)

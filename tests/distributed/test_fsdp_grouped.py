@@ -68,7 +68,7 @@ def test_statistics_of_all_experts_reduce_in_one_all_reduce(invariance_and_error
     for rank, res in enumerate(invariance_and_errors):
         inv = res["invariance"]
         for pre in inv["precompute"]:
-            assert pre["all_reduces"] == 1 and pre["weights"] > 0, (rank, pre)
+            assert pre.all_reduces == 1 and pre.weights > 0, (rank, pre)
         for per_weight in inv["allreduces"]:
             assert max(per_weight.values()) == 1, f"rank {rank}: more than one all-reduce per weight: {per_weight}"
 

@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import hybridq
 from hybridq import Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
-from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, bytes_table, gather_bytes_per_step, precompute_scales
+from hybridq.distributed import (HybridWeight, PrecomputedScales, apply_hybrid_fsdp, bytes_table, gather_bytes_per_step,
+                                 precompute_scales)
 from hybridq.distributed.plan import make_plan
 from hybridq.distributed.payload import assemble_parts, build_payload, quantize_shard
 from hybridq.formats._sharding import RowShard, dim0_chunks
@@ -198,7 +199,7 @@ def test_unsharded_model_matches_plain_conversion(preset):
         model(x).float().pow(2).mean().backward()
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa.grad, pb.grad), n
-    assert precompute_scales(b) == {"weights": 0, "values": 0, "all_reduces": 0}
+    assert precompute_scales(b) == PrecomputedScales(weights=0, values=0, all_reduces=0)
     sd = b.state_dict()
     assert all(type(v) is torch.Tensor for v in sd.values())
     for (n, pa) in a.state_dict().items():
@@ -228,19 +229,19 @@ def test_bytes_per_step_table(summary_table):
     for preset, ratio in expected.items():
         q = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
         r = gather_bytes_per_step(q, (4096, 4096), 2)
-        assert r["ratio"] == pytest.approx(ratio, abs=1e-4), (preset, r)
-        assert r["total"] < r["bf16_total"]
+        assert r.ratio == pytest.approx(ratio, abs=1e-4), (preset, r)
+        assert r.total < r.bf16_total
     # backward_override="high_precision": forward sends the rowwise form, backward the bf16 shard (2 bytes per
     # element); without reshard after forward only the bf16 shard is sent (the rowwise form is quantized from it)
     hp = {"fp8_tensorwise": 0.75, "mxfp8": 0.7578125, "nvfp4": 0.6259765625, "mxfp8_fwd_nvfp4_bwd": 0.7578125}
     for preset, ratio in hp.items():
         q = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
         r = gather_bytes_per_step(q, (4096, 4096), 2, backward_override="high_precision")
-        assert r["ratio"] == pytest.approx(ratio, abs=1e-4), (preset, r)
-        assert (r["forward_sends"], r["backward_sends"], r["backward"]) == ("rowwise", "high_precision", 4096 * 2048 * 2)
+        assert r.ratio == pytest.approx(ratio, abs=1e-4), (preset, r)
+        assert (r.forward_sends, r.backward_sends, r.backward) == (("rowwise",), ("high_precision",), 4096 * 2048 * 2)
         r = gather_bytes_per_step(q, (4096, 4096), 2, backward_override="high_precision", reshard_after_forward=False)
-        assert (r["forward_sends"], r["ratio"]) == ("high_precision", 1.0), (preset, r)
+        assert (r.forward_sends, r.backward, r.ratio) == (("high_precision",), None, 1.0), (preset, r)
     # an unevenly sharded vocabulary projection still sends one byte per element for FP8 tensorwise / 128x128
     for preset in ("fp8_tensorwise", "fp8_block"):
         q = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
-        assert gather_bytes_per_step(q, (50257, 4096), 2)["ratio"] == pytest.approx(0.5, abs=1e-3)
+        assert gather_bytes_per_step(q, (50257, 4096), 2).ratio == pytest.approx(0.5, abs=1e-3)
