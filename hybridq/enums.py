@@ -32,6 +32,15 @@ class _StrEnum(str, enum.Enum):
         raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}")
 
 
+# [Note: direction]
+# A quantized tensor serves up to two uses, each a direction with its own stored form (a part, see [Note: part],
+# formats/base.py): rowwise, the `[M, K]` view with its scaling blocks along K (what the forward GEMM reads), and
+# columnwise, stored transposed `[K, M]` with its blocks along M (what the transposed backward GEMMs read). Both are
+# "rows by contracted dim", so every GEMM is `A @ B^T` over two stored forms: fprop x.rowwise @ W.rowwise^T, dgrad
+# dy.rowwise @ W.columnwise^T, wgrad dy.columnwise @ x.columnwise^T. A hybrid quantizer gives the two directions two
+# formats. Where a format derives one direction exactly from the other (a per-tensor FP8 byte transpose, 2-D tiles),
+# the distributed code gathers one and derives the other. Beside the two, the gathers know one more form,
+# HIGH_PRECISION: the tensor's values in the gather dtype (what backward_override="high_precision" reads).
 class Direction(_StrEnum):
     """Which use of a tensor a quantized part serves (docs/numerics.md "Terms"): rowwise (blocks along the last
     dim; what the forward GEMM reads) or columnwise (blocks along dim 0; what the transposed backward GEMMs

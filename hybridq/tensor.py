@@ -1,4 +1,5 @@
-"""`QuantizedTensor`: a torch.Tensor wrapper subclass over one or two quantized parts.
+"""`QuantizedTensor`: a torch.Tensor wrapper subclass over one or two quantized parts (see [Note: part],
+formats/base.py, and [Note: direction], enums.py).
 
 It reports the shape and dtype of the high-precision tensor it stands for, so it can flow through
 autograd (`ctx.save_for_backward`, saved-tensor hooks for offload / recompute) like the original. The op

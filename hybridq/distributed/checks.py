@@ -1,4 +1,5 @@
-"""Sharding-dependent rules of a weight's formats, checked for every rank's shard as soon as the layout is known.
+"""Sharding-dependent rules of a weight's formats, checked for every rank's shard as soon as the layout is known
+(the layouts that cannot keep [Note: sharding invariance], formats/shardable.py).
 
 Some formats can quantize a tensor but not every row shard of it (e.g. NVFP4 with the Hadamard transform
 mixes 16 consecutive rows, so a columnwise shard must start and end on a multiple of 16 rows). Those rules are

@@ -1,5 +1,6 @@
 """`quantize_master_weights`: refresh a model's weights from fp32 master fragments owned by different ranks (ZeRO
-optimizers), so that every rank's weight is bitwise the quantization of the whole master cast to the model dtype.
+optimizers), so that every rank's weight is bitwise the quantization of the whole master cast to the model dtype
+(each fragment a piece: see [Note: piece], pieces.py, and [Note: sharding invariance], formats/shardable.py).
 
 Per call: each fragment is cast to the model dtype (as FSDP2's param_dtype cast); one MAX all-reduce carries every
 per-tensor statistic (global amaxes) and the partial amaxes of the blocks that fragments share

@@ -23,8 +23,19 @@ from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart, Quantizer
 from ..formats.identity import IdentityQuantizer
 
-# a third "direction" beside rowwise / columnwise: the shard itself in the gather dtype (FSDP's param_dtype), sent
-# as an identity part (backward_override="high_precision": dgrad reads the high-precision weight)
+# [Note: payload]
+# A payload is the bytes one rank contributes to one all-gather: the parts it quantized of its piece (see
+# [Note: part], formats/base.py, and [Note: piece], pieces.py), each split by the part's buffer protocol into dim-0
+# buffers (data and compact scales in row order, padding stripped, transposed forms turned back to dim-0 order),
+# laid out in one uint8 tensor whose layout is the same on every rank (each buffer padded to the most block rows
+# any rank owns, 16-byte aligned). Bytes, because one payload mixes dtypes, gloo cannot gather float8 and FSDP2
+# gathers one tensor per parameter. The receiver concatenates each buffer's owned rows of all ranks and the part
+# class rebuilds the whole part (`assign_gathered`); `PayloadMeta` says where each buffer lies. FSDP2's weight
+# gathers, the sequence-parallel activation gathers and the grouped weights (one slot per expert, layout.py) all
+# send payloads.
+
+# what an unshard may send (see [Note: direction]): HIGH_PRECISION is the shard itself in the gather dtype (FSDP's
+# param_dtype), sent as an identity part (backward_override="high_precision": dgrad reads the high-precision weight)
 DIRECTIONS = (ROWWISE, COLUMNWISE, HIGH_PRECISION)
 _IDENTITY = IdentityQuantizer()
 

@@ -57,6 +57,13 @@ def reject_stateful(q: Quantizer, name: str) -> None:
 
 
 @dataclasses.dataclass(eq=False)
+# [Note: piece]
+# A piece is a rank's share of a tensor that is quantized as part of the whole: an FSDP2 row shard of a weight, a
+# tensor-parallel weight's rows or columns, a sequence-parallel activation's rows, a ZeRO optimizer's flat fragment.
+# It is quantized with the statistics it shares with the other pieces, MAX-reduced over the group first, so that it
+# is bitwise its share of the whole tensor's quantization (see [Note: sharding invariance], formats/shardable.py).
+# Where a cut may fall (`split_granularity`: whole scaling blocks) is the format's rule, checked on every rank alike
+# before anything is quantized.
 class PieceQuantizer:
     """Quantizes this rank's piece of a tensor split across `group` along `dim` ("rows" or "columns") as the
     piece of the whole tensor's quantization. Quacks like the Quantizer it wraps where a Linear calls it."""

@@ -1,5 +1,6 @@
 """Sequence parallelism: the input of a column-parallel Linear arrives as this rank's slice of the sequence, is
-quantized here (statistics reduced over the tensor-parallel group) and all-gathered in its quantized form.
+quantized here (statistics reduced over the tensor-parallel group: see [Note: piece], pieces.py) and all-gathered in
+its quantized form (a payload: see [Note: payload], payload.py).
 
 Each rank's tokens are a row shard of the whole input's `[M, K]` view when the sequence dim is the first dim
 that is larger than 1 (`[S, B, H]`, or `[B, S, H]` with B = 1): the FSDP2 row-shard machinery then applies as

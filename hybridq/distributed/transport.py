@@ -1,4 +1,4 @@
-"""Building the bytes one rank all-gathers, and all-gathering them outside FSDP2.
+"""Building the bytes one rank all-gathers (see [Note: payload], payload.py), and all-gathering them outside FSDP2.
 
 `prepare_payload` casts a rank's shard to the gather dtype, reduces the cross-shard statistics and packs the
 quantized shard (`payload.py`); `prepare_grouped` does the same for every expert of a grouped weight, one slot per

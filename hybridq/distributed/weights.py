@@ -2,7 +2,8 @@
 weight) and its all-gather hooks, which gather the quantized form the module's weight quantizer defines into a
 `GatheredWeight` (a `GroupedGatheredWeight` of one per expert, each quantized on its own).
 
-Flow per unshard (all format knowledge stays in the formats, reached through `payload.py`):
+Flow per unshard (all format knowledge stays in the formats, reached through `payload.py`; the result keeps
+[Note: sharding invariance], formats/shardable.py; the bytes are a payload, [Note: payload]):
 
     sharded fp32 shard --(cast to param_dtype)--> shard_stats --(MAX all-reduce, or precomputed)--> reduced
     quantize the shard with the reduced statistics --> dim-0 buffers --> one uint8 payload per rank

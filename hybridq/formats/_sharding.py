@@ -1,5 +1,6 @@
 """Row shards of a 2-D tensor and the block bookkeeping the formats need to quantize one shard so that the
-result is bitwise what quantizing the whole tensor gives for those rows ("sharding invariance").
+result is bitwise what quantizing the whole tensor gives for those rows (see [Note: sharding invariance],
+shardable.py).
 
 FSDP2 shards a weight along dim 0, i.e. along the rows M of its `[M, K]` view. Blocks that run along K
 (rowwise 1x32 / 1x128 / 1x16 blocks) never straddle a shard boundary; blocks that run along M (columnwise

@@ -86,6 +86,13 @@ class OperandKind(NamedTuple):
     scale_dtype: torch.dtype | None = None
 
 
+# [Note: part]
+# A part is one direction of one quantized tensor (see [Note: direction], hybridq/enums.py) in one format: its own
+# tensors (data, scales, a global amax...) and metadata, `rows` x `cols` as stored (a columnwise part is stored
+# transposed). A QuantizedTensor (tensor.py) holds a rowwise and/or a columnwise part; a GEMM reads two parts; the
+# distributed code moves parts as buffers that concatenate along dim 0 (GatherablePart, see [Note: payload]). The
+# quantizer decides the numbers; the part only stores them, dequantizes them and describes them (`meta`, scale
+# layout, bytes), so that code outside formats/ needs no format's name.
 class QuantizedPart:
     """One direction of a quantized tensor: a 2-D matrix in GEMM orientation plus its scales.
 

@@ -16,6 +16,14 @@ from __future__ import annotations
 import torch
 
 
+# [Note: sharding invariance]
+# Whatever the world size, shard layout or parallelism, the quantized tensor hybridq gathers (or a GEMM reads) is
+# bitwise the quantization of the whole tensor on one device. Every statistic a cut crosses (a per-tensor amax, the
+# amax of a block that a shard boundary splits, NVFP4's global amax, a row's amax when columns are cut) is reduced
+# across the ranks before any rank quantizes (`shard_stats` / `global_stats` / `piece_stats`: one MAX all-reduce,
+# NaN-preserving, formats/_reduce.py), and each rank then quantizes its piece with the reduced values (see
+# [Note: piece]). A layout that cannot keep it (a cut through an NVFP4 Hadamard group) is refused before anything is
+# quantized, never approximated. The distributed tests check this oracle for every format at several world sizes.
 class GatherablePart:
     """Mixin for a `QuantizedPart` that FSDP2 can all-gather (the buffer protocol)."""
 

@@ -1,7 +1,7 @@
 """The computation of a hybridq Linear, apart from the module: its configuration, the input sharing between layers
 that read one tensor, the forward (what it saves for backward), the gradients, and the autograd function that joins
-them. `Linear` (linear.py), `GroupedLinear` (one call per expert), tensor parallelism and the compiled path
-(compiled_linear.py) all run it."""
+them (its three GEMMs read the directions of [Note: direction], enums.py). `Linear` (linear.py), `GroupedLinear`
+(one call per expert), tensor parallelism and the compiled path (compiled_linear.py) all run it."""
 
 from __future__ import annotations
 
