@@ -184,3 +184,50 @@ def test_the_rowwise_format_is_named_only_in_the_documented_files():
     package = sorted(f for f in found if f.startswith("hybridq/"))
     assert package == ["hybridq/__init__.py", "hybridq/formats/__init__.py", "hybridq/formats/float8_rowwise.py"], \
         f"a format is one module and its export lines; in the package it is named in {package}"
+
+
+# closed sets (hybridq.enums): members inside the package, strings only at the API boundary (parsed there)
+def _closed_values() -> set[str]:
+    import enum
+
+    import hybridq.enums as enums
+
+    return {m.value for e in vars(enums).values()
+            if isinstance(e, type) and issubclass(e, enum.Enum) and e.__module__ == enums.__name__ for m in e}
+
+
+DIRECTION_METHODS = {"part", "has", "only", "_only", "ensure_direction", "derive_part"}
+# a literal that is not a member of the closed set it spells: (module, value) -> what it is
+NOT_CLOSED = {("hybridq.nn.replaceable", "weight"): "a parameter's name"}
+
+
+def _closed_literals(name: str, path: pathlib.Path, values: set[str]) -> list[str]:
+    """`line: what` of every comparison against a closed-set string (==, !=, in a tuple / set / list of them) and
+    every direction string passed to a method taking a direction."""
+    out = []
+
+    def strings(node) -> list[str]:
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.Set, ast.List)) else [node]
+        return [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for s in (s for operand in [node.left, *node.comparators] for s in strings(operand)):
+                if s in values and (name, s) not in NOT_CLOSED:
+                    out.append(f"{node.lineno}: compared with {s!r}")
+        elif isinstance(node, ast.Call):
+            method = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if method in DIRECTION_METHODS:
+                for s in (s for a in node.args for s in strings(a)):
+                    if s in ("rowwise", "columnwise"):
+                        out.append(f"{node.lineno}: {method}({s!r})")
+    return out
+
+
+def test_closed_sets_are_enum_members_inside_the_package():
+    values = _closed_values()
+    found = {m: _closed_literals(m, p, values) for m, p in MODULES.items() if m != "hybridq.enums"}
+    found = {m: r for m, r in found.items() if r}
+    assert not found, ("string literals of hybridq.enums' closed sets inside the package (use the members; parse a "
+                       "user's string at the API boundary with `Enum.parse`): "
+                       + "; ".join(f"{m} {r}" for m, r in sorted(found.items())))
