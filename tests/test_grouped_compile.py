@@ -64,12 +64,15 @@ def test_jagged_presets_are_listed():
     assert "fp8_tensorwise" in JAGGED_PRESETS, JAGGED_PRESETS
 
 
-@pytest.mark.parametrize("x_grad", [True, False], ids=["dgrad+wgrad", "wgrad-only"])
+@pytest.mark.parametrize("x_grad, w_grad", [(True, True), (False, True), (True, False)],
+                         ids=["dgrad+wgrad", "wgrad-only", "frozen-experts"])
 @pytest.mark.parametrize("preset", JAGGED_PRESETS)
-def test_grouped_linear_in_graph_is_bitwise_eager(preset, x_grad):
+def test_grouped_linear_in_graph_is_bitwise_eager(preset, x_grad, w_grad):
     """fullgraph=True (no graph break at either GroupedLinear): output and every gradient bit for bit eager's."""
     torch.manual_seed(0)
     model = MoEBlock(preset)
+    for layer in (model.up, model.down):
+        layer.weight.requires_grad_(w_grad)
     x = torch.randn(sum(SPLITS), D).requires_grad_(x_grad)
     m_splits = torch.tensor(SPLITS)
     want = _grads(model, model, x, m_splits)
