@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .enums import COLUMNWISE, ROWWISE, Direction
+from .torch_private import graph_task_id
 
 if TYPE_CHECKING:
     from .formats.base import QuantizedPart
@@ -302,7 +303,7 @@ def backward_epoch() -> int:
 
 def count_backward_pass() -> None:
     """Bump `backward_epoch` when the autograd graph task changed since the last hybridq backward."""
-    task = torch._C._current_graph_task_id()
+    task = graph_task_id()
     if task != _BACKWARD["task"]:
         _BACKWARD["task"] = task
         _BACKWARD["epoch"] += 1

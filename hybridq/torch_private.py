@@ -6,6 +6,9 @@ the tensor subclass's dispatch), while hybridq needs the very object FSDP2 holds
 parameters wrap the same shard, its version counter sees in-place updates, and its type says whether FSDP2
 all-gathers it quantized. So the private attribute is read here, and only here.
 
+The autograd graph task running on this thread: whether a backward pass is running (and which one); torch has no
+public query for it.
+
 A storage's use count: whether a fresh allocation is referenced by one tensor only (then the unsharded weight may
 adopt it instead of copying it); torch has no public query for it.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["local_tensor", "storage_use_count"]
+__all__ = ["graph_task_id", "in_backward", "local_tensor", "storage_use_count"]
 
 
 def local_tensor(x) -> torch.Tensor | None:
@@ -26,3 +29,13 @@ def local_tensor(x) -> torch.Tensor | None:
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many references the storage's implementation has (a tensor and its views each hold one)."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def graph_task_id() -> int:
+    """The id of the autograd graph task (backward pass) running on this thread, -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread."""
+    return graph_task_id() != -1

@@ -17,13 +17,9 @@ import torch
 import torch.nn as nn
 
 from ..enums import Phase
+from ..torch_private import in_backward
 
 __all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "phase_of"]
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _param_groups(state) -> list:

@@ -17,6 +17,7 @@ from ._numerics import FLT_MAX, FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp
 from ._reduce import amax_all_reduce_
 from ..enums import AmaxComputeAlgo, Scaling
 from ..tensor import backward_epoch
+from ..torch_private import in_backward
 from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
 from .shardable import GatherablePart, ShardableQuantizer
 
@@ -193,7 +194,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
     # tell which cast is replayed: that raises.
     def replaying(self) -> bool:
         """True when a cast now would be a replay of the last forward cast (see above)."""
-        return self._casts_in_forward and torch._C._current_graph_task_id() != -1
+        return self._casts_in_forward and in_backward()
 
     def check_replay(self, name: str = "tensor") -> None:
         """Raise RuntimeError (changing nothing) when a cast now would be a replay that is ambiguous."""
@@ -231,7 +232,7 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
             return self._forward_scale.to(device)
         if self._update_pending:
             (run_update or self.update)()
-        if torch._C._current_graph_task_id() == -1:
+        if not in_backward():
             self._note_forward_cast()
         return self.scale
 
