@@ -25,7 +25,7 @@ def _require_torch() -> None:
 _require_torch()
 
 from . import dispatch
-from .enums import BackwardOverride, Direction, Scaling
+from .enums import AmaxComputeAlgo, BackwardOverride, ColumnwiseSource, Direction, OnIncompatible, Scaling, TensorType
 from .errors import FormatShapeError, RecipeError, StaleWeightError
 from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer, HybridQuantizer,
                       IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, QuantizedPart, Quantizer)
@@ -40,15 +40,17 @@ from .tensor import QuantizedTensor
 from .offload import CPUOffload
 from .recompute import checkpoint_contexts
 from .export import export_state_dict
-from .distributed import apply_hybrid_fsdp, precompute_scales
+from .distributed import PrecomputedScales, apply_hybrid_fsdp, precompute_scales
 from . import checkpoint  # noqa: E402 hybridq.checkpoint.write_manifest / verify_manifest around dcp.save / dcp.load
 
 __all__ = [
-    "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "BackwardOverride", "Quantizer", "QuantizedPart", "QuantizedTensor",
+    "ROWWISE", "COLUMNWISE", "Direction", "Scaling", "BackwardOverride", "TensorType", "OnIncompatible",
+    "AmaxComputeAlgo", "ColumnwiseSource", "Quantizer", "QuantizedPart", "QuantizedTensor",
     "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
     "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
     "Linear", "GroupedLinear", "RMSNorm", "convert_linears", "convert_norms", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
+    "PrecomputedScales",
     "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError", "StaleWeightError",
     "quantized_model_init", "quantize_parameters", "parameter_memory", "ParameterMemory", "high_precision_init_value",
 ]
