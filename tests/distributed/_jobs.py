@@ -5,6 +5,7 @@ bytes, memory); the test that names the behaviour asserts on it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import pathlib
 import sys
@@ -148,7 +149,7 @@ def job_invariance(rank, world_size, device, names=None, refused=()):
                 for lin, w in zip(layers, full):
                     lin.weight.mul_(-1.5)
                     w.mul_(-1.5)
-            out["precompute"] = precompute_scales(layers)
+            out["precompute"] = dataclasses.asdict(precompute_scales(layers))  # (JSON)
         for i, (lin, w) in enumerate(zip(layers, full)):
             q = lin.weight_quantizer
             lin.unshard()

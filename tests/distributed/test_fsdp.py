@@ -51,7 +51,7 @@ def check_invariance(inv: dict, world_size: int, rank: int, names=_jobs.INVARIAN
         assert mat == want, f"{where}: {name} materialized {mat!r}, expected {want!r}"
     assert all(inv["freed"]), f"{where}: quantized unsharded buffers survived reshard (rounds {inv['freed']})"
     if world_size > 1:
-        assert inv["precompute"].all_reduces == 1, (where, inv["precompute"])
+        assert inv["precompute"]["all_reduces"] == 1, (where, inv["precompute"])
         over = {n: c for n, c in inv["counters"].items() if c.get("stats_allreduce", 0) > 1}
         assert not over, f"{where}: the second round did not use the precomputed statistics: {over}"
 
