@@ -1,8 +1,10 @@
 """torch.compile of a model with hybridq layers (torchtitan's per-block compile). A Linear with a plain weight
 compiles into the graph as hybridq's custom ops (nn/compiled_linear.py; per-tensor FP8 layers as their traced ops,
-nn/float8_graph.py, see test_float8_graph.py) and computes bitwise what eager computes;
-what those ops do not take (GroupedLinear, delayed scaling, the is_first_microbatch cache, FSDP2's quantized
-all-gather) runs eagerly between compiled regions (a graph break each) and computes what eager computes."""
+nn/float8_graph.py, see test_float8_graph.py) and computes bitwise what eager computes; so does a Linear whose
+weight FSDP2 all-gathers quantized (its handle in the graph: tests/distributed/test_fsdp_compile.py).
+What those ops do not take (GroupedLinear, delayed scaling, the is_first_microbatch cache, quantized parameters,
+tensor-parallel DTensor weights) runs eagerly between compiled regions (a graph break each) and computes what eager
+computes."""
 
 from __future__ import annotations
 
@@ -298,3 +300,23 @@ def test_tracing_never_runs_or_turns_off_a_native_gemm(monkeypatch):
         b = q.quantize(torch.randn(32, 128), rowwise=True, columnwise=False, name="b").part("rowwise")
         y = gemm_module.gemm(a, b, torch.bfloat16, "test")
     assert (tuple(y.shape), y.dtype) == ((64, 32), torch.bfloat16), f"fake result {tuple(y.shape)} {y.dtype}"
+
+
+def test_a_handle_whose_weight_is_gone_is_a_clear_error():
+    """A compiled graph reads a gathered weight through a handle (nn/compiled_linear.py): once the weight's owner
+    is gone, running the op says so instead of reading freed or foreign memory."""
+    import gc
+
+    from hybridq.nn import compiled_linear
+
+    class Owner:
+        weight = None
+
+    layer = hq.Linear(64, 32, bias=False, recipe=hq.recipe("mxfp8"), name="fc")
+    owner = Owner()
+    handle = compiled_linear.weight_handle(owner, lambda o: o.weight)
+    del owner
+    gc.collect()
+    with pytest.raises(RuntimeError, match="is gone"):
+        torch.ops.hybridq.gathered_linear_forward(torch.randn(4, 64), handle, None, layer._configuration_key, None,
+                                                  False, False, [32, 64], torch.float32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..nn.compiled_linear import gathered_ops, weight_handle
 from ..tensor import QuantizedTensor
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, HighPrecisionSource
 from .payload import DIRECTIONS, HIGH_PRECISION
@@ -27,7 +28,11 @@ def _whole_view(args, kwargs) -> bool:
 
 class GatheredWeight(QuantizedTensor, HighPrecisionSource):
     """A QuantizedTensor whose directions are filled by the all-gathers (or, for a direction nobody planned
-    for, gathered on first use). Its buffers belong to the weight's `WeightState` (`state.py`, `buffers.py`)."""
+    for, gathered on first use). Its buffers belong to the weight's `WeightState` (`state.py`, `buffers.py`).
+
+    Under torch.compile it is its handle (`_handle`, see nn/compiled_linear.py): dynamo flattens it to that one
+    int64 tensor, the traced stand-in holds only the handle, and a compiled Linear's ops read the parts through it
+    when they run (after FSDP2's unshard of forward or backward), never copying or saving the gathered bytes."""
 
     @staticmethod
     def __new__(cls, rowwise, columnwise, *, shape, dtype, state, requires_grad: bool = False):
@@ -37,7 +42,36 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
         return self
 
     def _alias(self) -> "GatheredWeight":
+        if self._hq is None:
+            return GatheredWeight._traced(self._traced_handle, self.shape, self.dtype, self.device)
         return GatheredWeight(self._rowwise, self._columnwise, shape=self.shape, dtype=self.dtype, state=self._hq)
+
+    # -- torch.compile: the weight as its handle ----------------------------------------------------------------
+    @property
+    def _handle(self) -> torch.Tensor:
+        """The int64 tensor naming this weight's state in the compiled ops' table (made on first use)."""
+        if self._hq is None:
+            return self._traced_handle
+        h = self._hq.__dict__.get("compile_handle")
+        if h is None:
+            h = self._hq.compile_handle = weight_handle(self._hq, lambda st: st.gathered)
+        return h
+
+    @staticmethod
+    def _traced(handle: torch.Tensor, shape, dtype, device) -> "GatheredWeight":
+        """What compile traces with: the weight's shape, dtype and device, and its handle (no parts, no state)."""
+        self = torch.Tensor._make_wrapper_subclass(GatheredWeight, torch.Size(shape), dtype=dtype, device=device)
+        self._rowwise = self._columnwise = self._hq = None
+        self._traced_handle = handle
+        return self
+
+    def __tensor_flatten__(self):
+        # (the context holds nothing per layer: blocks of one configuration share one compiled graph)
+        return ["_handle"], (self.dtype, self.device)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return GatheredWeight._traced(inner["_handle"], outer_size, *ctx)
 
     def part(self, direction: str):
         self._hq.ensure(direction)
@@ -60,6 +94,9 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = gathered_ops(func, args, kwargs)  # a compiled Linear's ops, traced: they take the handle
+        if out is not None:
+            return out
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._alias()
         if func is aten.view.default and tuple(args[1]) == tuple(args[0].shape):
@@ -69,6 +106,8 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
         return QuantizedTensor.__torch_dispatch__(func, types, args, kwargs)
 
     def __repr__(self, *, tensor_contents=None) -> str:
+        if self._hq is None:
+            return f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, traced)"
         return (f"GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, formats={self.formats}, "
                 f"materialized={self.materialized or 'none'})")
 

@@ -14,28 +14,42 @@ Fake implementations (what compile traces with): the forward runs the same code 
 and GEMM op hybridq calls has one), which gives the saved tensors' shapes and dtypes; the backward's outputs have
 the input's, weight's and bias's shapes.
 
-What stays a graph break (the eager path): a weight that is not a plain tensor (FSDP2's quantized all-gather
-gives a `GatheredWeight`, quantized parameters, DTensors), tensor/sequence parallelism, the is_first_microbatch
-cache, and quantizers with state that changes across calls (delayed scaling: its history would be mutated behind
-the graph's back). `runs_in_graph` says which. Under CUDA graphs (mode="reduce-overhead") only the ops' kernels
-replay: nothing in them depends on host state but the layouts recorded below (fixed per configuration and shape)
-and stochastic rounding's Philox offsets, which the NVFP4 kernel reads from PyTorch's graph-safe state.
+A weight FSDP2 all-gathered quantized (apply_hybrid_fsdp's `GatheredWeight`) enters the graph as a handle: its
+`__tensor_flatten__` gives dynamo one inner tensor, a small int64 tensor naming the weight's state in a table here
+(`weight_handle`), so the graph neither copies nor saves the gathered bytes, whose storage FSDP2 frees at reshard
+and refills at the backward unshard. Traced, the `hybridq::linear_forward` / `linear_backward` call on it is turned
+into `hybridq::gathered_linear_forward` / `gathered_linear_backward` (by the gathered weight's __torch_dispatch__),
+which take the handle and read the unsharded weight's parts when they run, through the same eager code: forward
+reads the rowwise form, backward the form dgrad reads (gathered by the backward unshard, or on first use).
+
+What stays a graph break (the eager path): quantized parameters and DTensor weights (tensor/sequence parallelism),
+the is_first_microbatch cache, and quantizers with state that changes across calls (delayed scaling: its history
+would be mutated behind the graph's back). `runs_in_graph` says which.
+
+Under CUDA graphs (mode="reduce-overhead") only the ops' kernels replay: nothing in them depends on host state but
+the layouts recorded below (fixed per configuration and shape) and stochastic rounding's Philox offsets, which the
+NVFP4 kernel reads from PyTorch's graph-safe state. A gathered weight's op reads buffers FSDP2 reallocates at every
+unshard: its graph must not be replayed, and is not (Inductor does not CUDA-graph a graph with a CPU input, the
+handle).
 """
 
 from __future__ import annotations
 
+import itertools
 import uuid
+import weakref
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..enums import BackwardOverride
+from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
-from .linear_function import (_LinearConfig, forward_and_saved, gradients_needed, linear_grads,
+from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
 
-__all__ = ["compiled_linear", "configuration_key", "runs_in_graph"]
+__all__ = ["compiled_linear", "configuration_key", "gathered_ops", "runs_in_graph", "weight_handle"]
 
 # Configurations by key. The custom ops take plain values only, so a layer's configuration (its three quantizers
 # and save_original_input) travels as a string, and every string in a graph is a constant the graph is compiled
@@ -54,6 +68,11 @@ _MAX_LAYOUTS = 4096
 # layout entries of a saved operand that is not a quantized tensor: absent, or the op's own input or weight (an
 # op cannot return its inputs; the backward op takes them)
 _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
+# the layout entry of a weight read through its handle (a gathered weight): the backward op reads it again
+_HANDLE = "handle"
+# weights read through a handle: handle value -> (weak reference to its owner, how the owner gives the weight)
+_HANDLES: dict[int, tuple[weakref.ref, Callable]] = {}
+_NEXT_HANDLE = itertools.count()
 
 
 class _Layer:
@@ -91,22 +110,57 @@ def _config(key: str, override: str | None) -> _LinearConfig:
 
 def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> bool:
     """Whether this call of `module` (a Linear) runs as the custom ops inside a compiled graph, rather than as a
-    graph break: a plain weight, no tensor parallelism, no quantizer with state, no weight cache. Traced by dynamo:
-    the weight is looked at only after the flags that say it may be a quantized tensor subclass, which dynamo
-    cannot wrap."""
+    graph break: a plain weight or one FSDP2 all-gathered quantized, no tensor parallelism, no quantizer with state,
+    no weight cache. Traced by dynamo: the weight is looked at only after the flags that say what it may be
+    (dynamo cannot wrap a quantized parameter; a gathered weight it wraps as its handle)."""
     plain = (torch.Tensor, torch.nn.Parameter)
-    return (is_first_microbatch is None and not module._weight_quantized_elsewhere
-            and not module._quantizers_stateful and module.__dict__.get("_tensor_parallel") is None
-            and type(x) in plain and type(module.weight) in plain)
+    if (is_first_microbatch is not None or module._quantizers_stateful
+            or module.__dict__.get("_tensor_parallel") is not None or type(x) not in plain):
+        return False
+    if module._weight_quantized_elsewhere:
+        return module._weight_gathered and handled_weight(module.weight)
+    return type(module.weight) in plain
+
+
+def weight_handle(owner, weight_of: Callable) -> torch.Tensor:
+    """A new handle (an int64 CPU scalar: the inner tensor a weight subclass flattens to for dynamo) through which
+    the compiled ops find `weight_of(owner)`, the quantized weight as it is when they run. Kept while `owner`
+    lives."""
+    n = next(_NEXT_HANDLE)
+    _HANDLES[n] = (weakref.ref(owner, lambda _, n=n: _HANDLES.pop(n, None)), weight_of)
+    return torch.tensor(n, dtype=torch.int64)
+
+
+def handled_weight(weight: torch.Tensor) -> bool:
+    """Whether `weight` enters a compiled graph as a handle (a quantized tensor with `_handle`). Traced by dynamo."""
+    return isinstance(weight, QuantizedTensor) and hasattr(weight, "_handle")
+
+
+def _weight_of(handle: torch.Tensor) -> QuantizedTensor:
+    entry = _HANDLES.get(int(handle.item()))
+    owner = entry[0]() if entry is not None else None
+    if owner is None:
+        raise RuntimeError(f"hybridq compiled Linear: the quantized weight of handle {int(handle.item())} is gone "
+                           f"(its module was deleted while a compiled graph still ran it)")
+    return entry[1](owner)
 
 
 def _layout_key(key: str, override: str | None, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape,
-                dtype: torch.dtype) -> tuple:
-    return (key, override, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype)
+                dtype: torch.dtype, handled: bool = False) -> tuple:
+    return (key, override, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype, handled)
+
+
+def _record_layout(lkey: tuple, layout: list) -> None:
+    _LAYOUTS[lkey] = layout
+    _LAYOUTS.move_to_end(lkey)
+    if len(_LAYOUTS) > _MAX_LAYOUTS:
+        _LAYOUTS.popitem(last=False)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str, override: str | None,
-             need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+             need_dgrad: bool, need_wgrad: bool, handled: bool = False
+             ) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+    """(y, the saved tensors, their layout). `handled`: the weight is read through its handle, by backward too."""
     cfg = _config(key, override)
     # no input sharing across layers: an op's outputs must be its own tensors, not another op's
     with shared_input_quantization(False):
@@ -115,6 +169,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     for t, mark in ((saved_x, _INPUT), (saved_w, _WEIGHT)):
         if t is None:
             layout.append((_NONE,))
+        elif mark == _WEIGHT and handled:
+            layout.append((_HANDLE,))
         elif not isinstance(t, QuantizedTensor):  # the input's [M, K] view or the weight: backward takes those
             layout.append((mark,))
         else:
@@ -125,7 +181,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     # (a derived direction can be a view of the other's bytes): those are copied. Every output is made
     # contiguous, so the real outputs' strides match the fake run's whatever path (kernel or reference) made them:
     # Inductor checks them
-    seen = {StorageWeakRef(t.untyped_storage()) for t in (x, weight, bias) if t is not None}
+    seen = {StorageWeakRef(t.untyped_storage()) for t in (x, None if handled else weight, bias) if t is not None}
     out = []
     for t in flat:
         ref = StorageWeakRef(t.untyped_storage())
@@ -139,11 +195,7 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    override: str | None, need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
     """[y, *saved tensors] of a hybridq Linear call (configuration `key`) that gradients flow through."""
     y, flat, layout = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad)
-    lkey = _layout_key(key, override, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype)
-    _LAYOUTS[lkey] = layout
-    _LAYOUTS.move_to_end(lkey)
-    if len(_LAYOUTS) > _MAX_LAYOUTS:
-        _LAYOUTS.popitem(last=False)
+    _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype), layout)
     return [y, *flat]
 
 
@@ -160,9 +212,15 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
                     x_shape: list[int], w_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
                     b_dtype: torch.dtype) -> list[torch.Tensor]:
     """[dx, dw, db] (an empty tensor for a gradient not asked for) of the call `linear_forward` saved `saved` for."""
+    return _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape,
+                           w_shape, x_dtype, w_dtype, b_dtype)
+
+
+def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape,
+                    x_dtype, w_dtype, b_dtype, handled: bool = False) -> list[torch.Tensor]:
     count_backward_pass()
     cfg = _config(key, override)
-    layout = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype)]
+    layout = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, handled)]
     flat = iter(saved)
     operands = []
     for entry in layout:
@@ -172,6 +230,8 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
             operands.append(x.reshape(-1, x.shape[-1]))
         elif entry[0] == _WEIGHT:
             operands.append(weight)
+        elif entry[0] == _HANDLE:
+            operands.append(_saved_weight(_weight_of(weight), cfg.backward_override))
         else:
             operands += unflatten_quantized(flat, [entry])
     saved_x, saved_w = operands
@@ -180,8 +240,20 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
     return [g if g is not None else dy.new_empty(0) for g in grads]
 
 
+def _saved_weight(weight: QuantizedTensor, override: BackwardOverride | None):
+    """What dgrad reads of a quantized weight (as forward_and_saved saves it), taken when backward runs: the
+    gathered weight's form its backward unshard filled, or gathered now."""
+    if override == BackwardOverride.HIGH_PRECISION:
+        return weight  # (its high_precision(): gathered in param_dtype)
+    return _only(weight, ROWWISE if override == BackwardOverride.DEQUANTIZED else COLUMNWISE)
+
+
 @linear_backward.register_fake
 def _(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype, b_dtype):
+    return _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype)
+
+
+def _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype) -> list:
     empty = dy.new_empty(0)
     return [dy.new_empty(x_shape) if need_dgrad else empty,
             dy.new_empty(w_shape, dtype=w_dtype) if need_wgrad else empty,
@@ -194,7 +266,9 @@ def _setup_context(ctx, inputs, output) -> None:
     hp = cfg.backward_override == BackwardOverride.HIGH_PRECISION
     # the input and weight are kept only where backward reads them as they are
     keep_x = need_wgrad and (hp or (cfg.backward_override is None and cfg.save_original_input))
-    keep_w = need_dgrad and hp
+    # a weight read through its handle is kept whatever backward reads: its handle (not its bytes) goes to the
+    # backward op, which takes the weight as it is then
+    keep_w = (need_dgrad and hp) or isinstance(weight, QuantizedTensor)
     ctx.save_for_backward(x if keep_x else None, weight if keep_w else None, *output[1:])
     ctx.args = (key, override, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype,
                 weight.dtype if bias is None else bias.dtype)
@@ -213,6 +287,62 @@ def _backward(ctx, grads):
 
 
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- a weight read through its handle (FSDP2's gathered weight) ------------------------------------------------
+
+@torch.library.custom_op("hybridq::gathered_linear_forward", mutates_args=())
+def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, key: str,
+                            override: str | None, need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
+                            w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`linear_forward` of the weight `handle` names: [y, *saved tensors of the input]."""
+    y, flat, layout = _forward(x, _weight_of(handle), bias, key, override, need_dgrad, need_wgrad, handled=True)
+    _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x.shape, w_shape, x.dtype, True), layout)
+    return [y, *flat]
+
+
+@gathered_linear_forward.register_fake
+def _(x, handle, bias, key, override, need_dgrad, need_wgrad, w_shape, w_dtype):
+    # (a stand-in weight of its shape: the outputs' shapes do not depend on its values, and it is not saved)
+    y, flat, _ = _forward(x, x.new_empty(w_shape, dtype=w_dtype), bias, key, override, need_dgrad, need_wgrad,
+                          handled=True)
+    return [y, *flat]
+
+
+@torch.library.custom_op("hybridq::gathered_linear_backward", mutates_args=())
+def gathered_linear_backward(dy: torch.Tensor, x: torch.Tensor | None, handle: torch.Tensor,
+                             saved: list[torch.Tensor], key: str, override: str | None, need_dgrad: bool,
+                             need_wgrad: bool, need_bgrad: bool, x_shape: list[int], w_shape: list[int],
+                             x_dtype: torch.dtype, w_dtype: torch.dtype, b_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`linear_backward` of a `gathered_linear_forward` call: the weight read through `handle` now."""
+    return _backward_grads(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape,
+                           w_shape, x_dtype, w_dtype, b_dtype, handled=True)
+
+
+@gathered_linear_backward.register_fake
+def _(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype,
+      b_dtype):
+    return _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype)
+
+
+def gathered_ops(func, args, kwargs):
+    """`linear_forward` / `linear_backward` called on a weight read through its handle (the weight subclass's
+    __torch_dispatch__ sends them here while compile traces): the same call as the `gathered_` op, the handle in
+    the weight's place. None for any other op."""
+    if func is torch.ops.hybridq.linear_forward.default:
+        x, weight, bias, *rest = _bound(linear_forward, args, kwargs)
+        return torch.ops.hybridq.gathered_linear_forward(x, weight._handle, bias, *rest, list(weight.shape),
+                                                         weight.dtype)
+    if func is torch.ops.hybridq.linear_backward.default:
+        dy, x, weight, *rest = _bound(linear_backward, args, kwargs)
+        return torch.ops.hybridq.gathered_linear_backward(dy, x, weight._handle, *rest)
+    return None
+
+
+def _bound(op, args, kwargs) -> list:
+    """The op's arguments in schema order."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+    return list(args) + [kwargs[n] for n in names[len(args):]]
 
 
 def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tensor:

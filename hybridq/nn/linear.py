@@ -47,6 +47,7 @@ class Linear(nn.Linear):
         self._weight_cache: tuple[Any, QuantizedTensor] | None = None
         self._cache_columnwise = False
         self._weight_quantized_elsewhere = False  # see mark_weight_quantized_elsewhere
+        self._weight_gathered = False
         self.recipe = recipe
         delayed_state.install(self)  # delayed-scaling state in state_dict (nn/delayed_state.py)
         config = init_config()
@@ -170,10 +171,11 @@ class Linear(nn.Linear):
             override = self.recipe.backward_override
             if override is not None:
                 self._check_override(override)
-            elif float8_graph.takes(self._float8_graph_spec, x, self.weight):
+            elif not self._weight_gathered and float8_graph.takes(self._float8_graph_spec, x, self.weight):
                 # FP8 (per-tensor or blocks): its kernels and GEMMs themselves in the graph (nn/float8_graph.py)
                 return float8_graph.float8_graph_linear(x, self.weight, self.bias, self._float8_graph_spec)
-            # any other layer: inside the graph as two custom ops (nn/compiled_linear.py)
+            # any other layer (and a weight FSDP2 gathered quantized: its handle): inside the graph as two custom
+            # ops (nn/compiled_linear.py)
             return compiled_linear.compiled_linear(self, x, override)
         return self._eager_forward(x, is_first_microbatch)
 
@@ -225,8 +227,12 @@ class Linear(nn.Linear):
 
     def mark_weight_quantized_elsewhere(self) -> None:
         """The weight this layer receives in forward will be a quantized tensor made elsewhere (FSDP2's quantized
-        all-gather, a quantized parameter): compiled code must not look at it (see compiled_linear.runs_in_graph)."""
+        all-gather, a quantized parameter). Compiled code looks at it only where it is FSDP2's gathered weight (its
+        sharded parameter all-gathers quantized), which enters the graph as a handle; a quantized parameter, which
+        dynamo cannot wrap, is never looked at (see compiled_linear.runs_in_graph)."""
         self._weight_quantized_elsewhere = True
+        w = self._parameters.get("weight")
+        self._weight_gathered = any(isinstance(t, QuantizedGatherShard) for t in (w, local_tensor(w)))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
