@@ -64,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per process with NCCL when CUDA is available, else CPU with gloo")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder block before fully_shard (torchtitan's practice); a hybridq "
-                        "Linear compiles into the block's graph when its weight is a plain tensor (--weight-gather "
-                        "high_precision), else it runs eagerly inside the compiled block (a graph break each)")
+                   help="torch.compile each decoder block before fully_shard (torchtitan's practice); the hybridq "
+                        "Linears compile into the block's graph with either --weight-gather (quantized: the gathered "
+                        "weight enters the graph as a handle, no graph break)")
     g.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
                                                             "max-autotune-no-cudagraphs"],
                    help="torch.compile's mode for --compile (reduce-overhead: CUDA graphs)")
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="quantized: FSDP2 all-gathers each converted weight in the recipe's weight format "
                         "(hybridq.apply_hybrid_fsdp); high_precision: in param_dtype, each Linear quantizing its "
                         "gathered weight itself every call (hybridq.convert_linears; twice the all-gather bytes of "
-                        "FP8; with --compile the Linears compile into the blocks' graphs). Not with --moe")
+                        "FP8). Not with --moe")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=128, help=f"model width (multiple of {ALIGN})")
     g.add_argument("--n-layers", type=int, default=2, help="decoder blocks (one FSDP2 unit each)")
