@@ -16,6 +16,9 @@ TORCHAO_MOE = "torchao_moe"  # with an MoE (--train-args "--moe E"): torchao's M
 # --norm-baseline: bf16 with hybridq.RMSNorm (train.py --recipe bf16 --norms hybridq), to show how much of a preset's
 # speed is the norm kernel that its conversion swaps in, apart from quantization
 NORM_BASELINE = "bf16+hybridq_rmsnorm"
+# --compile: each preset compiled with both weight gathers (train.py's default, quantized, and this row: the
+# preset with --weight-gather high_precision), unless --train-args pick one
+HIGH_PRECISION_GATHER = "+high_precision_gather"
 
 
 # ---- which recipes run -----------------------------------------------------------------------------
@@ -68,7 +71,8 @@ def moe_model(a) -> bool:
 
 
 def plan(a) -> list[dict]:
-    """[{recipe, compiled, skip: reason or None}], bf16 first (eager, then compiled with --compile)."""
+    """[{recipe, compiled, skip: reason or None}], bf16 first (eager, then compiled with --compile: each preset
+    also with --weight-gather high_precision, unless the train.py flags pick a weight gather)."""
     import hybridq
     presets = hybridq.preset_names()
     known = [BASELINE] + presets + [TORCHAO, TORCHAO_MOE]
@@ -94,12 +98,18 @@ def plan(a) -> list[dict]:
             skip = torchao_moe_status(a)
         rows.append({"recipe": r, "compiled": False, "skip": skip})
     if getattr(a, "compile", False):
-        rows += [dict(r, compiled=True) for r in rows]
+        both = ("--weight-gather" not in " ".join(shlex.split(a.train_args or "")) and not moe_model(a)
+                and train_option(a.train_args or "", "--grad-reduce", "fp32") == "fp32")
+        rows += [dict(r, compiled=True) for r in rows] + [
+            {"recipe": r["recipe"] + HIGH_PRECISION_GATHER, "compiled": True, "skip": None}
+            for r in rows if both and r["recipe"] in presets]
     return rows
 
 
 def train_recipe(recipe: str) -> tuple[str, list[str]]:
     """The train.py recipe of a row and the flags that make it that row (the name its metrics file records)."""
+    if recipe.endswith(HIGH_PRECISION_GATHER):
+        return recipe[:-len(HIGH_PRECISION_GATHER)], ["--weight-gather", "high_precision"]
     return (BASELINE, ["--norms", "hybridq"]) if recipe == NORM_BASELINE else (recipe, [])
 
 

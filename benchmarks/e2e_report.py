@@ -8,6 +8,7 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python benchmarks/e2e_report.py --dry-run            # print the commands only
     python benchmarks/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
     python benchmarks/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
+                                                         # (compiled presets with both --weight-gather modes)
     python benchmarks/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
     python benchmarks/e2e_report.py --parity --reuse-finished --recipes bf16,nvfp4  # add runs to an earlier report
     python benchmarks/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
@@ -57,9 +58,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # (its modules, also when imported from elsewhere)
 
 # the report's parts (re-exported: the tests and multi_gpu_runs read them from here)
-from e2e_plan import (BASELINE, NORM_BASELINE, TORCHAO, TORCHAO_MOE, command, fsdp_rejection, label,  # noqa: E402,F401
-                      plan, rel, run_name, schedule, show, torchao_moe_status, torchao_status, train_flags,
-                      train_option, weight_gather)
+from e2e_plan import (BASELINE, HIGH_PRECISION_GATHER, NORM_BASELINE, TORCHAO, TORCHAO_MOE, command,  # noqa: E402,F401
+                      fsdp_rejection, label, plan, rel, run_name, schedule, show, torchao_moe_status, torchao_status,
+                      train_flags, train_option, weight_gather)
 from e2e_runs import finished_run, parse_args_for_train, run_one, step_records  # noqa: E402,F401
 from e2e_table import (describe, markdown, rows_for, scaling_markdown, scaling_rows,  # noqa: E402,F401
                        write_parity_plot)

@@ -117,8 +117,16 @@ def test_tiny_report_on_cpu(tmp_path):
 def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     a = e2e_report.parse_args(["--tiny", "--recipes", "bf16,fp8_tensorwise", "--compile"])
     todo = e2e_report.plan(a)
+    hp = "fp8_tensorwise" + e2e_report.HIGH_PRECISION_GATHER  # compiled with both weight gathers
     assert [e2e_report.label(t["recipe"], t["compiled"]) for t in todo] == [
-        "bf16", "fp8_tensorwise", "bf16.compiled", "fp8_tensorwise.compiled"]
+        "bf16", "fp8_tensorwise", "bf16.compiled", "fp8_tensorwise.compiled", f"{hp}.compiled"]
+    cmd = e2e_report.command(a, hp, 2, tmp_path, compiled=True)
+    assert cmd[cmd.index("--recipe") + 1] == "fp8_tensorwise" and "--compile" in cmd, cmd
+    assert cmd[cmd.index("--weight-gather") + 1] == "high_precision", cmd
+    assert "--weight-gather" not in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path, compiled=True)
+    picked = e2e_report.parse_args(["--tiny", "--recipes", "fp8_tensorwise", "--compile", "--train-args",
+                                    "--weight-gather quantized"])
+    assert [t["recipe"] for t in e2e_report.plan(picked)].count(hp) == 0, "a weight gather picked: one mode"
     assert "--compile" in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path, compiled=True)
     assert "--compile" not in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path)
     run = lambda base, compiled, tps: {"recipe": e2e_report.label(base, compiled), "base": base, "compiled": compiled,
