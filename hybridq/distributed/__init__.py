@@ -10,7 +10,9 @@ checked when the layout is known), `state` (per-weight state), `buffers` (the un
 reduce-scatter). Tensor parallelism: `tensor_parallel` (hybridq's
 ColwiseParallel / RowwiseParallel / PrepareModuleInput), `sequence` (the quantized sequence-parallel all-gather)
 and `pieces` (a rank's piece of a tensor quantized with the whole tensor's statistics). ZeRO optimizers:
-`fragments` (flat fragments of a weight), `master_weights` (quantize_master_weights) and `zero` (ZeroAdamW).
+`fragments` (flat fragments of a weight), `master_weights` (quantize_master_weights; each direction's task in
+`master_tasks`) and `zero` (ZeroAdamW; its state dicts in `zero_state`). DTensor's private state is read through
+`hybridq.torch_private` only.
 """
 
 from .accounting import GatherBytes, bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
