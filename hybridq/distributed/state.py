@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from .._stacking import stacked_view
 from ..formats._reduce import amax_all_reduce_
+from ..formats.float8_groups import equal_groups_apply
 from ..nn.grouped import GroupedLinear, converted_experts
 from ..torch_private import local_tensor
 from .buffers import UnshardedBuffers
@@ -177,6 +179,7 @@ class GroupedWeightState(SharedState):
         self.quantizers: tuple[Quantizer, ...] | None = None  # the weight formats the unsharded buffers hold
         self.experts: list[ExpertWeightState] = []
         self.gathered: GroupedGatheredWeight | None = None
+        self.slabs: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # (one allocation, its expert views)
 
     def __deepcopy__(self, memo):
         return GroupedWeightState(self.root() if self.root is not None else None, self.name, self.attr)
@@ -202,14 +205,65 @@ class GroupedWeightState(SharedState):
         self.quantizers = tuple(qs)
         shape = (layout.rows, layout.cols)
         experts = [st.create(q, shape, dtype, device) for st, q in zip(self.experts, qs)]
+        if equal_groups_apply(self.quantizers):
+            self._stack_buffers()
         self.gathered = GroupedGatheredWeight(experts, shape=(layout.experts,) + shape, dtype=dtype, state=self)
+
+    def _stack_buffers(self) -> None:
+        """Every expert's own tensor of one kind (e.g. the rowwise data) becomes a view of one allocation `[E, pitch]`
+        (16-byte aligned per expert: cuBLASLt's operand and scale pointers), so that one copy fills all experts
+        (`fill_experts`) and FSDP2 allocates and frees one tensor per kind. Only where every expert has the same
+        buffers (one quantizer); a fill that would take another storage (adopt, alias) is then never used."""
+        per_expert = [st._unique((ROWWISE, COLUMNWISE)) for st in self.experts]
+        self.slabs = []
+        for members in zip(*per_expert):
+            t0 = members[0]
+            pitch = -(-t0.numel() * t0.element_size() // 16) * 16 // t0.element_size()
+            slab = torch.empty(len(members) * pitch, dtype=t0.dtype, device=t0.device)
+            for e, t in enumerate(members):
+                t.set_(slab.untyped_storage(), e * pitch, t.shape, t.stride())
+            self.slabs.append((slab, members))
+
+    def _slabs_of(self, dirs) -> list[torch.Tensor]:
+        mine = self.experts[0]._unique(dirs) if self.experts else []
+        return [slab for slab, members in self.slabs if any(members[0] is t for t in mine)]
+
+    def alloc_slabs(self, dirs) -> None:
+        """Allocate the stacked buffers of `dirs` (before a fill outside the ones FSDP2 allocates)."""
+        for slab in self._slabs_of(dirs):
+            need = slab.numel() * slab.element_size()
+            if slab.untyped_storage().nbytes() < need:
+                slab.untyped_storage().resize_(need)
 
     def set_inner(self, dirs) -> None:
         inner: list[torch.Tensor] = []
+        stacked = {id(t) for _, members in self.slabs for t in members}
         for st in self.experts:
             st.set_inner(dirs)
-            inner += st.inner
-        self.inner[:] = inner
+            inner += [t for t in st.inner if id(t) not in stacked]
+        self.inner[:] = self._slabs_of(dirs) + inner
+
+    def fill_experts(self, d: str, srcs) -> None:
+        """Copy the experts' gathered parts `srcs` into their own buffers of direction `d`: one copy per tensor kind
+        for all experts where both sides are equally spaced views of one storage (the stacked buffers; the experts'
+        slices of one all-gather output), else expert by expert."""
+        dst0 = self.experts[0].parts[d]
+        if self.slabs and dst0 is not None:
+            pairs = []
+            for n, t in dst0.tensors().items():
+                if t is None:
+                    continue
+                dst = stacked_view([st.parts[d].tensors()[n] for st in self.experts])
+                src = stacked_view([getattr(p, n) for p in srcs])
+                if dst is None or src is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                    break
+                pairs.append((dst, src))
+            else:
+                for dst, src in pairs:
+                    dst.copy_(src)
+                return
+        for st, src in zip(self.experts, srcs):
+            st.fill(d, src)
 
     def set_deferred(self, dirs) -> None:
         self.deferred = set(dirs)
@@ -239,6 +293,18 @@ class GroupedWeightState(SharedState):
             i += s.numel()
         return out
 
+    def reduced_vector(self, local, key, group) -> torch.Tensor:
+        """`reduced_stats` for experts whose statistics are one value each: `local()` gives this rank's `[E]`
+        vector (computed only when the values are not the ones already reduced for `key`)."""
+        if key is not None and self.stats_key == key:
+            self.counters["stats_precomputed"] += 1
+            return self.stats
+        flat = local()
+        amax_all_reduce_(flat, group)
+        self.counters["stats_allreduce"] += 1
+        self.stats_key, self.stats = key, flat
+        return flat
+
     # lazy materialization of a direction nobody planned for (activation recompute, ...) ----------------------
     def ensure(self, d: str) -> None:
         local, param, _ = self._lazy_source(d)
@@ -249,6 +315,7 @@ class GroupedWeightState(SharedState):
         send = (ROWWISE,) if derivable else (d,)
         with torch.no_grad():
             gathered, metas, slot = gather_grouped_now(local, param, qs, send, ctx)
+            self.alloc_slabs((d,))
             for e, (st, q, meta) in enumerate(zip(self.experts, qs, metas)):
                 if st.parts.get(d) is None:
                     continue

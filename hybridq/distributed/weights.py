@@ -38,6 +38,7 @@ from ..weight_forms import QuantizedGatherShard
 from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
+from .grouped_batched import fill_batched, prepare_batched
 from .layout import ExpertLayout, transport_view
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts
 from .plan import GatherPlan, make_plan, unshard_plan
@@ -268,7 +269,9 @@ class GroupedHybridWeight(HybridWeight):
         phase, _, _, plan = unshard_plan(link, st.backward_extra, override, derivable)
         with torch.no_grad():
             param = _sharded_param(self, module, st.attr, link)
-            payload, metas, slot = prepare_grouped(self, param, qs, plan.send, layout, dtype, group)
+            batched = prepare_batched(self, param, qs, plan.send, layout, dtype, group)
+            payload, metas, slot = batched if batched is not None else prepare_grouped(
+                self, param, qs, plan.send, layout, dtype, group)
             inp = layout.transport(payload, slot)
         _sent(st, link, inp, phase)
         st.set_deferred(plan.deferred)
@@ -288,15 +291,20 @@ class GroupedHybridWeight(HybridWeight):
             first = st.gathered is None
             if first:
                 st.create(qs, layout, dtype, gathered.device)
-            for e, (est, q, meta) in enumerate(zip(st.experts, qs, metadata.metas)):
-                parts = assemble_parts(meta, layout.expert_bytes(gathered, metadata.slot, e, meta,
-                                                                 expert_major=layout.dim == 1))
-                parts = complete_parts(q, parts, plan, dtype)
-                if HIGH_PRECISION in plan.materialize:
-                    est.create_high_precision()
-                for d in plan.materialize:
-                    est.fill(d, parts[d], adopt)
-                if first:
+            if not fill_batched(st, qs, metadata.metas, gathered, metadata.slot, layout, plan, dtype):
+                if st.slabs:  # (experts' buffers are views of one allocation: filled by copies, never re-pointed)
+                    st.alloc_slabs(plan.materialize)
+                    adopt = None
+                for e, (est, q, meta) in enumerate(zip(st.experts, qs, metadata.metas)):
+                    parts = assemble_parts(meta, layout.expert_bytes(gathered, metadata.slot, e, meta,
+                                                                     expert_major=layout.dim == 1))
+                    parts = complete_parts(q, parts, plan, dtype)
+                    if HIGH_PRECISION in plan.materialize:
+                        est.create_high_precision()
+                    for d in plan.materialize:
+                        est.fill(d, parts[d], adopt)
+            if first:
+                for est in st.experts:
                     est.free_others(plan.materialize)
             st.set_inner(plan.materialize)
         if out is not None:

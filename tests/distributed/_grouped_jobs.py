@@ -4,12 +4,14 @@ Each returns what differed from its single-device oracle (JSON-serialisable); th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import hybridq
@@ -117,7 +119,7 @@ def job_grouped_invariance(rank, world_size, device, dims=(0, 1), experts=(None,
                         for lin, w in zip(layers, full):
                             lin.weight.mul_(-1.5)
                             w.mul_(-1.5)
-                    out["precompute"].append(precompute_scales(layers))
+                    out["precompute"].append(dataclasses.asdict(precompute_scales(layers)))  # (JSON)
                 for i, (lin, w) in enumerate(zip(layers, full)):
                     lin.unshard()
                     gw = lin.weight
@@ -344,3 +346,63 @@ def run_moe_training(rank, world_size, device, *, preset, dim, experts, steps=2,
 
 def job_moe_training(rank, world_size, device, configs):
     return {"runs": [run_moe_training(rank, world_size, device, **cfg) for cfg in configs]}
+
+
+# ---- the batched gather of per-tensor FP8 experts: ops per unshard independent of the expert count ------------------
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts the ops that are kernels on a GPU (not views, not collectives), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func.namespace == "c10d" or func in _NOT_KERNELS
+                or func.overloadpacket is torch.ops.aten.set_):
+            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+        return out
+
+
+_NOT_KERNELS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.reshape.default)
+
+# the per-tensor FP8 cases of the one case list whose experts gather batched
+BATCHED_FP8 = [n for n in GROUPED_CASES if n in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2")]
+
+
+def job_batched_gather(rank, world_size, device, experts=(4, 8), out_features=48, in_features=32):
+    """Per-tensor FP8 experts (`BATCHED_FP8`), Shard(0) and (world > 1) Shard(1), `experts` experts: the ops of one
+    steady-state unshard (the second; rowwise gathered, columnwise derived) by name, and every expert's gathered
+    parts against the one-device quantization of its full weight (differences listed)."""
+    out = {"ops": {}, "diffs": [], "checked": 0}
+    for name in BATCHED_FP8:
+        factory = GROUPED_CASES[name][0]
+        for dim in ((0, 1) if world_size > 1 else (0,)):
+            for e_count in experts:
+                fully_shard, mp = _fsdp(device, world_size, dim)
+                torch.manual_seed(e_count)
+                lin = hybridq.GroupedLinear(e_count, in_features, out_features, recipe=_IDENT, name="moe.w1")
+                with torch.no_grad():
+                    lin.weight.mul_(torch.logspace(-3, 3, e_count).view(e_count, 1, 1))
+                    lin.weight[-1, 0, 0] = float("nan") if e_count > 4 else lin.weight[-1, 0, 0]
+                lin.to(device)
+                full = lin.weight.detach().clone()
+                recipe = hybridq.CustomRecipe(lambda role, f=factory: f() if role.tensor_type == "weight" else None,
+                                              name=name)
+                apply_hybrid_fsdp(lin, recipe, on_incompatible="error")
+                fully_shard(lin, mp_policy=mp, reshard_after_forward=False)
+                lin.unshard()
+                lin.reshard()
+                with _KernelCounter() as kc:
+                    lin.unshard()
+                out["ops"][f"{name} Shard({dim}) E={e_count}"] = kc.ops
+                for e, ge in enumerate(lin.weight.unbind(0)):
+                    ref_r, ref_c = lin.expert_quantizers[e]["weight"].quantize_parts(full[e].to(torch.bfloat16),
+                                                                                    True, True)
+                    where = f"{name} expert {e} (Shard({dim}), E={e_count}, ws={world_size})"
+                    out["diffs"] += parts_diff(ge.part(ROWWISE), ref_r, f"{where} rowwise")
+                    out["diffs"] += parts_diff(ge.part(COLUMNWISE), ref_c, f"{where} columnwise")
+                    out["checked"] += 1
+                lin.reshard()
+    return out

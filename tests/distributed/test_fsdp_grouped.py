@@ -68,7 +68,7 @@ def test_statistics_of_all_experts_reduce_in_one_all_reduce(invariance_and_error
     for rank, res in enumerate(invariance_and_errors):
         inv = res["invariance"]
         for pre in inv["precompute"]:
-            assert pre.all_reduces == 1 and pre.weights > 0, (rank, pre)
+            assert pre["all_reduces"] == 1 and pre["weights"] > 0, (rank, pre)
         for per_weight in inv["allreduces"]:
             assert max(per_weight.values()) == 1, f"rank {rank}: more than one all-reduce per weight: {per_weight}"
 
@@ -135,3 +135,34 @@ def test_delayed_scaling_on_expert_weights_is_refused_before_anything_changes():
     assert {n: type(p) for n, p in model.named_parameters()} == before
     assert not hybridq.nn.grouped.converted_experts(model.blocks[0].experts)
     assert not isinstance(model.blocks[0].router, hybridq.Linear)
+
+
+# ---- per-tensor FP8 experts: the gather is batched over the experts ---------------------------------------------
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def batched_gather(request):
+    return request.param, spawn(jobs.job_batched_gather, request.param, "gloo")
+
+
+def test_batched_fp8_gather_is_the_single_device_quantization(batched_gather):
+    """Every expert's gathered rowwise and derived columnwise parts (one a NaN) equal quantizing that expert's full
+    weight on one device, bit for bit, on one and two ranks, Shard(0) and Shard(1)."""
+    ws, results = batched_gather
+    for rank, res in enumerate(results):
+        assert res["checked"] == len(jobs.BATCHED_FP8) * (2 if ws > 1 else 1) * (4 + 8), (rank, res["checked"])
+        assert not res["diffs"], f"world {ws} rank {rank}: gathered experts differ:\n" + "\n".join(res["diffs"][:20])
+
+
+def test_batched_fp8_gather_ops_do_not_grow_with_the_expert_count(batched_gather):
+    """One unshard of a per-tensor FP8 grouped weight (statistics, quantization, payload, fills, derived columnwise
+    form) issues the same ops for 4 experts as for 8: one amax pass and one cast for all experts, not one per expert."""
+    ws, results = batched_gather
+    for rank, res in enumerate(results):
+        by_case = res["ops"]
+        for case, ops in by_case.items():
+            if not case.endswith("E=8"):
+                continue
+            few = by_case[case.replace("E=8", "E=4")]
+            grew = {op: (few.get(op, 0), n) for op, n in ops.items() if n > few.get(op, 0)}
+            assert not grew, (f"world {ws} rank {rank} {case}: ops that grow with the experts (E=4 -> E=8): {grew}; "
+                              f"all at E=8: {ops}")

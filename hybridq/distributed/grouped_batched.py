@@ -1,0 +1,91 @@
+"""The all-gather hooks' work for a grouped weight whose experts all share one per-tensor FP8 quantizer with current
+scaling, batched over the experts (what `transport.prepare_grouped` and the per-expert fills do expert by expert):
+
+- before the gather: the experts' amaxes `[E]` in one pass (reduced in one all-reduce, or the values
+  precompute_scales reduced), one cast of all experts held here with their scales, the payload filled in one copy
+  (none where the slots are exactly the experts' bytes);
+- after it: one copy of all experts' gathered bytes and one of their scales into the unsharded weight's stacked
+  buffers (`GroupedWeightState.fill_experts`), and one byte transpose of all experts for the derived columnwise form.
+
+Bitwise what the per-expert path gives (`formats/float8_groups.py`); other formats and plans (high-precision
+gathers, a columnwise form sent) take the per-expert path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import COLUMNWISE, ROWWISE
+from ..formats.float8_groups import (derive_columnwise_groups, equal_groups_apply, group_amax, group_parts,
+                                     quantize_equal_groups, scale_inv_from_amax)
+from .layout import ExpertLayout
+from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload
+from .plan import GatherPlan
+from .transport import stats_key
+
+__all__ = ["fill_batched", "prepare_batched"]
+
+
+def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group
+                    ) -> tuple[torch.Tensor, list[PayloadMeta], int] | None:
+    """`transport.prepare_grouped` batched over the experts (None: this weight or plan is not batched)."""
+    if tuple(send) != (ROWWISE,) or not equal_groups_apply(qs):
+        return None
+    q, e_all, k = qs[0], layout.experts, layout.cols
+    x = local._data.to(dtype)  # [held experts, out, in] (Shard(0)) or [E, rows here, in] (Shard(1))
+    first = layout.rank * layout.chunk if layout.dim == 0 else 0
+    held = x.shape[0]
+    if layout.dim == 0 and held != len([e for e in layout.slots() if e is not None]):
+        return None  # (not the layout FSDP2's Shard(0) gives: leave it to the per-expert path)
+    reduced = None
+    if layout.world_size > 1:
+        def local_amax() -> torch.Tensor:
+            amax = group_amax(x)
+            if held == e_all:
+                return amax
+            zeros = amax.new_zeros(e_all)  # (experts held elsewhere: an empty shard's statistic)
+            zeros[first:first + held] = amax
+            return zeros
+        reduced = local._hq.reduced_vector(local_amax, stats_key(param, dtype, layout), group)
+    if layout.dim == 0:
+        # whole experts: each one's own amax is the reduced one (the others' are zeros), so the cast takes its own
+        # (the grouped kernel computes it); the scales of the experts held elsewhere come from the reduced amaxes
+        data, scale_inv = quantize_equal_groups(q, x)
+        if reduced is not None:
+            scale_inv = scale_inv_from_amax(q, reduced)
+    else:
+        data, scale_inv = quantize_equal_groups(q, x, reduced)
+    shape = (layout.rows, layout.cols)
+    metas = []
+    for e, part in enumerate(group_parts(data, scale_inv, first, e_all)):
+        shard, shards = layout.payload_shards(e)
+        metas.append(build_payload(q, {ROWWISE: part}, shard, shards, shape, x.device, pack=False)[1])
+    slot = layout.slot_bytes(metas)
+    n_slots = len(layout.slots())
+    nbytes = data[0].numel() if held else 0
+    rows = data.view(torch.uint8).reshape(held, nbytes)
+    if slot == nbytes and held == n_slots:
+        payload = rows.reshape(-1)
+    else:
+        payload = torch.zeros(n_slots, slot, dtype=torch.uint8, device=x.device)
+        payload[:held, :nbytes] = rows
+        payload = payload.reshape(-1)
+    return payload, metas, slot
+
+
+def fill_batched(st, qs, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
+                 dtype) -> bool:
+    """The post-all-gather fill of every expert batched (False, nothing done: the per-expert path runs)."""
+    if (not st.slabs or plan.send != (ROWWISE,) or plan.local or HIGH_PRECISION in plan.materialize
+            or not equal_groups_apply(qs)):
+        return False
+    rows = [assemble_parts(meta, layout.expert_bytes(gathered, slot, e, meta, expert_major=layout.dim == 1))[ROWWISE]
+            for e, meta in enumerate(metas)]
+    if ROWWISE in plan.materialize:
+        st.fill_experts(ROWWISE, rows)
+        rows = [est.parts[ROWWISE] for est in st.experts]
+    if COLUMNWISE in plan.materialize:
+        cols = [est.parts[COLUMNWISE] for est in st.experts]
+        if not derive_columnwise_groups(rows, cols):
+            st.fill_experts(COLUMNWISE, [q.derive_part(r, COLUMNWISE, dtype) for q, r in zip(qs, rows)])
+    return True
