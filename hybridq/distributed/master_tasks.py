@@ -101,9 +101,10 @@ def plan_tasks(index: int, w: torch.Tensor, name: str) -> list[Task]:
         if col and getattr(qd, "rht", False):
             tasks.append(Task(index, d, FragmentKind.HIGH_PRECISION, qd, m, k, w.dtype))
             continue
-        gr, gc = qd.split_granularity(row, col)
-        kind = FragmentKind.ELEMENTWISE if (gr, gc) == (1, 1) else FragmentKind.BLOCKS
-        g = qd.global_stats(torch.empty(1, 0, device="meta"), row, col)
+        gr, gc = qd.fragment_block(m, k, row, col)
+        per_axis = qd.stats_per_axis  # (a row's or a column's amax: blocks of whole rows or columns, nothing global)
+        kind = FragmentKind.ELEMENTWISE if (gr, gc) == (1, 1) and not per_axis else FragmentKind.BLOCKS
+        g = None if per_axis else qd.global_stats(torch.empty(1, 0, device="meta"), row, col)
         probe_rows = 1 if kind == FragmentKind.ELEMENTWISE else min(gr, m)
         width = k if kind == FragmentKind.BLOCKS else 1
         probe = qd.quantize_parts(torch.empty(probe_rows, width, dtype=w.dtype, device="meta"),

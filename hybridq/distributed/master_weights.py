@@ -12,7 +12,8 @@ which every rank assembles the weight's parts and copies them into the parameter
 
 Directions by what their blocks allow:
 - "elementwise": per-tensor FP8 and identity (no blocks): the fragment is quantized as it is;
-- "blocks": 1-D blocks and 2-D tiles (FP8 1x128 / 128x128, MXFP8, NVFP4 without the Hadamard transform);
+- "blocks": 1-D blocks and 2-D tiles (FP8 1x128 / 128x128, MXFP8, NVFP4 without the Hadamard transform), and
+  per-axis scales (rowwise FP8: a row's scale covers a 1 x K block, a column's an M x 1 one; `fragment_block`);
 - "high_precision": NVFP4's Hadamard-transformed columnwise form mixes 16 rows of a column: the fragments are
   gathered in the model dtype and every rank quantizes the whole weight in that direction (exact, 2 bytes per
   element on the wire);

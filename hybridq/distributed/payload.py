@@ -104,6 +104,15 @@ class PayloadMeta:
     replicated: dict[str, dict[str, torch.Tensor]]
 
 
+@dataclasses.dataclass(frozen=True)
+class AxisStats:
+    """Reduced statistics of a per-axis format's piece cut along both dims, an FSDP2 row shard of a tensor-parallel
+    piece (`ShardableQuantizer.quantize_axes`): its rows' (None: the rows are whole) and its columns'."""
+
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+
+
 def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions, stats=None, global_stats=None):
     """Parts {direction: part} of the row shard `x2d` for the requested directions (HIGH_PRECISION: `x2d` itself,
     as an identity part). `global_stats`: a whole shard that is a tensor-parallel piece, quantized with the whole
@@ -114,7 +123,9 @@ def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions,
         out[HIGH_PRECISION] = _IDENTITY.quantize_parts(x2d, True, False)[0]
     if not (want_r or want_c):
         return out
-    if shard.is_whole:  # plain quantization (device kernels apply)
+    if isinstance(stats, AxisStats):
+        r, c = q.quantize_axes(x2d, want_r, want_c, stats.rows, stats.cols)
+    elif shard.is_whole:  # plain quantization (device kernels apply)
         r, c = q.quantize_parts(x2d, want_r, want_c, **({} if global_stats is None else {"global_stats": global_stats}))
     elif q.shard_is_plain(shard, want_r, want_c):
         r, c = q.quantize_parts(x2d, want_r, want_c)

@@ -26,7 +26,7 @@ from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GroupedGatheredWeight
 from .layout import ExpertLayout
-from .payload import DIRECTIONS, PayloadMeta, assemble_parts
+from .payload import DIRECTIONS, AxisStats, PayloadMeta, assemble_parts
 from .transport import GatherContext, gather_grouped_now, gather_now
 
 __all__ = ["ExpertWeightState", "GroupedWeightState", "KeptPayload", "WeightState", "pack_stats"]
@@ -99,11 +99,12 @@ class WeightState(SharedState, UnshardedBuffers):
         self.kept_payload: KeptPayload | None = None
         self.reuse_payload = True
         self.tp_group = None  # set by hybridq's tensor-parallel styles: the weight is a TP piece (2-D meshes)
+        self.tp_cut = None  # and the dim the TP pieces cut: "M" (rows, Shard(0)) or "K" (columns, Shard(1))
 
     def __deepcopy__(self, memo):
         new = WeightState(self.root() if self.root is not None else None, self.name)
         new.reuse_payload = self.reuse_payload
-        new.tp_group = self.tp_group
+        new.tp_group, new.tp_cut = self.tp_group, self.tp_cut
         return new
 
     # statistics ---------------------------------------------------------------------------------
@@ -111,6 +112,10 @@ class WeightState(SharedState, UnshardedBuffers):
         if key is not None and self.stats_key == key:
             self.counters["stats_precomputed"] += 1
             return self.stats
+        if self.tp_group is not None and getattr(q, "stats_per_axis", False):
+            local = self._axis_stats(q, x2d, group)
+            self.stats_key, self.stats = key, local
+            return local
         if self.tp_group is not None and shard.is_whole:  # a whole TP piece: only per-tensor statistics
             local = self._tp_global(q, x2d, group)
             self.stats_key, self.stats = key, local
@@ -125,6 +130,23 @@ class WeightState(SharedState, UnshardedBuffers):
                 local = q.with_global_stats(local, shard, x2d.shape[1], g)
         self.stats_key, self.stats = key, local
         return local
+
+    def _axis_stats(self, q, x2d, group) -> AxisStats:
+        """A per-axis format's row shard of a TP piece: the columns' statistics (`piece_stats` of a row piece)
+        reduce over the FSDP group, and over the TP group too when TP cuts rows; the rows' (`piece_stats` of a
+        column piece) over the TP group when TP cuts columns (the FSDP group holds other rows)."""
+        cols = q.piece_stats(x2d, True, True, "M")
+        if cols is not None:
+            cols = cols.contiguous()
+            for g in (group, self.tp_group if self.tp_cut == "M" else None):
+                if g is not None:
+                    amax_all_reduce_(cols, g)
+        rows = q.piece_stats(x2d, True, True, "K") if self.tp_cut == "K" else None
+        if rows is not None:
+            rows = rows.contiguous()
+            amax_all_reduce_(rows, self.tp_group)
+        self.counters["stats_allreduce"] += 1
+        return AxisStats(rows, cols)
 
     def _tp_global(self, q, x2d, group):
         """The whole weight's per-tensor statistics: MAX over this rank's rows, the dp group, the TP group."""

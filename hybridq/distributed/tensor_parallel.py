@@ -145,12 +145,32 @@ def _distribute_weight(module: Linear, mesh, placement) -> None:
                           module.recipe.backward_override is None, f"weight of {module.name} (FSDP2 x TP)", axis="M")
     full = distribute_tensor(w._data, mesh, [placement])
     w._hq.tp_group = mesh.get_group()
+    w._hq.tp_cut = "M" if placement == Shard(0) else "K"
     local = HybridWeight(full.to_local(), w._hq)
     module.weight = nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
                                                     stride=full.stride()), requires_grad=w.requires_grad)
 
 
+def _check_fsdp_pieces(module: Linear) -> None:
+    """A weight prepared for FSDP2 (apply_hybrid_fsdp) becomes a TP piece that FSDP2 cuts into row shards: refuse,
+    before anything changes, a format that cannot quantize a piece cut along both dims."""
+    from .weights import HybridWeight
+
+    q = module.weight_quantizer
+    if not (isinstance(module.weight, HybridWeight) and q.stats_per_axis):
+        return
+    probe = torch.empty(2, 2, device="meta")  # (sizes only: does the format quantize such a piece at all?)
+    try:
+        q.quantize_axes(probe, True, True, q.piece_stats(probe, True, True, "K"), q.piece_stats(probe, True, True, "M"))
+    except NotImplementedError as e:
+        raise NotImplementedError(
+            f"{module.name}: FSDP2 over tensor-parallel pieces cuts its weight along both dims, which its format "
+            f"cannot quantize: {e}. Use one format with per-axis statistics for both directions, or keep this "
+            f"layer out of apply_hybrid_fsdp (module_filter_fn)") from e
+
+
 def _attach(module: Linear, kind: ParallelStyle, mesh) -> None:
+    _check_fsdp_pieces(module)
     if mesh.ndim != 1:
         raise ValueError(f"{module.name}: tensor-parallel styles take the 1-D tensor-parallel mesh (e.g. "
                          f"mesh['tp']), got a {mesh.ndim}-D mesh")

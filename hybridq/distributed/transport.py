@@ -19,7 +19,7 @@ from ..formats._sharding import dim0_chunks
 from ..formats.base import Quantizer
 from ..torch_private import local_tensor
 from .layout import ExpertLayout
-from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload, quantize_shard
+from .payload import HIGH_PRECISION, AxisStats, PayloadMeta, assemble_parts, build_payload, quantize_shard
 
 __all__ = ["GatherContext", "gather_grouped_now", "gather_now", "payload_key", "prepare_grouped", "prepare_payload",
            "stats_key"]
@@ -71,7 +71,7 @@ def prepare_payload(local, param, q: Quantizer, send, shape, ws: int, rank: int,
         # every rank takes part in the reduction (a whole shard beside empty ones included)
         key = stats_key(param, dtype, shard)
         stats = local._hq.reduced_stats(q, x2d, shard, key, group)
-    if tp and shard.is_whole:  # (reduced_stats gave the whole weight's per-tensor statistics)
+    if tp and shard.is_whole and not isinstance(stats, AxisStats):  # (the whole weight's per-tensor statistics)
         parts = quantize_shard(q, x2d, shard, send, global_stats=stats)
     else:
         parts = quantize_shard(q, x2d, shard, send, stats)

@@ -136,6 +136,16 @@ class Float8RowwiseQuantizer(ShardableQuantizer, Quantizer):
         kw = {} if stats is None else {"global_stats": stats, "cut": cut}
         return self.quantize_parts(x2d, rowwise, columnwise, **kw)
 
+    stats_per_axis = True
+
+    def fragment_block(self, m, k, rowwise, columnwise):
+        """A rowwise scale covers its whole row (1 x K), a columnwise one its whole column (M x 1)."""
+        return (1 if rowwise and not columnwise else max(m, 1)), (1 if columnwise and not rowwise else max(k, 1))
+
+    def quantize_axes(self, x2d, rowwise, columnwise, row_stats, col_stats):
+        return self.reference_parts(x2d, rowwise, columnwise, stats=col_stats, global_stats=row_stats,
+                                    cut=None if row_stats is None else "K")
+
     def global_stats(self, x2d, rowwise, columnwise):
         # No per-tensor statistic: what spans pieces are per-axis amaxes, which a caller that does not say the cut
         # dim (piece_stats) would combine across different rows or columns: refuse rather than quantize wrongly.

@@ -137,15 +137,68 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
 
     def global_stats(self, x2d, rowwise, columnwise):
         """The rowwise quantizer's (when rowwise is asked), then the columnwise quantizer's."""
+        self._refuse_double_piece(columnwise)
+        a = self.rowwise.global_stats(x2d, True, False) if rowwise else None
+        b = self.columnwise.global_stats(x2d, False, True) if columnwise else None
+        pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
+        return torch.cat(pieces) if pieces else None
+
+    def _refuse_double_piece(self, columnwise: bool) -> None:
         if columnwise and self._double:
             # the columnwise statistics are those of the dequantized rowwise form, known only after a first round
             raise NotImplementedError(
                 f"{self.describe()}: the double-quantized columnwise form of a piece depends on the whole "
                 f"tensor's rowwise form; it cannot be quantized piece by piece")
-        a = self.rowwise.global_stats(x2d, True, False) if rowwise else None
-        b = self.columnwise.global_stats(x2d, False, True) if columnwise else None
+
+    @property
+    def stats_per_axis(self) -> bool:
+        return self.rowwise.stats_per_axis or self.columnwise.stats_per_axis
+
+    def piece_stats(self, x2d, rowwise, columnwise, cut):
+        """The rowwise quantizer's statistics of the piece (when rowwise is asked), then the columnwise one's, each
+        for its own direction and the cut (a side with per-axis statistics shares only the cut axis's)."""
+        if not self.stats_per_axis:
+            return self.global_stats(x2d, rowwise, columnwise)
+        self._refuse_double_piece(columnwise)
+        a = self.rowwise.piece_stats(x2d, True, False, cut) if rowwise else None
+        b = self.columnwise.piece_stats(x2d, False, True, cut) if columnwise else None
         pieces = [t.reshape(-1).float() for t in (a, b) if t is not None]
         return torch.cat(pieces) if pieces else None
+
+    def quantize_piece(self, x2d, rowwise, columnwise, stats, cut):
+        if not self.stats_per_axis:
+            return super().quantize_piece(x2d, rowwise, columnwise, stats, cut)
+        probe = torch.empty(x2d.shape, device="meta")  # sizes only, no data
+        a = self.rowwise.piece_stats(probe, True, False, cut) if rowwise else None
+        na = 0 if a is None else a.numel()
+        stats = None if stats is None else stats.reshape(-1)
+        sa = stats[:na] if (stats is not None and na) else None
+        sb = stats[na:] if (stats is not None and stats.numel() > na) else None
+        row = self.rowwise.quantize_piece(x2d, True, False, sa, cut)[0] if rowwise else None
+        col = self.columnwise.quantize_piece(x2d, False, True, sb, cut)[1] if columnwise else None
+        return row, col
+
+    def quantize_axes(self, x2d, rowwise, columnwise, row_stats, col_stats):
+        """Each side's `quantize_axes` with its share of the statistics (`row_stats` / `col_stats`: this hybrid's
+        `piece_stats(x2d, True, True, cut)` for cut "K" / "M", reduced)."""
+        if not (self.rowwise.stats_per_axis and self.columnwise.stats_per_axis):
+            raise NotImplementedError(
+                f"{self.describe()}: per-axis statistics (a row's or a column's amax) on one side only; a piece cut "
+                f"along both dims is quantized only with per-axis statistics on both sides (quantize_axes)")
+        self._refuse_double_piece(columnwise)
+        probe = torch.empty(x2d.shape, device="meta")  # sizes only, no data
+
+        def split(stats, cut):
+            if stats is None:
+                return None, None
+            a = self.rowwise.piece_stats(probe, True, False, cut)
+            na, stats = (0 if a is None else a.numel()), stats.reshape(-1)
+            return (stats[:na] if na else None), (stats[na:] if stats.numel() > na else None)
+
+        (r_rows, c_rows), (r_cols, c_cols) = split(row_stats, "K"), split(col_stats, "M")
+        row = self.rowwise.quantize_axes(x2d, True, False, r_rows, r_cols)[0] if rowwise else None
+        col = self.columnwise.quantize_axes(x2d, False, True, c_rows, c_cols)[1] if columnwise else None
+        return row, col
 
     def stats_from_amax(self, amax, rowwise, columnwise):
         """The two sub-quantizers' statistics side by side (as `global_stats`), when each that has statistics can

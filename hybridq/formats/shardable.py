@@ -13,6 +13,8 @@ and the helpers the formats use to implement these hooks are in `_sharding.py`.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 
@@ -106,6 +108,27 @@ class ShardableQuantizer:
         """(rowwise part, columnwise part) of the piece `x2d` cut along `cut`, quantized with the MAX-reduced
         `piece_stats`: bitwise that piece of the whole tensor's quantization."""
         return self.quantize_parts(x2d, rowwise, columnwise, **({} if stats is None else {"global_stats": stats}))
+
+    # A format whose scales each span one axis (a row's amax, a column's amax) has no per-tensor statistic at all:
+    # `global_stats` does not exist for it (it raises), and a path that splits a tensor says which axis it cuts
+    # (`piece_stats`), which rows x columns one statistic covers (`fragment_block`), or both (`quantize_axes`).
+    stats_per_axis: ClassVar[bool] = False
+
+    def fragment_block(self, m: int, k: int, rowwise: bool, columnwise: bool) -> tuple[int, int]:
+        """(rows, cols) of the region of an `m x k` tensor that one statistic of the requested direction covers,
+        aligned to row 0 and column 0: flat fragments (ZeRO master weights) reduce the partial amaxes of the
+        regions they share. (1, 1): nothing but per-tensor statistics. Default: `split_granularity`."""
+        return self.split_granularity(rowwise, columnwise)
+
+    def quantize_axes(self, x2d: torch.Tensor, rowwise: bool, columnwise: bool, row_stats: torch.Tensor | None,
+                      col_stats: torch.Tensor | None):
+        """(rowwise part, columnwise part) of a piece cut along both dims (an FSDP2 row shard of a tensor-parallel
+        column piece) of a `stats_per_axis` format: `col_stats` the MAX-reduced `piece_stats(..., "M")` (over the
+        pieces holding other rows of its columns), `row_stats` the MAX-reduced `piece_stats(..., "K")` (over those
+        holding other columns of its rows; None: its rows are whole). Formats with per-tensor statistics take the
+        `shard_stats` / `with_global_stats` path instead."""
+        raise NotImplementedError(f"{self.describe()}: no quantization of a piece cut along both dims "
+                                  f"(quantize_axes); supported for formats with per-axis statistics only")
 
     def with_global_stats(self, stats: torch.Tensor | None, shard, k: int,
                           global_stats: torch.Tensor | None) -> torch.Tensor | None:

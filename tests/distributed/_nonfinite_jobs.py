@@ -35,6 +35,8 @@ def _all_cases() -> dict:
     cases = {n: f for n, f in FORMATS.items() if not n.startswith("identity") and n != "fp8_e4m3_delayed"}
     cases["hyb_mxfp8_nvfp4"] = hybrid("mxfp8_e4m3", "nvfp4")
     cases["hyb_fp8_nvfp4_16x16"] = hybrid("fp8_e4m3", "nvfp4_16x16")
+    cases["hyb_fp8rw_mxfp8"] = hybrid("fp8rw_e4m3", "mxfp8_e4m3")  # a side with per-axis statistics
+    cases["hyb_fp8rw_e4m3_e5m2"] = hybrid("fp8rw_e4m3", "fp8rw_e5m2_nopow2")  # per-axis statistics on both sides
     return cases
 
 
@@ -47,8 +49,11 @@ def stat_formats() -> list[str]:
 
 
 def tensor_wide_formats() -> list[str]:
-    """Those of them with a statistic spanning the whole tensor (per-tensor FP8 amax, NVFP4 global amax)."""
-    return [n for n in stat_formats() if _all_cases()[n]().global_stats(torch.ones(16, K), True, True) is not None]
+    """Those of them with a statistic spanning the whole tensor (per-tensor FP8 amax, NVFP4 global amax) or a whole
+    axis of it (rowwise FP8: a row's amax spans its columns, a column's its rows)."""
+    def wide(q) -> bool:
+        return q.stats_per_axis or q.global_stats(torch.ones(16, K), True, True) is not None
+    return [n for n in stat_formats() if wide(_all_cases()[n]())]
 
 
 def rows_for(name: str) -> int:
@@ -474,6 +479,29 @@ def job_all(rank, world_size, device, formats: list[str], tensor_wide: list[str]
 
 # ---- FSDP2 x tensor parallelism (dp2 x tp2) ---------------------------------------------------------------------
 
+# Refused at parallelize_module under FSDP2 x TP (a piece cut along both dims), with what the error must say.
+REFUSED_UNDER_FSDP_TP = {"hyb_fp8rw_mxfp8": "per-axis statistics (a row's or a column's amax) on one side only"}
+
+
+def _refusal_diffs(par, mesh, name: str) -> list[str]:
+    """parallelize_module refuses the format before anything changes, naming the layer, the format and the rule."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hybridq.distributed import ColwiseParallel
+
+    before = par[0].weight
+    try:
+        parallelize_module(par, mesh["tp"], {"0": ColwiseParallel()})
+    except NotImplementedError as e:
+        msg, q = str(e), par[0].weight_quantizer
+        diffs = [f"{name}: the refusal does not say {w!r}: {msg}"
+                 for w in (par[0].name, q.describe(), REFUSED_UNDER_FSDP_TP[name]) if w not in msg]
+        if par[0].weight is not before or getattr(par[0], "_tensor_parallel", None) is not None:
+            diffs.append(f"{name}: the layer changed before the refusal")
+        return diffs
+    return [f"{name}: FSDP2 x TP was not refused"]
+
+
 def job_fsdp_tp(rank, world_size, device, formats: list[str]) -> dict:
     """A column-parallel and a row-parallel Linear under a dp2 x tp2 mesh (apply_hybrid_fsdp, parallelize_module
     over "tp", fully_shard over "dp"), the value in a piece of both weights held by rank 3 (dp 1, tp 1): every
@@ -500,6 +528,9 @@ def job_fsdp_tp(rank, world_size, device, formats: list[str]) -> dict:
             recipe = _recipe(name, "weight")
             hybridq.convert_linears(ref, recipe)
             apply_hybrid_fsdp(par, recipe, on_incompatible="error")
+            if name in REFUSED_UNDER_FSDP_TP:
+                out[f"fsdp_tp/{name}/{vname}"] = _refusal_diffs(par, mesh, name)
+                continue
             parallelize_module(par, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
             fully_shard(par, mesh=mesh["dp"])
             x = torch.randn(8, d, generator=torch.Generator().manual_seed(4)).to(device)
