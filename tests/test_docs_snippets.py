@@ -7,7 +7,8 @@ A block runs with `python` unless the line before its fence (blank lines aside) 
                                  its reason, never silently left out
 
 Each block runs in its own process in an empty temporary folder with CUDA hidden, so what it writes (checkpoints,
-files) goes there; single-process blocks are forked from one interpreter that has imported torch and hybridq.
+files) goes there; every process of a block is forked from one interpreter that has imported torch and hybridq
+(a `torchrun N` block's N processes with the environment torchrun gives its workers).
 Relative links between the pages must resolve too (files and #anchors).
 """
 
@@ -87,32 +88,78 @@ ALL = [s for page in PAGES for s in snippets(page)]
 
 
 # One warm interpreter that has imported torch and hybridq (~5 s of CPU per process, most of a small snippet's
-# cost) forks a fresh child per single-process snippet: each still runs alone, from a clean __main__, in its folder.
+# cost) forks a fresh child per process of a snippet: each runs alone, from a clean __main__, in its folder. A
+# `torchrun N` snippet gets N children with the environment torchrun gives its workers (RANK, LOCAL_RANK,
+# WORLD_SIZE, MASTER_ADDR / MASTER_PORT of a rendezvous store), the store hosted as torchrun's agent hosts it (its
+# own process, port 0: no port to find free); when one child fails the others are stopped, as torchrun does.
 _SERVER = r"""
-import os, runpy, sys, traceback
+import os, runpy, signal, sys, time, traceback
 import torch, hybridq  # noqa: F401
-for line in sys.stdin:
-    script, log = line.rstrip("\n").split("\t")
+
+def child(script, log, env):
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    os.chdir(os.path.dirname(script))
+    sys.argv = [script]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+def store(nproc):
+    # the rendezvous store in a process of its own (the server forks the workers: it starts no thread itself)
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.chdir(os.path.dirname(script))
-        sys.argv = [script]
-        code = 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(status), flush=True)
+        os.close(r)
+        st = torch.distributed.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False)
+        os.write(w, str(st.port).encode() + b"\n")
+        signal.pause()
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        return pid, int(f.readline())
+
+for line in sys.stdin:
+    script, log, nproc = line.rstrip("\n").split("\t")
+    nproc = int(nproc)
+    envs = [{}]
+    holder = None
+    if nproc:
+        holder, port = store(nproc)
+        common = dict(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+        envs = [dict(common, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(nproc)]
+    pids = {}
+    for r, env in enumerate(envs):
+        pid = os.fork()
+        if pid == 0:
+            child(script, log if r == 0 else f"{log}.rank{r}", env)
+        pids[pid] = r
+    code = 0
+    while pids:
+        pid, status = os.wait()
+        if pid not in pids:
+            continue
+        pids.pop(pid)
+        c = os.waitstatus_to_exitcode(status)
+        if c != 0 and code == 0:
+            code = c
+            for other in pids:  # a failed worker: stop the others (they may wait in a collective)
+                os.kill(other, signal.SIGKILL)
+    if holder is not None:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    print(code, flush=True)
 """
 
 
@@ -126,16 +173,19 @@ def warm_python():
     proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=_env())
 
-    def run(script: pathlib.Path) -> tuple[int, str]:
+    def run(script: pathlib.Path, nproc: int = 0) -> tuple[int, str]:
+        """(exit code, output): one process, or `nproc` as torchrun would start them (rank 0's output first)."""
         log = script.with_suffix(".log")
-        proc.stdin.write(f"{script}\t{log}\n")
+        proc.stdin.write(f"{script}\t{log}\t{nproc}\n")
         proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
         if not ready:
             proc.kill()
             raise TimeoutError(f"{script.name} ran longer than {TIMEOUT_S} s")
         code = int(proc.stdout.readline())
-        return code, log.read_text()
+        logs = [log] + [log.with_name(f"{log.name}.rank{r}") for r in range(1, nproc)]
+        return code, "\n".join(f"[rank {r}]\n{p.read_text()}" if nproc else p.read_text()
+                               for r, p in enumerate(logs) if p.exists())
 
     yield run
     proc.stdin.close()
@@ -148,15 +198,9 @@ def test_snippet_runs(snippet: Snippet, tmp_path, warm_python):
         pytest.skip(f"fragment: {snippet.fragment}")
     script = tmp_path / "snippet.py"
     script.write_text(snippet.code)
-    if snippet.nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(snippet.nproc),
-               str(script)]
-        r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-        code, output = r.returncode, r.stdout[-2000:] + "\n" + r.stderr[-4000:]
-        how = f"torchrun --nproc-per-node {snippet.nproc}"
-    else:
-        code, output = warm_python(script)
-        output, how = output[-6000:], "python"
+    code, output = warm_python(script, snippet.nproc)
+    how = f"torchrun --nproc-per-node {snippet.nproc} (its workers' environment)" if snippet.nproc else "python"
+    output = output[-6000:]
     assert code == 0, f"{snippet.name} failed (exit {code}) under {how}:\n{output}"
 
 
