@@ -551,9 +551,12 @@ def test_cpu_job_resumes_bitwise(runs):
 #      leaves behind (a stale buffer, a lost optimizer field, the wrong step or data position).
 
 def torchrun_n(n: int, *flags: str, cwd: pathlib.Path, ok: bool = True) -> subprocess.CompletedProcess:
+    """The job on `n` processes: torchrun for n > 1; for n == 1 train.py itself, which makes the same world of one
+    (README: `python launch/train.py`) without torchrun's agent process (~3 s of CPU per job: it imports torch too)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           str(ROOT / "launch" / "train.py"), *TINY, *flags]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if n > 1
+                else [sys.executable])
+    cmd = [*launcher, str(ROOT / "launch" / "train.py"), *TINY, *flags]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     if ok:
         assert p.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-6000:]}"
