@@ -16,7 +16,7 @@ import torch.nn as nn
 import hybridq
 from hybridq.distributed import GroupedHybridWeight
 
-from _harness import spawn
+from _harness import nccl_devices, spawn
 import _grouped_jobs as jobs
 
 pytestmark = pytest.mark.distributed
@@ -139,9 +139,20 @@ def test_delayed_scaling_on_expert_weights_is_refused_before_anything_changes():
 
 # ---- per-tensor FP8 experts: the gather is batched over the experts ---------------------------------------------
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def _gpu_world(n):
+    return pytest.param((n, "nccl"), id=f"world{n}-nccl", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not nccl_devices(n), reason=f"needs {n} CUDA device(s) + NCCL")])
+
+
+# gloo on CPU (the reference path); NCCL on the GPU machine (the grouped cast kernel, the stacked copies on the device)
+BATCHED_WORLDS = [pytest.param((1, "gloo"), id="world1"), pytest.param((2, "gloo"), id="world2"), _gpu_world(1),
+                  _gpu_world(2)]
+
+
+@pytest.fixture(scope="module", params=BATCHED_WORLDS)
 def batched_gather(request):
-    return request.param, spawn(jobs.job_batched_gather, request.param, "gloo")
+    ws, backend = request.param
+    return ws, spawn(jobs.job_batched_gather, ws, backend)
 
 
 def test_batched_fp8_gather_is_the_single_device_quantization(batched_gather):
