@@ -162,6 +162,9 @@ FORMAT_EXAMPLE_FILES = {
     "docs/numerics.md", "docs/architecture.md", "tests/_format_cases.py", "tests/test_format_float8_rowwise.py",
     "tests/distributed/test_rowwise_preset.py", "tests/test_architecture.py", "launch/config.py",
     "docs/training-job.md", "README.md",
+    # its CUDA kernel (docs/architecture.md "a CUDA kernel for a format": the policy header and the binding file name
+    # it by their file names only) and that kernel's GPU tests
+    "hybridq/kernels/cuda_fp8_rowwise.py", "tests/test_cuda_fp8_rowwise.py",
 }
 
 
@@ -179,8 +182,9 @@ def test_the_rowwise_format_is_named_only_in_the_documented_files():
     extra = sorted(found - FORMAT_EXAMPLE_FILES)
     assert not extra, f"the rowwise FP8 format is named outside the files a format touches: {extra}"
     package = sorted(f for f in found if f.startswith("hybridq/"))
-    assert package == ["hybridq/__init__.py", "hybridq/formats/__init__.py", "hybridq/formats/float8_rowwise.py"], \
-        f"a format is one module and its export lines; in the package it is named in {package}"
+    assert package == ["hybridq/__init__.py", "hybridq/formats/__init__.py", "hybridq/formats/float8_rowwise.py",
+                       "hybridq/kernels/cuda_fp8_rowwise.py"], \
+        f"a format is one module (+ its CUDA kernel module) and its export lines; in the package it is named in {package}"
 
 
 # closed sets (hybridq.enums): members inside the package, strings only at the API boundary (parsed there)
