@@ -5,8 +5,10 @@ contracted dim), which is how parts are stored:
     fprop  y  = x.rowwise          @ W.rowwise^T      ([M,K] x [N,K])
     dgrad  dx = dy.rowwise         @ W.columnwise^T   ([M,N] x [K,N])
     wgrad  dW = dy.columnwise      @ x.columnwise^T   ([N,M] x [K,M])
-A native kernel registered for the pair of part types runs when it accepts the operands (device,
-capability, shapes); otherwise the GEMM is emulated: dequantize both parts to fp32 and multiply.
+A native kernel registered for what the two parts declare (`QuantizedPart.gemm_kind`: scale layout, block shape,
+scale dtype; or a user's kernel for the pair of part types, tried first: `hybridq.dispatch.gemm_candidates`) runs
+when it accepts the operands (device, capability, element dtypes, shapes); otherwise the GEMM is emulated:
+dequantize both parts to fp32 and multiply.
 """
 
 from __future__ import annotations
