@@ -35,8 +35,10 @@ def _all_cases() -> dict:
     cases = {n: f for n, f in FORMATS.items() if not n.startswith("identity") and n != "fp8_e4m3_delayed"}
     cases["hyb_mxfp8_nvfp4"] = hybrid("mxfp8_e4m3", "nvfp4")
     cases["hyb_fp8_nvfp4_16x16"] = hybrid("fp8_e4m3", "nvfp4_16x16")
-    cases["hyb_fp8rw_mxfp8"] = hybrid("fp8rw_e4m3", "mxfp8_e4m3")  # a side with per-axis statistics
-    cases["hyb_fp8rw_e4m3_e5m2"] = hybrid("fp8rw_e4m3", "fp8rw_e5m2_nopow2")  # per-axis statistics on both sides
+    # hybrids with per-axis statistics (a row's / a column's amax) on one side and on both sides
+    axis = [n for n, f in FORMATS.items() if f().stats_per_axis]
+    cases["hyb_axis_mxfp8"] = hybrid(axis[0], "mxfp8_e4m3")
+    cases["hyb_axis_axis"] = hybrid(axis[0], axis[-1])
     return cases
 
 
@@ -480,7 +482,7 @@ def job_all(rank, world_size, device, formats: list[str], tensor_wide: list[str]
 # ---- FSDP2 x tensor parallelism (dp2 x tp2) ---------------------------------------------------------------------
 
 # Refused at parallelize_module under FSDP2 x TP (a piece cut along both dims), with what the error must say.
-REFUSED_UNDER_FSDP_TP = {"hyb_fp8rw_mxfp8": "per-axis statistics (a row's or a column's amax) on one side only"}
+REFUSED_UNDER_FSDP_TP = {"hyb_axis_mxfp8": "per-axis statistics (a row's or a column's amax) on one side only"}
 
 
 def _refusal_diffs(par, mesh, name: str) -> list[str]:
