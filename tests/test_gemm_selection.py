@@ -133,3 +133,16 @@ def test_the_gemm_selection_modules_name_no_format_class():
         text = (root / path).read_text()
         named = sorted(n for n in parts + quantizers if n in text)
         assert not named, f"hybridq/{path} names format classes {named}: select GEMMs by the parts' declared kinds"
+
+
+def test_the_grouped_gemm_is_registered_for_the_kind_of_a_per_tensor_fp8_group():
+    """GroupedLinear's per-tensor FP8 grouped GEMM is found by the operand kind of each group (one fp32 scale per
+    group's tensor), which is the kind the per-tensor FP8 parts of the groups declare."""
+    from hybridq.gemm import PER_GROUP_TENSOR, grouped_fp8_gemm_kernel
+    from hybridq.kernels import native_gemm
+
+    group = hybridq.Float8Quantizer().quantize(_x(16, 64, 0)).rowwise
+    assert group.gemm_kind == PER_GROUP_TENSOR, f"a per-tensor FP8 group declares {group.gemm_kind}"
+    assert dispatch.grouped_gemm_kernel(group.gemm_kind, "cuda") is native_gemm._grouped_fp8_run
+    assert grouped_fp8_gemm_kernel("cuda") is native_gemm._grouped_fp8_run
+    assert grouped_fp8_gemm_kernel("cpu") is None, "the CPU has no grouped GEMM (the per-group loop runs)"
