@@ -79,6 +79,7 @@ def fill_batched(st, qs, metas, gathered: torch.Tensor, slot: int, layout: Exper
     if (not st.slabs or plan.send != (ROWWISE,) or plan.local or HIGH_PRECISION in plan.materialize
             or not equal_groups_apply(qs)):
         return False
+    st.alloc_slabs(plan.materialize)  # (FSDP2 allocated them already, except where it reuses nothing)
     rows = [assemble_parts(meta, layout.expert_bytes(gathered, slot, e, meta, expert_major=layout.dim == 1))[ROWWISE]
             for e, meta in enumerate(metas)]
     if ROWWISE in plan.materialize:
