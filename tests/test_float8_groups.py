@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridq._stacking import stacked_view
+from hybridq.formats._stacking import stacked_view
 from hybridq.formats import COLUMNWISE, ROWWISE
 from hybridq.formats.float8_groups import (derive_columnwise_groups, equal_groups_apply, group_amax, group_parts,
                                            quantize_equal_groups)

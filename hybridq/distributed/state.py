@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
-from .._stacking import stacked_view
+from ..formats._stacking import stacked_view
 from ..formats._reduce import amax_all_reduce_
 from ..formats.float8_groups import equal_groups_apply
 from ..nn.grouped import GroupedLinear, converted_experts

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from .._stacking import stacked_view
+from ._stacking import stacked_view
 from ..enums import Scaling
 from ._numerics import FP8_MAX, rcp, satfinite_fp8, scale_from_amax
 from .float8 import Float8Quantizer, Float8TensorPart, aligned_scales
