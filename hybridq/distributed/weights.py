@@ -17,7 +17,9 @@ A grouped weight: per unshard every rank computes each expert's cross-shard stat
 experts in one MAX all-reduce (a receiver needs the per-tensor values of experts it does not hold, e.g. an FP8
 scale), quantizes its pieces exactly as the full expert would be quantized and packs them, one slot per expert,
 into one payload (`transport.prepare_grouped`, laid out by `layout.ExpertLayout`). After the all-gather each
-expert's slots are assembled into its full parts, held by one `ExpertWeightState` per expert (`state.py`).
+expert's slots are assembled into its full parts, held by one `ExpertWeightState` per expert (`state.py`). Experts
+that share one per-tensor FP8 quantizer take the batched path (`grouped_batched.py`): one amax pass and one cast for
+all experts before the gather, one copy per buffer kind into the experts' stacked buffers and one transpose after it.
 """
 
 from __future__ import annotations
