@@ -2,9 +2,10 @@
 compiles into the graph as hybridq's custom ops (nn/compiled_linear.py; per-tensor FP8 layers as their traced ops,
 nn/float8_graph.py, see test_float8_graph.py) and computes bitwise what eager computes; so does a Linear whose
 weight FSDP2 all-gathers quantized (its handle in the graph: tests/distributed/test_fsdp_compile.py).
-What those ops do not take (GroupedLinear, delayed scaling, the is_first_microbatch cache, quantized parameters,
-tensor-parallel DTensor weights) runs eagerly between compiled regions (a graph break each) and computes what eager
-computes."""
+What those ops do not take (a GroupedLinear with list counts or a recipe other than per-tensor FP8 -- FP8 experts
+with tensor counts compile into the graph: test_grouped_compile.py --, delayed scaling, the is_first_microbatch
+cache, quantized parameters, tensor-parallel DTensor weights) runs eagerly between compiled regions (a graph break
+each) and computes what eager computes."""
 
 from __future__ import annotations
 

@@ -467,7 +467,8 @@ def test_grad_reduce_wire_sends_its_bytes_and_trains(runs, tmp_path):
 
 @pytest.mark.distributed
 def test_compiled_blocks_train_like_eager(runs, tmp_path):
-    """--compile (each block torch.compiled before fully_shard; hybridq layers eager inside): the first steps'
+    """--compile (each block torch.compiled before fully_shard; the hybridq Linears in the graph, their weights
+    entering it as the quantized gather's handles): the first steps'
     losses are the eager run's up to the compiled norms' and activations' rounding."""
     _, js, _ = runs
     torchrun("--compile", "--stop-after", "3", "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
