@@ -14,7 +14,8 @@ from ..formats._reduce import amax_all_reduce_
 from ..nn.linear import Linear
 from ..torch_private import local_tensor
 from .layout import ExpertLayout
-from .state import GroupedWeightState, pack_stats
+from .state import GroupedWeightState
+from .stats import pack_stats
 from .transport import stats_key
 from .weights import GroupedHybridWeight, HybridWeight
 

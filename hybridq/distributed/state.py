@@ -1,6 +1,6 @@
 """Per-weight state shared by every alias of one sharded weight: the FSDP2 link, the reduced statistics, the
-unsharded weight's own buffers (`buffers.py`), the payload kept from forward to backward, and lazy
-materialization of a direction nobody planned for.
+unsharded weight's own buffers (`buffers.py`), the reduced statistics (`stats.py`), the payload kept from forward to
+backward, and lazy materialization of a direction nobody planned for.
 
 A Linear weight has one `WeightState`. A grouped weight `[E, out, in]` has one `GroupedWeightState`, which holds
 one `ExpertWeightState` per expert (each the unsharded buffers, derivation and lazy gathering a Linear's weight
@@ -18,7 +18,6 @@ import torch.nn as nn
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats._stacking import stacked_view
-from ..formats._reduce import amax_all_reduce_
 from ..formats.float8_groups import equal_groups_apply
 from ..nn.grouped import GroupedLinear, converted_experts
 from ..torch_private import local_tensor
@@ -26,10 +25,11 @@ from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GroupedGatheredWeight
 from .layout import ExpertLayout
-from .payload import DIRECTIONS, AxisStats, PayloadMeta, assemble_parts
+from .payload import DIRECTIONS, PayloadMeta, assemble_parts
+from .stats import GroupedStats, WeightStats
 from .transport import GatherContext, gather_grouped_now, gather_now
 
-__all__ = ["ExpertWeightState", "GroupedWeightState", "KeptPayload", "WeightState", "pack_stats"]
+__all__ = ["ExpertWeightState", "GroupedWeightState", "KeptPayload", "WeightState"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ class SharedState:
             self.backward_extra.add(d)
 
 
-class WeightState(SharedState, UnshardedBuffers):
+class WeightState(SharedState, WeightStats, UnshardedBuffers):
     """A Linear weight's state."""
 
     def __init__(self, root: nn.Module | None = None, name: str = "weight"):
@@ -106,57 +106,6 @@ class WeightState(SharedState, UnshardedBuffers):
         new.reuse_payload = self.reuse_payload
         new.tp_group, new.tp_cut = self.tp_group, self.tp_cut
         return new
-
-    # statistics ---------------------------------------------------------------------------------
-    def reduced_stats(self, q, x2d, shard, key, group):
-        if key is not None and self.stats_key == key:
-            self.counters["stats_precomputed"] += 1
-            return self.stats
-        if self.tp_group is not None and getattr(q, "stats_per_axis", False):
-            local = self._axis_stats(q, x2d, group)
-            self.stats_key, self.stats = key, local
-            return local
-        if self.tp_group is not None and shard.is_whole:  # a whole TP piece: only per-tensor statistics
-            local = self._tp_global(q, x2d, group)
-            self.stats_key, self.stats = key, local
-            return local
-        local = q.shard_stats(x2d, shard)
-        if local is not None and group is not None:
-            amax_all_reduce_(local, group)
-            self.counters["stats_allreduce"] += 1
-        if self.tp_group is not None:  # per-tensor statistics span the TP pieces too
-            g = self._tp_global(q, x2d, group)
-            if g is not None:
-                local = q.with_global_stats(local, shard, x2d.shape[1], g)
-        self.stats_key, self.stats = key, local
-        return local
-
-    def _axis_stats(self, q, x2d, group) -> AxisStats:
-        """A per-axis format's row shard of a TP piece: the columns' statistics (`piece_stats` of a row piece)
-        reduce over the FSDP group, and over the TP group too when TP cuts rows; the rows' (`piece_stats` of a
-        column piece) over the TP group when TP cuts columns (the FSDP group holds other rows)."""
-        cols = q.piece_stats(x2d, True, True, "M")
-        if cols is not None:
-            cols = cols.contiguous()
-            for g in (group, self.tp_group if self.tp_cut == "M" else None):
-                if g is not None:
-                    amax_all_reduce_(cols, g)
-        rows = q.piece_stats(x2d, True, True, "K") if self.tp_cut == "K" else None
-        if rows is not None:
-            rows = rows.contiguous()
-            amax_all_reduce_(rows, self.tp_group)
-        self.counters["stats_allreduce"] += 1
-        return AxisStats(rows, cols)
-
-    def _tp_global(self, q, x2d, group):
-        """The whole weight's per-tensor statistics: MAX over this rank's rows, the dp group, the TP group."""
-        g = q.global_stats(x2d, True, True)
-        if g is not None:
-            if group is not None:
-                amax_all_reduce_(g, group)
-            amax_all_reduce_(g, self.tp_group)
-            self.counters["stats_allreduce"] += 1
-        return g
 
     # lazy materialization (a direction nobody planned for: activation recompute, manual unshard, ...) ----
     def needs(self, d: str) -> bool:
@@ -193,7 +142,7 @@ class ExpertWeightState(WeightState):
             self.grouped().ensure(d)
 
 
-class GroupedWeightState(SharedState):
+class GroupedWeightState(SharedState, GroupedStats):
     """State shared by every alias of one sharded grouped weight `[E, out, in]`."""
 
     def __init__(self, root: nn.Module | None = None, name: str = "weight", attr: str = "weight"):
@@ -292,41 +241,6 @@ class GroupedWeightState(SharedState):
         for st in self.experts:
             st.deferred = set(dirs)
 
-    # statistics ---------------------------------------------------------------------------------------------
-    def reduced_stats(self, qs, pieces, layout: ExpertLayout, key, group) -> list[torch.Tensor | None]:
-        """Each expert's statistics reduced across ranks: one MAX all-reduce for all experts (or the values
-        precompute_scales reduced for these shard values)."""
-        local = [q.shard_stats(x, layout.stats_shard(e)) for e, (q, x) in enumerate(zip(qs, pieces))]
-        if key is not None and self.stats_key == key:
-            self.counters["stats_precomputed"] += 1
-            flat = self.stats
-        else:
-            flat = pack_stats(local)
-            if flat is not None:
-                amax_all_reduce_(flat, group)
-                self.counters["stats_allreduce"] += 1
-            self.stats_key, self.stats = key, flat
-        out, i = [], 0
-        for s in local:
-            if s is None:
-                out.append(None)
-                continue
-            out.append(flat[i:i + s.numel()].view(s.shape))
-            i += s.numel()
-        return out
-
-    def reduced_vector(self, local, key, group) -> torch.Tensor:
-        """`reduced_stats` for experts whose statistics are one value each: `local()` gives this rank's `[E]`
-        vector (computed only when the values are not the ones already reduced for `key`)."""
-        if key is not None and self.stats_key == key:
-            self.counters["stats_precomputed"] += 1
-            return self.stats
-        flat = local()
-        amax_all_reduce_(flat, group)
-        self.counters["stats_allreduce"] += 1
-        self.stats_key, self.stats = key, flat
-        return flat
-
     # lazy materialization of a direction nobody planned for (activation recompute, ...) ----------------------
     def ensure(self, d: str) -> None:
         local, param, _ = self._lazy_source(d)
@@ -345,9 +259,3 @@ class GroupedWeightState(SharedState):
                 st.fill(d, q.derive_part(parts[ROWWISE], COLUMNWISE, ctx.dtype) if derivable else parts[d])
         self.set_inner([x for x in DIRECTIONS if all(st.materialized(x) for st in self.experts)])
         self._lazy_done(d)
-
-
-def pack_stats(stats) -> torch.Tensor | None:
-    """The experts' statistics (None where a format has none) as one fp32 vector (layout the same on every rank)."""
-    present = [s.reshape(-1).float() for s in stats if s is not None]
-    return torch.cat(present) if present else None
