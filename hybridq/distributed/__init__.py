@@ -4,10 +4,10 @@ Modules, one job each, for Linear weights and grouped `[E, out, in]` expert weig
 quantized on its own): `plan` (what an unshard gathers), `fsdp_adapter` (the only reader of FSDP2's private
 state), `layout` (where a weight's rows live on the ranks, the all-gather input FSDP2 accepts), `payload` (packing
 a quantized shard into bytes and back), `transport` (building and gathering payloads), `checks` (sharding rules
-checked when the layout is known), `state` (per-weight state), `buffers` (the unsharded weight's own buffers),
-`gathered` / `weights` (the unsharded and sharded weight types), `api` (`apply_hybrid_fsdp`), `scales`
-(`precompute_scales`), `accounting` (bytes on the wire) and `grad_reduce` (the low-precision gradient
-reduce-scatter). Tensor parallelism: `tensor_parallel` (hybridq's
+checked when the layout is known), `state` (per-weight state), `stats` (its reduced statistics), `buffers` (the
+unsharded weight's own buffers), `gathered` / `weights` (the unsharded and sharded weight types), `api`
+(`apply_hybrid_fsdp`), `scales` (`precompute_scales`), `accounting` (bytes on the wire) and `grad_reduce` (the
+low-precision gradient reduce-scatter). Tensor parallelism: `tensor_parallel` (hybridq's
 ColwiseParallel / RowwiseParallel / PrepareModuleInput), `sequence` (the quantized sequence-parallel all-gather)
 and `pieces` (a rank's piece of a tensor quantized with the whole tensor's statistics). ZeRO optimizers:
 `fragments` (flat fragments of a weight), `master_weights` (quantize_master_weights; each direction's task in
