@@ -290,6 +290,7 @@ def test_training_job_conversion_refuses_an_unknown_environment_override(monkeyp
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "launch"))
+    import convert as job_convert
     import model as job_model
     import train
 
@@ -297,7 +298,7 @@ def test_training_job_conversion_refuses_an_unknown_environment_override(monkeyp
     m = job_model.Transformer(train.model_config(args))
     monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "bogus")
     with pytest.raises(ValueError, match=f"{BACKWARD_OVERRIDE_ENV}.*'bogus'"):
-        train.convert(m, "mxfp8_fwd_nvfp4_bwd", args)
+        job_convert.convert(m, "mxfp8_fwd_nvfp4_bwd", args)
     assert not any(isinstance(mod, hq.Linear) for mod in m.modules()), "layers were converted"
 
 
