@@ -149,6 +149,8 @@ def _local_stats(tasks, frags, starts, lengths, layouts, weights) -> torch.Tenso
         if t.kind != FragmentKind.BLOCKS:
             continue
         t.edges = edge_block_rows(layouts[t.index], t.m, t.k, t.gr)
+        if _spans_rows(t):  # (every rank, one without a fragment too, computes the columns' scales it keeps)
+            t.edges = (0,)
         ncb = cdiv(t.k, t.gc)
         part = torch.zeros(len(t.edges), ncb, device=device)
         s, n = starts[t.index], lengths[t.index]
@@ -163,6 +165,11 @@ def _local_stats(tasks, frags, starts, lengths, layouts, weights) -> torch.Tenso
         pieces.append(part.reshape(-1))
         at += part.numel()
     return torch.cat(pieces) if pieces and at else None
+
+
+def _spans_rows(t: Task) -> bool:
+    """A per-axis direction whose one block row holds every row (a column's scale): its scales are replicated."""
+    return t.q.stats_per_axis and t.gr >= t.m > 0
 
 
 def _block_amax(rows: torch.Tensor, gc: int) -> torch.Tensor:
@@ -185,8 +192,10 @@ def _local_part(t: Task, x, s: int, n: int, stats, device):
         parts = t.q.quantize_parts(flat, row, col, **_global_kw(t, stats))
         return parts[0] if row else parts[1]
     p = t.local if n else torch.zeros(0, t.k, dtype=t.dtype, device=device)
-    if n and t.edges:
-        r0, r1 = padded_rows(s, n, t.m, t.k, t.gr)
+    if (n or _spans_rows(t)) and t.edges:
+        r0, r1 = padded_rows(s, n, t.m, t.k, t.gr) if n else (0, t.m)
+        if not n:  # nothing owned: every element its column's amax (only the replicated scales are kept)
+            p = torch.zeros(t.m, t.k, dtype=t.dtype, device=device)
         owned = torch.zeros(r1 - r0, t.k, dtype=torch.bool, device=device)
         owned.view(-1)[s - r0 * t.k:s - r0 * t.k + n] = True
         amax = stats[t.stats_at + t.n_global:].view(len(t.edges), -1)
