@@ -151,10 +151,11 @@ def received(gathered: torch.Tensor, metas) -> dict:
         # scales, tile-scale grids, global amaxes) were allocated there and are read here on the current
         # stream. Without this, once the metadata is dropped the caching allocator hands their blocks to
         # the next weight's pre-all-gather (copy-in stream) while this stream's reads are still queued.
+        # (once per storage: the experts' scales of a batched gather are views of one tensor, and record_stream
+        # marks the whole block)
         stream = torch.cuda.current_stream(gathered.device)
-        for t in replicated:
-            if t.is_cuda:
-                t.record_stream(stream)
+        for t in {t.untyped_storage().data_ptr(): t for t in replicated if t.is_cuda}.values():
+            t.record_stream(stream)
     # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
     return {"forbidden": {gathered.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr()
                                                                      for t in replicated}}
