@@ -30,7 +30,8 @@ pytestmark = pytest.mark.distributed
 WORLDS = [2, 4]
 # the rows in the input's dtype are fewer bytes than the quantized payload of these presets' inputs (bf16: both
 # directions in 8 bits, or an identity columnwise form; fp32: the identity columnwise form alone is the fp32 rows)
-HIGH_PRECISION = {"bfloat16": {"fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd"},
+HIGH_PRECISION = {"bfloat16": {"fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd",
+                                "fp8_rowwise"},
                   "float32": {"fp8_fwd_high_precision_bwd"}}
 HIGH_PRECISION_BF16 = HIGH_PRECISION["bfloat16"]
 
