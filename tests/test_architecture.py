@@ -162,6 +162,7 @@ FORMAT_EXAMPLE_FILES = {
     "docs/numerics.md", "docs/architecture.md", "tests/_format_cases.py", "tests/test_format_float8_rowwise.py",
     "tests/distributed/test_rowwise_preset.py", "tests/test_architecture.py", "launch/config.py",
     "docs/training-job.md", "README.md", "docs/formats-and-recipes.md",  # (the user guide's format / preset tables)
+    "BENCHMARKS.md",  # (measurements name the presets they ran)
     # its CUDA kernel (docs/architecture.md "a CUDA kernel for a format": the policy header and the binding file name
     # it by their file names only) and that kernel's GPU tests
     "hybridq/kernels/cuda_fp8_rowwise.py", "tests/test_cuda_fp8_rowwise.py",
