@@ -135,6 +135,14 @@ class FragmentKind(_StrEnum):
     PLAIN = "plain"
 
 
+
+class Cut(_StrEnum):
+    """The dim a tensor-parallel piece of a `[M, K]` weight is cut along: M (a row piece, Shard(0)) or K (a column
+    piece, Shard(1)); a per-axis format's statistics along the cut dim are the ones the pieces reduce."""
+
+    ROWS = "M"
+    COLUMNS = "K"
+
 # the high-precision "direction" beside rowwise / columnwise: a tensor's values as they are, in the gather dtype
 # (what backward_override="high_precision" reads)
 HIGH_PRECISION = BackwardOverride.HIGH_PRECISION

@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from ..enums import Cut
 from ..errors import FormatShapeError, RecipeError
 from ..formats.base import Quantizer, as_2d
 from ..formats._reduce import amax_all_reduce_
@@ -35,13 +36,13 @@ def chunk_bounds(size: int, world_size: int) -> list[int]:
 
 
 def check_column_cuts(q: Quantizer, k: int, world_size: int, rowwise: bool, columnwise: bool, name: str, *,
-                      axis: str = "K") -> None:
+                      axis: Cut = Cut.COLUMNS) -> None:
     """Raise FormatShapeError unless cutting the `k` columns (axis "K"; rows with axis "M") into `world_size`
     DTensor chunks keeps every block of the requested directions whole."""
-    g = q.split_granularity(rowwise, columnwise)[1 if axis == "K" else 0]
+    g = q.split_granularity(rowwise, columnwise)[1 if axis == Cut.COLUMNS else 0]
     bad = [c for c in chunk_bounds(k, world_size)[1:-1] if 0 < c < k and c % g]
     if bad:
-        what = "column" if axis == "K" else "row"
+        what = "column" if axis == Cut.COLUMNS else "row"
         raise FormatShapeError(
             f"{q.describe()} cannot split {name} along {axis} across {world_size} tensor-parallel ranks: its blocks "
             f"span {g} {what}s, so every rank's first {what} must be a multiple of {g}; {axis}={k} splits at "
@@ -120,8 +121,8 @@ class PieceQuantizer:
             raise ValueError(f"{name}: rank {self.rank} holds {m_local} rows, DTensor's chunks of {rows} rows over "
                              f"{self.world_size} ranks give it {bounds[self.rank + 1] - bounds[self.rank]}")
         q.validate((rows, k), name, rowwise=rowwise, columnwise=columnwise)
-        check_column_cuts(q, rows, self.world_size, rowwise, columnwise, name, axis="M")
-        return self._with_global_stats(q, x2d, rowwise, columnwise, "M")
+        check_column_cuts(q, rows, self.world_size, rowwise, columnwise, name, axis=Cut.ROWS)
+        return self._with_global_stats(q, x2d, rowwise, columnwise, Cut.ROWS)
 
     def _column_piece(self, q, x2d, rowwise, columnwise, name):
         """Columns of the whole `[M, K]` whose boundaries keep blocks whole: plain quantization with the whole
@@ -129,7 +130,7 @@ class PieceQuantizer:
         m, k_local = x2d.shape
         check_column_cuts(q, self.total, self.world_size, rowwise, columnwise, name)  # (alike on every rank)
         q.validate((m, k_local), name, rowwise=rowwise, columnwise=columnwise)
-        return self._with_global_stats(q, x2d, rowwise, columnwise, "K")
+        return self._with_global_stats(q, x2d, rowwise, columnwise, Cut.COLUMNS)
 
     def _with_global_stats(self, q, x2d, rowwise, columnwise, cut):
         """A piece cut along `cut` at the format's split granularity: quantized with the statistics it shares with

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..enums import Cut
 from ..formats._reduce import amax_all_reduce_
 from .layout import ExpertLayout
 from .payload import AxisStats
@@ -44,13 +45,13 @@ class WeightStats:
         """A per-axis format's row shard of a TP piece: the columns' statistics (`piece_stats` of a row piece)
         reduce over the FSDP group, and over the TP group too when TP cuts rows; the rows' (`piece_stats` of a
         column piece) over the TP group when TP cuts columns (the FSDP group holds other rows)."""
-        cols = q.piece_stats(x2d, True, True, "M")
+        cols = q.piece_stats(x2d, True, True, Cut.ROWS)
         if cols is not None:
             cols = cols.contiguous()
-            for g in (group, self.tp_group if self.tp_cut == "M" else None):
+            for g in (group, self.tp_group if self.tp_cut == Cut.ROWS else None):
                 if g is not None:
                     amax_all_reduce_(cols, g)
-        rows = q.piece_stats(x2d, True, True, "K") if self.tp_cut == "K" else None
+        rows = q.piece_stats(x2d, True, True, Cut.COLUMNS) if self.tp_cut == Cut.COLUMNS else None
         if rows is not None:
             rows = rows.contiguous()
             amax_all_reduce_(rows, self.tp_group)

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import style as _torch_style
 
-from ..enums import ParallelStyle
+from ..enums import Cut, ParallelStyle
 from ..nn.linear import Linear
 from ..nn.linear_function import apply_linear, cached_quantized_weight
 from .pieces import PieceQuantizer, check_column_cuts, reject_stateful
@@ -79,7 +79,7 @@ class TensorParallelLinear:
             reject_stateful(q, f"{t} of {module.name}")
         if self.kind == ParallelStyle.COLWISE:  # the weight's rows (its pieces are GEMM operands of their own)
             check_column_cuts(module.weight_quantizer, self.out_features, ws, True, override is None,
-                              f"weight of {module.name}", axis="M")
+                              f"weight of {module.name}", axis=Cut.ROWS)
             if override is None:
                 check_column_cuts(module.grad_output_quantizer, self.out_features, ws, True, True,
                                   f"grad_output of {module.name}")
@@ -142,10 +142,10 @@ def _distribute_weight(module: Linear, mesh, placement) -> None:
         return
     if placement == Shard(0):  # FSDP2 quantizes row shards of this piece: blocks must not span two pieces
         check_column_cuts(module.weight_quantizer, module.out_features, mesh.size(), True,
-                          module.recipe.backward_override is None, f"weight of {module.name} (FSDP2 x TP)", axis="M")
+                          module.recipe.backward_override is None, f"weight of {module.name} (FSDP2 x TP)", axis=Cut.ROWS)
     full = distribute_tensor(w._data, mesh, [placement])
     w._hq.tp_group = mesh.get_group()
-    w._hq.tp_cut = "M" if placement == Shard(0) else "K"
+    w._hq.tp_cut = Cut.ROWS if placement == Shard(0) else Cut.COLUMNS
     local = HybridWeight(full.to_local(), w._hq)
     module.weight = nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
                                                     stride=full.stride()), requires_grad=w.requires_grad)

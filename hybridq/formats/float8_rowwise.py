@@ -20,13 +20,14 @@ from typing import ClassVar
 
 import torch
 
+from ..enums import Cut
 from ._numerics import FP8_MAX, FP8_NAMES, fp8_dtype, rcp, satfinite_fp8, scale_from_amax
 from ._presets import declare_preset
 from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
 from .float8 import ScaledFP8Values
 from .shardable import GatherablePart, ShardableQuantizer
 
-CUTS = ("M", "K")  # a tensor-parallel piece is cut along M (a row piece) or along K (a column piece)
+CUTS = tuple(Cut)  # a tensor-parallel piece is cut along M (a row piece) or along K (a column piece)
 
 
 class Float8RowwisePart(ScaledFP8Values, GatherablePart, QuantizedPart):
@@ -102,7 +103,7 @@ class Float8RowwiseQuantizer(ShardableQuantizer, Quantizer):
             if cut not in CUTS:
                 raise ValueError(f"{self.describe()}: statistics of a piece need the dim it is cut along "
                                  f"(cut='M' or 'K', see piece_stats), got cut={cut!r}")
-            if cut == "K":
+            if cut == Cut.COLUMNS:
                 rows = global_stats.reshape(-1)
             else:
                 cols = global_stats.reshape(-1)
@@ -128,7 +129,7 @@ class Float8RowwiseQuantizer(ShardableQuantizer, Quantizer):
     def piece_stats(self, x2d, rowwise, columnwise, cut):
         """A column piece (cut along K) shares its rows' amaxes `[M]` (rowwise scales); a row piece (cut along M)
         its columns' amaxes `[K]` (columnwise scales); the other axis is the piece's own."""
-        if cut == "K":
+        if cut == Cut.COLUMNS:
             return row_amax(x2d) if rowwise else None
         return row_amax(x2d.t()) if columnwise else None
 
@@ -144,7 +145,7 @@ class Float8RowwiseQuantizer(ShardableQuantizer, Quantizer):
 
     def quantize_axes(self, x2d, rowwise, columnwise, row_stats, col_stats):
         return self.reference_parts(x2d, rowwise, columnwise, stats=col_stats, global_stats=row_stats,
-                                    cut=None if row_stats is None else "K")
+                                    cut=None if row_stats is None else Cut.COLUMNS)
 
     def global_stats(self, x2d, rowwise, columnwise):
         # No per-tensor statistic: what spans pieces are per-axis amaxes, which a caller that does not say the cut

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ..enums import COLUMNWISE, ROWWISE, ColumnwiseSource
+from ..enums import COLUMNWISE, ROWWISE, ColumnwiseSource, Cut
 from ..tensor import QuantizedTensor
 from .base import Quantizer
 from .shardable import ShardableQuantizer
@@ -195,7 +195,7 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
             na, stats = (0 if a is None else a.numel()), stats.reshape(-1)
             return (stats[:na] if na else None), (stats[na:] if stats.numel() > na else None)
 
-        (r_rows, c_rows), (r_cols, c_cols) = split(row_stats, "K"), split(col_stats, "M")
+        (r_rows, c_rows), (r_cols, c_cols) = split(row_stats, Cut.COLUMNS), split(col_stats, Cut.ROWS)
         row = self.rowwise.quantize_axes(x2d, True, False, r_rows, r_cols)[0] if rowwise else None
         col = self.columnwise.quantize_axes(x2d, False, True, c_rows, c_cols)[1] if columnwise else None
         return row, col

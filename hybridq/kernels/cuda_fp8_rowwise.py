@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import KernelImpl, register_quantize
+from ..enums import Cut
 from ..formats import Float8RowwisePart, Float8RowwiseQuantizer
 from ..formats.float8_rowwise import CUTS
 from .cuda import input_ok, ops, or_empty
@@ -39,7 +40,7 @@ def _given_amaxes(kw: dict) -> tuple[torch.Tensor | None, torch.Tensor | None] |
         cut = kw.get("cut")
         if cut not in CUTS:
             return None  # (the reference names the missing cut dim)
-        if cut == CUTS[1]:  # a column piece: its rows' amaxes span the cut
+        if cut == Cut.COLUMNS:  # a column piece: its rows' amaxes span the cut
             rows = global_stats
         else:
             cols = global_stats
