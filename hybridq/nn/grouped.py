@@ -24,7 +24,8 @@ from .expert_layers import converted_experts, converted_layer, expert_name, set_
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
 from .grouped_jagged import JaggedFP8Experts, TokenGroups, held_fp8_experts
-from .m_splits import check_split_values, checked_m_splits, host_m_splits
+from .grouped_high_precision import grouped_mm_high_precision
+from .m_splits import check_split_values, checked_m_splits
 from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
 from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
@@ -380,12 +381,12 @@ def grouped_mm(module: nn.Module, weight_name: str, x: torch.Tensor,
                m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """`y[rows of expert e] = x[rows of expert e] @ W[e]^T` for the `[E, out, in]` parameter `weight_name` of an
     expert module (one listing it in `hybridq_grouped_weights`). After `convert_experts` this is the module's
-    GroupedLinear for that weight (quantized per the recipe); before, the same product in high precision."""
+    GroupedLinear for that weight (quantized per the recipe); before, the same product in high precision (one
+    `torch._grouped_mm` on CUDA sm_90+ with a bf16 input, as torchtitan's experts: grouped_high_precision.py)."""
     weight = getattr(module, weight_name)
     converted = converted_layer(module, weight_name)
     if converted is None:  # (the same m_splits rules as the converted GroupedLinear's)
-        parts = x.split(host_m_splits(m_splits, weight.shape[0], x.shape[0], f"grouped_mm of {weight_name}"), 0)
-        return torch.cat([p @ w.t().to(x.dtype) for p, w in zip(parts, weight.unbind(0))], 0)
+        return grouped_mm_high_precision(x, weight, m_splits, f"grouped_mm of {weight_name}")
     if converted.weight is not weight:  # the parameter was replaced (e.g. by a wrapper): read the current one
         converted._parameters["weight"] = weight
     return converted(x, m_splits)
