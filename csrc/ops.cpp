@@ -15,6 +15,13 @@ using namespace hybridq::ops;
 TORCH_LIBRARY(hybridq, m) {
   m.def("rms_norm_forward(Tensor x, Tensor? weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, bool weight_grad) -> (Tensor, Tensor)");
+  m.def("layer_norm_forward(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_backward(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool weight_grad, "
+      "bool bias_grad) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "norm_quantize_forward(Tensor x, Tensor? weight, Tensor? bias, float eps, bool centered, int block, "
+      "ScalarType dtype, float amax_eps, bool pow2) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("amax(Tensor x) -> Tensor");
   m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def(
@@ -27,6 +34,9 @@ void impls(torch::Library& m) {
   m.impl("transpose_bytes", &transpose_bytes);
   m.impl("rms_norm_forward", &rms_norm_forward);
   m.impl("rms_norm_backward", &rms_norm_backward);
+  m.impl("layer_norm_forward", &layer_norm_forward);
+  m.impl("layer_norm_backward", &layer_norm_backward);
+  m.impl("norm_quantize_forward", &norm_quantize_forward);
   m.impl("amax", &amax_op);
   m.impl("fp8_delayed_update", &fp8_delayed_update);
 }

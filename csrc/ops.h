@@ -1,5 +1,5 @@
 // The format-independent torch ops of hybridq._C (schemas and registration in ops.cpp), each implemented next to its
-// kernels: amax.cu, transpose.cu, delayed_scaling.cu, rms_norm.cu. A format's ops (quantize, dequantize) are
+// kernels: amax.cu, transpose.cu, delayed_scaling.cu, rms_norm.cu (RMSNorm, LayerNorm, norm + quantize). A format's ops (quantize, dequantize) are
 // declared, implemented and registered in its own csrc/quantize_<format>.cu.
 #pragma once
 
@@ -17,6 +17,18 @@ using at::Tensor;
 std::tuple<Tensor, Tensor, Tensor> rms_norm_forward(const Tensor& x, const std::optional<Tensor>& weight, double eps);
 std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& weight,
                                              const Tensor& rstd, bool weight_grad);
+// LayerNorm -> (y, mean [M] fp32, rstd [M] fp32, max|y| [1] fp32); backward -> (dx, dweight | [0], dbias fp32 | [0])
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, const std::optional<Tensor>& weight,
+                                                              const std::optional<Tensor>& bias, double eps);
+std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x,
+                                                       const std::optional<Tensor>& weight, const Tensor& mean,
+                                                       const Tensor& rstd, bool weight_grad, bool bias_grad);
+// RMSNorm (centered false) or LayerNorm (true) and the rowwise part of y in a block format along K, in one pass:
+// block 32 (MXFP8 1x32, E8M0 scales [M, K/32]) or 128 (FP8 block 1x128, fp32 scale_inv [M, K/128]) ->
+// (y, mean | [0], rstd, max|y|, fp8 data [M, K], scales)
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_quantize_forward(
+    const Tensor& x, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias, double eps, bool centered,
+    int64_t block, at::ScalarType dtype, double amax_eps, bool pow2);
 
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);

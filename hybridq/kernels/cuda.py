@@ -18,6 +18,11 @@ quantizer options the kernel implements, and the dispatch sends a quantizer with
 This module also holds the fakes of the format-independent ops (csrc/ops.cpp):
 - rms_norm_forward(x, weight?, eps) -> (y like x, rstd [M] fp32, max|y| [1] fp32);
   rms_norm_backward(dy, x, weight?, rstd, weight_grad) -> (dx like x, dweight like weight | [0] fp32)
+- layer_norm_forward(x, weight?, bias?, eps) -> (y like x, mean [M] fp32, rstd [M] fp32, max|y| [1] fp32);
+  layer_norm_backward(dy, x, weight?, mean, rstd, weight_grad, bias_grad) -> (dx, dweight | [0], dbias fp32 | [0])
+- norm_quantize_forward(x, weight?, bias?, eps, centered, block, dtype, amax_eps, pow2) -> (y, mean [M] | [0], rstd,
+  max|y|, data [M, K] of dtype, scales [M, K/block]: fp32 scale_inv for block 128, E8M0 bytes for 32): a norm and the
+  rowwise part of its output in a block format along K (hybridq/kernels/norm_quantize.py)
 - amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements
 - fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: the delayed-scaling update of
   many per-tensor FP8 quantizers, in place (see delayed.py)
@@ -38,7 +43,8 @@ IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # the format-independent ops (csrc/ops.cpp) the Python side uses
-SHARED_OPS = ("amax", "rms_norm_forward", "rms_norm_backward", "fp8_delayed_update", "transpose_bytes")
+SHARED_OPS = ("amax", "rms_norm_forward", "rms_norm_backward", "layer_norm_forward", "layer_norm_backward",
+              "norm_quantize_forward", "fp8_delayed_update", "transpose_bytes")
 FORMAT_MODULE_PREFIX = "cuda_"
 _FORMAT_MODULE_API = ("OPS", "register_fakes", "register")
 
@@ -103,6 +109,25 @@ def _register_shared_fakes() -> None:
     def _rms_norm_backward(dy, x, weight, rstd, weight_grad):
         on = weight_grad and weight is not None
         return torch.empty_like(x), (weight.new_empty(weight.shape) if on else x.new_empty((0,), dtype=f32))
+
+    @register_fake("hybridq::layer_norm_forward")
+    def _layer_norm_forward(x, weight, bias, eps):
+        m = x.shape[0]
+        return (torch.empty_like(x), x.new_empty((m,), dtype=f32), x.new_empty((m,), dtype=f32),
+                x.new_empty((1,), dtype=f32))
+
+    @register_fake("hybridq::layer_norm_backward")
+    def _layer_norm_backward(dy, x, weight, mean, rstd, weight_grad, bias_grad):
+        on = weight_grad and weight is not None
+        return (torch.empty_like(x), (weight.new_empty(weight.shape) if on else x.new_empty((0,), dtype=f32)),
+                x.new_empty((x.shape[1] if bias_grad else 0,), dtype=f32))
+
+    @register_fake("hybridq::norm_quantize_forward")
+    def _norm_quantize_forward(x, weight, bias, eps, centered, block, dtype, amax_eps, pow2):
+        m, k = x.shape
+        return (torch.empty_like(x), x.new_empty((m if centered else 0,), dtype=f32), x.new_empty((m,), dtype=f32),
+                x.new_empty((1,), dtype=f32), x.new_empty((m, k), dtype=dtype),
+                x.new_empty((m, k // block), dtype=f32 if block == 128 else torch.uint8))
 
     @register_fake("hybridq::amax")
     def _amax(x):
