@@ -11,6 +11,13 @@ layer is an autograd.Function dynamo traces through, so the graph holds those op
 common-subexpression pass merges the casts of one tensor read by several layers (q/k/v, w1/w3) into one, as the
 eager path's input sharing does.
 
+The same ops run the eager layer too (`eager_float8_linear`, called by `Linear` outside torch.compile): its general
+path (linear_function.py) builds quantized tensors, looks kernels and GEMMs up in the dispatch tables and checks
+every call, ~0.8 ms of host time per forward + backward on a GPU; this one is the few op calls themselves. It takes
+a call only where the general path would run exactly these kernels and GEMMs (see `eager_float8_linear`), and
+keeps what that path does around them: the quantized input shared by layers reading one tensor, the max|x| a norm
+handed over, the shape errors (by declining: the general path raises them).
+
 The results are bitwise those of the eager layer: the same kernels (or, on the CPU, the same reference ops) with the
 same arguments, the same GEMMs, the same saved directions. Where the eager layer would take another path -- no
 extension or no FP8 tensor cores on the device, a per-tensor GEMM dimension that is not a multiple of 16 (the eager
@@ -26,17 +33,22 @@ from typing import NamedTuple
 
 import torch
 
-from ..enums import Scaling
-from ..formats.float8 import Float8Quantizer, float8_current_scaling
+from .. import dispatch
+from ..enums import COLUMNWISE, ROWWISE, Scaling
+from ..formats.float8 import Float8Quantizer, Float8TensorPart, float8_current_scaling
 from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8_block_current
 from ..gemm import gemm
 from ..kernels import _ext, native_gemm
 from ..kernels.cuda import IN_DTYPES
 from ..kernels.cuda_fp8_block import OPTIONS as FP8_BLOCK_OPTIONS
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
-from .linear_function import gradients_needed
+from ..tensor import QuantizedTensor
+from ..torch_private import graph_task_id
+from .known_amax import known_amax
+from .linear_function import _SHARED, gradients_needed
 
-__all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear"]
+__all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear", "eager_float8_linear",
+           "eager_fast_path"]
 
 PER_TENSOR = 0  # Float8Cast.block_dim of a per-tensor scale (1: 1x128 blocks, 2: 128x128 tiles)
 
@@ -122,16 +134,20 @@ def takes(spec: Float8GraphSpec | None, x: torch.Tensor, weight: torch.Tensor) -
             and all(native_gemm.fp8_tensor_pair_supported(a, b) for a, b in pairs))
 
 
-def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bool) -> tuple:
+def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bool,
+              amax: torch.Tensor | None = None) -> tuple:
     """(rowwise fp8 `[M, K]`, its scale_inv, columnwise fp8 `[K, M]`, its scale_inv), each None for a direction
-    not asked for; per-tensor scaling: both directions share the one scale_inv `[1]`."""
+    not asked for; per-tensor scaling: both directions share the one scale_inv `[1]`. `amax`: max|x2d| known
+    beforehand (per-tensor only; the same value the cast would compute, so the same bits)."""
     if cast.block_dim == PER_TENSOR:
         if x2d.is_cuda:
+            if amax is not None:
+                amax = amax.to(device=x2d.device, dtype=torch.float32).reshape(1)
             row, col, rs, _ = torch.ops.hybridq.fp8_tensor_quantize(
-                x2d.contiguous(), cast.dtype, None, None, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise,
+                x2d.contiguous(), cast.dtype, None, amax, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise,
                 False)
         else:
-            row, rs = float8_current_scaling(x2d, cast.dtype, cast.amax_epsilon, cast.power_2_scale)
+            row, rs = float8_current_scaling(x2d, cast.dtype, cast.amax_epsilon, cast.power_2_scale, amax)
             col = row.t().contiguous() if columnwise else None
         cs = rs
     elif x2d.is_cuda:
@@ -196,10 +212,12 @@ def _mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_cast: Float8Cast, a_column
 class _Float8GraphLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
-                need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+                need_dgrad: bool, need_wgrad: bool, x_parts: tuple | None = None) -> torch.Tensor:
+        # x_parts: x already quantized (eager: another layer's quantization of the same tensor, or one from a known
+        # max|x|), as _quantize returns it
         x2d = x.reshape(-1, x.shape[-1])
         keep_x = need_wgrad and spec.save_original_input  # wgrad quantizes the original input in backward
-        xr, xrs, xc, xcs = _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
+        xr, xrs, xc, xcs = x_parts or _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
         wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
         y = _mm(xr, xrs, spec.input, False, wr, wrs, spec.weight, False, x.dtype, "fprop of a compiled layer")
         if bias is not None:
@@ -230,7 +248,7 @@ class _Float8GraphLinear(torch.autograd.Function):
                          "wgrad of a compiled layer").to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -238,3 +256,106 @@ def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """`x W^T + b` of an FP8 layer as traceable ops (call only where `takes` says yes)."""
     need_dgrad, need_wgrad = gradients_needed(x, weight)  # neither: rowwise forms only, nothing saved
     return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad)
+
+
+# ---- eager: the same ops outside torch.compile -----------------------------------------------------------------
+
+_EAGER = {"on": True}
+
+
+class eager_fast_path:
+    """Whether eager FP8 Linears whose quantizers `graph_spec` describes run as this module's ops (default: on) or
+    through the general path of linear_function.py; results are bitwise equal either way (tests and
+    benchmarks compare the two). `eager_fast_path(False)` from then on; `with eager_fast_path(False): ...` only
+    inside the block."""
+
+    def __init__(self, enabled: bool):
+        self.prev = _EAGER["on"]
+        _EAGER["on"] = bool(enabled)
+
+    def __enter__(self) -> "eager_fast_path":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _EAGER["on"] = self.prev
+
+
+_BUILTIN_QUANTIZE = {Float8Quantizer: "cuda-fp8-tensor", Float8BlockQuantizer: "cuda-fp8-block"}
+_PART = {PER_TENSOR: Float8TensorPart, 1: Float8BlockPart, 2: Float8BlockPart}
+
+
+def _dispatch_is_builtin(quantizers, device_type: str, part_type: type) -> bool:
+    """Whether the general path would run this module's kernels and GEMMs on `device_type`: no quantize kernel or
+    GEMM registered ahead of the extension's (a user's kernel for these types, tried first there), and no
+    quantizer whose `quantize` an instance attribute replaced (a wrapper or a spy sees the general path's calls)."""
+    if dispatch._GEMM.get((part_type, part_type)):
+        return False
+    for q in quantizers:
+        if "quantize" in q.__dict__:
+            return False
+        if device_type != "cpu":
+            impls = dispatch._QUANTIZE.get(type(q))
+            if not impls or impls[0].name != _BUILTIN_QUANTIZE[type(q)]:
+                return False
+    return True
+
+
+def _part(cast: Float8Cast, data: torch.Tensor, scale_inv: torch.Tensor, columnwise: bool):
+    """A part holding `_quantize`'s tensors of one direction, as the format's kernels and reference build it."""
+    rows, cols = data.shape
+    if cast.block_dim == PER_TENSOR:
+        return Float8TensorPart(rows=rows, cols=cols, columnwise=columnwise, data=data, scale_inv=scale_inv)
+    return Float8BlockPart(rows=rows, cols=cols, columnwise=columnwise, data=data, scale_inv=scale_inv,
+                           block_dim=cast.block_dim)
+
+
+def _shared_input(x: torch.Tensor, x2d: torch.Tensor, q, cast: Float8Cast, columnwise: bool) -> tuple | None:
+    """x quantized as `_quantize` returns it, shared with the other layers reading x through linear_function's
+    table (the same entries, so layers on either path share with one another), or from the max|x| its producer
+    handed over; None when neither applies (the Function quantizes x itself)."""
+    share = _SHARED.enabled and not x.is_inference()  # (current scaling is deterministic)
+    if share:
+        xq = _SHARED.get(x, q, columnwise)
+        if xq is not None:
+            r = xq.part(ROWWISE)
+            c = xq.part(COLUMNWISE) if columnwise else None
+            return (r.data, r.scale_inv) + ((c.data, c.scale_inv) if c is not None else (None, None))
+    amax = known_amax(x) if cast.block_dim == PER_TENSOR else None
+    if not share and amax is None:
+        return None
+    parts = _quantize(x2d.detach(), cast, True, columnwise, amax)  # (outside the Function: record nothing)
+    if share:
+        xr, xrs, xc, xcs = parts
+        _SHARED.put(x, q, QuantizedTensor(_part(cast, xr, xrs, False),
+                                          None if xc is None else _part(cast, xc, xcs, True),
+                                          shape=x2d.shape, dtype=x2d.dtype))
+    return parts
+
+
+def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
+                        cfg) -> torch.Tensor | None:
+    """`x W^T + b` of an eager FP8 Linear as this module's ops, or None where the general path must run: the call
+    is one the general path (linear_function.apply_linear, `cfg` its configuration) would run as exactly these
+    kernels and GEMMs -- a plain weight (not quantized, not cached), no backward override, no sequence-parallel
+    input (the caller checks those), `takes`, the dispatch tables' own kernels (`_dispatch_is_builtin`), a
+    floating-point input with at least one row, and every shape rule met (else the general path raises its
+    error)."""
+    if not _EAGER["on"] or spec is None or not x.is_floating_point() or x.dim() < 2:
+        return None
+    device_type = x.device.type
+    if not (takes(spec, x, weight) and _dispatch_is_builtin(
+            (cfg.input_q, cfg.weight_q, cfg.grad_output_q), device_type, _PART[spec.input.block_dim])):
+        return None
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.numel() // k if k else 0
+    if m == 0 or k == 0 or n == 0:
+        return None
+    need_dgrad, need_wgrad = gradients_needed(x, weight)
+    grads = need_dgrad or need_wgrad
+    if (cfg.input_q.shape_rule(m, k, True, need_wgrad) is not None
+            or (grads and cfg.grad_output_q.shape_rule(m, n, need_dgrad, need_wgrad) is not None)):
+        return None
+    x_col = need_wgrad and not spec.save_original_input
+    x_parts = _shared_input(x, x.reshape(-1, k), cfg.input_q, spec.input, x_col)
+    # (no gradient needed: rowwise forms only, nothing saved, as the general path's forward-only call)
+    return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts)

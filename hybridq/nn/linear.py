@@ -198,6 +198,13 @@ class Linear(nn.Linear):
             self._check_override(override)
         cfg = self._config(override)
         weight, bias = self.weight, self.bias
+        if (override is None and is_first_microbatch is None and self._float8_graph_spec is not None
+                and not isinstance(weight, QuantizedTensor) and quantized_param_info(weight) is None):
+            # FP8 (per-tensor or blocks) on a plain weight: the few ops themselves, where they are exactly what
+            # the general path below would run (nn/float8_graph.py; None: it must run)
+            y = float8_graph.eager_float8_linear(x, weight, bias, self._float8_graph_spec, cfg)
+            if y is not None:
+                return y
         cache = None
         if quantized_param_info(weight) is not None:  # the weight is held quantized (quantized_model_init)
             cache = lambda need_columnwise: weight_for_call(weight, need_columnwise)

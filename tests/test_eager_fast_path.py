@@ -1,0 +1,235 @@
+"""An eager FP8 Linear (per-tensor with current scaling, or FP8 blocks) runs as the few ops of nn/float8_graph.py
+instead of the general path of linear_function.py (the host cost of a Linear step: issue 33): bitwise the general
+path in every case it takes, sharing one input's quantization with layers on either path, using a norm's max|x|,
+and declining (the general path runs, with its errors and warnings) wherever the general path would do anything
+else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridq as hq
+from hybridq import dispatch
+from hybridq.formats import Float8BlockQuantizer, Float8Quantizer, Float8TensorPart
+from hybridq.nn.float8_graph import eager_fast_path, graph_spec
+from hybridq.nn.known_amax import remember_amax
+from hybridq.nn.linear import shared_input_quantization
+from hybridq.recipe import BACKWARD_OVERRIDE_ENV
+
+from _compare import assert_bitwise
+from _format_cases import FORMATS
+
+IN, OUT, TOKENS = 256, 128, (2, 64)  # K, N and M multiples of 128: every FP8 block shape rule holds
+FAST, GENERAL = "_Float8GraphLinearBackward", "_LinearFunctionBackward"
+
+
+def _roles(q) -> dict:
+    return {t: q for t in ("input", "weight", "grad_output")}
+
+
+# the format cases whose quantizer, in all three roles, the fast path implements
+FAST_CASES = [n for n, make in FORMATS.items() if graph_spec(_roles(make()), False) is not None]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.delenv(BACKWARD_OVERRIDE_ENV, raising=False)
+    with shared_input_quantization(False), eager_fast_path(True):
+        yield
+
+
+def _recipe(case: str) -> hq.CustomRecipe:
+    return hq.CustomRecipe(lambda role: FORMATS[case](), name=f"all-{case}")
+
+
+def _layer(case: str, device="cpu", dtype=torch.float32, bias=True, name="fc", seed=0, **kw) -> hq.Linear:
+    torch.manual_seed(seed)
+    return hq.Linear(IN, OUT, bias=bias, recipe=_recipe(case), name=name, device=device, dtype=dtype, **kw)
+
+
+def _inputs(device="cpu", dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*TOKENS, IN, generator=g).to(device, dtype),
+            torch.randn(*TOKENS, OUT, generator=g).to(device, dtype))
+
+
+def _step(layer, x, gy, x_grad=True, **kw):
+    """(output, grad_input, grad_weight, grad_bias, the output's grad_fn class name) of forward + backward."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(x_grad)
+    y = layer(x, **kw)
+    kind = type(y.grad_fn).__name__ if y.grad_fn is not None else None
+    if y.requires_grad:
+        y.backward(gy)
+    grads = [x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad]
+    return [y.detach(), *grads], kind
+
+
+def _assert_same(got, want, what):
+    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert (a is None) == (b is None), f"{what}: {n} is {a is None and 'missing' or 'there'} on the fast path"
+        if a is not None:
+            assert_bitwise(a, b, f"{what}: {n}")
+
+
+def _both_paths(layer, x, gy, **kw):
+    """((results, grad_fn) of the fast path, (results, grad_fn) of the general path)."""
+    fast = _step(layer, x, gy, **kw)
+    with eager_fast_path(False):
+        general = _step(layer, x, gy, **kw)
+    return fast, general
+
+
+@pytest.mark.parametrize("variant", ["plain", "no_bias", "save_original_input", "frozen_weight", "input_no_grad",
+                                     "bf16"])
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_fast_path_is_bitwise_the_general_path(case, variant):
+    layer = _layer(case, bias=variant != "no_bias", save_original_input=variant == "save_original_input",
+                   dtype=torch.bfloat16 if variant == "bf16" else torch.float32)
+    if variant == "frozen_weight":
+        layer.weight.requires_grad_(False)
+    x, gy = _inputs(dtype=layer.weight.dtype)
+    (fast, fast_kind), (general, general_kind) = _both_paths(layer, x, gy, x_grad=variant != "input_no_grad")
+    assert (fast_kind, general_kind) == (FAST, GENERAL), f"{case}/{variant}: paths taken {fast_kind}, {general_kind}"
+    _assert_same(fast, general, f"{case}/{variant}")
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_fast_path_without_gradients_is_bitwise_the_general_path(case):
+    layer = _layer(case)
+    x, _ = _inputs()
+    with torch.no_grad():
+        fast = layer(x)
+        with eager_fast_path(False):
+            general = layer(x)
+    assert_bitwise(fast, general, f"{case} under no_grad")
+    with torch.inference_mode():
+        fast = layer(x)
+        with eager_fast_path(False):
+            general = layer(x)
+    assert_bitwise(fast, general, f"{case} under inference_mode")
+
+
+@pytest.mark.parametrize("case", ["fp8_e4m3", "fp8blk_1x128_e4m3"])
+def test_layers_on_either_path_share_one_quantization_of_their_input(case):
+    """q on the fast path, k on the general path (its input quantizer wrapped), v on the fast path: the input is
+    quantized once, by q, and k and v reuse it; results bitwise those without sharing."""
+    layers = [_layer(case, name=n, seed=i) for i, n in enumerate("qkv")]
+    calls = []
+    orig = layers[1].input_quantizer.quantize
+
+    def spy(x, **kw):  # (an instance attribute: k's layer takes the general path)
+        calls.append(kw)
+        return orig(x, **kw)
+
+    layers[1].input_quantizer.quantize = spy
+    x, gy = _inputs()
+
+    def run():
+        xg = x.clone().requires_grad_()
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        ys = [layer(xg) for layer in layers]
+        torch.autograd.backward(ys, [gy] * 3)
+        return [y.detach() for y in ys] + [xg.grad] + [layer.weight.grad for layer in layers], \
+            [type(y.grad_fn).__name__ for y in ys]
+
+    want, kinds = run()
+    assert kinds == [FAST, GENERAL, FAST] and len(calls) == 1, f"paths {kinds}, k's quantize calls {calls}"
+    with shared_input_quantization(True):
+        got, _ = run()
+    assert len(calls) == 1, f"k quantized the input again although q had: {calls[1:]}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise(a, b, f"{case}: result {i} with the input shared")
+
+
+def test_fast_path_uses_a_known_max_of_its_input():
+    """A norm's max|x| (known_amax) is what the cast uses: a value 3x the real one changes the scale, as on the
+    general path."""
+    layer = _layer("fp8_e4m3")
+    x, gy = _inputs()
+    results = []
+    for enabled in (True, False):
+        with eager_fast_path(enabled):
+            xg = x.clone().requires_grad_()
+            remember_amax(xg, xg.detach().abs().amax() * 3)
+            layer.zero_grad(set_to_none=True)
+            y = layer(xg)
+            y.backward(gy)
+            results.append([y.detach(), xg.grad, layer.weight.grad])
+    with eager_fast_path(False):
+        plain = _step(layer, x, gy)[0]
+    assert not torch.equal(results[0][0], plain[0]), "the known max|x| was not used (same output as without it)"
+    for n, a, b in zip(("output", "grad_input", "grad_weight"), *results):
+        assert_bitwise(a, b, f"with a known max|x|: {n}")
+
+
+def _kind(layer, x, **kw) -> str:
+    return type(layer(x.clone().requires_grad_(), **kw).grad_fn).__name__
+
+
+def test_calls_the_general_path_must_run_decline(monkeypatch):
+    layer = _layer("fp8_e4m3")
+    x, _ = _inputs()
+    assert _kind(layer, x) == FAST
+    assert _kind(layer, x, is_first_microbatch=True) == GENERAL, "the weight cache must run the general path"
+    monkeypatch.setenv(BACKWARD_OVERRIDE_ENV, "dequantized")
+    assert _kind(layer, x) == GENERAL, "a backward override must run the general path"
+    monkeypatch.delenv(BACKWARD_OVERRIDE_ENV)
+    layer.weight_quantizer.quantize = layer.weight_quantizer.quantize  # (an instance attribute: a wrapper)
+    assert _kind(layer, x) == GENERAL, "a quantizer with a replaced quantize must run the general path"
+
+
+def test_a_user_gemm_for_the_part_types_runs_on_the_general_path():
+    layer = _layer("fp8_e4m3")
+    x, _ = _inputs()
+    seen = []
+    dispatch.register_native_gemm(Float8TensorPart, Float8TensorPart, "test-spy",
+                                  lambda a, b, dt: seen.append(1), lambda a, b: False)
+    try:
+        assert _kind(layer, x) == GENERAL, "a user's GEMM registered for the part types was bypassed"
+    finally:
+        dispatch.unregister_native_gemm(Float8TensorPart, Float8TensorPart, "test-spy")
+    assert _kind(layer, x) == FAST
+
+
+def test_an_input_without_rows_runs_the_general_path():
+    layer = _layer("fp8_e4m3")
+    x = torch.randn(0, IN, requires_grad=True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == GENERAL and y.shape == (0, OUT), (type(y.grad_fn).__name__, y.shape)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------
+
+def _cuda_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from hybridq.kernels import _ext
+    return _ext.available_for(torch.device("cuda")) and torch.cuda.get_device_capability() >= (8, 9)
+
+
+CUDA = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("variant", ["plain", "save_original_input", "frozen_weight"])
+@pytest.mark.parametrize("case", ["fp8_e4m3", "fp8_e4m3_pow2", "fp8blk_1x128_e4m3", "fp8blk_128x128_e4m3"])
+def test_fast_path_on_cuda_is_bitwise_the_general_path(case, variant):
+    layer = _layer(case, device="cuda", dtype=torch.bfloat16, save_original_input=variant == "save_original_input")
+    if variant == "frozen_weight":
+        layer.weight.requires_grad_(False)
+    x, gy = _inputs("cuda", torch.bfloat16)
+    (fast, fast_kind), (general, general_kind) = _both_paths(layer, x, gy)
+    assert (fast_kind, general_kind) == (FAST, GENERAL), f"{case}/{variant}: paths taken {fast_kind}, {general_kind}"
+    _assert_same(fast, general, f"{case}/{variant} on CUDA")
+
+
+@pytest.mark.gpu
+@CUDA
+def test_rows_the_fp8_gemm_cannot_take_decline_on_cuda():
+    """M = 2 x 36 (not a multiple of 16): the general path emulates that GEMM (and warns); the fast path declines."""
+    layer = _layer("fp8_e4m3", device="cuda", dtype=torch.bfloat16)
+    assert _kind(layer, torch.randn(2, 36, IN, device="cuda", dtype=torch.bfloat16)) == GENERAL
