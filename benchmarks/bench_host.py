@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import hybridq
 from hybridq.formats import Float8Quantizer
+from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
 
 
@@ -67,6 +68,15 @@ def cases(dim: int, device: torch.device) -> list:
     lin = nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16)
     hq = hybridq.Linear.from_linear(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16),
                                     hybridq.recipe("fp8_tensorwise"), name="bench")
+    hq_block = hybridq.Linear.from_linear(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16),
+                                          hybridq.recipe("fp8_block"), name="bench_block")
+
+    def general(fn):
+        """`fn` with FP8 Linears on the general path (linear_function.py), not float8_graph's few ops."""
+        def run():
+            with eager_fast_path(False):
+                fn()
+        return run
 
     def step(m, **kw):
         def run():
@@ -87,6 +97,9 @@ def cases(dim: int, device: torch.device) -> list:
         ("nn.Linear forward (bf16 mm)", lambda: lin(x)),
         ("nn.Linear fwd+bwd", step(lin)),
         ("hybridq Linear fwd+bwd (fp8_tensorwise)", step(hq)),
+        ("hybridq Linear fwd+bwd (fp8_tensorwise, general path)", general(step(hq))),
+        ("hybridq Linear fwd+bwd (fp8_block)", step(hq_block)),
+        ("hybridq Linear fwd+bwd (fp8_block, general path)", general(step(hq_block))),
         ("hybridq Linear forward only (grad on)", lambda: hq(xg)),
         ("hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False)", step(hq, is_first_microbatch=False)),
         ("Float8Quantizer.quantize_parts (rowwise+columnwise)", lambda: q.quantize_parts(x, True, True)),
