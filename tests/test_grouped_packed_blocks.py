@@ -222,11 +222,14 @@ def _ext_ok() -> bool:
 @pytest.mark.parametrize("out", [128, 96], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, out, k):
+def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, out, k, monkeypatch):
     """Each expert's quantized operands are bitwise the per-expert path's (the CUDA quantize kernels are bitwise the
     reference, and no block spans two experts), and each expert's GEMM is the same `gemm` call with the same shapes
     (K=256: the hardware FP8 block GEMM on sm_90, MXFP8's on sm_100+; K=160: the emulation): the results are
-    bitwise equal."""
+    bitwise equal. (The grouped FP8 block GEMMs, which sum in another order, are off here: they are compared with
+    this path in tests/test_grouped_blocks_gemm.py.)"""
+    from hybridq.kernels import grouped_blocks
+    monkeypatch.setitem(grouped_blocks.ENABLED, "on", False)
     assert_results_bitwise(_run(True, splits, preset, out, device="cuda", k=k),
                  _run(False, splits, preset, out, device="cuda", k=k),
                  f"{preset} on CUDA, splits {splits}, N={out}, K={k}")

@@ -19,7 +19,7 @@ the per-expert `torch._scaled_mm` (docs/numerics.md, "Row groups and grouped GEM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -83,6 +83,8 @@ class TokenLayout:
     padded: list[int]
     slots: list[int]
     rows: torch.Tensor | None  # packed row of each token (None: no padding, the buffer is the input itself)
+    # per device, what kernels derive from the layout once for forward and backward (the grouped GEMMs' bounds)
+    device_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, splits: list[int], padded: list[int], device: torch.device, multiple: int = 1

@@ -24,9 +24,10 @@ import math
 
 import torch
 
-from ..enums import COLUMNWISE, ROWWISE
+from ..enums import COLUMNWISE, ROWWISE, Direction
 from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
+from ..kernels import grouped_blocks
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from .grouped_packed import TokenLayout
 from .linear_function import _only
@@ -78,6 +79,25 @@ def _used(layout: TokenLayout) -> list[tuple[int, int, int, int]]:
     return [(g, o, p, m) for g, (o, p, m) in enumerate(zip(layout.offsets, layout.padded, layout.splits)) if m]
 
 
+def _bounds(layout: TokenLayout, device: torch.device) -> grouped_blocks.GroupBounds:
+    """The layout's group bounds on the device for the grouped GEMMs (made once: forward and backward share them)."""
+    if device not in layout.device_cache:
+        layout.device_cache[device] = grouped_blocks.GroupBounds(layout.offsets, layout.splits, layout.slots, device)
+    return layout.device_cache[device]
+
+
+def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, layout: TokenLayout,
+                out_dtype: torch.dtype) -> torch.Tensor | None:
+    """fprop (`direction` ROWWISE) / dgrad (COLUMNWISE) of all `e` experts in one grouped GEMM, or None where the
+    grouped kernels do not take the operands (then one `gemm` per expert runs)."""
+    if not weights.packed:
+        return None
+    b = weights.tensors[0].part(direction)
+    if not (grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e)):
+        return None
+    return grouped_blocks.mm(a, b, e, _bounds(layout, a.data.device), out_dtype)
+
+
 def _check_slots(layout: TokenLayout, quantizers: dict[str, Quantizer]) -> None:
     """Per-expert statistics and draws (NVFP4) are those of the expert's padded slice: its slot must be exactly that
     (padded_tokens already gives whole 16-row blocks, so this holds; a layout that broke it would change draws)."""
@@ -109,16 +129,19 @@ class PackedBlockExperts(torch.autograd.Function):
                                                  name=f"input of {name}")
         wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
         x_row = xq.part(ROWWISE)
-        ys = []
-        for g, o, p, m in used:
-            y = gemm(x_row.row_slice(o, o + p, group=g), wq.part(g, ROWWISE), x.dtype,
-                     f"fprop of {name} (expert {g})")
-            ys.append(y[:m] if p != m else y)
+        y = _grouped_mm(x_row, wq, e, ROWWISE, layout, x.dtype)
+        if y is None:
+            ys = []
+            for g, o, p, m in used:
+                y = gemm(x_row.row_slice(o, o + p, group=g), wq.part(g, ROWWISE), x.dtype,
+                         f"fprop of {name} (expert {g})")
+                ys.append(y[:m] if p != m else y)
+            y = torch.cat(ys)
         # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
         w_saved = wq.only(COLUMNWISE).tensors if need_dgrad else []
         ctx.packed_weight = wq.packed
         save_quantized(ctx, _only(xq, COLUMNWISE) if need_wgrad else None, *w_saved)
-        return torch.cat(ys)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -129,9 +152,10 @@ class PackedBlockExperts(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         used = _used(layout)
         dx = dy.new_zeros(0, k) if need_dgrad else None
-        dw = dy.new_zeros(e, n, k, dtype=ctx.w_dtype) if need_wgrad else None
+        zero_dw = (lambda: dy.new_zeros(e, n, k, dtype=ctx.w_dtype)) if need_wgrad else (lambda: None)
+        dw = None
         if not used or not (need_dgrad or need_wgrad):
-            return dx, dw, None, None, None, None, None
+            return dx, zero_dw(), None, None, None, None, None
         # (stochastic rounding: autograd runs the per-expert backward from the last expert to the first)
         dyq = ctx.quantizers["grad_output"].quantize_groups(layout.pack(dy), layout.slots, rowwise=need_dgrad,
                                                             columnwise=need_wgrad, name=f"grad_output of {name}",
@@ -139,15 +163,22 @@ class PackedBlockExperts(torch.autograd.Function):
         if need_dgrad:  # dy rowwise x W columnwise
             weights = ExpertWeights(w_saved, n, ctx.packed_weight)
             dy_row = dyq.part(ROWWISE)
-            parts = []
-            for g, o, p, m in used:
-                dx_g = gemm(dy_row.row_slice(o, o + p, group=g), weights.part(g, COLUMNWISE), dy.dtype,
-                            f"dgrad of {name} (expert {g})")
-                parts.append(dx_g[:m] if p != m else dx_g)
-            dx = torch.cat(parts)
+            dx = _grouped_mm(dy_row, weights, e, COLUMNWISE, layout, dy.dtype)
+            if dx is None:
+                parts = []
+                for g, o, p, m in used:
+                    dx_g = gemm(dy_row.row_slice(o, o + p, group=g), weights.part(g, COLUMNWISE), dy.dtype,
+                                f"dgrad of {name} (expert {g})")
+                    parts.append(dx_g[:m] if p != m else dx_g)
+                dx = torch.cat(parts)
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
             dy_col, xc = dyq.part(COLUMNWISE), x_col.part(COLUMNWISE)
-            for g, o, p, _ in used:
-                dw[g] = gemm(dy_col.row_slice(o, o + p, group=g), xc.row_slice(o, o + p, group=g), dy.dtype,
-                             f"wgrad of {name} (expert {g})").to(ctx.w_dtype)
+            if grouped_blocks.supports(dy_col, xc) and _bounds(layout, dy.device).slots_aligned:
+                # (the slot's zero tokens after the padded count add zero products)
+                dw = grouped_blocks.wgrad(dy_col, xc, _bounds(layout, dy.device), dy.dtype).to(ctx.w_dtype)
+            else:  # (an expert without tokens keeps a zero gradient)
+                dw = zero_dw()
+                for g, o, p, _ in used:
+                    dw[g] = gemm(dy_col.row_slice(o, o + p, group=g), xc.row_slice(o, o + p, group=g), dy.dtype,
+                                 f"wgrad of {name} (expert {g})").to(ctx.w_dtype)
         return dx, dw, None, None, None, None, None

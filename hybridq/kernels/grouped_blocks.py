@@ -1,0 +1,103 @@
+"""Grouped FP8 block-scaled GEMMs of GroupedLinear's packed path (`hybridq.nn.grouped_packed_blocks`) on CUDA sm_90:
+one Triton launch per phase for all experts (`triton_grouped_blocks`) on the packed quantized parts as they are,
+instead of one `hybridq.gemm.gemm` per expert.
+
+Operands are taken by what their parts declare (`QuantizedPart.gemm_kind`), as `native_gemm` does: E4M3 1x128 blocks
+(`native_gemm.BLOCK_1X128`) for the token operands, 128x128 tiles or 1x128 blocks for the weight. Taken where every
+piece runs: a CUDA sm_90 device, Triton, native GEMMs enabled (`native_gemm.disabled()` turns them off), real tensors
+(not torch.compile's fakes), and `HYBRIDQ_GROUPED_BLOCK_GEMM` not "0" (`ENABLED["on"]`: the per-expert GEMM loop,
+which the tests compare against). Elsewhere the caller runs one `gemm` per expert.
+
+Group bounds (`GroupBounds`): int32 `[4, E]` on the device, made once per layout from the host's counts (one
+host-to-device copy, no sync): slot start in the packed buffer, first output row (the token order), tokens, slot
+size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from . import native_gemm
+
+_E4M3 = torch.float8_e4m3fn
+BLOCK = 128  # elements per scale along the contracted dim (FP8 blocks), the kernels' K tile
+ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
+
+
+def _triton():
+    """triton_grouped_blocks when Triton imports, else None (imported on first use: Triton is optional)."""
+    from . import triton_grouped_blocks
+    return triton_grouped_blocks if triton_grouped_blocks.available() else None
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` with unit stride along its rows (the CUDA quantize kernels write them so; the CPU reference's columnwise
+    parts are transposed views, copied here)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _real_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and not isinstance(t, FakeTensor)
+
+
+def supports(a, b) -> bool:
+    """Whether the grouped kernels take token operand part `a` (1x128 blocks) against `b` (a weight part, 128x128
+    tiles or 1x128 blocks; or a token operand for wgrad)."""
+    if not (ENABLED["on"] and native_gemm.native_enabled() and _real_cuda(a.data) and b.data.device == a.data.device):
+        return False
+    if a.gemm_kind != native_gemm.BLOCK_1X128 or b.gemm_kind not in (native_gemm.BLOCK_1X128,
+                                                                      native_gemm.TILE_128X128):
+        return False
+    if a.data.dtype != _E4M3 or b.data.dtype != _E4M3 or native_gemm._cap(a.data) != (9, 0):
+        return False
+    return _triton() is not None
+
+
+class GroupBounds:
+    """The device bounds of the packed layout's groups (module docstring), and the host facts the launches need."""
+
+    def __init__(self, offsets: list[int], splits: list[int], slots: list[int], device: torch.device):
+        starts = [sum(splits[:g]) for g in range(len(splits))]
+        host = torch.tensor([offsets, starts, splits, slots], dtype=torch.int32)
+        self.table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        self.tokens = sum(splits)
+        self.slots_aligned = all(o % BLOCK == 0 for o in offsets)  # (what wgrad needs)
+        self.whole_blocks = self.slots_aligned and all(s % BLOCK == 0 for s in slots)
+
+
+def weight_supported(b, b_experts: int) -> bool:
+    """Whether `mm` takes the whole packed weight part `b` of `b_experts` experts: each expert's rows a whole number
+    of its scale blocks (and of 128 columns of a columnwise form, whose K blocks run along the experts' rows)."""
+    n = (b.cols if b.columnwise else b.rows) // b_experts
+    return n % (BLOCK if b.columnwise else b.block_shape[0]) == 0
+
+
+def mm(a, b, b_experts: int, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor:
+    """fprop / dgrad of every expert: `[tokens, n]` in token order, expert g's rows = its tokens' rows of `a` (the
+    packed rowwise token part, `[S, K]`) times `b_g^T`, where `b` is the whole packed weight part (fprop: the rowwise
+    `[E*n, K]`; dgrad: the columnwise `[K, E*n]`, whose expert g is the column block `[:, g*n:(g+1)*n]`)."""
+    t = _triton()
+    k = a.cols
+    blocks = b.block_shape[0]  # rows of b per scale row: 128 (tiles) or 1 (1x128 blocks)
+    s, data = _row_major(b.scales), _row_major(b.data)
+    if b.columnwise:  # b_g[j, c] = data[j, g*n + c]; its scale at scales[j // blocks, (g*n + c) // 128]
+        n = b.rows
+        gn = b.cols // b_experts
+        group_stride, row_stride = gn, data.stride(0)
+        scale_strides = (gn // BLOCK, s.stride(0), 1)
+    else:  # b_g[j, :] = data[g*n + j, :]
+        n = b.rows // b_experts
+        group_stride, row_stride = n * data.stride(0), data.stride(0)
+        scale_strides = (n // blocks * s.stride(0), s.stride(0), 1)
+    return t.grouped_block_mm(_row_major(a.data), _row_major(a.scales), data, group_stride, row_stride, n, s,
+                              scale_strides, blocks, bounds.table[:3], bounds.tokens, out_dtype)
+
+
+def wgrad(a_t, b_t, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW of every expert, `[E, M, N]`: the columnwise token parts `a_t [M, S]`, `b_t [N, S]` contracted over each
+    expert's slot (zero for an empty one)."""
+    operands = (_row_major(t) for t in (a_t.data, a_t.scales, b_t.data, b_t.scales))
+    return _triton().grouped_block_wgrad(*operands, bounds.table[0], bounds.table[3], bounds.whole_blocks, out_dtype)
