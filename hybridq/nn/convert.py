@@ -14,6 +14,7 @@ from ..enums import OnIncompatible
 from ..errors import FormatShapeError
 from ..recipe import CustomRecipe, resolve_recipe
 from .linear import Linear
+from .layer_norm import LayerNorm, is_layer_norm_candidate
 from .norm import RMSNorm, is_rms_norm_candidate
 from .replaceable import carry_over, direct_readers, replacement_blocker
 
@@ -21,8 +22,12 @@ log = logging.getLogger("hybridq")
 
 _LINEAR = "hybridq.nn.Linear"
 _LINEAR_ATTRS = frozenset(vars(nn.Linear(1, 1, device="meta")))  # what Linear.from_linear sets up itself
-_NORM = "hybridq.nn.RMSNorm"
-_NORM_ATTRS = frozenset(vars(nn.RMSNorm(1, device="meta")))
+# the norms swapped: (is a candidate, torch's class, hybridq's class, its name, the attributes hybridq's sets up)
+_NORMS = tuple((candidate, torch_type, new_type, f"hybridq.nn.{new_type.__name__}", params,
+                frozenset(vars(torch_type(1, device="meta"))))
+               for candidate, torch_type, new_type, params in (
+                   (is_rms_norm_candidate, nn.RMSNorm, RMSNorm, ("weight",)),
+                   (is_layer_norm_candidate, nn.LayerNorm, LayerNorm, ("weight", "bias"))))
 
 
 @dataclasses.dataclass
@@ -37,6 +42,7 @@ class LayerReport:
     reason: str = ""
     previous_recipe: str | None = None
     unchanged: bool = False  # already converted with this recipe: nothing was done
+    replacement: str = ""  # a norm swapped in: its class (hybridq.nn.RMSNorm / LayerNorm)
 
     @property
     def status(self) -> str:
@@ -50,7 +56,8 @@ class LayerReport:
 @dataclasses.dataclass
 class ConversionReport:
     layers: list[LayerReport]
-    # RMSNorm modules swapped for hybridq.nn.RMSNorm (converted) or left as they are (with the reason)
+    # RMSNorm / LayerNorm modules swapped for hybridq.nn.RMSNorm / LayerNorm (converted) or left as they are (with
+    # the reason)
     norms: list[LayerReport] = dataclasses.field(default_factory=list)
 
     @property
@@ -70,7 +77,7 @@ class ConversionReport:
             rows.append((l.name, l.status, f.get("input", ""), f.get("weight", ""), f.get("grad_output", ""),
                          l.reason))
         for l in self.norms:
-            rows.append((l.name, "hybridq.nn.RMSNorm" if l.converted else "norm kept", "", "", "", l.reason))
+            rows.append((l.name, l.replacement if l.converted else "norm kept", "", "", "", l.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -110,9 +117,11 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
     weight, module hooks and Module.compile(), and for a layer whose parameters an ancestor's forward reads itself
     (nn.MultiheadAttention's out_proj, nn.TransformerEncoderLayer's inference fast path): its forward would not run.
 
-    norms: also swap every RMSNorm the filter accepts (torch.nn.RMSNorm, or a module following the RMSNorm
-    protocol, see hybridq.nn.norm) for hybridq.nn.RMSNorm sharing its weight: one kernel per pass on CUDA, and
-    max|y| computed in passing for the per-tensor casts of the Linear layers that read y. A candidate whose math
+    norms: also swap every RMSNorm / LayerNorm the filter accepts (torch.nn.RMSNorm / LayerNorm, or a module
+    following the RMSNorm / LayerNorm protocol, see hybridq.nn.norm / layer_norm) for hybridq.nn.RMSNorm /
+    LayerNorm sharing its parameters: one kernel per pass on CUDA, max|y| computed in passing for the per-tensor
+    casts of the Linear layers that read y, and their rowwise block-format input written by the norm
+    (hybridq.nn.fused_input). A candidate whose math
     does not match on a probe input, or that the swap would lose behaviour of, is kept (the report says why)."""
     on_incompatible = OnIncompatible.parse(on_incompatible, "on_incompatible")
     recipe = resolve_recipe(recipe, "convert_linears")
@@ -184,26 +193,30 @@ def _keep(layers: list[LayerReport], full: str, child: nn.Module, previous: str 
 
 def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None
                   ) -> list[LayerReport]:
-    """Swap every RMSNorm of `model` the filter accepts -- torch.nn.RMSNorm, or a module following the RMSNorm
-    protocol (hybridq.nn.norm) -- for hybridq.nn.RMSNorm sharing its weight; a candidate that fails the protocol's
-    checks, or that the swap would lose behaviour of (as in `convert_linears`; its forward is checked on a probe
-    input instead), is kept, with the reason in its report row (never raises: nothing is changed for it)."""
+    """Swap every RMSNorm and LayerNorm of `model` the filter accepts -- torch.nn.RMSNorm / LayerNorm, or a module
+    following the RMSNorm / LayerNorm protocol (hybridq.nn.norm, hybridq.nn.layer_norm) -- for hybridq.nn.RMSNorm /
+    LayerNorm sharing its parameters; a candidate that fails the protocol's checks, or that the swap would lose
+    behaviour of (as in `convert_linears`; its forward is checked on a probe input instead), is kept, with the reason
+    in its report row (never raises: nothing is changed for it)."""
     readers = direct_readers(model)
     reports = []
-    for parent, child_name, full, child in _children(model, module_filter_fn, is_rms_norm_candidate):
-        base = nn.RMSNorm if isinstance(child, nn.RMSNorm) else nn.Module
-        why = readers.get(full) or replacement_blocker(child, base, ("weight",), _NORM, frozenset({"forward"}))
-        if why is None:
-            try:
-                new = RMSNorm.from_module(child, name=full)
-            except ValueError as e:
-                why = str(e)
-            else:
-                why = carry_over(child, new, _NORM_ATTRS, _NORM)
-        if why is not None:
-            log.warning("hybridq: keeping norm '%s': %s", full, why)
-            reports.append(LayerReport(full, False, reason=why))
-            continue
-        setattr(parent, child_name, new)
-        reports.append(LayerReport(full, True))
+    for candidate, torch_type, new_type, new_name, params, attrs in _NORMS:
+        for parent, child_name, full, child in _children(model, module_filter_fn, candidate):
+            base = torch_type if isinstance(child, torch_type) else nn.Module
+            takes = tuple(n for n in params if n == "weight" or n in child._parameters)  # (a protocol norm may
+            # have no bias at all)
+            why = readers.get(full) or replacement_blocker(child, base, takes, new_name, frozenset({"forward"}))
+            if why is None:
+                try:
+                    new = new_type.from_module(child, name=full)
+                except ValueError as e:
+                    why = str(e)
+                else:
+                    why = carry_over(child, new, attrs, new_name)
+            if why is not None:
+                log.warning("hybridq: keeping norm '%s': %s", full, why)
+                reports.append(LayerReport(full, False, reason=why))
+                continue
+            setattr(parent, child_name, new)
+            reports.append(LayerReport(full, True, replacement=new_name))
     return reports

@@ -15,6 +15,7 @@ from ..gemm import gemm
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Direction
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource
+from .fused_input import prequantized_input
 from .known_amax import known_amax
 from .side_table import TensorSideTable
 from .weight_fingerprint import WeightFingerprint
@@ -95,6 +96,11 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise
     share = (_SHARED.enabled and q.is_deterministic and not x.is_inference()
              and not torch.compiler.is_compiling())
     xq = _SHARED.get(x, q, columnwise) if share else None
+    # (a norm may have written the rowwise form already: [Note: pre-quantized norm outputs])
+    if xq is None and gather is None:
+        xq = prequantized_input(q, x, x2d, columnwise, name)
+        if share and xq is not None:
+            _SHARED.put(x, q, xq)
     if xq is None:
         if gather is not None:
             xq = gather.quantize(q, x2d, columnwise, name)

@@ -13,12 +13,15 @@ runs as PyTorch operations."""
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from ..formats.base import is_dtensor
 from ..kernels import _ext
+from ..kernels.norm_quantize import kernel_takes, row_blocks, row_part
+from .fused_input import NormReaders, reference_row_part, remember_output
 from .known_amax import remember_amax
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,51 +43,94 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
     return y.to(x.dtype)
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """The CUDA kernels: forward saves x and the per-row rstd (not the normalized fp32 copies eager autograd keeps)."""
+class _NormFunction(torch.autograd.Function):
+    """The CUDA kernels of RMSNorm (bias None, not centered) and LayerNorm (centered): forward saves x and the
+    per-row statistics (not the normalized fp32 copies eager autograd keeps); with `blocks` (RowBlocks) the kernel
+    also writes the rowwise part of y in that block format (hybridq/nn/fused_input.py)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                centered: bool, blocks):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
         w = None if weight is None else weight.contiguous()
-        y, rstd, amax = torch.ops.hybridq.rms_norm_forward(x2d, w, eps)
-        ctx.save_for_backward(x2d, w, rstd)
+        b = None if bias is None else bias.contiguous()
+        hq = torch.ops.hybridq
+        if blocks is not None:
+            y, mean, rstd, amax, data, scale = hq.norm_quantize_forward(x2d, w, b, eps, centered, blocks.block,
+                                                                        blocks.dtype, blocks.amax_eps, blocks.pow2)
+        else:
+            data = scale = x2d.new_empty((0,), dtype=torch.uint8)
+            if centered:
+                y, mean, rstd, amax = hq.layer_norm_forward(x2d, w, b, eps)
+            else:
+                (y, rstd, amax), mean = hq.rms_norm_forward(x2d, w, eps), None
+        ctx.save_for_backward(x2d, w, mean, rstd)
         ctx.shape = x.shape
-        ctx.mark_non_differentiable(amax)
-        return y.view(x.shape), amax
+        ctx.centered = centered
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.mark_non_differentiable(amax, data, scale)
+        return y.view(x.shape), amax, data, scale
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor, _damax):
-        x2d, w, rstd = ctx.saved_tensors
-        dx, dw = torch.ops.hybridq.rms_norm_backward(dy.reshape(x2d.shape).contiguous(), x2d, w, rstd,
-                                                     ctx.needs_input_grad[1])
-        return dx.view(ctx.shape), (dw if ctx.needs_input_grad[1] else None), None
+    def backward(ctx, dy: torch.Tensor, *_):
+        x2d, w, mean, rstd = ctx.saved_tensors
+        dy2d = dy.reshape(x2d.shape).contiguous()
+        want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if ctx.centered:
+            dx, dw, db = torch.ops.hybridq.layer_norm_backward(dy2d, x2d, w, mean, rstd, want_w, want_b)
+        else:
+            (dx, dw), db = torch.ops.hybridq.rms_norm_backward(dy2d, x2d, w, rstd, want_w), None
+        return dx.view(ctx.shape), dw if want_w else None, db.to(ctx.b_dtype) if want_b else None, None, None, None
 
 
-def _kernel_takes(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() >= 1 and not torch.compiler.is_compiling()
-            and not is_dtensor(x) and (weight is None or (not is_dtensor(weight) and weight.dtype in _KERNEL_DTYPES
-                                                          and weight.device == x.device))
+def _kernel_takes(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    ps = [p for p in params if p is not None]
+    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() >= 1 and not is_dtensor(x)
+            and all(not is_dtensor(p) and p.dtype == ps[0].dtype and p.dtype in _KERNEL_DTYPES
+                    and p.device == x.device for p in ps)
             and _ext.available_for(x.device))
 
 
+def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, centered: bool,
+              reference: Callable[[], torch.Tensor], readers: NormReaders | None, name: str) -> torch.Tensor:
+    """y of RMSNorm / LayerNorm (`centered`), on CUDA by the kernels (eager and under torch.compile: the same
+    ops), elsewhere by `reference()`. In eager mode it records max|y| (known_amax) and, for the quantizer its
+    `readers` registered, that format's rowwise part of y (fused_input)."""
+    tracing = torch.compiler.is_compiling() or is_dtensor(x)
+    rq = readers.for_step() if readers is not None and not tracing and not x.is_inference() else None
+    if rq is not None and rq.shape_rule(x.numel() // max(x.shape[-1], 1), x.shape[-1], True, False) is not None:
+        rq = None  # (the Linear's own cast raises the format's shape error, naming the layer)
+    row = None
+    if _kernel_takes(x, weight, bias):
+        x2d = x.reshape(-1, x.shape[-1])
+        blocks = row_blocks(rq) if rq is not None and kernel_takes(x2d.contiguous(), rq) else None
+        y, amax, data, scale = _NormFunction.apply(x, weight, bias, eps, centered, blocks)
+        if not tracing:
+            remember_amax(y, amax)
+            if blocks is not None:
+                row = row_part(rq, data, scale)
+    else:
+        y = reference()
+        if not tracing:
+            with torch.no_grad():  # what the kernel computes in passing (a cast of y would compute it anyway)
+                remember_amax(y, y.float().abs().amax() if y.numel() else y.new_zeros((), dtype=torch.float32))
+            if rq is not None:
+                row = reference_row_part(rq, y.reshape(-1, y.shape[-1]), f"output of {name}")
+    if readers is not None and not tracing:
+        remember_output(y, readers, rq, row)
+    return y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = None,
-             name: str = "RMSNorm") -> torch.Tensor:
+             name: str = "RMSNorm", readers: NormReaders | None = None) -> torch.Tensor:
     """RMSNorm of `x` over its last dimension (see the module docstring); records max|y| for the layers that
-    quantize y (hybridq.nn.known_amax). `eps=None`: torch.nn.RMSNorm's default."""
+    quantize y (hybridq.nn.known_amax) and, with `readers`, their rowwise quantized input (hybridq.nn.fused_input).
+    `eps=None`: torch.nn.RMSNorm's default."""
     if weight is not None and (weight.dim() != 1 or x.shape[-1:] != weight.shape):
         raise ValueError(f"{name}: its weight of shape {tuple(weight.shape)} normalizes a last dimension of that "
                          f"size, got an input of shape {tuple(x.shape)}")
     eps = _eps_for(x, eps)
-    if _kernel_takes(x, weight):
-        y, amax = _RMSNormFunction.apply(x, weight, eps)
-        remember_amax(y, amax)
-        return y
-    y = rms_norm_reference(x, weight, eps)
-    if not (torch.compiler.is_compiling() or is_dtensor(y)):
-        with torch.no_grad():  # what the kernel computes in passing (a cast of y would compute it anyway)
-            remember_amax(y, y.float().abs().amax() if y.numel() else y.new_zeros((), dtype=torch.float32))
-    return y
+    return normalize(x, weight, None, eps, False, lambda: rms_norm_reference(x, weight, eps), readers, name)
 
 
 class RMSNorm(nn.Module):
@@ -101,13 +147,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.name = name
+        self._readers = NormReaders()  # the quantizer of the Linear layers reading y (fused_input.py)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(dims, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, name=self.name)
+        return rms_norm(x, self.weight, self.eps, name=self.name, readers=self._readers)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -127,6 +174,7 @@ class RMSNorm(nn.Module):
         new.eps = None if module.eps is None else float(module.eps)
         new.elementwise_affine = weight is not None
         new.name = name
+        new._readers = NormReaders()
         if weight is not None:
             new.weight = weight
         else:
@@ -148,40 +196,55 @@ def is_rms_norm_candidate(module: nn.Module) -> bool:
 
 
 def rms_norm_mismatch(module: nn.Module) -> str | None:
-    """Why `module` cannot be replaced by hybridq.nn.RMSNorm with its weight and eps (None if it can): the
-    attributes, hooks (e.g. a parallel style's), a parameter that is already sharded, and its output on a probe
-    input (fp32, random weight) against `rms_norm_reference`."""
-    weight = getattr(module, "weight", None)
+    """Why `module` cannot be replaced by hybridq.nn.RMSNorm with its weight and eps (None if it can): see
+    `protocol_mismatch`; the probe's reference is `rms_norm_reference`."""
     eps = getattr(module, "eps", None)
-    if isinstance(module, nn.RMSNorm):
+    return protocol_mismatch(module, nn.RMSNorm, "x * rsqrt(mean(x^2) + eps) * weight",
+                             lambda x, p: rms_norm_reference(x, p.weight, _eps_for(x, eps)))
+
+
+def protocol_mismatch(module: nn.Module, torch_type: type, math: str,
+                      reference: Callable[[torch.Tensor, nn.Module], torch.Tensor]) -> str | None:
+    """Why `module` -- an instance of `torch_type` (torch.nn.RMSNorm / LayerNorm) or a module following that norm's
+    protocol -- cannot be replaced by hybridq's norm with its parameters and eps (None if it can): the attributes
+    (a 1-D `weight` parameter, an optional `bias` parameter of its shape, a float `eps`), hooks (e.g. a parallel
+    style's), a parameter that is already sharded, and its output on a probe input (fp32, random parameters)
+    against `reference(x, probe)` (`math` names it in the reason)."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if isinstance(module, torch_type):
         if len(module.normalized_shape) != 1:
             return f"it normalizes {len(module.normalized_shape)} dimensions {tuple(module.normalized_shape)}"
-    elif not (isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(eps, float)):
+    elif not (isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)):
         return "it has no 1-D weight parameter and float eps"
+    elif bias is not None and not (isinstance(bias, nn.Parameter) and bias.shape == weight.shape):
+        return f"its bias is not a parameter of the weight's shape {tuple(weight.shape)}"
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
         return "it has hooks (e.g. a tensor-parallel style or FSDP2): swap norms before parallelizing or sharding"
-    if weight is not None and is_dtensor(weight):
-        return "its weight is already a DTensor: swap norms before parallelizing or sharding"
+    for pname, param in (("weight", weight), ("bias", bias)):
+        if param is not None and is_dtensor(param):
+            return f"its {pname} is already a DTensor: swap norms before parallelizing or sharding"
     dim = weight.shape[0] if weight is not None else module.normalized_shape[0]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, dim, generator=g) * 3
     try:
         probe = copy.deepcopy(module)
-        if weight is not None:
-            if weight.device.type == "meta":
+        if weight is not None or bias is not None:
+            if (weight if weight is not None else bias).device.type == "meta":
                 probe = probe.to_empty(device="cpu")
             probe = probe.to(device="cpu", dtype=torch.float32)
             with torch.no_grad():
-                probe.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+                if weight is not None:
+                    probe.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+                if bias is not None:
+                    probe.bias.copy_(torch.randn(dim, generator=g))
         with torch.no_grad():
             got = probe(x)
     except Exception as e:  # noqa: BLE001 (any failure means: not the protocol)
         return f"its forward failed on a probe input: {type(e).__name__}: {e}"
     with torch.no_grad():
-        want = rms_norm_reference(x, None if weight is None else probe.weight, _eps_for(x, eps))
+        want = reference(x, probe)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
         return "its output on a probe input is not a tensor of the input's shape and dtype"
     if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-        return (f"its output differs from x * rsqrt(mean(x^2) + eps) * weight on a probe input (max |diff| "
-                f"{(got - want).abs().max().item():.3g})")
+        return f"its output differs from {math} on a probe input (max |diff| {(got - want).abs().max().item():.3g})"
     return None
