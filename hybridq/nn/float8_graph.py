@@ -213,13 +213,21 @@ def _mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_cast: Float8Cast, a_column
 class _Float8GraphLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
-                need_dgrad: bool, need_wgrad: bool, x_parts: tuple | None = None) -> torch.Tensor:
+                need_dgrad: bool, need_wgrad: bool, x_parts: tuple | None = None,
+                w_parts: tuple | None = None) -> torch.Tensor:
         # x_parts: x already quantized (eager: another layer's quantization of the same tensor, or one from a known
-        # max|x|), as _quantize returns it
+        # max|x|), as _quantize returns it. w_parts (eager): the weight arrived quantized (FSDP2's gathered weight):
+        # (rowwise data, its scale_inv, the columnwise part or None), the part kept as a handle whose tensors the
+        # backward unshard refills (as linear_function keeps the gathered weight)
         x2d = x.reshape(-1, x.shape[-1])
         keep_x = need_wgrad and spec.save_original_input  # wgrad quantizes the original input in backward
         xr, xrs, xc, xcs = x_parts or _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
-        wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
+        ctx.w_col = None
+        if w_parts is not None:
+            wr, wrs, ctx.w_col = w_parts
+            wc = wcs = None
+        else:
+            wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
         y = _mm(xr, xrs, spec.input, False, wr, wrs, spec.weight, False, x.dtype, "fprop of a compiled layer")
         if bias is not None:
             y = y + bias.to(x.dtype)
@@ -233,6 +241,8 @@ class _Float8GraphLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x_saved, xcs, wc, wcs = ctx.saved_tensors
+        if ctx.w_col is not None:
+            wc, wcs = ctx.w_col.data, ctx.w_col.scale_inv
         spec, need_dgrad, need_wgrad = ctx.spec, ctx.need_dgrad, ctx.need_wgrad
         dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
         dx = dw = db = None
@@ -249,7 +259,7 @@ class _Float8GraphLinear(torch.autograd.Function):
                          "wgrad of a compiled layer").to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -336,14 +346,26 @@ def _shared_input(x: torch.Tensor, x2d: torch.Tensor, q, cast: Float8Cast, colum
     return parts
 
 
+def _gathered_parts(weight: QuantizedTensor, cast: Float8Cast, need_dgrad: bool) -> tuple | None:
+    """`w_parts` of a weight that arrived quantized (FSDP2's gathered weight) in the parts `cast` makes, contiguous
+    (what the hardware GEMM reads), else None."""
+    part_type = _PART[cast.block_dim]
+    parts = [weight.part(ROWWISE)] + ([weight.part(COLUMNWISE)] if need_dgrad else [])
+    for p in parts:
+        if (type(p) is not part_type or p.data.dtype != cast.dtype or not p.data.is_contiguous()
+                or (cast.block_dim != PER_TENSOR and p.block_dim != cast.block_dim)):
+            return None
+    return parts[0].data, parts[0].scale_inv, parts[1] if need_dgrad else None
+
+
 def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                         cfg) -> torch.Tensor | None:
     """`x W^T + b` of an eager FP8 Linear as this module's ops, or None where the general path must run: the call
     is one the general path (linear_function.apply_linear, `cfg` its configuration) would run as exactly these
-    kernels and GEMMs -- a plain weight (not quantized, not cached), no backward override, no sequence-parallel
-    input (the caller checks those), `takes`, the dispatch tables' own kernels (`_dispatch_is_builtin`), a
-    floating-point input with at least one row, and every shape rule met (else the general path raises its
-    error)."""
+    kernels and GEMMs -- a plain weight or FSDP2's gathered one in this spec's parts (not a cached or quantized
+    parameter), no backward override, no sequence-parallel input (the caller checks those), `takes`, the dispatch
+    tables' own kernels (`_dispatch_is_builtin`), a floating-point input with at least one row, and every shape rule
+    met (else the general path raises its error)."""
     if not _EAGER["on"] or spec is None or not x.is_floating_point() or x.dim() < 2:
         return None
     device_type = x.device.type
@@ -359,7 +381,12 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if (cfg.input_q.shape_rule(m, k, True, need_wgrad) is not None
             or (grads and cfg.grad_output_q.shape_rule(m, n, need_dgrad, need_wgrad) is not None)):
         return None
+    w_parts = None
+    if isinstance(weight, QuantizedTensor):
+        w_parts = _gathered_parts(weight, spec.weight, need_dgrad)
+        if w_parts is None:
+            return None
     x_col = need_wgrad and not spec.save_original_input
     x_parts = _shared_input(x, x.reshape(-1, k), cfg.input_q, spec.input, x_col)
     # (no gradient needed: rowwise forms only, nothing saved, as the general path's forward-only call)
-    return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts)
+    return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts)

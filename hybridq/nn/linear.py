@@ -199,9 +199,10 @@ class Linear(nn.Linear):
         cfg = self._config(override)
         weight, bias = self.weight, self.bias
         if (override is None and is_first_microbatch is None and self._float8_graph_spec is not None
-                and not isinstance(weight, QuantizedTensor) and quantized_param_info(weight) is None):
-            # FP8 (per-tensor or blocks) on a plain weight: the few ops themselves, where they are exactly what
-            # the general path below would run (nn/float8_graph.py; None: it must run)
+                and quantized_param_info(weight) is None
+                and (self._weight_gathered or not isinstance(weight, QuantizedTensor))):
+            # FP8 (per-tensor or blocks) on a plain weight or FSDP2's gathered one: the few ops themselves, where
+            # they are exactly what the general path below would run (nn/float8_graph.py; None: it must run)
             y = float8_graph.eager_float8_linear(x, weight, bias, self._float8_graph_spec, cfg)
             if y is not None:
                 return y
