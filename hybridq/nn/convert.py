@@ -203,8 +203,8 @@ def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str],
     for candidate, torch_type, new_type, new_name, params, attrs in _NORMS:
         for parent, child_name, full, child in _children(model, module_filter_fn, candidate):
             base = torch_type if isinstance(child, torch_type) else nn.Module
-            takes = tuple(n for n in params if n == "weight" or n in child._parameters)  # (a protocol norm may
-            # have no bias at all)
+            # (the weight always; a protocol norm may have no bias at all)
+            takes = params[:1] + tuple(n for n in params[1:] if n in child._parameters)
             why = readers.get(full) or replacement_blocker(child, base, takes, new_name, frozenset({"forward"}))
             if why is None:
                 try:
