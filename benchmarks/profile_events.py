@@ -10,7 +10,7 @@ import statistics
 import torch
 
 CATEGORIES = ("gemm", "hybridq", "norm", "attention", "optimizer", "collectives", "memcpy", "elementwise", "other")
-LABELS = {"gemm": "GEMM", "hybridq": "hybridq quantize/dequantize", "norm": "RMSNorm kernels", "attention": "attention",
+LABELS = {"gemm": "GEMM", "hybridq": "hybridq quantize/dequantize", "norm": "norm kernels", "attention": "attention",
           "optimizer": "optimizer (foreach)", "collectives": "NCCL / collectives", "memcpy": "memcpy / memset / copies",
           "elementwise": "elementwise / reduction", "other": "other"}
 # an op under one of these (CPU profile) counts for it, unless the op itself is a GEMM or a collective
@@ -23,7 +23,8 @@ def categorize(name: str) -> str:
     """The category of a GPU kernel (or, on the CPU, an op) from its name alone. Order matters: FlashAttention
     kernels are cutlass kernels too, FSDP2's copy-in op names contain "all_gather"."""
     n = name.lower()
-    if "rms_norm" in n or "rmsnorm" in n:  # hybridq.nn.RMSNorm's kernels (or torch's fused one)
+    # hybridq's norm kernels (RMSNorm, LayerNorm, norm + rowwise quantization: csrc/rms_norm.cu), or torch's
+    if any(k in n for k in ("rms_norm", "rmsnorm", "layer_norm", "layernorm", "::norm_")):
         return "norm"
     if "hybridq" in n:
         return "hybridq"
