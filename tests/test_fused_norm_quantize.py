@@ -58,7 +58,8 @@ def _recipe(make, override=None):
 
 
 def _pair(norm: str, recipe, device="cpu", dtype=torch.float32, save_original_input=False):
-    """(model with hybridq norms, the same model with its norms kept) on one recipe."""
+    """(model with hybridq norms, the same model unfused) on one recipe. Unfused: torch's norms kept on the CPU
+    (hybridq's reference is torch's math, bitwise); on CUDA hybridq's norms (the same kernel) without readers."""
     torch.manual_seed(0)
     base = Block(norm).to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -66,9 +67,11 @@ def _pair(norm: str, recipe, device="cpu", dtype=torch.float32, save_original_in
         if getattr(base.norm, "bias", None) is not None:
             base.norm.bias.normal_(0, 0.3)
     models = []
-    for norms in (True, False):
+    for fused in (True, False):
         m = copy.deepcopy(base)
-        hybridq.convert_linears(m, recipe, norms=norms)
+        hybridq.convert_linears(m, recipe, norms=fused or device != "cpu")
+        if not fused and device != "cpu":
+            m.norm._readers = None  # (no readers: the norm records nothing for the Linears)
         for lin in (m.wq, m.wk, m.wo):
             lin.save_original_input = save_original_input
         models.append(m)
