@@ -7,8 +7,8 @@ RMSNorm protocol (a class named `*RMSNorm` with a 1-D `weight` and a float `eps`
 `x * rsqrt(mean(x^2) + eps) * weight`, checked on a probe input before anything changes), sharing the weight.
 Numerics (docs/numerics.md "RMSNorm"): torch's rms_norm with its fp32 computation and one rounding to the input
 dtype; the kernel's row sums run in another order than torch's, so y may differ in the last bit from the eager
-module, and max|y| is exact (of the rounded y). Under torch.compile the same kernels run (custom ops with fakes);
-on the CPU and for DTensors the same math runs as PyTorch operations.
+module, and max|y| is exact (of the rounded y). On the CPU, under torch.compile (where Inductor fuses it with its
+neighbours) and for DTensors the same math runs as PyTorch operations.
 
 The norm also writes the rowwise block-format input of the Linear layers reading y once they registered their
 quantizer ([Note: pre-quantized norm outputs], fused_input.py); `normalize` is the forward of both hybridq norms."""
@@ -86,25 +86,27 @@ class _NormFunction(torch.autograd.Function):
         return dx.view(ctx.shape), dw if want_w else None, db.to(ctx.b_dtype) if want_b else None, None, None, None
 
 
-def _kernel_takes(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+def _kernel_takes(x: torch.Tensor, *params: torch.Tensor | None, in_graph: bool = True) -> bool:
     ps = [p for p in params if p is not None]
     return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() >= 1 and not is_dtensor(x)
+            and (in_graph or not torch.compiler.is_compiling())
             and all(not is_dtensor(p) and p.dtype == ps[0].dtype and p.dtype in _KERNEL_DTYPES
                     and p.device == x.device for p in ps)
             and _ext.available_for(x.device))
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, centered: bool,
-              reference: Callable[[], torch.Tensor], readers: NormReaders | None, name: str) -> torch.Tensor:
-    """y of RMSNorm / LayerNorm (`centered`), on CUDA by the kernels (eager and under torch.compile: the same
-    ops), elsewhere by `reference()`. In eager mode it records max|y| (known_amax) and, for the quantizer its
-    `readers` registered, that format's rowwise part of y (fused_input)."""
+              reference: Callable[[], torch.Tensor], readers: NormReaders | None, name: str,
+              in_graph: bool = True) -> torch.Tensor:
+    """y of RMSNorm / LayerNorm (`centered`), on CUDA by the kernels (under torch.compile too, as custom ops, when
+    `in_graph`), elsewhere by `reference()`. In eager mode it records max|y| (known_amax) and, for the quantizer
+    its `readers` registered, that format's rowwise part of y (fused_input)."""
     tracing = torch.compiler.is_compiling() or is_dtensor(x)
     rq = readers.for_step() if readers is not None and not tracing and not x.is_inference() else None
     if rq is not None and rq.shape_rule(x.numel() // max(x.shape[-1], 1), x.shape[-1], True, False) is not None:
         rq = None  # (the Linear's own cast raises the format's shape error, naming the layer)
     row = None
-    if _kernel_takes(x, weight, bias):
+    if _kernel_takes(x, weight, bias, in_graph=in_graph):
         x2d = x.reshape(-1, x.shape[-1])
         blocks = row_blocks(rq) if rq is not None and kernel_takes(x2d.contiguous(), rq) else None
         y, amax, data, scale = _NormFunction.apply(x, weight, bias, eps, centered, blocks)
@@ -133,7 +135,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = N
         raise ValueError(f"{name}: its weight of shape {tuple(weight.shape)} normalizes a last dimension of that "
                          f"size, got an input of shape {tuple(x.shape)}")
     eps = _eps_for(x, eps)
-    return normalize(x, weight, None, eps, False, lambda: rms_norm_reference(x, weight, eps), readers, name)
+    # (under torch.compile the decomposition, which Inductor fuses with the residual add before it: what the
+    # compiled job was measured with)
+    return normalize(x, weight, None, eps, False, lambda: rms_norm_reference(x, weight, eps), readers, name,
+                     in_graph=False)
 
 
 class RMSNorm(nn.Module):
