@@ -46,4 +46,5 @@ def test_bench_host_prints_the_table_of_every_call_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(x["call"], f"{x['us']:.1f}", len(x["rounds_us"])) for x in rows] == \
         [(call, median, 2) for call, median, _ in body], "the JSON rows are the printed rows, 2 rounds each"
-    assert "_Float8GraphLinear" in prof.read_text(), "the profile does not show the Linear's autograd nodes (its eager fast path)"
+    assert "_Float8GraphLinear" in prof.read_text(), \
+        "the profile does not show the Linear's autograd nodes (its eager fast path)"
