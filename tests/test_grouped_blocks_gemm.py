@@ -238,3 +238,50 @@ def test_gpu_fp8_block_experts_run_one_grouped_gemm_per_phase(splits, k, monkeyp
         a, b = got["dW"][g].float(), want["dW"][g].float()
         err, scale = (a - b).abs().max(), b.abs().max()
         assert err <= 1e-2 * scale, f"dW of expert {g}: {float(err):.3e} > 1e-2 x {float(scale):.3e}"
+
+
+def test_per_expert_gemms_are_chosen_for_long_expert_gemms_only():
+    """The measured rule: few experts with long GEMMs (8 experts of ~4096 tokens, 4096 x 14336) take one cuBLAS GEMM
+    per expert; many short ones (64 experts of ~2048 tokens, 2048 x 3072) the grouped kernel; no tokens: grouped."""
+    assert grouped_blocks.prefers_per_expert_gemms([4096] * 8, 4096, 14336)
+    assert not grouped_blocks.prefers_per_expert_gemms([2048] * 64, 2048, 3072)
+    assert not grouped_blocks.prefers_per_expert_gemms([0, 0], 4096, 14336)
+
+
+def _aot_sm90(kernel, sig: dict, constexprs: dict, aligned: tuple, warps: int, stages: int):
+    """Compile `kernel` for sm_90 without a GPU (Triton's ahead-of-time API), with the 16-byte alignments a real
+    launch gets."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {**sig, **{n: "constexpr" for n in constexprs}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+@pytest.mark.skipif(not triton_grouped_blocks.available(), reason="needs Triton")
+@pytest.mark.parametrize("weight", WEIGHT_BLOCKS)
+def test_kernels_compile_for_sm90_to_pipelined_wgmma(weight):
+    """The default configs of both kernels compile for sm_90 (no GPU needed) to wgmma with pipelined loads."""
+    t = triton_grouped_blocks
+    ptrs = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16"}
+    bm, bn, gm, w, st = t.CONFIGS["mm"]
+    sig = {**ptrs, "bounds_ptr": "*i32", **{n: "i32" for n in ("N", "K", "E", "stride_am", "stride_sam", "stride_bg",
+                                                                 "stride_bn", "stride_sbg", "stride_sbn", "stride_sbk",
+                                                                 "stride_cm")}}
+    row_block = 128 if weight == "tiles" else 1
+    mm = _aot_sm90(t._grouped_block_mm_kernel, sig,
+                   dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=t.BLOCK, GROUP_M=gm, EP=16, B_ROW_BLOCK=row_block,
+                        EVEN_K=True, SB_SCALAR=row_block % bn == 0),
+                   (*ptrs, "bounds_ptr", "stride_am", "stride_bn", "stride_cm"), w, st)
+    bm, bn, gm, w, st = t.CONFIGS["wgrad"]
+    sig = {**ptrs, "starts_ptr": "*i32", "sizes_ptr": "*i32",
+           **{n: "i32" for n in ("M", "N", "pitch_a", "pitch_sa", "pitch_b", "pitch_sb", "stride_cg", "stride_cm")}}
+    wg = _aot_sm90(t._grouped_block_wgrad_kernel, sig,
+                   dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=t.BLOCK, GROUP_M=gm, EVEN=True),
+                   (*ptrs, "starts_ptr", "sizes_ptr", "pitch_a", "pitch_b", "stride_cm"), w, st)
+    for name, k in (("grouped mm", mm), ("grouped wgrad", wg)):
+        assert "wgmma.mma_async" in k.asm["ptx"], f"{name}: no wgmma in the PTX"
+        assert "async_copy_global_to_local" in k.asm["ttgir"], f"{name}: the loads are not pipelined"

@@ -25,6 +25,10 @@ from . import native_gemm
 _E4M3 = torch.float8_e4m3fn
 BLOCK = 128  # elements per scale along the contracted dim (FP8 blocks), the kernels' K tile
 ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
+# one cuBLAS block-scaled GEMM per expert beats the grouped kernel where each expert's GEMM is long enough to hide
+# its call's host cost: the mean expert GEMM estimated at >= this many microseconds at 1 PFLOP/s (BENCHMARKS.md
+# "Grouped FP8 block GEMMs"); 0: always the per-expert GEMMs, inf: never
+PER_EXPERT_MIN_US = 200.0
 
 
 def _triton():
@@ -54,6 +58,13 @@ def supports(a, b) -> bool:
     if a.data.dtype != _E4M3 or b.data.dtype != _E4M3 or native_gemm._cap(a.data) != (9, 0):
         return False
     return _triton() is not None
+
+
+def prefers_per_expert_gemms(splits: list[int], k: int, n: int) -> bool:
+    """Whether one GEMM per expert is measured faster than the grouped kernel for these token counts (`[tokens, k] x
+    [n, k]^T` per expert)."""
+    used = [m for m in splits if m]
+    return bool(used) and 2.0 * sum(used) / len(used) * k * n / 1e9 >= PER_EXPERT_MIN_US
 
 
 class GroupBounds:

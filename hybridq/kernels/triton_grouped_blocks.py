@@ -43,10 +43,14 @@ BLOCK = 128  # elements per scale along the contracted dim (FP8 1x128 blocks / 1
 LAST_COMPILED: dict = {}  # the last compiled kernel per name (benchmarks read registers / spills)
 
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) per kernel; BLOCK_K is the scaling block. Two fp32 accumulators
-# (the block's partial sum and the promoted one), as triton_grouped_fp8's precise kernels: larger tiles spill.
+# (the block's partial sum and the promoted one): compiled for sm_90 (Triton 3.6, ptxas 13.0), 64x128 with 4 warps
+# uses 231-242 registers and spills nothing (two CTAs per SM, so one CTA's scaling overlaps another's wgmma), where
+# 128x128 with 8 warps spills in wgrad and 128x128 with 4 warps / 128x256 spill everywhere; vLLM's tuned H200 configs
+# of the same kernel form (`acc += dot(a, b) * sa * sb`, 128x128 blocks) take 64x128, 4 warps, 3-4 stages at large M.
+# The first GPU measurement (BENCHMARKS.md "Grouped FP8 block GEMMs") ran 128x128 with 8 warps and 4 stages.
 CONFIGS = {
-    "mm": (128, 128, 8, 8, 4),
-    "wgrad": (128, 128, 8, 8, 4),
+    "mm": (64, 128, 16, 4, 3),
+    "wgrad": (64, 128, 16, 4, 3),
 }
 
 
@@ -84,7 +88,7 @@ if triton is not None:
                                  stride_cm,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, EP: tl.constexpr, B_ROW_BLOCK: tl.constexpr,
-                                 EVEN_K: tl.constexpr):
+                                 EVEN_K: tl.constexpr, SB_SCALAR: tl.constexpr):
         pid = tl.program_id(0)
         gi = tl.arange(0, EP)
         on = gi < E
@@ -113,7 +117,11 @@ if triton is not None:
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
         sa_ptrs = sa_ptr + a_rows * stride_sam
         b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
-        sb_ptrs = sb_ptr + g.to(tl.int64) * stride_sbg + (rn // B_ROW_BLOCK).to(tl.int64) * stride_sbn
+        sb_base = sb_ptr + g.to(tl.int64) * stride_sbg
+        if SB_SCALAR:  # (the tile's columns share one scale row: 128x128 tiles, BLOCK_N dividing 128)
+            sb_ptrs = sb_base + ((tn * BLOCK_N) // B_ROW_BLOCK).to(tl.int64) * stride_sbn
+        else:
+            sb_ptrs = sb_base + (rn // B_ROW_BLOCK).to(tl.int64) * stride_sbn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kb = k0 // BLOCK_K
@@ -126,8 +134,11 @@ if triton is not None:
                 b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
             part = tl.dot(a, tl.trans(b))  # the block's products, a fresh fp32 sum
             sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0.0)
-            sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=0.0)
-            acc += part * (sa[:, None] * sb[None, :])
+            if SB_SCALAR:
+                acc += part * (sa * tl.load(sb_ptrs + kb * stride_sbk))[:, None]
+            else:
+                sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=0.0)
+                acc += part * (sa[:, None] * sb[None, :])
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         c = acc.to(c_ptr.dtype.element_ty)
@@ -193,7 +204,8 @@ def grouped_block_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor
     LAST_COMPILED["mm"] = _grouped_block_mm_kernel[grid](
         a, a_scale_inv, b, b_scale_inv, c, bounds, n, k, e, a.stride(0), a_scale_inv.stride(0), b_group_stride,
         b_row_stride, sbg, sbn, sbk, c.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=gm,
-        EP=max(16, _next_pow2(e)), B_ROW_BLOCK=b_row_block, EVEN_K=k % BLOCK == 0, num_warps=w, num_stages=st)
+        EP=max(16, _next_pow2(e)), B_ROW_BLOCK=b_row_block, EVEN_K=k % BLOCK == 0,
+        SB_SCALAR=b_row_block % bn == 0, num_warps=w, num_stages=st)
     return c
 
 

@@ -93,7 +93,9 @@ def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Dir
     if not weights.packed:
         return None
     b = weights.tensors[0].part(direction)
-    if not (grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e)):
+    if not (grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e)) or \
+            grouped_blocks.prefers_per_expert_gemms(layout.splits, a.cols, b.rows // e if direction == ROWWISE
+                                                    else b.rows):
         return None
     return grouped_blocks.mm(a, b, e, _bounds(layout, a.data.device), out_dtype)
 
@@ -173,7 +175,8 @@ class PackedBlockExperts(torch.autograd.Function):
                 dx = torch.cat(parts)
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
             dy_col, xc = dyq.part(COLUMNWISE), x_col.part(COLUMNWISE)
-            if grouped_blocks.supports(dy_col, xc) and _bounds(layout, dy.device).slots_aligned:
+            if grouped_blocks.supports(dy_col, xc) and _bounds(layout, dy.device).slots_aligned and \
+                    not grouped_blocks.prefers_per_expert_gemms(layout.splits, n, k):
                 # (the slot's zero tokens after the padded count add zero products)
                 dw = grouped_blocks.wgrad(dy_col, xc, _bounds(layout, dy.device), dy.dtype).to(ctx.w_dtype)
             else:  # (an expert without tokens keeps a zero gradient)
