@@ -216,19 +216,23 @@ def _layer_step(splits, k, out, grouped: bool, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs CUDA sm_90, Triton and the built extension")
+@pytest.mark.parametrize("out", [256, 96], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("k", [256, 200], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)
-def test_gpu_fp8_block_experts_run_one_grouped_gemm_per_phase(splits, k, monkeypatch):
-    """GroupedLinear with fp8_block on sm_90 runs no per-expert GEMM, and its output, dx and dW agree per expert with
-    the per-expert GEMM loop (bf16 results: within 1e-2 of each expert's largest magnitude, a bf16 rounding plus the
-    summation order)."""
+def test_gpu_fp8_block_experts_run_one_grouped_gemm_per_phase(splits, k, out, monkeypatch):
+    """GroupedLinear with fp8_block on sm_90 runs no per-expert GEMM (with N = 96 the weight's 128x128 tiles would
+    straddle experts: it is quantized per expert, and fprop / dgrad run per expert, wgrad grouped), and its output, dx
+    and dW agree per expert with the per-expert GEMM loop (bf16 results: within 1e-2 of each expert's largest
+    magnitude, a bf16 rounding plus the summation order)."""
     import hybridq.nn.grouped_packed_blocks as pb
     calls = []
-    monkeypatch.setattr(pb, "gemm", lambda *a, **kw: calls.append(a[-1]) or gemm(*a, **kw))
-    got = _layer_step(splits, k, 256, True, monkeypatch)
-    assert not calls, f"per-expert GEMMs ran: {calls}"
-    want = _layer_step(splits, k, 256, False, monkeypatch)
-    assert calls, "the per-expert loop did not run with the grouped GEMMs off"
+    monkeypatch.setattr(pb, "gemm", lambda *a, **kw: calls.append(a[-1].split()[0]) or gemm(*a, **kw))
+    got = _layer_step(splits, k, out, True, monkeypatch)
+    want_phases = set() if out % 128 == 0 else {"fprop", "dgrad"}
+    assert set(calls) == want_phases, f"per-expert GEMMs ran for {sorted(set(calls))}, expected {sorted(want_phases)}"
+    calls.clear()
+    want = _layer_step(splits, k, out, False, monkeypatch)
+    assert set(calls) == {"fprop", "dgrad", "wgrad"}, "the per-expert loop did not run with the grouped GEMMs off"
     for name in ("y", "dx"):
         for g, (a, b) in enumerate(zip(got[name].split(splits), want[name].split(splits))):
             if len(b):

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from .triton_grouped_fp8 import _cdiv, _next_pow2, available
+
 try:  # Triton is optional: CPU machines and CI have none
     import triton
     import triton.language as tl
@@ -54,24 +56,8 @@ CONFIGS = {
 }
 
 
-def available() -> bool:
-    """True when Triton imports (the device checks are the caller's)."""
-    return triton is not None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
-
-
 if triton is not None:
-    @triton.jit
-    def _pick(gi, vec, g):
-        """vec[g] as a scalar."""
-        return tl.sum(tl.where(gi == g, vec, 0), axis=0)
+    from .triton_grouped_fp8 import _pick  # vec[g] as a scalar
 
     @triton.jit
     def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):

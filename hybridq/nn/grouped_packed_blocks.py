@@ -100,6 +100,17 @@ def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Dir
     return grouped_blocks.mm(a, b, e, _bounds(layout, a.data.device), out_dtype)
 
 
+def _per_expert_mm(a: QuantizedPart, weights: ExpertWeights, direction: Direction, used, out_dtype: torch.dtype,
+                   what: str) -> torch.Tensor:
+    """fprop / dgrad as one `gemm` per expert with tokens, on its padded rows (the per-expert path's shapes); the
+    rows of its tokens, in token order."""
+    outs = []
+    for g, o, p, m in used:
+        y = gemm(a.row_slice(o, o + p, group=g), weights.part(g, direction), out_dtype, f"{what} (expert {g})")
+        outs.append(y[:m] if p != m else y)
+    return torch.cat(outs)
+
+
 def _check_slots(layout: TokenLayout, quantizers: dict[str, Quantizer]) -> None:
     """Per-expert statistics and draws (NVFP4) are those of the expert's padded slice: its slot must be exactly that
     (padded_tokens already gives whole 16-row blocks, so this holds; a layout that broke it would change draws)."""
@@ -133,12 +144,7 @@ class PackedBlockExperts(torch.autograd.Function):
         x_row = xq.part(ROWWISE)
         y = _grouped_mm(x_row, wq, e, ROWWISE, layout, x.dtype)
         if y is None:
-            ys = []
-            for g, o, p, m in used:
-                y = gemm(x_row.row_slice(o, o + p, group=g), wq.part(g, ROWWISE), x.dtype,
-                         f"fprop of {name} (expert {g})")
-                ys.append(y[:m] if p != m else y)
-            y = torch.cat(ys)
+            y = _per_expert_mm(x_row, wq, ROWWISE, used, x.dtype, f"fprop of {name}")
         # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
         w_saved = wq.only(COLUMNWISE).tensors if need_dgrad else []
         ctx.packed_weight = wq.packed
@@ -167,12 +173,7 @@ class PackedBlockExperts(torch.autograd.Function):
             dy_row = dyq.part(ROWWISE)
             dx = _grouped_mm(dy_row, weights, e, COLUMNWISE, layout, dy.dtype)
             if dx is None:
-                parts = []
-                for g, o, p, m in used:
-                    dx_g = gemm(dy_row.row_slice(o, o + p, group=g), weights.part(g, COLUMNWISE), dy.dtype,
-                                f"dgrad of {name} (expert {g})")
-                    parts.append(dx_g[:m] if p != m else dx_g)
-                dx = torch.cat(parts)
+                dx = _per_expert_mm(dy_row, weights, COLUMNWISE, used, dy.dtype, f"dgrad of {name}")
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
             dy_col, xc = dyq.part(COLUMNWISE), x_col.part(COLUMNWISE)
             if grouped_blocks.supports(dy_col, xc) and _bounds(layout, dy.device).slots_aligned and \
