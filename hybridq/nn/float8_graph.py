@@ -180,16 +180,18 @@ def fp8_block_quantize_reference(x2d: torch.Tensor, dtype: torch.dtype, block_di
 fp8_block_quantize_reference.register_fake(_block_reference)
 
 
-@torch.library.custom_op("hybridq::fp8_block_gemm", mutates_args=())
-def fp8_block_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block_dim: int, a_columnwise: bool,
-                   b: torch.Tensor, b_scale_inv: torch.Tensor, b_block_dim: int, b_columnwise: bool,
-                   out_dtype: torch.dtype, what: str) -> torch.Tensor:
+def _block_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block_dim: int, a_columnwise: bool,
+                b: torch.Tensor, b_scale_inv: torch.Tensor, b_block_dim: int, b_columnwise: bool,
+                out_dtype: torch.dtype, what: str) -> torch.Tensor:
     """`a @ b^T` of two FP8-block operands as plain tensors, by hybridq's GEMM dispatch: the native block GEMM
     where it takes them, else the emulation (with the eager layer's warnings; `what` names the GEMM)."""
     parts = [Float8BlockPart(rows=t.shape[0], cols=t.shape[1], columnwise=c, data=t, scale_inv=s, block_dim=d)
              for t, s, d, c in ((a, a_scale_inv, a_block_dim, a_columnwise), (b, b_scale_inv, b_block_dim,
                                                                             b_columnwise))]
     return gemm(*parts, out_dtype, what)
+
+
+fp8_block_gemm = torch.library.custom_op("hybridq::fp8_block_gemm", _block_gemm, mutates_args=())
 
 
 @fp8_block_gemm.register_fake
@@ -202,6 +204,9 @@ def _mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_cast: Float8Cast, a_column
         what: str) -> torch.Tensor:
     """`a @ b^T` of two FP8 operands in GEMM orientation, as the eager `gemm` computes it."""
     if a_cast.block_dim != PER_TENSOR:
+        if not torch.compiler.is_compiling():  # (eager: the op's body itself, without the custom op's dispatch)
+            return _block_gemm(a, a_scale_inv, a_cast.block_dim, a_columnwise, b, b_scale_inv, b_cast.block_dim,
+                               b_columnwise, out_dtype, what)
         return torch.ops.hybridq.fp8_block_gemm(a, a_scale_inv, a_cast.block_dim, a_columnwise, b, b_scale_inv,
                                                 b_cast.block_dim, b_columnwise, out_dtype, what)
     if a.is_cuda:
