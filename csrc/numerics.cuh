@@ -179,6 +179,86 @@ HQ_HD uint8_t e2m1_code_sr(float v, float u) {
   return static_cast<uint8_t>(code | ((f2u(v) >> 28) & 8u));
 }
 
+// ---- E2M1, the fast forms (the quantize kernels' hot loop) -------------------------------------------
+// Bit-equal to e2m1_code / e2m1_code_sr for every non-NaN value (tests/test_cuda_numerics_host.py sweeps them),
+// in a few fp32 operations instead of seven compare-and-adds: the E2M1 grid is 0.5-spaced up to 2, 1-spaced up to
+// 4, 2-spaced up to 6, so the code is min(rnd(2a), rnd(a) + 2, rnd(a / 2) + 4) (a = min(|v|, 6)) -- each term one
+// fma / add onto 2^23, whose sum rounds to an integer by the hardware's own rounding (to nearest even for
+// rounding, toward zero for the stochastic floor), and the minimum of positive floats is the minimum of their
+// bits. The result is that integer plus kE2m1Bias (the bits of 2^23), which packing subtracts once per word.
+constexpr uint32_t kE2m1Bias = 0x4B000000u;
+
+#ifndef __CUDA_ARCH__
+// the host's toward-zero sum s * a + c (tests): exact in double for the operands used here (|a| <= 6, c < 2^24)
+inline float hq_host_fma_rz(float a, float s, float c) {
+  const double d = static_cast<double>(a) * s + c;
+  float f = static_cast<float>(d);
+  if (static_cast<double>(f) > d) f = nextafterf(f, 0.0f);  // (d > 0 here)
+  return f;
+}
+#endif
+
+HQ_HD float fma_rn(float a, float s, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, s, c);
+#else
+  return fmaf(a, s, c);
+#endif
+}
+HQ_HD float fma_rz(float a, float s, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rz(a, s, c);
+#else
+  return hq_host_fma_rz(a, s, c);
+#endif
+}
+HQ_HD uint32_t min3_u32(uint32_t a, uint32_t b, uint32_t c) {
+  const uint32_t m = a < b ? a : b;
+  return m < c ? m : c;
+}
+
+// kE2m1Bias + the magnitude code (0..7) of v rounded to nearest even, saturating at 6 (NaN: 7)
+HQ_HD uint32_t e2m1_mag_biased(float v) {
+  const float a = fminf(fabsf(v), 6.0f);  // (fminf: NaN -> 6)
+  return min3_u32(f2u(fma_rn(a, 2.0f, 8388608.0f)), f2u(fma_rn(a, 1.0f, 8388610.0f)),
+                  f2u(fma_rn(a, 0.5f, 8388612.0f)));
+}
+
+// the magnitude code (0..7) of v stochastically rounded with the uniform u in [0, 1): the largest code at or below
+// a = min(|v|, 6), plus one when u * (step to the next code) < a - (its value). Codes as values: the fp32 whose bits
+// are code << 22 is value(code) * 2^-126 (E2M1 and fp32 share the subnormal layout), so * 2^126 is exact; a - lo and
+// u * step are exact (Sterbenz; the steps are powers of two), so the comparison is e2m1_code_sr's u < frac.
+HQ_HD uint32_t e2m1_mag_sr(float v, float u) {
+  const float a = fminf(fabsf(v), 6.0f);
+  const uint32_t lo = min3_u32(f2u(fma_rz(a, 2.0f, 8388608.0f)), f2u(fma_rz(a, 1.0f, 8388610.0f)),
+                               f2u(fma_rz(a, 0.5f, 8388612.0f))) - kE2m1Bias;
+  const float lv = u2f(lo << 22) * 0x1p126f, hv = u2f((lo + 1u) << 22) * 0x1p126f;
+  return lo + (u * (hv - lv) < a - lv ? 1u : 0u);
+}
+
+// 8 values -> one word of 8 E2M1 codes (value j in bits 4j .. 4j + 3, the sign in bit 4j + 3), rounded to nearest
+// (SR: stochastically with u); equal to e2m1_code / e2m1_code_sr of each value when none is NaN
+template <bool SR>
+HQ_HD uint32_t e2m1_pack8(const float* y, const float* u) {
+  uint32_t mag = 0, sgn = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (SR) {
+      mag += e2m1_mag_sr(y[j], u[j]) << (4 * j);
+    } else {
+      mag += e2m1_mag_biased(y[j]) << (4 * j);  // (the biases wrap: subtracted below)
+    }
+    sgn |= (f2u(y[j]) >> (28 - 4 * j)) & (8u << (4 * j));
+  }
+  if constexpr (!SR) mag -= kE2m1Bias * 0x11111111u;
+  return mag | sgn;
+}
+
+// value(code) for a 4-bit E2M1 code: the fp32 bits (code & 7) << 22 with the sign, times 2^126 (exact; see above)
+HQ_HD float e2m1_value_fast(uint32_t code) {
+  return u2f(((code & 7u) << 22) | ((code & 8u) << 28)) * 0x1p126f;
+}
+
 // ---- NVFP4 scales -----------------------------------------------------------------------------------
 HQ_HD float fmin_ref(float a, float b) {  // torch.fmin: a NaN operand yields the other
   if (is_nan(a)) return b;
@@ -206,6 +286,18 @@ HQ_HD uint8_t nvfp4_block_scale(float blk_amax, float s_enc) {
 HQ_HD float nvfp4_apply_global(float qs, float amax) {
   constexpr float kDivFirst = kFltMax / 2688.0f;
   return amax > kDivFirst ? qs * (amax / 2688.0f) : (qs * amax) / 2688.0f;
+}
+
+// x / 2688 correctly rounded without a division (Markstein: q0 = x * RN(1/2688) is faithful, the remainder
+// x - 2688 q0 is exact, one fma corrects q0 to RN(x / 2688); the sign is restored for x = -0): exact where no step
+// under- or overflows, which nvfp4_div2688_ok guarantees for every x = qs * amax of a dequantize (|qs| in
+// {0} U [2^-10, 2688], or NaN). tests/test_cuda_numerics_host.py compares it with the division.
+constexpr float kRcp2688 = 1.0f / 2688.0f;
+HQ_HD bool nvfp4_div2688_ok(float amax) { return amax >= 0x1p-60f && amax <= 0x1p100f; }
+HQ_HD float nvfp4_div2688(float x) {
+  const float q0 = x * kRcp2688;
+  const float rem = fma_rn(-q0, 2688.0f, x);
+  return u2f(f2u(fma_rn(rem, kRcp2688, q0)) | (f2u(x) & 0x80000000u));
 }
 
 // enc = min(1 / (fp32(s) * S_dec), FLT_MAX), S_dec = 1 / S_enc
@@ -258,6 +350,27 @@ HQ_HD void rht16_butterflies(float (&g)[16]) {
 
 // forward: inputs already rounded to bf16 (as fp32); times signs; butterflies (* 0.25); rounded to bf16
 HQ_HD void rht16_forward(float (&g)[16]) {
+#ifdef __CUDA_ARCH__
+  // a group of finite values below the prescale threshold (the common case, one integer max): the sign flips are
+  // negations (folded into the first butterflies' adds), no sum overflows, and the hardware's round to nearest even
+  // bf16 conversion (two values per instruction) equals round_bf16 on finite values
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = max(m, abs_bits(g[i]));
+  if (m < f2u(kRhtPrescaleFrom)) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (kRhtNegMask & (1u << i)) g[i] = -g[i];
+    fwht16(g);
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(g[i] * 0.25f, g[i + 1] * 0.25f);
+      g[i] = __low2float(h);
+      g[i + 1] = __high2float(h);
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int i = 0; i < 16; ++i)
     if (kRhtNegMask & (1u << i)) g[i] = mul_ref(g[i], -1.0f);
@@ -297,7 +410,9 @@ HQ_HD void philox_uniform4(uint64_t seed, uint64_t offset, uint32_t stream, uint
                    static_cast<uint32_t>(offset) + stream, static_cast<uint32_t>(offset >> 32)};
   philox4x32_10(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) u[i] = static_cast<float>(c[i] >> 8) * (1.0f / 16777216.0f);
+  // (c >> 8) * 2^-24, exactly: the bits c >> 8 are that integer times 2^-149 (a subnormal), and * 2^125 is exact --
+  // an integer-to-float conversion is a quarter-rate instruction
+  for (int i = 0; i < 4; ++i) u[i] = u2f(c[i] >> 8) * 0x1p125f;
 }
 
 }  // namespace hybridq

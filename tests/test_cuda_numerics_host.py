@@ -30,6 +30,36 @@ int main() {
       printf("%u %u\n", fp8_satfinite(u2f(a), false), fp8_satfinite(u2f(a), true));
     } else if (op == 'g' && scanf(" %x", &b) == 1) {
       printf("%u\n", f2u(nvfp4_apply_global(u2f(a), u2f(b))));
+    } else if (op == 'e' || op == 'q' || op == 'd') {  // sweeps of the fast forms: bits a, a + b, ... below end
+      // e: e2m1_pack8 (nearest) vs e2m1_code; q: e2m1_pack8 (stochastic) vs e2m1_code_sr at 67 uniforms each
+      // (0, 1 - 2^-24 and the fractions between); d: nvfp4_div2688 vs x / 2688 where nvfp4_div2688_ok allows it
+      unsigned long long n = 0, bad = 0, first = 0, end = 0;
+      if (scanf(" %x %llx", &b, &end) != 2) return 1;
+      for (unsigned long long x = a; x < end; x += b) {
+        const float v = u2f(static_cast<uint32_t>(x));
+        if (is_nan(v)) continue;
+        bool ok = true;
+        if (op == 'e') {
+          const float y[8] = {v, v, v, v, v, v, v, v};
+          ok = e2m1_pack8<false>(y, nullptr) == e2m1_code(v) * 0x11111111u;
+        } else if (op == 'q') {
+          for (uint32_t k = 0; k < (1u << 24) && ok; k += (k == (1u << 24) - 1) ? 1 : ((1u << 24) / 64 + 7)) {
+            const float u = static_cast<float>(k) * (1.0f / 16777216.0f);
+            const float y[8] = {v, v, v, v, v, v, v, v}, uu[8] = {u, u, u, u, u, u, u, u};
+            ok = e2m1_pack8<true>(y, uu) == e2m1_code_sr(v, u) * 0x11111111u;
+            if (k + 1 == (1u << 24)) break;
+          }
+        } else {
+          const float ax = fabsf(v);
+          if (ax != 0.0f && (ax < 0x1p-70f || ax > 2688.0f * 0x1p100f)) continue;  // outside qs * amax
+          ok = f2u(nvfp4_div2688(v)) == f2u(v / 2688.0f);
+        }
+        ++n;
+        if (!ok && bad++ == 0) first = x;
+      }
+      printf("%llu %llu %llx\n", n, bad, first);
+    } else if (op == 'v') {  // e2m1_value_fast vs e2m1_value, the 16 codes
+      for (uint32_t c = 0; c < 16; ++c) printf("%u%c", f2u(e2m1_value_fast(c)) == f2u(e2m1_value(c)) ? 1 : 0, c == 15 ? '\n' : ' ');
     } else if (op == 'r' || op == 'i') {  // a 16-point transform of the group a, b1..b15 (fp32 bits)
       float g[16];
       g[0] = u2f(a);
@@ -51,7 +81,7 @@ def numerics_bin(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("numerics_host")
     src, exe = d / "driver.cu", d / "driver"
     src.write_text(DRIVER)
-    r = subprocess.run([NVCC, "-std=c++17", "--fmad=false", "-I", CSRC, str(src), "-o", str(exe)],
+    r = subprocess.run([NVCC, "-O2", "-std=c++17", "--fmad=false", "-I", CSRC, str(src), "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, f"nvcc failed to compile csrc/numerics.cuh for the host:\n{r.stderr[-3000:]}"
     return str(exe)
@@ -146,3 +176,28 @@ def test_hadamard_transform_matches_the_reference_bitwise(numerics_bin, directio
     assert not len(bad), (f"{direction} transform: {len(bad)} values differ from the reference; first at group "
                           f"{int(bad[0, 0])} element {int(bad[0, 1])}: kernel {got[tuple(bad[0])].item()!r}, "
                           f"reference {ref[tuple(bad[0])].item()!r}")
+
+
+# The hot loop's fast forms against the per-element rules they replace (every non-NaN input is in their domain: the
+# kernels route blocks with a NaN to e2m1_code / e2m1_code_sr). A sweep: every `stride`-th fp32 bit pattern from
+# `start` below `end` (odd strides: every low bit pattern and, over all of fp32, both signs come up).
+ALL = 1 << 32
+SWEEPS = {
+    "e2m1 nearest, every 1021st fp32": ("e", 0, 1021, ALL),
+    "e2m1 nearest, every 13th in [0.125, 8]": ("e", 0x3E000000, 13, 0x41000001),  # the grid and its ties
+    "e2m1 stochastic, every 100003rd fp32": ("q", 3, 100003, ALL),
+    "global factor's division by 2688, every 97th fp32": ("d", 1, 97, ALL),
+}
+
+
+@pytest.mark.parametrize("case", list(SWEEPS))
+def test_fast_element_forms_equal_the_per_element_rules(numerics_bin, case):
+    op, start, stride, end = SWEEPS[case]
+    n, bad, first = _run(numerics_bin, [f"{op} {start:x} {stride:x} {end:x}"])[0].split()
+    assert int(n) > 1000, f"{case}: the sweep checked only {n} values"
+    assert int(bad) == 0, f"{case}: {bad} of {n} values differ, first at fp32 bits {first}"
+
+
+def test_fast_e2m1_value_equals_the_table(numerics_bin):
+    same = _run(numerics_bin, ["v 0"])[0].split()
+    assert same == ["1"] * 16, f"e2m1_value_fast differs from e2m1_value for codes {[i for i, s in enumerate(same) if s != '1']}"

@@ -115,6 +115,29 @@ struct Nvfp4Policy {
 
   static __device__ __forceinline__ void tile_scales(const Ctx&, const Args&, const uint32_t*, const TilePos&) {}
 
+  // one block of 16 values times its element multiplier -> two words of E2M1 codes. A block without NaN (its amax
+  // bits below inf's: no product is NaN, enc being finite and positive) takes the fast forms of numerics.cuh;
+  // NaN's code carries no sign, which the per-element rules of e2m1_code / e2m1_code_sr give.
+  static __device__ __forceinline__ void encode16(const float (&g)[16], float enc, const float (&u)[16],
+                                                  uint32_t amax_bits, uint32_t& w0, uint32_t& w1) {
+    float y[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) y[j] = g[j] * enc;
+    if (amax_bits <= 0x7F800000u) {
+      w0 = e2m1_pack8<SR>(y, u);
+      w1 = e2m1_pack8<SR>(y + 8, u + 8);
+      return;
+    }
+    w0 = w1 = 0u;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      uint32_t code;
+      if constexpr (SR) code = e2m1_code_sr(y[j], u[j]);
+      else code = e2m1_code(y[j]);
+      (j < 8 ? w0 : w1) |= code << (4 * (j % 8));
+    }
+  }
+
   // two blocks of 16
   template <typename T>
   static __device__ __forceinline__ void row(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
@@ -150,14 +173,7 @@ struct Nvfp4Policy {
           for (int j = 0; j < 4; ++j) u[4 * q + j] = u4[j];
         }
       }
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float y = g[j] * enc;
-        uint32_t code;
-        if constexpr (SR) code = e2m1_code_sr(y, u[j]);
-        else code = e2m1_code(y);
-        w[2 * b + j / 8] |= code << (4 * (j % 8));
-      }
+      encode16(g, enc, u, tam, w[2 * b], w[2 * b + 1]);
     }
   }
 
@@ -224,14 +240,7 @@ struct Nvfp4Policy {
           }
         }
       }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float y = g[i] * enc;
-        uint32_t code;
-        if constexpr (SR) code = e2m1_code_sr(y, u[i]);
-        else code = e2m1_code(y);
-        w[(16 * b + i) / 8] |= code << (4 * (i % 8));
-      }
+      encode16(g, enc, u, bam, w[2 * b], w[2 * b + 1]);
     }
   }
 
@@ -244,17 +253,25 @@ struct Nvfp4Policy {
   static constexpr bool kDequantWholeChunks = true;  // blocks of 16 along cols
   struct DequantCtx {
     float amax;
+    bool fast_div;  // the global factor's division by 2688 as nvfp4_div2688 (amax in its exact range)
   };
   static __device__ __forceinline__ DequantCtx dequant_init(const DequantArgs& a) {
-    return {a.apply_global ? __ldg(a.amax) : 1.0f};
+    const float amax = a.apply_global ? __ldg(a.amax) : 1.0f;
+    return {amax, nvfp4_div2688_ok(amax)};
   }
   static __device__ __forceinline__ void dequant16(const DequantCtx& c, const DequantArgs& a, int64_t r, int64_t c0,
                                                    const uint32_t (&w)[2], float (&o)[16]) {
     const float sf = fp8_to_f32(__ldg(a.scale + r * (a.cols / 16) + c0 / 16), false);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      o[j] = e2m1_value((w[j / 8] >> (4 * (j % 8))) & 0xFu) * sf;
-      if (a.apply_global) o[j] = nvfp4_apply_global(o[j], c.amax);
+    for (int j = 0; j < 16; ++j) o[j] = e2m1_value_fast(w[j / 8] >> (4 * (j % 8))) * sf;
+    if (a.apply_global) {
+      if (c.fast_div) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) o[j] = nvfp4_div2688(o[j] * c.amax);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) o[j] = nvfp4_apply_global(o[j], c.amax);
+      }
     }
     if (a.rht_inverse) rht16_inverse(o);
   }
