@@ -18,9 +18,9 @@ import torch
 
 import hybridq as hq
 from hybridq.enums import COLUMNWISE, ROWWISE
-from hybridq.formats import Float8BlockQuantizer
+from hybridq.formats import Float8BlockQuantizer, MXFP8Quantizer
 from hybridq.gemm import gemm
-from hybridq.kernels import grouped_blocks, triton_grouped_blocks
+from hybridq.kernels import grouped_blocks, grouped_emulated, triton_grouped_blocks
 from hybridq.nn.grouped_packed import TokenLayout
 from hybridq.nn.grouped_packed_blocks import ExpertWeights, _bounds
 
@@ -115,7 +115,11 @@ def _rows_per_expert(got, ops):
 
 
 def _assert_close(got, want, what):
-    """Same non-finite positions; finite elements within TOL of the largest finite magnitude of `want`."""
+    _assert_close_to(got, want, TOL, what)
+
+
+def _assert_close_to(got, want, tol, what):
+    """Same non-finite positions; finite elements within `tol` of the largest finite magnitude of `want`."""
     got = got.float().cpu()
     want = want.float().cpu()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -126,7 +130,7 @@ def _assert_close(got, want, what):
     assert torch.equal(got[~fin & ~torch.isnan(want)], want[~fin & ~torch.isnan(want)]), f"{what}: infinities differ"
     scale = want[fin].abs().max() if fin.any() else torch.tensor(0.0)
     err = (got[fin] - want[fin]).abs().max() if fin.any() else torch.tensor(0.0)
-    assert err <= TOL * scale, f"{what}: max |grouped - per-expert| {float(err):.3e} > {TOL} x {float(scale):.3e}"
+    assert err <= tol * scale, f"{what}: max |grouped - per-expert| {float(err):.3e} > {tol} x {float(scale):.3e}"
 
 
 @pytest.mark.parametrize("weight", WEIGHT_BLOCKS)
@@ -202,16 +206,36 @@ def test_scales_near_the_ends_of_the_fp32_range(device):
 
 # ---- the packed path with the grouped GEMMs (GPU) ----------------------------------------------------------------
 
-def _layer_step(splits, k, out, grouped: bool, monkeypatch):
+def _layer_step(splits, k, out, grouped: bool, monkeypatch, preset="fp8_block"):
     monkeypatch.setitem(grouped_blocks.ENABLED, "on", grouped)
+    monkeypatch.setitem(grouped_emulated.ENABLED, "on", grouped)
     torch.manual_seed(1)
-    m = hq.GroupedLinear(E, k, out, recipe=hq.recipe("fp8_block"), dtype=torch.bfloat16, device="cuda", name="moe")
+    m = hq.GroupedLinear(E, k, out, recipe=hq.recipe(preset), dtype=torch.bfloat16, device="cuda", name="moe")
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(sum(splits), k, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
     dy = torch.randn(sum(splits), out, generator=gen).to("cuda", torch.bfloat16)
     y = m(x, splits)
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
+
+
+def _assert_layer_close(got, want, splits, what):
+    """y, dx and dW per expert within 1e-2 of the expert's largest magnitude (bf16 results: one bf16 rounding plus the
+    summation order)."""
+    for name in ("y", "dx"):
+        for g, (a, b) in enumerate(zip(got[name].split(splits), want[name].split(splits))):
+            if len(b):
+                _assert_close_to(a, b, 1e-2, f"{what}: {name} of expert {g}")
+    for g in range(E):
+        _assert_close_to(got["dW"][g], want["dW"][g], 1e-2, f"{what}: dW of expert {g}")
+
+
+def _spy_per_expert_gemms(monkeypatch) -> list:
+    """The phases ("fprop", "dgrad", "wgrad") of every per-expert `gemm` the packed path runs from now on."""
+    import hybridq.nn.grouped_packed_blocks as pb
+    calls = []
+    monkeypatch.setattr(pb, "gemm", lambda *a, **kw: calls.append(a[-1].split()[0]) or gemm(*a, **kw))
+    return calls
 
 
 @pytest.mark.gpu
@@ -224,24 +248,14 @@ def test_gpu_fp8_block_experts_run_one_grouped_gemm_per_phase(splits, k, out, mo
     straddle experts: it is quantized per expert, and fprop / dgrad run per expert, wgrad grouped), and its output, dx
     and dW agree per expert with the per-expert GEMM loop (bf16 results: within 1e-2 of each expert's largest
     magnitude, a bf16 rounding plus the summation order)."""
-    import hybridq.nn.grouped_packed_blocks as pb
-    calls = []
-    monkeypatch.setattr(pb, "gemm", lambda *a, **kw: calls.append(a[-1].split()[0]) or gemm(*a, **kw))
+    calls = _spy_per_expert_gemms(monkeypatch)
     got = _layer_step(splits, k, out, True, monkeypatch)
     want_phases = set() if out % 128 == 0 else {"fprop", "dgrad"}
     assert set(calls) == want_phases, f"per-expert GEMMs ran for {sorted(set(calls))}, expected {sorted(want_phases)}"
     calls.clear()
     want = _layer_step(splits, k, out, False, monkeypatch)
     assert set(calls) == {"fprop", "dgrad", "wgrad"}, "the per-expert loop did not run with the grouped GEMMs off"
-    for name in ("y", "dx"):
-        for g, (a, b) in enumerate(zip(got[name].split(splits), want[name].split(splits))):
-            if len(b):
-                err, scale = (a.float() - b.float()).abs().max(), b.float().abs().max()
-                assert err <= 1e-2 * scale, f"{name} of expert {g}: {float(err):.3e} > 1e-2 x {float(scale):.3e}"
-    for g in range(E):
-        a, b = got["dW"][g].float(), want["dW"][g].float()
-        err, scale = (a - b).abs().max(), b.abs().max()
-        assert err <= 1e-2 * scale, f"dW of expert {g}: {float(err):.3e} > 1e-2 x {float(scale):.3e}"
+    _assert_layer_close(got, want, splits, f"fp8_block, splits {splits}, K={k}, N={out}")
 
 
 def test_per_expert_gemms_are_chosen_for_long_expert_gemms_only():
@@ -289,3 +303,76 @@ def test_kernels_compile_for_sm90_to_pipelined_wgmma(weight):
     for name, k in (("grouped mm", mm), ("grouped wgrad", wg)):
         assert "wgmma.mma_async" in k.asm["ptx"], f"{name}: no wgmma in the PTX"
         assert "async_copy_global_to_local" in k.asm["ttgir"], f"{name}: the loads are not pipelined"
+
+
+# ---- MXFP8 on sm_90: the grouped bf16 emulation ------------------------------------------------------------------
+
+def _cpu_grouped_mm() -> bool:
+    try:
+        torch._grouped_mm(torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(1, 16, 16, dtype=torch.bfloat16),
+                          offs=torch.tensor([16], dtype=torch.int32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+EMULATED_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not _cpu_grouped_mm(), reason="torch._grouped_mm has no CPU kernel")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not _sm90(), reason="needs CUDA sm_90, Triton and the extension")])]
+
+
+@pytest.mark.parametrize("out", [256, 96], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("device", EMULATED_DEVICES)
+def test_grouped_mxfp8_emulation_matches_one_gemm_per_expert(device, splits, out):
+    """fprop, dgrad and wgrad of the grouped emulation (one dequantize per packed operand, one `torch._grouped_mm` per
+    phase) against one `gemm` per expert of the same parts, per expert within 1e-2 of its largest magnitude (the
+    grouped GEMM rounds to bf16); a NaN token of expert 2 stays in expert 2; an expert without tokens gets zero dW."""
+    k = 256
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(splits), k, generator=gen)
+    if splits[2]:
+        x[sum(splits[:2]), 5] = float("nan")
+    dy = torch.randn(sum(splits), out, generator=gen)
+    w = torch.randn(E, out, k, generator=gen)
+    dev = torch.device(device)
+    layout = TokenLayout.build(splits, [-(-m // 32) * 32 for m in splits], dev, 32)  # (MXFP8: whole 32-row blocks)
+    q = MXFP8Quantizer()
+    xq = q.quantize_groups(layout.pack(x.to(dev)), layout.slots, rowwise=True, columnwise=True, name="x")
+    dyq = q.quantize_groups(layout.pack(dy.to(dev)), layout.slots, rowwise=True, columnwise=True, name="dy")
+    wq = ExpertWeights.quantize(q, w.to(dev), True, "w")
+    assert wq.packed
+    ends = torch.tensor(layout.slots).cumsum(0).to(dev, torch.int32)
+    used = [(g, o, p, m) for g, (o, p, m) in enumerate(zip(layout.offsets, layout.padded, splits)) if m]
+    for phase, a, direction in (("fprop", xq.part(ROWWISE), ROWWISE), ("dgrad", dyq.part(ROWWISE), COLUMNWISE)):
+        b = wq.tensors[0].part(direction)
+        got = grouped_emulated.mm(a, b, E, ends, layout.rows, torch.float32)
+        want = [gemm(a.row_slice(o, o + p), wq.part(g, direction), torch.float32)[:m] for g, o, p, m in used]
+        for (g, *_), gg, ww in zip(used, got.split([m for m in splits if m]), want):
+            _assert_close_to(gg, ww, 1e-2, f"{phase} of expert {g}, splits {splits}, N={out}")
+            if phase == "fprop" and g != 2:
+                assert torch.isfinite(gg).all(), f"fprop of expert {g} got expert 2's NaN"
+    dy_col, x_col = dyq.part(COLUMNWISE), xq.part(COLUMNWISE)
+    got = grouped_emulated.wgrad(dy_col, x_col, ends, [g for g, m in enumerate(splits) if not m], torch.float32)
+    for g, o, p, _ in used:
+        want = gemm(dy_col.row_slice(o, o + p), x_col.row_slice(o, o + p), torch.float32)
+        _assert_close_to(got[g], want, 1e-2, f"wgrad of expert {g}, splits {splits}, N={out}")
+    for g, m in enumerate(splits):
+        if not m:
+            assert not got[g].any(), f"wgrad of expert {g} (no tokens) is not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs CUDA sm_90, Triton and the built extension")
+@pytest.mark.parametrize("out", [256, 96], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)
+def test_gpu_mxfp8_experts_run_one_grouped_gemm_per_phase(splits, out, monkeypatch):
+    """GroupedLinear with mxfp8 on sm_90 runs no per-expert GEMM, and agrees per expert with the per-expert GEMM loop
+    (the same bf16 operands; 1e-2 of each expert's largest magnitude)."""
+    calls = _spy_per_expert_gemms(monkeypatch)
+    got = _layer_step(splits, 256, out, True, monkeypatch, preset="mxfp8")
+    assert not calls, f"per-expert GEMMs ran for {sorted(set(calls))}"
+    want = _layer_step(splits, 256, out, False, monkeypatch, preset="mxfp8")
+    assert set(calls) == {"fprop", "dgrad", "wgrad"}, "the per-expert loop did not run with the grouped GEMMs off"
+    _assert_layer_close(got, want, splits, f"mxfp8, splits {splits}, N={out}")

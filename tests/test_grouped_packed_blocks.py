@@ -226,10 +226,11 @@ def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, ou
     """Each expert's quantized operands are bitwise the per-expert path's (the CUDA quantize kernels are bitwise the
     reference, and no block spans two experts), and each expert's GEMM is the same `gemm` call with the same shapes
     (K=256: the hardware FP8 block GEMM on sm_90, MXFP8's on sm_100+; K=160: the emulation): the results are
-    bitwise equal. (The grouped FP8 block GEMMs, which sum in another order, are off here: they are compared with
-    this path in tests/test_grouped_blocks_gemm.py.)"""
-    from hybridq.kernels import grouped_blocks
+    bitwise equal. (The grouped GEMMs -- FP8 blocks in Triton, MXFP8's grouped emulation -- which sum in another
+    order, are off here: they are compared with this path in tests/test_grouped_blocks_gemm.py.)"""
+    from hybridq.kernels import grouped_blocks, grouped_emulated
     monkeypatch.setitem(grouped_blocks.ENABLED, "on", False)
+    monkeypatch.setitem(grouped_emulated.ENABLED, "on", False)
     assert_results_bitwise(_run(True, splits, preset, out, device="cuda", k=k),
                  _run(False, splits, preset, out, device="cuda", k=k),
                  f"{preset} on CUDA, splits {splits}, N={out}, K={k}")

@@ -8,20 +8,26 @@ piece runs: a CUDA sm_90 device, Triton, native GEMMs enabled (`native_gemm.disa
 (not torch.compile's fakes), and `HYBRIDQ_GROUPED_BLOCK_GEMM` not "0" (`ENABLED["on"]`: the per-expert GEMM loop,
 which the tests compare against). Elsewhere the caller runs one `gemm` per expert.
 
-Group bounds (`GroupBounds`): int32 `[4, E]` on the device, made once per layout from the host's counts (one
+Group bounds (`GroupBounds`): int32 `[5, E]` on the device, made once per layout from the host's counts (one
 host-to-device copy, no sync): slot start in the packed buffer, first output row (the token order), tokens, slot
-size.
+size, slot end.
+
+A grouped kernel that fails to compile or launch (`run_or_none`) is turned off for the process with one warning; the
+per-expert GEMMs run instead.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import native_gemm
 
+log = logging.getLogger("hybridq")
 _E4M3 = torch.float8_e4m3fn
 BLOCK = 128  # elements per scale along the contracted dim (FP8 blocks), the kernels' K tile
 ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
@@ -72,9 +78,11 @@ class GroupBounds:
 
     def __init__(self, offsets: list[int], splits: list[int], slots: list[int], device: torch.device):
         starts = [sum(splits[:g]) for g in range(len(splits))]
-        host = torch.tensor([offsets, starts, splits, slots], dtype=torch.int32)
+        ends = [o + s for o, s in zip(offsets, slots)]
+        host = torch.tensor([offsets, starts, splits, slots, ends], dtype=torch.int32)
         self.table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
         self.tokens = sum(splits)
+        self.empty = [g for g, m in enumerate(splits) if m == 0]
         self.slots_aligned = all(o % BLOCK == 0 for o in offsets)  # (what wgrad needs)
         self.whole_blocks = self.slots_aligned and all(s % BLOCK == 0 for s in slots)
 
@@ -112,3 +120,16 @@ def wgrad(a_t, b_t, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor
     expert's slot (zero for an empty one)."""
     operands = (_row_major(t) for t in (a_t.data, a_t.scales, b_t.data, b_t.scales))
     return _triton().grouped_block_wgrad(*operands, bounds.table[0], bounds.table[3], bounds.whole_blocks, out_dtype)
+
+
+def run_or_none(enabled: dict, what: str, fn):
+    """`fn()`, a grouped GEMM; None after a failure (a Triton compile or launch error, a torch refusal), which turns
+    that kernel family off (`enabled["on"] = False`) with one warning: the caller then runs the per-expert GEMMs."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (Triton compile / launch errors have no common base; torch's RuntimeError)
+        enabled["on"] = False
+        msg = f"hybridq: {what} failed ({type(e).__name__}: {e}); the packed path runs one GEMM per expert from now on"
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return None

@@ -27,7 +27,7 @@ import torch
 from ..enums import COLUMNWISE, ROWWISE, Direction
 from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
-from ..kernels import grouped_blocks
+from ..kernels import grouped_blocks, grouped_emulated
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from .grouped_packed import TokenLayout
 from .linear_function import _only
@@ -88,16 +88,38 @@ def _bounds(layout: TokenLayout, device: torch.device) -> grouped_blocks.GroupBo
 
 def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, layout: TokenLayout,
                 out_dtype: torch.dtype) -> torch.Tensor | None:
-    """fprop (`direction` ROWWISE) / dgrad (COLUMNWISE) of all `e` experts in one grouped GEMM, or None where the
-    grouped kernels do not take the operands (then one `gemm` per expert runs)."""
+    """fprop (`direction` ROWWISE) / dgrad (COLUMNWISE) of all `e` experts in one grouped GEMM (FP8 blocks: the Triton
+    kernels; MXFP8 on sm_90: the grouped bf16 emulation), or None where no grouped GEMM takes the operands (then one
+    `gemm` per expert runs)."""
     if not weights.packed:
         return None
     b = weights.tensors[0].part(direction)
-    if not (grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e)) or \
-            grouped_blocks.prefers_per_expert_gemms(layout.splits, a.cols, b.rows // e if direction == ROWWISE
-                                                    else b.rows):
-        return None
-    return grouped_blocks.mm(a, b, e, _bounds(layout, a.data.device), out_dtype)
+    n_out = b.rows // e if direction == ROWWISE else b.rows
+    if grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e) and \
+            not grouped_blocks.prefers_per_expert_gemms(layout.splits, a.cols, n_out):
+        return grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM", lambda: grouped_blocks.mm(
+            a, b, e, _bounds(layout, a.data.device), out_dtype))
+    if grouped_emulated.supports(a, b) and grouped_emulated.weight_supported(b, e):
+        ends = _bounds(layout, a.data.device).table[4]
+        return grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM", lambda: grouped_emulated.mm(
+            a, b, e, ends, layout.rows, out_dtype))
+    return None
+
+
+def _grouped_wgrad(dy_col: QuantizedPart, x_col: QuantizedPart, layout: TokenLayout, n: int, k: int,
+                   out_dtype: torch.dtype) -> torch.Tensor | None:
+    """wgrad of every expert `[E, n, k]` in one grouped GEMM (as `_grouped_mm`), or None. The slots' zero tokens after
+    each expert's padded count add zero products."""
+    bounds = _bounds(layout, dy_col.data.device) if dy_col.data.is_cuda else None
+    if grouped_blocks.supports(dy_col, x_col) and bounds.slots_aligned and \
+            not grouped_blocks.prefers_per_expert_gemms(layout.splits, n, k):
+        return grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM",
+                                          lambda: grouped_blocks.wgrad(dy_col, x_col, bounds, out_dtype))
+    if grouped_emulated.supports(dy_col, x_col) and all(s % grouped_emulated.ALIGN == 0 for s in layout.slots):
+        return grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM",
+                                          lambda: grouped_emulated.wgrad(dy_col, x_col, bounds.table[4], bounds.empty,
+                                                                         out_dtype))
+    return None
 
 
 def _per_expert_mm(a: QuantizedPart, weights: ExpertWeights, direction: Direction, used, out_dtype: torch.dtype,
@@ -176,10 +198,9 @@ class PackedBlockExperts(torch.autograd.Function):
                 dx = _per_expert_mm(dy_row, weights, COLUMNWISE, used, dy.dtype, f"dgrad of {name}")
         if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's padded tokens
             dy_col, xc = dyq.part(COLUMNWISE), x_col.part(COLUMNWISE)
-            if grouped_blocks.supports(dy_col, xc) and _bounds(layout, dy.device).slots_aligned and \
-                    not grouped_blocks.prefers_per_expert_gemms(layout.splits, n, k):
-                # (the slot's zero tokens after the padded count add zero products)
-                dw = grouped_blocks.wgrad(dy_col, xc, _bounds(layout, dy.device), dy.dtype).to(ctx.w_dtype)
+            dw = _grouped_wgrad(dy_col, xc, layout, n, k, dy.dtype)
+            if dw is not None:
+                dw = dw.to(ctx.w_dtype)
             else:  # (an expert without tokens keeps a zero gradient)
                 dw = zero_dw()
                 for g, o, p, _ in used:
