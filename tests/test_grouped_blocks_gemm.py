@@ -376,3 +376,17 @@ def test_gpu_mxfp8_experts_run_one_grouped_gemm_per_phase(splits, out, monkeypat
     want = _layer_step(splits, 256, out, False, monkeypatch, preset="mxfp8")
     assert set(calls) == {"fprop", "dgrad", "wgrad"}, "the per-expert loop did not run with the grouped GEMMs off"
     _assert_layer_close(got, want, splits, f"mxfp8, splits {splits}, N={out}")
+
+
+def test_a_failing_grouped_gemm_is_turned_off_with_a_warning(monkeypatch):
+    """A grouped GEMM that fails (a Triton compile error, a torch refusal) returns None -- the caller runs the
+    per-expert GEMMs -- turns its kernel family off for the process and says so once."""
+    flag = {"on": True}
+
+    def fails():
+        raise RuntimeError("no kernel image")
+
+    with pytest.warns(RuntimeWarning, match="grouped test GEMM failed .*no kernel image.*one GEMM per expert"):
+        assert grouped_blocks.run_or_none(flag, "grouped test GEMM", fails) is None
+    assert flag == {"on": False}
+    assert grouped_blocks.run_or_none(flag, "grouped test GEMM", lambda: 7) == 7
