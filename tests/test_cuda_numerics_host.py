@@ -39,14 +39,25 @@ int main() {
         const float v = u2f(static_cast<uint32_t>(x));
         if (is_nan(v)) continue;
         bool ok = true;
+        // e, q: v in the word's first place, seven other values of the sweep (scaled) after it: the word's layout
+        float y[8] = {v};
+        for (int j = 1; j < 8; ++j) {
+          y[j] = u2f(static_cast<uint32_t>(x + 0x9E3779B9ull * j));
+          if (is_nan(y[j])) y[j] = 0.0f;
+        }
         if (op == 'e') {
-          const float y[8] = {v, v, v, v, v, v, v, v};
-          ok = e2m1_pack8<false>(y, nullptr) == e2m1_code(v) * 0x11111111u;
+          uint32_t want = 0;
+          for (int j = 0; j < 8; ++j) want |= static_cast<uint32_t>(e2m1_code(y[j])) << (4 * j);
+          ok = e2m1_pack8<false>(y, nullptr) == want;
         } else if (op == 'q') {
           for (uint32_t k = 0; k < (1u << 24) && ok; k += (k == (1u << 24) - 1) ? 1 : ((1u << 24) / 64 + 7)) {
-            const float u = static_cast<float>(k) * (1.0f / 16777216.0f);
-            const float y[8] = {v, v, v, v, v, v, v, v}, uu[8] = {u, u, u, u, u, u, u, u};
-            ok = e2m1_pack8<true>(y, uu) == e2m1_code_sr(v, u) * 0x11111111u;
+            float uu[8];
+            uint32_t want = 0;
+            for (int j = 0; j < 8; ++j) {
+              uu[j] = static_cast<float>((k + 0x3C6EF3u * j) & 0xFFFFFFu) * (1.0f / 16777216.0f);
+              want |= static_cast<uint32_t>(e2m1_code_sr(y[j], uu[j])) << (4 * j);
+            }
+            ok = e2m1_pack8<true>(y, uu) == want;
             if (k + 1 == (1u << 24)) break;
           }
         } else {
