@@ -2,8 +2,8 @@
 attention, SwiGLU MLP) under TP = world size with sequence parallelism, the plan of `launch/parallel.py`
 (hybridq's styles; on plain nn.Linear layers they are torch's). bf16 (no conversion) vs each preset, measured
 in interleaved rounds in one run. Per mode: median forward+backward step time, ratio to bf16, sequence-parallel
-all-gather bytes per rank per step (forward, from `hybridq.distributed.sequence_gather_bytes`), peak allocated
-memory (CUDA).
+all-gather bytes per rank per step (forward + backward, from `hybridq.distributed.sequence_gather_bytes`), peak
+allocated memory (CUDA).
 
     torchrun --nproc_per_node 2 benchmarks/bench_tp.py                         # d 4096, seq 4096, batch 1, bf16
     torchrun --nproc_per_node 4 benchmarks/bench_tp.py --modes bf16,fp8_tensorwise,mxfp8 --json tp.json
@@ -51,7 +51,7 @@ def gather_bytes(block, shape, tp: int) -> tuple[int, int]:
         if isinstance(mod, hybridq.Linear) and name.endswith(("wq", "w1")):
             r = sequence_gather_bytes(mod.input_quantizer, shape, 1, tp,
                                       columnwise=mod.recipe.backward_override is None)
-            q, b = q + r["quantized"], b + r["bf16"]
+            q, b = q + r.total, b + r.bf16
     return q, b
 
 

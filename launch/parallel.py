@@ -117,8 +117,8 @@ def layout_problems(model: Transformer, recipe: str, args) -> list[str]:
 
 
 def sequence_bytes_line(model: nn.Module, args) -> str | None:
-    """Per step and rank: bytes the sequence-parallel all-gathers send (forward, one per input shared by q/k/v or
-    w1/w3, and the head's), against bf16 sequence parallelism."""
+    """Per step and rank: bytes the sequence-parallel all-gathers send (forward and backward, one each per input
+    shared by q/k/v or w1/w3, and the head's), against bf16 sequence parallelism."""
     if args.tp == 1:
         return None
     shape = (args.batch, args.seq, model.cfg.d_model)
@@ -129,8 +129,8 @@ def sequence_bytes_line(model: nn.Module, args) -> str | None:
         columnwise = mod.recipe.backward_override is None and not mod.save_original_input
         r = sequence_gather_bytes(mod.input_quantizer, shape, 1, args.tp, columnwise=columnwise,
                                   dtype=torch.bfloat16)
-        quantized, bf16 = quantized + r["quantized"], bf16 + r["bf16"]
+        quantized, bf16 = quantized + r.total, bf16 + r.bf16
     if not bf16:
         return None
-    return (f"sequence-parallel all-gathers per step and rank (forward): {quantized / 2**20:.2f} MiB quantized vs "
-            f"{bf16 / 2**20:.2f} MiB in bf16 ({quantized / bf16:.3f}x)")
+    return (f"sequence-parallel all-gathers per step and rank (forward + backward): {quantized / 2**20:.2f} MiB "
+            f"quantized vs {bf16 / 2**20:.2f} MiB in bf16 ({quantized / bf16:.3f}x)")

@@ -36,5 +36,5 @@ def test_bench_tp_smoke_prints_every_mode_with_its_gather_bytes(tmp_path, tp):
 
     for mode in modes[1:]:
         q = hybridq.recipe(mode).quantizer(Role("linear", "input"))
-        want = 2 * sequence_gather_bytes(q, (1, 32 * tp, 128 * tp), 1, tp)["quantized"]  # attention and MLP inputs
+        want = 2 * sequence_gather_bytes(q, (1, 32 * tp, 128 * tp), 1, tp).total  # attention and MLP inputs
         assert rows[mode]["gather_bytes"] == want, (mode, rows[mode], want)

@@ -15,7 +15,8 @@ and `pieces` (a rank's piece of a tensor quantized with the whole tensor's stati
 `hybridq.torch_private` only.
 """
 
-from .accounting import GatherBytes, bytes_table, gather_bytes_per_step, sequence_bytes_table, sequence_gather_bytes
+from .accounting import (GatherBytes, SequenceBytes, bytes_table, gather_bytes_per_step, sequence_bytes_table,
+                         sequence_gather_bytes)
 from .api import apply_hybrid_fsdp
 from .grad_reduce import grad_reduce_bytes
 from .gathered import GatheredWeight, GroupedGatheredWeight
@@ -26,7 +27,8 @@ from .fragments import FragmentLayout
 from .master_weights import quantize_master_weights
 from .zero import ZeroAdamW
 
-__all__ = ["apply_hybrid_fsdp", "precompute_scales", "PrecomputedScales", "GatherBytes", "HybridWeight",
+__all__ = ["apply_hybrid_fsdp", "precompute_scales", "PrecomputedScales", "GatherBytes", "SequenceBytes",
+           "HybridWeight",
            "GatheredWeight", "GroupedHybridWeight", "GroupedGatheredWeight", "gather_bytes_per_step", "bytes_table",
            "sequence_gather_bytes", "sequence_bytes_table", "grad_reduce_bytes", "ColwiseParallel", "RowwiseParallel",
            "PrepareModuleInput", "quantize_master_weights", "ZeroAdamW", "FragmentLayout"]

@@ -15,7 +15,8 @@ from .plan import make_plan
 from .state import WeightState
 from .layout import transport_view
 
-__all__ = ["GatherBytes", "bytes_table", "gather_bytes_per_step", "sequence_bytes_table", "sequence_gather_bytes"]
+__all__ = ["GatherBytes", "SequenceBytes", "bytes_table", "gather_bytes_per_step", "sequence_bytes_table",
+           "sequence_gather_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,19 +92,45 @@ def bytes_table(shapes=((4096, 4096), (50257, 4096)), world_size: int = 2, prese
     return "\n".join(rows)
 
 
-def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_size: int = 2, *,
-                          columnwise: bool = True, dtype=torch.bfloat16) -> dict:
-    """Bytes each rank sends in the sequence-parallel all-gathers of one column-parallel layer's input of (whole)
-    `shape`, sharded along `seq_dim` over `world_size` ranks, per training step, against bf16 sequence
-    parallelism (one bf16 all-gather in forward; the gathered input kept for wgrad). `columnwise`: the training
-    default (wgrad reads the gathered columnwise form); False for a backward override or save_original_input, whose
-    backward gathers the input again in high precision. Computed on the meta device: no data, no communication.
+@dataclasses.dataclass(frozen=True)
+class SequenceBytes:
+    """One column-parallel layer's sequence-parallel input per training step (`sequence_gather_bytes`): the bytes
+    each rank contributes to its all-gathers in forward and in backward (one of each for all the layers reading
+    the input), what it keeps for wgrad from forward to backward, against bf16 sequence parallelism (one bf16
+    all-gather in forward, the gathered input kept for wgrad). See [Note: sequence phases], sequence.py."""
 
-    Returns: "forward" (the all-gather's payload: quantized rows, or the rows in `dtype` when that is fewer bytes;
-    see `sequence.gather_plan`), "sends", "backward", "total", "bf16", "ratio" (total / bf16), "quantized" (the
-    forward bytes again, its older name), "quantized_payload" (the quantized rows' payload, sent or not),
-    "saved_bytes" (what the layer keeps of the whole input for backward, per
-    rank), "bf16_saved_bytes" (bf16 SP's: the gathered input) and "saved_vs_bf16" (the activation bytes saved)."""
+    forward: int  # the forward all-gather's payload
+    forward_sends: str  # "rowwise", "rowwise+columnwise", or "high_precision" (the rows in the input's dtype)
+    backward: int  # the backward all-gather's payload (0: none)
+    backward_sends: str  # "columnwise" / "rowwise" (the rank's own form), "high_precision" (its rows), or "" (none)
+    quantized_payload: int  # the forward-only quantized payload, sent or not
+    kept: int  # activation bytes the layer keeps of its input for wgrad, per rank
+    bf16: int  # bf16 SP's bytes per step
+    bf16_kept: int  # bf16 SP's kept input (the gathered bf16 rows)
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+    @property
+    def ratio(self) -> float:
+        """total / bf16."""
+        return self.total / self.bf16
+
+    @property
+    def saved_vs_bf16(self) -> int:
+        """The activation bytes kept fewer than bf16 SP's."""
+        return self.bf16_kept - self.kept
+
+
+def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_size: int = 2, *,
+                          columnwise: bool = True, dtype=torch.bfloat16) -> SequenceBytes:
+    """Bytes each rank sends in the sequence-parallel all-gathers of one column-parallel layer's input of (whole)
+    `shape`, sharded along `seq_dim` over `world_size` ranks, per training step, and the activation bytes kept for
+    wgrad, against bf16 sequence parallelism. `columnwise`: the training default (wgrad reads the input's
+    columnwise form: gathered in backward from each rank's own form, or in forward, as `sequence.gather_plan`
+    chooses); False for a backward override or save_original_input, whose backward gathers the input again in
+    high precision. Computed on the meta device: no data, no communication."""
     from ..formats.base import as_2d
     from .sequence import SequenceGather, gather_plan
 
@@ -112,40 +139,36 @@ def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_s
     x2d = as_2d(torch.empty(g.local_shape, dtype=dtype, device="meta"))
     local, k = x2d.shape
     plan = gather_plan(quantizer, g, local, k, dtype, columnwise)
-    bf16 = x2d.numel() * 2
-    backward = 0 if columnwise else x2d.numel() * dtype.itemsize  # (the override's high-precision re-gather)
-    m = math.prod(shape[:-1])
-    whole = torch.empty(m, k, dtype=dtype, device="meta")
-    if columnwise:
-        _, col = quantizer.quantize_parts(whole, False, True)
-        saved = col.nbytes()
-    else:  # the rank's own rows in high precision (re-gathered in backward)
-        saved = x2d.numel() * dtype.itemsize
+    high = x2d.numel() * dtype.itemsize
+    if not columnwise:  # the rank's own rows, re-gathered in backward
+        backward, backward_sends, kept = high, SequenceSend.HIGH_PRECISION.value, high
+    else:
+        backward, backward_sends, kept = plan.backward_nbytes, "+".join(plan.backward_send), plan.kept_nbytes
     sends = plan.kind.value if plan.kind == SequenceSend.HIGH_PRECISION else "+".join(plan.send)
-    return {"forward": plan.nbytes, "sends": sends, "backward": backward, "total": plan.nbytes + backward,
-            "bf16": bf16, "ratio": (plan.nbytes + backward) / bf16, "quantized": plan.nbytes,
-            "quantized_payload": plan.quantized_nbytes,
-            "saved_bytes": saved, "bf16_saved_bytes": m * k * 2, "saved_vs_bf16": m * k * 2 - saved}
+    m = math.prod(shape[:-1])
+    return SequenceBytes(plan.nbytes, sends, backward, backward_sends, plan.quantized_nbytes, kept,
+                         bf16=x2d.numel() * 2, bf16_kept=m * k * 2)
 
 
 def sequence_bytes_table(shape=(1, 4096, 4096), world_size: int = 2, presets=None) -> str:
     """Markdown table, per preset, of one column-parallel layer's sequence-parallel input (bf16, every layer
-    reading the same input sharing it): the bytes each rank sends in forward and in backward per training step
-    against bf16 sequence parallelism, and the activation bytes kept for backward against bf16 SP's."""
+    reading the same input sharing its gathers): the bytes each rank sends in forward and in backward per training
+    step against bf16 sequence parallelism, and the activation bytes kept for wgrad against bf16 SP's."""
     from ..recipe import preset_names, recipe
 
     presets = presets or preset_names()
     head = f"{'x'.join(map(str, shape))}, tp={world_size}"
-    rows = [f"| preset | input format | sends in forward | forward bytes per rank ({head}) | backward bytes | vs bf16 | "
-            f"kept for backward per rank | activation bytes saved vs bf16 SP |", "|---|---|---|---|---|---|---|---|"]
+    rows = [f"| preset | input format | sends in forward | forward bytes per rank ({head}) | sends in backward | "
+            f"backward bytes | per step vs bf16 | kept for wgrad per rank | activation bytes saved vs bf16 SP |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name in presets:
         q = recipe(name).quantizer(Role("linear", "input"))
         if q.is_stateful:
-            rows.append(f"| {name} | {q.describe()} | rejected (delayed scaling) | - | - | - | - | - |")
+            rows.append(f"| {name} | {q.describe()} | rejected (delayed scaling) | - | - | - | - | - | - |")
             continue
         r = sequence_gather_bytes(q, shape, 1, world_size, columnwise=recipe(name).backward_override is None)
-        rows.append(f"| {name} | {q.describe()} | {r['sends']} | {r['forward']:,} | {r['backward']:,} | "
-                    f"{r['ratio']:.3f} | {r['saved_bytes']:,} | {r['saved_vs_bf16']:,} |")
+        rows.append(f"| {name} | {q.describe()} | {r.forward_sends} | {r.forward:,} | {r.backward_sends or '-'} | "
+                    f"{r.backward:,} | {r.ratio:.3f} | {r.kept:,} | {r.saved_vs_bf16:,} |")
     bf = sequence_gather_bytes(recipe("fp8_tensorwise").quantizer(Role("linear", "input")), shape, 1, world_size)
-    rows.append(f"| (bf16 SP) | bfloat16 | bfloat16 | {bf['bf16']:,} | 0 | 1.000 | {bf['bf16_saved_bytes']:,} | 0 |")
+    rows.append(f"| (bf16 SP) | bfloat16 | bfloat16 | {bf.bf16:,} | - | 0 | 1.000 | {bf.bf16_kept:,} | 0 |")
     return "\n".join(rows)

@@ -9,16 +9,29 @@ B > 1) a rank's tokens are B separate runs of rows; each run must be a multiple 
 (`split_granularity`), the rank's rows are quantized as one stacked shard and the gathered block rows are put
 back in the whole input's order. Gradients of the input go back as a reduce-scatter in high precision.
 
-When the rows in the input's dtype are fewer bytes than their quantized payload (bf16 inputs of formats that
-send both directions in 8 bits, or an identity columnwise form: `gather_plan`), the rows are all-gathered as they
-are and every rank quantizes the whole input: the same bits, since the sharded quantization reduces every
-statistic that crosses a rank boundary. So no preset's gather sends more than bf16 sequence parallelism.
+[Note: sequence phases]
+What travels is chosen per format, input shape and dtype (`gather_plan`), never more bytes per step than plain
+sequence parallelism in the input's dtype (one gather of the rows in forward, the gathered rows kept for wgrad):
+- per phase (the default where it fits that bound: per-tensor FP8, NVFP4, MXFP8 / NVFP4): forward all-gathers only
+  what fprop reads (the rowwise form); the rank keeps its own shard's form for wgrad (its columnwise part, or its
+  rowwise part when the columnwise form is an exact transform of it, quantized in forward with the reduced
+  statistics, so the backward gather rebuilds the forward's bits; its rows in the input's dtype would never be
+  fewer bytes) and backward all-gathers it (asynchronously, issued before the dgrad GEMM and waited for at wgrad).
+  The layers reading one input (q/k/v) share one backward gather, as they share the forward one (`_WgradShare`).
+  The activation kept from forward to backward is the rank's shard, not the whole input's columnwise form;
+- forward only (where per phase would send more than the rows: the 8-bit block formats, whose two directions are
+  33/32 of the bf16 bytes each, an identity columnwise form): one forward all-gather of the rows in the input's
+  dtype (every rank quantizing the whole input: the same bits, since the sharded quantization reduces every
+  statistic that crosses a rank boundary) or of the quantized directions, whichever is fewer bytes; the whole
+  columnwise form is kept for wgrad.
+A backward override or save_original_input keeps the rank's rows and all-gathers them in backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +41,7 @@ from ..errors import FormatShapeError
 from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats._reduce import amax_all_reduce_
+from ..nn.side_table import TensorSideTable
 from ..tensor import QuantizedTensor
 from .collectives import all_gather_single, reduce_scatter_single
 from .payload import assemble_parts, build_payload, quantize_shard
@@ -58,40 +72,126 @@ def sent_directions(q: Quantizer, k: int, dtype: torch.dtype, columnwise: bool) 
 
 @dataclasses.dataclass(frozen=True)
 class GatherPlan:
-    """What a sequence-parallel all-gather sends. "quantized": each rank's quantized rows (`send`, the columnwise
-    form derived after the gather when `derive`); "high_precision": each rank's rows in the input's dtype, every
-    rank quantizing the whole gathered input (bitwise the same parts: the sharded quantization reduces every
-    cross-rank statistic, so it equals the whole input's). `nbytes`: the payload of one rank."""
+    """What the sequence-parallel all-gathers of one input send (see [Note: sequence phases]). Forward: `kind`
+    "quantized" (each rank's quantized `send` directions; the columnwise form derived after the gather when
+    `derive`) or "high_precision" (each rank's rows in the input's dtype, every rank quantizing the whole input),
+    `nbytes` per rank. Backward (`backward_send` not empty: the per-phase plan): the rank's own part of that
+    direction for wgrad, kept from forward and all-gathered in backward, `backward_nbytes` per rank. `kept_nbytes`:
+    what a rank keeps for wgrad from forward to backward (the most any rank keeps); `quantized_nbytes`: the
+    forward-only quantized payload (sent or not)."""
 
     kind: SequenceSend
     send: tuple[str, ...]
     derive: bool
     nbytes: int
     quantized_nbytes: int
+    backward_send: tuple[str, ...] = ()
+    backward_nbytes: int = 0
+    kept_nbytes: int = 0
+
+    @property
+    def per_phase(self) -> bool:
+        return bool(self.backward_send)
+
+
+def _local_parts(q: Quantizer, gather: "SequenceGather", local_rows: int, k: int, dtype: torch.dtype, directions,
+                 rank: int = 0):
+    """(parts of rank `rank`'s shard for `directions`, the payload's bytes per rank), on the meta device: every
+    rank's payload has the same layout."""
+    x = torch.empty(local_rows, k, dtype=dtype, device="meta")
+    shards = gather.shards(local_rows)
+    parts = quantize_shard(q, x, shards[rank], directions, q.shard_stats(x, shards[rank]))
+    _, meta = build_payload(q, parts, shards[rank], shards, (shards[rank].rows, k), x.device, pack=False)
+    return parts, meta.nbytes
 
 
 def gather_plan(q: Quantizer, gather: "SequenceGather", local_rows: int, k: int, dtype: torch.dtype,
                 columnwise: bool) -> GatherPlan:
-    """The cheaper of the two ways to gather the whole input's quantization (the same on every rank: computed on
-    the meta device from rank 0's shard, whose payload layout every rank shares). The high-precision gather is
-    taken when its payload is strictly smaller (e.g. bf16 inputs of 8-bit block formats sending both directions,
-    or an identity columnwise form) and the quantizer is deterministic (a whole-input quantization on every rank
-    then gives the bits the ranks' shards would)."""
+    """What the gathers of this input send (the same on every rank: computed on the meta device from rank 0's
+    shard, whose payload layout every rank shares): per phase where its bytes per step are at most the rows' in
+    the input's dtype, else forward only, the cheaper of the quantized directions and the rows (see [Note:
+    sequence phases]). The rows stand in for a quantized payload only when strictly fewer bytes and the quantizer
+    is deterministic (a whole-input quantization on every rank then gives the bits the ranks' shards would)."""
     key = (repr(q), gather.full_shape, gather.seq_dim, gather.world_size, local_rows, k, dtype, columnwise)
     plan = _PLANS.get(key)
     if plan is None:
-        send, derive = sent_directions(q, k, dtype, columnwise)
-        x = torch.empty(local_rows, k, dtype=dtype, device="meta")
-        shards = gather.shards(local_rows)
-        parts = quantize_shard(q, x, shards[0], send, q.shard_stats(x, shards[0]))
-        _, meta = build_payload(q, parts, shards[0], shards, (shards[0].rows, k), x.device, pack=False)
         high = local_rows * k * dtype.itemsize
-        if q.is_deterministic and high < meta.nbytes:
-            plan = GatherPlan(SequenceSend.HIGH_PRECISION, (), False, high, meta.nbytes)
-        else:
-            plan = GatherPlan(SequenceSend.QUANTIZED, send, derive, meta.nbytes, meta.nbytes)
+
+        def rows_cheaper(n: int) -> bool:
+            return q.is_deterministic and high < n
+
+        send, derive = sent_directions(q, k, dtype, columnwise)
+        _, both = _local_parts(q, gather, local_rows, k, dtype, send)
+        if columnwise:
+            local_dir = ROWWISE if derive else COLUMNWISE
+            _, row = _local_parts(q, gather, local_rows, k, dtype, (ROWWISE,))
+            local = row if derive else _local_parts(q, gather, local_rows, k, dtype, (COLUMNWISE,))[1]
+            if not rows_cheaper(row) and row + local <= high:
+                kept = max(_local_parts(q, gather, local_rows, k, dtype, (local_dir,), r)[0][local_dir].nbytes()
+                           for r in range(gather.world_size))  # (ranks whose rows cut blocks keep more scales)
+                plan = GatherPlan(SequenceSend.QUANTIZED, (ROWWISE,), derive, row, both, (local_dir,), local, kept)
+        if plan is None:
+            whole = torch.empty(math.prod(gather.full_shape[:-1]), k, dtype=dtype, device="meta")
+            kept = q.quantize_parts(whole, False, True)[1].nbytes() if columnwise else 0
+            if rows_cheaper(both):
+                plan = GatherPlan(SequenceSend.HIGH_PRECISION, (), False, high, both, kept_nbytes=kept)
+            else:
+                plan = GatherPlan(SequenceSend.QUANTIZED, send, derive, both, both, kept_nbytes=kept)
         _PLANS[key] = plan
     return plan
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A backward all-gather in flight: `wait()` returns what `finish` makes of its output (once)."""
+
+    work: object
+    finish: Callable[[], object]
+    value: object = None
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work, self.value = None, self.finish()
+        return self.value
+
+
+@dataclasses.dataclass(eq=False)
+class _WgradShare:
+    """The whole input's columnwise form gathered in backward, shared by the layers that read one input and kept
+    their shard's form in forward (`readers`): the first of them to run backward issues the all-gather, the last
+    lets go of it, so it lives only between their wgrads (a second backward pass through a retained graph gathers
+    again)."""
+
+    readers: int = 0
+    _left: int = 0
+    _pending: _Pending | None = None
+
+    def take(self, start: Callable[[], _Pending]) -> _Pending:
+        if self._pending is None:
+            self._pending, self._left = start(), self.readers
+        pending = self._pending
+        self._left -= 1
+        if self._left <= 0:
+            self._pending = None
+        return pending
+
+
+@dataclasses.dataclass(eq=False)
+class _Quantized:
+    """One input's quantization, shared by the layers that read it (`_SHARED`): the whole rowwise (+ columnwise)
+    form, and with the per-phase plan the rank's own form for wgrad and the backward gather they share."""
+
+    q: Quantizer
+    columnwise: bool
+    plan: GatherPlan
+    xq: QuantizedTensor
+    local: torch.Tensor | None = None
+    share: _WgradShare | None = None
+
+
+# the last inputs quantized, by the tensor the layers received (see TensorSideTable for when an entry lives)
+_SHARED = TensorSideTable(slots=2)
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,6 +205,11 @@ class SequenceGather:
     group: object
     world_size: int
     rank: int
+    # set by `quantize` (read in backward: plain values, no tensors, so that recompute and offload hold nothing here)
+    plan: GatherPlan | None = None
+    quantizer: Quantizer | None = None
+    share: _WgradShare | None = None
+    _entry: _Quantized | None = None
 
     @classmethod
     def create(cls, source: torch.Tensor, full_shape, seq_dim: int, group, name: str) -> "SequenceGather":
@@ -171,31 +276,64 @@ class SequenceGather:
                              f"{self.full_shape} gives each {self.local_shape[self.seq_dim]}")
 
     # -- forward: the quantized all-gather ----------------------------------------------------------------
-    def quantize(self, q: Quantizer, x2d: torch.Tensor, columnwise: bool, name: str) -> QuantizedTensor:
-        """The whole input's quantization (rowwise, + columnwise) from this rank's rows `x2d`."""
+    def quantize(self, q: Quantizer, x2d: torch.Tensor, columnwise: bool, name: str, *,
+                 share: bool = False) -> QuantizedTensor:
+        """The whole input's quantization from this rank's rows `x2d`: its rowwise form, and its columnwise form
+        when `columnwise` and the plan gathers it in forward (with the per-phase plan wgrad reads it through
+        `local_for_wgrad` / `start_backward` instead). `share`: reuse, and offer, the quantization of the layers
+        reading the same `source` with an equal quantizer (one forward and one backward gather for all of them)."""
+        entry = _SHARED.find(self.source, lambda eq, e: (eq is q or eq == q) and (e.columnwise or not columnwise)) \
+            if share else None
+        if entry is None:
+            entry = self._quantize(q, x2d, columnwise, name)
+            if share:
+                _SHARED.put(self.source, q, entry, same_key=lambda eq: eq is q or eq == q)
+        self.plan, self.quantizer, self._entry = entry.plan, entry.q, entry
+        return entry.xq
+
+    def _quantize(self, q: Quantizer, x2d: torch.Tensor, columnwise: bool, name: str) -> _Quantized:
         self.check(q, columnwise, name)
         self.check_equal_pieces(x2d, name)
-        ws, k = self.world_size, x2d.shape[1]
+        k = x2d.shape[1]
         m = math.prod(self.full_shape[:-1])  # the `[M, K]` view, as a Linear quantizes its input
         plan = gather_plan(q, self, x2d.shape[0], k, x2d.dtype, columnwise)
         if plan.kind == SequenceSend.HIGH_PRECISION:  # fewer bytes: gather the rows, quantize the whole input
-            row, col = q.quantize_parts(self.full(x2d), True, columnwise)
-            return QuantizedTensor(row, col, shape=(m, k), dtype=x2d.dtype)
+            row, col = q.quantize_parts(self._all_rows(x2d), True, columnwise)
+            return _Quantized(q, columnwise, plan, QuantizedTensor(row, col, shape=(m, k), dtype=x2d.dtype))
         shards = self.shards(x2d.shape[0])
         shard = shards[self.rank]
         stats = q.shard_stats(x2d, shard)
         if stats is not None:
             amax_all_reduce_(stats, self.group)
-        parts = quantize_shard(q, x2d, shard, plan.send, stats)
-        payload, meta = build_payload(q, parts, shard, shards, (shard.rows, k), x2d.device)
-        gathered = payload.new_empty(ws * payload.numel())
-        all_gather_single(gathered, payload, group=self.group)
-        full = assemble_parts(meta, gathered.view(ws, -1))
-        if self.leading > 1:
-            full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
-        if plan.derive:  # an exact transform of the gathered rowwise form (per-tensor FP8: its transpose)
+        local = None
+        if plan.per_phase:  # quantized once, with the reduced statistics: the backward gather rebuilds these bits
+            parts = quantize_shard(q, x2d, shard, tuple(dict.fromkeys(plan.send + plan.backward_send)), stats)
+            d = plan.backward_send[0]
+            local = QuantizedTensor(parts[d] if d == ROWWISE else None, parts[d] if d == COLUMNWISE else None,
+                                    shape=tuple(x2d.shape), dtype=x2d.dtype)
+            parts = {d: parts[d] for d in plan.send}
+        else:
+            parts = quantize_shard(q, x2d, shard, plan.send, stats)
+        full = self._all_parts(q, parts, shard, shards, k, x2d.device).wait()
+        if plan.derive and not plan.per_phase:  # an exact transform of the gathered rowwise form (per-tensor FP8)
             full[COLUMNWISE] = q.derive_part(full[ROWWISE], COLUMNWISE, x2d.dtype)
-        return QuantizedTensor(full[ROWWISE], full.get(COLUMNWISE), shape=(m, k), dtype=x2d.dtype)
+        xq = QuantizedTensor(full[ROWWISE], full.get(COLUMNWISE), shape=(m, k), dtype=x2d.dtype)
+        return _Quantized(q, columnwise, plan, xq, local, _WgradShare() if plan.per_phase else None)
+
+    def _all_parts(self, q: Quantizer, parts: dict, shard: RowShard, shards: list[RowShard], k: int,
+                   device, async_op: bool = False) -> _Pending:
+        """All-gather this rank's quantized `parts` (one payload); the pending result is the whole input's parts
+        {direction: part} in its row order."""
+        payload, meta = build_payload(q, parts, shard, shards, (shard.rows, k), device)
+        gathered = payload.new_empty(self.world_size * payload.numel())
+        work = all_gather_single(gathered, payload, group=self.group, async_op=async_op)
+
+        def finish() -> dict:
+            full = assemble_parts(meta, gathered.view(self.world_size, -1))
+            if self.leading > 1:
+                full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
+            return full
+        return _Pending(work if async_op else _DONE, finish)
 
     def shards(self, local: int) -> list[RowShard]:
         """Every rank's rows: a row shard of the whole input's view, or (runs of rows) of the rank-after-rank
@@ -221,13 +359,52 @@ class SequenceGather:
                                           columnwise=part.columnwise, meta=part.meta(), **hints)
 
     # -- backward ------------------------------------------------------------------------------------------
-    def full(self, x2d: torch.Tensor) -> torch.Tensor:
-        """The whole input's `[M, K]` in high precision from this rank's rows (backward_override="high_precision"
-        and save_original_input read it; the forward's high-precision plan quantizes it)."""
+    def local_for_wgrad(self, reads: bool) -> QuantizedTensor | None:
+        """With the per-phase plan and `reads` (wgrad reads the input's columnwise form), what the layer keeps for
+        wgrad from forward to backward: this rank's own form (a QuantizedTensor of its rows' part), all-gathered in
+        backward (`start_backward`), the layer counted as a reader of the shared backward gather; else None (wgrad
+        reads the forward's whole form). Called once after `quantize`: from then on the gather holds no tensor (it
+        lives on the autograd context until backward)."""
+        entry, self._entry = self._entry, None
+        if not reads or entry is None or entry.share is None:
+            return None
+        entry.share.readers += 1
+        self.share = entry.share
+        return entry.local
+
+    def start_backward(self, saved: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issue the backward all-gather of what this layer saved for wgrad (asynchronously: called before dgrad)
+        and return the function that waits for it and gives wgrad's input: the whole input's columnwise form
+        (per phase: gathered from the ranks' own forms, one gather shared by the layers reading this input), the
+        whole input's rows (a backward override, save_original_input: `saved` is the rank's rows), or `saved`
+        itself (the forward's whole form)."""
+        if self.share is not None:
+            return self.share.take(lambda: self._gather_wgrad(saved)).wait
+        if isinstance(saved, torch.Tensor) and not isinstance(saved, QuantizedTensor):
+            return self._all_rows(saved, async_op=True).wait
+        return lambda: saved
+
+    def _gather_wgrad(self, saved: torch.Tensor) -> _Pending:
+        q, m, d = self.quantizer, math.prod(self.full_shape[:-1]), self.plan.backward_send[0]
+        shards = self.shards(saved.shape[0])
+        parts = self._all_parts(q, {d: saved.part(d)}, shards[self.rank], shards, saved.shape[1], saved.device,
+                                async_op=True)
+
+        def finish() -> QuantizedTensor:
+            full = parts.wait()[d]
+            if d == ROWWISE:  # an exact transform of the rowwise form (per-tensor FP8)
+                full = q.derive_part(full, COLUMNWISE, saved.dtype)
+            return QuantizedTensor(None, full, shape=(m, saved.shape[1]), dtype=saved.dtype)
+        return _Pending(parts, finish)
+
+    def _all_rows(self, x2d: torch.Tensor, async_op: bool = False):
+        """The whole input's `[M, K]` in high precision from this rank's rows (async_op: pending)."""
         local = x2d.reshape(self.local_shape).movedim(self.seq_dim, 0).contiguous()
         out = local.new_empty((self.world_size * local.shape[0],) + tuple(local.shape[1:]))
-        all_gather_single(out, local, group=self.group)
-        return out.movedim(0, self.seq_dim).reshape(-1, x2d.shape[1])
+        work = all_gather_single(out, local, group=self.group, async_op=async_op)
+        pending = _Pending(work if async_op else _DONE,
+                           lambda: out.movedim(0, self.seq_dim).reshape(-1, x2d.shape[1]))
+        return pending if async_op else pending.wait()
 
     def reduce_grad(self, dx2d: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the summed input gradient (every rank computed a partial sum over its output
@@ -236,3 +413,14 @@ class SequenceGather:
         out = full.new_empty((full.shape[0] // self.world_size,) + tuple(full.shape[1:]))
         reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group)
         return out.movedim(0, self.seq_dim).contiguous()
+
+
+class _Done:
+    """The handle of a collective that already completed (a synchronous call)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()

@@ -6,8 +6,9 @@ they keep every GEMM operand quantized as the single-device model quantizes it:
 
 - column-parallel: the weight's rows (`Shard(0)`) are quantized with statistics reduced over the group
   (`pieces.PieceQuantizer`, rows); a sequence-sharded input is quantized on each rank and all-gathered in its
-  quantized form (`sequence.SequenceGather`); grad_output's columns are quantized with the whole tensor's
-  statistics; the input gradient is reduce-scattered in high precision.
+  quantized form, per phase where that fits in bf16's bytes (the rowwise form in forward, each rank's own form for
+  wgrad in backward: `sequence.SequenceGather`, [Note: sequence phases]); grad_output's columns are quantized with
+  the whole tensor's statistics; the input gradient is reduce-scattered in high precision.
 - row-parallel: the input's and the weight's columns (`Shard(-1)` / `Shard(1)`) are quantized with the whole
   tensors' statistics; the partial outputs are reduced (all-reduce, or reduce-scatter for `Shard(1)` outputs)
   in high precision by DTensor.

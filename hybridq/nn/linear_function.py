@@ -95,20 +95,19 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise
         x = gather.source
     share = (_SHARED.enabled and q.is_deterministic and not x.is_inference()
              and not torch.compiler.is_compiling())
+    if gather is not None:  # (its forward and backward gathers are shared by the gather itself)
+        return gather.quantize(q, x2d, columnwise, name, share=share)
     xq = _SHARED.get(x, q, columnwise) if share else None
     # (a norm may have written the rowwise form already: [Note: pre-quantized norm outputs])
-    if xq is None and gather is None:
+    if xq is None:
         xq = prequantized_input(q, x, x2d, columnwise, name)
         if share and xq is not None:
             _SHARED.put(x, q, xq)
     if xq is None:
-        if gather is not None:
-            xq = gather.quantize(q, x2d, columnwise, name)
-        else:
-            amax = None if torch.compiler.is_compiling() else known_amax(x)  # (its producer computed max|x|)
-            stats = None if amax is None else q.stats_from_amax(amax, True, columnwise)
-            kw = {} if stats is None else {"global_stats": stats}
-            xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name, **kw)
+        amax = None if torch.compiler.is_compiling() else known_amax(x)  # (its producer computed max|x|)
+        stats = None if amax is None else q.stats_from_amax(amax, True, columnwise)
+        kw = {} if stats is None else {"global_stats": stats}
+        xq = q.quantize(x2d, rowwise=True, columnwise=columnwise, name=name, **kw)
         if share:
             _SHARED.put(x, q, xq)
     return xq
@@ -192,6 +191,8 @@ def forward_and_saved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     x_col = need_wgrad and override is None and not cfg.save_original_input
     w_col = need_dgrad and override is None
     x2d, xq, wq, y = _fprop(x, weight, bias, cached_weight, cfg, x_col, w_col)
+    # sequence parallelism gathering wgrad's input in backward: this rank's own form of it (sequence.py)
+    x_local = None if cfg.input_gather is None else cfg.input_gather.local_for_wgrad(x_col)
     if override == BackwardOverride.HIGH_PRECISION:
         saved_w = weight if need_dgrad else None
         if need_dgrad and isinstance(weight, QuantizedTensor):
@@ -203,7 +204,8 @@ def forward_and_saved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         saved_x = _only(xq, ROWWISE) if need_wgrad else None
         saved_w = _only(wq, ROWWISE) if need_dgrad else None
     else:
-        saved_x = (x2d if cfg.save_original_input else _only(xq, COLUMNWISE)) if need_wgrad else None
+        saved_x = (x2d if cfg.save_original_input else (_only(xq, COLUMNWISE) if x_local is None else x_local)
+                   ) if need_wgrad else None
         saved_w = _only(wq, COLUMNWISE) if need_dgrad else None
     return y, saved_x, saved_w
 
@@ -218,8 +220,9 @@ def linear_grads(cfg: _LinearConfig, dy: torch.Tensor, saved_x: Any, saved_w: An
     dx = dw = None
     override = cfg.backward_override
     gather = cfg.input_gather
-    if gather is not None and isinstance(saved_x, torch.Tensor) and not isinstance(saved_x, QuantizedTensor):
-        saved_x = gather.full(saved_x)  # the high-precision input this rank saved its rows of
+    # wgrad's input: under sequence parallelism all-gathered from what this rank saved, issued now (async) so that
+    # it overlaps dgrad, and waited for at wgrad
+    wgrad_x = gather.start_backward(saved_x) if gather is not None and need_wgrad else lambda: saved_x
 
     if override == BackwardOverride.HIGH_PRECISION:
         # the same ops as torch's own linear backward, so the gradients match an unquantized Linear
@@ -227,19 +230,19 @@ def linear_grads(cfg: _LinearConfig, dy: torch.Tensor, saved_x: Any, saved_w: An
             w = saved_w.high_precision() if isinstance(saved_w, QuantizedTensor) else saved_w
             dx = dy2d.mm(w.to(dy.dtype))
         if need_wgrad:
-            dw = dy2d.t().mm(saved_x.to(dy.dtype))
+            dw = dy2d.t().mm(wgrad_x().to(dy.dtype))
     elif override == BackwardOverride.DEQUANTIZED:
         if need_dgrad:
             dx = dy2d.mm(saved_w.dequantize(dy.dtype))
         if need_wgrad:
-            dw = dy2d.t().mm(saved_x.dequantize(dy.dtype))
+            dw = dy2d.t().mm(wgrad_x().dequantize(dy.dtype))
     elif need_dgrad or need_wgrad:  # (a bias-only backward quantizes nothing)
         dyq = cfg.grad_output_q.quantize(dy2d, rowwise=need_dgrad, columnwise=need_wgrad,
                                          name=f"grad_output of {cfg.name}")
         if need_dgrad:
             dx = gemm(dyq.part(ROWWISE), saved_w.part(COLUMNWISE), dy.dtype, f"dgrad of {cfg.name}")
         if need_wgrad:
-            xq = saved_x
+            xq = wgrad_x()
             if not isinstance(xq, QuantizedTensor):  # save_original_input: quantize it now
                 xq = cfg.input_q.quantize(xq, rowwise=False, columnwise=True, name=f"input of {cfg.name}")
             dw = gemm(dyq.part(COLUMNWISE), xq.part(COLUMNWISE), dy.dtype, f"wgrad of {cfg.name}")

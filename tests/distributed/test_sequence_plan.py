@@ -1,13 +1,19 @@
-"""What the sequence-parallel all-gather sends (`hybridq.distributed.sequence.gather_plan`), in spawned gloo
-groups of 2 and 4 ranks (one job each, _sequence_plan_jobs.job_all).
+"""What the sequence-parallel all-gathers send in forward and in backward (`hybridq.distributed.sequence.gather_plan`,
+[Note: sequence phases] in sequence.py), in spawned gloo groups of 2 and 4 ranks (one job each,
+_sequence_plan_jobs.job_all).
 
 Oracles:
-- whatever is sent (each rank's quantized rows, or its rows in the input's dtype when that is fewer bytes), every
-  rank ends with the single device's quantization of the whole input, both directions, bit for bit: every preset,
-  bf16 and fp32 inputs, [B, S, H] (runs of rows) and [S, B, H] (rank boundaries inside blocks);
-- the bytes each gather sends are the table's (`sequence_gather_bytes`), in the dtype the plan says;
-- column-parallel layers sharing one bf16 input: the fprop and wgrad input operands bitwise the single device's,
-  one all-gather per step, none in backward;
+- whatever is sent (per phase: each rank's quantized rows in forward and its own columnwise form -- or rowwise form,
+  when the columnwise one is its transform -- in backward; forward only: the quantized directions, or the rows in
+  the input's dtype when that is fewer bytes), every rank ends with the single device's quantization of the whole
+  input, both directions, bit for bit: every preset, bf16 and fp32 inputs, [B, S, H] (runs of rows) and [S, B, H]
+  (rank boundaries inside blocks);
+- the bytes each phase's gather hands to the collective, and what wgrad keeps, are the table's
+  (`sequence_gather_bytes`), in the dtype the plan says;
+- column-parallel layers sharing one bf16 input: the fprop and wgrad input operands, the outputs and the weight
+  gradients bitwise the single device's; outputs, input and weight gradients bitwise the forward-only gathers'
+  (the results before per-phase gathers), also with activation recompute and CPU offload; one gather per phase for
+  both layers; the activation bytes kept for wgrad fewer than the forward-only gathers' and bf16 SP's;
 - no preset sends more than bf16 sequence parallelism per step (`sequence_bytes_table`).
 """
 
@@ -16,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 import hybridq
 from hybridq import Role
@@ -28,12 +33,14 @@ import _sequence_plan_jobs as jobs
 pytestmark = pytest.mark.distributed
 
 WORLDS = [2, 4]
-# the rows in the input's dtype are fewer bytes than the quantized payload of these presets' inputs (bf16: both
-# directions in 8 bits, or an identity columnwise form; fp32: the identity columnwise form alone is the fp32 rows)
+# forward only, the rows in the input's dtype (fewer bytes than the quantized payload, and per phase would send more
+# than them: bf16 inputs of the 8-bit block formats, whose two directions are 33/32 of the bf16 bytes each; an
+# identity columnwise form)
 HIGH_PRECISION = {"bfloat16": {"fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "fp8_fwd_high_precision_bwd",
                                 "fp8_rowwise"},
                   "float32": {"fp8_fwd_high_precision_bwd"}}
-HIGH_PRECISION_BF16 = HIGH_PRECISION["bfloat16"]
+# per phase: the rowwise form in forward, each rank's own form in backward (the rest of each dtype's presets)
+PER_PHASE_BF16 = {"fp8_tensorwise", "nvfp4", "mxfp8_fwd_nvfp4_bwd"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,25 +57,62 @@ def test_gathered_quantization_is_the_single_devices_bitwise(world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_bytes_sent_are_the_tables(world_size):
+def test_bytes_sent_in_each_phase_are_the_tables(world_size):
     for rank, r in enumerate(_run(world_size)):
         for key, case in r["gather"].items():
             preset, dtype = key.split("/")[:2]
             t = case["table"]
             high = preset in HIGH_PRECISION[dtype]
-            assert (t["sends"] == "high_precision") == high, (key, t)
+            assert (t["forward_sends"] == "high_precision") == high, (key, t)
             want_dtype = f"torch.{dtype}" if high else "torch.uint8"
-            assert case["sent"] == [[want_dtype, t["forward"]]], f"rank {rank} {key}: sent {case['sent']}, table {t}"
+            assert case["forward"] == [[want_dtype, t["forward"]]], f"rank {rank} {key}: forward sent " \
+                f"{case['forward']}, table {t}"
             if high:
-                assert t["forward"] < t["quantized_payload"], (key, t)
+                assert t["forward"] < t["quantized_payload"] and not case["backward"], (key, t, case["backward"])
+                continue
+            # per phase: the rowwise form forward, this rank's own form backward
+            assert t["forward_sends"] == "rowwise" and t["backward_sends"] in ("rowwise", "columnwise"), (key, t)
+            assert case["backward"] == [["torch.uint8", t["backward"]]], f"rank {rank} {key}: backward sent " \
+                f"{case['backward']}, table {t}"
+            # (a rank whose rows cut blocks may keep a few scales more: the table gives the most any rank keeps)
+            kept = [other["gather"][key]["kept"] for other in _run(world_size)]
+            assert case["kept"] <= t["kept"] == max(kept), f"{key}: ranks kept {kept} bytes for wgrad, table {t}"
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_column_parallel_layers_read_the_single_devices_operands(world_size):
+def test_column_parallel_layers_match_the_single_device_and_the_forward_only_gathers(world_size):
     for rank, r in enumerate(_run(world_size)):
         for preset, case in r["layers"].items():
             assert not case["diffs"], f"rank {rank}:\n" + "\n".join(case["diffs"])
-            assert len(case["sent"]) == 1, f"rank {rank} {preset}: one gather for both layers, got {case['sent']}"
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_layers_sharing_an_input_gather_it_once_per_phase(world_size):
+    for rank, r in enumerate(_run(world_size)):
+        for preset, case in r["layers"].items():
+            t = case["table"]
+            per_phase = preset in PER_PHASE_BF16
+            assert (t["backward"] > 0) == per_phase, (preset, t)
+            assert [n for _, n in case["forward"]] == [t["forward"]], f"rank {rank} {preset}: forward {case}"
+            assert [n for _, n in case["backward"]] == ([t["backward"]] if per_phase else []), \
+                f"rank {rank} {preset}: backward gathers {case['backward']}, table {t}"
+            if not per_phase:
+                continue
+            fwd, bwd = case["recompute"]  # the forward gather again in the recomputed forward
+            assert fwd == case["forward"] and bwd == case["forward"] + case["backward"], (preset, case["recompute"])
+            fwd, bwd = case["forward_only"]
+            assert [n for _, n in fwd] == [t["quantized_payload"]] and not bwd, (preset, case["forward_only"])
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_layers_keep_the_tables_activation_bytes_per_phase_fewer_than_forward_only(world_size):
+    for rank, r in enumerate(_run(world_size)):
+        for preset, case in r["layers"].items():
+            t = case["table"]
+            assert case["kept"] == t["kept"], f"rank {rank} {preset}: kept {case['kept']} bytes, table {t}"
+            if preset in PER_PHASE_BF16:
+                assert case["kept"] < case["kept_forward_only"], (preset, case)
+                assert case["kept"] < t["bf16_kept"] // world_size, (preset, case)
 
 
 def test_no_preset_sends_more_than_bf16_sequence_parallelism():
@@ -79,10 +123,13 @@ def test_no_preset_sends_more_than_bf16_sequence_parallelism():
         if q.is_stateful:
             continue
         r = sequence_gather_bytes(q, shape, 1, 2, columnwise=rec.backward_override is None)
-        assert r["total"] <= r["bf16"], (preset, r)
-        assert (r["sends"] == "high_precision") == (preset in HIGH_PRECISION_BF16), (preset, r)
+        assert r.total <= r.bf16, (preset, r)
+        assert (r.forward_sends == "high_precision") == (preset in HIGH_PRECISION["bfloat16"]), (preset, r)
+        assert (r.backward > 0) == (preset in PER_PHASE_BF16), (preset, r)
+        assert r.kept < r.bf16_kept or preset == "fp8_fwd_high_precision_bwd", (preset, r)
     table = sequence_bytes_table(shape)
     head = table.splitlines()[0]
-    assert "forward bytes" in head and "backward bytes" in head and "activation bytes saved" in head, head
-    ratios = [float(row.split("|")[6]) for row in table.splitlines()[2:] if "rejected" not in row]
+    assert all(c in head for c in ("forward bytes", "sends in backward", "backward bytes", "kept for wgrad",
+                                   "activation bytes saved")), head
+    ratios = [float(row.split("|")[7]) for row in table.splitlines()[2:] if "rejected" not in row]
     assert ratios and max(ratios) <= 1.0, table

@@ -7,7 +7,7 @@ Oracles:
 - outputs, input gradients, parameter gradients and parameters after two SGD steps equal the single-process
   hybridq model's within 1e-5 of the largest magnitude (the row-parallel layer sums partial products, which
   changes the summation order; everything else is computed identically);
-- the sequence-parallel all-gather carries the quantized bytes (uint8 payloads), once per input read by
+- the sequence-parallel all-gathers carry the quantized bytes (uint8 payloads), once per phase per input read by
   several layers.
 """
 
@@ -55,34 +55,38 @@ def test_tensor_parallel_block_matches_the_single_process_model(block_report, ca
 
 
 @pytest.mark.parametrize("case", range(len(_cases())), ids=lambda i: "-".join(map(str, _cases()[i][:4])))
-def test_the_sequence_all_gather_carries_quantized_bytes_once_per_input(block_report, case):
+def test_the_sequence_all_gathers_carry_the_tables_bytes_once_per_input_and_phase(block_report, case):
+    """Per step: one forward gather for the layers reading the input; with the per-phase plan one backward gather
+    of the ranks' own forms for all of them too; with backward_override="high_precision" or save_original_input
+    each layer gathers the rows again in backward."""
     block, p, o, soi, shape, sd = _cases()[case]
     key = f"{block}/{p}/{o}/soi={soi}/{tuple(shape)}/seq{sd}"
-    gathers = block_report[0][key]["gathers"]
+    gathers = [tuple(g) for g in block_report[0][key]["gathers"]]
     q = _tp_jobs.deterministic_recipe(p, o).quantizer(Role("linear", "input"))
     want = sequence_gather_bytes(q, shape, sd, 2, columnwise=o is None and not soi, dtype=torch.float32)
-    if want["sends"] == "high_precision":  # the fp32 rows are fewer bytes than the quantized payload (gather_plan)
-        assert gathers == [["torch.float32", want["forward"] // 4]] * 2, f"{key}: gathers {gathers}, table {want}"
-        return
-    forward = [g for g in gathers if g[0] == "torch.uint8"]
-    assert len(forward) == 2, f"expected one quantized gather per step (2 steps) shared by the layers, got {gathers}"
-    for dtype, n in forward:
-        assert n == want["quantized"], f"{key}: gathered {n} bytes, the quantized payload is {want}"
-    high = [g for g in gathers if g[0] != "torch.uint8"]
-    assert bool(high) == (o == "high_precision" or soi), \
-        f"{key}: high-precision gathers {high} (only backward_override=high_precision / save_original_input)"
+    # (the recorder gives elements: fp32 rows, uint8 payloads)
+    step = [("torch.float32", want.forward // 4) if want.forward_sends == "high_precision"
+            else ("torch.uint8", want.forward)]
+    if o == "high_precision" or soi:
+        step += [("torch.float32", want.backward // 4)] * len(_tp_jobs.BLOCKS[block][2])
+    elif o is None and want.backward:
+        step += [("torch.uint8", want.backward)]
+    assert gathers == step * 2, f"{key}: gathers {gathers}, table {want}"
 
 
 def test_sequence_gather_bytes_per_format():
-    """Per-tensor FP8 sends its rowwise form only (the columnwise one is its transpose); NVFP4 about half of bf16;
-    MXFP8's two directions (33/32 of bf16) are more bytes than the bf16 rows, which it sends instead."""
+    """Per-tensor FP8 sends its rowwise form in forward and again in backward (its columnwise form is the
+    transpose), keeping only this rank's rows for wgrad; NVFP4 about half of bf16 over both phases; MXFP8's two
+    directions (33/32 of bf16 each) are more bytes than the bf16 rows, which it sends instead, in forward only."""
     shape = (1, 4096, 4096)
     r = {p: sequence_gather_bytes(hybridq.recipe(p).quantizer(Role("linear", "input")), shape)
          for p in ("fp8_tensorwise", "mxfp8", "nvfp4")}
-    assert r["fp8_tensorwise"]["sends"] == "rowwise" and r["fp8_tensorwise"]["ratio"] == 0.5, r
-    assert r["mxfp8"]["sends"] == "high_precision" and r["mxfp8"]["ratio"] == 1.0, r
-    assert r["mxfp8"]["quantized_payload"] / r["mxfp8"]["bf16"] == pytest.approx(33 / 32), r
-    assert r["nvfp4"]["ratio"] == pytest.approx(9 / 16), r
+    t = r["fp8_tensorwise"]
+    assert (t.forward_sends, t.backward_sends, t.ratio) == ("rowwise", "rowwise", 1.0), t
+    assert t.kept == t.bf16_kept // 2 // 2 + 4, t  # (this rank's rows in 8 bits, and the scale)
+    assert r["mxfp8"].forward_sends == "high_precision" and r["mxfp8"].ratio == 1.0 and not r["mxfp8"].backward, r
+    assert r["mxfp8"].quantized_payload / r["mxfp8"].bf16 == pytest.approx(33 / 32), r
+    assert r["nvfp4"].backward_sends == "columnwise" and r["nvfp4"].ratio == pytest.approx(9 / 16), r
 
 
 @pytest.fixture(scope="module")
