@@ -22,6 +22,10 @@ TORCH_LIBRARY(hybridq, m) {
   m.def(
       "norm_quantize_forward(Tensor x, Tensor? weight, Tensor? bias, float eps, bool centered, int block, "
       "ScalarType dtype, float amax_eps, bool pow2) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "swiglu_forward(Tensor a, Tensor b, int block, ScalarType dtype, float amax_eps, bool pow2) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("swiglu_backward(Tensor dy, Tensor a, Tensor b) -> (Tensor, Tensor)");
   m.def("amax(Tensor x) -> Tensor");
   m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def(
@@ -37,6 +41,8 @@ void impls(torch::Library& m) {
   m.impl("layer_norm_forward", &layer_norm_forward);
   m.impl("layer_norm_backward", &layer_norm_backward);
   m.impl("norm_quantize_forward", &norm_quantize_forward);
+  m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("swiglu_backward", &swiglu_backward);
   m.impl("amax", &amax_op);
   m.impl("fp8_delayed_update", &fp8_delayed_update);
 }

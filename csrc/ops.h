@@ -1,6 +1,7 @@
 // The format-independent torch ops of hybridq._C (schemas and registration in ops.cpp), each implemented next to its
-// kernels: amax.cu, transpose.cu, delayed_scaling.cu, rms_norm.cu (RMSNorm, LayerNorm, norm + quantize). A format's ops (quantize, dequantize) are
-// declared, implemented and registered in its own csrc/quantize_<format>.cu.
+// kernels: amax.cu, transpose.cu, delayed_scaling.cu, rms_norm.cu (RMSNorm, LayerNorm, norm + quantize), swiglu.cu
+// (rows.cuh: what the last two share). A format's ops (quantize, dequantize) are declared, implemented and registered
+// in its own csrc/quantize_<format>.cu.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +30,12 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_quantize_forward(
     const Tensor& x, const std::optional<Tensor>& weight, const std::optional<Tensor>& bias, double eps, bool centered,
     int64_t block, at::ScalarType dtype, double amax_eps, bool pow2);
+
+// SwiGLU's element-wise step y = silu(a) * b -> (y, max|y|, rowwise block-format part of y | [0], its scales | [0]):
+// block 0 (none), 32 (MXFP8 1x32) or 128 (FP8 block 1x128); backward -> (da, db)
+std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_forward(const Tensor& a, const Tensor& b, int64_t block,
+                                                          at::ScalarType dtype, double amax_eps, bool pow2);
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b);
 
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);

@@ -20,105 +20,27 @@
 #include "binding_checks.h"
 #include "numerics.cuh"
 #include "ops.h"
-#include "tile/policy_mxfp8.cuh"  // (block_nonfinite; the tile machinery's encoders)
+#include "rows.cuh"
 
 namespace hybridq {
 namespace {
 
-constexpr int kWarps = 8;  // rows per CTA (one warp per row)
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using namespace rows;
 
 template <typename W>
 __device__ __forceinline__ float weight_at(const W* w, int64_t k) {
   return w == nullptr ? 1.0f : to_f32(w[k]);
 }
 
-// V consecutive elements as fp32 (V > 1: one 16-byte load; the caller checks alignment and K % V == 0)
-template <int V, typename T>
-__device__ __forceinline__ void load_f32(const T* p, float (&out)[V]) {
-  if constexpr (V == 1) {
-    out[0] = to_f32(p[0]);
-  } else {
-    static_assert(V * sizeof(T) == 16, "one 16-byte vector");
-    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
-    const T* e = reinterpret_cast<const T*>(&r);
-#pragma unroll
-    for (int i = 0; i < V; ++i) out[i] = to_f32(e[i]);
-  }
-}
-
-template <int V, typename T>
-__device__ __forceinline__ void store_vec(T* p, const T (&v)[V]) {
-  if constexpr (V == 1) {
-    p[0] = v[0];
-  } else {
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
-  }
-}
-
-// The fused rowwise quantization of a norm's output (norm_quantize_forward): the rowwise part of a block format along
-// K, bitwise what that format's tile kernel makes of y (the same per-block steps as policy_fp8_block.cuh's and
-// policy_mxfp8.cuh's row tasks, on the same rounded values of y)
-struct NormQuant {
-  uint8_t* q;  // [M, K] fp8 bytes
-  void* s;     // QB 128 (FP8 block 1x128): fp32 scale_inv [M, K/128]; QB 32 (MXFP8 1x32): E8M0 bytes [M, K/32]
-  Fp8Encoding fp8;
-};
-
-// one lane's V values of y (k: their first column; `in`: inside the row) -> fp8 bytes and the block's scale; every
-// lane of the warp calls it (the block max is a shuffle over the QB / V lanes of one block)
-template <int QB, int V>
-__device__ __forceinline__ void quantize_chunk(const NormQuant& nq, const float (&yv)[V], int64_t r, int64_t k,
-                                               int64_t K, bool in, int lane) {
-  constexpr int L = QB / V;  // lanes per block
-  static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0 && V % 4 == 0, "whole blocks of whole vectors per warp");
-  const uint32_t own = absmax_n(yv);
-  const uint32_t bam = group_max<L>(own);
-  uint32_t wq[V / 4];
-  if constexpr (QB == 128) {
-    const float mult = scale_from_amax(u2f(bam), nq.fp8.max, nq.fp8.eps, nq.fp8.pow2);
-    encode_fp8(yv, mult, nq.fp8.e5m2, scaled_nonfinite(own, mult), wq);
-    if (in && lane % L == 0) static_cast<float*>(nq.s)[r * (K / 128) + k / 128] = 1.0f / mult;
-  } else {
-    static_assert(QB == 32, "MXFP8 1x32 or FP8 block 1x128");
-    const uint8_t e = e8m0_round_up(u2f(bam) * (1.0f / nq.fp8.max));
-    const float mult = e8m0_pow2(e, true);  // NaN for a NaN block
-    encode_fp8(yv, mult, nq.fp8.e5m2, block_nonfinite(bam), wq);
-    if (in && lane % L == 0) static_cast<uint8_t*>(nq.s)[r * (K / 32) + k / 32] = e;
-  }
-  if (in) {
-    uint8_t* dst = nq.q + r * K + k;
-    if constexpr (V == 8) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(wq[0], wq[1]);
-    } else {
-      *reinterpret_cast<uint32_t*>(dst) = wq[0];
-    }
-  }
-}
-
 // RMSNorm (CENTERED false) or LayerNorm (true), one warp per row, V elements per lane and step; the row is read two
 // or three times (mean, sum of squares, the output), the later times mostly from L1/L2. Every lane runs every step
-// (the fused quantization's block max is a shuffle). QB > 0: also the rowwise quantized y (NormQuant).
+// (the fused quantization's block max is a shuffle). QB > 0: also the rowwise quantized y (RowQuant).
 template <int V, typename T, typename W, bool CENTERED, int QB>
 __global__ void __launch_bounds__(kWarps * 32) norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w,
                                                                const W* __restrict__ b, T* __restrict__ y,
                                                                float* __restrict__ mean_out,
                                                                float* __restrict__ rstd_out, uint32_t* amax,
-                                                               const NormQuant nq, int64_t M, int64_t K, float eps) {
+                                                               const RowQuant nq, int64_t M, int64_t K, float eps) {
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   uint32_t m = 0;
@@ -176,16 +98,7 @@ __global__ void __launch_bounds__(kWarps * 32) norm_fwd_kernel(const T* __restri
       if constexpr (CENTERED) mean_out[r] = mean;
     }
   }
-  m = warp_max(m);
-  __shared__ uint32_t red[kWarps];
-  if (lane == 0) red[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t bm = 0;
-#pragma unroll
-    for (int i = 0; i < kWarps; ++i) bm = max(bm, red[i]);
-    atomicMax(amax, bm);
-  }
+  reduce_amax(m, amax);
 }
 
 // dx, one warp per row: RMSNorm dx = (g - xhat * mean(xhat * g)) * rstd; LayerNorm (CENTERED, xhat = (x - mean) *
@@ -289,15 +202,6 @@ void dispatch_types(at::ScalarType xt, at::ScalarType wt, F&& f) {
 namespace ops {
 
 namespace {
-// 16-byte vectors: every row starts on a vector boundary and every pointer is 16-byte aligned
-bool vectorizable(int64_t K, int V, std::initializer_list<const void*> ptrs) {
-  if (K % V != 0) return false;
-  for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
-}
-
 void check_param(const Tensor& p, const Tensor& x, const char* op, const char* name) {
   check_same_device(p, x, op, name);
   in_type(p, op, name);
@@ -328,7 +232,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_forward_impl(
               ": the quantized output's block must be 32 (MXFP8 1x32) or 128 (FP8 block 1x128), got ", qblock);
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0), K = x.size(1);
-  NormQuant nq{};
+  RowQuant nq{};
   Tensor q, qs;
   if (qblock > 0) {
     nq.fp8 = fp8_encoding(qdtype, qblock == 128 ? qeps : 0.0, qblock == 128 && qpow2, op);

@@ -32,8 +32,8 @@ from .formats import (COLUMNWISE, ROWWISE, Float8BlockQuantizer, Float8Quantizer
 from .formats import Float8RowwiseQuantizer
 from .gemm import register_native_gemm
 from .kernels import extension_available, update_delayed_scaling  # also registers device kernels / GEMMs
-from .nn import (ConversionReport, GroupedLinear, LayerNorm, Linear, RMSNorm, convert_experts, convert_linears,
-                 convert_norms, grouped_mm)
+from .nn import (ConversionReport, GroupedLinear, LayerNorm, Linear, RMSNorm, SwiGLU, convert_experts,
+                 convert_linears, convert_norms, grouped_mm)
 from .nn import ParameterMemory, high_precision_init_value, parameter_memory, quantize_parameters, quantized_model_init
 from .recipe import CustomRecipe, Role, preset_names, recipe
 from .tensor import QuantizedTensor
@@ -49,7 +49,7 @@ __all__ = [
     "Float8Quantizer", "Float8BlockQuantizer", "Float8RowwiseQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
     "IdentityQuantizer",
     "HybridQuantizer", "register_native_gemm", "CustomRecipe", "Role", "recipe", "preset_names",
-    "Linear", "GroupedLinear", "RMSNorm", "LayerNorm", "convert_linears", "convert_norms", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
+    "Linear", "GroupedLinear", "RMSNorm", "LayerNorm", "SwiGLU", "convert_linears", "convert_norms", "convert_experts", "grouped_mm", "ConversionReport", "apply_hybrid_fsdp", "precompute_scales",
     "PrecomputedScales",
     "CPUOffload", "checkpoint_contexts", "export_state_dict", "extension_available", "update_delayed_scaling", "FormatShapeError", "RecipeError", "StaleWeightError",
     "quantized_model_init", "quantize_parameters", "parameter_memory", "ParameterMemory", "high_precision_init_value",

@@ -23,6 +23,8 @@ This module also holds the fakes of the format-independent ops (csrc/ops.cpp):
 - norm_quantize_forward(x, weight?, bias?, eps, centered, block, dtype, amax_eps, pow2) -> (y, mean [M] | [0], rstd,
   max|y|, data [M, K] of dtype, scales [M, K/block]: fp32 scale_inv for block 128, E8M0 bytes for 32): a norm and the
   rowwise part of its output in a block format along K (hybridq/kernels/norm_quantize.py)
+- swiglu_forward(a, b, block, dtype, amax_eps, pow2) -> (y = silu(a) * b like a, max|y|, data | [0], scales | [0]);
+  swiglu_backward(dy, a, b) -> (da, db)
 - amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements
 - fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: the delayed-scaling update of
   many per-tensor FP8 quantizers, in place (see delayed.py)
@@ -44,7 +46,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # the format-independent ops (csrc/ops.cpp) the Python side uses
 SHARED_OPS = ("amax", "rms_norm_forward", "rms_norm_backward", "layer_norm_forward", "layer_norm_backward",
-              "norm_quantize_forward", "fp8_delayed_update", "transpose_bytes")
+              "norm_quantize_forward", "swiglu_forward", "swiglu_backward", "fp8_delayed_update", "transpose_bytes")
 FORMAT_MODULE_PREFIX = "cuda_"
 _FORMAT_MODULE_API = ("OPS", "register_fakes", "register")
 
@@ -128,6 +130,17 @@ def _register_shared_fakes() -> None:
         return (torch.empty_like(x), x.new_empty((m if centered else 0,), dtype=f32), x.new_empty((m,), dtype=f32),
                 x.new_empty((1,), dtype=f32), x.new_empty((m, k), dtype=dtype),
                 x.new_empty((m, k // block), dtype=f32 if block == 128 else torch.uint8))
+
+    @register_fake("hybridq::swiglu_forward")
+    def _swiglu_forward(a, b, block, dtype, amax_eps, pow2):
+        m, k = a.shape
+        q = a.new_empty((m, k) if block else (0,), dtype=dtype if block else torch.uint8)
+        s = a.new_empty((m, k // block) if block else (0,), dtype=f32 if block in (0, 128) else torch.uint8)
+        return torch.empty_like(a), a.new_empty((1,), dtype=f32), q, s
+
+    @register_fake("hybridq::swiglu_backward")
+    def _swiglu_backward(dy, a, b):
+        return torch.empty_like(a), torch.empty_like(a)
 
     @register_fake("hybridq::amax")
     def _amax(x):

@@ -17,12 +17,15 @@ from .linear import Linear
 from .layer_norm import LayerNorm, is_layer_norm_candidate
 from .norm import RMSNorm, is_rms_norm_candidate
 from .replaceable import carry_over, direct_readers, replacement_blocker
+from .swiglu import SwiGLU, is_swiglu_candidate
 
 log = logging.getLogger("hybridq")
 
 _LINEAR = "hybridq.nn.Linear"
 _LINEAR_ATTRS = frozenset(vars(nn.Linear(1, 1, device="meta")))  # what Linear.from_linear sets up itself
 # the norms swapped: (is a candidate, torch's class, hybridq's class, its name, the attributes hybridq's sets up)
+_SWIGLU = "hybridq.nn.SwiGLU"
+_MODULE_STD = frozenset(vars(nn.Module()))
 _NORMS = tuple((candidate, torch_type, new_type, f"hybridq.nn.{new_type.__name__}", params,
                 frozenset(vars(torch_type(1, device="meta"))))
                for candidate, torch_type, new_type, params in (
@@ -56,8 +59,8 @@ class LayerReport:
 @dataclasses.dataclass
 class ConversionReport:
     layers: list[LayerReport]
-    # RMSNorm / LayerNorm modules swapped for hybridq.nn.RMSNorm / LayerNorm (converted) or left as they are (with
-    # the reason)
+    # RMSNorm / LayerNorm / SwiGLU feed-forward modules swapped for hybridq.nn.RMSNorm / LayerNorm / SwiGLU
+    # (converted) or left as they are (with the reason)
     norms: list[LayerReport] = dataclasses.field(default_factory=list)
 
     @property
@@ -121,7 +124,8 @@ def convert_linears(model: nn.Module, recipe: CustomRecipe | str,
     following the RMSNorm / LayerNorm protocol, see hybridq.nn.norm / layer_norm) for hybridq.nn.RMSNorm /
     LayerNorm sharing its parameters: one kernel per pass on CUDA, max|y| computed in passing for the per-tensor
     casts of the Linear layers that read y, and their rowwise block-format input written by the norm
-    (hybridq.nn.fused_input). A candidate whose math
+    (hybridq.nn.fused_input); and every SwiGLU feed-forward (modules with children w1, w2, w3 computing
+    w2(silu(w1 x) * w3 x)) for hybridq.nn.SwiGLU, whose silu * mul kernel does the same for w2's input. A candidate whose math
     does not match on a probe input, or that the swap would lose behaviour of, is kept (the report says why)."""
     on_incompatible = OnIncompatible.parse(on_incompatible, "on_incompatible")
     recipe = resolve_recipe(recipe, "convert_linears")
@@ -195,7 +199,8 @@ def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str],
                   ) -> list[LayerReport]:
     """Swap every RMSNorm and LayerNorm of `model` the filter accepts -- torch.nn.RMSNorm / LayerNorm, or a module
     following the RMSNorm / LayerNorm protocol (hybridq.nn.norm, hybridq.nn.layer_norm) -- for hybridq.nn.RMSNorm /
-    LayerNorm sharing its parameters; a candidate that fails the protocol's checks, or that the swap would lose
+    LayerNorm sharing its parameters, and every SwiGLU feed-forward (the protocol of hybridq.nn.swiglu: children
+    w1, w2, w3, forward w2(silu(w1 x) * w3 x)) for hybridq.nn.SwiGLU holding the same Linears; a candidate that fails the protocol's checks, or that the swap would lose
     behaviour of (as in `convert_linears`; its forward is checked on a probe input instead), is kept, with the reason
     in its report row (never raises: nothing is changed for it)."""
     readers = direct_readers(model)
@@ -219,4 +224,19 @@ def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str],
                 continue
             setattr(parent, child_name, new)
             reports.append(LayerReport(full, True, replacement=new_name))
+    for parent, child_name, full, child in _children(model, module_filter_fn, is_swiglu_candidate):
+        why = readers.get(full)
+        if why is None:
+            try:
+                new = SwiGLU.from_module(child, name=full)
+            except ValueError as e:
+                why = str(e)
+            else:
+                why = carry_over(child, new, _MODULE_STD, _SWIGLU)
+        if why is not None:
+            log.warning("hybridq: keeping feed-forward '%s': %s", full, why)
+            reports.append(LayerReport(full, False, reason=why))
+            continue
+        setattr(parent, child_name, new)
+        reports.append(LayerReport(full, True, replacement=_SWIGLU))
     return reports

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from ..enums import COLUMNWISE, ROWWISE
-from ..formats.base import QuantizedPart, Quantizer
-from ..kernels.norm_quantize import fusable_row_quantizer
+from ..formats.base import QuantizedPart, Quantizer, is_dtensor
+from ..kernels.norm_quantize import RowBlocks, fusable_row_quantizer, kernel_takes, row_blocks, row_part
 from ..tensor import QuantizedTensor
+from .known_amax import remember_amax
 from .side_table import TensorSideTable
 
 _OUTPUTS = TensorSideTable(slots=4)
@@ -93,3 +96,35 @@ def reference_row_part(q: Quantizer, y2d: torch.Tensor, name: str) -> QuantizedP
     own quantization."""
     with torch.no_grad():
         return q.quantize(y2d.detach(), rowwise=True, columnwise=False, name=name).part(ROWWISE)
+
+
+def produce(x: torch.Tensor, inputs: tuple[torch.Tensor, ...], kernel: Callable[[RowBlocks | None], tuple] | None,
+            reference: Callable[[], torch.Tensor], readers: NormReaders | None, name: str) -> torch.Tensor:
+    """The output y of a producer (a norm of `x`, SwiGLU of `x` and another input; `inputs`: the tensors its kernel
+    reads, `x` first): `kernel(blocks)` -> (y, max|y|, rowwise data, scales) on CUDA (None: it does not apply), else
+    `reference()`. In eager mode it records max|y| (known_amax) and, for the quantizer its `readers` registered,
+    that format's rowwise part of y: from the kernel when it takes the format and shape (`blocks`), else from the
+    format's quantize (not on CUDA: there the Linear quantizes y as it would without the norm)."""
+    tracing = torch.compiler.is_compiling() or is_dtensor(x)
+    rq = readers.for_step() if readers is not None and not tracing and not x.is_inference() else None
+    if rq is not None and rq.shape_rule(x.numel() // max(x.shape[-1], 1), x.shape[-1], True, False) is not None:
+        rq = None  # (the Linear's own cast raises the format's shape error, naming the layer)
+    row = None
+    if kernel is not None:
+        takes = rq is not None and all(kernel_takes(t.reshape(-1, t.shape[-1]).contiguous(), rq) for t in inputs)
+        blocks = row_blocks(rq) if takes else None
+        y, amax, data, scale = kernel(blocks)
+        if not tracing:
+            remember_amax(y, amax)
+            if blocks is not None:
+                row = row_part(rq, data, scale)
+    else:
+        y = reference()
+        if not tracing:
+            with torch.no_grad():  # what the kernel computes in passing (a cast of y would compute it anyway)
+                remember_amax(y, y.float().abs().amax() if y.numel() else y.new_zeros((), dtype=torch.float32))
+            if rq is not None:
+                row = reference_row_part(rq, y.reshape(-1, y.shape[-1]), f"output of {name}")
+    if readers is not None and not tracing:
+        remember_output(y, readers, rq, row)
+    return y

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fused_input import NormReaders
-from .norm import normalize, protocol_mismatch
+from .norm import adopt, is_candidate, normalize, protocol_mismatch
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -74,33 +74,13 @@ class LayerNorm(nn.Module):
         why = layer_norm_mismatch(module)
         if why is not None:
             raise ValueError(f"{name} cannot run as hybridq.nn.LayerNorm: {why}")
-        weight, bias = module.weight, getattr(module, "bias", None)
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.normalized_shape = (weight.shape[0],) if weight is not None else tuple(module.normalized_shape)
-        new.eps = float(module.eps)
-        new.elementwise_affine = weight is not None
-        new.name = name
-        new._readers = NormReaders()
-        for pname, p in (("weight", weight), ("bias", bias)):
-            if p is not None:
-                setattr(new, pname, p)
-            else:
-                new.register_parameter(pname, None)
-        new.train(module.training)
-        return new
+        return adopt(cls, module, name, ("weight", "bias"), float(module.eps))
 
 
 def is_layer_norm_candidate(module: nn.Module) -> bool:
     """torch.nn.LayerNorm, or a module following the LayerNorm protocol by name and attributes (a class named
     `*LayerNorm` with a 1-D `weight` parameter and a float `eps`); `layer_norm_mismatch` then checks its math."""
-    if isinstance(module, LayerNorm):
-        return False
-    if isinstance(module, nn.LayerNorm):
-        return True
-    w = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("LayerNorm") and isinstance(w, nn.Parameter) and w.dim() == 1
-            and isinstance(getattr(module, "eps", None), float))
+    return is_candidate(module, LayerNorm, nn.LayerNorm, "LayerNorm")
 
 
 def layer_norm_mismatch(module: nn.Module) -> str | None:

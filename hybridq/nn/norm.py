@@ -23,9 +23,7 @@ import torch.nn as nn
 
 from ..formats.base import is_dtensor
 from ..kernels import _ext
-from ..kernels.norm_quantize import kernel_takes, row_blocks, row_part
-from .fused_input import NormReaders, reference_row_part, remember_output
-from .known_amax import remember_amax
+from .fused_input import NormReaders, produce
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -101,29 +99,10 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     """y of RMSNorm / LayerNorm (`centered`), on CUDA by the kernels (under torch.compile too, as custom ops, when
     `in_graph`), elsewhere by `reference()`. In eager mode it records max|y| (known_amax) and, for the quantizer
     its `readers` registered, that format's rowwise part of y (fused_input)."""
-    tracing = torch.compiler.is_compiling() or is_dtensor(x)
-    rq = readers.for_step() if readers is not None and not tracing and not x.is_inference() else None
-    if rq is not None and rq.shape_rule(x.numel() // max(x.shape[-1], 1), x.shape[-1], True, False) is not None:
-        rq = None  # (the Linear's own cast raises the format's shape error, naming the layer)
-    row = None
+    kernel = None
     if _kernel_takes(x, weight, bias, in_graph=in_graph):
-        x2d = x.reshape(-1, x.shape[-1])
-        blocks = row_blocks(rq) if rq is not None and kernel_takes(x2d.contiguous(), rq) else None
-        y, amax, data, scale = _NormFunction.apply(x, weight, bias, eps, centered, blocks)
-        if not tracing:
-            remember_amax(y, amax)
-            if blocks is not None:
-                row = row_part(rq, data, scale)
-    else:
-        y = reference()
-        if not tracing:
-            with torch.no_grad():  # what the kernel computes in passing (a cast of y would compute it anyway)
-                remember_amax(y, y.float().abs().amax() if y.numel() else y.new_zeros((), dtype=torch.float32))
-            if rq is not None:
-                row = reference_row_part(rq, y.reshape(-1, y.shape[-1]), f"output of {name}")
-    if readers is not None and not tracing:
-        remember_output(y, readers, rq, row)
-    return y
+        kernel = lambda blocks: _NormFunction.apply(x, weight, bias, eps, centered, blocks)  # noqa: E731
+    return produce(x, (x,), kernel, reference, readers, name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = None,
@@ -175,31 +154,45 @@ class RMSNorm(nn.Module):
         why = rms_norm_mismatch(module)
         if why is not None:
             raise ValueError(f"{name} cannot run as hybridq.nn.RMSNorm: {why}")
-        weight = module.weight
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.normalized_shape = (weight.shape[0],) if weight is not None else tuple(module.normalized_shape)
-        new.eps = None if module.eps is None else float(module.eps)
-        new.elementwise_affine = weight is not None
-        new.name = name
-        new._readers = NormReaders()
-        if weight is not None:
-            new.weight = weight
+        return adopt(cls, module, name, ("weight",), None if module.eps is None else float(module.eps))
+
+
+def adopt(cls: type, module: nn.Module, name: str, params: tuple[str, ...], eps: float | None) -> nn.Module:
+    """A new `cls` norm (not set up by its __init__) with `module`'s parameters `params` (the same objects, or None),
+    its normalized width, `eps` and training flag."""
+    weight = module.weight
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.normalized_shape = (weight.shape[0],) if weight is not None else tuple(module.normalized_shape)
+    new.eps = eps
+    new.elementwise_affine = weight is not None
+    new.name = name
+    new._readers = NormReaders()
+    for pname in params:
+        p = getattr(module, pname, None)
+        if p is not None:
+            setattr(new, pname, p)
         else:
-            new.register_parameter("weight", None)
-        new.train(module.training)
-        return new
+            new.register_parameter(pname, None)
+    new.train(module.training)
+    return new
 
 
 def is_rms_norm_candidate(module: nn.Module) -> bool:
     """torch.nn.RMSNorm, or a module following the RMSNorm protocol by name and attributes (a class named
     `*RMSNorm` with a 1-D `weight` parameter and a float `eps`); `rms_norm_mismatch` then checks its math."""
-    if isinstance(module, RMSNorm):
+    return is_candidate(module, RMSNorm, nn.RMSNorm, "RMSNorm")
+
+
+def is_candidate(module: nn.Module, ours: type, torch_type: type, suffix: str) -> bool:
+    """`module` is of `torch_type`, or named `*<suffix>` with a 1-D `weight` parameter and a float `eps` (not
+    already `ours`)."""
+    if isinstance(module, ours):
         return False
-    if isinstance(module, nn.RMSNorm):
+    if isinstance(module, torch_type):
         return True
     w = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(w, nn.Parameter) and w.dim() == 1
+    return (type(module).__name__.endswith(suffix) and isinstance(w, nn.Parameter) and w.dim() == 1
             and isinstance(getattr(module, "eps", None), float))
 
 
