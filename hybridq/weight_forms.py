@@ -38,6 +38,11 @@ class GroupedGatheredForm:
         it, whatever its token counts)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement ensure_direction()")
 
+    def stacked_part(self, direction: str):
+        """(expert 0's part, {tensor name: `[E, ...]` view}) of `direction` when every expert's part tensors are
+        equally spaced views of one buffer per kind (no copy), else None."""
+        return None
+
 
 class ExpertsTensor(torch.Tensor):
     """Base of the `[E, out, in]` tensors whose experts are quantized tensors (`_experts`; `_alias()` gives another

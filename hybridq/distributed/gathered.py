@@ -129,8 +129,18 @@ class GroupedGatheredWeight(GroupedGatheredForm, ExpertsTensor):
         return GroupedGatheredWeight(self._experts, shape=self.shape, dtype=self.dtype, state=self._hq)
 
     def ensure_direction(self, direction: str) -> None:
+        if self._hq.slabs and direction in (ROWWISE, COLUMNWISE):
+            # stacked buffers: the experts are gathered, filled and freed together, so expert 0 speaks for all
+            self._experts[0].part(direction)
+            return
         for g in self._experts:
             g.part(direction)
+
+    def stacked_part(self, direction: str):
+        """(expert 0's part, {tensor name: `[E, ...]`}) of `direction` made available (as `ensure_direction`): the
+        experts' tensors as one view of their stacked buffer each (`GroupedWeightState.stacked`), or None."""
+        self.ensure_direction(direction)
+        return self._hq.stacked(direction)
 
     def _other_op(self, func, args, kwargs):
         if func is aten.as_strided.default and _whole_view(args, kwargs):

@@ -13,22 +13,59 @@ gathers, a columnwise form sent) take the per-expert path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE
+from ..formats.float8 import aligned_scales
 from ..formats.float8_groups import (derive_columnwise_groups, equal_groups_apply, group_amax, group_parts,
-                                     quantize_equal_groups, scale_inv_from_amax)
+                                     quantize_equal_groups, scale_inv_from_amax, transpose_groups)
 from .layout import ExpertLayout
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload
 from .plan import GatherPlan
 from .transport import stats_key
 
-__all__ = ["fill_batched", "prepare_batched"]
+__all__ = ["StackedGather", "fill_batched", "fill_stacked", "metas_with_scales", "prepare_batched"]
 
 
-def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group
-                    ) -> tuple[torch.Tensor, list[PayloadMeta], int] | None:
-    """`transport.prepare_grouped` batched over the experts (None: this weight or plan is not batched)."""
+@dataclasses.dataclass(frozen=True)
+class StackedGather:
+    """A batched gather whose receiver reads the experts' bytes straight out of the gathered payloads (whole experts
+    per rank, slots one after another): every expert's scale_inv `[E]` (each rank computes all of them), its rowwise
+    data `[rows, cols]` at the start of its slot."""
+
+    scale_inv: torch.Tensor
+    dtype: torch.dtype  # the FP8 dtype
+
+
+def _template_metas(local, q, layout: ExpertLayout, held: int, dtype, device) -> tuple[list[PayloadMeta], int]:
+    """Every expert's payload metadata and the slot size of a stacked gather, built once per layout (they do not
+    depend on the values; the replicated scales travel in `StackedGather`, so the metas hold none)."""
+    key = (layout, held, dtype, str(device))
+    cache = local._hq.__dict__.setdefault("stacked_metas", {})
+    hit = cache.get(key)
+    if hit is not None and (hit[0] is q or hit[0] == q):
+        return hit[1], hit[2]
+    shape = (layout.rows, layout.cols)
+    first = layout.rank * layout.chunk
+    data = torch.empty(held, *shape, dtype=q.dtype, device="meta")  # (values do not matter: metadata only)
+    scale_inv = torch.empty(layout.experts, dtype=torch.float32, device="meta")
+    metas = []
+    for e, part in enumerate(group_parts(data, scale_inv, first, layout.experts)):
+        shard, shards = layout.payload_shards(e)
+        meta = build_payload(q, {ROWWISE: part}, shard, shards, shape, device, pack=False)[1]
+        metas.append(dataclasses.replace(meta, replicated={d: dict.fromkeys(r) for d, r in meta.replicated.items()}))
+    slot = layout.slot_bytes(metas)
+    cache[key] = (q, metas, slot)
+    return metas, slot
+
+
+def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group, stacked: bool = False
+                    ) -> tuple[torch.Tensor, list[PayloadMeta], int, StackedGather | None] | None:
+    """`transport.prepare_grouped` batched over the experts (None: this weight or plan is not batched). `stacked`
+    (whole experts per rank, and a receiver that fills the stacked buffers by `fill_batched`): the metadata is built
+    once per layout and the scales travel in the returned `StackedGather`."""
     if tuple(send) != (ROWWISE,) or not equal_groups_apply(qs):
         return None
     q, e_all, k = qs[0], layout.experts, layout.cols
@@ -55,12 +92,16 @@ def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group
             scale_inv = scale_inv_from_amax(q, reduced)
     else:
         data, scale_inv = quantize_equal_groups(q, x, reduced)
-    shape = (layout.rows, layout.cols)
-    metas = []
-    for e, part in enumerate(group_parts(data, scale_inv, first, e_all)):
-        shard, shards = layout.payload_shards(e)
-        metas.append(build_payload(q, {ROWWISE: part}, shard, shards, shape, x.device, pack=False)[1])
-    slot = layout.slot_bytes(metas)
+    stacked = stacked and layout.dim == 0
+    if stacked:
+        metas, slot = _template_metas(local, q, layout, held, dtype, x.device)
+    else:
+        shape = (layout.rows, layout.cols)
+        metas = []
+        for e, part in enumerate(group_parts(data, scale_inv, first, e_all)):
+            shard, shards = layout.payload_shards(e)
+            metas.append(build_payload(q, {ROWWISE: part}, shard, shards, shape, x.device, pack=False)[1])
+        slot = layout.slot_bytes(metas)
     n_slots = len(layout.slots())
     nbytes = data[0].numel() if held else 0
     rows = data.view(torch.uint8).reshape(held, nbytes)
@@ -70,7 +111,50 @@ def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group
         payload = torch.zeros(n_slots, slot, dtype=torch.uint8, device=x.device)
         payload[:held, :nbytes] = rows
         payload = payload.reshape(-1)
-    return payload, metas, slot
+    return payload, metas, slot, (StackedGather(scale_inv, q.dtype) if stacked else None)
+
+
+def _gathered_rows(gathered: torch.Tensor, slot: int, layout: ExpertLayout, fp8: torch.dtype) -> torch.Tensor | None:
+    """Every expert's gathered rowwise data `[E, rows, cols]` as a view of the gathered payloads of whole experts
+    (rank-major, `chunk` slots per rank); None where a rank's payload is padded past its slots (uneven sharding)."""
+    flat = gathered.reshape(-1).view(torch.uint8)
+    ws, chunk = layout.world_size, layout.chunk
+    if flat.numel() != ws * chunk * slot:
+        return None
+    nbytes = layout.rows * layout.cols
+    return flat.view(ws * chunk, slot)[:layout.experts, :nbytes].view(fp8).view(layout.experts, layout.rows,
+                                                                                layout.cols)
+
+
+def fill_stacked(st, stacked: StackedGather, gathered: torch.Tensor, slot: int, layout: ExpertLayout,
+                 plan: GatherPlan) -> bool:
+    """The post-all-gather fill of a stacked gather: one copy of all experts' bytes and one of their scales into the
+    stacked buffers, one transpose for the derived columnwise form; no per-expert work (False, nothing done: another
+    fill runs)."""
+    rows = _gathered_rows(gathered, slot, layout, stacked.dtype)
+    if rows is None or not st.slabs or plan.send != (ROWWISE,) or plan.local or HIGH_PRECISION in plan.materialize:
+        return False
+    dirs = [d for d in (ROWWISE, COLUMNWISE) if d in plan.materialize]
+    views = [st.stacked(d) for d in dirs]
+    if any(v is None for v in views):
+        return False
+    st.alloc_slabs(plan.materialize)  # (FSDP2 allocated them already, except where it reuses nothing)
+    scale = stacked.scale_inv
+    if scale.is_cuda:  # made on FSDP2's all-gather copy-in stream, read here (see gathered.received)
+        scale.record_stream(torch.cuda.current_stream(scale.device))
+    for d, (_, v) in zip(dirs, views):
+        if d == ROWWISE:
+            v["data"].copy_(rows)
+        else:
+            transpose_groups(rows, v["data"])
+        v["scale_inv"].copy_(scale.view(v["scale_inv"].shape))
+    return True
+
+
+def metas_with_scales(metas: list[PayloadMeta], stacked: StackedGather) -> list[PayloadMeta]:
+    """A stacked gather's metadata with each expert's replicated scale (for a fill that reads the metas)."""
+    scales = aligned_scales(stacked.scale_inv)
+    return [dataclasses.replace(m, replicated={ROWWISE: {"scale_inv": scales[e, :1]}}) for e, m in enumerate(metas)]
 
 
 def fill_batched(st, qs, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,

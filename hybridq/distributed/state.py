@@ -25,7 +25,7 @@ from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GroupedGatheredWeight
 from .layout import ExpertLayout
-from .payload import DIRECTIONS, PayloadMeta, assemble_parts
+from .payload import DIRECTIONS, HIGH_PRECISION, PayloadMeta, assemble_parts
 from .stats import GroupedStats, WeightStats
 from .transport import GatherContext, gather_grouped_now, gather_now
 
@@ -169,7 +169,11 @@ class GroupedWeightState(SharedState, GroupedStats):
     def is_derivable(self, qs, shape, dtype) -> bool:
         if not self.experts:
             self.experts = [ExpertWeightState(self, f"{self.name} expert {e}") for e in range(len(qs))]
-        return all(st.is_derivable(q, shape, dtype) for st, q in zip(self.experts, qs))
+        key = (tuple(map(id, qs)), tuple(shape), dtype)  # (asked at every unshard: once per quantizers and shape)
+        cache = self.__dict__.setdefault("derivable_all", {})
+        if key not in cache:
+            cache[key] = (qs, all(st.is_derivable(q, shape, dtype) for st, q in zip(self.experts, qs)))
+        return cache[key][1]
 
     # the unsharded weight: one set of buffers per expert ----------------------------------------------------
     def create(self, qs, layout: ExpertLayout, dtype, device) -> None:
@@ -195,6 +199,25 @@ class GroupedWeightState(SharedState, GroupedStats):
                 t.set_(slab.untyped_storage(), e * pitch, t.shape, t.stride())
             self.slabs.append((slab, members))
 
+    def stacked(self, d: str):
+        """(expert 0's part, {tensor name: `[E, ...]`}) of direction `d`: every expert's tensors of its part as one
+        view of their stacked buffer (no copy), or None where they are not so laid out. Cached: the experts' tensors
+        keep their storage and offsets across unshards (FSDP2 resizes the storage, the views stay valid)."""
+        part0 = self.experts[0].parts.get(d) if self.experts and self.slabs else None
+        if part0 is None:
+            return None
+        first = part0.tensors()
+        hit = self.__dict__.setdefault("stacked_views", {}).get(d)
+        if hit is None or hit[0] is not part0 or any(first[n] is not t for n, t in hit[1].items()):
+            views = {}
+            for n, t in first.items():
+                if t is not None:
+                    views[n] = stacked_view([st.parts[d].tensors()[n] for st in self.experts])
+                    if views[n] is None:
+                        return None
+            hit = self.stacked_views[d] = (part0, {n: first[n] for n in views}, views)
+        return hit[0], hit[2]
+
     def _slabs_of(self, dirs) -> list[torch.Tensor]:
         mine = self.experts[0]._unique(dirs) if self.experts else []
         return [slab for slab, members in self.slabs if any(members[0] is t for t in mine)]
@@ -207,6 +230,9 @@ class GroupedWeightState(SharedState, GroupedStats):
                 slab.untyped_storage().resize_(need)
 
     def set_inner(self, dirs) -> None:
+        if self.slabs and HIGH_PRECISION not in dirs:  # (every expert tensor of these directions is a slab's view)
+            self.inner[:] = self._slabs_of(dirs)
+            return
         inner: list[torch.Tensor] = []
         stacked = {id(t) for _, members in self.slabs for t in members}
         for st in self.experts:

@@ -40,7 +40,7 @@ from ..weight_forms import QuantizedGatherShard
 from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
-from .grouped_batched import fill_batched, prepare_batched
+from .grouped_batched import StackedGather, fill_batched, fill_stacked, metas_with_scales, prepare_batched
 from .layout import ExpertLayout, transport_view
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts
 from .plan import GatherPlan, make_plan, unshard_plan
@@ -86,6 +86,7 @@ class GroupedGatherMetadata:
     quantizers: tuple[Quantizer, ...]
     layout: ExpertLayout
     slot: int
+    stacked: StackedGather | None = None  # (a stacked gather: the metas hold no scales, these do)
 
 
 def _sharded_param(local: "HybridWeight", module, attr: str, link: FSDPLink | None):
@@ -246,7 +247,7 @@ class GroupedHybridWeight(HybridWeight):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         st: GroupedWeightState = self._hq
         layer = st.layer(module)
-        qs = tuple(q["weight"] for q in layer.expert_quantizers)
+        qs = layer.weight_quantizers()
         if st.quantizers is not None and qs != st.quantizers:
             raise RecipeError(
                 f"{layer.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
@@ -271,9 +272,11 @@ class GroupedHybridWeight(HybridWeight):
         phase, _, _, plan = unshard_plan(link, st.backward_extra, override, derivable)
         with torch.no_grad():
             param = _sharded_param(self, module, st.attr, link)
-            batched = prepare_batched(self, param, qs, plan.send, layout, dtype, group)
-            payload, metas, slot = batched if batched is not None else prepare_grouped(
-                self, param, qs, plan.send, layout, dtype, group)
+            # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
+            stacked = not plan.local and HIGH_PRECISION not in plan.materialize
+            batched = prepare_batched(self, param, qs, plan.send, layout, dtype, group, stacked)
+            payload, metas, slot, stacked = batched if batched is not None else (
+                *prepare_grouped(self, param, qs, plan.send, layout, dtype, group), None)
             inp = layout.transport(payload, slot)
         _sent(st, link, inp, phase)
         st.set_deferred(plan.deferred)
@@ -282,22 +285,28 @@ class GroupedHybridWeight(HybridWeight):
         st.ctx = GatherContext(local=weakref.ref(self), module=weakref.ref(module), shape=shape, dtype=dtype,
                                world_size=ws, rank=rank, group=group, device=self.device,
                                param=weakref.ref(param) if param is not None else None, layout=layout)
-        return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot)
+        return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot, stacked)
 
     def fsdp_post_all_gather(self, outputs, metadata: GroupedGatherMetadata, param_dtype, *, out=None):
         plan, dtype, qs, layout = metadata.plan, metadata.dtype, metadata.quantizers, metadata.layout
         st: GroupedWeightState = self._hq
         with torch.no_grad():
             gathered = outputs[0]
-            adopt = received(gathered, metadata.metas)
             first = st.gathered is None
             if first:
                 st.create(qs, layout, dtype, gathered.device)
-            if not fill_batched(st, qs, metadata.metas, gathered, metadata.slot, layout, plan, dtype):
+            metas = metadata.metas
+            if metadata.stacked is not None:
+                if fill_stacked(st, metadata.stacked, gathered, metadata.slot, layout, plan):
+                    metas = None
+                else:
+                    metas = metas_with_scales(metas, metadata.stacked)
+            adopt = received(gathered, metas) if metas is not None else None
+            if metas is not None and not fill_batched(st, qs, metas, gathered, metadata.slot, layout, plan, dtype):
                 if st.slabs:  # (experts' buffers are views of one allocation: filled by copies, never re-pointed)
                     st.alloc_slabs(plan.materialize)
                     adopt = None
-                for e, (est, q, meta) in enumerate(zip(st.experts, qs, metadata.metas)):
+                for e, (est, q, meta) in enumerate(zip(st.experts, qs, metas)):
                     parts = assemble_parts(meta, layout.expert_bytes(gathered, metadata.slot, e, meta,
                                                                      expert_major=layout.dim == 1))
                     parts = complete_parts(q, parts, plan, dtype)

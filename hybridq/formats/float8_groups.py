@@ -21,9 +21,21 @@ __all__ = ["derive_columnwise_groups", "equal_groups_apply", "group_amax", "grou
 
 def equal_groups_apply(qs) -> bool:
     """Whether every quantizer of `qs` is the same per-tensor FP8 with current scaling (one batched quantization
-    for all groups gives each group's own)."""
-    return bool(qs) and type(qs[0]) is Float8Quantizer and qs[0].scaling == Scaling.CURRENT and \
+    for all groups gives each group's own). A tuple is answered once (a layer's weight quantizers are asked at every
+    unshard; quantizers are not changed in place, a new recipe makes new ones)."""
+    hit = _EQUAL.get(id(qs)) if type(qs) is tuple else None
+    if hit is not None and hit[0] is qs:
+        return hit[1]
+    ok = bool(qs) and type(qs[0]) is Float8Quantizer and qs[0].scaling == Scaling.CURRENT and \
         all(q is qs[0] or q == qs[0] for q in qs[1:])
+    if type(qs) is tuple:
+        if len(_EQUAL) >= 256:
+            _EQUAL.clear()
+        _EQUAL[id(qs)] = (qs, ok)  # (holds the tuple: its id is not reused while cached)
+    return ok
+
+
+_EQUAL: dict[int, tuple] = {}
 
 
 def group_amax(x3d: torch.Tensor) -> torch.Tensor:

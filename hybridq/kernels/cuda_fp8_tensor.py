@@ -80,12 +80,26 @@ def row_groups(q: Float8Quantizer, x2d, sizes):
     if not (fields <= OPTIONS and input_ok(q, x2d, True, False)):
         return None
     x = x2d.contiguous()
-    counts = torch.tensor(sizes, dtype=torch.int64).to(x.device, non_blocking=True)
-    row_group = torch.repeat_interleave(torch.arange(len(sizes), device=x.device, dtype=torch.int32), counts,
-                                        output_size=x.shape[0])
-    row, _, scale_inv, _ = ops().fp8_tensor_quantize_grouped(x, q.dtype, row_group, len(sizes), q.amax_epsilon,
-                                                             q.power_2_scale, False)
+    row, _, scale_inv, _ = ops().fp8_tensor_quantize_grouped(x, q.dtype, _row_group(sizes, x), len(sizes),
+                                                             q.amax_epsilon, q.power_2_scale, False)
     return row, scale_inv
+
+
+_ROW_GROUPS: dict = {}
+
+
+def _row_group(sizes, x: torch.Tensor) -> torch.Tensor:
+    """Each row's group (int32 `[rows]`), made once per sizes, device and stream (the experts of a weight are the same
+    groups at every unshard: no host-to-device copy and no launches per call)."""
+    key = (tuple(sizes), x.device, torch.cuda.current_stream(x.device).cuda_stream)
+    hit = _ROW_GROUPS.get(key)
+    if hit is None:
+        if len(_ROW_GROUPS) >= 64:
+            _ROW_GROUPS.clear()
+        counts = torch.tensor(sizes, dtype=torch.int64).to(x.device, non_blocking=True)
+        hit = _ROW_GROUPS[key] = torch.repeat_interleave(
+            torch.arange(len(sizes), device=x.device, dtype=torch.int32), counts, output_size=sum(sizes))
+    return hit
 
 
 def part_supports(part: Float8TensorPart, undo_transform) -> bool:

@@ -23,7 +23,7 @@ from . import compiled_grouped, delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
-from .grouped_jagged import JaggedFP8Experts, TokenGroups, held_fp8_experts
+from .grouped_jagged import HeldFP8Experts, JaggedFP8Experts, TokenGroups
 from .grouped_high_precision import grouped_mm_high_precision
 from .m_splits import check_split_values, checked_m_splits
 from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
@@ -239,6 +239,14 @@ class GroupedLinear(nn.Module):
         for e, qs in enumerate(self.expert_quantizers):
             check_override_compatible(override, qs, f"expert {e} of {self.name}")
 
+    def weight_quantizers(self) -> tuple[Quantizer, ...]:
+        """Every expert's weight quantizer, one tuple per recipe (FSDP2's gather hooks ask at every unshard)."""
+        hit = self.__dict__.get("_weight_qs")
+        if hit is None or hit[0] is not self.expert_quantizers:
+            hit = self.__dict__["_weight_qs"] = (self.expert_quantizers,
+                                                 tuple(qs["weight"] for qs in self.expert_quantizers))
+        return hit[1]
+
     def describe_formats(self) -> dict[str, str]:
         """tensor type -> format, with the experts' descriptions joined where they differ."""
         return {t: " | ".join(dict.fromkeys(qs[t].describe() for qs in self.expert_quantizers)) for t in TENSORS}
@@ -354,7 +362,7 @@ class GroupedLinear(nn.Module):
         if (self.jagged_path is None and isinstance(splits, list)
                 and kernels.prefers_per_expert_path(splits, self.in_features, self.out_features)):
             return _PER_EXPERT
-        held = held_fp8_experts(_unbind_experts(self.weight), need_dgrad) if gathered else None
+        held = HeldFP8Experts.of(self.weight, lambda: _unbind_experts(self.weight)) if gathered else None
         if gathered and held is None:
             return None
         groups = TokenGroups.build(splits, x.shape[0], x.device, self.name)

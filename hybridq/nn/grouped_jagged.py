@@ -10,8 +10,9 @@ one grouped GEMM per phase:
 
 No padding, no packing copy, no per-expert Python work on the device path, and no host sync: `m_splits` as a device
 tensor stays on the device (its values are checked there, asynchronously), a list costs one host-to-device copy.
-A weight FSDP2 gathered as per-tensor FP8 (apply_hybrid_fsdp) is used as gathered: the experts' rowwise parts
-concatenated, its columnwise form their byte transpose (`held_fp8_experts`).
+A weight FSDP2 gathered as per-tensor FP8 (apply_hybrid_fsdp) is used as gathered, in place (`HeldFP8Experts`):
+fprop reads the experts' stacked rowwise buffers `[E, N, K]`, dgrad the stacked columnwise ones `[E, K, N]` that the
+backward unshard derives, so no copy of the weight is made in forward or held until backward.
 
 Which kernels run is `hybridq.gemm.jagged_fp8_kernels`: on CUDA sm_90 the grouped quantize of the extension and the
 Triton grouped GEMMs (hybridq/kernels/grouped_fp8.py); on the CPU the reference (one quantization and one emulated
@@ -22,15 +23,18 @@ grouped GEMMs").
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 
-from ..enums import ROWWISE
-from ..formats.base import Quantizer, transposed_copy
+from ..enums import COLUMNWISE, ROWWISE
+from ..formats.base import Quantizer
 from ..formats.float8 import Float8TensorPart
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from ..kernels.native_gemm import FAST_ACCUM_FPROP
+from ..weight_forms import GroupedGatheredForm
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class TokenGroups:
@@ -51,7 +55,24 @@ class TokenGroups:
     def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
               name: str = "GroupedLinear") -> "TokenGroups":
         """From checked `m_splits` (`hybridq.nn.m_splits.checked_m_splits`): a list (one host-to-device copy, from
-        pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously)."""
+        pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously). The
+        projections of one MoE layer share their routing: the groups of the last call are reused while the counts
+        (the same tensor, unmodified, or equal host counts), tokens, device and stream are the same."""
+        if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return cls._build(m_splits, tokens, device, name)  # (traced or captured: the graph holds its own)
+        key = (tokens, device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+        last = _LAST_BUILT[0]
+        if last is not None and last[1] == key and (
+                last[0] is m_splits and last[2] == m_splits._version if isinstance(m_splits, torch.Tensor)
+                else not isinstance(last[0], torch.Tensor) and last[0] == m_splits):
+            return last[3]
+        groups = cls._build(m_splits, tokens, device, name)
+        version = m_splits._version if isinstance(m_splits, torch.Tensor) else None
+        _LAST_BUILT[0] = (m_splits if isinstance(m_splits, torch.Tensor) else list(m_splits), key, version, groups)
+        return groups
+
+    @classmethod
+    def _build(cls, m_splits, tokens: int, device: torch.device, name: str) -> "TokenGroups":
         if isinstance(m_splits, torch.Tensor):
             counts = m_splits.to(device=device, dtype=torch.int64)
             if counts.device.type != "cpu":  # the host checks need the values: check them where they are
@@ -119,19 +140,54 @@ class TokenGroups:
 
 
 _UNIFORM: dict = {}
+_LAST_BUILT: list = [None]  # ((m_splits, key, version, TokenGroups) of the last build)
 
 
-def held_fp8_experts(experts, columnwise: bool) -> JaggedFP8 | None:
-    """The experts' weights already quantized as per-tensor FP8 (e.g. gathered so by FSDP2: each expert's rowwise
-    part) as the jagged layout's operand: rowwise `[E*N, K]`, columnwise (its byte transpose, exactly the derived
-    columnwise form) when asked, the experts' scales; None if any expert's rowwise part is not per-tensor FP8."""
-    parts = [w.part(ROWWISE) for w in experts]
-    dtypes = {p.data.dtype for p in parts}
-    if not all(isinstance(p, Float8TensorPart) for p in parts) or len(dtypes) != 1 or not dtypes <= set(FP8_DTYPES):
-        return None
-    row = torch.cat([p.data for p in parts])
-    scale_inv = torch.cat([p.scale_inv.reshape(1) for p in parts]).float()
-    return JaggedFP8(row, transposed_copy(row) if columnwise else None, scale_inv)
+class HeldFP8Experts:
+    """A grouped weight whose experts are already quantized as per-tensor FP8 (FSDP2's gathered experts), read per
+    phase: the rowwise form in forward, the columnwise form in backward (after the backward unshard filled it), so
+    nothing is copied in forward or held from forward to backward. `experts()` gives each expert's quantized weight
+    (the fallback where their buffers are not one stacked allocation)."""
+
+    __slots__ = ("weight", "experts", "_rowwise")
+
+    def __init__(self, weight: torch.Tensor, experts: Callable[[], Sequence[torch.Tensor]]):
+        self.weight, self.experts = weight, experts
+        self._rowwise = None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, experts: Callable[[], Sequence[torch.Tensor]]) -> "HeldFP8Experts | None":
+        """The held experts, None where their rowwise parts are not per-tensor FP8 (another path runs)."""
+        held = cls(weight, experts)
+        held._rowwise = held.form(ROWWISE)
+        return held if held._rowwise is not None else None
+
+    def take_rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rowwise form `of` read (forward's), no longer referenced here after."""
+        out, self._rowwise = self._rowwise, None
+        return out if out is not None else self.form(ROWWISE)
+
+    def form(self, direction: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(data `[E, rows, cols]` -- rowwise `[E, N, K]`, columnwise `[E, K, N]` --, scale_inv fp32 `[E]`): views of
+        the experts' stacked buffers where they are one allocation (no copy of the data), else stacked by one copy;
+        None if an expert's part is not per-tensor FP8 of one FP8 dtype."""
+        stacked = self.weight.stacked_part(direction) if isinstance(self.weight, GroupedGatheredForm) else None
+        if stacked is not None:
+            part0, views = stacked
+            if isinstance(part0, Float8TensorPart) and part0.data.dtype in FP8_DTYPES and "scale_inv" in views:
+                return views["data"], views["scale_inv"].reshape(-1).float().contiguous()
+        parts = [w.part(direction) for w in self.experts()]
+        dtypes = {p.data.dtype for p in parts}
+        if not all(isinstance(p, Float8TensorPart) for p in parts) or len(dtypes) != 1 or not dtypes <= set(FP8_DTYPES):
+            return None
+        return torch.stack([p.data for p in parts]), torch.cat([p.scale_inv.reshape(1) for p in parts]).float()
+
+
+def _strides(b: torch.Tensor, group_stride_2d: int) -> tuple[int, int]:
+    """(group stride, row stride) in elements of the experts' operand of `mm`: stacked experts `[E, rows, cols]`
+    (any expert pitch: the gathered experts' buffers), or the 2-D form the grouped quantize made, whose groups are
+    `group_stride_2d` elements apart."""
+    return (b.stride(0), b.stride(1)) if b.dim() == 3 else (group_stride_2d, b.stride(0))
 
 
 def jagged_forward(x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
@@ -144,7 +200,7 @@ def jagged_forward(x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, q
     wq = held if held is not None else kernels.quantize(
         quantizers["weight"], weight.detach().reshape(e * n, k), TokenGroups.uniform(e, n, x.device), need_dgrad,
         f"weight of {name}")
-    y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, x.dtype,
+    y = kernels.mm(xq.row, xq.scale_inv, wq.row, *_strides(wq.row, n * k), n, wq.scale_inv, groups, x.dtype,
                    precise=not FAST_ACCUM_FPROP, name=f"fprop of {name}")
     # backward reads the columnwise forms only: x's for wgrad, W's for dgrad
     return y, (xq.col if need_wgrad else None, xq.scale_inv, wq.col if need_dgrad else None, wq.scale_inv)
@@ -162,8 +218,9 @@ def jagged_backward(dy: torch.Tensor, saved: tuple, groups: TokenGroups, quantiz
     if not (need_dgrad or need_wgrad):
         return dx, dw
     dyq = kernels.quantize(quantizers["grad_output"], dy, groups, need_wgrad, f"grad_output of {name}")
-    if need_dgrad:  # dy rowwise x W columnwise: expert g's `[K, N]` is columns [g*N, (g+1)*N) of `[K, E*N]`
-        dx = kernels.mm(dyq.row, dyq.scale_inv, w_col, n, w_col.stride(0), k, w_scale, groups, dy.dtype,
+    if need_dgrad:  # dy rowwise x W columnwise: expert g's `[K, N]` is columns [g*N, (g+1)*N) of `[K, E*N]` (the
+        # grouped quantize's form) or `w_col[g]` (the gathered experts' stacked columnwise buffers `[E, K, N]`)
+        dx = kernels.mm(dyq.row, dyq.scale_inv, w_col, *_strides(w_col, n), k, w_scale, groups, dy.dtype,
                         precise=True, name=f"dgrad of {name}")
     if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's tokens
         dw = kernels.wgrad(dyq.col, dyq.scale_inv, x_col, x_scale, groups, dy.dtype,
@@ -175,20 +232,33 @@ class JaggedFP8Experts(torch.autograd.Function):
     """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 on the jagged layout (see the
     module docstring). `need_dgrad` / `need_wgrad`: the gradients backward will compute (which columnwise forms the
     forward makes; inside forward, autograd's own flags ignore no_grad). `held`: the weight already quantized
-    (`held_fp8_experts`: FSDP2's gathered experts), else the weight is quantized here."""
+    (`HeldFP8Experts.of`: FSDP2's gathered experts; its columnwise form is read in backward), else the weight is
+    quantized here."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
                 name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels,
-                held: JaggedFP8 | None = None) -> torch.Tensor:
-        y, saved = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad, kernels, held)
+                held: HeldFP8Experts | None = None) -> torch.Tensor:
+        wq = None
+        if held is not None:
+            row, scale_inv = held.take_rowwise()
+            wq = JaggedFP8(row, None, scale_inv)
+        y, saved = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad, kernels, wq)
         ctx.save_for_backward(*saved)
         ctx.groups, ctx.quantizers, ctx.name, ctx.kernels = groups, quantizers, name, kernels
         ctx.w_shape, ctx.w_dtype = tuple(weight.shape), weight.dtype
+        ctx.held = held if need_dgrad else None  # (a handle: the backward unshard fills its columnwise buffers)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        dx, dw = jagged_backward(dy, ctx.saved_tensors, ctx.groups, ctx.quantizers, ctx.name, ctx.kernels,
+        saved = ctx.saved_tensors
+        if ctx.held is not None and ctx.needs_input_grad[0]:
+            w_col = ctx.held.form(COLUMNWISE)
+            if w_col is None:
+                raise RuntimeError(f"hybridq: the gathered experts of {ctx.name} have no per-tensor FP8 columnwise form "
+                                   f"in backward (their rowwise form was per-tensor FP8 in forward)")
+            saved = (saved[0], saved[1], *w_col)
+        dx, dw = jagged_backward(dy, saved, ctx.groups, ctx.quantizers, ctx.name, ctx.kernels,
                                  ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None, None, None, None

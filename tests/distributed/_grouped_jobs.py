@@ -373,9 +373,10 @@ BATCHED_FP8 = [n for n in GROUPED_CASES if n in ("fp8_e4m3", "fp8_e5m2", "fp8_e4
 
 def job_batched_gather(rank, world_size, device, experts=(4, 8), out_features=48, in_features=32):
     """Per-tensor FP8 experts (`BATCHED_FP8`), Shard(0) and (world > 1) Shard(1), `experts` experts: the ops of one
-    steady-state unshard (the second; rowwise gathered, columnwise derived) by name, and every expert's gathered
-    parts against the one-device quantization of its full weight (differences listed)."""
-    out = {"ops": {}, "diffs": [], "checked": 0}
+    steady-state unshard (the second; rowwise gathered, columnwise derived) by name and its Python calls, every
+    expert's gathered parts against the one-device quantization of its full weight (differences listed), and the
+    weight-sized FP8 tensors a forward on the gathered weight saves for backward."""
+    out = {"ops": {}, "diffs": [], "checked": 0, "calls": {}, "saved_fp8": {}}
     for name in BATCHED_FP8:
         factory = GROUPED_CASES[name][0]
         for dim in ((0, 1) if world_size > 1 else (0,)):
@@ -405,4 +406,42 @@ def job_batched_gather(rank, world_size, device, experts=(4, 8), out_features=48
                     out["diffs"] += parts_diff(ge.part(COLUMNWISE), ref_c, f"{where} columnwise")
                     out["checked"] += 1
                 lin.reshard()
+                out["calls"][f"{name} Shard({dim}) E={e_count}"] = _python_calls(lin.unshard)  # (steady state)
+                out["saved_fp8"][f"{name} Shard({dim}) E={e_count}"] = _saved_weight_copies(lin, factory, device)
+                lin.reshard()
     return out
+
+
+def _python_calls(fn) -> int:
+    """Python function calls made by `fn()` (the host work of, e.g., one unshard)."""
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += event == "call"
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def _saved_weight_copies(lin, factory, device) -> list:
+    """The FP8 tensors as large as the experts' weight that a forward of `lin` (its weight unsharded; every tensor in
+    the weight's per-tensor FP8 format: the jagged path) saves for backward (dtype, shape), then runs the backward
+    (dgrad reads the gathered columnwise form)."""
+    lin.recipe = hybridq.CustomRecipe(lambda role: factory(), name="all_fp8")
+    e, n, k = lin.weight.shape
+    splits = [3 * i + 1 for i in range(e)]
+    x = torch.randn(sum(splits), k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.numel() >= e * n * k:
+            saved.append((str(t.dtype), list(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = lin(x, splits)
+    y.float().sum().backward()
+    return saved

@@ -177,3 +177,24 @@ def test_batched_fp8_gather_ops_do_not_grow_with_the_expert_count(batched_gather
             grew = {op: (few.get(op, 0), n) for op, n in ops.items() if n > few.get(op, 0)}
             assert not grew, (f"world {ws} rank {rank} {case}: ops that grow with the experts (E=4 -> E=8): {grew}; "
                               f"all at E=8: {ops}")
+
+
+def test_batched_fp8_gather_host_work_does_not_grow_with_the_expert_count(batched_gather):
+    """One unshard of whole experts per rank (Shard(0)) makes the same Python calls for 4 experts as for 8: the
+    experts' payload metadata is built once per layout and the fill reads every expert's bytes out of the gathered
+    payloads with one copy, no per-expert Python objects (the host cost that made the MoE job host-bound)."""
+    ws, results = batched_gather
+    for rank, res in enumerate(results):
+        for case, calls in res["calls"].items():
+            if "Shard(0)" in case and case.endswith("E=8"):
+                few = res["calls"][case.replace("E=8", "E=4")]
+                assert calls == few, f"world {ws} rank {rank} {case}: {few} Python calls at E=4, {calls} at E=8"
+
+
+def test_gathered_fp8_experts_are_not_copied_for_backward(batched_gather):
+    """A forward on FSDP2-gathered per-tensor FP8 experts reads their stacked rowwise buffers in place and saves no
+    weight-sized FP8 copy for backward: dgrad reads the columnwise form the backward unshard derives."""
+    ws, results = batched_gather
+    for rank, res in enumerate(results):
+        copies = {case: saved for case, saved in res["saved_fp8"].items() if saved}
+        assert not copies, f"world {ws} rank {rank}: weight-sized FP8 tensors saved for backward: {copies}"
