@@ -98,23 +98,29 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # down
 
-    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+    # eager between compiled regions under --compile: FSDP2's gathered quantized experts are no tensor dynamo can
+    # trace (it failed on them); one _grouped_mm / one grouped FP8 op per projection leaves little to fuse here
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, m_splits: torch.Tensor | list[int]) -> torch.Tensor:
         """x [tokens, d_model] sorted by expert, m_splits the token count of each expert."""
         h = F.silu(hybridq.grouped_mm(self, "w1", x, m_splits)) * hybridq.grouped_mm(self, "w3", x, m_splits)
         return hybridq.grouped_mm(self, "w2", h, m_splits)
 
 
-def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-choice top-k dispatch. probs [T, E] (router softmax). Returns (order, token, weight, m_splits):
     `order` sorts the T*k (token, choice) slots by expert (stable: token order within an expert), `token[i]` is the
     token of sorted slot i, `weight[i]` its combine weight (its top-k probabilities renormalised to sum to 1), and
-    `m_splits[e]` the slots of expert e."""
+    `m_splits[e]` the slots of expert e (int64 `[E]` on probs' device: no host sync, as torchtitan's router; the
+    grouped GEMMs read the counts on the device)."""
     top_p, top_e = probs.topk(top_k, dim=-1)  # [T, k]
     if top_k > 1:
         top_p = top_p / top_p.sum(-1, keepdim=True)
     flat_e = top_e.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
-    m_splits = torch.bincount(flat_e, minlength=probs.shape[-1]).tolist()
+    # (not torch.bincount: on CUDA it reads the input's max on the host, a sync per layer)
+    m_splits = torch.zeros(probs.shape[-1], dtype=torch.int64, device=probs.device).index_add_(
+        0, flat_e, torch.ones_like(flat_e))
     return order, order // top_k, top_p.reshape(-1)[order], m_splits
 
 
@@ -143,7 +149,7 @@ class MoE(nn.Module):
         y = self.experts(flat[token], m_splits)
         out = combine(y, order, weight, flat.shape[0], self.top_k)
         # Switch Transformer: E * sum_e (fraction of slots routed to e) * (mean router probability of e)
-        frac = torch.tensor(m_splits, dtype=torch.float32, device=probs.device) / max(1, order.numel())
+        frac = m_splits.float() / max(1, order.numel())
         self.aux_loss = self.num_experts * (frac * probs.mean(0)).sum()
         return out.view(shape).to(x.dtype)
 

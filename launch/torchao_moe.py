@@ -42,6 +42,8 @@ class GroupedMMExperts(Experts):
     torchao's converted expert weights take over."""
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        if isinstance(m_splits, torch.Tensor):  # (the router's device counts: padded_groups lays out on the host)
+            m_splits = m_splits.tolist()
         dest, offs, rows = padded_groups(list(m_splits), x.device)
         xp = x.new_zeros(rows, x.shape[-1]).index_copy(0, dest, x)
 

@@ -36,14 +36,30 @@ def test_route_sorts_slots_by_expert_and_counts_them(e, k):
     order, token, weight, m_splits = job_model.route(probs, k)
     top_p, top_e = probs.topk(k, -1)
     expert_of_slot = top_e.reshape(-1)[order]
-    assert sum(m_splits) == 37 * k and len(m_splits) == e
-    assert torch.equal(expert_of_slot, torch.repeat_interleave(torch.arange(e), torch.tensor(m_splits))), \
+    assert m_splits.dtype == torch.int64 and m_splits.device == probs.device, "m_splits: int64 counts on probs' device"
+    assert int(m_splits.sum()) == 37 * k and len(m_splits) == e
+    assert torch.equal(expert_of_slot, torch.repeat_interleave(torch.arange(e), m_splits)), \
         "slots are not grouped by expert in m_splits order"
     for ex in range(e):  # stable: token order within an expert
         toks = token[expert_of_slot == ex]
         assert torch.equal(toks, toks.sort().values), f"expert {ex}: tokens out of order {toks.tolist()}"
     want = (top_p / top_p.sum(-1, keepdim=True)) if k > 1 else top_p
     assert torch.equal(weight, want.reshape(-1)[order])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_route_counts_stay_on_the_device_without_a_host_sync():
+    """The router's counts stay on the device (no bincount max, no .tolist()): routing issues no host sync."""
+    probs = torch.randn(4096, 16, device="cuda").softmax(-1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        order, token, weight, m_splits = job_model.route(probs, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = torch.bincount(probs.topk(2, -1).indices.reshape(-1), minlength=16)
+    assert torch.equal(m_splits, ref), (m_splits.tolist(), ref.tolist())
 
 
 @pytest.mark.parametrize("e, k", [(4, 1), (4, 2), (3, 3)])
@@ -118,6 +134,22 @@ def test_tiny_moe_job_trains_under_fsdp2(tmp_path):
     losses = runs_of(read_metrics(tmp_path / "m.jsonl"))["mxfp8_fwd_nvfp4_bwd"]["losses"]
     assert len(losses) == 8 and all(v == v and abs(v) < 1e9 for v in losses), losses
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, f"loss did not fall: {losses}"
+
+
+@pytest.mark.distributed
+def test_tiny_moe_job_trains_compiled_with_fp8_experts(tmp_path):
+    """--compile with per-tensor FP8 experts gathered by FSDP2: the blocks compile around the experts (which run
+    eagerly between compiled regions) and the loss falls (dynamo failed on the gathered experts before)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--d-model", "64", "--n-layers", "2", "--n-heads", "2",
+           "--hidden", "64", "--seq", "64", "--batch", "2", "--steps", "4", "--eval-batches", "1", "--no-progress",
+           "--device", "cpu", "--compile", "--recipe", "fp8_tensorwise", "--moe", "4", "--top-k", "2",
+           "--metrics", "m.jsonl"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-6000:]}"
+    losses = runs_of(read_metrics(tmp_path / "m.jsonl"))["fp8_tensorwise"]["losses"]
+    assert len(losses) == 4 and all(v == v and abs(v) < 1e9 for v in losses), losses
+    assert losses[-1] < losses[0], f"loss did not fall: {losses}"
 
 
 @pytest.mark.parametrize("recipe", [r for r in config.PRESETS if r != "fp8_delayed"])
