@@ -266,6 +266,25 @@ def test_token_groups_give_the_padded_layout_bounds_without_a_host_sync():
     assert device_only.known_sizes() is None, "padded_width read the device counts"
 
 
+def test_token_groups_of_one_routing_are_built_once():
+    """The projections of one MoE layer (same counts) share one TokenGroups: one host-to-device copy of the counts
+    and one set of group bounds per layer, not per projection. New counts (other values, or the same tensor changed
+    in place) or another token total build new groups."""
+    cpu = torch.device("cpu")
+    a = TokenGroups.build([5, 0, 17], 22, cpu)
+    assert TokenGroups.build([5, 0, 17], 22, cpu) is a, "equal host counts built the groups again"
+    assert TokenGroups.build([5, 1, 16], 22, cpu) is not a, "other counts reused the groups"
+    counts = torch.tensor([3, 4], dtype=torch.int64)  # (as a device m_splits: kept by identity and version)
+    b = TokenGroups.build(counts, 7, cpu)
+    assert TokenGroups.build(counts, 7, cpu) is b, "the same unchanged counts tensor built the groups again"
+    assert TokenGroups.build(counts, 8, cpu) is not b, "another token total reused the groups"
+    b = TokenGroups.build(counts, 7, cpu)
+    counts[0] = 4
+    counts[1] = 3
+    rebuilt = TokenGroups.build(counts, 7, cpu)
+    assert rebuilt is not b and rebuilt.host_sizes() == [4, 3], "counts changed in place reused stale groups"
+
+
 def _unpadded_columns(col: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[str]]:
     """The columnwise form of the CUDA kernels' padded layout (each group from a column multiple of 16, zero-padded
     to a multiple of 16) as the plain byte transpose, and what is wrong with its padding."""
