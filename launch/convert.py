@@ -6,6 +6,8 @@ trains in high precision would be the worst outcome a benchmark can have.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch.nn as nn
 
 import hybridq
@@ -62,15 +64,15 @@ def convert(model: nn.Module, recipe_name: str, args) -> tuple[list[list[str]], 
     if n_conv == 0:
         raise ConfigError(no_layer_converted(recipe_name, [(r[0], r[5]) for r in rows[1:]]))
     for l in report.norms:
-        rows.append([l.name, "hybridq.nn.RMSNorm" if l.converted else "norm kept", "-", "-", "-", l.reason])
+        rows.append([l.name, l.replacement if l.converted else "module kept", "-", "-", "-", l.reason])
     summary = (f"{n_conv} of {len(linear_names)} Linear layers"
                + (f" and {n_grouped} of {len(grouped)} grouped expert weights" if grouped else "")
                + (" converted by hybridq.apply_hybrid_fsdp (FSDP2 all-gathers their weights quantized; gradients "
                   f"reduce-scattered {GRAD_WIRES[args.grad_reduce]}). "
                   if gather_quantized else " converted by hybridq.convert_linears (FSDP2 all-gathers their weights "
                   "in param_dtype; each Linear quantizes its weight itself). ")
-               + (f"{sum(l.converted for l in report.norms)} RMSNorm modules run as hybridq.nn.RMSNorm. "
-                  if report.norms else "")
+               + "".join(f"{n} modules run as {kind}. " for kind, n in sorted(Counter(
+                   l.replacement for l in report.norms if l.converted).items()))
                + "Directions: forward y = x.row @ W.row; dgrad = dy.row @ W.col; wgrad = dy.col @ x.col "
                "(hybrid[row / col] names both; a plain format serves both).")
     return rows, summary

@@ -99,8 +99,8 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     torch.manual_seed(args.seed)
     model = Transformer(model_config(args))  # identical initial weights on every rank and for every recipe
     if recipe_name in (BASELINE, *TORCHAO_RECIPES) and args.norms == "hybridq":
-        swapped = [l.name for l in hybridq.convert_norms(model) if l.converted]
-        out(f"\n{len(swapped)} RMSNorm modules run as hybridq.nn.RMSNorm (--norms hybridq)")
+        swapped = [l.replacement for l in hybridq.convert_norms(model) if l.converted]
+        out(f"\n{len(swapped)} modules run as {' / '.join(sorted(set(swapped)))} (--norms hybridq)")
     if recipe_name == TORCHAO:
         convert_torchao(model, args, out)
     elif recipe_name == TORCHAO_MOE:

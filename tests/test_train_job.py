@@ -289,6 +289,7 @@ def _report(recipe: str, *flags: str) -> dict[str, list[str]]:
 LINEARS = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv", "layers.0.attention.wo",
            "layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.0.feed_forward.w2"]
 NORMS = ["norm", "layers.0.attention_norm", "layers.0.ffn_norm"]
+FEED_FORWARDS = ["layers.0.feed_forward"]  # (swapped for hybridq.nn.SwiGLU with the norms)
 
 
 @pytest.mark.parametrize("recipe, expect", [
@@ -305,7 +306,8 @@ NORMS = ["norm", "layers.0.attention_norm", "layers.0.ffn_norm"]
 ])
 def test_per_layer_report_lists_each_directions_format(recipe, expect):
     rep = _report(recipe)
-    assert list(rep) == LINEARS + ["output"] + NORMS, "every Linear, in model order, then the RMSNorms"
+    assert list(rep) == LINEARS + ["output"] + NORMS + FEED_FORWARDS, \
+        "every Linear, in model order, then the RMSNorms and the feed-forwards"
     for name in LINEARS:
         status, *cells, why = rep[name]
         assert status == "converted", (name, why)
@@ -314,6 +316,7 @@ def test_per_layer_report_lists_each_directions_format(recipe, expect):
             assert all(p >= 0 for p in pos) and pos == sorted(pos), (recipe, name, cell, needles)
     assert rep["output"][0] == "skipped" and "high precision" in rep["output"][-1]
     assert all(rep[n][0] == "hybridq.nn.RMSNorm" for n in NORMS), [rep[n] for n in NORMS]
+    assert all(rep[n][0] == "hybridq.nn.SwiGLU" for n in FEED_FORWARDS), [rep[n] for n in FEED_FORWARDS]
 
 
 def test_norms_model_keeps_the_models_rms_norms():
