@@ -110,3 +110,24 @@ def test_device_m_splits_are_checked_without_reading_them():
         checked_m_splits(s[:3], E, 10, "moe")
     with pytest.raises(ValueError, match="1-D integer tensor"):
         checked_m_splits(s.float(), E, 10, "moe")
+
+
+def test_device_counts_are_read_on_the_host_once_per_tensor(monkeypatch):
+    """The projections of one MoE layer share the router's counts: the per-expert paths read a counts tensor's values
+    once (one host sync per layer, not one per projection), and again after the tensor changed in place."""
+    from hybridq.nn.m_splits import host_counts
+    counts = torch.tensor(SPLITS)
+    reads = []
+    real = torch.Tensor.tolist
+
+    def counted(t):
+        reads.append(t)
+        return real(t)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    first, again = host_counts(counts), host_counts(counts)
+    counts[0] += 1
+    counts[2] -= 1
+    changed = host_counts(counts)
+    monkeypatch.undo()
+    assert first == again == SPLITS and changed == [4, 0, 4, 2], (first, again, changed)
+    assert len(reads) == 2, f"{len(reads)} host reads for one tensor read twice, then changed once"

@@ -25,7 +25,7 @@ from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_qu
 from .grouped_packed_blocks import PackedBlockExperts, token_multiple
 from .grouped_jagged import HeldFP8Experts, JaggedFP8Experts, TokenGroups
 from .grouped_high_precision import grouped_mm_high_precision
-from .m_splits import check_split_values, checked_m_splits
+from .m_splits import check_split_values, checked_m_splits, host_counts
 from .linear_function import _LinearConfig, apply_linear, cached_quantized_weight, gradients_needed
 from .quantized_experts import check_grouped_layer, expert_weight_for_call, install_grouped, is_quantized_experts
 from .quantized_params import check_held_weight_format, init_config, install_quantized_hooks
@@ -270,7 +270,7 @@ class GroupedLinear(nn.Module):
 
     def _host_splits(self, splits: list[int] | torch.Tensor, tokens: int) -> list[int]:
         if isinstance(splits, torch.Tensor):  # (one host sync: the per-expert and padded paths slice on the host)
-            return check_split_values(splits.tolist(), self.num_experts, tokens, self.name)
+            return check_split_values(host_counts(splits), self.num_experts, tokens, self.name)
         return splits
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["checked_m_splits", "check_split_values", "host_m_splits"]
+__all__ = ["checked_m_splits", "check_split_values", "host_counts", "host_m_splits"]
 
 
 def _is_bool_dtype(t: Any) -> bool:
@@ -78,8 +78,22 @@ def checked_m_splits(m_splits: Any, num_experts: int, tokens: int, name: str) ->
 
 def host_m_splits(m_splits: Any, num_experts: int, tokens: int, name: str) -> list[int]:
     """`checked_m_splits` for a caller that needs the counts on the host (per-expert loops, `Tensor.split`): a
-    device tensor is read (one sync) and its values checked too."""
+    device tensor is read (one sync, `host_counts`) and its values checked too."""
     splits = checked_m_splits(m_splits, num_experts, tokens, name)
     if isinstance(splits, torch.Tensor):
-        splits = check_split_values(splits.tolist(), num_experts, tokens, name)
+        splits = check_split_values(host_counts(splits), num_experts, tokens, name)
     return splits
+
+
+def host_counts(counts: torch.Tensor) -> list[int]:
+    """A device counts tensor's values on the host, read once per tensor: the projections of one MoE layer share the
+    router's counts, so a layer syncs once, not once per projection (read again after an in-place change)."""
+    last = _LAST_READ[0]
+    if last is not None and last[0] is counts and last[1] == counts._version:
+        return list(last[2])
+    values = [int(v) for v in counts.tolist()]
+    _LAST_READ[0] = (counts, counts._version, values)
+    return list(values)
+
+
+_LAST_READ: list = [None]  # ((counts tensor, its version, its values) of the last read)
