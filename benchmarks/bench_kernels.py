@@ -8,6 +8,7 @@ copy bandwidth measured in the same run.
     python benchmarks/bench_kernels.py                 # everything (torch.compile: a few minutes of compiling)
     python benchmarks/bench_kernels.py --no-compile    # skip torch.compile
     python benchmarks/bench_kernels.py --sizes 8192 --cases fp8_tensorwise,mxfp8 --json out.json
+    python benchmarks/bench_kernels.py --no-compile --no-reference --sizes 16384 --dequant  # + the dequantize kernels
     python benchmarks/bench_kernels.py --tile-cfgs 0,2,g8  # also time the op under other tile-kernel configurations:
                         # N = HYBRIDQ_TILE_CFG=N (needs a build with HYBRIDQ_TILE_VARIANTS=1; 0 one-shot, 2 three
                         # stages x 512 threads), gN = HYBRIDQ_TILE_GROUP=N (tile order: groups of N tile rows)
@@ -15,6 +16,8 @@ copy bandwidth measured in the same run.
 Rows besides the quantizers: `fp8_tensorwise_cast` is the cast pass of per-tensor FP8 alone (amax given, as with a
 global amax), `amax` the max|x| pass alone (bytes = the input read once). `--delayed N` also times the
 delayed-scaling update of N quantizers (history 1024): `update_delayed_scaling` against a loop of `update()`.
+NVFP4 rows also time the quantize kernel alone, its global amaxes given (the op without them first reads the input
+once more for them: with rht, transforming it too); `--dequant` adds the MXFP8 / NVFP4 dequantize kernels.
 """
 
 from __future__ import annotations
@@ -95,6 +98,37 @@ def raw_op(q, x, r, c, name=""):
     return None
 
 
+def tile_op(q, x, r, c):
+    """NVFP4's quantize kernel alone (the op with its global amaxes given, as a sharded tensor gets them), or None.
+    The op without them first runs an amax pass over the input (with rht: the transform too)."""
+    if not isinstance(q, NVFP4Quantizer):
+        return None
+    ops = torch.ops.hybridq
+    p = ops.nvfp4_quantize(x, q.block_2d, q.rht, q.stochastic_rounding, None, r, c)
+    am_r, am_c = p[2], p[5]
+    return lambda: ops.nvfp4_quantize(x, q.block_2d, q.rht, q.stochastic_rounding, None, r, c, am_r, am_c)
+
+
+def bench_dequant(n: int, bw: float, iters: int) -> list:
+    """The MXFP8 / NVFP4 dequantize kernels (a rowwise part of an n x n bf16 input) to bf16 and fp32: bytes = codes +
+    scales read + values written."""
+    ops = torch.ops.hybridq
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    nv = ops.nvfp4_quantize(x, False, False, False, None, True, False)
+    mx = ops.mxfp8_quantize(x, torch.float8_e4m3fn, False, True, False, False)
+    rows = []
+    for dt in (torch.bfloat16, torch.float32):
+        for name, fn, ins in (("nvfp4_dequant", lambda: ops.nvfp4_dequantize(nv[0], nv[1], nv[2], False, True, dt),
+                               (nv[0], nv[1])),
+                              ("mxfp8_dequant", lambda: ops.mxfp8_dequantize(mx[0], mx[1], dt), (mx[0], mx[1]))):
+            nbytes = sum(t.numel() * t.element_size() for t in ins) + n * n * torch.finfo(dt).bits // 8
+            t = bench(fn, iters=iters)
+            rows.append({"case": f"{name}_{str(dt).split('.')[-1]}", "n": n, "bytes": nbytes, "op_ms": t,
+                         "op_frac": nbytes / (t * 1e-3) / bw})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def out_bytes(parts) -> int:
     return sum(p.nbytes() for p in parts if p is not None)
 
@@ -115,6 +149,7 @@ def main() -> None:
     ap.add_argument("--tile-cfgs", default="", help="comma-separated tile-kernel variants to time the op under "
                                                     "(N: HYBRIDQ_TILE_CFG=N, gN: HYBRIDQ_TILE_GROUP=N)")
     ap.add_argument("--delayed", type=int, default=0, help="also time the delayed-scaling update of N quantizers")
+    ap.add_argument("--dequant", action="store_true", help="also time the MXFP8 / NVFP4 dequantize kernels")
     args = ap.parse_args()
     tile_cfgs = [c for c in args.tile_cfgs.split(",") if c]
 
@@ -149,6 +184,10 @@ def main() -> None:
             if op is not None:
                 t_o = bench(op, iters=args.iters)
                 row.update(op_ms=t_o, op_frac=nbytes / (t_o * 1e-3) / bw)
+                tile = tile_op(q, x, r, c)
+                if tile is not None:  # NVFP4: the quantize kernel alone, its global amaxes given
+                    t_t = bench(tile, iters=args.iters)
+                    row.update(tile_ms=t_t, tile_frac=nbytes / (t_t * 1e-3) / bw)
                 for cfg in tile_cfgs:
                     var = "HYBRIDQ_TILE_GROUP" if cfg.startswith("g") else "HYBRIDQ_TILE_CFG"
                     os.environ[var] = cfg.lstrip("g")
@@ -187,6 +226,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del x
         torch.cuda.empty_cache()
+        if args.dequant:
+            rows += bench_dequant(n, bw, args.iters)
+            torch.cuda.empty_cache()
 
     def f(v, fmt):
         return "-" if v is None else fmt.format(v)
@@ -195,11 +237,20 @@ def main() -> None:
           f"compiled ms | compiled % |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "kernel_ms" not in r:  # dequantize rows: below
+            continue
         print(f"| {r['case']} | {r['n']}^2 | {r['bytes'] / 1e6:.0f} | {f(r.get('op_ms'), '{:.3f}')} | "
               f"{f(r.get('op_frac') and 100 * r['op_frac'], '{:.0f}%')} | {r['kernel_ms']:.3f} | {100 * r['kernel_frac']:.0f}% | "
               f"{f(r.get('ref_ms'), '{:.2f}')} | {f(r.get('ref_frac') and 100 * r['ref_frac'], '{:.0f}%')} | "
               f"{f(r.get('compiled_ms'), '{:.3f}')} | "
               f"{f(r.get('compiled_frac') and 100 * r['compiled_frac'], '{:.0f}%')} |")
+    extra = [r for r in rows if "tile_ms" in r or "kernel_ms" not in r]
+    if extra:
+        print("\n| case | size | MB moved | kernel ms (% of copy BW) |\n|---|---|---|---|")
+        for r in extra:  # NVFP4's quantize kernel alone (amaxes given), the dequantize kernels
+            ms, frac = (r["tile_ms"], r["tile_frac"]) if "tile_ms" in r else (r["op_ms"], r["op_frac"])
+            name = r["case"] + (" (amax given)" if "tile_ms" in r else "")
+            print(f"| {name} | {r['n']}^2 | {r['bytes'] / 1e6:.0f} | {ms:.3f} ({100 * frac:.0f}%) |")
     if tile_cfgs:
         print(f"\n| case | size | " + " | ".join(f"cfg {c} ms (% copy BW)" for c in tile_cfgs) + " |")
         print("|---|---|" + "---|" * len(tile_cfgs))
