@@ -198,18 +198,13 @@ inline float hq_host_fma_rz(float a, float s, float c) {
 }
 #endif
 
-HQ_HD float fma_rn(float a, float s, float c) {
+// a * s + c rounded once: to nearest even, or (RZ) toward zero
+template <bool RZ>
+HQ_HD float fma_round(float a, float s, float c) {
 #ifdef __CUDA_ARCH__
-  return __fmaf_rn(a, s, c);
+  return RZ ? __fmaf_rz(a, s, c) : __fmaf_rn(a, s, c);
 #else
-  return fmaf(a, s, c);
-#endif
-}
-HQ_HD float fma_rz(float a, float s, float c) {
-#ifdef __CUDA_ARCH__
-  return __fmaf_rz(a, s, c);
-#else
-  return hq_host_fma_rz(a, s, c);
+  return RZ ? hq_host_fma_rz(a, s, c) : fmaf(a, s, c);
 #endif
 }
 HQ_HD uint32_t min3_u32(uint32_t a, uint32_t b, uint32_t c) {
@@ -220,8 +215,8 @@ HQ_HD uint32_t min3_u32(uint32_t a, uint32_t b, uint32_t c) {
 // kE2m1Bias + the magnitude code (0..7) of v rounded to nearest even, saturating at 6 (NaN: 7)
 HQ_HD uint32_t e2m1_mag_biased(float v) {
   const float a = fminf(fabsf(v), 6.0f);  // (fminf: NaN -> 6)
-  return min3_u32(f2u(fma_rn(a, 2.0f, 8388608.0f)), f2u(fma_rn(a, 1.0f, 8388610.0f)),
-                  f2u(fma_rn(a, 0.5f, 8388612.0f)));
+  return min3_u32(f2u(fma_round<false>(a, 2.0f, 8388608.0f)), f2u(fma_round<false>(a, 1.0f, 8388610.0f)),
+                  f2u(fma_round<false>(a, 0.5f, 8388612.0f)));
 }
 
 // the magnitude code (0..7) of v stochastically rounded with the uniform u in [0, 1): the largest code at or below
@@ -230,8 +225,8 @@ HQ_HD uint32_t e2m1_mag_biased(float v) {
 // u * step are exact (Sterbenz; the steps are powers of two), so the comparison is e2m1_code_sr's u < frac.
 HQ_HD uint32_t e2m1_mag_sr(float v, float u) {
   const float a = fminf(fabsf(v), 6.0f);
-  const uint32_t lo = min3_u32(f2u(fma_rz(a, 2.0f, 8388608.0f)), f2u(fma_rz(a, 1.0f, 8388610.0f)),
-                               f2u(fma_rz(a, 0.5f, 8388612.0f))) - kE2m1Bias;
+  const uint32_t lo = min3_u32(f2u(fma_round<true>(a, 2.0f, 8388608.0f)), f2u(fma_round<true>(a, 1.0f, 8388610.0f)),
+                               f2u(fma_round<true>(a, 0.5f, 8388612.0f))) - kE2m1Bias;
   const float lv = u2f(lo << 22) * 0x1p126f, hv = u2f((lo + 1u) << 22) * 0x1p126f;
   return lo + (u * (hv - lv) < a - lv ? 1u : 0u);
 }
@@ -296,8 +291,8 @@ constexpr float kRcp2688 = 1.0f / 2688.0f;
 HQ_HD bool nvfp4_div2688_ok(float amax) { return amax >= 0x1p-60f && amax <= 0x1p100f; }
 HQ_HD float nvfp4_div2688(float x) {
   const float q0 = x * kRcp2688;
-  const float rem = fma_rn(-q0, 2688.0f, x);
-  return u2f(f2u(fma_rn(rem, kRcp2688, q0)) | (f2u(x) & 0x80000000u));
+  const float rem = fma_round<false>(-q0, 2688.0f, x);
+  return u2f(f2u(fma_round<false>(rem, kRcp2688, q0)) | (f2u(x) & 0x80000000u));
 }
 
 // enc = min(1 / (fp32(s) * S_dec), FLT_MAX), S_dec = 1 / S_enc
