@@ -69,6 +69,20 @@ int main() {
         if (!ok && bad++ == 0) first = x;
       }
       printf("%llu %llu %llx\n", n, bad, first);
+    } else if (op == 'u') {  // philox_uniform4's floats vs (counter >> 8) * 2^-24 by integer-to-float conversion
+      unsigned long long bad = 0;
+      for (uint64_t g = 0; g < 200000; ++g) {
+        const uint64_t seed = 0x9E3779B97F4A7C15ull * (a + 1), offset = 4 * g;
+        float u[4];
+        philox_uniform4(seed, offset, static_cast<uint32_t>(g & 1), g * 977, u);
+        uint32_t c[4] = {static_cast<uint32_t>(g * 977), static_cast<uint32_t>((g * 977) >> 32),
+                         static_cast<uint32_t>(offset) + static_cast<uint32_t>(g & 1),
+                         static_cast<uint32_t>(offset >> 32)};
+        philox4x32_10(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+        for (int i = 0; i < 4; ++i)
+          bad += f2u(u[i]) != f2u(static_cast<float>(c[i] >> 8) * (1.0f / 16777216.0f));
+      }
+      printf("%llu\n", bad);
     } else if (op == 'v') {  // e2m1_value_fast vs e2m1_value, the 16 codes
       for (uint32_t c = 0; c < 16; ++c) printf("%u%c", f2u(e2m1_value_fast(c)) == f2u(e2m1_value(c)) ? 1 : 0, c == 15 ? '\n' : ' ');
     } else if (op == 'r' || op == 'i') {  // a 16-point transform of the group a, b1..b15 (fp32 bits)
@@ -212,3 +226,8 @@ def test_fast_element_forms_equal_the_per_element_rules(numerics_bin, case):
 def test_fast_e2m1_value_equals_the_table(numerics_bin):
     same = _run(numerics_bin, ["v 0"])[0].split()
     assert same == ["1"] * 16, f"e2m1_value_fast differs from e2m1_value for codes {[i for i, s in enumerate(same) if s != '1']}"
+
+
+def test_stochastic_rounding_uniforms_are_the_counters_top_24_bits(numerics_bin):
+    bad = int(_run(numerics_bin, ["u 3"])[0])
+    assert bad == 0, f"philox_uniform4: {bad} of 800000 uniforms differ from (counter >> 8) * 2^-24"
