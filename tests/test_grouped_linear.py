@@ -343,3 +343,19 @@ def test_no_tokens_at_all_gives_zero_gradients(preset):
     y.sum().backward()
     assert g.weight.grad is not None and not g.weight.grad.any(), "weight gradient of an empty call is not zero"
     assert not g.bias.grad.any(), "bias gradient of an empty call is not zero"
+
+
+def test_the_path_choice_compares_the_experts_quantizers_once_per_recipe(monkeypatch):
+    """Which path runs (packed / jagged / per expert) depends on the experts' quantizers only: they are compared
+    (E x 3 quantizer comparisons) once per recipe, not at every call; a new recipe is looked at again."""
+    import hybridq.nn.grouped as grouped_mod
+    real, calls = grouped_mod.packed_quantizers, []
+    monkeypatch.setattr(grouped_mod, "packed_quantizers", lambda qs: calls.append(1) or real(qs))
+    g = hq.GroupedLinear(E, IN, OUT, recipe=hq.recipe("fp8_tensorwise"), name="moe")
+    x, _ = _data(SPLITS, torch.float32)
+    for _ in range(3):
+        g(x, SPLITS).sum().backward()
+    assert len(calls) == 1, f"the experts' quantizers were compared {len(calls)} times in 3 calls"
+    g.recipe = hq.recipe("mxfp8")
+    g(x, SPLITS)
+    assert len(calls) == 2, "a new recipe reused the old path choice"

@@ -247,6 +247,14 @@ class GroupedLinear(nn.Module):
                                                  tuple(qs["weight"] for qs in self.expert_quantizers))
         return hit[1]
 
+    def _packed_kind(self):
+        """`packed_quantizers` of the experts' quantizers, once per recipe (it compares every expert's quantizers:
+        E x 3 dataclass comparisons per call otherwise)."""
+        hit = self.__dict__.get("_packed")
+        if hit is None or hit[0] is not self.expert_quantizers:
+            hit = self.__dict__["_packed"] = (self.expert_quantizers, packed_quantizers(self.expert_quantizers))
+        return hit[1]
+
     def describe_formats(self) -> dict[str, str]:
         """tensor type -> format, with the experts' descriptions joined where they differ."""
         return {t: " | ".join(dict.fromkeys(qs[t].describe() for qs in self.expert_quantizers)) for t in TENSORS}
@@ -299,7 +307,7 @@ class GroupedLinear(nn.Module):
         # a router's per-expert counts are rarely multiples of 16: without padding the hardware GEMMs refuse them
         # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
         multiple = native_row_multiple(x.device)
-        kind = (packed_quantizers(self.expert_quantizers)
+        kind = (self._packed_kind()
                 if (self.packed_path and override is None and not gathered and not held_quantized
                     and is_first_microbatch is None
                     and self.bias is None and not self.save_original_input) else None)
@@ -353,7 +361,7 @@ class GroupedLinear(nn.Module):
                 and is_first_microbatch is None and self.bias is None and not self.save_original_input):
             return None
         if gathered:  # (kind is None for a gathered weight: the packed paths quantize the weight themselves)
-            kind = packed_quantizers(self.expert_quantizers)
+            kind = self._packed_kind()
         if kind is None or kind.kind != FP8_TENSOR:
             return None
         kernels = jagged_fp8_kernels(x.device, self.in_features, self.out_features, kind.quantizers)
