@@ -33,6 +33,25 @@ _NORMS = tuple((candidate, torch_type, new_type, f"hybridq.nn.{new_type.__name__
                    (is_layer_norm_candidate, nn.LayerNorm, LayerNorm, ("weight", "bias"))))
 
 
+def _norm_blocker(torch_type: type, params: tuple[str, ...], new_name: str) -> Callable[[nn.Module], str | None]:
+    def blocker(child: nn.Module) -> str | None:
+        base = torch_type if isinstance(child, torch_type) else nn.Module
+        # (the weight always; a protocol norm may have no bias at all)
+        takes = params[:1] + tuple(n for n in params[1:] if n in child._parameters)
+        return replacement_blocker(child, base, takes, new_name, frozenset({"forward"}))
+    return blocker
+
+
+def _swaps() -> list[tuple]:
+    """(is a candidate, make the replacement, why a candidate cannot be swapped (its own checks aside), the
+    attributes the replacement sets up, its name) of each module kind convert_norms swaps."""
+    out = [(candidate, new_type.from_module, _norm_blocker(torch_type, params, new_name), attrs, new_name)
+           for candidate, torch_type, new_type, new_name, params, attrs in _NORMS]
+    # (SwiGLU.from_module checks the rest: children, parameters, hooks, methods, the probe)
+    out.append((is_swiglu_candidate, SwiGLU.from_module, lambda child: None, _MODULE_STD, _SWIGLU))
+    return out
+
+
 @dataclasses.dataclass
 class LayerReport:
     """What conversion did to one layer. `previous_recipe`: the name of the recipe a layer that was already a
@@ -200,43 +219,26 @@ def convert_norms(model: nn.Module, module_filter_fn: Callable[[nn.Module, str],
     """Swap every RMSNorm and LayerNorm of `model` the filter accepts -- torch.nn.RMSNorm / LayerNorm, or a module
     following the RMSNorm / LayerNorm protocol (hybridq.nn.norm, hybridq.nn.layer_norm) -- for hybridq.nn.RMSNorm /
     LayerNorm sharing its parameters, and every SwiGLU feed-forward (the protocol of hybridq.nn.swiglu: children
-    w1, w2, w3, forward w2(silu(w1 x) * w3 x)) for hybridq.nn.SwiGLU holding the same Linears; a candidate that fails the protocol's checks, or that the swap would lose
-    behaviour of (as in `convert_linears`; its forward is checked on a probe input instead), is kept, with the reason
-    in its report row (never raises: nothing is changed for it)."""
+    w1, w2, w3, forward w2(silu(w1 x) * w3 x)) for hybridq.nn.SwiGLU holding the same Linears; a candidate that
+    fails the protocol's checks, or that the swap would lose behaviour of (as in `convert_linears`; its forward is
+    checked on a probe input instead), is kept, with the reason in its report row (never raises: nothing is changed
+    for it)."""
     readers = direct_readers(model)
     reports = []
-    for candidate, torch_type, new_type, new_name, params, attrs in _NORMS:
+    for candidate, make, blocker, attrs, new_name in _swaps():
         for parent, child_name, full, child in _children(model, module_filter_fn, candidate):
-            base = torch_type if isinstance(child, torch_type) else nn.Module
-            # (the weight always; a protocol norm may have no bias at all)
-            takes = params[:1] + tuple(n for n in params[1:] if n in child._parameters)
-            why = readers.get(full) or replacement_blocker(child, base, takes, new_name, frozenset({"forward"}))
+            why = readers.get(full) or blocker(child)
             if why is None:
                 try:
-                    new = new_type.from_module(child, name=full)
+                    new = make(child, name=full)
                 except ValueError as e:
                     why = str(e)
                 else:
                     why = carry_over(child, new, attrs, new_name)
             if why is not None:
-                log.warning("hybridq: keeping norm '%s': %s", full, why)
+                log.warning("hybridq: keeping '%s': %s", full, why)
                 reports.append(LayerReport(full, False, reason=why))
                 continue
             setattr(parent, child_name, new)
             reports.append(LayerReport(full, True, replacement=new_name))
-    for parent, child_name, full, child in _children(model, module_filter_fn, is_swiglu_candidate):
-        why = readers.get(full)
-        if why is None:
-            try:
-                new = SwiGLU.from_module(child, name=full)
-            except ValueError as e:
-                why = str(e)
-            else:
-                why = carry_over(child, new, _MODULE_STD, _SWIGLU)
-        if why is not None:
-            log.warning("hybridq: keeping feed-forward '%s': %s", full, why)
-            reports.append(LayerReport(full, False, reason=why))
-            continue
-        setattr(parent, child_name, new)
-        reports.append(LayerReport(full, True, replacement=_SWIGLU))
     return reports
