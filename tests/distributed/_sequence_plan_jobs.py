@@ -24,7 +24,7 @@ from hybridq.distributed.sequence import SequenceGather
 from hybridq.tensor import QuantizedTensor
 
 from _compare import parts_diff, tensor_diff
-from _tp_jobs import deterministic_recipe
+from _tp_jobs import GemmRecorder, deterministic_recipe
 
 PRESETS = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
            "fp8_fwd_high_precision_bwd"]
@@ -123,11 +123,12 @@ def job_gather(rank, world_size, device):
     return out
 
 
-class OperandRecorder:
-    """The dequantized input operand of every fprop and wgrad GEMM, by layer (what reaches the GEMM)."""
+class OperandRecorder(GemmRecorder):
+    """The dequantized input operand of every fprop and wgrad GEMM, by layer (what reaches the GEMM; the eager
+    FP8 fast path off meanwhile, as GemmRecorder's)."""
 
     def __enter__(self):
-        self.seen, self.orig = {}, hq_linear.gemm
+        super().__enter__()
 
         def gemm(a, b, dtype, what):
             if what.startswith(("fprop of ", "wgrad of ")):
@@ -135,9 +136,6 @@ class OperandRecorder:
             return self.orig(a, b, dtype, what)
         hq_linear.gemm = gemm
         return self
-
-    def __exit__(self, *exc):
-        hq_linear.gemm = self.orig
 
 
 class TwoReaders(nn.Module):
@@ -226,6 +224,8 @@ def job_layers(rank, world_size, device):
             d = tensor_diff(got, want, f"{preset} {what}")
             if d is not None:
                 diffs.append(d)
+        if len(rec_r.seen) != 4:
+            diffs.append(f"{preset}: not every fprop and wgrad GEMM of the single device seen: {list(rec_r.seen)}")
         for what, want in rec_r.seen.items():
             cmp(rec_t.seen.get(what, torch.empty(0)), want, f"{what} input operand")
         n = out_features // world_size

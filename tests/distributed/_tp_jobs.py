@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import hybridq
 import hybridq.nn.linear_function as hq_linear
 from hybridq import NVFP4Quantizer
+from hybridq.nn.float8_graph import eager_fast_path
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from _compare import close_diff, tensor_diff  # noqa: E402
@@ -116,7 +117,8 @@ def tp_plan(seq_dim: int) -> dict:
 
 
 class GemmRecorder:
-    """Records the dequantized operands of every fprop GEMM (what reaches the GEMM, by layer)."""
+    """Records the dequantized operands of every fprop GEMM (what reaches the GEMM, by layer). The eager FP8 fast
+    path (nn/float8_graph.py, bitwise the general path) is off meanwhile: its GEMMs are not linear_function's."""
 
     def __init__(self):
         self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -128,10 +130,12 @@ class GemmRecorder:
                 self.seen.setdefault(what[len("fprop of "):], (a.dequantize_2d(), b.dequantize_2d()))
             return self.orig(a, b, dtype, what)
         hq_linear.gemm = gemm
+        self.fast_path = eager_fast_path(False)
         return self
 
     def __exit__(self, *exc):
         hq_linear.gemm = self.orig
+        self.fast_path.__exit__(*exc)
 
 
 def _full(t):
