@@ -143,16 +143,18 @@ def gather_plan(q: Quantizer, gather: "SequenceGather", local_rows: int, k: int,
 
 @dataclasses.dataclass(eq=False)
 class _Pending:
-    """A backward all-gather in flight: `wait()` returns what `finish` makes of its output (once)."""
+    """An all-gather in flight: `wait()` returns what `finish` makes of its output (once). `inputs`: what the
+    collective reads, held until it is done (an asynchronous collective may still read its input)."""
 
     work: object
     finish: Callable[[], object]
+    inputs: tuple = ()
     value: object = None
 
     def wait(self):
         if self.work is not None:
             self.work.wait()
-            self.work, self.value = None, self.finish()
+            self.work, self.inputs, self.value = None, (), self.finish()
         return self.value
 
 
@@ -333,7 +335,7 @@ class SequenceGather:
             if self.leading > 1:
                 full = {d: self._in_input_order(q, d, p) for d, p in full.items()}
             return full
-        return _Pending(work if async_op else _DONE, finish)
+        return _Pending(work if async_op else _DONE, finish, (payload,))
 
     def shards(self, local: int) -> list[RowShard]:
         """Every rank's rows: a row shard of the whole input's view, or (runs of rows) of the rank-after-rank
@@ -403,7 +405,7 @@ class SequenceGather:
         out = local.new_empty((self.world_size * local.shape[0],) + tuple(local.shape[1:]))
         work = all_gather_single(out, local, group=self.group, async_op=async_op)
         pending = _Pending(work if async_op else _DONE,
-                           lambda: out.movedim(0, self.seq_dim).reshape(-1, x2d.shape[1]))
+                           lambda: out.movedim(0, self.seq_dim).reshape(-1, x2d.shape[1]), (local,))
         return pending if async_op else pending.wait()
 
     def reduce_grad(self, dx2d: torch.Tensor) -> torch.Tensor:
