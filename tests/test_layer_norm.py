@@ -246,16 +246,23 @@ def test_kernel_backward_matches_autograd_of_the_reference(dtype):
 
 
 @gpu
-def test_compiled_norm_is_bitwise_the_eager_kernel():
+def test_compiled_norm_runs_the_reference_ops_without_a_graph_break():
+    """Under torch.compile LayerNorm runs torch's layer_norm (as RMSNorm runs its decomposition): one graph, the
+    reference's results (the eager kernel's row sums run in another order: equal within its tolerance)."""
     torch._dynamo.reset()
     torch.manual_seed(3)
-    norm = "layer"
     m = _random_params(LayerNorm(512)).cuda().to(torch.bfloat16)
     x = (torch.randn(64, 512, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
     dy = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     results = []
-    for fn in (m, torch.compile(m, fullgraph=True)):
+    for fn in (m, torch.compile(m, fullgraph=True),
+               lambda t: layer_norm_reference(t, m.weight, m.bias, m.eps)):
         y = fn(x)
         results.append((y.detach(), *torch.autograd.grad(y, [x, *m.parameters()], dy)))
-    for what, a, b in zip(("y", "dx", "dw", "db"), *results):
-        assert torch.equal(a, b), f"{norm}: compiled {what} differs from eager (max |diff| {(a.float() - b.float()).abs().max()})"
+    eager, compiled, reference = results
+    for what, a, b in zip(("y", "dx", "dw", "db"), compiled, reference):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max()), \
+            f"compiled {what} differs from torch's layer_norm (max |diff| {(a.float() - b.float()).abs().max()})"
+    for what, a, b in zip(("y", "dx", "dw", "db"), eager, reference):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max()), \
+            f"eager kernel's {what} differs from torch's layer_norm (max |diff| {(a.float() - b.float()).abs().max()})"

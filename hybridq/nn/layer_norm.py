@@ -23,7 +23,12 @@ from .norm import adopt, is_candidate, normalize, protocol_mismatch
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                          eps: float) -> torch.Tensor:
-    """The contract: torch's layer_norm over the last dimension."""
+    """The contract: torch's layer_norm over the last dimension (fp32 computation, one rounding to x's dtype)."""
+    if x.is_cuda and any(p is not None and p.dtype != x.dtype for p in (weight, bias)):
+        # torch's CUDA layer_norm refuses parameters of another dtype than x (its CPU one computes in fp32): the
+        # same contract, spelled out
+        up = lambda t: None if t is None else t.float()  # noqa: E731
+        return F.layer_norm(up(x), x.shape[-1:], up(weight), up(bias), eps).to(x.dtype)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
@@ -37,8 +42,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                              f"size, got an input of shape {tuple(x.shape)}")
     if bias is not None and weight is not None and bias.dtype != weight.dtype:
         raise ValueError(f"{name}: its weight ({weight.dtype}) and bias ({bias.dtype}) must have one dtype")
+    # (under torch.compile the reference's operations, as for RMSNorm: torch 2.11's dynamo fails an assertion
+    # (handle_saved_tensors_wiring) tracing the kernels' autograd.Function)
     return normalize(x, weight, bias, float(eps), True, lambda: layer_norm_reference(x, weight, bias, float(eps)),
-                     readers, name)
+                     readers, name, in_graph=False)
 
 
 class LayerNorm(nn.Module):
