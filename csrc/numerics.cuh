@@ -345,13 +345,12 @@ HQ_HD void rht16_butterflies(float (&g)[16]) {
 
 // forward: inputs already rounded to bf16 (as fp32); times signs; butterflies (* 0.25); rounded to bf16
 HQ_HD void rht16_forward(float (&g)[16]) {
-#ifdef __CUDA_ARCH__
   // a group of finite values below the prescale threshold (the common case, one integer max): the sign flips are
-  // negations (folded into the first butterflies' adds), no sum overflows, and the hardware's round to nearest even
+  // negations (folded into the first butterflies' adds), no sum overflows, and the device's round to nearest even
   // bf16 conversion (two values per instruction) equals round_bf16 on finite values
   uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) m = max(m, abs_bits(g[i]));
+  for (int i = 0; i < 16; ++i) m = abs_bits(g[i]) > m ? abs_bits(g[i]) : m;
   if (m < f2u(kRhtPrescaleFrom)) {
 #pragma unroll
     for (int i = 0; i < 16; ++i)
@@ -359,13 +358,17 @@ HQ_HD void rht16_forward(float (&g)[16]) {
     fwht16(g);
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
+#ifdef __CUDA_ARCH__
       const __nv_bfloat162 h = __floats2bfloat162_rn(g[i] * 0.25f, g[i + 1] * 0.25f);
       g[i] = __low2float(h);
       g[i + 1] = __high2float(h);
+#else
+      g[i] = round_bf16(g[i] * 0.25f);
+      g[i + 1] = round_bf16(g[i + 1] * 0.25f);
+#endif
     }
     return;
   }
-#endif
 #pragma unroll
   for (int i = 0; i < 16; ++i)
     if (kRhtNegMask & (1u << i)) g[i] = mul_ref(g[i], -1.0f);
