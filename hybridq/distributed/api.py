@@ -76,7 +76,8 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
     FP8 and 128x128 blocks: rowwise, the columnwise form derived after the gather), each rank keeps its quantized
     shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
 
-    norms: swap the model's RMSNorm modules for hybridq.nn.RMSNorm (as `convert_linears(..., norms=True)`).
+    norms: swap the model's RMSNorm / LayerNorm modules and SwiGLU feed-forwards for hybridq.nn.RMSNorm / LayerNorm /
+    SwiGLU (as `convert_linears(..., norms=True)`).
     `recipe`: a recipe or a preset name (TypeError for anything else).
 
     grad_reduce: the wire format of FSDP2's gradient reduce-scatter: "fp32" (FSDP2's own, in `reduce_dtype`;
