@@ -50,7 +50,8 @@ def gather_bytes(block, shape, tp: int) -> tuple[int, int]:
     for name, mod in block.named_modules():
         if isinstance(mod, hybridq.Linear) and name.endswith(("wq", "w1")):
             r = sequence_gather_bytes(mod.input_quantizer, shape, 1, tp,
-                                      columnwise=mod.recipe.backward_override is None)
+                                      backward_override=mod.recipe.backward_override,
+                                      save_original_input=mod.save_original_input)
             q, b = q + r.total, b + r.bf16
     return q, b
 

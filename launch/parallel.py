@@ -126,9 +126,9 @@ def sequence_bytes_line(model: nn.Module, args) -> str | None:
     for name, mod in model.named_modules():
         if not isinstance(mod, hybridq.Linear) or not name.endswith(("wq", "w1", "output")):
             continue  # (wk / wv and w3 read the input wq / w1 gathered)
-        columnwise = mod.recipe.backward_override is None and not mod.save_original_input
-        r = sequence_gather_bytes(mod.input_quantizer, shape, 1, args.tp, columnwise=columnwise,
-                                  dtype=torch.bfloat16)
+        r = sequence_gather_bytes(mod.input_quantizer, shape, 1, args.tp, dtype=torch.bfloat16,
+                                  backward_override=mod.recipe.backward_override,
+                                  save_original_input=mod.save_original_input)
         quantized, bf16 = quantized + r.total, bf16 + r.bf16
     if not bf16:
         return None

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..enums import Phase, SequenceSend
+from ..enums import BackwardOverride, Phase, SequenceSend
 from ..formats.base import Quantizer
 from ..recipe import Role
 from .payload import gather_bytes_for, rows_of
@@ -124,13 +124,16 @@ class SequenceBytes:
 
 
 def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_size: int = 2, *,
-                          columnwise: bool = True, dtype=torch.bfloat16) -> SequenceBytes:
+                          backward_override: str | None = None, save_original_input: bool = False,
+                          dtype=torch.bfloat16) -> SequenceBytes:
     """Bytes each rank sends in the sequence-parallel all-gathers of one column-parallel layer's input of (whole)
     `shape`, sharded along `seq_dim` over `world_size` ranks, per training step, and the activation bytes kept for
-    wgrad, against bf16 sequence parallelism. `columnwise`: the training default (wgrad reads the input's
-    columnwise form: gathered in backward from each rank's own form, or in forward, as `sequence.gather_plan`
-    chooses); False for a backward override or save_original_input, whose backward gathers the input again in
-    high precision. Computed on the meta device: no data, no communication."""
+    wgrad, against bf16 sequence parallelism, for a layer with `backward_override` ("high_precision",
+    "dequantized" or None) and `save_original_input` as the layer has them. Without either (the training default)
+    wgrad reads the input's columnwise form, gathered in backward from each rank's own form or in forward, as
+    `sequence.gather_plan` chooses; with "high_precision" or save_original_input the backward gathers the input's
+    rows again; with "dequantized" wgrad reads the forward's whole rowwise form, kept from forward (nothing gathered
+    in backward). Computed on the meta device: no data, no communication."""
     from ..formats.base import as_2d
     from .sequence import SequenceGather, gather_plan
 
@@ -138,9 +141,14 @@ def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_s
     g = SequenceGather(None, shape, seq_dim % len(shape), None, world_size, 0)
     x2d = as_2d(torch.empty(g.local_shape, dtype=dtype, device="meta"))
     local, k = x2d.shape
+    override = None if backward_override is None else BackwardOverride(backward_override)
+    columnwise = override is None and not save_original_input
     plan = gather_plan(quantizer, g, local, k, dtype, columnwise)
     high = x2d.numel() * dtype.itemsize
-    if not columnwise:  # the rank's own rows, re-gathered in backward
+    if override == BackwardOverride.DEQUANTIZED:  # the forward's whole rowwise form, kept for wgrad
+        whole = torch.empty(math.prod(shape[:-1]), k, dtype=dtype, device="meta")
+        backward, backward_sends, kept = 0, "", quantizer.quantize_parts(whole, True, False)[0].nbytes()
+    elif not columnwise:  # the rank's own rows, re-gathered in backward
         backward, backward_sends, kept = high, SequenceSend.HIGH_PRECISION.value, high
     else:
         backward, backward_sends, kept = plan.backward_nbytes, "+".join(plan.backward_send), plan.kept_nbytes
@@ -166,7 +174,7 @@ def sequence_bytes_table(shape=(1, 4096, 4096), world_size: int = 2, presets=Non
         if q.is_stateful:
             rows.append(f"| {name} | {q.describe()} | rejected (delayed scaling) | - | - | - | - | - | - |")
             continue
-        r = sequence_gather_bytes(q, shape, 1, world_size, columnwise=recipe(name).backward_override is None)
+        r = sequence_gather_bytes(q, shape, 1, world_size, backward_override=recipe(name).backward_override)
         rows.append(f"| {name} | {q.describe()} | {r.forward_sends} | {r.forward:,} | {r.backward_sends or '-'} | "
                     f"{r.backward:,} | {r.ratio:.3f} | {r.kept:,} | {r.saved_vs_bf16:,} |")
     bf = sequence_gather_bytes(recipe("fp8_tensorwise").quantizer(Role("linear", "input")), shape, 1, world_size)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import hybridq
 from hybridq import Role
@@ -122,7 +123,7 @@ def test_no_preset_sends_more_than_bf16_sequence_parallelism():
         q = rec.quantizer(Role("linear", "input"))
         if q.is_stateful:
             continue
-        r = sequence_gather_bytes(q, shape, 1, 2, columnwise=rec.backward_override is None)
+        r = sequence_gather_bytes(q, shape, 1, 2, backward_override=rec.backward_override)
         assert r.total <= r.bf16, (preset, r)
         assert (r.forward_sends == "high_precision") == (preset in HIGH_PRECISION["bfloat16"]), (preset, r)
         assert (r.backward > 0) == (preset in PER_PHASE_BF16), (preset, r)
@@ -133,3 +134,19 @@ def test_no_preset_sends_more_than_bf16_sequence_parallelism():
                                    "activation bytes saved")), head
     ratios = [float(row.split("|")[7]) for row in table.splitlines()[2:] if "rejected" not in row]
     assert ratios and max(ratios) <= 1.0, table
+
+
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "mxfp8", "nvfp4"])
+def test_bytes_of_the_backward_overrides(preset):
+    """backward_override="dequantized": wgrad reads the forward's whole rowwise form, kept from forward, nothing
+    gathered in backward; "high_precision" and save_original_input: each rank keeps its rows and gathers them again
+    in backward."""
+    shape = (1, 256, 512)
+    q = hybridq.recipe(preset).quantizer(Role("linear", "input"))
+    whole_rowwise = q.quantize_parts(torch.empty(256, 512, dtype=torch.bfloat16, device="meta"), True, False)[0]
+    r = sequence_gather_bytes(q, shape, 1, 2, backward_override="dequantized")
+    assert (r.backward, r.backward_sends, r.kept) == (0, "", whole_rowwise.nbytes()), (preset, r)
+    rows = 128 * 512 * 2
+    for r in (sequence_gather_bytes(q, shape, 1, 2, backward_override="high_precision"),
+              sequence_gather_bytes(q, shape, 1, 2, save_original_input=True)):
+        assert (r.backward, r.backward_sends, r.kept) == (rows, "high_precision", rows), (preset, r)

@@ -63,13 +63,13 @@ def test_the_sequence_all_gathers_carry_the_tables_bytes_once_per_input_and_phas
     key = f"{block}/{p}/{o}/soi={soi}/{tuple(shape)}/seq{sd}"
     gathers = [tuple(g) for g in block_report[0][key]["gathers"]]
     q = _tp_jobs.deterministic_recipe(p, o).quantizer(Role("linear", "input"))
-    want = sequence_gather_bytes(q, shape, sd, 2, columnwise=o is None and not soi, dtype=torch.float32)
+    want = sequence_gather_bytes(q, shape, sd, 2, backward_override=o, save_original_input=soi, dtype=torch.float32)
     # (the recorder gives elements: fp32 rows, uint8 payloads)
     step = [("torch.float32", want.forward // 4) if want.forward_sends == "high_precision"
             else ("torch.uint8", want.forward)]
-    if o == "high_precision" or soi:
+    if want.backward_sends == "high_precision":  # each layer gathers its rows again
         step += [("torch.float32", want.backward // 4)] * len(_tp_jobs.BLOCKS[block][2])
-    elif o is None and want.backward:
+    elif want.backward:  # one gather of the ranks' own forms for the layers reading the input
         step += [("torch.uint8", want.backward)]
     assert gathers == step * 2, f"{key}: gathers {gathers}, table {want}"
 
