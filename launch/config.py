@@ -51,9 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"],
                    help="FSDP2 MixedPrecisionPolicy param_dtype (gradients reduce in fp32)")
     g.add_argument("--norms", default="auto", choices=["auto", "hybridq", "model"],
-                   help="the RMSNorm modules: auto: hybridq.nn.RMSNorm in hybridq recipes' runs (their conversion "
-                        f"swaps them in), the model's own in '{BASELINE}' / torchao runs; hybridq: in every run (to "
-                        "measure the norm kernels apart from quantization); model: never")
+                   help="the RMSNorm and SwiGLU feed-forward modules: auto: hybridq.nn.RMSNorm / SwiGLU in hybridq "
+                        "recipes' runs (their conversion swaps them in), the model's own in "
+                        f"'{BASELINE}' / torchao runs; hybridq: in every run (to measure their kernels apart from "
+                        "quantization); model: never")
     g = p.add_argument_group("parallelism")
     g.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) size; default: world size / tp")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallelism included; hybridq's styles)")
