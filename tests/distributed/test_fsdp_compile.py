@@ -6,6 +6,8 @@ them, world sizes 1 and 2 (CPU gloo)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch.nn as nn
 
@@ -43,12 +45,19 @@ def test_the_case_list_has_fsdp_presets():
     assert {"fp8_tensorwise", "mxfp8", "nvfp4"} <= set(FSDP_PRESETS), FSDP_PRESETS
 
 
+@functools.lru_cache(maxsize=None)
+def _two_ranks(backend: str) -> tuple:
+    """Both 2-rank jobs in one spawn (each resets dynamo per preset): {"fsdp": ..., "tp": ...} per rank."""
+    return tuple(spawn(job_several, 2, backend, jobs={
+        "fsdp": (_compile_jobs.compiled_matches_eager, {"presets": FSDP_PRESETS}),
+        "tp": (_compile_jobs.tensor_parallel_compiled_matches_eager, {"presets": ["mxfp8", "fp8_tensorwise"]})}))
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_compiled_blocks_with_quantized_gathers_two_ranks(backend):
     """Every preset apply_hybrid_fsdp takes: no graph break, the Linears in the graphs, bitwise eager."""
-    out = spawn(_compile_jobs.compiled_matches_eager, 2, backend, presets=FSDP_PRESETS)
-    for rank, o in enumerate(out):
-        _check(o, rank, 2, linear_ops_at_least=2)
+    for rank, o in enumerate(_two_ranks(backend)):
+        _check(o["fsdp"], rank, 2, linear_ops_at_least=2)
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -70,10 +79,8 @@ def test_tensor_parallel_linears_stay_eager_in_a_compiled_block(backend):
     """Tensor-parallel Linears (hybridq's styles: DTensor weights, quantized sequence all-gathers) are not traced:
     each runs eagerly inside the compiled block (a graph break), and the block computes bit for bit what it
     computes eagerly."""
-    out = spawn(_compile_jobs.tensor_parallel_compiled_matches_eager, 2, backend,
-                presets=["mxfp8", "fp8_tensorwise"])
-    for rank, o in enumerate(out):
-        for preset, r in o.items():
+    for rank, o in enumerate(_two_ranks(backend)):
+        for preset, r in o["tp"].items():
             where = f"{preset}, rank {rank}"
             assert r["linear_ops"] == 0 and r["graph_breaks"] > 0, f"{where}: a TP Linear in the graph: {r}"
             assert not r["diffs"], f"{where}: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
