@@ -16,8 +16,8 @@ from _compare import assert_results_bitwise
 from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
 from hybridq.formats.base import Quantizer
 from hybridq.nn.grouped import padded_tokens
-from hybridq.nn.grouped_packed import BLOCKS, TokenLayout, packed_quantizers
-from hybridq.nn.grouped_packed_blocks import ExpertWeights, PackedBlockExperts, token_multiple
+from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, TokenLayout, packed_quantizers
+from hybridq.nn.grouped_packed_blocks import ExpertWeights, PackedBlockExperts, packed_path_pays, token_multiple
 
 E, IN = 4, 160  # K: five 32-blocks, one and a partial 128-block
 PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
@@ -234,3 +234,15 @@ def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, ou
     assert_results_bitwise(_run(True, splits, preset, out, device="cuda", k=k),
                  _run(False, splits, preset, out, device="cuda", k=k),
                  f"{preset} on CUDA, splits {splits}, N={out}, K={k}")
+
+
+@pytest.mark.parametrize("kind", [BLOCKS, ROW_GROUPS])
+def test_long_experts_take_the_per_expert_path_on_cuda(kind):
+    """Experts long enough for one GEMM each (8 x 4096 tokens, 4096 x 14336): on CUDA the per-expert path (the
+    same bits, no packing copy); short experts (64 x 2048 tokens, 2048 x 3072) and the CPU keep the packed path."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    long_experts, short_experts = [4096] * 8, [2048] * 64
+    assert not packed_path_pays(kind, long_experts, 4096, 14336, cuda), "long experts on CUDA stayed packed"
+    assert packed_path_pays(kind, short_experts, 2048, 3072, cuda), "short experts on CUDA left the packed path"
+    assert packed_path_pays(kind, long_experts, 4096, 14336, cpu), "the CPU left the packed path"
+    assert packed_path_pays(FP8_TENSOR, long_experts, 4096, 14336, cuda), "per-tensor FP8 decides elsewhere"

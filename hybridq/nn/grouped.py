@@ -22,7 +22,7 @@ from ..gemm import jagged_fp8_kernels, native_row_multiple
 from . import compiled_grouped, delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
 from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
-from .grouped_packed_blocks import PackedBlockExperts, token_multiple
+from .grouped_packed_blocks import PackedBlockExperts, packed_path_pays, token_multiple
 from .grouped_jagged import HeldFP8Experts, JaggedFP8Experts, TokenGroups
 from .grouped_high_precision import grouped_mm_high_precision
 from .m_splits import check_split_values, checked_m_splits, host_counts
@@ -318,6 +318,9 @@ class GroupedLinear(nn.Module):
         elif y is not None:
             return y
         splits = self._host_splits(splits, x.shape[0])
+        if kind is not None and not packed_path_pays(kind.kind, splits, self.in_features, self.out_features,
+                                                     x.device):
+            kind = None
         if kind is not None:  # (override is None: the backward GEMMs are quantized)
             qs = kind.quantizers
             padded = [padded_tokens(m, self.in_features, self.out_features, qs, need_dgrad, need_wgrad, multiple)

@@ -29,7 +29,7 @@ from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
 from ..kernels import grouped_blocks, grouped_emulated
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
-from .grouped_packed import TokenLayout
+from .grouped_packed import FP8_TENSOR, TokenLayout
 from .linear_function import _only
 
 
@@ -41,6 +41,19 @@ def token_multiple(quantizers: dict[str, Quantizer], rowwise_grad: bool, columnw
     if rowwise_grad or columnwise:
         m = math.lcm(m, quantizers["grad_output"].split_granularity(rowwise_grad, columnwise)[0])
     return m
+
+
+def packed_path_pays(kind, splits: list[int], in_features: int, out_features: int, device: torch.device) -> bool:
+    """Whether the packed path is the faster choice for block formats at these host counts. Where the experts are
+    long enough that the packed path would run one GEMM per expert anyway (CUDA: `grouped_blocks.
+    prefers_per_expert_gemms`), the per-expert path computes the same bits without the packing copy: measured on
+    one H200 (fp8_block, 8 experts x 4096 tokens, 4096 x 14336): per-expert path 1.10-1.16x bf16 `_grouped_mm`,
+    packed 0.87-0.91x (BENCHMARKS.md, 2026-11-27). Per-tensor FP8 (FP8_TENSOR) decides on its own (the jagged
+    path's rule)."""
+    if kind == FP8_TENSOR or device.type != "cuda":
+        return True
+    from ..kernels.grouped_blocks import prefers_per_expert_gemms
+    return not prefers_per_expert_gemms(splits, in_features, out_features)
 
 
 class ExpertWeights:
