@@ -12,19 +12,13 @@ import torch
 
 from hybridq.formats import Float8Quantizer
 from hybridq.kernels import update_delayed_scaling
+from _gpu import extension_ready
 
 HAVE_CUDA = torch.cuda.is_available()
 SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
 
 
-def _ext_ok() -> bool:
-    if not HAVE_CUDA:
-        return False
-    from hybridq.kernels import extension_available
-    return extension_available()
-
-
-needs_gpu = pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built hybridq extension")
+needs_gpu = pytest.mark.skipif(not extension_ready(), reason="needs a CUDA device and the built hybridq extension")
 
 SPECIALS = [0.0, float("inf"), float("nan"), 1e-38, 1e-45, 3e38, 448.0, 1.0, 2.0 ** -130]
 

@@ -16,17 +16,13 @@ from hybridq.dispatch import lookup_quantize
 from hybridq.formats import Float8RowwiseQuantizer
 
 import _compare
+from _gpu import extension_ready
 
 HAVE_CUDA = torch.cuda.is_available()
 
 
-def _ext_ok() -> bool:
-    from hybridq.kernels import extension_available
-    return HAVE_CUDA and extension_available()
-
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device"),
-              pytest.mark.skipif(HAVE_CUDA and not _ext_ok(), reason="the hybridq CUDA extension is not built")]
+              pytest.mark.skipif(HAVE_CUDA and not extension_ready(), reason="the hybridq CUDA extension is not built")]
 
 SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -15,6 +15,7 @@ import hybridq
 from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, IdentityQuantizer, MXFP8Quantizer,
                              NVFP4Quantizer)
 from hybridq.gemm import emulated_gemm, find_native_gemm, gemm
+from _gpu import extension_ready
 
 HAVE_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device")]
@@ -22,12 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason="needs a
 SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
 
 
-def _ext_ok() -> bool:
-    from hybridq.kernels import extension_available
-    return HAVE_CUDA and extension_available()
-
-
-needs_ext = pytest.mark.skipif(HAVE_CUDA and not _ext_ok(), reason="the hybridq CUDA extension is not built")
+needs_ext = pytest.mark.skipif(HAVE_CUDA and not extension_ready(), reason="the hybridq CUDA extension is not built")
 
 
 def _native():

@@ -21,20 +21,14 @@ from hybridq.formats._numerics import (e2m1_values, e2m1_decode, expand_blocks, 
 from hybridq.formats.nvfp4 import element_multiplier, global_encode_scale
 
 import _compare
+from _gpu import extension_ready
 
 HAVE_CUDA = torch.cuda.is_available()
 
 
-def _ext_ok() -> bool:
-    if not HAVE_CUDA:
-        return False
-    from hybridq.kernels import extension_available
-    return extension_available()
-
-
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device"),
-              pytest.mark.skipif(HAVE_CUDA and not _ext_ok(), reason="the hybridq CUDA extension is not built")]
+              pytest.mark.skipif(HAVE_CUDA and not extension_ready(), reason="the hybridq CUDA extension is not built")]
 
 SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

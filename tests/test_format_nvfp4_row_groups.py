@@ -16,6 +16,7 @@ from hybridq.errors import FormatShapeError
 from hybridq.formats import Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
 from _compare import assert_parts_bitwise
+from _gpu import extension_ready
 
 K = 64
 OPTIONS = {
@@ -161,12 +162,8 @@ def test_a_part_of_row_groups_is_sliced_by_group_only():
 
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
-def _ext_ok() -> bool:
-    from hybridq.kernels import extension_available
-    return HAVE_CUDA and extension_available()
 
-
-gpu = pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")
+gpu = pytest.mark.skipif(not extension_ready(), reason="needs a CUDA device and the built extension")
 GPU_SIZES = [[16, 0, 48, 32], [0, 0, 160], [128, 16, 0, 256, 32], [0, 16, 0]]
 
 

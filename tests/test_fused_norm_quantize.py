@@ -22,21 +22,11 @@ from hybridq.nn.norm import RMSNorm
 
 from _compare import assert_parts_bitwise
 from _format_cases import FORMATS, hybrid
+from _gpu import gpu
 
 # the cases whose rowwise part a norm writes (1-D blocks along K); every other case gets none
 FUSED = ("fp8blk_1x128_e4m3", "fp8blk_1x128_e5m2", "fp8blk_1x128_e4m3_nopow2", "mxfp8_e4m3", "mxfp8_e5m2")
 NORMS = {"rms": lambda d: nn.RMSNorm(d, eps=1e-5), "layer": lambda d: nn.LayerNorm(d)}
-
-
-def _ext_ok() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from hybridq.kernels import extension_available
-    return extension_available()
-
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")(test))
 
 
 class Block(nn.Module):

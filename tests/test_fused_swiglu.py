@@ -22,19 +22,9 @@ from hybridq.nn.swiglu import SwiGLU, swiglu, swiglu_mismatch, swiglu_reference
 
 from _compare import assert_parts_bitwise
 from _format_cases import FORMATS
+from _gpu import gpu
 
 FUSED = ("fp8blk_1x128_e4m3", "fp8blk_1x128_e5m2", "fp8blk_1x128_e4m3_nopow2", "mxfp8_e4m3", "mxfp8_e5m2")
-
-
-def _ext_ok() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from hybridq.kernels import extension_available
-    return extension_available()
-
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")(test))
 
 
 class FeedForward(nn.Module):  # the launch model's / torchtitan's (without init_weights)

@@ -15,6 +15,7 @@ from hybridq.formats import Float8Quantizer
 from hybridq.gemm import JaggedFP8Kernels
 from hybridq.nn.grouped_jagged import JaggedFP8Experts, TokenGroups
 from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, PackedFP8Experts, TokenLayout, packed_quantizers
+from _gpu import extension_ready
 
 E, IN, OUT = 4, 64, 64
 SPLITS = [[5, 0, 17, 40], [16, 32, 0, 48], [0, 0, 3, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
@@ -192,12 +193,8 @@ def test_row_groups_refuse_delayed_scaling_and_bad_sizes():
 
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
-def _ext_ok() -> bool:
-    from hybridq.kernels import extension_available
-    return HAVE_CUDA and extension_available()
 
-
-needs_gpu = pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")
+needs_gpu = pytest.mark.skipif(not extension_ready(), reason="needs a CUDA device and the built extension")
 
 
 @pytest.mark.gpu
@@ -240,7 +237,7 @@ def test_gpu_packed_path_agrees_with_the_per_expert_path(splits, recipe):
 
 def _cuda_jagged_kernels():
     """The CUDA jagged kernels when they run here (sm_90, Triton, the extension), else None."""
-    if not _ext_ok():
+    if not extension_ready():
         return None
     from hybridq.gemm import jagged_fp8_kernels
     q = Float8Quantizer()

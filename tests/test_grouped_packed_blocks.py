@@ -18,6 +18,7 @@ from hybridq.formats.base import Quantizer
 from hybridq.nn.grouped import padded_tokens
 from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, TokenLayout, packed_quantizers
 from hybridq.nn.grouped_packed_blocks import ExpertWeights, PackedBlockExperts, packed_path_pays, token_multiple
+from _gpu import extension_ready
 
 E, IN = 4, 160  # K: five 32-blocks, one and a partial 128-block
 PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
@@ -211,13 +212,9 @@ def test_what_the_packed_block_path_does_not_implement_runs_per_expert(what, mon
 
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
-def _ext_ok() -> bool:
-    from hybridq.kernels import extension_available
-    return HAVE_CUDA and extension_available()
-
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")
+@pytest.mark.skipif(not extension_ready(), reason="needs a CUDA device and the built extension")
 @pytest.mark.parametrize("k", [256, IN], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("out", [128, 96], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)

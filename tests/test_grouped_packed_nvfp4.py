@@ -17,6 +17,7 @@ from hybridq.formats import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from hybridq.formats.base import Quantizer
 from hybridq.nn.grouped_packed import ROW_GROUPS, packed_quantizers
 from hybridq.nn.grouped_packed_blocks import PackedBlockExperts
+from _gpu import extension_ready
 
 E, IN = 4, 96  # K: six 16-blocks, three 32-blocks
 PRESETS = ["nvfp4", "mxfp8_fwd_nvfp4_bwd"]
@@ -178,13 +179,9 @@ def test_argument_errors_are_unchanged_on_the_packed_nvfp4_path():
 
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
-def _ext_ok() -> bool:
-    from hybridq.kernels import extension_available
-    return HAVE_CUDA and extension_available()
-
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")
+@pytest.mark.skipif(not extension_ready(), reason="needs a CUDA device and the built extension")
 @pytest.mark.parametrize("k", [256, IN], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("out", [128, 48], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 300, 0]], ids=str)

@@ -15,19 +15,9 @@ import hybridq
 from hybridq.nn.known_amax import known_amax
 from hybridq.nn.layer_norm import LayerNorm, layer_norm_mismatch, layer_norm_reference
 from hybridq.nn.norm import RMSNorm
+from _gpu import gpu
 
 HAVE_CUDA = torch.cuda.is_available()
-
-
-def _ext_ok() -> bool:
-    if not HAVE_CUDA:
-        return False
-    from hybridq.kernels import extension_available
-    return extension_available()
-
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")(test))
 
 
 class ManualLayerNorm(nn.Module):  # a model's own LayerNorm (the protocol)

@@ -15,19 +15,9 @@ import hybridq
 from hybridq.nn.known_amax import known_amax, remember_amax
 from hybridq.nn.linear_function import _quantize_input, shared_input_quantization
 from hybridq.nn.norm import RMSNorm, rms_norm_mismatch, rms_norm_reference
+from _gpu import gpu
 
 HAVE_CUDA = torch.cuda.is_available()
-
-
-def _ext_ok() -> bool:
-    if not HAVE_CUDA:
-        return False
-    from hybridq.kernels import extension_available
-    return extension_available()
-
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not _ext_ok(), reason="needs a CUDA device and the built extension")(test))
 
 
 class LlamaStyleRMSNorm(nn.Module):  # the launch model's / torchtitan's norm
