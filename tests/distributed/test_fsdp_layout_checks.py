@@ -74,3 +74,35 @@ def test_layout_check_on_every_rank_shard(rows, world_size, boundaries):
     else:
         with pytest.raises(ValueError, match=rf"layer\.weight .*boundaries at rows {boundaries}\)"):
             check_shard_layout(*args)
+
+
+def test_a_layout_that_passed_is_not_quantized_again_and_a_failing_one_always_raises(monkeypatch):
+    """check_shard_layout remembers layouts hybridq's quantizers passed (their repr is their whole configuration):
+    a second weight of that layout quantizes nothing; a rejected layout raises every time; a quantizer of another
+    class (a user's subclass) is checked every time."""
+    import torch
+
+    import hybridq.distributed.checks as checks
+    from hybridq import NVFP4Quantizer
+
+    calls = []
+    real = checks.quantize_shard
+    monkeypatch.setattr(checks, "quantize_shard", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(checks, "_PASSED", set())
+    args = ("layer.weight", (64, 64), 2, torch.bfloat16, None, False)
+    checks.check_shard_layout(NVFP4Quantizer(rht=True), *args)
+    first = len(calls)
+    checks.check_shard_layout(NVFP4Quantizer(rht=True), *args)
+    assert first > 0 and len(calls) == first, f"the passed layout was quantized again ({first} then {len(calls)})"
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"boundaries at rows 22, 44"):
+            checks.check_shard_layout(NVFP4Quantizer(rht=True), "layer.weight", (64, 64), 3, torch.bfloat16, None,
+                                      False)
+
+    class UserQuantizer(NVFP4Quantizer):  # (not hybridq's: its state may not show in the repr)
+        pass
+
+    before = len(calls)
+    checks.check_shard_layout(UserQuantizer(rht=True), *args)
+    checks.check_shard_layout(UserQuantizer(rht=True), *args)
+    assert len(calls) == before + 2 * first, "a user's quantizer was not checked every time"
