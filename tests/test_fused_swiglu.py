@@ -22,20 +22,10 @@ from hybridq.nn.swiglu import SwiGLU, swiglu, swiglu_mismatch, swiglu_reference
 
 from _compare import assert_parts_bitwise
 from _format_cases import FORMATS
+from _conversion_models import SwiGLU as FeedForward  # the launch model's / torchtitan's (without init_weights)
 from _gpu import gpu
 
 FUSED = ("fp8blk_1x128_e4m3", "fp8blk_1x128_e5m2", "fp8blk_1x128_e4m3_nopow2", "mxfp8_e4m3", "mxfp8_e5m2")
-
-
-class FeedForward(nn.Module):  # the launch model's / torchtitan's (without init_weights)
-    def __init__(self, d: int = 128, h: int = 256):
-        super().__init__()
-        self.w1 = nn.Linear(d, h, bias=False)
-        self.w3 = nn.Linear(d, h, bias=False)
-        self.w2 = nn.Linear(h, d, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class GeluFeedForward(FeedForward):

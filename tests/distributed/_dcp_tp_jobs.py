@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import os
+import pathlib
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -27,28 +28,21 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 import hybridq
 from hybridq.distributed import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+# the shared test helpers live one level up; spawned ranks inherit this sys.path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _conversion_models import SwiGLU  # noqa: E402
+
 RECIPE = "mxfp8"  # deterministic (no stochastic rounding): every layout quantizes the same operands
 D, HIDDEN, LAYERS = 64, 128, 2
 BATCH, SEQ = 4, 128  # the global batch; SEQ / tp must keep MXFP8's 32-row blocks whole ([B, S, H] with B > 1)
 LR = 1e-2
 
 
-class SwiGLU(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1 = nn.Linear(D, HIDDEN, bias=False)
-        self.w3 = nn.Linear(D, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, D, bias=False)
-
-    def forward(self, h):
-        return self.w2(F.silu(self.w1(h)) * self.w3(h))
-
-
 class MLPBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm = nn.RMSNorm(D)
-        self.mlp = SwiGLU()
+        self.mlp = SwiGLU(D, HIDDEN)
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))

@@ -17,6 +17,7 @@ from hybridq.nn.float8_graph import eager_fast_path
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from _compare import close_diff, tensor_diff  # noqa: E402
+from _conversion_models import SwiGLU  # noqa: E402
 
 
 def deterministic_recipe(preset: str, override: str | None = None) -> hybridq.CustomRecipe:
@@ -34,17 +35,6 @@ def deterministic_recipe(preset: str, override: str | None = None) -> hybridq.Cu
         return q
 
     return hybridq.CustomRecipe(factory, backward_override=override, name=f"{preset}-no-sr")
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d: int, h: int):
-        super().__init__()
-        self.w1 = nn.Linear(d, h, bias=False)
-        self.w3 = nn.Linear(d, h, bias=False)
-        self.w2 = nn.Linear(h, d, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
