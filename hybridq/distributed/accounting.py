@@ -141,7 +141,7 @@ def sequence_gather_bytes(quantizer: Quantizer, shape, seq_dim: int = 1, world_s
     g = SequenceGather(None, shape, seq_dim % len(shape), None, world_size, 0)
     x2d = as_2d(torch.empty(g.local_shape, dtype=dtype, device="meta"))
     local, k = x2d.shape
-    override = None if backward_override is None else BackwardOverride(backward_override)
+    override = None if backward_override is None else BackwardOverride.parse(backward_override, "backward_override")
     columnwise = override is None and not save_original_input
     plan = gather_plan(quantizer, g, local, k, dtype, columnwise)
     high = x2d.numel() * dtype.itemsize

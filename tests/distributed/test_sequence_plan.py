@@ -150,3 +150,10 @@ def test_bytes_of_the_backward_overrides(preset):
     for r in (sequence_gather_bytes(q, shape, 1, 2, backward_override="high_precision"),
               sequence_gather_bytes(q, shape, 1, 2, save_original_input=True)):
         assert (r.backward, r.backward_sends, r.kept) == (rows, "high_precision", rows), (preset, r)
+
+
+def test_an_unknown_backward_override_is_refused_by_name():
+    q = hybridq.recipe("mxfp8").quantizer(Role("linear", "input"))
+    with pytest.raises(ValueError, match=r"backward_override must be one of \['high_precision', 'dequantized'\], "
+                                         r"got 'dequantised'"):
+        sequence_gather_bytes(q, (1, 256, 512), backward_override="dequantised")
