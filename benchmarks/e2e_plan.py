@@ -72,7 +72,8 @@ def moe_model(a) -> bool:
 
 def plan(a) -> list[dict]:
     """[{recipe, compiled, skip: reason or None}], bf16 first (eager, then compiled with --compile: each preset
-    also with --weight-gather high_precision, unless the train.py flags pick a weight gather)."""
+    also with --weight-gather high_precision, unless the train.py flags pick a weight gather; --compiled-only: no
+    eager rows)."""
     import hybridq
     presets = hybridq.preset_names()
     known = [BASELINE] + presets + [TORCHAO, TORCHAO_MOE]
@@ -100,7 +101,7 @@ def plan(a) -> list[dict]:
     if getattr(a, "compile", False):
         both = ("--weight-gather" not in " ".join(shlex.split(a.train_args or "")) and not moe_model(a)
                 and train_option(a.train_args or "", "--grad-reduce", "fp32") == "fp32")
-        rows += [dict(r, compiled=True) for r in rows] + [
+        rows = ([] if getattr(a, "compiled_only", False) else rows) + [dict(r, compiled=True) for r in rows] + [
             {"recipe": r["recipe"] + HIGH_PRECISION_GATHER, "compiled": True, "skip": None}
             for r in rows if both and r["recipe"] in presets]
     return rows

@@ -127,9 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="also run every recipe with train.py --compile (each block torch.compiled), side by side "
                         "with eager; compiled rows compare with bf16 compiled")
+    p.add_argument("--compiled-only", action="store_true",
+                   help="with --compile: the compiled runs only (no eager rows; one device call holds fewer 1B runs)")
     p.add_argument("--compile-mode", default=None, help="train.py --compile-mode for the compiled runs "
                    "(e.g. reduce-overhead: CUDA graphs)")
     a = p.parse_args(argv)
+    if a.compiled_only and not a.compile:
+        p.error("--compiled-only: only with --compile")
     chosen = [f for f, on in (("--tiny", a.tiny), ("--parity", a.parity), ("--size", a.size)) if on]
     if len(chosen) > 1:
         p.error(f"{' and '.join(chosen)} choose different sizes: pass one (override sizes with --d-model etc.)")

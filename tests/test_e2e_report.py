@@ -115,6 +115,7 @@ def test_tiny_report_on_cpu(tmp_path):
 
 
 def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
+    """--compile adds the compiled rows (both weight gathers unless one is picked); --compiled-only drops eager's."""
     a = e2e_report.parse_args(["--tiny", "--recipes", "bf16,fp8_tensorwise", "--compile"])
     todo = e2e_report.plan(a)
     hp = "fp8_tensorwise" + e2e_report.HIGH_PRECISION_GATHER  # compiled with both weight gathers
@@ -129,6 +130,9 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     assert [t["recipe"] for t in e2e_report.plan(picked)].count(hp) == 0, "a weight gather picked: one mode"
     assert "--compile" in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path, compiled=True)
     assert "--compile" not in e2e_report.command(a, "fp8_tensorwise", 2, tmp_path)
+    only = e2e_report.parse_args(["--tiny", "--recipes", "bf16,fp8_tensorwise", "--compile", "--compiled-only"])
+    assert [e2e_report.label(t["recipe"], t["compiled"]) for t in e2e_report.plan(only)] == [
+        "bf16.compiled", "fp8_tensorwise.compiled", f"{hp}.compiled"], "--compiled-only: the compiled rows only"
     run = lambda base, compiled, tps: {"recipe": e2e_report.label(base, compiled), "base": base, "compiled": compiled,
                                        "losses": [2.0] * 4, "tokens_per_s": tps}
     rows = e2e_report.rows_for([run("bf16", False, 100.0), run("fp8_tensorwise", False, 110.0),

@@ -42,10 +42,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                              f"size, got an input of shape {tuple(x.shape)}")
     if bias is not None and weight is not None and bias.dtype != weight.dtype:
         raise ValueError(f"{name}: its weight ({weight.dtype}) and bias ({bias.dtype}) must have one dtype")
-    # (under torch.compile the reference's operations, as for RMSNorm: torch 2.11's dynamo fails an assertion
-    # (handle_saved_tensors_wiring) tracing the kernels' autograd.Function)
     return normalize(x, weight, bias, float(eps), True, lambda: layer_norm_reference(x, weight, bias, float(eps)),
-                     readers, name, in_graph=False)
+                     readers, name)
 
 
 class LayerNorm(nn.Module):

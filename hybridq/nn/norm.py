@@ -22,10 +22,8 @@ import torch
 import torch.nn as nn
 
 from ..formats.base import is_dtensor
-from ..kernels import _ext
+from .compiled_norms import compiled_norm, norm_kernel_grads, norm_kernels, op_takes
 from .fused_input import NormReaders, produce
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _eps_for(x: torch.Tensor, eps: float | None) -> float:
@@ -45,27 +43,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 
 
 class _NormFunction(torch.autograd.Function):
-    """The CUDA kernels of RMSNorm (bias None, not centered) and LayerNorm (centered): forward saves x and the
-    per-row statistics (not the normalized fp32 copies eager autograd keeps); with `blocks` (RowBlocks) the kernel
-    also writes the rowwise part of y in that block format (hybridq/nn/fused_input.py)."""
+    """The CUDA kernels of RMSNorm (bias None, not centered) and LayerNorm (centered) in eager mode: forward saves x
+    and the per-row statistics (not the normalized fp32 copies eager autograd keeps); with `blocks` (RowBlocks) the
+    kernel also writes the rowwise part of y in that block format (hybridq/nn/fused_input.py). Under torch.compile
+    the same kernels run as custom ops (compiled_norms.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                 centered: bool, blocks):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        w = None if weight is None else weight.contiguous()
-        b = None if bias is None else bias.contiguous()
-        hq = torch.ops.hybridq
-        if blocks is not None:
-            y, mean, rstd, amax, data, scale = hq.norm_quantize_forward(x2d, w, b, eps, centered, blocks.block,
-                                                                        blocks.dtype, blocks.amax_eps, blocks.pow2)
-        else:
-            data = scale = x2d.new_empty((0,), dtype=torch.uint8)
-            if centered:
-                y, mean, rstd, amax = hq.layer_norm_forward(x2d, w, b, eps)
-            else:
-                (y, rstd, amax), mean = hq.rms_norm_forward(x2d, w, eps), None
-        ctx.save_for_backward(x2d, w, mean, rstd)
+        y, mean, rstd, amax, data, scale = norm_kernels(x2d, weight, bias, eps, centered, blocks)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
         ctx.shape = x.shape
         ctx.centered = centered
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -76,31 +64,25 @@ class _NormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor, *_):
         x2d, w, mean, rstd = ctx.saved_tensors
         dy2d = dy.reshape(x2d.shape).contiguous()
-        want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if ctx.centered:
-            dx, dw, db = torch.ops.hybridq.layer_norm_backward(dy2d, x2d, w, mean, rstd, want_w, want_b)
-        else:
-            (dx, dw), db = torch.ops.hybridq.rms_norm_backward(dy2d, x2d, w, rstd, want_w), None
-        return dx.view(ctx.shape), dw if want_w else None, db.to(ctx.b_dtype) if want_b else None, None, None, None
+        dx, dw, db = norm_kernel_grads(dy2d, x2d, w, mean, rstd, ctx.centered, ctx.needs_input_grad[1],
+                                       ctx.needs_input_grad[2], ctx.b_dtype)
+        return dx.view(ctx.shape), dw, db, None, None, None
 
 
-def _kernel_takes(x: torch.Tensor, *params: torch.Tensor | None, in_graph: bool = True) -> bool:
-    ps = [p for p in params if p is not None]
-    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.dim() >= 1 and not is_dtensor(x)
-            and (in_graph or not torch.compiler.is_compiling())
-            and all(not is_dtensor(p) and p.dtype == ps[0].dtype and p.dtype in _KERNEL_DTYPES
-                    and p.device == x.device for p in ps)
-            and _ext.available_for(x.device))
+def _kernel_takes(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    return x.is_cuda and op_takes(x, *params)
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, centered: bool,
-              reference: Callable[[], torch.Tensor], readers: NormReaders | None, name: str,
-              in_graph: bool = True) -> torch.Tensor:
-    """y of RMSNorm / LayerNorm (`centered`), on CUDA by the kernels (under torch.compile too, as custom ops, when
-    `in_graph`), elsewhere by `reference()`. In eager mode it records max|y| (known_amax) and, for the quantizer
-    its `readers` registered, that format's rowwise part of y (fused_input)."""
+              reference: Callable[[], torch.Tensor], readers: NormReaders | None, name: str) -> torch.Tensor:
+    """y of RMSNorm / LayerNorm (`centered`): on CUDA by the kernels, elsewhere by `reference()`; under
+    torch.compile as the custom ops of compiled_norms.py (on the CPU the reference inside them), the reference's
+    ops where those do not take the call (a DTensor). In eager mode it records max|y| (known_amax) and, for the
+    quantizer its `readers` registered, that format's rowwise part of y (fused_input)."""
+    if torch.compiler.is_compiling():
+        return compiled_norm(x, weight, bias, eps, centered)[0] if op_takes(x, weight, bias) else reference()
     kernel = None
-    if _kernel_takes(x, weight, bias, in_graph=in_graph):
+    if _kernel_takes(x, weight, bias):
         kernel = lambda blocks: _NormFunction.apply(x, weight, bias, eps, centered, blocks)  # noqa: E731
     return produce(x, (x,), kernel, reference, readers, name)
 
@@ -114,10 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None = N
         raise ValueError(f"{name}: its weight of shape {tuple(weight.shape)} normalizes a last dimension of that "
                          f"size, got an input of shape {tuple(x.shape)}")
     eps = _eps_for(x, eps)
-    # (under torch.compile the decomposition, which Inductor fuses with the residual add before it: what the
-    # compiled job was measured with)
-    return normalize(x, weight, None, eps, False, lambda: rms_norm_reference(x, weight, eps), readers, name,
-                     in_graph=False)
+    return normalize(x, weight, None, eps, False, lambda: rms_norm_reference(x, weight, eps), readers, name)
 
 
 class RMSNorm(nn.Module):

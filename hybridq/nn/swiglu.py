@@ -20,11 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..formats.base import is_dtensor
-from ..kernels import _ext
+from .compiled_norms import compiled_swiglu, op_takes, swiglu_kernels
 from .fused_input import NormReaders, produce
 from .replaceable import _HOOKS
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHILDREN = ("w1", "w2", "w3")
 _ALLOWED_METHODS = frozenset({"forward"})  # (checked on the probe)
 
@@ -35,13 +33,13 @@ def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _SwiGLUFunction(torch.autograd.Function):
+    """The CUDA kernels in eager mode (under torch.compile: the custom ops of compiled_norms.py)."""
+
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, blocks):
         a2d = a.reshape(-1, a.shape[-1]).contiguous()
         b2d = b.reshape(-1, b.shape[-1]).contiguous()
-        y, amax, data, scale = torch.ops.hybridq.swiglu_forward(
-            a2d, b2d, 0 if blocks is None else blocks.block, torch.float8_e4m3fn if blocks is None else blocks.dtype,
-            0.0 if blocks is None else blocks.amax_eps, blocks is not None and blocks.pow2)
+        y, amax, data, scale = swiglu_kernels(a2d, b2d, blocks)
         ctx.save_for_backward(a2d, b2d)
         ctx.shape = a.shape
         ctx.mark_non_differentiable(amax, data, scale)
@@ -54,18 +52,18 @@ class _SwiGLUFunction(torch.autograd.Function):
         return da.view(ctx.shape), db.view(ctx.shape), None
 
 
-def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.is_cuda and a.dtype in _KERNEL_DTYPES and a.dim() >= 1 and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and not is_dtensor(a) and not is_dtensor(b) and not torch.compiler.is_compiling()
-            and _ext.available_for(a.device))
+def _op_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and op_takes(a, b)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, readers: NormReaders | None = None, name: str = "SwiGLU") -> torch.Tensor:
     """silu(a) * b (see the module docstring); records max|y| for the layer that quantizes y (hybridq.nn.known_amax)
-    and, with `readers`, its rowwise quantized input (hybridq.nn.fused_input). Under torch.compile the reference's
-    ops run (Inductor fuses them)."""
+    and, with `readers`, its rowwise quantized input (hybridq.nn.fused_input). Under torch.compile the kernels run
+    as custom ops (compiled_norms.py; on the CPU the reference inside them)."""
+    if torch.compiler.is_compiling():
+        return compiled_swiglu(a, b)[0] if _op_takes(a, b) else swiglu_reference(a, b)
     kernel = None
-    if _kernel_takes(a, b):
+    if a.is_cuda and _op_takes(a, b):
         kernel = lambda blocks: _SwiGLUFunction.apply(a, b, blocks)  # noqa: E731
     return produce(a, (a, b), kernel, lambda: swiglu_reference(a, b), readers, name)
 
