@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
-from ..nn.compiled_linear import gathered_ops, weight_handle
+from ..nn.weight_handle import HandledWeight, handle_ops
 from ..tensor import QuantizedTensor
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, HighPrecisionSource
 from .payload import DIRECTIONS, HIGH_PRECISION
@@ -26,13 +26,13 @@ def _whole_view(args, kwargs) -> bool:
     return tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()) and not offset
 
 
-class GatheredWeight(QuantizedTensor, HighPrecisionSource):
+class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
     """A QuantizedTensor whose directions are filled by the all-gathers (or, for a direction nobody planned
     for, gathered on first use). Its buffers belong to the weight's `WeightState` (`state.py`, `buffers.py`).
 
-    Under torch.compile it is its handle (`_handle`, see nn/compiled_linear.py): dynamo flattens it to that one
-    int64 tensor, the traced stand-in holds only the handle, and a compiled Linear's ops read the parts through it
-    when they run (after FSDP2's unshard of forward or backward), never copying or saving the gathered bytes."""
+    Under torch.compile it is its handle (`_handle`, nn/weight_handle.py): dynamo flattens it to that one int64
+    tensor, the traced stand-in holds only the handle, and a compiled Linear's ops read the parts through it when
+    they run (after FSDP2's unshard of forward or backward), never copying or saving the gathered bytes."""
 
     @staticmethod
     def __new__(cls, rowwise, columnwise, *, shape, dtype, state, requires_grad: bool = False):
@@ -43,35 +43,12 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
 
     def _alias(self) -> "GatheredWeight":
         if self._hq is None:
-            return GatheredWeight._traced(self._traced_handle, self.shape, self.dtype, self.device)
+            return self._traced_alias()
         return GatheredWeight(self._rowwise, self._columnwise, shape=self.shape, dtype=self.dtype, state=self._hq)
 
-    # -- torch.compile: the weight as its handle ----------------------------------------------------------------
-    @property
-    def _handle(self) -> torch.Tensor:
-        """The int64 tensor naming this weight's state in the compiled ops' table (made on first use)."""
-        if self._hq is None:
-            return self._traced_handle
-        h = self._hq.__dict__.get("compile_handle")
-        if h is None:
-            h = self._hq.compile_handle = weight_handle(self._hq, lambda st: st.gathered)
-        return h
-
-    @staticmethod
-    def _traced(handle: torch.Tensor, shape, dtype, device) -> "GatheredWeight":
-        """What compile traces with: the weight's shape, dtype and device, and its handle (no parts, no state)."""
-        self = torch.Tensor._make_wrapper_subclass(GatheredWeight, torch.Size(shape), dtype=dtype, device=device)
-        self._rowwise = self._columnwise = self._hq = None
-        self._traced_handle = handle
-        return self
-
-    def __tensor_flatten__(self):
-        # (the context holds nothing per layer: blocks of one configuration share one compiled graph)
-        return ["_handle"], (self.dtype, self.device)
-
-    @staticmethod
-    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        return GatheredWeight._traced(inner["_handle"], outer_size, *ctx)
+    @classmethod
+    def _traced_fields(cls) -> tuple[str, ...]:
+        return ("_rowwise", "_columnwise")
 
     def part(self, direction: str):
         self._hq.ensure(direction)
@@ -94,7 +71,7 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = gathered_ops(func, args, kwargs)  # a compiled Linear's ops, traced: they take the handle
+        out = handle_ops(func, args, kwargs)  # a compiled Linear's ops, traced: they take the handle
         if out is not None:
             return out
         if func in (aten.detach.default, aten.alias.default):
@@ -112,10 +89,13 @@ class GatheredWeight(QuantizedTensor, HighPrecisionSource):
                 f"materialized={self.materialized or 'none'})")
 
 
-class GroupedGatheredWeight(GroupedGatheredForm, ExpertsTensor):
+class GroupedGatheredWeight(HandledWeight, GroupedGatheredForm, ExpertsTensor):
     """The unsharded grouped weight FSDP2 registers on the module between unshard and reshard: `[E, out, in]`
     whose `unbind(0)` gives each expert's `GatheredWeight` (a QuantizedTensor; autograd stacks the experts'
-    weight gradients into a plain `[E, out, in]` gradient). Other ops raise: the experts are quantized."""
+    weight gradients into a plain `[E, out, in]` gradient). Other ops raise: the experts are quantized.
+
+    Under torch.compile it is its handle, as a GatheredWeight (nn/weight_handle.py): a compiled GroupedLinear's ops
+    read the experts' stacked buffers through it when they run (nn/compiled_grouped.py)."""
 
     @staticmethod
     def __new__(cls, experts, *, shape, dtype, state):
@@ -126,7 +106,21 @@ class GroupedGatheredWeight(GroupedGatheredForm, ExpertsTensor):
         return self
 
     def _alias(self) -> "GroupedGatheredWeight":
+        if self._hq is None:
+            return self._traced_alias()
         return GroupedGatheredWeight(self._experts, shape=self.shape, dtype=self.dtype, state=self._hq)
+
+    @classmethod
+    def _traced_fields(cls) -> tuple[str, ...]:
+        return ("_experts",)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = handle_ops(func, args, kwargs)  # a compiled GroupedLinear's ops, traced: they take the handle
+        if out is not None:
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def ensure_direction(self, direction: str) -> None:
         if self._hq.slabs and direction in (ROWWISE, COLUMNWISE):
@@ -145,10 +139,13 @@ class GroupedGatheredWeight(GroupedGatheredForm, ExpertsTensor):
     def _other_op(self, func, args, kwargs):
         if func is aten.as_strided.default and _whole_view(args, kwargs):
             return self._alias()
-        raise TypeError(f"GroupedGatheredWeight (the unsharded quantized weight {self._hq.name}) supports only "
+        name = self._hq.name if self._hq is not None else "traced by torch.compile"
+        raise TypeError(f"GroupedGatheredWeight (the unsharded quantized weight {name}) supports only "
                         f"unbind(0) (each expert's quantized weight), detach and alias; got {func}")
 
     def __repr__(self, *, tensor_contents=None) -> str:
+        if self._hq is None:
+            return f"GroupedGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, traced)"
         return (f"GroupedGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"experts={len(self._experts)}, formats={self._experts[0].formats})")
 

@@ -16,8 +16,16 @@ Fake implementations (what compile traces with) give the outputs' shapes from th
 buffers' widths come from the kernels (`JaggedFP8Kernels.columnwise_width`, computed without the counts' values, as
 the real op computes them).
 
+A weight FSDP2 all-gathered quantized (apply_hybrid_fsdp's `GroupedGatheredWeight`, per-tensor FP8 experts) enters the
+graph as its handle, as a compiled Linear's does (nn/weight_handle.py): traced, the `grouped_linear_forward` call on
+it becomes `hybridq::gathered_grouped_linear_forward`, which reads the experts' stacked rowwise buffers `[E, N, K]`
+through the handle when it runs, and backward calls `hybridq::gathered_grouped_linear_backward`, which reads the
+stacked columnwise buffers `[E, K, N]` the backward unshard derived -- the eager layer's `HeldFP8Experts` path, so
+bitwise eager; the graph neither copies nor saves the gathered bytes.
+
 What stays a graph break (the eager path): `m_splits` as a list (its values would be constants of the graph: one
-compile per routing), every other recipe and option, FSDP2-gathered or quantized weights. `runs_in_graph` says which.
+compile per routing), every other recipe and option, weights held quantized (quantized_model_init).
+`runs_in_graph` says which; `experts_in_graph` whether an expert module's products all compile.
 """
 
 from __future__ import annotations
@@ -26,12 +34,15 @@ import uuid
 
 import torch
 
-from ..gemm import jagged_fp8_kernels
-from .grouped_jagged import TokenGroups, jagged_backward, jagged_forward
+from ..enums import COLUMNWISE, ROWWISE
+from ..gemm import JaggedFP8, jagged_fp8_kernels
+from .expert_layers import converted_experts
+from .grouped_jagged import HeldFP8Experts, TokenGroups, jagged_backward, jagged_forward
 from .grouped_packed import FP8_TENSOR, packed_quantizers
 from .m_splits import check_split_values
+from .weight_handle import bound_args, handled_weight, redirect, weight_of
 
-__all__ = ["graph_key", "runs_in_graph", "grouped_in_graph"]
+__all__ = ["experts_in_graph", "graph_key", "runs_in_graph", "grouped_in_graph"]
 
 # Configurations by content (see compiled_linear.py: blocks whose layers differ in name only share one compiled
 # graph; the process id keeps another process's cached graphs from naming this process's configurations)
@@ -62,17 +73,39 @@ def _kernels_run(key: str, device: str, in_features: int, out_features: int) -> 
     return jagged_fp8_kernels(torch.device(device), in_features, out_features, _LAYERS[key][1]) is not None
 
 
+def _configuration_in_graph(layer) -> bool:
+    """The half of `runs_in_graph` that does not depend on the call: the layer's recipe and options."""
+    return (layer.__dict__.get("_graph_key") is not None and layer.packed_path and layer.jagged_path is not False
+            and layer.bias is None and not layer.save_original_input and layer.recipe.backward_override is None)
+
+
+def _weight_in_graph(weight) -> bool:
+    """A plain weight, or one FSDP2 gathered quantized (its handle enters the graph). Traced by dynamo."""
+    return type(weight) in (torch.Tensor, torch.nn.Parameter) or handled_weight(weight)
+
+
 def runs_in_graph(layer, x: torch.Tensor, m_splits, is_first_microbatch) -> bool:
     """Whether this call of `layer` (a GroupedLinear) runs as the custom ops inside a compiled graph (see the module
     docstring). Traced by dynamo: the weight's type is looked at last."""
     plain = (torch.Tensor, torch.nn.Parameter)
-    key = layer.__dict__.get("_graph_key")
-    return (key is not None and isinstance(m_splits, torch.Tensor) and is_first_microbatch is None
-            and layer.packed_path and layer.jagged_path is not False and layer.bias is None
-            and not layer.save_original_input and layer.recipe.backward_override is None
+    return (_configuration_in_graph(layer) and isinstance(m_splits, torch.Tensor) and is_first_microbatch is None
             and type(x) in plain and x.dim() == 2 and x.shape[-1] == layer.in_features
-            and type(layer.weight) in plain and layer.in_features > 0 and layer.out_features > 0
-            and _kernels_run(key, str(x.device), layer.in_features, layer.out_features))
+            and layer.in_features > 0 and layer.out_features > 0 and _weight_in_graph(layer.weight)
+            and _kernels_run(layer._graph_key, str(x.device), layer.in_features, layer.out_features))
+
+
+def experts_in_graph(module) -> bool:
+    """Whether every grouped product of `module` -- a GroupedLinear, or an expert module converted by
+    `convert_experts` -- runs inside torch.compile's graph (no graph break) when called with `m_splits` as a tensor
+    on inputs the kernels take: every layer per-tensor FP8 with current scaling on the jagged path, its weight plain
+    or gathered quantized by FSDP2. False for a module that was not converted. May be traced by dynamo (e.g. to run
+    an expert module's forward under `torch.compiler.disable` where it would break the graph)."""
+    if "_graph_key" in module.__dict__:
+        layers = {"weight": module}
+    else:
+        layers = converted_experts(module)
+    return bool(layers) and all(_configuration_in_graph(layer) and _weight_in_graph(getattr(module, name))
+                                for name, layer in layers.items())
 
 
 def _check_split_tensor(m_splits: torch.Tensor, num_experts: int, name: str) -> None:
@@ -105,21 +138,45 @@ def _buffer(col: torch.Tensor) -> torch.Tensor:
     return col.as_strided((col.shape[0], col.stride(0)), (col.stride(0), 1))
 
 
-def _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool):
+def _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool, handle=None):
+    """[y, x columnwise buffer, x scale_inv, W columnwise, W scale_inv]. With `handle` (the weight FSDP2 gathered,
+    `weight` a stand-in of its shape) W's forms are read through the handle: forward its rowwise form, backward its
+    columnwise form, so neither is an output (empty tensors)."""
     name, quantizers = _LAYERS[key]
     e, n, k = weight.shape
     kernels = jagged_fp8_kernels(x.device, k, n, quantizers)
     groups = _groups(m_splits, x.shape[0], x.device, name, fake)
+    handled = handle is not None
     if fake:  # (an output a gradient does not need is an empty tensor of its own: outputs may not alias)
         x_col = (x.new_empty(k, kernels.columnwise_width(groups), dtype=quantizers["input"].dtype) if need_wgrad
                  else x.new_empty(0))
-        w_col = x.new_empty(k, e * n, dtype=quantizers["weight"].dtype) if need_dgrad else x.new_empty(0)
+        w_col = (x.new_empty(k, e * n, dtype=quantizers["weight"].dtype) if need_dgrad and not handled
+                 else x.new_empty(0))
         scale = x.new_empty(e, dtype=torch.float32)
-        return [x.new_empty(x.shape[0], n), x_col, scale, w_col, scale.clone()]
+        return [x.new_empty(x.shape[0], n), x_col, scale, w_col, x.new_empty(0) if handled else scale.clone()]
+    held = None
+    if handled:
+        row, scale_inv = _held(handle, ROWWISE, name)
+        held = JaggedFP8(row, None, scale_inv)
     y, (x_col, x_scale, w_col, w_scale) = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad,
-                                                         kernels)
+                                                         kernels, held)
+    if handled:  # (two tensors: outputs may not alias one another)
+        w_col, w_scale = x.new_empty(0), x.new_empty(0)
     return [y.contiguous(), _buffer(x_col) if x_col is not None else x.new_empty(0), x_scale,
             w_col.contiguous() if w_col is not None else x.new_empty(0), w_scale]
+
+
+def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data `[E, rows, cols]`, scale_inv `[E]`): the experts' per-tensor FP8 form of `direction` of the gathered
+    weight `handle` names (views of its stacked buffers: no copy), as the eager layer's `HeldFP8Experts` reads it."""
+    weight = weight_of(handle)
+    weight.ensure_direction(direction)  # (a lazy gather is a collective: every rank asks, whatever its counts)
+    form = HeldFP8Experts(weight, lambda: weight.unbind(0)).form(direction)
+    if form is None:
+        raise RuntimeError(f"hybridq compiled GroupedLinear {name}: the gathered experts have no per-tensor FP8 "
+                           f"{direction} form (their recipe is per-tensor FP8: apply_hybrid_fsdp gathered another "
+                           f"format)")
+    return form
 
 
 @torch.library.custom_op("hybridq::grouped_linear_forward", mutates_args=())
@@ -135,11 +192,8 @@ def _(x, weight, m_splits, key, need_dgrad, need_wgrad):
     return _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake=True)
 
 
-@torch.library.custom_op("hybridq::grouped_linear_backward", mutates_args=())
-def grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor, x_scale: torch.Tensor,
-                            w_col: torch.Tensor, w_scale: torch.Tensor, key: str, need_dgrad: bool,
-                            need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
-    """[dx, dW] (an empty tensor for a gradient not asked for) of the call `grouped_linear_forward` saved for."""
+def _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
+                  w_dtype) -> list[torch.Tensor]:
     name, quantizers = _LAYERS[key]
     e, n, k = w_shape
     kernels = jagged_fp8_kernels(dy.device, k, n, quantizers)
@@ -152,29 +206,98 @@ def grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: tor
             dw.contiguous() if dw is not None else dy.new_empty(0)]
 
 
-@grouped_linear_backward.register_fake
-def _(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+def _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype) -> list[torch.Tensor]:
     return [dy.new_empty(dy.shape[0], w_shape[2]) if need_dgrad else dy.new_empty(0),
             dy.new_empty(w_shape, dtype=w_dtype) if need_wgrad else dy.new_empty(0)]
 
 
+@torch.library.custom_op("hybridq::grouped_linear_backward", mutates_args=())
+def grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor, x_scale: torch.Tensor,
+                            w_col: torch.Tensor, w_scale: torch.Tensor, key: str, need_dgrad: bool,
+                            need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx, dW] (an empty tensor for a gradient not asked for) of the call `grouped_linear_forward` saved for."""
+    return _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
+                         w_dtype)
+
+
+@grouped_linear_backward.register_fake
+def _(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+    return _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, m_splits, key, need_dgrad, need_wgrad = inputs
-    ctx.save_for_backward(m_splits, *output[1:])
+    # a gathered weight is kept for dgrad as its handle (not its bytes): backward reads its columnwise form then
+    ctx.save_for_backward(m_splits, *output[1:], weight if need_dgrad and handled_weight(weight) else None)
     ctx.args = (key, need_dgrad, need_wgrad, list(weight.shape), weight.dtype)
 
 
 def _backward(ctx, grads):
-    m_splits, x_col, x_scale, w_col, w_scale = ctx.saved_tensors
+    m_splits, x_col, x_scale, w_col, w_scale, handled = ctx.saved_tensors
     key, need_dgrad, need_wgrad, w_shape, w_dtype = ctx.args
     need_dgrad = need_dgrad and ctx.needs_input_grad[0]
     need_wgrad = need_wgrad and ctx.needs_input_grad[1]
-    dx, dw = torch.ops.hybridq.grouped_linear_backward(grads[0], m_splits, x_col, x_scale, w_col, w_scale, key,
-                                                       need_dgrad, need_wgrad, w_shape, w_dtype)
+    if handled is not None and need_dgrad:
+        dx, dw = torch.ops.hybridq.gathered_grouped_linear_backward(grads[0], m_splits, x_col, x_scale,
+                                                                    handled._handle, key, need_dgrad, need_wgrad,
+                                                                    w_shape, w_dtype)
+    else:
+        dx, dw = torch.ops.hybridq.grouped_linear_backward(grads[0], m_splits, x_col, x_scale, w_col, w_scale, key,
+                                                           need_dgrad, need_wgrad, w_shape, w_dtype)
     return dx if need_dgrad else None, dw if need_wgrad else None, None, None, None, None
 
 
 grouped_linear_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- a weight read through its handle (FSDP2's gathered experts) -----------------------------------------------
+
+@torch.library.custom_op("hybridq::gathered_grouped_linear_forward", mutates_args=())
+def gathered_grouped_linear_forward(x: torch.Tensor, handle: torch.Tensor, m_splits: torch.Tensor, key: str,
+                                    need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
+                                    w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`grouped_linear_forward` of the gathered weight `handle` names (its rowwise form read now); W's columnwise
+    outputs are empty: backward reads them through the handle."""
+    return _run_forward(x, _stand_in(w_shape, w_dtype), m_splits, key, need_dgrad, need_wgrad, fake=False,
+                        handle=handle)
+
+
+@gathered_grouped_linear_forward.register_fake
+def _(x, handle, m_splits, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+    return _run_forward(x, _stand_in(w_shape, w_dtype), m_splits, key, need_dgrad, need_wgrad, fake=True,
+                        handle=handle)
+
+
+def _stand_in(w_shape: list[int], w_dtype: torch.dtype) -> torch.Tensor:
+    """A weight of the gathered weight's shape (no storage): the ops read only its shape."""
+    return torch.empty(w_shape, dtype=w_dtype, device="meta")
+
+
+@torch.library.custom_op("hybridq::gathered_grouped_linear_backward", mutates_args=())
+def gathered_grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor,
+                                     x_scale: torch.Tensor, handle: torch.Tensor, key: str, need_dgrad: bool,
+                                     need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`grouped_linear_backward` of a `gathered_grouped_linear_forward` call: dgrad reads the experts' columnwise
+    form through `handle` now (the backward unshard derived it, or it is gathered now)."""
+    w_col, w_scale = _held(handle, COLUMNWISE, _LAYERS[key][0]) if need_dgrad else (None, None)
+    return _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
+                         w_dtype)
+
+
+@gathered_grouped_linear_backward.register_fake
+def _(dy, m_splits, x_col, x_scale, handle, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+    return _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype)
+
+
+def _gathered_forward(args, kwargs):
+    x, weight, *rest = bound_args(grouped_linear_forward, args, kwargs)
+    return torch.ops.hybridq.gathered_grouped_linear_forward(x, weight._handle, *rest, list(weight.shape),
+                                                             weight.dtype)
+
+
+# `grouped_linear_forward` called on a gathered weight (its __torch_dispatch__ sends it to weight_handle.handle_ops
+# while compile traces): the handle in the weight's place
+redirect(torch.ops.hybridq.grouped_linear_forward.default, _gathered_forward)
 
 
 def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,11 @@ and GEMM op hybridq calls has one), which gives the saved tensors' shapes and dt
 the input's, weight's and bias's shapes.
 
 A weight FSDP2 all-gathered quantized (apply_hybrid_fsdp's `GatheredWeight`) enters the graph as a handle: its
-`__tensor_flatten__` gives dynamo one inner tensor, a small int64 tensor naming the weight's state in a table here
-(`weight_handle`), so the graph neither copies nor saves the gathered bytes, whose storage FSDP2 frees at reshard
-and refills at the backward unshard. Traced, the `hybridq::linear_forward` / `linear_backward` call on it is turned
-into `hybridq::gathered_linear_forward` / `gathered_linear_backward` (by the gathered weight's __torch_dispatch__),
+`__tensor_flatten__` gives dynamo one inner tensor, a small int64 tensor naming the weight's state
+(nn/weight_handle.py, shared with the compiled GroupedLinear), so the graph neither copies nor saves the gathered
+bytes, whose storage FSDP2 frees at reshard and refills at the backward unshard. Traced, the
+`hybridq::linear_forward` / `linear_backward` call on it is turned into `hybridq::gathered_linear_forward` /
+`gathered_linear_backward` (by the gathered weight's __torch_dispatch__, `weight_handle.handle_ops`),
 which take the handle and read the unsharded weight's parts when they run, through the same eager code: forward
 reads the rowwise form, backward the form dgrad reads (gathered by the backward unshard, or on first use).
 
@@ -35,11 +36,8 @@ handle).
 
 from __future__ import annotations
 
-import itertools
 import uuid
-import weakref
 from collections import OrderedDict
-from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -48,8 +46,9 @@ from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
+from .weight_handle import bound_args, handled_weight, redirect, weight_handle, weight_of
 
-__all__ = ["compiled_linear", "configuration_key", "gathered_ops", "runs_in_graph", "weight_handle"]
+__all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_handle"]
 
 # Configurations by key. The custom ops take plain values only, so a layer's configuration (its three quantizers
 # and save_original_input) travels as a string, and every string in a graph is a constant the graph is compiled
@@ -70,9 +69,6 @@ _MAX_LAYOUTS = 4096
 _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 # the layout entry of a weight read through its handle (a gathered weight): the backward op reads it again
 _HANDLE = "handle"
-# weights read through a handle: handle value -> (weak reference to its owner, how the owner gives the weight)
-_HANDLES: dict[int, tuple[weakref.ref, Callable]] = {}
-_NEXT_HANDLE = itertools.count()
 
 
 class _Layer:
@@ -120,29 +116,6 @@ def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> 
     if module._weight_quantized_elsewhere:
         return module._weight_gathered and handled_weight(module.weight)
     return type(module.weight) in plain
-
-
-def weight_handle(owner, weight_of: Callable) -> torch.Tensor:
-    """A new handle (an int64 CPU scalar: the inner tensor a weight subclass flattens to for dynamo) through which
-    the compiled ops find `weight_of(owner)`, the quantized weight as it is when they run. Kept while `owner`
-    lives."""
-    n = next(_NEXT_HANDLE)
-    _HANDLES[n] = (weakref.ref(owner, lambda _, n=n: _HANDLES.pop(n, None)), weight_of)
-    return torch.tensor(n, dtype=torch.int64)
-
-
-def handled_weight(weight: torch.Tensor) -> bool:
-    """Whether `weight` enters a compiled graph as a handle (a quantized tensor with `_handle`). Traced by dynamo."""
-    return isinstance(weight, QuantizedTensor) and hasattr(weight, "_handle")
-
-
-def _weight_of(handle: torch.Tensor) -> QuantizedTensor:
-    entry = _HANDLES.get(int(handle.item()))
-    owner = entry[0]() if entry is not None else None
-    if owner is None:
-        raise RuntimeError(f"hybridq compiled Linear: the quantized weight of handle {int(handle.item())} is gone "
-                           f"(its module was deleted while a compiled graph still ran it)")
-    return entry[1](owner)
 
 
 def _layout_key(key: str, override: str | None, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape,
@@ -231,7 +204,7 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
         elif entry[0] == _WEIGHT:
             operands.append(weight)
         elif entry[0] == _HANDLE:
-            operands.append(_saved_weight(_weight_of(weight), cfg.backward_override))
+            operands.append(_saved_weight(weight_of(weight), cfg.backward_override))
         else:
             operands += unflatten_quantized(flat, [entry])
     saved_x, saved_w = operands
@@ -296,7 +269,7 @@ def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.T
                             override: str | None, need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
                             w_dtype: torch.dtype) -> list[torch.Tensor]:
     """`linear_forward` of the weight `handle` names: [y, *saved tensors of the input]."""
-    y, flat, layout = _forward(x, _weight_of(handle), bias, key, override, need_dgrad, need_wgrad, handled=True)
+    y, flat, layout = _forward(x, weight_of(handle), bias, key, override, need_dgrad, need_wgrad, handled=True)
     _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x.shape, w_shape, x.dtype, True), layout)
     return [y, *flat]
 
@@ -325,24 +298,21 @@ def _(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x
     return _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype)
 
 
-def gathered_ops(func, args, kwargs):
-    """`linear_forward` / `linear_backward` called on a weight read through its handle (the weight subclass's
-    __torch_dispatch__ sends them here while compile traces): the same call as the `gathered_` op, the handle in
-    the weight's place. None for any other op."""
-    if func is torch.ops.hybridq.linear_forward.default:
-        x, weight, bias, *rest = _bound(linear_forward, args, kwargs)
-        return torch.ops.hybridq.gathered_linear_forward(x, weight._handle, bias, *rest, list(weight.shape),
-                                                         weight.dtype)
-    if func is torch.ops.hybridq.linear_backward.default:
-        dy, x, weight, *rest = _bound(linear_backward, args, kwargs)
-        return torch.ops.hybridq.gathered_linear_backward(dy, x, weight._handle, *rest)
-    return None
+def _gathered_forward(args, kwargs):
+    x, weight, bias, *rest = bound_args(linear_forward, args, kwargs)
+    return torch.ops.hybridq.gathered_linear_forward(x, weight._handle, bias, *rest, list(weight.shape), weight.dtype)
 
 
-def _bound(op, args, kwargs) -> list:
-    """The op's arguments in schema order."""
-    names = [a.name for a in op._opoverload._schema.arguments]
-    return list(args) + [kwargs[n] for n in names[len(args):]]
+def _gathered_backward(args, kwargs):
+    dy, x, weight, *rest = bound_args(linear_backward, args, kwargs)
+    return torch.ops.hybridq.gathered_linear_backward(dy, x, weight._handle, *rest)
+
+
+# `linear_forward` / `linear_backward` called on a weight read through its handle (the gathered weight's
+# __torch_dispatch__ sends them to weight_handle.handle_ops while compile traces): the same call as the `gathered_`
+# op, the handle in the weight's place
+redirect(torch.ops.hybridq.linear_forward.default, _gathered_forward)
+redirect(torch.ops.hybridq.linear_backward.default, _gathered_backward)
 
 
 def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tensor:

@@ -406,7 +406,9 @@ def grouped_mm(module: nn.Module, weight_name: str, x: torch.Tensor,
     converted = converted_layer(module, weight_name)
     if converted is None:  # (the same m_splits rules as the converted GroupedLinear's)
         return grouped_mm_high_precision(x, weight, m_splits, f"grouped_mm of {weight_name}")
-    if converted.weight is not weight:  # the parameter was replaced (e.g. by a wrapper): read the current one
+    # the parameter may have been replaced (e.g. by FSDP2's unsharded one): the layer reads the current one. Traced,
+    # the old one is not looked at (dynamo would guard on it: a sharded weight whose metadata does not compare equal)
+    if torch.compiler.is_compiling() or converted.weight is not weight:
         converted._parameters["weight"] = weight
     return converted(x, m_splits)
 

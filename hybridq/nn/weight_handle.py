@@ -1,0 +1,113 @@
+"""A weight FSDP2 all-gathered quantized, inside torch.compile's graph as a handle (shared by the compiled Linear,
+nn/compiled_linear.py, and the compiled GroupedLinear, nn/compiled_grouped.py).
+
+The gathered weight (`GatheredWeight` of a Linear, `GroupedGatheredWeight` of a grouped weight: `HandledWeight`s)
+flattens for dynamo to one inner tensor, its handle: a small int64 CPU tensor naming the weight's state in a table
+here (`weight_handle`). So a graph neither copies nor saves the gathered bytes, whose storage FSDP2 frees at reshard
+and refills at the backward unshard. A compiled layer calls its custom op on the weight itself (so that autograd
+reaches it); while compile traces, the weight's __torch_dispatch__ hands that call to `handle_ops`, which turns it
+into the op's `gathered_` twin taking the handle instead (registered with `redirect`); the twin reads the weight's
+parts through the handle (`weight_of`) when it runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Callable
+
+import torch
+
+__all__ = ["HandledWeight", "handle_ops", "handled_weight", "redirect", "weight_handle", "weight_of"]
+
+# weights read through a handle: handle value -> (weak reference to its owner, how the owner gives the weight)
+_HANDLES: dict[int, tuple[weakref.ref, Callable]] = {}
+_NEXT_HANDLE = itertools.count()
+# custom op (OpOverload) -> what it becomes on a handled weight: fn(args, kwargs) -> the op's result
+_REDIRECTS: dict = {}
+
+
+def weight_handle(owner, weight_of: Callable) -> torch.Tensor:
+    """A new handle (an int64 CPU scalar: the inner tensor a weight subclass flattens to for dynamo) through which
+    the compiled ops find `weight_of(owner)`, the quantized weight as it is when they run. Kept while `owner`
+    lives."""
+    n = next(_NEXT_HANDLE)
+    _HANDLES[n] = (weakref.ref(owner, lambda _, n=n: _HANDLES.pop(n, None)), weight_of)
+    return torch.tensor(n, dtype=torch.int64)
+
+
+def weight_of(handle: torch.Tensor):
+    """The weight `handle` names, as it is now (raises once its owner is gone)."""
+    entry = _HANDLES.get(int(handle.item()))
+    owner = entry[0]() if entry is not None else None
+    if owner is None:
+        raise RuntimeError(f"hybridq compiled layer: the quantized weight of handle {int(handle.item())} is gone "
+                           f"(its module was deleted while a compiled graph still ran it)")
+    return entry[1](owner)
+
+
+def handled_weight(weight: torch.Tensor) -> bool:
+    """Whether `weight` enters a compiled graph as a handle. Traced by dynamo."""
+    return isinstance(weight, HandledWeight)
+
+
+def redirect(op, fn: Callable) -> None:
+    """Register what the custom op `op` (its default overload) becomes when called on a handled weight while
+    compile traces: `fn(args, kwargs)`, which calls the op's `gathered_` twin with the handle."""
+    _REDIRECTS[op] = fn
+
+
+def handle_ops(func, args, kwargs):
+    """The redirected call of `func` (a handled weight's __torch_dispatch__ asks first), or None for any other op."""
+    fn = _REDIRECTS.get(func)
+    return fn(args, kwargs) if fn is not None else None
+
+
+def bound_args(op, args, kwargs) -> list:
+    """A custom op's arguments in schema order."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+    return list(args) + [kwargs[n] for n in names[len(args):]]
+
+
+class HandledWeight:
+    """Mixin of a wrapper-subclass weight whose state `_hq` (the weight's per-parameter FSDP state, with the
+    unsharded weight as `gathered`) is what the compiled ops read: under torch.compile the weight is its handle.
+    The subclass gives `_traced_fields()`: the attributes a traced stand-in (no parts, no state) sets to None."""
+
+    _hq: object | None  # set by the subclass (None on a traced stand-in)
+    _traced_handle: torch.Tensor
+
+    @property
+    def _handle(self) -> torch.Tensor:
+        """The int64 tensor naming this weight's state in the compiled ops' table (made on first use)."""
+        if self._hq is None:
+            return self._traced_handle
+        h = self._hq.__dict__.get("compile_handle")
+        if h is None:
+            h = self._hq.compile_handle = weight_handle(self._hq, lambda st: st.gathered)
+        return h
+
+    @classmethod
+    def _traced(cls, handle: torch.Tensor, shape, dtype, device):
+        """What compile traces with: the weight's shape, dtype and device, and its handle (no parts, no state)."""
+        self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        for name in cls._traced_fields():
+            setattr(self, name, None)
+        self._hq = None
+        self._traced_handle = handle
+        return self
+
+    @classmethod
+    def _traced_fields(cls) -> tuple[str, ...]:
+        return ()
+
+    def _traced_alias(self):
+        return type(self)._traced(self._traced_handle, self.shape, self.dtype, self.device)
+
+    def __tensor_flatten__(self):
+        # (the context holds nothing per layer: blocks of one configuration share one compiled graph)
+        return ["_handle"], (self.dtype, self.device)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        return cls._traced(inner["_handle"], outer_size, *ctx)

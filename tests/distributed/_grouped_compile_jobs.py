@@ -1,0 +1,198 @@
+"""Jobs of test_fsdp_grouped_compile.py: mixture-of-experts blocks compiled with torch.compile (per block, before
+fully_shard, as train.py --compile) whose grouped weights FSDP2 all-gathers quantized (apply_hybrid_fsdp), against the
+same model run eagerly. Each job returns what differed (lists of messages) and what the compiled graphs hold (graph
+breaks, hybridq grouped ops, inputs or saved tensors of a grouped weight's shape); the tests assert on them."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pathlib
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hybridq
+from hybridq.distributed import apply_hybrid_fsdp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import tensor_diff  # noqa: E402
+from _format_cases import FORMATS  # noqa: E402
+
+E, D, H, TOP_K = 4, 64, 96, 2
+
+
+def recipe_of(case: str):
+    """A preset by name, or every tensor of every expert in the per-tensor FP8 format FORMATS[case]."""
+    if case in hybridq.preset_names():
+        return case
+    return hybridq.CustomRecipe(lambda role: FORMATS[case](), name=f"all_{case}")
+
+
+class Experts(nn.Module):
+    """SwiGLU experts in the expert protocol (w1 / w3 / w2 `[E, out, in]`); `act` between the projections."""
+
+    hybridq_grouped_weights = ("w1", "w3", "w2")
+
+    def __init__(self, act):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, H, D) / D ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(E, H, D) / D ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(E, D, H) / H ** 0.5)
+        self.act = act
+
+    def forward(self, x, m_splits):
+        hid = self.act(hybridq.grouped_mm(self, "w1", x, m_splits)) * hybridq.grouped_mm(self, "w3", x, m_splits)
+        return hybridq.grouped_mm(self, "w2", hid, m_splits)
+
+
+def _identity(t):
+    return t
+
+
+class Block(nn.Module):
+    """x + proj(experts(x)) on the tokens sorted by expert: routed top-2 in the block (a high-precision router,
+    counts as a device tensor, as launch/model.py's MoE), or (`routed=False`) on the given counts. `proj` is a
+    GroupedLinear itself; the experts an expert module apply_hybrid_fsdp converts."""
+
+    def __init__(self, routed: bool, act):
+        super().__init__()
+        self.routed = routed
+        self.router = nn.Parameter(torch.randn(E, D) / D ** 0.5)  # (not an nn.Linear: kept in high precision)
+        self.experts = Experts(act)
+        self.proj = hybridq.GroupedLinear(E, D, D, recipe="fp8_tensorwise", name="proj")
+
+    def forward(self, x, m_splits=None):
+        if not self.routed:
+            return x + self.proj(self.experts(x, m_splits), m_splits)
+        flat = x.reshape(-1, D)
+        top_p, top_e = (flat @ self.router.t()).float().softmax(-1).topk(TOP_K, dim=-1)
+        flat_e = top_e.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, flat_e, torch.ones_like(flat_e))
+        ys = self.proj(self.experts(flat[order // TOP_K], counts), counts)
+        ys = ys * (top_p / top_p.sum(-1, keepdim=True)).reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(flat.shape[0], TOP_K, D).sum(1)
+        return x + y.view_as(x)
+
+
+class Net(nn.Module):
+    def __init__(self, routed: bool, act, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(routed, act) for _ in range(layers))
+
+    def forward(self, x, m_splits=None):
+        for b in self.blocks:
+            x = b(x, m_splits)
+        return x
+
+
+class _Recorder:
+    """A dynamo backend: AOTAutograd with `compiler` ("aot_eager": the traced graphs as they are; "inductor"), and
+    what the forward and backward graphs hold: the hybridq grouped ops by name, and the graph inputs or forward
+    outputs (saved for backward) whose shape is a grouped weight's (the gathered bytes entering or kept)."""
+
+    def __init__(self, compiler: str, weight_shapes):
+        self.compiler = compiler
+        self.weight_shapes = {tuple(s) for s in weight_shapes}
+        self.ops: dict[str, int] = {}
+        self.weight_tensors: list[str] = []
+
+    def _look(self, gm, which):
+        for n in gm.graph.nodes:
+            name = str(n.target)
+            if name.startswith("hybridq."):
+                key = name.split(".")[1]
+                self.ops[key] = self.ops.get(key, 0) + 1
+        outputs = [a for a in gm.graph.nodes if a.op == "output"][0].args[0] if which == "forward" else []
+        for n in [n for n in gm.graph.nodes if n.op == "placeholder"] + [o for o in outputs if hasattr(o, "meta")]:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and tuple(val.shape) in self.weight_shapes:
+                self.weight_tensors.append(f"{which} {n.op} {n.name} {tuple(val.shape)} {val.dtype}")
+
+    def backend(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(which):
+            def run(gm, example_inputs):
+                self._look(gm, which)
+                if self.compiler == "inductor":
+                    from torch._inductor.compile_fx import compile_fx_inner
+                    return compile_fx_inner(gm, example_inputs, is_backward=which == "backward")
+                return make_boxed_func(gm.forward)
+            return run
+
+        return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def _shard(model: nn.Module, recipe, device, world_size: int, dtype, compile_with=None, reshard=True) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for b in model.blocks:
+        b.proj.recipe = recipe
+    apply_hybrid_fsdp(model, recipe)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    shard = functools.partial(fully_shard, mesh=init_device_mesh(device.type, (world_size,)),
+                              reshard_after_forward=reshard, mp_policy=mp)
+    for b in model.blocks:
+        if compile_with is not None:  # per block, before fully_shard (as train.py --compile); a graph break raises
+            b.forward = torch.compile(b.forward, backend=compile_with, fullgraph=True)
+        shard(b)
+    shard(model)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def compiled_experts_match_eager(rank, world_size, device, cases, compiler="aot_eager", steps=2, reshard=True,
+                                 routed=True, dtype="float32"):
+    """For each case (recipe_of): an eager and a compiled copy of one MoE model under FSDP2, `steps` AdamW steps on
+    this rank's batches. Returns {case: {"diffs": [...], "ops": {op: count}, "weight_tensors": [...]}}: each
+    step's output, input gradient and every parameter gradient, and the parameters after the last step, compared
+    bit for bit."""
+    dt = getattr(torch, dtype)
+    act = F.silu if routed else _identity  # (Inductor may round a fused SiLU otherwise than eager)
+    out = {}
+    for case in cases:
+        torch.manual_seed(0)
+        base = Net(routed, act).to(device)
+        torch._dynamo.reset()
+        recipe = recipe_of(case)
+        rec = _Recorder(compiler, [(E, H, D), (E, D, H), (E, D, D)])
+        eager = _shard(copy.deepcopy(base), recipe, device, world_size, dt, reshard=reshard)
+        compiled = _shard(copy.deepcopy(base), recipe, device, world_size, dt, rec.backend(), reshard=reshard)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (eager, compiled)]
+        diffs = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(2, 16, D, generator=g).to(device)
+            splits = torch.tensor([7, 0, 16 + step, 9 - step], device=device) if not routed else None
+            if not routed:
+                x = x.reshape(-1, D)
+            got = []
+            for m, opt in zip((eager, compiled), opts):
+                xi = x.clone().requires_grad_()
+                y = m(xi, splits)
+                y.float().square().mean().backward()
+                got.append((y.detach(), xi.grad, {n: _full(p.grad).clone() for n, p in m.named_parameters()
+                                                   if p.grad is not None}))  # (unrouted: the router has none)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            (y_e, dx_e, g_e), (y_c, dx_c, g_c) = got
+            if g_c.keys() != g_e.keys():
+                diffs.append(f"step {step}: gradients of {sorted(g_c)}, eager {sorted(g_e)}")
+            checks = [(y_c, y_e, "output"), (dx_c, dx_e, "input grad")] + [(g_c[n], g_e[n], f"grad {n}") for n in g_e
+                                                                            if n in g_c]
+            diffs += [d for c, e, what in checks for d in [tensor_diff(c, e, f"step {step} {what}")] if d]
+        for (n, pe), (_, pc) in zip(eager.named_parameters(), compiled.named_parameters()):
+            d = tensor_diff(_full(pc.detach()), _full(pe.detach()), f"{n} after {steps} steps")
+            if d:
+                diffs.append(d)
+        out[case] = {"diffs": diffs, "ops": rec.ops, "weight_tensors": rec.weight_tensors}
+    return out
