@@ -117,6 +117,20 @@ class TokenLayout:
             return self.pack(t.view(torch.uint8)).view(t.dtype)
         return t.new_zeros(self.total, t.shape[1]).index_copy_(0, self.rows, t)
 
+    def source_rows(self, device: torch.device) -> torch.Tensor:
+        """int32 `[total]` on `device`: the token row each slot row holds, -1 for a padding row (what the grouped
+        quantize reads instead of a packed buffer; made once per layout, forward and backward share it)."""
+        key = ("source_rows", device)
+        if key not in self.device_cache:
+            tokens = sum(self.splits)
+            if self.rows is None:
+                src = torch.arange(tokens, dtype=torch.int32, device=device)
+            else:
+                src = torch.full((self.total,), -1, dtype=torch.int32, device=device)
+                src[self.rows.to(device)] = torch.arange(tokens, dtype=torch.int32, device=device)
+            self.device_cache[key] = src
+        return self.device_cache[key]
+
     def quantize(self, q: Float8Quantizer, t: torch.Tensor, name: str) -> Float8RowGroups:
         """`t`'s expert slices quantized each alone, laid out in the padded buffer. Zero rows change no amax and
         quantize to zero bytes, so padding the fp8 bytes equals quantizing the zero-padded slices (and moves half

@@ -27,7 +27,7 @@ import torch
 from ..enums import COLUMNWISE, ROWWISE, Direction
 from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
-from ..kernels import grouped_blocks, grouped_emulated
+from ..kernels import grouped_blocks, grouped_emulated, grouped_slots
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from .grouped_packed import FP8_TENSOR, TokenLayout
 from .linear_function import _only
@@ -146,6 +146,20 @@ def _per_expert_mm(a: QuantizedPart, weights: ExpertWeights, direction: Directio
     return torch.cat(outs)
 
 
+def quantize_slots(q: Quantizer, t: torch.Tensor, layout: TokenLayout, rowwise: bool, columnwise: bool, name: str,
+                   draw_order=None) -> QuantizedTensor:
+    """The routed tokens `t` quantized in the layout's slots, one call for all experts: `q.quantize_groups` of the
+    packed buffer, or, where the grouped quantize takes it (CUDA, FP8 1x128 / MXFP8 1x32 blocks:
+    `grouped_slots`), the same bytes and scales written straight from the token rows, without the packing copy."""
+    g = q.split_granularity(rowwise, columnwise)[0]
+    if layout.rows is not None and all(s % g == 0 for s in layout.slots):  # (else quantize_groups names the error)
+        out = grouped_slots.quantize(q, t, layout.source_rows(t.device), rowwise, columnwise)
+        if out is not None:
+            return out
+    return q.quantize_groups(layout.pack(t), layout.slots, rowwise=rowwise, columnwise=columnwise, name=name,
+                             draw_order=draw_order)
+
+
 def _check_slots(layout: TokenLayout, quantizers: dict[str, Quantizer]) -> None:
     """Per-expert statistics and draws (NVFP4) are those of the expert's padded slice: its slot must be exactly that
     (padded_tokens already gives whole 16-row blocks, so this holds; a layout that broke it would change draws)."""
@@ -173,8 +187,7 @@ class PackedBlockExperts(torch.autograd.Function):
             return x.new_empty(0, n)
         _check_slots(layout, quantizers)
         # (stochastic rounding: the per-expert forward quantizes the experts' inputs first to last)
-        xq = quantizers["input"].quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=need_wgrad,
-                                                 name=f"input of {name}")
+        xq = quantize_slots(quantizers["input"], x, layout, rowwise=True, columnwise=need_wgrad, name=f"input of {name}")
         wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
         x_row = xq.part(ROWWISE)
         y = _grouped_mm(x_row, wq, e, ROWWISE, layout, x.dtype)
@@ -200,9 +213,8 @@ class PackedBlockExperts(torch.autograd.Function):
         if not used or not (need_dgrad or need_wgrad):
             return dx, zero_dw(), None, None, None, None, None
         # (stochastic rounding: autograd runs the per-expert backward from the last expert to the first)
-        dyq = ctx.quantizers["grad_output"].quantize_groups(layout.pack(dy), layout.slots, rowwise=need_dgrad,
-                                                            columnwise=need_wgrad, name=f"grad_output of {name}",
-                                                            draw_order=range(e - 1, -1, -1))
+        dyq = quantize_slots(ctx.quantizers["grad_output"], dy, layout, rowwise=need_dgrad, columnwise=need_wgrad,
+                             name=f"grad_output of {name}", draw_order=range(e - 1, -1, -1))
         if need_dgrad:  # dy rowwise x W columnwise
             weights = ExpertWeights(w_saved, n, ctx.packed_weight)
             dy_row = dyq.part(ROWWISE)

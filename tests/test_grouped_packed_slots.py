@@ -1,0 +1,146 @@
+"""The grouped quantize of GroupedLinear's packed block path (hybridq/kernels/grouped_slots.py, triton_slot_quantize.py):
+the routed token rows quantized straight into the zero-padded expert slots, one launch per direction, are bitwise the
+quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) -- every slot's bytes and scales,
+padding included -- for FP8 1x128 blocks and MXFP8 1x32 blocks, alone or as a hybrid's directions, on random and
+adversarial tokens (empty and one-token experts, NaN of either sign, +-inf, fp32 subnormals, values near FLT_MAX,
+a partial last 128-block along K).
+
+Where they run: the kernel logic on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton installed:
+the kernel against the reference; skipped otherwise, as in CI), and on CUDA (the kernel against the extension's
+CUDA kernel on the packed buffer; the layer's outputs and gradients against the packing path)."""
+
+import os
+
+import pytest
+import torch
+
+import hybridq as hq
+from _compare import assert_parts_bitwise, assert_results_bitwise
+from _format_cases import FLT_MAX, FORMATS
+from _gpu import extension_ready
+from hybridq.enums import COLUMNWISE, ROWWISE
+from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
+from hybridq.kernels import grouped_slots, triton_slot_quantize
+from hybridq.nn.grouped_packed import TokenLayout
+
+CASES = {name: FORMATS[name] for name in ("fp8blk_1x128_e4m3", "fp8blk_1x128_e5m2", "fp8blk_1x128_e4m3_nopow2",
+                                          "mxfp8_e4m3", "mxfp8_e5m2")}
+CASES["fp8blk_eps"] = lambda: Float8BlockQuantizer(amax_epsilon=1e-3)
+CASES["hybrid_fp8blk_mxfp8"] = lambda: HybridQuantizer(rowwise=Float8BlockQuantizer(), columnwise=MXFP8Quantizer())
+SPLITS = [[5, 0, 130, 1, 40], [0, 0, 0, 1], [128, 256, 0, 3], [1, 1, 1, 1]]
+DIRECTIONS = {"rowwise": (True, False), "columnwise": (False, True), "both": (True, True)}
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1" and triton_slot_quantize.available()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton with TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (extension_ready() and triton_slot_quantize.available()), reason="needs CUDA, the extension and Triton")])]
+
+
+def _tokens(splits, k, dtype, device):
+    """Tokens whose magnitude differs by expert (a block shared by two experts would change a scale), with NaN of
+    both signs, +-inf, an fp32-subnormal row, a row near FLT_MAX and a zero row where the experts have the rows."""
+    gen = torch.Generator().manual_seed(3)
+    mag = torch.cat([torch.full((m,), 10.0 ** (e % 5 - 2)) for e, m in enumerate(splits)])[:, None]
+    x = torch.randn(sum(splits), k, generator=gen) * mag
+    t = x.shape[0]
+    if t > 12:
+        x[1, 3], x[2, 7], x[4, 0], x[5, 9] = float("nan"), -float("nan"), float("inf"), -float("inf")
+        x[6] = torch.randn(k, generator=gen) * 1e-39  # fp32 subnormals (bf16 keeps some)
+        x[7] = torch.randn(k, generator=gen).sign() * FLT_MAX / 4
+        x[8] = 0.0
+        x[9, :3] = torch.tensor([1e38, -3e-38, 5.0])
+    return x.to(device, dtype)
+
+
+def _layout(q, splits, rowwise, columnwise, device):
+    """The packed path's slots: 16-padded counts rounded up to whole blocks along the tokens."""
+    multiple = q.split_granularity(rowwise, columnwise)[0]
+    padded = [-(-m // 16) * 16 if m else 0 for m in splits]
+    return TokenLayout.build(splits, padded, torch.device(device), multiple)
+
+
+def _kernel(q, x, layout, rowwise, columnwise):
+    """The grouped quantize: through grouped_slots on CUDA (which must take the call), the Triton kernel itself under
+    the interpreter (grouped_slots takes CUDA tensors only)."""
+    src = layout.source_rows(x.device)
+    if x.is_cuda:
+        out = grouped_slots.quantize(q, x, src, rowwise, columnwise)
+        assert out is not None, f"{q.describe()}: the grouped quantize did not take the call"
+        return out.part(ROWWISE) if rowwise else None, out.part(COLUMNWISE) if columnwise else None
+    parts = []
+    for d, col in grouped_slots._direction_quantizers(q, rowwise, columnwise):
+        t = triton_slot_quantize
+        mode = t.MODE_FP8_BLOCK if isinstance(d, Float8BlockQuantizer) else t.MODE_MXFP8
+        kw = dict(eps=d.amax_epsilon, pow2=d.power_2_scale) if mode == t.MODE_FP8_BLOCK else {}
+        rq, rs, cq, cs = t.slot_quantize(x, src, mode, d.dtype, not col, col,
+                                         fp8_max=float(torch.finfo(d.dtype).max), **kw)
+        s, k = src.shape[0], x.shape[1]
+        parts.append(grouped_slots._part(d, cq, cs, k, s, True) if col else grouped_slots._part(d, rq, rs, s, k, False))
+    row = parts[0] if rowwise else None
+    return row, (parts[-1] if columnwise else None)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("k", [160, 256], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_slots_quantized_from_token_rows_are_bitwise_the_packed_quantization(device, case, splits, k, direction):
+    rowwise, columnwise = DIRECTIONS[direction]
+    q = CASES[case]()
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _tokens(splits, k, dtype, device)
+        layout = _layout(q, splits, rowwise, columnwise, device)
+        want = q.quantize_groups(layout.pack(x), layout.slots, rowwise=rowwise, columnwise=columnwise, name="x")
+        got_row, got_col = _kernel(q, x, layout, rowwise, columnwise)
+        what = f"{case} {dtype} splits {splits} K={k}"
+        assert_parts_bitwise(got_row, want.part(ROWWISE) if rowwise else None, f"{what} rowwise")
+        assert_parts_bitwise(got_col, want.part(COLUMNWISE) if columnwise else None, f"{what} columnwise")
+
+
+def test_source_rows_point_each_slot_row_at_its_token_or_padding():
+    """Slot row r holds token source_rows[r]; the padding rows after each expert's tokens are -1."""
+    layout = TokenLayout.build([3, 0, 2], [16, 0, 16], torch.device("cpu"), 128)
+    src = layout.source_rows(torch.device("cpu"))
+    want = torch.full((256,), -1, dtype=torch.int32)
+    want[:3] = torch.arange(3)
+    want[128:130] = torch.tensor([3, 4])
+    assert torch.equal(src, want), f"source rows {src.tolist()} != {want.tolist()}"
+    assert layout.source_rows(torch.device("cpu")) is src, "the map is made once per layout"
+
+
+# ---- the layer on CUDA ------------------------------------------------------------------------------------------
+
+LAYER_PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
+
+
+def _run(preset, splits, k, out, monkeypatch, slots_on):
+    monkeypatch.setitem(grouped_slots.ENABLED, "on", slots_on)
+    packs = []
+    real_pack = TokenLayout.pack
+    monkeypatch.setattr(TokenLayout, "pack", lambda self, t: packs.append(t.shape) or real_pack(self, t))
+    torch.manual_seed(1)
+    m = hq.GroupedLinear(len(splits), k, out, recipe=hq.recipe(preset), dtype=torch.bfloat16, device="cuda",
+                         name="moe")
+    m.packed_path = True
+    x = _tokens(splits, k, torch.bfloat16, "cuda").nan_to_num(0.0, 1e4, -1e4).requires_grad_(True)
+    dy = _tokens(splits[::-1], out, torch.bfloat16, "cuda").nan_to_num(0.0, 1e4, -1e4)[:x.shape[0]]
+    y = m(x, splits)
+    y.backward(dy)
+    return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}, packs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (extension_ready() and triton_slot_quantize.available()),
+                    reason="needs CUDA, the extension and Triton")
+@pytest.mark.parametrize("splits", [[5, 0, 130, 1, 40], [300, 0, 0, 2, 64]], ids=str)
+@pytest.mark.parametrize("preset", LAYER_PRESETS)
+def test_gpu_packed_block_path_packs_nothing_and_keeps_its_results(preset, splits, monkeypatch):
+    """The tokens and gradients of FP8-block / MXFP8 experts reach the slots without a packing copy, and the layer's
+    output and gradients are bitwise those of the packing path (the same parts, the same GEMMs)."""
+    got, packs = _run(preset, splits, 256, 128, monkeypatch, True)
+    assert packs == [], f"{preset}: the packed path still packed tensors of shapes {packs}"
+    want, packs_before = _run(preset, splits, 256, 128, monkeypatch, False)
+    assert packs_before, f"{preset}: the packing path did not pack (the comparison would compare nothing)"
+    assert_results_bitwise(got, want, f"{preset} on CUDA, splits {splits}")
