@@ -25,9 +25,10 @@ import sys
 
 from setuptools import setup
 
-# ops.cpp: the module and the format-independent ops; every .cu is one kernel family that registers its own ops
+# ops.cpp: the module and the format-independent ops; linear_fp8.cpp: the FP8 Linear op (C++ autograd); every .cu is
+# one kernel family that registers its own ops
 # (a new format's csrc/quantize_<format>.cu is picked up here)
-SOURCES = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/*.cu"))
+SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp"] + sorted(glob.glob("csrc/*.cu"))
 
 
 def _say(msg: str) -> None:

@@ -1,7 +1,8 @@
 // The format-independent torch ops of hybridq._C (schemas and registration in ops.cpp), each implemented next to its
 // kernels: amax.cu, transpose.cu, delayed_scaling.cu, rms_norm.cu (RMSNorm, LayerNorm, norm + quantize), swiglu.cu
-// (rows.cuh: what the last two share). A format's ops (quantize, dequantize) are declared, implemented and registered
-// in its own csrc/quantize_<format>.cu.
+// (rows.cuh: what the last two share). A format's ops (quantize, dequantize) are implemented and registered in its
+// own csrc/quantize_<format>.cu; those that other C++ code calls are declared here too (linear_fp8.cpp: a per-tensor
+// FP8 Linear as one op, which registers itself).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,6 +37,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_quantize_forward
 std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_forward(const Tensor& a, const Tensor& b, int64_t block,
                                                           at::ScalarType dtype, double amax_eps, bool pow2);
 std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b);
+
+// Per-tensor FP8 cast (csrc/quantize_fp8_tensor.cu; also called by linear_fp8.cpp) -> (rowwise [M, K] | [0],
+// columnwise [K, M] | [0], scale_inv [1], amax [1] | [0])
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, at::ScalarType dtype,
+                                                               const std::optional<Tensor>& scale,
+                                                               const std::optional<Tensor>& amax, double eps,
+                                                               bool pow2, bool rowwise, bool columnwise,
+                                                               bool want_amax);
 
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);

@@ -2,6 +2,7 @@
 // dequantize kernel with the same policy, and their ops fp8_tensor_quantize / fp8_tensor_quantize_delayed /
 // fp8_tensor_quantize_grouped / fp8_tensor_dequantize.
 #include "binding_checks.h"
+#include "ops.h"
 #include "tile/dequantize.cuh"
 #include "tile/policy_fp8_tensor.cuh"
 

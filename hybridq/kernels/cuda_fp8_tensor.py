@@ -12,6 +12,10 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8 (strides (col_pitch, 1)) | [0], scale_inv [n_groups],
         amax [n_groups])
 - fp8_tensor_dequantize(data, scale_inv [1], out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
+- fp8_linear(x, weight, bias?, x_row?, x_row_scale_inv?, x_col?, x_col_scale_inv?, x_dtype, x_eps, x_pow2, w_dtype,
+  w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad, need_wgrad, save_original_input, fast_accum_fprop) -> y: an eager
+  per-tensor FP8 Linear (current scaling) as one op whose autograd node is C++ (csrc/linear_fp8.cpp; its caller is
+  nn/float8_graph.py's eager fast path)
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from ..formats import Float8Quantizer, Float8TensorPart
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
 
-OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize")
+OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize",
+       "fp8_linear")
 
 # The quantizer options the kernel implements (the dispatch sends a quantizer with any other option to the
 # reference, so an option added later is never silently ignored by the kernel).
@@ -137,6 +142,21 @@ def register_fakes() -> None:
     @register_fake("hybridq::fp8_tensor_dequantize")
     def _dequantize(data, scale_inv, out_dtype):
         return data.new_empty(data.shape, dtype=out_dtype)
+
+    @register_fake("hybridq::fp8_linear")
+    def _linear(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, *casts_and_flags):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_LINEAR: dict = {}
+
+
+def linear_op():
+    """The `hybridq::fp8_linear` overload itself (called as is: no overload resolution per call)."""
+    op = _LINEAR.get("op")
+    if op is None:
+        op = _LINEAR["op"] = ops().fp8_linear.default
+    return op
 
 
 def register() -> None:

@@ -38,7 +38,7 @@ from ..enums import COLUMNWISE, ROWWISE, Scaling
 from ..formats.float8 import Float8Quantizer, Float8TensorPart, float8_current_scaling
 from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8_block_current
 from ..gemm import gemm
-from ..kernels import _ext, native_gemm
+from ..kernels import _ext, cuda_fp8_tensor, native_gemm
 from ..kernels.cuda import IN_DTYPES
 from ..kernels.cuda_fp8_block import OPTIONS as FP8_BLOCK_OPTIONS
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
@@ -109,8 +109,16 @@ def graph_spec(quantizers: dict, save_original_input: bool) -> Float8GraphSpec |
 def _cuda_fp8_ready(index: int) -> bool:
     """The extension's kernels and the FP8 tensor cores (sm_89+) are there on CUDA device `index` (a fact of the
     machine: compiled code reads it as a constant)."""
-    device = torch.device("cuda", index)
-    return _ext.available_for(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+    ready = _FP8_READY.get(index)
+    if ready is None:
+        device = torch.device("cuda", index)
+        # (the extension is loaded once and stays loaded or not: the answer never changes)
+        ready = _FP8_READY[index] = (_ext.available_for(device)
+                                     and torch.cuda.get_device_capability(device) >= (8, 9))
+    return ready
+
+
+_FP8_READY: dict = {}  # device index -> _cuda_fp8_ready's answer (asked once: several us per call otherwise)
 
 
 def takes(spec: Float8GraphSpec | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -394,4 +402,24 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     x_col = need_wgrad and not spec.save_original_input
     x_parts = _shared_input(x, x.reshape(-1, k), cfg.input_q, spec.input, x_col)
     # (no gradient needed: rowwise forms only, nothing saved, as the general path's forward-only call)
+    if _one_op(x, spec, w_parts):
+        xi, w, g = spec.input, spec.weight, spec.grad_output
+        return cuda_fp8_tensor.linear_op()(
+            x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
+            w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad, need_wgrad,
+            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
     return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts)
+
+
+_NO_PARTS = (None, None, None, None)
+
+
+def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bool:
+    """Whether this fast-path call runs as the extension's one op `hybridq::fp8_linear` (csrc/linear_fp8.cpp: the
+    same kernels and GEMMs as `_Float8GraphLinear`, its autograd node in C++, no Python in backward): per-tensor
+    scaling on a CUDA device (where `takes` found the extension), a weight that is not FSDP2's gathered one (its
+    columnwise part is a handle the backward unshard refills: only the Python node reads it then), and no
+    TorchDispatchMode active (a mode -- selective checkpointing's policy, an op counter -- sees this Function's
+    quantize ops, which the C++ op calls directly)."""
+    return (spec.input.block_dim == PER_TENSOR and x.is_cuda and w_parts is None
+            and not torch._C._len_torch_dispatch_stack())

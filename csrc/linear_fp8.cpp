@@ -1,0 +1,216 @@
+// hybridq::fp8_linear: one eager per-tensor FP8 Linear call (current scaling) as ONE op whose autograd node is C++
+// (torch::autograd::Function registered under the Autograd key). The forward quantizes x and the weight and runs the
+// fprop GEMM; the engine calls the C++ backward, which quantizes dy and runs dgrad and wgrad. Python pays one op call
+// per forward and nothing per backward: the host cost of a Linear step (issue 33) that a Python autograd.Function
+// around the same kernels cannot reach (~0.1 ms of its own, plus the dispatch of each op from Python).
+//
+// The computation is nn/float8_graph.py's `_Float8GraphLinear` (the Python fast path) step by step: the same
+// fp8_tensor_quantize calls (fp8_tensor_quantize itself, not a copy), the same `at::_scaled_mm` calls with the same
+// flags (fast accumulation in fprop only, when asked), the same bias add, reductions, casts and saved tensors
+// (save_for_backward: saved-tensor hooks -- offload, recompute -- see them as they see the Python node's). The
+// results are bitwise that path's. Python decides when this op runs (float8_graph.eager_float8_linear).
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace hybridq {
+namespace ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Cast {  // float8_graph.Float8Cast of a per-tensor cast
+  at::ScalarType dtype;
+  double eps;
+  bool pow2;
+};
+
+struct Spec {  // what a call depends on besides its tensors
+  Cast input, weight, grad_output;
+  bool need_dgrad, need_wgrad, save_original_input, fast_accum_fprop;
+};
+
+struct Quantized {  // one cast's outputs (a direction not asked for: undefined)
+  Tensor row, col, scale_inv;
+};
+
+Quantized quantize(const Tensor& x2d, const Cast& c, bool rowwise, bool columnwise) {
+  auto out = fp8_tensor_quantize(x2d.contiguous(), c.dtype, std::nullopt, std::nullopt, c.eps, c.pow2, rowwise,
+                                 columnwise, false);
+  return {rowwise ? std::get<0>(out) : Tensor(), columnwise ? std::get<1>(out) : Tensor(), std::get<2>(out)};
+}
+
+// native_gemm.fp8_tensor_mm: a [m, k] x b [n, k]^T of per-tensor FP8 operands (a result dtype _scaled_mm cannot
+// write is converted from fp32)
+Tensor mm(const Tensor& a, const Tensor& sa, const Tensor& b, const Tensor& sb, at::ScalarType out, bool fast) {
+  const bool direct = out == at::kBFloat16 || out == at::kHalf || out == at::kFloat;
+  Tensor y = at::_scaled_mm(a, b.t(), sa.reshape({}), sb.reshape({}), std::nullopt, std::nullopt,
+                            direct ? out : at::kFloat, fast);
+  return direct ? y : y.to(out);
+}
+
+// The ctx keys of the saved non-tensor state
+constexpr const char* kSpecBits = "spec";  // need_dgrad | need_wgrad << 1 | save_original_input << 2 | has_bias << 3
+constexpr const char* kXShape = "x_shape";
+constexpr const char* kDtypes = "dtypes";  // [weight dtype, bias dtype, grad_output fp8 dtype, input fp8 dtype]
+constexpr const char* kEps = "eps";        // [grad_output eps, input eps]
+constexpr const char* kPow2 = "pow2";      // grad_output pow2 | input pow2 << 1
+
+}  // namespace
+
+// (outside the anonymous namespace: the node's name, `y.grad_fn.name()`, is torch::autograd::CppNode<hybridq::ops::
+// Fp8Linear>)
+struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+  // x_row..x_col_scale_inv: x already quantized (another layer's quantization of the same tensor, or one from a
+  // known max|x|), as float8_graph._quantize returns it; x_col given where wgrad reads it
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                        const std::optional<Tensor>& bias, const std::optional<Tensor>& x_row,
+                        const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
+                        const std::optional<Tensor>& x_col_scale_inv, const Spec& s) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the inner ops record nothing: skip their autograd keys)
+    const int64_t k = x.size(-1);
+    const Tensor x2d = x.reshape({-1, k});
+    const bool keep_x = s.need_wgrad && s.save_original_input;  // wgrad quantizes the original input in backward
+    Tensor xr, xrs, xc, xcs;
+    if (x_row.has_value() && x_row->defined()) {
+      xr = *x_row;
+      xrs = x_row_scale_inv.value();
+      if (x_col.has_value() && x_col->defined()) {
+        xc = *x_col;
+        xcs = x_col_scale_inv.value();
+      }
+    } else {
+      Quantized q = quantize(x2d, s.input, true, s.need_wgrad && !keep_x);
+      xr = q.row;
+      xrs = xcs = q.scale_inv;
+      xc = q.col;
+      if (!xc.defined()) xcs = Tensor();
+    }
+    Quantized w = quantize(weight, s.weight, true, s.need_dgrad);
+    Tensor y = mm(xr, xrs, w.row, w.scale_inv, x.scalar_type(), s.fast_accum_fprop);
+    const bool has_bias = bias.has_value() && bias->defined();
+    if (has_bias) y = y + bias->to(x.scalar_type());
+    if (ctx != nullptr) {
+      ctx->save_for_backward({keep_x ? x2d : xc, xc.defined() ? xcs : Tensor(), w.col,
+                              w.col.defined() ? w.scale_inv : Tensor()});
+      ctx->saved_data[kSpecBits] = int64_t(s.need_dgrad) | int64_t(s.need_wgrad) << 1 |
+                                   int64_t(s.save_original_input) << 2 | int64_t(has_bias) << 3;
+      ctx->saved_data[kXShape] = x.sizes().vec();
+      ctx->saved_data[kDtypes] = std::vector<int64_t>{
+          int64_t(weight.scalar_type()), int64_t(has_bias ? bias->scalar_type() : at::kFloat),
+          int64_t(s.grad_output.dtype), int64_t(s.input.dtype)};
+      ctx->saved_data[kEps] = std::vector<double>{s.grad_output.eps, s.input.eps};
+      ctx->saved_data[kPow2] = int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1;
+    }
+    // (a tensor of its own, not a view: see linear_function._output)
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = y.size(1);
+    return at::_unsafe_view(y, shape);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // (unpacked before the guard: an unpack hook may run Python -- a checkpoint's recompute runs the forward, this
+    // op's autograd kernel included, in it)
+    const variable_list saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const int64_t bits = ctx->saved_data[kSpecBits].toInt();
+    const bool need_dgrad = bits & 1, need_wgrad = bits & 2, save_original_input = bits & 4, has_bias = bits & 8;
+    const auto dtypes = ctx->saved_data[kDtypes].toIntVector();
+    const auto eps = ctx->saved_data[kEps].toDoubleVector();
+    const int64_t pow2 = ctx->saved_data[kPow2].toInt();
+    const Cast g_cast{at::ScalarType(dtypes[2]), eps[0], bool(pow2 & 1)};
+    const Cast x_cast{at::ScalarType(dtypes[3]), eps[1], bool(pow2 & 2)};
+    const Tensor& dy = grads[0];
+    const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
+    Tensor dx, dw, db;
+    if (need_dgrad || need_wgrad) {
+      Quantized g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
+      if (need_dgrad) {
+        dx = mm(g.row, g.scale_inv, saved[2], saved[3], dy.scalar_type(), false)
+                 .reshape(ctx->saved_data[kXShape].toIntVector());
+      }
+      if (need_wgrad) {
+        Tensor xc = saved[0], xcs = saved[1];
+        if (save_original_input) {
+          Quantized q = quantize(saved[0], x_cast, false, true);
+          xc = q.col;
+          xcs = q.scale_inv;
+        }
+        dw = mm(g.col, g.scale_inv, xc, xcs, dy.scalar_type(), false).to(at::ScalarType(dtypes[0]));
+      }
+    }
+    if (has_bias && ctx->needs_input_grad(2)) db = dy2d.sum(0).to(at::ScalarType(dtypes[1]));
+    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+namespace {
+
+Spec spec_of(at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps, bool w_pow2,
+             at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad, bool need_wgrad,
+             bool save_original_input, bool fast_accum_fprop) {
+  return {{x_dtype, x_eps, x_pow2},    {w_dtype, w_eps, w_pow2},         {g_dtype, g_eps, g_pow2},
+          need_dgrad,                  need_wgrad,                       save_original_input,
+          fast_accum_fprop};
+}
+
+void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& x_row,
+                const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
+                const std::optional<Tensor>& x_col_scale_inv, bool need_wgrad, bool save_original_input) {
+  constexpr const char* op = "hybridq::fp8_linear";
+  TORCH_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input of shape ", x.sizes(),
+              " and weight of shape ", weight.sizes(), " do not make x @ weight^T");
+  const bool row = x_row.has_value() && x_row->defined(), col = x_col.has_value() && x_col->defined();
+  TORCH_CHECK(!row || (x_row_scale_inv.has_value() && x_row_scale_inv->defined()), op,
+              ": x_row given without x_row_scale_inv");
+  TORCH_CHECK(!col || (x_col_scale_inv.has_value() && x_col_scale_inv->defined()), op,
+              ": x_col given without x_col_scale_inv");
+  TORCH_CHECK(!col || row, op, ": x_col given without x_row");
+  TORCH_CHECK(!row || col || !need_wgrad || save_original_input, op,
+              ": a quantized input needs its columnwise part (x_col) for wgrad");
+}
+
+// The Autograd-key kernel: the C++ node records the backward
+Tensor fp8_linear_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                           const std::optional<Tensor>& x_row, const std::optional<Tensor>& x_row_scale_inv,
+                           const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
+                           at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
+                           bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
+                           bool need_wgrad, bool save_original_input, bool fast_accum_fprop) {
+  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, need_wgrad, save_original_input);
+  return Fp8Linear::apply(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv,
+                          spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
+                                  need_wgrad, save_original_input, fast_accum_fprop));
+}
+
+// The backend kernel (reached without autograd, e.g. under inference_mode): the forward alone
+Tensor fp8_linear_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                          const std::optional<Tensor>& x_row, const std::optional<Tensor>& x_row_scale_inv,
+                          const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
+                          at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
+                          bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
+                          bool need_wgrad, bool save_original_input, bool fast_accum_fprop) {
+  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, need_wgrad, save_original_input);
+  return Fp8Linear::forward(nullptr, x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv,
+                            spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
+                                    need_wgrad, save_original_input, fast_accum_fprop));
+}
+
+}  // namespace
+}  // namespace ops
+}  // namespace hybridq
+
+TORCH_LIBRARY_FRAGMENT(hybridq, m) {
+  m.def(
+      "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, Tensor? x_col, "
+      "Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, float w_eps, "
+      "bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, bool need_wgrad, "
+      "bool save_original_input, bool fast_accum_fprop) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd); }
+TORCH_LIBRARY_IMPL(hybridq, CUDA, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward); }
+TORCH_LIBRARY_IMPL(hybridq, CPU, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward); }
