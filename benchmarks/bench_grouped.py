@@ -11,7 +11,9 @@ Each candidate is timed in --rounds interleaved rounds after a warm-up step (wha
 GPU clock); the table gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop
 when `torch._grouped_mm` cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
 paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid; NVFP4 and its hybrid) is timed a
-second time with `packed_path = False`: the "(per-expert path)" row right after it; per-tensor FP8 where the jagged
+second time with `packed_path = False`: the "(per-expert path)" row right after it; block formats also with the packed
+path and its grouped GEMMs forced whatever the token counts (`grouped_blocks.PER_EXPERT_MIN_US` = inf: the "(packed
+path forced)" row; the preset's own row is the automatic choice between the two); per-tensor FP8 where the jagged
 path runs (tokens as routed, group bounds on the device: CUDA sm_90 with Triton, and the CPU) also with the jagged
 layout forced (`jagged_path = True`; the preset's own row is GroupedLinear's automatic choice) and off
 (`jagged_path = False`): the "(jagged path)" and "(padded packed path)" rows.
@@ -40,6 +42,7 @@ import torch.nn as nn
 
 import hybridq
 from hybridq.gemm import jagged_fp8_kernels
+from hybridq.kernels import grouped_blocks
 from hybridq.nn.grouped_packed import FP8_TENSOR, packed_quantizers
 from hybridq.nn.linear import shared_input_quantization
 
@@ -118,6 +121,22 @@ def torchao_candidates(e: int, d: int, h: int, which: list[str], device, dtype) 
     return out
 
 
+class PackedForced(nn.Module):
+    """A GroupedLinear on its packed path and grouped GEMMs whatever the token counts: `grouped_blocks.
+    PER_EXPERT_MIN_US` (the automatic choice's threshold) set to infinity around its calls."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        saved, grouped_blocks.PER_EXPERT_MIN_US = grouped_blocks.PER_EXPERT_MIN_US, float("inf")
+        try:
+            return self.layer(x, m_splits)
+        finally:
+            grouped_blocks.PER_EXPERT_MIN_US = saved
+
+
 class LinearLoop(nn.Module):
     """One bf16 nn.Linear per expert on its token slice."""
 
@@ -155,6 +174,10 @@ def candidates(e: int, d: int, h: int, presets: list[str], device, dtype) -> lis
                                          name=f"experts[{p}, per expert]")
             loop.packed_path = False
             out.append((f"{p} (per-expert path)", loop, False))
+        if kind is not None and kind.kind != FP8_TENSOR:  # ... and on the packed path whatever the automatic choice
+            forced = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
+                                           name=f"experts[{p}, packed]")
+            out.append((f"{p} (packed path forced)", PackedForced(forced), False))
         if kind is not None and kind.kind == FP8_TENSOR and jagged_fp8_kernels(
                 torch.device(device), d, h, kind.quantizers) is not None:  # ... with and without the jagged layout
             for name, on in (("jagged path", True), ("padded packed path", False)):

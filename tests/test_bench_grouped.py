@@ -27,8 +27,9 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
     packed = {"fp8_tensorwise", "fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "nvfp4", "mxfp8_fwd_nvfp4_bwd"}
     jagged = {"fp8_tensorwise"}
 
-    def rows(p):
+    def rows(p):  # (block formats and NVFP4: also the packed path forced, whatever the automatic choice)
         return [p] + ([f"{p} (per-expert path)"] if p in packed else []) + (
+            [f"{p} (packed path forced)"] if p in packed - jagged else []) + (
             [f"{p} (jagged path)", f"{p} (padded packed path)"] if p in jagged else [])
     names = ["bf16 torch._grouped_mm", *[n for p in hybridq.preset_names() for n in rows(p)],
              "bf16 nn.Linear per expert"]

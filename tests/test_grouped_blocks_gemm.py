@@ -322,13 +322,16 @@ EMULATED_DEVICES = [
                                 pytest.mark.skipif(not _sm90(), reason="needs CUDA sm_90, Triton and the extension")])]
 
 
+@pytest.mark.parametrize("gather", ["output_rows", "token_rows"])
 @pytest.mark.parametrize("out", [256, 96], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("splits", SPLITS, ids=str)
 @pytest.mark.parametrize("device", EMULATED_DEVICES)
-def test_grouped_mxfp8_emulation_matches_one_gemm_per_expert(device, splits, out):
+def test_grouped_mxfp8_emulation_matches_one_gemm_per_expert(device, splits, out, gather):
     """fprop, dgrad and wgrad of the grouped emulation (one dequantize per packed operand, one `torch._grouped_mm` per
     phase) against one `gemm` per expert of the same parts, per expert within 1e-2 of its largest magnitude (the
-    grouped GEMM rounds to bf16); a NaN token of expert 2 stays in expert 2; an expert without tokens gets zero dW."""
+    grouped GEMM rounds to bf16); a NaN token of expert 2 stays in expert 2; an expert without tokens gets zero dW.
+    fprop / dgrad either on the slots, then the tokens' output rows gathered, or on the tokens' fp8 rows gathered
+    first (`token_ends`)."""
     k = 256
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(sum(splits), k, generator=gen)
@@ -347,7 +350,8 @@ def test_grouped_mxfp8_emulation_matches_one_gemm_per_expert(device, splits, out
     used = [(g, o, p, m) for g, (o, p, m) in enumerate(zip(layout.offsets, layout.padded, splits)) if m]
     for phase, a, direction in (("fprop", xq.part(ROWWISE), ROWWISE), ("dgrad", dyq.part(ROWWISE), COLUMNWISE)):
         b = wq.tensors[0].part(direction)
-        got = grouped_emulated.mm(a, b, E, ends, layout.rows, torch.float32)
+        token_ends = torch.tensor(splits).cumsum(0).to(dev, torch.int32) if gather == "token_rows" else None
+        got = grouped_emulated.mm(a, b, E, ends, layout.rows, torch.float32, token_ends=token_ends)
         want = [gemm(a.row_slice(o, o + p), wq.part(g, direction), torch.float32)[:m] for g, o, p, m in used]
         for (g, *_), gg, ww in zip(used, got.split([m for m in splits if m]), want):
             _assert_close_to(gg, ww, 1e-2, f"{phase} of expert {g}, splits {splits}, N={out}")

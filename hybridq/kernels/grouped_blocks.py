@@ -8,9 +8,9 @@ piece runs: a CUDA sm_90 device, Triton, native GEMMs enabled (`native_gemm.disa
 (not torch.compile's fakes), and `HYBRIDQ_GROUPED_BLOCK_GEMM` not "0" (`ENABLED["on"]`: the per-expert GEMM loop,
 which the tests compare against). Elsewhere the caller runs one `gemm` per expert.
 
-Group bounds (`GroupBounds`): int32 `[5, E]` on the device, made once per layout from the host's counts (one
+Group bounds (`GroupBounds`): int32 `[6, E]` on the device, made once per layout from the host's counts (one
 host-to-device copy, no sync): slot start in the packed buffer, first output row (the token order), tokens, slot
-size, slot end.
+size, slot end, token end.
 
 A grouped kernel that fails to compile or launch (`run_or_none`) is turned off for the process with one warning; the
 per-expert GEMMs run instead.
@@ -79,7 +79,8 @@ class GroupBounds:
     def __init__(self, offsets: list[int], splits: list[int], slots: list[int], device: torch.device):
         starts = [sum(splits[:g]) for g in range(len(splits))]
         ends = [o + s for o, s in zip(offsets, slots)]
-        host = torch.tensor([offsets, starts, splits, slots, ends], dtype=torch.int32)
+        token_ends = [s + m for s, m in zip(starts, splits)]
+        host = torch.tensor([offsets, starts, splits, slots, ends, token_ends], dtype=torch.int32)
         self.table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
         self.tokens = sum(splits)
         self.empty = [g for g, m in enumerate(splits) if m == 0]

@@ -4,9 +4,10 @@ dequantized to bf16, which holds every MXFP8 value exactly, then a bf16 GEMM wit
 to bf16), with ONE dequantize per packed operand and ONE `torch._grouped_mm` per phase instead of one of each per
 expert.
 
-  - fprop / dgrad (`mm`): the packed token operand `[S, K]` against the whole packed weight (rowwise `[E*n, K]`, or
-    columnwise `[K, E*n]` read as `[E, n, K]` through strides: no copy), grouped by the slots' ends; the tokens' rows
-    are then gathered in token order (the slots' padding rows are dropped);
+  - fprop / dgrad (`mm`): the tokens' rows of the packed token operand (its fp8 bytes and scales gathered in token
+    order: one byte per element, where gathering the bf16 output rows moved four per output element) against the
+    whole packed weight (rowwise `[E*n, K]`, or columnwise `[K, E*n]` read as `[E, n, K]` through strides: no copy),
+    grouped by the tokens' ends;
   - wgrad (`wgrad`): the columnwise forms `[M, S]`, `[N, S]` contracted over each slot (an empty slot: zeros).
 
 Numerics: the bf16 operands are bitwise those of the per-expert emulation (the dequantize is element by element), the
@@ -61,11 +62,18 @@ def bf16(p) -> torch.Tensor:
 
 
 def mm(a, b, experts: int, slot_ends: torch.Tensor, token_rows: torch.Tensor | None,
-       out_dtype: torch.dtype) -> torch.Tensor:
+       out_dtype: torch.dtype, token_ends: torch.Tensor | None = None) -> torch.Tensor:
     """fprop / dgrad of every expert: `a` the packed rowwise token part `[S, K]`, `b` the whole packed weight part
     (rowwise `[E*n, K]` for fprop, columnwise `[K, E*n]` for dgrad), `slot_ends` int32 `[E]` (cumulative slot sizes,
     on the device), `token_rows` the packed row of each token (None: the slots are the tokens). Result `[tokens, n]`
-    in token order."""
+    in token order. With `token_ends` (int32 `[E]`, cumulative token counts) the tokens' rows of `a` (fp8 bytes and
+    their scales, 1x32 blocks lie in one row) are gathered before the dequantize and the GEMM runs on them alone:
+    no bf16 output rows of padding to drop afterwards (a row's products and sums do not depend on the other rows)."""
+    if token_rows is not None and token_ends is not None and not a.columnwise:
+        rows = token_rows.shape[0]
+        a = a._sliced(rows, a.cols, a.data.view(torch.uint8).index_select(0, token_rows).view(a.data.dtype),
+                      a.scales.index_select(0, token_rows), {})
+        slot_ends, token_rows = token_ends, None
     ma, mb = bf16(a), bf16(b)
     if b.columnwise:  # expert g: columns [g*n, (g+1)*n) of [K_out, E*n], as [n, K_out] with unit stride along n
         n_out = b.rows

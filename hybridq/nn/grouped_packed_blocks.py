@@ -113,9 +113,9 @@ def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Dir
         return grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM", lambda: grouped_blocks.mm(
             a, b, e, _bounds(layout, a.data.device), out_dtype))
     if grouped_emulated.supports(a, b) and grouped_emulated.weight_supported(b, e):
-        ends = _bounds(layout, a.data.device).table[4]
+        table = _bounds(layout, a.data.device).table
         return grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM", lambda: grouped_emulated.mm(
-            a, b, e, ends, layout.rows, out_dtype))
+            a, b, e, table[4], layout.rows, out_dtype, token_ends=table[5]))
     return None
 
 
