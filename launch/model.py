@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq
+from hybridq.nn.compiled_grouped import experts_in_graph
 from model_config import ALIGN, ModelConfig  # noqa: F401 (re-exported: the model's shape)
 
 
@@ -98,11 +99,22 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))  # down
 
-    # eager between compiled regions under --compile: FSDP2's gathered quantized experts are no tensor dynamo can
-    # trace (it failed on them); one _grouped_mm / one grouped FP8 op per projection leaves little to fuse here
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor | list[int]) -> torch.Tensor:
         """x [tokens, d_model] sorted by expert, m_splits the token count of each expert."""
+        # under --compile the experts are part of the block's graph where every projection compiles into it
+        # (per-tensor FP8 with current scaling: FSDP2's gathered experts enter as handles). The others run eagerly
+        # between compiled regions: a GroupedLinear of another recipe is a graph break of its own (three per layer),
+        # and the high-precision experts (bf16, torchao) were never checked under torch 2.11's dynamo (on the CPU
+        # they read the counts on the host: a graph break per projection)
+        if torch.compiler.is_compiling() and not experts_in_graph(self):
+            return self._eager_forward(x, m_splits)
+        return self._forward(x, m_splits)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor, m_splits: torch.Tensor | list[int]) -> torch.Tensor:
+        return self._forward(x, m_splits)
+
+    def _forward(self, x: torch.Tensor, m_splits: torch.Tensor | list[int]) -> torch.Tensor:
         h = F.silu(hybridq.grouped_mm(self, "w1", x, m_splits)) * hybridq.grouped_mm(self, "w3", x, m_splits)
         return hybridq.grouped_mm(self, "w2", h, m_splits)
 

@@ -27,13 +27,13 @@ FP8_CASES = ["fp8_tensorwise", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2"]
 PRODUCTS = 4
 
 
-def _check(out: dict, where: str) -> None:
+def _check(out: dict, where: str, products: int = PRODUCTS) -> None:
     for case, r in out.items():
         at = f"{case}, {where}"
-        assert r["ops"].get("gathered_grouped_linear_forward", 0) >= PRODUCTS, \
+        assert r["ops"].get("gathered_grouped_linear_forward", 0) >= products, \
             f"{at}: the gathered experts' forward op is not in the graphs: {r['ops']}"
-        assert r["ops"].get("gathered_grouped_linear_backward", 0) >= PRODUCTS - 1, \
-            f"{at}: the gathered experts' backward op is not in the graphs: {r['ops']}"  # (w2's dgrad feeds w1 / w3)
+        assert r["ops"].get("gathered_grouped_linear_backward", 0) >= products, \
+            f"{at}: the gathered experts' backward op is not in the graphs: {r['ops']}"
         assert "grouped_linear_forward" not in r["ops"], f"{at}: a grouped op took the gathered weight itself: {r['ops']}"
         assert not r["weight_tensors"], f"{at}: gathered weight bytes in the graphs: {r['weight_tensors']}"
         assert not r["diffs"], f"{at}: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
@@ -53,14 +53,27 @@ def test_compiled_moe_blocks_with_gathered_fp8_experts_two_ranks(backend):
         _check(o["routed"], f"rank {rank} of 2")
 
 
-def test_compiled_moe_blocks_with_gathered_fp8_experts_one_rank():
-    """World size 1 (FSDP2's no-collective path), the other per-tensor FP8 formats, given counts (an expert without
-    tokens), and the weights kept gathered from forward to backward (reshard_after_forward=False)."""
-    out = spawn(job_several, 1, "gloo", jobs={
+@functools.lru_cache(maxsize=None)
+def _one_rank() -> dict:
+    return spawn(job_several, 1, "gloo", jobs={
         "formats": (jobs.compiled_experts_match_eager, {"cases": FP8_CASES[1:], "routed": False}),
-        "kept_gathered": (jobs.compiled_experts_match_eager, {"cases": FP8_CASES[:1], "reshard": False})})
-    for name, o in out[0].items():
-        _check(o, f"world 1, {name}")
+        "kept_gathered": (jobs.compiled_experts_match_eager, {"cases": FP8_CASES[:1], "reshard": False}),
+        "launch_model": (jobs.launch_moe_model_compiles, {})})[0]
+
+
+@pytest.mark.parametrize("job", ["formats", "kept_gathered"])
+def test_compiled_moe_blocks_with_gathered_fp8_experts_one_rank(job):
+    """World size 1 (FSDP2's no-collective path): the other per-tensor FP8 formats with given counts (an expert
+    without tokens), and the weights kept gathered from forward to backward (reshard_after_forward=False)."""
+    _check(_one_rank()[job], f"world 1, {job}")
+
+
+def test_the_training_jobs_moe_blocks_compile_whole_with_fp8_experts():
+    """launch/model.py's blocks (attention, router, top-2 experts) with fp8_tensorwise under FSDP2 compile with
+    fullgraph=True -- the experts' forward is no longer run under torch.compiler.disable there -- and train as
+    eagerly: the first output bit for bit, the rest within 1e-3 (the attention and norm gradients' last bits differ
+    under AOTAutograd)."""
+    _check(_one_rank()["launch_model"], "launch/model.py, world 1", products=3)
 
 
 @pytest.mark.parametrize("preset, compiles", [("fp8_tensorwise", True), ("mxfp8", False), ("fp8_block", False)])
