@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import hybridq
 from hybridq.formats import Float8Quantizer
+from hybridq.nn import float8_graph
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
 
@@ -78,6 +79,16 @@ def cases(dim: int, device: torch.device) -> list:
                 fn()
         return run
 
+    def python_node(fn):
+        """`fn` with per-tensor FP8 Linears on the fast path's Python autograd node, not the one op."""
+        def run():
+            one_op, float8_graph._one_op = float8_graph._one_op, lambda *a: False
+            try:
+                fn()
+            finally:
+                float8_graph._one_op = one_op
+        return run
+
     def step(m, **kw):
         def run():
             m(xg, **kw).backward(dy)
@@ -110,6 +121,11 @@ def cases(dim: int, device: torch.device) -> list:
     if device.type == "cuda":
         from hybridq.kernels import extension_available
         if extension_available():
+            out += [
+                # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
+                ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
+                ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),
+            ]
             ops = torch.ops.hybridq
             op = lambda t: ops.fp8_tensor_quantize(t, torch.float8_e4m3fn, None, None, 0.0, False,  # noqa: E731
                                                    True, True, False)
