@@ -90,9 +90,10 @@ class Net(nn.Module):
 
 
 class _Recorder:
-    """A dynamo backend: AOTAutograd with `compiler` ("aot_eager": the traced graphs as they are; "inductor"), and
-    what the forward and backward graphs hold: the hybridq grouped ops by name, and the graph inputs or forward
-    outputs (saved for backward) whose shape is a grouped weight's (the gathered bytes entering or kept)."""
+    """A dynamo backend that records what the compiled graphs hold: the hybridq grouped ops by name, and the graph
+    inputs or forward outputs (saved for backward) whose shape is a grouped weight's (the gathered bytes entering or
+    kept). "aot_eager": AOTAutograd's forward and backward graphs as they are traced (the `gathered_` ops the
+    handles turn the calls into); "inductor": dynamo's graph (the layer's ops on the weight), compiled by Inductor."""
 
     def __init__(self, compiler: str, weight_shapes):
         self.compiler = compiler
@@ -106,6 +107,8 @@ class _Recorder:
             if name.startswith("hybridq."):
                 key = name.split(".")[1]
                 self.ops[key] = self.ops.get(key, 0) + 1
+        if which == "dynamo":  # (its inputs are the weights themselves: AOTAutograd flattens them to handles)
+            return
         outputs = [a for a in gm.graph.nodes if a.op == "output"][0].args[0] if which == "forward" else []
         for n in [n for n in gm.graph.nodes if n.op == "placeholder"] + [o for o in outputs if hasattr(o, "meta")]:
             val = n.meta.get("val")
@@ -113,19 +116,24 @@ class _Recorder:
                 self.weight_tensors.append(f"{which} {n.op} {n.name} {tuple(val.shape)} {val.dtype}")
 
     def backend(self):
+        if self.compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            def inductor(gm, example_inputs):
+                self._look(gm, "dynamo")
+                return compile_fx(gm, example_inputs)
+            return inductor
+
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
-        def compiler(which):
+        def recorder(which):
             def run(gm, example_inputs):
                 self._look(gm, which)
-                if self.compiler == "inductor":
-                    from torch._inductor.compile_fx import compile_fx_inner
-                    return compile_fx_inner(gm, example_inputs, is_backward=which == "backward")
                 return make_boxed_func(gm.forward)
             return run
 
-        return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+        return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
 
 
 def _shard(model: nn.Module, recipe, device, world_size: int, dtype, compile_with=None, reshard=True) -> nn.Module:

@@ -103,4 +103,6 @@ def test_compiled_experts_with_gathered_fp8_under_inductor_on_cuda():
         pytest.skip("needs a CUDA device with the jagged kernels (sm_90, Triton, the built extension) and NCCL")
     out = spawn(job_several, 1, "nccl", jobs={"inductor": (jobs.compiled_experts_match_eager, {
         "cases": ["fp8_tensorwise"], "compiler": "inductor", "routed": False, "dtype": "bfloat16"})})
-    _check(out[0]["inductor"], "cuda, inductor")
+    for r in out[0]["inductor"].values():  # (Inductor's input is dynamo's graph: the layer's op on the weight)
+        assert r["ops"].get("grouped_linear_forward", 0) >= PRODUCTS, f"the grouped ops not in the graph: {r['ops']}"
+        assert not r["diffs"], "cuda, inductor: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
