@@ -166,3 +166,24 @@ def test_compiled_block_on_cuda_is_bitwise_eager(preset):
     torch._dynamo.reset()
     got = _results(torch.compile(model, fullgraph=True), [x], params, dy)
     _assert_all_bitwise(got, want, ["y", "dx"] + [f"d{n}" for n, _ in model.named_parameters()], preset)
+
+
+def test_blocks_with_swapped_norms_and_swiglu_compile_once():
+    """The blocks of a model (per-block compile, as torchtitan and train.py do) share one compiled graph: nothing a
+    hybridq norm or SwiGLU reads under compile differs between blocks (a guard on a block's name would compile each
+    block anew, up to dynamo's recompile limit, and run the rest eagerly)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(3)]).to(torch.bfloat16)
+    hq.convert_linears(model, "fp8_tensorwise")
+    assert len({m.name for m in model.modules() if isinstance(m, hq.nn.SwiGLU)}) == 3, "the blocks' names differ"
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    for block in model:
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+    model(torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True))  # (every block: an input with grad)
+    assert len(graphs) == 1, f"the 3 blocks compiled {len(graphs)} graphs (one expected: a guard differs per block)"

@@ -78,7 +78,12 @@ class SwiGLU(nn.Module):
         self._readers = NormReaders()  # w2's input quantizer (fused_input.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self._readers, f"{self.name} (silu(w1 x) * w3 x)"))
+        a, b = self.w1(x), self.w3(x)
+        if torch.compiler.is_compiling():
+            # (nothing per module is read: dynamo would guard on it -- a block's name -- and compile every block of a
+            # model anew, up to its recompile limit, then run the rest eagerly)
+            return self.w2(swiglu(a, b))
+        return self.w2(swiglu(a, b, self._readers, f"{self.name} (silu(w1 x) * w3 x)"))
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str = "SwiGLU") -> "SwiGLU":
