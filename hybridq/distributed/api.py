@@ -74,7 +74,8 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
 
     reuse_forward_payload: when the backward unshard gathers the same directions as the forward one (per-tensor
     FP8 and 128x128 blocks: rowwise, the columnwise form derived after the gather), each rank keeps its quantized
-    shard from forward to backward (1 byte per local FP8 element) instead of casting and quantizing it again.
+    shard of a Linear or grouped weight from forward to backward (1 byte per local FP8 element) instead of casting
+    and quantizing it again (not if the weight changed in between).
 
     norms: swap the model's RMSNorm / LayerNorm modules and SwiGLU feed-forwards for hybridq.nn.RMSNorm / LayerNorm /
     SwiGLU (as `convert_linears(..., norms=True)`).
@@ -116,7 +117,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
     grouped_todo, grouped_skipped = _plan_grouped(model, recipe, module_filter_fn, on_incompatible)
     report = convert_linears(model, recipe, module_filter_fn, on_incompatible=on_incompatible, norms=norms)
     counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    report.layers += _apply_grouped(model, recipe, grouped_todo, counts) + grouped_skipped
+    report.layers += _apply_grouped(model, recipe, grouped_todo, counts, reuse_forward_payload) + grouped_skipped
     for fqn, mod in model.named_modules():
         if not isinstance(mod, Linear) or isinstance(mod.weight, HybridWeight):
             continue
@@ -191,7 +192,7 @@ def _plan_grouped(model: nn.Module, recipe: CustomRecipe, module_filter_fn, on_i
     return todo, skipped
 
 
-def _apply_grouped(model: nn.Module, recipe: CustomRecipe, todo, counts) -> list:
+def _apply_grouped(model: nn.Module, recipe: CustomRecipe, todo, counts, reuse_payload: bool = True) -> list:
     """Install the planned recipes and wrap each grouped weight in a GroupedHybridWeight. Returns report rows."""
     rows = []
     for fqn, mod, plan in todo:
@@ -213,8 +214,9 @@ def _apply_grouped(model: nn.Module, recipe: CustomRecipe, todo, counts) -> list
             if counts[id(w)] > 1:
                 log.warning("hybridq: %s is shared with another module; FSDP2 gathers it in high precision", name)
                 continue
-            new = nn.Parameter(GroupedHybridWeight(w.data, GroupedWeightState(model, name, attr)),
-                               requires_grad=w.requires_grad)
+            state = GroupedWeightState(model, name, attr)
+            state.reuse_payload = reuse_payload
+            new = nn.Parameter(GroupedHybridWeight(w.data, state), requires_grad=w.requires_grad)
             setattr(mod, attr, new)
             layer._parameters["weight"] = new
     return rows

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 
@@ -70,17 +71,20 @@ class ExpertLayout:
     rank: int
 
     @classmethod
-    def infer(cls, name: str, shape, local_shape, world_size: int, rank: int, describe: str) -> "ExpertLayout":
+    def infer(cls, name: str, shape, local_shape, world_size: int, rank: int,
+              describe: str | Callable[[], str]) -> "ExpertLayout":
         """The layout FSDP2 chose, told by the local shard's shape (public information, same in torch 2.11 and
-        2.13). Sharding along `in` (dim 2) is refused: the rowwise blocks run along it."""
+        2.13). Sharding along `in` (dim 2) is refused: the rowwise blocks run along it. `describe`: the weight
+        format, for the error (a callable is called only then: the hooks infer the layout at every unshard)."""
         e, n, k = shape
         if world_size == 1 or tuple(local_shape[1:]) == (n, k):
             return cls(0, e, n, k, world_size, rank)
         if local_shape[0] == e and local_shape[2] == k:
             return cls(1, e, n, k, world_size, rank)
+        fmt = describe if isinstance(describe, str) else describe()
         raise ValueError(
             f"apply_hybrid_fsdp: {name} {tuple(shape)} is sharded along dim 2 (in_features; local shard "
-            f"{tuple(local_shape)}) in {describe}: hybridq gathers a grouped weight quantized only when FSDP2 shards "
+            f"{tuple(local_shape)}) in {fmt}: hybridq gathers a grouped weight quantized only when FSDP2 shards "
             f"it along dim 0 (whole experts, the default) or dim 1 (rows of every expert, shard_placement_fn="
             f"lambda p: Shard(1)); the rowwise scaling blocks run along in_features and cannot be split by rank")
 

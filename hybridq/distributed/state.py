@@ -38,7 +38,7 @@ class KeptPayload:
 
     key: tuple
     payload: torch.Tensor
-    meta: PayloadMeta
+    meta: object  # a Linear weight's PayloadMeta; a grouped weight's (metas, slot size, StackedGather | None)
 
 
 class SharedState:
@@ -59,6 +59,7 @@ class SharedState:
         self.backward_extra: set[str] = set()
         self.last_sig = None
         self.ctx: GatherContext | None = None
+        self.mesh_info: tuple | None = None  # (FSDP2's shard mesh, its (world size, rank, group)): weights.py
         self.counters: collections.Counter = collections.Counter()
 
     def link(self, module) -> FSDPLink | None:
@@ -151,9 +152,14 @@ class GroupedWeightState(SharedState, GroupedStats):
         self.experts: list[ExpertWeightState] = []
         self.gathered: GroupedGatheredWeight | None = None
         self.slabs: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # (one allocation, its expert views)
+        self.slabs_of: dict = {}  # (directions, ...) -> the slabs of those directions (`_slabs_of`)
+        self.kept_payload: KeptPayload | None = None  # (meta: the experts' metadata, slot size, stacked gather)
+        self.reuse_payload = True
 
     def __deepcopy__(self, memo):
-        return GroupedWeightState(self.root() if self.root is not None else None, self.name, self.attr)
+        new = GroupedWeightState(self.root() if self.root is not None else None, self.name, self.attr)
+        new.reuse_payload = self.reuse_payload
+        return new
 
     def layer(self, module: nn.Module) -> GroupedLinear:
         """The GroupedLinear that computes with this weight: `module` itself or, for an expert module converted by
@@ -191,6 +197,7 @@ class GroupedWeightState(SharedState, GroupedStats):
         buffers (one quantizer); a fill that would take another storage (adopt, alias) is then never used."""
         per_expert = [st._unique((ROWWISE, COLUMNWISE)) for st in self.experts]
         self.slabs = []
+        self.slabs_of.clear()
         for members in zip(*per_expert):
             t0 = members[0]
             pitch = -(-t0.numel() * t0.element_size() // 16) * 16 // t0.element_size()
@@ -219,8 +226,13 @@ class GroupedWeightState(SharedState, GroupedStats):
         return hit[0], hit[2]
 
     def _slabs_of(self, dirs) -> list[torch.Tensor]:
-        mine = self.experts[0]._unique(dirs) if self.experts else []
-        return [slab for slab, members in self.slabs if any(members[0] is t for t in mine)]
+        # (asked two or three times per unshard: remembered per directions while the slabs and aliases stay)
+        key = (tuple(dirs), len(self.slabs), len(self.experts[0].aliased) if self.experts else 0)
+        hit = self.slabs_of.get(key)
+        if hit is None:
+            mine = self.experts[0]._unique(dirs) if self.experts else []
+            hit = self.slabs_of[key] = [slab for slab, members in self.slabs if any(members[0] is t for t in mine)]
+        return hit
 
     def alloc_slabs(self, dirs) -> None:
         """Allocate the stacked buffers of `dirs` (before a fill outside the ones FSDP2 allocates)."""

@@ -45,7 +45,7 @@ from .layout import ExpertLayout, transport_view
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts
 from .plan import GatherPlan, make_plan, unshard_plan
 from .state import GroupedWeightState, KeptPayload, WeightState
-from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload
+from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload, stats_key
 
 __all__ = ["GroupedHybridWeight", "HybridWeight"]
 
@@ -99,10 +99,15 @@ def _sharded_param(local: "HybridWeight", module, attr: str, link: FSDPLink | No
     return None
 
 
-def _mesh_info(mesh) -> tuple[int, int, object]:
-    """(world size, this rank, process group: None for one rank) of FSDP2's shard mesh."""
+def _mesh_info(st, mesh) -> tuple[int, int, object]:
+    """(world size, this rank, process group: None for one rank) of FSDP2's shard mesh, asked once per mesh."""
+    hit = st.mesh_info
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
     ws = mesh.size()
-    return ws, (mesh.get_local_rank() if ws > 1 else 0), (mesh.get_group() if ws > 1 else None)
+    info = ws, (mesh.get_local_rank() if ws > 1 else 0), (mesh.get_group() if ws > 1 else None)
+    st.mesh_info = (mesh, info)
+    return info
 
 
 def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
@@ -113,6 +118,21 @@ def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
     st.last_sig = sig
     st.counters[f"gather_{phase}"] += 1
     st.counters["bytes_sent"] += inp.numel() * inp.element_size()
+
+
+def _keep_for_backward(st, key, phase, plan: GatherPlan, ra, override, derivable: bool, extra) -> bool:
+    """Whether this forward unshard's payload is kept for the backward unshard: it re-gathers the same directions
+    (e.g. per-tensor FP8 rowwise, columnwise derived), so the shard is not cast and quantized again."""
+    return bool(st.reuse_payload and key is not None and phase == Phase.FORWARD and plan.deferred and make_plan(
+        phase=Phase.BACKWARD, reshard_after_forward=ra, backward_override=override, derivable=derivable,
+        known=True, backward_extra=extra).send == plan.send)
+
+
+def _grouped_payload_key(param, dtype, layout: ExpertLayout, send, stacked: bool, qs) -> tuple | None:
+    """Identifies a grouped weight's payload: its shard's values (`stats_key`), the layout, the directions sent, the
+    receiver's fill and the quantizers (by identity: a new recipe makes new ones); None: not reusable."""
+    key = stats_key(param, dtype, layout)
+    return None if key is None else (key, tuple(send), stacked, tuple(map(id, qs)))
 
 
 class HybridWeight(QuantizedGatherShard, torch.Tensor):
@@ -167,11 +187,27 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
 
     # -- FSDP2 all-gather extension ---------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if torch.is_grad_enabled():  # (FSDP2 calls the hooks under no_grad, except on its world-1 path)
+            with torch.no_grad():
+                return self._pre_all_gather(mesh, outer_size, module, mp_policy)
+        return self._pre_all_gather(mesh, outer_size, module, mp_policy)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self._post_all_gather(outputs, metadata)
+        else:
+            self._post_all_gather(outputs, metadata)
+        if out is not None:
+            return None
+        return self._hq.gathered._alias(), self._hq.inner
+
+    def _pre_all_gather(self, mesh, outer_size, module, mp_policy):
         st = self._hq
         if not isinstance(module, Linear):
             raise TypeError(f"hybridq FSDP: HybridWeight belongs to a hybridq Linear, got {type(module).__name__}")
         q = module.weight_quantizer
-        ws, rank, group = _mesh_info(mesh)
+        ws, rank, group = _mesh_info(st, mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         shape = tuple(outer_size)
         override = module.recipe.backward_override
@@ -183,22 +219,17 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         st.param_dtype = dtype
         link = st.link(module)
         phase, ra, extra, plan = unshard_plan(link, st.backward_extra, override, derivable)
-        with torch.no_grad():
-            param = _sharded_param(self, module, "weight", link)
-            key = payload_key(param, dtype, shape, ws, rank, plan.send)
-            kept, st.kept_payload = st.kept_payload, None
-            if key is not None and kept is not None and kept.key == key:
-                payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
-                st.counters["payload_reused"] += 1
-            else:
-                payload, meta = prepare_payload(self, param, q, plan.send, shape, ws, rank, dtype, group)
-            if st.reuse_payload and key is not None and phase == Phase.FORWARD and plan.deferred and make_plan(
-                    phase=Phase.BACKWARD, reshard_after_forward=ra, backward_override=override, derivable=derivable,
-                    known=True, backward_extra=extra).send == plan.send:
-                # the backward unshard re-gathers the same directions (e.g. per-tensor FP8 rowwise, columnwise
-                # derived): keep this shard's payload until then instead of casting and quantizing it again
-                st.kept_payload = KeptPayload(key, payload, meta)
-            inp = transport_view(payload, shape, ws)
+        param = _sharded_param(self, module, "weight", link)
+        key = payload_key(param, dtype, shape, ws, rank, plan.send)
+        kept, st.kept_payload = st.kept_payload, None
+        if key is not None and kept is not None and kept.key == key:
+            payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
+            st.counters["payload_reused"] += 1
+        else:
+            payload, meta = prepare_payload(self, param, q, plan.send, shape, ws, rank, dtype, group)
+        if _keep_for_backward(st, key, phase, plan, ra, override, derivable, extra):
+            st.kept_payload = KeptPayload(key, payload, meta)
+        inp = transport_view(payload, shape, ws)
         _sent(st, link, inp, phase)
         st.deferred = set(plan.deferred)
         if st.parts:
@@ -208,27 +239,23 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                                param=weakref.ref(param) if param is not None else None)
         return (inp,), GatherMetadata(meta, plan, dtype, q)
 
-    def fsdp_post_all_gather(self, outputs, metadata: GatherMetadata, param_dtype, *, out=None):
+    def _post_all_gather(self, outputs, metadata: GatherMetadata) -> None:
         meta, plan, dtype, q = metadata.payload, metadata.plan, metadata.dtype, metadata.quantizer
         st = self._hq
-        with torch.no_grad():
-            adopt = received(outputs[0], (meta,))
-            gathered = outputs[0].reshape(-1).view(torch.uint8).view(meta.world_size, -1)
-            parts = complete_parts(q, assemble_parts(meta, gathered), plan, dtype)
-            first = st.gathered is None
-            if first:
-                st.create(q, meta.shape, dtype, gathered.device)
-            if HIGH_PRECISION in plan.materialize:
-                st.create_high_precision()
-            out_ptr = outputs[0].untyped_storage().data_ptr()
-            for d in plan.materialize:  # (a derived direction is never aliased, even where it is a view)
-                st.fill(d, parts[d], adopt, alias=out_ptr if d in plan.send else None)
-            if first:
-                st.free_others(plan.materialize)
-            st.set_inner(plan.materialize)  # (what aliases the all-gather output is FSDP2's to free, not ours)
-        if out is not None:
-            return None
-        return st.gathered._alias(), st.inner
+        adopt = received(outputs[0], (meta,))
+        gathered = outputs[0].reshape(-1).view(torch.uint8).view(meta.world_size, -1)
+        parts = complete_parts(q, assemble_parts(meta, gathered), plan, dtype)
+        first = st.gathered is None
+        if first:
+            st.create(q, meta.shape, dtype, gathered.device)
+        if HIGH_PRECISION in plan.materialize:
+            st.create_high_precision()
+        out_ptr = outputs[0].untyped_storage().data_ptr()
+        for d in plan.materialize:  # (a derived direction is never aliased, even where it is a view)
+            st.fill(d, parts[d], adopt, alias=out_ptr if d in plan.send else None)
+        if first:
+            st.free_others(plan.materialize)
+        st.set_inner(plan.materialize)  # (what aliases the all-gather output is FSDP2's to free, not ours)
 
 
 class GroupedHybridWeight(HybridWeight):
@@ -244,7 +271,7 @@ class GroupedHybridWeight(HybridWeight):
     def __repr__(self, *, tensor_contents=None):
         return f"GroupedHybridWeight({self._data!r})"
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    def _pre_all_gather(self, mesh, outer_size, module, mp_policy):
         st: GroupedWeightState = self._hq
         layer = st.layer(module)
         qs = layer.weight_quantizers()
@@ -253,10 +280,10 @@ class GroupedHybridWeight(HybridWeight):
                 f"{layer.name}: its weight is already sharded by fully_shard with quantized all-gathers in "
                 f"{st.quantizers[0].describe()}; a recipe with another weight format ({qs[0].describe()}) must be set "
                 f"before fully_shard (apply_hybrid_fsdp, convert_experts, or GroupedLinear.recipe)")
-        ws, rank, group = _mesh_info(mesh)
+        ws, rank, group = _mesh_info(st, mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         shape = tuple(outer_size)
-        layout = ExpertLayout.infer(st.name, shape, tuple(self.shape), ws, rank, qs[0].describe())
+        layout = ExpertLayout.infer(st.name, shape, tuple(self.shape), ws, rank, qs[0].describe)
         override = layer.recipe.backward_override
         derivable = st.is_derivable(qs, shape[1:], dtype)
         check = (tuple(map(id, qs)), shape, layout.dim, ws, dtype, override)
@@ -269,15 +296,22 @@ class GroupedHybridWeight(HybridWeight):
             st.layouts_checked.add(check)
         st.param_dtype = dtype
         link = st.link(module)
-        phase, _, _, plan = unshard_plan(link, st.backward_extra, override, derivable)
-        with torch.no_grad():
-            param = _sharded_param(self, module, st.attr, link)
-            # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
-            stacked = not plan.local and HIGH_PRECISION not in plan.materialize
+        phase, ra, extra, plan = unshard_plan(link, st.backward_extra, override, derivable)
+        param = _sharded_param(self, module, st.attr, link)
+        # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
+        stacked = not plan.local and HIGH_PRECISION not in plan.materialize
+        key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs)
+        kept, st.kept_payload = st.kept_payload, None
+        if key is not None and kept is not None and kept.key == key:
+            payload, (metas, slot, stacked) = kept.payload, kept.meta  # same expert values, same directions
+            st.counters["payload_reused"] += 1
+        else:
             batched = prepare_batched(self, param, qs, plan.send, layout, dtype, group, stacked)
             payload, metas, slot, stacked = batched if batched is not None else (
                 *prepare_grouped(self, param, qs, plan.send, layout, dtype, group), None)
-            inp = layout.transport(payload, slot)
+        if _keep_for_backward(st, key, phase, plan, ra, override, derivable, extra):
+            st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked))
+        inp = layout.transport(payload, slot)
         _sent(st, link, inp, phase)
         st.set_deferred(plan.deferred)
         if st.gathered is not None:
@@ -287,42 +321,37 @@ class GroupedHybridWeight(HybridWeight):
                                param=weakref.ref(param) if param is not None else None, layout=layout)
         return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot, stacked)
 
-    def fsdp_post_all_gather(self, outputs, metadata: GroupedGatherMetadata, param_dtype, *, out=None):
+    def _post_all_gather(self, outputs, metadata: GroupedGatherMetadata) -> None:
         plan, dtype, qs, layout = metadata.plan, metadata.dtype, metadata.quantizers, metadata.layout
         st: GroupedWeightState = self._hq
-        with torch.no_grad():
-            gathered = outputs[0]
-            first = st.gathered is None
-            if first:
-                st.create(qs, layout, dtype, gathered.device)
-            metas = metadata.metas
-            if metadata.stacked is not None:
-                if fill_stacked(st, metadata.stacked, gathered, metadata.slot, layout, plan):
-                    metas = None
-                else:
-                    metas = metas_with_scales(metas, metadata.stacked)
-            adopt = received(gathered, metas) if metas is not None else None
-            if metas is not None and not fill_batched(st, qs, metas, gathered, metadata.slot, layout, plan, dtype):
-                if st.slabs:  # (experts' buffers are views of one allocation: filled by copies, never re-pointed)
-                    st.alloc_slabs(plan.materialize)
-                    adopt = None
-                for e, (est, q, meta) in enumerate(zip(st.experts, qs, metas)):
-                    parts = assemble_parts(meta, layout.expert_bytes(gathered, metadata.slot, e, meta,
-                                                                     expert_major=layout.dim == 1))
-                    parts = complete_parts(q, parts, plan, dtype)
-                    if HIGH_PRECISION in plan.materialize:
-                        est.create_high_precision()
-                    for d in plan.materialize:
-                        est.fill(d, parts[d], adopt)
-            if first:
-                for est in st.experts:
-                    est.free_others(plan.materialize)
-            st.set_inner(plan.materialize)
-        if out is not None:
-            return None
-        return st.gathered._alias(), st.inner
+        gathered = outputs[0]
+        first = st.gathered is None
+        if first:
+            st.create(qs, layout, dtype, gathered.device)
+        metas = metadata.metas
+        if metadata.stacked is not None:
+            if fill_stacked(st, metadata.stacked, gathered, metadata.slot, layout, plan):
+                metas = None
+            else:
+                metas = metas_with_scales(metas, metadata.stacked)
+        adopt = received(gathered, metas) if metas is not None else None
+        if metas is not None and not fill_batched(st, qs, metas, gathered, metadata.slot, layout, plan, dtype):
+            if st.slabs:  # (experts' buffers are views of one allocation: filled by copies, never re-pointed)
+                st.alloc_slabs(plan.materialize)
+                adopt = None
+            for e, (est, q, meta) in enumerate(zip(st.experts, qs, metas)):
+                parts = assemble_parts(meta, layout.expert_bytes(gathered, metadata.slot, e, meta,
+                                                                 expert_major=layout.dim == 1))
+                parts = complete_parts(q, parts, plan, dtype)
+                if HIGH_PRECISION in plan.materialize:
+                    est.create_high_precision()
+                for d in plan.materialize:
+                    est.fill(d, parts[d], adopt)
+        if first:
+            for est in st.experts:
+                est.free_others(plan.materialize)
+        st.set_inner(plan.materialize)
 
 
 # FSDP2 inspects the hook's signature on every all-gather; a precomputed __signature__ makes that a lookup
-for _cls in (HybridWeight, GroupedHybridWeight):
-    _cls.fsdp_pre_all_gather.__signature__ = inspect.signature(_cls.fsdp_pre_all_gather)
+HybridWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(HybridWeight.fsdp_pre_all_gather)

@@ -445,3 +445,68 @@ def _saved_weight_copies(lin, factory, device) -> list:
         y = lin(x, splits)
     y.float().sum().backward()
     return saved
+
+
+class _KeptPayloadModel(nn.Module):
+    """A Linear and a GroupedLinear (per-tensor FP8 everywhere: the jagged path reads the gathered experts in place),
+    each its own FSDP2 unit that reshards after forward, so backward unshards them again."""
+
+    def __init__(self, experts: int, k: int = 32, n: int = 48):
+        super().__init__()
+        self.lin = nn.Linear(k, k, bias=False)
+        self.experts = hybridq.GroupedLinear(experts, k, n, recipe=_IDENT, name="moe.w1")
+
+    def forward(self, x, splits):
+        return self.experts(self.lin(x), splits)
+
+
+def _kept_payload_run(rank, world_size, device, *, reuse: bool, scale_between: float | None, experts: int = 4):
+    """One forward + backward of `_KeptPayloadModel` under FSDP2 (Shard(0)); with `scale_between`, every weight is
+    multiplied in place by it between the forward and the backward (the backward unshard must gather the new values).
+    Returns (input gradient, each weight's gathered counters)."""
+    fully_shard, mp = _fsdp(device, world_size, 0)
+    torch.manual_seed(0)
+    model = _KeptPayloadModel(experts).to(device)
+    with torch.no_grad():
+        model.experts.weight.mul_(torch.logspace(-2, 2, experts, device=device).view(experts, 1, 1))
+    apply_hybrid_fsdp(model, "fp8_tensorwise", reuse_forward_payload=reuse)
+    fully_shard(model.lin, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model.experts, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mp_policy=mp)
+    splits = [3 * e + 5 for e in range(experts)]
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(sum(splits), 32, generator=g).to(device).requires_grad_(True)
+    y = model(x, splits)
+    if scale_between is not None:
+        with torch.no_grad():
+            for p in (model.lin.weight, model.experts.weight):
+                p.mul_(scale_between)
+    y.float().square().sum().backward()
+    counters = {name: dict(local_tensor_state(p).counters)
+                for name, p in (("lin", model.lin.weight), ("experts", model.experts.weight))}
+    return x.grad.detach().cpu(), counters
+
+
+def local_tensor_state(p):
+    from hybridq.torch_private import local_tensor
+
+    return local_tensor(p)._hq
+
+
+def job_kept_payload(rank, world_size, device):
+    """A forward unshard's payload kept for the backward unshard (reuse_forward_payload, the default) of a Linear and
+    a grouped weight: the input gradient equals the one of a run that quantizes again in backward, with the weights
+    unchanged and with the weights doubled in place between forward and backward (the kept payload is then stale: it
+    must not be used); and how often each weight reused the payload or gathered in backward."""
+    out = {"diffs": [], "counters": {}}
+    grads = []
+    for scale in (None, 2.0):
+        dx_kept, counters = _kept_payload_run(rank, world_size, device, reuse=True, scale_between=scale)
+        dx_again, _ = _kept_payload_run(rank, world_size, device, reuse=False, scale_between=scale)
+        diff = tensor_diff(dx_kept, dx_again, f"input gradient, weights x{scale} between forward and backward, "
+                                              f"payload kept vs quantized again")
+        out["diffs"] += [diff] if diff else []
+        out["counters"][str(scale)] = counters
+        grads.append(dx_again)
+    out["update_changes_gradient"] = not torch.equal(*grads)  # (else the stale case would not be seen)
+    return out

@@ -198,3 +198,33 @@ def test_gathered_fp8_experts_are_not_copied_for_backward(batched_gather):
     for rank, res in enumerate(results):
         copies = {case: saved for case, saved in res["saved_fp8"].items() if saved}
         assert not copies, f"world {ws} rank {rank}: weight-sized FP8 tensors saved for backward: {copies}"
+
+
+@pytest.fixture(scope="module", params=[pytest.param(1, id="world1"), pytest.param(2, id="world2")])
+def kept_payload(request):
+    return request.param, spawn(jobs.job_kept_payload, request.param, "gloo")
+
+
+def test_backward_unshard_reuses_the_forward_payload_of_linear_and_grouped_weights(kept_payload):
+    """With the weights unchanged since forward, the backward unshard of a Linear and of a per-tensor FP8 grouped
+    weight sends the payload its forward unshard quantized (no cast, no quantization in backward), and the input
+    gradient is bitwise the one of a run that quantizes again (reuse_forward_payload=False)."""
+    ws, results = kept_payload
+    for rank, res in enumerate(results):
+        assert not res["diffs"], f"world {ws} rank {rank}:\n" + "\n".join(res["diffs"])
+        for name, c in res["counters"]["None"].items():
+            assert c.get("payload_reused", 0) == c["gather_backward"] == 1, (
+                f"world {ws} rank {rank} {name}: the backward unshard quantized its shard again: {c}")
+
+
+def test_forward_payload_is_not_reused_after_an_in_place_update(kept_payload):
+    """Weights doubled in place between forward and backward: the kept payload is stale, so the backward unshard
+    quantizes the new values (the input gradient is bitwise the one of a run that never keeps it, and differs from
+    the unchanged weights' gradient)."""
+    ws, results = kept_payload
+    for rank, res in enumerate(results):
+        assert res["update_changes_gradient"], f"world {ws} rank {rank}: doubling the weights left dx unchanged"
+        assert not res["diffs"], f"world {ws} rank {rank}:\n" + "\n".join(res["diffs"])
+        for name, c in res["counters"]["2.0"].items():
+            assert c.get("payload_reused", 0) == 0 < c["gather_backward"], (
+                f"world {ws} rank {rank} {name}: a stale payload was sent after the weight changed: {c}")
