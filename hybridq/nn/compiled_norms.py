@@ -9,7 +9,10 @@ each in the graph as one node; Inductor fuses the element-wise work around them.
 On CUDA the ops call the same extension kernels, with the same arguments, as the eager modules (`norm_kernels`,
 `swiglu_kernels`): the compiled results are bitwise eager. On the CPU they run the reference (the contract's
 PyTorch ops; backward: their vjp, the gradients eager autograd computes), so that CPU tests exercise the ops, their
-fakes and their autograd as a GPU run does, bitwise the eager CPU module.
+fakes and their autograd as a GPU run does, bitwise the eager CPU module. (One exception: an fp32 RMSNorm input
+that also feeds another op, e.g. a residual: eager autograd adds that op's gradient of x between the two gradients
+the reference's ops give x, the op after their sum, so that dx may differ in the last bit. 16-bit inputs, whose
+cast in the reference sums the two first, and CUDA are bitwise.)
 
 Each forward also returns max|y| (the kernels compute it in passing), as the eager kernels do.
 """

@@ -9,7 +9,8 @@ float `eps`, whose forward is `(x - mean(x)) * rsqrt(var(x) + eps) * weight + bi
 probe input before anything changes; the parameters are shared. Numerics (docs/numerics.md "LayerNorm"): torch's
 layer_norm, fp32 computation and one rounding to the input dtype; on the CPU and for DTensors `F.layer_norm` runs
 itself (bitwise the torch module); the CUDA kernel's row sums run in another order than torch's, so y may differ
-in the last bit, and max|y| is exact (of the rounded y)."""
+in the last bit, and max|y| is exact (of the rounded y). Under torch.compile the kernels run as custom ops
+(compiled_norms.py), bitwise eager."""
 
 from __future__ import annotations
 

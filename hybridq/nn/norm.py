@@ -7,8 +7,9 @@ RMSNorm protocol (a class named `*RMSNorm` with a 1-D `weight` and a float `eps`
 `x * rsqrt(mean(x^2) + eps) * weight`, checked on a probe input before anything changes), sharing the weight.
 Numerics (docs/numerics.md "RMSNorm"): torch's rms_norm with its fp32 computation and one rounding to the input
 dtype; the kernel's row sums run in another order than torch's, so y may differ in the last bit from the eager
-module, and max|y| is exact (of the rounded y). On the CPU, under torch.compile (where Inductor fuses it with its
-neighbours) and for DTensors the same math runs as PyTorch operations.
+module, and max|y| is exact (of the rounded y). On the CPU and for DTensors the same math runs as PyTorch
+operations. Under torch.compile the kernels run as custom ops (compiled_norms.py; the CPU: the reference inside
+them), bitwise eager.
 
 The norm also writes the rowwise block-format input of the Linear layers reading y once they registered their
 quantizer ([Note: pre-quantized norm outputs], fused_input.py); `normalize` is the forward of both hybridq norms."""

@@ -9,7 +9,7 @@ its own) and whose forward is `w2(silu(w1 x) * w3 x)`, checked on a probe input 
 module holds the same three Linear modules (state_dict keys, FSDP2 units and tensor-parallel plans by name are
 unchanged). Numerics (docs/numerics.md "SwiGLU"): torch's F.silu(a) * b, each op rounded to the input dtype; on the
 CPU and for DTensors those ops run themselves (bitwise the original module); the kernel's exp may differ from
-torch's in the last bit."""
+torch's in the last bit. Under torch.compile the kernel runs as a custom op (compiled_norms.py), bitwise eager."""
 
 from __future__ import annotations
 
