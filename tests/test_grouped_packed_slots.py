@@ -144,3 +144,48 @@ def test_gpu_packed_block_path_packs_nothing_and_keeps_its_results(preset, split
     want, packs_before = _run(preset, splits, 256, 128, monkeypatch, False)
     assert packs_before, f"{preset}: the packing path did not pack (the comparison would compare nothing)"
     assert_results_bitwise(got, want, f"{preset} on CUDA, splits {splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (extension_ready() and triton_slot_quantize.available()),
+                    reason="needs CUDA, the extension and Triton")
+def test_gpu_a_failing_slot_quantize_is_turned_off_with_a_warning_and_the_tokens_are_packed(monkeypatch):
+    """A grouped quantize that fails to compile or launch returns None after one warning and stays off: the packed
+    path packs and quantizes as before, with the same bytes."""
+    monkeypatch.setitem(grouped_slots.ENABLED, "on", True)
+    q, splits = Float8BlockQuantizer(), [5, 0, 130]
+    x = _tokens(splits, 256, torch.bfloat16, "cuda")
+    layout = _layout(q, splits, True, True, "cuda")
+
+    def fails(*a, **kw):
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(triton_slot_quantize, "slot_quantize", fails)
+    with pytest.warns(RuntimeWarning, match="grouped slot quantize failed .*no kernel image.*packs the tokens"):
+        assert grouped_slots.quantize(q, x, layout.source_rows(x.device), True, True) is None
+    assert grouped_slots.ENABLED == {"on": False}
+    assert grouped_slots.quantize(q, x, layout.source_rows(x.device), True, True) is None, "it did not stay off"
+
+
+@pytest.mark.skipif(not triton_slot_quantize.available(), reason="needs Triton")
+@pytest.mark.parametrize("mode", ["fp8_block", "mxfp8"])
+def test_kernel_compiles_for_sm90_with_the_cuda_kernels_conversions(mode):
+    """The default config compiles for sm_90 (no GPU needed) to the instructions the CUDA tile kernel's numerics rest
+    on: `cvt.rn.satfinite` fp32 -> fp8 pairs, IEEE `div.rn.f32` for the FP8-block scales, no flush-to-zero."""
+    from test_grouped_blocks_gemm import _aot_sm90
+    t = triton_slot_quantize
+    m = t.MODE_FP8_BLOCK if mode == "fp8_block" else t.MODE_MXFP8
+    ch, bc, warps = t.CONFIGS[m]
+    scale = "*fp32" if m == t.MODE_FP8_BLOCK else "*u8"
+    sig = {"x_ptr": "*bf16", "src_ptr": "*i32", "rq_ptr": "*u8", "rs_ptr": scale, "cq_ptr": "*u8", "cs_ptr": scale,
+           **{n: "i32" for n in ("S", "K", "stride_x", "rs_cols", "cs_cols")},
+           **{n: "fp32" for n in ("fp8_max", "rcp_max", "eps")}}
+    k = _aot_sm90(t._slot_quantize_kernel, sig,
+                  dict(CH=ch, BLOCK_C=bc, BLK=t._BLOCKS[m], MODE=m, POW2=True, E5M2=False, IN_KIND=1, ROWWISE=True,
+                       COLUMNWISE=True, USE_ASM=True),
+                  ("x_ptr", "src_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "S", "K", "stride_x"), warps, 1)
+    ptx = k.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, f"{mode}: no satfinite fp8 conversion in the PTX"
+    assert ".ftz" not in ptx, f"{mode}: flush-to-zero instructions in the PTX"
+    if m == t.MODE_FP8_BLOCK:
+        assert "div.rn.f32" in ptx, f"{mode}: the scale division is not div.rn.f32"

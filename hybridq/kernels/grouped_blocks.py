@@ -123,14 +123,15 @@ def wgrad(a_t, b_t, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor
     return _triton().grouped_block_wgrad(*operands, bounds.table[0], bounds.table[3], bounds.whole_blocks, out_dtype)
 
 
-def run_or_none(enabled: dict, what: str, fn):
-    """`fn()`, a grouped GEMM; None after a failure (a Triton compile or launch error, a torch refusal), which turns
-    that kernel family off (`enabled["on"] = False`) with one warning: the caller then runs the per-expert GEMMs."""
+def run_or_none(enabled: dict, what: str, fn, instead: str = "the packed path runs one GEMM per expert"):
+    """`fn()`, a grouped kernel; None after a failure (a Triton compile or launch error, a torch refusal), which turns
+    that kernel family off (`enabled["on"] = False`) with one warning saying what runs `instead` (the caller's
+    fallback: the per-expert GEMMs, or the packing copy before the format's quantize)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 (Triton compile / launch errors have no common base; torch's RuntimeError)
         enabled["on"] = False
-        msg = f"hybridq: {what} failed ({type(e).__name__}: {e}); the packed path runs one GEMM per expert from now on"
+        msg = f"hybridq: {what} failed ({type(e).__name__}: {e}); {instead} from now on"
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return None

@@ -5,7 +5,8 @@ kernel of the same quantizer (`dispatch.lookup_quantize` on the slot-shaped inpu
 reproduces, for the formats it implements: FP8 1x128 blocks (`Float8BlockQuantizer(block_dim=1)`) and MXFP8 1x32
 blocks (`MXFP8Quantizer(block_2d=False)`), alone or as either direction of a `HybridQuantizer` whose columnwise form
 comes from the original values. Elsewhere (the CPU, no Triton, other formats, NVFP4 directions, torch.compile's
-fake tensors, `HYBRIDQ_GROUPED_SLOT_QUANTIZE=0`) `quantize` returns None and the caller packs.
+fake tensors, `HYBRIDQ_GROUPED_SLOT_QUANTIZE=0`, or after the kernel failed to compile or launch: one warning, then
+off for the process) `quantize` returns None and the caller packs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..formats import Float8BlockPart, Float8BlockQuantizer, HybridQuantizer, MX
 from ..formats._numerics import FP8_MAX
 from ..formats.base import Quantizer
 from ..tensor import QuantizedTensor
+from .grouped_blocks import run_or_none
 
 ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_SLOT_QUANTIZE", "1") != "0"}
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -80,10 +82,16 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
         return None
     t = _triton()
     x = x if x.stride(1) == 1 else x.contiguous()
-    parts = {False: None, True: None}
-    for d, col in _direction_quantizers(q, rowwise, columnwise):
-        mode = t.MODE_FP8_BLOCK if type(d) is Float8BlockQuantizer else t.MODE_MXFP8
-        kw = dict(eps=d.amax_epsilon, pow2=d.power_2_scale) if mode == t.MODE_FP8_BLOCK else {}
-        rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, not col, col, fp8_max=FP8_MAX[d.dtype], **kw)
-        parts[col] = _part(d, cq, cs, k, s, True) if col else _part(d, rq, rs, s, k, False)
-    return QuantizedTensor(parts[False], parts[True], shape=(s, k), dtype=x.dtype)
+
+    def launch():
+        parts = {False: None, True: None}
+        for d, col in _direction_quantizers(q, rowwise, columnwise):
+            mode = t.MODE_FP8_BLOCK if type(d) is Float8BlockQuantizer else t.MODE_MXFP8
+            kw = dict(eps=d.amax_epsilon, pow2=d.power_2_scale) if mode == t.MODE_FP8_BLOCK else {}
+            rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, not col, col, fp8_max=FP8_MAX[d.dtype],
+                                             **kw)
+            parts[col] = _part(d, cq, cs, k, s, True) if col else _part(d, rq, rs, s, k, False)
+        return QuantizedTensor(parts[False], parts[True], shape=(s, k), dtype=x.dtype)
+    # (a kernel that fails to compile or launch is turned off with a warning; the caller then packs)
+    return run_or_none(ENABLED, "grouped slot quantize", launch,
+                       instead="the packed path packs the tokens before quantizing them")

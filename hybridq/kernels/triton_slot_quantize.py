@@ -34,9 +34,11 @@ except Exception:  # noqa: BLE001 (ImportError, or a broken install)
     triton = tl = None
 
 MODE_FP8_BLOCK, MODE_MXFP8 = 0, 1
-# (slot rows per program, columns per program, num_warps): a 128x128 tile holds whole 1x128 and 128x1 FP8 blocks; a
-# 64x128 one whole 1x32 / 32x1 MXFP8 blocks
-CONFIGS = {MODE_FP8_BLOCK: (128, 128, 8), MODE_MXFP8: (64, 128, 4)}
+# (slot rows per chunk, columns per program, num_warps). A program covers one columnwise block of slot rows (128 / 32)
+# and 128 columns (whole rowwise blocks). Compiled for sm_90 (Triton 3.6, ptxas 13.0): the whole 128x128 FP8 tile at
+# once used 255 registers and spilled with 8 warps (measured on an H200 at ~0.93 TB/s of token reads + fp8 writes,
+# BENCHMARKS.md); in chunks of 32 rows with 8 warps it uses 128 (MXFP8: 64) and spills nothing (not timed yet).
+CONFIGS = {MODE_FP8_BLOCK: (32, 128, 8), MODE_MXFP8: (32, 128, 8)}
 _BLOCKS = {MODE_FP8_BLOCK: 128, MODE_MXFP8: 32}  # elements per scale in either direction
 _FP8 = {torch.float8_e4m3fn: False, torch.float8_e5m2: True}  # -> E5M2
 _IN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -138,18 +140,12 @@ if triton is not None:
         return tl.where(vb >= 0x7F800000, special, q)
 
     @triton.jit
-    def _slot_quantize_kernel(x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x, rs_cols, cs_cols,
-                              fp8_max, rcp_max, eps,
-                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr,
-                              POW2: tl.constexpr, E5M2: tl.constexpr, IN_KIND: tl.constexpr, ROWWISE: tl.constexpr,
-                              COLUMNWISE: tl.constexpr, USE_ASM: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        row_in = rows < S
-        col_in = cols < K
-        src = tl.load(src_ptr + rows, mask=row_in, other=-1)
+    def _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND: tl.constexpr):
+        """(values as fp32, sign bits) of slot rows `rows` x `cols`: token rows through `src_ptr`, zeros for padding
+        rows and outside the tensor."""
+        src = tl.load(src_ptr + rows, mask=rows < S, other=-1)
         x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
-                    mask=(src >= 0)[:, None] & col_in[None, :], other=0.0)  # (padding rows and columns: zeros)
+                    mask=(src >= 0)[:, None] & (cols < K)[None, :], other=0.0)
         if IN_KIND == 1:  # bf16: its bits are fp32's top half (exact, NaN sign kept, under the interpreter too)
             xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
             neg = xf.to(tl.int32, bitcast=True) < 0
@@ -159,29 +155,75 @@ if triton is not None:
         else:
             neg = x.to(tl.int32, bitcast=True) < 0
             xf = x
-        abits = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # (max of |x| bits: a NaN block's is above inf's)
+        return xf, neg
+
+    @triton.jit
+    def _abs_bits(xf):
+        return xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # (max of |x| bits: a NaN block's is above inf's)
+
+    @triton.jit
+    def _rowwise(xf, neg, rows, cols, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, CH: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr, POW2: tl.constexpr,
+                 E5M2: tl.constexpr, USE_ASM: tl.constexpr):
+        """The rowwise form of CH slot rows: blocks of BLK columns."""
         NB: tl.constexpr = BLOCK_C // BLK
-        NR: tl.constexpr = BLOCK_R // BLK
-        if ROWWISE:  # blocks of BLK columns
-            am = tl.max(tl.reshape(abits, (BLOCK_R, NB, BLK)), axis=2)
-            mult, stored = _multiplier(am, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
-            m_el = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_R, NB, BLK)), (BLOCK_R, BLOCK_C))
-            q = _encode(xf, neg, m_el, fp8_max, E5M2, USE_ASM)
-            tl.store(rq_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q,
-                     mask=row_in[:, None] & col_in[None, :])
-            sc = tl.program_id(1) * NB + tl.arange(0, NB)
-            tl.store(rs_ptr + rows.to(tl.int64)[:, None] * rs_cols + sc[None, :], stored,
-                     mask=row_in[:, None] & (sc < rs_cols)[None, :])
-        if COLUMNWISE:  # blocks of BLK slot rows, stored transposed ([K, S])
-            am = tl.max(tl.reshape(abits, (NR, BLK, BLOCK_C)), axis=1)
-            mult, stored = _multiplier(am, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
-            m_el = tl.reshape(tl.broadcast_to(mult[:, None, :], (NR, BLK, BLOCK_C)), (BLOCK_R, BLOCK_C))
-            q = tl.trans(_encode(xf, neg, m_el, fp8_max, E5M2, USE_ASM))
-            tl.store(cq_ptr + cols.to(tl.int64)[:, None] * S + rows[None, :], q,
-                     mask=col_in[:, None] & row_in[None, :])
-            sr = tl.program_id(0) * NR + tl.arange(0, NR)
-            tl.store(cs_ptr + cols.to(tl.int64)[:, None] * cs_cols + sr[None, :], tl.trans(stored),
-                     mask=col_in[:, None] & (sr < cs_cols)[None, :])
+        am = tl.max(tl.reshape(_abs_bits(xf), (CH, NB, BLK)), axis=2)
+        mult, stored = _multiplier(am, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
+        m_el = tl.reshape(tl.broadcast_to(mult[:, :, None], (CH, NB, BLK)), (CH, BLOCK_C))
+        q = _encode(xf, neg, m_el, fp8_max, E5M2, USE_ASM)
+        row_in = rows < S
+        tl.store(rq_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=row_in[:, None] & (cols < K)[None, :])
+        sc = tl.program_id(1) * NB + tl.arange(0, NB)
+        tl.store(rs_ptr + rows.to(tl.int64)[:, None] * rs_cols + sc[None, :], stored,
+                 mask=row_in[:, None] & (sc < rs_cols)[None, :])
+
+    @triton.jit
+    def _columnwise(xf, neg, mult, rows, cols, cq_ptr, S, K, fp8_max, E5M2: tl.constexpr, USE_ASM: tl.constexpr):
+        """CH slot rows of the columnwise form (stored transposed, `[K, S]`) with their column block's multipliers."""
+        q = tl.trans(_encode(xf, neg, mult[None, :], fp8_max, E5M2, USE_ASM))
+        tl.store(cq_ptr + cols.to(tl.int64)[:, None] * S + rows[None, :], q,
+                 mask=(cols < K)[:, None] & (rows < S)[None, :])
+
+    @triton.jit
+    def _slot_quantize_kernel(x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x, rs_cols, cs_cols,
+                              fp8_max, rcp_max, eps,
+                              CH: tl.constexpr, BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr,
+                              POW2: tl.constexpr, E5M2: tl.constexpr, IN_KIND: tl.constexpr, ROWWISE: tl.constexpr,
+                              COLUMNWISE: tl.constexpr, USE_ASM: tl.constexpr):
+        """One program: one columnwise block (BLK slot rows) x BLOCK_C columns, in chunks of CH rows (few registers
+        per thread). Rowwise blocks are whole in every chunk; the columnwise blocks' amaxes build up over the chunks,
+        which are then read again (from L2) to encode the columnwise form -- unless one chunk is the whole block."""
+        r0 = tl.program_id(0) * BLK
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        NCH: tl.constexpr = BLK // CH
+        if NCH == 1:
+            rows = r0 + tl.arange(0, CH)
+            xf, neg = _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND)
+            if ROWWISE:
+                _rowwise(xf, neg, rows, cols, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, CH, BLOCK_C, BLK,
+                         MODE, POW2, E5M2, USE_ASM)
+            if COLUMNWISE:
+                mult, stored = _multiplier(tl.max(_abs_bits(xf), axis=0), fp8_max, rcp_max, eps, MODE, POW2,
+                                           USE_ASM)
+                _columnwise(xf, neg, mult, rows, cols, cq_ptr, S, K, fp8_max, E5M2, USE_ASM)
+                tl.store(cs_ptr + cols.to(tl.int64) * cs_cols + tl.program_id(0), stored, mask=cols < K)
+        else:
+            cam = tl.zeros([BLOCK_C], dtype=tl.int32)
+            for i in tl.static_range(NCH):
+                rows = r0 + i * CH + tl.arange(0, CH)
+                xf, neg = _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND)
+                if ROWWISE:
+                    _rowwise(xf, neg, rows, cols, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, CH, BLOCK_C,
+                             BLK, MODE, POW2, E5M2, USE_ASM)
+                if COLUMNWISE:
+                    cam = tl.maximum(cam, tl.max(_abs_bits(xf), axis=0))
+            if COLUMNWISE:
+                mult, stored = _multiplier(cam, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
+                for i in tl.static_range(NCH):
+                    rows = r0 + i * CH + tl.arange(0, CH)
+                    xf, neg = _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND)
+                    _columnwise(xf, neg, mult, rows, cols, cq_ptr, S, K, fp8_max, E5M2, USE_ASM)
+                tl.store(cs_ptr + cols.to(tl.int64) * cs_cols + tl.program_id(0), stored, mask=cols < K)
 
 
 def slot_quantize(x: torch.Tensor, src_rows: torch.Tensor, mode: int, fp8: torch.dtype, rowwise: bool,
@@ -204,14 +246,14 @@ def slot_quantize(x: torch.Tensor, src_rows: torch.Tensor, mode: int, fp8: torch
     cs = torch.empty(k, cs_cols, device=dev, dtype=s_dtype) if columnwise else None
     if s == 0 or k == 0 or not (rowwise or columnwise):
         return rq, rs, cq, cs
-    br, bc, warps = config if config is not None else CONFIGS[mode]
+    ch, bc, warps = config if config is not None else CONFIGS[mode]
     dummy = torch.empty(1, device=dev, dtype=torch.uint8)
     rcp_max = float(torch.tensor(1.0) / torch.tensor(fp8_max, dtype=torch.float32))  # fp32(1 / fp8_max)
-    grid = (-(-s // br), -(-k // bc))
+    grid = (-(-s // blk), -(-k // bc))
     _slot_quantize_kernel[grid](
         x, src_rows, rq.view(torch.uint8) if rowwise else dummy, rs if rowwise else dummy,
         cq.view(torch.uint8) if columnwise else dummy, cs if columnwise else dummy, s, k, x.stride(0), rs_cols,
-        cs_cols, float(fp8_max), rcp_max, float(eps), BLOCK_R=br, BLOCK_C=bc, BLK=blk, MODE=mode, POW2=bool(pow2),
+        cs_cols, float(fp8_max), rcp_max, float(eps), CH=ch, BLOCK_C=bc, BLK=blk, MODE=mode, POW2=bool(pow2),
         E5M2=_FP8[fp8], IN_KIND=_IN_KINDS[x.dtype], ROWWISE=rowwise, COLUMNWISE=columnwise,
         USE_ASM=not _interpreting(), num_warps=warps)
     return rq, rs, cq, cs
