@@ -168,13 +168,15 @@ def test_compiled_block_on_cuda_is_bitwise_eager(preset):
     _assert_all_bitwise(got, want, ["y", "dx"] + [f"d{n}" for n, _ in model.named_parameters()], preset)
 
 
-def test_blocks_with_swapped_norms_and_swiglu_compile_once():
+@pytest.mark.parametrize("norm", [nn.RMSNorm, nn.LayerNorm], ids=lambda n: n.__name__)
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "mxfp8"])
+def test_blocks_with_swapped_norms_and_swiglu_compile_once(preset, norm):
     """The blocks of a model (per-block compile, as torchtitan and train.py do) share one compiled graph: nothing a
     hybridq norm or SwiGLU reads under compile differs between blocks (a guard on a block's name would compile each
     block anew, up to dynamo's recompile limit, and run the rest eagerly)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(3)]).to(torch.bfloat16)
-    hq.convert_linears(model, "fp8_tensorwise")
+    model = nn.Sequential(*[Block(norm) for _ in range(3)]).to(torch.bfloat16)
+    hq.convert_linears(model, preset)
     assert len({m.name for m in model.modules() if isinstance(m, hq.nn.SwiGLU)}) == 3, "the blocks' names differ"
     graphs = []
 
