@@ -33,7 +33,10 @@ BLOCK = 128  # elements per scale along the contracted dim (FP8 blocks), the ker
 ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
 # one cuBLAS block-scaled GEMM per expert beats the grouped kernel where each expert's GEMM is long enough to hide
 # its call's host cost: the mean expert GEMM estimated at >= this many microseconds at 1 PFLOP/s (BENCHMARKS.md
-# "Grouped FP8 block GEMMs"); 0: always the per-expert GEMMs, inf: never
+# "Grouped FP8 block GEMMs"); 0: always the per-expert GEMMs, inf: never. Measured with bench_grouped's "(packed path
+# forced)" rows (one H200, 2026-11-27 10:2x UTC, fp8_block, 2 rounds): 8 experts (mean expert GEMM 481 us by this
+# estimate) per-expert path 14.9 ms vs packed 19.3; 16 experts (94 us) packed 12.1 vs per-expert 23.4; 64 experts
+# (26 us) packed 12.8-18.7 vs per-expert 67.4: the threshold lies between 94 and 481
 PER_EXPERT_MIN_US = 200.0
 
 

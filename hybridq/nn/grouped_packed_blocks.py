@@ -46,10 +46,10 @@ def token_multiple(quantizers: dict[str, Quantizer], rowwise_grad: bool, columnw
 def packed_path_pays(kind, splits: list[int], in_features: int, out_features: int, device: torch.device) -> bool:
     """Whether the packed path is the faster choice for block formats at these host counts. Where the experts are
     long enough that the packed path would run one GEMM per expert anyway (CUDA: `grouped_blocks.
-    prefers_per_expert_gemms`), the per-expert path computes the same bits without the packing copy: measured on
-    one H200 (fp8_block, 8 experts x 4096 tokens, 4096 x 14336): per-expert path 1.10-1.16x bf16 `_grouped_mm`,
-    packed 0.87-0.91x (BENCHMARKS.md, 2026-11-27). Per-tensor FP8 (FP8_TENSOR) decides on its own (the jagged
-    path's rule)."""
+    prefers_per_expert_gemms`), the per-expert path computes the same bits with fewer launches of longer GEMMs:
+    measured on one H200 (fp8_block, 8 experts x 4096 tokens, 4096 x 14336): per-expert path 1.10-1.16x bf16
+    `_grouped_mm`, packed 0.87-0.91x (BENCHMARKS.md, 2026-11-27; bench_grouped's "(packed path forced)" rows).
+    Per-tensor FP8 (FP8_TENSOR) decides on its own (the jagged path's rule)."""
     if kind == FP8_TENSOR or device.type != "cuda":
         return True
     from ..kernels.grouped_blocks import prefers_per_expert_gemms
