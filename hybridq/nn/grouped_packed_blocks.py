@@ -2,8 +2,9 @@
 blocks, MXFP8 and hybrids of them: `Quantizer.local_scaling`) and NVFP4 with its hybrids, whose global amaxes are kept
 per expert (`Quantizer.packs_row_groups`). All experts' tokens are packed into one zero-padded buffer (`TokenLayout`)
 and quantized by ONE `Quantizer.quantize_groups` call (rowwise, plus columnwise when wgrad needs it), the gradient
-likewise in backward, the weight `[E*N, K]` in one call; each expert's GEMMs then run on its row slice of the
-quantized parts (`BlockScaledPart.row_slice(..., group=e)`, which also picks the expert's global amax), one
+likewise in backward -- on CUDA, FP8 1x128 / MXFP8 1x32 blocks go straight from the token rows into the slots, the
+same bytes without the packing copy (`quantize_slots`, hybridq/kernels/grouped_slots.py) -- the weight `[E*N, K]`
+in one call; each expert's GEMMs then run on its row slice of the quantized parts (`BlockScaledPart.row_slice(..., group=e)`, which also picks the expert's global amax), one
 `hybridq.gemm.gemm` per expert (Hopper has no grouped block-scaled GEMM).
 
 Numbers: bitwise the per-expert path. Each expert's slot in the packed buffer is its per-expert zero-padded token
