@@ -4,8 +4,9 @@ per expert (`Quantizer.packs_row_groups`). All experts' tokens are packed into o
 and quantized by ONE `Quantizer.quantize_groups` call (rowwise, plus columnwise when wgrad needs it), the gradient
 likewise in backward -- on CUDA, FP8 1x128 / MXFP8 1x32 blocks go straight from the token rows into the slots, the
 same bytes without the packing copy (`quantize_slots`, hybridq/kernels/grouped_slots.py) -- the weight `[E*N, K]`
-in one call; each expert's GEMMs then run on its row slice of the quantized parts (`BlockScaledPart.row_slice(..., group=e)`, which also picks the expert's global amax), one
-`hybridq.gemm.gemm` per expert (Hopper has no grouped block-scaled GEMM).
+in one call; each expert's GEMMs then run on its row slice of the quantized parts (`BlockScaledPart.row_slice(...,
+group=e)`, which also picks the expert's global amax), one `hybridq.gemm.gemm` per expert, or one grouped GEMM per
+phase where `grouped_blocks` / `grouped_emulated` take the operands.
 
 Numbers: bitwise the per-expert path. Each expert's slot in the packed buffer is its per-expert zero-padded token
 count rounded up to whole scaling blocks along the tokens (`token_multiple`, from the quantizers'
