@@ -9,6 +9,7 @@ steps done, loss gap vs bf16, and the exact command that reproduces each row.
     python benchmarks/e2e_report.py --device cpu --tiny  # CPU smoke test (2 gloo processes, tiny model)
     python benchmarks/e2e_report.py --compile            # every recipe eager and with train.py --compile, side by side
                                                          # (compiled presets with both --weight-gather modes)
+    python benchmarks/e2e_report.py --compile --compiled-only --recipes bf16,fp8_tensorwise  # the compiled rows only
     python benchmarks/e2e_report.py --parity             # loss parity: ~127M model, 600 steps, every curve in parity.png
     python benchmarks/e2e_report.py --parity --reuse-finished --recipes bf16,nvfp4  # add runs to an earlier report
     python benchmarks/e2e_report.py --parity --no-baseline --recipes nvfp4           # one run, no bf16 (combine later)
