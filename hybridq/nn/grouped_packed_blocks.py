@@ -189,7 +189,8 @@ class PackedBlockExperts(torch.autograd.Function):
             return x.new_empty(0, n)
         _check_slots(layout, quantizers)
         # (stochastic rounding: the per-expert forward quantizes the experts' inputs first to last)
-        xq = quantize_slots(quantizers["input"], x, layout, rowwise=True, columnwise=need_wgrad, name=f"input of {name}")
+        xq = quantize_slots(quantizers["input"], x, layout, rowwise=True, columnwise=need_wgrad,
+                            name=f"input of {name}")
         wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
         x_row = xq.part(ROWWISE)
         y = _grouped_mm(x_row, wq, e, ROWWISE, layout, x.dtype)
