@@ -53,9 +53,11 @@ def _identity(t):
 
 
 class Block(nn.Module):
-    """x + proj(experts(x)) on the tokens sorted by expert: routed top-2 in the block (a high-precision router,
-    counts as a device tensor, as launch/model.py's MoE), or (`routed=False`) on the given counts. `proj` is a
-    GroupedLinear itself; the experts an expert module apply_hybrid_fsdp converts."""
+    """proj(experts(x)) on the tokens sorted by expert: routed top-2 in the block (a high-precision router, counts
+    as a device tensor, as launch/model.py's MoE) plus the residual, or (`routed=False`) on the given counts, no
+    residual: then no tensor's gradient sums more than two terms (Inductor adds three bf16 terms in fp32 and rounds
+    once, eager after each add: FP8's rounding of the next gradient magnifies that). `proj` is a GroupedLinear
+    itself; the experts an expert module apply_hybrid_fsdp converts."""
 
     def __init__(self, routed: bool, act):
         super().__init__()
@@ -66,7 +68,7 @@ class Block(nn.Module):
 
     def forward(self, x, m_splits=None):
         if not self.routed:
-            return x + self.proj(self.experts(x, m_splits), m_splits)
+            return self.proj(self.experts(x, m_splits), m_splits)
         flat = x.reshape(-1, D)
         top_p, top_e = (flat @ self.router.t()).float().softmax(-1).topk(TOP_K, dim=-1)
         flat_e = top_e.reshape(-1)

@@ -92,17 +92,21 @@ def test_experts_in_graph_is_false_with_an_option_the_ops_do_not_take():
     assert not experts_in_graph(layer), "save_original_input runs eagerly: the module is not all in the graph"
 
 
-@pytest.mark.gpu
-def test_compiled_experts_with_gathered_fp8_under_inductor_on_cuda():
-    """On an H100/H200 (the CUDA jagged kernels, Triton grouped GEMMs) under Inductor, NCCL world 1, bf16 weights
-    gathered as FP8, counts on the device: bitwise eager (no element-wise op between the products but the product of
-    w1 and w3)."""
+def _cuda_jagged() -> bool:
     from hybridq.gemm import jagged_fp8_kernels
     q = hq.GroupedLinear(1, 64, 64, recipe="fp8_tensorwise").expert_quantizers[0]
-    if not nccl_devices(1) or jagged_fp8_kernels(torch.device("cuda"), 64, 96, q) is None:
-        pytest.skip("needs a CUDA device with the jagged kernels (sm_90, Triton, the built extension) and NCCL")
-    out = spawn(job_several, 1, "nccl", jobs={"inductor": (jobs.compiled_experts_match_eager, {
+    return nccl_devices(1) and jagged_fp8_kernels(torch.device("cuda"), 64, 96, q) is not None
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not _cuda_jagged(), reason="needs a CUDA device with the jagged kernels (sm_90, Triton, the built extension) "
+                               "and NCCL")])])
+def test_compiled_experts_with_gathered_fp8_under_inductor(backend):
+    """Inductor around the ops, bf16 weights gathered as FP8, world 1: on the CPU (the reference kernels) and on an
+    H100/H200 (NCCL; the CUDA jagged kernels, Triton grouped GEMMs, counts on the device): bitwise eager. (A block
+    without residual: Inductor sums three bf16 gradient terms with one rounding, eager with two.)"""
+    out = spawn(job_several, 1, backend, jobs={"inductor": (jobs.compiled_experts_match_eager, {
         "cases": ["fp8_tensorwise"], "compiler": "inductor", "routed": False, "dtype": "bfloat16"})})
     for r in out[0]["inductor"].values():  # (Inductor's input is dynamo's graph: the layer's op on the weight)
         assert r["ops"].get("grouped_linear_forward", 0) >= PRODUCTS, f"the grouped ops not in the graph: {r['ops']}"
-        assert not r["diffs"], "cuda, inductor: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
+        assert not r["diffs"], f"{backend}, inductor: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
