@@ -121,7 +121,17 @@ def cases(dim: int, device: torch.device) -> list:
     if device.type == "cuda":
         from hybridq.kernels import extension_available
         if extension_available():
+            w = torch.randn(dim, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+            e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+            def one_op():  # the Linear's op alone (fp8_tensorwise's casts), without the module's Python around it
+                ops.fp8_linear(xg, w, None, None, None, None, None, e4, 0.0, False, e4, 0.0, False, e5, 0.0, False,
+                               True, True, False, True).backward(dy)
+                xg.grad = w.grad = None
+
+            ops = torch.ops.hybridq
             out += [
+                ("op fp8_linear fwd+bwd (no module)", one_op),
                 # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),

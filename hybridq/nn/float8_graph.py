@@ -16,7 +16,9 @@ path (linear_function.py) builds quantized tensors, looks kernels and GEMMs up i
 every call, ~0.8 ms of host time per forward + backward on a GPU; this one is the few op calls themselves. It takes
 a call only where the general path would run exactly these kernels and GEMMs (see `eager_float8_linear`), and
 keeps what that path does around them: the quantized input shared by layers reading one tensor, the max|x| a norm
-handed over, the shape errors (by declining: the general path raises them).
+handed over, the shape errors (by declining: the general path raises them). A per-tensor layer on CUDA goes one step
+further (`_one_op`): the whole call is the extension's op `hybridq::fp8_linear` (csrc/linear_fp8.cpp), the same
+kernels and GEMMs with a C++ autograd node, so Python issues one op per forward and none in backward.
 
 The results are bitwise those of the eager layer: the same kernels (or, on the CPU, the same reference ops) with the
 same arguments, the same GEMMs, the same saved directions. Where the eager layer would take another path -- no
