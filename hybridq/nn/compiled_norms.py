@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..formats.base import is_dtensor
 from ..kernels import _ext
+from .norm_reference import layer_norm_reference, rms_norm_reference
 
 __all__ = ["KERNEL_DTYPES", "compiled_norm", "compiled_swiglu", "norm_kernel_grads", "norm_kernels", "op_takes",
            "swiglu_kernels"]
@@ -106,8 +107,6 @@ def _amax(y: torch.Tensor) -> torch.Tensor:
 # ---- the norms -----------------------------------------------------------------------------------------------
 
 def _norm_reference(x, weight, bias, eps: float, centered: bool) -> torch.Tensor:
-    from .layer_norm import layer_norm_reference  # (those modules call these ops: imported when first run)
-    from .norm import rms_norm_reference
     return layer_norm_reference(x, weight, bias, eps) if centered else rms_norm_reference(x, weight, eps)
 
 

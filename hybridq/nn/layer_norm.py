@@ -16,21 +16,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .fused_input import NormReaders
+from .norm_reference import layer_norm_reference
 from .norm import adopt, is_candidate, normalize, protocol_mismatch
-
-
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         eps: float) -> torch.Tensor:
-    """The contract: torch's layer_norm over the last dimension (fp32 computation, one rounding to x's dtype)."""
-    if x.is_cuda and any(p is not None and p.dtype != x.dtype for p in (weight, bias)):
-        # torch's CUDA layer_norm refuses parameters of another dtype than x (its CPU one computes in fp32): the
-        # same contract, spelled out
-        up = lambda t: None if t is None else t.float()  # noqa: E731
-        return F.layer_norm(up(x), x.shape[-1:], up(weight), up(bias), eps).to(x.dtype)
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5,

@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..formats.base import is_dtensor
 from .compiled_norms import compiled_norm, norm_kernel_grads, norm_kernels, op_takes
 from .fused_input import NormReaders, produce
+from .norm_reference import rms_norm_reference
 
 
 def _eps_for(x: torch.Tensor, eps: float | None) -> float:
@@ -32,15 +33,6 @@ def _eps_for(x: torch.Tensor, eps: float | None) -> float:
     if eps is not None:
         return float(eps)
     return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The contract, in PyTorch operations (torch's rms_norm decomposition)."""
-    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight
-    return y.to(x.dtype)
 
 
 class _NormFunction(torch.autograd.Function):
