@@ -9,6 +9,7 @@ import torch
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..nn.weight_handle import HandledWeight, handle_ops
 from ..tensor import QuantizedTensor
+from ..torch_private import current_stream
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, HighPrecisionSource
 from .payload import DIRECTIONS, HIGH_PRECISION
 from .plan import GatherPlan
@@ -160,7 +161,7 @@ def received(gathered: torch.Tensor, metas) -> dict:
         # the next weight's pre-all-gather (copy-in stream) while this stream's reads are still queued.
         # (once per storage: the experts' scales of a batched gather are views of one tensor, and record_stream
         # marks the whole block)
-        stream = torch.cuda.current_stream(gathered.device)
+        stream = current_stream(gathered.device)
         for t in {t.untyped_storage().data_ptr(): t for t in replicated if t.is_cuda}.values():
             t.record_stream(stream)
     # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)

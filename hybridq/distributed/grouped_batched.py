@@ -21,6 +21,7 @@ from ..formats.base import COLUMNWISE, ROWWISE
 from ..formats.float8 import aligned_scales
 from ..formats.float8_groups import (derive_columnwise_groups, equal_groups_apply, group_amax, group_parts,
                                      quantize_equal_groups, scale_inv_from_amax, transpose_groups)
+from ..torch_private import current_stream
 from .layout import ExpertLayout
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload
 from .plan import GatherPlan
@@ -141,7 +142,7 @@ def fill_stacked(st, stacked: StackedGather, gathered: torch.Tensor, slot: int, 
     st.alloc_slabs(plan.materialize)  # (FSDP2 allocated them already, except where it reuses nothing)
     scale = stacked.scale_inv
     if scale.is_cuda:  # made on FSDP2's all-gather copy-in stream, read here (see gathered.received)
-        scale.record_stream(torch.cuda.current_stream(scale.device))
+        scale.record_stream(current_stream(scale.device))
     for d, (_, v) in zip(dirs, views):
         if d == ROWWISE:
             v["data"].copy_(rows)

@@ -32,6 +32,7 @@ from ..formats.base import Quantizer
 from ..formats.float8 import Float8TensorPart
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from ..kernels.native_gemm import FAST_ACCUM_FPROP
+from ..torch_private import current_raw_stream
 from ..weight_forms import GroupedGatheredForm
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -60,7 +61,7 @@ class TokenGroups:
         (the same tensor, unmodified, or equal host counts), tokens, device and stream are the same."""
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return cls._build(m_splits, tokens, device, name)  # (traced or captured: the graph holds its own)
-        key = (tokens, device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+        key = (tokens, device, current_raw_stream(device) if device.type == "cuda" else None)
         last = _LAST_BUILT[0]
         if last is not None and last[1] == key and (
                 last[0] is m_splits and last[2] == m_splits._version if isinstance(m_splits, torch.Tensor)

@@ -93,7 +93,7 @@ class OpCounter(TorchDispatchMode):
     def __enter__(self):
         from hybridq.distributed import state, transport, weights
 
-        self._wrap(weights.HybridWeight, "fsdp_pre_all_gather", "pre_all_gather")
+        self._wrap(weights.HybridWeight, "_pre_hook", "pre_all_gather")  # (what fsdp_pre_all_gather calls)
         self._wrap(weights.HybridWeight, "fsdp_post_all_gather", "post_all_gather")
         # the once-per-layout check of the shards' sharding rules (meta tensors: no kernel) is its own phase
         self._wrap(weights, "check_shard_layout", "layout_check")
