@@ -245,3 +245,18 @@ def test_bytes_per_step_table(summary_table):
     for preset in ("fp8_tensorwise", "fp8_block"):
         q = hybridq.recipe(preset).quantizer(hybridq.Role("linear", "weight"))
         assert gather_bytes_per_step(q, (50257, 4096), 2).ratio == pytest.approx(0.5, abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+def test_pre_all_gather_hook_signature_is_not_rebuilt_per_call(kind):
+    """FSDP2 calls inspect.signature on the weight's fsdp_pre_all_gather at every all-gather: the hook carries its
+    five-parameter signature (one object for every call, nothing built per unshard; a bound method would build a
+    new Signature each time)."""
+    import inspect
+
+    from hybridq.distributed import GroupedHybridWeight
+
+    w = HybridWeight(torch.zeros(8, 4)) if kind == "linear" else GroupedHybridWeight(torch.zeros(2, 8, 4))
+    first, second = inspect.signature(w.fsdp_pre_all_gather), inspect.signature(w.fsdp_pre_all_gather)
+    assert list(first.parameters) == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"], first
+    assert first is second, "inspect.signature built a new Signature for the second call"
