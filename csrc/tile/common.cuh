@@ -226,11 +226,25 @@ __device__ __forceinline__ void smem_load_col_pair(const T* ts, int r0, int c0, 
 }
 
 // FP8 byte tile: the row phase's fp8 output kept in shared memory when the columnwise part is its exact transpose
-// (one scale for both directions). Word q (4 bytes) of tile row r sits at word q ^ (4 * ((r >> 4) & 7)) of that
-// row: the column phase's reads (a warp = 8 strips of 16 rows x 4 word columns) then hit 32 distinct banks, and
-// the row phase's 16-byte groups of 4 words stay contiguous.
+// (one scale for both directions). Word q (4 bytes) of tile row r sits at word q ^ (4 * (((r >> 4) ^ r) & 7)) of
+// that row: the column phase's reads (a warp = 8 strips of 16 rows x 4 word columns) hit 32 distinct banks, the row
+// phase's 16-byte groups of 4 words stay contiguous, and its 16-byte stores (8 lanes = 2 adjacent rows x 4 quarters)
+// fill all 8 bank groups: the (r & 1) term separates the two rows (without it: 2-way conflicts, 8 wavefronts per
+// warp store instead of 4, Nsight 2026-11-27).
 __device__ __forceinline__ int byte_tile_word(int r, int q) {
-  return r * (tile::TK / 4) + (q ^ (((r >> 4) & 7) << 2));
+  return r * (tile::TK / 4) + (q ^ ((((r >> 4) ^ r) & 7) << 2));
+}
+
+// Staged columnwise output: [TK] rows of CB bytes (rows of the transposed tile), as 16-byte chunks. Chunk j of row c
+// sits at chunk index L ^ ((c >> 1) & 7) inside its 128-byte line (L = c * CB / 16 + j; a line holds 128 / CB whole
+// rows, which share the XOR): the column phase's 16-byte stores (8 lanes = 8 columns 2 apart, one chunk each) fill
+// all 8 bank groups, and the copy-out's reads (8 lanes = one 128-byte line) do too. (A row pitch of CB + 16 bytes
+// left the stores 2-way conflicted, Nsight 2026-11-27.)
+template <int CB>
+__device__ __forceinline__ int stage_chunk(int c, int j) {
+  static_assert(CB == 64 || CB == 128, "staged rows of 64 (fp4) or 128 (fp8) bytes");
+  const int L = c * (CB / 16) + j;
+  return (L & ~7) | ((L & 7) ^ ((c >> 1) & 7));
 }
 
 // Rows 4u .. 4u + 3 (one word each: 4 consecutive columns) -> columns 0 .. 3 (one word each: the 4 rows)
@@ -265,7 +279,19 @@ __device__ __forceinline__ void load_tile(T* ts, const T* x, int64_t M, int64_t 
                                           int tid) {
   using namespace tile;
   constexpr int CH = 16 / static_cast<int>(sizeof(T));
-  if (vec) {
+  constexpr int CPR = TK / CH;     // 16-byte chunks per tile row
+  constexpr int RSTEP = NT / CPR;  // tile rows per pass of the CTA
+  if (vec && m0 + TM <= M && k0 + TK <= K) {
+    // whole tile: a thread's chunks are RSTEP rows apart, so one source pointer and one tile offset advance by
+    // constants (the general loop below spends ~30 instructions of 64-bit index math per 16-byte copy); RSTEP is
+    // even, so the chunk's swizzle (row parity) is the same in every pass
+    static_assert(NT % CPR == 0 && RSTEP % 2 == 0 && TM % RSTEP == 0, "whole passes of even row steps");
+    const int r0 = tid / CPR, c = (tid % CPR) * CH;
+    const T* src = x + (m0 + r0) * K + k0 + c;
+    T* dst = ts + tile_off<T>(r0, c);
+#pragma unroll
+    for (int p = 0; p < TM / RSTEP; ++p) cp_async16(dst + p * RSTEP * TK, src + p * RSTEP * K, 16);
+  } else if (vec) {
 #pragma unroll 4
     for (int i = tid; i < TM * TK / CH; i += NT) {
       const int r = i / (TK / CH), c = (i % (TK / CH)) * CH;

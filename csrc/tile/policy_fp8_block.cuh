@@ -27,6 +27,7 @@ struct Fp8BlockPolicy {
   static constexpr bool kColFromRow = TWO_D;
   static constexpr bool kColChunkAmax = !TWO_D;  // a 128-row column block spans the tile's 4 column chunks
   static constexpr bool kColScalesInTranspose = false;  // the tile's scale is written once (tile_scales)
+  static constexpr bool kColScalesStaged = false;
   static constexpr bool kRecordsAmax = false;
 
   using Args = Fp8BlockArgs;

@@ -22,6 +22,7 @@ struct Fp8RowwisePolicy {
   static constexpr bool kColFromRow = false;  // each direction has its own scales
   static constexpr bool kColChunkAmax = false;
   static constexpr bool kColScalesInTranspose = false;
+  static constexpr bool kColScalesStaged = false;
   static constexpr bool kRecordsAmax = false;
 
   using Args = Fp8RowwiseArgs;

@@ -34,6 +34,7 @@ struct Fp8TensorPolicy {
   static constexpr bool kColFromRow = true;  // one scale for both directions
   static constexpr bool kColChunkAmax = false;
   static constexpr bool kColScalesInTranspose = false;
+  static constexpr bool kColScalesStaged = false;
   static constexpr bool kRecordsAmax = true;  // max|x| of the cast for delayed scaling (a.amax_out)
 
   using Args = Fp8TensorArgs;

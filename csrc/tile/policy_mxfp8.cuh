@@ -7,15 +7,19 @@
 
 namespace hybridq {
 
-// MXFP8 scale byte at (r, c) of a [rows, cols] scale matrix, compact or GEMM-swizzled (128x4 tiles)
+// Address of the MXFP8 scale byte at (r, c) of a [rows, cols] scale matrix, compact or GEMM-swizzled (128x4 tiles:
+// bytes c .. c + 3 of row r are adjacent there when c % 4 == 0)
+__device__ __forceinline__ uint8_t* mx_scale_ptr(void* s, int64_t r, int64_t c, int64_t cols, bool swizzle,
+                                                 int64_t cols_pad) {
+  uint8_t* p = static_cast<uint8_t*>(s);
+  if (swizzle)
+    return p + ((r >> 7) * (cols_pad >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3);
+  return p + r * cols + c;
+}
+
 __device__ __forceinline__ void write_mx_scale(void* s, int64_t r, int64_t c, int64_t cols, bool swizzle,
                                                int64_t cols_pad, uint8_t e) {
-  uint8_t* p = static_cast<uint8_t*>(s);
-  if (swizzle) {
-    p[((r >> 7) * (cols_pad >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)] = e;
-  } else {
-    p[r * cols + c] = e;
-  }
+  *mx_scale_ptr(s, r, c, cols, swizzle, cols_pad) = e;
 }
 
 // Whether a block (or 32x32 tile: a task inside it then takes the exact path, which is right for every element)
@@ -46,10 +50,13 @@ struct Mxfp8Policy {
   static constexpr bool kColFromRow = TWO_D;
   static constexpr bool kColChunkAmax = false;  // a 32x1 block is one column task
   static constexpr bool kColScalesInTranspose = TWO_D;
+  static constexpr bool kColScalesStaged = true;  // a tile column's 4 scale bytes: one 32-bit store
   static constexpr bool kRecordsAmax = false;
 
   using Args = Mxfp8Args;
-  struct Shared {};
+  struct Shared {
+    alignas(16) uint8_t col_sc[tile::TK][tile::TM / 32];  // columnwise scale bytes of the tile (column phase)
+  };
   struct Ctx {
     float rcp_max;  // multiply by the rounded reciprocal of fp8_max, not a division
     bool e5m2;
@@ -75,18 +82,34 @@ struct Mxfp8Policy {
     encode_fp8(xv, mult, c.e5m2, block_nonfinite(bam), w);
   }
 
+  // the block's scale byte is staged (store_col_scales writes it)
   template <typename T>
-  static __device__ __forceinline__ void col(Ctx& c, const Shared&, const Args& a, const uint32_t* tile_amax,
-                                             const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
-                                             int ch, int64_t gk, int64_t gm0, int nvalid,
-                                             uint32_t (&w)[tile::CV / 4]) {
+  static __device__ __forceinline__ void col(Ctx& c, Shared& sh, const Args&, const uint32_t* tile_amax,
+                                             const uint32_t*, const TilePos&, const float (&xv)[tile::CV], int col,
+                                             int ch, int64_t, int64_t, int, uint32_t (&w)[tile::CV / 4]) {
     uint32_t bam;
     if constexpr (TWO_D) bam = tile_amax[ch * (tile::TK / 32) + col / 32];
     else bam = absmax_n(xv);
     const uint8_t e = e8m0_round_up(u2f(bam) * c.rcp_max);
     const float mult = e8m0_pow2(e, true);
-    if (nvalid > 0) write_mx_scale(a.col_s, gk, gm0 / 32, p.M / 32, a.swizzle, a.col_s_cols_pad, e);
+    sh.col_sc[col][ch] = e;
     encode_fp8(xv, mult, c.e5m2, block_nonfinite(bam), w);
+  }
+
+  // the staged scale bytes of tile column col (blocks of rows m0 + 32 j, those inside the tensor)
+  static __device__ __forceinline__ void store_col_scales(const Ctx&, const Shared& sh, const Args& a, const TilePos& p,
+                                                          int col) {
+    constexpr int NB = tile::TM / 32;
+    const int64_t gk = p.k0 + col;
+    if (gk >= p.K) return;
+    const int nb = static_cast<int>(min64(NB, (p.M - p.m0 + 31) / 32));
+    uint8_t* dst = mx_scale_ptr(a.col_s, gk, p.m0 / 32, p.M / 32, a.swizzle, a.col_s_cols_pad);
+    if (nb == NB && (reinterpret_cast<uintptr_t>(dst) & 3) == 0) {  // (swizzled: always; compact: M % 128 == 0)
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(sh.col_sc[col]);
+      return;
+    }
+    for (int j = 0; j < nb; ++j)
+      write_mx_scale(a.col_s, gk, p.m0 / 32 + j, p.M / 32, a.swizzle, a.col_s_cols_pad, sh.col_sc[col][j]);
   }
 
   // 32x32 tiles, byte-transpose path: the scale of the block of tile rows r .. r + 31 of tile column col

@@ -87,13 +87,15 @@ struct Nvfp4Policy {
   static constexpr bool kColFromRow = false;  // the transpose of packed nibbles is not a byte transpose
   static constexpr bool kColChunkAmax = false;
   static constexpr bool kColScalesInTranspose = false;
+  static constexpr bool kColScalesStaged = true;  // a tile column's 8 scale bytes: one 64-bit store
   static constexpr bool kRecordsAmax = false;
 
   using Args = Nvfp4Args;
   struct Shared {
     // the element multiplier of every E4M3 scale byte under the rowwise [0] / columnwise [1] global scale,
     // computed once per CTA with nvfp4_elem_mult: a table lookup instead of two IEEE divisions per block
-    float enc_tab[2][256];
+    alignas(16) float enc_tab[2][256];
+    alignas(16) uint8_t col_sc[tile::TK][tile::TM / 16];  // columnwise scale bytes of the tile (column phase)
   };
   struct Ctx {
     float s_enc_row, s_enc_col;
@@ -148,6 +150,7 @@ struct Nvfp4Policy {
     const bool grouped = a.row_group != nullptr;
     Nvfp4Group grp{c.s_enc_row, c.offset, 0, p.M};
     if (grouped) grp = nvfp4_group_of(a, a.amax_row, row_in ? gm : 0, c.offset);
+    uint8_t scb[2];
 #pragma unroll
     for (int q = 0; q < 4; ++q) w[q] = 0u;
 #pragma unroll
@@ -160,7 +163,7 @@ struct Nvfp4Policy {
       else tam = absmax_n(g);
       const uint8_t sc = nvfp4_block_scale(u2f(tam), grp.s_enc);
       const float enc = grouped ? nvfp4_elem_mult(sc, grp.s_enc) : sh.enc_tab[0][sc];
-      if (16 * b < nvalid) static_cast<uint8_t*>(a.row_s)[gm * (K / 16) + gk / 16 + b] = sc;
+      scb[b] = sc;
       float u[16];
       if constexpr (SR) {
         // K % 16 == 0: idx % 16 == 0
@@ -175,13 +178,22 @@ struct Nvfp4Policy {
       }
       encode16(g, enc, u, tam, w[2 * b], w[2 * b + 1]);
     }
+    // the two scale bytes: one 16-bit store where aligned (K % 32 == 0: gk / 16 is even)
+    uint8_t* rs = static_cast<uint8_t*>(a.row_s) + gm * (K / 16) + gk / 16;
+    if (nvalid >= 32 && (reinterpret_cast<uintptr_t>(rs) & 1) == 0) {
+      *reinterpret_cast<uint16_t*>(rs) = static_cast<uint16_t>(scb[0] | (scb[1] << 8));
+    } else {
+      if (nvalid > 0) rs[0] = scb[0];
+      if (nvalid > 16) rs[1] = scb[1];
+    }
   }
 
-  // two blocks of 16 rows of one column; 1-D: through the RHT when a.rht
+  // two blocks of 16 rows of one column; 1-D: through the RHT when a.rht. The scale bytes are staged
+  // (store_col_scales writes them).
   template <typename T>
-  static __device__ __forceinline__ void col(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
+  static __device__ __forceinline__ void col(Ctx& c, Shared& sh, const Args& a, const uint32_t* tile_amax,
                                              const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
-                                             int ch, int64_t gk, int64_t gm0, int nvalid,
+                                             int ch, int64_t gk, int64_t gm0, int,
                                              uint32_t (&w)[tile::CV / 8]) {
     using tile::CV;
     using tile::TK;
@@ -216,7 +228,7 @@ struct Nvfp4Policy {
       }
       const uint8_t s = nvfp4_block_scale(u2f(bam), grp.s_enc);
       const float enc = grouped ? nvfp4_elem_mult(s, grp.s_enc) : sh.enc_tab[tab][s];
-      if (16 * b < nvalid) static_cast<uint8_t*>(a.col_s)[gk * (M / 16) + gm0 / 16 + b] = s;
+      sh.col_sc[col][2 * ch + b] = s;
       float u[16];
       if constexpr (SR) {
         if constexpr (TWO_D) {  // the same draw as the rowwise element (m, k): columnwise = transpose
@@ -242,6 +254,21 @@ struct Nvfp4Policy {
       }
       encode16(g, enc, u, bam, w[2 * b], w[2 * b + 1]);
     }
+  }
+
+  // the staged scale bytes of tile column col (blocks of rows m0 + 16 j, those inside the tensor; M % 16 == 0)
+  static __device__ __forceinline__ void store_col_scales(const Ctx&, const Shared& sh, const Args& a, const TilePos& p,
+                                                          int col) {
+    constexpr int NB = tile::TM / 16;
+    const int64_t gk = p.k0 + col;
+    if (gk >= p.K) return;
+    const int nb = static_cast<int>(min64(NB, (p.M - p.m0) / 16));
+    uint8_t* dst = static_cast<uint8_t*>(a.col_s) + gk * (p.M / 16) + p.m0 / 16;
+    if (nb == NB && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {  // (M % 128 == 0)
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(sh.col_sc[col]);
+      return;
+    }
+    for (int j = 0; j < nb; ++j) dst[j] = sh.col_sc[col][j];
   }
 
   static __device__ __forceinline__ void transposed_col_scale(const Ctx&, const Args&, const uint32_t*,

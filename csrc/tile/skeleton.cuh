@@ -22,11 +22,14 @@
 // Policy interface (see policy_fp8_tensor.cuh for the simplest one):
 //   traits   kBlock (elements per block along a direction; 1 = one per-tensor scale), kTwoD (kBlock x kBlock
 //            tiles, one scale per tile), kStochastic, kElemsPerByte (1: fp8, 2: packed fp4), kColFromRow,
-//            kColChunkAmax, kColScalesInTranspose, kRecordsAmax
+//            kColChunkAmax, kColScalesInTranspose, kColScalesStaged, kRecordsAmax
 //   types    Args (the kernel's argument: TileArgs, csrc/hybridq.h, plus the format's own fields; with
 //            kRecordsAmax a `uint32_t* amax_out`), Shared (the policy's shared memory), Ctx (per-CTA values)
 //   init(a, sh, tid, nt) -> Ctx; tile_scales(ctx, a, tile_amax, pos) (after the 2-D pre-phase, thread 0);
-//   row<T>(...) and col<T>(...) (one task -> packed words, scales written); transposed_col_scale(...);
+//   row<T>(...) and col<T>(...) (one task -> packed words, scales written; with kColScalesStaged col() leaves its
+//   scale bytes in its Shared and store_col_scales(ctx, sh, a, pos, c) writes a tile column's after the column
+//   phase: one wide store per output row instead of a byte per block into 32 different rows per warp store);
+//   transposed_col_scale(...);
 //   the skeleton reduces ctx.my_amax into a.amax_out when kRecordsAmax.
 // The same policy dequantizes (csrc/tile/dequantize.cuh: DequantArgs, dequant_init, dequant16).
 //
@@ -74,14 +77,14 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   constexpr int COL_PAIR_TASKS = NPAIR * (TM / CV);
   static_assert(!P::kColFromRow || EPB == 1, "the byte-transpose column phase needs one element per byte");
   __shared__ uint32_t s_tile_amax[NTILE2D];
-  __shared__ uint32_t s_part[P::kColChunkAmax ? (TM / CV) * TK : 1];  // [chunk][column] amax (kColChunkAmax)
+  // [chunk][column] amax (kColChunkAmax)
+  __shared__ __align__(16) uint32_t s_part[P::kColChunkAmax ? (TM / CV) * TK : 1];
   __shared__ uint32_t s_red[NT / 32];
   __shared__ typename P::Shared s_pol;
 
   // columnwise output staged in shared memory ([TK] rows of the transposed tile), then written as
   // contiguous row segments: direct 16-byte stores at an M-byte stride serialize on the memory partitions
-  constexpr int CB = TM / EPB;         // bytes per staged row
-  constexpr int SO_STRIDE = CB + 16;   // padded: fewer bank conflicts
+  constexpr int CB = TM / EPB;  // bytes per staged row (chunks placed by stage_chunk)
   uint8_t* const so = smem_raw + static_cast<size_t>(STAGES) * TM * TK * sizeof(T);
 
   const int tid = threadIdx.x;
@@ -254,26 +257,45 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
       }
     } else if (a.columnwise) {
       // ---- columnwise part: each task is two adjacent columns x CV rows -----------------------------------
-      if constexpr (P::kColChunkAmax) {
-        for (int task = tid; task < COL_PAIR_TASKS; task += NT) {
-          const int c = 2 * (task % NPAIR), ch = task / NPAIR;
-          float xa[CV], xb[CV];
-          smem_load_col_pair(ts, ch * CV, c, xa, xb);
-          s_part[ch * TK + c] = absmax_n(xa);
-          s_part[ch * TK + c + 1] = absmax_n(xb);
-        }
-        __syncthreads();
-      }
-      for (int task = tid; task < COL_PAIR_TASKS; task += NT) {
+      // kColChunkAmax: each task leaves its two columns' chunk amaxes in s_part, and after one barrier every task
+      // has its whole block's; one task per thread (a loop over tasks could not hold a barrier), so the values stay
+      // in registers across it instead of being read from the tile twice
+      static_assert(!P::kColChunkAmax || COL_PAIR_TASKS <= NT, "the chunk-amax exchange needs one task per thread");
+      for (int task0 = 0; task0 < COL_PAIR_TASKS; task0 += NT) {
+        const int task = task0 + tid;
+        const bool has_task = COL_PAIR_TASKS % NT == 0 || task < COL_PAIR_TASKS;
         const int c0 = 2 * (task % NPAIR), ch = task / NPAIR;
         const int64_t gm0 = m0 + ch * CV;
         uint32_t wr[sizeof(T) == 4 ? 1 : CV];  // 16-bit inputs: the pair's words, one per row
         if constexpr (sizeof(T) != 4) {
-          const int off0 = tile_off<T>(ch * CV, c0), off1 = tile_off<T>(ch * CV + 1, c0) - TK;  // even / odd rows
+          if (has_task) {
+            const int off0 = tile_off<T>(ch * CV, c0), off1 = tile_off<T>(ch * CV + 1, c0) - TK;  // even / odd rows
 #pragma unroll
-          for (int i = 0; i < CV; ++i)
-            wr[i] = *reinterpret_cast<const uint32_t*>(ts + i * TK + ((i & 1) ? off1 : off0));
+            for (int i = 0; i < CV; ++i)
+              wr[i] = *reinterpret_cast<const uint32_t*>(ts + i * TK + ((i & 1) ? off1 : off0));
+          }
         }
+        if constexpr (P::kColChunkAmax) {
+          if (has_task) {
+            uint32_t am0 = 0, am1 = 0;
+            if constexpr (sizeof(T) == 4) {
+              float xa[CV], xb[CV];
+              smem_load_col_pair(ts, ch * CV, c0, xa, xb);
+              am0 = absmax_n(xa);
+              am1 = absmax_n(xb);
+            } else {
+#pragma unroll
+              for (int i = 0; i < CV; ++i) {
+                am0 = max(am0, abs_bits(half_bits_to_f32<T>(wr[i])));
+                am1 = max(am1, abs_bits(half_bits_to_f32<T>(wr[i] >> 16)));
+              }
+            }
+            // one 8-byte store per pair: consecutive lanes, consecutive words (no bank conflicts)
+            *reinterpret_cast<uint2*>(&s_part[ch * TK + c0]) = make_uint2(am0, am1);
+          }
+          __syncthreads();  // every chunk amax of the tile is in s_part
+        }
+        if (!has_task) continue;
 #pragma unroll 1
         for (int t = 0; t < 2; ++t) {
           const int c = c0 + t;
@@ -289,18 +311,23 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
           }
           uint32_t w[COL_WORDS];
           P::template col<T>(ctx, s_pol, a, s_tile_amax, s_part, pos, xv, c, ch, gk, gm0, nvalid, w);
-          uint4* dst = reinterpret_cast<uint4*>(so + c * SO_STRIDE + ch * (CV / EPB));
+          uint4* dst = reinterpret_cast<uint4*>(so);
 #pragma unroll
-          for (int q = 0; q < COL_WORDS / 4; ++q) dst[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+          for (int q = 0; q < COL_WORDS / 4; ++q)
+            dst[stage_chunk<CB>(c, ch * (COL_WORDS / 4) + q)] =
+                make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
         }
       }
       __syncthreads();
+      if constexpr (P::kColScalesStaged) {
+        for (int c = tid; c < TK; c += NT) P::store_col_scales(ctx, s_pol, a, pos, c);
+      }
       // the staged [TK][CB] bytes: each output row gets one contiguous segment of up to CB bytes
       const int64_t seg0 = m0 / EPB;
       for (int i = tid; i < TK * (CB / 16); i += NT) {
         const int c = i / (CB / 16), j = i % (CB / 16);
         const int64_t gk = k0 + c, off = seg0 + j * 16;
-        const uint4 v = *reinterpret_cast<const uint4*>(so + c * SO_STRIDE + j * 16);
+        const uint4 v = reinterpret_cast<const uint4*>(so)[stage_chunk<CB>(c, j)];
         if (full && col_vec16) {
           *reinterpret_cast<uint4*>(a.col_q + gk * col_pitch + off) = v;
           continue;
@@ -336,8 +363,7 @@ cudaError_t launch_tile_cfg(const typename P::Args& a, cudaStream_t stream) {
   const int64_t tiles = ((a.M + TM - 1) / TM) * ((a.K + TK - 1) / TK);
   if (tiles == 0) return cudaSuccess;
   constexpr int CB = TM / P::kElemsPerByte;
-  const size_t smem =
-      static_cast<size_t>(Cfg::STAGES) * TM * TK * sizeof(T) + static_cast<size_t>(TK) * (CB + 16);
+  const size_t smem = static_cast<size_t>(Cfg::STAGES) * TM * TK * sizeof(T) + static_cast<size_t>(TK) * CB;
   auto kern = quantize_tile_kernel<T, P, Cfg>;
   if (smem > 48 * 1024) {
     // once per device and instantiation (a driver call per launch otherwise)
