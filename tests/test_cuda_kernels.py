@@ -245,6 +245,20 @@ def test_mxfp8_swizzled_scales(block_2d, gen):
         assert_bitwise(cs2, swizzle_mx_scales(cs.cpu()), f"col scales swizzled {m}x{k}")
 
 
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "32x32"])
+def test_mxfp8_swizzled_columnwise_only(block_2d, gen):
+    """The columnwise part alone (32x32 tiles: the column phase, not the byte transpose) equals the one of a run with
+    both parts, in both scale layouts; whole and partial 128-row tiles (the tile's scale bytes are written together)."""
+    from hybridq.kernels.cuda_mxfp8 import mxfp8_quantize
+    for m, k in ((32, 32), (160, 96), (256, 1024), (96, 4128), (416, 224)):
+        x = rand_input(m, k, torch.bfloat16, gen).cuda()
+        for swizzle in (False, True):
+            _, _, col, cs = mxfp8_quantize(x, block_2d=block_2d, rowwise=True, columnwise=True, swizzle=swizzle)
+            _, _, col1, cs1 = mxfp8_quantize(x, block_2d=block_2d, rowwise=False, columnwise=True, swizzle=swizzle)
+            assert_bitwise(col1, col.cpu(), f"columnwise-only data {m}x{k} swizzle={swizzle}")
+            assert_bitwise(cs1, cs.cpu(), f"columnwise-only scales {m}x{k} swizzle={swizzle}")
+
+
 # ---- NVFP4 -----------------------------------------------------------------------------------------------------
 
 NV_SHAPES = [(16, 16), (48, 80), (272, 144), (1040, 528), (128, 4096)]
