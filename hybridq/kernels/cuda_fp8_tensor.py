@@ -27,6 +27,7 @@ import torch
 from ..dispatch import KernelImpl, register_dequantize, register_quantize, register_row_groups
 from ..enums import Scaling
 from ..formats import Float8Quantizer, Float8TensorPart
+from ..torch_private import current_raw_stream
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
 
@@ -96,7 +97,7 @@ _ROW_GROUPS: dict = {}
 def _row_group(sizes, x: torch.Tensor) -> torch.Tensor:
     """Each row's group (int32 `[rows]`), made once per sizes, device and stream (the experts of a weight are the same
     groups at every unshard: no host-to-device copy and no launches per call)."""
-    key = (tuple(sizes), x.device, torch.cuda.current_stream(x.device).cuda_stream)
+    key = (tuple(sizes), x.device, current_raw_stream(x.device))
     hit = _ROW_GROUPS.get(key)
     if hit is None:
         if len(_ROW_GROUPS) >= 64:
