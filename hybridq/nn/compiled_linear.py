@@ -44,6 +44,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
+from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, graph_spec
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
 from .weight_handle import bound_args, handled_weight, redirect, weight_handle, weight_of
@@ -59,10 +60,14 @@ __all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_hand
 _CONTENT: dict[str, str] = {}  # content -> key
 _LAYERS: dict[str, tuple] = {}  # key -> (name of the first layer, quantizers, save_original_input)
 _CONFIGS: dict[tuple, _LinearConfig] = {}  # (key, backward override) -> the config the ops run with
+# key -> the float8_graph spec of a configuration its fast path runs on a gathered weight (per-tensor FP8 with
+# current scaling, no backward override), else None
+_FAST_SPECS: dict[str, Float8GraphSpec | None] = {}
 _PROCESS = uuid.uuid4().hex[:12]
 # how the saved tensors of a forward call rebuild into quantized operands, by (config, grads needed, shapes,
-# dtype): a pure function of those, recorded by the forward op for the backward op
-_LAYOUTS: "OrderedDict[tuple, list]" = OrderedDict()
+# dtype): a pure function of those, recorded by the forward op for the backward op; with it, whether the forward
+# ran float8_graph's fast path (then backward tries it too; either path reads the same saved tensors)
+_LAYOUTS: "OrderedDict[tuple, tuple[list, bool]]" = OrderedDict()
 _MAX_LAYOUTS = 4096
 # layout entries of a saved operand that is not a quantized tensor: absent, or the op's own input or weight (an
 # op cannot return its inputs; the backward op takes them)
@@ -123,7 +128,18 @@ def _layout_key(key: str, override: str | None, need_dgrad: bool, need_wgrad: bo
     return (key, override, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype, handled)
 
 
-def _record_layout(lkey: tuple, layout: list) -> None:
+def _fast_spec(key: str, override: str | None) -> Float8GraphSpec | None:
+    """The spec float8_graph's fast path runs a gathered weight's ops with (see `_FAST_SPECS`)."""
+    if override is not None:
+        return None
+    if key not in _FAST_SPECS:
+        _, quantizers, save_original_input = _LAYERS[key]
+        spec = graph_spec(quantizers, save_original_input)
+        _FAST_SPECS[key] = spec if spec is not None and spec.per_tensor else None
+    return _FAST_SPECS[key]
+
+
+def _record_layout(lkey: tuple, layout: tuple[list, bool]) -> None:
     _LAYOUTS[lkey] = layout
     _LAYOUTS.move_to_end(lkey)
     if len(_LAYOUTS) > _MAX_LAYOUTS:
@@ -132,12 +148,22 @@ def _record_layout(lkey: tuple, layout: list) -> None:
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str, override: str | None,
              need_dgrad: bool, need_wgrad: bool, handled: bool = False
-             ) -> tuple[torch.Tensor, list[torch.Tensor], list]:
-    """(y, the saved tensors, their layout). `handled`: the weight is read through its handle, by backward too."""
+             ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, bool]]:
+    """(y, the saved tensors, (their layout, whether the fast path ran)). `handled`: the weight is read through its
+    handle, by backward too. A gathered (quantized) weight of a per-tensor FP8 configuration runs float8_graph's
+    fast path where it takes the call: the same kernels and GEMMs as the general path, which the fake runs (on a
+    stand-in weight), and the same saved tensors."""
     cfg = _config(key, override)
-    # no input sharing across layers: an op's outputs must be its own tensors, not another op's
-    with shared_input_quantization(False):
-        y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
+    fast = None
+    if handled and isinstance(weight, QuantizedTensor):
+        spec = _fast_spec(key, override)
+        fast = gathered_forward(x, weight, bias, spec, cfg, need_dgrad, need_wgrad) if spec is not None else None
+    if fast is not None:
+        (y, saved_x), saved_w = fast, weight if need_dgrad else None
+    else:
+        # no input sharing across layers: an op's outputs must be its own tensors, not another op's
+        with shared_input_quantization(False):
+            y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
     flat, layout = [], []
     for t, mark in ((saved_x, _INPUT), (saved_w, _WEIGHT)):
         if t is None:
@@ -160,7 +186,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
         ref = StorageWeakRef(t.untyped_storage())
         out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
         seen.add(ref)
-    return y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(), out, layout
+    return y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(), out, (layout, fast is not None)
 
 
 @torch.library.custom_op("hybridq::linear_forward", mutates_args=())
@@ -193,7 +219,8 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
                     x_dtype, w_dtype, b_dtype, handled: bool = False) -> list[torch.Tensor]:
     count_backward_pass()
     cfg = _config(key, override)
-    layout = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, handled)]
+    layout, fast = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype,
+                                        handled)]
     flat = iter(saved)
     operands = []
     for entry in layout:
@@ -208,8 +235,13 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
         else:
             operands += unflatten_quantized(flat, [entry])
     saved_x, saved_w = operands
-    grads = linear_grads(cfg, dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
-                         w_dtype, b_dtype)
+    grads = None
+    if fast:
+        grads = gathered_grads(_fast_spec(key, override), dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad,
+                               torch.Size(x_shape), w_dtype, b_dtype)
+    if grads is None:
+        grads = linear_grads(cfg, dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
+                             w_dtype, b_dtype)
     return [g if g is not None else dy.new_empty(0) for g in grads]
 
 

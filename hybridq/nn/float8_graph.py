@@ -235,18 +235,14 @@ class _Float8GraphLinear(torch.autograd.Function):
         # (rowwise data, its scale_inv, the columnwise part or None), the part kept as a handle whose tensors the
         # backward unshard refills (as linear_function keeps the gathered weight)
         x2d = x.reshape(-1, x.shape[-1])
-        keep_x = need_wgrad and spec.save_original_input  # wgrad quantizes the original input in backward
-        xr, xrs, xc, xcs = x_parts or _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
         ctx.w_col = None
         if w_parts is not None:
             wr, wrs, ctx.w_col = w_parts
             wc = wcs = None
         else:
             wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
-        y = _mm(xr, xrs, spec.input, False, wr, wrs, spec.weight, False, x.dtype, "fprop of a compiled layer")
-        if bias is not None:
-            y = y + bias.to(x.dtype)
-        ctx.save_for_backward(x2d if keep_x else xc, xcs, wc, wcs)
+        y, x_saved, xcs = _fprop(x2d, x_parts, wr, wrs, bias, spec, need_wgrad)
+        ctx.save_for_backward(x_saved, xcs, wc, wcs)
         ctx.spec, ctx.need_dgrad, ctx.need_wgrad = spec, need_dgrad, need_wgrad
         ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -258,23 +254,45 @@ class _Float8GraphLinear(torch.autograd.Function):
         x_saved, xcs, wc, wcs = ctx.saved_tensors
         if ctx.w_col is not None:
             wc, wcs = ctx.w_col.data, ctx.w_col.scale_inv
-        spec, need_dgrad, need_wgrad = ctx.spec, ctx.need_dgrad, ctx.need_wgrad
-        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dx = dw = db = None
-        if need_dgrad or need_wgrad:
-            gr, grs, gc, gcs = _quantize(dy2d, spec.grad_output, need_dgrad, need_wgrad)
-            if need_dgrad:
-                dx = _mm(gr, grs, spec.grad_output, False, wc, wcs, spec.weight, True, dy.dtype,
-                         "dgrad of a compiled layer").reshape(ctx.x_shape)
-            if need_wgrad:
-                xc = x_saved
-                if spec.save_original_input:
-                    _, _, xc, xcs = _quantize(x_saved, spec.input, False, True)
-                dw = _mm(gc, gcs, spec.grad_output, True, xc, xcs, spec.input, True, dy.dtype,
-                         "wgrad of a compiled layer").to(ctx.w_dtype)
-        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2d.sum(0).to(ctx.b_dtype)
+        dx, dw, db = _grads(ctx.spec, dy, x_saved, xcs, wc, wcs, ctx.need_dgrad, ctx.need_wgrad,
+                            ctx.b_dtype is not None and ctx.needs_input_grad[2], ctx.x_shape, ctx.w_dtype,
+                            ctx.b_dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+def _fprop(x2d: torch.Tensor, x_parts: tuple | None, wr: torch.Tensor, wrs: torch.Tensor,
+           bias: torch.Tensor | None, spec: Float8GraphSpec, need_wgrad: bool) -> tuple:
+    """(y `[M, N]`, what wgrad reads of x: its `[M, K]` view (save_original_input) or columnwise data, that
+    data's scale_inv) of the layer's forward on the weight's rowwise `wr`, `wrs`; `x_parts` as `_quantize` returns
+    them (None: x is quantized here)."""
+    keep_x = need_wgrad and spec.save_original_input  # wgrad quantizes the original input in backward
+    xr, xrs, xc, xcs = x_parts or _quantize(x2d, spec.input, True, need_wgrad and not keep_x)
+    y = _mm(xr, xrs, spec.input, False, wr, wrs, spec.weight, False, x2d.dtype, "fprop of a compiled layer")
+    if bias is not None:
+        y = y + bias.to(x2d.dtype)
+    return y, x2d if keep_x else xc, xcs
+
+
+def _grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved, xcs, wc, wcs, need_dgrad: bool, need_wgrad: bool,
+           need_bgrad: bool, x_shape, w_dtype: torch.dtype, b_dtype: torch.dtype | None) -> tuple:
+    """(dx in `x_shape`, dW, db), each None where not needed, from what `_fprop` saved and the weight's
+    columnwise `wc`, `wcs`."""
+    dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
+    dx = dw = db = None
+    if need_dgrad or need_wgrad:
+        gr, grs, gc, gcs = _quantize(dy2d, spec.grad_output, need_dgrad, need_wgrad)
+        if need_dgrad:
+            dx = _mm(gr, grs, spec.grad_output, False, wc, wcs, spec.weight, True, dy.dtype,
+                     "dgrad of a compiled layer").reshape(x_shape)
+        if need_wgrad:
+            xc = x_saved
+            if spec.save_original_input:
+                _, _, xc, xcs = _quantize(x_saved, spec.input, False, True)
+            dw = _mm(gc, gcs, spec.grad_output, True, xc, xcs, spec.input, True, dy.dtype,
+                     "wgrad of a compiled layer").to(w_dtype)
+    if need_bgrad:
+        db = dy2d.sum(0).to(b_dtype)
+    return dx, dw, db
 
 
 def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -364,13 +382,34 @@ def _shared_input(x: torch.Tensor, x2d: torch.Tensor, q, cast: Float8Cast, colum
 def _gathered_parts(weight: QuantizedTensor, cast: Float8Cast, need_dgrad: bool) -> tuple | None:
     """`w_parts` of a weight that arrived quantized (FSDP2's gathered weight) in the parts `cast` makes, contiguous
     (what the hardware GEMM reads), else None."""
-    part_type = _PART[cast.block_dim]
     parts = [weight.part(ROWWISE)] + ([weight.part(COLUMNWISE)] if need_dgrad else [])
-    for p in parts:
-        if (type(p) is not part_type or p.data.dtype != cast.dtype or not p.data.is_contiguous()
-                or (cast.block_dim != PER_TENSOR and p.block_dim != cast.block_dim)):
-            return None
+    if not all(_part_fits(p, cast) for p in parts):
+        return None
     return parts[0].data, parts[0].scale_inv, parts[1] if need_dgrad else None
+
+
+def _part_fits(p, cast: Float8Cast) -> bool:
+    """Whether the quantized part `p` is one `cast` makes, contiguous (what the hardware GEMM reads)."""
+    return (type(p) is _PART[cast.block_dim] and p.data.dtype == cast.dtype and p.data.is_contiguous()
+            and (cast.block_dim == PER_TENSOR or p.block_dim == cast.block_dim))
+
+
+def _fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg, need_dgrad: bool,
+               need_wgrad: bool) -> bool:
+    """The checks of `eager_float8_linear` that do not depend on the weight's form: the fast path is on, `takes`,
+    the dispatch tables' own kernels, a floating-point input with at least one row, every shape rule met."""
+    if not _EAGER["on"] or not x.is_floating_point() or x.dim() < 2:
+        return False
+    if not (takes(spec, x, weight) and _dispatch_is_builtin(
+            (cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type, _PART[spec.input.block_dim])):
+        return False
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.numel() // k if k else 0
+    if m == 0 or k == 0 or n == 0:
+        return False
+    return (cfg.input_q.shape_rule(m, k, True, need_wgrad) is None
+            and not ((need_dgrad or need_wgrad)
+                     and cfg.grad_output_q.shape_rule(m, n, need_dgrad, need_wgrad) is not None))
 
 
 def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
@@ -381,21 +420,12 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     parameter), no backward override, no sequence-parallel input (the caller checks those), `takes`, the dispatch
     tables' own kernels (`_dispatch_is_builtin`), a floating-point input with at least one row, and every shape rule
     met (else the general path raises its error)."""
-    if not _EAGER["on"] or spec is None or not x.is_floating_point() or x.dim() < 2:
-        return None
-    device_type = x.device.type
-    if not (takes(spec, x, weight) and _dispatch_is_builtin(
-            (cfg.input_q, cfg.weight_q, cfg.grad_output_q), device_type, _PART[spec.input.block_dim])):
-        return None
-    k, n = x.shape[-1], weight.shape[0]
-    m = x.numel() // k if k else 0
-    if m == 0 or k == 0 or n == 0:
+    if spec is None:
         return None
     need_dgrad, need_wgrad = gradients_needed(x, weight)
-    grads = need_dgrad or need_wgrad
-    if (cfg.input_q.shape_rule(m, k, True, need_wgrad) is not None
-            or (grads and cfg.grad_output_q.shape_rule(m, n, need_dgrad, need_wgrad) is not None)):
+    if not _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
         return None
+    k = x.shape[-1]
     w_parts = None
     if isinstance(weight, QuantizedTensor):
         w_parts = _gathered_parts(weight, spec.weight, need_dgrad)
@@ -425,3 +455,42 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
     quantize ops, which the C++ op calls directly)."""
     return (spec.input.block_dim == PER_TENSOR and x.is_cuda and w_parts is None
             and not torch._C._len_torch_dispatch_stack())
+
+
+# ---- a compiled Linear's gathered weight (compiled_linear.py's gathered ops run these) ----------------------------
+
+def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
+                     cfg, need_dgrad: bool, need_wgrad: bool) -> tuple | None:
+    """(y `[M, N]`, what wgrad reads of x as `linear_function.forward_and_saved` saves it) of a per-tensor FP8
+    Linear on FSDP2's gathered weight, as this module's ops (the eager fast path's), or None where the general
+    path must run (the checks of `eager_float8_linear`; x quantized here, never shared: an op's outputs are its
+    own). Only the weight's rowwise part is read: backward reads the columnwise one then (`gathered_grads`)."""
+    if spec is None or not spec.per_tensor or not _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
+        return None
+    w_parts = _gathered_parts(weight, spec.weight, False)
+    if w_parts is None:
+        return None
+    x2d = x.reshape(-1, x.shape[-1])
+    y, x_saved, xcs = _fprop(x2d, None, w_parts[0], w_parts[1], bias, spec, need_wgrad)
+    if need_wgrad and not spec.save_original_input:
+        x_saved = QuantizedTensor(None, _part(spec.input, x_saved, xcs, True), shape=x2d.shape, dtype=x2d.dtype)
+    return y, x_saved if need_wgrad else None
+
+
+def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, saved_x, saved_w: QuantizedTensor | None,
+                   need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
+                   b_dtype: torch.dtype | None) -> tuple | None:
+    """`linear_function.linear_grads` of a call `gathered_forward` ran, as this module's ops: (dx, dW, db), or
+    None where a part is not one this spec makes (the general path runs)."""
+    wc = wcs = xcs = None
+    if need_dgrad:
+        p = saved_w.part(COLUMNWISE)
+        if not _part_fits(p, spec.weight):
+            return None
+        wc, wcs = p.data, p.scale_inv
+    if need_wgrad and isinstance(saved_x, QuantizedTensor):
+        p = saved_x.part(COLUMNWISE)
+        if not _part_fits(p, spec.input):
+            return None
+        saved_x, xcs = p.data, p.scale_inv
+    return _grads(spec, dy, saved_x, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype)
