@@ -11,8 +11,8 @@ import torch
 import hybridq.nn.compiled_linear as compiled_linear
 from hybridq.nn.float8_graph import eager_fast_path
 
+from _compile_jobs import Net, _ACTS, _Recorder, _shard, _step  # (puts tests/ on sys.path for _compare)
 from _compare import tensor_diff
-from _compile_jobs import Net, _ACTS, _Recorder, _shard, _step
 
 
 def _counting(calls: dict, name: str, fn):
@@ -26,11 +26,13 @@ def _counting(calls: dict, name: str, fn):
 
 
 def gathered_ops_fast_path(rank, world_size, device, preset="fp8_tensorwise", compiler="aot_eager", act="silu",
-                           steps=2):
+                           steps=2, save_original_input=False):
     """One model compiled per block, trained `steps` AdamW steps with the fast path on and off (`eager_fast_path`,
     which the gathered ops honour). Returns, per setting, how often the ops' bodies called the general path's
     forward and backward in the steps after the first, the graph breaks and Linear ops, and what differed between
-    the two settings (losses, every gradient, the parameters after the last step) and from the eager model."""
+    the two settings (losses, every gradient, the parameters after the last step) and from the eager model.
+    `save_original_input`: set on every hybridq Linear (wgrad quantizes the saved input in backward)."""
+    import hybridq
     from torch._dynamo.utils import counters
 
     calls = {"on": False, "forward_and_saved": 0, "linear_grads": 0}
@@ -47,6 +49,10 @@ def gathered_ops_fast_path(rank, world_size, device, preset="fp8_tensorwise", co
             rec = _Recorder(compiler)
             model = _shard(copy.deepcopy(base), preset, device, world_size,
                            compile_with=None if fast == "eager" else rec)
+            linears = [mod for mod in model.modules() if isinstance(mod, hybridq.Linear)]
+            assert len(linears) == 4, f"apply_hybrid_fsdp converted {len(linears)} of the 4 Linears"
+            for mod in linears:
+                mod.save_original_input = save_original_input
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
             calls.update(forward_and_saved=0, linear_grads=0)
             losses, grads = [], []

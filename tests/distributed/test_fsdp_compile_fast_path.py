@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _harness import nccl_devices, spawn
+from _harness import job_several, nccl_devices, spawn
 import _gathered_fast_jobs
 
 pytestmark = pytest.mark.distributed
@@ -25,13 +25,16 @@ def _check(r: dict, where: str) -> None:
     assert not r["diffs"], f"{where}: fast path differs:\n" + "\n".join(r["diffs"][:20])
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_gathered_per_tensor_fp8_ops_run_the_fast_path_cpu(compiler):
-    """gloo, world size 1, the CPU reference casts and emulated GEMMs. Inductor with no activation between the
-    Linears (it may round element-wise math differently from eager)."""
-    act = "silu" if compiler == "aot_eager" else "identity"
-    out = spawn(_gathered_fast_jobs.gathered_ops_fast_path, 1, "gloo", compiler=compiler, act=act)
-    _check(out[0], f"gloo, {compiler}")
+def test_gathered_per_tensor_fp8_ops_run_the_fast_path_cpu():
+    """gloo, world size 1, the CPU reference casts and emulated GEMMs: aot_eager, with save_original_input too, and
+    Inductor with no activation between the Linears (it may round element-wise math differently from eager)."""
+    job = _gathered_fast_jobs.gathered_ops_fast_path
+    out = spawn(job_several, 1, "gloo", jobs={
+        "aot_eager": (job, {}),
+        "aot_eager, save_original_input": (job, {"save_original_input": True}),
+        "inductor": (job, {"compiler": "inductor", "act": "identity"})})
+    for name, r in out[0].items():
+        _check(r, f"gloo, {name}")
 
 
 @pytest.mark.gpu
