@@ -203,13 +203,7 @@ Tensor fp8_linear_forward(const Tensor& x, const Tensor& weight, const std::opti
 }  // namespace ops
 }  // namespace hybridq
 
-TORCH_LIBRARY_FRAGMENT(hybridq, m) {
-  m.def(
-      "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, Tensor? x_col, "
-      "Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, float w_eps, "
-      "bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, bool need_wgrad, "
-      "bool save_original_input, bool fast_accum_fprop) -> Tensor");
-}
+// the schema is declared with the per-tensor FP8 format's other ops (csrc/quantize_fp8_tensor.cu)
 
 TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd); }
 TORCH_LIBRARY_IMPL(hybridq, CUDA, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward); }

@@ -194,5 +194,11 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
       "bool columnwise, int col_pitch=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_tensor_dequantize(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+  // the whole per-tensor FP8 Linear (forward + a C++ autograd node): implemented in csrc/linear_fp8.cpp
+  m.def(
+      "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, Tensor? x_col, "
+      "Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, float w_eps, "
+      "bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, bool need_wgrad, "
+      "bool save_original_input, bool fast_accum_fprop) -> Tensor");
 }
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)
