@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
-from ..nn.weight_handle import HandledWeight, handle_ops
+from ..nn.weight_handle import HandledWeight
 from ..tensor import QuantizedTensor
 from ..torch_private import current_stream
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm, HighPrecisionSource
@@ -72,16 +72,13 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = handle_ops(func, args, kwargs)  # a compiled Linear's ops, traced: they take the handle
-        if out is not None:
-            return out
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._alias()
         if func is aten.view.default and tuple(args[1]) == tuple(args[0].shape):
             return args[0]._alias()  # DTensor.to_local() of a tensor-parallel piece (2-D meshes)
         if func is aten.as_strided.default and _whole_view(args, kwargs):
             return args[0]._alias()
-        return QuantizedTensor.__torch_dispatch__(func, types, args, kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)  # HandledWeight's, then QuantizedTensor's
 
     def __repr__(self, *, tensor_contents=None) -> str:
         if self._hq is None:
@@ -114,14 +111,6 @@ class GroupedGatheredWeight(HandledWeight, GroupedGatheredForm, ExpertsTensor):
     @classmethod
     def _traced_fields(cls) -> tuple[str, ...]:
         return ("_experts",)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = handle_ops(func, args, kwargs)  # a compiled GroupedLinear's ops, traced: they take the handle
-        if out is not None:
-            return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def ensure_direction(self, direction: str) -> None:
         if self._hq.slabs and direction in (ROWWISE, COLUMNWISE):

@@ -101,6 +101,14 @@ class HandledWeight:
     def _traced_fields(cls) -> tuple[str, ...]:
         return ()
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = handle_ops(func, args, kwargs)  # a compiled layer's ops, traced: they take the handle
+        if out is not None:
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)  # the weight's own ops (next in the MRO)
+
     def _traced_alias(self):
         return type(self)._traced(self._traced_handle, self.shape, self.dtype, self.device)
 
