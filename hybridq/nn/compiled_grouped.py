@@ -104,7 +104,8 @@ def experts_in_graph(module) -> bool:
         layers = {"weight": module}
     else:
         layers = converted_experts(module)
-    return bool(layers) and all(_configuration_in_graph(layer) and _weight_in_graph(getattr(module, name))
+    # (len, not bool(dict): torch 2.11's dynamo cannot trace bool of a dict -- a graph break per expert module)
+    return len(layers) > 0 and all(_configuration_in_graph(layer) and _weight_in_graph(getattr(module, name))
                                 for name, layer in layers.items())
 
 
