@@ -102,6 +102,7 @@ def cases(dim: int, device: torch.device) -> list:
         return lambda: fn(xg, dy)
 
     quantize = lambda t: q.quantize(t, rowwise=True, columnwise=True)  # noqa: E731
+    fsdp_bf16, fsdp_fp8 = fsdp_models(dim, device)
     out = [
         ("torch.empty_like (allocator)", lambda: torch.empty_like(x)),
         ("x.abs() (one torch kernel)", lambda: x.abs()),
@@ -113,6 +114,11 @@ def cases(dim: int, device: torch.device) -> list:
         ("hybridq Linear fwd+bwd (fp8_block, general path)", general(step(hq_block))),
         ("hybridq Linear forward only (grad on)", lambda: hq(xg)),
         ("hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False)", step(hq, is_first_microbatch=False)),
+        # FSDP2 (world 1, resharded after forward: the training job's weights): the unshard / reshard hooks around
+        # each call, the weight all-gathered quantized (a GatheredWeight) for the hybridq Linear
+        ("FSDP2 nn.Linear fwd+bwd (bf16)", step(fsdp_bf16)),
+        ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight)", step(fsdp_fp8)),
+        ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, general path)", general(step(fsdp_fp8))),
         ("Float8Quantizer.quantize_parts (rowwise+columnwise)", lambda: q.quantize_parts(x, True, True)),
         ("Function(empty) fwd+bwd", probe()),
         ("Function(Float8Quantizer.quantize in forward)", probe(fwd=quantize)),
@@ -135,6 +141,8 @@ def cases(dim: int, device: torch.device) -> list:
                 # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),
+                ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, Python node)",
+                 python_node(step(fsdp_fp8))),
             ]
             ops = torch.ops.hybridq
             op = lambda t: ops.fp8_tensor_quantize(t, torch.float8_e4m3fn, None, None, 0.0, False,  # noqa: E731
@@ -155,6 +163,32 @@ def cases(dim: int, device: torch.device) -> list:
                 ("Function(3 _scaled_mm in backward)", probe(bwd=lambda t: (mm(), mm(), mm()))),
             ]
     return out
+
+
+def fsdp_models(dim: int, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """(an nn.Linear, a hybridq fp8_tensorwise Linear whose weight FSDP2 all-gathers quantized), each fully_shard-ed
+    on a world of one (a process group of one rank is started here if none is: NCCL on CUDA, else gloo)."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hybridq.distributed import apply_hybrid_fsdp
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
+                                world_size=1)
+    mesh = init_device_mesh(device.type, (1,))
+    models = []
+    for recipe in (None, "fp8_tensorwise"):
+        m = nn.Sequential(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16))
+        if recipe is not None:
+            apply_hybrid_fsdp(m, recipe)
+        models.append(fully_shard(m, mesh=mesh, reshard_after_forward=True))
+    return models[0], models[1]
 
 
 def main() -> None:

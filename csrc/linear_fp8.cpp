@@ -9,6 +9,14 @@
 // flags (fast accumulation in fprop only, when asked), the same bias add, reductions, casts and saved tensors
 // (save_for_backward: saved-tensor hooks -- offload, recompute -- see them as they see the Python node's). The
 // results are bitwise that path's. Python decides when this op runs (float8_graph.eager_float8_linear).
+//
+// FSDP2's gathered weight (w_row..w_col_scale_inv given): the weight arrived quantized, so fprop reads its rowwise
+// data and scale_inv, and the node keeps its columnwise tensors for dgrad as the Python node keeps the part -- by
+// reference, outside save_for_backward. They are the unsharded weight's own tensors (distributed/buffers.py): FSDP2
+// frees their storage at reshard and the backward unshard refills the same tensor objects (storage resize, `set_`,
+// `copy_`), so dgrad reads them as the backward unshard left them. Saved variables would refuse that refill (their
+// version counter moves) and would hand the bytes to saved-tensor hooks (offload, recompute), which must never hold
+// the gathered weight: FSDP2 owns it.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -58,6 +66,10 @@ constexpr const char* kXShape = "x_shape";
 constexpr const char* kDtypes = "dtypes";  // [weight dtype, bias dtype, grad_output fp8 dtype, input fp8 dtype]
 constexpr const char* kEps = "eps";        // [grad_output eps, input eps]
 constexpr const char* kPow2 = "pow2";      // grad_output pow2 | input pow2 << 1
+constexpr const char* kWeightCol = "w_col";  // FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
+constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
+
+bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
 }  // namespace
 
@@ -69,7 +81,9 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                         const std::optional<Tensor>& bias, const std::optional<Tensor>& x_row,
                         const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
-                        const std::optional<Tensor>& x_col_scale_inv, const Spec& s) {
+                        const std::optional<Tensor>& x_col_scale_inv, const std::optional<Tensor>& w_row,
+                        const std::optional<Tensor>& w_row_scale_inv, const std::optional<Tensor>& w_col,
+                        const std::optional<Tensor>& w_col_scale_inv, const Spec& s) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the inner ops record nothing: skip their autograd keys)
     const int64_t k = x.size(-1);
     const Tensor x2d = x.reshape({-1, k});
@@ -89,7 +103,14 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       xc = q.col;
       if (!xc.defined()) xcs = Tensor();
     }
-    Quantized w = quantize(weight, s.weight, true, s.need_dgrad);
+    const bool gathered = given(w_row);
+    Quantized w;
+    if (gathered) {  // (the columnwise part is not read here: FSDP2 may refill it only at the backward unshard)
+      w.row = *w_row;
+      w.scale_inv = *w_row_scale_inv;
+    } else {
+      w = quantize(weight, s.weight, true, s.need_dgrad);
+    }
     Tensor y = mm(xr, xrs, w.row, w.scale_inv, x.scalar_type(), s.fast_accum_fprop);
     const bool has_bias = bias.has_value() && bias->defined();
     if (has_bias) y = y + bias->to(x.scalar_type());
@@ -104,6 +125,10 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
           int64_t(s.grad_output.dtype), int64_t(s.input.dtype)};
       ctx->saved_data[kEps] = std::vector<double>{s.grad_output.eps, s.input.eps};
       ctx->saved_data[kPow2] = int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1;
+      if (gathered && s.need_dgrad) {  // by reference, read in backward (see the top of this file)
+        ctx->saved_data[kWeightCol] = *w_col;
+        ctx->saved_data[kWeightColScaleInv] = *w_col_scale_inv;
+      }
     }
     // (a tensor of its own, not a view: see linear_function._output)
     std::vector<int64_t> shape = x.sizes().vec();
@@ -129,7 +154,10 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     if (need_dgrad || need_wgrad) {
       Quantized g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
       if (need_dgrad) {
-        dx = mm(g.row, g.scale_inv, saved[2], saved[3], dy.scalar_type(), false)
+        const auto col = ctx->saved_data.find(kWeightCol);  // FSDP2's gathered weight: as the backward unshard left it
+        const bool gathered = col != ctx->saved_data.end();
+        dx = mm(g.row, g.scale_inv, gathered ? col->second.toTensor() : saved[2],
+                gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3], dy.scalar_type(), false)
                  .reshape(ctx->saved_data[kXShape].toIntVector());
       }
       if (need_wgrad) {
@@ -143,7 +171,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       }
     }
     if (has_bias && ctx->needs_input_grad(2)) db = dy2d.sum(0).to(at::ScalarType(dtypes[1]));
-    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -159,18 +187,33 @@ Spec spec_of(at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w
 
 void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& x_row,
                 const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
-                const std::optional<Tensor>& x_col_scale_inv, bool need_wgrad, bool save_original_input) {
+                const std::optional<Tensor>& x_col_scale_inv, const std::optional<Tensor>& w_row,
+                const std::optional<Tensor>& w_row_scale_inv, const std::optional<Tensor>& w_col,
+                const std::optional<Tensor>& w_col_scale_inv, at::ScalarType w_dtype, bool need_dgrad,
+                bool need_wgrad, bool save_original_input) {
   constexpr const char* op = "hybridq::fp8_linear";
   TORCH_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input of shape ", x.sizes(),
               " and weight of shape ", weight.sizes(), " do not make x @ weight^T");
-  const bool row = x_row.has_value() && x_row->defined(), col = x_col.has_value() && x_col->defined();
-  TORCH_CHECK(!row || (x_row_scale_inv.has_value() && x_row_scale_inv->defined()), op,
-              ": x_row given without x_row_scale_inv");
-  TORCH_CHECK(!col || (x_col_scale_inv.has_value() && x_col_scale_inv->defined()), op,
-              ": x_col given without x_col_scale_inv");
+  const bool row = given(x_row), col = given(x_col);
+  TORCH_CHECK(!row || given(x_row_scale_inv), op, ": x_row given without x_row_scale_inv");
+  TORCH_CHECK(!col || given(x_col_scale_inv), op, ": x_col given without x_col_scale_inv");
   TORCH_CHECK(!col || row, op, ": x_col given without x_row");
   TORCH_CHECK(!row || col || !need_wgrad || save_original_input, op,
               ": a quantized input needs its columnwise part (x_col) for wgrad");
+  // the weight given quantized (FSDP2's gathered weight): checked on metadata only (w_col may have no storage yet)
+  const bool w_r = given(w_row), w_c = given(w_col);
+  TORCH_CHECK(!w_r || given(w_row_scale_inv), op, ": w_row given without w_row_scale_inv");
+  TORCH_CHECK(!w_c || given(w_col_scale_inv), op, ": w_col given without w_col_scale_inv");
+  TORCH_CHECK(!w_c || w_r, op, ": w_col given without w_row");
+  TORCH_CHECK(!w_r || w_c || !need_dgrad, op, ": a quantized weight needs its columnwise part (w_col) for dgrad");
+  // (TORCH_CHECK builds its message only on failure, where the part is given)
+  TORCH_CHECK(!w_r || (w_row->sizes() == weight.sizes() && w_row->scalar_type() == w_dtype), op, ": w_row is ",
+              w_row->sizes(), " ", w_row->scalar_type(), ", the weight's rowwise part must be ", weight.sizes(), " ",
+              w_dtype);
+  TORCH_CHECK(!w_c || (w_col->dim() == 2 && w_col->size(0) == weight.size(1) && w_col->size(1) == weight.size(0) &&
+                       w_col->scalar_type() == w_dtype),
+              op, ": w_col is ", w_col->sizes(), " ", w_col->scalar_type(), ", the weight's columnwise part must be [",
+              weight.size(1), ", ", weight.size(0), "] ", w_dtype);
 }
 
 // The Autograd-key kernel: the C++ node records the backward
@@ -179,9 +222,13 @@ Tensor fp8_linear_autograd(const Tensor& x, const Tensor& weight, const std::opt
                            const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
                            at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
                            bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
-                           bool need_wgrad, bool save_original_input, bool fast_accum_fprop) {
-  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, need_wgrad, save_original_input);
-  return Fp8Linear::apply(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv,
+                           bool need_wgrad, bool save_original_input, bool fast_accum_fprop,
+                           const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
+                           const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
+  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
+             w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
+  return Fp8Linear::apply(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv,
+                          w_col, w_col_scale_inv,
                           spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
                                   need_wgrad, save_original_input, fast_accum_fprop));
 }
@@ -192,9 +239,13 @@ Tensor fp8_linear_forward(const Tensor& x, const Tensor& weight, const std::opti
                           const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
                           at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
                           bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
-                          bool need_wgrad, bool save_original_input, bool fast_accum_fprop) {
-  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, need_wgrad, save_original_input);
-  return Fp8Linear::forward(nullptr, x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv,
+                          bool need_wgrad, bool save_original_input, bool fast_accum_fprop,
+                          const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
+                          const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
+  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
+             w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
+  return Fp8Linear::forward(nullptr, x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row,
+                            w_row_scale_inv, w_col, w_col_scale_inv,
                             spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
                                     need_wgrad, save_original_input, fast_accum_fprop));
 }

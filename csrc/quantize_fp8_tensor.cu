@@ -199,6 +199,7 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, Tensor? x_col, "
       "Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, float w_eps, "
       "bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, bool need_wgrad, "
-      "bool save_original_input, bool fast_accum_fprop) -> Tensor");
+      "bool save_original_input, bool fast_accum_fprop, Tensor? w_row=None, Tensor? w_row_scale_inv=None, "
+      "Tensor? w_col=None, Tensor? w_col_scale_inv=None) -> Tensor");
 }
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

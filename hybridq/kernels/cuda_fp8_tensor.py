@@ -13,9 +13,11 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
         amax [n_groups])
 - fp8_tensor_dequantize(data, scale_inv [1], out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
 - fp8_linear(x, weight, bias?, x_row?, x_row_scale_inv?, x_col?, x_col_scale_inv?, x_dtype, x_eps, x_pow2, w_dtype,
-  w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad, need_wgrad, save_original_input, fast_accum_fprop) -> y: an eager
-  per-tensor FP8 Linear (current scaling) as one op whose autograd node is C++ (csrc/linear_fp8.cpp; its caller is
-  nn/float8_graph.py's eager fast path)
+  w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad, need_wgrad, save_original_input, fast_accum_fprop, w_row?=None,
+  w_row_scale_inv?=None, w_col?=None, w_col_scale_inv?=None) -> y: an eager per-tensor FP8 Linear (current scaling)
+  as one op whose autograd node is C++ (csrc/linear_fp8.cpp; its caller is nn/float8_graph.py's eager fast path);
+  w_row..w_col_scale_inv: the weight already quantized (FSDP2's gathered weight), the columnwise tensors held by
+  reference and read in backward (after the backward unshard refilled them)
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ a call only where the general path would run exactly these kernels and GEMMs (se
 keeps what that path does around them: the quantized input shared by layers reading one tensor, the max|x| a norm
 handed over, the shape errors (by declining: the general path raises them). A per-tensor layer on CUDA goes one step
 further (`_one_op`): the whole call is the extension's op `hybridq::fp8_linear` (csrc/linear_fp8.cpp), the same
-kernels and GEMMs with a C++ autograd node, so Python issues one op per forward and none in backward.
+kernels and GEMMs with a C++ autograd node, so Python issues one op per forward and none in backward -- on a plain
+weight and on FSDP2's gathered one (the op is handed the gathered parts; its node reads the columnwise part after
+the backward unshard refilled it).
 
 The results are bitwise those of the eager layer: the same kernels (or, on the CPU, the same reference ops) with the
 same arguments, the same GEMMs, the same saved directions. Where the eager layer would take another path -- no
@@ -439,22 +441,34 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return cuda_fp8_tensor.linear_op()(
             x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
             w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad, need_wgrad,
-            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
+            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP, *_op_weight_parts(w_parts))
     return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts)
 
 
 _NO_PARTS = (None, None, None, None)
 
 
+def _op_weight_parts(w_parts: tuple | None) -> tuple:
+    """`hybridq::fp8_linear`'s (w_row, w_row_scale_inv, w_col, w_col_scale_inv) of `_gathered_parts`' answer. The
+    columnwise part's tensors are the unsharded weight's own tensors, which FSDP2's backward unshard refills in
+    place (distributed/buffers.py: storage resize, `set_`, `copy_`; a part's tensors are never replaced), so the op's
+    C++ node holds them by reference and reads them in backward, as the Python node reads the part it holds."""
+    if w_parts is None:
+        return _NO_PARTS
+    wr, wrs, col = w_parts
+    return (wr, wrs) + ((None, None) if col is None else (col.data, col.scale_inv))
+
+
 def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bool:
     """Whether this fast-path call runs as the extension's one op `hybridq::fp8_linear` (csrc/linear_fp8.cpp: the
     same kernels and GEMMs as `_Float8GraphLinear`, its autograd node in C++, no Python in backward): per-tensor
-    scaling on a CUDA device (where `takes` found the extension), a weight that is not FSDP2's gathered one (its
-    columnwise part is a handle the backward unshard refills: only the Python node reads it then), and no
-    TorchDispatchMode active (a mode -- selective checkpointing's policy, an op counter -- sees this Function's
-    quantize ops, which the C++ op calls directly)."""
-    return (spec.input.block_dim == PER_TENSOR and x.is_cuda and w_parts is None
-            and not torch._C._len_torch_dispatch_stack())
+    scaling on a CUDA device (where `takes` found the extension) and no TorchDispatchMode active (a mode --
+    selective checkpointing's policy, an op counter -- sees this Function's quantize ops, which the C++ op calls
+    directly). FSDP2's gathered weight (`w_parts`) too, outside inference mode: the op reads its parts, and only its
+    autograd kernel keeps the op away from the weight's __torch_dispatch__ (which takes no such op); in inference
+    mode no autograd kernel runs."""
+    return (spec.input.block_dim == PER_TENSOR and x.is_cuda and not torch._C._len_torch_dispatch_stack()
+            and (w_parts is None or not torch.is_inference_mode_enabled()))
 
 
 # ---- a compiled Linear's gathered weight (compiled_linear.py's gathered ops run these) ----------------------------
