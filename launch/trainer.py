@@ -17,9 +17,9 @@ Module map: train.py (entry point), config.py (flags, validation; no torch), mod
 checkpoint.py (save and load, collective) and checkpoint_files.py (layout, manifest through hybridq.checkpoint,
 verify, resume choice, prune), lock.py (one job per checkpoint folder), parallel.py (the tensor-parallel plan and its
 layout rules), convert.py (the Linear conversion and per-layer report), torchao_moe.py (the torchao MoE baseline),
-comm.py (bytes per wire), metrics.py (console, JSON-lines metrics, summary, plot), preflight.py (everything refused
-before a process group exists), dist_env.py (the process group, peak memory, rank-0 decisions); this file has the
-training loop and main.
+comm.py (bytes per wire), compile_report.py (the graphs and graph breaks of --compile), metrics.py (console,
+JSON-lines metrics, summary, plot), preflight.py (everything refused before a process group exists), dist_env.py (the
+process group, peak memory, rank-0 decisions); this file has the training loop and main.
 
 Checkpoints are world-size independent: model and optimizer go through DCP (which reshards), and the rest of
 the job's state is one file written by rank 0 (`train_state.json`: step, loss history, seed, the saving
@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hybridq  # noqa: E402
 import checkpoint  # noqa: E402
+import compile_report  # noqa: E402
 from comm import KINDS, CommCounter  # noqa: E402
 from config import (BASELINE, TORCHAO, TORCHAO_MOE, TORCHAO_RECIPES, ConfigError, check_args,  # noqa: E402
                     model_config, run_meta, runs)
@@ -229,6 +230,8 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
               metrics: MetricsFile) -> dict:
     memory = PeakMemory(env)
     memory.reset()  # this run's peak, not the previous run's of this process
+    if args.compile:
+        compile_report.reset()
     model, optimizer = build(recipe_name, args, env, out)
     data = ByteBatches(tokens, args.seq, args.batch, dp_rank=env.dp_rank, dp_size=args.dp, seed=args.seed)
     quantized = recipe_name != BASELINE
@@ -280,6 +283,8 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
                 metrics.write("step", recipe=recipe_name, step=n, steps=args.steps, loss=loss_val, lr=lr,
                               tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
                               peak_memory_kind=mem_label, **{f"{k}_bytes": sent[k][-1] for k in step_wires(args)})
+            if args.compile and n == start + 1:  # (the first step compiled every block)
+                out(compile_report.line(recipe_name, compile_report.summary()))
             done = n - start
             out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
             if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
@@ -310,6 +315,7 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
         **{f"{k}_bytes_per_step": statistics.median(sent[k]) if sent[k] and k in step_wires(args) else None
            for k in KINDS},
         "grad_reduce": grad_reduce_of(recipe_name, args),
+        **(compile_report.summary() if args.compile else {}),
         "wall_s": time.perf_counter() - t_run,
     }
     metrics.write("summary", **result)

@@ -474,10 +474,24 @@ def test_compiled_blocks_train_like_eager(runs, tmp_path):
     entering it as the quantized gather's handles): the first steps'
     losses are the eager run's up to the compiled norms' and activations' rounding."""
     _, js, _ = runs
-    torchrun("--compile", "--stop-after", "3", "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
-    got = metrics_of(tmp_path / "c.jsonl")["runs"][RECIPE]["losses"]
-    want = js["full"]["runs"][RECIPE]["losses"][:3]
+    out = torchrun("--compile", "--stop-after", "3", "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
+    run = metrics_of(tmp_path / "c.jsonl")["runs"][RECIPE]
+    got, want = run["losses"], js["full"]["runs"][RECIPE]["losses"][:3]
     assert len(got) == 3 and all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(got, want)), f"{got} vs eager {want}"
+    assert run["compiled_graphs"] >= 1 and run["graph_breaks"] == 0, \
+        f"the blocks should compile whole: {run['compiled_graphs']} graphs, {run['graph_break_reasons']}"
+    assert f"[{RECIPE}] torch.compile: {run['compiled_graphs']} graph(s), 0 graph break(s)" in out, out[-2000:]
+
+
+@pytest.mark.distributed
+def test_compiled_job_reports_its_graph_breaks(tmp_path):
+    """A compiled block that breaks is printed and recorded, not silent: the bf16 MoE baseline's high-precision
+    experts run eagerly by design (torch.compiler.disable inside each block), so each block breaks."""
+    out = torchrun("--recipe", "bf16", "--moe", "4", "--top-k", "2", "--compile", "--stop-after", "1",
+                   "--metrics", str(tmp_path / "c.jsonl"), cwd=tmp_path)
+    run = metrics_of(tmp_path / "c.jsonl")["runs"]["bf16"]
+    assert run["graph_breaks"] >= 1 and run["graph_break_reasons"], f"no graph break recorded: {run}"
+    assert f"[bf16] torch.compile: {run['compiled_graphs']} graph(s), {run['graph_breaks']} graph break(s)" in out
 
 
 @pytest.mark.distributed
