@@ -54,6 +54,12 @@ def steps_bytes(steps: list[dict]) -> dict:
     return {f"{w}_bytes": median_or_none([s.get(f"{w}_bytes") for s in steps]) for w in WIRES}
 
 
+def finished_status(summary: dict) -> str:
+    """"ok", or "ok, N graph break(s)" for a compiled run whose blocks broke (they ran partly eagerly: the summary's
+    counts from launch/compile_report.py)."""
+    return f"ok, {summary['graph_breaks']} graph break(s)" if summary.get("graph_breaks") else "ok"
+
+
 def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bool = False) -> dict | None:
     """The result of an earlier finished run of `recipe` with this plan's sizes, read from its metrics file in
     `out_dir`, or None (no file, a run cut short, other sizes or world size)."""
@@ -73,7 +79,7 @@ def finished_run(a, recipe: str, nproc: int, out_dir: pathlib.Path, compiled: bo
         return None
     return {"recipe": name, "base": recipe, "compiled": compiled, "nproc": nproc, "command": show(cmd), "rc": 0,
             "wall_s": 0.0, **summary_bytes(summary),
-            "log": str(out_dir / f"{name}.log"), "status": "ok (reused)", "metrics": str(js),
+            "log": str(out_dir / f"{name}.log"), "status": finished_status(summary) + " (reused)", "metrics": str(js),
             "steps_done": a.steps, "losses": summary["losses"], "tokens_per_s": summary["median_tokens_per_s"],
             "peak_memory_bytes": summary["peak_memory_bytes"], "memory_kind": summary["peak_memory_kind"],
             "val_loss": summary["val_loss"], "device_name": config.get("device_name"), "torch": config.get("torch")}
@@ -123,7 +129,8 @@ def run_one(a, recipe: str, nproc: int, out_dir: pathlib.Path, limit_s: float, c
         m = summary
         res.update(steps_done=m["start_step"] + m["steps_run"], losses=m["losses"],
                    tokens_per_s=m["median_tokens_per_s"], peak_memory_bytes=m["peak_memory_bytes"],
-                   memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], status="ok", metrics=str(js),
+                   memory_kind=m["peak_memory_kind"], val_loss=m["val_loss"], metrics=str(js),
+                   status=finished_status(m),
                    **summary_bytes(m))
     else:
         if steps:

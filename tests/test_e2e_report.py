@@ -18,6 +18,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "launch")]  # the reports, 
 
 import config  # noqa: E402
 import e2e_report  # noqa: E402
+import e2e_runs  # noqa: E402
 from metrics import MetricsFile  # noqa: E402
 
 
@@ -138,6 +139,13 @@ def test_compile_adds_compiled_runs_compared_with_bf16_compiled(tmp_path):
     rows = e2e_report.rows_for([run("bf16", False, 100.0), run("fp8_tensorwise", False, 110.0),
                                 run("bf16", True, 200.0), run("fp8_tensorwise", True, 300.0)])
     assert [r.get("speed_vs_bf16") for r in rows] == [1.0, 1.1, 1.0, 1.5], "each mode against its own bf16"
+
+
+def test_a_compiled_run_with_graph_breaks_says_so_in_its_status():
+    """The row of a compiled run whose blocks broke (partly eager) is not a plain "ok"."""
+    assert e2e_runs.finished_status({"graph_breaks": 3, "compiled_graphs": 5}) == "ok, 3 graph break(s)"
+    assert e2e_runs.finished_status({"graph_breaks": 0, "compiled_graphs": 1}) == "ok"
+    assert e2e_runs.finished_status({}) == "ok", "an eager run's summary has no compile counts"
 
 
 def test_norm_baseline_runs_bf16_with_the_norm_kernel_compared_with_plain_bf16(tmp_path):
