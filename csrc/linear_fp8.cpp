@@ -66,7 +66,8 @@ constexpr const char* kXShape = "x_shape";
 constexpr const char* kDtypes = "dtypes";  // [weight dtype, bias dtype, grad_output fp8 dtype, input fp8 dtype]
 constexpr const char* kEps = "eps";        // [grad_output eps, input eps]
 constexpr const char* kPow2 = "pow2";      // grad_output pow2 | input pow2 << 1
-constexpr const char* kWeightCol = "w_col";  // FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
+// FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
+constexpr const char* kWeightCol = "w_col";
 constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
 
 bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }

@@ -10,21 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridq.nn import float8_graph
+
 from _compare import assert_bitwise
 
 IN, OUT, M = 256, 128, 64
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from hybridq.kernels import _ext
-    return _ext.available_for(torch.device("cuda")) and torch.cuda.get_device_capability() >= (8, 9)
-
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and float8_graph._cuda_fp8_ready(0)),
+    reason="needs a CUDA device with FP8 tensor cores and the extension")]
 
 # x, w, grad_output casts: (dtype, amax epsilon, power-of-2 scales); the weight's differs from the others
 CASTS = (E4, 0.0, True, E4, 4.0, False, E5, 0.0, False)

@@ -11,24 +11,17 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
+
+from hybridq.nn import float8_graph
 
 from _harness import job_several, nccl_devices, spawn
 import _one_op_jobs
 
 ONE_OP, GENERAL = "torch::autograd::CppNode<hybridq::ops::Fp8Linear>", "_LinearFunctionBackward"
 
-
-def _ready() -> bool:
-    if not nccl_devices(1):
-        return False
-    from hybridq.kernels import _ext
-    return _ext.available_for(torch.device("cuda")) and torch.cuda.get_device_capability() >= (8, 9)
-
-
-pytestmark = [pytest.mark.distributed, pytest.mark.gpu,
-              pytest.mark.skipif(not _ready(), reason="needs a CUDA device with FP8 tensor cores, the extension and "
-                                                      "NCCL")]
+pytestmark = [pytest.mark.distributed, pytest.mark.gpu, pytest.mark.skipif(
+    not (nccl_devices(1) and float8_graph._cuda_fp8_ready(0)),
+    reason="needs a CUDA device with FP8 tensor cores, the extension and NCCL")]
 
 # the per-tensor FP8 format cases the GEMM takes in every role (E5M2 x E5M2 has none), the preset, and casts that
 # all differ; each with the weight resharded after forward (refilled by the backward unshard) and kept
