@@ -28,15 +28,27 @@ from .cuda import IN_DTYPES
 from .cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
 
 
+_TRITON: list = []  # [triton_grouped_fp8 or None] once looked up (each GEMM and transpose asks: ~60 calls per step)
+
+
 def _triton():
     """triton_grouped_fp8 when Triton imports, else None (imported on first use: Triton is optional)."""
-    from . import triton_grouped_fp8
-    return triton_grouped_fp8 if triton_grouped_fp8.available() else None
+    if not _TRITON:
+        from . import triton_grouped_fp8
+        _TRITON.append(triton_grouped_fp8 if triton_grouped_fp8.available() else None)
+    return _TRITON[0]
+
+
+_OPTIONS_OK: dict[type, bool] = {}  # a quantizer class's fields are fixed: checked once per class
 
 
 def _quantizer_ok(q) -> bool:
-    return (type(q) is Float8Quantizer and q.scaling == Scaling.CURRENT
-            and {f.name for f in dataclasses.fields(q)} <= FP8_TENSOR_OPTIONS)
+    if type(q) is not Float8Quantizer or q.scaling != Scaling.CURRENT:
+        return False
+    ok = _OPTIONS_OK.get(type(q))
+    if ok is None:
+        ok = _OPTIONS_OK[type(q)] = {f.name for f in dataclasses.fields(q)} <= FP8_TENSOR_OPTIONS
+    return ok
 
 
 class CudaJaggedFP8(JaggedFP8Kernels):
@@ -48,7 +60,10 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         if in_features % 32 or out_features % 32 or not all(_quantizer_ok(q) for q in quantizers.values()):
             return False
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        if native_gemm._CAPS.setdefault(idx, torch.cuda.get_device_capability(idx)) != (9, 0):
+        cap = native_gemm._CAPS.get(idx)
+        if cap is None:  # (asked once per device, not at every call)
+            cap = native_gemm._CAPS[idx] = torch.cuda.get_device_capability(idx)
+        if cap != (9, 0):
             return False
         return _triton() is not None and _ext.available_for(device)
 

@@ -84,7 +84,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "E"])
     def _jagged_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, T, N, K, E,
-                          stride_am, stride_bg, stride_bn, stride_cm,
+                          stride_am, stride_bg, stride_bn, stride_cm, stride_sb,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, EP: tl.constexpr, PRECISE: tl.constexpr):
         pid = tl.program_id(0)
@@ -124,7 +124,7 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g)
+        scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g * stride_sb)
         c = (acc * scale).to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + (g_start + rm).to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
@@ -277,7 +277,8 @@ def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_gro
               precise: bool = False, config=None) -> torch.Tensor:
     """`out[rows of g] = a[rows of g] @ b_g^T * (a_scale_inv[g] * b_scale_inv[g])` for the E groups of `ends` (see
     the module docstring); `b_g[j, :]` starts at element `g * b_group_stride + j * b_row_stride` of `b` (contiguous
-    along K), `n` rows each. `a` fp8 `[T, K]` contiguous; result `[T, n]` in out_dtype."""
+    along K), `n` rows each. `a` fp8 `[T, K]` contiguous; result `[T, n]` in out_dtype. `b_scale_inv` fp32 `[E]` of any
+    stride (the gathered experts' scales are read in place: a column of their 16-byte aligned `[E, 4]` buffer)."""
     t, k = a.shape
     e = ends.shape[0]
     c = torch.empty(t, n, device=a.device, dtype=out_dtype)
@@ -287,6 +288,7 @@ def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_gro
     grid = ((_cdiv(t, bm) + e) * _cdiv(n, bn),)  # an upper bound of the row tiles: each group may end one partial
     LAST_COMPILED["mm"] = _jagged_mm_kernel[grid](
         a, b, c, a_scale_inv, b_scale_inv, ends, t, n, k, e, a.stride(0), b_group_stride, b_row_stride, c.stride(0),
+        b_scale_inv.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EP=max(16, _next_pow2(e)), PRECISE=precise,
         num_warps=w, num_stages=st)
     return c

@@ -160,23 +160,28 @@ class HeldFP8Experts:
     def of(cls, weight: torch.Tensor, experts: Callable[[], Sequence[torch.Tensor]]) -> "HeldFP8Experts | None":
         """The held experts, None where their rowwise parts are not per-tensor FP8 (another path runs)."""
         held = cls(weight, experts)
-        held._rowwise = held.form(ROWWISE)
+        held._rowwise = held.form(ROWWISE, in_place=True)
         return held if held._rowwise is not None else None
 
     def take_rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rowwise form `of` read (forward's), no longer referenced here after."""
         out, self._rowwise = self._rowwise, None
-        return out if out is not None else self.form(ROWWISE)
+        return out if out is not None else self.form(ROWWISE, in_place=True)
 
-    def form(self, direction: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def form(self, direction: str, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(data `[E, rows, cols]` -- rowwise `[E, N, K]`, columnwise `[E, K, N]` --, scale_inv fp32 `[E]`): views of
         the experts' stacked buffers where they are one allocation (no copy of the data), else stacked by one copy;
-        None if an expert's part is not per-tensor FP8 of one FP8 dtype."""
+        None if an expert's part is not per-tensor FP8 of one FP8 dtype. `in_place`: the stacked scales too are a
+        view (strided: a column of their 16-byte aligned `[E, 4]` buffer), read by the GEMM launched next, not kept
+        (the eager Function's GEMMs take any stride; a compiled op's outputs must be tensors of their own)."""
         stacked = self.weight.stacked_part(direction) if isinstance(self.weight, GroupedGatheredForm) else None
         if stacked is not None:
             part0, views = stacked
             if isinstance(part0, Float8TensorPart) and part0.data.dtype in FP8_DTYPES and "scale_inv" in views:
-                return views["data"], views["scale_inv"].reshape(-1).float().contiguous()
+                scale = views["scale_inv"].reshape(-1)
+                if scale.dtype != torch.float32 or not in_place:
+                    scale = scale.float().contiguous()
+                return views["data"], scale
         parts = [w.part(direction) for w in self.experts()]
         dtypes = {p.data.dtype for p in parts}
         if not all(isinstance(p, Float8TensorPart) for p in parts) or len(dtypes) != 1 or not dtypes <= set(FP8_DTYPES):
@@ -245,6 +250,8 @@ class JaggedFP8Experts(torch.autograd.Function):
             row, scale_inv = held.take_rowwise()
             wq = JaggedFP8(row, None, scale_inv)
         y, saved = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad, kernels, wq)
+        if held is not None:  # (backward reads the held weight's columnwise form, not this view of its scales)
+            saved = (*saved[:3], None)
         ctx.save_for_backward(*saved)
         ctx.groups, ctx.quantizers, ctx.name, ctx.kernels = groups, quantizers, name, kernels
         ctx.w_shape, ctx.w_dtype = tuple(weight.shape), weight.dtype
@@ -255,7 +262,7 @@ class JaggedFP8Experts(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         saved = ctx.saved_tensors
         if ctx.held is not None and ctx.needs_input_grad[0]:
-            w_col = ctx.held.form(COLUMNWISE)
+            w_col = ctx.held.form(COLUMNWISE, in_place=True)
             if w_col is None:
                 raise RuntimeError(f"hybridq: the gathered experts of {ctx.name} have no per-tensor FP8 columnwise form "
                                    f"in backward (their rowwise form was per-tensor FP8 in forward)")

@@ -376,7 +376,7 @@ def job_batched_gather(rank, world_size, device, experts=(4, 8), out_features=48
     steady-state unshard (the second; rowwise gathered, columnwise derived) by name and its Python calls, every
     expert's gathered parts against the one-device quantization of its full weight (differences listed), and the
     weight-sized FP8 tensors a forward on the gathered weight saves for backward."""
-    out = {"ops": {}, "diffs": [], "checked": 0, "calls": {}, "saved_fp8": {}}
+    out = {"ops": {}, "diffs": [], "checked": 0, "calls": {}, "saved_fp8": {}, "copied": {}}
     for name in BATCHED_FP8:
         factory = GROUPED_CASES[name][0]
         for dim in ((0, 1) if world_size > 1 else (0,)):
@@ -407,7 +407,8 @@ def job_batched_gather(rank, world_size, device, experts=(4, 8), out_features=48
                     out["checked"] += 1
                 lin.reshard()
                 out["calls"][f"{name} Shard({dim}) E={e_count}"] = _python_calls(lin.unshard)  # (steady state)
-                out["saved_fp8"][f"{name} Shard({dim}) E={e_count}"] = _saved_weight_copies(lin, factory, device)
+                case = f"{name} Shard({dim}) E={e_count}"
+                out["saved_fp8"][case], out["copied"][case] = _saved_weight_copies(lin, factory, device)
                 lin.reshard()
     return out
 
@@ -427,24 +428,56 @@ def _python_calls(fn) -> int:
     return n
 
 
-def _saved_weight_copies(lin, factory, device) -> list:
+class _GemmOperands:
+    """The jagged path's kernels (the real ones, delegated to) recording, for each grouped GEMM of forward (fprop) and
+    backward (dgrad), whether its expert operand `b` and their scales `b_scale_inv` are read where the unshard put
+    them: views of the gathered weight's stacked buffers (`GroupedWeightState.slabs`), not copies."""
+
+    def __init__(self, kernels, state):
+        self._k, self._state, self.reads = kernels, state, []
+
+    def __getattr__(self, name):
+        return getattr(self._k, name)
+
+    def mm(self, a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, *args, **kwargs):
+        slabs = {slab.untyped_storage().data_ptr() for slab, _ in self._state.slabs}
+        self.reads.append({"data": b.untyped_storage().data_ptr() in slabs,
+                           "scale_inv": b_scale_inv.untyped_storage().data_ptr() in slabs})
+        return self._k.mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, *args, **kwargs)
+
+
+def _saved_weight_copies(lin, factory, device) -> tuple[list, list]:
     """The FP8 tensors as large as the experts' weight that a forward of `lin` (its weight unsharded; every tensor in
     the weight's per-tensor FP8 format: the jagged path) saves for backward (dtype, shape), then runs the backward
-    (dgrad reads the gathered columnwise form)."""
+    (dgrad reads the gathered columnwise form); and, per grouped GEMM of the weight (fprop, dgrad), whether its
+    experts' data and scales were read in place (`_GemmOperands`)."""
+    from hybridq.nn import grouped as grouped_mod
+
     lin.recipe = hybridq.CustomRecipe(lambda role: factory(), name="all_fp8")
     e, n, k = lin.weight.shape
     splits = [3 * i + 1 for i in range(e)]
     x = torch.randn(sum(splits), k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    saved = []
+    saved, recorders = [], []
 
     def pack(t):
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.numel() >= e * n * k:
             saved.append((str(t.dtype), list(t.shape)))
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = lin(x, splits)
-    y.float().sum().backward()
-    return saved
+
+    real = grouped_mod.jagged_fp8_kernels
+
+    def recording(*args, **kwargs):
+        kernels = real(*args, **kwargs)
+        recorders.append(_GemmOperands(kernels, lin.weight._hq))
+        return recorders[-1] if kernels is not None else None
+    grouped_mod.jagged_fp8_kernels = recording
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = lin(x, splits)
+        y.float().sum().backward()
+    finally:
+        grouped_mod.jagged_fp8_kernels = real
+    return saved, [r for rec in recorders for r in rec.reads]
 
 
 class _KeptPayloadModel(nn.Module):

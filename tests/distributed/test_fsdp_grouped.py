@@ -200,6 +200,19 @@ def test_gathered_fp8_experts_are_not_copied_for_backward(batched_gather):
         assert not copies, f"world {ws} rank {rank}: weight-sized FP8 tensors saved for backward: {copies}"
 
 
+def test_gathered_fp8_experts_data_and_scales_are_read_in_place(batched_gather):
+    """The grouped GEMMs of forward (fprop) and backward (dgrad) on FSDP2-gathered per-tensor FP8 experts read the
+    experts' stacked data and scales where the unshard put them: no copy of either per call (the scales' 16-byte
+    aligned `[E, 4]` buffer is read with its stride; a copy was one more allocation and launch per GEMM)."""
+    ws, results = batched_gather
+    for rank, res in enumerate(results):
+        for case, reads in res["copied"].items():
+            assert len(reads) == 2, f"world {ws} rank {rank} {case}: expected fprop and dgrad, got {reads}"
+            copied = [r for r in reads if not all(r.values())]
+            assert not copied, f"world {ws} rank {rank} {case}: GEMM operands copied out of the gathered experts " \
+                               f"(False: a copy): {reads}"
+
+
 @pytest.fixture(scope="module", params=[pytest.param(1, id="world1"), pytest.param(2, id="world2")])
 def kept_payload(request):
     return request.param, spawn(jobs.job_kept_payload, request.param, "gloo")
