@@ -300,6 +300,71 @@ def test_nvfp4_global_amax_edge_cases(gen):
             check_quantizer(lambda: NVFP4Quantizer(**opts), x, True, True, what=f"nvfp4 {cfg} amax fill={fill}")
 
 
+def _every_16bit_value(dtype: torch.dtype, finite: bool, perm: torch.Tensor | None) -> torch.Tensor:
+    """All 65536 bit patterns of a 16-bit float as [256, 256] (non-finite ones zeroed when `finite`); `perm`
+    shuffles them so that each value meets other block maxima."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype).clone()
+    if finite:
+        x[~torch.isfinite(x)] = 0
+    if perm is not None:
+        x = x[perm]
+    return x.reshape(256, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", list(NV_CONFIGS))
+def test_nvfp4_every_16bit_input_value(dtype, cfg, gen):
+    """Every bf16 / fp16 bit pattern, in order (blocks of neighbouring values: the E2M1 grid's ties at every scale)
+    and shuffled, with and without the non-finite ones (NaN blocks take the per-element rules, inf blocks the
+    clamped forms, finite blocks the unclamped one), through both directions."""
+    opts = NV_CONFIGS[cfg]
+    perm = torch.randperm(65536, generator=gen)
+    for finite in (True, False):
+        for p in (None, perm):
+            x = _every_16bit_value(dtype, finite, p)
+            check_quantizer(lambda: NVFP4Quantizer(**opts), x, True, True,
+                            what=f"nvfp4 {cfg} every {dtype} value finite={finite} shuffled={p is not None}")
+
+
+def _next_value(v: torch.Tensor, step: int) -> torch.Tensor:
+    """The representable neighbours of positive values in v's dtype: step = +1 the next one up, -1 down."""
+    it = torch.int32 if v.dtype == torch.float32 else torch.int16
+    return (v.view(it) + step).view(v.dtype)
+
+
+def _e2m1_boundary_blocks(dtype: torch.dtype) -> torch.Tensor:
+    """[64, 64] of 16-value blocks (along rows; the transpose puts them along columns) whose values land on the E2M1
+    grid's ties and on their neighbours: with the tensor's amax 2688 the global encode scale is 1, and a block whose
+    max is 6 * 2^e gets the scale byte 2^e and the element multiplier 2^-e (exact products), e in [-8, 8]. Then blocks
+    whose scale byte is an E4M3 subnormal rounded down by up to half (largest products 6 .. 9: the clamped forms)."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    rows = []
+    for e in range(-8, 9):
+        t = (ties * 2.0 ** e).to(dtype)
+        top = torch.tensor([6.0 * 2.0 ** e]).to(dtype)
+        zero = torch.zeros(1, dtype=dtype)
+        rows.append(torch.cat([top, t, _next_value(t, 1), zero]))
+        rows.append(torch.cat([-top, -t, -_next_value(t, -1), zero]))
+    for f in (1.0, 1.25, 1.45, 1.49, 1.5, 2.9):  # block max / 6 = f * 2^-9
+        blk = torch.linspace(-1, 1, 16) * (6.0 * f * 2.0 ** -9)
+        blk[3] = 6.0 * f * 2.0 ** -9
+        rows.append(blk.to(dtype))
+    flat = torch.cat(rows).float()
+    x = torch.zeros(64 * 64)
+    x[: flat.numel()] = flat
+    x[-1] = 2688.0  # the tensor's amax: global encode scale 1
+    return x.reshape(64, 64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("cfg", list(NV_CONFIGS))
+def test_nvfp4_values_at_e2m1_rounding_boundaries(dtype, cfg):
+    x = _e2m1_boundary_blocks(dtype)
+    for t in (x, x.t().contiguous()):  # the blocks along rows, then along columns
+        check_quantizer(lambda: NVFP4Quantizer(**NV_CONFIGS[cfg]), t, True, True, what=f"nvfp4 {cfg} E2M1 ties")
+
+
 # ---- stochastic rounding ------------------------------------------------------------------------------------------
 
 def _codes(part: NVFP4Part) -> torch.Tensor:

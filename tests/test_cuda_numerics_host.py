@@ -30,25 +30,32 @@ int main() {
       printf("%u %u\n", fp8_satfinite(u2f(a), false), fp8_satfinite(u2f(a), true));
     } else if (op == 'g' && scanf(" %x", &b) == 1) {
       printf("%u\n", f2u(nvfp4_apply_global(u2f(a), u2f(b))));
-    } else if (op == 'e' || op == 'q' || op == 'd') {  // sweeps of the fast forms: bits a, a + b, ... below end
-      // e: e2m1_pack8 (nearest) vs e2m1_code; q: e2m1_pack8 (stochastic) vs e2m1_code_sr at 67 uniforms each
-      // (0, 1 - 2^-24 and the fractions between); d: nvfp4_div2688 vs x / 2688 where nvfp4_div2688_ok allows it
+    } else if (op == 'e' || op == 'f' || op == 'q' || op == 'd') {  // sweeps of the fast forms: bits a, a + b, ...
+      // below end. e: e2m1_pack8 (nearest) vs e2m1_code; f: the same without the clamp, for |v| < kE2m1NoClampBelow
+      // (the other seven values folded into that range); q: e2m1_pack8 (stochastic) vs e2m1_code_sr at 67
+      // uniforms each (0, 1 - 2^-24 and the fractions between); d: nvfp4_div2688 vs x / 2688 where
+      // nvfp4_div2688_ok allows it
       unsigned long long n = 0, bad = 0, first = 0, end = 0;
       if (scanf(" %x %llx", &b, &end) != 2) return 1;
       for (unsigned long long x = a; x < end; x += b) {
         const float v = u2f(static_cast<uint32_t>(x));
-        if (is_nan(v)) continue;
+        if (is_nan(v) || (op == 'f' && !(fabsf(v) < kE2m1NoClampBelow))) continue;
         bool ok = true;
         // e, q: v in the word's first place, seven other values of the sweep (scaled) after it: the word's layout
         float y[8] = {v};
         for (int j = 1; j < 8; ++j) {
           y[j] = u2f(static_cast<uint32_t>(x + 0x9E3779B9ull * j));
           if (is_nan(y[j])) y[j] = 0.0f;
+          if (op == 'f') y[j] = fmodf(y[j], kE2m1NoClampBelow);  // (exact; |y| < 7, the sign kept)
         }
         if (op == 'e') {
           uint32_t want = 0;
           for (int j = 0; j < 8; ++j) want |= static_cast<uint32_t>(e2m1_code(y[j])) << (4 * j);
           ok = e2m1_pack8<false>(y, nullptr) == want;
+        } else if (op == 'f') {
+          uint32_t want = 0;
+          for (int j = 0; j < 8; ++j) want |= static_cast<uint32_t>(e2m1_code(y[j])) << (4 * j);
+          ok = e2m1_pack8<false, false>(y, nullptr) == want;
         } else if (op == 'q') {
           for (uint32_t k = 0; k < (1u << 24) && ok; k += (k == (1u << 24) - 1) ? 1 : ((1u << 24) / 64 + 7)) {
             float uu[8];
@@ -210,6 +217,11 @@ ALL = 1 << 32
 SWEEPS = {
     "e2m1 nearest, every 1021st fp32": ("e", 0, 1021, ALL),
     "e2m1 nearest, every 13th in [0.125, 8]": ("e", 0x3E000000, 13, 0x41000001),  # the grid and its ties
+    # the form without the clamp (blocks whose largest product is below 7): every value of [0, 7) near the grid's ties
+    # and over all of it, both signs
+    "e2m1 nearest unclamped, every 7th in [0.125, 7)": ("f", 0x3E000000, 7, 0x40E00000),
+    "e2m1 nearest unclamped, every 7th in [-7, -0.125]": ("f", 0xBE000000, 7, 0xC0E00000),
+    "e2m1 nearest unclamped, every 1021st fp32": ("f", 0, 1021, ALL),
     "e2m1 stochastic, every 100003rd fp32": ("q", 3, 100003, ALL),
     "global factor's division by 2688, every 97th fp32": ("d", 1, 97, ALL),
 }

@@ -118,6 +118,20 @@ __device__ __forceinline__ void smem_load_row32(const T* ts, int r, int v, float
   }
 }
 
+// The 32 elements of tile row r from column 32 v as 16 packed words (16-bit tiles; element 2i in word i's low half)
+template <typename T>
+__device__ __forceinline__ void smem_load_row32_words(const T* ts, int r, int v, uint32_t (&w)[16]) {
+  static_assert(sizeof(T) == 2, "packed words of 16-bit tiles");
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 q = *reinterpret_cast<const uint4*>(ts + r * tile::TK + swz<T>(r, 4 * v + j) * 8);
+    w[4 * j] = q.x;
+    w[4 * j + 1] = q.y;
+    w[4 * j + 2] = q.z;
+    w[4 * j + 3] = q.w;
+  }
+}
+
 // Store NW*4 bytes (the first nvalid of them) with the widest aligned stores.
 template <int NW>
 __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint32_t (&w)[NW], int nvalid) {
@@ -203,6 +217,55 @@ __device__ __forceinline__ uint32_t absmax_n(const float (&x)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) m = max(m, abs_bits(x[i]));
   return m;
+}
+
+// ---- magnitudes of packed 16-bit pairs -------------------------------------------------------------------
+// max(|a|, |b|) of each 16-bit half (bf16 / fp16 by T), one instruction; a NaN in either operand gives a NaN (the
+// sign bit of a result is the xor of the operands' and means nothing: callers drop it)
+template <typename T>
+__device__ __forceinline__ uint32_t hmax_abs2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  } else {
+    asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  }
+  return r;
+}
+
+// Each half's max |x| over N words (a tree of N - 1 packed maxes)
+template <typename T, int N>
+__device__ __forceinline__ uint32_t hmax_abs_words(const uint32_t* w) {
+  static_assert(N >= 2 && (N & (N - 1)) == 0, "a power of two of words");
+  uint32_t m[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) m[i] = hmax_abs2<T>(w[2 * i], w[2 * i + 1]);
+#pragma unroll
+  for (int n = N / 4; n >= 1; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) m[i] = hmax_abs2<T>(m[2 * i], m[2 * i + 1]);
+  }
+  return m[0];
+}
+
+// The 16-bit value in the low half of h (its sign ignored) as the fp32 bits of its magnitude: equal to abs_bits of
+// the converted value for every non-NaN value, and above inf's bits for a NaN
+template <typename T>
+__device__ __forceinline__ uint32_t half_mag_bits(uint32_t h) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return (h & 0x7FFFu) << 16;
+  } else {
+    __half_raw r;
+    r.x = static_cast<unsigned short>(h & 0x7FFFu);
+    return f2u(__half2float(__half(r)));
+  }
+}
+
+// max |x| over the 2N values of N words as fp32 bits (absmax_n of the converted values, up to which NaN)
+template <typename T, int N>
+__device__ __forceinline__ uint32_t absmax_words(const uint32_t* w) {
+  const uint32_t m = hmax_abs_words<T, N>(w);
+  return half_mag_bits<T>(hmax_abs2<T>(m, m >> 16));
 }
 
 // Columns c0, c0 + 1 (c0 even) of tile rows r0 .. r0 + CV - 1 (r0 even): values as fp32

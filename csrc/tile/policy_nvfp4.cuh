@@ -117,14 +117,23 @@ struct Nvfp4Policy {
 
   static __device__ __forceinline__ void tile_scales(const Ctx&, const Args&, const uint32_t*, const TilePos&) {}
 
-  // one block of 16 values times its element multiplier -> two words of E2M1 codes. A block without NaN (its amax
-  // bits below inf's: no product is NaN, enc being finite and positive) takes the fast forms of numerics.cuh;
-  // NaN's code carries no sign, which the per-element rules of e2m1_code / e2m1_code_sr give.
+  // one block of 16 values times its element multiplier -> two words of E2M1 codes. Three forms, by the block's
+  // largest product fl(amax * enc) (fl(|x| enc) is monotonic in |x|, so it bounds every |y|): below
+  // kE2m1NoClampBelow (every ordinary block) the rounding without the per-value clamp; else, no NaN in the block
+  // (its amax bits below inf's; enc is finite and positive, so no product is NaN), the clamped fast forms of
+  // numerics.cuh; else the per-element rules, whose NaN code carries no sign. Stochastic rounding clamps always.
   static __device__ __forceinline__ void encode16(const float (&g)[16], float enc, const float (&u)[16],
                                                   uint32_t amax_bits, uint32_t& w0, uint32_t& w1) {
     float y[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) y[j] = g[j] * enc;
+    if constexpr (!SR) {
+      if (u2f(amax_bits) * enc < kE2m1NoClampBelow) {  // (false for a NaN amax)
+        w0 = e2m1_pack8<false, false>(y, u);
+        w1 = e2m1_pack8<false, false>(y + 8, u + 8);
+        return;
+      }
+    }
     if (amax_bits <= 0x7F800000u) {
       w0 = e2m1_pack8<SR>(y, u);
       w1 = e2m1_pack8<SR>(y + 8, u + 8);
@@ -140,30 +149,39 @@ struct Nvfp4Policy {
     }
   }
 
-  // two blocks of 16
+  // 16-bit inputs come to row_raw / col_raw as the tile's packed words (two values each): the block amaxes of the
+  // plain 1-D blocks are packed maxes of magnitudes (absmax_words: one instruction per 4 values instead of 6)
+  static constexpr bool kRawWords = !SR;
+
+  // a 16-bit value (the low half of h) as fp32: exact; a NaN stays a NaN (which one does not matter here: NaN
+  // blocks take the per-element rules, whose NaN code has no sign, and the transform rounds a NaN to bf16's)
   template <typename T>
-  static __device__ __forceinline__ void row(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
-                                             const TilePos& p, const float (&xv)[tile::VR], int r, int v, int64_t gm,
-                                             int64_t gk, int nvalid, bool row_in, uint32_t (&w)[tile::VR / 8]) {
-    using tile::TK;
+  static __device__ __forceinline__ float raw_f32(uint32_t h) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      return u2f(h << 16);
+    } else {
+      __half_raw r;
+      r.x = static_cast<unsigned short>(h & 0xFFFFu);
+      return __half2float(__half(r));
+    }
+  }
+
+  // a row task's two blocks of 16 (1-D: am = their amaxes; 2-D: the tiles')
+  static __device__ __forceinline__ void row_blocks(Ctx& c, const Shared& sh, const Args& a, const TilePos& p,
+                                                    const float (&xv)[tile::VR], const uint32_t (&am)[2], int64_t gm,
+                                                    int64_t gk, int nvalid, bool row_in, uint32_t (&w)[tile::VR / 8]) {
     const int64_t K = p.K;
     const bool grouped = a.row_group != nullptr;
     Nvfp4Group grp{c.s_enc_row, c.offset, 0, p.M};
     if (grouped) grp = nvfp4_group_of(a, a.amax_row, row_in ? gm : 0, c.offset);
-    uint8_t scb[2];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) w[q] = 0u;
+    const uint32_t sc2 = nvfp4_block_scale2(u2f(am[0]), grp.s_enc, u2f(am[1]), grp.s_enc);
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       float g[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) g[i] = xv[16 * b + i];
-      uint32_t tam;
-      if constexpr (TWO_D) tam = tile_amax[(r / 16) * (TK / 16) + 2 * v + b];
-      else tam = absmax_n(g);
-      const uint8_t sc = nvfp4_block_scale(u2f(tam), grp.s_enc);
-      const float enc = grouped ? nvfp4_elem_mult(sc, grp.s_enc) : sh.enc_tab[0][sc];
-      scb[b] = sc;
+      const uint32_t sc = (sc2 >> (8 * b)) & 0xFFu;
+      const float enc = grouped ? nvfp4_elem_mult(static_cast<uint8_t>(sc), grp.s_enc) : sh.enc_tab[0][sc];
       float u[16];
       if constexpr (SR) {
         // K % 16 == 0: idx % 16 == 0
@@ -176,59 +194,118 @@ struct Nvfp4Policy {
           for (int j = 0; j < 4; ++j) u[4 * q + j] = u4[j];
         }
       }
-      encode16(g, enc, u, tam, w[2 * b], w[2 * b + 1]);
+      encode16(g, enc, u, am[b], w[2 * b], w[2 * b + 1]);
     }
     // the two scale bytes: one 16-bit store where aligned (K % 32 == 0: gk / 16 is even)
     uint8_t* rs = static_cast<uint8_t*>(a.row_s) + gm * (K / 16) + gk / 16;
     if (nvalid >= 32 && (reinterpret_cast<uintptr_t>(rs) & 1) == 0) {
-      *reinterpret_cast<uint16_t*>(rs) = static_cast<uint16_t>(scb[0] | (scb[1] << 8));
+      *reinterpret_cast<uint16_t*>(rs) = static_cast<uint16_t>(sc2);
     } else {
-      if (nvalid > 0) rs[0] = scb[0];
-      if (nvalid > 16) rs[1] = scb[1];
+      if (nvalid > 0) rs[0] = static_cast<uint8_t>(sc2);
+      if (nvalid > 16) rs[1] = static_cast<uint8_t>(sc2 >> 8);
     }
   }
 
-  // two blocks of 16 rows of one column; 1-D: through the RHT when a.rht. The scale bytes are staged
-  // (store_col_scales writes them).
+  // two blocks of 16 (fp32 input)
   template <typename T>
-  static __device__ __forceinline__ void col(Ctx& c, Shared& sh, const Args& a, const uint32_t* tile_amax,
-                                             const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
-                                             int ch, int64_t gk, int64_t gm0, int,
-                                             uint32_t (&w)[tile::CV / 8]) {
-    using tile::CV;
-    using tile::TK;
+  static __device__ __forceinline__ void row(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
+                                             const TilePos& p, const float (&xv)[tile::VR], int r, int v, int64_t gm,
+                                             int64_t gk, int nvalid, bool row_in, uint32_t (&w)[tile::VR / 8]) {
+    uint32_t am[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if constexpr (TWO_D) {
+        am[b] = tile_amax[(r / 16) * (tile::TK / 16) + 2 * v + b];
+      } else {
+        float g[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) g[i] = xv[16 * b + i];
+        am[b] = absmax_n(g);
+      }
+    }
+    row_blocks(c, sh, a, p, xv, am, gm, gk, nvalid, row_in, w);
+  }
+
+  // two blocks of 16 from 16 packed words (16-bit input)
+  template <typename T>
+  static __device__ __forceinline__ void row_raw(Ctx& c, const Shared& sh, const Args& a, const uint32_t* tile_amax,
+                                                 const TilePos& p, const uint32_t (&xw)[tile::VR / 2], int r, int v,
+                                                 int64_t gm, int64_t gk, int nvalid, bool row_in,
+                                                 uint32_t (&w)[tile::VR / 8]) {
+    uint32_t am[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if constexpr (TWO_D) am[b] = tile_amax[(r / 16) * (tile::TK / 16) + 2 * v + b];
+      else am[b] = absmax_words<T, 8>(xw + 8 * b);
+    }
+    float xv[tile::VR];
+#pragma unroll
+    for (int i = 0; i < tile::VR / 2; ++i) {
+      xv[2 * i] = raw_f32<T>(xw[i]);
+      xv[2 * i + 1] = raw_f32<T>(xw[i] >> 16);
+    }
+    row_blocks(c, sh, a, p, xv, am, gm, gk, nvalid, row_in, w);
+  }
+
+  // two blocks of 16 rows of one column (have_am: am holds their amaxes; else 1-D, through the RHT when a.rht, and
+  // the amaxes of the (transformed) values). The scale bytes are staged (store_col_scales writes them).
+  template <typename T>
+  static __device__ __forceinline__ void col_blocks(Ctx& c, Shared& sh, const Args& a, const TilePos& p,
+                                                    float (&xv)[tile::CV], bool have_am, uint32_t (&am)[2], int col,
+                                                    int ch, int64_t gk, int64_t gm0, uint32_t (&w)[tile::CV / 8]) {
+    static_assert(tile::CV == 32, "two blocks of 16 rows per column task");
     const int64_t M = p.M, K = p.K;
     const bool grouped = a.row_group != nullptr;
+    // 16x16 tiles: one global amax for both directions (amax_row; amax_col without row groups is the same)
+    const float* const g_amax = TWO_D ? a.amax_row : a.amax_col;
+    const Nvfp4Group base{TWO_D ? c.s_enc_row : c.s_enc_col, c.offset, 0, M};
+    // block b's row group (a block lies in one; its first row gm0 + 16 b, clamped: rows outside are not stored)
+    auto group = [&](int b) {
+      const int64_t gm = gm0 + 16 * b;
+      return grouped ? nvfp4_group_of(a, g_amax, gm < M ? gm : 0, c.offset) : base;
+    };
+    if constexpr (!TWO_D) {
+      if (!have_am) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) w[q] = 0u;
+        for (int b = 0; b < 2; ++b) {
+          float g[16];
 #pragma unroll
-    for (int b = 0; b < CV / 16; ++b) {
+          for (int i = 0; i < 16; ++i) g[i] = xv[16 * b + i];
+          if (a.rht) {
+            if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
+#pragma unroll
+              for (int i = 0; i < 16; ++i) g[i] = round_bf16(g[i]);
+            }
+            rht16_forward(g);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) xv[16 * b + i] = g[i];
+          }
+          am[b] = absmax_n(g);
+        }
+      }
+    }
+    // both scale bytes by one paired conversion (stochastic rounding: per block, which keeps its registers down)
+    uint32_t sc2 = 0;
+    if constexpr (!SR) {
+      sc2 = nvfp4_block_scale2(u2f(am[0]), group(0).s_enc, u2f(am[1]), group(1).s_enc);
+      *reinterpret_cast<uint16_t*>(&sh.col_sc[col][2 * ch]) = static_cast<uint16_t>(sc2);
+    }
+    constexpr int tab = TWO_D ? 0 : 1;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
       float g[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) g[i] = xv[16 * b + i];
-      const int64_t gm = gm0 + 16 * b;  // the block's first row (a block lies in one row group)
-      // 16x16 tiles: one global amax for both directions (amax_row; amax_col without row groups is the same)
-      Nvfp4Group grp{TWO_D ? c.s_enc_row : c.s_enc_col, c.offset, 0, M};
-      if (grouped) grp = nvfp4_group_of(a, TWO_D ? a.amax_row : a.amax_col, gm < M ? gm : 0, c.offset);
-      uint32_t bam;
-      int tab;
-      if constexpr (TWO_D) {
-        bam = tile_amax[((ch * CV + 16 * b) / 16) * (TK / 16) + col / 16];
-        tab = 0;
+      const int64_t gm = gm0 + 16 * b;
+      const Nvfp4Group grp = group(b);
+      uint32_t s;
+      if constexpr (SR) {
+        s = nvfp4_block_scale(u2f(am[b]), grp.s_enc);
+        sh.col_sc[col][2 * ch + b] = static_cast<uint8_t>(s);
       } else {
-        if (a.rht) {
-          if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) g[i] = round_bf16(g[i]);
-          }
-          rht16_forward(g);
-        }
-        bam = absmax_n(g);
-        tab = 1;
+        s = (sc2 >> (8 * b)) & 0xFFu;
       }
-      const uint8_t s = nvfp4_block_scale(u2f(bam), grp.s_enc);
-      const float enc = grouped ? nvfp4_elem_mult(s, grp.s_enc) : sh.enc_tab[tab][s];
-      sh.col_sc[col][2 * ch + b] = s;
+      const float enc = grouped ? nvfp4_elem_mult(static_cast<uint8_t>(s), grp.s_enc) : sh.enc_tab[tab][s];
       float u[16];
       if constexpr (SR) {
         if constexpr (TWO_D) {  // the same draw as the rowwise element (m, k): columnwise = transpose
@@ -252,8 +329,69 @@ struct Nvfp4Policy {
           }
         }
       }
-      encode16(g, enc, u, bam, w[2 * b], w[2 * b + 1]);
+      encode16(g, enc, u, am[b], w[2 * b], w[2 * b + 1]);
     }
+  }
+
+  // one column of the task (fp32 input)
+  template <typename T>
+  static __device__ __forceinline__ void col(Ctx& c, Shared& sh, const Args& a, const uint32_t* tile_amax,
+                                             const uint32_t*, const TilePos& p, const float (&xv)[tile::CV], int col,
+                                             int ch, int64_t gk, int64_t gm0, int,
+                                             uint32_t (&w)[tile::CV / 8]) {
+    float x[tile::CV];
+#pragma unroll
+    for (int i = 0; i < tile::CV; ++i) x[i] = xv[i];
+    uint32_t am[2] = {0u, 0u};
+    if constexpr (TWO_D) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) am[b] = tile_amax[((ch * tile::CV + 16 * b) / 16) * (tile::TK / 16) + col / 16];
+    }
+    col_blocks<T>(c, sh, a, p, x, TWO_D, am, col, ch, gk, gm0, w);
+  }
+
+  // 16-bit input: before a task's two columns, each half of pm[b] = that column's max |x| over the rows of block b
+  // (1-D without the transform; else unused)
+  template <typename T>
+  static __device__ __forceinline__ void col_pair_amax(const Args& a, const uint32_t (&wr)[tile::CV],
+                                                       uint32_t (&pm)[tile::CV / 16]) {
+#pragma unroll
+    for (int b = 0; b < tile::CV / 16; ++b) pm[b] = 0u;
+    if constexpr (!TWO_D) {
+      if (!a.rht) {
+#pragma unroll
+        for (int b = 0; b < tile::CV / 16; ++b) pm[b] = hmax_abs_words<T, 16>(wr + 16 * b);
+      }
+    }
+  }
+
+  // column t (0: the low halves of wr, 1: the high halves) of the task's pair
+  template <typename T>
+  static __device__ __forceinline__ void col_raw(Ctx& c, Shared& sh, const Args& a, const uint32_t* tile_amax,
+                                                 const TilePos& p, const uint32_t (&wr)[tile::CV], int t,
+                                                 const uint32_t (&pm)[tile::CV / 16], int col, int ch, int64_t gk,
+                                                 int64_t gm0, uint32_t (&w)[tile::CV / 8]) {
+    float x[tile::CV];
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      const uint32_t sel = t ? 0x3244u : 0x1044u;  // the half to the top, zeros below: its fp32 bits
+#pragma unroll
+      for (int i = 0; i < tile::CV; ++i) x[i] = u2f(byte_perm(wr[i], 0u, sel));
+    } else {
+      const uint32_t sel = t ? 0x4432u : 0x4410u;
+#pragma unroll
+      for (int i = 0; i < tile::CV; ++i) x[i] = raw_f32<T>(byte_perm(wr[i], 0u, sel));
+    }
+    uint32_t am[2];
+    bool have_am = true;
+    if constexpr (TWO_D) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) am[b] = tile_amax[((ch * tile::CV + 16 * b) / 16) * (tile::TK / 16) + col / 16];
+    } else {
+      have_am = !a.rht;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) am[b] = half_mag_bits<T>(t ? pm[b] >> 16 : pm[b]);
+    }
+    col_blocks<T>(c, sh, a, p, x, have_am, am, col, ch, gk, gm0, w);
   }
 
   // the staged scale bytes of tile column col (blocks of rows m0 + 16 j, those inside the tensor; M % 16 == 0)

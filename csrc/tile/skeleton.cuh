@@ -47,6 +47,12 @@
 
 namespace hybridq {
 
+// Policies with kRawWords = true take 16-bit inputs as the tile's packed words (row_raw, col_pair_amax, col_raw)
+template <class P, class = void>
+struct RawWords : std::false_type {};
+template <class P>
+struct RawWords<P, std::void_t<decltype(P::kRawWords)>> : std::integral_constant<bool, P::kRawWords> {};
+
 // Where the current tile is, for the policies' scale indexing and bounds
 struct TilePos {
   int64_t M, K;
@@ -100,6 +106,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   const bool row_vec16 = a.row_q != nullptr && row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(a.row_q) & 15) == 0;
   const bool col_vec16 = a.col_q != nullptr && col_pitch % 16 == 0 && (reinterpret_cast<uintptr_t>(a.col_q) & 15) == 0;
   const bool transpose_cols = P::kColFromRow && a.rowwise && a.columnwise;
+  constexpr bool RAW = RawWords<P>::value && sizeof(T) == 2;
   uint32_t* const byte_tile = reinterpret_cast<uint32_t*>(so);  // [TM][TK / 4] words, byte_tile_word (fits in so)
 
   // per-CTA values of the format (visible to other threads after the first barrier of the tile loop)
@@ -198,10 +205,16 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
         const bool row_in = full || gm < M;
         int nvalid = VR;  // elements of this task inside the tensor
         if (!full) nvalid = row_in ? static_cast<int>(min64(VR, max64(0, K - gk))) : 0;
-        float xv[VR];
-        smem_load_row32(ts, r, v, xv);
         uint32_t w[ROW_WORDS];
-        P::template row<T>(ctx, s_pol, a, s_tile_amax, pos, xv, r, v, gm, gk, nvalid, row_in, w);
+        if constexpr (RAW) {
+          uint32_t xw[VR / 2];
+          smem_load_row32_words(ts, r, v, xw);
+          P::template row_raw<T>(ctx, s_pol, a, s_tile_amax, pos, xw, r, v, gm, gk, nvalid, row_in, w);
+        } else {
+          float xv[VR];
+          smem_load_row32(ts, r, v, xv);
+          P::template row<T>(ctx, s_pol, a, s_tile_amax, pos, xv, r, v, gm, gk, nvalid, row_in, w);
+        }
         if constexpr (P::kColFromRow) {
           if (transpose_cols) {
 #pragma unroll
@@ -296,21 +309,27 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
           __syncthreads();  // every chunk amax of the tile is in s_part
         }
         if (!has_task) continue;
+        uint32_t pm[CV / 16];  // RAW: the pair's packed block amaxes
+        if constexpr (RAW) P::template col_pair_amax<T>(a, wr, pm);
 #pragma unroll 1
         for (int t = 0; t < 2; ++t) {
           const int c = c0 + t;
           const int64_t gk = k0 + c;
-          const int nvalid = full ? CV : (gk < K ? static_cast<int>(min64(CV, max64(0, M - gm0))) : 0);
-          float xv[CV];
-          if constexpr (sizeof(T) == 4) {
-#pragma unroll
-            for (int i = 0; i < CV; ++i) xv[i] = to_f32(ts[tile_off<T>(ch * CV + i, c)]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < CV; ++i) xv[i] = half_bits_to_f32<T>(t ? (wr[i] >> 16) : wr[i]);
-          }
           uint32_t w[COL_WORDS];
-          P::template col<T>(ctx, s_pol, a, s_tile_amax, s_part, pos, xv, c, ch, gk, gm0, nvalid, w);
+          if constexpr (RAW) {
+            P::template col_raw<T>(ctx, s_pol, a, s_tile_amax, pos, wr, t, pm, c, ch, gk, gm0, w);
+          } else {
+            const int nvalid = full ? CV : (gk < K ? static_cast<int>(min64(CV, max64(0, M - gm0))) : 0);
+            float xv[CV];
+            if constexpr (sizeof(T) == 4) {
+#pragma unroll
+              for (int i = 0; i < CV; ++i) xv[i] = to_f32(ts[tile_off<T>(ch * CV + i, c)]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < CV; ++i) xv[i] = half_bits_to_f32<T>(t ? (wr[i] >> 16) : wr[i]);
+            }
+            P::template col<T>(ctx, s_pol, a, s_tile_amax, s_part, pos, xv, c, ch, gk, gm0, nvalid, w);
+          }
           uint4* dst = reinterpret_cast<uint4*>(so);
 #pragma unroll
           for (int q = 0; q < COL_WORDS / 4; ++q)
