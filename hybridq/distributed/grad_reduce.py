@@ -144,6 +144,17 @@ def decode(payload: torch.Tensor, n: int, wire: Wire) -> torch.Tensor:
     return part.dequantize_2d()[:, :n]
 
 
+def _premul_factor(op):
+    """The factor of a PREMUL_SUM ReduceOp (a float or a tensor), None if unreadable. torch 2.13's ReduceOp has
+    `.factor`; torch 2.11's (what its FSDP2 builds with `_make_nccl_premul_sum`) has not, but on both its pickle
+    state is `(op, factor)`."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        state = op.__getstate__() if hasattr(op, "__getstate__") else None
+        factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+    return factor
+
+
 def _op_factor(op, world_size: int) -> tuple[str, float | None]:
     """("div", W) for AVG, ("mul", f) for PREMUL_SUM(f), ("none", None) for SUM; ValueError for anything else."""
     kind = getattr(op, "op", op)  # a ReduceOp object (PREMUL_SUM) or a RedOpType
@@ -152,7 +163,7 @@ def _op_factor(op, world_size: int) -> tuple[str, float | None]:
     if kind == dist.ReduceOp.AVG:
         return "div", float(world_size)
     if kind == dist.ReduceOp.PREMUL_SUM:
-        factor = getattr(op, "factor", None)
+        factor = _premul_factor(op)
         if factor is None:
             raise ValueError("hybridq grad_reduce: FSDP2 passed PREMUL_SUM without a readable factor on this torch; "
                              "call set_force_sum_reduction_for_comms(True) on the FSDP modules")

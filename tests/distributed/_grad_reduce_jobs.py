@@ -20,6 +20,7 @@ import _jobs
 from _models import TinyLM, loss_fn, make_batches, micro_seed
 
 WIRES = ("bf16", "mxfp8")
+DIVIDE_FACTOR = 3.0  # not the world size (FSDP2 would pass AVG)
 
 
 # ---- the wire as its specification says, chunk by chunk, through the format module ---------------------------
@@ -49,9 +50,17 @@ def spec_reduce(inputs: list[torch.Tensor], rank: int, wire: str, op_kind: str, 
     return {"avg": lambda a: a / w, "premul": lambda a: a * factor, "sum": lambda a: a}[op_kind](acc)
 
 
+def premul_sum(factor: float):
+    """PREMUL_SUM(factor) as this torch's FSDP2 builds it: `ReduceOp.PREMUL_SUM(f)` on torch 2.13; on 2.11
+    `ReduceOp.PREMUL_SUM` is not callable and FSDP2 calls `_make_nccl_premul_sum(f)` (an op without `.factor`)."""
+    if callable(dist.ReduceOp.PREMUL_SUM):
+        return dist.ReduceOp.PREMUL_SUM(factor)
+    return dist._make_nccl_premul_sum(factor)
+
+
 def _op(kind: str, factor: float):
     return {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM,
-            "premul": dist.ReduceOp.PREMUL_SUM(factor) if kind == "premul" else None}[kind]
+            "premul": premul_sum(factor) if kind == "premul" else None}[kind]
 
 
 def _inputs(world_size: int, n: int, seed: int) -> list[torch.Tensor]:
@@ -69,14 +78,15 @@ def _inputs(world_size: int, n: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
-def _fp32_reduce(x: torch.Tensor, op, group=None) -> torch.Tensor:
-    """FSDP2's fp32 reduce-scatter result (gloo has no PREMUL_SUM: sum, then the factor)."""
+def _fp32_reduce(x: torch.Tensor, op, group=None, factor: float | None = None) -> torch.Tensor:
+    """FSDP2's fp32 reduce-scatter result (gloo has no PREMUL_SUM: sum, then `factor`, the one the op was built
+    with: torch 2.11's op does not tell it)."""
     w = dist.get_world_size(group)
     out = torch.empty(x.numel() // w)
     kind = getattr(op, "op", op)
     if kind == dist.ReduceOp.PREMUL_SUM:
         dist.reduce_scatter_tensor(out, x.clone(), op=dist.ReduceOp.SUM, group=group)
-        return out * op.factor
+        return out * factor
     dist.reduce_scatter_tensor(out, x.clone(), op=op, group=group)
     return out
 
@@ -113,7 +123,7 @@ def job_comm(rank, world_size, device, n: int = 200):
             for r in range(world_size):
                 if not torch.equal(every[r], rep[r]):
                     res["replica"].append(f"{where}: shard of rank {r} differs from the replica's")
-            f32 = _fp32_reduce(buf, op)
+            f32 = _fp32_reduce(buf, op, factor=factor)
             err = (out.double() - f32.double()).abs()
             bound = error_bound(inputs, f32, rank, Wire(wire), op)
             if not bool((err <= bound).all()):
@@ -154,8 +164,9 @@ class CheckedComm:
     against the replica (`reduce_reference`) and within `error_bound` of the fp32 reduce-scatter (FSDP2's
     default, run on a copy), and records the reduce ops FSDP2 passed."""
 
-    def __init__(self, inner: QuantizedReduceScatter, log: dict):
+    def __init__(self, inner: QuantizedReduceScatter, log: dict, divide_factor: float | None = None):
         self.inner, self.log = inner, log
+        self.premul = None if divide_factor is None else 1.0 / divide_factor  # (FSDP2's PREMUL_SUM factor)
 
     def allocate(self, size, *, dtype, device):
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -166,7 +177,7 @@ class CheckedComm:
         every = torch.empty(w * input_tensor.numel(), dtype=input_tensor.dtype)
         dist.all_gather_into_tensor(every, input_tensor.contiguous(), group=group)
         inputs = list(every.view(w, -1))
-        f32 = _fp32_reduce(input_tensor.float(), op, group)
+        f32 = _fp32_reduce(input_tensor.float(), op, group, self.premul)
         self.inner(output_tensor, input_tensor, group, op, async_op)
         name = f"{self.inner.name} call {self.inner.calls}"
         if not torch.equal(output_tensor.float(), reduce_reference(inputs, self.inner.wire, op)[rank]):
@@ -181,7 +192,7 @@ class CheckedComm:
 
 
 def _train(rank, world_size, device, wire: str, steps: int, mesh_shape=None, check=True, preset="mxfp8",
-           save_to=None):
+           save_to=None, divide_factor: float | None = None):
     shard, mp = _jobs._fsdp(device, world_size, mesh_shape)  # (replicate, shard) mesh: HSDP
     torch.manual_seed(0)
     model = TinyLM()
@@ -189,6 +200,9 @@ def _train(rank, world_size, device, wire: str, steps: int, mesh_shape=None, che
     for blk in model.blocks:
         shard(blk, mp_policy=mp)
     shard(model, mp_policy=mp)
+    if divide_factor is not None:  # FSDP2 then passes PREMUL_SUM(1 / divide_factor) to the comm
+        for m in (*model.blocks, model):
+            m.set_gradient_divide_factor(divide_factor)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     batches = make_batches(steps, world_size, 1)
     log = {"replica": [], "bound": [], "worst": 0.0, "ops": set(), "expected_sent": 0}
@@ -200,7 +214,7 @@ def _train(rank, world_size, device, wire: str, steps: int, mesh_shape=None, che
         if step == 0 and check and wire != "fp32":  # installed by the forward just run: wrap it
             for name, comm in model._hybridq_grad_reduce.comms.items():
                 mod = model if name == "<model>" else model.get_submodule(name)
-                mod.set_custom_reduce_scatter(CheckedComm(comm, log))
+                mod.set_custom_reduce_scatter(CheckedComm(comm, log, divide_factor))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -236,6 +250,10 @@ def job_training(rank, world_size, device, steps: int = 3, hsdp: bool = False):
         _, _, r = _train(rank, world_size, device, "mxfp8", 2, mesh_shape=(2, world_size // 2))
         out["hsdp"] = {"replica": r["log"]["replica"], "bound": r["log"]["bound"], "ops": sorted(r["log"]["ops"]),
                        "calls": r["bytes"]["calls"], "losses": r["losses"]}
+    # set_gradient_divide_factor: the op FSDP2 builds on this torch (torch 2.11's carries no `.factor`)
+    _, _, r = _train(rank, world_size, device, "bf16", 2, divide_factor=DIVIDE_FACTOR)
+    out["divide_factor"] = {"replica": r["log"]["replica"], "bound": r["log"]["bound"],
+                            "ops": sorted(r["log"]["ops"]), "calls": r["bytes"]["calls"]}
     return out
 
 

@@ -97,6 +97,38 @@ def test_training_every_reduce_within_bound_and_bitwise_the_replica(world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
+def test_training_with_a_gradient_divide_factor_reduces_by_it(world_size):
+    """set_gradient_divide_factor(3): FSDP2 passes PREMUL_SUM(1/3) as this torch builds it (torch 2.11's op has no
+    `.factor`); every call bitwise the replica and within the bound of the fp32 reduce-scatter times 1/3."""
+    for rank, r in enumerate(_run(world_size)):
+        t = r["training"]["divide_factor"]
+        assert t["calls"] > 0, f"rank {rank}: the comm never ran"
+        assert t["ops"] == ["RedOpType.PREMUL_SUM"], f"rank {rank}: FSDP2 passed {t['ops']}"
+        assert not t["replica"], f"rank {rank}: FSDP2 reduce-scatter differs from the replica: {t['replica']}"
+        assert not t["bound"], f"rank {rank}: not the fp32 reduce-scatter times 1/3 within the bound: {t['bound']}"
+
+
+def _fsdp2_premul_op(divide_factor: float):
+    """The reduce-scatter op this torch's FSDP2 passes for `set_gradient_divide_factor(divide_factor)` (its own
+    function: torch 2.13 builds `ReduceOp.PREMUL_SUM(1/f)`, torch 2.11 `_make_nccl_premul_sum(1/f)`)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    return _get_gradient_divide_factors(None, None, torch.float32, "cuda", divide_factor, False)[2]
+
+
+# on the GPU machine too: its torch (2.11) builds the op without `.factor` (CI's 2.13 has it)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_the_premul_op_fsdp2_builds_scales_the_sum_by_its_factor(device):
+    from hybridq.distributed.grad_reduce import reduce_received
+
+    op = _fsdp2_premul_op(3.0)
+    received = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).to(device)
+    got = reduce_received(received, op, 2)
+    want = (received[0] + received[1]) * (1.0 / 3.0)
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item()!r}: not the sum times 1/3"
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
 def test_training_losses_track_fp32_wire(world_size):
     r = _run(world_size)[0]["training"]
     base = r["fp32"]["losses"]
