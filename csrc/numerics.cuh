@@ -439,31 +439,57 @@ HQ_HD void rht16_inverse(float (&g)[16]) {
 }
 
 // ---- Philox4x32-10 (stochastic rounding) ------------------------------------------------------------
-HQ_HD void philox4x32_10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
+// The ten rounds' keys of a seed: (k0 + r * 0x9E3779B9, k1 + r * 0xBB67AE85). A kernel makes them once (its seed is
+// the launch's): the compiler keeps them in uniform registers, and each round of every draw XORs one in instead of
+// also adding the key increments (2 of the 6 instructions of a round).
+struct PhiloxKeys {
+  uint32_t k[2][10];
+};
+
+HQ_HD PhiloxKeys philox_round_keys(uint64_t seed) {
+  PhiloxKeys p;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    p.k[0][r] = k0;
+    p.k[1][r] = k1;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return p;
+}
+
+HQ_HD void philox4x32_10(uint32_t (&c)[4], const PhiloxKeys& key) {
 #pragma unroll
   for (int r = 0; r < 10; ++r) {
     const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c[0];
     const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c[2];
     const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
     const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
-    c[0] = hi1 ^ c[1] ^ k0;
+    c[0] = hi1 ^ c[1] ^ key.k[0][r];
     c[1] = lo1;
-    c[2] = hi0 ^ c[3] ^ k1;
+    c[2] = hi0 ^ c[3] ^ key.k[1][r];
     c[3] = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
   }
 }
 
-// four uniforms in [0, 1) for elements 4*group .. 4*group+3 of stream `stream`
-HQ_HD void philox_uniform4(uint64_t seed, uint64_t offset, uint32_t stream, uint64_t group, float (&u)[4]) {
+HQ_HD void philox4x32_10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
+  philox4x32_10(c, philox_round_keys(static_cast<uint64_t>(k0) | (static_cast<uint64_t>(k1) << 32)));
+}
+
+// four uniforms in [0, 1) for elements 4*group .. 4*group+3 of stream `stream` (keys: philox_round_keys(seed))
+HQ_HD void philox_uniform4(const PhiloxKeys& keys, uint64_t offset, uint32_t stream, uint64_t group, float (&u)[4]) {
   uint32_t c[4] = {static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32),
                    static_cast<uint32_t>(offset) + stream, static_cast<uint32_t>(offset >> 32)};
-  philox4x32_10(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  philox4x32_10(c, keys);
 #pragma unroll
   // (c >> 8) * 2^-24, exactly: the bits c >> 8 are that integer times 2^-149 (a subnormal), and * 2^125 is exact --
   // an integer-to-float conversion is a quarter-rate instruction
   for (int i = 0; i < 4; ++i) u[i] = u2f(c[i] >> 8) * 0x1p125f;
+}
+
+HQ_HD void philox_uniform4(uint64_t seed, uint64_t offset, uint32_t stream, uint64_t group, float (&u)[4]) {
+  philox_uniform4(philox_round_keys(seed), offset, stream, group, u);
 }
 
 }  // namespace hybridq

@@ -90,6 +90,13 @@ int main() {
           bad += f2u(u[i]) != f2u(static_cast<float>(c[i] >> 8) * (1.0f / 16777216.0f));
       }
       printf("%llu\n", bad);
+    } else if (op == 'k') {  // philox4x32_10 of the counter a, b1, b2, b3 under the key b4, b5 (with precomputed keys)
+      uint32_t w[5];
+      for (int j = 0; j < 5; ++j)
+        if (scanf(" %x", &w[j]) != 1) return 1;
+      uint32_t c[4] = {a, w[0], w[1], w[2]};
+      philox4x32_10(c, philox_round_keys(static_cast<uint64_t>(w[3]) | (static_cast<uint64_t>(w[4]) << 32)));
+      printf("%x %x %x %x\n", c[0], c[1], c[2], c[3]);
     } else if (op == 'v') {  // e2m1_value_fast vs e2m1_value, the 16 codes
       for (uint32_t c = 0; c < 16; ++c) printf("%u%c", f2u(e2m1_value_fast(c)) == f2u(e2m1_value(c)) ? 1 : 0, c == 15 ? '\n' : ' ');
     } else if (op == 'r' || op == 'i') {  // a 16-point transform of the group a, b1..b15 (fp32 bits)
@@ -238,6 +245,23 @@ def test_fast_element_forms_equal_the_per_element_rules(numerics_bin, case):
 def test_fast_e2m1_value_equals_the_table(numerics_bin):
     same = _run(numerics_bin, ["v 0"])[0].split()
     assert same == ["1"] * 16, f"e2m1_value_fast differs from e2m1_value for codes {[i for i, s in enumerate(same) if s != '1']}"
+
+
+# Random123's known-answer vectors for Philox4x32-10 (counter words, key words -> output words)
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("kat", range(len(PHILOX_KAT)))
+def test_philox_with_precomputed_round_keys_matches_the_known_answers(numerics_bin, kat):
+    ctr, key, want = PHILOX_KAT[kat]
+    line = "k " + " ".join(f"{v:x}" for v in ctr + key)
+    got = tuple(int(t, 16) for t in _run(numerics_bin, [line])[0].split())
+    assert got == want, f"philox4x32_10({ctr}, key {key}) = {[hex(g) for g in got]}, want {[hex(w) for w in want]}"
 
 
 def test_stochastic_rounding_uniforms_are_the_counters_top_24_bits(numerics_bin):

@@ -100,11 +100,15 @@ struct Nvfp4Policy {
   struct Ctx {
     float s_enc_row, s_enc_col;
     uint64_t seed, offset;
+    PhiloxKeys keys;  // (stochastic rounding) the seed's round keys, made once per CTA
   };
 
   static __device__ __forceinline__ Ctx init(const Args& a, Shared& sh, int tid, int nt) {
-    Ctx c{1.0f, 1.0f, 0, 0};
-    if constexpr (SR) philox_unpack(a.philox, c.seed, c.offset);
+    Ctx c{1.0f, 1.0f, 0, 0, {}};
+    if constexpr (SR) {
+      philox_unpack(a.philox, c.seed, c.offset);
+      c.keys = philox_round_keys(c.seed);
+    }
     if (a.row_group != nullptr) return c;  // row groups: a global scale per group, computed per block
     if (a.amax_row != nullptr) c.s_enc_row = nvfp4_global_encode(*a.amax_row);
     if (a.amax_col != nullptr) c.s_enc_col = nvfp4_global_encode(*a.amax_col);
@@ -189,7 +193,7 @@ struct Nvfp4Policy {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           float u4[4];
-          philox_uniform4(c.seed, grp.offset, 0, idx / 4 + q, u4);
+          philox_uniform4(c.keys, grp.offset, 0, idx / 4 + q, u4);
 #pragma unroll
           for (int j = 0; j < 4; ++j) u[4 * q + j] = u4[j];
         }
@@ -313,7 +317,7 @@ struct Nvfp4Policy {
           for (int i = 0; i < 16; ++i) {
             const uint64_t idx = static_cast<uint64_t>((gm - grp.row0 + i) * K + gk);
             float u4[4];
-            philox_uniform4(c.seed, grp.offset, 0, idx / 4, u4);
+            philox_uniform4(c.keys, grp.offset, 0, idx / 4, u4);
             const int sel = static_cast<int>(idx % 4);
             u[i] = sel == 0 ? u4[0] : (sel == 1 ? u4[1] : (sel == 2 ? u4[2] : u4[3]));
           }
@@ -323,7 +327,7 @@ struct Nvfp4Policy {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             float u4[4];
-            philox_uniform4(c.seed, grp.offset, 1, idx / 4 + q, u4);
+            philox_uniform4(c.keys, grp.offset, 1, idx / 4 + q, u4);
 #pragma unroll
             for (int j = 0; j < 4; ++j) u[4 * q + j] = u4[j];
           }
