@@ -376,7 +376,8 @@ def job_batched_gather(rank, world_size, device, experts=(4, 8), out_features=48
     steady-state unshard (the second; rowwise gathered, columnwise derived) by name and its Python calls, every
     expert's gathered parts against the one-device quantization of its full weight (differences listed), and the
     weight-sized FP8 tensors a forward on the gathered weight saves for backward."""
-    out = {"ops": {}, "diffs": [], "checked": 0, "calls": {}, "saved_fp8": {}, "copied": {}}
+    out = {"ops": {}, "diffs": [], "checked": 0, "calls": {}, "saved_fp8": {}, "copied": {},
+           "device": torch.device(device).type}
     for name in BATCHED_FP8:
         factory = GROUPED_CASES[name][0]
         for dim in ((0, 1) if world_size > 1 else (0,)):
@@ -450,7 +451,7 @@ def _saved_weight_copies(lin, factory, device) -> tuple[list, list]:
     """The FP8 tensors as large as the experts' weight that a forward of `lin` (its weight unsharded; every tensor in
     the weight's per-tensor FP8 format: the jagged path) saves for backward (dtype, shape), then runs the backward
     (dgrad reads the gathered columnwise form); and, per grouped GEMM of the weight (fprop, dgrad), whether its
-    experts' data and scales were read in place (`_GemmOperands`)."""
+    experts' data and scales were read in place (`_GemmOperands`; None: the jagged path did not run)."""
     from hybridq.nn import grouped as grouped_mod
 
     lin.recipe = hybridq.CustomRecipe(lambda role: factory(), name="all_fp8")
@@ -468,8 +469,10 @@ def _saved_weight_copies(lin, factory, device) -> tuple[list, list]:
 
     def recording(*args, **kwargs):
         kernels = real(*args, **kwargs)
+        if kernels is None:  # (no jagged kernels for these shapes here: the per-expert path runs)
+            return None
         recorders.append(_GemmOperands(kernels, lin.weight._hq))
-        return recorders[-1] if kernels is not None else None
+        return recorders[-1]
     grouped_mod.jagged_fp8_kernels = recording
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -477,7 +480,7 @@ def _saved_weight_copies(lin, factory, device) -> tuple[list, list]:
         y.float().sum().backward()
     finally:
         grouped_mod.jagged_fp8_kernels = real
-    return saved, [r for rec in recorders for r in rec.reads]
+    return saved, ([r for rec in recorders for r in rec.reads] if recorders else None)
 
 
 class _KeptPayloadModel(nn.Module):

@@ -207,6 +207,9 @@ def test_gathered_fp8_experts_data_and_scales_are_read_in_place(batched_gather):
     ws, results = batched_gather
     for rank, res in enumerate(results):
         for case, reads in res["copied"].items():
+            if reads is None:  # (a GPU without jagged kernels for these test shapes: the per-expert path ran)
+                assert res["device"] != "cpu", f"world {ws} rank {rank} {case}: the jagged path did not run on the CPU"
+                continue
             assert len(reads) == 2, f"world {ws} rank {rank} {case}: expected fprop and dgrad, got {reads}"
             copied = [r for r in reads if not all(r.values())]
             assert not copied, f"world {ws} rank {rank} {case}: GEMM operands copied out of the gathered experts " \
