@@ -23,8 +23,8 @@ __all__ = ["PrecomputedScales", "precompute_scales"]
 
 
 def _sharded(p, dim0_only: bool):
-    """(mesh, shard mesh dim, world size, rank) of a DTensor parameter sharded along one tensor dim (dim 0 only,
-    if asked), else None."""
+    """(process group of the shard mesh dim (None for one rank), device mesh, world size, rank) of a DTensor parameter
+    sharded along one tensor dim (dim 0 only, if asked), else None."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(p, DTensor):
@@ -33,7 +33,20 @@ def _sharded(p, dim0_only: bool):
     if len(dims) != 1:
         return None
     mesh, i = p.device_mesh, dims[0]
-    return mesh, i, mesh.size(i), mesh.get_local_rank(i)
+    hit = _MESH_DIMS.get((id(mesh), i))
+    if hit is None or hit[0] is not mesh:
+        if len(_MESH_DIMS) >= 64:
+            _MESH_DIMS.clear()
+        ws = mesh.size(i)
+        # (the mesh is held: its id is not reused while cached)
+        hit = _MESH_DIMS[(id(mesh), i)] = (mesh, mesh.get_group(i) if ws > 1 else None, ws, mesh.get_local_rank(i))
+    return hit[1], mesh, hit[2], hit[3]
+
+
+# (id(mesh), mesh dim) -> (mesh, process group | None, size, rank): a mesh's layout never changes. Asked once per
+# mesh and dim: `DeviceMesh.size` / `get_local_rank` cost ~25 / ~70 us each on torch 2.11 (its layout algebra;
+# H200 host, cProfile), and precompute_scales asks for every sharded weight after every optimizer step
+_MESH_DIMS: dict = {}
 
 
 def _device(mesh) -> torch.device:
@@ -53,7 +66,7 @@ def _linear_items(model: nn.Module) -> list:
         info = _sharded(p, dim0_only=True)
         if info is None or not isinstance(local_tensor(p), HybridWeight):
             continue
-        mesh, i, ws, rank = info
+        group, mesh, ws, rank = info
         local = local_tensor(p)
         st = local._hq
         if ws == 1 or st.tp_group is not None:  # (a TP piece's per-tensor statistics are reduced at its gather)
@@ -66,7 +79,7 @@ def _linear_items(model: nn.Module) -> list:
         s = mod.weight_quantizer.shard_stats(x2d, shard)
         if s is None:
             continue
-        items.append((mesh.get_group(i), _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float()))
+        items.append((group, _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float()))
     return items
 
 
@@ -78,7 +91,7 @@ def _grouped_items(model: nn.Module) -> list:
             info = _sharded(p, dim0_only=False)
             if info is None or not isinstance(local_tensor(p), GroupedHybridWeight):
                 continue
-            mesh, i, ws, rank = info
+            group, mesh, ws, rank = info
             if ws == 1:
                 continue
             local = local_tensor(p)
@@ -95,7 +108,7 @@ def _grouped_items(model: nn.Module) -> list:
                                for e, q in enumerate(qs)])
             if flat is None:
                 continue
-            items.append((mesh.get_group(i), _device(mesh), st, stats_key(p, dtype, layout), flat))
+            items.append((group, _device(mesh), st, stats_key(p, dtype, layout), flat))
     return items
 
 

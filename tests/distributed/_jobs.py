@@ -127,6 +127,28 @@ def _invariance_model(names, seed: int = 0):
     return layers, hybridq.CustomRecipe(qfactory, name="invariance")
 
 
+def _mesh_queries(fn) -> int:
+    """The `DeviceMesh.size` / `get_local_rank` calls `fn()` makes (each ~25-70 us of host time on torch 2.11)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    calls = [0]
+    real = {name: getattr(DeviceMesh, name) for name in ("size", "get_local_rank")}
+
+    def counting(f):
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            return f(*args, **kwargs)
+        return wrapped
+    for name, f in real.items():
+        setattr(DeviceMesh, name, counting(f))
+    try:
+        fn()
+    finally:
+        for name, f in real.items():
+            setattr(DeviceMesh, name, f)
+    return calls[0]
+
+
 def job_invariance(rank, world_size, device, names=None, refused=()):
     """Unshards every INVARIANCE_CASES weight twice (the second time after an in-place update and
     precompute_scales) with reshard_after_forward=False, then forward-only; returns the gathered parts that
@@ -142,7 +164,7 @@ def job_invariance(rank, world_size, device, names=None, refused=()):
     for lin in layers:
         fully_shard(lin, mp_policy=mp, reshard_after_forward=False)
     out = {"diffs": [], "not_gathered_weight": [], "materialized": {}, "freed": [], "precompute": None,
-           "checked": 0, "refused": {}}
+           "checked": 0, "refused": {}, "mesh_queries": None}
     for rnd in range(2):
         if rnd == 1:  # an optimizer-like in-place update, then the fused statistics reduction
             with torch.no_grad():
@@ -150,6 +172,7 @@ def job_invariance(rank, world_size, device, names=None, refused=()):
                     lin.weight.mul_(-1.5)
                     w.mul_(-1.5)
             out["precompute"] = dataclasses.asdict(precompute_scales(layers))  # (JSON)
+            out["mesh_queries"] = _mesh_queries(lambda: precompute_scales(layers))  # (after every step in training)
         for i, (lin, w) in enumerate(zip(layers, full)):
             q = lin.weight_quantizer
             lin.unshard()

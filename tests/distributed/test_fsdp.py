@@ -50,6 +50,10 @@ def check_invariance(inv: dict, world_size: int, rank: int, names=_jobs.INVARIAN
         want = "rowwise" if name.endswith("forward-only") and not name.startswith("identity") else "rowwise+columnwise"
         assert mat == want, f"{where}: {name} materialized {mat!r}, expected {want!r}"
     assert all(inv["freed"]), f"{where}: quantized unsharded buffers survived reshard (rounds {inv['freed']})"
+    # precompute_scales runs after every optimizer step: a repeat call asks the device mesh nothing (its size and this
+    # rank's index are remembered per mesh)
+    assert inv["mesh_queries"] == 0, f"{where}: a repeated precompute_scales made {inv['mesh_queries']} DeviceMesh " \
+                                     f"size/get_local_rank calls"
     if world_size > 1:
         assert inv["precompute"]["all_reduces"] == 1, (where, inv["precompute"])
         over = {n: c for n, c in inv["counters"].items() if c.get("stats_allreduce", 0) > 1}
