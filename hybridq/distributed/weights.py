@@ -167,9 +167,13 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                 state = t._hq
             return t._data
 
-        u_args, u_kwargs = pytree.tree_map_only(HybridWeight, unwrap, (args, kwargs))
+        unwrapped = _unwrap_shallow(args, kwargs, unwrap)
+        u_args, u_kwargs = unwrapped if unwrapped is not None else pytree.tree_map_only(HybridWeight, unwrap,
+                                                                                          (args, kwargs))
         out = func(*u_args, **u_kwargs)
         if func in _PRESERVE:
+            if isinstance(out, torch.Tensor):
+                return cls(out, state)
             return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, state), out)  # (subclasses stay theirs)
         if _mutates_first(func) and args and isinstance(args[0], HybridWeight):
             return args[0]
@@ -355,6 +359,44 @@ class GroupedHybridWeight(HybridWeight):
             for est in st.experts:
                 est.free_others(plan.materialize)
         st.set_inner(plan.materialize)
+
+
+def _unwrap_shallow(args: tuple, kwargs: dict, unwrap):
+    """(args, kwargs) with `unwrap(w)` for every HybridWeight `w`, where they are the arguments aten ops take: tensors
+    and scalars, or flat lists / tuples of them (the optimizer's foreach ops: a list of every parameter, ~60 in a
+    4-layer MoE model, where pytree costs ~0.4 ms per op); None for anything nested deeper (pytree then). Same order
+    of visits as pytree's (the first HybridWeight met names the state of a preserved result)."""
+    def seq(items):
+        out, changed = [], False
+        for x in items:
+            if isinstance(x, HybridWeight):
+                out.append(unwrap(x))
+                changed = True
+            elif isinstance(x, (list, tuple, dict)):
+                return None, False
+            else:
+                out.append(x)
+        return out, changed
+
+    u_args = []
+    for a in args:
+        if isinstance(a, HybridWeight):
+            u_args.append(unwrap(a))
+        elif type(a) is torch.Size:  # (ints)
+            u_args.append(a)
+        elif type(a) in (list, tuple):  # (exact types: a subclass, e.g. a namedtuple, is left to pytree)
+            inner, changed = seq(a)
+            if inner is None:
+                return None
+            u_args.append(type(a)(inner) if changed else a)
+        elif isinstance(a, (list, tuple, dict)):
+            return None
+        else:
+            u_args.append(a)
+    if not kwargs:
+        return tuple(u_args), kwargs
+    values, _ = seq(kwargs.values())
+    return None if values is None else (tuple(u_args), dict(zip(kwargs, values)))
 
 
 class _PreAllGatherHook:

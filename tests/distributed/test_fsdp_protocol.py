@@ -260,3 +260,72 @@ def test_pre_all_gather_hook_signature_is_not_rebuilt_per_call(kind):
     first, second = inspect.signature(w.fsdp_pre_all_gather), inspect.signature(w.fsdp_pre_all_gather)
     assert list(first.parameters) == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"], first
     assert first is second, "inspect.signature built a new Signature for the second call"
+
+
+def _counting_pytree(monkeypatch) -> list:
+    """Count the pytree traversals HybridWeight's dispatch makes (its fallback for arguments nested deeper than the
+    aten ops' flat lists)."""
+    from hybridq.distributed import weights
+
+    calls = []
+    real = weights.pytree.tree_map_only
+
+    class _Pytree:
+        def __getattr__(self, name):
+            return getattr(torch.utils._pytree, name)
+
+        @staticmethod
+        def tree_map_only(*args, **kwargs):
+            calls.append(args[0])
+            return real(*args, **kwargs)
+    monkeypatch.setattr(weights, "pytree", _Pytree())
+    return calls
+
+
+def test_weight_ops_of_the_optimizer_unwrap_without_pytree(monkeypatch):
+    """The optimizer's foreach ops over every parameter (lists of sharded HybridWeights and plain tensors) and the
+    view / copy ops FSDP2 applies run on the plain tensors with no pytree traversal of their arguments (~0.4 ms per
+    foreach op over ~60 parameters), with the results of plain tensors: in-place updates land in the wrapped tensors,
+    a view stays a HybridWeight of the same state."""
+    calls = _counting_pytree(monkeypatch)
+    torch.manual_seed(0)
+    plain = [torch.randn(8, 4) for _ in range(6)]
+    other = [torch.randn(8, 4) for _ in range(6)]
+    ws = [HybridWeight(p.clone()) for p in plain]
+    torch._foreach_mul_(ws, 0.5)
+    torch._foreach_addcdiv_(ws, other, [o.abs() + 1 for o in other], value=-0.1)
+    torch._foreach_mul_(plain, 0.5)
+    torch._foreach_addcdiv_(plain, other, [o.abs() + 1 for o in other], value=-0.1)
+    for i, (w, p) in enumerate(zip(ws, plain)):
+        assert torch.equal(w._data, p), f"weight {i}: foreach update differs from the plain tensors' by " \
+                                        f"{(w._data - p).abs().max().item()}"
+    v = ws[0].view(4, 8)
+    assert isinstance(v, HybridWeight) and v._hq is ws[0]._hq and torch.equal(v._data, plain[0].view(4, 8))
+    ws[1].copy_(other[1])
+    assert torch.equal(ws[1]._data, other[1])
+    assert not calls, f"pytree traversed the arguments of {len(calls)} weight op(s)"
+
+
+def test_weight_op_arguments_unwrap_as_pytree_does():
+    """The flat unwrap of HybridWeight's dispatch gives exactly what a pytree traversal gives (same tensors in the same
+    places, the first weight met first) for the argument forms aten ops take, and declines anything nested deeper
+    (then the pytree traversal runs)."""
+    from torch.utils import _pytree as pytree
+
+    from hybridq.distributed.weights import _unwrap_shallow
+
+    ws = [HybridWeight(torch.randn(4, 4)) for _ in range(3)]
+    t = torch.randn(4, 4)
+    cases = [((ws, [t, t], 0.5), {}), ((ws[0], [2, 8]), {}), ((ws[0], (1, 2), None), {"dim": 0, "other": ws[1]}),
+             ((ws[2], t), {"alpha": 2})]
+    for args, kwargs in cases:
+        seen_fast, seen_tree = [], []
+        fast = _unwrap_shallow(args, kwargs, lambda w: seen_fast.append(w) or w._data)
+        tree = pytree.tree_map_only(HybridWeight, lambda w: seen_tree.append(w) or w._data, (args, kwargs))
+        assert fast is not None, f"flat arguments {args}, {kwargs} were declined"
+        flat_fast, flat_tree = pytree.tree_leaves(fast), pytree.tree_leaves(tree)
+        assert len(flat_fast) == len(flat_tree) and all(a is b for a, b in zip(flat_fast, flat_tree)), \
+            f"unwrapped arguments differ for {args}, {kwargs}"
+        assert [id(w) for w in seen_fast] == [id(w) for w in seen_tree], "weights met in another order"
+    for nested in (((ws[0], [[1, 2]]), {}), ((t,), {"x": [ws[0], 3]}), ((ws[0], {"a": ws[1]}), {})):
+        assert _unwrap_shallow(*nested, lambda w: w._data) is None, f"nested arguments {nested} were not declined"
