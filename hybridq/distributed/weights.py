@@ -196,14 +196,20 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
 
     def _pre_hook(self, mesh, outer_size, module, mp_policy):
         if torch.is_grad_enabled():  # (FSDP2 calls the hooks under no_grad, except on its world-1 path)
-            with torch.no_grad():
+            torch.set_grad_enabled(False)  # (half the host time of a `with torch.no_grad()`; twice per unshard)
+            try:
                 return self._pre_all_gather(mesh, outer_size, module, mp_policy)
+            finally:
+                torch.set_grad_enabled(True)
         return self._pre_all_gather(mesh, outer_size, module, mp_policy)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         if torch.is_grad_enabled():
-            with torch.no_grad():
+            torch.set_grad_enabled(False)
+            try:
                 self._post_all_gather(outputs, metadata)
+            finally:
+                torch.set_grad_enabled(True)
         else:
             self._post_all_gather(outputs, metadata)
         if out is not None:
