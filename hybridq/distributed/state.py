@@ -275,9 +275,15 @@ class GroupedWeightState(SharedState, GroupedStats):
             st.fill(d, src)
 
     def set_deferred(self, dirs) -> None:
-        self.deferred = set(dirs)
+        # (every unshard sets it: the experts share one frozenset, rewritten only when the directions or the experts
+        # change -- nothing else writes an expert's `deferred`)
+        d = frozenset(dirs)
+        if d == self.deferred and self.__dict__.get("deferred_of") is self.experts:
+            return
+        self.deferred = d
         for st in self.experts:
-            st.deferred = set(dirs)
+            st.deferred = d
+        self.deferred_of = self.experts
 
     # lazy materialization of a direction nobody planned for (activation recompute, ...) ----------------------
     def ensure(self, d: str) -> None:

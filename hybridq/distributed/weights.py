@@ -110,14 +110,17 @@ def _mesh_info(st, mesh) -> tuple[int, int, object]:
     return info
 
 
+_GATHER_COUNTER = {p: f"gather_{p}" for p in Phase}  # (formatting an enum per unshard costs more than the lookup)
+
+
 def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
     """Bookkeeping of an all-gather input about to be sent."""
     sig = (tuple(inp.shape), inp.dtype)
     if link is not None and st.last_sig is not None and sig != st.last_sig:
         link.drop_all_gather_outputs()  # the payload changed size: let FSDP2 allocate new outputs
     st.last_sig = sig
-    st.counters[f"gather_{phase}"] += 1
-    st.counters["bytes_sent"] += inp.numel() * inp.element_size()
+    st.counters[_GATHER_COUNTER[phase]] += 1
+    st.counters["bytes_sent"] += inp.nbytes
 
 
 def _keep_for_backward(st, key, phase, plan: GatherPlan, ra, override, derivable: bool, extra) -> bool:

@@ -329,3 +329,23 @@ def test_weight_op_arguments_unwrap_as_pytree_does():
         assert [id(w) for w in seen_fast] == [id(w) for w in seen_tree], "weights met in another order"
     for nested in (((ws[0], [[1, 2]]), {}), ((t,), {"x": [ws[0], 3]}), ((ws[0], {"a": ws[1]}), {})):
         assert _unwrap_shallow(*nested, lambda w: w._data) is None, f"nested arguments {nested} were not declined"
+
+
+def test_grouped_deferred_directions_reach_every_expert():
+    """The directions a grouped weight's unshard defers to backward are every expert's (each expert's lazy gather
+    reads them), also when an unshard repeats the previous directions and after the experts' states are made anew."""
+    from hybridq.distributed.state import GroupedWeightState
+    from hybridq.formats import COLUMNWISE
+
+    q = FORMATS["fp8_e4m3"]()
+    st = GroupedWeightState(name="moe.w1")
+    st.is_derivable((q,) * 3, (8, 32), torch.bfloat16)  # (makes the experts' states)
+    for dirs in [(COLUMNWISE,), (COLUMNWISE,), (), (COLUMNWISE,)]:
+        st.set_deferred(dirs)
+        got = [set(e.deferred) for e in st.experts]
+        assert got == [set(dirs)] * 3 and set(st.deferred) == set(dirs), f"deferred {dirs}: experts hold {got}"
+    st.experts = []
+    st.is_derivable((q,) * 3, (8, 32), torch.bfloat16)  # new expert states, same directions as the last unshard
+    st.set_deferred((COLUMNWISE,))
+    got = [set(e.deferred) for e in st.experts]
+    assert got == [{COLUMNWISE}] * 3, f"new expert states hold {got}"
