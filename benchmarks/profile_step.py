@@ -5,8 +5,10 @@ params / fp32 reduce, AdamW, grad clipping, hybridq.precompute_scales) under tor
     python benchmarks/profile_step.py --recipes bf16,fp8_tensorwise,mxfp8 --json prof.json --trace-dir traces
     python benchmarks/profile_step.py --smoke --device cpu               # tiny model on the CPU (a few seconds)
 
-For each recipe: --warmup steps, then --steps steps under torch.profiler (CPU + CUDA activities), then
---timed-steps steps without the profiler. It prints
+For each recipe: --warmup steps, then --timed-steps steps without the profiler; then, once every recipe has been
+timed (a profiler session leaves each later kernel launch of the process slower on the host: `time_recipe`), each
+recipe again from a newly built job: --warmup steps, then --steps steps under torch.profiler (CPU + CUDA
+activities). It prints
 
   1. GPU kernel time per step by category, the recipes side by side (share of the kernel time, ratio vs bf16),
      then the GPU busy time (union of the kernel intervals on all streams), the GPU idle time (step wall minus
@@ -112,20 +114,58 @@ def step_stats(times: list[float], host: list[float]) -> dict:
             "step_ms": [t * 1e3 for t in times]}
 
 
-def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_functions: frozenset[str]) -> dict:
-    from torch.profiler import ProfilerActivity, profile, record_function
-    quiet = Printer(False, bar=False)
-    model, optimizer = train.build(recipe, targs, env, quiet)
+def _warm_job(recipe: str, a, targs, env, tokens: torch.Tensor) -> tuple:
+    """The job of `recipe` built as train.py builds it, after --warmup steps: (model, optimizer, data, quantized,
+    collector, next step). Python's collector runs as the training job runs it (--gc-every): with automatic
+    collection a full pass lands on random steps and made the unprofiled medians bimodal (fp8 MoE: 89 vs 106 ms for
+    the same code)."""
+    model, optimizer = train.build(recipe, targs, env, Printer(False, bar=False))
     data = ByteBatches(tokens, targs.seq, targs.batch, dp_rank=env.dp_rank, dp_size=targs.dp, seed=targs.seed)
     quantized = recipe != BASELINE
-    # Python's collector as the training job runs it (--gc-every): with automatic collection a full pass lands on
-    # random steps and made the unprofiled medians bimodal (fp8 MoE: 89 vs 106 ms for the same code)
     collector = GarbageCollection(targs.gc_every)
     step = 0
     for _ in range(a.warmup):
         timed_step(step, model, optimizer, data, targs, env, quantized)
         step += 1
         collector.step(step)
+    return model, optimizer, data, quantized, collector, step
+
+
+def _release(env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def time_recipe(recipe: str, a, targs, env, tokens: torch.Tensor) -> dict:
+    """--timed-steps steps of `recipe` without the profiler: {"timed", "allocator", "peak_memory_bytes"}. Run for
+    every recipe BEFORE the process's first profiler session: after one, each kernel launch costs more host time
+    for the rest of the process (the CUDA activity tracing stays attached), which inflated the host-bound steps --
+    the fp8 MoE job's host time per step 74 ms in a fresh process, 125 ms after a profiled session (one H200)."""
+    model, optimizer, data, quantized, collector, step = _warm_job(recipe, a, targs, env, tokens)
+    before = allocator_counters(env.device)
+    times, host = [], []
+    for _ in range(a.timed_steps):
+        h, w = timed_step(step, model, optimizer, data, targs, env, quantized)
+        host.append(h)
+        times.append(w)
+        step += 1
+        collector.step(step)
+    collector.close()
+    res = {"timed": step_stats(times, host) if times else None,
+           "allocator": {"before": before, "after": allocator_counters(env.device)}}
+    if env.device.type == "cuda":
+        res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(env.device)
+    del model, optimizer
+    _release(env)
+    return res
+
+
+def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_functions: frozenset[str]) -> dict:
+    """--steps steps of `recipe` under torch.profiler (after --warmup steps of a newly built job): the tables'
+    numbers."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    model, optimizer, data, quantized, collector, step = _warm_job(recipe, a, targs, env, tokens)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
     prof_host, prof_wall = [], []
     with profile(activities=acts) as prof:
@@ -136,6 +176,7 @@ def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_function
             prof_wall.append(w)
             step += 1
             collector.step(step)
+    collector.close()
     if a.trace_dir:
         pathlib.Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(pathlib.Path(a.trace_dir) / f"{recipe}.json"))
@@ -143,26 +184,9 @@ def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_function
     res["host_top"] = host_top(prof, a.steps, a.top)
     res["profiled_host_ms"] = statistics.fmean(prof_host) * 1e3
     res["profiled_wall_ms_perf_counter"] = statistics.fmean(prof_wall) * 1e3
-    del prof
-    before = allocator_counters(env.device)
-    times, host = [], []
-    for _ in range(a.timed_steps):
-        h, w = timed_step(step, model, optimizer, data, targs, env, quantized)
-        host.append(h)
-        times.append(w)
-        step += 1
-        collector.step(step)
-    collector.close()
-    after = allocator_counters(env.device)
-    res["timed"] = step_stats(times, host) if times else None
-    res["allocator"] = {"before": before, "after": after}
-    if env.device.type == "cuda":
-        res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(env.device)
     res["recipe"] = recipe
-    del model, optimizer
-    if env.device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(env.device)
+    del prof, model, optimizer
+    _release(env)
     return res
 
 
@@ -239,11 +263,17 @@ def main(argv=None) -> int:
               f"{cfg.n_layers} layers, d_model {cfg.d_model}, hidden {cfg.hidden}, {cfg.n_heads} heads, "
               f"{cfg.num_params() / 1e6:,.1f}M params; seq {targs.seq} x batch {targs.batch}; FSDP2 world {world}; "
               f"{a.warmup} warm-up, {a.steps} profiled, {a.timed_steps} timed steps", flush=True)
+        # every recipe's unprofiled steps first (see time_recipe), then every recipe's profiled steps
+        timed = {}
+        for r in a.recipe_list:
+            t0 = time.perf_counter()
+            timed[r] = time_recipe(r, a, targs, env, tokens)
+            print(f"[{r}] timed in {time.perf_counter() - t0:.1f} s", flush=True)
         results = []
         for r in a.recipe_list:
             t0 = time.perf_counter()
-            results.append(profile_recipe(r, a, targs, env, tokens, hq))
-            print(f"[{r}] done in {time.perf_counter() - t0:.1f} s", flush=True)
+            results.append({**profile_recipe(r, a, targs, env, tokens, hq), **timed[r]})
+            print(f"[{r}] profiled in {time.perf_counter() - t0:.1f} s", flush=True)
         unit = "GPU kernel time" if env.device.type == "cuda" else "CPU op self time"
         print(f"\n## {unit} per step by category (mean of {a.steps} profiled steps)\n")
         print(category_table(results, env.device.type))

@@ -144,6 +144,9 @@ def test_smoke_run_on_cpu(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     text = p.stdout
+    phases = [l.split(" in ")[0] for l in text.splitlines() if " timed in " in l or " profiled in " in l]
+    assert phases == ["[bf16] timed", "[fp8_tensorwise] timed", "[bf16] profiled", "[fp8_tensorwise] profiled"], \
+        f"every recipe's unprofiled steps must run before the process's first profiler session: {phases}"
     assert "## CPU op self time per step by category" in text
     header = next(l for l in text.splitlines() if l.startswith("| category"))
     assert "bf16" in header and "fp8_tensorwise" in header and "fp8_tensorwise vs bf16" in header
