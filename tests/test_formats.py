@@ -364,3 +364,15 @@ def test_a_derived_direction_is_laid_out_like_a_quantized_one(fmt, to):
     derived = q.derive_part(part, to, torch.bfloat16)
     strided = {n: tuple(t.stride()) for n, t in derived.tensors().items() if t is not None and not t.is_contiguous()}
     assert not strided, f"{fmt}: {to} derived from {src} has non-contiguous buffers {strided}"
+
+
+@pytest.mark.parametrize("cls", [Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer, HybridQuantizer])
+def test_option_names_are_the_quantizer_class_fields_and_a_subclass_option_counts(cls):
+    """What the kernels check a quantizer against (an option they do not implement sends it to the reference):
+    every dataclass field of its class, an option a subclass adds included."""
+    import dataclasses
+    from hybridq.formats.base import option_names
+    assert option_names(cls) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+    sub = dataclasses.make_dataclass("WithOption", [("extra_option", int, dataclasses.field(default=0))], bases=(cls,))
+    assert option_names(sub) - option_names(cls) == {"extra_option"}, "a subclass's own option is not seen"
+    assert option_names(int) == frozenset(), "a class that is no dataclass has no options"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Callable, ClassVar, NamedTuple, Sequence
 
 import torch
@@ -62,6 +63,13 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return t.t().contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def option_names(cls: type) -> frozenset[str]:
+    """The options (dataclass fields) of a quantizer class: the names a kernel checks it implements before it takes
+    a quantizer, so that an option added later is never silently ignored. Cached per class (asked on every call)."""
+    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
 
 
 class ScaleLayout(enum.Enum):

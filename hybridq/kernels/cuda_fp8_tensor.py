@@ -22,13 +22,12 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..dispatch import KernelImpl, register_dequantize, register_quantize, register_row_groups
 from ..enums import Scaling
 from ..formats import Float8Quantizer, Float8TensorPart
+from ..formats.base import option_names
 from ..torch_private import current_raw_stream
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
@@ -84,8 +83,7 @@ def run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, sha
 
 def row_groups(q: Float8Quantizer, x2d, sizes):
     """`Float8Quantizer.quantize_row_groups` in one amax pass and one cast (None: the reference runs)."""
-    fields = {f.name for f in dataclasses.fields(q)}
-    if not (fields <= OPTIONS and input_ok(q, x2d, True, False)):
+    if not (option_names(type(q)) <= OPTIONS and input_ok(q, x2d, True, False)):
         return None
     x = x2d.contiguous()
     row, _, scale_inv, _ = ops().fp8_tensor_quantize_grouped(x, q.dtype, _row_group(sizes, x), len(sizes),

@@ -15,12 +15,11 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..dispatch import KernelImpl, register_dequantize, register_quantize, register_row_groups
 from ..formats import NVFP4Part, NVFP4Quantizer
+from ..formats.base import option_names
 from .cuda import input_ok, ops, or_empty, part_ok, plain_kw
 
 OPS = ("nvfp4_quantize", "nvfp4_quantize_grouped", "nvfp4_dequantize")
@@ -70,8 +69,7 @@ def row_groups(q: NVFP4Quantizer, x2d, sizes, rowwise, columnwise, order):
     """`NVFP4Quantizer.quantize_groups` in one amax launch and one quantize launch for all groups (None: the
     reference runs): (rowwise part, columnwise part) holding amax `[G]`. Stochastic rounding: group g draws as the
     `order.index(g)`-th of `len(order)` consecutive `nvfp4_quantize` launches would (one Philox offset step each)."""
-    fields = {f.name for f in dataclasses.fields(q)}
-    if not (fields <= OPTIONS and supports(q, x2d, rowwise, columnwise)):
+    if not (option_names(type(q)) <= OPTIONS and supports(q, x2d, rowwise, columnwise)):
         return None
     x = x2d.contiguous()
     m, k = x.shape

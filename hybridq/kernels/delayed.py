@@ -16,7 +16,6 @@ hybrid quantizers contribute their parts.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Iterable
 
@@ -28,6 +27,7 @@ from ..enums import AmaxComputeAlgo, Scaling
 from ..formats import Float8Quantizer
 from ..formats._numerics import FP8_MAX
 from ..formats._reduce import amax_all_reduce_
+from ..formats.base import option_names
 from . import _ext
 
 MAX_HISTORY = 4096  # csrc/hybridq.h kDelayedMaxLen
@@ -48,7 +48,7 @@ def _flatten(quantizers: Iterable) -> list:
 def _type_ok(cls: type, options: frozenset | None) -> bool:
     # the reference update and options the quantize kernel takes (a class property: cached per class)
     return (cls.update is Float8Quantizer.update and options is not None
-            and {f.name for f in dataclasses.fields(cls)} <= options)
+            and option_names(cls) <= options)
 
 
 def _state_ok(q: Float8Quantizer) -> bool:

@@ -15,12 +15,11 @@ caller takes another path (`hybridq.gemm.jagged_fp8_kernels`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..enums import Scaling
 from ..formats import Float8Quantizer
+from ..formats.base import option_names
 from ..formats.float8 import aligned_scales
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from . import _ext, native_gemm
@@ -39,16 +38,10 @@ def _triton():
     return _TRITON[0]
 
 
-_OPTIONS_OK: dict[type, bool] = {}  # a quantizer class's fields are fixed: checked once per class
-
-
 def _quantizer_ok(q) -> bool:
     if type(q) is not Float8Quantizer or q.scaling != Scaling.CURRENT:
         return False
-    ok = _OPTIONS_OK.get(type(q))
-    if ok is None:
-        ok = _OPTIONS_OK[type(q)] = {f.name for f in dataclasses.fields(q)} <= FP8_TENSOR_OPTIONS
-    return ok
+    return option_names(type(q)) <= FP8_TENSOR_OPTIONS
 
 
 class CudaJaggedFP8(JaggedFP8Kernels):

@@ -6,14 +6,13 @@ max|y| first and NVFP4's block scales its tensor-wide amax: for those the norm h
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 
 from ..enums import ColumnwiseSource
 from ..formats import Float8BlockPart, Float8BlockQuantizer, HybridQuantizer, MXFP8Part, MXFP8Quantizer
-from ..formats.base import QuantizedPart, Quantizer
+from ..formats.base import QuantizedPart, Quantizer, option_names
 from . import cuda_fp8_block, cuda_mxfp8
 
 
@@ -28,7 +27,7 @@ class RowBlocks(NamedTuple):
 
 
 def _options_ok(q: Quantizer, options: frozenset) -> bool:
-    return {f.name for f in dataclasses.fields(q)} <= options
+    return option_names(type(q)) <= options
 
 
 def row_blocks(q: Quantizer) -> RowBlocks | None:

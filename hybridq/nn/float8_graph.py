@@ -32,7 +32,6 @@ the fp32 emulation (dequantize, multiply), as in eager (the block reference as o
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -41,6 +40,7 @@ from .. import dispatch
 from ..enums import COLUMNWISE, ROWWISE, Scaling
 from ..formats.float8 import Float8Quantizer, Float8TensorPart, float8_current_scaling
 from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8_block_current
+from ..formats.base import option_names
 from ..gemm import gemm
 from ..kernels import _ext, cuda_fp8_tensor, native_gemm
 from ..kernels.cuda import IN_DTYPES
@@ -89,7 +89,7 @@ def _cast(q) -> Float8Cast | None:
         options, block_dim = FP8_BLOCK_OPTIONS, q.block_dim
     else:
         return None
-    if {f.name for f in dataclasses.fields(q)} - options:
+    if option_names(type(q)) - options:
         return None  # an option added later is never silently ignored here
     return Float8Cast(q.dtype, float(q.amax_epsilon), bool(q.power_2_scale), block_dim)
 
