@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Callable
 
@@ -44,6 +45,13 @@ def _check_override(value, source: str) -> BackwardOverride | None:
                           f"got {value!r}") from None
 
 
+@functools.lru_cache(maxsize=16)
+def _env_override(value: str | None) -> BackwardOverride | None:
+    # the environment is read on every call (it may change between calls); its parse is cached per value (asked
+    # per layer call: host time). A bad value is not cached: it raises every time
+    return _check_override(value, f"environment {BACKWARD_OVERRIDE_ENV}")
+
+
 def check_override_compatible(override: str | None, quantizers: dict[str, Quantizer], layer: str) -> None:
     """Raise RecipeError if a backward override is combined with delayed scaling in any of a layer's roles
     (the override skips the backward casts that delayed scaling's amax history expects)."""
@@ -74,7 +82,7 @@ class CustomRecipe:
     def backward_override(self) -> str | None:
         if self._backward_override is not None:
             return self._backward_override
-        return _check_override(os.environ.get(BACKWARD_OVERRIDE_ENV), f"environment {BACKWARD_OVERRIDE_ENV}")
+        return _env_override(os.environ.get(BACKWARD_OVERRIDE_ENV))
 
     def quantizer(self, role: Role) -> Quantizer:
         """A fresh quantizer for `role`; IdentityQuantizer where the factory keeps high precision. An exception
