@@ -38,6 +38,7 @@ measure the all-gather time:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -114,27 +115,39 @@ def step_stats(times: list[float], host: list[float]) -> dict:
             "step_ms": [t * 1e3 for t in times]}
 
 
-def _warm_job(recipe: str, a, targs, env, tokens: torch.Tensor) -> tuple:
-    """The job of `recipe` built as train.py builds it, after --warmup steps: (model, optimizer, data, quantized,
-    collector, next step). Python's collector runs as the training job runs it (--gc-every): with automatic
-    collection a full pass lands on random steps and made the unprofiled medians bimodal (fp8 MoE: 89 vs 106 ms for
-    the same code)."""
-    model, optimizer = train.build(recipe, targs, env, Printer(False, bar=False))
-    data = ByteBatches(tokens, targs.seq, targs.batch, dp_rank=env.dp_rank, dp_size=targs.dp, seed=targs.seed)
-    quantized = recipe != BASELINE
-    collector = GarbageCollection(targs.gc_every)
-    step = 0
-    for _ in range(a.warmup):
-        timed_step(step, model, optimizer, data, targs, env, quantized)
-        step += 1
-        collector.step(step)
-    return model, optimizer, data, quantized, collector, step
+class _Job:
+    """The job of `recipe` built as train.py builds it, after --warmup steps. Python's collector runs as the training
+    job runs it (--gc-every): with automatic collection a full pass lands on random steps and made the unprofiled
+    medians bimodal (fp8 MoE: 89 vs 106 ms for the same code)."""
 
+    def __init__(self, recipe: str, a, targs, env, tokens: torch.Tensor):
+        self.model, self.optimizer = train.build(recipe, targs, env, Printer(False, bar=False))
+        self.data = ByteBatches(tokens, targs.seq, targs.batch, dp_rank=env.dp_rank, dp_size=targs.dp, seed=targs.seed)
+        self.targs, self.env, self.quantized = targs, env, recipe != BASELINE
+        self.collector = GarbageCollection(targs.gc_every)
+        self.step = 0
+        self.run(a.warmup)
 
-def _release(env) -> None:
-    if env.device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(env.device)
+    def run(self, n: int, mark: str | None = None) -> tuple[list[float], list[float]]:
+        """n steps: (host seconds to issue each, wall seconds of each); each inside record_function(mark + i)."""
+        from torch.profiler import record_function
+        host, wall = [], []
+        for i in range(n):
+            with record_function(f"{mark}{i}") if mark is not None else contextlib.nullcontext():
+                h, w = timed_step(self.step, self.model, self.optimizer, self.data, self.targs, self.env,
+                                  self.quantized)
+            host.append(h)
+            wall.append(w)
+            self.step += 1
+            self.collector.step(self.step)
+        return host, wall
+
+    def close(self) -> None:
+        self.collector.close()
+        del self.model, self.optimizer
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.env.device)
 
 
 def time_recipe(recipe: str, a, targs, env, tokens: torch.Tensor) -> dict:
@@ -142,41 +155,25 @@ def time_recipe(recipe: str, a, targs, env, tokens: torch.Tensor) -> dict:
     every recipe BEFORE the process's first profiler session: after one, each kernel launch costs more host time
     for the rest of the process (the CUDA activity tracing stays attached), which inflated the host-bound steps --
     the fp8 MoE job's host time per step 74 ms in a fresh process, 125 ms after a profiled session (one H200)."""
-    model, optimizer, data, quantized, collector, step = _warm_job(recipe, a, targs, env, tokens)
+    job = _Job(recipe, a, targs, env, tokens)
     before = allocator_counters(env.device)
-    times, host = [], []
-    for _ in range(a.timed_steps):
-        h, w = timed_step(step, model, optimizer, data, targs, env, quantized)
-        host.append(h)
-        times.append(w)
-        step += 1
-        collector.step(step)
-    collector.close()
+    host, times = job.run(a.timed_steps)
     res = {"timed": step_stats(times, host) if times else None,
            "allocator": {"before": before, "after": allocator_counters(env.device)}}
     if env.device.type == "cuda":
         res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(env.device)
-    del model, optimizer
-    _release(env)
+    job.close()
     return res
 
 
 def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_functions: frozenset[str]) -> dict:
     """--steps steps of `recipe` under torch.profiler (after --warmup steps of a newly built job): the tables'
     numbers."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    model, optimizer, data, quantized, collector, step = _warm_job(recipe, a, targs, env, tokens)
+    from torch.profiler import ProfilerActivity, profile
+    job = _Job(recipe, a, targs, env, tokens)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    prof_host, prof_wall = [], []
     with profile(activities=acts) as prof:
-        for i in range(a.steps):
-            with record_function(f"{STEP_MARK}{i}"):
-                h, w = timed_step(step, model, optimizer, data, targs, env, quantized)
-            prof_host.append(h)
-            prof_wall.append(w)
-            step += 1
-            collector.step(step)
-    collector.close()
+        prof_host, prof_wall = job.run(a.steps, mark=STEP_MARK)
     if a.trace_dir:
         pathlib.Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(pathlib.Path(a.trace_dir) / f"{recipe}.json"))
@@ -185,8 +182,8 @@ def profile_recipe(recipe: str, a, targs, env, tokens: torch.Tensor, hq_function
     res["profiled_host_ms"] = statistics.fmean(prof_host) * 1e3
     res["profiled_wall_ms_perf_counter"] = statistics.fmean(prof_wall) * 1e3
     res["recipe"] = recipe
-    del prof, model, optimizer
-    _release(env)
+    del prof
+    job.close()
     return res
 
 
