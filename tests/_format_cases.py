@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+import hybridq
 from hybridq.formats import (Float8BlockQuantizer, Float8Quantizer, Float8RowwiseQuantizer, HybridQuantizer,
                              IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from hybridq.formats._numerics import expand_tiles
@@ -77,6 +78,21 @@ class FormatCase:
 CASES = {name: FormatCase(name, make) for name, make in FORMATS.items()}
 STATELESS = [k for k, c in CASES.items() if c.stateless]
 TRANSPOSED_2D = [k for k, c in CASES.items() if c.transposed]
+
+# per-tensor FP8 with current scaling whose three roles' casts all differ (dtype, epsilon, power-of-2 scales): a
+# role's cast read in another's place changes the bits
+MIXED_PER_TENSOR = {"input": lambda: Float8Quantizer(power_2_scale=True),
+                    "weight": lambda: Float8Quantizer(amax_epsilon=4.0),
+                    "grad_output": lambda: Float8Quantizer(fp8="e5m2")}
+
+
+def case_recipe(case: str) -> hybridq.CustomRecipe:
+    """The recipe of a layer case: "mixed" (MIXED_PER_TENSOR), a FORMATS name in every role, or a preset's name."""
+    if case == "mixed":
+        return hybridq.CustomRecipe(lambda role: MIXED_PER_TENSOR[role.tensor_type](), name="mixed-per-tensor")
+    if case in FORMATS:
+        return hybridq.CustomRecipe(lambda role: FORMATS[case](), name=f"all-{case}")
+    return hybridq.recipe(case)
 
 
 def hybrid(rowwise: str, columnwise: str, **kw):

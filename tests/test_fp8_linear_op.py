@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import hybridq as hq
-from hybridq.formats import Float8Quantizer
 from hybridq.nn import float8_graph
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.known_amax import remember_amax
@@ -21,7 +20,7 @@ from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
-from _format_cases import FORMATS
+from _format_cases import case_recipe
 
 IN, OUT, TOKENS = 256, 128, (2, 64)
 ONE_OP, PYTHON, GENERAL = ("torch::autograd::CppNode<hybridq::ops::Fp8Linear>", "_Float8GraphLinearBackward",
@@ -39,10 +38,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")]
 
 # per-tensor casts with current scaling in the three roles: each format case the FP8 GEMM takes in every role (E4M3:
-# E5M2 x E5M2 has no GEMM), the preset, and one whose three casts all differ (dtype, epsilon, power-of-2 scales: a
-# role's cast read in another's place changes the bits)
-_MIXED = {"input": lambda: Float8Quantizer(power_2_scale=True), "weight": lambda: Float8Quantizer(amax_epsilon=4.0),
-          "grad_output": lambda: Float8Quantizer(fp8="e5m2")}
+# E5M2 x E5M2 has no GEMM), the preset, and "mixed", whose three casts all differ (_format_cases.MIXED_PER_TENSOR)
 CASES = ["fp8_e4m3", "fp8_e4m3_pow2", "fp8_tensorwise", "mixed"]
 
 
@@ -53,17 +49,9 @@ def _fresh(monkeypatch):
         yield
 
 
-def _recipe(case: str):
-    if case == "mixed":
-        return hq.CustomRecipe(lambda role: _MIXED[role.tensor_type](), name="mixed-per-tensor")
-    if case in FORMATS:
-        return hq.CustomRecipe(lambda role: FORMATS[case](), name=f"all-{case}")
-    return hq.recipe(case)
-
-
 def _layer(case: str, dtype=torch.bfloat16, bias=True, name="fc", seed=0, **kw) -> hq.Linear:
     torch.manual_seed(seed)
-    return hq.Linear(IN, OUT, bias=bias, recipe=_recipe(case), name=name, device="cuda", dtype=dtype, **kw)
+    return hq.Linear(IN, OUT, bias=bias, recipe=case_recipe(case), name=name, device="cuda", dtype=dtype, **kw)
 
 
 def _inputs(dtype=torch.bfloat16, seed=1):

@@ -15,19 +15,14 @@ from torch.utils.checkpoint import checkpoint
 
 import hybridq
 from hybridq.distributed import apply_hybrid_fsdp
-from hybridq.formats import Float8Quantizer
 from hybridq.nn.float8_graph import eager_fast_path
 
 from _compile_jobs import _full  # (puts tests/ on sys.path for _compare and _format_cases)
 from _compare import tensor_diff
-from _format_cases import FORMATS
+from _format_cases import case_recipe
 from _jobs import _states
 
 D, HIDDEN = 64, 128
-# per-tensor casts that all differ (dtype, epsilon, power-of-2 scales): a role's cast read in another's place changes
-# the bits
-_MIXED = {"input": lambda: Float8Quantizer(power_2_scale=True), "weight": lambda: Float8Quantizer(amax_epsilon=4.0),
-          "grad_output": lambda: Float8Quantizer(fp8="e5m2")}
 
 
 class Block(nn.Module):
@@ -57,20 +52,12 @@ class Net(nn.Module):
         return x
 
 
-def _recipe(case: str):
-    if case == "mixed":
-        return hybridq.CustomRecipe(lambda role: _MIXED[role.tensor_type](), name="mixed-per-tensor")
-    if case in FORMATS:
-        return hybridq.CustomRecipe(lambda role: FORMATS[case](), name=f"all-{case}")
-    return hybridq.recipe(case)
-
-
 def _model(base: nn.Module, case: str, device, reshard: bool, save_original_input: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = copy.deepcopy(base)
-    apply_hybrid_fsdp(model, _recipe(case))
+    apply_hybrid_fsdp(model, case_recipe(case))
     for mod in model.modules():
         if isinstance(mod, hybridq.Linear):
             mod.save_original_input = save_original_input
