@@ -73,8 +73,10 @@ struct DelayedEntry {
 };
 constexpr int kDelayedMaxPerThread = 16;
 constexpr int64_t kDelayedMaxLen = 256 * kDelayedMaxPerThread;  // longer histories: the Python update
-// out[c, r] = in[r, c] for a row-major [R, C] matrix of 1-byte elements (R < 2^22 rows)
-cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int64_t C, cudaStream_t stream);
+// out[c, r] = in[r, c] for a row-major [R, C] matrix of 1-byte elements (R < 2^22 rows); G matrices at the batch
+// strides in_batch / out_batch (elements) apart
+cudaError_t launch_transpose_u8(const uint8_t* in, uint8_t* out, int64_t R, int64_t C, cudaStream_t stream,
+                                int64_t G = 1, int64_t in_batch = 0, int64_t out_batch = 0);
 
 cudaError_t launch_delayed_update(const DelayedEntry* entries_dev, int64_t n, cudaStream_t stream);
 

@@ -48,6 +48,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
 
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);
+void transpose_bytes_into(const Tensor& x, const Tensor& out);
 void fp8_delayed_update(at::TensorList histories, at::TensorList scales, at::ArrayRef<double> fp8_maxes,
                         at::ArrayRef<double> divisors, at::IntArrayRef most_recent);
 

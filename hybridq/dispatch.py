@@ -13,7 +13,8 @@ Tables (keyed by type, looked up by the exact type of the quantizer / part):
 - GEMM:       `run(a, b, out_dtype) -> a @ b^T`, keyed by what the parts declare (`QuantizedPart.gemm_kind`: scale
               layout, block shape, scale dtype; or the scale layouts alone), whatever the format class; a user's
               GEMMs for a pair of part types (`register_native_gemm`) are tried first (`gemm_candidates`)
-- transpose:  `run(t) -> t.t().contiguous()` for 2-D 1-byte tensors, keyed by device type
+- transpose:  `run(t) -> t.t().contiguous()` for 2-D 1-byte tensors, keyed by device type; and into a given buffer,
+              batched: `run(src [G, R, C], dst [G, C, R]) -> bool` (the experts of a grouped weight in one launch)
 - jagged FP8 experts: the grouped quantize and GEMMs of per-tensor FP8 experts on device offsets, keyed by device
   type (`hybridq.gemm.JaggedFP8Kernels`)
 
@@ -61,6 +62,7 @@ _GEMM: dict[tuple[type, type], list[NativeGemm]] = {}
 # (OperandKind of a, of b) or (ScaleLayout of a, of b) -> GEMMs
 _LAYOUT_GEMM: dict[tuple[Any, Any], list[NativeGemm]] = {}
 _TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
+_TRANSPOSE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], bool]] = {}
 # (quantizer type, device type) -> quantization of consecutive row groups, each as its own tensor (grouped linear)
 _ROW_GROUPS: dict[tuple[type, str], Callable] = {}
 # (operand kind of every group, device type) -> grouped GEMM of row groups with one scale each (hybridq.gemm)
@@ -110,6 +112,12 @@ def unregister_native_gemm(a_type: type, b_type: type, name: str) -> None:
 def register_transpose(device_type: str, run: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
     """Register a byte transpose for tensors on `device_type`; `run` may return None to decline a tensor."""
     _TRANSPOSE[device_type] = run
+
+
+def register_transpose_into(device_type: str, run: Callable[[torch.Tensor, torch.Tensor], bool]) -> None:
+    """Register a batched byte transpose into a given buffer for tensors on `device_type`; `run(src, dst)` returns
+    False to decline a call (nothing written)."""
+    _TRANSPOSE_INTO[device_type] = run
 
 
 def register_row_groups(quantizer_type: type, device_type: str, run: Callable) -> None:
@@ -217,6 +225,13 @@ def transpose_bytes(t: torch.Tensor) -> torch.Tensor | None:
     """`t.t().contiguous()` by the device's registered byte transpose, or None where none applies."""
     run = _TRANSPOSE.get(t.device.type)
     return None if run is None else run(t)
+
+
+def transpose_bytes_into(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """`dst[g] = src[g].t()` for 1-byte `src [G, R, C]` / `dst [G, C, R]` (or 2-D) by the device's registered
+    transpose; False (nothing written) where none applies."""
+    run = _TRANSPOSE_INTO.get(src.device.type)
+    return run is not None and run(src, dst)
 
 
 def current_gemm_name() -> str | None:

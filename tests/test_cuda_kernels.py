@@ -510,6 +510,32 @@ def test_transpose_bytes_unaligned_view(gen):
     assert_bitwise(transpose_bytes(x), x.cpu().t().contiguous(), "transpose_bytes at offset 1")
 
 
+@pytest.mark.parametrize("shape", [(16, 1024, 2048), (3, 96, 160), (5, 130, 257), (1, 77, 1), (2, 64, 48)])
+@pytest.mark.parametrize("pitch", [0, 16, 1])
+def test_transpose_bytes_into_batched(shape, pitch, gen):
+    """Every matrix of a batch transposed in one launch into a given buffer, also when the matrices lie `pitch`
+    bytes further apart than their size in both buffers (the gathered experts' stacked buffers; 1: no 16-byte
+    words)."""
+    from hybridq.kernels import transpose_bytes_into
+    g, r, c = shape
+    src_base = torch.randint(0, 256, (g, r * c + pitch), dtype=torch.uint8, generator=gen).cuda()
+    dst_base = torch.full((g, r * c + pitch), 7, dtype=torch.uint8, device="cuda")
+    src, dst = src_base[:, :r * c].view(g, r, c), dst_base[:, :r * c].view(g, c, r)
+    assert transpose_bytes_into(src, dst), f"transpose_bytes_into declined {shape} at pitch {pitch}"
+    assert_bitwise(dst, src.cpu().transpose(1, 2), f"transpose_bytes_into {shape} pitch {pitch}")
+    assert bool((dst_base[:, r * c:] == 7).all()), f"{shape} pitch {pitch}: bytes between the matrices were written"
+
+
+def test_transpose_bytes_into_declines():
+    from hybridq.kernels import transpose_bytes_into
+    cpu = torch.zeros(2, 4, 8, dtype=torch.uint8)
+    assert not transpose_bytes_into(cpu, cpu.transpose(1, 2).contiguous()), "CPU tensors"
+    x = torch.zeros(2, 4, 8, device="cuda", dtype=torch.uint8)
+    assert not transpose_bytes_into(x.transpose(1, 2), torch.empty(2, 4, 8, device="cuda", dtype=torch.uint8)), \
+        "a source whose matrices are not row-major"
+    assert not transpose_bytes_into(x.bfloat16(), torch.empty(2, 8, 4, device="cuda")), "2-byte elements"
+
+
 def test_transpose_bytes_declines():
     from hybridq.kernels import transpose_bytes
     assert transpose_bytes(torch.zeros(4, 4, dtype=torch.uint8)) is None, "CPU tensor"

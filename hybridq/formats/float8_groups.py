@@ -86,8 +86,12 @@ def group_parts(data: torch.Tensor, scale_inv: torch.Tensor, first: int, groups:
 
 def transpose_groups(rowwise: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The columnwise data of every group, `out [G, K, n]` <- the byte transpose of `rowwise [G, n, K]` (the
-    derivation of `Float8Quantizer.derive_part`, for all groups in one copy)."""
-    return out.view(torch.uint8).copy_(rowwise.view(torch.uint8).transpose(1, 2))
+    derivation of `Float8Quantizer.derive_part`, for all groups in one launch of the device's tiled transpose; a
+    strided copy elsewhere -- on an H200 that copy moves ~0.36 TB/s, the tiled kernel several times more)."""
+    src, dst = rowwise.view(torch.uint8), out.view(torch.uint8)
+    if not dispatch.transpose_bytes_into(src, dst):
+        dst.copy_(src.transpose(1, 2))
+    return dst
 
 
 def derive_columnwise_groups(rows, cols) -> bool:

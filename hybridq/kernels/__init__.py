@@ -34,12 +34,31 @@ def transpose_bytes(t: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.hybridq.transpose_bytes(t)
 
 
+def transpose_bytes_into(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """`dst[g] = src[g].t()` for CUDA tensors of 1-byte elements, `src [G, R, C]` and `dst [G, C, R]` (or 2-D),
+    each matrix row-major with rows of its own length and any batch stride (the stacked buffers of gathered
+    experts), in one launch of the extension's tiled transpose. False (nothing written) where it does not apply:
+    CPU, no extension (or one built without this op), other element sizes or layouts, > 4M rows or 65535
+    matrices."""
+    if not (src.is_cuda and dst.device == src.device and src.dim() in (2, 3) and dst.dim() == src.dim()
+            and src.element_size() == 1 and dst.element_size() == 1):
+        return False
+    r, c = src.shape[-2], src.shape[-1]
+    if not (src.stride(-1) == 1 and src.stride(-2) == c and dst.stride(-1) == 1 and dst.stride(-2) == r
+            and r < (1 << 22) and (src.dim() == 2 or src.shape[0] <= 65535) and _ext.available_for(src.device)
+            and hasattr(torch.ops.hybridq, "transpose_bytes_into")):
+        return False
+    torch.ops.hybridq.transpose_bytes_into(src, dst)
+    return True
+
+
 def _register_builtin() -> None:
     from . import cuda, grouped_fp8, native_gemm
 
     cuda.register_all()
     native_gemm.register_all()
     dispatch.register_transpose("cuda", transpose_bytes)
+    dispatch.register_transpose_into("cuda", transpose_bytes_into)
     dispatch.register_jagged_fp8("cuda", grouped_fp8.CudaJaggedFP8())
 
 

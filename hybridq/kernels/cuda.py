@@ -25,7 +25,8 @@ This module also holds the fakes of the format-independent ops (csrc/ops.cpp):
   rowwise part of its output in a block format along K (hybridq/kernels/norm_quantize.py)
 - swiglu_forward(a, b, block, dtype, amax_eps, pow2) -> (y = silu(a) * b like a, max|y|, data | [0], scales | [0]);
   swiglu_backward(dy, a, b) -> (da, db)
-- amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements
+- amax(x) -> [1]; transpose_bytes(x) -> x.t().contiguous() for 1-byte elements; transpose_bytes_into(x [G, R, C],
+  out [G, C, R]) -> None: the same into a given buffer, all matrices of a batch in one launch
 - fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent) -> None: the delayed-scaling update of
   many per-tensor FP8 quantizers, in place (see delayed.py)
 """
@@ -46,7 +47,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # the format-independent ops (csrc/ops.cpp) the Python side uses
 SHARED_OPS = ("amax", "rms_norm_forward", "rms_norm_backward", "layer_norm_forward", "layer_norm_backward",
-              "norm_quantize_forward", "swiglu_forward", "swiglu_backward", "fp8_delayed_update", "transpose_bytes")
+              "norm_quantize_forward", "swiglu_forward", "swiglu_backward", "fp8_delayed_update", "transpose_bytes",
+              "transpose_bytes_into")
 FORMAT_MODULE_PREFIX = "cuda_"
 _FORMAT_MODULE_API = ("OPS", "register_fakes", "register")
 
@@ -149,6 +151,10 @@ def _register_shared_fakes() -> None:
     @register_fake("hybridq::transpose_bytes")
     def _transpose_bytes(x):
         return x.new_empty((x.shape[1], x.shape[0]))
+
+    @register_fake("hybridq::transpose_bytes_into")
+    def _transpose_bytes_into(x, out):
+        return None
 
     @register_fake("hybridq::fp8_delayed_update")
     def _fp8_delayed_update(histories, scales, fp8_maxes, divisors, most_recent):
