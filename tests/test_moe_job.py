@@ -81,6 +81,22 @@ def test_moe_equals_a_dense_per_token_loop(e, k):
     torch.testing.assert_close(y.reshape(-1, 32), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_dispatch_gradient_sums_each_tokens_slots(k):
+    """The dispatch's backward (slots back to token order, summed over the k choices) is autograd's gradient of
+    `flat[token]` (fp64: only the order of the k-term sums may differ)."""
+    probs = torch.randn(10, 4).softmax(-1)
+    order, token, _, _ = job_model.route(probs, k)
+    flat = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(10 * k, 6, dtype=torch.float64)
+    y = job_model.DispatchTokens.apply(flat, token, order, k)
+    assert torch.equal(y, flat[token]), "the dispatched rows differ from flat[token]"
+    (got,) = torch.autograd.grad(y, flat, dy)
+    (want,) = torch.autograd.grad(flat[token], flat, dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15,
+                               msg=lambda m: f"top-{k} dispatch gradient: {m}")
+
+
 def test_load_balancing_loss_is_one_when_routing_is_uniform():
     """E * sum_e f_e P_e: 1 for a router that spreads tokens and probability evenly, larger when it collapses."""
     moe = _moe(4, 1)
