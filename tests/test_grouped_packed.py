@@ -255,6 +255,8 @@ def test_token_groups_give_the_padded_layout_bounds_without_a_host_sync():
     sizes = [5, 0, 17, 32, 1]
     known = TokenGroups.build(sizes, sum(sizes), torch.device("cpu"))
     assert known.padded_ends.tolist() == [16, 16, 48, 80, 96], known.padded_ends
+    assert known.ends.tolist() == [5, 5, 22, 54, 55], known.ends
+    assert known.ends.dtype == known.padded_ends.dtype == torch.int32, (known.ends.dtype, known.padded_ends.dtype)
     assert known.padded_width() == 96
     assert not known.aligned16() and TokenGroups.build([16, 0, 32], 48, torch.device("cpu")).aligned16()
     device_only = TokenGroups(torch.tensor(sizes), sum(sizes), None)  # (as a CUDA m_splits: no host counts)
@@ -280,6 +282,25 @@ def test_token_groups_of_one_routing_are_built_once():
     counts[1] = 3
     rebuilt = TokenGroups.build(counts, 7, cpu)
     assert rebuilt is not b and rebuilt.host_sizes() == [4, 3], "counts changed in place reused stale groups"
+
+
+def test_token_groups_of_each_layer_are_reused_by_its_backward():
+    """Every MoE layer has its own routing and its backward reads it again, last layer first: the groups of each of
+    the last routings are kept (one build per layer per step, not one per layer per direction). A kept routing
+    changed in place, or pushed out by newer ones, is built again."""
+    from hybridq.nn import grouped_jagged
+    cpu = torch.device("cpu")
+    layers = [torch.tensor([i, 3], dtype=torch.int64) for i in range(4)]
+    forward = [TokenGroups.build(c, int(c.sum()), cpu) for c in layers]
+    backward = [TokenGroups.build(c, int(c.sum()), cpu) for c in reversed(layers)][::-1]
+    rebuilt = [i for i, (f, b) in enumerate(zip(forward, backward)) if f is not b]
+    assert not rebuilt, f"backward built the groups of layers {rebuilt} again"
+    layers[2][0] = 5  # (the same tensor, other counts)
+    assert TokenGroups.build(layers[2], 8, cpu).host_sizes() == [5, 3], "a routing changed in place reused its groups"
+    for i in range(grouped_jagged._BUILT_ROUTINGS):  # newer routings push the oldest out (the cache is bounded)
+        TokenGroups.build([i, 1], i + 1, cpu)
+    assert len(grouped_jagged._BUILT) == grouped_jagged._BUILT_ROUTINGS, len(grouped_jagged._BUILT)
+    assert TokenGroups.build(layers[0], 3, cpu) is not forward[0], "a routing pushed out of the cache was reused"
 
 
 def _unpadded_columns(col: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[str]]:

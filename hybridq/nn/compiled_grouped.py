@@ -122,11 +122,11 @@ def _check_split_tensor(m_splits: torch.Tensor, num_experts: int, name: str) -> 
 def _groups(m_splits: torch.Tensor, tokens: int, device: torch.device, name: str, fake: bool) -> TokenGroups:
     """The token groups the ops run on. On CUDA the counts stay on the device (no host sync): the host knows only
     what the fake knows, so both size the columnwise buffers alike. On the CPU the real op reads and checks them."""
-    counts = m_splits.to(device=device, dtype=torch.int64)
     if fake or device.type != "cpu":
-        if not fake:  # (values checked on the device, asynchronously)
-            return TokenGroups.build(counts, tokens, device, name)
-        return TokenGroups(counts, tokens, None)
+        if not fake:  # (values checked on the device, asynchronously; the routing's groups built once)
+            return TokenGroups.build(m_splits, tokens, device, name)
+        return TokenGroups(m_splits.to(device=device, dtype=torch.int64), tokens, None)
+    counts = m_splits.to(device=device, dtype=torch.int64)
     sizes = check_split_values([int(v) for v in counts.tolist()], counts.shape[0], tokens, name)
     return TokenGroups(counts, tokens, sizes)
 
@@ -169,10 +169,11 @@ def _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool, h
 
 def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(data `[E, rows, cols]`, scale_inv `[E]`): the experts' per-tensor FP8 form of `direction` of the gathered
-    weight `handle` names (views of its stacked buffers: no copy), as the eager layer's `HeldFP8Experts` reads it."""
+    weight `handle` names (views of its stacked buffers, scales included: no copy), as the eager layer's
+    `HeldFP8Experts` reads it. Only the op's GEMM reads them (never an output of the op: outputs may not alias)."""
     weight = weight_of(handle)
     weight.ensure_direction(direction)  # (a lazy gather is a collective: every rank asks, whatever its counts)
-    form = HeldFP8Experts(weight, lambda: weight.unbind(0)).form(direction)
+    form = HeldFP8Experts(weight, lambda: weight.unbind(0)).form(direction, in_place=True)
     if form is None:
         raise RuntimeError(f"hybridq compiled GroupedLinear {name}: the gathered experts have no per-tensor FP8 "
                            f"{direction} form (their recipe is per-tensor FP8: apply_hybrid_fsdp gathered another "

@@ -57,19 +57,23 @@ class TokenGroups:
               name: str = "GroupedLinear") -> "TokenGroups":
         """From checked `m_splits` (`hybridq.nn.m_splits.checked_m_splits`): a list (one host-to-device copy, from
         pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously). The
-        projections of one MoE layer share their routing: the groups of the last call are reused while the counts
-        (the same tensor, unmodified, or equal host counts), tokens, device and stream are the same."""
+        projections of one MoE layer share their routing, and its backward reads it again: the groups of the last
+        `_BUILT_ROUTINGS` routings are reused while the counts (the same tensor, unmodified, or equal host counts),
+        tokens, device and stream are the same."""
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return cls._build(m_splits, tokens, device, name)  # (traced or captured: the graph holds its own)
-        key = (tokens, device, current_raw_stream(device) if device.type == "cuda" else None)
-        last = _LAST_BUILT[0]
-        if last is not None and last[1] == key and (
-                last[0] is m_splits and last[2] == m_splits._version if isinstance(m_splits, torch.Tensor)
-                else not isinstance(last[0], torch.Tensor) and last[0] == m_splits):
-            return last[3]
+        tensor = isinstance(m_splits, torch.Tensor)
+        key = (id(m_splits) if tensor else tuple(m_splits), tokens, device,
+               current_raw_stream(device) if device.type == "cuda" else None)
+        hit = _BUILT.get(key)
+        # (a tensor is kept with its groups, so its id is not reused while cached; its version says it is unchanged)
+        if hit is not None and (not tensor or (hit[0] is m_splits and hit[1] == m_splits._version)):
+            return hit[2]
         groups = cls._build(m_splits, tokens, device, name)
-        version = m_splits._version if isinstance(m_splits, torch.Tensor) else None
-        _LAST_BUILT[0] = (m_splits if isinstance(m_splits, torch.Tensor) else list(m_splits), key, version, groups)
+        _BUILT.pop(key, None)
+        if len(_BUILT) >= _BUILT_ROUTINGS:
+            del _BUILT[next(iter(_BUILT))]  # (the oldest routing)
+        _BUILT[key] = (m_splits if tensor else None, m_splits._version if tensor else None, groups)
         return groups
 
     @classmethod
@@ -100,7 +104,7 @@ class TokenGroups:
     @property
     def ends(self) -> torch.Tensor:
         if self._ends is None:
-            self._ends = self._counts.cumsum(0).to(torch.int32)
+            self._ends = self._counts.cumsum(0, dtype=torch.int32)
         return self._ends
 
     @property
@@ -108,7 +112,7 @@ class TokenGroups:
         """int32 `[n]`: the cumulative counts, each group's rounded up to a multiple of 16 (the padded layout of the
         CUDA kernels' columnwise forms, hybridq/kernels/grouped_fp8.py)."""
         if self._padded_ends is None:
-            self._padded_ends = ((self._counts + 15) // 16 * 16).cumsum(0).to(torch.int32)
+            self._padded_ends = (self._counts + 15).bitwise_and_(-16).cumsum(0, dtype=torch.int32)
         return self._padded_ends
 
     def padded_width(self) -> int:
@@ -141,7 +145,10 @@ class TokenGroups:
 
 
 _UNIFORM: dict = {}
-_LAST_BUILT: list = [None]  # ((m_splits, key, version, TokenGroups) of the last build)
+# (m_splits key, tokens, device, stream) -> (m_splits tensor | None, its version, TokenGroups) of the last routings:
+# a model's MoE layers each have their own routing, read again in backward (last layer first)
+_BUILT: dict = {}
+_BUILT_ROUTINGS = 32
 
 
 class HeldFP8Experts:
