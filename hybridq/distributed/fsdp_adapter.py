@@ -77,6 +77,13 @@ class FSDPLink:
     def reshard_after_forward(self) -> bool:
         return getattr(self._group(), "post_forward_mesh_info", None) is not None
 
+    def unshard_state(self) -> tuple[Phase, bool, bool]:
+        """(phase, reshard_after_forward, reshard_after_backward) of the unshard running now (one look-up of the
+        group: asked at every all-gather)."""
+        g = self._group()
+        return (phase_of(g), getattr(g, "post_forward_mesh_info", None) is not None,
+                getattr(g, "reshard_after_backward", True) is not False)
+
     def reshard_after_backward(self) -> bool:
         return getattr(self._group(), "reshard_after_backward", True) is not False
 

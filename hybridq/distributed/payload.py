@@ -13,6 +13,7 @@ Nothing here knows a format: the only inputs are quantizers, parts and `RowShard
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping
 
@@ -63,14 +64,14 @@ class BufferSpec:
     counts: tuple[int, ...]  # buffer rows each rank owns
     offset: int  # byte offset inside the payload
 
-    @property
+    @functools.cached_property  # (a weight's specs are reused at every unshard: `build_payload(memo=)`)
     def row_bytes(self) -> int:
         n = self.dtype.itemsize  # (no host tensor per call)
         for d in self.row_shape:
             n *= d
         return n
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.capacity * self.row_bytes
 
@@ -138,63 +139,125 @@ def quantize_shard(q: Quantizer, x2d: torch.Tensor, shard: RowShard, directions,
     return out
 
 
-def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowShard], shape, device, *,
-                  pack: bool = True) -> tuple[torch.Tensor | None, PayloadMeta]:
-    """Lay this rank's parts out in a flat uint8 payload (same layout on every rank). pack=False: only the
-    metadata (the payload is None), for a receiver that holds none of the rows but must assemble them."""
-    m, k = shard.rows, (shape[-1] if len(shape) else 1)
-    chunks: list[torch.Tensor] = []
-    specs: list[BufferSpec] = []
-    part_specs: dict[str, PartSpec] = {}
-    replicated: dict[str, dict[str, torch.Tensor]] = {}
-    offset = 0
+@dataclasses.dataclass(frozen=True)
+class _PayloadLayout:
+    """Where every buffer of a rank's parts lies in the payload, and how the receiver rebuilds the parts: a function
+    of the quantizer, the shapes and the shards only (not of the values), so a weight's unshards reuse it
+    (`build_payload(memo=)`) once the parts' buffers and metadata are checked to be the ones it was made for."""
+
+    quantizer: Quantizer
+    shards: tuple[RowShard, ...]
+    expect: tuple  # ((direction, part class, part meta, ((buffer name, dtype, shape), ...)), ...)
+    buffers: list[BufferSpec]
+    parts: dict[str, PartSpec]
+    nbytes: int
+
+    def fits(self, q: Quantizer, shards, extracted) -> bool:
+        if q is not self.quantizer or len(extracted) != len(self.expect) or not (
+                shards is self.shards or tuple(shards) == self.shards):
+            return False
+        for (d, part, _, buffers, _), (ed, cls, meta, bufs) in zip(extracted, self.expect):
+            if d != ed or type(part) is not cls or len(buffers) != len(bufs) or (meta and part.meta() != meta):
+                return False
+            for (name, t, _), (en, et, es) in zip(buffers, bufs):
+                if name != en or t.dtype != et or t.shape != es:
+                    return False
+        return True
+
+
+def _extract(q: Quantizer, parts: dict, shard: RowShard) -> list:
+    """(direction, part, buffer hints, [(name, tensor, row block)], replicated) of each part, in DIRECTIONS order."""
+    out = []
     for d in DIRECTIONS:
         if d not in parts:
             continue
         part = parts[d]
         hints = {} if d == HIGH_PRECISION else q.buffer_hints(d)
         buffers, rep = part.extract_buffers(shard, **hints)
+        out.append((d, part, hints, buffers, rep))
+    return out
+
+
+def _lay_out(q: Quantizer, extracted, shard: RowShard, shards, shape) -> _PayloadLayout:
+    m, k = shard.rows, (shape[-1] if len(shape) else 1)
+    specs: list[BufferSpec] = []
+    part_specs: dict[str, PartSpec] = {}
+    expect = []
+    offset = 0
+    for d, part, hints, buffers, _ in extracted:
         rows, cols = (k, m) if d == COLUMNWISE else (m, k)
-        part_specs[d] = PartSpec(type(part), rows, cols, d == COLUMNWISE, part.meta(), hints)
-        replicated[d] = rep
+        meta = part.meta()
+        part_specs[d] = PartSpec(type(part), rows, cols, d == COLUMNWISE, meta, hints)
         for name, t, g in buffers:
             counts = tuple(s.owned_count(g) for s in shards)
-            cap = max(counts)
             if t.shape[0] != shard.owned_count(g):
                 raise RuntimeError(f"{part!r}.extract_buffers gave {t.shape[0]} rows of {name!r}, expected "
                                    f"{shard.owned_count(g)} (row_block {g}, rows [{shard.offset}, {shard.end}))")
-            spec = BufferSpec(d, name, t.dtype, tuple(t.shape[1:]), g, cap, counts, offset)
-            pad = aligned(spec.nbytes) - spec.nbytes
+            spec = BufferSpec(d, name, t.dtype, tuple(t.shape[1:]), g, max(counts), counts, offset)
             specs.append(spec)
-            offset += spec.nbytes + pad
-            if not pack:
-                continue
-            if t.shape[0] < cap:
-                t = torch.cat([t, t.new_zeros((cap - t.shape[0],) + tuple(t.shape[1:]))])
-            b = (t if t.is_contiguous() else t.contiguous()).view(torch.uint8).reshape(-1) if t.numel() else torch.empty(0, dtype=torch.uint8,
-                                                                                          device=t.device)
-            if b.numel() != spec.nbytes:
-                raise RuntimeError(f"payload size mismatch for {name!r}: {b.numel()} != {spec.nbytes}")
-            chunks.append(b)
-            if pad:
-                chunks.append(torch.zeros(pad, dtype=torch.uint8, device=b.device))
-    meta = PayloadMeta(tuple(shape), len(shards), offset, specs, part_specs, replicated)
+            offset += aligned(spec.nbytes)
+        expect.append((d, type(part), meta, tuple((name, t.dtype, t.shape) for name, t, _ in buffers)))
+    return _PayloadLayout(q, tuple(shards), tuple(expect), specs, part_specs, offset)
+
+
+def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowShard], shape, device, *,
+                  pack: bool = True, memo: dict | None = None) -> tuple[torch.Tensor | None, PayloadMeta]:
+    """Lay this rank's parts out in a flat uint8 payload (same layout on every rank). pack=False: only the
+    metadata (the payload is None), for a receiver that holds none of the rows but must assemble them. `memo`: a
+    dict the caller keeps across calls (a weight's state) where the layout is remembered per quantizer, shards and
+    shape, and reused when the parts' buffers are the ones it was made for (their `BufferSpec`s are then the same
+    objects at every call)."""
+    extracted = _extract(q, parts, shard)
+    layout = None
+    if memo is not None:
+        key = (id(q), shard, tuple(shape))
+        layout = memo.get(key)
+        if layout is not None and not layout.fits(q, shards, extracted):
+            layout = None
+    if layout is None:
+        layout = _lay_out(q, extracted, shard, shards, shape)
+        if memo is not None:
+            if len(memo) >= 16:
+                memo.clear()
+            memo[key] = layout
+    replicated = {d: rep for d, _, _, _, rep in extracted}
+    meta = PayloadMeta(tuple(shape), len(shards), layout.nbytes, layout.buffers, layout.parts, replicated)
     if not pack:
         return None, meta
+    chunks: list[torch.Tensor] = []
+    specs = iter(layout.buffers)
+    for _, _, _, buffers, _ in extracted:
+        for name, t, _ in buffers:
+            spec = next(specs)
+            cap = spec.capacity
+            if t.shape[0] < cap:
+                t = torch.cat([t, t.new_zeros((cap - t.shape[0],) + tuple(t.shape[1:]))])
+            b = (t if t.is_contiguous() else t.contiguous()).view(torch.uint8).reshape(-1) if t.numel() else \
+                torch.empty(0, dtype=torch.uint8, device=t.device)
+            nbytes = spec.nbytes
+            if b.numel() != nbytes:
+                raise RuntimeError(f"payload size mismatch for {name!r}: {b.numel()} != {nbytes}")
+            chunks.append(b)
+            pad = aligned(nbytes) - nbytes
+            if pad:
+                chunks.append(torch.zeros(pad, dtype=torch.uint8, device=b.device))
     payload = torch.cat(chunks) if len(chunks) > 1 else (
         chunks[0] if chunks else torch.empty(0, dtype=torch.uint8, device=device))
     return payload, meta
 
 
-def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
-    """Full parts {direction: part} from the gathered payloads `gathered` ([world_size, >= meta.nbytes] uint8)."""
+def _gathered_buffers(meta: PayloadMeta, gathered: torch.Tensor) -> tuple[dict, bool]:
+    """({direction: {buffer name: full buffer}}, whether every buffer is a view of `gathered`)."""
     ws = meta.world_size
     full: dict[str, dict[str, torch.Tensor]] = {d: {} for d in meta.parts}
+    views = True
+    storage = gathered.untyped_storage()._cdata
     for spec in meta.buffers:
-        raw = gathered[:, spec.offset:spec.offset + spec.nbytes]
         if spec.nbytes == 0:
             rows = torch.empty((0,) + spec.row_shape, dtype=spec.dtype, device=gathered.device)
+            views = False
         else:
+            raw = gathered[:, spec.offset:spec.offset + spec.nbytes]
             per_rank = raw.view(spec.dtype).view((ws, spec.capacity) + spec.row_shape)
             if all(c == spec.capacity for c in spec.counts[:-1]):
                 # every rank but the last is full: the concatenation is a prefix of the ranks' rows in order
@@ -203,12 +266,48 @@ def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
             else:
                 pieces = [per_rank[r, :spec.counts[r]] for r in range(ws) if spec.counts[r]]
                 rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            views = views and rows.untyped_storage()._cdata == storage  # (not a copy: the reshape of ranks' rows)
         full[spec.direction][spec.name] = rows
+    return full, views
+
+
+def _rebuild(meta: PayloadMeta, full: dict) -> dict:
     out = {}
     for d, ps in meta.parts.items():
         out[d] = ps.cls.assign_gathered(full[d], meta.replicated[d], rows=ps.rows, cols=ps.cols,
                                         columnwise=ps.columnwise, meta=ps.meta, **ps.hints)
     return out
+
+
+def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
+    """Full parts {direction: part} from the gathered payloads `gathered` ([world_size, >= meta.nbytes] uint8)."""
+    return _rebuild(meta, _gathered_buffers(meta, gathered)[0])
+
+
+class GatheredViews:
+    """The full buffers of one all-gather output, as views of it, kept across unshards by a weight's state: FSDP2
+    hands the post-all-gather hook the same output storage at every unshard (it frees and re-allocates its bytes,
+    the views stay valid), so the buffers are sliced once per storage and payload layout (`assemble_output`)."""
+
+    __slots__ = ("buffers", "key", "full")
+
+    def __init__(self):
+        self.buffers = self.key = self.full = None
+
+
+def assemble_output(meta: PayloadMeta, output: torch.Tensor, memo: GatheredViews | None = None) -> dict:
+    """`assemble_parts` of FSDP2's all-gather output `output` (the ranks' payloads one after another, any dtype). With
+    `memo`: the buffers' views are those of the last call when `output` is a view of the same storage at the same
+    place and the layout is the same objects (`build_payload(memo=)`); buffers that are not views (concatenated
+    rows of uneven shards) are never kept."""
+    if memo is not None:
+        key = (output.untyped_storage()._cdata, output.storage_offset(), output.shape, output.dtype)
+        if memo.buffers is meta.buffers and memo.key == key:
+            return _rebuild(meta, memo.full)
+    full, views = _gathered_buffers(meta, output.reshape(-1).view(torch.uint8).view(meta.world_size, -1))
+    if memo is not None:
+        memo.buffers, memo.key, memo.full = (meta.buffers, key, full) if views else (None, None, None)
+    return _rebuild(meta, full)
 
 
 def gather_bytes_for(q: Quantizer, shape, world_size: int, directions, dtype=torch.bfloat16) -> int:

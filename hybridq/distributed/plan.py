@@ -14,7 +14,7 @@ from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Phase
 from .fsdp_adapter import FSDPLink, phase_of
 from .payload import DIRECTIONS, HIGH_PRECISION
 
-__all__ = ["GatherPlan", "make_plan", "every_plan", "unshard_plan"]
+__all__ = ["GatherPlan", "UnshardSetup", "make_plan", "every_plan", "unshard_plan", "unshard_setup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +96,41 @@ def unshard_plan(link: FSDPLink | None, backward_extra, backward_override: str |
     plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=backward_override,
                      derivable=derivable, known=link is not None, backward_extra=extra)
     return phase, ra, extra, plan
+
+
+@dataclasses.dataclass(frozen=True)
+class UnshardSetup:
+    """What an unshard running now follows, from FSDP2's settings and the weight's format (`unshard_setup`)."""
+
+    phase: Phase
+    reshard_after_forward: bool | None
+    backward_extra: frozenset
+    plan: GatherPlan
+    keeps: bool  # a forward unshard whose payload the backward unshard re-sends: it is kept for that one
+
+
+# (phase, reshard_after_forward, reshard_after_backward, override, derivable, known, backward_extra) -> UnshardSetup:
+# a handful of keys per process, asked at every all-gather of every weight (one dict lookup instead of the plan's
+# argument parsing and a second plan for the kept payload)
+_SETUPS: dict = {}
+_NO_EXTRA: frozenset = frozenset()
+
+
+def unshard_setup(link: FSDPLink | None, backward_extra: frozenset, backward_override: str | None,
+                  derivable: bool) -> UnshardSetup:
+    """`unshard_plan` of the unshard running now, with whether its payload is kept for the backward unshard (a
+    forward unshard whose directions backward re-gathers unchanged: per-tensor FP8 rowwise, columnwise derived)."""
+    phase, ra, rab = link.unshard_state() if link is not None else (phase_of(None), None, True)
+    key = (phase, ra, rab, backward_override, derivable, link is not None, backward_extra)
+    hit = _SETUPS.get(key)
+    if hit is None:
+        extra = frozenset(backward_extra) | (_NO_EXTRA if rab else frozenset((ROWWISE,)))
+        plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=backward_override,
+                         derivable=derivable, known=link is not None, backward_extra=extra)
+        keeps = bool(link is not None and phase == Phase.FORWARD and plan.deferred and make_plan(
+            phase=Phase.BACKWARD, reshard_after_forward=ra, backward_override=backward_override, derivable=derivable,
+            known=True, backward_extra=extra).send == plan.send)
+        if len(_SETUPS) >= 256:
+            _SETUPS.clear()
+        hit = _SETUPS[key] = UnshardSetup(phase, ra, extra, plan, keeps)
+    return hit

@@ -25,7 +25,7 @@ from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GroupedGatheredWeight
 from .layout import ExpertLayout
-from .payload import DIRECTIONS, HIGH_PRECISION, PayloadMeta, assemble_parts
+from .payload import DIRECTIONS, HIGH_PRECISION, GatheredViews, PayloadMeta, assemble_parts
 from .stats import GroupedStats, WeightStats
 from .transport import GatherContext, gather_grouped_now, gather_now
 
@@ -54,9 +54,12 @@ class SharedState:
         self.stats: torch.Tensor | None = None
         self.param_dtype: torch.dtype | None = None
         self.layouts_checked: set = set()  # (quantizer, shape, world size, dtype, override) whose shards passed
+        self.shard_layouts: dict = {}  # a Linear weight's checked layouts (weights._shard_layout)
+        self.payload_layouts: dict = {}  # its payloads' layouts (payload.build_payload's memo)
+        self.gathered_views = GatheredViews()  # the all-gather output's buffers (payload.assemble_output's memo)
         self.inner: list[torch.Tensor] = []  # handed to FSDP2: allocated before, freed at reshard
-        self.deferred: set[str] = set()
-        self.backward_extra: set[str] = set()
+        self.deferred: frozenset[str] = frozenset()
+        self.backward_extra: frozenset[str] = frozenset()  # (immutable: part of the unshard setup's cache key)
         self.last_sig = None
         self.ctx: GatherContext | None = None
         self.mesh_info: tuple | None = None  # (FSDP2's shard mesh, its (world size, rank, group)): weights.py
@@ -88,7 +91,7 @@ class SharedState:
     def _lazy_done(self, d: str) -> None:
         self.counters["lazy_gathers"] += 1
         if in_backward():  # e.g. activation recompute: gather it with backward's from now on
-            self.backward_extra.add(d)
+            self.backward_extra = self.backward_extra | {d}
 
 
 class WeightState(SharedState, WeightStats, UnshardedBuffers):

@@ -52,9 +52,10 @@ def stats_key(param, dtype, shard):
     return (id(param), param._version, id(local), local._version, local._data.data_ptr(), dtype, shard)
 
 
-def payload_key(param, dtype, shape, ws: int, rank: int, send) -> tuple | None:
-    """Identifies a payload: the shard's values (see `stats_key`) and the directions sent; None: not reusable."""
-    key = stats_key(param, dtype, dim0_chunks(shape, ws)[rank])
+def payload_key(param, dtype, shape, ws: int, shard, send) -> tuple | None:
+    """Identifies a payload: the shard's values (see `stats_key`; `shard`: this rank's rows) and the directions sent;
+    None: not reusable."""
+    key = stats_key(param, dtype, shard)
     return None if key is None else (key, tuple(shape), ws, tuple(send))
 
 
@@ -75,7 +76,7 @@ def prepare_payload(local, param, q: Quantizer, send, shape, ws: int, rank: int,
         parts = quantize_shard(q, x2d, shard, send, global_stats=stats)
     else:
         parts = quantize_shard(q, x2d, shard, send, stats)
-    return build_payload(q, parts, shard, shards, shape, x2d.device)
+    return build_payload(q, parts, shard, shards, shape, x2d.device, memo=local._hq.payload_layouts)
 
 
 def all_gather_bytes(payload: torch.Tensor, ws: int, group) -> torch.Tensor:

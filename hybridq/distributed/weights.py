@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from ..enums import Phase
 from ..errors import RecipeError
+from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import Quantizer
 from ..nn.linear import Linear
 from ..torch_private import local_tensor
@@ -42,8 +43,8 @@ from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
 from .grouped_batched import StackedGather, fill_batched, fill_stacked, metas_with_scales, prepare_batched
 from .layout import ExpertLayout, transport_view
-from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts
-from .plan import GatherPlan, make_plan, unshard_plan
+from .payload import HIGH_PRECISION, PayloadMeta, assemble_output, assemble_parts
+from .plan import GatherPlan, unshard_setup
 from .state import GroupedWeightState, KeptPayload, WeightState
 from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload, stats_key
 
@@ -123,12 +124,45 @@ def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
     st.counters["bytes_sent"] += inp.nbytes
 
 
-def _keep_for_backward(st, key, phase, plan: GatherPlan, ra, override, derivable: bool, extra) -> bool:
-    """Whether this forward unshard's payload is kept for the backward unshard: it re-gathers the same directions
-    (e.g. per-tensor FP8 rowwise, columnwise derived), so the shard is not cast and quantized again."""
-    return bool(st.reuse_payload and key is not None and phase == Phase.FORWARD and plan.deferred and make_plan(
-        phase=Phase.BACKWARD, reshard_after_forward=ra, backward_override=override, derivable=derivable,
-        known=True, backward_extra=extra).send == plan.send)
+@dataclasses.dataclass(frozen=True)
+class _ShardLayout:
+    """A Linear weight's layout under one quantizer, shape, world size, rank, gather dtype and override, checked once
+    (`check_shard_layout`) and kept by the weight's state (`_shard_layout`)."""
+
+    quantizer: Quantizer
+    shape: tuple[int, ...]
+    shard: RowShard
+    derivable: bool
+
+
+def _shard_layout(st, q, outer_size, ws: int, rank: int, dtype, override) -> _ShardLayout:
+    """The weight's `_ShardLayout` for this unshard: looked up (one per quantizer and sharding; a new quantizer, e.g.
+    after a recipe change, is a new entry: the entry holds it and is compared by identity), else checked before
+    anything is quantized, sent or kept, and remembered."""
+    key = (id(q), outer_size, ws, rank, dtype, override)
+    hit = st.shard_layouts.get(key)
+    if hit is not None and hit.quantizer is q:
+        return hit
+    shape = tuple(outer_size)
+    derivable = st.is_derivable(q, shape, dtype)
+    check_shard_layout(q, st.name, shape, ws, dtype, override, derivable)
+    if len(st.shard_layouts) >= 16:
+        st.shard_layouts.clear()
+    hit = st.shard_layouts[key] = _ShardLayout(q, shape, dim0_chunks(shape, ws)[rank], derivable)
+    return hit
+
+
+def _set_context(st, local, module, param, shape, dtype, ws: int, rank: int, group, layout=None) -> None:
+    """Remember this unshard's context for a later lazy gather; the last one is kept as it is when nothing changed
+    (the same sharded tensor, module, parameter and sharding: every unshard after the first)."""
+    ctx = st.ctx
+    if (ctx is not None and ctx.local() is local and ctx.module() is module and ctx.shape == shape
+            and ctx.dtype is dtype and ctx.group is group and ctx.world_size == ws and ctx.rank == rank
+            and ctx.layout == layout and (ctx.param() if ctx.param is not None else None) is param):
+        return
+    st.ctx = GatherContext(local=weakref.ref(local), module=weakref.ref(module), shape=shape, dtype=dtype,
+                           world_size=ws, rank=rank, group=group, device=local.device,
+                           param=weakref.ref(param) if param is not None else None, layout=layout)
 
 
 def _grouped_payload_key(param, dtype, layout: ExpertLayout, send, stacked: bool, qs) -> tuple | None:
@@ -226,48 +260,43 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         q = module.weight_quantizer
         ws, rank, group = _mesh_info(st, mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
-        shape = tuple(outer_size)
         override = module.recipe.backward_override
-        derivable = st.is_derivable(q, shape, dtype)
-        layout = (id(q), shape, ws, dtype, override)
-        if layout not in st.layouts_checked:  # before anything is quantized, sent or kept
-            check_shard_layout(q, st.name, shape, ws, dtype, override, derivable)
-            st.layouts_checked.add(layout)
+        lay = _shard_layout(st, q, outer_size, ws, rank, dtype, override)  # (checked before anything is quantized)
+        shape = lay.shape
         st.param_dtype = dtype
         link = st.link(module)
-        phase, ra, extra, plan = unshard_plan(link, st.backward_extra, override, derivable)
+        setup = unshard_setup(link, st.backward_extra, override, lay.derivable)
+        plan = setup.plan
         param = _sharded_param(self, module, "weight", link)
-        key = payload_key(param, dtype, shape, ws, rank, plan.send)
+        key = payload_key(param, dtype, shape, ws, lay.shard, plan.send)
         kept, st.kept_payload = st.kept_payload, None
         if key is not None and kept is not None and kept.key == key:
             payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
             st.counters["payload_reused"] += 1
         else:
             payload, meta = prepare_payload(self, param, q, plan.send, shape, ws, rank, dtype, group)
-        if _keep_for_backward(st, key, phase, plan, ra, override, derivable, extra):
+        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
             st.kept_payload = KeptPayload(key, payload, meta)
         inp = transport_view(payload, shape, ws)
-        _sent(st, link, inp, phase)
-        st.deferred = set(plan.deferred)
+        _sent(st, link, inp, setup.phase)
+        st.deferred = plan.deferred
         if st.parts:
             st.set_inner(plan.materialize)  # what FSDP2 allocates before fsdp_post_all_gather fills it
-        st.ctx = GatherContext(local=weakref.ref(self), module=weakref.ref(module), shape=shape, dtype=dtype,
-                               world_size=ws, rank=rank, group=group, device=self.device,
-                               param=weakref.ref(param) if param is not None else None)
+        _set_context(st, self, module, param, shape, dtype, ws, rank, group)
         return (inp,), GatherMetadata(meta, plan, dtype, q)
 
     def _post_all_gather(self, outputs, metadata: GatherMetadata) -> None:
         meta, plan, dtype, q = metadata.payload, metadata.plan, metadata.dtype, metadata.quantizer
         st = self._hq
-        adopt = received(outputs[0], (meta,))
-        gathered = outputs[0].reshape(-1).view(torch.uint8).view(meta.world_size, -1)
-        parts = complete_parts(q, assemble_parts(meta, gathered), plan, dtype)
+        out = outputs[0]
+        adopt = received(out, (meta,))
+        parts = complete_parts(q, assemble_output(meta, out, st.gathered_views), plan, dtype)
         first = st.gathered is None
         if first:
-            st.create(q, meta.shape, dtype, gathered.device)
+            st.create(q, meta.shape, dtype, out.device)
         if HIGH_PRECISION in plan.materialize:
             st.create_high_precision()
-        out_ptr = outputs[0].untyped_storage().data_ptr()
+        out_ptr = out.untyped_storage().data_ptr()
         for d in plan.materialize:  # (a derived direction is never aliased, even where it is a view)
             st.fill(d, parts[d], adopt, alias=out_ptr if d in plan.send else None)
         if first:
@@ -313,7 +342,8 @@ class GroupedHybridWeight(HybridWeight):
             st.layouts_checked.add(check)
         st.param_dtype = dtype
         link = st.link(module)
-        phase, ra, extra, plan = unshard_plan(link, st.backward_extra, override, derivable)
+        setup = unshard_setup(link, st.backward_extra, override, derivable)
+        plan = setup.plan
         param = _sharded_param(self, module, st.attr, link)
         # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
         stacked = not plan.local and HIGH_PRECISION not in plan.materialize
@@ -326,16 +356,14 @@ class GroupedHybridWeight(HybridWeight):
             batched = prepare_batched(self, param, qs, plan.send, layout, dtype, group, stacked)
             payload, metas, slot, stacked = batched if batched is not None else (
                 *prepare_grouped(self, param, qs, plan.send, layout, dtype, group), None)
-        if _keep_for_backward(st, key, phase, plan, ra, override, derivable, extra):
+        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
             st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked))
         inp = layout.transport(payload, slot)
-        _sent(st, link, inp, phase)
+        _sent(st, link, inp, setup.phase)
         st.set_deferred(plan.deferred)
         if st.gathered is not None:
             st.set_inner(plan.materialize)
-        st.ctx = GatherContext(local=weakref.ref(self), module=weakref.ref(module), shape=shape, dtype=dtype,
-                               world_size=ws, rank=rank, group=group, device=self.device,
-                               param=weakref.ref(param) if param is not None else None, layout=layout)
+        _set_context(st, self, module, param, shape, dtype, ws, rank, group, layout)
         return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot, stacked)
 
     def _post_all_gather(self, outputs, metadata: GroupedGatherMetadata) -> None:

@@ -101,6 +101,7 @@ class OpCounter(TorchDispatchMode):
         self._wrap(transport, "quantize_shard", "pre_all_gather/quantize")
         self._wrap(transport, "build_payload", "pre_all_gather/pack")
         self._wrap(weights, "assemble_parts", "post_all_gather/unpack")
+        self._wrap(weights, "assemble_output", "post_all_gather/unpack")
         self._wrap_quantize()
         return super().__enter__()
 
