@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .triton_launch import launch
+
 try:  # Triton is optional: CPU machines and CI have none
     import triton
     import triton.language as tl
@@ -249,8 +251,8 @@ def padded_transpose(row: torch.Tensor, ends: torch.Tensor, padded_ends: torch.T
         return out
     bt, bk, w = TRANSPOSE_CONFIG
     grid = (_cdiv(width, bt) + e, _cdiv(k, bk))  # an upper bound of the token tiles: each group may end one partial
-    _padded_transpose_kernel[grid](row.view(torch.uint8), out.view(torch.uint8), ends, padded_ends, k, e, width,
-                                   BLOCK_T=bt, BLOCK_K=bk, EP=max(16, _next_pow2(e)), num_warps=w)
+    launch(_padded_transpose_kernel, grid, row.view(torch.uint8), out.view(torch.uint8), ends, padded_ends, k, e,
+           width, BLOCK_T=bt, BLOCK_K=bk, EP=max(16, _next_pow2(e)), num_warps=w)
     return out
 
 
@@ -286,9 +288,9 @@ def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_gro
         return c
     bm, bn, bk, gm, w, st = _config("mm", precise, k, config)
     grid = ((_cdiv(t, bm) + e) * _cdiv(n, bn),)  # an upper bound of the row tiles: each group may end one partial
-    LAST_COMPILED["mm"] = _jagged_mm_kernel[grid](
-        a, b, c, a_scale_inv, b_scale_inv, ends, t, n, k, e, a.stride(0), b_group_stride, b_row_stride, c.stride(0),
-        b_scale_inv.stride(0),
+    LAST_COMPILED["mm"] = launch(
+        _jagged_mm_kernel, grid, a, b, c, a_scale_inv, b_scale_inv, ends, t, n, k, e, a.stride(0), b_group_stride,
+        b_row_stride, c.stride(0), b_scale_inv.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EP=max(16, _next_pow2(e)), PRECISE=precise,
         num_warps=w, num_stages=st)
     return c
@@ -313,8 +315,8 @@ def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor
                          f"{a_t.stride(0)} and {b_t.stride(0)}")
     bm, bn, bk, gm, w, st = _config("wgrad", precise, 128, config)
     grid = (_cdiv(m, bm) * _cdiv(n, bn), e)
-    LAST_COMPILED["wgrad"] = _jagged_wgrad_kernel[grid](
-        a_t, b_t, c, a_scale_inv, b_scale_inv, ends, m, n, e, a_t.stride(0), b_t.stride(0), c.stride(0),
-        c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise, ALIGNED=aligned, num_warps=w,
-        num_stages=st)
+    LAST_COMPILED["wgrad"] = launch(
+        _jagged_wgrad_kernel, grid, a_t, b_t, c, a_scale_inv, b_scale_inv, ends, m, n, e, a_t.stride(0),
+        b_t.stride(0), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise,
+        ALIGNED=aligned, num_warps=w, num_stages=st)
     return c

@@ -172,7 +172,8 @@ def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor
     weight `handle` names (views of its stacked buffers, scales included: no copy), as the eager layer's
     `HeldFP8Experts` reads it. Only the op's GEMM reads them (never an output of the op: outputs may not alias)."""
     weight = weight_of(handle)
-    weight.ensure_direction(direction)  # (a lazy gather is a collective: every rank asks, whatever its counts)
+    # (`form` makes the direction available first -- a lazy gather is a collective: every rank asks, whatever its
+    # counts)
     form = HeldFP8Experts(weight, lambda: weight.unbind(0)).form(direction, in_place=True)
     if form is None:
         raise RuntimeError(f"hybridq compiled GroupedLinear {name}: the gathered experts have no per-tensor FP8 "

@@ -181,7 +181,11 @@ class HeldFP8Experts:
         None if an expert's part is not per-tensor FP8 of one FP8 dtype. `in_place`: the stacked scales too are a
         view (strided: a column of their 16-byte aligned `[E, 4]` buffer), read by the GEMM launched next, not kept
         (the eager Function's GEMMs take any stride; a compiled op's outputs must be tensors of their own)."""
-        stacked = self.weight.stacked_part(direction) if isinstance(self.weight, GroupedGatheredForm) else None
+        stacked = None
+        if isinstance(self.weight, GroupedGatheredForm):  # (both make the direction available: every rank asks)
+            stacked = self.weight.stacked_part(direction)
+            if stacked is None:
+                self.weight.ensure_direction(direction)
         if stacked is not None:
             part0, views = stacked
             if isinstance(part0, Float8TensorPart) and part0.data.dtype in FP8_DTYPES and "scale_inv" in views:
