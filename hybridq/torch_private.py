@@ -10,7 +10,8 @@ The autograd graph task running on this thread: whether a backward pass is runni
 public query for it.
 
 A storage's use count: whether a fresh allocation is referenced by one tensor only (then the unsharded weight may
-adopt it instead of copying it); torch has no public query for it.
+adopt it instead of copying it); torch has no public query for it. A storage's identity (its implementation's
+address): what stays the same when FSDP2 frees and re-allocates an all-gather output's bytes.
 
 The current CUDA stream as its raw handle, a C call: `torch.cuda.current_stream` builds a Stream object through
 several Python calls (~20 us of host time each on the H200 machine's host), and the gather hooks and grouped layers
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["current_raw_stream", "current_stream", "graph_task_id", "in_backward", "local_tensor",
+__all__ = ["current_raw_stream", "current_stream", "graph_task_id", "in_backward", "local_tensor", "storage_id",
            "storage_use_count"]
 
 
@@ -34,6 +35,13 @@ def local_tensor(x) -> torch.Tensor | None:
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many references the storage's implementation has (a tensor and its views each hold one)."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An id of the storage implementation `t` views: the same for every view of it while any tensor holds it, and
+    across a resize of its bytes (which changes the data pointer; FSDP2 frees and re-allocates its all-gather outputs
+    that way at every unshard)."""
+    return t.untyped_storage()._cdata
 
 
 def graph_task_id() -> int:

@@ -28,6 +28,8 @@ class UnshardedBuffers:
         self.owned: dict[str, list[torch.Tensor]] = {}
         self.aliased: set[int] = set()  # ids of own tensors that are views of FSDP2's all-gather output
         self.device: torch.device | None = None
+        self.buffers_version = 0  # bumped when `owned` or `aliased` change (what `set_inner` lists)
+        self._inner_of: tuple | None = None  # ((directions, version), the list): `set_inner`'s last answer
 
     def create(self, q: Quantizer, shape, dtype, device) -> GatheredWeight:
         m, k = rows_of(shape), shape[-1]
@@ -53,6 +55,7 @@ class UnshardedBuffers:
             self.owned[d] = mine
         self.parts[HIGH_PRECISION], self.owned[HIGH_PRECISION] = None, []  # created when first gathered
         self.device = device
+        self.buffers_version += 1
         self.gathered = GatheredWeight(self.parts[ROWWISE], self.parts[COLUMNWISE], shape=shape, dtype=dtype,
                                        state=self)
         return self.gathered
@@ -67,6 +70,7 @@ class UnshardedBuffers:
         data = torch.empty(m, k, dtype=g.dtype, device=self.device)
         self.parts[HIGH_PRECISION] = IdentityPart(rows=m, cols=k, columnwise=False, data=data)
         self.owned[HIGH_PRECISION] = [data]
+        self.buffers_version += 1
 
     def materialized(self, d: str) -> bool:
         return all(t.numel() == 0 or t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
@@ -82,7 +86,11 @@ class UnshardedBuffers:
         return out
 
     def set_inner(self, dirs) -> None:
-        self.inner[:] = self._unique(dirs)
+        key = (tuple(dirs), self.buffers_version)
+        hit = self._inner_of
+        if hit is None or hit[0] != key:  # (the same list at every unshard while the buffers stay)
+            hit = self._inner_of = (key, self._unique(dirs))
+        self.inner[:] = hit[1]
 
     def free_others(self, keep) -> None:
         keep_t = self._unique(keep)
@@ -112,11 +120,14 @@ class UnshardedBuffers:
                 if not (t.untyped_storage().data_ptr() == alias and t.storage_offset() == s.storage_offset()
                         and t.stride() == s.stride()):
                     t.set_(s.untyped_storage(), s.storage_offset(), s.shape, s.stride())
-                self.aliased.add(id(t))
+                if id(t) not in self.aliased:
+                    self.aliased.add(id(t))
+                    self.buffers_version += 1
                 self.counters["aliased"] += 1
                 continue
             if id(t) in self.aliased:  # it pointed at an all-gather output: it gets its own storage again
                 self.aliased.discard(id(t))
+                self.buffers_version += 1
                 t.set_(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
             need = t.numel() * t.element_size()
             if adopt is not None and _adoptable(s, t, need, adopt):

@@ -96,13 +96,24 @@ class FSDPLink:
         self._param().all_gather_outputs = []
 
 
+# id(FSDP2 TrainingState member) -> (member, Phase) of the states that name a phase (an enum member's `.name` is two
+# Python calls; asked at every all-gather of every weight)
+_PHASE_OF_STATE: dict = {}
+
+
 def phase_of(group) -> Phase:
-    """The group's training state, or (no group) whether autograd is running."""
-    name = getattr(getattr(group, "_training_state", None), "name", "") if group is not None else ""
-    if name in ("PRE_BACKWARD", "POST_BACKWARD"):
-        return Phase.BACKWARD
-    if name == "FORWARD":
-        return Phase.FORWARD
+    """The group's training state, or (no group, or a state that names no phase) whether autograd is running."""
+    if group is not None:
+        ts = getattr(group, "_training_state", None)
+        hit = _PHASE_OF_STATE.get(id(ts))
+        if hit is not None and hit[0] is ts:
+            return hit[1]
+        name = getattr(ts, "name", "")
+        phase = Phase.BACKWARD if name in ("PRE_BACKWARD", "POST_BACKWARD") else (
+            Phase.FORWARD if name == "FORWARD" else None)
+        if phase is not None:
+            _PHASE_OF_STATE[id(ts)] = (ts, phase)
+            return phase
     return Phase.BACKWARD if in_backward() else Phase.FORWARD
 
 

@@ -21,7 +21,7 @@ from ..formats.base import COLUMNWISE, ROWWISE
 from ..formats.float8 import aligned_scales
 from ..formats.float8_groups import (derive_columnwise_groups, equal_groups_apply, group_amax, group_parts,
                                      quantize_equal_groups, scale_inv_from_amax, transpose_groups)
-from ..torch_private import current_stream
+from ..torch_private import current_stream, storage_id
 from .layout import ExpertLayout
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_parts, build_payload
 from .plan import GatherPlan
@@ -43,7 +43,7 @@ class StackedGather:
 def _template_metas(local, q, layout: ExpertLayout, held: int, dtype, device) -> tuple[list[PayloadMeta], int]:
     """Every expert's payload metadata and the slot size of a stacked gather, built once per layout (they do not
     depend on the values; the replicated scales travel in `StackedGather`, so the metas hold none)."""
-    key = (layout, held, dtype, str(device))
+    key = (layout, held, dtype, device)
     cache = local._hq.__dict__.setdefault("stacked_metas", {})
     hit = cache.get(key)
     if hit is not None and (hit[0] is q or hit[0] == q):
@@ -73,7 +73,7 @@ def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group, 
     x = local._data.to(dtype)  # [held experts, out, in] (Shard(0)) or [E, rows here, in] (Shard(1))
     first = layout.rank * layout.chunk if layout.dim == 0 else 0
     held = x.shape[0]
-    if layout.dim == 0 and held != len([e for e in layout.slots() if e is not None]):
+    if layout.dim == 0 and held != layout.slots_held:
         return None  # (not the layout FSDP2's Shard(0) gives: leave it to the per-expert path)
     reduced = None
     if layout.world_size > 1:
@@ -103,14 +103,13 @@ def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group, 
             shard, shards = layout.payload_shards(e)
             metas.append(build_payload(q, {ROWWISE: part}, shard, shards, shape, x.device, pack=False)[1])
         slot = layout.slot_bytes(metas)
-    n_slots = len(layout.slots())
-    nbytes = data[0].numel() if held else 0
-    rows = data.view(torch.uint8).reshape(held, nbytes)
+    n_slots = layout.experts if layout.dim == 1 else layout.chunk  # (len(layout.slots()))
+    nbytes = data.numel() // held if held else 0  # (fp8: one byte per element)
     if slot == nbytes and held == n_slots:
-        payload = rows.reshape(-1)
+        payload = data.view(torch.uint8).reshape(-1)
     else:
         payload = torch.zeros(n_slots, slot, dtype=torch.uint8, device=x.device)
-        payload[:held, :nbytes] = rows
+        payload[:held, :nbytes] = data.view(torch.uint8).reshape(held, nbytes)
         payload = payload.reshape(-1)
     return payload, metas, slot, (StackedGather(scale_inv, q.dtype) if stacked else None)
 
@@ -132,7 +131,12 @@ def fill_stacked(st, stacked: StackedGather, gathered: torch.Tensor, slot: int, 
     """The post-all-gather fill of a stacked gather: one copy of all experts' bytes and one of their scales into the
     stacked buffers, one transpose for the derived columnwise form; no per-expert work (False, nothing done: another
     fill runs)."""
-    rows = _gathered_rows(gathered, slot, layout, stacked.dtype)
+    memo = st.gathered_views
+    key, tag = memo.key_of(gathered), (slot, layout, stacked.dtype)
+    rows = memo.get(tag, key)
+    if rows is None:
+        rows = _gathered_rows(gathered, slot, layout, stacked.dtype)
+        memo.put(tag, key, rows if rows is not None and storage_id(rows) == key[0] else None)
     if rows is None or not st.slabs or plan.send != (ROWWISE,) or plan.local or HIGH_PRECISION in plan.materialize:
         return False
     dirs = [d for d in (ROWWISE, COLUMNWISE) if d in plan.materialize]

@@ -21,6 +21,7 @@ gather, expert e's slots of all ranks are contiguous (expert-major).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -88,7 +89,7 @@ class ExpertLayout:
             f"it along dim 0 (whole experts, the default) or dim 1 (rows of every expert, shard_placement_fn="
             f"lambda p: Shard(1)); the rowwise scaling blocks run along in_features and cannot be split by rank")
 
-    @property
+    @functools.cached_property  # (a weight's layout is kept across unshards: weights._grouped_layout)
     def chunk(self) -> int:
         """Experts per rank (dim 0) or rows of every expert per rank (dim 1), as FSDP2 chunks them."""
         return cdiv(self.experts, self.world_size) if self.dim == 0 else cdiv(self.rows, self.world_size)
@@ -127,6 +128,11 @@ class ExpertLayout:
             return list(range(self.experts))
         first = self.rank * self.chunk
         return [e if e < self.experts else None for e in range(first, first + self.chunk)]
+
+    @functools.cached_property
+    def slots_held(self) -> int:
+        """Experts in this rank's payload slots (`slots()` less the empty ones)."""
+        return sum(e is not None for e in self.slots())
 
     def slot_bytes(self, metas: list[PayloadMeta]) -> int:
         """Bytes of one payload slot (same on every rank). With dim 1 a slot is one expert's share of the padded

@@ -23,6 +23,7 @@ from ..enums import HIGH_PRECISION
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart, Quantizer
 from ..formats.identity import IdentityQuantizer
+from ..torch_private import storage_id
 
 # [Note: payload]
 # A payload is the bytes one rank contributes to one all-gather: the parts it quantized of its piece (see
@@ -251,7 +252,7 @@ def _gathered_buffers(meta: PayloadMeta, gathered: torch.Tensor) -> tuple[dict, 
     ws = meta.world_size
     full: dict[str, dict[str, torch.Tensor]] = {d: {} for d in meta.parts}
     views = True
-    storage = gathered.untyped_storage()._cdata
+    storage = storage_id(gathered)
     for spec in meta.buffers:
         if spec.nbytes == 0:
             rows = torch.empty((0,) + spec.row_shape, dtype=spec.dtype, device=gathered.device)
@@ -266,7 +267,7 @@ def _gathered_buffers(meta: PayloadMeta, gathered: torch.Tensor) -> tuple[dict, 
             else:
                 pieces = [per_rank[r, :spec.counts[r]] for r in range(ws) if spec.counts[r]]
                 rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            views = views and rows.untyped_storage()._cdata == storage  # (not a copy: the reshape of ranks' rows)
+            views = views and storage_id(rows) == storage  # (not a copy: the reshape of ranks' rows)
         full[spec.direction][spec.name] = rows
     return full, views
 
@@ -285,28 +286,41 @@ def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
 
 
 class GatheredViews:
-    """The full buffers of one all-gather output, as views of it, kept across unshards by a weight's state: FSDP2
-    hands the post-all-gather hook the same output storage at every unshard (it frees and re-allocates its bytes,
-    the views stay valid), so the buffers are sliced once per storage and payload layout (`assemble_output`)."""
+    """Views of one all-gather output kept across unshards by a weight's state: FSDP2 hands the post-all-gather hook
+    the same output storage at every unshard (it frees and re-allocates its bytes; views of it stay valid), so the
+    received buffers are sliced once per storage and layout (`assemble_output`, grouped_batched.fill_stacked). The
+    key is the output's storage, offset, shape and dtype; the tag says what the views were made for (compared by
+    `==`). Only views of the output may be kept, never a copy of its bytes."""
 
-    __slots__ = ("buffers", "key", "full")
+    __slots__ = ("tag", "key", "value")
 
     def __init__(self):
-        self.buffers = self.key = self.full = None
+        self.tag = self.key = self.value = None
+
+    @staticmethod
+    def key_of(output: torch.Tensor) -> tuple:
+        return storage_id(output), output.storage_offset(), output.shape, output.dtype
+
+    def get(self, tag, key):
+        return self.value if self.key == key and self.tag == tag else None
+
+    def put(self, tag, key, value) -> None:
+        self.tag, self.key, self.value = tag, key, value
 
 
 def assemble_output(meta: PayloadMeta, output: torch.Tensor, memo: GatheredViews | None = None) -> dict:
     """`assemble_parts` of FSDP2's all-gather output `output` (the ranks' payloads one after another, any dtype). With
     `memo`: the buffers' views are those of the last call when `output` is a view of the same storage at the same
-    place and the layout is the same objects (`build_payload(memo=)`); buffers that are not views (concatenated
-    rows of uneven shards) are never kept."""
+    place and the payload's layout is the same; buffers that are not views (concatenated rows of uneven shards) are
+    never kept."""
     if memo is not None:
-        key = (output.untyped_storage()._cdata, output.storage_offset(), output.shape, output.dtype)
-        if memo.buffers is meta.buffers and memo.key == key:
-            return _rebuild(meta, memo.full)
+        key = memo.key_of(output)
+        full = memo.get(meta.buffers, key)
+        if full is not None:
+            return _rebuild(meta, full)
     full, views = _gathered_buffers(meta, output.reshape(-1).view(torch.uint8).view(meta.world_size, -1))
     if memo is not None:
-        memo.buffers, memo.key, memo.full = (meta.buffers, key, full) if views else (None, None, None)
+        memo.put(meta.buffers, key, full if views else None)
     return _rebuild(meta, full)
 
 

@@ -53,16 +53,15 @@ class SharedState:
         self.stats_key = None
         self.stats: torch.Tensor | None = None
         self.param_dtype: torch.dtype | None = None
-        self.layouts_checked: set = set()  # (quantizer, shape, world size, dtype, override) whose shards passed
-        self.shard_layouts: dict = {}  # a Linear weight's checked layouts (weights._shard_layout)
+        self.shard_layouts: dict = {}  # the checked layouts (weights._shard_layout, weights._grouped_layout)
         self.payload_layouts: dict = {}  # its payloads' layouts (payload.build_payload's memo)
-        self.gathered_views = GatheredViews()  # the all-gather output's buffers (payload.assemble_output's memo)
         self.inner: list[torch.Tensor] = []  # handed to FSDP2: allocated before, freed at reshard
         self.deferred: frozenset[str] = frozenset()
         self.backward_extra: frozenset[str] = frozenset()  # (immutable: part of the unshard setup's cache key)
         self.last_sig = None
         self.ctx: GatherContext | None = None
         self.mesh_info: tuple | None = None  # (FSDP2's shard mesh, its (world size, rank, group)): weights.py
+        self.gathered_views = GatheredViews()  # views of FSDP2's all-gather output, kept across unshards
         self.counters: collections.Counter = collections.Counter()
 
     def link(self, module) -> FSDPLink | None:

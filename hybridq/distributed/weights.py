@@ -152,6 +152,29 @@ def _shard_layout(st, q, outer_size, ws: int, rank: int, dtype, override) -> _Sh
     return hit
 
 
+def _grouped_layout(st, qs, outer_size, local_shape, ws: int, rank: int, dtype, override
+                    ) -> tuple[tuple[int, ...], ExpertLayout, bool]:
+    """(shape, layout, derivable) of a grouped weight for this unshard: looked up (one entry per quantizers and
+    sharding: it holds the quantizers, so their ids in the key name them), else inferred and checked before anything
+    is quantized or sent, and remembered."""
+    key = (tuple(map(id, qs)), outer_size, local_shape, ws, rank, dtype, override)
+    hit = st.shard_layouts.get(key)
+    if hit is not None:
+        return hit[1]
+    shape = tuple(outer_size)
+    layout = ExpertLayout.infer(st.name, shape, tuple(local_shape), ws, rank, qs[0].describe)
+    derivable = st.is_derivable(qs, shape[1:], dtype)
+    if layout.dim == 1:  # (dim 0: every expert is whole on one rank, nothing can straddle)
+        for e, q in enumerate(qs):
+            if q not in qs[:e]:
+                check_shard_layout(q, f"{st.name} (Shard(1): rows of every expert)", shape[1:], ws, dtype, override,
+                                   derivable)
+    if len(st.shard_layouts) >= 16:
+        st.shard_layouts.clear()
+    st.shard_layouts[key] = (qs, (shape, layout, derivable))
+    return shape, layout, derivable
+
+
 def _set_context(st, local, module, param, shape, dtype, ws: int, rank: int, group, layout=None) -> None:
     """Remember this unshard's context for a later lazy gather; the last one is kept as it is when nothing changed
     (the same sharded tensor, module, parameter and sharding: every unshard after the first)."""
@@ -328,18 +351,8 @@ class GroupedHybridWeight(HybridWeight):
                 f"before fully_shard (apply_hybrid_fsdp, convert_experts, or GroupedLinear.recipe)")
         ws, rank, group = _mesh_info(st, mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
-        shape = tuple(outer_size)
-        layout = ExpertLayout.infer(st.name, shape, tuple(self.shape), ws, rank, qs[0].describe)
         override = layer.recipe.backward_override
-        derivable = st.is_derivable(qs, shape[1:], dtype)
-        check = (tuple(map(id, qs)), shape, layout.dim, ws, dtype, override)
-        if check not in st.layouts_checked:  # before anything is quantized or sent
-            if layout.dim == 1:  # (dim 0: every expert is whole on one rank, nothing can straddle)
-                for e, q in enumerate(qs):
-                    if q not in qs[:e]:
-                        check_shard_layout(q, f"{st.name} (Shard(1): rows of every expert)", shape[1:], ws, dtype,
-                                           override, derivable)
-            st.layouts_checked.add(check)
+        shape, layout, derivable = _grouped_layout(st, qs, outer_size, self.shape, ws, rank, dtype, override)
         st.param_dtype = dtype
         link = st.link(module)
         setup = unshard_setup(link, st.backward_extra, override, derivable)
