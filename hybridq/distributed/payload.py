@@ -205,13 +205,13 @@ def build_payload(q: Quantizer, parts: dict, shard: RowShard, shards: list[RowSh
                   pack: bool = True, memo: dict | None = None) -> tuple[torch.Tensor | None, PayloadMeta]:
     """Lay this rank's parts out in a flat uint8 payload (same layout on every rank). pack=False: only the
     metadata (the payload is None), for a receiver that holds none of the rows but must assemble them. `memo`: a
-    dict the caller keeps across calls (a weight's state) where the layout is remembered per quantizer, shards and
-    shape, and reused when the parts' buffers are the ones it was made for (their `BufferSpec`s are then the same
+    dict the caller keeps across calls (a weight's state) where the layout is remembered per quantizer, shard, shape
+    and directions, and reused when the parts' buffers are the ones it was made for (their `BufferSpec`s are then the same
     objects at every call)."""
     extracted = _extract(q, parts, shard)
     layout = None
     if memo is not None:
-        key = (id(q), shard, tuple(shape))
+        key = (id(q), shard, tuple(shape), tuple(parts))  # (forward and backward may send other directions)
         layout = memo.get(key)
         if layout is not None and not layout.fits(q, shards, extracted):
             layout = None

@@ -1,7 +1,7 @@
 """The gather plan: which directions of a weight one FSDP2 unshard sends, materializes, derives and defers.
 
 A pure function of the phase, the FSDP2 settings and the weight's format (no tensors, no FSDP2 state), so
-it is cached and can be asked for every direction a weight will ever gather (see `checks.py`); `unshard_plan`
+it is cached and can be asked for every direction a weight will ever gather (see `checks.py`); `unshard_setup`
 reads those settings from FSDP2 (through `fsdp_adapter.FSDPLink`) for the unshard running now.
 """
 
@@ -14,7 +14,7 @@ from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Phase
 from .fsdp_adapter import FSDPLink, phase_of
 from .payload import DIRECTIONS, HIGH_PRECISION
 
-__all__ = ["GatherPlan", "UnshardSetup", "make_plan", "every_plan", "unshard_plan", "unshard_setup"]
+__all__ = ["GatherPlan", "UnshardSetup", "make_plan", "every_plan", "setup_of", "unshard_setup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,20 +84,6 @@ def every_plan(backward_override: str | None, derivable: bool) -> tuple[GatherPl
     return tuple(sorted(plans, key=repr))
 
 
-def unshard_plan(link: FSDPLink | None, backward_extra, backward_override: str | None, derivable: bool
-                 ) -> tuple[Phase, bool | None, set[str], GatherPlan]:
-    """(phase, reshard_after_forward, backward extras, plan) of the unshard running now, from FSDP2's state (link
-    None: FSDP2 internals not found; the plan then keeps the payload constant)."""
-    phase = phase_of(link.group if link is not None else None)
-    ra = link.reshard_after_forward() if link is not None else None
-    extra = set(backward_extra)
-    if link is not None and not link.reshard_after_backward():
-        extra.add(ROWWISE)  # parameters stay unsharded into the next forward
-    plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=backward_override,
-                     derivable=derivable, known=link is not None, backward_extra=extra)
-    return phase, ra, extra, plan
-
-
 @dataclasses.dataclass(frozen=True)
 class UnshardSetup:
     """What an unshard running now follows, from FSDP2's settings and the weight's format (`unshard_setup`)."""
@@ -118,16 +104,25 @@ _NO_EXTRA: frozenset = frozenset()
 
 def unshard_setup(link: FSDPLink | None, backward_extra: frozenset, backward_override: str | None,
                   derivable: bool) -> UnshardSetup:
-    """`unshard_plan` of the unshard running now, with whether its payload is kept for the backward unshard (a
-    forward unshard whose directions backward re-gathers unchanged: per-tensor FP8 rowwise, columnwise derived)."""
+    """The plan of the unshard running now, from FSDP2's state (link None: FSDP2 internals not found; the plan then
+    keeps the payload constant), with whether its payload is kept for the backward unshard (a forward unshard whose
+    directions backward re-gathers unchanged: per-tensor FP8 rowwise, columnwise derived)."""
     phase, ra, rab = link.unshard_state() if link is not None else (phase_of(None), None, True)
-    key = (phase, ra, rab, backward_override, derivable, link is not None, backward_extra)
+    return setup_of(phase, ra, rab, backward_override, derivable, link is not None, backward_extra)
+
+
+def setup_of(phase: Phase, reshard_after_forward: bool | None, reshard_after_backward: bool,
+             backward_override: str | None, derivable: bool, known: bool, backward_extra: frozenset) -> UnshardSetup:
+    """The `UnshardSetup` of these settings (`make_plan`'s arguments; reshard_after_backward=False gathers the rowwise
+    form in backward too), remembered per settings."""
+    key = (phase, reshard_after_forward, reshard_after_backward, backward_override, derivable, known, backward_extra)
     hit = _SETUPS.get(key)
     if hit is None:
-        extra = frozenset(backward_extra) | (_NO_EXTRA if rab else frozenset((ROWWISE,)))
+        ra = reshard_after_forward
+        extra = frozenset(backward_extra) | (_NO_EXTRA if reshard_after_backward else frozenset((ROWWISE,)))
         plan = make_plan(phase=phase, reshard_after_forward=ra, backward_override=backward_override,
-                         derivable=derivable, known=link is not None, backward_extra=extra)
-        keeps = bool(link is not None and phase == Phase.FORWARD and plan.deferred and make_plan(
+                         derivable=derivable, known=known, backward_extra=extra)
+        keeps = bool(phase == Phase.FORWARD and plan.deferred and make_plan(
             phase=Phase.BACKWARD, reshard_after_forward=ra, backward_override=backward_override, derivable=derivable,
             known=True, backward_extra=extra).send == plan.send)
         if len(_SETUPS) >= 256:
