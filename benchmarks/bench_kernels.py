@@ -11,7 +11,8 @@ copy bandwidth measured in the same run.
     python benchmarks/bench_kernels.py --no-compile --no-reference --sizes 16384 --dequant  # + the dequantize kernels
     python benchmarks/bench_kernels.py --tile-cfgs 0,2,g8  # also time the op under other tile-kernel configurations:
                         # N = HYBRIDQ_TILE_CFG=N (needs a build with HYBRIDQ_TILE_VARIANTS=1; 0 one-shot, 2 three
-                        # stages x 512 threads), gN = HYBRIDQ_TILE_GROUP=N (tile order: groups of N tile rows)
+                        # stages x 512 threads), gN = HYBRIDQ_TILE_GROUP=N (tile order: groups of N tile rows);
+                        # NVFP4 rows also time the quantize kernel alone (amaxes given) under each
 
 Rows besides the quantizers: `fp8_tensorwise_cast` is the cast pass of per-tensor FP8 alone (amax given, as with a
 global amax), `amax` the max|x| pass alone (bytes = the input read once). `--delayed N` also times the
@@ -193,10 +194,14 @@ def main() -> None:
                     os.environ[var] = cfg.lstrip("g")
                     try:
                         t_c = bench(op, iters=args.iters)
+                        t_tc = bench(tile, iters=args.iters) if tile is not None else None
                     finally:
                         os.environ.pop(var, None)
                     row[f"op_ms_cfg{cfg}"] = t_c
                     row[f"op_frac_cfg{cfg}"] = nbytes / (t_c * 1e-3) / bw
+                    if t_tc is not None:
+                        row[f"tile_ms_cfg{cfg}"] = t_tc
+                        row[f"tile_frac_cfg{cfg}"] = nbytes / (t_tc * 1e-3) / bw
             if q is None or name == "fp8_tensorwise_cast":
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -258,6 +263,9 @@ def main() -> None:
             print(f"| {r['case']} | {r['n']}^2 | " + " | ".join(
                 f"{r[f'op_ms_cfg{c}']:.3f} ({100 * r[f'op_frac_cfg{c}']:.0f}%)" if f"op_ms_cfg{c}" in r else "-"
                 for c in tile_cfgs) + " |")
+            if f"tile_ms_cfg{tile_cfgs[0]}" in r:  # NVFP4: the quantize kernel alone (amaxes given)
+                print(f"| {r['case']} (amax given) | {r['n']}^2 | " + " | ".join(
+                    f"{r[f'tile_ms_cfg{c}']:.3f} ({100 * r[f'tile_frac_cfg{c}']:.0f}%)" for c in tile_cfgs) + " |")
     delayed = None
     if args.delayed:
         delayed = bench_delayed(args.delayed)

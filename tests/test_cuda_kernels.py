@@ -457,6 +457,49 @@ def test_many_tiles_per_cta(case, gen):
         check_quantizer(factory, rand_input(m, k, torch.float32, gen), True, True, what=f"many tiles {case} fp32")
 
 
+# ---- a long persistent tile loop of 16-bit inputs ----------------------------------------------------------------
+
+LONG_LOOP_FORMATS = [n for n in FORMATS if not n.startswith("identity") and "sr" not in n and "delayed" not in n]
+LONG_LOOP_COPIES = (12, 12)  # of a 384 x 512 block: 36 x 48 tiles of 128 x 128, >= 4 per resident CTA (<= 3 per SM)
+
+
+def tiled(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """t repeated along each dim to the shape of `like` (bytes repeated for 1-byte dtypes)."""
+    if t.dim() == 0 or t.shape == like.shape:
+        return t
+    reps = [b // a for a, b in zip(t.shape, like.shape)]
+    u = t.view(torch.uint8) if t.element_size() == 1 else t
+    out = u.repeat(*reps)
+    return out.view(t.dtype) if t.element_size() == 1 else out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("directions", [(True, True), (True, False), (False, True)],
+                         ids=["both", "rowwise", "columnwise"])
+@pytest.mark.parametrize("name", LONG_LOOP_FORMATS)
+def test_long_tile_loop_of_16bit_input(name, directions, dtype, gen):
+    """The persistent tile loop with 16-bit inputs, every format and direction: a tensor of 12 x 12 copies of one
+    384 x 512 block (every CTA runs >= 4 tiles, each shared-memory stage refilled while the other is processed)
+    quantizes to the copies of that block's parts, and those equal the CPU reference (its global amaxes are the
+    block's: one oracle for every tile, however many)."""
+    r, c = directions
+    factory = FORMATS[name]
+    base = rand_input(384, 512, dtype, gen)
+    want = check_quantizer(factory, base, r, c, what=f"{name} {dtype} base block")
+    big = base.cuda().repeat(*LONG_LOOP_COPIES)
+    got = factory().quantize_parts(big, r, c)
+    for d, g, w in zip(("rowwise", "columnwise"), got, want):
+        assert (g is None) == (w is None), f"{name} {d}: part presence differs"
+        if w is None:
+            continue
+        for field, t in w.tensors().items():
+            gt = g.tensors()[field]
+            if t is None:
+                assert gt is None, f"{name} {d}.{field}: expected None"
+                continue
+            assert_bitwise(gt, tiled(t, gt), f"{name} {dtype} {d}.{field} of {LONG_LOOP_COPIES} copies")
+
+
 # ---- dequantize ----------------------------------------------------------------------------------------------------
 
 DEQ_CASES = {
