@@ -13,6 +13,8 @@ A storage's use count: whether a fresh allocation is referenced by one tensor on
 adopt it instead of copying it); torch has no public query for it. A storage's identity (its implementation's
 address): what stays the same when FSDP2 frees and re-allocates an all-gather output's bytes.
 
+The aliasing check of a custom op's outputs: torch runs it inside `torch.library.custom_op` only.
+
 The current CUDA stream as its raw handle, a C call: `torch.cuda.current_stream` builds a Stream object through
 several Python calls (~20 us of host time each on the H200 machine's host), and the gather hooks and grouped layers
 ask for it at every call.
@@ -21,9 +23,10 @@ ask for it at every call.
 from __future__ import annotations
 
 import torch
+from torch._library.utils import _c_check_aliasing_constraint
 
-__all__ = ["current_raw_stream", "current_stream", "graph_task_id", "in_backward", "local_tensor", "storage_id",
-           "storage_use_count"]
+__all__ = ["check_output_aliasing", "current_raw_stream", "current_stream", "graph_task_id", "in_backward",
+           "local_tensor", "storage_id", "storage_use_count"]
 
 
 def local_tensor(x) -> torch.Tensor | None:
@@ -42,6 +45,17 @@ def storage_id(t: torch.Tensor) -> int:
     across a resize of its bytes (which changes the data pointer; FSDP2 frees and re-allocates its all-gather outputs
     that way at every unshard)."""
     return t.untyped_storage()._cdata
+
+
+def check_output_aliasing(qualname: str, args: tuple, kwargs: dict, result) -> None:
+    """Raise if an op's outputs alias its inputs or one another: the check `torch.library.custom_op` runs after
+    each call (its C++ part; nn/plain_ops.py registers ops without custom_op's layers)."""
+    _c_check_aliasing_constraint(qualname, args, kwargs, result)
+
+
+# `torch.set_grad_enabled(enabled)` as a statement: the C call alone (the public one builds a context-manager object
+# through Python calls; the gather hooks switch the mode twice per unshard on FSDP2's one-rank path)
+set_grad_mode = torch._C._set_grad_enabled
 
 
 def graph_task_id() -> int:

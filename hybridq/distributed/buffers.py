@@ -29,7 +29,7 @@ class UnshardedBuffers:
         self.aliased: set[int] = set()  # ids of own tensors that are views of FSDP2's all-gather output
         self.device: torch.device | None = None
         self.buffers_version = 0  # bumped when `owned` or `aliased` change (what `set_inner` lists)
-        self._inner_of: tuple | None = None  # ((directions, version), the list): `set_inner`'s last answer
+        self._inner_of: dict = {}  # directions -> (version, the list): `set_inner`'s answers
 
     def create(self, q: Quantizer, shape, dtype, device) -> GatheredWeight:
         m, k = rows_of(shape), shape[-1]
@@ -86,10 +86,10 @@ class UnshardedBuffers:
         return out
 
     def set_inner(self, dirs) -> None:
-        key = (tuple(dirs), self.buffers_version)
-        hit = self._inner_of
-        if hit is None or hit[0] != key:  # (the same list at every unshard while the buffers stay)
-            hit = self._inner_of = (key, self._unique(dirs))
+        dirs = tuple(dirs)
+        hit = self._inner_of.get(dirs)
+        if hit is None or hit[0] != self.buffers_version:  # (the same list at every unshard while the buffers stay)
+            hit = self._inner_of[dirs] = (self.buffers_version, self._unique(dirs))
         self.inner[:] = hit[1]
 
     def free_others(self, keep) -> None:

@@ -65,7 +65,10 @@ def prepare_payload(local, param, q: Quantizer, send, shape, ws: int, rank: int,
     shards = dim0_chunks(shape, ws)
     shard = shards[rank]
     data = local._data
-    x2d = data.to(dtype).reshape(shard.length, shape[-1])
+    x2d = data.to(dtype)
+    rows_k = (shard.length, shape[-1])
+    if x2d.shape != rows_k:  # (a Linear's shard is that already: no view op per unshard)
+        x2d = x2d.reshape(rows_k)
     stats = None
     tp = local._hq.tp_group is not None  # a tensor-parallel piece: its statistics also reduce over the TP group
     if (ws > 1 or tp) and any(d != HIGH_PRECISION for d in send):

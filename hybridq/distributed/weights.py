@@ -36,7 +36,7 @@ from ..errors import RecipeError
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import Quantizer
 from ..nn.linear import Linear
-from ..torch_private import local_tensor
+from ..torch_private import local_tensor, set_grad_mode
 from ..weight_forms import QuantizedGatherShard
 from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
@@ -181,7 +181,7 @@ def _set_context(st, local, module, param, shape, dtype, ws: int, rank: int, gro
     ctx = st.ctx
     if (ctx is not None and ctx.local() is local and ctx.module() is module and ctx.shape == shape
             and ctx.dtype is dtype and ctx.group is group and ctx.world_size == ws and ctx.rank == rank
-            and ctx.layout == layout and (ctx.param() if ctx.param is not None else None) is param):
+            and (ctx.layout is layout or ctx.layout == layout) and (ctx.param() if ctx.param is not None else None) is param):
         return
     st.ctx = GatherContext(local=weakref.ref(local), module=weakref.ref(module), shape=shape, dtype=dtype,
                            world_size=ws, rank=rank, group=group, device=local.device,
@@ -256,20 +256,20 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
 
     def _pre_hook(self, mesh, outer_size, module, mp_policy):
         if torch.is_grad_enabled():  # (FSDP2 calls the hooks under no_grad, except on its world-1 path)
-            torch.set_grad_enabled(False)  # (half the host time of a `with torch.no_grad()`; twice per unshard)
+            set_grad_mode(False)  # (a fraction of the host time of a `with torch.no_grad()`; twice per unshard)
             try:
                 return self._pre_all_gather(mesh, outer_size, module, mp_policy)
             finally:
-                torch.set_grad_enabled(True)
+                set_grad_mode(True)
         return self._pre_all_gather(mesh, outer_size, module, mp_policy)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         if torch.is_grad_enabled():
-            torch.set_grad_enabled(False)
+            set_grad_mode(False)
             try:
                 self._post_all_gather(outputs, metadata)
             finally:
-                torch.set_grad_enabled(True)
+                set_grad_mode(True)
         else:
             self._post_all_gather(outputs, metadata)
         if out is not None:
