@@ -35,11 +35,14 @@ import uuid
 import torch
 
 from ..enums import COLUMNWISE, ROWWISE
-from ..gemm import JaggedFP8, jagged_fp8_kernels
+from .. import dispatch
+from ..gemm import JaggedFP8, JaggedFP8Kernels, jagged_fp8_kernels
+from ..kernels import native_gemm
 from .expert_layers import converted_experts
 from .grouped_jagged import HeldFP8Experts, TokenGroups, jagged_backward, jagged_forward
 from .grouped_packed import FP8_TENSOR, packed_quantizers
 from .m_splits import check_split_values
+from .plain_ops import plain_op
 from .weight_handle import bound_args, handled_weight, redirect, weight_of
 
 __all__ = ["experts_in_graph", "graph_key", "runs_in_graph", "grouped_in_graph"]
@@ -50,6 +53,11 @@ _CONTENT: dict[str, str] = {}  # content -> key
 _LAYERS: dict[str, tuple[str, dict]] = {}  # key -> (name of the first layer, the quantizers every expert shares)
 _PROCESS = uuid.uuid4().hex[:12]
 _TENSORS = ("input", "weight", "grad_output")
+# the jagged kernels of a call, by (key, device, in_features, out_features, the device type's registered kernels,
+# native GEMMs on): `jagged_fp8_kernels`' answer depends on nothing else (each op call asked it anew: ~25 us of host)
+_KERNELS: dict[tuple, JaggedFP8Kernels | None] = {}
+# the gathered ops' stand-in weights by (shape, dtype): meta tensors, whose shape alone the ops read
+_STAND_INS: dict[tuple, torch.Tensor] = {}
 
 
 def graph_key(layer) -> str | None:
@@ -71,6 +79,15 @@ def graph_key(layer) -> str | None:
 def _kernels_run(key: str, device: str, in_features: int, out_features: int) -> bool:
     """Whether the jagged kernels take this configuration on this device (evaluated once per compile)."""
     return jagged_fp8_kernels(torch.device(device), in_features, out_features, _LAYERS[key][1]) is not None
+
+
+def _kernels(key: str, device: torch.device, in_features: int, out_features: int) -> JaggedFP8Kernels | None:
+    """`jagged_fp8_kernels` of configuration `key` (see `_KERNELS`)."""
+    ck = (key, device, in_features, out_features, dispatch.jagged_fp8_kernels(device.type),
+          native_gemm.native_enabled())
+    if ck not in _KERNELS:
+        _KERNELS[ck] = jagged_fp8_kernels(device, in_features, out_features, _LAYERS[key][1])
+    return _KERNELS[ck]
 
 
 def _configuration_in_graph(layer) -> bool:
@@ -145,7 +162,8 @@ def _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool, h
     columnwise form, so neither is an output (empty tensors)."""
     name, quantizers = _LAYERS[key]
     e, n, k = weight.shape
-    kernels = jagged_fp8_kernels(x.device, k, n, quantizers)
+    # (the fake asks anew: its shapes may be symbolic)
+    kernels = jagged_fp8_kernels(x.device, k, n, quantizers) if fake else _kernels(key, x.device, k, n)
     groups = _groups(m_splits, x.shape[0], x.device, name, fake)
     handled = handle is not None
     if fake:  # (an output a gradient does not need is an empty tensor of its own: outputs may not alias)
@@ -182,7 +200,7 @@ def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor
     return form
 
 
-@torch.library.custom_op("hybridq::grouped_linear_forward", mutates_args=())
+@plain_op("hybridq::grouped_linear_forward")
 def grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, m_splits: torch.Tensor, key: str,
                            need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
     """[y, x columnwise buffer, x scale_inv, W columnwise, W scale_inv] of a jagged FP8 GroupedLinear call
@@ -199,7 +217,7 @@ def _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad,
                   w_dtype) -> list[torch.Tensor]:
     name, quantizers = _LAYERS[key]
     e, n, k = w_shape
-    kernels = jagged_fp8_kernels(dy.device, k, n, quantizers)
+    kernels = _kernels(key, dy.device, k, n)
     groups = _groups(m_splits, dy.shape[0], dy.device, name, fake=False)
     saved = (kernels.columnwise_form(x_col, groups) if need_wgrad else None, x_scale,
              w_col if need_dgrad else None, w_scale)
@@ -214,7 +232,7 @@ def _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype) -> list[torch.T
             dy.new_empty(w_shape, dtype=w_dtype) if need_wgrad else dy.new_empty(0)]
 
 
-@torch.library.custom_op("hybridq::grouped_linear_backward", mutates_args=())
+@plain_op("hybridq::grouped_linear_backward")
 def grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor, x_scale: torch.Tensor,
                             w_col: torch.Tensor, w_scale: torch.Tensor, key: str, need_dgrad: bool,
                             need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -255,7 +273,7 @@ grouped_linear_forward.register_autograd(_backward, setup_context=_setup_context
 
 # ---- a weight read through its handle (FSDP2's gathered experts) -----------------------------------------------
 
-@torch.library.custom_op("hybridq::gathered_grouped_linear_forward", mutates_args=())
+@plain_op("hybridq::gathered_grouped_linear_forward")
 def gathered_grouped_linear_forward(x: torch.Tensor, handle: torch.Tensor, m_splits: torch.Tensor, key: str,
                                     need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
                                     w_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -267,16 +285,21 @@ def gathered_grouped_linear_forward(x: torch.Tensor, handle: torch.Tensor, m_spl
 
 @gathered_grouped_linear_forward.register_fake
 def _(x, handle, m_splits, key, need_dgrad, need_wgrad, w_shape, w_dtype):
-    return _run_forward(x, _stand_in(w_shape, w_dtype), m_splits, key, need_dgrad, need_wgrad, fake=True,
-                        handle=handle)
+    # (a stand-in of its own: one made under the fake mode is a fake tensor, never to be kept)
+    return _run_forward(x, torch.empty(w_shape, dtype=w_dtype, device="meta"), m_splits, key, need_dgrad, need_wgrad,
+                        fake=True, handle=handle)
 
 
 def _stand_in(w_shape: list[int], w_dtype: torch.dtype) -> torch.Tensor:
-    """A weight of the gathered weight's shape (no storage): the ops read only its shape."""
-    return torch.empty(w_shape, dtype=w_dtype, device="meta")
+    """A weight of the gathered weight's shape (no storage): the ops read only its shape (the real op's: kept per
+    shape and dtype)."""
+    sk = (tuple(w_shape), w_dtype)
+    if sk not in _STAND_INS:
+        _STAND_INS[sk] = torch.empty(w_shape, dtype=w_dtype, device="meta")
+    return _STAND_INS[sk]
 
 
-@torch.library.custom_op("hybridq::gathered_grouped_linear_backward", mutates_args=())
+@plain_op("hybridq::gathered_grouped_linear_backward")
 def gathered_grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor,
                                      x_scale: torch.Tensor, handle: torch.Tensor, key: str, need_dgrad: bool,
                                      need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:

@@ -39,6 +39,7 @@ handle).
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import OrderedDict
 
@@ -47,9 +48,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
-from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, graph_spec
+from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, graph_spec, saved_input
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
+from .plain_ops import plain_op
 from .weight_handle import bound_args, handled_weight, redirect, weight_handle, weight_of
 
 __all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_handle"]
@@ -77,6 +79,8 @@ _MAX_LAYOUTS = 4096
 _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 # the layout entry of a weight read through its handle (a gathered weight): the backward op reads it again
 _HANDLE = "handle"
+# the layout entry of the input's columnwise data and scale_inv as float8_graph's fast path saves them (two tensors)
+_FAST_X = "fast input"
 
 
 class _Layer:
@@ -157,16 +161,21 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     fast path where it takes the call: the same kernels and GEMMs as the general path, which the fake runs (on a
     stand-in weight), and the same saved tensors."""
     cfg = _config(key, override)
-    fast = None
     if handled and isinstance(weight, QuantizedTensor):
         spec = _fast_spec(key, override)
         fast = gathered_forward(x, weight, bias, spec, cfg, need_dgrad, need_wgrad) if spec is not None else None
-    if fast is not None:
-        (y, saved_x), saved_w = fast, weight if need_dgrad else None
-    else:
-        # no input sharing across layers: an op's outputs must be its own tensors, not another op's
-        with shared_input_quantization(False):
-            y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
+        if fast is not None:
+            # the saved input's tensors as they are: the cast's fresh outputs (x's columnwise data and scale_inv)
+            # or none (x itself, which backward takes); no quantized tensor built, flattened and rebuilt
+            y, x_saved, xcs = fast
+            x_entry = (_NONE,) if x_saved is None else (_INPUT,) if xcs is None else (_FAST_X,)
+            layout = [x_entry, (_HANDLE,) if need_dgrad else (_NONE,)]
+            # (contiguous: the fake's strides, as below)
+            return (y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(),
+                    [] if xcs is None else [x_saved.contiguous(), xcs.contiguous()], (layout, True))
+    # no input sharing across layers: an op's outputs must be its own tensors, not another op's
+    with shared_input_quantization(False):
+        y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
     flat, layout = [], []
     for t, mark in ((saved_x, _INPUT), (saved_w, _WEIGHT)):
         if t is None:
@@ -189,10 +198,10 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
         ref = StorageWeakRef(t.untyped_storage())
         out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
         seen.add(ref)
-    return y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(), out, (layout, fast is not None)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(), out, (layout, False)
 
 
-@torch.library.custom_op("hybridq::linear_forward", mutates_args=())
+@plain_op("hybridq::linear_forward")
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str,
                    override: str | None, need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
     """[y, *saved tensors] of a hybridq Linear call (configuration `key`) that gradients flow through."""
@@ -207,7 +216,7 @@ def _(x, weight, bias, key, override, need_dgrad, need_wgrad):
     return [y, *flat]
 
 
-@torch.library.custom_op("hybridq::linear_backward", mutates_args=())
+@plain_op("hybridq::linear_backward")
 def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
                     saved: list[torch.Tensor], key: str, override: str | None, need_dgrad: bool, need_wgrad: bool,
                     need_bgrad: bool,
@@ -224,6 +233,14 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
     cfg = _config(key, override)
     layout, fast = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype,
                                         handled)]
+    if fast:  # (float8_graph's ops on the saved tensors and the gathered weight's columnwise part, read now)
+        spec = _fast_spec(key, override)
+        x_saved, xcs = _fast_input(layout[0], x, saved)
+        w_col = weight_of(weight).part(COLUMNWISE) if need_dgrad else None
+        grads = gathered_grads(spec, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad,
+                               torch.Size(x_shape), w_dtype, b_dtype)
+        if grads is not None:
+            return [g if g is not None else dy.new_empty(0) for g in grads]
     flat = iter(saved)
     operands = []
     for entry in layout:
@@ -235,17 +252,22 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
             operands.append(weight)
         elif entry[0] == _HANDLE:
             operands.append(_saved_weight(weight_of(weight), cfg.backward_override))
+        elif entry[0] == _FAST_X:
+            operands.append(saved_input(_fast_spec(key, override), next(flat), next(flat),
+                                        torch.Size([math.prod(x_shape[:-1]), x_shape[-1]]), x_dtype))
         else:
             operands += unflatten_quantized(flat, [entry])
     saved_x, saved_w = operands
-    grads = None
-    if fast:
-        grads = gathered_grads(_fast_spec(key, override), dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad,
-                               torch.Size(x_shape), w_dtype, b_dtype)
-    if grads is None:
-        grads = linear_grads(cfg, dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
-                             w_dtype, b_dtype)
+    grads = linear_grads(cfg, dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
+                         w_dtype, b_dtype)
     return [g if g is not None else dy.new_empty(0) for g in grads]
+
+
+def _fast_input(entry: tuple, x: torch.Tensor | None, saved: list) -> tuple:
+    """(x_saved, xcs) of float8_graph's `gathered_grads` from a fast forward's saved tensors (see `_forward`)."""
+    if entry[0] == _FAST_X:
+        return saved[0], saved[1]
+    return (None if entry[0] == _NONE else x.reshape(-1, x.shape[-1])), None
 
 
 def _saved_weight(weight: QuantizedTensor, override: BackwardOverride | None):
@@ -299,7 +321,7 @@ linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- a weight read through its handle (FSDP2's gathered weight) ------------------------------------------------
 
-@torch.library.custom_op("hybridq::gathered_linear_forward", mutates_args=())
+@plain_op("hybridq::gathered_linear_forward")
 def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, key: str,
                             override: str | None, need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
                             w_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -317,7 +339,7 @@ def _(x, handle, bias, key, override, need_dgrad, need_wgrad, w_shape, w_dtype):
     return [y, *flat]
 
 
-@torch.library.custom_op("hybridq::gathered_linear_backward", mutates_args=())
+@plain_op("hybridq::gathered_linear_backward")
 def gathered_linear_backward(dy: torch.Tensor, x: torch.Tensor | None, handle: torch.Tensor,
                              saved: list[torch.Tensor], key: str, override: str | None, need_dgrad: bool,
                              need_wgrad: bool, need_bgrad: bool, x_shape: list[int], w_shape: list[int],

@@ -1,8 +1,8 @@
 """hybridq's norms and SwiGLU inside torch.compile's graph: their CUDA kernels as custom ops with fakes.
 
 torch 2.11's dynamo fails an assertion (handle_saved_tensors_wiring) tracing the kernels' autograd.Function
-(norm.py, swiglu.py), so under torch.compile the kernels run as `torch.library.custom_op`s whose autograd is
-registered with `register_autograd` instead: `hybridq::compiled_norm_forward` / `compiled_norm_backward` (RMSNorm,
+(norm.py, swiglu.py), so under torch.compile the kernels run as custom ops (nn/plain_ops.py) whose autograd
+is registered with `register_autograd` instead: `hybridq::compiled_norm_forward` / `compiled_norm_backward` (RMSNorm,
 and LayerNorm with `centered`) and `hybridq::compiled_swiglu_forward` / `compiled_swiglu_backward`. Dynamo puts
 each in the graph as one node; Inductor fuses the element-wise work around them.
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..formats.base import is_dtensor
 from ..kernels import _ext
 from .norm_reference import layer_norm_reference, rms_norm_reference
+from .plain_ops import plain_op
 
 __all__ = ["KERNEL_DTYPES", "compiled_norm", "compiled_swiglu", "norm_kernel_grads", "norm_kernels", "op_takes",
            "swiglu_kernels"]
@@ -114,7 +115,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=_F32)
 
 
-@torch.library.custom_op("hybridq::compiled_norm_forward", mutates_args=())
+@plain_op("hybridq::compiled_norm_forward")
 def _norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                   centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean `[M]` (centered) or empty, rstd `[M]`, max|y| `[1]`) of RMSNorm / LayerNorm (`centered`) over x's
@@ -140,7 +141,7 @@ def _(x, weight, bias, eps, centered):
             x.new_empty((m,), dtype=_F32), x.new_empty((1,), dtype=_F32))
 
 
-@torch.library.custom_op("hybridq::compiled_norm_backward", mutates_args=())
+@plain_op("hybridq::compiled_norm_backward")
 def _norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    mean: torch.Tensor, rstd: torch.Tensor, eps: float, centered: bool, want_w: bool,
                    want_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,7 +201,7 @@ def compiled_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tens
 
 # ---- SwiGLU --------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("hybridq::compiled_swiglu_forward", mutates_args=())
+@plain_op("hybridq::compiled_swiglu_forward")
 def _swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(a) * b, its max|y| `[1]`)."""
     if a.is_cuda:
@@ -215,7 +216,7 @@ def _(a, b):
     return torch.empty_like(a, memory_format=torch.contiguous_format), a.new_empty((1,), dtype=_F32)
 
 
-@torch.library.custom_op("hybridq::compiled_swiglu_backward", mutates_args=())
+@plain_op("hybridq::compiled_swiglu_backward")
 def _swiglu_backward(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, db) of `compiled_swiglu_forward`."""
     if a.is_cuda:

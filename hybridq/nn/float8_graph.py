@@ -475,36 +475,39 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
 
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                      cfg, need_dgrad: bool, need_wgrad: bool) -> tuple | None:
-    """(y `[M, N]`, what wgrad reads of x as `linear_function.forward_and_saved` saves it) of a per-tensor FP8
-    Linear on FSDP2's gathered weight, as this module's ops (the eager fast path's), or None where the general
-    path must run (the checks of `eager_float8_linear`; x quantized here, never shared: an op's outputs are its
-    own). Only the weight's rowwise part is read: backward reads the columnwise one then (`gathered_grads`)."""
+    """(y `[M, N]`, x_saved, xcs) of a per-tensor FP8 Linear on FSDP2's gathered weight, as this module's ops (the
+    eager fast path's), or None where the general path must run (the checks of `eager_float8_linear`; x quantized
+    here, never shared: an op's outputs are its own). What wgrad reads of x: its columnwise data and scale_inv (the
+    tensors of the input `linear_function.forward_and_saved` saves, in their flattened order: `saved_input` builds
+    it), x's `[M, K]` view and None (save_original_input), or None, None (no wgrad). Only the weight's rowwise part
+    is read: backward reads the columnwise one then (`gathered_grads`)."""
     if spec is None or not spec.per_tensor or not _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
         return None
     w_parts = _gathered_parts(weight, spec.weight, False)
     if w_parts is None:
         return None
-    x2d = x.reshape(-1, x.shape[-1])
-    y, x_saved, xcs = _fprop(x2d, None, w_parts[0], w_parts[1], bias, spec, need_wgrad)
-    if need_wgrad and not spec.save_original_input:
-        x_saved = QuantizedTensor(None, _part(spec.input, x_saved, xcs, True), shape=x2d.shape, dtype=x2d.dtype)
-    return y, x_saved if need_wgrad else None
+    y, x_saved, xcs = _fprop(x.reshape(-1, x.shape[-1]), None, w_parts[0], w_parts[1], bias, spec, need_wgrad)
+    return (y, x_saved, xcs) if need_wgrad else (y, None, None)
 
 
-def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, saved_x, saved_w: QuantizedTensor | None,
-                   need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
+def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.Tensor | None, shape,
+                dtype: torch.dtype):
+    """The input `linear_function.forward_and_saved` saves, of what `gathered_forward` gave (the general path's
+    backward reads it)."""
+    if xcs is None:
+        return x_saved
+    return QuantizedTensor(None, _part(spec.input, x_saved, xcs, True), shape=shape, dtype=dtype)
+
+
+def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
+                   w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
                    b_dtype: torch.dtype | None) -> tuple | None:
-    """`linear_function.linear_grads` of a call `gathered_forward` ran, as this module's ops: (dx, dW, db), or
-    None where a part is not one this spec makes (the general path runs)."""
-    wc = wcs = xcs = None
+    """`linear_function.linear_grads` of a call `gathered_forward` ran (x_saved, xcs as it gave them; `w_col` the
+    gathered weight's columnwise part where dgrad runs), as this module's ops: (dx, dW, db), or None where the
+    weight's part is not one this spec makes (the general path runs)."""
+    wc = wcs = None
     if need_dgrad:
-        p = saved_w.part(COLUMNWISE)
-        if not _part_fits(p, spec.weight):
+        if not _part_fits(w_col, spec.weight):
             return None
-        wc, wcs = p.data, p.scale_inv
-    if need_wgrad and isinstance(saved_x, QuantizedTensor):
-        p = saved_x.part(COLUMNWISE)
-        if not _part_fits(p, spec.input):
-            return None
-        saved_x, xcs = p.data, p.scale_inv
-    return _grads(spec, dy, saved_x, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype)
+        wc, wcs = w_col.data, w_col.scale_inv
+    return _grads(spec, dy, x_saved, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype)
