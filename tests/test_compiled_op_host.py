@@ -109,3 +109,66 @@ def test_gathered_grouped_stand_in_weights_have_the_asked_shape_and_dtype():
         w = compiled_grouped._stand_in(shape, dtype)
         assert (list(w.shape), w.dtype, w.device.type) == (shape, dtype, "meta"), \
             f"stand-in for {shape} {dtype} is {list(w.shape)} {w.dtype} on {w.device}"
+
+
+# ---- the compiled Linear's gathered fast path: its checks asked once per shape ---------------------------------
+
+def test_gathered_fast_path_checks_are_reused_only_for_their_shapes_dtypes_and_switch():
+    from hybridq.nn import compiled_linear, float8_graph
+    lin = hq.Linear(64, 32, bias=False, recipe="fp8_tensorwise", name="fc")
+    key = lin._configuration_key
+    spec, cfg = compiled_linear._fast_spec(key, None), compiled_linear._config(key, None)
+    w = torch.randn(32, 64)
+
+    def call(x):
+        return float8_graph._gathered_call(x, w, spec, cfg, True, True)
+
+    assert call(torch.randn(8, 64)), "a per-tensor FP8 call on the CPU takes the fast path"
+    assert not call(torch.randn(0, 64)), "an input without rows reused another shape's answer"
+    assert not call(torch.randn(8, 64).to(torch.int32)), "an integer input reused another dtype's answer"
+    with float8_graph.eager_fast_path(False):
+        assert not call(torch.randn(8, 64)), "the fast path switched off reused an answer"
+    assert call(torch.randn(8, 64))
+
+
+def test_gathered_fast_forward_whose_weight_part_does_not_fit_in_backward_runs_the_general_path_bitwise(monkeypatch):
+    """The fast forward saves x's columnwise tensors as they are; a backward that cannot take the fast path (here
+    the gathered weight's columnwise part is not contiguous) rebuilds the general path's saved input from them."""
+    from hybridq.formats.float8 import Float8TensorPart
+    from hybridq.nn import compiled_linear
+    from hybridq.tensor import QuantizedTensor
+    torch.manual_seed(0)
+    layer = hq.Linear(64, 32, bias=False, recipe="fp8_tensorwise", name="fc")
+    key = layer._configuration_key
+    wq = compiled_linear._LAYERS[key][1]["weight"].quantize(torch.randn(32, 64), rowwise=True, columnwise=True,
+                                                            name="w")
+
+    class Owner:
+        weight = wq
+
+    owner = Owner()
+    handle = compiled_linear.weight_handle(owner, lambda o: o.weight)
+    x, dy = torch.randn(8, 64), torch.randn(8, 32)
+    y, *saved = torch.ops.hybridq.gathered_linear_forward(x, handle, None, key, None, True, True, [32, 64],
+                                                          torch.float32)
+    layout = compiled_linear._LAYOUTS[compiled_linear._layout_key(key, None, True, True, x.shape, [32, 64], x.dtype,
+                                                                  True)]
+    assert layout[1], "the gathered forward did not take the fast path"
+    general = []
+    monkeypatch.setattr(compiled_linear, "linear_grads",
+                        lambda *a, real=compiled_linear.linear_grads: general.append(1) or real(*a))
+
+    def backward():
+        return torch.ops.hybridq.gathered_linear_backward(dy, None, handle, saved, key, None, True, True, False,
+                                                          [8, 64], [32, 64], x.dtype, torch.float32, torch.float32)
+
+    fast = backward()
+    assert not general, "a fitting weight part did not take the fast backward"
+    col = wq.part("columnwise")
+    strided = Float8TensorPart(rows=col.rows, cols=col.cols, columnwise=True, data=col.data.t().contiguous().t(),
+                               scale_inv=col.scale_inv)
+    owner.weight = QuantizedTensor(wq.part("rowwise"), strided, shape=wq.shape, dtype=wq.dtype)
+    slow = backward()
+    assert general, "a non-contiguous weight part took the fast backward"
+    for what, a, b in (("dx", fast[0], slow[0]), ("dW", fast[1], slow[1])):
+        assert torch.equal(a, b), f"{what}: general path differs from the fast path by {(a - b).abs().max()}"

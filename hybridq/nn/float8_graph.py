@@ -473,6 +473,30 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
 
 # ---- a compiled Linear's gathered weight (compiled_linear.py's gathered ops run these) ----------------------------
 
+# `_fast_call`'s answers for the compiled Linear's gathered ops, by what they depend on besides the switch and the
+# dispatch tables (asked at every call): the spec and config (one per compiled configuration), the devices, dtypes
+# and shapes, the gradients and whether native GEMMs are on (`takes` and the shape rules: ~25 us of host per call)
+_GATHERED_CALLS: dict[tuple, bool] = {}
+_MAX_GATHERED_CALLS = 4096
+
+
+def _gathered_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg, need_dgrad: bool,
+                   need_wgrad: bool) -> bool:
+    """`_fast_call` of a compiled Linear's gathered op, the shape-dependent checks asked once per `_GATHERED_CALLS`
+    key (the switch and the dispatch tables are read at every call: they can change between calls)."""
+    if not _EAGER["on"] or not _dispatch_is_builtin((cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type,
+                                                    _PART[spec.input.block_dim]):
+        return False
+    key = (spec, cfg, x.device, x.dtype, x.shape, weight.device, weight.dtype, weight.shape, need_dgrad, need_wgrad,
+           native_gemm.native_enabled())
+    ok = _GATHERED_CALLS.get(key)
+    if ok is None:
+        if len(_GATHERED_CALLS) >= _MAX_GATHERED_CALLS:
+            _GATHERED_CALLS.clear()
+        ok = _GATHERED_CALLS[key] = _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
+    return ok
+
+
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                      cfg, need_dgrad: bool, need_wgrad: bool) -> tuple | None:
     """(y `[M, N]`, x_saved, xcs) of a per-tensor FP8 Linear on FSDP2's gathered weight, as this module's ops (the
@@ -481,7 +505,7 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
     tensors of the input `linear_function.forward_and_saved` saves, in their flattened order: `saved_input` builds
     it), x's `[M, K]` view and None (save_original_input), or None, None (no wgrad). Only the weight's rowwise part
     is read: backward reads the columnwise one then (`gathered_grads`)."""
-    if spec is None or not spec.per_tensor or not _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
+    if spec is None or not spec.per_tensor or not _gathered_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
         return None
     w_parts = _gathered_parts(weight, spec.weight, False)
     if w_parts is None:
