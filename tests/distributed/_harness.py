@@ -20,9 +20,17 @@ import torch
 TIMEOUT_S = 120
 
 
-def backends() -> list:
-    """gloo always; nccl when two CUDA devices are visible (the GPU machine)."""
-    return ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not nccl_devices(2), reason="needs 2 CUDA devices + NCCL"))]
+def backends(needs_extension: bool = False) -> list:
+    """gloo always; nccl when two CUDA devices are visible (the GPU machine) -- and, for a test of what the CUDA
+    extension's kernels do (`needs_extension`), the extension is built: without it CUDA runs the references and such
+    a test would fail on a missing kernel path, not on a bug."""
+    if not nccl_devices(2):
+        return ["gloo", pytest.param("nccl", marks=pytest.mark.skip(reason="needs 2 CUDA devices + NCCL"))]
+    if needs_extension:
+        from hybridq.kernels import extension_available
+        if not extension_available():
+            return ["gloo", pytest.param("nccl", marks=pytest.mark.skip(reason="needs the built extension on CUDA"))]
+    return ["gloo", "nccl"]
 
 
 def nccl_devices(n: int) -> bool:

@@ -12,7 +12,7 @@ import _fast_path_jobs
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", backends(needs_extension=True))  # (asserts the extension's fast path ran)
 def test_fast_path_with_gathered_weights_trains_as_the_general_path(backend):
     out = spawn(_fast_path_jobs.fast_path_matches_general_path, 2, backend, presets=["fp8_tensorwise", "fp8_block"])
     for rank, o in enumerate(out):
