@@ -1,0 +1,78 @@
+"""The training job's step time per recipe, each recipe in a fresh process without any profiler: wall and host time
+per step (host = the time to issue a step; a step whose host time reaches its wall time is host-bound), medians, and
+the ratio to bf16's wall time.
+
+Host-bound steps are sensitive to what ran before them in a process (a profiler session, another recipe's compiled
+graphs and allocations), so each recipe runs alone in its own Python process: `profile_step.time_recipe` (train.py's
+`build` and `train_step`, --warmup steps, then --timed-steps steps; the collector as train.py runs it). The model and
+flags are profile_step.py's (e.g. the MoE job at 4 of its 20 layers):
+
+    python benchmarks/step_time.py --recipes bf16,fp8_tensorwise --n-layers 4 --hidden 1024 --train-args "--moe 16 --top-k 2"
+    python benchmarks/step_time.py --recipes bf16,fp8_tensorwise --n-layers 4 --hidden 1024 --train-args "--moe 16 --top-k 2 --compile"
+    python benchmarks/step_time.py --smoke --device cpu      # tiny model on the CPU
+
+Compare ratios within one run: host speed differs between machines (up to 1.5x between instances of one GPU machine
+kind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import profile_step as ps
+
+_RESULT = "step_time.py result: "
+
+
+def one_recipe(argv: list[str]) -> int:
+    """The child: time the one recipe of `argv` and print its result as a JSON line."""
+    a = ps.parse_args(argv)
+    world = ps.train.world_from_environment()
+    targs = ps.train_args(a, world)
+    env = ps.train.init_distributed(targs, world)
+    res = ps.time_recipe(a.recipe_list[0], a, targs, env, ps.load_tokens())
+    print(_RESULT + json.dumps({"recipe": a.recipe_list[0], **res["timed"], "device": str(env.device),
+                                      "pid": os.getpid()}), flush=True)
+    return 0
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["recipe"] == ps.BASELINE), None)
+    lines = ["| recipe | wall ms median (min) | host ms median | ratio vs bf16 (wall) |", "|---|---|---|---|"]
+    for r in results:
+        ratio = f"{base['median_ms'] / r['median_ms']:.2f}x" if base else "-"
+        lines.append(f"| {r['recipe']} | {r['median_ms']:.1f} ({r['min_ms']:.1f}) | {r['host_median_ms']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:
+        return one_recipe(argv[1:])
+    a = ps.parse_args(argv)
+    if a.json or a.trace_dir or any(x == "--steps" or x.startswith("--steps=") for x in argv):
+        print("step_time.py: --json, --trace-dir and --steps are profile_step.py's (this script does not profile)",
+              file=sys.stderr)
+        return 2
+    results = []
+    for recipe in a.recipe_list:
+        rest = [x for i, x in enumerate(argv) if not (x.startswith("--recipes") or argv[i - 1:i] == ["--recipes"])]
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", *rest, "--recipes", recipe],
+                           capture_output=True, text=True)
+        lines = [l for l in p.stdout.splitlines() if l.startswith(_RESULT)]
+        if p.returncode != 0 or not lines:
+            print(f"step_time.py: {recipe} failed (exit {p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}",
+                  file=sys.stderr)
+            return 1
+        results.append(json.loads(lines[0][len(_RESULT):]))
+        print(f"[{recipe}] {results[-1]['n']} steps in a fresh process (pid {results[-1]['pid']}), no profiler, "
+              f"{results[-1]['device']}", flush=True)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
