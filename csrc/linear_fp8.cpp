@@ -60,6 +60,41 @@ Tensor mm(const Tensor& a, const Tensor& sa, const Tensor& b, const Tensor& sb, 
   return direct ? y : y.to(out);
 }
 
+// float8_graph._fprop's GEMM and bias add: y [M, N] from x's and the weight's rowwise parts
+Tensor fprop_mm(const Tensor& xr, const Tensor& xrs, const Tensor& wr, const Tensor& wrs,
+                const std::optional<Tensor>& bias, at::ScalarType out, bool fast) {
+  Tensor y = mm(xr, xrs, wr, wrs, out, fast);
+  if (bias.has_value() && bias->defined()) y = y + bias->to(out);
+  return y;
+}
+
+// float8_graph._grads: (dx in x_shape, dW, db), each undefined where not needed, from what the forward kept of x
+// (x_saved: its columnwise data with scale_inv xcs, or its [M, K] view under save_original_input) and the weight's
+// columnwise part wc, wcs
+std::tuple<Tensor, Tensor, Tensor> linear_grads(const Tensor& dy, const Tensor& x_saved, const Tensor& xcs,
+                                                const Tensor& wc, const Tensor& wcs, const Cast& g_cast,
+                                                const Cast& x_cast, bool save_original_input, bool need_dgrad,
+                                                bool need_wgrad, bool need_bgrad, at::IntArrayRef x_shape,
+                                                at::ScalarType w_dtype, at::ScalarType b_dtype) {
+  const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
+  Tensor dx, dw, db;
+  if (need_dgrad || need_wgrad) {
+    Quantized g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
+    if (need_dgrad) dx = mm(g.row, g.scale_inv, wc, wcs, dy.scalar_type(), false).reshape(x_shape);
+    if (need_wgrad) {
+      Tensor xc = x_saved, xs = xcs;
+      if (save_original_input) {
+        Quantized q = quantize(x_saved, x_cast, false, true);
+        xc = q.col;
+        xs = q.scale_inv;
+      }
+      dw = mm(g.col, g.scale_inv, xc, xs, dy.scalar_type(), false).to(w_dtype);
+    }
+  }
+  if (need_bgrad) db = dy2d.sum(0).to(b_dtype);
+  return {dx, dw, db};
+}
+
 // The ctx keys of the saved non-tensor state
 constexpr const char* kSpecBits = "spec";  // need_dgrad | need_wgrad << 1 | save_original_input << 2 | has_bias << 3
 constexpr const char* kXShape = "x_shape";
@@ -112,9 +147,8 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     } else {
       w = quantize(weight, s.weight, true, s.need_dgrad);
     }
-    Tensor y = mm(xr, xrs, w.row, w.scale_inv, x.scalar_type(), s.fast_accum_fprop);
+    Tensor y = fprop_mm(xr, xrs, w.row, w.scale_inv, bias, x.scalar_type(), s.fast_accum_fprop);
     const bool has_bias = bias.has_value() && bias->defined();
-    if (has_bias) y = y + bias->to(x.scalar_type());
     if (ctx != nullptr) {
       ctx->save_for_backward({keep_x ? x2d : xc, xc.defined() ? xcs : Tensor(), w.col,
                               w.col.defined() ? w.scale_inv : Tensor()});
@@ -149,29 +183,14 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const int64_t pow2 = ctx->saved_data[kPow2].toInt();
     const Cast g_cast{at::ScalarType(dtypes[2]), eps[0], bool(pow2 & 1)};
     const Cast x_cast{at::ScalarType(dtypes[3]), eps[1], bool(pow2 & 2)};
-    const Tensor& dy = grads[0];
-    const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
-    Tensor dx, dw, db;
-    if (need_dgrad || need_wgrad) {
-      Quantized g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
-      if (need_dgrad) {
-        const auto col = ctx->saved_data.find(kWeightCol);  // FSDP2's gathered weight: as the backward unshard left it
-        const bool gathered = col != ctx->saved_data.end();
-        dx = mm(g.row, g.scale_inv, gathered ? col->second.toTensor() : saved[2],
-                gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3], dy.scalar_type(), false)
-                 .reshape(ctx->saved_data[kXShape].toIntVector());
-      }
-      if (need_wgrad) {
-        Tensor xc = saved[0], xcs = saved[1];
-        if (save_original_input) {
-          Quantized q = quantize(saved[0], x_cast, false, true);
-          xc = q.col;
-          xcs = q.scale_inv;
-        }
-        dw = mm(g.col, g.scale_inv, xc, xcs, dy.scalar_type(), false).to(at::ScalarType(dtypes[0]));
-      }
-    }
-    if (has_bias && ctx->needs_input_grad(2)) db = dy2d.sum(0).to(at::ScalarType(dtypes[1]));
+    // FSDP2's gathered weight: its columnwise part as the backward unshard left it
+    const auto col = ctx->saved_data.find(kWeightCol);
+    const bool gathered = col != ctx->saved_data.end();
+    auto [dx, dw, db] = linear_grads(
+        grads[0], saved[0], saved[1], gathered ? col->second.toTensor() : saved[2],
+        gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3], g_cast, x_cast, save_original_input,
+        need_dgrad, need_wgrad, has_bias && ctx->needs_input_grad(2), ctx->saved_data[kXShape].toIntVector(),
+        at::ScalarType(dtypes[0]), at::ScalarType(dtypes[1]));
     return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -251,12 +270,92 @@ Tensor fp8_linear_forward(const Tensor& x, const Tensor& weight, const std::opti
                                     need_wgrad, save_original_input, fast_accum_fprop));
 }
 
+// ---- the compiled Linear's gathered fast path: one op per phase, no autograd node ----------------------------
+// nn/compiled_linear.py's gathered ops (plain ops of a compiled graph: AOTAutograd split forward and backward, and
+// the op saves the tensors) run float8_graph's `_fprop` / `_grads` on FSDP2's gathered weight at every step; these
+// are those two functions as single ops, so a phase costs one op call from Python instead of ~10 (the casts, the
+// GEMM, the bias add, reshapes). Same kernels and GEMMs, same flags, same order: bitwise the Python functions.
+
+void check_linear_op(bool ok, const char* op, const char* rule) {
+  TORCH_CHECK(ok, "hybridq::", op, ": ", rule);
+}
+
+// float8_graph._fprop on the weight's rowwise part (x quantized here) -> (y in x's shape with out_features last,
+// x's columnwise data [K, M] | [0], its scale_inv [1] | [0]): the columnwise part only where wgrad reads it
+// (need_wgrad, not save_original_input: then wgrad quantizes x itself, which the caller keeps)
+std::tuple<Tensor, Tensor, Tensor> fp8_linear_fprop(const Tensor& x, const Tensor& w_row,
+                                                    const Tensor& w_row_scale_inv, const std::optional<Tensor>& bias,
+                                                    at::ScalarType x_dtype, double x_eps, bool x_pow2,
+                                                    bool need_wgrad, bool save_original_input,
+                                                    bool fast_accum_fprop) {
+  constexpr const char* op = "fp8_linear_fprop";
+  TORCH_CHECK(x.dim() >= 2 && w_row.dim() == 2 && x.size(-1) == w_row.size(1), "hybridq::", op, ": input of shape ",
+              x.sizes(), " and weight rowwise part of shape ", w_row.sizes(), " do not make x @ weight^T");
+  TORCH_CHECK(w_row_scale_inv.numel() == 1, "hybridq::", op, ": w_row_scale_inv must hold the one per-tensor ",
+              "scale, got shape ", w_row_scale_inv.sizes());
+  TORCH_CHECK(!given(bias) || (bias->dim() == 1 && bias->size(0) == w_row.size(0)), "hybridq::", op,
+              ": bias of shape ", bias.has_value() ? bias->sizes() : at::IntArrayRef{}, " does not match ",
+              w_row.size(0), " output features");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the inner ops record nothing: skip their autograd keys)
+  const Tensor x2d = x.reshape({-1, x.size(-1)});
+  const bool columnwise = need_wgrad && !save_original_input;
+  Quantized q = quantize(x2d, Cast{x_dtype, x_eps, x_pow2}, true, columnwise);
+  Tensor y = fprop_mm(q.row, q.scale_inv, w_row, w_row_scale_inv, bias, x.scalar_type(), fast_accum_fprop);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  y = at::_unsafe_view(y, shape);  // (a tensor of its own, not a view: see linear_function._output)
+  if (!columnwise) return {y, at::empty({0}, q.row.options()), at::empty({0}, q.scale_inv.options())};
+  return {y, q.col, q.scale_inv};
+}
+
+// float8_graph._grads -> (dx in x_shape | [0], dW of w_dtype | [0], db of b_dtype | [0]), each [0] where not
+// needed. x_saved: x's columnwise data with its scale_inv x_col_scale_inv, or (save_original_input) x's [M, K]
+// values, which wgrad quantizes here; w_col, w_col_scale_inv: the weight's columnwise part (dgrad)
+std::tuple<Tensor, Tensor, Tensor> fp8_linear_grads(
+    const Tensor& dy, const std::optional<Tensor>& x_saved, const std::optional<Tensor>& x_col_scale_inv,
+    const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv, at::ScalarType x_dtype,
+    double x_eps, bool x_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool save_original_input,
+    bool need_dgrad, bool need_wgrad, bool need_bgrad, at::IntArrayRef x_shape, at::ScalarType w_dtype,
+    at::ScalarType b_dtype) {
+  constexpr const char* op = "fp8_linear_grads";
+  TORCH_CHECK(dy.dim() >= 1 && x_shape.size() >= 2, "hybridq::", op, ": grad_output of shape ", dy.sizes(),
+              " and input shape ", x_shape, " are not a Linear's");
+  check_linear_op(!need_dgrad || (given(w_col) && given(w_col_scale_inv)), op,
+                  "dgrad needs the weight's columnwise part (w_col and w_col_scale_inv)");
+  check_linear_op(!need_wgrad || (given(x_saved) && (save_original_input || given(x_col_scale_inv))), op,
+                  "wgrad needs what the forward kept of x (x_saved, and x_col_scale_inv unless "
+                  "save_original_input)");
+  TORCH_CHECK(!need_dgrad || (w_col->dim() == 2 && w_col->size(0) == x_shape.back() &&
+                              w_col->size(1) == dy.size(-1)),
+              "hybridq::", op, ": w_col of shape ", w_col.has_value() ? w_col->sizes() : at::IntArrayRef{},
+              " is not the columnwise part [in_features, out_features] = [", x_shape.back(), ", ", dy.size(-1), "]");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  auto [dx, dw, db] = linear_grads(dy, need_wgrad ? *x_saved : Tensor(),
+                                   need_wgrad && !save_original_input ? *x_col_scale_inv : Tensor(),
+                                   need_dgrad ? *w_col : Tensor(), need_dgrad ? *w_col_scale_inv : Tensor(),
+                                   Cast{g_dtype, g_eps, g_pow2}, Cast{x_dtype, x_eps, x_pow2}, save_original_input,
+                                   need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype);
+  const auto none = [&] { return at::empty({0}, dy.options()); };
+  return {dx.defined() ? dx : none(), dw.defined() ? dw : none(), db.defined() ? db : none()};
+}
+
 }  // namespace
 }  // namespace ops
 }  // namespace hybridq
 
-// the schema is declared with the per-tensor FP8 format's other ops (csrc/quantize_fp8_tensor.cu)
+// the schemas: fp8_linear's with the per-tensor FP8 format's other ops (csrc/quantize_fp8_tensor.cu), the gathered
+// fast path's two in csrc/ops.cpp
 
 TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd); }
-TORCH_LIBRARY_IMPL(hybridq, CUDA, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward); }
-TORCH_LIBRARY_IMPL(hybridq, CPU, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward); }
+
+namespace {
+void linear_impls(torch::Library& m) {
+  m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward);
+  m.impl("fp8_linear_fprop", &hybridq::ops::fp8_linear_fprop);
+  m.impl("fp8_linear_grads", &hybridq::ops::fp8_linear_grads);
+}
+}  // namespace
+
+// (CPU: the casts' argument checks reject CPU tensors with a clear message; the CPU path is float8_graph's Python)
+TORCH_LIBRARY_IMPL(hybridq, CUDA, m) { linear_impls(m); }
+TORCH_LIBRARY_IMPL(hybridq, CPU, m) { linear_impls(m); }

@@ -18,6 +18,13 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   as one op whose autograd node is C++ (csrc/linear_fp8.cpp; its caller is nn/float8_graph.py's eager fast path);
   w_row..w_col_scale_inv: the weight already quantized (FSDP2's gathered weight), the columnwise tensors held by
   reference and read in backward (after the backward unshard refilled them)
+- fp8_linear_fprop(x, w_row, w_row_scale_inv, bias?, x_dtype, x_eps, x_pow2, need_wgrad, save_original_input,
+  fast_accum_fprop) -> (y, x_col | [0], x_col_scale_inv | [0]) and fp8_linear_grads(dy, x_saved?, x_col_scale_inv?,
+  w_col?, w_col_scale_inv?, x_dtype, x_eps, x_pow2, g_dtype, g_eps, g_pow2, save_original_input, need_dgrad,
+  need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype) -> (dx | [0], dw | [0], db | [0]): the forward and the
+  gradients of that Linear as two ops without an autograd node (csrc/linear_fp8.cpp; their caller is the compiled
+  Linear's gathered fast path, nn/float8_graph.py's `gathered_forward` / `gathered_grads`, inside opaque ops at run
+  time only: no fakes)
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
 
 OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize",
-       "fp8_linear")
+       "fp8_linear", "fp8_linear_fprop", "fp8_linear_grads")
 
 # The quantizer options the kernel implements (the dispatch sends a quantizer with any other option to the
 # reference, so an option added later is never silently ignored by the kernel).
@@ -152,11 +159,12 @@ def register_fakes() -> None:
 _LINEAR: dict = {}
 
 
-def linear_op():
-    """The `hybridq::fp8_linear` overload itself (called as is: no overload resolution per call)."""
-    op = _LINEAR.get("op")
+def linear_op(name: str = "fp8_linear"):
+    """The overload of `hybridq::fp8_linear` (or of the op `name`, one of the Linear ops above) itself (called as
+    is: no overload resolution per call)."""
+    op = _LINEAR.get(name)
     if op is None:
-        op = _LINEAR["op"] = ops().fp8_linear.default
+        op = _LINEAR[name] = getattr(ops(), name).default
     return op
 
 

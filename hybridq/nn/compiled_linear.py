@@ -81,6 +81,7 @@ _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
 _HANDLE = "handle"
 # the layout entry of the input's columnwise data and scale_inv as float8_graph's fast path saves them (two tensors)
 _FAST_X = "fast input"
+_NONE_ENTRY, _INPUT_ENTRY, _HANDLE_ENTRY, _FAST_X_ENTRY = (_NONE,), (_INPUT,), (_HANDLE,), (_FAST_X,)
 
 
 class _Layer:
@@ -166,13 +167,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
         fast = gathered_forward(x, weight, bias, spec, cfg, need_dgrad, need_wgrad) if spec is not None else None
         if fast is not None:
             # the saved input's tensors as they are: the cast's fresh outputs (x's columnwise data and scale_inv)
-            # or none (x itself, which backward takes); no quantized tensor built, flattened and rebuilt
+            # or none (x itself, which backward takes); no quantized tensor built, flattened and rebuilt. (y and
+            # they are contiguous: the fake's strides, as below)
             y, x_saved, xcs = fast
-            x_entry = (_NONE,) if x_saved is None else (_INPUT,) if xcs is None else (_FAST_X,)
-            layout = [x_entry, (_HANDLE,) if need_dgrad else (_NONE,)]
-            # (contiguous: the fake's strides, as below)
-            return (y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(),
-                    [] if xcs is None else [x_saved.contiguous(), xcs.contiguous()], (layout, True))
+            x_entry = _NONE_ENTRY if x_saved is None else _INPUT_ENTRY if xcs is None else _FAST_X_ENTRY
+            layout = [x_entry, _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY]
+            return y, [] if xcs is None else [x_saved, xcs], (layout, True)
     # no input sharing across layers: an op's outputs must be its own tensors, not another op's
     with shared_input_quantization(False):
         y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
@@ -229,18 +229,20 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
 
 def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape,
                     x_dtype, w_dtype, b_dtype, handled: bool = False) -> list[torch.Tensor]:
-    count_backward_pass()
-    cfg = _config(key, override)
     layout, fast = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype,
                                         handled)]
     if fast:  # (float8_graph's ops on the saved tensors and the gathered weight's columnwise part, read now)
-        spec = _fast_spec(key, override)
-        x_saved, xcs = _fast_input(layout[0], x, saved)
-        w_col = weight_of(weight).part(COLUMNWISE) if need_dgrad else None
-        grads = gathered_grads(spec, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad,
-                               torch.Size(x_shape), w_dtype, b_dtype)
+        entry = layout[0]
+        x_saved, xcs = ((saved[0], saved[1]) if entry == _FAST_X_ENTRY else
+                        (None, None) if entry == _NONE_ENTRY else (x.reshape(-1, x.shape[-1]), None))
+        grads = gathered_grads(_FAST_SPECS[key], dy, x_saved, xcs,
+                               weight_of(weight).part(COLUMNWISE) if need_dgrad else None, need_dgrad, need_wgrad,
+                               need_bgrad, x_shape, w_dtype, b_dtype)
         if grads is not None:
-            return [g if g is not None else dy.new_empty(0) for g in grads]
+            return grads
+    # (the general path's casts count backward passes: delayed scaling's replays; the fast path has no state)
+    count_backward_pass()
+    cfg = _config(key, override)
     flat = iter(saved)
     operands = []
     for entry in layout:
@@ -261,13 +263,6 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
     grads = linear_grads(cfg, dy, saved_x, saved_w, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
                          w_dtype, b_dtype)
     return [g if g is not None else dy.new_empty(0) for g in grads]
-
-
-def _fast_input(entry: tuple, x: torch.Tensor | None, saved: list) -> tuple:
-    """(x_saved, xcs) of float8_graph's `gathered_grads` from a fast forward's saved tensors (see `_forward`)."""
-    if entry[0] == _FAST_X:
-        return saved[0], saved[1]
-    return (None if entry[0] == _NONE else x.reshape(-1, x.shape[-1])), None
 
 
 def _saved_weight(weight: QuantizedTensor, override: BackwardOverride | None):

@@ -32,6 +32,7 @@ the fp32 emulation (dequantize, multiply), as in eager (the block reference as o
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -53,7 +54,7 @@ from .known_amax import known_amax
 from .linear_function import _SHARED, gradients_needed
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear", "eager_float8_linear",
-           "eager_fast_path"]
+           "eager_fast_path", "gathered_cpp_ops"]
 
 PER_TENSOR = 0  # Float8Cast.block_dim of a per-tensor scale (1: 1x128 blocks, 2: 128x128 tiles)
 
@@ -497,21 +498,65 @@ def _gathered_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec,
     return ok
 
 
+# The gathered ops' phases on CUDA as one extension op each (`hybridq::fp8_linear_fprop` / `fp8_linear_grads`,
+# csrc/linear_fp8.cpp: `_fprop` / `_grads` in C++, the same kernels and GEMMs) or as `_fprop` / `_grads` themselves
+# (bitwise equal). HYBRIDQ_LINEAR_CPP_OPS=0 starts a process with them off (benchmarks compare the two).
+_CPP_OPS = {"on": os.environ.get("HYBRIDQ_LINEAR_CPP_OPS", "1") != "0"}
+
+
+class gathered_cpp_ops:
+    """Whether a compiled Linear's gathered per-tensor FP8 fast path on CUDA runs each phase (forward, gradients)
+    as one C++ op of the extension (default: on; the environment variable HYBRIDQ_LINEAR_CPP_OPS=0 starts a process
+    with it off) or as this module's Python ops, the same kernels and GEMMs: results are bitwise equal either way.
+    `gathered_cpp_ops(False)` from then on; `with gathered_cpp_ops(False): ...` only inside the block."""
+
+    def __init__(self, enabled: bool):
+        self.prev = _CPP_OPS["on"]
+        _CPP_OPS["on"] = bool(enabled)
+
+    def __enter__(self) -> "gathered_cpp_ops":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CPP_OPS["on"] = self.prev
+
+
+def _cpp_phase(t: torch.Tensor) -> bool:
+    """Whether a gathered op's phase on `t`'s device runs as the extension's one op: CUDA (where `takes` found the
+    extension, whose build has the ops: `_ext` reports a build without them as out of date), the switch on, and no
+    TorchDispatchMode active (a mode sees the Python path's ops one by one, as `_one_op` keeps them)."""
+    return t.is_cuda and _CPP_OPS["on"] and not torch._C._len_torch_dispatch_stack()
+
+
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                      cfg, need_dgrad: bool, need_wgrad: bool) -> tuple | None:
-    """(y `[M, N]`, x_saved, xcs) of a per-tensor FP8 Linear on FSDP2's gathered weight, as this module's ops (the
-    eager fast path's), or None where the general path must run (the checks of `eager_float8_linear`; x quantized
-    here, never shared: an op's outputs are its own). What wgrad reads of x: its columnwise data and scale_inv (the
-    tensors of the input `linear_function.forward_and_saved` saves, in their flattened order: `saved_input` builds
-    it), x's `[M, K]` view and None (save_original_input), or None, None (no wgrad). Only the weight's rowwise part
-    is read: backward reads the columnwise one then (`gathered_grads`)."""
-    if spec is None or not spec.per_tensor or not _gathered_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
+    """(y in x's shape with out_features last, x_saved, xcs) of a per-tensor FP8 Linear on FSDP2's gathered weight,
+    as this module's ops (the eager fast path's; on CUDA one op, see `gathered_cpp_ops`), or None where the general
+    path must run (the checks of `eager_float8_linear`; x quantized here, never shared: an op's outputs are its own).
+    What wgrad reads of x: its columnwise data and scale_inv (contiguous tensors of their own: the tensors of the
+    input `linear_function.forward_and_saved` saves, in their flattened order: `saved_input` builds it), x itself
+    and None (save_original_input: wgrad quantizes x's `[M, K]` view), or None, None (no wgrad). Only the weight's
+    rowwise part is read: backward reads the columnwise one then (`gathered_grads`)."""
+    if (spec is None or spec.input.block_dim != PER_TENSOR
+            or not _gathered_call(x, weight, spec, cfg, need_dgrad, need_wgrad)):
         return None
-    w_parts = _gathered_parts(weight, spec.weight, False)
-    if w_parts is None:
+    wr = weight.part(ROWWISE)
+    if not _part_fits(wr, spec.weight):
         return None
-    y, x_saved, xcs = _fprop(x.reshape(-1, x.shape[-1]), None, w_parts[0], w_parts[1], bias, spec, need_wgrad)
-    return (y, x_saved, xcs) if need_wgrad else (y, None, None)
+    if _cpp_phase(x):
+        xi = spec.input
+        y, xc, xcs = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
+            x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, need_wgrad,
+            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
+    else:
+        y, xc, xcs = _fprop(x.reshape(-1, x.shape[-1]), None, wr.data, wr.scale_inv, bias, spec, need_wgrad)
+        # (contiguous, as the op's outputs: the gathered op's fake has those strides)
+        y = y.reshape(*x.shape[:-1], y.shape[-1]).contiguous()
+        if xcs is not None:
+            xc, xcs = xc.contiguous(), xcs.contiguous()
+    if not need_wgrad:
+        return y, None, None
+    return (y, x, None) if spec.save_original_input else (y, xc, xcs)
 
 
 def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.Tensor | None, shape,
@@ -525,13 +570,22 @@ def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.
 
 def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
                    w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
-                   b_dtype: torch.dtype | None) -> tuple | None:
-    """`linear_function.linear_grads` of a call `gathered_forward` ran (x_saved, xcs as it gave them; `w_col` the
-    gathered weight's columnwise part where dgrad runs), as this module's ops: (dx, dW, db), or None where the
-    weight's part is not one this spec makes (the general path runs)."""
+                   b_dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """`linear_function.linear_grads` of a call `gathered_forward` ran (x_saved: x's columnwise data with its
+    scale_inv xcs, or x's `[M, K]` view under save_original_input; `w_col` the gathered weight's columnwise part
+    where dgrad runs), as this module's ops (on CUDA one op, see `gathered_cpp_ops`): [dx in `x_shape`, dW, db], an
+    empty tensor for a gradient not asked for (the gathered op's outputs), or None where the weight's part is not
+    one this spec makes (the general path runs)."""
     wc = wcs = None
     if need_dgrad:
         if not _part_fits(w_col, spec.weight):
             return None
         wc, wcs = w_col.data, w_col.scale_inv
-    return _grads(spec, dy, x_saved, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype)
+    if _cpp_phase(dy):
+        xi, g = spec.input, spec.grad_output
+        return list(cuda_fp8_tensor.linear_op("fp8_linear_grads")(
+            dy, x_saved, xcs, wc, wcs, xi.dtype, xi.amax_epsilon, xi.power_2_scale, g.dtype, g.amax_epsilon,
+            g.power_2_scale, spec.save_original_input, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype))
+    grads = _grads(spec, dy, x_saved, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
+                   w_dtype, b_dtype)
+    return [t if t is not None else dy.new_empty(0) for t in grads]
