@@ -303,6 +303,24 @@ def test_token_groups_of_each_layer_are_reused_by_its_backward():
     assert TokenGroups.build(layers[0], 3, cpu) is not forward[0], "a routing pushed out of the cache was reused"
 
 
+def test_stacked_scales_are_flattened_once_per_view():
+    """The gathered experts' stacked scales `[E, 1]` (a view the weight state keeps across steps) are flattened once
+    and the flat view kept on that view: the same view gives the same flat view, which reads the storage as it is
+    now (FSDP2 refills it in place); another view, of the same shape or not, gets its own."""
+    from hybridq.nn.grouped_jagged import flat_view
+    slab = torch.arange(16, dtype=torch.float32)
+    view = slab.as_strided((4, 1), (4, 1))  # (the experts' scales: one per 16-byte row of their buffer)
+    flat = flat_view(view)
+    assert flat_view(view) is flat, "the same stacked view was flattened again"
+    assert torch.equal(flat, torch.tensor([0.0, 4.0, 8.0, 12.0])), flat
+    slab[4] = 40.0  # (refilled in place)
+    assert flat[1].item() == 40.0, "the kept flat view does not read the refilled storage"
+    other = torch.arange(16, dtype=torch.float32).mul_(2).as_strided((4, 1), (4, 1))
+    assert torch.equal(flat_view(other), torch.tensor([0.0, 8.0, 16.0, 24.0])), "another view got a kept flat view"
+    shifted = slab.as_strided((4, 1), (4, 1), 1)
+    assert torch.equal(flat_view(shifted), torch.tensor([1.0, 5.0, 9.0, 13.0])), "a shifted view got a kept flat view"
+
+
 def _unpadded_columns(col: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[str]]:
     """The columnwise form of the CUDA kernels' padded layout (each group from a column multiple of 16, zero-padded
     to a multiple of 16) as the plain byte transpose, and what is wrong with its padding."""

@@ -129,3 +129,59 @@ def test_a_misaligned_operand_gets_its_own_compiled_kernel():
     again = _ops(0, 328, FP8[0])["fprop"]()[1]
     assert misaligned is not aligned, "the misaligned operand ran the kernel specialized for an aligned one"
     assert again is aligned, "an aligned call of another size did not reuse the cached kernel"
+
+
+# each kind's plan arguments (base) and, per argument, another value that changes the plan
+_PLAN_CASES = {
+    "transpose": ((4096, 2048, 16), (8192, 4096, 64)),
+    "mm": ((32768, 1024, 2048, 16, False, None), (16384, 512, 96, 64, True, (64, 64, 64, 4, 4, 2))),
+    "wgrad": ((1024, 2048, 16, True, True, None), (512, 1024, 8, False, False, (64, 64, 64, 4, 4, 2))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_PLAN_CASES))
+def test_launch_plans_are_reused_only_for_their_arguments(kind):
+    """A grouped kernel's grid and launch keywords, derived once per (kind, sizes, options): a call that differs in
+    any one argument gets the plan derived from its own arguments, never another call's."""
+    base, others = _PLAN_CASES[kind]
+    make = tg._PLAN_MAKERS[kind]
+    tg._PLANS.clear()
+    first = tg.launch_plan(kind, *base)
+    assert tg.launch_plan(kind, *base) is first, f"{kind}: the same arguments derived the plan again"
+    for i, value in enumerate(others):
+        args = base[:i] + (value,) + base[i + 1:]
+        want = make(*args)
+        assert want != make(*base), f"(test case: {kind} argument {i} must change the plan)"
+        assert tg.launch_plan(kind, *args) == want, f"{kind}: argument {i} changed to {value} reused another plan"
+
+
+def test_launch_plans_are_the_kernels_parameters():
+    """The plans are what the wrappers launched with before: the tile configuration (BLOCK_K halved until it divides
+    K), the grid as an upper bound of the tiles, EP the groups rounded up to a power of two (at least 16)."""
+    grid, kw = tg.launch_plan("mm", 1000, 256, 96, 5, True, None)
+    bm, bn, bk, gm, w, st = tg.CONFIGS[("mm", True)]
+    assert kw == dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, GROUP_M=gm, EP=16, PRECISE=True, num_warps=w,
+                      num_stages=st), kw
+    assert grid == ((-(-1000 // bm) + 5) * -(-256 // bn),), grid
+    grid, kw = tg.launch_plan("transpose", 160, 200, 33)
+    bt, bk, w = tg.TRANSPOSE_CONFIG
+    assert grid == (-(-160 // bt) + 33, -(-200 // bk)) and kw == dict(BLOCK_T=bt, BLOCK_K=bk, EP=64, num_warps=w)
+    grid, kw = tg.launch_plan("wgrad", 300, 200, 7, False, True, None)
+    bm, bn, bk, gm, w, st = tg.CONFIGS[("wgrad", False)]
+    assert grid == (-(-300 // bm) * -(-200 // bn), 7) and kw["ALIGNED"] is True and kw["PRECISE"] is False, (grid, kw)
+
+
+@pytest.mark.gpu
+@needs_triton_gpu
+def test_grouped_kernels_launch_through_the_launchers_c_function():
+    """The grouped kernels need no scratch memory: their cached launches call the compiled launcher's C function
+    directly (not its Python wrapper, which would allocate no scratch for them either)."""
+    assert triton_launch.ENABLED, f"the cached launcher is off for Triton {tg.triton.__version__}"
+    triton_launch._CACHE.clear()
+    for call in _ops(0, 200, FP8[0]).values():
+        call()
+    kernels = {}
+    for fn, kernel, run, head, consts in triton_launch._CACHE.values():
+        kernels[fn.fn.__name__] = run is kernel.run.launch and head[0] == kernel.function
+    assert kernels == {"_padded_transpose_kernel": True, "_jagged_mm_kernel": True, "_jagged_wgrad_kernel": True}, \
+        f"kernel -> launched through the C function: {kernels}"

@@ -233,9 +233,12 @@ if triton is not None:
         ri = i0 + tl.arange(0, BLOCK_T)
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        v = tl.load(src_ptr + (start + ri).to(tl.int64)[:, None] * K + rk[None, :],
+        # (the fp8 bytes moved as bytes: either fp8 dtype, no conversion, zero padding by the bit pattern 0)
+        src = src_ptr.to(tl.pointer_type(tl.uint8))
+        dst = dst_ptr.to(tl.pointer_type(tl.uint8))
+        v = tl.load(src + (start + ri).to(tl.int64)[:, None] * K + rk[None, :],
                     mask=(ri < size)[:, None] & k_ok[None, :], other=0)
-        tl.store(dst_ptr + rk.to(tl.int64)[:, None] * dst_pitch + (pstart + ri)[None, :], tl.trans(v),
+        tl.store(dst + rk.to(tl.int64)[:, None] * dst_pitch + (pstart + ri)[None, :], tl.trans(v),
                  mask=k_ok[:, None] & (ri < psize)[None, :])
 
 
@@ -249,11 +252,15 @@ def padded_transpose(row: torch.Tensor, ends: torch.Tensor, padded_ends: torch.T
     out = torch.empty(k, width, device=row.device, dtype=row.dtype)
     if out.numel() == 0:
         return out
-    bt, bk, w = TRANSPOSE_CONFIG
-    grid = (_cdiv(width, bt) + e, _cdiv(k, bk))  # an upper bound of the token tiles: each group may end one partial
-    launch(_padded_transpose_kernel, grid, row.view(torch.uint8), out.view(torch.uint8), ends, padded_ends, k, e,
-           width, BLOCK_T=bt, BLOCK_K=bk, EP=max(16, _next_pow2(e)), num_warps=w)
+    grid, kw = launch_plan("transpose", width, k, e)
+    launch(_padded_transpose_kernel, grid, row, out, ends, padded_ends, k, e, width, **kw)
     return out
+
+
+def _transpose_plan(width: int, k: int, e: int) -> tuple:
+    bt, bk, w = TRANSPOSE_CONFIG
+    # (grid: an upper bound of the token tiles, each group may end one partial)
+    return (_cdiv(width, bt) + e, _cdiv(k, bk)), dict(BLOCK_T=bt, BLOCK_K=bk, EP=max(16, _next_pow2(e)), num_warps=w)
 
 
 def _config(kind: str, precise: bool, k: int, config) -> tuple:
@@ -261,6 +268,38 @@ def _config(kind: str, precise: bool, k: int, config) -> tuple:
     while bk > 32 and k % bk:
         bk //= 2
     return bm, bn, bk, gm, w, st
+
+
+def _mm_plan(t: int, n: int, k: int, e: int, precise: bool, config) -> tuple:
+    bm, bn, bk, gm, w, st = _config("mm", precise, k, config)
+    # (grid: an upper bound of the row tiles, each group may end one partial)
+    return ((_cdiv(t, bm) + e) * _cdiv(n, bn),), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                                                       EP=max(16, _next_pow2(e)), PRECISE=precise, num_warps=w,
+                                                       num_stages=st)
+
+
+def _wgrad_plan(m: int, n: int, e: int, precise: bool, aligned: bool, config) -> tuple:
+    bm, bn, bk, gm, w, st = _config("wgrad", precise, 128, config)
+    return (_cdiv(m, bm) * _cdiv(n, bn), e), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise,
+                                                  ALIGNED=aligned, num_warps=w, num_stages=st)
+
+
+_PLAN_MAKERS = {"transpose": _transpose_plan, "mm": _mm_plan, "wgrad": _wgrad_plan}
+# (kind, the plan maker's arguments) -> (grid, the constexprs and options): a launch's parameters depend on nothing
+# else (each call derived them anew: ~10 Python calls per launch, 5 launches per expert layer's forward + backward)
+_PLANS: dict = {}
+
+
+def launch_plan(kind: str, *shape) -> tuple:
+    """(grid, keyword arguments of `launch`) of a `kind` kernel ("transpose", "mm", "wgrad") for these sizes and
+    options (the arguments of its `_*_plan` maker), made once per distinct arguments."""
+    key = (kind, *shape)
+    hit = _PLANS.get(key)
+    if hit is None:
+        if len(_PLANS) >= 256:  # (bounded: a few call shapes per model)
+            _PLANS.clear()
+        hit = _PLANS[key] = _PLAN_MAKERS[kind](*shape)
+    return hit
 
 
 def check_jagged(a: torch.Tensor, b_rows: int, k: int, ends: torch.Tensor) -> str | None:
@@ -286,13 +325,10 @@ def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_gro
     c = torch.empty(t, n, device=a.device, dtype=out_dtype)
     if t == 0 or n == 0:
         return c
-    bm, bn, bk, gm, w, st = _config("mm", precise, k, config)
-    grid = ((_cdiv(t, bm) + e) * _cdiv(n, bn),)  # an upper bound of the row tiles: each group may end one partial
+    grid, kw = launch_plan("mm", t, n, k, e, precise, _hashable(config))
     LAST_COMPILED["mm"] = launch(
         _jagged_mm_kernel, grid, a, b, c, a_scale_inv, b_scale_inv, ends, t, n, k, e, a.stride(0), b_group_stride,
-        b_row_stride, c.stride(0), b_scale_inv.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EP=max(16, _next_pow2(e)), PRECISE=precise,
-        num_warps=w, num_stages=st)
+        b_row_stride, c.stride(0), b_scale_inv.stride(0), **kw)
     return c
 
 
@@ -313,10 +349,13 @@ def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor
     if a_t.stride(0) % 16 or b_t.stride(0) % 16 or a_t.stride(0) != b_t.stride(0):
         raise ValueError(f"jagged_wgrad: the columnwise rows need one row pitch, a multiple of 16 bytes; got "
                          f"{a_t.stride(0)} and {b_t.stride(0)}")
-    bm, bn, bk, gm, w, st = _config("wgrad", precise, 128, config)
-    grid = (_cdiv(m, bm) * _cdiv(n, bn), e)
+    grid, kw = launch_plan("wgrad", m, n, e, precise, aligned, _hashable(config))
     LAST_COMPILED["wgrad"] = launch(
         _jagged_wgrad_kernel, grid, a_t, b_t, c, a_scale_inv, b_scale_inv, ends, m, n, e, a_t.stride(0),
-        b_t.stride(0), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, PRECISE=precise,
-        ALIGNED=aligned, num_warps=w, num_stages=st)
+        b_t.stride(0), c.stride(0), c.stride(1), **kw)
     return c
+
+
+def _hashable(config):
+    """A benchmark's tile configuration as a plan key (a tuple; None: the default)."""
+    return None if config is None else tuple(config)
