@@ -6,13 +6,15 @@ allocation, or copying (`UnshardedBuffers.fill`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats.identity import IdentityPart
-from ..torch_private import storage_use_count
-from .gathered import GatheredWeight
-from .payload import DIRECTIONS, HIGH_PRECISION, rows_of
+from ..torch_private import storage_id, storage_use_count
+from .gathered import GatheredWeight, keep_for_stream
+from .payload import DIRECTIONS, HIGH_PRECISION, GatheredViews, rows_of
 
 __all__ = ["UnshardedBuffers"]
 
@@ -30,6 +32,7 @@ class UnshardedBuffers:
         self.device: torch.device | None = None
         self.buffers_version = 0  # bumped when `owned` or `aliased` change (what `set_inner` lists)
         self._inner_of: dict = {}  # directions -> (version, the list): `set_inner`'s answers
+        self.fill_replays: dict = {}  # id(plan) -> FillReplay: the last fill of that plan, where replayable
 
     def create(self, q: Quantizer, shape, dtype, device) -> GatheredWeight:
         m, k = rows_of(shape), shape[-1]
@@ -139,6 +142,64 @@ class UnshardedBuffers:
                 t.untyped_storage().resize_(need)
             t.copy_(s)
 
+    def record_fill(self, meta, plan, out: torch.Tensor, parts: dict) -> None:
+        """After a fill of every direction of `plan` from the parts the all-gather output `out` gave: remember it as a
+        `FillReplay` where every own tensor was either left aliasing `out` or copied from a replicated tensor of
+        `meta` (the parts came straight from the gathered buffers and the payload's replicated tensors: nothing was
+        derived, quantized here, concatenated or re-laid out); else forget any earlier one of this plan. (One per plan:
+        forward and backward unshards alternate.)"""
+        self.fill_replays.pop(id(plan), None)
+        if plan.derive or plan.local or any(d not in plan.send for d in plan.materialize):
+            return
+        out_storage = storage_id(out)
+        copies, aliased = [], 0
+        for d in plan.materialize:
+            rep = meta.replicated.get(d, {})
+            for n, t in self.parts[d].tensors().items():
+                if t is None:
+                    continue
+                s = getattr(parts[d], n)
+                if id(t) in self.aliased and storage_id(t) == out_storage:
+                    aliased += 1
+                    continue
+                name = next((k for k, r in rep.items() if r is s), None)
+                if name is None:
+                    return
+                copies.append((t, d, name))
+        if len(self.fill_replays) >= 8:
+            self.fill_replays.clear()
+        self.fill_replays[id(plan)] = FillReplay(meta.buffers, plan, GatheredViews.key_of(out), self.buffers_version,
+                                                 tuple(copies), aliased)
+
+    def replay_fill(self, meta, plan, out: torch.Tensor) -> bool:
+        """The recorded fill (`record_fill`) again, where the all-gather output is the same storage at the same place,
+        the payload's layout (its list of buffers: one object per quantizer, shard, shape and directions,
+        `payload.build_payload(memo=)`) and the plan are the ones it was made for and no own tensor was re-pointed
+        since: the aliased tensors still view `out`, the replicated tensors are copied again (their values change).
+        False, nothing done: fill as usual."""
+        r = self.fill_replays.get(id(plan))
+        if (r is None or r.buffers is not meta.buffers or r.plan is not plan or r.version != self.buffers_version
+                or r.out_key != GatheredViews.key_of(out)):
+            return False
+        rep = meta.replicated
+        srcs = []
+        for t, d, n in r.copies:
+            s = rep[d].get(n)
+            if s is None or s.shape != t.shape or s.dtype != t.dtype or s.device != t.device:
+                return False
+            srcs.append(s)
+        if out.is_cuda:
+            keep_for_stream(srcs)
+        for (t, _, _), s in zip(r.copies, srcs):
+            need = t.numel() * t.element_size()
+            if t.untyped_storage().nbytes() < need:
+                t.untyped_storage().resize_(need)
+            t.copy_(s)
+        if r.aliased:
+            self.counters["aliased"] += r.aliased
+        self.counters["fill_replayed"] += 1
+        return True
+
     def is_derivable(self, q, shape, dtype) -> bool:
         """Whether `q`'s columnwise form of a weight of `shape` is derived exactly from its rowwise form (then
         only the rowwise form is gathered)."""
@@ -151,6 +212,18 @@ class UnshardedBuffers:
             except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: gather it
                 self.derivable[key] = False
         return self.derivable[key]
+
+
+class FillReplay(NamedTuple):
+    """A weight's last fill whose every own tensor aliases the all-gather output or copies a replicated tensor, and
+    what it was made for (`UnshardedBuffers.record_fill` / `replay_fill`)."""
+
+    buffers: list  # the payload's BufferSpecs (the layout's list, one per quantizer: compared by identity)
+    plan: object
+    out_key: tuple  # `GatheredViews.key_of` the all-gather output
+    version: int  # the buffers' version (bumped whenever an own tensor is aliased or re-pointed)
+    copies: tuple  # (own tensor, direction, name of the replicated tensor copied into it)
+    aliased: int  # own tensors left aliasing the output (the "aliased" counter)
 
 
 def _adoptable(s: torch.Tensor, t: torch.Tensor, need: int, adopt: dict) -> bool:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..enums import Phase
 from ..torch_private import in_backward
 
-__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "phase_of"]
+__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "phase_of", "state_phase"]
 
 
 def _param_groups(state) -> list:
@@ -101,18 +101,24 @@ class FSDPLink:
 _PHASE_OF_STATE: dict = {}
 
 
+def state_phase(ts) -> Phase | None:
+    """The phase an FSDP2 training state names (FORWARD; PRE_BACKWARD, POST_BACKWARD), None for the others."""
+    hit = _PHASE_OF_STATE.get(id(ts))
+    if hit is not None and hit[0] is ts:
+        return hit[1]
+    name = getattr(ts, "name", "")
+    phase = Phase.BACKWARD if name in ("PRE_BACKWARD", "POST_BACKWARD") else (
+        Phase.FORWARD if name == "FORWARD" else None)
+    if phase is not None:
+        _PHASE_OF_STATE[id(ts)] = (ts, phase)
+    return phase
+
+
 def phase_of(group) -> Phase:
     """The group's training state, or (no group, or a state that names no phase) whether autograd is running."""
     if group is not None:
-        ts = getattr(group, "_training_state", None)
-        hit = _PHASE_OF_STATE.get(id(ts))
-        if hit is not None and hit[0] is ts:
-            return hit[1]
-        name = getattr(ts, "name", "")
-        phase = Phase.BACKWARD if name in ("PRE_BACKWARD", "POST_BACKWARD") else (
-            Phase.FORWARD if name == "FORWARD" else None)
+        phase = state_phase(getattr(group, "_training_state", None))
         if phase is not None:
-            _PHASE_OF_STATE[id(ts)] = (ts, phase)
             return phase
     return Phase.BACKWARD if in_backward() else Phase.FORWARD
 

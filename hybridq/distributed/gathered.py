@@ -14,7 +14,7 @@ from ..weight_forms import ExpertsTensor, GroupedGatheredForm, HighPrecisionSour
 from .payload import DIRECTIONS, HIGH_PRECISION
 from .plan import GatherPlan
 
-__all__ = ["GatheredWeight", "GroupedGatheredWeight", "complete_parts", "received"]
+__all__ = ["GatheredWeight", "GroupedGatheredWeight", "complete_parts", "keep_for_stream", "received"]
 
 aten = torch.ops.aten
 
@@ -140,19 +140,26 @@ class GroupedGatheredWeight(HandledWeight, GroupedGatheredForm, ExpertsTensor):
                 f"experts={len(self._experts)}, formats={self._experts[0].formats})")
 
 
+def keep_for_stream(replicated) -> None:
+    """Keep the replicated tensors alive for the current stream.
+
+    fsdp_pre_all_gather ran on FSDP2's all-gather copy-in stream: the replicated tensors (per-tensor scales,
+    tile-scale grids, global amaxes) were allocated there and are read here on the current stream. Without this, once
+    the metadata is dropped the caching allocator hands their blocks to the next weight's pre-all-gather (copy-in
+    stream) while this stream's reads are still queued. (once per storage: the experts' scales of a batched gather are
+    views of one tensor, and record_stream marks the whole block)"""
+    cuda = [t for t in replicated if t.is_cuda]
+    if cuda:
+        stream = current_stream(cuda[0].device)
+        for t in {t.untyped_storage().data_ptr(): t for t in cuda}.values():
+            t.record_stream(stream)
+
+
 def received(gathered: torch.Tensor, metas) -> dict:
     """After the all-gather: keep the replicated tensors alive for this stream; the storages never to adopt."""
     replicated = [t for meta in metas for rep in meta.replicated.values() for t in rep.values() if t is not None]
     if gathered.is_cuda:
-        # fsdp_pre_all_gather ran on FSDP2's all-gather copy-in stream: the replicated tensors (per-tensor
-        # scales, tile-scale grids, global amaxes) were allocated there and are read here on the current
-        # stream. Without this, once the metadata is dropped the caching allocator hands their blocks to
-        # the next weight's pre-all-gather (copy-in stream) while this stream's reads are still queued.
-        # (once per storage: the experts' scales of a batched gather are views of one tensor, and record_stream
-        # marks the whole block)
-        stream = current_stream(gathered.device)
-        for t in {t.untyped_storage().data_ptr(): t for t in replicated if t.is_cuda}.values():
-            t.record_stream(stream)
+        keep_for_stream(replicated)
     # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
     return {"forbidden": {gathered.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr()
                                                                      for t in replicated}}

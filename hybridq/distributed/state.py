@@ -19,7 +19,8 @@ import torch.nn as nn
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats._stacking import stacked_view
 from ..formats.float8_groups import equal_groups_apply
-from ..nn.grouped import GroupedLinear, converted_experts
+from ..nn.expert_layers import converted_layer
+from ..nn.grouped import GroupedLinear
 from ..torch_private import local_tensor
 from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
@@ -61,6 +62,7 @@ class SharedState:
         self.last_sig = None
         self.ctx: GatherContext | None = None
         self.mesh_info: tuple | None = None  # (FSDP2's shard mesh, its (world size, rank, group)): weights.py
+        self.pre_lanes: dict = {}  # id(FSDP2 training state) -> lane.PreLane of the last unshard in that state
         self.gathered_views = GatheredViews()  # views of FSDP2's all-gather output, kept across unshards
         self.counters: collections.Counter = collections.Counter()
 
@@ -168,7 +170,7 @@ class GroupedWeightState(SharedState, GroupedStats):
         convert_experts, its GroupedLinear for this attribute."""
         if isinstance(module, GroupedLinear):
             return module
-        layer = converted_experts(module).get(self.attr)
+        layer = converted_layer(module, self.attr)  # (no copy of the module's dict: asked at every unshard)
         if layer is None:
             raise TypeError(f"hybridq FSDP: {self.name} belongs to a GroupedLinear or a converted expert module, got "
                             f"{type(module).__name__} without a converted {self.attr!r}")

@@ -41,21 +41,22 @@ class GatherContext:
     layout: ExpertLayout | None = None  # a grouped weight's: where each expert's rows live
 
 
-def stats_key(param, dtype, shard):
+def stats_key(param, dtype, shard, local=None):
     """Identifies the values the statistics were computed from. In-place updates (optimizer, load_state_dict)
     bump the version counter of the tensor they are called on: the DTensor parameter (FSDP2), or its local
     tensor; never the wrapped plain tensor (it is updated below the autograd / version-counter keys). Without
-    the parameter the statistics are not cached."""
+    the parameter the statistics are not cached. `local`: the parameter's local tensor, where the caller has it."""
     if param is None:
         return None
-    local = local_tensor(param)
+    if local is None:
+        local = local_tensor(param)
     return (id(param), param._version, id(local), local._version, local._data.data_ptr(), dtype, shard)
 
 
-def payload_key(param, dtype, shape, ws: int, shard, send) -> tuple | None:
+def payload_key(param, dtype, shape, ws: int, shard, send, local=None) -> tuple | None:
     """Identifies a payload: the shard's values (see `stats_key`; `shard`: this rank's rows) and the directions sent;
     None: not reusable."""
-    key = stats_key(param, dtype, shard)
+    key = stats_key(param, dtype, shard, local)
     return None if key is None else (key, tuple(shape), ws, tuple(send))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -42,9 +43,10 @@ from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
 from .grouped_batched import StackedGather, fill_batched, fill_stacked, metas_with_scales, prepare_batched
+from .lane import PreLane, derive, lookup
 from .layout import ExpertLayout, transport_view
 from .payload import HIGH_PRECISION, PayloadMeta, assemble_output, assemble_parts
-from .plan import GatherPlan, unshard_setup
+from .plan import GatherPlan
 from .state import GroupedWeightState, KeptPayload, WeightState
 from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload, stats_key
 
@@ -67,9 +69,8 @@ def _mutates_first(func) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherMetadata:
-    """What `fsdp_pre_all_gather` hands to `fsdp_post_all_gather` through FSDP2."""
+class GatherMetadata(NamedTuple):
+    """What `fsdp_pre_all_gather` hands to `fsdp_post_all_gather` through FSDP2 (a tuple: made at every unshard)."""
 
     payload: PayloadMeta
     plan: GatherPlan
@@ -77,8 +78,7 @@ class GatherMetadata:
     quantizer: Quantizer
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedGatherMetadata:
+class GroupedGatherMetadata(NamedTuple):
     """What a grouped weight's `fsdp_pre_all_gather` hands to its `fsdp_post_all_gather` through FSDP2."""
 
     metas: tuple[PayloadMeta, ...]
@@ -188,10 +188,10 @@ def _set_context(st, local, module, param, shape, dtype, ws: int, rank: int, gro
                            param=weakref.ref(param) if param is not None else None, layout=layout)
 
 
-def _grouped_payload_key(param, dtype, layout: ExpertLayout, send, stacked: bool, qs) -> tuple | None:
+def _grouped_payload_key(param, dtype, layout: ExpertLayout, send, stacked: bool, qs, local=None) -> tuple | None:
     """Identifies a grouped weight's payload: its shard's values (`stats_key`), the layout, the directions sent, the
     receiver's fill and the quantizers (by identity: a new recipe makes new ones); None: not reusable."""
-    key = stats_key(param, dtype, layout)
+    key = stats_key(param, dtype, layout, local)
     return None if key is None else (key, tuple(send), stacked, tuple(map(id, qs)))
 
 
@@ -278,6 +278,34 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
 
     def _pre_all_gather(self, mesh, outer_size, module, mp_policy):
         st = self._hq
+        lane = lookup(st, self, mesh, outer_size, module, mp_policy, "weight")
+        if lane is None or lane.quant is not module.weight_quantizer or lane.override != module.recipe.backward_override:
+            lane = self._derive_lane(mesh, outer_size, module, mp_policy)
+        setup, param, dtype, shape, ws = lane.setup, lane.param() if lane.param else None, lane.dtype, lane.shape, lane.ws
+        plan = setup.plan
+        key = payload_key(param, dtype, shape, ws, lane.layout.shard, plan.send, self if lane.own else None)
+        kept, st.kept_payload = st.kept_payload, None
+        if key is not None and kept is not None and kept.key == key:
+            payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
+            st.counters["payload_reused"] += 1
+        else:
+            payload, meta = prepare_payload(self, param, lane.quant, plan.send, shape, ws, lane.rank, dtype, lane.group)
+        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
+            st.kept_payload = KeptPayload(key, payload, meta)
+        inp = transport_view(payload, shape, ws)
+        _sent(st, lane.link, inp, setup.phase)
+        st.deferred = plan.deferred
+        if st.parts:
+            st.set_inner(plan.materialize)  # what FSDP2 allocates before fsdp_post_all_gather fills it
+        if st.ctx is None or st.ctx is not lane.ctx:
+            _set_context(st, self, lane.module(), param, shape, dtype, ws, lane.rank, lane.group)
+            lane.ctx = st.ctx
+        return (inp,), GatherMetadata(meta, plan, dtype, lane.quant)
+
+    def _derive_lane(self, mesh, outer_size, module, mp_policy) -> PreLane:
+        """What this unshard's inputs give (`lane.py`), each step cached on its own; checked before anything is
+        quantized or sent."""
+        st = self._hq
         if not isinstance(module, Linear):
             raise TypeError(f"hybridq FSDP: HybridWeight belongs to a hybridq Linear, got {type(module).__name__}")
         q = module.weight_quantizer
@@ -285,33 +313,20 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         override = module.recipe.backward_override
         lay = _shard_layout(st, q, outer_size, ws, rank, dtype, override)  # (checked before anything is quantized)
-        shape = lay.shape
         st.param_dtype = dtype
         link = st.link(module)
-        setup = unshard_setup(link, st.backward_extra, override, lay.derivable)
-        plan = setup.plan
         param = _sharded_param(self, module, "weight", link)
-        key = payload_key(param, dtype, shape, ws, lay.shard, plan.send)
-        kept, st.kept_payload = st.kept_payload, None
-        if key is not None and kept is not None and kept.key == key:
-            payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
-            st.counters["payload_reused"] += 1
-        else:
-            payload, meta = prepare_payload(self, param, q, plan.send, shape, ws, rank, dtype, group)
-        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
-            st.kept_payload = KeptPayload(key, payload, meta)
-        inp = transport_view(payload, shape, ws)
-        _sent(st, link, inp, setup.phase)
-        st.deferred = plan.deferred
-        if st.parts:
-            st.set_inner(plan.materialize)  # what FSDP2 allocates before fsdp_post_all_gather fills it
-        _set_context(st, self, module, param, shape, dtype, ws, rank, group)
-        return (inp,), GatherMetadata(meta, plan, dtype, q)
+        return derive(st, self, mesh, outer_size, module, mp_policy, "weight", quant=q, override=override, link=link,
+                      param=param, ws=ws, rank=rank, group=group, dtype=dtype, shape=lay.shape, layout=lay,
+                      derivable=lay.derivable)
 
     def _post_all_gather(self, outputs, metadata: GatherMetadata) -> None:
-        meta, plan, dtype, q = metadata.payload, metadata.plan, metadata.dtype, metadata.quantizer
+        meta, plan, dtype, q = metadata
         st = self._hq
         out = outputs[0]
+        if st.gathered is not None and st.replay_fill(meta, plan, out):  # (every unshard like the last one)
+            st.set_inner(plan.materialize)
+            return
         adopt = received(out, (meta,))
         parts = complete_parts(q, assemble_output(meta, out, st.gathered_views), plan, dtype)
         first = st.gathered is None
@@ -325,6 +340,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if first:
             st.free_others(plan.materialize)
         st.set_inner(plan.materialize)  # (what aliases the all-gather output is FSDP2's to free, not ours)
+        st.record_fill(meta, plan, out, parts)
 
 
 class GroupedHybridWeight(HybridWeight):
@@ -343,6 +359,38 @@ class GroupedHybridWeight(HybridWeight):
     def _pre_all_gather(self, mesh, outer_size, module, mp_policy):
         st: GroupedWeightState = self._hq
         layer = st.layer(module)
+        lane = lookup(st, self, mesh, outer_size, module, mp_policy, st.attr)
+        if lane is None or lane.quant is not layer.weight_quantizers() or lane.override != layer.recipe.backward_override:
+            lane = self._derive_lane(mesh, outer_size, module, mp_policy, layer)
+        setup, param, dtype, layout, qs = lane.setup, lane.param() if lane.param else None, lane.dtype, lane.layout, lane.quant
+        plan = setup.plan
+        # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
+        stacked = not plan.local and HIGH_PRECISION not in plan.materialize
+        key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs, self if lane.own else None)
+        kept, st.kept_payload = st.kept_payload, None
+        if key is not None and kept is not None and kept.key == key:
+            payload, (metas, slot, stacked) = kept.payload, kept.meta  # same expert values, same directions
+            st.counters["payload_reused"] += 1
+        else:
+            batched = prepare_batched(self, param, qs, plan.send, layout, dtype, lane.group, stacked)
+            payload, metas, slot, stacked = batched if batched is not None else (
+                *prepare_grouped(self, param, qs, plan.send, layout, dtype, lane.group), None)
+        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
+            st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked))
+        inp = layout.transport(payload, slot)
+        _sent(st, lane.link, inp, setup.phase)
+        st.set_deferred(plan.deferred)
+        if st.gathered is not None:
+            st.set_inner(plan.materialize)
+        if st.ctx is None or st.ctx is not lane.ctx:
+            _set_context(st, self, lane.module(), param, lane.shape, dtype, lane.ws, lane.rank, lane.group, layout)
+            lane.ctx = st.ctx
+        return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot, stacked)
+
+    def _derive_lane(self, mesh, outer_size, module, mp_policy, layer) -> PreLane:
+        """What this unshard's inputs give (`lane.py`), each step cached on its own; checked before anything is
+        quantized or sent."""
+        st: GroupedWeightState = self._hq
         qs = layer.weight_quantizers()
         if st.quantizers is not None and qs != st.quantizers:
             raise RecipeError(
@@ -355,29 +403,10 @@ class GroupedHybridWeight(HybridWeight):
         shape, layout, derivable = _grouped_layout(st, qs, outer_size, self.shape, ws, rank, dtype, override)
         st.param_dtype = dtype
         link = st.link(module)
-        setup = unshard_setup(link, st.backward_extra, override, derivable)
-        plan = setup.plan
         param = _sharded_param(self, module, st.attr, link)
-        # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
-        stacked = not plan.local and HIGH_PRECISION not in plan.materialize
-        key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs)
-        kept, st.kept_payload = st.kept_payload, None
-        if key is not None and kept is not None and kept.key == key:
-            payload, (metas, slot, stacked) = kept.payload, kept.meta  # same expert values, same directions
-            st.counters["payload_reused"] += 1
-        else:
-            batched = prepare_batched(self, param, qs, plan.send, layout, dtype, group, stacked)
-            payload, metas, slot, stacked = batched if batched is not None else (
-                *prepare_grouped(self, param, qs, plan.send, layout, dtype, group), None)
-        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
-            st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked))
-        inp = layout.transport(payload, slot)
-        _sent(st, link, inp, setup.phase)
-        st.set_deferred(plan.deferred)
-        if st.gathered is not None:
-            st.set_inner(plan.materialize)
-        _set_context(st, self, module, param, shape, dtype, ws, rank, group, layout)
-        return (inp,), GroupedGatherMetadata(tuple(metas), plan, dtype, qs, layout, slot, stacked)
+        return derive(st, self, mesh, outer_size, module, mp_policy, st.attr, quant=qs, override=override, link=link,
+                      param=param, ws=ws, rank=rank, group=group, dtype=dtype, shape=shape, layout=layout,
+                      derivable=derivable)
 
     def _post_all_gather(self, outputs, metadata: GroupedGatherMetadata) -> None:
         plan, dtype, qs, layout = metadata.plan, metadata.dtype, metadata.quantizers, metadata.layout
