@@ -303,6 +303,20 @@ def test_token_groups_of_each_layer_are_reused_by_its_backward():
     assert TokenGroups.build(layers[0], 3, cpu) is not forward[0], "a routing pushed out of the cache was reused"
 
 
+def test_token_groups_answer_from_the_host_counts_once_they_are_known():
+    """What the host counts say (the padded width, whether every group is 16-aligned) is derived once they are known
+    and kept; before that (device counts) the answers are the count-free ones, never kept past a host read."""
+    sizes = [16, 0, 32, 48]
+    device_only = TokenGroups(torch.tensor(sizes), sum(sizes), None)  # (as a CUDA m_splits: no host counts)
+    assert device_only.padded_width() == -(-(96 + 15 * 4) // 16) * 16 and not device_only.aligned16()
+    device_only.host_sizes()  # (the reference kernels read the counts: now the host knows them)
+    assert device_only.padded_width() == 96 and device_only.aligned16(), \
+        (device_only.padded_width(), device_only.aligned16())
+    known = TokenGroups.build([17, 0, 32], 49, torch.device("cpu"))
+    for _ in range(2):  # (kept answers: the same as derived)
+        assert known.padded_width() == 32 + 32 and not known.aligned16(), (known.padded_width(), known.aligned16())
+
+
 def test_stacked_scales_are_flattened_once_per_view():
     """The gathered experts' stacked scales `[E, 1]` (a view the weight state keeps across steps) are flattened once
     and the flat view kept on that view: the same view gives the same flat view, which reads the storage as it is

@@ -51,6 +51,10 @@ class TokenGroups:
         self._ends: torch.Tensor | None = None
         self._padded_ends: torch.Tensor | None = None
         self._row_group: torch.Tensor | None = None
+        # what the host counts say, once they are known (they never change then; each kernel call asked anew: a
+        # Python loop over the groups)
+        self._padded_total: int | None = None
+        self._all_aligned16: bool | None = None
 
     @classmethod
     def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
@@ -118,14 +122,20 @@ class TokenGroups:
     def padded_width(self) -> int:
         """The columns of the padded layout: the padded total where the host has the counts, else its upper bound
         (each group adds fewer than 16 columns), a multiple of 16 either way; no host sync."""
-        if self._sizes is not None:
-            return sum(-(-m // 16) * 16 for m in self._sizes)
-        return -(-(self.tokens + 15 * self.n) // 16) * 16
+        if self._sizes is None:
+            return -(-(self.tokens + 15 * self.n) // 16) * 16
+        if self._padded_total is None:
+            self._padded_total = sum(-(-m // 16) * 16 for m in self._sizes)
+        return self._padded_total
 
     def aligned16(self) -> bool:
         """Whether the host knows every group starts and ends at a multiple of 16 rows (then the padded layout is the
         plain one: e.g. the experts' weights `[E*N, K]` with N a multiple of 16)."""
-        return self._sizes is not None and all(m % 16 == 0 for m in self._sizes)
+        if self._sizes is None:
+            return False
+        if self._all_aligned16 is None:
+            self._all_aligned16 = all(m % 16 == 0 for m in self._sizes)
+        return self._all_aligned16
 
     @property
     def row_group(self) -> torch.Tensor:
