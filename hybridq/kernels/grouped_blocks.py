@@ -12,6 +12,12 @@ Group bounds (`GroupBounds`): int32 `[6, E]` on the device, made once per layout
 host-to-device copy, no sync): slot start in the packed buffer, first output row (the token order), tokens, slot
 size, slot end, token end.
 
+Two backends run the same phases (`backend` picks one per phase with a cost model, `CUBLAS_COST`): the Triton
+grouped kernels above (bounds on the device only) and one cuBLAS block-scaled GEMM per expert issued from C++ in
+one op call per phase (`cublas_mm` / `cublas_wgrad`: csrc/grouped_block_gemm.cu), which needs the host's counts and
+gives bitwise the per-expert path's GEMMs (the same cuBLAS call on the same operands, as views of the slots).
+`HYBRIDQ_GROUPED_BLOCK_CUBLAS=0` turns the cuBLAS loop off (`CUBLAS["on"]`).
+
 A grouped kernel that fails to compile or launch (`run_or_none`) is turned off for the process with one warning; the
 per-expert GEMMs run instead.
 """
@@ -25,7 +31,7 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from . import native_gemm
+from . import _ext, native_gemm
 
 log = logging.getLogger("hybridq")
 _E4M3 = torch.float8_e4m3fn
@@ -38,6 +44,23 @@ ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
 # estimate) per-expert path 14.9 ms vs packed 19.3; 16 experts (94 us) packed 12.1 vs per-expert 23.4; 64 experts
 # (26 us) packed 12.8-18.7 vs per-expert 67.4: the threshold lies between 94 and 481
 PER_EXPERT_MIN_US = 200.0
+CUBLAS = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_CUBLAS", "1") != "0"}
+FORCE = {"backend": None}  # "triton" / "cublas": that backend wherever it runs (tests, benchmarks); None: the model
+FPROP, DGRAD, WGRAD = "fprop", "dgrad", "wgrad"
+TRITON, CUBLAS_LOOP = "triton", "cublas"
+# The cost model of `backend` (microseconds), from one H200 (2026-11-27 ~19:00 UTC, `.devrun/k7/opcheck.py`: each
+# phase alone, eager, bench_grouped's three configs; BENCHMARKS.md "cuBLAS loop"): the Triton grouped kernels ran
+# fprop / dgrad at 750-815 TFLOP/s and wgrad at 446-468 whatever the expert count; the cuBLAS loop's GEMMs at
+# 1.06-1.11 PFLOP/s (fprop / dgrad) and 0.80-0.90 (wgrad) on the GPU, but its host time is ~29 / 38 / 31 us per
+# expert (fprop / dgrad / wgrad: torch's _scaled_mm_v2 checks and cuBLASLt's heuristic query on every call), so the
+# phase takes max(host, GPU): at 64 experts x 2048 tokens (2048 x 3072) the loop is host-bound (fprop 2.00 vs Triton
+# 2.13 ms, dgrad 2.68 vs 2.03, wgrad 2.29 vs 3.70); at 16 experts x 4096 (2048 x 5632) GPU-bound (1.36 / 1.36 / 1.88
+# vs 1.89 / 1.87 / 3.23); at 8 x 4096 (4096 x 14336) 3.64 / 3.60 / 4.29 vs 4.77 / 5.12 / 8.47.
+CUBLAS_COST = {
+    "triton_tflops": {FPROP: 790.0, DGRAD: 780.0, WGRAD: 455.0},
+    "cublas_tflops": {FPROP: 1080.0, DGRAD: 1080.0, WGRAD: 850.0},
+    "cublas_host_us": {FPROP: 29.0, DGRAD: 38.0, WGRAD: 31.0},  # per expert GEMM
+}
 
 
 def _triton():
@@ -67,6 +90,44 @@ def supports(a, b) -> bool:
     if a.data.dtype != _E4M3 or b.data.dtype != _E4M3 or native_gemm._cap(a.data) != (9, 0):
         return False
     return _triton() is not None
+
+
+def _cublas_op_available(device: torch.device) -> bool:
+    return _ext.available_for(device) and hasattr(torch.ops.hybridq, "grouped_block_cublas_mm")
+
+
+def cublas_supports(a, b) -> bool:
+    """Whether the cuBLAS loop takes token part `a` against `b` (as `supports`, plus what the per-expert path's
+    cuBLAS GEMM needs, `native_gemm._block_supports`: a K of whole 128-blocks, 16-multiples elsewhere; on other shapes
+    the per-expert path runs its emulated GEMM, which this loop would not reproduce)."""
+    if not (CUBLAS["on"] and ENABLED["on"] and native_gemm.native_enabled() and _real_cuda(a.data)
+            and b.data.device == a.data.device):
+        return False
+    if a.gemm_kind != native_gemm.BLOCK_1X128 or b.gemm_kind not in (native_gemm.BLOCK_1X128,
+                                                                      native_gemm.TILE_128X128):
+        return False
+    if a.data.dtype != _E4M3 or b.data.dtype != _E4M3 or native_gemm._cap(a.data) != (9, 0):
+        return False
+    return hasattr(torch.nn.functional, "scaled_mm") and _cublas_op_available(a.data.device)
+
+
+def estimate_us(phase: str, rows: list[int], k: int, n: int) -> tuple[float, float]:
+    """(Triton grouped kernel, cuBLAS loop) estimated microseconds of one phase over experts of `rows` rows (the
+    rows each GEMM computes), contracting `k` and writing `n` columns (`CUBLAS_COST`)."""
+    c = CUBLAS_COST
+    used = [r for r in rows if r]
+    flops = 2.0 * sum(used) * k * n
+    triton = flops / (c["triton_tflops"][phase] * 1e6)
+    cublas = max(flops / (c["cublas_tflops"][phase] * 1e6), c["cublas_host_us"][phase] * len(used))
+    return triton, cublas
+
+
+def backend(phase: str, rows: list[int], k: int, n: int) -> str:
+    """TRITON or CUBLAS_LOOP for one phase (`FORCE`, else the faster by `estimate_us`)."""
+    if FORCE["backend"] is not None:
+        return FORCE["backend"]
+    triton, cublas = estimate_us(phase, rows, k, n)
+    return CUBLAS_LOOP if cublas < triton else TRITON
 
 
 def prefers_per_expert_gemms(splits: list[int], k: int, n: int) -> bool:
@@ -124,6 +185,66 @@ def wgrad(a_t, b_t, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor
     expert's slot (zero for an empty one)."""
     operands = (_row_major(t) for t in (a_t.data, a_t.scales, b_t.data, b_t.scales))
     return _triton().grouped_block_wgrad(*operands, bounds.table[0], bounds.table[3], bounds.whole_blocks, out_dtype)
+
+
+def _cublas_weight_scales(b, e: int) -> torch.Tensor:
+    """The packed weight part's scales as `[E, R, C]`, expert g's cuBLAS scale operand being `[g].t()`: 128x128 tiles
+    `[N/128, round_up(K/128, 4)]` per expert (K blocks fastest, padded to 4: what cuBLAS reads), 1x128 rows
+    `[K/128, N]` (the rows fastest). One copy for all experts (none for rowwise tiles whose K blocks are a multiple
+    of 4). The columnwise (dgrad) part holds `W^T`: its experts are column blocks."""
+    s = _row_major(b.scales)
+    if b.columnwise:  # [N_out, E * kb] (1x128 rows) or [N_out / 128, E * kb] (tiles): contracted blocks per expert
+        r, kb = s.shape[0], s.shape[1] // e
+        s = s.reshape(r, e, kb)
+        if b.block_shape[0] == 1:
+            return s.permute(1, 2, 0).contiguous()
+        return torch.nn.functional.pad(s.permute(1, 0, 2), (0, -kb % 4)).contiguous()
+    if b.block_shape[0] == 1:  # [E * n, kb]
+        return s.reshape(e, s.shape[0] // e, s.shape[1]).transpose(1, 2).contiguous()
+    kb = s.shape[1]  # [E * n / 128, kb]
+    s = torch.nn.functional.pad(s, (0, -kb % 4)) if kb % 4 else s
+    return s.reshape(e, s.shape[0] // e, s.shape[1])
+
+
+def cublas_mm(a, b, b_experts: int, offsets: list[int], rows: list[int], tokens: list[int], bounds: GroupBounds,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """fprop / dgrad of every expert as `mm`, by one cuBLAS block-scaled GEMM per expert (`hybridq::
+    grouped_block_cublas_mm`): expert g's GEMM on rows [offsets[g], offsets[g] + rows[g]) of `a` (its padded count:
+    the per-expert path's shapes), its first tokens[g] rows kept. `bounds.table` rows 0 / 3 (slot offsets, slot
+    sizes) must be `offsets` / `rows` (the slots are the padded counts)."""
+    return torch.ops.hybridq.grouped_block_cublas_mm(
+        _row_major(a.data), _row_major(a.scales), _row_major(b.data), _cublas_weight_scales(b, b_experts),
+        b.block_shape[0] != 1, 1 if b.columnwise else 0, offsets, rows, tokens, bounds.table[0], bounds.table[3],
+        out_dtype)
+
+
+def cublas_wgrad(a_t, b_t, offsets: list[int], rows: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    """dW of every expert as `wgrad`, by one cuBLAS block-scaled GEMM per expert (`hybridq::
+    grouped_block_cublas_wgrad`) over its slot's `rows[g]` tokens (multiples of 128)."""
+    return torch.ops.hybridq.grouped_block_cublas_wgrad(
+        _row_major(a_t.data), _row_major(a_t.scales), _row_major(b_t.data), _row_major(b_t.scales), offsets, rows,
+        out_dtype)
+
+
+def cublas_formats(quantizers: dict) -> bool:
+    """Whether the cuBLAS loop runs every GEMM of experts quantized by `quantizers`: FP8 E4M3 blocks in all three
+    roles, 1x128 for the tokens (input, grad_output), 1x128 or 128x128 for the weight."""
+    from ..formats.float8_block import Float8BlockQuantizer
+    roles = [quantizers.get(r) for r in ("input", "weight", "grad_output")]
+    if not all(isinstance(q, Float8BlockQuantizer) and q.dtype == _E4M3 for q in roles):
+        return False
+    return roles[0].block_dim == 1 and roles[2].block_dim == 1
+
+
+def cublas_takes(quantizers: dict, device: torch.device) -> bool:
+    """Whether the cuBLAS loop can run every GEMM of experts quantized by `quantizers` on `device` (before any
+    tensor exists: what `grouped_packed_blocks.packed_path_pays` asks): `cublas_formats`, CUDA sm_90 with the
+    extension's op."""
+    if not (CUBLAS["on"] and ENABLED["on"] and cublas_formats(quantizers) and device.type == "cuda"
+            and torch.cuda.is_available() and native_gemm.native_enabled()):
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and hasattr(torch.nn.functional, "scaled_mm") and \
+        _cublas_op_available(device)
 
 
 def run_or_none(enabled: dict, what: str, fn, instead: str = "the packed path runs one GEMM per expert"):

@@ -319,7 +319,7 @@ class GroupedLinear(nn.Module):
             return y
         splits = self._host_splits(splits, x.shape[0])
         if kind is not None and not packed_path_pays(kind.kind, splits, self.in_features, self.out_features,
-                                                     x.device):
+                                                     x.device, kind.quantizers):
             kind = None
         if kind is not None:  # (override is None: the backward GEMMs are quantized)
             qs = kind.quantizers

@@ -45,17 +45,21 @@ def token_multiple(quantizers: dict[str, Quantizer], rowwise_grad: bool, columnw
     return m
 
 
-def packed_path_pays(kind, splits: list[int], in_features: int, out_features: int, device: torch.device) -> bool:
+def packed_path_pays(kind, splits: list[int], in_features: int, out_features: int, device: torch.device,
+                     quantizers: dict[str, Quantizer] | None = None) -> bool:
     """Whether the packed path is the faster choice for block formats at these host counts. Where the experts are
     long enough that the packed path would run one GEMM per expert anyway (CUDA: `grouped_blocks.
     prefers_per_expert_gemms`), the per-expert path computes the same bits with fewer launches of longer GEMMs:
     measured on one H200 (fp8_block, 8 experts x 4096 tokens, 4096 x 14336): per-expert path 1.10-1.16x bf16
-    `_grouped_mm`, packed 0.87-0.91x (BENCHMARKS.md, 2026-11-27; bench_grouped's "(packed path forced)" rows).
+    `_grouped_mm`, packed 0.87-0.91x (BENCHMARKS.md, 2026-11-27; bench_grouped's "(packed path forced)" rows) --
+    unless the packed path's cuBLAS loop takes the `quantizers` (`grouped_blocks.cublas_takes`): it runs those same
+    per-expert GEMMs without the per-expert path's Python work, so the packed path is never the slower.
     Per-tensor FP8 (FP8_TENSOR) decides on its own (the jagged path's rule)."""
     if kind == FP8_TENSOR or device.type != "cuda":
         return True
-    from ..kernels.grouped_blocks import prefers_per_expert_gemms
-    return not prefers_per_expert_gemms(splits, in_features, out_features)
+    if quantizers is not None and grouped_blocks.cublas_takes(quantizers, device):
+        return True
+    return not grouped_blocks.prefers_per_expert_gemms(splits, in_features, out_features)
 
 
 class ExpertWeights:
@@ -101,19 +105,53 @@ def _bounds(layout: TokenLayout, device: torch.device) -> grouped_blocks.GroupBo
     return layout.device_cache[device]
 
 
+def _fp8_block_backend(a: QuantizedPart, b: QuantizedPart, phase: str, layout: TokenLayout, k: int, n: int,
+                       cublas_shapes: bool) -> str | None:
+    """The FP8 block GEMM of one phase contracting `k` into `n` columns: `grouped_blocks.CUBLAS_LOOP`, `TRITON`, or
+    None (one `gemm` per expert). Where the cuBLAS loop takes the operands (`cublas_shapes`: the per-expert path's
+    cuBLAS GEMM takes these shapes; the slots are the padded counts, its GEMMs' rows) the cost model picks between it
+    and the Triton kernels (`grouped_blocks.backend`: the loop is the per-expert GEMMs without Python per expert, so
+    these are never slower); elsewhere the Triton kernels unless one GEMM per expert is measured faster."""
+    if not grouped_blocks.supports(a, b):
+        return None
+    if cublas_shapes and layout.slots == layout.padded and grouped_blocks.cublas_supports(a, b):
+        return grouped_blocks.backend(phase, layout.padded, k, n)
+    if grouped_blocks.FORCE["backend"] == grouped_blocks.TRITON:
+        return grouped_blocks.TRITON
+    return None if grouped_blocks.prefers_per_expert_gemms(layout.splits, k, n) else grouped_blocks.TRITON
+
+
+def _run_fp8_block(choice: str | None, cublas, triton) -> torch.Tensor | None:
+    """The chosen backend's result: the cuBLAS loop (`cublas()`), or, where it is not chosen or fails (then it is
+    turned off with one warning), the Triton kernels (`triton()`); None where neither runs."""
+    if choice == grouped_blocks.CUBLAS_LOOP:
+        out = grouped_blocks.run_or_none(grouped_blocks.CUBLAS, "grouped FP8 block GEMM (cuBLAS loop)", cublas,
+                                         instead="the Triton grouped kernels run")
+        if out is not None:
+            return out
+    if choice is None:
+        return None
+    return grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM", triton)
+
+
 def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, layout: TokenLayout,
                 out_dtype: torch.dtype) -> torch.Tensor | None:
     """fprop (`direction` ROWWISE) / dgrad (COLUMNWISE) of all `e` experts in one grouped GEMM (FP8 blocks: the Triton
-    kernels; MXFP8 on sm_90: the grouped bf16 emulation), or None where no grouped GEMM takes the operands (then one
-    `gemm` per expert runs)."""
+    kernels or the cuBLAS loop; MXFP8 on sm_90: the grouped bf16 emulation), or None where no grouped GEMM takes the
+    operands (then one `gemm` per expert runs)."""
     if not weights.packed:
         return None
     b = weights.tensors[0].part(direction)
     n_out = b.rows // e if direction == ROWWISE else b.rows
-    if grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e) and \
-            not grouped_blocks.prefers_per_expert_gemms(layout.splits, a.cols, n_out):
-        return grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM", lambda: grouped_blocks.mm(
-            a, b, e, _bounds(layout, a.data.device), out_dtype))
+    if grouped_blocks.weight_supported(b, e):
+        phase = grouped_blocks.FPROP if direction == ROWWISE else grouped_blocks.DGRAD
+        shapes = a.cols % 128 == 0 and n_out % 16 == 0 and all(p % 16 == 0 for p in layout.padded)
+        choice = _fp8_block_backend(a, b, phase, layout, a.cols, n_out, shapes)
+        out = _run_fp8_block(choice, lambda: grouped_blocks.cublas_mm(
+            a, b, e, layout.offsets, layout.padded, layout.splits, _bounds(layout, a.data.device), out_dtype),
+            lambda: grouped_blocks.mm(a, b, e, _bounds(layout, a.data.device), out_dtype))
+        if out is not None:
+            return out
     if grouped_emulated.supports(a, b) and grouped_emulated.weight_supported(b, e):
         table = _bounds(layout, a.data.device).table
         return grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM", lambda: grouped_emulated.mm(
@@ -126,10 +164,14 @@ def _grouped_wgrad(dy_col: QuantizedPart, x_col: QuantizedPart, layout: TokenLay
     """wgrad of every expert `[E, n, k]` in one grouped GEMM (as `_grouped_mm`), or None. The slots' zero tokens after
     each expert's padded count add zero products."""
     bounds = _bounds(layout, dy_col.data.device) if dy_col.data.is_cuda else None
-    if grouped_blocks.supports(dy_col, x_col) and bounds.slots_aligned and \
-            not grouped_blocks.prefers_per_expert_gemms(layout.splits, n, k):
-        return grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM",
-                                          lambda: grouped_blocks.wgrad(dy_col, x_col, bounds, out_dtype))
+    if bounds is not None and bounds.slots_aligned:
+        shapes = n % 16 == 0 and k % 16 == 0 and x_col.block_shape[0] == 1 and all(p % 128 == 0 for p in layout.padded)
+        choice = _fp8_block_backend(dy_col, x_col, grouped_blocks.WGRAD, layout, n, k, shapes)
+        out = _run_fp8_block(choice, lambda: grouped_blocks.cublas_wgrad(dy_col, x_col, layout.offsets,
+                                                                         layout.padded, out_dtype),
+                             lambda: grouped_blocks.wgrad(dy_col, x_col, bounds, out_dtype))
+        if out is not None:
+            return out
     if grouped_emulated.supports(dy_col, x_col) and all(s % grouped_emulated.ALIGN == 0 for s in layout.slots):
         return grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM",
                                           lambda: grouped_emulated.wgrad(dy_col, x_col, bounds.table[4], bounds.empty,

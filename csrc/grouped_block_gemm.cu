@@ -1,0 +1,212 @@
+// Grouped FP8 block-scaled GEMMs of GroupedLinear's packed path (hybridq/kernels/grouped_blocks.py) as one cuBLAS
+// block-scaled GEMM per expert (torch's `_scaled_mm_v2` out variant: the GEMM `F.scaled_mm` runs with BlockWise1x128
+// / BlockWise128x128 scales, which the per-expert path calls through native_gemm._block_run), issued from C++ in one
+// op call per phase: no Python per expert. Every expert's operands are views of the packed slot buffers; only the
+// scales move, in one pass per operand, into the layouts cuBLAS reads (it takes no leading dimension for them):
+//   - 1x128 scales of an `[M, K]` operand: `[M, K/128]` with strides (1, M) ("outer-dim-major");
+//   - 128x128 tile scales of the weight: `[round_up(K/128, 4), N/128]` with strides (1, round_up(K/128, 4)).
+// fprop / dgrad (`grouped_block_cublas_mm`): expert g's GEMM reads rows [offsets[g], offsets[g] + rows[g]) of the
+// token operand (its padded count, the per-expert path's M) and writes them at its first token's output row; the
+// rows after its tokens land on the next expert's first rows, which that expert's GEMM (issued after it on the same
+// stream) overwrites, and past the last expert in a tail that the result leaves out.
+// wgrad (`grouped_block_cublas_wgrad`): expert g contracts the columnwise token operands over its slot.
+#include <ATen/BlasBackend.h>
+#include <ATen/ops/_scaled_mm_v2.h>
+
+#include <vector>
+
+#include "binding_checks.h"
+
+namespace hybridq {
+namespace {
+
+constexpr int kThreads = 256;
+
+// out[offsets[g] * kb + c * rows[g] + r] = in[(offsets[g] + r) * kb + c]: each slot's [rows, kb] scales stored
+// transposed in place of its own rows (the slots tile the buffer, so the regions do not overlap)
+__global__ void __launch_bounds__(kThreads) slot_scales_outer_major(const float* __restrict__ in,
+                                                                    float* __restrict__ out,
+                                                                    const int32_t* __restrict__ offsets,
+                                                                    const int32_t* __restrict__ rows, int64_t kb) {
+  const int g = blockIdx.y;
+  const int64_t o = offsets[g], m = rows[g], n = m * kb;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / kb, c = i - r * kb;
+    out[o * kb + c * m + r] = in[(o + r) * kb + c];
+  }
+}
+
+}  // namespace
+}  // namespace hybridq
+
+namespace hybridq {
+namespace ops {
+namespace {
+
+constexpr const char* kMm = "grouped_block_cublas_mm";
+constexpr const char* kWgrad = "grouped_block_cublas_wgrad";
+
+int64_t recipe(at::blas::ScalingType t) { return static_cast<int64_t>(t); }
+
+void check_fp8(const Tensor& t, const Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK(t.defined() && t.is_cuda(), "hybridq::", op, ": ", name, " must be a CUDA tensor");
+  check_same_device(t, like, op, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "hybridq::", op, ": ", name,
+              " must be torch.float8_e4m3fn (FP8 block GEMMs are E4M3 x E4M3), got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "hybridq::", op, ": ", name, " must be a contiguous 2-D tensor, got ",
+              t.sizes(), " with strides ", t.strides());
+}
+
+void check_scales(const Tensor& s, const Tensor& like, const char* op, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(s.defined() && s.is_cuda(), "hybridq::", op, ": ", name, " must be a CUDA tensor");
+  check_same_device(s, like, op, name);
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.sizes() == shape, "hybridq::", op, ": ", name,
+              " must be contiguous float32 of shape ", shape, ", got ", s.scalar_type(), " ", s.sizes());
+}
+
+// the GEMM's result dtype: bfloat16 / float32 directly, float16 through float32 (as native_gemm._block_run)
+at::ScalarType gemm_dtype(at::ScalarType out_dtype, const char* op) {
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat || out_dtype == at::kHalf, "hybridq::", op,
+              ": out_dtype must be bfloat16, float32 or float16, got ", out_dtype);
+  return out_dtype == at::kHalf ? at::kFloat : out_dtype;
+}
+
+void scaled_mm_into(Tensor& out, const Tensor& a, const Tensor& b, const Tensor& sa, int64_t ra, const Tensor& sb,
+                    int64_t rb) {
+  at::_scaled_mm_v2_out(out, a, b, {sa}, {ra}, {}, {sb}, {rb}, {}, std::nullopt, out.scalar_type());
+}
+
+// Host counts of `e` experts, checked against the slot buffer of `s` rows (`block`: what offsets and rows must be
+// multiples of)
+void check_counts(at::IntArrayRef offsets, at::IntArrayRef rows, int64_t e, int64_t s, int64_t block,
+                  const char* op) {
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == e && static_cast<int64_t>(rows.size()) == e, "hybridq::", op,
+              ": offsets and rows need one entry per expert (", e, "), got ", offsets.size(), " and ", rows.size());
+  for (int64_t g = 0; g < e; ++g) {
+    TORCH_CHECK(offsets[g] >= 0 && rows[g] >= 0 && offsets[g] + rows[g] <= s && offsets[g] % block == 0 &&
+                    rows[g] % block == 0,
+                "hybridq::", op, ": expert ", g, "'s slot [", offsets[g], ", ", offsets[g] + rows[g],
+                ") must lie in the ", s, " packed rows, start and size multiples of ", block);
+  }
+}
+
+// fprop / dgrad of every expert: a [S, K] (token slots, 1x128 blocks, scales a_scale [S, K/128] row-major), b the
+// packed weight with the experts along dim `b_dim` (expert g's [N, K] operand: b.narrow(b_dim, g * b.size(b_dim) / E,
+// ...), the GEMM reads its transpose), b_scale [E, R, C] with expert g's cuBLAS scale operand b_scale[g].t() (tiles:
+// [N/128, round_up(K/128, 4)] per expert; 1x128 rows: [K/128, N]); `slot_offsets` / `slot_rows`: the same offsets and
+// rows as int32 device tensors (the scales' relayout reads them). -> [sum(tokens), N] in token order.
+Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
+                               bool b_tiles, int64_t b_dim, at::IntArrayRef offsets, at::IntArrayRef rows,
+                               at::IntArrayRef tokens, const Tensor& slot_offsets, const Tensor& slot_rows,
+                               at::ScalarType out_dtype) {
+  check_fp8(a, a, kMm, "a");
+  check_fp8(b, a, kMm, "b");
+  const int64_t s = a.size(0), k = a.size(1), e = static_cast<int64_t>(tokens.size());
+  TORCH_CHECK(k % 128 == 0, "hybridq::", kMm, ": the contracted dim K (", k, ") must be a multiple of 128");
+  const int64_t kb = k / 128;
+  check_scales(a_scale, a, kMm, "a_scale", {s, kb});
+  TORCH_CHECK(b_dim == 0 || b_dim == 1, "hybridq::", kMm, ": b_dim must be 0 or 1, got ", b_dim);
+  TORCH_CHECK(e > 0 && b.size(b_dim) % e == 0, "hybridq::", kMm, ": b's dim ", b_dim, " (", b.size(b_dim),
+              ") must hold ", e, " experts");
+  const int64_t per = b.size(b_dim) / e, n = b_dim == 0 ? per : b.size(0), bk = b_dim == 0 ? b.size(1) : per;
+  TORCH_CHECK(bk == k, "hybridq::", kMm, ": each expert of b contracts ", bk, " elements, a has K = ", k);
+  TORCH_CHECK(n % 16 == 0, "hybridq::", kMm, ": the output width N (", n, ") must be a multiple of 16");
+  if (b_tiles) {
+    TORCH_CHECK(n % 128 == 0, "hybridq::", kMm, ": 128x128 tiles need N (", n, ") a multiple of 128");
+    check_scales(b_scale, a, kMm, "b_scale", {e, n / 128, round_up(kb, 4)});
+  } else {
+    check_scales(b_scale, a, kMm, "b_scale", {e, kb, n});
+  }
+  check_counts(offsets, rows, e, s, 16, kMm);
+  for (const auto* t : {&slot_offsets, &slot_rows}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous() && t->numel() == e, "hybridq::",
+                kMm, ": slot_offsets / slot_rows must be contiguous int32 CUDA tensors of ", e, " elements");
+  }
+  int64_t total = 0, tail = 0, max_rows = 0;
+  for (int64_t g = 0; g < e; ++g) {
+    TORCH_CHECK(tokens[g] >= 0 && tokens[g] <= rows[g] && (tokens[g] > 0 || rows[g] == 0), "hybridq::", kMm,
+                ": expert ", g, " has ", tokens[g], " tokens in ", rows[g], " rows (need 0 < tokens <= rows, or none)");
+    total += tokens[g];
+    tail = std::max(tail, rows[g] - tokens[g]);
+    max_rows = std::max(max_rows, rows[g]);
+  }
+  const at::ScalarType od = gemm_dtype(out_dtype, kMm);
+  const c10::cuda::CUDAGuard guard(a.device());
+  Tensor out = at::empty({total + tail, n}, a.options().dtype(od));
+  if (total > 0) {
+    Tensor sa = at::empty({s * kb}, a_scale.options());
+    const int64_t chunks = std::min<int64_t>((max_rows * kb + kThreads - 1) / kThreads, 1024);
+    slot_scales_outer_major<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(e)), kThreads, 0,
+                              c10::cuda::getCurrentCUDAStream()>>>(a_scale.data_ptr<float>(), sa.data_ptr<float>(),
+                                                                   slot_offsets.data_ptr<int32_t>(),
+                                                                   slot_rows.data_ptr<int32_t>(), kb);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t ra = recipe(at::blas::ScalingType::BlockWise1x128);
+    const int64_t rb = recipe(b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128);
+    int64_t first = 0;
+    for (int64_t g = 0; g < e; ++g) {
+      if (tokens[g] == 0) continue;
+      const int64_t o = offsets[g], m = rows[g];
+      Tensor y = out.narrow(0, first, m);
+      scaled_mm_into(y, a.narrow(0, o, m), b.narrow(b_dim, g * per, per).t(), sa.narrow(0, o * kb, m * kb).view({kb, m}).t(),
+                     ra, b_scale.select(0, g).t(), rb);
+      first += tokens[g];
+    }
+  }
+  Tensor result = out.narrow(0, 0, total);
+  return od == out_dtype ? result : result.to(out_dtype);
+}
+
+// wgrad of every expert: a_t [M, S], b_t [N, S] (columnwise token parts, 1x128 blocks along the slots, scales
+// [M, S/128], [N, S/128] row-major), each expert contracted over its slot [offsets[g], offsets[g] + rows[g]) (128
+// multiples) -> [E, M, N]; an expert without rows gets zeros.
+Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
+                                  at::IntArrayRef offsets, at::IntArrayRef rows, at::ScalarType out_dtype) {
+  check_fp8(a_t, a_t, kWgrad, "a_t");
+  check_fp8(b_t, a_t, kWgrad, "b_t");
+  const int64_t m = a_t.size(0), n = b_t.size(0), s = a_t.size(1), e = static_cast<int64_t>(offsets.size());
+  TORCH_CHECK(b_t.size(1) == s, "hybridq::", kWgrad, ": a_t and b_t must hold the same ", s, " slot rows, b_t has ",
+              b_t.size(1));
+  TORCH_CHECK(s % 128 == 0 && m % 16 == 0 && n % 16 == 0, "hybridq::", kWgrad, ": need slot rows (", s,
+              ") a multiple of 128 and M (", m, "), N (", n, ") multiples of 16");
+  check_scales(a_scale, a_t, kWgrad, "a_scale", {m, s / 128});
+  check_scales(b_scale, a_t, kWgrad, "b_scale", {n, s / 128});
+  check_counts(offsets, rows, e, s, 128, kWgrad);
+  const at::ScalarType od = gemm_dtype(out_dtype, kWgrad);
+  const c10::cuda::CUDAGuard guard(a_t.device());
+  Tensor out = at::empty({e, m, n}, a_t.options().dtype(od));
+  // [S/128, M]: an expert's block rows are then a contiguous [rows/128, M] whose transpose is cuBLAS's layout
+  const Tensor sa = a_scale.t().contiguous(), sb = b_scale.t().contiguous();
+  const int64_t r1 = recipe(at::blas::ScalingType::BlockWise1x128);
+  for (int64_t g = 0; g < e; ++g) {
+    Tensor y = out.select(0, g);
+    if (rows[g] == 0) {
+      y.zero_();
+      continue;
+    }
+    const int64_t o = offsets[g], p = rows[g];
+    scaled_mm_into(y, a_t.narrow(1, o, p), b_t.narrow(1, o, p).t(), sa.narrow(0, o / 128, p / 128).t(), r1,
+                   sb.narrow(0, o / 128, p / 128).t(), r1);
+  }
+  return od == out_dtype ? out : out.to(out_dtype);
+}
+
+void impls(torch::Library& m) {
+  m.impl("grouped_block_cublas_mm", &grouped_block_cublas_mm);
+  m.impl("grouped_block_cublas_wgrad", &grouped_block_cublas_wgrad);
+}
+
+}  // namespace
+}  // namespace ops
+}  // namespace hybridq
+
+TORCH_LIBRARY_FRAGMENT(hybridq, m) {
+  m.def(
+      "grouped_block_cublas_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, int b_dim, "
+      "int[] offsets, int[] rows, int[] tokens, Tensor slot_offsets, Tensor slot_rows, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "grouped_block_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, int[] rows, "
+      "ScalarType out_dtype) -> Tensor");
+}
+HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)
