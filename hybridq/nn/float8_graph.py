@@ -523,9 +523,10 @@ class gathered_cpp_ops:
 
 def _cpp_phase(t: torch.Tensor) -> bool:
     """Whether a gathered op's phase on `t`'s device runs as the extension's one op: CUDA (where `takes` found the
-    extension, whose build has the ops: `_ext` reports a build without them as out of date), the switch on, and no
-    TorchDispatchMode active (a mode sees the Python path's ops one by one, as `_one_op` keeps them)."""
-    return t.is_cuda and _CPP_OPS["on"] and not torch._C._len_torch_dispatch_stack()
+    extension, whose build has the ops: `_ext` reports a build without them as out of date) and the switch on. (No
+    TorchDispatchMode sees inside the gathered ops, unlike `_one_op`'s eager call: a mode sees the gathered op
+    itself, whose body then runs with the mode off.)"""
+    return t.is_cuda and _CPP_OPS["on"]
 
 
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
