@@ -157,12 +157,18 @@ def keep_for_stream(replicated) -> None:
 
 def received(gathered: torch.Tensor, metas) -> dict:
     """After the all-gather: keep the replicated tensors alive for this stream; the storages never to adopt."""
-    replicated = [t for meta in metas for rep in meta.replicated.values() for t in rep.values() if t is not None]
+    # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
+    forbidden = {gathered.untyped_storage().data_ptr()}
+    replicated = []
+    for meta in metas:  # (loops, not comprehensions: each of those is a Python call, twice per unshard)
+        for rep in meta.replicated.values():
+            for t in rep.values():
+                if t is not None:
+                    replicated.append(t)
+                    forbidden.add(t.untyped_storage().data_ptr())
     if gathered.is_cuda:
         keep_for_stream(replicated)
-    # never adopt the all-gather output or a replicated tensor (a kept payload's metadata may be reused)
-    return {"forbidden": {gathered.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr()
-                                                                     for t in replicated}}
+    return {"forbidden": forbidden}
 
 
 def complete_parts(q: Quantizer, parts: dict, plan: GatherPlan, dtype) -> dict:

@@ -139,15 +139,18 @@ def fill_stacked(st, stacked: StackedGather, gathered: torch.Tensor, slot: int, 
         memo.put(tag, key, rows if rows is not None and storage_id(rows) == key[0] else None)
     if rows is None or not st.slabs or plan.send != (ROWWISE,) or plan.local or HIGH_PRECISION in plan.materialize:
         return False
-    dirs = [d for d in (ROWWISE, COLUMNWISE) if d in plan.materialize]
-    views = [st.stacked(d) for d in dirs]
-    if any(v is None for v in views):
-        return False
+    todo = []  # (loops, not comprehensions: each of those is a Python call, at every unshard)
+    for d in (ROWWISE, COLUMNWISE):
+        if d in plan.materialize:
+            v = st.stacked(d)
+            if v is None:
+                return False
+            todo.append((d, v[1]))
     st.alloc_slabs(plan.materialize)  # (FSDP2 allocated them already, except where it reuses nothing)
     scale = stacked.scale_inv
     if scale.is_cuda:  # made on FSDP2's all-gather copy-in stream, read here (see gathered.received)
         scale.record_stream(current_stream(scale.device))
-    for d, (_, v) in zip(dirs, views):
+    for d, v in todo:
         if d == ROWWISE:
             v["data"].copy_(rows)
         else:

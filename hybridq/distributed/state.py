@@ -217,16 +217,21 @@ class GroupedWeightState(SharedState, GroupedStats):
         part0 = self.experts[0].parts.get(d) if self.experts and self.slabs else None
         if part0 is None:
             return None
-        first = part0.tensors()
         hit = self.__dict__.setdefault("stacked_views", {}).get(d)
-        if hit is None or hit[0] is not part0 or any(first[n] is not t for n, t in hit[1].items()):
-            views = {}
-            for n, t in first.items():
-                if t is not None:
-                    views[n] = stacked_view([st.parts[d].tensors()[n] for st in self.experts])
-                    if views[n] is None:
-                        return None
-            hit = self.stacked_views[d] = (part0, {n: first[n] for n in views}, views)
+        if hit is not None and hit[0] is part0:
+            for n, t in hit[1].items():  # (a loop: no generator call per unshard)
+                if getattr(part0, n) is not t:
+                    break
+            else:
+                return hit[0], hit[2]
+        first = part0.tensors()
+        views = {}
+        for n, t in first.items():
+            if t is not None:
+                views[n] = stacked_view([st.parts[d].tensors()[n] for st in self.experts])
+                if views[n] is None:
+                    return None
+        hit = self.stacked_views[d] = (part0, {n: first[n] for n in views}, views)
         return hit[0], hit[2]
 
     def _slabs_of(self, dirs) -> list[torch.Tensor]:

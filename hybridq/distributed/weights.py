@@ -324,7 +324,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         meta, plan, dtype, q = metadata
         st = self._hq
         out = outputs[0]
-        if st.gathered is not None and st.replay_fill(meta, plan, out):  # (every unshard like the last one)
+        if id(plan) in st.fill_replays and st.replay_fill(meta, plan, out):  # (every unshard like the last one)
             st.set_inner(plan.materialize)
             return
         adopt = received(out, (meta,))
@@ -340,7 +340,8 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if first:
             st.free_others(plan.materialize)
         st.set_inner(plan.materialize)  # (what aliases the all-gather output is FSDP2's to free, not ours)
-        st.record_fill(meta, plan, out, parts)
+        if not (plan.derive or plan.local):  # (those are never replayed: `record_fill`)
+            st.record_fill(meta, plan, out, parts)
 
 
 class GroupedHybridWeight(HybridWeight):
