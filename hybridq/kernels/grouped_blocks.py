@@ -14,9 +14,11 @@ size, slot end, token end.
 
 Two backends run the same phases (`backend` picks one per phase with a cost model, `CUBLAS_COST`): the Triton
 grouped kernels above (bounds on the device only) and one cuBLAS block-scaled GEMM per expert issued from C++ in
-one op call per phase (`cublas_mm` / `cublas_wgrad`: csrc/grouped_block_gemm.cu), which needs the host's counts and
-gives bitwise the per-expert path's GEMMs (the same cuBLAS call on the same operands, as views of the slots).
-`HYBRIDQ_GROUPED_BLOCK_CUBLAS=0` turns the cuBLAS loop off (`CUBLAS["on"]`).
+one op call per phase (`cublas_mm` / `cublas_wgrad`: csrc/grouped_block_gemm.cu), which needs the host's counts
+(GroupedLinear's packed path has them) and gives bitwise the per-expert path's GEMMs (the same cuBLAS call on the
+same operands, views of the slots; only the scales are rearranged, one pass per operand, into cuBLAS's layouts).
+`HYBRIDQ_GROUPED_BLOCK_CUBLAS=0` turns the cuBLAS loop off (`CUBLAS["on"]`); with `HYBRIDQ_GROUPED_BLOCK_GEMM=0`
+both backends are off.
 
 A grouped kernel that fails to compile or launch (`run_or_none`) is turned off for the process with one warning; the
 per-expert GEMMs run instead.
@@ -48,14 +50,15 @@ CUBLAS = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_CUBLAS", "1") != "0"}
 FORCE = {"backend": None}  # "triton" / "cublas": that backend wherever it runs (tests, benchmarks); None: the model
 FPROP, DGRAD, WGRAD = "fprop", "dgrad", "wgrad"
 TRITON, CUBLAS_LOOP = "triton", "cublas"
-# The cost model of `backend` (microseconds), from one H200 (2026-11-27 ~19:00 UTC, `.devrun/k7/opcheck.py`: each
-# phase alone, eager, bench_grouped's three configs; BENCHMARKS.md "cuBLAS loop"): the Triton grouped kernels ran
-# fprop / dgrad at 750-815 TFLOP/s and wgrad at 446-468 whatever the expert count; the cuBLAS loop's GEMMs at
-# 1.06-1.11 PFLOP/s (fprop / dgrad) and 0.80-0.90 (wgrad) on the GPU, but its host time is ~29 / 38 / 31 us per
-# expert (fprop / dgrad / wgrad: torch's _scaled_mm_v2 checks and cuBLASLt's heuristic query on every call), so the
-# phase takes max(host, GPU): at 64 experts x 2048 tokens (2048 x 3072) the loop is host-bound (fprop 2.00 vs Triton
-# 2.13 ms, dgrad 2.68 vs 2.03, wgrad 2.29 vs 3.70); at 16 experts x 4096 (2048 x 5632) GPU-bound (1.36 / 1.36 / 1.88
-# vs 1.89 / 1.87 / 3.23); at 8 x 4096 (4096 x 14336) 3.64 / 3.60 / 4.29 vs 4.77 / 5.12 / 8.47.
+# The cost model of `backend` (microseconds), measured on one H200 (2026-11-27 ~18:55 UTC, each phase alone on random
+# operands in the slot layout: benchmarks/bench_grouped_block_gemms.py at bench_grouped's three configs): the Triton
+# grouped kernels ran fprop / dgrad at 750-815 TFLOP/s and wgrad at 446-468 whatever the expert count; the cuBLAS
+# loop's GEMMs at 1.06-1.11 PFLOP/s (fprop / dgrad) and 0.80-0.90 (wgrad), but its host time is ~29 / 38 / 31 us per
+# expert (fprop / dgrad / wgrad: torch's _scaled_mm_v2 checks and cuBLASLt's heuristic query on every call), so a
+# phase takes max(host, GPU): at 64 experts x ~2048 tokens (2048 x 3072) the loop is host-bound (fprop 2.00 vs Triton
+# 2.13 ms, dgrad 2.68 vs 2.03, wgrad 2.29 vs 3.70); at 16 x ~4096 (2048 x 5632) GPU-bound (1.36 / 1.36 / 1.88 vs
+# 1.89 / 1.87 / 3.23); at 8 x ~4096 (4096 x 14336) 3.64 / 3.60 / 4.29 vs 4.77 / 5.12 / 8.47. Counting the host time
+# in full keeps the Triton kernels for many short experts, where a host-bound training step would pay it.
 CUBLAS_COST = {
     "triton_tflops": {FPROP: 790.0, DGRAD: 780.0, WGRAD: 455.0},
     "cublas_tflops": {FPROP: 1080.0, DGRAD: 1080.0, WGRAD: 850.0},
