@@ -25,6 +25,11 @@ def _recipe(token: str, weight: str) -> hq.CustomRecipe:
                            name=f"{token}/{weight}")
 
 
+def _fp8_block_quantizers() -> dict:
+    return {"input": FORMATS["fp8blk_1x128_e4m3"](), "grad_output": FORMATS["fp8blk_1x128_e4m3"](),
+            "weight": FORMATS["fp8blk_128x128_e4m3"]()}
+
+
 # ---- the cost model (CPU) ----------------------------------------------------------------------------------------
 
 # bench_grouped's configs as measured (one H200, each phase alone): E experts of `rows` padded tokens, K, N, and the
@@ -81,8 +86,7 @@ def test_cublas_loop_takes_e4m3_blocks_in_every_role(token, weight):
 def test_cublas_loop_takes_only_e4m3_blocks_in_every_role(role, fmt):
     """E5M2, another format, or 128x128 tiles for a token operand: not the loop (cuBLAS's block-scaled GEMM is E4M3 x
     E4M3; the loop's token operands are 1x128 blocks)."""
-    qs = {"input": FORMATS["fp8blk_1x128_e4m3"](), "grad_output": FORMATS["fp8blk_1x128_e4m3"](),
-          "weight": FORMATS["fp8blk_128x128_e4m3"]()}
+    qs = _fp8_block_quantizers()
     qs[role] = FORMATS[fmt]()
     assert not grouped_blocks.cublas_formats(qs), f"{fmt} as {role} taken"
 
@@ -212,3 +216,27 @@ def test_gpu_cublas_ops_reject_bad_arguments_by_name():
                                     torch.bfloat16)
     with pytest.raises(RuntimeError, match="grouped_block_cublas_wgrad: a_t must be torch.float8_e4m3fn"):
         ops.grouped_block_cublas_wgrad(a.float(), sa, a, sa, [0], [128], torch.bfloat16)
+
+
+# ---- the packed path's choice with the cuBLAS loop ---------------------------------------------------------------
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop available", "no loop"])
+def test_long_experts_stay_packed_where_the_cublas_loop_runs(loop, monkeypatch):
+    """Long experts (8 x 4096 tokens, 4096 x 14336) leave the packed path for the per-expert path only where the
+    cuBLAS loop cannot run their GEMMs: with it, the packed path runs the same per-expert GEMMs without Python per
+    expert."""
+    from hybridq.nn.grouped_packed import BLOCKS
+    from hybridq.nn.grouped_packed_blocks import packed_path_pays
+    seen = []
+    monkeypatch.setattr(grouped_blocks, "cublas_takes", lambda qs, dev: seen.append(dev.type) or loop)
+    qs = _fp8_block_quantizers()
+    assert packed_path_pays(BLOCKS, [4096] * 8, 4096, 14336, torch.device("cuda"), qs) == loop, \
+        f"cuBLAS loop {'available' if loop else 'unavailable'}: wrong path for long experts"
+    assert seen == ["cuda"], f"cublas_takes asked for {seen}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90_ext(), reason="needs CUDA sm_90, Triton and the built extension")
+def test_gpu_cublas_loop_is_available_for_fp8_block_experts():
+    """On sm_90 with the built extension the fp8_block roles are taken (long experts then stay packed)."""
+    assert grouped_blocks.cublas_takes(_fp8_block_quantizers(), torch.device("cuda"))
