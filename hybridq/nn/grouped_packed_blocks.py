@@ -6,7 +6,8 @@ likewise in backward -- on CUDA, FP8 1x128 / MXFP8 1x32 blocks go straight from 
 same bytes without the packing copy (`quantize_slots`, hybridq/kernels/grouped_slots.py) -- the weight `[E*N, K]`
 in one call; each expert's GEMMs then run on its row slice of the quantized parts (`BlockScaledPart.row_slice(...,
 group=e)`, which also picks the expert's global amax), one `hybridq.gemm.gemm` per expert, or one grouped GEMM per
-phase where `grouped_blocks` / `grouped_emulated` take the operands.
+phase where `grouped_blocks` / `grouped_emulated` take the operands (FP8 blocks: the Triton grouped kernels or the
+cuBLAS loop -- the per-expert cuBLAS GEMMs issued from C++ -- whichever `grouped_blocks.backend` estimates faster).
 
 Numbers: bitwise the per-expert path. Each expert's slot in the packed buffer is its per-expert zero-padded token
 count rounded up to whole scaling blocks along the tokens (`token_multiple`, from the quantizers'
