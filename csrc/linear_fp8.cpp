@@ -17,6 +17,10 @@
 // `copy_`), so dgrad reads them as the backward unshard left them. Saved variables would refuse that refill (their
 // version counter moves) and would hand the bytes to saved-tensor hooks (offload, recompute), which must never hold
 // the gathered weight: FSDP2 owns it.
+//
+// hybridq::fp8_linear_fprop / fp8_linear_grads: the same forward and gradients as two ops without an autograd node,
+// for the compiled Linear's gathered ops (nn/compiled_linear.py; their graph saves the tensors): float8_graph's
+// `_fprop` / `_grads` as one op call each (see the bottom of this file).
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>

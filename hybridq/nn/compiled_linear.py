@@ -23,8 +23,9 @@ bytes, whose storage FSDP2 frees at reshard and refills at the backward unshard.
 which take the handle and read the unsharded weight's parts when they run, through the same eager code: forward
 reads the rowwise form, backward the form dgrad reads (gathered by the backward unshard, or on first use). For a
 per-tensor FP8 configuration with current scaling that code is the eager fast path's (float8_graph.py's
-`gathered_forward` / `gathered_grads`: a few op calls, not the general path's quantized tensors and dispatch), where
-it takes the call; it saves what the general path saves, so the fakes (the general path on fake tensors) hold.
+`gathered_forward` / `gathered_grads`: on CUDA one C++ op per phase, `hybridq::fp8_linear_fprop` / `fp8_linear_grads`;
+not the general path's quantized tensors and dispatch), where it takes the call; it saves what the general path
+saves, so the fakes (the general path on fake tensors) hold.
 
 What stays a graph break (the eager path): quantized parameters and DTensor weights (tensor/sequence parallelism),
 the is_first_microbatch cache, and quantizers with state that changes across calls (delayed scaling: its history
