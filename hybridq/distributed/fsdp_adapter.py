@@ -114,10 +114,21 @@ def state_phase(ts) -> Phase | None:
     return phase
 
 
+def training_state(group):
+    """The FSDP2 param group's current TrainingState member (None without one)."""
+    return getattr(group, "_training_state", None)
+
+
+def reshard_flags(group) -> tuple[bool, bool]:
+    """(reshard_after_forward, reshard_after_backward) of an FSDP2 param group, as FSDPLink.unshard_state reads them."""
+    return (getattr(group, "post_forward_mesh_info", None) is not None,
+            getattr(group, "reshard_after_backward", True) is not False)
+
+
 def phase_of(group) -> Phase:
     """The group's training state, or (no group, or a state that names no phase) whether autograd is running."""
     if group is not None:
-        phase = state_phase(getattr(group, "_training_state", None))
+        phase = state_phase(training_state(group))
         if phase is not None:
             return phase
     return Phase.BACKWARD if in_backward() else Phase.FORWARD

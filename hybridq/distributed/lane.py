@@ -21,7 +21,7 @@ import dataclasses
 import weakref
 
 from ..torch_private import local_tensor
-from .fsdp_adapter import FSDPLink, phase_of, state_phase
+from .fsdp_adapter import FSDPLink, phase_of, reshard_flags, state_phase, training_state
 from .plan import UnshardSetup, setup_of
 
 __all__ = ["PreLane", "lookup", "derive"]
@@ -57,12 +57,6 @@ class PreLane:
     ctx: object = None  # the GatherContext this lane's unshards keep (weights._set_context)
 
 
-def _flags(g) -> tuple[bool, bool]:
-    # (reshard_after_forward, reshard_after_backward) as FSDPLink.unshard_state reads them (inlined in `lookup`)
-    return (getattr(g, "post_forward_mesh_info", None) is not None,
-            getattr(g, "reshard_after_backward", True) is not False)
-
-
 def lookup(st, local, mesh, outer_size, module, mp_policy, attr: str) -> PreLane | None:
     """The lane of the unshard running now when all its inputs but the quantizer and the override (the caller
     compares those) are the ones it was made for; else None."""
@@ -72,16 +66,15 @@ def lookup(st, local, mesh, outer_size, module, mp_policy, attr: str) -> PreLane
     g = link._group()
     if g is None or link._param() is None:
         return None
-    ts = getattr(g, "_training_state", None)
+    ts = training_state(g)
     lane = st.pre_lanes.get(id(ts))
     if (lane is None or lane.ts is not ts or lane.link is not link or lane.local() is not local
             or lane.module() is not module or lane.mesh is not mesh or lane.outer_size is not outer_size
             or lane.mp_policy is not mp_policy or lane.extra is not st.backward_extra
-            or lane.ra is not (getattr(g, "post_forward_mesh_info", None) is not None)  # (as _flags: inlined)
-            or lane.rab is not (getattr(g, "reshard_after_backward", True) is not False)):
+            or (lane.ra, lane.rab) != reshard_flags(g)):
         return None
     p = module._parameters.get(attr)
-    if p is None or p is not lane.param() or getattr(p, "_local_tensor", None) is not local:
+    if p is None or p is not lane.param() or local_tensor(p) is not local:
         return None
     return lane
 
@@ -92,9 +85,9 @@ def derive(st, local, mesh, outer_size, module, mp_policy, attr: str, *, quant, 
     unshard in the same training state where its inputs can be compared (see the module's note)."""
     if link is not None:
         g = link.group
-        ts = getattr(g, "_training_state", None)
+        ts = training_state(g)
         phase = phase_of(g)
-        ra, rab = _flags(g)
+        ra, rab = reshard_flags(g)
     else:
         ts, phase, ra, rab = None, phase_of(None), None, True
     extra = st.backward_extra
