@@ -29,12 +29,17 @@ def padded_groups(m_splits: list[int], device: torch.device, align: int = GROUP_
                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """For tokens sorted by expert (`m_splits[e]` rows of expert e): the row of each token in the layout whose
     groups are padded to multiples of `align`, the padded groups' end offsets (int32, what torch._grouped_mm
-    takes) and the padded row count."""
+    takes) and the layout's row count: the most any routing of these tokens can need, sum(m_splits) + E * (align -
+    1) rounded up to `align` -- the same every step, as torchtitan pads for torchao. (The padded total changes with
+    the routing; torchao's Triton scale kernels autotune per row count, so a routing-sized layout re-tuned them at
+    every step.) Rows after the last group are outside every group: the grouped GEMMs neither read them into a
+    product nor write them."""
     sizes = torch.tensor(m_splits, dtype=torch.int64)
     padded = (sizes + align - 1) // align * align
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(sizes, 0) - sizes)  # padded start - start
     dest = torch.arange(int(sizes.sum())) + torch.repeat_interleave(shift, sizes)
-    return dest.to(device), torch.cumsum(padded, 0).to(torch.int32).to(device), int(padded.sum())
+    rows = -(-(int(sizes.sum()) + len(m_splits) * (align - 1)) // align) * align
+    return dest.to(device), torch.cumsum(padded, 0).to(torch.int32).to(device), rows
 
 
 class GroupedMMExperts(Experts):
