@@ -85,14 +85,18 @@ def _real_cuda(t: torch.Tensor) -> bool:
 def supports(a, b) -> bool:
     """Whether the grouped kernels take token operand part `a` (1x128 blocks) against `b` (a weight part, 128x128
     tiles or 1x128 blocks; or a token operand for wgrad)."""
+    return _block_pair_on_sm90(a, b) and _triton() is not None
+
+
+def _block_pair_on_sm90(a, b) -> bool:
+    """What both grouped backends take: E4M3 1x128 token blocks against 1x128 blocks or 128x128 tiles, real CUDA
+    tensors on one sm_90 device, the grouped GEMMs and the native GEMMs on."""
     if not (ENABLED["on"] and native_gemm.native_enabled() and _real_cuda(a.data) and b.data.device == a.data.device):
         return False
     if a.gemm_kind != native_gemm.BLOCK_1X128 or b.gemm_kind not in (native_gemm.BLOCK_1X128,
                                                                       native_gemm.TILE_128X128):
         return False
-    if a.data.dtype != _E4M3 or b.data.dtype != _E4M3 or native_gemm._cap(a.data) != (9, 0):
-        return False
-    return _triton() is not None
+    return a.data.dtype == _E4M3 and b.data.dtype == _E4M3 and native_gemm._cap(a.data) == (9, 0)
 
 
 def _cublas_op_available(device: torch.device) -> bool:
@@ -103,15 +107,8 @@ def cublas_supports(a, b) -> bool:
     """Whether the cuBLAS loop takes token part `a` against `b` (as `supports`, plus what the per-expert path's
     cuBLAS GEMM needs, `native_gemm._block_supports`: a K of whole 128-blocks, 16-multiples elsewhere; on other shapes
     the per-expert path runs its emulated GEMM, which this loop would not reproduce)."""
-    if not (CUBLAS["on"] and ENABLED["on"] and native_gemm.native_enabled() and _real_cuda(a.data)
-            and b.data.device == a.data.device):
-        return False
-    if a.gemm_kind != native_gemm.BLOCK_1X128 or b.gemm_kind not in (native_gemm.BLOCK_1X128,
-                                                                      native_gemm.TILE_128X128):
-        return False
-    if a.data.dtype != _E4M3 or b.data.dtype != _E4M3 or native_gemm._cap(a.data) != (9, 0):
-        return False
-    return hasattr(torch.nn.functional, "scaled_mm") and _cublas_op_available(a.data.device)
+    return (CUBLAS["on"] and _block_pair_on_sm90(a, b) and hasattr(torch.nn.functional, "scaled_mm")
+            and _cublas_op_available(a.data.device))
 
 
 def estimate_us(phase: str, rows: list[int], k: int, n: int) -> tuple[float, float]:
