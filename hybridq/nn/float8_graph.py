@@ -310,21 +310,29 @@ def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 _EAGER = {"on": True}
 
 
-class eager_fast_path:
+class _Switch:
+    """A module-level on/off setting: `S(False)` from then on; `with S(False): ...` only inside the block."""
+
+    _state: dict  # {"on": bool}, the table the code reads
+
+    def __init__(self, enabled: bool):
+        self.prev = self._state["on"]
+        self._state["on"] = bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._state["on"] = self.prev
+
+
+class eager_fast_path(_Switch):
     """Whether eager FP8 Linears whose quantizers `graph_spec` describes run as this module's ops (default: on) or
     through the general path of linear_function.py; results are bitwise equal either way (tests and
     benchmarks compare the two). `eager_fast_path(False)` from then on; `with eager_fast_path(False): ...` only
     inside the block."""
 
-    def __init__(self, enabled: bool):
-        self.prev = _EAGER["on"]
-        _EAGER["on"] = bool(enabled)
-
-    def __enter__(self) -> "eager_fast_path":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _EAGER["on"] = self.prev
+    _state = _EAGER
 
 
 _BUILTIN_QUANTIZE = {Float8Quantizer: "cuda-fp8-tensor", Float8BlockQuantizer: "cuda-fp8-block"}
@@ -504,21 +512,13 @@ def _gathered_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec,
 _CPP_OPS = {"on": os.environ.get("HYBRIDQ_LINEAR_CPP_OPS", "1") != "0"}
 
 
-class gathered_cpp_ops:
+class gathered_cpp_ops(_Switch):
     """Whether a compiled Linear's gathered per-tensor FP8 fast path on CUDA runs each phase (forward, gradients)
     as one C++ op of the extension (default: on; the environment variable HYBRIDQ_LINEAR_CPP_OPS=0 starts a process
     with it off) or as this module's Python ops, the same kernels and GEMMs: results are bitwise equal either way.
     `gathered_cpp_ops(False)` from then on; `with gathered_cpp_ops(False): ...` only inside the block."""
 
-    def __init__(self, enabled: bool):
-        self.prev = _CPP_OPS["on"]
-        _CPP_OPS["on"] = bool(enabled)
-
-    def __enter__(self) -> "gathered_cpp_ops":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _CPP_OPS["on"] = self.prev
+    _state = _CPP_OPS
 
 
 def _cpp_phase(t: torch.Tensor) -> bool:
