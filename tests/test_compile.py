@@ -1,10 +1,11 @@
 """torch.compile of a model with hybridq layers (torchtitan's per-block compile). A Linear with a plain weight
 compiles into the graph as hybridq's custom ops (nn/compiled_linear.py; per-tensor FP8 layers as their traced ops,
 nn/float8_graph.py, see test_float8_graph.py) and computes bitwise what eager computes; so does a Linear whose
-weight FSDP2 all-gathers quantized (its handle in the graph: tests/distributed/test_fsdp_compile.py).
+weight FSDP2 all-gathers quantized (its handle in the graph: tests/distributed/test_fsdp_compile.py) and a quantized
+parameter (test_quantized_params_compile.py).
 What those ops do not take (a GroupedLinear with list counts or a recipe other than per-tensor FP8 -- FP8 experts
 with tensor counts compile into the graph: test_grouped_compile.py --, delayed scaling, the is_first_microbatch
-cache, quantized parameters, tensor-parallel DTensor weights) runs eagerly between compiled regions (a graph break
+cache, tensor-parallel DTensor weights) runs eagerly between compiled regions (a graph break
 each) and computes what eager computes."""
 
 from __future__ import annotations
@@ -237,18 +238,6 @@ def test_blocks_that_differ_in_layer_names_share_one_compiled_graph(preset):
         block.forward = torch.compile(block.forward, backend=counter)
         block(x).sum().backward()
     assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled for 12 blocks of one configuration"
-
-
-def test_quantized_parameters_stay_eager_and_correct():
-    torch.manual_seed(0)
-    model = MLP(hq.recipe("fp8_tensorwise"), bias=False)
-    hq.quantize_parameters(model)
-    x = torch.randn(2, 32, 64)
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(x)
-    assert _ops_in_graphs(explained) == 0, f"a quantized parameter's layer in the graph: {explained}"
-    _assert_same(_grads(model, x, torch.compile(model, backend="aot_eager")), _grads(model, x, model),
-                 "quantized parameters")
 
 
 _OTHER_PROCESS = """

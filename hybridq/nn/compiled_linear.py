@@ -27,9 +27,17 @@ per-tensor FP8 configuration with current scaling that code is the eager fast pa
 not the general path's quantized tensors and dispatch), where it takes the call; it saves what the general path
 saves, so the fakes (the general path on fake tensors) hold.
 
-What stays a graph break (the eager path): quantized parameters and DTensor weights (tensor/sequence parallelism),
-the is_first_microbatch cache, and quantizers with state that changes across calls (delayed scaling: its history
-would be mutated behind the graph's back). `runs_in_graph` says which.
+A quantized parameter (`quantized_model_init` / `quantize_parameters`: nn/quantized_params.py's
+`HeldQuantizedWeight`) enters the graph the same way, its handle naming the parameter: the gathered ops read its
+parts when they run (forward the rowwise form, backward the columnwise one, derived from the rowwise one then where
+the format derives it), so the bytes an optimizer writes into it in place between steps (ZeroAdamW,
+quantize_master_weights) are what the next step reads, and the weight's gradient is the plain high-precision
+tensor the eager layer gives. For either handled weight, forward makes nothing of the weight for backward: backward
+reads what dgrad needs of it itself.
+
+What stays a graph break (the eager path): DTensor weights (tensor/sequence parallelism), the is_first_microbatch
+cache, and quantizers with state that changes across calls (delayed scaling: its history would be mutated behind
+the graph's back). `runs_in_graph` says which.
 
 Under CUDA graphs (mode="reduce-overhead") only the ops' kernels replay: nothing in them depends on host state but
 the layouts recorded below (fixed per configuration and shape) and stochastic rounding's Philox offsets, which the
@@ -78,7 +86,8 @@ _MAX_LAYOUTS = 4096
 # layout entries of a saved operand that is not a quantized tensor: absent, or the op's own input or weight (an
 # op cannot return its inputs; the backward op takes them)
 _NONE, _INPUT, _WEIGHT = "none", "input", "weight"
-# the layout entry of a weight read through its handle (a gathered weight): the backward op reads it again
+# the layout entry of a weight read through its handle (a gathered weight or a quantized parameter): the backward
+# op reads it again
 _HANDLE = "handle"
 # the layout entry of the input's columnwise data and scale_inv as float8_graph's fast path saves them (two tensors)
 _FAST_X = "fast input"
@@ -120,15 +129,16 @@ def _config(key: str, override: str | None) -> _LinearConfig:
 
 def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> bool:
     """Whether this call of `module` (a Linear) runs as the custom ops inside a compiled graph, rather than as a
-    graph break: a plain weight or one FSDP2 all-gathered quantized, no tensor parallelism, no quantizer with state,
-    no weight cache. Traced by dynamo: the weight is looked at only after the flags that say what it may be
-    (dynamo cannot wrap a quantized parameter; a gathered weight it wraps as its handle)."""
+    graph break: a plain weight, one FSDP2 all-gathered quantized or a quantized parameter (both enter the graph as
+    their handle: weight_handle.HandledWeight), no tensor parallelism, no quantizer with state, no weight cache.
+    Traced by dynamo: the weight is looked at only after the flags that say what it may be (a weight quantized
+    elsewhere that is not a HandledWeight, e.g. a QuantizedTensor assigned by hand, stays a graph break)."""
     plain = (torch.Tensor, torch.nn.Parameter)
     if (is_first_microbatch is not None or module._quantizers_stateful
             or module.__dict__.get("_tensor_parallel") is not None or type(x) not in plain):
         return False
     if module._weight_quantized_elsewhere:
-        return module._weight_gathered and handled_weight(module.weight)
+        return handled_weight(module.weight)
     return type(module.weight) in plain
 
 
@@ -174,15 +184,17 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
             x_entry = _NONE_ENTRY if x_saved is None else _INPUT_ENTRY if xcs is None else _FAST_X_ENTRY
             layout = [x_entry, _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY]
             return y, [] if xcs is None else [x_saved, xcs], (layout, True)
-    # no input sharing across layers: an op's outputs must be its own tensors, not another op's
+    # no input sharing across layers: an op's outputs must be its own tensors, not another op's. A weight read
+    # through its handle: backward takes what dgrad reads of it then, so forward makes none (the saved weight is
+    # the only thing need_dgrad changes here, the weight being quantized already)
     with shared_input_quantization(False):
-        y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad, need_wgrad)
+        y, saved_x, saved_w = forward_and_saved(x, weight, bias, None, cfg, need_dgrad and not handled, need_wgrad)
     flat, layout = [], []
     for t, mark in ((saved_x, _INPUT), (saved_w, _WEIGHT)):
-        if t is None:
+        if mark == _WEIGHT and handled:
+            layout.append(_HANDLE_ENTRY if need_dgrad else _NONE_ENTRY)
+        elif t is None:
             layout.append((_NONE,))
-        elif mark == _WEIGHT and handled:
-            layout.append((_HANDLE,))
         elif not isinstance(t, QuantizedTensor):  # the input's [M, K] view or the weight: backward takes those
             layout.append((mark,))
         else:
@@ -268,7 +280,8 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
 
 def _saved_weight(weight: QuantizedTensor, override: BackwardOverride | None):
     """What dgrad reads of a quantized weight (as forward_and_saved saves it), taken when backward runs: the
-    gathered weight's form its backward unshard filled, or gathered now."""
+    gathered weight's form its backward unshard filled, or gathered now; a quantized parameter's stored or derived
+    form (its high_precision(): dequantized)."""
     if override == BackwardOverride.HIGH_PRECISION:
         return weight  # (its high_precision(): gathered in param_dtype)
     return _only(weight, ROWWISE if override == BackwardOverride.DEQUANTIZED else COLUMNWISE)
@@ -315,7 +328,7 @@ def _backward(ctx, grads):
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ---- a weight read through its handle (FSDP2's gathered weight) ------------------------------------------------
+# ---- a weight read through its handle (FSDP2's gathered weight, a quantized parameter) ------------------------
 
 @plain_op("hybridq::gathered_linear_forward")
 def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, key: str,

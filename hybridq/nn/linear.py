@@ -171,11 +171,11 @@ class Linear(nn.Linear):
             override = self.recipe.backward_override
             if override is not None:
                 self._check_override(override)
-            elif not self._weight_gathered and float8_graph.takes(self._float8_graph_spec, x, self.weight):
+            elif not self._weight_quantized_elsewhere and float8_graph.takes(self._float8_graph_spec, x, self.weight):
                 # FP8 (per-tensor or blocks): its kernels and GEMMs themselves in the graph (nn/float8_graph.py)
                 return float8_graph.float8_graph_linear(x, self.weight, self.bias, self._float8_graph_spec)
-            # any other layer (and a weight FSDP2 gathered quantized: its handle): inside the graph as two custom
-            # ops (nn/compiled_linear.py)
+            # any other layer (and a weight FSDP2 gathered quantized or a quantized parameter: its handle): inside
+            # the graph as two custom ops (nn/compiled_linear.py)
             return compiled_linear.compiled_linear(self, x, override)
         return self._eager_forward(x, is_first_microbatch)
 

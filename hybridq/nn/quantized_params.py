@@ -12,6 +12,9 @@ the model's dtype and shape), as Transformer Engine's quantized params / torchao
   given a quantized parameter raises before it changes anything (a global optimizer step pre-hook).
 - state_dict: a quantized weight is saved as its dequantized rowwise form (plain tensor, nominal dtype) and
   `load_state_dict` quantizes what it loads (`copy_` into a quantized parameter quantizes).
+- torch.compile: the parameter (a `HeldQuantizedWeight`) enters a compiled graph as its handle, as FSDP2's gathered
+  weight does (nn/weight_handle.py): the compiled Linear's ops read its parts when they run, so the bytes an
+  optimizer writes into them in place between steps are what the next step reads.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..enums import COLUMNWISE, ROWWISE
 from ..errors import RecipeError
 from ..formats.base import Quantizer, shape_2d
 from ..tensor import QuantizedTensor, register_copy_into
+from .weight_handle import HandledWeight, weight_handle
 
-__all__ = ["QuantizedParamInfo", "quantized_model_init", "quantize_layer", "parameter_memory",
+__all__ = ["HeldQuantizedWeight", "QuantizedParamInfo", "quantized_model_init", "quantize_layer", "parameter_memory",
            "ParameterMemory", "quantized_param_info", "weight_for_call", "high_precision_init_value"]
 
 INFO_ATTR = "_hybridq_param"  # QuantizedParamInfo on a quantized parameter
@@ -123,12 +128,73 @@ def check_layer(layer: nn.Module) -> tuple[Quantizer, bool, bool]:
     return q, store, derive
 
 
+# a held weight's handle (made on first use; kept apart from the tensor's __dict__, which copy.deepcopy copies: a
+# copy gets a handle of its own)
+_HELD_HANDLES = WeakIdKeyDictionary()
+
+
+class HeldQuantizedWeight(HandledWeight, QuantizedTensor):
+    """A quantized parameter's tensor: a QuantizedTensor that keeps its type through detach, clone, device moves
+    and re-wrapping as nn.Parameter, and under torch.compile is its handle (nn/weight_handle.py; the handle names
+    the parameter itself): a compiled Linear's ops read its parts when they run, never copying or saving them, so
+    the bytes ZeroAdamW / quantize_master_weights write into the parts in place between steps are what the next
+    compiled step reads. What backward reads of it comes from `part` then: a columnwise form the format derives
+    from the rowwise one is derived at that call, as `weight_for_call` derives it for an eager call."""
+
+    @property
+    def _handle(self) -> torch.Tensor:
+        traced = self.__dict__.get("_traced_handle")
+        if traced is not None:  # (a stand-in compile traces with)
+            return traced
+        h = _HELD_HANDLES.get(self)
+        if h is None:
+            h = _HELD_HANDLES[self] = weight_handle(self, _itself)
+        return h
+
+    @classmethod
+    def _traced_fields(cls) -> tuple[str, ...]:
+        return ("_rowwise", "_columnwise")
+
+    @classmethod
+    def of(cls, qt: QuantizedTensor) -> "HeldQuantizedWeight":
+        """`qt`'s parts (and the quantized-parameter attributes it carries) as a held weight."""
+        out = cls(qt.rowwise, qt.columnwise, shape=qt.shape, dtype=qt.dtype)
+        for name in QuantizedTensor.carried_attributes:
+            if name in qt.__dict__:
+                out.__dict__[name] = qt.__dict__[name]
+        return out
+
+    def map_parts(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "HeldQuantizedWeight":
+        if self._rowwise is None and self._columnwise is None:  # a traced stand-in (no parts): an alias
+            return self._traced_alias()
+        return self.of(QuantizedTensor.map_parts(self, fn))
+
+    def part(self, direction: str):
+        if direction == COLUMNWISE and self._columnwise is None and self._rowwise is not None:
+            return _columnwise_for_call(self)
+        return super().part(direction)
+
+    def high_precision(self) -> torch.Tensor:
+        """The dequantized (rowwise) weight: what backward_override="high_precision" multiplies with, as an eager
+        call saves it (`linear_function.forward_and_saved`)."""
+        return self.dequantize()
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        if self._rowwise is None and self._columnwise is None:
+            return f"HeldQuantizedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, traced)"
+        return "Held" + super().__repr__()
+
+
+def _itself(p: HeldQuantizedWeight) -> HeldQuantizedWeight:
+    return p
+
+
 def quantized_parameter(info: QuantizedParamInfo, value: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     """`value` (high precision, the nominal dtype) as the quantized parameter `info` describes."""
     with torch.no_grad():
         qt = info.quantizer.quantize(value.detach(), rowwise=True, columnwise=info.columnwise_stored,
                                      name=f"weight of {info.layer}")
-    p = nn.Parameter(qt, requires_grad=requires_grad)
+    p = nn.Parameter(HeldQuantizedWeight.of(qt), requires_grad=requires_grad)
     setattr(p, INFO_ATTR, info)
     return p
 
@@ -162,15 +228,20 @@ def check_held_weight_format(weight: torch.Tensor, weight_quantizers: list[Quant
 def weight_for_call(p: QuantizedTensor, need_columnwise: bool) -> QuantizedTensor:
     """The quantized weight a Linear call multiplies with: the parameter's parts, plus the columnwise form derived
     from the rowwise one when this call's backward reads it (a detached handle: autograd tracks the parameter)."""
-    info: QuantizedParamInfo = getattr(p, INFO_ATTR)
     col = p.columnwise
     if need_columnwise and col is None:
-        if not info.columnwise_derived:
-            raise RuntimeError(
-                f"hybridq: the quantized weight of {info.layer} holds no columnwise form (it was quantized while a "
-                f"backward override was in force); quantize the parameters again without the override")
-        col = info.quantizer.derive_part(p.rowwise, COLUMNWISE, p.dtype)
+        col = _columnwise_for_call(p)
     return QuantizedTensor(p.rowwise, col, shape=p.shape, dtype=p.dtype)
+
+
+def _columnwise_for_call(p: QuantizedTensor):
+    """The columnwise part dgrad reads of a quantized parameter holding only the rowwise one: derived from it."""
+    info: QuantizedParamInfo = getattr(p, INFO_ATTR)
+    if not info.columnwise_derived:
+        raise RuntimeError(
+            f"hybridq: the quantized weight of {info.layer} holds no columnwise form (it was quantized while a "
+            f"backward override was in force); quantize the parameters again without the override")
+    return info.quantizer.derive_part(p.rowwise, COLUMNWISE, p.dtype)
 
 
 # ---- state_dict: dequantized values out, quantized on the way in --------------------------------------------
@@ -199,6 +270,7 @@ def _requantize_linear_weight(p: QuantizedTensor, value: torch.Tensor) -> nn.Par
 
 
 register_requantize(QuantizedTensor, _requantize_linear_weight)
+register_requantize(HeldQuantizedWeight, _requantize_linear_weight)
 
 
 def _quantizing_assign(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

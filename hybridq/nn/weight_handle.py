@@ -1,10 +1,12 @@
-"""A weight FSDP2 all-gathered quantized, inside torch.compile's graph as a handle (shared by the compiled Linear,
-nn/compiled_linear.py, and the compiled GroupedLinear, nn/compiled_grouped.py).
+"""A quantized weight inside torch.compile's graph as a handle: a weight FSDP2 all-gathered quantized, or a quantized
+parameter (shared by the compiled Linear, nn/compiled_linear.py, and the compiled GroupedLinear,
+nn/compiled_grouped.py).
 
-The gathered weight (`GatheredWeight` of a Linear, `GroupedGatheredWeight` of a grouped weight: `HandledWeight`s)
-flattens for dynamo to one inner tensor, its handle: a small int64 CPU tensor naming the weight's state in a table
-here (`weight_handle`). So a graph neither copies nor saves the gathered bytes, whose storage FSDP2 frees at reshard
-and refills at the backward unshard. A compiled layer calls its custom op on the weight itself (so that autograd
+The gathered weight (`GatheredWeight` of a Linear, `GroupedGatheredWeight` of a grouped weight) and a Linear's
+quantized parameter (`HeldQuantizedWeight`, nn/quantized_params.py) are `HandledWeight`s: each flattens for dynamo
+to one inner tensor, its handle: a small int64 CPU tensor naming the weight's state (or the parameter itself) in a
+table here (`weight_handle`). So a graph neither copies nor saves the quantized bytes, whose storage FSDP2 frees at
+reshard and refills at the backward unshard, and which an optimizer rewrites in place between steps. A compiled layer calls its custom op on the weight itself (so that autograd
 reaches it); while compile traces, the weight's __torch_dispatch__ hands that call to `handle_ops`, which turns it
 into the op's `gathered_` twin taking the handle instead (registered with `redirect`); the twin reads the weight's
 parts through the handle (`weight_of`) when it runs.
@@ -72,7 +74,8 @@ def bound_args(op, args, kwargs) -> list:
 class HandledWeight:
     """Mixin of a wrapper-subclass weight whose state `_hq` (the weight's per-parameter FSDP state, with the
     unsharded weight as `gathered`) is what the compiled ops read: under torch.compile the weight is its handle.
-    The subclass gives `_traced_fields()`: the attributes a traced stand-in (no parts, no state) sets to None."""
+    The subclass gives `_traced_fields()`: the attributes a traced stand-in (no parts, no state) sets to None. (A
+    quantized parameter, which has no such state, gives its own `_handle`: one naming the parameter.)"""
 
     _hq: object | None  # set by the subclass (None on a traced stand-in)
     _traced_handle: torch.Tensor
