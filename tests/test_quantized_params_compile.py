@@ -81,6 +81,20 @@ def test_quantized_parameters_in_graph_with_inductor(preset):
     _assert_same(got, _grads(block, _x(), block), f"{preset}, inductor", reordered_bias_sums=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", PRESETS)
+def test_quantized_parameters_in_graph_on_cuda_are_bitwise_eager(preset):
+    """On the GPU (the parameters moved there by Module.cuda): the kernels' and GEMMs' fakes trace, Inductor
+    compiles around the ops, results bitwise the eager layers'."""
+    block = _block(preset, act=nn.Identity()).cuda()
+    assert isinstance(block.up.weight, HeldQuantizedWeight) and block.up.weight.is_cuda
+    x = _x().cuda()
+    torch._dynamo.reset()
+    got = _grads(block, x, torch.compile(block, fullgraph=True))
+    _assert_same(got, _grads(block, x, block), f"{preset} on CUDA", reordered_bias_sums=True)
+
+
 @pytest.mark.parametrize("case", ["no_grad", "weights_frozen"])
 def test_quantized_parameters_in_graph_compute_only_the_gradients_asked_for(case):
     block = _block("mxfp8")
