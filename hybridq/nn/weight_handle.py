@@ -7,9 +7,10 @@ quantized parameter (`HeldQuantizedWeight`, nn/quantized_params.py) are `Handled
 to one inner tensor, its handle: a small int64 CPU tensor naming the weight's state (or the parameter itself) in a
 table here (`weight_handle`). So a graph neither copies nor saves the quantized bytes, whose storage FSDP2 frees at
 reshard and refills at the backward unshard, and which an optimizer rewrites in place between steps. A compiled
-layer calls its custom op on the weight itself (so that autograd reaches it); while compile traces, the weight's __torch_dispatch__ hands that call to `handle_ops`, which turns it
-into the op's `gathered_` twin taking the handle instead (registered with `redirect`); the twin reads the weight's
-parts through the handle (`weight_of`) when it runs.
+layer calls its custom op on the weight itself (so that autograd reaches it); while compile traces, the weight's
+__torch_dispatch__ hands that call to `handle_ops`, which turns it into the op's `gathered_` twin taking the handle
+instead (registered with `redirect`); the twin reads the weight's parts through the handle (`weight_of`) when it
+runs.
 """
 
 from __future__ import annotations
