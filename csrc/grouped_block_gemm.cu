@@ -201,12 +201,4 @@ void impls(torch::Library& m) {
 }  // namespace ops
 }  // namespace hybridq
 
-TORCH_LIBRARY_FRAGMENT(hybridq, m) {
-  m.def(
-      "grouped_block_cublas_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, int b_dim, "
-      "int[] offsets, int[] rows, int[] tokens, Tensor slot_offsets, Tensor slot_rows, ScalarType out_dtype) -> Tensor");
-  m.def(
-      "grouped_block_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, int[] rows, "
-      "ScalarType out_dtype) -> Tensor");
-}
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

@@ -347,8 +347,8 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_grads(
 }  // namespace ops
 }  // namespace hybridq
 
-// the schemas: fp8_linear's with the per-tensor FP8 format's other ops (csrc/quantize_fp8_tensor.cu), the gathered
-// fast path's two in csrc/ops.cpp
+// the schemas: fp8_linear's and the gathered fast path's two, with the per-tensor FP8 format's other ops
+// (csrc/quantize_fp8_tensor.cu)
 
 TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd); }
 

@@ -99,5 +99,12 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
       "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_block_dequantize(Tensor data, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
+  // the packed path's cuBLAS loop over the expert slots (implemented in csrc/grouped_block_gemm.cu)
+  m.def(
+      "grouped_block_cublas_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, int b_dim, "
+      "int[] offsets, int[] rows, int[] tokens, Tensor slot_offsets, Tensor slot_rows, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "grouped_block_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, int[] rows, "
+      "ScalarType out_dtype) -> Tensor");
 }
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

@@ -16,7 +16,7 @@ from ..dispatch import KernelImpl, register_dequantize, register_quantize
 from ..formats import Float8BlockPart, Float8BlockQuantizer
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 
-OPS = ("fp8_block_quantize", "fp8_block_dequantize")
+OPS = ("fp8_block_quantize", "fp8_block_dequantize", "grouped_block_cublas_mm", "grouped_block_cublas_wgrad")
 
 # The quantizer options the kernel implements (any other: the reference runs)
 OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
@@ -73,6 +73,20 @@ def register_fakes() -> None:
     @register_fake("hybridq::fp8_block_dequantize")
     def _dequantize(data, scale_inv, block_dim, out_dtype):
         return data.new_empty(data.shape, dtype=out_dtype)
+
+    # (the grouped GEMMs' results: bfloat16 / float32 as asked, float16 as float32: csrc/grouped_block_gemm.cu)
+    def _gemm_dtype(out_dtype):
+        return f32 if out_dtype == torch.float16 else out_dtype
+
+    @register_fake("hybridq::grouped_block_cublas_mm")
+    def _cublas_mm(a, a_scale, b, b_scale, b_tiles, b_dim, offsets, rows, tokens, slot_offsets, slot_rows,
+                   out_dtype):
+        n = b.shape[0] if b_dim == 1 else b.shape[0] // len(tokens)
+        return a.new_empty((sum(tokens), n), dtype=_gemm_dtype(out_dtype))
+
+    @register_fake("hybridq::grouped_block_cublas_wgrad")
+    def _cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype):
+        return a_t.new_empty((len(offsets), a_t.shape[0], b_t.shape[0]), dtype=_gemm_dtype(out_dtype))
 
 
 def register() -> None:

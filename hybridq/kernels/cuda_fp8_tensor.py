@@ -155,6 +155,22 @@ def register_fakes() -> None:
     def _linear(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, *casts_and_flags):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @register_fake("hybridq::fp8_linear_fprop")
+    def _linear_fprop(x, w_row, w_row_scale_inv, bias, x_dtype, x_eps, x_pow2, need_wgrad, save_original_input,
+                      fast_accum_fprop):
+        y = x.new_empty((*x.shape[:-1], w_row.shape[0]))
+        columnwise = need_wgrad and not save_original_input
+        m = x.numel() // x.shape[-1]
+        return (y, or_empty(x, (x.shape[-1], m), x_dtype, columnwise), or_empty(x, (1,), f32, columnwise))
+
+    @register_fake("hybridq::fp8_linear_grads")
+    def _linear_grads(dy, x_saved, x_col_scale_inv, w_col, w_col_scale_inv, x_dtype, x_eps, x_pow2, g_dtype, g_eps,
+                      g_pow2, save_original_input, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype):
+        n = dy.shape[-1]
+        return (dy.new_empty(tuple(x_shape)) if need_dgrad else dy.new_empty((0,)),
+                dy.new_empty((n, x_shape[-1]), dtype=w_dtype) if need_wgrad else dy.new_empty((0,)),
+                dy.new_empty((n,), dtype=b_dtype) if need_bgrad else dy.new_empty((0,)))
+
 
 _LINEAR: dict = {}
 
