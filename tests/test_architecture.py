@@ -235,3 +235,13 @@ def test_closed_sets_are_enum_members_inside_the_package():
     assert not found, ("string literals of hybridq.enums' closed sets inside the package (use the members; parse a "
                        "user's string at the API boundary with `Enum.parse`): "
                        + "; ".join(f"{m} {r}" for m, r in sorted(found.items())))
+
+
+def test_test_files_have_unique_basenames():
+    """tests/ and its subfolders are not packages (no __init__.py), so pytest imports each test file by its basename:
+    two files of one name make the whole run stop at collection ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT.parent / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
+    dupes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not dupes, f"test files sharing a basename: {dupes}"

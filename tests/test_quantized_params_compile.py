@@ -2,7 +2,7 @@
 whose weight is held quantized enters the graph as its handle (nn/weight_handle.py, nn/quantized_params.py's
 HeldQuantizedWeight), with no graph break, bitwise the eager layer forward and backward; the compiled ops read the
 parameter's bytes when they run, so an optimizer's in-place update between steps is what the next step reads. (A
-ZeroAdamW training run on a gloo rank: tests/distributed/test_quantized_params_compile.py.)"""
+ZeroAdamW training run on a gloo rank: tests/distributed/test_zero_adamw_compile.py.)"""
 
 from __future__ import annotations
 

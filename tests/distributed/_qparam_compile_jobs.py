@@ -1,4 +1,4 @@
-"""Jobs for test_quantized_params_compile.py: a model with quantized parameters trained with ZeroAdamW (docs/
+"""Jobs for test_zero_adamw_compile.py: a model with quantized parameters trained with ZeroAdamW (docs/
 quantized-parameters.md), compiled against the same model eager, on a spawned gloo rank. Each job returns failure
 messages."""
 
