@@ -138,9 +138,7 @@ class UnshardedBuffers:
                 t.set_(s.untyped_storage(), 0, t.shape, t.stride())
                 self.counters["adopted"] += 1
                 continue
-            if t.untyped_storage().nbytes() < need:
-                t.untyped_storage().resize_(need)
-            t.copy_(s)
+            _copy_into(t, s)
 
     def record_fill(self, meta, plan, out: torch.Tensor, parts: dict) -> None:
         """After a fill of every direction of `plan` from the parts the all-gather output `out` gave: remember it as a
@@ -191,10 +189,7 @@ class UnshardedBuffers:
         if out.is_cuda:
             keep_for_stream(srcs)
         for (t, _, _), s in zip(r.copies, srcs):
-            need = t.numel() * t.element_size()
-            if t.untyped_storage().nbytes() < need:
-                t.untyped_storage().resize_(need)
-            t.copy_(s)
+            _copy_into(t, s)
         if r.aliased:
             self.counters["aliased"] += r.aliased
         self.counters["fill_replayed"] += 1
@@ -224,6 +219,14 @@ class FillReplay(NamedTuple):
     version: int  # the buffers' version (bumped whenever an own tensor is aliased or re-pointed)
     copies: tuple  # (own tensor, direction, name of the replicated tensor copied into it)
     aliased: int  # own tensors left aliasing the output (the "aliased" counter)
+
+
+def _copy_into(t: torch.Tensor, s: torch.Tensor) -> None:
+    """Copy `s` into the own tensor `t`, first giving back the storage FSDP2's reshard freed (resized to 0)."""
+    need = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() < need:
+        t.untyped_storage().resize_(need)
+    t.copy_(s)
 
 
 def _adoptable(s: torch.Tensor, t: torch.Tensor, need: int, adopt: dict) -> bool:
