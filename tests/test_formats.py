@@ -366,6 +366,18 @@ def test_a_derived_direction_is_laid_out_like_a_quantized_one(fmt, to):
     assert not strided, f"{fmt}: {to} derived from {src} has non-contiguous buffers {strided}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", ALL)
+def test_a_quantized_part_is_contiguous(fmt, dtype):
+    """Every part the reference quantizes has contiguous buffers, as the CUDA kernels write them: a part made on the
+    CPU keeps its strides through `.cuda()` (e.g. a weight held quantized, a loaded checkpoint), and the CUDA kernels
+    and GEMMs that read it take only contiguous tensors."""
+    t = FORMATS[fmt]().quantize(gaussian(256, 128, dtype=dtype), rowwise=True, columnwise=True)
+    for d in DIRECTIONS:
+        strided = {n: tuple(b.stride()) for n, b in t.part(d).tensors().items() if b is not None and not b.is_contiguous()}
+        assert not strided, f"{fmt} {d}: the quantized part has non-contiguous buffers {strided}"
+
+
 @pytest.mark.parametrize("cls", [Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer, HybridQuantizer])
 def test_option_names_are_the_quantizer_class_fields_and_a_subclass_option_counts(cls):
     """What the kernels check a quantizer against (an option they do not implement sends it to the reference):

@@ -106,7 +106,9 @@ class QuantizedPart:
 
     Subclasses list their tensor fields in `tensor_fields` (None allowed) and everything else in
     `meta_fields`; `map_tensors` rebuilds the part with a function applied to every tensor field, which
-    is all that detach / clone / device moves / pinning need.
+    is all that detach / clone / device moves / pinning need. Its tensors are contiguous wherever the part is made
+    (the CPU reference as the CUDA kernels): a device move keeps a part's strides, and the kernels and GEMMs that
+    read it take only contiguous tensors.
     """
 
     format_name: ClassVar[str] = "?"

@@ -89,7 +89,8 @@ def float8_block_current(x2d: torch.Tensor, dtype: torch.dtype, block_dim: int, 
             return satfinite_fp8(t.float() * expand_blocks(scale, BLOCK, t.shape[1]), dtype), rcp(scale)
 
         row, rs = blocks(x2d) if rowwise else (None, None)
-        col, cs = blocks(x2d.t()) if columnwise else (None, None)
+        # (the transposed operand made contiguous: a part is contiguous wherever it is made, base.QuantizedPart)
+        col, cs = blocks(x2d.t().contiguous()) if columnwise else (None, None)
         return row, rs, col, cs
     m, k = x2d.shape
     scale = scale_of(tile_amax(x2d, BLOCK))

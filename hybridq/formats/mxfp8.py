@@ -94,7 +94,7 @@ class MXFP8Quantizer(BlockScaledQuantizer):
             return self._shard_parts(x2d, rowwise, columnwise, shard, stats)
         if not self.block_2d:
             return (self._part(x2d, False) if rowwise else None,
-                    self._part(x2d.t(), True) if columnwise else None)
+                    self._part(x2d.t().contiguous(), True) if columnwise else None)  # parts are contiguous
         m, k = x2d.shape
         e_tile = self._exponent(tile_amax(x2d, BLOCK))  # [M/32, K/32]
         e_row = e_tile.repeat_interleave(BLOCK, dim=0)
