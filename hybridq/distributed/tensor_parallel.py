@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import style as _torch_style
 from ..enums import Cut, ParallelStyle
 from ..nn.linear import Linear
 from ..nn.linear_function import apply_linear, cached_quantized_weight
+from . import compiled_tp
 from .pieces import PieceQuantizer, check_column_cuts, reject_stateful
 from .sequence import SequenceGather
 
@@ -36,6 +37,14 @@ __all__ = ["ColwiseParallel", "RowwiseParallel", "PrepareModuleInput", "TensorPa
 
 def _is_sequence_shard(p) -> bool:
     return isinstance(p, Shard) and p.dim != -1
+
+
+def local_input_grad_placements(kind: ParallelStyle, placement) -> tuple | None:
+    """How the gradient of a layer's local input lies on the group (`to_local`'s grad_placements): a
+    column-parallel layer reading a replicated input computes, on each rank, the part of the input gradient that
+    flows through its output columns -- a partial sum, which DTensor then all-reduces (in high precision) into the
+    replicated input's gradient. Anything else: as the input lies (None)."""
+    return (Partial(),) if kind == ParallelStyle.COLWISE and isinstance(placement, Replicate) else None
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,6 +58,7 @@ class TensorParallelLinear:
 
     def __post_init__(self):
         self.kind = ParallelStyle.parse(self.kind, "TensorParallelLinear kind")
+        self.graph_key = compiled_tp.register(self)  # (plain value the compiled ops name this configuration by)
 
     @property
     def group(self):
@@ -60,16 +70,26 @@ class TensorParallelLinear:
         cached = module.__dict__.get("_tp_pieces")
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             return cached[1]
+        out = self.piece_quantizers(*key)
+        module.__dict__["_tp_pieces"] = (key, out)
+        return out
+
+    def piece_quantizers(self, input_q, weight_q, grad_output_q) -> dict:
+        """{config field: PieceQuantizer} for the operands of these quantizers this rank holds a piece of."""
         g, ws, rank = self.group, self.mesh.size(), self.mesh.get_local_rank()
         n, k = self.out_features, self.in_features
         if self.kind == ParallelStyle.COLWISE:
-            out = {"weight_q": PieceQuantizer(module.weight_quantizer, "rows", n, g, ws, rank),
-                   "grad_output_q": PieceQuantizer(module.grad_output_quantizer, "columns", n, g, ws, rank)}
-        else:
-            out = {"input_q": PieceQuantizer(module.input_quantizer, "columns", k, g, ws, rank),
-                   "weight_q": PieceQuantizer(module.weight_quantizer, "columns", k, g, ws, rank)}
-        module.__dict__["_tp_pieces"] = (key, out)
-        return out
+            return {"weight_q": PieceQuantizer(weight_q, "rows", n, g, ws, rank),
+                    "grad_output_q": PieceQuantizer(grad_output_q, "columns", n, g, ws, rank)}
+        return {"input_q": PieceQuantizer(input_q, "columns", k, g, ws, rank),
+                "weight_q": PieceQuantizer(weight_q, "columns", k, g, ws, rank)}
+
+    # -- torch.compile (compiled_tp.py): the layer's GEMMs as custom ops inside the graph ---------------------
+    def runs_in_graph(self, module: Linear, x: torch.Tensor, is_first_microbatch: bool | None) -> bool:
+        return compiled_tp.runs_in_graph(module, self, x, is_first_microbatch)
+
+    def compiled_forward(self, module: Linear, x: torch.Tensor, override: str | None) -> DTensor:
+        return compiled_tp.compiled_tp_linear(module, self, x, override)
 
     def check(self, module: Linear) -> None:
         """The set-up checks: no delayed scaling, and the K / N splits keep every block of every operand this
@@ -97,7 +117,7 @@ class TensorParallelLinear:
         cfg = module._config(override).replace(**self.pieces(module))
         if isinstance(x, DTensor):
             placement, full_shape = x.placements[0], tuple(x.shape)
-            x_local = x.to_local()
+            x_local = x.to_local(grad_placements=local_input_grad_placements(self.kind, placement))
         else:
             placement, full_shape, x_local = None, None, x
         if self.kind == ParallelStyle.COLWISE and _is_sequence_shard(placement):

@@ -184,6 +184,14 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
             x_entry = _NONE_ENTRY if x_saved is None else _INPUT_ENTRY if xcs is None else _FAST_X_ENTRY
             layout = [x_entry, _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY]
             return y, [] if xcs is None else [x_saved, xcs], (layout, True)
+    return general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad, handled)
+
+
+def general_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
+                    need_dgrad: bool, need_wgrad: bool, handled: bool = False, lead: tuple | None = None
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, bool]]:
+    """`_forward`'s general path on `cfg` (also the tensor-parallel ops': distributed/compiled_tp.py): (y in the
+    leading shape `lead`, default x's, the saved tensors flattened, (their layout, False))."""
     # no input sharing across layers: an op's outputs must be its own tensors, not another op's. A weight read
     # through its handle: backward takes what dgrad reads of it then, so forward makes none (the saved weight is
     # the only thing need_dgrad changes here, the weight being quantized already)
@@ -211,7 +219,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
         ref = StorageWeakRef(t.untyped_storage())
         out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
         seen.add(ref)
-    return y.reshape(*x.shape[:-1], y.shape[-1]).contiguous(), out, (layout, False)
+    lead = tuple(x.shape[:-1]) if lead is None else tuple(lead)
+    return y.reshape(*lead, y.shape[-1]).contiguous(), out, (layout, False)
 
 
 @plain_op("hybridq::linear_forward")
@@ -255,7 +264,15 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
             return grads
     # (the general path's casts count backward passes: delayed scaling's replays; the fast path has no state)
     count_backward_pass()
-    cfg = _config(key, override)
+    return general_grads(_config(key, override), layout, dy, x, weight, saved, need_dgrad, need_wgrad, need_bgrad,
+                         x_shape, x_dtype, w_dtype, b_dtype, _fast_spec(key, override) if fast else None)
+
+
+def general_grads(cfg: _LinearConfig, layout: list, dy: torch.Tensor, x: torch.Tensor | None,
+                  weight: torch.Tensor | None, saved: list[torch.Tensor], need_dgrad: bool, need_wgrad: bool,
+                  need_bgrad: bool, x_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
+                  b_dtype: torch.dtype, fast_spec: Float8GraphSpec | None = None) -> list[torch.Tensor]:
+    """[dx, dw, db] on `cfg` from the saved tensors laid out as `layout` (also the tensor-parallel ops')."""
     flat = iter(saved)
     operands = []
     for entry in layout:
@@ -268,7 +285,7 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
         elif entry[0] == _HANDLE:
             operands.append(_saved_weight(weight_of(weight), cfg.backward_override))
         elif entry[0] == _FAST_X:
-            operands.append(saved_input(_fast_spec(key, override), next(flat), next(flat),
+            operands.append(saved_input(fast_spec, next(flat), next(flat),
                                         torch.Size([math.prod(x_shape[:-1]), x_shape[-1]]), x_dtype))
         else:
             operands += unflatten_quantized(flat, [entry])

@@ -166,6 +166,15 @@ class Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         # (in or out features 0: no GEMM to put in a graph; the eager path computes the empty product)
+        tp = self.__dict__.get("_tensor_parallel")  # (hybridq.distributed's ColwiseParallel / RowwiseParallel)
+        if (tp is not None and torch.compiler.is_compiling() and self.in_features and self.out_features
+                and tp.runs_in_graph(self, x, is_first_microbatch)):
+            # this rank's pieces inside the graph as custom ops, the group's collectives in them
+            # (distributed/compiled_tp.py)
+            override = self.recipe.backward_override
+            if override is not None:
+                self._check_override(override)
+            return tp.compiled_forward(self, x, override)
         if (torch.compiler.is_compiling() and self.in_features and self.out_features
                 and compiled_linear.runs_in_graph(self, x, is_first_microbatch)):
             override = self.recipe.backward_override
