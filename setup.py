@@ -25,10 +25,10 @@ import sys
 
 from setuptools import setup
 
-# ops.cpp: the module and the format-independent ops; linear_fp8.cpp: the FP8 Linear op (C++ autograd); every .cu is
-# one kernel family that registers its own ops
-# (a new format's csrc/quantize_<format>.cu is picked up here)
-SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp"] + sorted(glob.glob("csrc/*.cu"))
+# ops.cpp: the module and the format-independent ops; linear_fp8.cpp: the FP8 Linear op (C++ autograd);
+# cublaslt_fp8.cpp: the FP8 GEMM through cuBLASLt with cached plans; every .cu is one kernel family that registers its
+# own ops (a new format's csrc/quantize_<format>.cu is picked up here)
+SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp", "csrc/cublaslt_fp8.cpp"] + sorted(glob.glob("csrc/*.cu"))
 
 
 def _say(msg: str) -> None:
@@ -44,24 +44,44 @@ def _nvcc_archs(cuda_home: str) -> set:
     return {line.strip().replace("compute_", "") for line in out.split()}
 
 
+def _mapped(prefix: str) -> list:
+    """The files of the shared libraries named `prefix`* this process has mapped (torch is imported: its own)."""
+    paths = set()
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                f = line.split()
+                if len(f) >= 6 and os.path.basename(f[-1]).startswith(prefix):
+                    paths.add(f[-1])
+    except OSError:
+        pass
+    return sorted(p for p in paths if os.path.isfile(p))
+
+
 def _torch_libstdcxx() -> list:
     """Link flags that make hybridq._C use the libstdc++ torch runs with (Linux): that shared library by path,
     and every symbol of a static archive the toolchain still adds kept local (--exclude-libs)."""
     if not sys.platform.startswith("linux"):
         return []
     flags = ["-Wl,--exclude-libs,ALL"]
-    paths = set()
-    try:
-        with open("/proc/self/maps") as fh:  # torch is imported: its libstdc++ is mapped
-            for line in fh:
-                f = line.split()
-                if len(f) >= 6 and os.path.basename(f[-1]).startswith("libstdc++.so"):
-                    paths.add(f[-1])
-    except OSError:
-        pass
-    paths = sorted(p for p in paths if os.path.isfile(p))
+    paths = _mapped("libstdc++.so")
     flags += [paths[0]] if paths else ["-l:libstdc++.so.6"]
     return flags
+
+
+def _torch_cublaslt(cuda_home: str) -> tuple:
+    """(link flags, C++ flags) for cuBLASLt (csrc/cublaslt_fp8.cpp calls it directly): the libcublasLt torch loaded
+    (the same library and version as torch's own GEMMs), by path; its headers from the toolkit, else from the package
+    that library came from (pip's nvidia-*-cu13 wheels ship both), searched after every other include directory
+    (-idirafter: the toolkit's headers stay first; nvcc's .cu files never see it)."""
+    paths = _mapped("libcublasLt.so")
+    link = [paths[0]] if paths else ["-lcublasLt"]
+    cxx = []
+    if not os.path.isfile(os.path.join(cuda_home, "include", "cublasLt.h")) and paths:
+        inc = os.path.join(os.path.dirname(os.path.dirname(paths[0])), "include")
+        if os.path.isfile(os.path.join(inc, "cublasLt.h")):
+            cxx.append(f"-idirafter{inc}")
+    return link, cxx
 
 
 def _gencode(archs) -> list:
@@ -94,10 +114,11 @@ def _extension_kwargs() -> dict:
     nvcc = ["-O3", "-std=c++17", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr"] + _gencode(archs)
     if os.environ.get("HYBRIDQ_TILE_VARIANTS", "") == "1":
         nvcc.append("-DHQ_TILE_VARIANTS")
-    link = _torch_libstdcxx()
+    lt_link, lt_cxx = _torch_cublaslt(CUDA_HOME)
+    link = _torch_libstdcxx() + lt_link
     _say(f"building the CUDA extension hybridq._C for {', '.join('sm_' + a for a in archs)}; link flags {link}")
     ext = CUDAExtension("hybridq._C", SOURCES, include_dirs=[os.path.abspath("csrc")],
-                        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc}, extra_link_args=link)
+                        extra_compile_args={"cxx": ["-O3"] + lt_cxx, "nvcc": nvcc}, extra_link_args=link)
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)}}
 
 

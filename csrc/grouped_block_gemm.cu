@@ -10,12 +10,16 @@
 // rows after its tokens land on the next expert's first rows, which that expert's GEMM (issued after it on the same
 // stream) overwrites, and past the last expert in a tail that the result leaves out.
 // wgrad (`grouped_block_cublas_wgrad`): expert g contracts the columnwise token operands over its slot.
+// Each expert's GEMM runs through cublaslt_fp8.h (the same cuBLASLt call `_scaled_mm_v2_out` makes, its plan cached:
+// the host cost per expert is the launch, not torch's argument checks, descriptors and heuristic query), from
+// pointers into the operands -- no view tensors per expert; `_scaled_mm_v2_out` on the views where it declines.
 #include <ATen/BlasBackend.h>
 #include <ATen/ops/_scaled_mm_v2.h>
 
 #include <vector>
 
 #include "binding_checks.h"
+#include "cublaslt_fp8.h"
 
 namespace hybridq {
 namespace {
@@ -75,6 +79,32 @@ at::ScalarType gemm_dtype(at::ScalarType out_dtype, const char* op) {
 void scaled_mm_into(Tensor& out, const Tensor& a, const Tensor& b, const Tensor& sa, int64_t ra, const Tensor& sb,
                     int64_t rb) {
   at::_scaled_mm_v2_out(out, a, b, {sa}, {ra}, {}, {sb}, {rb}, {}, std::nullopt, out.scalar_type());
+}
+
+// One expert's block-scaled GEMM d [rows, N] (ld ldd) = x [rows, K] (ld ldx, 1x128 scales x_scale) @ w [N, K]^T (ld
+// ldw, scales w_scale of scaling w_scaling), as `_scaled_mm_v2_out(d, x, w.t(), ...)` passes it to cuBLASLt (A = w,
+// B = x); false: not run (the caller runs `_scaled_mm_v2_out`)
+bool direct_mm(void* d, int64_t ldd, at::ScalarType d_dtype, const uint8_t* x, int64_t ldx, const float* x_scale,
+               const uint8_t* w, int64_t ldw, const float* w_scale, at::blas::ScalingType w_scaling, int64_t rows,
+               int64_t n, int64_t k) {
+  cublaslt::Gemm g;
+  g.m = n;
+  g.n = rows;
+  g.k = k;
+  g.lda = ldw;
+  g.ldb = ldx;
+  g.ldd = ldd;
+  g.a_dtype = g.b_dtype = at::kFloat8_e4m3fn;
+  g.d_dtype = d_dtype;
+  g.a_scaling = w_scaling;
+  g.b_scaling = at::blas::ScalingType::BlockWise1x128;
+  g.fast_accum = false;
+  g.a = w;
+  g.a_scale = w_scale;
+  g.b = x;
+  g.b_scale = x_scale;
+  g.d = d;
+  return cublaslt::run(g);
 }
 
 // Host counts of `e` experts, checked against the slot buffer of `s` rows (`block`: what offsets and rows must be
@@ -144,13 +174,25 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t ra = recipe(at::blas::ScalingType::BlockWise1x128);
     const int64_t rb = recipe(b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128);
+    // (expert g's weight: b's bytes from g * per * b.stride(b_dim), rows b.stride(0) apart)
+    const auto* a_ptr = static_cast<const uint8_t*>(a.data_ptr());
+    const auto* b_ptr = static_cast<const uint8_t*>(b.data_ptr());
+    auto* out_ptr = static_cast<uint8_t*>(out.data_ptr());
+    const float* sa_ptr = sa.data_ptr<float>();
+    const float* bs_ptr = b_scale.data_ptr<float>();
+    const int64_t out_row = n * out.element_size();
     int64_t first = 0;
     for (int64_t g = 0; g < e; ++g) {
       if (tokens[g] == 0) continue;
       const int64_t o = offsets[g], m = rows[g];
-      Tensor y = out.narrow(0, first, m);
-      scaled_mm_into(y, a.narrow(0, o, m), b.narrow(b_dim, g * per, per).t(), sa.narrow(0, o * kb, m * kb).view({kb, m}).t(),
-                     ra, b_scale.select(0, g).t(), rb);
+      if (!direct_mm(out_ptr + first * out_row, n, od, a_ptr + o * k, k, sa_ptr + o * kb,
+                     b_ptr + g * per * b.stride(b_dim), b.stride(0), bs_ptr + g * b_scale.stride(0),
+                     b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128, m, n,
+                     k)) {
+        Tensor y = out.narrow(0, first, m);
+        scaled_mm_into(y, a.narrow(0, o, m), b.narrow(b_dim, g * per, per).t(),
+                       sa.narrow(0, o * kb, m * kb).view({kb, m}).t(), ra, b_scale.select(0, g).t(), rb);
+      }
       first += tokens[g];
     }
   }
@@ -179,15 +221,24 @@ Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, cons
   // [S/128, M]: an expert's block rows are then a contiguous [rows/128, M] whose transpose is cuBLAS's layout
   const Tensor sa = a_scale.t().contiguous(), sb = b_scale.t().contiguous();
   const int64_t r1 = recipe(at::blas::ScalingType::BlockWise1x128);
+  auto* out_ptr = static_cast<uint8_t*>(out.data_ptr());
+  const auto* a_ptr = static_cast<const uint8_t*>(a_t.data_ptr());
+  const auto* b_ptr = static_cast<const uint8_t*>(b_t.data_ptr());
+  const float* sa_ptr = sa.data_ptr<float>();
+  const float* sb_ptr = sb.data_ptr<float>();
+  const int64_t out_expert = m * n * out.element_size();
   for (int64_t g = 0; g < e; ++g) {
-    Tensor y = out.select(0, g);
     if (rows[g] == 0) {
-      y.zero_();
+      out.select(0, g).zero_();
       continue;
     }
     const int64_t o = offsets[g], p = rows[g];
-    scaled_mm_into(y, a_t.narrow(1, o, p), b_t.narrow(1, o, p).t(), sa.narrow(0, o / 128, p / 128).t(), r1,
-                   sb.narrow(0, o / 128, p / 128).t(), r1);
+    if (!direct_mm(out_ptr + g * out_expert, n, od, a_ptr + o, s, sa_ptr + o / 128 * m, b_ptr + o, s,
+                   sb_ptr + o / 128 * n, at::blas::ScalingType::BlockWise1x128, m, n, p)) {
+      Tensor y = out.select(0, g);
+      scaled_mm_into(y, a_t.narrow(1, o, p), b_t.narrow(1, o, p).t(), sa.narrow(0, o / 128, p / 128).t(), r1,
+                     sb.narrow(0, o / 128, p / 128).t(), r1);
+    }
   }
   return od == out_dtype ? out : out.to(out_dtype);
 }

@@ -25,6 +25,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "cublaslt_fp8.h"
 #include "ops.h"
 
 namespace hybridq {
@@ -59,8 +60,12 @@ Quantized quantize(const Tensor& x2d, const Cast& c, bool rowwise, bool columnwi
 // write is converted from fp32)
 Tensor mm(const Tensor& a, const Tensor& sa, const Tensor& b, const Tensor& sb, at::ScalarType out, bool fast) {
   const bool direct = out == at::kBFloat16 || out == at::kHalf || out == at::kFloat;
-  Tensor y = at::_scaled_mm(a, b.t(), sa.reshape({}), sb.reshape({}), std::nullopt, std::nullopt,
-                            direct ? out : at::kFloat, fast);
+  const at::ScalarType gemm_out = direct ? out : at::kFloat;
+  // (cublaslt_fp8.h: the same cuBLASLt GEMM with its plan cached; at::_scaled_mm where it declines)
+  Tensor y = cublaslt::scaled_mm_tensorwise(a, b, sa, sb, gemm_out, fast);
+  if (!y.defined()) {
+    y = at::_scaled_mm(a, b.t(), sa.reshape({}), sb.reshape({}), std::nullopt, std::nullopt, gemm_out, fast);
+  }
   return direct ? y : y.to(out);
 }
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "binding_checks.h"
+#include "cublaslt_fp8.h"
 #include "ops.h"
 
 using namespace hybridq::ops;
@@ -64,4 +65,7 @@ HQ_IMPL_CUDA_AND_CPU(impls)
 static struct PyModuleDef hq_module = {PyModuleDef_HEAD_INIT, HQ_STR(TORCH_EXTENSION_NAME),
                                        "hybridq CUDA kernels; the operations are torch.ops.hybridq.*", -1, nullptr};
 
-PyMODINIT_FUNC HQ_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&hq_module); }
+PyMODINIT_FUNC HQ_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  hq_module.m_methods = hq_cublaslt_py_methods();  // (cublaslt_fp8.h: the direct FP8 GEMM's counters)
+  return PyModule_Create(&hq_module);
+}

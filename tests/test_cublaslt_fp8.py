@@ -1,0 +1,229 @@
+"""FP8 GEMMs through cuBLASLt with cached plans (csrc/cublaslt_fp8.{h,cpp}; issues 30 and 33): the extension's
+per-tensor GEMMs (`hybridq::fp8_linear*`, csrc/linear_fp8.cpp) and the grouped block-scaled loop
+(`hybridq::grouped_block_cublas_*`, csrc/grouped_block_gemm.cu) call cuBLASLt directly with the descriptors and the
+heuristic's algorithm made once per problem. Results are bitwise `torch._scaled_mm` / `F.scaled_mm` (the same
+cuBLASLt call) for every operand dtype pair, fast accumulation on and off, each out dtype, odd row counts, the
+smallest K, non-finite values, and both block pairings (with offsets into the operands); a second call of the same
+problem does not query the heuristic again, a new problem makes a new plan; HYBRIDQ_CUBLASLT_DIRECT=0 turns the
+direct path off (same results); what it does not cover (E5M2 x E5M2) still raises torch's error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _compare import assert_bitwise
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _cuda_ready(capability) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from hybridq.kernels import _ext
+    return _ext.available_for(torch.device("cuda")) and capability(torch.cuda.get_device_capability())
+
+
+_TENSORWISE = pytest.mark.skipif(not _cuda_ready(lambda c: c >= (8, 9)),
+                                 reason="needs a CUDA device with FP8 tensor cores and the extension")
+_BLOCKS = pytest.mark.skipif(not _cuda_ready(lambda c: c == (9, 0)),
+                             reason="needs CUDA sm_90 (cuBLAS block-scaled FP8) and the extension")
+pytestmark = pytest.mark.gpu
+
+
+def _ops():
+    return torch.ops.hybridq
+
+
+def _stats() -> dict:
+    from hybridq import _C
+    return _C.cublaslt_stats()
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype):
+    """x's rowwise per-tensor FP8 data and scale_inv (the cast fp8_linear_fprop runs on its input)."""
+    row, _, scale_inv, _ = _ops().fp8_tensor_quantize(x, dtype, None, None, 0.0, False, True, False, False)
+    return row, scale_inv
+
+
+def _fprop_case(m, k, n, x_dtype, a_dtype, b_dtype, fast, poison=False, seed=0):
+    """(fp8_linear_fprop's y, torch._scaled_mm's y) of x [m, k] @ w [n, k]^T: the op quantizes x to a_dtype; w is
+    given quantized to b_dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    if poison:
+        x[0, 1], x[m - 1, k - 1] = float("inf"), float("nan")
+    x = x.to("cuda", x_dtype)
+    w_row, w_sinv = _quantize(torch.randn(n, k, generator=gen).to("cuda", x_dtype), b_dtype)
+    y = _ops().fp8_linear_fprop(x, w_row, w_sinv, None, a_dtype, 0.0, False, False, False, fast)[0]
+    x_row, x_sinv = _quantize(x, a_dtype)
+    want = torch._scaled_mm(x_row, w_row.t(), x_sinv.reshape(()), w_sinv.reshape(()), out_dtype=x_dtype,
+                            use_fast_accum=fast)
+    return y, want
+
+
+# (m, k, n): one row, the smallest K and N; rows not a multiple of 16; K of 6 x 16; a larger GEMM
+SHAPES = [(1, 16, 16), (13, 256, 128), (200, 96, 48), (512, 1024, 256)]
+PAIRS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
+
+
+@_TENSORWISE
+@pytest.mark.parametrize("fast", [False, True], ids=["exact_accum", "fast_accum"])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=str)
+def test_gpu_tensorwise_gemm_is_bitwise_scaled_mm(m, k, n, a_dtype, b_dtype, out, fast):
+    """The per-tensor GEMM of fp8_linear_fprop (cuBLASLt, cached plan) equals torch._scaled_mm on the same FP8
+    operands bit for bit, and the direct path ran it."""
+    before = _stats()["calls"]
+    y, want = _fprop_case(m, k, n, out, a_dtype, b_dtype, fast)
+    assert _stats()["calls"] == before + 1, "the direct cuBLASLt path did not run the GEMM"
+    assert_bitwise(y, want, f"{m}x{k}x{n} {a_dtype} x {b_dtype} -> {out}, fast_accum={fast}")
+
+
+@_TENSORWISE
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS, ids=lambda d: str(d).split(".")[-1])
+def test_gpu_tensorwise_gemm_keeps_non_finite_values_as_scaled_mm(a_dtype, b_dtype):
+    """inf / NaN in the input: the result (non-finite where torch's is) is bitwise torch._scaled_mm's."""
+    y, want = _fprop_case(40, 128, 64, torch.bfloat16, a_dtype, b_dtype, False, poison=True)
+    assert not torch.isfinite(want).all(), "the poisoned reference is all finite"
+    assert_bitwise(y, want, f"non-finite {a_dtype} x {b_dtype}")
+
+
+@_TENSORWISE
+def test_gpu_uncovered_dtype_pair_raises_torchs_error():
+    """E5M2 x E5M2 (no cuBLASLt GEMM): the direct path declines, nothing runs, torch's error is raised."""
+    x = torch.randn(16, 32, device="cuda")
+    w_row, w_sinv = _quantize(torch.randn(16, 32, device="cuda"), E5M2)
+    before = _stats()
+    with pytest.raises(RuntimeError, match="Float8_e5m2"):
+        _ops().fp8_linear_fprop(x, w_row, w_sinv, None, E5M2, 0.0, False, False, False, False)
+    after = _stats()
+    assert after["calls"] == before["calls"], "the direct path ran an E5M2 x E5M2 GEMM"
+    assert after["declined"] > before["declined"], "the direct path did not decline"
+
+
+@_TENSORWISE
+def test_gpu_second_call_of_a_problem_reuses_its_plan():
+    """The first call of a problem queries cuBLASLt's heuristic and caches the plan; the same problem again (new
+    tensors, same shapes and dtypes) runs without a query; another row count is another plan."""
+    from hybridq import _C
+    _C.cublaslt_clear_plans()
+    s0 = _stats()
+    assert s0["plans"] == 0, f"plans after clear: {s0['plans']}"
+    _fprop_case(64, 256, 128, torch.bfloat16, E4M3, E4M3, False, seed=1)
+    s1 = _stats()
+    assert (s1["heuristic_queries"] - s0["heuristic_queries"], s1["plans"]) == (1, 1), f"first call: {s0} -> {s1}"
+    _fprop_case(64, 256, 128, torch.bfloat16, E4M3, E4M3, False, seed=2)
+    s2 = _stats()
+    assert s2["heuristic_queries"] == s1["heuristic_queries"], f"the same problem queried again: {s1} -> {s2}"
+    assert (s2["calls"] - s1["calls"], s2["plans"]) == (1, 1), f"second call: {s1} -> {s2}"
+    _fprop_case(80, 256, 128, torch.bfloat16, E4M3, E4M3, False, seed=3)
+    _fprop_case(64, 256, 128, torch.bfloat16, E4M3, E4M3, True, seed=3)
+    s3 = _stats()
+    assert (s3["heuristic_queries"] - s2["heuristic_queries"], s3["plans"]) == (2, 3), \
+        f"another row count and fast accumulation must be new plans: {s2} -> {s3}"
+
+
+_SWITCH_OFF = r"""
+import sys
+sys.path.insert(0, "tests")
+import torch
+from hybridq import _C
+from test_cublaslt_fp8 import _fprop_case, E4M3, E5M2
+from _compare import assert_bitwise
+assert not _C.cublaslt_enabled(), "HYBRIDQ_CUBLASLT_DIRECT=0 left the direct path on"
+y, want = _fprop_case(13, 256, 128, torch.bfloat16, E4M3, E5M2, True)
+assert_bitwise(y, want, "switched off")
+s = _C.cublaslt_stats()
+assert s["calls"] == 0 and s["declined"] >= 1, s
+print("OK")
+"""
+
+
+@_TENSORWISE
+def test_gpu_switch_off_runs_torchs_scaled_mm():
+    """HYBRIDQ_CUBLASLT_DIRECT=0 (read once per process): no GEMM runs through the direct path, the results are
+    torch._scaled_mm's."""
+    from hybridq import _C
+    assert _C.cublaslt_enabled() == (os.environ.get("HYBRIDQ_CUBLASLT_DIRECT", "1") != "0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HYBRIDQ_CUBLASLT_DIRECT="0")
+    r = subprocess.run([sys.executable, "-c", _SWITCH_OFF], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ---- block-scaled: the grouped loop's GEMMs vs F.scaled_mm -------------------------------------------------------
+
+def _fp8(shape, gen):
+    return (torch.randn(*shape, generator=gen) * 4).to(E4M3).cuda()
+
+
+def _scales(shape, gen):
+    return (torch.rand(*shape, generator=gen) + 0.25).cuda()
+
+
+def _outer(s: torch.Tensor) -> torch.Tensor:
+    return s.t().contiguous().t()
+
+
+# (rows per expert, K, N): K of 3 blocks (the tile scales' padding to 4), N not a multiple of 128 (1x128 rows only)
+BLOCK_SHAPES = [([16, 48], 384, 256), ([32, 160], 256, 128), ([64, 16], 128, 144)]
+
+
+@_BLOCKS
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("tiles", [True, False], ids=["1x128_x_128x128", "1x128_x_1x128"])
+@pytest.mark.parametrize("rows,k,n", BLOCK_SHAPES, ids=str)
+def test_gpu_block_gemms_are_bitwise_scaled_mm(rows, k, n, tiles, out):
+    """grouped_block_cublas_mm's per-expert GEMMs (direct cuBLASLt, from pointers into the packed operands) equal
+    F.scaled_mm on each expert's views bit for bit."""
+    if tiles and n % 128:
+        pytest.skip("128x128 weight tiles need N a multiple of 128")
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(5)
+    e, s, kb = len(rows), sum(rows), k // 128
+    a, a_scale, b = _fp8((s, k), gen), _scales((s, kb), gen), _fp8((e * n, k), gen)
+    b_scale = _scales((e, n // 128, -(-kb // 4) * 4) if tiles else (e, kb, n), gen)
+    offsets = [sum(rows[:g]) for g in range(e)]
+    i32 = dict(dtype=torch.int32, device="cuda")
+    before = _stats()["calls"]
+    y = _ops().grouped_block_cublas_mm(a, a_scale, b, b_scale, tiles, 0, offsets, rows, rows,
+                                       torch.tensor(offsets, **i32), torch.tensor(rows, **i32), out)
+    assert _stats()["calls"] == before + e, "the direct cuBLASLt path did not run every expert's GEMM"
+    rb = F.ScalingType.BlockWise128x128 if tiles else F.ScalingType.BlockWise1x128
+    for g, (o, r) in enumerate(zip(offsets, rows)):
+        want = F.scaled_mm(a[o:o + r], b[g * n:(g + 1) * n].t(), _outer(a_scale[o:o + r]), F.ScalingType.BlockWise1x128,
+                           b_scale[g].t(), rb, output_dtype=out)
+        assert_bitwise(y[o:o + r], want, f"expert {g} ({r} rows), K={k}, N={n}, tiles={tiles}, {out}")
+
+
+@_BLOCKS
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_block_wgrad_gemms_are_bitwise_scaled_mm(out):
+    """grouped_block_cublas_wgrad's per-expert GEMMs (1x128 x 1x128 over each expert's slot) equal F.scaled_mm on the
+    slot views bit for bit; an expert without rows is zeros."""
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(6)
+    m, n, rows = 48, 32, [128, 0, 256]
+    s = sum(rows)
+    a_t, b_t = _fp8((m, s), gen), _fp8((n, s), gen)
+    a_scale, b_scale = _scales((m, s // 128), gen), _scales((n, s // 128), gen)
+    offsets = [sum(rows[:g]) for g in range(len(rows))]
+    before = _stats()["calls"]
+    y = _ops().grouped_block_cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out)
+    assert _stats()["calls"] == before + 2, "the direct cuBLASLt path did not run every expert's GEMM"
+    one = F.ScalingType.BlockWise1x128
+    for g, (o, p) in enumerate(zip(offsets, rows)):
+        if p == 0:
+            assert_bitwise(y[g], torch.zeros_like(y[g]), f"expert {g} without rows")
+            continue
+        q = slice(o // 128, (o + p) // 128)
+        want = F.scaled_mm(a_t[:, o:o + p], b_t[:, o:o + p].t(), _outer(a_scale[:, q]), one, _outer(b_scale[:, q]),
+                           one, output_dtype=out)
+        assert_bitwise(y[g], want, f"wgrad expert {g} ({p} rows), {out}")
