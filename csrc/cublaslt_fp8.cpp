@@ -77,11 +77,12 @@ struct Key {
   uint8_t flags;  // fast_accum | 16-byte alignment of a, a_scale, b, b_scale, d << 1..5
   bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
 };
+static_assert(sizeof(Key) == 64, "Key has padding: its bytes (hash, ==) must all be fields");
 
 struct KeyHash {
   size_t operator()(const Key& key) const {
     const auto* p = reinterpret_cast<const unsigned char*>(&key);
-    size_t h = 1469598103934665603ull;  // FNV-1a over the key's bytes (zero-initialised, padding included)
+    size_t h = 1469598103934665603ull;  // FNV-1a over the key's bytes
     for (size_t i = 0; i < sizeof(Key); ++i) h = (h ^ p[i]) * 1099511628211ull;
     return h;
   }
@@ -91,7 +92,6 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 Key key_of(const Gemm& g, int device, size_t workspace) {
   Key key;
-  std::memset(&key, 0, sizeof(key));  // (the hash and == read the padding too)
   key.m = g.m;
   key.n = g.n;
   key.k = g.k;
