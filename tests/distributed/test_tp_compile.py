@@ -1,0 +1,78 @@
+"""Tensor-parallel hybridq Linears (hybridq's ColwiseParallel / RowwiseParallel / PrepareModuleInput, with and
+without sequence parallelism) inside a block compiled with `fullgraph=True` (distributed/compiled_tp.py), 2 gloo
+ranks.
+
+Oracles, per case (two SGD steps):
+- the compile raises nothing under fullgraph=True (a graph break would) and the graphs hold one
+  `hybridq::tp_linear_forward` per tensor-parallel Linear;
+- outputs, input gradients, every parameter's gradient (this rank's piece) and the parameters after the steps are
+  bit for bit the eager tensor-parallel block's;
+- at the first step, outputs and gradients (eager and compiled) are within 1e-5 of the largest magnitude of the
+  single-process hybridq block's (the row-parallel partial sums change the order of summation, nothing else does;
+  later steps start from parameters that differ by as much). The ranks' pieces
+  differ 8x in magnitude (input rows, weight rows / columns), so a piece quantized with its own statistics instead
+  of the group's (per-tensor FP8, NVFP4's global scale) would land on other values and fail this.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from _harness import spawn
+import _tp_compile_jobs
+
+pytestmark = pytest.mark.distributed
+
+# the presets the eager tensor-parallel tests run (test_tensor_parallel.PRESETS)
+PRESETS = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
+           "fp8_fwd_high_precision_bwd"]
+BSH = (2, 256, 128)  # [B, S, H], sequence dim 1: each rank holds 2 runs of 128 tokens
+SBH = (96, 1, 128)  # [S, B, H], sequence dim 0: the rank boundary at token 48 splits 32- and 128-row blocks
+REPLICATED = (4, 32, 128)
+
+# (block, preset, backward override, save_original_input, input shape, sequence dim or None, dynamo backend)
+CASES = ([("mlp", p, None, False, BSH, 1, "aot_eager") for p in PRESETS]
+         + [("residual", p, None, False, REPLICATED, None, "aot_eager") for p in PRESETS]
+         + [("mlp", "fp8_tensorwise", None, False, SBH, 0, "aot_eager"),
+            ("mlp", "mxfp8", None, False, SBH, 0, "aot_eager"),
+            ("row_replicated", "fp8_tensorwise", None, False, REPLICATED, None, "aot_eager"),
+            ("attention", "fp8_tensorwise", None, False, (2, 64, 128), 1, "aot_eager"),
+            ("mlp", "fp8_tensorwise", "high_precision", False, BSH, 1, "aot_eager"),
+            ("mlp", "nvfp4", "dequantized", False, BSH, 1, "aot_eager"),
+            ("mlp", "mxfp8", None, True, BSH, 1, "aot_eager"),
+            ("chain", "fp8_tensorwise", None, False, SBH, 0, "inductor"),
+            ("chain", "mxfp8", None, False, REPLICATED, None, "inductor")])
+TP_LINEARS = {"mlp": 3, "residual": 3, "attention": 4, "chain": 2, "row_replicated": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _report() -> tuple:
+    return tuple(spawn(_tp_compile_jobs.compiled_tp_matches_eager, 2, "gloo", cases=CASES))
+
+
+def _results(case: tuple):
+    key = _tp_compile_jobs.case_key(case)
+    return [(rank, rep[key]) for rank, rep in enumerate(_report())]
+
+
+def _id(case: tuple) -> str:
+    block, preset, override, soi, _, seq_dim, compiler = case
+    sp = "no_sp" if seq_dim is None else f"sp{seq_dim}"
+    return "-".join(str(v) for v in (block, preset, override or "", "soi" if soi else "", sp, compiler) if v)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_tensor_parallel_linears_compile_into_one_graph(case):
+    for rank, r in _results(case):
+        assert r["error"] is None, f"rank {rank}: compiling with fullgraph=True failed: {r['error']}"
+        assert r["tp_ops"] == TP_LINEARS[case[0]], \
+            f"rank {rank}: {r['tp_ops']} tensor-parallel Linear ops in the graphs, expected {TP_LINEARS[case[0]]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_compiled_tensor_parallel_step_is_bitwise_the_eager_one(case):
+    for rank, r in _results(case):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
