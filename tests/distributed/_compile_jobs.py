@@ -140,8 +140,8 @@ def compiled_matches_eager(rank, world_size, device, presets, compiler="aot_eage
 def tensor_parallel_compiled_matches_eager(rank, world_size, device, presets, compiler="aot_eager"):
     """A tensor-parallel block (sequence-parallel norm, column-parallel w1/w3, row-parallel w2: hybridq's styles,
     _tp_jobs.tp_plan) compiled whole, against its eager twin: 2 SGD steps each, outputs, input gradients and
-    parameters compared bit for bit. Returns {preset: {"diffs", "graph_breaks", "linear_ops"}}; the TP Linears run
-    eagerly (a graph break each: their DTensor weights and quantized all-gathers are not traced)."""
+    parameters compared bit for bit. Returns {preset: {"diffs", "graph_breaks", "linear_ops"}}; the TP Linears are
+    traced as their own custom ops (distributed/compiled_tp.py), which `linear_ops` does not count."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module

@@ -168,8 +168,9 @@ def _one_case(rank: int, world_size: int, device, mesh, case: tuple) -> dict:
         parallelize_module(m, mesh, _plan(block, seq_dim))
     torch._dynamo.reset()
     counters.clear()
-    rec = _Recorder(compiler)
-    run = torch.compile(compiled, backend=rec, fullgraph=True)
+    rec = _Recorder("eager" if compiler is None else compiler)
+    # (compiler None: the eager tensor-parallel block twice, each checked against the single process)
+    run = compiled if compiler is None else torch.compile(compiled, backend=rec, fullgraph=True)
     models = (ref, eager, compiled)
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
     sl = [slice(None)] * len(shape)
@@ -197,7 +198,7 @@ def _one_case(rank: int, world_size: int, device, mesh, case: tuple) -> dict:
                 diffs.append(d_)
             # the row-parallel layer sums partial products: its order of summation differs from one device's (and
             # after a step the parameters do by as much, which may move an element by a quantization step: step 0)
-            for name, t in (("compiled", c), ("eager", e)) if step == 0 else ():
+            for name, t in ((("compiled" if compiler else "eager, again"), c), ("eager", e)) if step == 0 else ():
                 d_ = close_diff(t, r[sl], f"step {step} {what} ({name} TP vs one process)", 1e-5)[1]
                 if d_:
                     diffs.append(d_)
@@ -221,7 +222,7 @@ def _one_case(rank: int, world_size: int, device, mesh, case: tuple) -> dict:
 
 def compiled_tp_matches_eager(rank: int, world_size: int, device, cases: list) -> dict:
     """Each case: (block, preset, override, save_original_input, shape, seq_dim (None: no sequence parallelism),
-    dynamo backend). The block parallelized with hybridq's styles runs eagerly and compiled (fullgraph=True), two
+    dynamo backend or None: not compiled). The block parallelized with hybridq's styles runs eagerly and compiled (fullgraph=True), two
     SGD steps each, beside the single-process hybridq block. Returns {case_key: {"diffs", "graph_breaks",
     "tp_ops", "error"}}: compiled vs eager TP bit for bit (outputs, input and parameter gradients, parameters), and
     at the first step (same parameters) compiled and eager TP vs the single process within 1e-5 of the largest

@@ -44,12 +44,15 @@ CASES = ([("mlp", p, None, False, BSH, 1, "aot_eager") for p in PRESETS]
             ("mlp", "mxfp8", None, True, BSH, 1, "aot_eager"),
             ("chain", "fp8_tensorwise", None, False, SBH, 0, "inductor"),
             ("chain", "mxfp8", None, False, REPLICATED, None, "inductor")])
+# eager only: a column-parallel layer reading a replicated input computes a partial sum of the input gradient on
+# each rank, which must be all-reduced (the eager path once handed each rank its partial sum as the gradient)
+EAGER_CASES = [("residual", p, None, False, REPLICATED, None, None) for p in ("fp8_tensorwise", "mxfp8")]
 TP_LINEARS = {"mlp": 3, "residual": 3, "attention": 4, "chain": 2, "row_replicated": 1}
 
 
 @functools.lru_cache(maxsize=None)
 def _report() -> tuple:
-    return tuple(spawn(_tp_compile_jobs.compiled_tp_matches_eager, 2, "gloo", cases=CASES))
+    return tuple(spawn(_tp_compile_jobs.compiled_tp_matches_eager, 2, "gloo", cases=CASES + EAGER_CASES))
 
 
 def _results(case: tuple):
@@ -60,7 +63,8 @@ def _results(case: tuple):
 def _id(case: tuple) -> str:
     block, preset, override, soi, _, seq_dim, compiler = case
     sp = "no_sp" if seq_dim is None else f"sp{seq_dim}"
-    return "-".join(str(v) for v in (block, preset, override or "", "soi" if soi else "", sp, compiler) if v)
+    return "-".join(str(v) for v in (block, preset, override or "", "soi" if soi else "", sp, compiler or "eager")
+                    if v)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -73,6 +77,13 @@ def test_tensor_parallel_linears_compile_into_one_graph(case):
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_compiled_tensor_parallel_step_is_bitwise_the_eager_one(case):
+    for rank, r in _results(case):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
+
+
+@pytest.mark.parametrize("case", EAGER_CASES, ids=_id)
+def test_eager_column_parallel_layer_on_a_replicated_input_gives_the_whole_input_gradient(case):
     for rank, r in _results(case):
         assert r["error"] is None, f"rank {rank}: {r['error']}"
         assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
