@@ -50,19 +50,23 @@ CUBLAS = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_CUBLAS", "1") != "0"}
 FORCE = {"backend": None}  # "triton" / "cublas": that backend wherever it runs (tests, benchmarks); None: the model
 FPROP, DGRAD, WGRAD = "fprop", "dgrad", "wgrad"
 TRITON, CUBLAS_LOOP = "triton", "cublas"
-# The cost model of `backend` (microseconds), measured on one H200 (2026-11-27 ~18:55 UTC, each phase alone on random
-# operands in the slot layout: benchmarks/bench_grouped_block_gemms.py at bench_grouped's three configs): the Triton
-# grouped kernels ran fprop / dgrad at 750-815 TFLOP/s and wgrad at 446-468 whatever the expert count; the cuBLAS
-# loop's GEMMs at 1.06-1.11 PFLOP/s (fprop / dgrad) and 0.80-0.90 (wgrad), but its host time is ~29 / 38 / 31 us per
-# expert (fprop / dgrad / wgrad: torch's _scaled_mm_v2 checks and cuBLASLt's heuristic query on every call), so a
-# phase takes max(host, GPU): at 64 experts x ~2048 tokens (2048 x 3072) the loop is host-bound (fprop 2.00 vs Triton
-# 2.13 ms, dgrad 2.68 vs 2.03, wgrad 2.29 vs 3.70); at 16 x ~4096 (2048 x 5632) GPU-bound (1.36 / 1.36 / 1.88 vs
-# 1.89 / 1.87 / 3.23); at 8 x ~4096 (4096 x 14336) 3.64 / 3.60 / 4.29 vs 4.77 / 5.12 / 8.47. Counting the host time
-# in full keeps the Triton kernels for many short experts, where a host-bound training step would pay it.
+# The cost model of `backend` (microseconds), measured on one H200 (2026-11-27 ~21:55 UTC, each phase alone on random
+# operands in the slot layout: benchmarks/bench_grouped_block_gemms.py at bench_grouped's three configs, the loop's
+# GEMMs through cuBLASLt with cached plans, csrc/cublaslt_fp8.h): the Triton grouped kernels ran fprop / dgrad at
+# 757-846 TFLOP/s and wgrad at 424-478 whatever the expert count; the cuBLAS loop's GPU time fits FLOPs at 1.21 / 1.15
+# / 0.96 PFLOP/s (fprop / dgrad / wgrad) plus ~8.5 / 10 / 8 us per expert GEMM (the last wave of each small GEMM
+# runs part-empty: 64 experts of 2048 x 3072 reach only 0.78-0.87 PFLOP/s), and its host time is ~12 / 11 / 11 us per
+# expert (half of torch's `_scaled_mm_v2` per call, whose argument checks, descriptors and heuristic query the cached
+# plans skip; the same machine with HYBRIDQ_CUBLASLT_DIRECT=0: ~21 us), so a phase takes max(host, GPU): at 64
+# experts x ~2048 tokens (2048 x 3072) fprop 1.92 vs Triton 2.10 ms, dgrad 2.11 vs 1.98, wgrad 2.19 vs 3.89; at
+# 16 x ~4096 (2048 x 5632) 1.37 / 1.35 / 1.91 vs 2.00 / 1.87 / 3.27; at 8 x ~4096 (4096 x 14336) 3.27 / 3.46 / 4.00
+# vs 4.55 / 4.89 / 8.06. Counting the host time in full keeps the Triton kernels for many short experts, where a
+# host-bound training step would pay it.
 CUBLAS_COST = {
-    "triton_tflops": {FPROP: 790.0, DGRAD: 780.0, WGRAD: 455.0},
-    "cublas_tflops": {FPROP: 1080.0, DGRAD: 1080.0, WGRAD: 850.0},
-    "cublas_host_us": {FPROP: 29.0, DGRAD: 38.0, WGRAD: 31.0},  # per expert GEMM
+    "triton_tflops": {FPROP: 790.0, DGRAD: 810.0, WGRAD: 455.0},
+    "cublas_tflops": {FPROP: 1200.0, DGRAD: 1150.0, WGRAD: 960.0},
+    "cublas_expert_us": {FPROP: 8.5, DGRAD: 10.0, WGRAD: 8.0},  # GPU time per expert GEMM beyond its FLOPs
+    "cublas_host_us": {FPROP: 12.0, DGRAD: 11.0, WGRAD: 11.0},  # per expert GEMM
 }
 
 
@@ -118,7 +122,8 @@ def estimate_us(phase: str, rows: list[int], k: int, n: int) -> tuple[float, flo
     used = [r for r in rows if r]
     flops = 2.0 * sum(used) * k * n
     triton = flops / (c["triton_tflops"][phase] * 1e6)
-    cublas = max(flops / (c["cublas_tflops"][phase] * 1e6), c["cublas_host_us"][phase] * len(used))
+    cublas = max(flops / (c["cublas_tflops"][phase] * 1e6) + c["cublas_expert_us"][phase] * len(used),
+                 c["cublas_host_us"][phase] * len(used))
     return triton, cublas
 
 
