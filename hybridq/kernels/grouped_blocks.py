@@ -9,8 +9,10 @@ piece runs: a CUDA sm_90 device, Triton, native GEMMs enabled (`native_gemm.disa
 which the tests compare against). Elsewhere the caller runs one `gemm` per expert.
 
 Group bounds (`GroupBounds`): int32 `[6, E]` on the device, made once per layout from the host's counts (one
-host-to-device copy, no sync): slot start in the packed buffer, first output row (the token order), tokens, slot
-size, slot end, token end.
+host-to-device copy, no sync), or on the device from a counts tensor (`GroupBounds.on_device`, GroupedLinear's
+device-count path: no host counts at all; the launches' grids are bounded by the shapes and programs past the used
+tiles exit): slot start in the packed buffer, first output row (the token order), tokens, slot size, slot end, token
+end.
 
 Two backends run the same phases (`backend` picks one per phase with a cost model, `CUBLAS_COST`): the Triton
 grouped kernels above (bounds on the device only) and one cuBLAS block-scaled GEMM per expert issued from C++ in
@@ -155,6 +157,16 @@ class GroupBounds:
         self.empty = [g for g, m in enumerate(splits) if m == 0]
         self.slots_aligned = all(o % BLOCK == 0 for o in offsets)  # (what wgrad needs)
         self.whole_blocks = self.slots_aligned and all(s % BLOCK == 0 for s in slots)
+
+    @classmethod
+    def on_device(cls, table: torch.Tensor, tokens: int, multiple: int) -> "GroupBounds":
+        """Bounds whose table was computed on the device (`grouped_packed.SlotLayout`: no host counts): every slot a
+        multiple of `multiple` rows, so aligned for wgrad where that is a multiple of 128. `empty` is unknown (None):
+        the kernels read the empty groups from the table."""
+        out = cls.__new__(cls)
+        out.table, out.tokens, out.empty = table, tokens, None
+        out.slots_aligned = out.whole_blocks = multiple % BLOCK == 0
+        return out
 
 
 def weight_supported(b, b_experts: int) -> bool:

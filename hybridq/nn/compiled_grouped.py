@@ -40,7 +40,8 @@ from ..gemm import JaggedFP8, JaggedFP8Kernels, jagged_fp8_kernels
 from ..kernels import native_gemm
 from .expert_layers import converted_experts
 from .grouped_jagged import HeldFP8Experts, TokenGroups, jagged_backward, jagged_forward
-from .grouped_packed import FP8_TENSOR, packed_quantizers
+from . import compiled_grouped_blocks
+from .grouped_packed import BLOCKS, FP8_TENSOR, packed_quantizers
 from .m_splits import check_split_values
 from .plain_ops import plain_op
 from .weight_handle import bound_args, handled_weight, redirect, weight_of
@@ -64,6 +65,8 @@ def graph_key(layer) -> str | None:
     """The key of the layer's configuration when its recipe can run in the graph (every expert the same per-tensor
     FP8 quantizers with current scaling), else None; set eagerly when the recipe is installed."""
     kind = packed_quantizers(layer.expert_quantizers)
+    if kind is not None and kind.kind == BLOCKS:  # (block formats: compiled_grouped_blocks.py's ops)
+        return compiled_grouped_blocks.graph_key(kind.quantizers, layer.name)
     if kind is None or kind.kind != FP8_TENSOR:
         return None
     content = "|".join(repr(kind.quantizers[t]) for t in _TENSORS)
@@ -91,14 +94,28 @@ def _kernels(key: str, device: torch.device, in_features: int, out_features: int
 
 
 def _configuration_in_graph(layer) -> bool:
-    """The half of `runs_in_graph` that does not depend on the call: the layer's recipe and options."""
-    return (layer.__dict__.get("_graph_key") is not None and layer.packed_path and layer.jagged_path is not False
+    """The half of `runs_in_graph` that does not depend on the call: the layer's recipe and options (the jagged
+    layout for per-tensor FP8; block formats take the device-count packed path)."""
+    key = layer.__dict__.get("_graph_key")
+    return (key is not None and layer.packed_path
+            and (layer.jagged_path is not False or compiled_grouped_blocks.is_key(key))
             and layer.bias is None and not layer.save_original_input and layer.recipe.backward_override is None)
 
 
-def _weight_in_graph(weight) -> bool:
-    """A plain weight, or one FSDP2 gathered quantized (its handle enters the graph). Traced by dynamo."""
-    return type(weight) in (torch.Tensor, torch.nn.Parameter) or handled_weight(weight)
+def _weight_in_graph(weight, key: str) -> bool:
+    """A plain weight, or (per-tensor FP8) one FSDP2 gathered quantized (its handle enters the graph). Traced by
+    dynamo."""
+    return type(weight) in (torch.Tensor, torch.nn.Parameter) or (
+        not compiled_grouped_blocks.is_key(key) and handled_weight(weight))
+
+
+def _runs_here(layer, x: torch.Tensor) -> bool:
+    """Whether the configuration's kernels take this call's device and shapes (once per compile)."""
+    key = layer._graph_key
+    if compiled_grouped_blocks.is_key(key):
+        return compiled_grouped_blocks.runs_here(key, str(x.device), layer.num_experts, layer.in_features,
+                                                 layer.out_features)
+    return _kernels_run(key, str(x.device), layer.in_features, layer.out_features)
 
 
 def runs_in_graph(layer, x: torch.Tensor, m_splits, is_first_microbatch) -> bool:
@@ -107,8 +124,8 @@ def runs_in_graph(layer, x: torch.Tensor, m_splits, is_first_microbatch) -> bool
     plain = (torch.Tensor, torch.nn.Parameter)
     return (_configuration_in_graph(layer) and isinstance(m_splits, torch.Tensor) and is_first_microbatch is None
             and type(x) in plain and x.dim() == 2 and x.shape[-1] == layer.in_features
-            and layer.in_features > 0 and layer.out_features > 0 and _weight_in_graph(layer.weight)
-            and _kernels_run(layer._graph_key, str(x.device), layer.in_features, layer.out_features))
+            and layer.in_features > 0 and layer.out_features > 0 and _weight_in_graph(layer.weight, layer._graph_key)
+            and _runs_here(layer, x))
 
 
 def experts_in_graph(module) -> bool:
@@ -122,8 +139,9 @@ def experts_in_graph(module) -> bool:
     else:
         layers = converted_experts(module)
     # (len, not bool(dict): torch 2.11's dynamo cannot trace bool of a dict -- a graph break per expert module)
-    return len(layers) > 0 and all(_configuration_in_graph(layer) and _weight_in_graph(getattr(module, name))
-                                for name, layer in layers.items())
+    return len(layers) > 0 and all(_configuration_in_graph(layer)
+                                   and _weight_in_graph(getattr(module, name), layer._graph_key)
+                                   for name, layer in layers.items())
 
 
 def _check_split_tensor(m_splits: torch.Tensor, num_experts: int, name: str) -> None:
@@ -329,6 +347,8 @@ redirect(torch.ops.hybridq.grouped_linear_forward.default, _gathered_forward)
 def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
     """`y[rows of e] = x[rows of e] W[e]^T` of a GroupedLinear as the custom ops; traced by dynamo."""
     _check_split_tensor(m_splits, layer.num_experts, layer.name)
+    if compiled_grouped_blocks.is_key(layer._graph_key):
+        return compiled_grouped_blocks.grouped_in_graph(layer, x, m_splits)
     grad = torch.is_grad_enabled()
     need_dgrad, need_wgrad = grad and x.requires_grad, grad and layer.weight.requires_grad
     return torch.ops.hybridq.grouped_linear_forward(x, layer.weight, m_splits, layer._graph_key, need_dgrad,

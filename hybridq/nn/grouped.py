@@ -21,7 +21,8 @@ from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherSh
 from ..gemm import jagged_fp8_kernels, native_row_multiple
 from . import compiled_grouped, delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
-from .grouped_packed import FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
+from .grouped_packed import BLOCKS, FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
+from .grouped_device_blocks import DeviceBlockExperts, device_path_runs, slot_layout
 from .grouped_packed_blocks import PackedBlockExperts, packed_path_pays, token_multiple
 from .grouped_jagged import HeldFP8Experts, JaggedFP8Experts, TokenGroups
 from .grouped_high_precision import grouped_mm_high_precision
@@ -317,6 +318,11 @@ class GroupedLinear(nn.Module):
             kind = None
         elif y is not None:
             return y
+        if (kind is not None and kind.kind == BLOCKS and isinstance(splits, torch.Tensor)
+                and device_path_runs(kind.quantizers, x.device, *self.weight.shape)):
+            # counts on the device: the slot layout computed there, grouped GEMMs on its bounds, no host sync
+            # (grouped_device_blocks.py); the host-count path below would read them
+            return self._device_blocks(x, splits, kind.quantizers, need_dgrad, need_wgrad)
         splits = self._host_splits(splits, x.shape[0])
         if kind is not None and not packed_path_pays(kind.kind, splits, self.in_features, self.out_features,
                                                      x.device, kind.quantizers):
@@ -354,6 +360,13 @@ class GroupedLinear(nn.Module):
             y_e = apply_linear(x_e, weights[e], biases[e], cfgs[e], cache)
             outs.append(y_e[:m] if n != m else y_e)
         return torch.cat(outs, 0)
+
+    def _device_blocks(self, x: torch.Tensor, m_splits: torch.Tensor, quantizers: dict[str, Quantizer],
+                       need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+        """The packed block path on the device's counts (grouped_device_blocks.py)."""
+        layout = slot_layout(m_splits, x, self.in_features, self.out_features, quantizers, need_dgrad, need_wgrad,
+                             self.name)
+        return DeviceBlockExperts.apply(x, self.weight, layout, quantizers, self.name, need_dgrad, need_wgrad)
 
     def _jagged(self, x, splits, kind, gathered, held_quantized, override, is_first_microbatch, need_dgrad,
                 need_wgrad) -> torch.Tensor | None:

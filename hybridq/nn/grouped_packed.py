@@ -142,6 +142,91 @@ class TokenLayout:
         return t if self.rows is None else t.index_select(0, self.rows)
 
 
+def bound_rows(tokens: int, experts: int, multiple: int) -> int:
+    """Rows that hold every layout of `tokens` tokens in `experts` slots, each rounded up to `multiple` rows, whatever
+    the counts: each slot adds fewer than `multiple` rows of padding (a bound from the shapes alone)."""
+    return -(-(tokens + experts * (multiple - 1)) // multiple) * multiple
+
+
+class SlotLayout:
+    """`TokenLayout`'s slots with the counts on the device (`m_splits` a tensor: no host sync): expert e's slot is
+    its count rounded up to `multiple` rows (whole scaling blocks along the tokens), the slots one after another
+    from row 0 (an exclusive cumsum), all computed on the device; the buffer has `rows` = `bound_rows(...)` rows, a
+    bound from the shapes alone (what a compiled graph's fakes and a CUDA graph need), the rows after the last slot
+    zero. `table`: int32 `[6, E]` on the device, as `grouped_blocks.GroupBounds.table` (slot start, first token, tokens,
+    slot size, slot end, token end); `token_rows`: int64 `[T]`, the slot row of each token.
+
+    The host's counts (`host()`: a `TokenLayout` of the same slots, whose GEMMs read the per-expert path's padded
+    counts, `padded_of(m)`) are read only where a GEMM needs them: on the CPU (the reference: read when the layout is
+    built, with the value rules checked, ValueError), or on a GPU where no grouped GEMM takes the operands (a sync).
+    On CUDA the value rules are checked on the device, asynchronously (a device assert)."""
+
+    def __init__(self, counts: torch.Tensor, tokens: int, multiple: int, padded_of, splits: list[int] | None):
+        self.counts, self.tokens, self.multiple, self.padded_of = counts, tokens, multiple, padded_of
+        self.num_experts = counts.shape[0]
+        self.rows = bound_rows(tokens, self.num_experts, multiple)
+        self._splits = splits
+        self._host: TokenLayout | None = None
+        self._source: torch.Tensor | None = None
+        slots = (counts + (multiple - 1)).div_(multiple, rounding_mode="floor").mul_(multiple)
+        ends = slots.cumsum(0)
+        token_ends = counts.cumsum(0)
+        offsets, starts = ends - slots, token_ends - counts
+        self.table = torch.stack([offsets, starts, counts, slots, ends, token_ends]).to(torch.int32)
+        # each token's expert: the number of token ends at or before it (bounded whatever the counts: a bad count
+        # is the device assert's to report, never an out-of-bounds write)
+        t = torch.arange(tokens, device=counts.device)
+        expert = torch.searchsorted(token_ends, t, right=True).clamp_(max=self.num_experts - 1)
+        self.token_rows = (t + (offsets - starts)[expert]).clamp_(0, self.rows - 1)
+
+    @classmethod
+    def build(cls, m_splits: torch.Tensor, tokens: int, device: torch.device, multiple: int, padded_of,
+              name: str, fake: bool = False) -> "SlotLayout":
+        """From a checked 1-D integer tensor `m_splits` (`checked_m_splits` / the compiled op's checks). CUDA (or
+        `fake`: compile's tracing): the counts stay on the device, checked there asynchronously; CPU: read and
+        checked (ValueError naming `name`)."""
+        from .m_splits import check_split_values
+        counts = m_splits.to(device=device, dtype=torch.int64)
+        splits = None
+        if not fake and counts.device.type == "cpu":
+            splits = check_split_values([int(v) for v in counts.tolist()], counts.shape[0], tokens, name)
+        elif not fake:
+            torch._assert_async((counts >= 0).all() & (counts.sum() == tokens),
+                                f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
+        return cls(counts, tokens, multiple, padded_of, splits)
+
+    def bounds(self):
+        """The grouped GEMMs' bounds (`grouped_blocks.GroupBounds`) from the device table."""
+        from ..kernels.grouped_blocks import GroupBounds
+        return GroupBounds.on_device(self.table, self.tokens, self.multiple)
+
+    def source_rows(self, device: torch.device | None = None) -> torch.Tensor:
+        """int32 `[rows]`: the token row each slot row holds, -1 for a padding row (`TokenLayout.source_rows`)."""
+        if self._source is None:
+            src = torch.full((self.rows,), -1, dtype=torch.int32, device=self.counts.device)
+            self._source = src.scatter_(0, self.token_rows,
+                                        torch.arange(self.tokens, dtype=torch.int32, device=src.device))
+        return self._source
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s rows in their slots of a zero `[rows, cols]` buffer."""
+        if t.is_floating_point() and t.element_size() == 1:  # fp8 bytes: copied as uint8 (no fp8 index_copy_)
+            return self.pack(t.view(torch.uint8)).view(t.dtype)
+        return t.new_zeros(self.rows, t.shape[1]).index_copy_(0, self.token_rows, t)
+
+    def host(self) -> TokenLayout:
+        """The same slots with the host's counts (read here on a GPU: a sync), for the per-expert GEMMs."""
+        if self._host is None:
+            if self._splits is None:
+                self._splits = [int(v) for v in self.counts.tolist()]
+            padded = [self.padded_of(m) if m else 0 for m in self._splits]
+            host = TokenLayout.build(self._splits, padded, self.counts.device, self.multiple)
+            if any(p > s for p, s in zip(host.padded, host.slots)):  # (slot_multiple keeps padded_of's granularity)
+                raise RuntimeError(f"slot layout: padded token counts {host.padded} exceed the slots {host.slots}")
+            self._host = host
+        return self._host
+
+
 class PackedFP8Experts(torch.autograd.Function):
     """`y[tokens of e] = x[tokens of e] W[e]^T` for every expert e, per-tensor FP8 (see the module docstring). Its
     layout has slots == padded (the GEMMs read the whole packed buffer)."""

@@ -1,0 +1,153 @@
+"""A block-format GroupedLinear inside torch.compile's graph: the device-count packed block path
+(nn/grouped_device_blocks.py: FP8 1x128 / 128x128 blocks, MXFP8 and their hybrids, `BLOCKS`) as two custom ops, as
+compiled_grouped.py does for per-tensor FP8: `hybridq::grouped_blocks_forward` returns the output and the tensors of
+what backward reads (the input's and the weight's columnwise forms), `hybridq::grouped_blocks_backward` the input and
+weight gradients, with autograd registered on the forward op. Inside each op the eager code runs unchanged
+(`grouped_device_blocks.forward` / `backward`): bitwise the eager layer with the same counts.
+
+The counts stay a tensor: a graph is compiled per shape, never per routing. Every buffer is sized by a bound that
+depends on the shapes only (`grouped_packed.bound_rows`), so the fakes give the outputs' shapes from the shapes alone:
+the fake forward runs the same quantization on fake tensors (the GEMMs it skips). On CUDA the ops read the counts on
+the device only (checked there, asynchronously); on the CPU (the reference) they read them and raise ValueError on
+counts that are negative or do not sum to the input's tokens.
+
+Taken (`runs_in_graph`) where the eager layer would take the device-count path without a host sync (CUDA:
+`grouped_device_blocks.device_path_runs`), and on the CPU; the weight a plain tensor (FSDP2's quantized gathers and
+quantized parameters stay a graph break).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..formats.base import Quantizer
+from ..tensor import flatten_quantized, unflatten_quantized
+from . import grouped_device_blocks as device_blocks
+from .plain_ops import plain_op
+
+_PREFIX = "grouped-blocks-config-"
+_CONTENT: dict[str, str] = {}  # content -> key (configurations by content, as compiled_grouped.py's)
+_LAYERS: dict[str, tuple[str, dict]] = {}  # key -> (name of the first layer, the quantizers every expert shares)
+_PROCESS = uuid.uuid4().hex[:12]
+_TENSORS = ("input", "weight", "grad_output")
+# (key, need_dgrad, need_wgrad, x shape, weight shape, dtypes) -> (flattened layout of the saved forms, weight packed):
+# recorded by forward, read by backward (a function of the configuration and shapes alone)
+_SAVED: dict[tuple, tuple[list, bool]] = {}
+
+
+def is_key(key: str | None) -> bool:
+    return key is not None and key.startswith(_PREFIX)
+
+
+def graph_key(quantizers: dict[str, Quantizer], layer_name: str) -> str:
+    """The key of a BLOCKS configuration (its quantizers' content: layers differing in name share a graph)."""
+    content = "|".join(repr(quantizers[t]) for t in _TENSORS)
+    key = _CONTENT.get(content)
+    if key is None:
+        key = _CONTENT[content] = f"{_PREFIX}{len(_CONTENT)}@{_PROCESS}"
+        _LAYERS[key] = (f"{layer_name} (or a layer with its configuration, compiled)", dict(quantizers))
+    return key
+
+
+@torch._dynamo.assume_constant_result
+def runs_here(key: str, device: str, experts: int, in_features: int, out_features: int) -> bool:
+    """Whether configuration `key` runs in the graph on `device` (evaluated once per compile): the CPU reference, or
+    CUDA where the device-count path needs no host count."""
+    dev = torch.device(device)
+    return dev.type == "cpu" or device_blocks.device_path_runs(_LAYERS[key][1], dev, experts, out_features,
+                                                               in_features)
+
+
+def _saved_key(key, need_dgrad, need_wgrad, x, weight) -> tuple:
+    return (key, need_dgrad, need_wgrad, tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype)
+
+
+def _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool) -> list[torch.Tensor]:
+    name, quantizers = _LAYERS[key]
+    e, n, k = weight.shape
+    layout = device_blocks.slot_layout(m_splits, x, k, n, quantizers, need_dgrad, need_wgrad, name, fake=fake)
+    y, x_col, w_saved, packed = device_blocks.forward(x, weight, layout, quantizers, name, need_dgrad, need_wgrad,
+                                                      fake=fake)
+    flat, entries = flatten_quantized(([x_col] if x_col is not None else []) + w_saved)
+    _SAVED[_saved_key(key, need_dgrad, need_wgrad, x, weight)] = (entries, packed)
+    # outputs may alias neither the inputs nor one another, and have the fake's (contiguous) strides
+    seen = {StorageWeakRef(t.untyped_storage()) for t in (x, weight)}
+    out = []
+    for t in flat:
+        ref = StorageWeakRef(t.untyped_storage())
+        out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
+        seen.add(ref)
+    return [y.contiguous(), *out]
+
+
+@plain_op("hybridq::grouped_blocks_forward")
+def grouped_blocks_forward(x: torch.Tensor, weight: torch.Tensor, m_splits: torch.Tensor, key: str,
+                           need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
+    """[y, *the tensors of the input's (wgrad) and weight's (dgrad) columnwise forms] of a block-format
+    GroupedLinear call (configuration `key`)."""
+    return _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake=False)
+
+
+@grouped_blocks_forward.register_fake
+def _(x, weight, m_splits, key, need_dgrad, need_wgrad):
+    return _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake=True)
+
+
+@plain_op("hybridq::grouped_blocks_backward")
+def grouped_blocks_backward(dy: torch.Tensor, m_splits: torch.Tensor, saved: list[torch.Tensor], key: str,
+                            need_dgrad: bool, need_wgrad: bool, fwd_dgrad: bool, fwd_wgrad: bool,
+                            x_shape: list[int], w_shape: list[int], x_dtype: torch.dtype,
+                            w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx, dW] (an empty tensor for a gradient not asked for) of the call `grouped_blocks_forward` saved `saved`
+    for (`fwd_dgrad` / `fwd_wgrad`: its flags, which laid out the slots and the saved forms)."""
+    name, quantizers = _LAYERS[key]
+    e, n, k = w_shape
+    x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
+    entries, packed = _SAVED[_saved_key(key, fwd_dgrad, fwd_wgrad, x_meta,
+                                        torch.empty(w_shape, dtype=w_dtype, device="meta"))]
+    forms = list(unflatten_quantized(saved, entries))
+    x_col = forms.pop(0) if fwd_wgrad else None
+    layout = device_blocks.slot_layout(m_splits, dy, k, n, quantizers, fwd_dgrad, fwd_wgrad, name)
+    dx, dw = device_blocks.backward(dy, layout, quantizers, name, x_col, forms, packed, (e, n, k), w_dtype,
+                                    need_dgrad, need_wgrad)
+    if need_dgrad and dx is None:
+        dx = dy.new_zeros(dy.shape[0], k)
+    if need_wgrad and dw is None:
+        dw = dy.new_zeros(e, n, k, dtype=w_dtype)
+    return [dx.contiguous() if need_dgrad else dy.new_empty(0), dw.contiguous() if need_wgrad else dy.new_empty(0)]
+
+
+@grouped_blocks_backward.register_fake
+def _(dy, m_splits, saved, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype):
+    return [dy.new_empty(dy.shape[0], w_shape[2]) if need_dgrad else dy.new_empty(0),
+            dy.new_empty(w_shape, dtype=w_dtype) if need_wgrad else dy.new_empty(0)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, m_splits, key, need_dgrad, need_wgrad = inputs
+    ctx.save_for_backward(m_splits, *output[1:])
+    ctx.args = (key, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype)
+
+
+def _backward(ctx, grads):
+    m_splits, *saved = ctx.saved_tensors
+    key, fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype = ctx.args
+    need_dgrad = fwd_dgrad and ctx.needs_input_grad[0]
+    need_wgrad = fwd_wgrad and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.hybridq.grouped_blocks_backward(grads[0], m_splits, saved, key, need_dgrad, need_wgrad,
+                                                       fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype)
+    return dx if need_dgrad else None, dw if need_wgrad else None, None, None, None, None
+
+
+grouped_blocks_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """`y[rows of e] = x[rows of e] W[e]^T` of a block-format GroupedLinear as the custom ops; traced by dynamo."""
+    grad = torch.is_grad_enabled()
+    need_dgrad, need_wgrad = grad and x.requires_grad, grad and layer.weight.requires_grad
+    return torch.ops.hybridq.grouped_blocks_forward(x, layer.weight, m_splits, layer._graph_key, need_dgrad,
+                                                    need_wgrad)[0]
