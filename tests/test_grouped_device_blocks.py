@@ -1,0 +1,289 @@
+"""GroupedLinear's packed block path on device counts (hybridq/nn/grouped_device_blocks.py, grouped_packed.SlotLayout):
+with `m_splits` as a tensor the slot layout is computed from the counts tensor (no host read on CUDA), its buffers
+sized by a bound from the shapes alone, and the results are bitwise the host-count packed path and the per-expert
+path (CPU reference: every block preset, uneven / empty / one-token experts, counts not multiples of 16 / 32 / 128).
+The Triton grouped GEMMs given the device bounds compute bitwise what they compute on the host's bounds (interpreter
+on the CPU; CUDA). On a GPU: the eager layer takes the path with a CUDA counts tensor, bitwise the host-count path with
+the same GEMM kernels, never synchronizes with the host, and a block with it replays bitwise from a CUDA graph."""
+
+import pytest
+import torch
+
+import hybridq as hq
+from _compare import assert_bitwise, assert_results_bitwise
+from hybridq.kernels import grouped_blocks, triton_grouped_blocks
+from hybridq.nn import grouped_device_blocks
+from hybridq.nn.grouped_device_blocks import DeviceBlockExperts, device_path_runs, slot_layout, slot_multiple
+from hybridq.nn.grouped_packed import BLOCKS, SlotLayout, TokenLayout, bound_rows, packed_quantizers
+from test_grouped_blocks_gemm import DEVICES as KERNEL_DEVICES, _interpreter_numpy  # noqa: F401 (autouse fixture)
+
+E, IN = 4, 160  # K: five 32-blocks, one and a partial 128-block
+PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
+SPLITS = [[5, 0, 17, 40], [130, 1, 0, 127], [0, 0, 200, 0], [0, 0, 0, 0], [1, 1, 1, 1], [32, 64, 128, 16]]
+OUTS = [128, 96]  # 96: the FP8-block weight's 128x128 tiles would straddle experts (quantized per expert)
+GRADS = {"dgrad+wgrad": (True, True), "wgrad-only": (False, True), "dgrad-only": (True, False)}
+
+
+def _quantizers(preset, n=128, k=IN):
+    kind = packed_quantizers(hq.GroupedLinear(E, k, n, recipe=preset).expert_quantizers)
+    assert kind is not None and kind.kind == BLOCKS, f"{preset} should take the packed block path"
+    return kind.quantizers
+
+
+def _data(splits, out, dtype=torch.bfloat16, device="cpu", k=IN):
+    """Tokens and gradients whose magnitude differs by expert (10^-2 .. 10^2): a block shared by two experts would
+    change a scale, hence bytes."""
+    gen = torch.Generator().manual_seed(2)
+    mag = torch.cat([torch.full((m,), 10.0 ** (e - 2)) for e, m in enumerate(splits)])[:, None]
+    x = torch.randn(sum(splits), k, generator=gen) * mag
+    dy = torch.randn(sum(splits), out, generator=gen) * mag.flip(0)
+    return x.to(device, dtype), dy.to(device, dtype)
+
+
+def _layer(preset, out, device="cpu", k=IN, packed=True):
+    torch.manual_seed(1)
+    m = hq.GroupedLinear(E, k, out, recipe=preset, dtype=torch.bfloat16, device=device, name="moe")
+    m.packed_path = packed
+    return m
+
+
+def _results(m, x, dy, call):
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    m.weight.grad = None
+    y = call(m, x)
+    if x.requires_grad or m.weight.requires_grad:
+        y.backward(dy)
+    return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
+
+
+def _device_call(splits, dgrad, wgrad):
+    """The layer's product on the device-count path, its counts a tensor on x's device (on the CPU: read there)."""
+    def call(m, x):
+        qs = packed_quantizers(m.expert_quantizers).quantizers
+        layout = slot_layout(torch.tensor(splits, device=x.device), x, m.in_features, m.out_features, qs, dgrad,
+                             wgrad, m.name)
+        return DeviceBlockExperts.apply(x, m.weight, layout, qs, m.name, dgrad, wgrad)
+    return call
+
+
+# ---- the layout -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("multiple", [16, 32, 128])
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+def test_slot_layout_from_a_counts_tensor_is_the_host_layout_of_the_same_slots(splits, multiple):
+    """Table (slot start, first token, tokens, slot size, slot end, token end), source-row map, token rows and packed
+    buffer computed from the counts tensor equal those the host's counts give; the rows past the last slot (up to the
+    shape bound) are padding: -1 in the map, zero in the buffer."""
+    t = sum(splits)
+    layout = SlotLayout.build(torch.tensor(splits), t, torch.device("cpu"), multiple, lambda m: m, "moe")
+    host = layout.host()
+    assert host.slots == [-(-m // multiple) * multiple for m in splits]
+    assert layout.rows == bound_rows(t, E, multiple) >= host.total, (layout.rows, host.total)
+    assert layout.rows % multiple == 0
+    want_table = grouped_blocks.GroupBounds(host.offsets, host.splits, host.slots, torch.device("cpu")).table
+    assert_bitwise(layout.table, want_table, f"{splits}: device-built group bounds")
+    src = layout.source_rows()
+    assert_bitwise(src[:host.total], host.source_rows(torch.device("cpu")), f"{splits}: source rows of the slots")
+    assert bool((src[host.total:] == -1).all()), f"{splits}: rows past the last slot must be padding"
+    x = torch.randn(t, 8)
+    packed = layout.pack(x)
+    assert_bitwise(packed[:host.total], host.pack(x) if host.rows is not None else x, f"{splits}: packed buffer")
+    assert not packed[host.total:].any(), f"{splits}: rows past the last slot must be zero"
+
+
+def test_the_shape_bound_holds_every_routing_of_the_shapes():
+    """Whatever the counts (here the worst: every expert one row past a multiple), the slots fit the bound."""
+    for multiple in (16, 32, 128):
+        for t in range(0, 3 * multiple, 7):
+            for first in range(0, t + 1, max(1, t // 5)):
+                splits = [first] + [(t - first) // (E - 1)] * (E - 2)
+                splits.append(t - sum(splits))
+                slots = sum(-(-m // multiple) * multiple for m in splits)
+                assert slots <= bound_rows(t, E, multiple), (multiple, splits)
+        worst = [multiple + 1] * E
+        assert sum(2 * multiple for _ in worst) == bound_rows(sum(worst), E, multiple)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_slots_are_whole_scaling_blocks_of_every_cast(preset):
+    qs = _quantizers(preset)
+    for dgrad, wgrad in GRADS.values():
+        m = slot_multiple(qs, dgrad, wgrad)
+        for t in ("input", "grad_output"):
+            for row, col in ((True, False), (False, wgrad)):
+                assert m % qs[t].split_granularity(row, col)[0] == 0, (preset, t, row, col, m)
+        assert m % 16 == 0
+
+
+# ---- the path on the CPU reference: bitwise the host-count and per-expert paths -----------------------------------
+
+@pytest.mark.parametrize("out", OUTS, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_device_count_path_is_bitwise_the_host_count_and_per_expert_paths(preset, splits, out):
+    x, dy = _data(splits, out)
+    got = _results(_layer(preset, out), x.requires_grad_(), dy, _device_call(splits, True, True))
+    host = _results(_layer(preset, out), x, dy, lambda m, x: m(x, splits))
+    per_expert = _results(_layer(preset, out, packed=False), x, dy, lambda m, x: m(x, splits))
+    assert_results_bitwise(got, host, f"{preset} {splits} N={out}: device counts vs host counts")
+    assert_results_bitwise(got, per_expert, f"{preset} {splits} N={out}: device counts vs the per-expert path")
+
+
+@pytest.mark.parametrize("grads", GRADS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_device_count_path_computes_only_the_gradients_asked_for(preset, grads):
+    dgrad, wgrad = GRADS[grads]
+    splits = [5, 0, 130, 40]
+    x, dy = _data(splits, 128)
+    runs = []
+    for call in (_device_call(splits, dgrad, wgrad), lambda m, x: m(x, splits)):
+        m = _layer(preset, 128)
+        m.weight.requires_grad_(wgrad)
+        runs.append(_results(m, x.requires_grad_(dgrad), dy, call))
+    assert (runs[0]["dx"] is None) == (not dgrad) and (runs[0]["dW"] is None) == (not wgrad), grads
+    assert_results_bitwise(runs[0], runs[1], f"{preset} {grads}: device counts vs host counts")
+
+
+@pytest.mark.parametrize("splits, rule", [([10, -1, 55, 0], ">= 0"), ([10, 1, 1, 0], "sum to")],
+                         ids=["negative", "sum"])
+def test_bad_counts_on_the_cpu_raise_before_anything_is_quantized(splits, rule, monkeypatch):
+    """On the CPU (the reference) the counts are read: a ValueError naming the layer and the rule, raised while the
+    layout is built (before any quantize)."""
+    calls = []
+    monkeypatch.setattr(grouped_device_blocks, "_quantize", lambda *a, **k: calls.append(a))
+    x = torch.zeros(64, IN)
+    with pytest.raises(ValueError, match=rf"moe: m_splits.*{rule}"):
+        slot_layout(torch.tensor(splits), x, IN, 128, _quantizers("fp8_block"), True, True, "moe")
+    assert not calls
+
+
+def test_the_device_path_is_taken_only_on_cuda_where_every_phase_runs_grouped():
+    """device_path_runs: never on the CPU (there a list or CPU tensor m_splits is read: the host-count path)."""
+    for preset in PRESETS:
+        assert not device_path_runs(_quantizers(preset), torch.device("cpu"), E, 128, IN), preset
+
+
+# ---- the Triton grouped GEMMs on the device's bounds ---------------------------------------------------------------
+
+@pytest.mark.parametrize("weight_blocks", [2, 1], ids=["tiles", "rows"])
+@pytest.mark.parametrize("splits", [[5, 0, 130, 1], [0, 300, 0, 17], [1, 0, 0, 0]], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_grouped_block_kernels_on_device_bounds_are_bitwise_the_host_bounds(device, splits, weight_blocks):
+    """fprop, dgrad and wgrad of the Triton grouped kernels on the slot layout built from the counts tensor (buffer
+    of the shape bound, grids bounded by the shapes) vs the same kernels on the host's layout and bounds."""
+    from hybridq.enums import COLUMNWISE, ROWWISE
+    from hybridq.formats import Float8BlockQuantizer
+    n, k = 256, 200
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(sum(splits), k, generator=gen), torch.randn(sum(splits), n, generator=gen)
+    w = torch.randn(E, n, k, generator=gen)
+    qt, qw = Float8BlockQuantizer(block_dim=1), Float8BlockQuantizer(block_dim=weight_blocks)
+    wq = qw.quantize_groups(w.reshape(E * n, k).to(dev), [n] * E, rowwise=True, columnwise=True, name="w")
+    layout = SlotLayout.build(torch.tensor(splits, device=dev), sum(splits), dev, 128, lambda m: m, "moe")
+    host = TokenLayout.build(splits, splits, dev, 128)
+    results = {}
+    for what, lay, bounds, pack in (
+            ("device", layout, layout.bounds(), layout.pack),
+            ("host", host, grouped_blocks.GroupBounds(host.offsets, host.splits, host.slots, dev), host.pack)):
+        xq = qt.quantize(pack(x.to(dev)), rowwise=True, columnwise=True, name="x")
+        dyq = qt.quantize(pack(dy.to(dev)), rowwise=True, columnwise=True, name="dy")
+        results[what] = {
+            "fprop": grouped_blocks.mm(xq.part(ROWWISE), wq.part(ROWWISE), E, bounds, torch.bfloat16),
+            "dgrad": grouped_blocks.mm(dyq.part(ROWWISE), wq.part(COLUMNWISE), E, bounds, torch.bfloat16),
+            "wgrad": grouped_blocks.wgrad(dyq.part(COLUMNWISE), xq.part(COLUMNWISE), bounds, torch.bfloat16)}
+    assert_results_bitwise(results["device"], results["host"], f"{splits}: kernels on device bounds vs host bounds")
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------------------
+
+def _device_path_here(preset) -> bool:
+    return torch.cuda.is_available() and device_path_runs(_quantizers(preset), torch.device("cuda"), E, 128, IN)
+
+
+GPU_PRESETS = [pytest.param(p, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not _device_path_here(p), reason="needs CUDA sm_90 with the grouped kernels (Triton, the built extension)")])
+    for p in ("fp8_block", "mxfp8")]
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_gpu_device_counts_take_the_path_bitwise_the_host_count_path(preset, splits, monkeypatch):
+    """A CUDA counts tensor takes the device-count path; bitwise the host-count packed path (list counts) with the
+    same grouped GEMM kernels (the Triton kernels: the cuBLAS loop needs host counts)."""
+    monkeypatch.setitem(grouped_blocks.FORCE, "backend", grouped_blocks.TRITON)
+    taken = []
+    orig = DeviceBlockExperts.forward
+
+    def spy(*a, **k):
+        taken.append(True)
+        return orig(*a, **k)
+    monkeypatch.setattr(DeviceBlockExperts, "forward", staticmethod(spy))
+    x, dy = _data(splits, 128, device="cuda")
+    got = _results(_layer(preset, 128, "cuda"), x.requires_grad_(), dy,
+                   lambda m, x: m(x, torch.tensor(splits, device="cuda")))
+    assert taken, f"{preset}: a CUDA counts tensor should take the device-count path"
+    want = _results(_layer(preset, 128, "cuda"), x, dy, lambda m, x: m(x, splits))
+    assert_results_bitwise(got, want, f"{preset} {splits}: device counts vs host counts on CUDA")
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_gpu_device_count_path_runs_without_a_host_sync(preset):
+    m = _layer(preset, 128, "cuda")
+    splits = [5, 0, 130, 40]
+    route = torch.tensor(splits, device="cuda")
+    x, dy = _data(splits, 128, device="cuda")
+    x.requires_grad_()
+    m(x, route).backward(dy)  # (first call: Triton compiles, the extension loads)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m(x, route).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_gpu_block_with_device_counts_replays_bitwise_from_a_cuda_graph(preset):
+    """Two GroupedLinears (up, SiLU, down) on a CUDA counts tensor: forward and backward captured in a CUDA graph (a
+    host sync inside a capture is an error); a replay computes bitwise what eager computes, and a new routing written
+    into the counts tensor replays bitwise eager on it."""
+    torch.manual_seed(0)
+    up = hq.GroupedLinear(E, IN + 96, 128, recipe=preset, device="cuda", dtype=torch.bfloat16, name="up")
+    down = hq.GroupedLinear(E, 128, IN + 96, recipe=preset, device="cuda", dtype=torch.bfloat16, name="down")
+    route = torch.tensor([5, 0, 130, 121], device="cuda")
+    x = torch.randn(256, IN + 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, IN + 96, device="cuda", dtype=torch.bfloat16)
+    params = [x, up.weight, down.weight]
+
+    def step():
+        for p in params:
+            p.grad = None
+        out = down(torch.nn.functional.silu(up(x, route)), route)
+        out.backward(dy)
+        return out
+
+    def eager():
+        out = step().detach().clone()
+        return [out] + [p.grad.clone() for p in params]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, the extension loads
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in params:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = step()
+    captured = [out] + [p.grad for p in params]  # (the graph's own tensors: each replay writes them)
+    for splits in ([5, 0, 130, 121], [0, 256, 0, 0]):
+        route.copy_(torch.tensor(splits))
+        want = eager()
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, g, w in zip(("output", "dx", "dW up", "dW down"), captured, want):
+            assert_bitwise(g, w, f"{preset} routing {splits}: {name} replayed from the CUDA graph vs eager")
