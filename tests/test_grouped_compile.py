@@ -1,7 +1,8 @@
-"""torch.compile of a GroupedLinear (hybridq/nn/compiled_grouped.py): per-tensor FP8 experts on the jagged layout with
-`m_splits` as a tensor compile into the graph as two custom ops (no graph break per expert layer) and compute bitwise
-what eager computes with the same counts; a new routing (same shapes) reuses the compiled graph; what the ops do not
-take stays a graph break and correct."""
+"""torch.compile of a GroupedLinear (hybridq/nn/compiled_grouped.py, compiled_grouped_blocks.py): per-tensor FP8
+experts on the jagged layout, and block-format experts (FP8 blocks, MXFP8, their hybrid) on the device-count packed
+path, with `m_splits` as a tensor compile into the graph as two custom ops (no graph break per expert layer) and
+compute bitwise what eager computes with the same counts; a new routing (same shapes) reuses the compiled graph; what
+the ops do not take stays a graph break and correct."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq as hq
-from hybridq.nn.grouped_packed import FP8_TENSOR, packed_quantizers
+from hybridq.nn.compiled_grouped import experts_in_graph
+from hybridq.nn.grouped_device_blocks import device_path_runs
+from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, packed_quantizers
 
 from _compare import assert_bitwise
 
@@ -19,9 +22,15 @@ E, D, H = 3, 64, 96
 SPLITS = [17, 0, 47]  # (64 tokens: MXFP8's Linear needs rows in 32s)
 
 # the presets whose experts take the jagged FP8 path (every expert the same per-tensor FP8 with current scaling)
-JAGGED_PRESETS = [p for p in hq.preset_names()
-                  if getattr(packed_quantizers(hq.GroupedLinear(1, 32, 32, recipe=p).expert_quantizers), "kind",
-                             None) == FP8_TENSOR]
+def _presets(kind):
+    return [p for p in hq.preset_names()
+            if getattr(packed_quantizers(hq.GroupedLinear(1, 32, 32, recipe=p).expert_quantizers), "kind", None) == kind]
+
+
+JAGGED_PRESETS = _presets(FP8_TENSOR)
+# the presets whose experts take the device-count packed block path (block formats without tensor-wide statistics)
+BLOCK_PRESETS = _presets(BLOCKS)
+IN_GRAPH_PRESETS = JAGGED_PRESETS + BLOCK_PRESETS
 
 
 class MoEBlock(nn.Module):
@@ -56,17 +65,25 @@ def _assert_same(got, want, what):
 
 
 def _grouped_ops(explained) -> int:
-    op = torch.ops.hybridq.grouped_linear_forward
-    return sum(n.target in (op, op.default) for g in explained.graphs for n in g.graph.nodes)
+    ops = [torch.ops.hybridq.grouped_linear_forward, torch.ops.hybridq.grouped_blocks_forward]
+    targets = {t for op in ops for t in (op, op.default)}
+    return sum(n.target in targets for g in explained.graphs for n in g.graph.nodes)
 
 
 def test_jagged_presets_are_listed():
     assert "fp8_tensorwise" in JAGGED_PRESETS, JAGGED_PRESETS
+    assert {"fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"} <= set(BLOCK_PRESETS), BLOCK_PRESETS
+
+
+@pytest.mark.parametrize("preset", IN_GRAPH_PRESETS)
+def test_experts_in_graph_for_the_recipes_the_ops_take(preset):
+    """What the training job asks before compiling an expert module's products (launch/model.py)."""
+    assert experts_in_graph(MoEBlock(preset).up), preset
 
 
 @pytest.mark.parametrize("x_grad, w_grad", [(True, True), (False, True), (True, False)],
                          ids=["dgrad+wgrad", "wgrad-only", "frozen-experts"])
-@pytest.mark.parametrize("preset", JAGGED_PRESETS)
+@pytest.mark.parametrize("preset", IN_GRAPH_PRESETS)
 def test_grouped_linear_in_graph_is_bitwise_eager(preset, x_grad, w_grad):
     """fullgraph=True (no graph break at either GroupedLinear): output and every gradient bit for bit eager's."""
     torch.manual_seed(0)
@@ -81,9 +98,10 @@ def test_grouped_linear_in_graph_is_bitwise_eager(preset, x_grad, w_grad):
     _assert_same(got, want, f"{preset}, compiled")
 
 
-def test_grouped_linear_in_graph_under_no_grad_is_bitwise_eager():
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block"])
+def test_grouped_linear_in_graph_under_no_grad_is_bitwise_eager(preset):
     torch.manual_seed(0)
-    model = MoEBlock("fp8_tensorwise")
+    model = MoEBlock(preset)
     x, m_splits = torch.randn(sum(SPLITS), D), torch.tensor(SPLITS)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -91,19 +109,21 @@ def test_grouped_linear_in_graph_under_no_grad_is_bitwise_eager():
         assert_bitwise(compiled(x, m_splits), model(x, m_splits), "no_grad output")
 
 
-def test_grouped_linear_with_tensor_counts_is_in_the_graph():
-    model = MoEBlock("fp8_tensorwise")
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block", "mxfp8"])
+def test_grouped_linear_with_tensor_counts_is_in_the_graph(preset):
+    model = MoEBlock(preset)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(torch.randn(sum(SPLITS), D), torch.tensor(SPLITS))
     assert explained.graph_break_count == 0, f"a graph break: {explained.break_reasons}"
     assert _grouped_ops(explained) == 2, f"both GroupedLinears should be custom ops in the graph: {explained}"
 
 
-def test_a_new_routing_reuses_the_compiled_graph():
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block", "mxfp8"])
+def test_a_new_routing_reuses_the_compiled_graph(preset):
     """The counts are a tensor input of the graph, not constants: other counts (same token total) compile nothing
     new and compute what eager computes with them."""
     torch.manual_seed(0)
-    model = MoEBlock("fp8_tensorwise")
+    model = MoEBlock(preset)
     x = torch.randn(sum(SPLITS), D)
     graphs = []
 
@@ -121,9 +141,10 @@ def test_a_new_routing_reuses_the_compiled_graph():
     assert len(graphs) == compiled_once, f"new counts compiled {len(graphs) - compiled_once} more graph(s)"
 
 
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block"])
 @pytest.mark.parametrize("splits, rule", [([10, -1, 55], ">= 0"), ([10, 1, 1], "sum to")], ids=["negative", "sum"])
-def test_bad_counts_in_the_graph_raise_naming_the_layer(splits, rule):
-    model = MoEBlock("fp8_tensorwise")
+def test_bad_counts_in_the_graph_raise_naming_the_layer(splits, rule, preset):
+    model = MoEBlock(preset)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     # (the configuration's first layer is named: layers of one configuration share the compiled graph)
@@ -131,14 +152,14 @@ def test_bad_counts_in_the_graph_raise_naming_the_layer(splits, rule):
         compiled(torch.randn(sum(SPLITS), D), torch.tensor(splits))
 
 
-@pytest.mark.parametrize("case", ["list counts", "mxfp8", "bias"])
+@pytest.mark.parametrize("case", ["list counts", "fp8_rowwise", "bias", "block bias"])
 def test_what_the_ops_do_not_take_stays_eager_and_correct(case):
     """A list m_splits (its values would be graph constants), another recipe, a bias: the GroupedLinear runs eagerly
     between compiled regions (a graph break) and computes what eager computes."""
     torch.manual_seed(0)
-    preset = "mxfp8" if case == "mxfp8" else "fp8_tensorwise"
+    preset = {"fp8_rowwise": "fp8_rowwise", "block bias": "fp8_block"}.get(case, "fp8_tensorwise")
     model = MoEBlock(preset)
-    if case == "bias":
+    if case in ("bias", "block bias"):
         model.up = hq.GroupedLinear(E, D, H, bias=True, recipe=preset, name="up")
     m_splits = SPLITS if case == "list counts" else torch.tensor(SPLITS)
     x = torch.randn(sum(SPLITS), D)
@@ -164,3 +185,25 @@ def test_grouped_linear_in_graph_on_cuda_is_bitwise_eager():
     want = _grads(model, model, x, m_splits)
     torch._dynamo.reset()
     _assert_same(_grads(model, torch.compile(model, fullgraph=True), x, m_splits), want, "cuda, inductor")
+
+
+def _block_path_on_cuda(preset) -> bool:
+    qs = packed_quantizers(hq.GroupedLinear(E, D, H, recipe=preset).expert_quantizers).quantizers
+    return torch.cuda.is_available() and all(device_path_runs(qs, torch.device("cuda"), E, n, k)
+                                             for n, k in ((H, D), (D, H)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["fp8_block", "mxfp8"])
+def test_block_experts_in_graph_on_cuda_are_bitwise_eager(preset):
+    """Block-format experts on an H100/H200 under Inductor, counts on the device (the device-count path's Triton
+    grouped kernels / grouped MXFP8 emulation): fullgraph, bitwise eager with the same counts tensor."""
+    if not _block_path_on_cuda(preset):
+        pytest.skip("needs CUDA sm_90 with the grouped block kernels (Triton, the built extension)")
+    torch.manual_seed(0)
+    model = MoEBlock(preset).cuda().to(torch.bfloat16)
+    x = torch.randn(sum(SPLITS), D, device="cuda", dtype=torch.bfloat16)
+    m_splits = torch.tensor(SPLITS, device="cuda")
+    want = _grads(model, model, x, m_splits)
+    torch._dynamo.reset()
+    _assert_same(_grads(model, torch.compile(model, fullgraph=True), x, m_splits), want, f"{preset} cuda, inductor")
