@@ -92,7 +92,8 @@ def test_the_training_jobs_moe_blocks_compile_whole_with_fp8_experts(backend):
     _check(out["launch_model"], f"launch/model.py, world 1, {backend}", products=3)
 
 
-@pytest.mark.parametrize("preset, compiles", [("fp8_tensorwise", True), ("mxfp8", False), ("fp8_block", False)])
+@pytest.mark.parametrize("preset, compiles", [("fp8_tensorwise", True), ("mxfp8", True), ("fp8_block", True),
+                                             ("nvfp4", False)])
 def test_experts_in_graph_says_which_configurations_compile(preset, compiles):
     """What the training job asks before it lets an expert module's forward into the graph (launch/model.py)."""
     experts = jobs.Experts(torch.nn.functional.silu)
