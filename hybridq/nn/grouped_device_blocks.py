@@ -103,6 +103,9 @@ def _mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, 
         out_dtype: torch.dtype, what: str) -> torch.Tensor:
     """fprop (`direction` ROWWISE) / dgrad (COLUMNWISE) of every expert, `[tokens, n]` in token order: one grouped GEMM
     on the device's bounds, else (host counts) one `gemm` per expert."""
+    if layout.tokens == 0:  # (no product to compute: the grouped GEMMs are not asked for an empty one)
+        n_out = weights.n if direction == ROWWISE else weights.part(0, direction).rows
+        return a.data.new_zeros(0, n_out, dtype=out_dtype)
     if weights.packed:
         b = weights.tensors[0].part(direction)
         out = None
@@ -115,17 +118,15 @@ def _mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, 
                 a, b, e, table[4], layout.token_rows, out_dtype, token_ends=table[5]))
         if out is not None:
             return out
-    used = _used(layout.host())
-    if not used:
-        n_out = weights.n if direction == ROWWISE else weights.part(0, direction).rows
-        return a.data.new_zeros(0, n_out, dtype=out_dtype)
-    return _per_expert_mm(a, weights, direction, used, out_dtype, what)
+    return _per_expert_mm(a, weights, direction, _used(layout.host()), out_dtype, what)
 
 
 def _wgrad(dy_col: QuantizedPart, x_col: QuantizedPart, layout: SlotLayout, e: int, n: int, k: int,
            out_dtype: torch.dtype, what: str) -> torch.Tensor:
     """wgrad of every expert `[E, n, k]` (zero for an expert without tokens): one grouped GEMM contracted over each
     slot (its zero rows add zero products), else (host counts) one `gemm` per expert over its padded rows."""
+    if layout.tokens == 0:
+        return dy_col.data.new_zeros(e, n, k, dtype=out_dtype)
     out = None
     if grouped_blocks.supports(dy_col, x_col) and layout.multiple % grouped_blocks.BLOCK == 0:
         out = grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM",
