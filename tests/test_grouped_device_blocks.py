@@ -195,6 +195,70 @@ def test_grouped_block_kernels_on_device_bounds_are_bitwise_the_host_bounds(devi
     assert_results_bitwise(results["device"], results["host"], f"{splits}: kernels on device bounds vs host bounds")
 
 
+@pytest.mark.parametrize("splits", [[5, 0, 130, 1], [0, 300, 0, 17], [1, 0, 0, 0], [0, 0, 0, 0]], ids=str)
+def test_grouped_mxfp8_emulation_on_the_device_layout_is_bitwise_the_host_layout(splits, monkeypatch):
+    """The device path's fprop / dgrad / wgrad calls of the grouped MXFP8 emulation (`_mm` / `_wgrad`: the device's
+    token rows and token ends, the empty experts zeroed on the device) vs the host-count path's calls (host layout,
+    its bounds and list of empty experts), on the CPU (its `torch._grouped_mm`; `supports` asks for CUDA)."""
+    from hybridq.enums import COLUMNWISE, ROWWISE
+    from hybridq.formats import MXFP8Quantizer
+    from hybridq.kernels import grouped_emulated
+    from hybridq.nn.grouped_packed_blocks import ExpertWeights
+    monkeypatch.setattr(grouped_emulated, "supports", lambda a, b: True)
+    n, k, dev = 256, 256, torch.device("cpu")
+    gen = torch.Generator().manual_seed(6)
+    x, dy = torch.randn(sum(splits), k, generator=gen), torch.randn(sum(splits), n, generator=gen)
+    q = MXFP8Quantizer()
+    wq = ExpertWeights.quantize(q, torch.randn(E, n, k, generator=gen), True, "w")
+    assert wq.packed
+    layout = SlotLayout.build(torch.tensor(splits), sum(splits), dev, 32, lambda m: m, "moe")
+    xq = q.quantize(layout.pack(x), rowwise=True, columnwise=True, name="x")
+    dyq = q.quantize(layout.pack(dy), rowwise=True, columnwise=True, name="dy")
+    got = {"fprop": grouped_device_blocks._mm(xq.part(ROWWISE), wq, E, ROWWISE, layout, torch.bfloat16, "fprop"),
+           "dgrad": grouped_device_blocks._mm(dyq.part(ROWWISE), wq, E, COLUMNWISE, layout, torch.bfloat16, "dgrad"),
+           "wgrad": grouped_device_blocks._wgrad(dyq.part(COLUMNWISE), xq.part(COLUMNWISE), layout, E, n, k,
+                                                 torch.bfloat16, "wgrad")}
+    host = TokenLayout.build(splits, [-(-m // 32) * 32 for m in splits], dev, 32)
+    bounds = grouped_blocks.GroupBounds(host.offsets, host.splits, host.slots, dev)
+    xh = q.quantize_groups(host.pack(x), host.slots, rowwise=True, columnwise=True, name="x")
+    dyh = q.quantize_groups(host.pack(dy), host.slots, rowwise=True, columnwise=True, name="dy")
+    w = wq.tensors[0]
+    if sum(splits) == 0:  # (the host path computes no product: no token)
+        want = {"fprop": got["fprop"].new_zeros(0, n), "dgrad": got["dgrad"].new_zeros(0, k),
+                "wgrad": torch.zeros(E, n, k, dtype=torch.bfloat16)}
+    else:
+        want = {"fprop": grouped_emulated.mm(xh.part(ROWWISE), w.part(ROWWISE), E, bounds.table[4], host.rows,
+                                             torch.bfloat16, token_ends=bounds.table[5]),
+                "dgrad": grouped_emulated.mm(dyh.part(ROWWISE), w.part(COLUMNWISE), E, bounds.table[4], host.rows,
+                                             torch.bfloat16, token_ends=bounds.table[5]),
+                "wgrad": grouped_emulated.wgrad(dyh.part(COLUMNWISE), xh.part(COLUMNWISE), bounds.table[4],
+                                                bounds.empty, torch.bfloat16)}
+    assert_results_bitwise(got, want, f"{splits}: grouped MXFP8 emulation on the device layout vs the host layout")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8"])
+@pytest.mark.parametrize("splits", [[5, 0, 130, 1], [1, 0, 0, 0]], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_slot_quantize_fed_the_device_source_rows_is_bitwise_the_packed_quantization(device, splits, fmt):
+    """The grouped slot quantize given the device-built source-row map (slots, then padding up to the shape bound)
+    writes the bytes and scales of the packed buffer's quantization."""
+    from _compare import assert_parts_bitwise
+    from hybridq.enums import COLUMNWISE, ROWWISE
+    from hybridq.formats import Float8BlockQuantizer, MXFP8Quantizer
+    from hybridq.kernels import grouped_slots, triton_slot_quantize as t
+    q, mode, kw = ((Float8BlockQuantizer(), t.MODE_FP8_BLOCK, dict(eps=0.0, pow2=True)) if fmt == "fp8_block"
+                   else (MXFP8Quantizer(), t.MODE_MXFP8, {}))
+    dev = torch.device(device)
+    x = torch.randn(sum(splits), 160, generator=torch.Generator().manual_seed(7)).to(dev, torch.bfloat16)
+    layout = SlotLayout.build(torch.tensor(splits, device=dev), sum(splits), dev, 128, lambda m: m, "moe")
+    want = q.quantize(layout.pack(x), rowwise=True, columnwise=True, name="x")
+    src = layout.source_rows()
+    rq, rs, cq, cs = t.slot_quantize(x, src, mode, q.dtype, True, True, fp8_max=float(torch.finfo(q.dtype).max), **kw)
+    s = layout.rows
+    assert_parts_bitwise(grouped_slots._part(q, rq, rs, s, 160, False), want.part(ROWWISE), f"{fmt} rowwise")
+    assert_parts_bitwise(grouped_slots._part(q, cq, cs, 160, s, True), want.part(COLUMNWISE), f"{fmt} columnwise")
+
+
 # ---- on a GPU ------------------------------------------------------------------------------------------------------
 
 def _device_path_here(preset) -> bool:
