@@ -1,4 +1,5 @@
-"""A GroupedLinear inside torch.compile's graph: per-tensor FP8 experts on the jagged layout as two custom ops.
+"""A GroupedLinear inside torch.compile's graph: per-tensor FP8 experts on the jagged layout as two custom ops (block
+formats: compiled_grouped_blocks.py).
 
 Dynamo cannot trace hybridq's autograd functions, so a GroupedLinear in a compiled region was a graph break. Where the
 layer takes the jagged FP8 path (per-tensor FP8 with current scaling for every expert, no bias, no backward override,
@@ -23,8 +24,14 @@ through the handle when it runs, and backward calls `hybridq::gathered_grouped_l
 stacked columnwise buffers `[E, K, N]` the backward unshard derived -- the eager layer's `HeldFP8Experts` path, so
 bitwise eager; the graph neither copies nor saves the gathered bytes.
 
+Block formats without tensor-wide statistics (FP8 1x128 / 128x128 blocks, MXFP8, their hybrids: the `BLOCKS` packed
+kind) compile into the graph too, as compiled_grouped_blocks.py's two ops over the device-count packed path
+(nn/grouped_device_blocks.py), on the CPU and where that path runs on CUDA without a host count
+(`grouped_device_blocks.device_path_runs`), with a plain weight.
+
 What stays a graph break (the eager path): `m_splits` as a list (its values would be constants of the graph: one
-compile per routing), every other recipe and option, weights held quantized (quantized_model_init).
+compile per routing), every other recipe (NVFP4, delayed scaling, ...) and option, block-format weights FSDP2 gathers
+quantized, weights held quantized (quantized_model_init).
 `runs_in_graph` says which; `experts_in_graph` whether an expert module's products all compile.
 """
 
@@ -132,7 +139,7 @@ def experts_in_graph(module) -> bool:
     """Whether every grouped product of `module` -- a GroupedLinear, or an expert module converted by
     `convert_experts` -- runs inside torch.compile's graph (no graph break) when called with `m_splits` as a tensor
     on inputs the kernels take: every layer per-tensor FP8 with current scaling on the jagged path, its weight plain
-    or gathered quantized by FSDP2. False for a module that was not converted. May be traced by dynamo (e.g. to run
+    or gathered quantized by FSDP2, or block formats (FP8 blocks, MXFP8, their hybrids) with a plain weight. False for a module that was not converted. May be traced by dynamo (e.g. to run
     an expert module's forward under `torch.compiler.disable` where it would break the graph)."""
     if "_graph_key" in module.__dict__:
         layers = {"weight": module}

@@ -287,7 +287,8 @@ class GroupedLinear(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if torch.compiler.is_compiling() and compiled_grouped.runs_in_graph(self, x, m_splits, is_first_microbatch):
-            # per-tensor FP8 on the jagged layout with tensor counts: two custom ops in the graph (compiled_grouped.py)
+            # tensor counts, per-tensor FP8 on the jagged layout or block formats on the device-count packed path:
+            # two custom ops in the graph (compiled_grouped.py, compiled_grouped_blocks.py)
             return compiled_grouped.grouped_in_graph(self, x, m_splits)
         return self._eager_forward(x, m_splits, is_first_microbatch)
 
