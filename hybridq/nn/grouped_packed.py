@@ -29,6 +29,7 @@ from ..formats import Float8Quantizer
 from ..formats.base import Quantizer, transposed_copy
 from ..formats.float8 import Float8RowGroups, Float8TensorPart, aligned_scales
 from ..gemm import gemm, grouped_fp8_gemm_kernel, grouped_gemm_fp8
+from ..torch_private import current_raw_stream
 
 TENSORS = ("input", "weight", "grad_output")
 FP8_TENSOR = "fp8_tensor"  # per-tensor FP8, current scaling: row groups and grouped GEMMs
@@ -161,13 +162,17 @@ class SlotLayout:
     built, with the value rules checked, ValueError), or on a GPU where no grouped GEMM takes the operands (a sync).
     On CUDA the value rules are checked on the device, asynchronously (a device assert)."""
 
-    def __init__(self, counts: torch.Tensor, tokens: int, multiple: int, padded_of, splits: list[int] | None):
+    def __init__(self, counts: torch.Tensor, tokens: int, multiple: int, padded_of, splits: list[int] | None,
+                 device_parts: tuple | None = None):
         self.counts, self.tokens, self.multiple, self.padded_of = counts, tokens, multiple, padded_of
         self.num_experts = counts.shape[0]
         self.rows = bound_rows(tokens, self.num_experts, multiple)
         self._splits = splits
         self._host: TokenLayout | None = None
         self._source: torch.Tensor | None = None
+        if device_parts is not None:  # (another layer's layout of the same routing: `build`)
+            self.table, self.token_rows, self._source = device_parts
+            return
         slots = (counts + (multiple - 1)).div_(multiple, rounding_mode="floor").mul_(multiple)
         ends = slots.cumsum(0)
         token_ends = counts.cumsum(0)
@@ -184,8 +189,18 @@ class SlotLayout:
               name: str, fake: bool = False) -> "SlotLayout":
         """From a checked 1-D integer tensor `m_splits` (`checked_m_splits` / the compiled op's checks). CUDA (or
         `fake`: compile's tracing): the counts stay on the device, checked there asynchronously; CPU: read and
-        checked (ValueError naming `name`)."""
+        checked (ValueError naming `name`). On CUDA, eagerly, the projections of one MoE layer share their routing
+        (and backward reads it again): the device tensors of the last `_SLOT_ROUTINGS` routings are reused while the
+        counts tensor is the same and unmodified (its version), with the same tokens, multiple and stream."""
         from .m_splits import check_split_values
+        if fake or device.type == "cpu" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            key = None  # (traced or captured: the graph holds its own; the CPU reads the counts anyway)
+        else:
+            key = (id(m_splits), tokens, device, multiple, current_raw_stream(device))
+            hit = _SLOTS.get(key)
+            if hit is not None and hit[0] is m_splits and hit[1] == m_splits._version:
+                return cls(hit[2].counts, tokens, multiple, padded_of, None,
+                           (hit[2].table, hit[2].token_rows, hit[2].source_rows()))
         counts = m_splits.to(device=device, dtype=torch.int64)
         splits = None
         if not fake and counts.device.type == "cpu":
@@ -193,7 +208,13 @@ class SlotLayout:
         elif not fake:
             torch._assert_async((counts >= 0).all() & (counts.sum() == tokens),
                                 f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
-        return cls(counts, tokens, multiple, padded_of, splits)
+        layout = cls(counts, tokens, multiple, padded_of, splits)
+        if key is not None:
+            _SLOTS.pop(key, None)
+            if len(_SLOTS) >= _SLOT_ROUTINGS:
+                del _SLOTS[next(iter(_SLOTS))]  # (the oldest routing)
+            _SLOTS[key] = (m_splits, m_splits._version, layout)
+        return layout
 
     def bounds(self):
         """The grouped GEMMs' bounds (`grouped_blocks.GroupBounds`) from the device table."""
@@ -225,6 +246,12 @@ class SlotLayout:
                 raise RuntimeError(f"slot layout: padded token counts {host.padded} exceed the slots {host.slots}")
             self._host = host
         return self._host
+
+
+# (m_splits id, tokens, device, multiple, stream) -> (m_splits, its version, SlotLayout) of the last routings (a tensor
+# is kept with its layout, so its id is not reused while cached)
+_SLOTS: dict = {}
+_SLOT_ROUTINGS = 32
 
 
 class PackedFP8Experts(torch.autograd.Function):
