@@ -122,8 +122,9 @@ class GroupedLinear(nn.Module):
     # tensor-wide statistics (FP8 blocks, MXFP8, hybrids of them) or all NVFP4 / its hybrids (per-expert global
     # amaxes; a weight without stochastic rounding), and no bias, override, weight cache, quantized or
     # FSDP2-gathered weight or save_original_input: quantize all experts in one call per tensor
-    # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py; `packed_quantizers` decides). False: always the
-    # per-expert path (what the packed paths are tested against).
+    # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py; `packed_quantizers` decides; with m_splits a CUDA
+    # tensor, FP8 blocks and MXFP8 without a host sync where the grouped GEMMs take every phase:
+    # grouped_device_blocks.py). False: always the per-expert path (what the packed paths are tested against).
     packed_path: bool = True
     # per-tensor FP8 (the FP8_TENSOR packed path) takes the jagged layout (hybridq/nn/grouped_jagged.py: tokens as
     # routed, group bounds on the device, no host sync) where its kernels run here (the CPU reference; CUDA sm_90

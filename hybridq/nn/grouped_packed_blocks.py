@@ -19,6 +19,10 @@ each expert's numbers as the per-expert call would: the input's experts first to
 quantizes them), grad_output's last to first (autograd runs the per-expert backward from the last expert created).
 The weight is quantized packed when N is a whole number of its blocks along N (128x128 tiles: 128; MXFP8's
 columnwise 1x32 blocks: 32; NVFP4: always, its shape rule asks for it), else expert by expert (`ExpertWeights`).
+
+This path reads the counts on the host (one sync per layer with a CUDA `m_splits`). With the counts on the device, FP8
+blocks and MXFP8 run the device-count variant instead (grouped_device_blocks.py: the layout computed on the device,
+the grouped GEMMs on its bounds, no sync; NVFP4 stays here).
 """
 
 from __future__ import annotations
