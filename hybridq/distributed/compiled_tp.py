@@ -20,12 +20,20 @@ Fakes (what compile traces with) run the same code on fake tensors: c10d's colle
 move nothing), so the saved tensors' shapes come out of the real code path; the one check that reads values (every
 rank holding the same share of the sequence: sequence.py's `check_equal_pieces`) runs in the real op only.
 
-What stays a graph break (the eager path, same results): a weight FSDP2 gathers quantized over the TP piece
-(apply_hybrid_fsdp on a 2-D mesh), the is_first_microbatch cache, and inputs placed in a way the eager path
-refuses (its error is raised there).
+A weight piece FSDP2 all-gathers quantized (apply_hybrid_fsdp, then the TP styles, then fully_shard over the dp
+mesh dimension: torchtitan's 2-D order) enters the graph as its handle, as on one device (nn/weight_handle.py): the
+ops called on it become `hybridq::tp_gathered_linear_forward` / `tp_gathered_linear_backward`, which read the
+gathered piece when they run.
+
+What stays a graph break (the eager path, same results): the is_first_microbatch cache, a quantized parameter
+(quantized_model_init) under tensor parallelism, and inputs placed in a way the eager path refuses (its error is
+raised there).
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -35,6 +43,9 @@ from ..nn.compiled_linear import (_LAYOUTS, _backward_fake, _config, _record_lay
                                   general_grads)
 from ..nn.linear_function import _LinearConfig, gradients_needed
 from ..nn.plain_ops import plain_op
+from ..nn.weight_handle import bound_args, handled_weight, redirect, weight_of
+from ..tensor import QuantizedTensor
+from ..torch_private import local_tensor
 from .sequence import SequenceGather, _WgradShare, gather_plan
 
 __all__ = ["register", "runs_in_graph", "compiled_tp_linear"]
@@ -45,6 +56,8 @@ __all__ = ["register", "runs_in_graph", "compiled_tp_linear"]
 _CONTENT: dict[tuple, str] = {}
 _TP: dict[str, object] = {}
 _CONFIGS: dict[tuple, _LinearConfig] = {}  # (configuration key, override, tp key) -> config with piece quantizers
+_LAYERS: dict[int, weakref.ref] = {}  # tensor-parallel Linears by number (`track`)
+_NEXT_LAYER = itertools.count()
 
 
 def register(tp) -> str:
@@ -57,6 +70,22 @@ def register(tp) -> str:
         key = _CONTENT[content] = f"tp-{len(_CONTENT)}@{_PROCESS}"
         _TP[key] = tp
     return key
+
+
+def track(module) -> int:
+    """A number naming `module` (a tensor-parallel Linear) for `_gathered_now`, kept while the module lives."""
+    n = next(_NEXT_LAYER)
+    _LAYERS[n] = weakref.ref(module, lambda _, n=n: _LAYERS.pop(n, None))
+    return n
+
+
+@torch.compiler.assume_constant_result
+def _gathered_now(layer: int) -> bool:
+    """Whether the weight of tensor-parallel Linear `layer` is, as compile traces its call, the piece FSDP2
+    gathered quantized (a handled weight under the DTensor: fully_shard manages it, which never changes after;
+    compiled code reads it as a constant)."""
+    module = _LAYERS[layer]()
+    return module is not None and handled_weight(local_tensor(module._parameters.get("weight")))
 
 
 def _tp_config(key: str, override: str | None, tp_key: str) -> _LinearConfig:
@@ -91,9 +120,9 @@ def _layout_key(key, override, need_dgrad, need_wgrad, x, w_shape, tp_key, seq_d
     return ("tp", key, override, need_dgrad, need_wgrad, tuple(x.shape), tuple(w_shape), x.dtype, tp_key, seq_dim)
 
 
-def _forward(x, weight, bias, key, override, need_dgrad, need_wgrad, tp_key, seq_dim):
+def _forward(x, weight, bias, key, override, need_dgrad, need_wgrad, tp_key, seq_dim, handled=False):
     cfg, gather = _call_config(x, key, override, tp_key, seq_dim)
-    return general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad,
+    return general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad, handled,
                            lead=None if gather is None else gather.full_shape[:-1])
 
 
@@ -122,6 +151,12 @@ def tp_linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.T
                        seq_dim: int) -> list[torch.Tensor]:
     """[dx, dw, db] (an empty tensor for a gradient not asked for) of the call `tp_linear_forward` saved `saved`
     for; dx is this rank's piece (under sequence parallelism reduce-scattered over the group)."""
+    return _grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape,
+                  x_dtype, w_dtype, b_dtype, tp, seq_dim)
+
+
+def _grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype,
+           w_dtype, b_dtype, tp, seq_dim) -> list[torch.Tensor]:
     x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
     layout, _ = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_meta, w_shape, tp, seq_dim)]
     cfg, gather = _call_config(x_meta, key, override, tp, seq_dim)
@@ -146,9 +181,11 @@ def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, key, override, need_dgrad, need_wgrad, tp, seq_dim = inputs
     cfg = _config(key, override)
     hp = cfg.backward_override == BackwardOverride.HIGH_PRECISION
-    # the input (this rank's rows) and the weight piece are kept only where backward reads them as they are
+    # the input (this rank's rows) and the weight piece are kept only where backward reads them as they are; a
+    # gathered weight piece is kept whatever backward reads (its handle: backward reads the weight then)
     keep_x = need_wgrad and (hp or (override is None and cfg.save_original_input))
-    ctx.save_for_backward(x if keep_x else None, weight if need_dgrad and hp else None, *output[1:])
+    keep_w = (need_dgrad and hp) or isinstance(weight, QuantizedTensor)
+    ctx.save_for_backward(x if keep_x else None, weight if keep_w else None, *output[1:])
     ctx.args = (key, override, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype,
                 weight.dtype if bias is None else bias.dtype, tp, seq_dim)
     ctx.has_bias = bias is not None
@@ -168,6 +205,61 @@ def _backward(ctx, grads):
 tp_linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- a weight piece FSDP2 all-gathered quantized (apply_hybrid_fsdp over the TP piece: its handle) -------------
+
+@plain_op("hybridq::tp_gathered_linear_forward")
+def tp_gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, key: str,
+                               override: str | None, need_dgrad: bool, need_wgrad: bool, tp: str, seq_dim: int,
+                               w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`tp_linear_forward` of the gathered weight piece `handle` names (read when the op runs; nothing of it
+    saved: backward reads it again)."""
+    y, flat, layout = _forward(x, weight_of(handle), bias, key, override, need_dgrad, need_wgrad, tp, seq_dim,
+                               handled=True)
+    _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x, w_shape, tp, seq_dim), layout)
+    return [y, *flat]
+
+
+@tp_gathered_linear_forward.register_fake
+def _(x, handle, bias, key, override, need_dgrad, need_wgrad, tp, seq_dim, w_shape, w_dtype):
+    # (a stand-in weight of its shape: the outputs' shapes do not depend on its values, and it is not saved)
+    y, flat, _ = _forward(x, x.new_empty(w_shape, dtype=w_dtype), bias, key, override, need_dgrad, need_wgrad, tp,
+                          seq_dim, handled=True)
+    return [y, *flat]
+
+
+@plain_op("hybridq::tp_gathered_linear_backward")
+def tp_gathered_linear_backward(dy: torch.Tensor, x: torch.Tensor | None, handle: torch.Tensor,
+                                saved: list[torch.Tensor], key: str, override: str | None, need_dgrad: bool,
+                                need_wgrad: bool, need_bgrad: bool, x_shape: list[int], w_shape: list[int],
+                                x_dtype: torch.dtype, w_dtype: torch.dtype, b_dtype: torch.dtype, tp: str,
+                                seq_dim: int) -> list[torch.Tensor]:
+    """`tp_linear_backward` of a `tp_gathered_linear_forward` call: the weight piece read through `handle` now."""
+    return _grads(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape,
+                  x_dtype, w_dtype, b_dtype, tp, seq_dim)
+
+
+@tp_gathered_linear_backward.register_fake
+def _(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype,
+      b_dtype, tp, seq_dim):
+    return _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype)
+
+
+def _gathered_forward(args, kwargs):
+    x, weight, bias, *rest = bound_args(tp_linear_forward, args, kwargs)
+    return torch.ops.hybridq.tp_gathered_linear_forward(x, weight._handle, bias, *rest, list(weight.shape),
+                                                        weight.dtype)
+
+
+def _gathered_backward(args, kwargs):
+    dy, x, weight, *rest = bound_args(tp_linear_backward, args, kwargs)
+    return torch.ops.hybridq.tp_gathered_linear_backward(dy, x, weight._handle, *rest)
+
+
+# the ops called on the gathered weight piece while compile traces (its __torch_dispatch__): their `gathered` twins
+redirect(torch.ops.hybridq.tp_linear_forward.default, _gathered_forward)
+redirect(torch.ops.hybridq.tp_linear_backward.default, _gathered_backward)
+
+
 # ---- traced by dynamo ---------------------------------------------------------------------------------------
 
 def _is_sequence_shard(p, ndim: int) -> bool:
@@ -176,10 +268,15 @@ def _is_sequence_shard(p, ndim: int) -> bool:
 
 def runs_in_graph(module, tp, x: torch.Tensor, is_first_microbatch: bool | None) -> bool:
     """Whether this call of a tensor-parallel `module` runs as the custom ops inside the compiled graph: a DTensor
-    weight over the TP mesh holding a plain local piece (not one FSDP2 gathers quantized), no weight cache, no
-    quantizer with state, and an input placed as the eager path takes it (else the eager path raises)."""
-    if (is_first_microbatch is not None or module._quantizers_stateful or module._weight_quantized_elsewhere
-            or not isinstance(module.weight, DTensor)):
+    weight over the TP mesh holding a plain local piece or one FSDP2 gathered quantized (its handle), no weight
+    cache, no quantizer with state, and an input placed as the eager path takes it (else the eager path raises)."""
+    if is_first_microbatch is not None or module._quantizers_stateful:
+        return False
+    # (a weight quantized elsewhere is looked at only once FSDP2 has swapped its gathered piece in: dynamo cannot
+    # wrap the sharded one, apply_hybrid_fsdp's without fully_shard)
+    if module._weight_quantized_elsewhere and not (module._weight_gathered and _gathered_now(tp.layer)):
+        return False
+    if not isinstance(module.weight, DTensor):
         return False
     if not isinstance(x, DTensor):
         return type(x) in (torch.Tensor, torch.nn.Parameter)

@@ -55,6 +55,7 @@ class TensorParallelLinear:
     mesh: object
     in_features: int
     out_features: int
+    layer: int = -1  # the layer's number for the compiled path (compiled_tp.track)
 
     def __post_init__(self):
         self.kind = ParallelStyle.parse(self.kind, "TensorParallelLinear kind")
@@ -197,6 +198,7 @@ def _attach(module: Linear, kind: ParallelStyle, mesh) -> None:
                          f"mesh['tp']), got a {mesh.ndim}-D mesh")
     tp = TensorParallelLinear(kind, mesh, module.in_features, module.out_features)
     tp.check(module)
+    tp.layer = compiled_tp.track(module)
     module.__dict__.pop("_tp_pieces", None)
     module._weight_cache = None
     module._tensor_parallel = tp

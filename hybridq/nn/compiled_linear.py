@@ -35,9 +35,11 @@ quantize_master_weights) are what the next step reads, and the weight's gradient
 tensor the eager layer gives. For either handled weight, forward makes nothing of the weight for backward: backward
 reads what dgrad needs of it itself.
 
-What stays a graph break (the eager path): DTensor weights (tensor/sequence parallelism), the is_first_microbatch
-cache, and quantizers with state that changes across calls (delayed scaling: its history would be mutated behind
-the graph's back). `runs_in_graph` says which.
+A tensor-parallel layer (hybridq's ColwiseParallel / RowwiseParallel: DTensor weights, sequence parallelism) runs
+as its own pair of ops over its local pieces, built from the general path here: distributed/compiled_tp.py.
+
+What stays a graph break (the eager path): the is_first_microbatch cache, and quantizers with state that changes
+across calls (delayed scaling: its history would be mutated behind the graph's back). `runs_in_graph` says which.
 
 Under CUDA graphs (mode="reduce-overhead") only the ops' kernels replay: nothing in them depends on host state but
 the layouts recorded below (fixed per configuration and shape) and stochastic rounding's Philox offsets, which the
@@ -130,7 +132,8 @@ def _config(key: str, override: str | None) -> _LinearConfig:
 def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> bool:
     """Whether this call of `module` (a Linear) runs as the custom ops inside a compiled graph, rather than as a
     graph break: a plain weight, one FSDP2 all-gathered quantized or a quantized parameter (both enter the graph as
-    their handle: weight_handle.HandledWeight), no tensor parallelism, no quantizer with state, no weight cache.
+    their handle: weight_handle.HandledWeight), no tensor parallelism (compiled_tp.runs_in_graph decides that), no
+    quantizer with state, no weight cache.
     Traced by dynamo: the weight is looked at only after the flags that say what it may be (a weight quantized
     elsewhere that is not a HandledWeight, e.g. a QuantizedTensor assigned by hand, stays a graph break)."""
     plain = (torch.Tensor, torch.nn.Parameter)

@@ -53,15 +53,16 @@ _ACTS = {"silu": F.silu, "identity": _identity}
 
 
 class _Recorder:
-    """A dynamo backend that counts the hybridq Linear ops in the graphs it is given, then compiles with
-    `backend`."""
+    """A dynamo backend that counts the hybridq Linear ops (`op`, default `hybridq::linear_forward`) in the graphs
+    it is given, then compiles with `backend`."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, op: str = "linear_forward"):
         self.backend = torch._dynamo.lookup_backend(backend)
+        self.op = op
         self.linear_ops = 0
 
     def __call__(self, gm, inputs):
-        op = torch.ops.hybridq.linear_forward
+        op = getattr(torch.ops.hybridq, self.op)
         self.linear_ops += sum(n.target in (op, op.default) for n in gm.graph.nodes)
         return self.backend(gm, inputs)
 

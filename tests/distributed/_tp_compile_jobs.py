@@ -17,6 +17,7 @@ import hybridq
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from _compare import close_diff, tensor_diff  # noqa: E402
+from _compile_jobs import _Recorder  # noqa: E402
 from _tp_jobs import AttentionBlock, attention_plan, deterministic_recipe  # noqa: E402
 
 # the ranks' pieces differ in magnitude by this factor (input rows, weight rows and columns): a piece quantized with
@@ -116,20 +117,6 @@ def case_key(case: tuple) -> str:
     return f"{block}/{preset}/{override}/soi={soi}/{tuple(shape)}/seq{seq_dim}/{compiler}"
 
 
-class _Recorder:
-    """A dynamo backend that counts the tensor-parallel Linear ops in the graphs it is given, then compiles with
-    `backend`."""
-
-    def __init__(self, backend: str):
-        self.backend = torch._dynamo.lookup_backend(backend)
-        self.tp_ops = 0
-
-    def __call__(self, gm, inputs):
-        op = torch.ops.hybridq.tp_linear_forward
-        self.tp_ops += sum(n.target in (op, op.default) for n in gm.graph.nodes)
-        return self.backend(gm, inputs)
-
-
 def _skew_(model: nn.Module, world_size: int) -> None:
     """Scale every Linear weight's last rows or last columns (alternately) by SKEW: the ranks' pieces of each (rows
     of a column-parallel weight, columns of a row-parallel one) differ in amax."""
@@ -168,7 +155,7 @@ def _one_case(rank: int, world_size: int, device, mesh, case: tuple) -> dict:
         parallelize_module(m, mesh, _plan(block, seq_dim))
     torch._dynamo.reset()
     counters.clear()
-    rec = _Recorder("eager" if compiler is None else compiler)
+    rec = _Recorder("eager" if compiler is None else compiler, op="tp_linear_forward")
     # (compiler None: the eager tensor-parallel block twice, each checked against the single process)
     run = compiled if compiler is None else torch.compile(compiled, backend=rec, fullgraph=True)
     models = (ref, eager, compiled)
@@ -216,14 +203,14 @@ def _one_case(rank: int, world_size: int, device, mesh, case: tuple) -> dict:
         d_ = tensor_diff(_local(pc.detach()), _local(pe.detach()), f"{n} after 2 steps (compiled vs eager TP)")
         if d_:
             diffs.append(d_)
-    return {"diffs": diffs, "graph_breaks": sum(counters["graph_break"].values()), "tp_ops": rec.tp_ops,
+    return {"diffs": diffs, "graph_breaks": sum(counters["graph_break"].values()), "tp_ops": rec.linear_ops,
             "error": None}
 
 
 def compiled_tp_matches_eager(rank: int, world_size: int, device, cases: list) -> dict:
     """Each case: (block, preset, override, save_original_input, shape, seq_dim (None: no sequence parallelism),
-    dynamo backend or None: not compiled). The block parallelized with hybridq's styles runs eagerly and compiled (fullgraph=True), two
-    SGD steps each, beside the single-process hybridq block. Returns {case_key: {"diffs", "graph_breaks",
+    dynamo backend or None: not compiled). The block parallelized with hybridq's styles runs eagerly and compiled
+    (fullgraph=True), two SGD steps each, beside the single-process hybridq block. Returns {case_key: {"diffs", "graph_breaks",
     "tp_ops", "error"}}: compiled vs eager TP bit for bit (outputs, input and parameter gradients, parameters), and
     at the first step (same parameters) compiled and eager TP vs the single process within 1e-5 of the largest
     magnitude."""
@@ -238,3 +225,92 @@ def compiled_tp_matches_eager(rank: int, world_size: int, device, cases: list) -
             out[case_key(case)] = {"diffs": [], "graph_breaks": None, "tp_ops": 0,
                                    "error": f"{type(e).__name__}: {str(e)[:2000]}"}
     return out
+
+
+def fsdp_tp_compiled_matches_eager(rank: int, world_size: int, device, presets: list, mesh_shape: tuple) -> dict:
+    """FSDP2 over tensor-parallel pieces in torchtitan's order -- apply_hybrid_fsdp, parallelize_module over "tp",
+    the block compiled (fullgraph=True), fully_shard over "dp" -- against the same model run eagerly: two SGD steps,
+    outputs, input gradients, parameter gradients (this rank's shards) and parameters compared bit for bit. The
+    weight pieces FSDP2 gathers quantized enter the graph as their handles. Returns {preset: {"diffs",
+    "graph_breaks", "tp_ops", "error"}}."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from _tp_jobs import Block, tp_plan
+
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh_shape
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    shape = (1, 128 * max(tp, 2), 64 * max(tp, 2))  # (as _tp_jobs.tp_fsdp_job: whole blocks in every TP piece)
+    chunk = shape[1] // tp
+    out = {}
+    for preset in presets:
+        try:
+            torch.manual_seed(0)
+            base = Block(shape[-1], 2 * shape[-1]).to(device)
+            eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+            torch._dynamo.reset()
+            counters.clear()
+            rec = _Recorder("aot_eager", op="tp_linear_forward")
+            for m in (eager, compiled):
+                hybridq.apply_hybrid_fsdp(m, deterministic_recipe(preset))
+                parallelize_module(m, mesh["tp"], tp_plan(1))
+                if m is compiled:
+                    m.forward = torch.compile(m.forward, backend=rec, fullgraph=True)
+                fully_shard(m, mesh=mesh["dp"])
+            opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, compiled)]
+            diffs = []
+            for step in range(2):
+                x = torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + dp_rank)).to(device)
+                got = []
+                for m, opt in zip((eager, compiled), opts):
+                    xi = x[:, tp_rank * chunk:(tp_rank + 1) * chunk].clone().requires_grad_()
+                    y = m(xi)
+                    (y.float().square().sum() / (y.numel() * tp)).backward()
+                    got.append((y.detach(), xi.grad, {n: _local(p.grad).clone() for n, p in m.named_parameters()}))
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                (ye, ge, pe), (yc, gc, pc) = got
+                for what, c, e in [("output", yc, ye), ("input grad", gc, ge)] + [
+                        (f"grad of {n}", pc[n], pe[n]) for n in pe]:
+                    d_ = tensor_diff(c, e, f"step {step} {what} (compiled vs eager)")
+                    if d_:
+                        diffs.append(d_)
+            for (n, p_e), (_, p_c) in zip(eager.named_parameters(), compiled.named_parameters()):
+                d_ = tensor_diff(_local(p_c.detach()), _local(p_e.detach()), f"{n} after 2 steps (compiled vs eager)")
+                if d_:
+                    diffs.append(d_)
+            out[preset] = {"diffs": diffs, "graph_breaks": sum(counters["graph_break"].values()),
+                           "tp_ops": rec.linear_ops, "error": None}
+        except Exception as e:  # noqa: BLE001 - the failure is the result (a graph break under fullgraph=True)
+            out[preset] = {"diffs": [], "graph_breaks": None, "tp_ops": 0, "error": f"{type(e).__name__}: {e}"[:3000]}
+    return out
+
+
+def unsharded_hybrid_weights_compile(rank: int, world_size: int, device) -> dict:
+    """apply_hybrid_fsdp and the TP styles without fully_shard: the weight pieces are never gathered, the layers
+    run eagerly inside the compiled block (graph breaks) and give the eager output. Returns {"error", "diff",
+    "graph_breaks"}."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from _tp_jobs import Block, tp_plan
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    torch.manual_seed(0)
+    m = Block(128, 256).to(device)
+    hybridq.apply_hybrid_fsdp(m, deterministic_recipe("fp8_tensorwise"))
+    parallelize_module(m, mesh, tp_plan(1))
+    x = torch.randn(1, 128, 128, generator=torch.Generator().manual_seed(rank)).to(device)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        want = m(x.clone())
+        got = torch.compile(m, backend="aot_eager")(x.clone())
+    except Exception as e:  # noqa: BLE001 - the failure is the result
+        return {"error": f"{type(e).__name__}: {e}"[:3000], "diff": None, "graph_breaks": None}
+    return {"error": None, "diff": tensor_diff(got, want, "compiled vs eager output"),
+            "graph_breaks": sum(counters["graph_break"].values())}

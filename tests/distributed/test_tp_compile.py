@@ -1,6 +1,6 @@
 """Tensor-parallel hybridq Linears (hybridq's ColwiseParallel / RowwiseParallel / PrepareModuleInput, with and
-without sequence parallelism) inside a block compiled with `fullgraph=True` (distributed/compiled_tp.py), 2 gloo
-ranks.
+without sequence parallelism; under FSDP2 with quantized all-gathers on a 2-D mesh too) inside a block compiled
+with `fullgraph=True` (distributed/compiled_tp.py), gloo ranks.
 
 Oracles, per case (two SGD steps):
 - the compile raises nothing under fullgraph=True (a graph break would) and the graphs hold one
@@ -20,7 +20,7 @@ import functools
 
 import pytest
 
-from _harness import spawn
+from _harness import job_several, spawn
 import _tp_compile_jobs
 
 pytestmark = pytest.mark.distributed
@@ -50,14 +50,33 @@ EAGER_CASES = [("residual", p, None, False, REPLICATED, None, None) for p in ("f
 TP_LINEARS = {"mlp": 3, "residual": 3, "attention": 4, "chain": 2, "row_replicated": 1}
 
 
+# FSDP2 (apply_hybrid_fsdp: quantized all-gathers over "dp") on tensor-parallel pieces: mesh (dp, tp) -> presets
+FSDP_TP = {(1, 2): ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"],
+           (2, 2): ["fp8_tensorwise"]}
+
+
 @functools.lru_cache(maxsize=None)
 def _report() -> tuple:
-    return tuple(spawn(_tp_compile_jobs.compiled_tp_matches_eager, 2, "gloo", cases=CASES + EAGER_CASES))
+    """Per rank {"tp": {case_key: result}, "fsdp_tp": {preset: result} (mesh (1, 2)), "unsharded": result}; one
+    spawn."""
+    return tuple(spawn(job_several, 2, "gloo", jobs={
+        "tp": (_tp_compile_jobs.compiled_tp_matches_eager, {"cases": CASES + EAGER_CASES}),
+        "fsdp_tp": (_tp_compile_jobs.fsdp_tp_compiled_matches_eager,
+                    {"presets": FSDP_TP[(1, 2)], "mesh_shape": (1, 2)}),
+        "unsharded": (_tp_compile_jobs.unsharded_hybrid_weights_compile, {})}))
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_tp_report(mesh: tuple) -> tuple:
+    if mesh == (1, 2):
+        return tuple(r["fsdp_tp"] for r in _report())
+    return tuple(spawn(_tp_compile_jobs.fsdp_tp_compiled_matches_eager, mesh[0] * mesh[1], "gloo",
+                       presets=FSDP_TP[mesh], mesh_shape=mesh))
 
 
 def _results(case: tuple):
     key = _tp_compile_jobs.case_key(case)
-    return [(rank, rep[key]) for rank, rep in enumerate(_report())]
+    return [(rank, rep["tp"][key]) for rank, rep in enumerate(_report())]
 
 
 def _id(case: tuple) -> str:
@@ -87,3 +106,24 @@ def test_eager_column_parallel_layer_on_a_replicated_input_gives_the_whole_input
     for rank, r in _results(case):
         assert r["error"] is None, f"rank {rank}: {r['error']}"
         assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
+
+
+@pytest.mark.parametrize("mesh,preset", [(m, p) for m, ps in FSDP_TP.items() for p in ps],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_fsdp2_gathered_tensor_parallel_pieces_compile_bitwise_the_eager_step(mesh, preset):
+    """The weight pieces FSDP2 gathers quantized enter the graph as their handles: no graph break
+    (fullgraph=True), one op per Linear, bitwise the eager step."""
+    for rank, rep in enumerate(_fsdp_tp_report(mesh)):
+        r = rep[preset]
+        assert r["error"] is None, f"rank {rank}: compiling with fullgraph=True failed: {r['error']}"
+        assert r["tp_ops"] == 3, f"rank {rank}: {r['tp_ops']} tensor-parallel Linear ops in the graphs, expected 3"
+        assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
+
+
+def test_tensor_parallel_pieces_prepared_for_fsdp2_but_not_sharded_stay_eager_in_the_graph():
+    """apply_hybrid_fsdp and the TP styles without fully_shard: nothing gathers the pieces, so the layers stay graph
+    breaks (dynamo cannot wrap the sharded pieces) and the compiled block gives the eager output."""
+    for rank, rep in enumerate(_report()):
+        r = rep["unsharded"]
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["graph_breaks"] > 0 and r["diff"] is None, f"rank {rank}: {r}"
