@@ -7,9 +7,14 @@ seeded random top-K routing: uneven counts, as a router gives them), one grouped
 (fprop, dgrad, wgrad) plus every quantization. Defaults: Mixtral-like E=8 top-2 d4096 h14336, E=16 top-4 d2048
 h5632 and fine-grained E=64 top-8 d2048 h3072, each at 16k tokens.
 
-Each candidate is timed in --rounds interleaved rounds after a warm-up step (what ran just before changes the
-GPU clock); the table gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop
-when `torch._grouped_mm` cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
+Each candidate is timed in --rounds interleaved rounds (`measure`): every timed block of --iters steps comes right
+after --warm-steps untimed steps of the same candidate, and the order of the candidates rotates by one each round.
+The steps timed right after bf16's ran slower than the same layer's placed later (0.4-1.0 ms per step; on an H200
+the first two steps of such a block, with no cudaMalloc in it: what bf16's step leaves in the clocks and caches);
+the warm steps absorb that, and the rotation spreads what is left over all candidates instead of charging it to
+the one after bf16 every round. The table
+gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop when `torch._grouped_mm`
+cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
 paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid; NVFP4 and its hybrid) is timed a
 second time with `packed_path = False`: the "(per-expert path)" row right after it; block formats also with the packed
 path and its grouped GEMMs forced whatever the token counts (`grouped_blocks.PER_EXPERT_MIN_US` = inf: the "(packed
@@ -36,6 +41,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -69,6 +75,21 @@ def timed(fn, device: torch.device, iters: int) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t) * 1e3 / iters
+
+
+def measure(steps: dict[str, Callable[[], None]], timer: Callable[[Callable[[], None]], float], rounds: int,
+            warm_steps: int = 1) -> dict[str, list[float]]:
+    """Each candidate's time (`timer(step)`) in each of `rounds` rounds. Round r takes the candidates in their order
+    rotated by r; each timed block comes right after `warm_steps` untimed steps of the same candidate."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names) if names else 0
+        for n in names[shift:] + names[:shift]:
+            for _ in range(warm_steps):
+                steps[n]()
+            times[n].append(timer(steps[n]))
+    return times
 
 
 def routed_splits(e: int, tokens: int, top_k: int, seed: int = 0) -> list[int]:
@@ -196,6 +217,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--iters", type=int, default=5, help="back-to-back steps per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per candidate")
+    ap.add_argument("--warm-steps", type=int, default=1,
+                    help="untimed steps of a candidate right before each of its timed blocks")
     ap.add_argument("--smoke", action="store_true", help=f"tiny configs ({SMOKE_CONFIGS}), 1 round of 1 step, CPU")
     ap.add_argument("--torchao", default="rowwise,rowwise_compiled",
                     help=f"torchao rows where torchao imports ({', '.join(TORCHAO)}; '' for none)")
@@ -204,6 +227,8 @@ def main(argv=None) -> None:
     torchao = [w for w in args.torchao.split(",") if w]
     if any(w not in TORCHAO for w in torchao):
         ap.error(f"--torchao takes {', '.join(TORCHAO)}, got {args.torchao!r}")
+    if args.warm_steps < 0:
+        ap.error(f"--warm-steps takes a count >= 0, got {args.warm_steps}")
     if args.smoke:
         args.configs = args.configs or SMOKE_CONFIGS
         args.iters, args.rounds = 1, 1
@@ -250,10 +275,8 @@ def main(argv=None) -> None:
                 print(notes[-1], flush=True)
                 continue
             steps[cname] = step
-        times: dict = {cname: [] for cname in steps}
-        for _ in range(args.rounds):  # interleaved: clock and power drift hit every candidate alike
-            for cname, step in steps.items():
-                times[cname].append(timed(step, device, args.iters))
+        # interleaved: clock and power drift hit every candidate alike
+        times = measure(steps, lambda fn: timed(fn, device, args.iters), args.rounds, args.warm_steps)
         base_name = GROUPED_MM if GROUPED_MM in times else LOOP
         base = statistics.median(times[base_name])
         for cname in steps:

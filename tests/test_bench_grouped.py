@@ -1,6 +1,7 @@
 """benchmarks/bench_grouped.py runs on the CPU with --smoke (its smoke test; the numbers come from a GPU machine): one
 table row per config and candidate (bf16 torch._grouped_mm, every preset's GroupedLinear, the per-expert path of
-the presets the packed path takes, the nn.Linear loop), in order, ratios to bf16 torch._grouped_mm, and the JSON holds the same rows with the routing's token counts."""
+the presets the packed path takes, the nn.Linear loop), in order, ratios to bf16 torch._grouped_mm, and the JSON holds the same rows with the routing's token counts.
+Its measurement order: each timed block right after untimed steps of the same candidate, the order rotated per round."""
 
 import json
 import os
@@ -8,9 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import hybridq
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_grouped  # noqa: E402
 HEADER = ["E x tokens x top-k x d_model x hidden", "candidate", "step ms", "TFLOP/s", "speed-up vs bf16"]
 
 
@@ -47,3 +52,36 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
     for x in rows:
         assert sum(x["m_splits"]) == x["tokens"] * x["top_k"] and len(x["m_splits"]) == x["experts"], x
         assert x["ratio"] > 0, x
+
+
+@pytest.mark.parametrize("warm_steps", [0, 1, 2])
+def test_each_timed_block_follows_warm_steps_of_its_own_candidate_in_an_order_rotated_per_round(warm_steps):
+    """What ran right before a timed block is the same candidate's untimed steps, never another candidate's, and no
+    candidate is timed in the same place every round."""
+    log = []
+    steps = {n: (lambda n=n: log.append(("step", n))) for n in ("bf16", "a", "b", "c")}
+
+    def timer(step):
+        log.append(("timed", None))
+        place = len(log)
+        step()
+        return float(place)
+
+    times = bench_grouped.measure(steps, timer, rounds=5, warm_steps=warm_steps)
+    names = list(steps)
+    want = []
+    for r in range(5):
+        for n in names[r % 4:] + names[:r % 4]:
+            want += [("step", n)] * warm_steps + [("timed", None), ("step", n)]
+    assert log == want, f"calls {log}\n!= {want}"
+    assert {n: len(v) for n, v in times.items()} == {n: 5 for n in names}, f"rounds timed per candidate: {times}"
+    # (the timer's value is its call's place in the log: each candidate's values are its own blocks')
+    timed_at = [i + 1 for i, e in enumerate(log) if e[0] == "timed"]
+    owner = [log[i][1] for i in timed_at]
+    for n in names:
+        assert times[n] == [float(i) for i, o in zip(timed_at, owner) if o == n], f"{n}: {times[n]}"
+
+
+def test_bench_grouped_rejects_a_negative_warm_step_count():
+    with pytest.raises(SystemExit):
+        bench_grouped.main(["--smoke", "--warm-steps", "-1"])
