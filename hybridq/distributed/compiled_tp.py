@@ -64,9 +64,9 @@ def register(tp) -> str:
     """The key of `tp` (a TensorParallelLinear), registered when a style is applied (eagerly)."""
     from ..nn.compiled_linear import _PROCESS
 
-    content = (str(tp.kind), tp.mesh.get_group().group_name, tp.in_features, tp.out_features)
+    content = (str(tp.kind), tp.group.group_name, tp.in_features, tp.out_features)
     key = _CONTENT.get(content)
-    if key is None:
+    if key is None or _TP[key].group is not tp.group:  # (a group of a new process group that reuses the name)
         key = _CONTENT[content] = f"tp-{len(_CONTENT)}@{_PROCESS}"
         _TP[key] = tp
     return key
