@@ -11,7 +11,7 @@ import hybridq as hq
 
 from _compare import assert_bitwise
 from hybridq.gemm import native_row_multiple
-from hybridq.nn.grouped import padded_tokens
+from hybridq.nn.grouped_packed import padded_tokens
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 E, IN, OUT = 3, 64, 32

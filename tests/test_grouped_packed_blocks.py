@@ -15,7 +15,7 @@ import hybridq.nn.grouped as grouped_mod
 from _compare import assert_results_bitwise
 from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
 from hybridq.formats.base import Quantizer
-from hybridq.nn.grouped import padded_tokens
+from hybridq.nn.grouped_packed import padded_tokens
 from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, TokenLayout, packed_quantizers
 from hybridq.nn.grouped_packed_blocks import ExpertWeights, PackedBlockExperts, packed_path_pays, token_multiple
 from _gpu import extension_ready

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..enums import ROWWISE
-from ..errors import FormatShapeError, RecipeError
+from ..errors import RecipeError
 from ..formats.base import Quantizer
 from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_recipe
 from ..tensor import QuantizedTensor
@@ -21,7 +21,7 @@ from ..weight_forms import ExpertsTensor, GroupedGatheredForm, QuantizedGatherSh
 from ..gemm import jagged_fp8_kernels, native_row_multiple
 from . import compiled_grouped, delayed_state
 from .expert_layers import converted_experts, converted_layer, expert_name, set_converted
-from .grouped_packed import BLOCKS, FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers
+from .grouped_packed import BLOCKS, FP8_TENSOR, PackedFP8Experts, TokenLayout, packed_quantizers, padded_tokens
 from .grouped_device_blocks import DeviceBlockExperts, device_path_runs, slot_layout
 from .grouped_packed_blocks import PackedBlockExperts, packed_path_pays, token_multiple
 from .grouped_jagged import HeldFP8Experts, JaggedFP8Experts, TokenGroups
@@ -33,7 +33,6 @@ from .quantized_params import check_held_weight_format, init_config, install_qua
 
 TENSORS = ("input", "weight", "grad_output")
 MODULE_TYPE = "grouped_linear"
-_MAX_PAD = 4096  # larger than any format's block along the token dimension
 
 
 class _Expert:
@@ -47,32 +46,6 @@ class _Expert:
         self.weight_quantizer = quantizers["weight"]
         self.grad_output_quantizer = quantizers["grad_output"]
         self.save_original_input = save_original_input
-
-
-def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[str, Quantizer],
-                  rowwise_grad: bool, columnwise: bool, multiple: int = 1) -> int:
-    """The smallest token count >= m, a multiple of `multiple` (what the device's hardware GEMMs need, see
-    `gemm.native_row_multiple`), that every cast of an expert's call accepts: the input rowwise, plus the
-    grad_output rowwise when dgrad is quantized (`rowwise_grad`), plus both columnwise when wgrad is quantized
-    (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was, add only zero
-    products to wgrad, and give output rows that are dropped. With hardware GEMMs (`multiple` > 1) and a quantized
-    wgrad, the count is also a multiple of the columnwise scaling blocks along the tokens (e.g. 128 for FP8 1x128
-    blocks, which the block-scaled GEMM needs whole along its contraction)."""
-    if multiple > 1 and columnwise:
-        for t in ("input", "grad_output"):
-            granularity = getattr(quantizers[t], "split_granularity", None)
-            if granularity is not None:
-                multiple = math.lcm(multiple, granularity(False, True)[0])
-
-    def fits(n: int) -> bool:
-        return (n % multiple == 0 and quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
-                and (not (rowwise_grad or columnwise)
-                     or quantizers["grad_output"].shape_rule(n, out_features, rowwise_grad, columnwise) is None))
-    for n in range(m, m + _MAX_PAD + 1):
-        if fits(n):
-            return n
-    raise FormatShapeError(f"no token count in [{m}, {m + _MAX_PAD}] fits the formats "
-                           f"{quantizers['input'].describe()} / {quantizers['grad_output'].describe()}")
 
 
 def _unbind_experts(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -32,7 +32,7 @@ from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm, native_row_multiple
 from ..kernels import grouped_blocks, grouped_emulated, grouped_slots, native_gemm
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
-from .grouped_packed import SlotLayout
+from .grouped_packed import SlotLayout, padded_tokens
 from .grouped_packed_blocks import ExpertWeights, _per_expert_mm, _used, token_multiple
 from .linear_function import _only
 
@@ -49,8 +49,7 @@ def slot_layout(m_splits: torch.Tensor, x: torch.Tensor, in_features: int, out_f
                 fake: bool = False) -> SlotLayout:
     """The device-count slot layout of a call (the eager layer's and the compiled ops'): each slot whole scaling
     blocks along the tokens (`slot_multiple`), the per-expert GEMMs (where one runs) on the per-expert path's padded
-    counts (`grouped.padded_tokens`)."""
-    from .grouped import padded_tokens  # (grouped imports this module)
+    counts (`grouped_packed.padded_tokens`)."""
     multiple = native_row_multiple(x.device)
 
     def padded_of(m: int) -> int:

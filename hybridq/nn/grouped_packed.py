@@ -19,12 +19,14 @@ the per-expert `torch._scaled_mm` (docs/numerics.md, "Row groups and grouped GEM
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from ..enums import Scaling
+from ..errors import FormatShapeError
 from ..formats import Float8Quantizer
 from ..formats.base import Quantizer, transposed_copy
 from ..formats.float8 import Float8RowGroups, Float8TensorPart, aligned_scales
@@ -36,6 +38,7 @@ FP8_TENSOR = "fp8_tensor"  # per-tensor FP8, current scaling: row groups and gro
 BLOCKS = "blocks"  # block scales only (Quantizer.local_scaling): one quantize of the packed buffer, row slices
 ROW_GROUPS = "row_groups"  # statistics per expert (NVFP4's global amaxes): one quantize_groups call, row slices
 
+_MAX_PAD = 4096  # larger than any format's block along the token dimension
 
 class PackedKind(NamedTuple):
     """Which packed path runs (`FP8_TENSOR`, `BLOCKS` or `ROW_GROUPS`) and the quantizer per tensor type every expert
@@ -43,6 +46,32 @@ class PackedKind(NamedTuple):
 
     kind: str
     quantizers: dict[str, Quantizer]
+
+
+def padded_tokens(m: int, in_features: int, out_features: int, quantizers: dict[str, Quantizer],
+                  rowwise_grad: bool, columnwise: bool, multiple: int = 1) -> int:
+    """The smallest token count >= m, a multiple of `multiple` (what the device's hardware GEMMs need, see
+    `gemm.native_row_multiple`), that every cast of an expert's call accepts: the input rowwise, plus the
+    grad_output rowwise when dgrad is quantized (`rowwise_grad`), plus both columnwise when wgrad is quantized
+    (`columnwise`). Zero rows appended up to it leave every scale (amax, block maxima) as it was, add only zero
+    products to wgrad, and give output rows that are dropped. With hardware GEMMs (`multiple` > 1) and a quantized
+    wgrad, the count is also a multiple of the columnwise scaling blocks along the tokens (e.g. 128 for FP8 1x128
+    blocks, which the block-scaled GEMM needs whole along its contraction)."""
+    if multiple > 1 and columnwise:
+        for t in ("input", "grad_output"):
+            granularity = getattr(quantizers[t], "split_granularity", None)
+            if granularity is not None:
+                multiple = math.lcm(multiple, granularity(False, True)[0])
+
+    def fits(n: int) -> bool:
+        return (n % multiple == 0 and quantizers["input"].shape_rule(n, in_features, True, columnwise) is None
+                and (not (rowwise_grad or columnwise)
+                     or quantizers["grad_output"].shape_rule(n, out_features, rowwise_grad, columnwise) is None))
+    for n in range(m, m + _MAX_PAD + 1):
+        if fits(n):
+            return n
+    raise FormatShapeError(f"no token count in [{m}, {m + _MAX_PAD}] fits the formats "
+                           f"{quantizers['input'].describe()} / {quantizers['grad_output'].describe()}")
 
 
 def packed_quantizers(expert_quantizers: list[dict[str, Quantizer]]) -> PackedKind | None:
