@@ -152,12 +152,12 @@ def test_bad_counts_in_the_graph_raise_naming_the_layer(splits, rule, preset):
         compiled(torch.randn(sum(SPLITS), D), torch.tensor(splits))
 
 
-@pytest.mark.parametrize("case", ["list counts", "fp8_rowwise", "bias", "block bias"])
+@pytest.mark.parametrize("case", ["list counts", "high-precision backward", "bias", "block bias"])
 def test_what_the_ops_do_not_take_stays_eager_and_correct(case):
-    """A list m_splits (its values would be graph constants), another recipe, a bias: the GroupedLinear runs eagerly
+    """A list m_splits (its values would be graph constants), a recipe the ops do not take (a backward override), a bias: the GroupedLinear runs eagerly
     between compiled regions (a graph break) and computes what eager computes."""
     torch.manual_seed(0)
-    preset = {"fp8_rowwise": "fp8_rowwise", "block bias": "fp8_block"}.get(case, "fp8_tensorwise")
+    preset = {"high-precision backward": "fp8_fwd_high_precision_bwd", "block bias": "fp8_block"}.get(case, "fp8_tensorwise")
     model = MoEBlock(preset)
     if case in ("bias", "block bias"):
         model.up = hq.GroupedLinear(E, D, H, bias=True, recipe=preset, name="up")
