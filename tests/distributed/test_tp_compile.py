@@ -20,14 +20,20 @@ import functools
 
 import pytest
 
+import hybridq
 from _harness import job_several, spawn
 import _tp_compile_jobs
 
 pytestmark = pytest.mark.distributed
 
-# the presets the eager tensor-parallel tests run (test_tensor_parallel.PRESETS)
-PRESETS = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
-           "fp8_fwd_high_precision_bwd"]
+
+def _tp_takes(preset: str) -> bool:
+    """Whether tensor parallelism takes the preset (it refuses quantizers with state: delayed scaling)."""
+    r = hybridq.recipe(preset)
+    return not any(r.quantizer(hybridq.Role("linear", t, "x")).is_stateful for t in ("input", "weight", "grad_output"))
+
+
+PRESETS = [p for p in hybridq.preset_names() if _tp_takes(p)]
 BSH = (2, 256, 128)  # [B, S, H], sequence dim 1: each rank holds 2 runs of 128 tokens
 SBH = (96, 1, 128)  # [S, B, H], sequence dim 0: the rank boundary at token 48 splits 32- and 128-row blocks
 REPLICATED = (4, 32, 128)
@@ -84,6 +90,10 @@ def _id(case: tuple) -> str:
     sp = "no_sp" if seq_dim is None else f"sp{seq_dim}"
     return "-".join(str(v) for v in (block, preset, override or "", "soi" if soi else "", sp, compiler or "eager")
                     if v)
+
+
+def test_the_case_list_has_the_tensor_parallel_presets():
+    assert {"fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "fp8_rowwise"} <= set(PRESETS), PRESETS
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
