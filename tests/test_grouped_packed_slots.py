@@ -100,6 +100,57 @@ def test_slots_quantized_from_token_rows_are_bitwise_the_packed_quantization(dev
         assert_parts_bitwise(got_col, want.part(COLUMNWISE) if columnwise else None, f"{what} columnwise")
 
 
+# every kernel shape a config selects: one or several rowwise blocks per tile, persistent programs looping over tiles
+# (under the interpreter: 3 programs)
+SHAPES = {"fp8_block": [(128, 16), (256, 8), (128, 8, 0, 2, 1)],
+          "mxfp8": [(128, 8), (256, 4), (64, 4), (128, 4, 0, 3, 2)]}
+
+
+@pytest.mark.parametrize("k", [160, 256], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("fmt,config", [(f, c) for f, cs in SHAPES.items() for c in cs], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_kernel_config_quantizes_the_slots_bitwise(device, fmt, config, k):
+    """The tile shape, chunking and program loop a config picks change the schedule, never a byte or a scale."""
+    t = triton_slot_quantize
+    if fmt == "fp8_block":
+        q, mode, kw = Float8BlockQuantizer(), t.MODE_FP8_BLOCK, dict(eps=0.0, pow2=True)
+    else:
+        q, mode, kw = MXFP8Quantizer(), t.MODE_MXFP8, {}
+    splits = [5, 0, 130, 1, 40, 200]
+    x = _tokens(splits, k, torch.bfloat16, device)
+    layout = _layout(q, splits, True, True, device)
+    want = q.quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=True, name="x")
+    src = layout.source_rows(x.device)
+    rq, rs, cq, cs = t.slot_quantize(x, src, mode, q.dtype, True, True, fp8_max=float(torch.finfo(q.dtype).max),
+                                     config=config, **kw)
+    s = src.shape[0]
+    assert_parts_bitwise(grouped_slots._part(q, rq, rs, s, k, False), want.part(ROWWISE), f"{fmt} {config} rowwise")
+    assert_parts_bitwise(grouped_slots._part(q, cq, cs, k, s, True), want.part(COLUMNWISE), f"{fmt} {config} columnwise")
+
+
+@pytest.mark.skipif(not triton_slot_quantize.available(), reason="needs Triton")
+@pytest.mark.parametrize("config,rule", [((64, 8), "whole power-of-two rowwise blocks"),
+                                         ((384, 8), "whole power-of-two rowwise blocks"),
+                                         ((128, 64), "a power of two up to 32 warps"),
+                                         ((128, 8, 300), "a register cap within 0..255"),
+                                         ((128, 8, 0, 2, 0), "programs per SM exactly where stages > 0")])
+def test_a_config_the_kernel_does_not_implement_is_refused_before_anything_runs(config, rule):
+    x = torch.zeros(4, 256)
+    src = torch.arange(128, dtype=torch.int32) % 4
+    with pytest.raises(ValueError, match=f"slot quantize config .*{rule}"):
+        triton_slot_quantize.slot_quantize(x, src, triton_slot_quantize.MODE_FP8_BLOCK, torch.float8_e4m3fn, True,
+                                           True, fp8_max=448.0, config=config)
+
+
+@pytest.mark.skipif(not triton_slot_quantize.available(), reason="needs Triton")
+def test_a_columnwise_form_of_a_slot_count_not_a_multiple_of_4_is_refused():
+    """The columnwise bytes are written 4 slot rows to a word (the packed path's slot counts are 16-aligned)."""
+    src = torch.arange(130, dtype=torch.int32) % 4
+    with pytest.raises(ValueError, match="columnwise form of 130 slot rows: the slot count must be a multiple of 4"):
+        triton_slot_quantize.slot_quantize(torch.zeros(4, 256), src, triton_slot_quantize.MODE_FP8_BLOCK,
+                                           torch.float8_e4m3fn, False, True, fp8_max=448.0)
+
+
 def test_source_rows_point_each_slot_row_at_its_token_or_padding():
     """Slot row r holds token source_rows[r]; the padding rows after each expert's tokens are -1."""
     layout = TokenLayout.build([3, 0, 2], [16, 0, 16], torch.device("cpu"), 128)
@@ -172,20 +223,23 @@ def test_gpu_a_failing_slot_quantize_is_turned_off_with_a_warning_and_the_tokens
 @pytest.mark.parametrize("mode", ["fp8_block", "mxfp8"])
 def test_kernel_compiles_for_sm90_with_the_cuda_kernels_conversions(mode):
     """The default config compiles for sm_90 (no GPU needed) to the instructions the CUDA tile kernel's numerics rest
-    on: `cvt.rn.satfinite` fp32 -> fp8 pairs, IEEE `div.rn.f32` for the FP8-block scales, no flush-to-zero."""
+    on: `cvt.rn.satfinite` fp32 -> fp8 pairs, IEEE `div.rn.f32` for the FP8-block scales, no flush-to-zero; a
+    persistent config to pipelined loads."""
     from test_grouped_blocks_gemm import _aot_sm90
     t = triton_slot_quantize
     m = t.MODE_FP8_BLOCK if mode == "fp8_block" else t.MODE_MXFP8
-    ch, bc, warps = t.CONFIGS[m]
+    c = t.CONFIGS[m]
     scale = "*fp32" if m == t.MODE_FP8_BLOCK else "*u8"
-    sig = {"x_ptr": "*bf16", "src_ptr": "*i32", "rq_ptr": "*u8", "rs_ptr": scale, "cq_ptr": "*u8", "cs_ptr": scale,
-           **{n: "i32" for n in ("S", "K", "stride_x", "rs_cols", "cs_cols")},
+    sig = {"x_ptr": "*bf16", "src_ptr": "*i32", "rq_ptr": "*u8", "rs_ptr": scale, "cq_ptr": "*i32", "cs_ptr": scale,
+           **{n: "i32" for n in ("S", "K", "stride_x", "rs_cols", "cs_cols", "n_tiles", "n_cb", "n_programs")},
            **{n: "fp32" for n in ("fp8_max", "rcp_max", "eps")}}
     k = _aot_sm90(t._slot_quantize_kernel, sig,
-                  dict(CH=ch, BLOCK_C=bc, BLK=t._BLOCKS[m], MODE=m, POW2=True, E5M2=False, IN_KIND=1, ROWWISE=True,
-                       COLUMNWISE=True, USE_ASM=True),
-                  ("x_ptr", "src_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "S", "K", "stride_x"), warps, 1)
+                  dict(BLOCK_C=c.cols, BLK=t._BLOCKS[m], MODE=m, POW2=True, E5M2=False, IN_KIND=1,
+                       ROWWISE=True, COLUMNWISE=True, USE_ASM=True, EVEN=True, STAGES=c.stages, INTERP_ITERS=0),
+                  ("x_ptr", "src_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "S", "K", "stride_x"), c.warps, 1)
     ptx = k.asm["ptx"]
+    if c.stages:  # (a persistent config: the next tiles' loads in flight while one is encoded)
+        assert "async_copy_global_to_local" in k.asm["ttgir"], f"{mode} {c}: the tile loads are not pipelined"
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, f"{mode}: no satfinite fp8 conversion in the PTX"
     assert ".ftz" not in ptx, f"{mode}: flush-to-zero instructions in the PTX"
     if m == t.MODE_FP8_BLOCK:

@@ -24,6 +24,7 @@ Triton is optional: without it (CPU machines, CI) this module imports and `avail
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -34,14 +35,49 @@ except Exception:  # noqa: BLE001 (ImportError, or a broken install)
     triton = tl = None
 
 MODE_FP8_BLOCK, MODE_MXFP8 = 0, 1
-# (slot rows per chunk, columns per program, num_warps). A program covers one columnwise block of slot rows (128 / 32)
-# and 128 columns (whole rowwise blocks). Compiled for sm_90 (Triton 3.6, ptxas 13.0): the whole 128x128 FP8 tile at
-# once used 255 registers and spilled with 8 warps (measured on an H200 at ~0.93 TB/s of token reads + fp8 writes,
-# BENCHMARKS.md); in chunks of 32 rows with 8 warps it uses 128 (MXFP8: 64) and spills nothing (not timed yet).
-CONFIGS = {MODE_FP8_BLOCK: (32, 128, 8), MODE_MXFP8: (32, 128, 8)}
+
+
+class SlotConfig(NamedTuple):
+    """A launch configuration of the kernel (see _slot_quantize_kernel): tiles of one columnwise block of slot rows x
+    `cols` columns (whole rowwise blocks); `warps` per program; `maxnreg` caps the registers per thread (0: none;
+    ptxas otherwise takes what the launch bounds allow, which may leave fewer programs resident); `stages` 0: one
+    tile per program, else persistent programs, `per_sm` per SM, with `stages` tiles' loads in flight."""
+    cols: int
+    warps: int
+    maxnreg: int = 0
+    stages: int = 0
+    per_sm: int = 0
+
+
+# Fixed per mode, not autotuned (the slot row count changes with the routing every step). Chosen on an H200 from
+# the previous form of the kernel (.devrun/sq/bench_slot.py, 2026-11-27): FP8 blocks were latency-bound with one
+# 16-warp program per SM (its 128-row tiles need ~110 registers per thread), so its tiles' loads are pipelined;
+# MXFP8's 32-row tiles ran fastest at 4 warps (1.66x the first kernel). Not yet timed in this form.
+CONFIGS = {MODE_FP8_BLOCK: SlotConfig(128, 16, stages=2, per_sm=1), MODE_MXFP8: SlotConfig(128, 4)}
 _BLOCKS = {MODE_FP8_BLOCK: 128, MODE_MXFP8: 32}  # elements per scale in either direction
 _FP8 = {torch.float8_e4m3fn: False, torch.float8_e5m2: True}  # -> E5M2
 _IN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SMS: dict = {}  # device -> multiprocessor count
+
+
+def _check_config(mode: int, c: SlotConfig) -> None:
+    """A config the kernel implements, else ValueError naming the rule."""
+    blk = _BLOCKS[mode]
+    if not (all(v > 0 and v & (v - 1) == 0 for v in (c.cols, c.warps)) and c.cols % blk == 0 and c.warps <= 32
+            and 0 <= c.maxnreg <= 255 and c.stages >= 0 and (c.per_sm > 0) == (c.stages > 0)):
+        raise ValueError(f"slot quantize config {c} for {blk}-element blocks: needs whole power-of-two rowwise blocks "
+                         f"per tile, a power of two up to 32 warps, a register cap within 0..255, and programs per SM "
+                         f"exactly where stages > 0")
+
+
+def _grid(c: SlotConfig, tiles: int, dev: torch.device) -> int:
+    if c.stages == 0:
+        return tiles
+    if dev.type != "cuda":  # (the interpreter: a few programs, each looping over several tiles)
+        return min(tiles, 3)
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return min(tiles, c.per_sm * _SMS[dev])
 
 
 def available() -> bool:
@@ -118,18 +154,22 @@ if triton is not None:
         return (code | tl.where(bits < 0, 0x80, 0)).to(tl.uint8)
 
     @triton.jit
+    def _to_fp8(v, fp8_max, E5M2: tl.constexpr, HW_CVT: tl.constexpr):
+        """fp8 bytes of finite v rounded to nearest even, saturating at +-fp8_max (the format's largest value)."""
+        if HW_CVT:  # (cvt.rn.satfinite, the CUDA kernel's conversion: it saturates by itself)
+            if E5M2:
+                return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            else:
+                return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return _fp8_rne_bits(tl.minimum(tl.maximum(v, -fp8_max), fp8_max), E5M2)
+
+    @triton.jit
     def _encode(xf, neg, mult, fp8_max, E5M2: tl.constexpr, HW_CVT: tl.constexpr):
         """fp8 bytes (uint8) of xf * mult (module docstring: satfinite, RNE, the non-finite rules)."""
         v = xf * mult
         vb = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        vc = tl.minimum(tl.maximum(v, -fp8_max), fp8_max)
-        if HW_CVT:  # (cvt.rn.satfinite, the CUDA kernel's conversion)
-            if E5M2:
-                q = vc.to(tl.float8e5).to(tl.uint8, bitcast=True)
-            else:
-                q = vc.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            q = _fp8_rne_bits(vc, E5M2)
+        q = _to_fp8(v, fp8_max, E5M2, HW_CVT)  # (the non-finite ones replaced below)
         nan_mult = mult != mult  # (MXFP8's NaN block: the multiplier's positive NaN wins)
         sign = tl.where(neg & ~nan_mult, 0x80, 0)
         if E5M2:
@@ -140,90 +180,194 @@ if triton is not None:
         return tl.where(vb >= 0x7F800000, special, q)
 
     @triton.jit
-    def _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND: tl.constexpr):
-        """(values as fp32, sign bits) of slot rows `rows` x `cols`: token rows through `src_ptr`, zeros for padding
-        rows and outside the tensor."""
-        src = tl.load(src_ptr + rows, mask=rows < S, other=-1)
-        x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
-                    mask=(src >= 0)[:, None] & (cols < K)[None, :], other=0.0)
-        if IN_KIND == 1:  # bf16: its bits are fp32's top half (exact, NaN sign kept, under the interpreter too)
-            xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            neg = xf.to(tl.int32, bitcast=True) < 0
-        elif IN_KIND == 2:  # fp16
-            neg = x.to(tl.int16, bitcast=True) < 0
-            xf = x.to(tl.float32)
+    def _quantize(x, xf, mult, finite, fp8_max, IN_KIND: tl.constexpr, E5M2: tl.constexpr, HW_CVT: tl.constexpr):
+        """fp8 bytes of xf * mult. `finite` (the program's values are all finite, so are the multipliers, and the
+        scales keep |xf * mult| within rounding of fp8_max): the conversion alone; else `_encode`'s rules for inf,
+        NaN and NaN blocks."""
+        if finite:
+            q = _to_fp8(xf * mult, fp8_max, E5M2, HW_CVT)
         else:
-            neg = x.to(tl.int32, bitcast=True) < 0
-            xf = x
-        return xf, neg
+            q = _encode(xf, _negative(x, xf, IN_KIND), mult, fp8_max, E5M2, HW_CVT)
+        return q
+
+    @triton.jit
+    def _load_raw(x_ptr, src_ptr, rows, cols, S, K, stride_x, EVEN: tl.constexpr):
+        """The raw values of slot rows `rows` x `cols`: token rows through `src_ptr`, zeros for padding rows and
+        outside the tensor (EVEN: the program is inside it)."""
+        if EVEN:
+            src = tl.load(src_ptr + rows)
+            mask = (src >= 0)[:, None]
+        else:
+            src = tl.load(src_ptr + rows, mask=rows < S, other=-1)
+            mask = (src >= 0)[:, None] & (cols < K)[None, :]
+        return tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _widen(x, IN_KIND: tl.constexpr):
+        """Raw values as fp32 (bf16: its bits are fp32's top half: exact, NaN sign kept, under the interpreter too)."""
+        if IN_KIND == 1:
+            return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _negative(x, xf, IN_KIND: tl.constexpr):
+        """The sign bits of the raw values (a NaN's too, which a conversion or multiply may drop)."""
+        if IN_KIND == 1:
+            return xf.to(tl.int32, bitcast=True) < 0
+        elif IN_KIND == 2:
+            return x.to(tl.int16, bitcast=True) < 0
+        else:
+            return x.to(tl.int32, bitcast=True) < 0
 
     @triton.jit
     def _abs_bits(xf):
         return xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # (max of |x| bits: a NaN block's is above inf's)
 
     @triton.jit
-    def _rowwise(xf, neg, rows, cols, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, CH: tl.constexpr,
-                 BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr, POW2: tl.constexpr,
-                 E5M2: tl.constexpr, USE_ASM: tl.constexpr):
-        """The rowwise form of CH slot rows: blocks of BLK columns."""
+    def _rowwise(x, xf, finite, rows, cols, cb, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps,
+                 R: tl.constexpr, BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr, POW2: tl.constexpr,
+                 E5M2: tl.constexpr, IN_KIND: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr):
+        """The rowwise form of R slot rows: blocks of BLK columns."""
         NB: tl.constexpr = BLOCK_C // BLK
-        am = tl.max(tl.reshape(_abs_bits(xf), (CH, NB, BLK)), axis=2)
-        mult, stored = _multiplier(am, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
-        m_el = tl.reshape(tl.broadcast_to(mult[:, :, None], (CH, NB, BLK)), (CH, BLOCK_C))
-        q = _encode(xf, neg, m_el, fp8_max, E5M2, USE_ASM)
-        row_in = rows < S
-        tl.store(rq_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=row_in[:, None] & (cols < K)[None, :])
-        sc = tl.program_id(1) * NB + tl.arange(0, NB)
-        tl.store(rs_ptr + rows.to(tl.int64)[:, None] * rs_cols + sc[None, :], stored,
-                 mask=row_in[:, None] & (sc < rs_cols)[None, :])
-
-    @triton.jit
-    def _columnwise(xf, neg, mult, rows, cols, cq_ptr, S, K, fp8_max, E5M2: tl.constexpr, USE_ASM: tl.constexpr):
-        """CH slot rows of the columnwise form (stored transposed, `[K, S]`) with their column block's multipliers."""
-        q = tl.trans(_encode(xf, neg, mult[None, :], fp8_max, E5M2, USE_ASM))
-        tl.store(cq_ptr + cols.to(tl.int64)[:, None] * S + rows[None, :], q,
-                 mask=(cols < K)[:, None] & (rows < S)[None, :])
-
-    @triton.jit
-    def _slot_quantize_kernel(x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x, rs_cols, cs_cols,
-                              fp8_max, rcp_max, eps,
-                              CH: tl.constexpr, BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr,
-                              POW2: tl.constexpr, E5M2: tl.constexpr, IN_KIND: tl.constexpr, ROWWISE: tl.constexpr,
-                              COLUMNWISE: tl.constexpr, USE_ASM: tl.constexpr):
-        """One program: one columnwise block (BLK slot rows) x BLOCK_C columns, in chunks of CH rows (few registers
-        per thread). Rowwise blocks are whole in every chunk; the columnwise blocks' amaxes build up over the chunks,
-        which are then read again (from L2) to encode the columnwise form -- unless one chunk is the whole block."""
-        r0 = tl.program_id(0) * BLK
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        NCH: tl.constexpr = BLK // CH
-        if NCH == 1:
-            rows = r0 + tl.arange(0, CH)
-            xf, neg = _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND)
-            if ROWWISE:
-                _rowwise(xf, neg, rows, cols, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, CH, BLOCK_C, BLK,
-                         MODE, POW2, E5M2, USE_ASM)
-            if COLUMNWISE:
-                mult, stored = _multiplier(tl.max(_abs_bits(xf), axis=0), fp8_max, rcp_max, eps, MODE, POW2,
-                                           USE_ASM)
-                _columnwise(xf, neg, mult, rows, cols, cq_ptr, S, K, fp8_max, E5M2, USE_ASM)
-                tl.store(cs_ptr + cols.to(tl.int64) * cs_cols + tl.program_id(0), stored, mask=cols < K)
+        if NB == 1:
+            mult, stored = _multiplier(tl.max(_abs_bits(xf), axis=1), fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
+            q = _quantize(x, xf, mult[:, None], finite, fp8_max, IN_KIND, E5M2, USE_ASM)
         else:
-            cam = tl.zeros([BLOCK_C], dtype=tl.int32)
-            for i in tl.static_range(NCH):
-                rows = r0 + i * CH + tl.arange(0, CH)
-                xf, neg = _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND)
-                if ROWWISE:
-                    _rowwise(xf, neg, rows, cols, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, CH, BLOCK_C,
-                             BLK, MODE, POW2, E5M2, USE_ASM)
-                if COLUMNWISE:
-                    cam = tl.maximum(cam, tl.max(_abs_bits(xf), axis=0))
-            if COLUMNWISE:
-                mult, stored = _multiplier(cam, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
-                for i in tl.static_range(NCH):
-                    rows = r0 + i * CH + tl.arange(0, CH)
-                    xf, neg = _load_rows(x_ptr, src_ptr, rows, cols, S, K, stride_x, IN_KIND)
-                    _columnwise(xf, neg, mult, rows, cols, cq_ptr, S, K, fp8_max, E5M2, USE_ASM)
-                tl.store(cs_ptr + cols.to(tl.int64) * cs_cols + tl.program_id(0), stored, mask=cols < K)
+            am = tl.max(tl.reshape(_abs_bits(xf), (R, NB, BLK)), axis=2)
+            mult, stored = _multiplier(am, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
+            m_el = tl.reshape(tl.broadcast_to(mult[:, :, None], (R, NB, BLK)), (R, BLOCK_C))
+            q = _quantize(x, xf, m_el, finite, fp8_max, IN_KIND, E5M2, USE_ASM)
+        qp = rq_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        if EVEN:
+            tl.store(qp, q)
+        else:
+            tl.store(qp, q, mask=(rows < S)[:, None] & (cols < K)[None, :])
+        if NB == 1:
+            sp = rs_ptr + rows.to(tl.int64) * rs_cols + cb
+            if EVEN:
+                tl.store(sp, stored)
+            else:
+                tl.store(sp, stored, mask=(rows < S) & (cb < rs_cols))
+        else:
+            sc = cb * NB + tl.arange(0, NB)
+            tl.store(rs_ptr + rows.to(tl.int64)[:, None] * rs_cols + sc[None, :], stored,
+                     mask=(rows < S)[:, None] & (sc < rs_cols)[None, :])
+
+    @triton.jit
+    def _pack4(q0, q1, q2, q3):
+        """Four byte tensors as the little-endian bytes of int32 words."""
+        return (q0.to(tl.int32) | (q1.to(tl.int32) << 8) | (q2.to(tl.int32) << 16) | (q3.to(tl.int32) << 24))
+
+    @triton.jit
+    def _cvt4(v0, v1, v2, v3, E5M2: tl.constexpr):
+        """The satfinite fp8 bytes of v0..v3 as one word each (the conversion of the CUDA kernel and of Triton's own
+        cast, paired along the words' rows instead of along the columns: no bytes to unpack and repack)."""
+        if E5M2:
+            asm: tl.constexpr = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; "
+                                 "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+        else:
+            asm: tl.constexpr = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                                 "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+        return tl.inline_asm_elementwise(asm, "=r,f,f,f,f", [v0, v1, v2, v3], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _col_words(x0, xf0, x1, xf1, x2, xf2, x3, xf3, mult, finite, fp8_max, IN_KIND: tl.constexpr,
+                   E5M2: tl.constexpr, USE_ASM: tl.constexpr):
+        """The columnwise fp8 bytes of four row groups (column multipliers `mult`) as words (group g: byte g)."""
+        m = mult[None, :]
+        if finite:
+            if USE_ASM:
+                w = _cvt4(xf0 * m, xf1 * m, xf2 * m, xf3 * m, E5M2)
+            else:
+                w = _pack4(_to_fp8(xf0 * m, fp8_max, E5M2, USE_ASM), _to_fp8(xf1 * m, fp8_max, E5M2, USE_ASM),
+                           _to_fp8(xf2 * m, fp8_max, E5M2, USE_ASM), _to_fp8(xf3 * m, fp8_max, E5M2, USE_ASM))
+        else:
+            w = _pack4(_encode(xf0, _negative(x0, xf0, IN_KIND), m, fp8_max, E5M2, USE_ASM),
+                       _encode(xf1, _negative(x1, xf1, IN_KIND), m, fp8_max, E5M2, USE_ASM),
+                       _encode(xf2, _negative(x2, xf2, IN_KIND), m, fp8_max, E5M2, USE_ASM),
+                       _encode(xf3, _negative(x3, xf3, IN_KIND), m, fp8_max, E5M2, USE_ASM))
+        return w
+
+    @triton.jit
+    def _tile(rb, cb, x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x, rs_cols, cs_cols, fp8_max,
+              rcp_max, eps, BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr, POW2: tl.constexpr,
+              E5M2: tl.constexpr, IN_KIND: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+              USE_ASM: tl.constexpr, EVEN: tl.constexpr):
+        """Columnwise block rb of slot rows x column block cb (the kernel's docstring)."""
+        R: tl.constexpr = BLK // 4
+        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        rows = rb * BLK + 4 * tl.arange(0, R)  # (group g: slot rows rows + g)
+        x0 = _load_raw(x_ptr, src_ptr, rows, cols, S, K, stride_x, EVEN)
+        x1 = _load_raw(x_ptr, src_ptr, rows + 1, cols, S, K, stride_x, EVEN)
+        x2 = _load_raw(x_ptr, src_ptr, rows + 2, cols, S, K, stride_x, EVEN)
+        x3 = _load_raw(x_ptr, src_ptr, rows + 3, cols, S, K, stride_x, EVEN)
+        xf0 = _widen(x0, IN_KIND)
+        xf1 = _widen(x1, IN_KIND)
+        xf2 = _widen(x2, IN_KIND)
+        xf3 = _widen(x3, IN_KIND)
+        cam = tl.max(tl.maximum(tl.maximum(_abs_bits(xf0), _abs_bits(xf1)), tl.maximum(_abs_bits(xf2), _abs_bits(xf3))),
+                     axis=0)  # (one reduction across the threads, not four)
+        finite = tl.max(cam, axis=0) < 0x7F800000
+        if ROWWISE:
+            _rowwise(x0, xf0, finite, rows, cols, cb, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, R,
+                     BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, USE_ASM, EVEN)
+            _rowwise(x1, xf1, finite, rows + 1, cols, cb, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, R,
+                     BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, USE_ASM, EVEN)
+            _rowwise(x2, xf2, finite, rows + 2, cols, cb, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, R,
+                     BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, USE_ASM, EVEN)
+            _rowwise(x3, xf3, finite, rows + 3, cols, cb, rq_ptr, rs_ptr, S, K, rs_cols, fp8_max, rcp_max, eps, R,
+                     BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, USE_ASM, EVEN)
+        if COLUMNWISE:
+            mult, stored = _multiplier(cam, fp8_max, rcp_max, eps, MODE, POW2, USE_ASM)
+            # the four rows of a word are held by one thread: little-endian bytes, no byte shuffles to transpose
+            w = _col_words(x0, xf0, x1, xf1, x2, xf2, x3, xf3, mult, finite, fp8_max, IN_KIND, E5M2, USE_ASM)
+            wp = cq_ptr + cols.to(tl.int64)[None, :] * (S // 4) + (rb * R + tl.arange(0, R))[:, None]
+            sp = cs_ptr + cols.to(tl.int64) * cs_cols + rb
+            if EVEN:
+                tl.store(wp, w)
+                tl.store(sp, stored)
+            else:
+                tl.store(wp, w, mask=(cols < K)[None, :] & (rows < S)[:, None])
+                tl.store(sp, stored, mask=cols < K)
+
+    # (the scale row lengths and tile counts only index: specializing on their divisibility would compile new
+    # variants as the routing changes the slot count)
+    @triton.jit(do_not_specialize=["rs_cols", "cs_cols", "n_tiles", "n_cb", "n_programs"])
+    def _slot_quantize_kernel(x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x, rs_cols, cs_cols,
+                              n_tiles, n_cb, n_programs, fp8_max, rcp_max, eps,
+                              BLOCK_C: tl.constexpr, BLK: tl.constexpr, MODE: tl.constexpr, POW2: tl.constexpr,
+                              E5M2: tl.constexpr, IN_KIND: tl.constexpr, ROWWISE: tl.constexpr,
+                              COLUMNWISE: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr,
+                              STAGES: tl.constexpr, INTERP_ITERS: tl.constexpr):
+        """A tile is one columnwise block (BLK slot rows) x BLOCK_C columns (whole rowwise blocks), held as four
+        groups of BLK / 4 rows, group g the slot rows 4 j + g: every element of a group sits in the same thread as
+        the same element of the others (the tensors share one layout), so the columnwise bytes of 4 consecutive slot
+        rows pack into one int32 word inside a thread and the transposed `[K, S]` form is written as words (Triton
+        moves a transposed byte tensor through shared memory one byte per store: the L1 bound of the first kernel).
+        All four groups' loads are issued before anything is stored (a store may alias the input: the compiler
+        cannot move a load above one, and loads between stores wait one memory latency each). Where the tile's
+        values are all finite, the elements are encoded by the conversion alone (the inf / NaN rules cost more
+        instructions than the rest of the encoding). EVEN: every tile is inside the tensor (no bounds masks).
+        STAGES 0: one tile per program (grid: row blocks x column blocks); else persistent programs (a 1-D grid of
+        n_programs) looping over the n_tiles tiles (n_cb along K) with the next tiles' loads in flight (Triton's
+        software pipeline, STAGES deep, through shared memory). `cq_ptr`: the columnwise bytes as int32 words."""
+        if STAGES == 0:
+            _tile(tl.program_id(0), tl.program_id(1), x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x,
+                  rs_cols, cs_cols, fp8_max, rcp_max, eps, BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, ROWWISE,
+                  COLUMNWISE, USE_ASM, EVEN)
+        elif USE_ASM:
+            for t in tl.range(tl.program_id(0), n_tiles, n_programs, num_stages=STAGES):
+                _tile(t // n_cb, t % n_cb, x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x, rs_cols,
+                      cs_cols, fp8_max, rcp_max, eps, BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, ROWWISE, COLUMNWISE,
+                      USE_ASM, EVEN)
+        else:  # (the same tiles under the interpreter, whose range takes no runtime bound: a constexpr count)
+            for i in range(0, INTERP_ITERS):
+                t = tl.program_id(0) + i * n_programs
+                if t < n_tiles:
+                    _tile(t // n_cb, t % n_cb, x_ptr, src_ptr, rq_ptr, rs_ptr, cq_ptr, cs_ptr, S, K, stride_x,
+                          rs_cols, cs_cols, fp8_max, rcp_max, eps, BLOCK_C, BLK, MODE, POW2, E5M2, IN_KIND, ROWWISE,
+                          COLUMNWISE, USE_ASM, EVEN)
 
 
 def slot_quantize(x: torch.Tensor, src_rows: torch.Tensor, mode: int, fp8: torch.dtype, rowwise: bool,
@@ -232,8 +376,13 @@ def slot_quantize(x: torch.Tensor, src_rows: torch.Tensor, mode: int, fp8: torch
     """(rowwise fp8 `[S, K]`, its scales, columnwise fp8 `[K, S]`, its scales) of the `S = len(src_rows)` slot rows
     (module docstring), None for a direction not asked for. `x` `[T, K]` (unit stride along K; bf16, fp16 or fp32),
     `src_rows` int32 `[S]` on x's device. Scales: FP8 blocks fp32 `[S, ceil(K/128)]`, `[K, ceil(S/128)]`; MXFP8 E8M0
-    bytes `[S, K/32]`, `[K, S/32]` (K and S multiples of 32)."""
+    bytes `[S, K/32]`, `[K, S/32]` (K and S multiples of 32). The columnwise form needs S a multiple of 4 (its bytes
+    are written 4 slot rows to a word). `config`: a SlotConfig (default CONFIGS[mode])."""
+    c = SlotConfig(*config) if config is not None else CONFIGS[mode]
+    _check_config(mode, c)
     s, k = src_rows.shape[0], x.shape[1]
+    if columnwise and s % 4:
+        raise ValueError(f"slot quantize: the columnwise form of {s} slot rows: the slot count must be a multiple of 4")
     blk = _BLOCKS[mode]
     dev = x.device
     if mode == MODE_FP8_BLOCK:
@@ -246,14 +395,17 @@ def slot_quantize(x: torch.Tensor, src_rows: torch.Tensor, mode: int, fp8: torch
     cs = torch.empty(k, cs_cols, device=dev, dtype=s_dtype) if columnwise else None
     if s == 0 or k == 0 or not (rowwise or columnwise):
         return rq, rs, cq, cs
-    ch, bc, warps = config if config is not None else CONFIGS[mode]
-    dummy = torch.empty(1, device=dev, dtype=torch.uint8)
+    cap = {"maxnreg": c.maxnreg} if c.maxnreg and not _interpreting() else {}
+    dummy = torch.empty(1, device=dev, dtype=torch.int32)
     rcp_max = float(torch.tensor(1.0) / torch.tensor(fp8_max, dtype=torch.float32))  # fp32(1 / fp8_max)
-    grid = (-(-s // blk), -(-k // bc))
-    _slot_quantize_kernel[grid](
+    n_cb = -(-k // c.cols)
+    tiles = -(-s // blk) * n_cb
+    grid = _grid(c, tiles, dev)
+    _slot_quantize_kernel[(grid,) if c.stages else (-(-s // blk), n_cb)](
         x, src_rows, rq.view(torch.uint8) if rowwise else dummy, rs if rowwise else dummy,
-        cq.view(torch.uint8) if columnwise else dummy, cs if columnwise else dummy, s, k, x.stride(0), rs_cols,
-        cs_cols, float(fp8_max), rcp_max, float(eps), CH=ch, BLOCK_C=bc, BLK=blk, MODE=mode, POW2=bool(pow2),
-        E5M2=_FP8[fp8], IN_KIND=_IN_KINDS[x.dtype], ROWWISE=rowwise, COLUMNWISE=columnwise,
-        USE_ASM=not _interpreting(), num_warps=warps)
+        cq.view(torch.int32) if columnwise else dummy, cs if columnwise else dummy, s, k, x.stride(0), rs_cols,
+        cs_cols, tiles, n_cb, grid, float(fp8_max), rcp_max, float(eps), BLOCK_C=c.cols, BLK=blk, MODE=mode,
+        POW2=bool(pow2), E5M2=_FP8[fp8], IN_KIND=_IN_KINDS[x.dtype], ROWWISE=rowwise, COLUMNWISE=columnwise,
+        USE_ASM=not _interpreting(), EVEN=s % blk == 0 and k % c.cols == 0, STAGES=c.stages,
+        INTERP_ITERS=-(-tiles // grid) if _interpreting() and c.stages else 0, num_warps=c.warps, **cap)
     return rq, rs, cq, cs
