@@ -21,7 +21,10 @@ path and its grouped GEMMs forced whatever the token counts (`grouped_blocks.PER
 path forced)" row; the preset's own row is the automatic choice between the two); per-tensor FP8 where the jagged
 path runs (tokens as routed, group bounds on the device: CUDA sm_90 with Triton, and the CPU) also with the jagged
 layout forced (`jagged_path = True`; the preset's own row is GroupedLinear's automatic choice) and off
-(`jagged_path = False`): the "(jagged path)" and "(padded packed path)" rows.
+(`jagged_path = False`): the "(jagged path)" and "(padded packed path)" rows. On CUDA, per-tensor FP8 and block
+formats also get a "(device counts)" row: the same layer given its counts as a CUDA tensor (as a router's `bincount`
+gives them), which takes the paths that never read the counts on the host (the jagged path; the block formats'
+device-count path) -- the other rows pass a list.
 
 Where torchao imports (0.18: `torchao.prototype.moe_training`), its FP8 rowwise grouped GEMM (dynamic rowwise E4M3
 for every operand, `torch._scaled_grouped_mm` for all three GEMMs) is timed eager and torch.compile'd ("torchao
@@ -49,7 +52,7 @@ import torch.nn as nn
 import hybridq
 from hybridq.gemm import jagged_fp8_kernels
 from hybridq.kernels import grouped_blocks
-from hybridq.nn.grouped_packed import FP8_TENSOR, packed_quantizers
+from hybridq.nn.grouped_packed import FP8_TENSOR, ROW_GROUPS, packed_quantizers
 from hybridq.nn.linear import shared_input_quantization
 
 DEFAULT_CONFIGS = "8x16384x2x4096x14336,16x16384x4x2048x5632,64x16384x8x2048x3072"
@@ -158,6 +161,21 @@ class PackedForced(nn.Module):
             grouped_blocks.PER_EXPERT_MIN_US = saved
 
 
+class DeviceCounts(nn.Module):
+    """A GroupedLinear given its token counts as a CUDA tensor, as a router's `bincount` gives them (the jagged path
+    and the block formats' device-count path: no host sync); the tensor is made once per routing."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self._counts: tuple[list[int], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        if self._counts is None or self._counts[0] != m_splits:
+            self._counts = (list(m_splits), torch.tensor(m_splits, device=x.device))
+        return self.layer(x, self._counts[1])
+
+
 class LinearLoop(nn.Module):
     """One bf16 nn.Linear per expert on its token slice."""
 
@@ -195,6 +213,10 @@ def candidates(e: int, d: int, h: int, presets: list[str], device, dtype) -> lis
                                          name=f"experts[{p}, per expert]")
             loop.packed_path = False
             out.append((f"{p} (per-expert path)", loop, False))
+        if kind is not None and kind.kind != ROW_GROUPS and torch.device(device).type == "cuda":  # ... counts on the GPU
+            counted = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
+                                            name=f"experts[{p}, device counts]")
+            out.append((f"{p} (device counts)", DeviceCounts(counted), False))
         if kind is not None and kind.kind != FP8_TENSOR:  # ... and on the packed path whatever the automatic choice
             forced = hybridq.GroupedLinear(e, d, h, bias=False, device=device, dtype=dtype, recipe=hybridq.recipe(p),
                                            name=f"experts[{p}, packed]")
