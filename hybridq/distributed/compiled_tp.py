@@ -48,7 +48,7 @@ from ..tensor import QuantizedTensor
 from ..torch_private import local_tensor
 from .sequence import SequenceGather, _WgradShare, gather_plan
 
-__all__ = ["register", "runs_in_graph", "compiled_tp_linear"]
+__all__ = ["compiled_tp_linear", "local_input_grad_placements", "register", "runs_in_graph", "track"]
 
 # tensor-parallel configurations by key: content -> key, key -> the TensorParallelLinear (mesh, kind, features).
 # Keys name their content and this process (see compiled_linear's configuration keys), so that layers of one shape
@@ -262,6 +262,14 @@ redirect(torch.ops.hybridq.tp_linear_backward.default, _gathered_backward)
 
 # ---- traced by dynamo ---------------------------------------------------------------------------------------
 
+def local_input_grad_placements(kind: ParallelStyle, placement) -> tuple | None:
+    """How the gradient of a layer's local input lies on the group (`to_local`'s grad_placements): a
+    column-parallel layer reading a replicated input computes, on each rank, the part of the input gradient that
+    flows through its output columns -- a partial sum, which DTensor then all-reduces (in high precision) into the
+    replicated input's gradient. Anything else: as the input lies (None)."""
+    return (Partial(),) if kind == ParallelStyle.COLWISE and isinstance(placement, Replicate) else None
+
+
 def _is_sequence_shard(p, ndim: int) -> bool:
     return isinstance(p, Shard) and p.dim % ndim != ndim - 1
 
@@ -289,8 +297,6 @@ def runs_in_graph(module, tp, x: torch.Tensor, is_first_microbatch: bool | None)
 
 
 def compiled_tp_linear(module, tp, x: torch.Tensor, override: str | None) -> DTensor:
-    from .tensor_parallel import local_input_grad_placements
-
     """This rank's `x W^T + b` of a tensor-parallel hybridq Linear as the custom ops (see the module docstring),
     returned as the DTensor the eager path returns; traced by dynamo."""
     seq_dim = -1

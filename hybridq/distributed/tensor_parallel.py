@@ -29,6 +29,7 @@ from ..enums import Cut, ParallelStyle
 from ..nn.linear import Linear
 from ..nn.linear_function import apply_linear, cached_quantized_weight
 from . import compiled_tp
+from .compiled_tp import local_input_grad_placements
 from .pieces import PieceQuantizer, check_column_cuts, reject_stateful
 from .sequence import SequenceGather
 
@@ -37,14 +38,6 @@ __all__ = ["ColwiseParallel", "RowwiseParallel", "PrepareModuleInput", "TensorPa
 
 def _is_sequence_shard(p) -> bool:
     return isinstance(p, Shard) and p.dim != -1
-
-
-def local_input_grad_placements(kind: ParallelStyle, placement) -> tuple | None:
-    """How the gradient of a layer's local input lies on the group (`to_local`'s grad_placements): a
-    column-parallel layer reading a replicated input computes, on each rank, the part of the input gradient that
-    flows through its output columns -- a partial sum, which DTensor then all-reduces (in high precision) into the
-    replicated input's gradient. Anything else: as the input lies (None)."""
-    return (Partial(),) if kind == ParallelStyle.COLWISE and isinstance(placement, Replicate) else None
 
 
 @dataclasses.dataclass(eq=False)

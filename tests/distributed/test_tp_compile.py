@@ -93,7 +93,7 @@ def _id(case: tuple) -> str:
 
 
 def test_the_case_list_has_the_tensor_parallel_presets():
-    assert {"fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "fp8_rowwise"} <= set(PRESETS), PRESETS
+    assert {"fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd"} <= set(PRESETS), PRESETS
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
