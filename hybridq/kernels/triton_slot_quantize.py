@@ -49,11 +49,11 @@ class SlotConfig(NamedTuple):
     per_sm: int = 0
 
 
-# Fixed per mode, not autotuned (the slot row count changes with the routing every step). Chosen on an H200 from
-# the previous form of the kernel (.devrun/sq/bench_slot.py, 2026-11-27): FP8 blocks were latency-bound with one
-# 16-warp program per SM (its 128-row tiles need ~110 registers per thread), so its tiles' loads are pipelined;
-# MXFP8's 32-row tiles ran fastest at 4 warps (1.66x the first kernel). Not yet timed in this form.
-CONFIGS = {MODE_FP8_BLOCK: SlotConfig(128, 16, stages=2, per_sm=1), MODE_MXFP8: SlotConfig(128, 4)}
+# Fixed per mode, not autotuned (the slot row count changes with the routing every step). Measured on an H200
+# (.devrun/sq/bench_slot.py, 2026-11-27 22:50 UTC, bench_grouped's configs, bf16 tokens; bytes read + written):
+# FP8 blocks 1.30-1.38 TB/s at 8 warps per 128 x 128 tile (the previous kernel: 0.87-0.92), MXFP8 1.56-1.67 at 4
+# warps per 32 x 128 tile (0.97-1.01); a bf16 copy of the same bytes runs at 4.2.
+CONFIGS = {MODE_FP8_BLOCK: SlotConfig(128, 8), MODE_MXFP8: SlotConfig(128, 4)}
 _BLOCKS = {MODE_FP8_BLOCK: 128, MODE_MXFP8: 32}  # elements per scale in either direction
 _FP8 = {torch.float8_e4m3fn: False, torch.float8_e5m2: True}  # -> E5M2
 _IN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -63,10 +63,12 @@ _SMS: dict = {}  # device -> multiprocessor count
 def _check_config(mode: int, c: SlotConfig) -> None:
     """A config the kernel implements, else ValueError naming the rule."""
     blk = _BLOCKS[mode]
-    if not (all(v > 0 and v & (v - 1) == 0 for v in (c.cols, c.warps)) and c.cols % blk == 0 and c.warps <= 32
+    # (16 warps and more: compiled for an H200 by Triton 3.6 they wrote other rowwise bytes than the CUDA kernel --
+    # FP8 blocks at K = 200 / 232 / 264, MXFP8 at every K --, which the interpreter does not show)
+    if not (all(v > 0 and v & (v - 1) == 0 for v in (c.cols, c.warps)) and c.cols % blk == 0 and c.warps <= 8
             and 0 <= c.maxnreg <= 255 and c.stages >= 0 and (c.per_sm > 0) == (c.stages > 0)):
         raise ValueError(f"slot quantize config {c} for {blk}-element blocks: needs whole power-of-two rowwise blocks "
-                         f"per tile, a power of two up to 32 warps, a register cap within 0..255, and programs per SM "
+                         f"per tile, a power of two up to 8 warps, a register cap within 0..255, and programs per SM "
                          f"exactly where stages > 0")
 
 
