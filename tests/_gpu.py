@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -17,3 +19,14 @@ def gpu(test):
     """Mark a test `gpu` and skip it without a CUDA device and the built extension."""
     return pytest.mark.gpu(pytest.mark.skipif(not extension_ready(),
                                               reason="needs a CUDA device and the built extension")(test))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside, a CUDA host sync raises (torch's sync debug mode "error"); the work issued before is waited for first."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -16,6 +16,7 @@ from hybridq.nn import grouped_device_blocks
 from hybridq.nn.grouped_device_blocks import DeviceBlockExperts, device_path_runs, slot_layout, slot_multiple
 from hybridq.nn.grouped_packed import BLOCKS, SlotLayout, TokenLayout, bound_rows, packed_quantizers
 from test_grouped_blocks_gemm import DEVICES as KERNEL_DEVICES, _interpreter_numpy  # noqa: F401 (autouse fixture)
+from _gpu import no_host_sync
 
 E, IN = 4, 160  # K: five 32-blocks, one and a partial 128-block
 PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
@@ -299,12 +300,8 @@ def test_gpu_device_count_path_runs_without_a_host_sync(preset):
     x, dy = _data(splits, 128, device="cuda")
     x.requires_grad_()
     m(x, route).backward(dy)  # (first call: Triton compiles, the extension loads)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         m(x, route).backward(dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
 
 

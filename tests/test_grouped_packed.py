@@ -15,7 +15,7 @@ from hybridq.formats import Float8Quantizer
 from hybridq.gemm import JaggedFP8Kernels
 from hybridq.nn.grouped_jagged import JaggedFP8Experts, TokenGroups
 from hybridq.nn.grouped_packed import BLOCKS, FP8_TENSOR, ROW_GROUPS, PackedFP8Experts, TokenLayout, packed_quantizers
-from _gpu import extension_ready
+from _gpu import extension_ready, no_host_sync
 
 E, IN, OUT = 4, 64, 64
 SPLITS = [[5, 0, 17, 40], [16, 32, 0, 48], [0, 0, 3, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
@@ -390,12 +390,8 @@ def test_gpu_jagged_path_runs_without_a_host_sync(as_tensor):
     x = torch.randn(sum(splits), IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), OUT, device="cuda", dtype=torch.bfloat16)
     m(x, route).backward(dy)  # (first call: Triton compiles, the extension loads)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         m(x, route).backward(dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
 
 

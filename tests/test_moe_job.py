@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "launch"))
 import config  # noqa: E402
 import model as job_model  # noqa: E402
 from metrics import read_metrics, runs_of  # noqa: E402
+from _gpu import no_host_sync  # noqa: E402
 
 
 def _moe(e=4, k=2, d=32, h=64, seed=0):
@@ -52,12 +53,8 @@ def test_route_sorts_slots_by_expert_and_counts_them(e, k):
 def test_gpu_route_counts_stay_on_the_device_without_a_host_sync():
     """The router's counts stay on the device (no bincount max, no .tolist()): routing issues no host sync."""
     probs = torch.randn(4096, 16, device="cuda").softmax(-1)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         order, token, weight, m_splits = job_model.route(probs, 2)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     ref = torch.bincount(probs.topk(2, -1).indices.reshape(-1), minlength=16)
     assert torch.equal(m_splits, ref), (m_splits.tolist(), ref.tolist())
 
