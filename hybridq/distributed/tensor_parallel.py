@@ -49,10 +49,10 @@ class TensorParallelLinear:
     in_features: int
     out_features: int
     layer: int = -1  # the layer's number for the compiled path (compiled_tp.track)
+    graph_key: str | None = None  # the plain value the compiled ops name this configuration by (compiled_tp.register)
 
     def __post_init__(self):
         self.kind = ParallelStyle.parse(self.kind, "TensorParallelLinear kind")
-        self.graph_key = compiled_tp.register(self)  # (plain value the compiled ops name this configuration by)
 
     @property
     def group(self):
@@ -191,7 +191,8 @@ def _attach(module: Linear, kind: ParallelStyle, mesh) -> None:
                          f"mesh['tp']), got a {mesh.ndim}-D mesh")
     tp = TensorParallelLinear(kind, mesh, module.in_features, module.out_features)
     tp.check(module)
-    tp.layer = compiled_tp.track(module)
+    # (registered when attached to a layer over a real mesh: the pre-flight checks layouts with a stand-in mesh)
+    tp.layer, tp.graph_key = compiled_tp.track(module), compiled_tp.register(tp)
     module.__dict__.pop("_tp_pieces", None)
     module._weight_cache = None
     module._tensor_parallel = tp
