@@ -314,3 +314,30 @@ def unsharded_hybrid_weights_compile(rank: int, world_size: int, device) -> dict
         return {"error": f"{type(e).__name__}: {e}"[:3000], "diff": None, "graph_breaks": None}
     return {"error": None, "diff": tensor_diff(got, want, "compiled vs eager output"),
             "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def replicated_input_gradient_keeps_non_finite(rank: int, world_size: int, device, compiled: bool) -> dict:
+    """A column-parallel Linear on a replicated input, backward in high precision (only the input gradient's
+    all-reduce carries values between the ranks): a NaN in the last rank's output columns of grad_output and an
+    inf in the first rank's. Returns {"nan": [NaN positions per input row], "inf": ...} of this rank's input gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hybridq.distributed import ColwiseParallel
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False))
+    hybridq.convert_linears(model, hybridq.recipe("fp8_tensorwise", backward_override="high_precision"))
+    parallelize_module(model, mesh, {"0": ColwiseParallel()})
+    fn = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    x = torch.randn(4, 32, requires_grad=True)
+    y = fn(x)  # (this rank's output columns)
+    dy = torch.ones_like(y)
+    if rank == world_size - 1:
+        dy[1, 0] = float("nan")
+    if rank == 0:
+        dy[2, 0] = float("inf")
+    y.backward(dy)
+    g = x.grad
+    return {"nan": g.isnan().any(1).tolist(), "inf": g.isinf().any(1).tolist()}

@@ -137,3 +137,13 @@ def test_tensor_parallel_pieces_prepared_for_fsdp2_but_not_sharded_stay_eager_in
         r = rep["unsharded"]
         assert r["error"] is None, f"rank {rank}: {r['error']}"
         assert r["graph_breaks"] > 0 and r["diff"] is None, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_replicated_input_gradient_all_reduce_keeps_non_finite_values_of_every_rank(compiled):
+    """The input gradient's all-reduce of a column-parallel layer on a replicated input: a NaN in grad_output on the
+    last rank and an inf on the first reach every rank's input gradient (row 1 NaN, row 2 inf), never made finite."""
+    for rank, r in enumerate(spawn(_tp_compile_jobs.replicated_input_gradient_keeps_non_finite, 2, "gloo",
+                                   compiled=compiled)):
+        assert r["nan"] == [False, True, False, False], f"rank {rank}: NaN rows of the input gradient {r['nan']}"
+        assert r["inf"] == [False, False, True, False], f"rank {rank}: inf rows of the input gradient {r['inf']}"
