@@ -48,7 +48,7 @@ from ..tensor import QuantizedTensor
 from ..torch_private import local_tensor
 from .sequence import SequenceGather, _WgradShare, gather_plan
 
-__all__ = ["compiled_tp_linear", "local_input_grad_placements", "register", "runs_in_graph", "track"]
+__all__ = ["compiled_tp_linear", "local_input_grad_placements", "register", "runs_in_graph", "track", "tracked"]
 
 # tensor-parallel configurations by key: content -> key, key -> the TensorParallelLinear (mesh, kind, features).
 # Keys name their content and this process (see compiled_linear's configuration keys), so that layers of one shape
@@ -79,12 +79,18 @@ def track(module) -> int:
     return n
 
 
+def tracked(layer: int):
+    """The module numbered `layer` by `track`, or None (never tracked, or freed)."""
+    ref = _LAYERS.get(layer)
+    return None if ref is None else ref()
+
+
 @torch.compiler.assume_constant_result
 def _gathered_now(layer: int) -> bool:
     """Whether the weight of tensor-parallel Linear `layer` is, as compile traces its call, the piece FSDP2
     gathered quantized (a handled weight under the DTensor: fully_shard manages it, which never changes after;
     compiled code reads it as a constant)."""
-    module = _LAYERS[layer]()
+    module = tracked(layer)  # (None: a layer copied without its module -- it stays eager)
     return module is not None and handled_weight(local_tensor(module._parameters.get("weight")))
 
 

@@ -18,6 +18,7 @@ On any other module (an nn.Linear not converted, an embedding) they behave exact
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -53,6 +54,20 @@ class TensorParallelLinear:
 
     def __post_init__(self):
         self.kind = ParallelStyle.parse(self.kind, "TensorParallelLinear kind")
+
+    def __deepcopy__(self, memo: dict) -> "TensorParallelLinear":
+        # A copy made with its layer (copy.deepcopy of the model: the copied module is in `memo` before its
+        # attributes are copied) gets a number of its own: the layer number names one module for the compiled
+        # path, and a shared one would look at the original's weight (or at nothing once it is freed).
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for f in dataclasses.fields(self):
+            if f.name != "layer":
+                setattr(new, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        module = compiled_tp.tracked(self.layer)
+        copied = memo.get(id(module)) if module is not None else None
+        new.layer = compiled_tp.track(copied) if copied is not None else -1
+        return new
 
     @property
     def group(self):

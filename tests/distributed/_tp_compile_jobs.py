@@ -6,6 +6,7 @@ compile raised (a graph break under fullgraph=True) and how many tensor-parallel
 from __future__ import annotations
 
 import copy
+import gc
 import pathlib
 import sys
 
@@ -227,7 +228,8 @@ def compiled_tp_matches_eager(rank: int, world_size: int, device, cases: list) -
     return out
 
 
-def fsdp_tp_compiled_matches_eager(rank: int, world_size: int, device, presets: list, mesh_shape: tuple) -> dict:
+def fsdp_tp_compiled_matches_eager(rank: int, world_size: int, device, presets: list, mesh_shape: tuple,
+                                   copied: bool = False) -> dict:
     """FSDP2 over tensor-parallel pieces in torchtitan's order -- apply_hybrid_fsdp, parallelize_module over "tp",
     the block compiled (fullgraph=True), fully_shard over "dp" -- against the same model run eagerly: two SGD steps,
     outputs, input gradients, parameter gradients (this rank's shards) and parameters compared bit for bit. The
@@ -257,6 +259,10 @@ def fsdp_tp_compiled_matches_eager(rank: int, world_size: int, device, presets: 
             for m in (eager, compiled):
                 hybridq.apply_hybrid_fsdp(m, deterministic_recipe(preset))
                 parallelize_module(m, mesh["tp"], tp_plan(1))
+            if copied:  # the compiled model is a copy of a parallelized one, whose original is freed
+                compiled = copy.deepcopy(compiled)
+                gc.collect()
+            for m in (eager, compiled):
                 if m is compiled:
                     m.forward = torch.compile(m.forward, backend=rec, fullgraph=True)
                 fully_shard(m, mesh=mesh["dp"])
@@ -272,8 +278,8 @@ def fsdp_tp_compiled_matches_eager(rank: int, world_size: int, device, presets: 
                     got.append((y.detach(), xi.grad, {n: _local(p.grad).clone() for n, p in m.named_parameters()}))
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                (ye, ge, pe), (yc, gc, pc) = got
-                for what, c, e in [("output", yc, ye), ("input grad", gc, ge)] + [
+                (ye, ge, pe), (yc, g_c, pc) = got
+                for what, c, e in [("output", yc, ye), ("input grad", g_c, ge)] + [
                         (f"grad of {n}", pc[n], pe[n]) for n in pe]:
                     d_ = tensor_diff(c, e, f"step {step} {what} (compiled vs eager)")
                     if d_:

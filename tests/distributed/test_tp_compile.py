@@ -130,6 +130,18 @@ def test_fsdp2_gathered_tensor_parallel_pieces_compile_bitwise_the_eager_step(me
         assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
 
 
+def test_a_deep_copy_of_tensor_parallel_layers_compiles_on_its_own_after_the_original_is_freed():
+    """copy.deepcopy of a model after the TP styles (before fully_shard), the original dropped: the copy's layers
+    name themselves for the compiled path (they once named the original's, and the compile failed once it was freed)
+    -- no graph break, bitwise the eager step."""
+    for rank, rep in enumerate(spawn(_tp_compile_jobs.fsdp_tp_compiled_matches_eager, 2, "gloo",
+                                     presets=["fp8_tensorwise"], mesh_shape=(1, 2), copied=True)):
+        r = rep["fp8_tensorwise"]
+        assert r["error"] is None, f"rank {rank}: compiling the copy with fullgraph=True failed: {r['error']}"
+        assert r["tp_ops"] == 3, f"rank {rank}: {r['tp_ops']} tensor-parallel Linear ops in the graphs, expected 3"
+        assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
+
+
 def test_tensor_parallel_pieces_prepared_for_fsdp2_but_not_sharded_stay_eager_in_the_graph():
     """apply_hybrid_fsdp and the TP styles without fully_shard: nothing gathers the pieces, so the layers stay graph
     breaks (dynamo cannot wrap the sharded pieces) and the compiled block gives the eager output."""
