@@ -55,61 +55,91 @@ def _device(mesh) -> torch.device:
             else torch.device(mesh.device_type))
 
 
-def _linear_items(model: nn.Module) -> list:
-    """(process group, device, state, key, local statistics) of every FSDP2-sharded Linear weight of `model` whose
-    format reduces statistics."""
-    items = []
-    for mod in model.modules():
-        if not isinstance(mod, Linear):
-            continue
-        p = mod._parameters.get("weight")
-        info = _sharded(p, dim0_only=True)
-        if info is None or not isinstance(local_tensor(p), HybridWeight):
-            continue
-        group, mesh, ws, rank = info
-        local = local_tensor(p)
-        st = local._hq
-        if ws == 1 or st.tp_group is not None:  # (a TP piece's per-tensor statistics are reduced at its gather)
-            continue
-        dtype = st.param_dtype or local.dtype
-        shape = tuple(p.shape)
-        shard = dim0_chunks(shape, ws)[rank]
-        data = local._data
-        x2d = data.to(dtype).reshape(shard.length, shape[-1])
-        s = mod.weight_quantizer.shard_stats(x2d, shard)
-        if s is None:
-            continue
-        items.append((group, _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float()))
-    return items
+def _linear_item(mod: Linear, p, local: HybridWeight) -> tuple | None:
+    """(process group, device, state, key, local statistics) of a hybridq Linear's FSDP2-sharded weight whose format
+    reduces statistics; None for any other."""
+    info = _sharded(p, dim0_only=True)
+    if info is None:
+        return None
+    group, mesh, ws, rank = info
+    st = local._hq
+    if ws == 1 or st.tp_group is not None:  # (a TP piece's per-tensor statistics are reduced at its gather)
+        return None
+    dtype = st.param_dtype or local.dtype
+    shape = tuple(p.shape)
+    shard = dim0_chunks(shape, ws)[rank]
+    data = local._data
+    x2d = data.to(dtype).reshape(shard.length, shape[-1])
+    s = mod.weight_quantizer.shard_stats(x2d, shard)
+    if s is None:
+        return None
+    return group, _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float()
 
 
-def _grouped_items(model: nn.Module) -> list:
-    """The same for every FSDP2-sharded grouped weight: all experts of one weight in one entry."""
-    items = []
-    for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            info = _sharded(p, dim0_only=False)
-            if info is None or not isinstance(local_tensor(p), GroupedHybridWeight):
-                continue
-            group, mesh, ws, rank = info
-            if ws == 1:
-                continue
+def _grouped_item(mod: nn.Module, p, local: GroupedHybridWeight) -> tuple | None:
+    """The same for a sharded grouped weight: all experts of one weight in one entry."""
+    info = _sharded(p, dim0_only=False)
+    if info is None:
+        return None
+    group, mesh, ws, rank = info
+    if ws == 1:
+        return None
+    st: GroupedWeightState = local._hq
+    try:
+        layer = st.layer(mod)
+    except TypeError:
+        return None
+    qs = tuple(q["weight"] for q in layer.expert_quantizers)
+    dtype = st.param_dtype or local.dtype
+    layout = ExpertLayout.infer(st.name, tuple(p.shape), tuple(local.shape), ws, rank, qs[0].describe())
+    data = local._data.to(dtype)
+    flat = pack_stats([q.shard_stats(layout.local_piece(data, e), layout.stats_shard(e))
+                       for e, q in enumerate(qs)])
+    if flat is None:
+        return None
+    return group, _device(mesh), st, stats_key(p, dtype, layout), flat
+
+
+def _modules(model: nn.Module) -> list[nn.Module]:
+    """`model.modules()` as a list, in its order (pre-order, each module once), walked with a stack: the recursive
+    generators of `named_modules` resume once per level for every module they yield."""
+    out, seen, stack = [], set(), [model]
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out.append(mod)
+        children = [m for m in mod._modules.values() if m is not None]
+        children.reverse()
+        stack += children
+    return out
+
+
+def _items(model: nn.Module) -> list:
+    """The items of every FSDP2-sharded Linear weight, then of every sharded grouped weight, of `model`: one walk
+    of its modules, each parameter's local tensor type asked before its placements (this runs after every
+    optimizer step: the 1B job's 20 layers at d_model 256 on a CPU, world 1, 1.5 ms per call when it walked the
+    modules twice and asked every parameter's placements, 0.6 ms now)."""
+    linear, grouped = [], []
+    for mod in _modules(model):
+        params = mod._parameters
+        if not params:
+            continue
+        weight = params.get("weight") if isinstance(mod, Linear) else None
+        for p in params.values():
             local = local_tensor(p)
-            st: GroupedWeightState = local._hq
-            try:
-                layer = st.layer(mod)
-            except TypeError:
+            if not isinstance(local, HybridWeight):  # (not a DTensor, or not a hybridq weight: nothing to reduce)
                 continue
-            qs = tuple(q["weight"] for q in layer.expert_quantizers)
-            dtype = st.param_dtype or local.dtype
-            layout = ExpertLayout.infer(st.name, tuple(p.shape), tuple(local.shape), ws, rank, qs[0].describe())
-            data = local._data.to(dtype)
-            flat = pack_stats([q.shard_stats(layout.local_piece(data, e), layout.stats_shard(e))
-                               for e, q in enumerate(qs)])
-            if flat is None:
-                continue
-            items.append((group, _device(mesh), st, stats_key(p, dtype, layout), flat))
-    return items
+            if p is weight:
+                item = _linear_item(mod, p, local)
+                if item is not None:
+                    linear.append(item)
+            if isinstance(local, GroupedHybridWeight):
+                item = _grouped_item(mod, p, local)
+                if item is not None:
+                    grouped.append(item)
+    return linear + grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +158,7 @@ def precompute_scales(model: nn.Module) -> PrecomputedScales:
     next all-gathers use them instead of one all-reduce per weight. A harmless no-op on a model that is not
     sharded (all counts 0)."""
     per_group: dict = {}
-    for group, device, st, key, s in _linear_items(model) + _grouped_items(model):
+    for group, device, st, key, s in _items(model):
         per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
     values = 0
     for group, items, device in per_group.values():

@@ -143,3 +143,28 @@ def test_unshard_setup_is_the_plan_of_its_settings():
             assert got.plan == plan, f"{where}: {got.plan} != {plan}"
             assert got.keeps == keeps, f"{where}: keeps the forward payload {got.keeps}, expected {keeps}"
             assert (got.phase, got.reshard_after_forward, set(got.backward_extra)) == (phase, ra, extra_now), where
+
+
+def _model_with_shared_modules() -> torch.nn.Module:
+    shared = torch.nn.Linear(2, 2)
+    inner = torch.nn.Sequential(shared, torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(2, 2), shared))
+    model = torch.nn.Sequential(inner, shared, torch.nn.ModuleList([torch.nn.Linear(1, 1), inner]))
+    model.register_module("absent", None)
+    return model
+
+
+WALK_CASES = {
+    "one module": lambda: torch.nn.Linear(2, 2),
+    "nested, shared and absent children": _model_with_shared_modules,
+}
+
+
+@pytest.mark.parametrize("case", list(WALK_CASES))
+def test_precompute_scales_walks_the_modules_of_model_modules_in_its_order(case):
+    """`precompute_scales` walks the model without `named_modules`' generators: the same modules, each once, in the
+    same order (the order of the fused all-reduce's values)."""
+    from hybridq.distributed.scales import _modules
+    model = WALK_CASES[case]()
+    got, want = _modules(model), list(model.modules())
+    assert [id(m) for m in got] == [id(m) for m in want], (
+        f"walked {[type(m).__name__ for m in got]}, model.modules() gives {[type(m).__name__ for m in want]}")
