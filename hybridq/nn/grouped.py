@@ -93,8 +93,9 @@ class GroupedLinear(nn.Module):
 
     # the same quantizers for every expert, all per-tensor FP8 with current scaling, all block formats without
     # tensor-wide statistics (FP8 blocks, MXFP8, hybrids of them) or all NVFP4 / its hybrids (per-expert global
-    # amaxes; a weight without stochastic rounding), and no bias, override, weight cache, quantized or
-    # FSDP2-gathered weight or save_original_input: quantize all experts in one call per tensor
+    # amaxes; a weight without stochastic rounding), and no bias, override, weight cache, quantized weight or
+    # save_original_input: quantize all experts in one call per tensor -- a weight FSDP2 gathered quantized is read as
+    # gathered (block formats; per-tensor FP8 on the jagged path; NVFP4: the per-expert path)
     # (hybridq/nn/grouped_packed.py, grouped_packed_blocks.py; `packed_quantizers` decides; with m_splits a CUDA
     # tensor, FP8 blocks and MXFP8 without a host sync where the grouped GEMMs take every phase:
     # grouped_device_blocks.py). False: always the per-expert path (what the packed paths are tested against).
@@ -284,9 +285,12 @@ class GroupedLinear(nn.Module):
         # (wgrad contracts over the tokens) and the fp32 emulated GEMM runs
         multiple = native_row_multiple(x.device)
         kind = (self._packed_kind()
-                if (self.packed_path and override is None and not gathered and not held_quantized
-                    and is_first_microbatch is None
+                if (self.packed_path and override is None and not held_quantized and is_first_microbatch is None
                     and self.bias is None and not self.save_original_input) else None)
+        if gathered and kind is not None and kind.kind != BLOCKS:
+            # block formats read the gathered experts (GatheredExpertWeights); per-tensor FP8 reads them on the
+            # jagged path (`_jagged`); the other packed paths quantize the weight themselves
+            kind = None
         y = self._jagged(x, splits, kind, gathered, held_quantized, override, is_first_microbatch, need_dgrad,
                          need_wgrad)
         if y is _PER_EXPERT:
@@ -351,7 +355,7 @@ class GroupedLinear(nn.Module):
         if not (self.packed_path and self.jagged_path is not False and override is None and not held_quantized
                 and is_first_microbatch is None and self.bias is None and not self.save_original_input):
             return None
-        if gathered:  # (kind is None for a gathered weight: the packed paths quantize the weight themselves)
+        if gathered:  # (kind is None for a gathered per-tensor FP8 weight: PackedFP8Experts quantizes the weight)
             kind = self._packed_kind()
         if kind is None or kind.kind != FP8_TENSOR:
             return None

@@ -32,8 +32,9 @@ from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm, native_row_multiple
 from ..kernels import grouped_blocks, grouped_emulated, grouped_slots, native_gemm
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
+from ..weight_forms import GroupedGatheredForm
 from .grouped_packed import SlotLayout, padded_tokens
-from .grouped_packed_blocks import ExpertWeights, _per_expert_mm, _used, token_multiple
+from .grouped_packed_blocks import ExpertWeights, GatheredExpertWeights, _per_expert_mm, _used, token_multiple
 from .linear_function import _only
 
 
@@ -106,7 +107,7 @@ def _mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, 
         n_out = weights.n if direction == ROWWISE else weights.part(0, direction).rows
         return a.data.new_zeros(0, n_out, dtype=out_dtype)
     if weights.packed:
-        b = weights.tensors[0].part(direction)
+        b = weights.whole(direction)
         out = None
         if grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e):
             out = grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM",
@@ -150,29 +151,36 @@ def forward(x: torch.Tensor, weight: torch.Tensor, layout: SlotLayout, quantizer
     """(y `[tokens, n]`, the input's columnwise form (wgrad) or None, the weight's columnwise tensors (dgrad), whether
     the weight is packed). `fake`: compile's tracing: the quantized forms are made (their shapes), y is not computed."""
     e, n, k = weight.shape
+    gathered = isinstance(weight, GroupedGatheredForm)  # FSDP2's: read as gathered, its columnwise form in backward
     xq = _quantize(quantizers["input"], x, layout, True, need_wgrad, f"input of {name}")
-    wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
+    wq = (GatheredExpertWeights(weight, quantizers["weight"], ROWWISE) if gathered else
+          ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}"))
     y = (x.new_empty(x.shape[0], n) if fake else
          _mm(xq.part(ROWWISE), wq, e, ROWWISE, layout, x.dtype, f"fprop of {name}"))
     # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
-    return (y, _only(xq, COLUMNWISE) if need_wgrad else None, wq.only(COLUMNWISE).tensors if need_dgrad else [],
-            wq.packed)
+    return (y, _only(xq, COLUMNWISE) if need_wgrad else None,
+            wq.only(COLUMNWISE).tensors if need_dgrad and not gathered else [], wq.packed)
 
 
 def backward(dy: torch.Tensor, layout: SlotLayout, quantizers: dict[str, Quantizer], name: str,
              x_col: QuantizedTensor | None, w_saved: list[QuantizedTensor], packed_weight: bool,
-             w_shape: tuple[int, int, int], w_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool
-             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dW) from what `forward` returned for backward; a gradient not asked for is None."""
+             w_shape: tuple[int, int, int], w_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool,
+             gathered: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dW) from what `forward` returned for backward (`gathered`: the FSDP2-gathered weight forward read, whose
+    columnwise form dgrad reads); a gradient not asked for is None."""
     e, n, k = w_shape
-    need_dgrad, need_wgrad = need_dgrad and bool(w_saved), need_wgrad and x_col is not None
+    need_dgrad = need_dgrad and (bool(w_saved) or gathered is not None)
+    need_wgrad = need_wgrad and x_col is not None
     if not (need_dgrad or need_wgrad):
         return None, None
+    weights = None
+    if need_dgrad:  # (the gathered columnwise form first: a collective when not gathered yet, whatever the tokens)
+        weights = (GatheredExpertWeights(gathered, quantizers["weight"], COLUMNWISE) if gathered is not None else
+                   ExpertWeights(w_saved, n, packed_weight))
     dyq = _quantize(quantizers["grad_output"], dy, layout, need_dgrad, need_wgrad, f"grad_output of {name}")
     dx = dw = None
     if need_dgrad:  # dy rowwise x W columnwise
-        dx = _mm(dyq.part(ROWWISE), ExpertWeights(w_saved, n, packed_weight), e, COLUMNWISE, layout, dy.dtype,
-                 f"dgrad of {name}")
+        dx = _mm(dyq.part(ROWWISE), weights, e, COLUMNWISE, layout, dy.dtype, f"dgrad of {name}")
     if need_wgrad:  # dy columnwise x x columnwise, contracted over each expert's slot
         dw = _wgrad(dyq.part(COLUMNWISE), x_col.part(COLUMNWISE), layout, e, n, k, dy.dtype,
                     f"wgrad of {name}").to(w_dtype)
@@ -188,6 +196,7 @@ class DeviceBlockExperts(torch.autograd.Function):
                 name: str, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
         y, x_col, w_saved, packed = forward(x, weight, layout, quantizers, name, need_dgrad, need_wgrad)
         ctx.layout, ctx.quantizers, ctx.name, ctx.packed_weight = layout, quantizers, name, packed
+        ctx.gathered = weight if isinstance(weight, GroupedGatheredForm) and need_dgrad else None
         ctx.w_shape, ctx.w_dtype, ctx.n_weight = tuple(weight.shape), weight.dtype, len(w_saved)
         save_quantized(ctx, x_col, *w_saved)
         return y
@@ -196,7 +205,7 @@ class DeviceBlockExperts(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x_col, *w_saved = saved_quantized(ctx)
         dx, dw = backward(dy.contiguous(), ctx.layout, ctx.quantizers, ctx.name, x_col, w_saved, ctx.packed_weight,
-                          ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                          ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.gathered)
         if ctx.needs_input_grad[0] and dx is None:
             dx = dy.new_zeros(dy.shape[0], ctx.w_shape[2])
         if ctx.needs_input_grad[1] and dw is None:

@@ -19,6 +19,10 @@ each expert's numbers as the per-expert call would: the input's experts first to
 quantizes them), grad_output's last to first (autograd runs the per-expert backward from the last expert created).
 The weight is quantized packed when N is a whole number of its blocks along N (128x128 tiles: 128; MXFP8's
 columnwise 1x32 blocks: 32; NVFP4: always, its shape rule asks for it), else expert by expert (`ExpertWeights`).
+A weight FSDP2 gathered quantized (`GroupedGatheredForm`, block formats) is not quantized here: its experts' parts
+are read as gathered (`GatheredExpertWeights`), the rowwise ones in forward, the columnwise ones in backward (which
+the backward unshard fills), joined into the packed weight's layout -- the same bytes, since each expert's gathered
+part is the quantization of its full weight and the packed quantization's row slices are too.
 
 This path reads the counts on the host (one sync per layer with a CUDA `m_splits`). With the counts on the device, FP8
 blocks and MXFP8 run the device-count variant instead (grouped_device_blocks.py: the layout computed on the device,
@@ -36,6 +40,7 @@ from ..formats.base import QuantizedPart, Quantizer
 from ..gemm import gemm
 from ..kernels import grouped_blocks, grouped_emulated, grouped_slots
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
+from ..weight_forms import ExpertsTensor, GroupedGatheredForm
 from .grouped_packed import FP8_TENSOR, TokenLayout
 from .linear_function import _only
 
@@ -87,15 +92,70 @@ class ExpertWeights:
                        for g, w in enumerate(weight.unbind(0))]
         return cls(tensors, n, packed)
 
+    def whole(self, direction: str) -> QuantizedPart:
+        """The packed weight's part in `direction` (`packed` only): rowwise `[E*N, K]`, columnwise `[K, E*N]`."""
+        return self.tensors[0].part(direction)
+
     def part(self, g: int, direction: str) -> QuantizedPart:
         """Expert g's part in `direction` (a columnwise row slice is a copy: slice it once per GEMM)."""
         if self.packed:
-            return self.tensors[0].part(direction).row_slice(g * self.n, (g + 1) * self.n, group=g)
+            return self.whole(direction).row_slice(g * self.n, (g + 1) * self.n, group=g)
         return self.tensors[g].part(direction)
 
     def only(self, direction: str) -> "ExpertWeights":
         """The same weights holding `direction` only (what backward reads)."""
         return ExpertWeights([_only(t, direction) for t in self.tensors], self.n, self.packed)
+
+
+class GatheredExpertWeights(ExpertWeights):
+    """One direction of the experts FSDP2 gathered quantized (`GroupedGatheredForm`): made available on construction
+    (a collective when it was not gathered yet: every rank builds it, whatever its token counts), read as gathered.
+    Packed where no scaling block of `direction` would span two experts (as `ExpertWeights.quantize`): `whole` is
+    the packed weight's part, the experts' stacked buffers joined along the experts -- a view of them rowwise where
+    they are one allocation with no gap, one copy columnwise (`[K, E*N]`: expert g's columns g*N..(g+1)*N)."""
+
+    def __init__(self, weight: torch.Tensor, q: Quantizer, direction: Direction):
+        e, n, _ = weight.shape
+        columnwise = direction == COLUMNWISE
+        self.direction, self.n = direction, n
+        self._stacked = weight.stacked_part(direction)  # (makes the direction available on every rank)
+        if self._stacked is None:
+            weight.ensure_direction(direction)
+        # (the experts themselves: under inference_mode a view op on the weight is refused, see _unbind_experts)
+        self.tensors = list(weight._experts) if isinstance(weight, ExpertsTensor) else list(weight.unbind(0))
+        self.packed = e > 1 and n % q.split_granularity(not columnwise, columnwise)[0] == 0
+        self._whole: QuantizedPart | None = None
+
+    def whole(self, direction: str) -> QuantizedPart:
+        if direction != self.direction or not self.packed:
+            raise RuntimeError(f"gathered experts: the packed {direction} part of a weight read {self.direction}"
+                               f"{'' if self.packed else ' expert by expert'}")
+        if self._whole is None:
+            self._whole = _joined(self._stacked, [w.part(direction) for w in self.tensors])
+        return self._whole
+
+    def only(self, direction: str) -> "ExpertWeights":
+        raise RuntimeError("gathered experts are read per direction where used, never kept for backward")
+
+
+def _joined(stacked, parts: list[QuantizedPart]) -> QuantizedPart:
+    """The experts' parts (2-D tensors each, equal geometry) as one part of all experts, packed as one quantization of
+    `[E*N, K]` lays it out: rowwise tensors joined along their rows, columnwise ones along their columns (stored
+    `[K, N]` per expert). `stacked`: (expert 0's part, {field: `[E, ...]` view}) or None (joined by a copy)."""
+    p0, e = parts[0], len(parts)
+    dim = 1 if p0.columnwise else 0
+    fields = {}
+    for name, t in p0.tensors().items():
+        if t is None:
+            continue
+        if stacked is not None and name in stacked[1]:
+            v = stacked[1][name]  # [E, a, b]: a view when no copy is needed (rowwise, no gap between experts)
+            fields[name] = (v.permute(1, 0, 2).reshape(v.shape[1], e * v.shape[2]) if dim else
+                            v.reshape(e * v.shape[1], v.shape[2]))
+        else:
+            fields[name] = torch.cat([p.tensors()[name] for p in parts], dim)
+    rows, cols = (p0.rows, e * p0.cols) if dim else (e * p0.rows, p0.cols)
+    return type(p0)(rows=rows, cols=cols, columnwise=p0.columnwise, **{**p0.tensors(), **fields}, **p0.meta())
 
 
 def _used(layout: TokenLayout) -> list[tuple[int, int, int, int]]:
@@ -146,7 +206,7 @@ def _grouped_mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Dir
     operands (then one `gemm` per expert runs)."""
     if not weights.packed:
         return None
-    b = weights.tensors[0].part(direction)
+    b = weights.whole(direction)
     n_out = b.rows // e if direction == ROWWISE else b.rows
     if grouped_blocks.weight_supported(b, e):
         phase = grouped_blocks.FPROP if direction == ROWWISE else grouped_blocks.DGRAD
@@ -230,6 +290,8 @@ class PackedBlockExperts(torch.autograd.Function):
         used = _used(layout)
         ctx.layout, ctx.quantizers, ctx.name = layout, quantizers, name
         ctx.w_shape, ctx.w_dtype = (e, n, k), weight.dtype
+        gathered = isinstance(weight, GroupedGatheredForm)  # (FSDP2's: its columnwise form is read in backward)
+        ctx.gathered = weight if gathered and need_dgrad else None
         if not used:  # no tokens: nothing to quantize (zero gradients)
             ctx.packed_weight = False
             save_quantized(ctx, None)
@@ -238,13 +300,14 @@ class PackedBlockExperts(torch.autograd.Function):
         # (stochastic rounding: the per-expert forward quantizes the experts' inputs first to last)
         xq = quantize_slots(quantizers["input"], x, layout, rowwise=True, columnwise=need_wgrad,
                             name=f"input of {name}")
-        wq = ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}")
+        wq = (GatheredExpertWeights(weight, quantizers["weight"], ROWWISE) if gathered else
+              ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}"))
         x_row = xq.part(ROWWISE)
         y = _grouped_mm(x_row, wq, e, ROWWISE, layout, x.dtype)
         if y is None:
             y = _per_expert_mm(x_row, wq, ROWWISE, used, x.dtype, f"fprop of {name}")
         # backward reads the input's columnwise form (wgrad) and the weight's (dgrad) only
-        w_saved = wq.only(COLUMNWISE).tensors if need_dgrad else []
+        w_saved = wq.only(COLUMNWISE).tensors if need_dgrad and not gathered else []
         ctx.packed_weight = wq.packed
         save_quantized(ctx, _only(xq, COLUMNWISE) if need_wgrad else None, *w_saved)
         return y
@@ -257,6 +320,10 @@ class PackedBlockExperts(torch.autograd.Function):
         e, n, k = ctx.w_shape
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         used = _used(layout)
+        # the gathered experts' columnwise form, made available before anything depends on this rank's tokens (a
+        # collective when the backward unshard did not gather it)
+        gathered = (GatheredExpertWeights(ctx.gathered, ctx.quantizers["weight"], COLUMNWISE)
+                    if ctx.gathered is not None and need_dgrad else None)
         dx = dy.new_zeros(0, k) if need_dgrad else None
         zero_dw = (lambda: dy.new_zeros(e, n, k, dtype=ctx.w_dtype)) if need_wgrad else (lambda: None)
         dw = None
@@ -266,7 +333,7 @@ class PackedBlockExperts(torch.autograd.Function):
         dyq = quantize_slots(ctx.quantizers["grad_output"], dy, layout, rowwise=need_dgrad, columnwise=need_wgrad,
                              name=f"grad_output of {name}", draw_order=range(e - 1, -1, -1))
         if need_dgrad:  # dy rowwise x W columnwise
-            weights = ExpertWeights(w_saved, n, ctx.packed_weight)
+            weights = gathered if gathered is not None else ExpertWeights(w_saved, n, ctx.packed_weight)
             dy_row = dyq.part(ROWWISE)
             dx = _grouped_mm(dy_row, weights, e, COLUMNWISE, layout, dy.dtype)
             if dx is None:

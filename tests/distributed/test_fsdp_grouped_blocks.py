@@ -1,0 +1,62 @@
+"""A GroupedLinear whose `[E, out, in]` weight FSDP2 gathers quantized in a block format (FP8 1x128 / 128x128,
+MXFP8, their hybrid) takes the packed block path (host counts) or the device-count path, reading the gathered experts'
+parts (rowwise in forward, columnwise in backward) instead of running one GEMM per expert (issue 30: the MoE job's
+fp8_block step was host-bound on ~590 expert GEMM calls).
+
+Oracle (bitwise): the per-expert path (`packed_path = False`) on the same gathered weight -- output, input gradient and
+this rank's shard of the weight gradient -- on one and two ranks (gloo, CPU), uneven routing with an expert without
+tokens on every rank, and a NaN weight and an inf input propagating as they do there."""
+
+from __future__ import annotations
+
+import pytest
+
+from _harness import spawn
+import _gathered_block_jobs as jobs
+
+pytestmark = pytest.mark.distributed
+
+PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
+COUNTS = ["host", "device"]
+CASES = [dict(preset=p, counts=c) for p in PRESETS for c in COUNTS] + [
+    dict(preset=p, counts="host", nonfinite=True) for p in PRESETS] + [
+    dict(preset=p, counts=c, out=160) for p in PRESETS for c in COUNTS]  # (weight tiles that would span experts)
+# the packed run's autograd node: the path it took (the per-expert path's output is a cat of the experts' outputs)
+NODES = {"host": "PackedBlockExpertsBackward", "device": "DeviceBlockExpertsBackward"}
+IDS = [f"{c['preset']}-{c['counts']}{'-nonfinite' if c.get('nonfinite') else ''}-out{c.get('out', jobs.OUT)}"
+       for c in CASES]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def runs(request):  # (one spawn per world size for every case: process start-up dominates on the CPU)
+    return request.param, spawn(jobs.job_gathered_blocks, request.param, "gloo", cases=CASES)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_gathered_block_experts_take_the_packed_path(runs, i):
+    ws, results = runs
+    for rank, res in enumerate(results):
+        got = res[i]["node"]
+        want = NODES[CASES[i]["counts"]]
+        assert got == want, f"world {ws} rank {rank} {IDS[i]}: the gathered weight ran {got}, expected {want}"
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_gathered_block_experts_are_bitwise_the_per_expert_path(runs, i):
+    ws, results = runs
+    for rank, res in enumerate(results):
+        assert not res[i]["diffs"], f"world {ws} rank {rank}:\n" + "\n".join(res[i]["diffs"])
+
+
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c.get("nonfinite")],
+                         ids=[IDS[i] for i, c in enumerate(CASES) if c.get("nonfinite")])
+def test_nonfinite_values_reach_output_and_gradients(runs, i):
+    """A NaN weight element and an inf input element: the output and input gradient hold non-finite values on every
+    rank, the weight gradient on the rank whose shard holds the expert of the inf token (and, by the bitwise test,
+    exactly where the per-expert path puts them)."""
+    ws, results = runs
+    for rank, res in enumerate(results):
+        got = res[i]["nonfinite"]
+        assert got["y"] and got["dx"], f"world {ws} rank {rank} {IDS[i]}: non-finite (y, dx): {got}"
+    assert any(res[i]["nonfinite"]["dw"] for res in results), f"world {ws} {IDS[i]}: every weight gradient finite"
+
