@@ -121,7 +121,7 @@ def test_gathered_fast_path_checks_are_reused_only_for_their_shapes_dtypes_and_s
     w = torch.randn(32, 64)
 
     def call(x):
-        return float8_graph._gathered_call(x, w, spec, cfg, True, True)
+        return float8_graph._cached_fast_call(x, w, spec, cfg, True, True)
 
     assert call(torch.randn(8, 64)), "a per-tensor FP8 call on the CPU takes the fast path"
     assert not call(torch.randn(0, 64)), "an input without rows reused another shape's answer"

@@ -157,6 +157,27 @@ def test_layers_on_either_path_share_one_quantization_of_their_input(case):
         assert_bitwise(a, b, f"{case}: result {i} with the input shared")
 
 
+@pytest.mark.parametrize("case", ["fp8_e4m3", "fp8blk_1x128_e4m3"])
+def test_fast_path_layers_share_an_input_without_building_a_quantized_tensor(case, monkeypatch):
+    """q, k, v all on the fast path: x is quantized once and shared as its tensors; no QuantizedTensor (a wrapper
+    subclass, ~20 us of host time to build with its parts) is made, which only a general-path reader needs."""
+    from hybridq.nn import float8_graph
+    layers = [_layer(case, name=n, seed=i) for i, n in enumerate("qkv")]
+    from hybridq.tensor import QuantizedTensor
+    built, casts = [], []
+    new, quantize = QuantizedTensor.__new__, float8_graph._quantize
+    monkeypatch.setattr(QuantizedTensor, "__new__", staticmethod(lambda *a, **kw: built.append(1) or new(*a, **kw)))
+    x, gy = _inputs()
+    xg = x.clone().requires_grad_()
+    monkeypatch.setattr(float8_graph, "_quantize",  # (the casts of x, not of the weights)
+                        lambda t, *a: casts.extend([1] * (t.data_ptr() == xg.data_ptr())) or quantize(t, *a))
+    with shared_input_quantization(True):
+        ys = [layer(xg) for layer in layers]
+    assert [_node(y) for y in ys] == [FAST] * 3
+    assert len(casts) == 1, f"x was cast {len(casts)} times by three layers sharing it"
+    assert not built, f"{len(built)} QuantizedTensor built for layers that all read the shared tensors directly"
+
+
 def test_fast_path_uses_a_known_max_of_its_input():
     """A norm's max|x| (known_amax) is what the cast uses: a value 3x the real one changes the scale, as on the
     general path."""

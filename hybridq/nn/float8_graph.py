@@ -51,7 +51,7 @@ from ..tensor import QuantizedTensor
 from ..torch_private import graph_task_id
 from .fused_input import prequantized_input
 from .known_amax import known_amax
-from .linear_function import _SHARED, gradients_needed
+from .linear_function import _SHARED, SharedParts, gradients_needed
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear", "eager_float8_linear",
            "eager_fast_path", "gathered_cpp_ops"]
@@ -364,12 +364,18 @@ def _part(cast: Float8Cast, data: torch.Tensor, scale_inv: torch.Tensor, columnw
                            block_dim=cast.block_dim)
 
 
-def _shared_input(x: torch.Tensor, x2d: torch.Tensor, q, cast: Float8Cast, columnwise: bool) -> tuple | None:
+def _shared_input(x: torch.Tensor, q, cast: Float8Cast, columnwise: bool) -> tuple | None:
     """x quantized as `_quantize` returns it, shared with the other layers reading x through linear_function's
-    table (the same entries, so layers on either path share with one another), or from the max|x| its producer
-    handed over; None when neither applies (the Function quantizes x itself)."""
+    table (the same entries, so layers on either path share with one another: this path puts SharedParts, which
+    the general path turns into a QuantizedTensor only where it reads one), or from the max|x| its producer handed
+    over; None when neither applies (the Function quantizes x itself)."""
     share = _SHARED.enabled and not x.is_inference()  # (current scaling is deterministic)
-    xq = _SHARED.get(x, q, columnwise) if share else None
+    xq = _SHARED.find_any(x, q, columnwise) if share else None
+    if isinstance(xq, SharedParts):
+        xr, xrs, xc, xcs = xq.tensors
+        return (xr, xrs, xc, xcs) if columnwise else (xr, xrs, None, None)
+    # (x's [M, K] view; a 2-D x is its own: a reshape is a view op, several us of host time)
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if xq is None:  # a norm may have written the rowwise form ([Note: pre-quantized norm outputs], fused_input.py)
         xq = prequantized_input(q, x, x2d, columnwise, "input")
         if xq is not None and share:
@@ -384,9 +390,10 @@ def _shared_input(x: torch.Tensor, x2d: torch.Tensor, q, cast: Float8Cast, colum
     parts = _quantize(x2d.detach(), cast, True, columnwise, amax)  # (outside the Function: record nothing)
     if share:
         xr, xrs, xc, xcs = parts
-        _SHARED.put(x, q, QuantizedTensor(_part(cast, xr, xrs, False),
-                                          None if xc is None else _part(cast, xc, xcs, True),
-                                          shape=x2d.shape, dtype=x2d.dtype))
+        shape, dtype = x2d.shape, x2d.dtype
+        _SHARED.put(x, q, SharedParts(parts, lambda: QuantizedTensor(
+            _part(cast, xr, xrs, False), None if xc is None else _part(cast, xc, xcs, True), shape=shape,
+            dtype=dtype)))
     return parts
 
 
@@ -434,16 +441,15 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if spec is None:
         return None
     need_dgrad, need_wgrad = gradients_needed(x, weight)
-    if not _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
+    if not _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
         return None
-    k = x.shape[-1]
     w_parts = None
     if isinstance(weight, QuantizedTensor):
         w_parts = _gathered_parts(weight, spec.weight, need_dgrad)
         if w_parts is None:
             return None
     x_col = need_wgrad and not spec.save_original_input
-    x_parts = _shared_input(x, x.reshape(-1, k), cfg.input_q, spec.input, x_col)
+    x_parts = _shared_input(x, cfg.input_q, spec.input, x_col)
     # (no gradient needed: rowwise forms only, nothing saved, as the general path's forward-only call)
     if _one_op(x, spec, w_parts):
         xi, w, g = spec.input, spec.weight, spec.grad_output
@@ -482,27 +488,29 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
 
 # ---- a compiled Linear's gathered weight (compiled_linear.py's gathered ops run these) ----------------------------
 
-# `_fast_call`'s answers for the compiled Linear's gathered ops, by what they depend on besides the switch and the
-# dispatch tables (asked at every call): the spec and config (one per compiled configuration), the devices, dtypes
-# and shapes, the gradients and whether native GEMMs are on (`takes` and the shape rules: ~25 us of host per call)
-_GATHERED_CALLS: dict[tuple, bool] = {}
-_MAX_GATHERED_CALLS = 4096
+# `_fast_call`'s answers for the eager fast path and the compiled Linear's gathered ops, by what they depend on
+# besides the switch and the dispatch tables (asked at every call): the spec and config (one per layer and backward
+# override, or per compiled configuration: a recipe swap or an override from the environment makes a new config), the
+# devices, dtypes and shapes, the gradients (requires_grad, grad mode) and whether native GEMMs are on (`takes` and
+# the shape rules: ~25 us of host per call)
+_FAST_CALLS: dict[tuple, bool] = {}
+_MAX_FAST_CALLS = 4096
 
 
-def _gathered_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg, need_dgrad: bool,
-                   need_wgrad: bool) -> bool:
-    """`_fast_call` of a compiled Linear's gathered op, the shape-dependent checks asked once per `_GATHERED_CALLS`
-    key (the switch and the dispatch tables are read at every call: they can change between calls)."""
+def _cached_fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg, need_dgrad: bool,
+                      need_wgrad: bool) -> bool:
+    """`_fast_call`, the shape-dependent checks asked once per `_FAST_CALLS` key (the switch and the dispatch
+    tables are read at every call: they can change between calls)."""
     if not _EAGER["on"] or not _dispatch_is_builtin((cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type,
                                                     _PART[spec.input.block_dim]):
         return False
     key = (spec, cfg, x.device, x.dtype, x.shape, weight.device, weight.dtype, weight.shape, need_dgrad, need_wgrad,
            native_gemm.native_enabled())
-    ok = _GATHERED_CALLS.get(key)
+    ok = _FAST_CALLS.get(key)
     if ok is None:
-        if len(_GATHERED_CALLS) >= _MAX_GATHERED_CALLS:
-            _GATHERED_CALLS.clear()
-        ok = _GATHERED_CALLS[key] = _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
+        if len(_FAST_CALLS) >= _MAX_FAST_CALLS:
+            _FAST_CALLS.clear()
+        ok = _FAST_CALLS[key] = _fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
     return ok
 
 
@@ -539,7 +547,7 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
     and None (save_original_input: wgrad quantizes x's `[M, K]` view), or None, None (no wgrad). Only the weight's
     rowwise part is read: backward reads the columnwise one then (`gathered_grads`)."""
     if (spec is None or spec.input.block_dim != PER_TENSOR
-            or not _gathered_call(x, weight, spec, cfg, need_dgrad, need_wgrad)):
+            or not _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)):
         return None
     wr = weight.part(ROWWISE)
     if not _part_fits(wr, spec.weight):

@@ -47,19 +47,46 @@ class _LinearConfig:
         return new
 
 
+class SharedParts:
+    """A shared input as the eager FP8 fast path quantized it (nn/float8_graph.py): its tensors as that path reads
+    them (rowwise data, scale_inv, columnwise data, scale_inv; None for a direction not made) and `make`, which
+    builds the QuantizedTensor the general path reads, once, when a layer on that path asks for it (building the
+    wrapper subclass and its parts costs ~20 us of host time: the fast path's layers never need it)."""
+
+    __slots__ = ("tensors", "_make", "_quantized", "__weakref__")
+
+    def __init__(self, tensors: tuple, make: Callable[[], QuantizedTensor]):
+        self.tensors = tensors
+        self._make = make
+        self._quantized = None
+
+    def has(self, direction: str) -> bool:
+        return self.tensors[0 if direction == ROWWISE else 2] is not None
+
+    def quantized(self) -> QuantizedTensor:
+        if self._quantized is None:
+            self._quantized = self._make()
+        return self._quantized
+
+
 class _SharedInputs(TensorSideTable):
     """The last few quantized Linear inputs, so that layers reading the same tensor (wq/wk/wv, w1/w3) quantize
     it once: an entry serves an equal deterministic quantizer and the directions it holds (see TensorSideTable for
-    when an entry lives)."""
+    when an entry lives). A value is a QuantizedTensor or the fast path's SharedParts (`get` answers the
+    QuantizedTensor; the fast path reads `find_any`'s answer)."""
 
     def __init__(self):
         super().__init__(slots=2)
         self.enabled = True
 
     def get(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | None:
+        xq = self.find_any(x, q, columnwise)
+        return xq.quantized() if isinstance(xq, SharedParts) else xq
+
+    def find_any(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | SharedParts | None:
         return self.find(x, lambda eq, xq: (eq is q or eq == q) and (not columnwise or xq.has(COLUMNWISE)))
 
-    def put(self, x: torch.Tensor, q: Quantizer, xq: QuantizedTensor) -> None:
+    def put(self, x: torch.Tensor, q: Quantizer, xq: QuantizedTensor | SharedParts) -> None:
         super().put(x, q, xq, same_key=lambda eq: eq is q or eq == q)
 
 
