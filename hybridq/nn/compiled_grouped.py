@@ -27,11 +27,11 @@ bitwise eager; the graph neither copies nor saves the gathered bytes.
 Block formats without tensor-wide statistics (FP8 1x128 / 128x128 blocks, MXFP8, their hybrids: the `BLOCKS` packed
 kind) compile into the graph too, as compiled_grouped_blocks.py's two ops over the device-count packed path
 (nn/grouped_device_blocks.py), on the CPU and where that path runs on CUDA without a host count
-(`grouped_device_blocks.device_path_runs`), with a plain weight.
+(`grouped_device_blocks.device_path_runs`), with a plain weight or one FSDP2 gathered quantized (its handle, as above).
 
 What stays a graph break (the eager path): `m_splits` as a list (its values would be constants of the graph: one
-compile per routing), every other recipe (NVFP4, delayed scaling, ...) and option, block-format weights FSDP2 gathers
-quantized, weights held quantized (quantized_model_init).
+compile per routing), every other recipe (NVFP4, delayed scaling, ...) and option, weights held quantized
+(quantized_model_init).
 `runs_in_graph` says which; `experts_in_graph` whether an expert module's products all compile.
 """
 
@@ -45,6 +45,7 @@ from ..enums import COLUMNWISE, ROWWISE
 from .. import dispatch
 from ..gemm import JaggedFP8, JaggedFP8Kernels, jagged_fp8_kernels
 from ..kernels import native_gemm
+from ..weight_forms import GroupedGatheredForm
 from .expert_layers import converted_experts
 from .grouped_jagged import HeldFP8Experts, TokenGroups, jagged_backward, jagged_forward
 from . import compiled_grouped_blocks
@@ -110,10 +111,10 @@ def _configuration_in_graph(layer) -> bool:
 
 
 def _weight_in_graph(weight, key: str) -> bool:
-    """A plain weight, or (per-tensor FP8) one FSDP2 gathered quantized (its handle enters the graph). Traced by
-    dynamo."""
-    return type(weight) in (torch.Tensor, torch.nn.Parameter) or (
-        not compiled_grouped_blocks.is_key(key) and handled_weight(weight))
+    """A plain weight, or one FSDP2 gathered quantized (its handle enters the graph; block formats: only that, not a
+    quantized parameter). Traced by dynamo."""
+    return type(weight) in (torch.Tensor, torch.nn.Parameter) or (handled_weight(weight) and (
+        not compiled_grouped_blocks.is_key(key) or isinstance(weight, GroupedGatheredForm)))
 
 
 def _runs_here(layer, x: torch.Tensor) -> bool:
@@ -139,7 +140,8 @@ def experts_in_graph(module) -> bool:
     """Whether every grouped product of `module` -- a GroupedLinear, or an expert module converted by
     `convert_experts` -- runs inside torch.compile's graph (no graph break) when called with `m_splits` as a tensor
     on inputs the kernels take: every layer per-tensor FP8 with current scaling on the jagged path, its weight plain
-    or gathered quantized by FSDP2, or block formats (FP8 blocks, MXFP8, their hybrids) with a plain weight. False for a module that was not converted. May be traced by dynamo (e.g. to run
+    or gathered quantized by FSDP2, or block formats (FP8 blocks, MXFP8, their hybrids) likewise. False for a module
+    that was not converted. May be traced by dynamo (e.g. to run
     an expert module's forward under `torch.compiler.disable` where it would break the graph)."""
     if "_graph_key" in module.__dict__:
         layers = {"weight": module}

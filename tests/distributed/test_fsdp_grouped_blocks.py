@@ -60,3 +60,41 @@ def test_nonfinite_values_reach_output_and_gradients(runs, i):
         assert got["y"] and got["dx"], f"world {ws} rank {rank} {IDS[i]}: non-finite (y, dx): {got}"
     assert any(res[i]["nonfinite"]["dw"] for res in results), f"world {ws} {IDS[i]}: every weight gradient finite"
 
+
+
+# ---- compiled: the gathered block experts inside the graph --------------------------------------------------------
+
+# grouped products per block of _grouped_compile_jobs' model: the experts' w1, w3, w2 and the GroupedLinear proj
+PRODUCTS = 4
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def compiled_runs(request):
+    import _grouped_compile_jobs as compile_jobs
+    from _harness import job_several
+
+    return request.param, spawn(job_several, request.param, "gloo", jobs={
+        "routed": (compile_jobs.compiled_experts_match_eager, {"cases": PRESETS})})
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiled_gathered_block_experts_are_in_the_graph(compiled_runs, preset):
+    """Routed top-2 MoE blocks compiled with fullgraph=True (a graph break fails the job) under FSDP2: every grouped
+    product runs as the gathered ops, which read the weight through its handle (no gathered bytes in the graphs)."""
+    ws, results = compiled_runs
+    for rank, res in enumerate(results):
+        r, at = res["routed"][preset], f"world {ws} rank {rank} {preset}"
+        assert r["ops"].get("gathered_grouped_blocks_forward", 0) >= PRODUCTS, f"{at}: {r['ops']}"
+        assert r["ops"].get("gathered_grouped_blocks_backward", 0) >= PRODUCTS, f"{at}: {r['ops']}"
+        assert "grouped_blocks_forward" not in r["ops"], f"{at}: an op took the gathered weight itself: {r['ops']}"
+        assert not r["weight_tensors"], f"{at}: gathered weight bytes in the graphs: {r['weight_tensors']}"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiled_gathered_block_experts_are_bitwise_eager(compiled_runs, preset):
+    """aot_eager: each of 2 AdamW steps' output, input gradient and every parameter gradient, and the parameters
+    after, bit for bit the eager model's (whose experts take the packed path on the gathered weight)."""
+    ws, results = compiled_runs
+    for rank, res in enumerate(results):
+        diffs = res["routed"][preset]["diffs"]
+        assert not diffs, f"world {ws} rank {rank} {preset}: compiled differs from eager:\n" + "\n".join(diffs[:20])
