@@ -23,7 +23,10 @@ E, IN, OUT = 4, 128, 256  # OUT a multiple of 128: no 128x128 weight tile spans 
 SPLITS = {0: [5, 0, 17, 9], 1: [0, 12, 3, 20]}
 
 
-def _layer(preset: str, device: torch.device, world_size: int, nonfinite: bool, out: int) -> hybridq.GroupedLinear:
+def _layer(preset: str, device: torch.device, world_size: int, nonfinite: bool, out: int,
+           plain: list | None = None) -> hybridq.GroupedLinear:
+    """The layer under FSDP2 (the quantized all-gather); `plain` gets an unsharded copy of it holding the weight FSDP2
+    gathers (bf16, its param_dtype) as a plain parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -34,6 +37,9 @@ def _layer(preset: str, device: torch.device, world_size: int, nonfinite: bool, 
         if nonfinite:
             lin.weight[2, 3, 5] = float("nan")
     lin.to(device)
+    if plain is not None:
+        plain.append(hybridq.GroupedLinear.from_parameters(
+            torch.nn.Parameter(lin.weight.detach().to(torch.bfloat16).clone()), recipe=preset, name="moe.w1"))
     apply_hybrid_fsdp(lin, hybridq.recipe(preset), on_incompatible="error")
     mesh = init_device_mesh(device.type, (world_size,))
     fully_shard(lin, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -87,4 +93,27 @@ def job_gathered_blocks(rank, world_size, device, cases):
         nonfinite = {t: bool((~torch.isfinite(packed[t].float())).any()) for t in ("y", "dx", "dw")}
         out.append({"diffs": diffs, "node": packed["node"], "per_expert_node": per_expert["node"],
                     "nonfinite": nonfinite})
+    return out
+
+
+def job_gathered_vs_plain(rank, world_size, device, cases):
+    """World 1 (the GPU's oracle: its grouped GEMMs are not those of the per-expert path, whose cuBLAS GEMMs sum in
+    another order): for each case (preset, counts), the packed run on the FSDP2-gathered weight against the packed run
+    of an unsharded copy holding the gathered weight's values as a plain bf16 parameter -- the same kernels on the same
+    quantized bytes (sharding invariance): differences of y, dx, dW, and both runs' autograd nodes."""
+    out = []
+    for case in cases:
+        plain = []
+        lin = _layer(case["preset"], device, world_size, False, case.get("out", OUT), plain)
+        splits = SPLITS[rank % 2]
+        torch.manual_seed(100 + rank)
+        x = torch.randn(sum(splits), IN, dtype=torch.bfloat16).to(device)
+        dy = torch.randn(sum(splits), case.get("out", OUT), dtype=torch.bfloat16).to(device)
+        got = _step(lin, x, dy, splits, case["counts"])
+        want = _step(plain[0], x, dy, splits, case["counts"])
+        want["dw"] = want["dw"].float()  # (FSDP2 reduces the bf16 gradient in fp32: exact on one rank)
+        where = f"{case} rank {rank}"
+        diffs = [d for d in (tensor_diff(got[t], want[t], f"{where} {t}", nan_payload=True)
+                             for t in ("y", "dx", "dw")) if d]
+        out.append({"diffs": diffs, "node": got["node"], "plain_node": want["node"]})
     return out

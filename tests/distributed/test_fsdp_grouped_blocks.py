@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from _harness import spawn
+from _harness import nccl_devices, spawn
 import _gathered_block_jobs as jobs
 
 pytestmark = pytest.mark.distributed
@@ -98,3 +98,28 @@ def test_compiled_gathered_block_experts_are_bitwise_eager(compiled_runs, preset
     for rank, res in enumerate(results):
         diffs = res["routed"][preset]["diffs"]
         assert not diffs, f"world {ws} rank {rank} {preset}: compiled differs from eager:\n" + "\n".join(diffs[:20])
+
+
+# ---- on a GPU: the CUDA grouped GEMMs ----------------------------------------------------------------------------
+
+GPU_CASES = [dict(preset=p, counts=c) for p in PRESETS for c in COUNTS] + [
+    dict(preset="fp8_block", counts="host", out=160)]
+GPU_IDS = [f"{c['preset']}-{c['counts']}-out{c.get('out', jobs.OUT)}" for c in GPU_CASES]
+
+
+@pytest.fixture(scope="module")
+def gpu_runs():
+    return spawn(jobs.job_gathered_vs_plain, 1, "nccl", cases=GPU_CASES)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not nccl_devices(1), reason="needs a CUDA device and NCCL")
+@pytest.mark.parametrize("i", range(len(GPU_CASES)), ids=GPU_IDS)
+def test_gpu_gathered_block_experts_are_bitwise_the_packed_path_on_a_plain_weight(gpu_runs, i):
+    """CUDA, world 1: the gathered weight takes the path a plain weight takes (host counts: the packed path, the
+    cuBLAS loop or the Triton kernels; device counts: the device-count path where its grouped GEMMs run), bitwise
+    it: output, input gradient, weight gradient."""
+    r = gpu_runs[i]
+    assert r["node"] == r["plain_node"] and r["node"] != "CatBackward0", (
+        f"{GPU_IDS[i]}: the gathered weight ran {r['node']}, a plain weight {r['plain_node']}")
+    assert not r["diffs"], f"{GPU_IDS[i]}:\n" + "\n".join(r["diffs"])
