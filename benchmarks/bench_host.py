@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import hybridq
 from hybridq.formats import Float8Quantizer
-from hybridq.nn import float8_graph
+from hybridq.nn import float8_graph, linear_function
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
 
@@ -97,6 +97,45 @@ def cases(dim: int, device: torch.device) -> list:
                 p.grad = None
         return run
 
+    fresh = [x.clone().requires_grad_(True) for _ in range(8)]  # (more than the sharing table's 2 slots)
+
+    def shared_step(m):
+        """A training step's call: input sharing on (the default) and a new input tensor each step, which the
+        layer quantizes and offers to the layers after it that read the same tensor."""
+        i = [0]
+
+        def run():
+            xi = fresh[i[0] % len(fresh)]
+            i[0] += 1
+            with shared_input_quantization(True):
+                m(xi).backward(dy)
+            xi.grad = None
+            for p in m.parameters():
+                p.grad = None
+        return run
+
+    def uncached(fn):
+        """`fn` with the fast path's checks asked at every call (the code before they were cached per shape)."""
+        def run():
+            cached, float8_graph._cached_fast_call = float8_graph._cached_fast_call, float8_graph._fast_call
+            try:
+                fn()
+            finally:
+                float8_graph._cached_fast_call = cached
+        return run
+
+    def shared_as_tensor(fn):
+        """`fn` with each shared input built as a QuantizedTensor when shared, as before SharedParts."""
+        def run():
+            table = linear_function._SHARED
+            table.put = lambda x, q, xq: type(table).put(
+                table, x, q, xq.quantized() if isinstance(xq, linear_function.SharedParts) else xq)
+            try:
+                fn()
+            finally:
+                del table.put
+        return run
+
     def probe(fwd=None, bwd=None):
         fn = in_function(fwd, bwd)
         return lambda: fn(xg, dy)
@@ -110,6 +149,10 @@ def cases(dim: int, device: torch.device) -> list:
         ("nn.Linear fwd+bwd", step(lin)),
         ("hybridq Linear fwd+bwd (fp8_tensorwise)", step(hq)),
         ("hybridq Linear fwd+bwd (fp8_tensorwise, general path)", general(step(hq))),
+        ("hybridq Linear fwd+bwd (fp8_tensorwise, fast-path checks uncached)", uncached(step(hq))),
+        ("hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input)", shared_step(hq)),
+        ("hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input, QuantizedTensor shared)",
+         shared_as_tensor(shared_step(hq))),
         ("hybridq Linear fwd+bwd (fp8_block)", step(hq_block)),
         ("hybridq Linear fwd+bwd (fp8_block, general path)", general(step(hq_block))),
         ("hybridq Linear forward only (grad on)", lambda: hq(xg)),
@@ -135,9 +178,23 @@ def cases(dim: int, device: torch.device) -> list:
                                True, True, False, True).backward(dy)
                 xg.grad = w.grad = None
 
+            def unpacked(fn):
+                """`fn` with hybridq::fp8_linear's tensors in an allocation each (csrc/linear_fp8.cpp, [Note: packed
+                allocations of the Linear op]: the code before)."""
+                def run():
+                    was = _C.linear_packed_allocations(False)
+                    try:
+                        fn()
+                    finally:
+                        _C.linear_packed_allocations(was)
+                return run
+
+            from hybridq import _C
             ops = torch.ops.hybridq
             out += [
                 ("op fp8_linear fwd+bwd (no module)", one_op),
+                ("op fp8_linear fwd+bwd (no module, unpacked allocations)", unpacked(one_op)),
+                ("hybridq Linear fwd+bwd (fp8_tensorwise, unpacked allocations)", unpacked(step(hq))),
                 # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),
@@ -220,10 +277,13 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump({"device": str(device), "torch": torch.__version__, "dim": args.dim, "rows": rows}, fh, indent=1)
     if args.profile:
-        profile_linear_step(dict(todo)["hybridq Linear fwd+bwd (fp8_tensorwise)"], device, args.profile)
+        with open(args.profile, "w"):
+            pass
+        for row in ("hybridq Linear fwd+bwd (fp8_tensorwise)", "hybridq Linear fwd+bwd (fp8_block)"):
+            profile_linear_step(dict(todo)[row], row, device, args.profile)
 
 
-def profile_linear_step(step, device: torch.device, path: str, n: int = 200) -> None:
+def profile_linear_step(step, row: str, device: torch.device, path: str, n: int = 200) -> None:
     import cProfile
     import io
     import pstats
@@ -244,11 +304,11 @@ def profile_linear_step(step, device: torch.device, path: str, n: int = 200) -> 
         torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
-    with open(path, "w") as fh:
-        print(f"==== torch.profiler, {n} hybridq Linear fwd+bwd steps, by self CPU time ====", file=fh)
+    with open(path, "a") as fh:
+        print(f"==== {row}: torch.profiler, {n} steps, by self CPU time ====", file=fh)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80),
               file=fh)
-        print(f"==== cProfile, {n} steps, by own time (Python 3.12+: every thread) ====", file=fh)
+        print(f"==== {row}: cProfile, {n} steps, by own time (Python 3.12+: every thread) ====", file=fh)
         print(buf.getvalue(), file=fh)
 
 

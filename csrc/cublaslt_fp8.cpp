@@ -3,6 +3,7 @@
 #include <Python.h>
 
 #include "cublaslt_fp8.h"
+#include "ops.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContextLight.h>
@@ -293,6 +294,13 @@ PyObject* py_clear(PyObject*, PyObject*) {
 
 PyObject* py_enabled(PyObject*, PyObject*) { return PyBool_FromLong(hybridq::cublaslt::enabled()); }
 
+// (the FP8 Linear op's switch, csrc/linear_fp8.cpp: listed with these methods, the module's only ones)
+PyObject* py_linear_packed(PyObject*, PyObject* on) {
+  const int v = PyObject_IsTrue(on);
+  if (v < 0) return nullptr;
+  return PyBool_FromLong(hybridq::ops::set_linear_packed(v != 0));
+}
+
 }  // namespace
 
 PyMethodDef* hq_cublaslt_py_methods() {
@@ -302,6 +310,9 @@ PyMethodDef* hq_cublaslt_py_methods() {
        "thread's cache)"},
       {"cublaslt_clear_plans", py_clear, METH_NOARGS, "Empties the calling thread's cuBLASLt plan cache"},
       {"cublaslt_enabled", py_enabled, METH_NOARGS, "Whether the direct path is on (HYBRIDQ_CUBLASLT_DIRECT)"},
+      {"linear_packed_allocations", py_linear_packed, METH_O,
+       "Sets whether hybridq::fp8_linear packs its tensors into fewer allocations (HYBRIDQ_LINEAR_PACKED); returns "
+       "the previous setting"},
       {nullptr, nullptr, 0, nullptr}};
   return methods;
 }

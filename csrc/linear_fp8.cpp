@@ -22,9 +22,16 @@
 // for the compiled Linear's gathered ops (nn/compiled_linear.py; their graph saves the tensors): float8_graph's
 // `_fprop` / `_grads` as one op call each (see the bottom of this file).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/bit_cast.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "binding_checks.h"
 #include "cublaslt_fp8.h"
 #include "ops.h"
 
@@ -54,6 +61,78 @@ Quantized quantize(const Tensor& x2d, const Cast& c, bool rowwise, bool columnwi
   auto out = fp8_tensor_quantize(x2d.contiguous(), c.dtype, std::nullopt, std::nullopt, c.eps, c.pow2, rowwise,
                                  columnwise, false);
   return {rowwise ? std::get<0>(out) : Tensor(), columnwise ? std::get<1>(out) : Tensor(), std::get<2>(out)};
+}
+
+// [Note: packed allocations of the Linear op]
+// Each at::empty costs several microseconds of host time (the caching allocator, a TensorImpl): fp8_tensor_quantize
+// allocates four tensors per cast (rowwise, columnwise, scale_inv, max|x|) and zeroes max|x| with a memset of its own,
+// 15 allocations and 3 memsets per forward + backward. The op packs tensors of the same lifetime into one allocation
+// and carves them out of it as tensors on its storage (`carve`: no allocation, no dispatch): the forward's two
+// rowwise parts (read by the fprop GEMM only) in one, its max|x| and scale_inv values in one (zeroed by one memset;
+// the scales are saved, so this 64-byte block lives until backward), dy's parts and values in one. What backward
+// reads of x and the weight (their columnwise parts) stays in allocations of its own: packed with a rowwise part it
+// would keep that part alive until backward. Every piece starts at a multiple of 256 bytes (16 would do: the kernels'
+// vector stores and cuBLASLt's alignment, see cublaslt_fp8.cpp's plan key), and the kernels, their arguments and
+// the GEMMs are those of fp8_tensor_quantize and `mm`: the same bits.
+constexpr int64_t kAlign = 256;
+
+bool packed_default() {
+  const char* v = std::getenv("HYBRIDQ_LINEAR_PACKED");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// on unless HYBRIDQ_LINEAR_PACKED=0; set_linear_packed switches it (benchmarks compare the two in one process)
+std::atomic<bool> g_packed{packed_default()};
+
+int64_t padded(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// A tensor of `dtype` with contiguous `sizes` on `buf`'s storage, `byte_offset` bytes in (a multiple of kAlign)
+Tensor carve(const Tensor& buf, at::ScalarType dtype, at::IntArrayRef sizes, int64_t byte_offset) {
+  Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buf.storage()), buf.key_set(),
+                                                      c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  t.unsafeGetTensorImpl()->set_storage_offset(byte_offset / static_cast<int64_t>(c10::elementSize(dtype)));
+  return t;
+}
+
+// fp8_tensor_quantize's checks of a cast of x (contiguous), before anything is allocated or launched
+void check_cast(const Tensor& x, const Cast& c) {
+  constexpr const char* op = "fp8_tensor_quantize";
+  check_input(x, op);
+  in_type(x, op);
+  fp8_encoding(c.dtype, c.eps, c.pow2, op);
+}
+
+void zero_floats(float* p, int64_t n) {
+  C10_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), c10::cuda::getCurrentCUDAStream()));
+}
+
+float* floats_at(const Tensor& buf, int64_t byte_offset) {
+  return reinterpret_cast<float*>(static_cast<uint8_t*>(buf.data_ptr()) + byte_offset);
+}
+
+void* data_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// `quantize` with its outputs in one allocation: [rowwise | columnwise | scale_inv, max|x|] (for dy, whose parts
+// the two backward GEMMs read and drop)
+Quantized quantize_packed(const Tensor& x2d, const Cast& c, bool rowwise, bool columnwise) {
+  if (x2d.numel() == 0 || !g_packed.load(std::memory_order_relaxed)) {  // (nothing to pack, or packing off)
+    return quantize(x2d, c, rowwise, columnwise);
+  }
+  const Tensor x = x2d.contiguous();
+  check_cast(x, c);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m = x.size(0), k = x.size(1), bytes = padded(m * k);
+  const int64_t col_at = rowwise ? bytes : 0, values_at = col_at + (columnwise ? bytes : 0);
+  Tensor buf = at::empty({values_at + kAlign}, x.options().dtype(at::kByte));
+  float* values = floats_at(buf, values_at);  // [scale_inv, 3 unused, max|x|]
+  zero_floats(values + 4, 1);
+  Quantized q;
+  if (rowwise) q.row = carve(buf, c.dtype, {m, k}, 0);
+  if (columnwise) q.col = carve(buf, c.dtype, {k, m}, col_at);
+  q.scale_inv = carve(buf, at::kFloat, {1}, values_at);
+  fp8_tensor_quantize_into(x, c.dtype, c.eps, c.pow2, data_or_null(q.row), data_or_null(q.col), values + 4, values);
+  return q;
 }
 
 // native_gemm.fp8_tensor_mm: a [m, k] x b [n, k]^T of per-tensor FP8 operands (a result dtype _scaled_mm cannot
@@ -88,7 +167,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_grads(const Tensor& dy, const Tensor& 
   const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
   Tensor dx, dw, db;
   if (need_dgrad || need_wgrad) {
-    Quantized g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
+    Quantized g = quantize_packed(dy2d, g_cast, need_dgrad, need_wgrad);
     if (need_dgrad) dx = mm(g.row, g.scale_inv, wc, wcs, dy.scalar_type(), false).reshape(x_shape);
     if (need_wgrad) {
       Tensor xc = x_saved, xs = xcs;
@@ -105,11 +184,19 @@ std::tuple<Tensor, Tensor, Tensor> linear_grads(const Tensor& dy, const Tensor& 
 }
 
 // The ctx keys of the saved non-tensor state
-constexpr const char* kSpecBits = "spec";  // need_dgrad | need_wgrad << 1 | save_original_input << 2 | has_bias << 3
-constexpr const char* kXShape = "x_shape";
-constexpr const char* kDtypes = "dtypes";  // [weight dtype, bias dtype, grad_output fp8 dtype, input fp8 dtype]
-constexpr const char* kEps = "eps";        // [grad_output eps, input eps]
-constexpr const char* kPow2 = "pow2";      // grad_output pow2 | input pow2 << 1
+// (one entry, one list: each entry of saved_data is a hash-map insert and each list an allocation, per call)
+constexpr const char* kState = "state";
+enum StateSlot : int64_t {
+  kBits,         // need_dgrad | need_wgrad << 1 | save_original_input << 2 | has_bias << 3
+  kWeightDtype,  // the weight's dtype (dW's)
+  kBiasDtype,    // the bias's dtype (db's)
+  kGradDtype,    // grad_output's fp8 dtype
+  kInputDtype,   // the input's fp8 dtype
+  kGradEps,      // grad_output's amax epsilon (a double's bits)
+  kInputEps,     // the input's amax epsilon (a double's bits)
+  kPow2,         // grad_output pow2 | input pow2 << 1
+  kXShape,       // x's shape, to the end
+};
 // FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
 constexpr const char* kWeightCol = "w_col";
 constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
@@ -117,6 +204,8 @@ constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
 bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
 }  // namespace
+
+bool set_linear_packed(bool on) { return g_packed.exchange(on); }
 
 // (outside the anonymous namespace: the node's name, `y.grad_fn.name()`, is torch::autograd::CppNode<hybridq::ops::
 // Fp8Linear>)
@@ -134,41 +223,81 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const Tensor x2d = x.reshape({-1, k});
     const bool keep_x = s.need_wgrad && s.save_original_input;  // wgrad quantizes the original input in backward
     Tensor xr, xrs, xc, xcs;
-    if (x_row.has_value() && x_row->defined()) {
+    const bool x_here = !given(x_row), gathered = given(w_row);
+    if (!x_here) {
       xr = *x_row;
       xrs = x_row_scale_inv.value();
       if (x_col.has_value() && x_col->defined()) {
         xc = *x_col;
         xcs = x_col_scale_inv.value();
       }
-    } else {
-      Quantized q = quantize(x2d, s.input, true, s.need_wgrad && !keep_x);
-      xr = q.row;
-      xrs = xcs = q.scale_inv;
-      xc = q.col;
-      if (!xc.defined()) xcs = Tensor();
     }
-    const bool gathered = given(w_row);
     Quantized w;
     if (gathered) {  // (the columnwise part is not read here: FSDP2 may refill it only at the backward unshard)
       w.row = *w_row;
       w.scale_inv = *w_row_scale_inv;
+    }
+    const bool x_col_here = s.need_wgrad && !keep_x;
+    if ((x_here || !gathered) && x2d.numel() > 0 && weight.numel() > 0 && g_packed.load(std::memory_order_relaxed)) {
+      // the casts here with packed allocations ([Note: packed allocations of the Linear op])
+      const Tensor xq = x_here ? x2d.contiguous() : Tensor(), wq = gathered ? Tensor() : weight.contiguous();
+      if (x_here) check_cast(xq, s.input);
+      if (!gathered) {
+        check_cast(wq, s.weight);
+        TORCH_CHECK(wq.device() == x.device(), "hybridq::fp8_linear: the weight is on ", wq.device(),
+                    " but the input is on ", x.device());
+      }
+      const c10::cuda::CUDAGuard guard(x.device());
+      const int64_t m = x2d.size(0), n = weight.size(0);
+      // values: [scale_inv of x, 3 unused, scale_inv of the weight, 3 unused, max|x|, max|weight|]
+      Tensor values = at::empty({12}, x.options().dtype(at::kFloat));
+      float* v = values.data_ptr<float>();
+      zero_floats(v + 8, 2);
+      const int64_t x_bytes = x_here ? padded(m * k) : 0;
+      const Tensor rows = at::empty({x_bytes + (gathered ? 0 : n * k)}, x.options().dtype(at::kByte));
+      if (x_here) {
+        xr = carve(rows, s.input.dtype, {m, k}, 0);
+        xrs = carve(values, at::kFloat, {1}, 0);
+        if (x_col_here) {
+          xc = at::empty({k, m}, x.options().dtype(s.input.dtype));
+          xcs = xrs;
+        }
+        fp8_tensor_quantize_into(xq, s.input.dtype, s.input.eps, s.input.pow2, xr.data_ptr(), data_or_null(xc),
+                                 v + 8, v);
+      }
+      if (!gathered) {
+        w.row = carve(rows, s.weight.dtype, {n, k}, x_bytes);
+        w.scale_inv = carve(values, at::kFloat, {1}, 16);
+        if (s.need_dgrad) w.col = at::empty({k, n}, weight.options().dtype(s.weight.dtype));
+        fp8_tensor_quantize_into(wq, s.weight.dtype, s.weight.eps, s.weight.pow2, w.row.data_ptr(),
+                                 data_or_null(w.col), v + 9, v + 4);
+      }
     } else {
-      w = quantize(weight, s.weight, true, s.need_dgrad);
+      if (x_here) {
+        Quantized q = quantize(x2d, s.input, true, x_col_here);
+        xr = q.row;
+        xrs = xcs = q.scale_inv;
+        xc = q.col;
+        if (!xc.defined()) xcs = Tensor();
+      }
+      if (!gathered) w = quantize(weight, s.weight, true, s.need_dgrad);
     }
     Tensor y = fprop_mm(xr, xrs, w.row, w.scale_inv, bias, x.scalar_type(), s.fast_accum_fprop);
     const bool has_bias = bias.has_value() && bias->defined();
     if (ctx != nullptr) {
       ctx->save_for_backward({keep_x ? x2d : xc, xc.defined() ? xcs : Tensor(), w.col,
                               w.col.defined() ? w.scale_inv : Tensor()});
-      ctx->saved_data[kSpecBits] = int64_t(s.need_dgrad) | int64_t(s.need_wgrad) << 1 |
-                                   int64_t(s.save_original_input) << 2 | int64_t(has_bias) << 3;
-      ctx->saved_data[kXShape] = x.sizes().vec();
-      ctx->saved_data[kDtypes] = std::vector<int64_t>{
-          int64_t(weight.scalar_type()), int64_t(has_bias ? bias->scalar_type() : at::kFloat),
-          int64_t(s.grad_output.dtype), int64_t(s.input.dtype)};
-      ctx->saved_data[kEps] = std::vector<double>{s.grad_output.eps, s.input.eps};
-      ctx->saved_data[kPow2] = int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1;
+      std::vector<int64_t> state{int64_t(s.need_dgrad) | int64_t(s.need_wgrad) << 1 |
+                                     int64_t(s.save_original_input) << 2 | int64_t(has_bias) << 3,
+                                 int64_t(weight.scalar_type()),
+                                 int64_t(has_bias ? bias->scalar_type() : at::kFloat),
+                                 int64_t(s.grad_output.dtype),
+                                 int64_t(s.input.dtype),
+                                 c10::bit_cast<int64_t>(s.grad_output.eps),
+                                 c10::bit_cast<int64_t>(s.input.eps),
+                                 int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1};
+      state.insert(state.end(), x.sizes().begin(), x.sizes().end());
+      ctx->saved_data[kState] = std::move(state);
       if (gathered && s.need_dgrad) {  // by reference, read in backward (see the top of this file)
         ctx->saved_data[kWeightCol] = *w_col;
         ctx->saved_data[kWeightColScaleInv] = *w_col_scale_inv;
@@ -185,21 +314,23 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     // op's autograd kernel included, in it)
     const variable_list saved = ctx->get_saved_variables();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const int64_t bits = ctx->saved_data[kSpecBits].toInt();
+    const c10::List<int64_t> state = ctx->saved_data[kState].toIntList();
+    const int64_t bits = state.get(kBits), pow2 = state.get(kPow2);
     const bool need_dgrad = bits & 1, need_wgrad = bits & 2, save_original_input = bits & 4, has_bias = bits & 8;
-    const auto dtypes = ctx->saved_data[kDtypes].toIntVector();
-    const auto eps = ctx->saved_data[kEps].toDoubleVector();
-    const int64_t pow2 = ctx->saved_data[kPow2].toInt();
-    const Cast g_cast{at::ScalarType(dtypes[2]), eps[0], bool(pow2 & 1)};
-    const Cast x_cast{at::ScalarType(dtypes[3]), eps[1], bool(pow2 & 2)};
+    const Cast g_cast{at::ScalarType(state.get(kGradDtype)), c10::bit_cast<double>(state.get(kGradEps)),
+                      bool(pow2 & 1)};
+    const Cast x_cast{at::ScalarType(state.get(kInputDtype)), c10::bit_cast<double>(state.get(kInputEps)),
+                      bool(pow2 & 2)};
+    std::vector<int64_t> x_shape;
+    for (size_t i = kXShape; i < state.size(); ++i) x_shape.push_back(state.get(i));
     // FSDP2's gathered weight: its columnwise part as the backward unshard left it
     const auto col = ctx->saved_data.find(kWeightCol);
     const bool gathered = col != ctx->saved_data.end();
     auto [dx, dw, db] = linear_grads(
         grads[0], saved[0], saved[1], gathered ? col->second.toTensor() : saved[2],
         gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3], g_cast, x_cast, save_original_input,
-        need_dgrad, need_wgrad, has_bias && ctx->needs_input_grad(2), ctx->saved_data[kXShape].toIntVector(),
-        at::ScalarType(dtypes[0]), at::ScalarType(dtypes[1]));
+        need_dgrad, need_wgrad, has_bias && ctx->needs_input_grad(2), x_shape,
+        at::ScalarType(state.get(kWeightDtype)), at::ScalarType(state.get(kBiasDtype)));
     return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };

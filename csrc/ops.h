@@ -46,6 +46,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
                                                                bool pow2, bool rowwise, bool columnwise,
                                                                bool want_amax);
 
+// The same cast (current scaling) into caller-allocated memory: row [M, K] / col [K, M] fp8 bytes, 16-byte aligned
+// (nullptr: not asked for), amax one zeroed fp32, scale_inv one fp32 (see quantize_fp8_tensor.cu)
+void fp8_tensor_quantize_into(const Tensor& x, at::ScalarType dtype, double eps, bool pow2, void* row, void* col,
+                              float* amax, float* scale_inv);
+
+// Whether the FP8 Linear op packs its tensors into fewer allocations (linear_fp8.cpp, [Note: packed allocations of
+// the Linear op]; default on, HYBRIDQ_LINEAR_PACKED=0 off): sets it, returns what it was
+bool set_linear_packed(bool on);
+
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);
 void transpose_bytes_into(const Tensor& x, const Tensor& out);

@@ -86,6 +86,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
   return out;
 }
 
+// fp8_tensor_quantize's current-scaling cast (max|x| first, no amax or scale given) into memory the caller allocated:
+// linear_fp8.cpp packs a Linear call's outputs into fewer allocations (each at::empty is several microseconds of host
+// time per call). row / col: [M, K] / [K, M] fp8 bytes, 16-byte aligned (nullptr: that direction not asked for);
+// amax: one fp32 the caller zeroed on the current stream; scale_inv: one fp32. The same checks, kernels and kernel
+// arguments as fp8_tensor_quantize, so the same bits. The caller holds a CUDAGuard for x's device.
+void fp8_tensor_quantize_into(const Tensor& x, at::ScalarType dtype, double eps, bool pow2, void* row, void* col,
+                              float* amax, float* scale_inv) {
+  constexpr const char* op = "fp8_tensor_quantize";
+  check_input(x, op);
+  const auto it = in_type(x, op);
+  auto a = tile_args<Fp8TensorArgs>(x, row != nullptr, col != nullptr);
+  a.fp8 = fp8_encoding(dtype, eps, pow2, op);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(hybridq::launch_absmax(it, x.data_ptr(), x.size(0) * x.size(1), reinterpret_cast<uint32_t*>(amax),
+                                        stream));
+  a.amax_in = amax;
+  a.row_q = static_cast<uint8_t*>(row);
+  a.col_q = static_cast<uint8_t*>(col);
+  a.scale_inv_out = scale_inv;
+  C10_CUDA_CHECK(launch_quantize_fp8_tensor(it, a, stream));
+}
+
 // Delayed scaling's cast: with the quantizer's scale, max|x| max-combined in place into amax_history[0] (its current
 // slot) by the cast kernel itself -- one memset and one torch.maximum launch fewer per cast than returning it.
 // A separate op so that fp8_tensor_quantize stays functional (a mutable argument would make torch.compile wrap

@@ -17,6 +17,9 @@ CPU_ROWS = [  # every row a CPU run prints (the CUDA rows come after them on a G
     "nn.Linear fwd+bwd",
     "hybridq Linear fwd+bwd (fp8_tensorwise)",
     "hybridq Linear fwd+bwd (fp8_tensorwise, general path)",
+    "hybridq Linear fwd+bwd (fp8_tensorwise, fast-path checks uncached)",
+    "hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input)",
+    "hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input, QuantizedTensor shared)",
     "hybridq Linear fwd+bwd (fp8_block)",
     "hybridq Linear fwd+bwd (fp8_block, general path)",
     "hybridq Linear forward only (grad on)",
@@ -49,5 +52,7 @@ def test_bench_host_prints_the_table_of_every_call_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(x["call"], f"{x['us']:.1f}", len(x["rounds_us"])) for x in rows] == \
         [(call, median, 2) for call, median, _ in body], "the JSON rows are the printed rows, 2 rounds each"
-    assert "_Float8GraphLinear" in prof.read_text(), \
-        "the profile does not show the Linear's autograd nodes (its eager fast path)"
+    text = prof.read_text()
+    assert "_Float8GraphLinear" in text, "the profile does not show the Linear's autograd nodes (its eager fast path)"
+    assert all(f"==== hybridq Linear fwd+bwd ({r}): cProfile" in text for r in ("fp8_tensorwise", "fp8_block")), \
+        "the profile lacks the fp8_tensorwise or the fp8_block step"

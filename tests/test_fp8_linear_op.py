@@ -106,6 +106,45 @@ def test_one_op_is_bitwise_the_general_path(case, variant):
     _assert_same(fast, general, f"{case}/{variant}")
 
 
+@pytest.mark.parametrize("variant", ["plain", "save_original_input", "frozen_weight", "input_no_grad", "shared_input"])
+@pytest.mark.parametrize("case", ["fp8_tensorwise", "mixed"])
+def test_packed_allocations_are_bitwise_the_unpacked(case, variant):
+    """The op's tensors packed into fewer allocations (csrc/linear_fp8.cpp, [Note: packed allocations of the Linear
+    op]) give the bits of one allocation each (the code before; the same kernels and GEMMs), with the x cast here or
+    handed in (another layer's, shared), the weight's columnwise part made or not, x's saved or x kept."""
+    from hybridq import _C
+    layer = _layer(case, save_original_input=variant == "save_original_input")
+    if variant == "frozen_weight":
+        layer.weight.requires_grad_(False)
+    x, gy = _inputs()
+    results = []
+    for packed in (True, False):
+        was = _C.linear_packed_allocations(packed)
+        try:
+            with shared_input_quantization(variant == "shared_input"):
+                results.append(_step(layer, x, gy, x_grad=variant != "input_no_grad"))
+        finally:
+            _C.linear_packed_allocations(was)
+    (got, node), (want, _) = results
+    assert node == ONE_OP, f"{case}/{variant}: the call ran as {node}"
+    _assert_same(got, want, f"{case}/{variant}: packed vs unpacked allocations")
+
+
+@pytest.mark.parametrize("sharing", [False, True])
+def test_a_step_waits_for_no_gpu_work(sharing):
+    """Forward + backward of the one-op layer never blocks the host on the GPU (a host sync would add the step's GPU
+    time to its host time): first call (plans made) and later ones."""
+    from _gpu import no_host_sync
+    layer = _layer("fp8_tensorwise")
+    x, gy = _inputs()
+    for _ in range(2):
+        xg = x.clone().requires_grad_()
+        with no_host_sync(), shared_input_quantization(sharing):
+            y = layer(xg)
+            y.backward(gy)
+        assert _node(y) == ONE_OP, f"the call ran as {_node(y)}"
+
+
 @pytest.mark.parametrize("where", ["input", "grad_output", "weight"])
 @pytest.mark.parametrize("case", ["fp8_e4m3", "mixed"])
 def test_one_op_on_non_finite_values_is_bitwise_the_general_path(case, where):
