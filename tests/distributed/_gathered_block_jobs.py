@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
 
 E, IN, OUT = 4, 128, 256  # OUT a multiple of 128: no 128x128 weight tile spans two experts (the packed weight)
-# (out 160: 128x128 tiles would span two experts, MXFP8's 32-row columnwise blocks not: each expert's own tiles)
+# (out 96: 128x128 tiles would span two experts, MXFP8's 32-row columnwise blocks not: each expert's own tiles)
 
 # each rank's routing: uneven, an expert without tokens on every rank, counts no block multiple
 SPLITS = {0: [5, 0, 17, 9], 1: [0, 12, 3, 20]}
@@ -53,12 +53,20 @@ def _step(lin, x, dy, splits, counts: str) -> dict:
     x = x.detach().clone().requires_grad_(True)
     lin.weight.grad = None
     m = torch.tensor(splits, device=x.device) if counts == "device" else list(splits)
-    y = lin(x, m)
+    e, n, k = lin.weight.shape
+    saved = []
+
+    def pack(t):  # (FP8 tensors as large as the experts' weight kept for backward: a copy of the gathered bytes)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.numel() >= e * n * k:
+            saved.append(f"{t.dtype} {tuple(t.shape)}")
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = lin(x, m)
     node = type(y.grad_fn).__name__
     y.backward(dy)
     grad = lin.weight.grad
     grad = grad.to_local() if hasattr(grad, "to_local") else grad
-    return {"y": y.detach(), "dx": x.grad, "dw": grad.detach().clone(), "node": node}
+    return {"y": y.detach(), "dx": x.grad, "dw": grad.detach().clone(), "node": node, "saved_fp8": saved}
 
 
 def job_gathered_blocks(rank, world_size, device, cases):
@@ -92,7 +100,7 @@ def job_gathered_blocks(rank, world_size, device, cases):
                              for t in ("y", "dx", "dw")) if d]
         nonfinite = {t: bool((~torch.isfinite(packed[t].float())).any()) for t in ("y", "dx", "dw")}
         out.append({"diffs": diffs, "node": packed["node"], "per_expert_node": per_expert["node"],
-                    "nonfinite": nonfinite})
+                    "nonfinite": nonfinite, "saved_fp8": packed["saved_fp8"]})
     return out
 
 
