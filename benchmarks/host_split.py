@@ -156,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     targs = ps.train_args(a, world)
     env = ps.train.init_distributed(targs, world)
     tokens = ps.load_tokens()
-    results = {r: split(r, a, targs, env, tokens) for r in a.recipe_list}
     dev = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "CPU"
-    print(f"host_split.py: {dev}, torch {torch.__version__}, {a.timed_steps} steps after {a.warmup}, train args "
-          f"{a.train_args!r}; hybridq Linears: " + ", ".join(f"{r} {v['linears']}" for r, v in results.items()))
-    print(table(results))
+    results: dict = {}
+    for r in a.recipe_list:  # (the table so far after each recipe: a run cut short keeps what it measured)
+        results[r] = split(r, a, targs, env, tokens)
+        print(f"host_split.py: {dev}, torch {torch.__version__}, {a.timed_steps} steps after {a.warmup}, train args "
+              f"{a.train_args!r}; hybridq Linears: " + ", ".join(f"{r} {v['linears']}" for r, v in results.items()))
+        print(table(results), flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
