@@ -155,7 +155,7 @@ def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bo
     beforehand (per-tensor only; the same value the cast would compute, so the same bits)."""
     if cast.block_dim == PER_TENSOR:
         if x2d.is_cuda:
-            if amax is not None and not (amax.dtype is torch.float32 and amax.dim() == 1 and amax.device == x2d.device):
+            if amax is not None and not (amax.dtype is torch.float32 and amax.shape == (1,) and amax.device == x2d.device):
                 # (a norm's max|y| is already fp32 [1] on y's device: two dispatcher round trips fewer per call)
                 amax = amax.to(device=x2d.device, dtype=torch.float32).reshape(1)
             row, col, rs, _ = torch.ops.hybridq.fp8_tensor_quantize(
