@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import hybridq
 from hybridq.formats import Float8Quantizer
+from hybridq.kernels import native_gemm
 from hybridq.nn import float8_graph, linear_function
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
@@ -136,6 +137,17 @@ def cases(dim: int, device: torch.device) -> list:
                 del table.put
         return run
 
+    def scaled_mm_blocks(fn):
+        """`fn` with the FP8 block GEMMs run by F.scaled_mm from Python (the code before hybridq::fp8_block_mm,
+        csrc/block_gemm.cu)."""
+        def run():
+            was = native_gemm.set_block_gemm_op(False)
+            try:
+                fn()
+            finally:
+                native_gemm.set_block_gemm_op(was)
+        return run
+
     def probe(fwd=None, bwd=None):
         fn = in_function(fwd, bwd)
         return lambda: fn(xg, dy)
@@ -195,6 +207,7 @@ def cases(dim: int, device: torch.device) -> list:
                 ("op fp8_linear fwd+bwd (no module)", one_op),
                 ("op fp8_linear fwd+bwd (no module, unpacked allocations)", unpacked(one_op)),
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, unpacked allocations)", unpacked(step(hq))),
+                ("hybridq Linear fwd+bwd (fp8_block, GEMMs by F.scaled_mm)", scaled_mm_blocks(step(hq_block))),
                 # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),

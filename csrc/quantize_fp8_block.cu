@@ -99,6 +99,10 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
       "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_block_dequantize(Tensor data, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
+  // the dense block GEMM of a Linear (implemented in csrc/block_gemm.cu)
+  m.def(
+      "fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, ScalarType out_dtype) -> "
+      "Tensor");
   // the packed path's cuBLAS loop over the expert slots (implemented in csrc/grouped_block_gemm.cu)
   m.def(
       "grouped_block_cublas_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, int b_dim, "

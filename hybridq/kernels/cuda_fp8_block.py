@@ -6,6 +6,8 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
     -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv); block_dim 1: scales [M, ceil(K/128)] and
     [K, ceil(M/128)]; block_dim 2: [ceil(M/128), ceil(K/128)] and its transpose
 - fp8_block_dequantize(data, scale_inv, block_dim, out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
+- fp8_block_mm(a, a_scale, b, b_scale, b_tiles, out_dtype) -> a @ b^T `[M, N]`: the dense block GEMM (1x128 x
+    128x128 tiles or 1x128 x 1x128; csrc/block_gemm.cu, run by hybridq/kernels/native_gemm.py)
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from ..dispatch import KernelImpl, register_dequantize, register_quantize
 from ..formats import Float8BlockPart, Float8BlockQuantizer
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 
-OPS = ("fp8_block_quantize", "fp8_block_dequantize", "grouped_block_cublas_mm", "grouped_block_cublas_wgrad")
+OPS = ("fp8_block_quantize", "fp8_block_dequantize", "fp8_block_mm", "grouped_block_cublas_mm",
+       "grouped_block_cublas_wgrad")
 
 # The quantizer options the kernel implements (any other: the reference runs)
 OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
@@ -77,6 +80,10 @@ def register_fakes() -> None:
     # (the grouped GEMMs' results: bfloat16 / float32 as asked, float16 as float32: csrc/grouped_block_gemm.cu)
     def _gemm_dtype(out_dtype):
         return f32 if out_dtype == torch.float16 else out_dtype
+
+    @register_fake("hybridq::fp8_block_mm")
+    def _block_mm(a, a_scale, b, b_scale, b_tiles, out_dtype):
+        return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
     @register_fake("hybridq::grouped_block_cublas_mm")
     def _cublas_mm(a, a_scale, b, b_scale, b_tiles, b_dim, offsets, rows, tokens, slot_offsets, slot_rows,

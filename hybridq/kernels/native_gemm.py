@@ -9,8 +9,10 @@ the formats that declare them today:
 - ROW x ROW, any blocks (one scale per row: rowwise FP8), E4M3 x E4M3 on sm_90: `torch._scaled_mm`'s rowwise kernel
   (scale_a `[M, 1]`, scale_b `[1, N]` fp32, bf16 result); fast accumulation for the forward GEMM as above
   (torchao's rowwise recipe does the same).
-- BLOCK 1x128 fp32 x BLOCK 128x128 / 1x128 fp32 (FP8 blocks), sm_90: `torch.nn.functional.scaled_mm` with
-  BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K blocks padded to 4).
+- BLOCK 1x128 fp32 x BLOCK 128x128 / 1x128 fp32 (FP8 blocks), sm_90: the extension's `hybridq::fp8_block_mm` (one
+  op: the scales relaid in one kernel, cuBLASLt with a cached plan; [Note: the dense block GEMM op]), bitwise
+  `torch.nn.functional.scaled_mm` with BlockWise1x128 / BlockWise128x128 scales (1x128 scales outer-dim-major, K
+  blocks padded to 4: `block_scale_operands`), which runs where the op does not (HYBRIDQ_BLOCK_GEMM_OP=0).
 - BLOCK 1x32 E8M0 (MXFP8) x the same, BLOCK 1x16 E4M3 with a global decode scale (NVFP4) x the same, on sm_100+:
   `torch.nn.functional.scaled_mm` with BlockWise1x32 / BlockWise1x16 (+ TensorWise global) scales in the swizzled
   128x4-tile layout, self-checked against the emulation on first use.
@@ -207,19 +209,64 @@ def _outer_major(s: torch.Tensor) -> torch.Tensor:
     return s.t().contiguous().t()
 
 
+def block_scale_operands(a_scales: torch.Tensor, b_scales: torch.Tensor, b_tiles: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale operands `F.scaled_mm` takes for `a @ b^T` of FP8 block parts from their stored scales: a's 1x128
+    scales `[M, K/128]` outer-dim-major; b's 128x128 tile scales `[ceil(N/128), K/128]` with the K blocks zero-padded
+    to a multiple of 4 and transposed (`[round_up(K/128, 4), ceil(N/128)]`, strides (1, round_up(K/128, 4))), or
+    b's 1x128 scales `[N, K/128]` outer-dim-major. What `hybridq::fp8_block_mm` writes in one kernel (csrc/
+    block_gemm.cu, [Note: the dense block GEMM op]) and passes cuBLASLt by pointer."""
+    sa = _outer_major(a_scales)
+    if not b_tiles:
+        return sa, _outer_major(b_scales)
+    pad = -b_scales.shape[1] % 4
+    sb = torch.nn.functional.pad(b_scales, (0, pad)) if pad else b_scales
+    return sa, sb.t()
+
+
+# [Note: the dense block GEMM op] (csrc/block_gemm.cu): the block GEMM of a CUDA part pair runs as one extension op
+# (scales relaid in one kernel, the GEMM through cuBLASLt with a cached plan: bitwise F.scaled_mm, less host time);
+# HYBRIDQ_BLOCK_GEMM_OP=0 or set_block_gemm_op(False) runs F.scaled_mm from Python as before
+def _block_gemm_op_env() -> bool:
+    return os.environ.get("HYBRIDQ_BLOCK_GEMM_OP", "1") != "0"
+
+
+BLOCK_GEMM_OP = {"on": _block_gemm_op_env()}
+
+
+def set_block_gemm_op(on: bool) -> bool:
+    """Turns the dense FP8 block GEMM op on or off (benchmarks compare the two paths in one process); returns the
+    previous setting."""
+    prev = BLOCK_GEMM_OP["on"]
+    BLOCK_GEMM_OP["on"] = bool(on)
+    return prev
+
+
+def block_op_takes_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, m: int, k: int, n: int,
+                          b_tiles: bool) -> bool:
+    """Whether `hybridq::fp8_block_mm` takes these stored scales of `[m, k] x [n, k]^T` parts: contiguous fp32 of
+    the shapes the quantize kernels write (a `[m, k/128]`; b `[ceil(n/128), k/128]` tiles or `[n, k/128]`). Any
+    other (a strided view of the reference quantizer's) runs F.scaled_mm on `block_scale_operands`, as before."""
+    kb = k // 128
+    want_b = (-(-n // 128) if b_tiles else n, kb)
+    return all(s.dtype == torch.float32 and s.dim() == 2 and s.is_contiguous() for s in (a_scales, b_scales)) \
+        and tuple(a_scales.shape) == (m, kb) and tuple(b_scales.shape) == want_b
+
+
+def _block_op_takes(a, b, b_tiles: bool) -> bool:
+    return BLOCK_GEMM_OP["on"] and _ext.available_for(a.device) and \
+        block_op_takes_scales(a.scales, b.scales, a.rows, a.cols, b.rows, b_tiles)
+
+
 def _block_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
     F = torch.nn.functional
-    sa = _outer_major(a.scales)
-    if b.block_shape == (128, 128):
-        sb = b.scales  # [ceil(N/128), K/128]
-        pad = -sb.shape[1] % 4
-        if pad:
-            sb = F.pad(sb, (0, pad))
-        sb, rb = sb.t(), F.ScalingType.BlockWise128x128
-    else:
-        sb, rb = _outer_major(b.scales), F.ScalingType.BlockWise1x128  # [N, K/128], outer-dim-major
-    od = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    tiles = b.block_shape == (128, 128)
     try:
+        if _block_op_takes(a, b, tiles):
+            return torch.ops.hybridq.fp8_block_mm(a.data, a.scales, b.data, b.scales, tiles, out_dtype)
+        sa, sb = block_scale_operands(a.scales, b.scales, tiles)
+        rb = F.ScalingType.BlockWise128x128 if tiles else F.ScalingType.BlockWise1x128
+        od = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
         y = F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, rb, output_dtype=od)
     except RuntimeError as e:
         key = ("block", a.rows, a.cols, b.rows, b.block_shape)
