@@ -332,3 +332,18 @@ def test_gpu_fp8_block_linear_step_is_bitwise_with_the_op_off(k, n):
     assert ran == direct * (2 + (n % 128 == 0)), f"GEMMs through the op's direct path: {ran}"
     for name, a, b in zip(("y", "dx", "dW"), got, want):
         assert_bitwise(a, b, f"fp8_block Linear {name} (K={k}, N={n})")
+
+
+@SM90
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [True, False], ids=["1x128_x_128x128", "1x128_x_1x128"])
+def test_gpu_op_issues_no_host_sync(tiles):
+    """The op (allocation, scale kernel, GEMM) never waits for the device: a step that issues it stays asynchronous
+    (a plan's first call included)."""
+    from _gpu import no_host_sync
+    from hybridq import _C
+    ops = _operands(48, 384, 256, tiles, seed=3)
+    torch.ops.hybridq.fp8_block_mm(*ops, tiles, torch.bfloat16)  # (torch's cuBLASLt workspace exists)
+    _C.cublaslt_clear_plans()
+    with no_host_sync():
+        torch.ops.hybridq.fp8_block_mm(*ops, tiles, torch.bfloat16)
