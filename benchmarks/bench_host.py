@@ -203,6 +203,22 @@ def cases(dim: int, device: torch.device) -> list:
 
             from hybridq import _C
             ops = torch.ops.hybridq
+            if torch.cuda.get_device_capability(device) == (9, 0) and dim % 128 == 0:
+                # one fprop GEMM of fp8_block (1x128 x 128x128 tiles) alone: the op, and what ran before it
+                xr, xs = ops.fp8_block_quantize(x, e4, 1, 0.0, True, True, False)[:2]
+                wr, ws = ops.fp8_block_quantize(x, e4, 2, 0.0, True, True, False)[:2]
+                F = torch.nn.functional
+
+                def block_scaled_mm():
+                    sa, sb = native_gemm.block_scale_operands(xs, ws, True)
+                    F.scaled_mm(xr, wr.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                                output_dtype=torch.bfloat16)
+
+                out += [
+                    ("fp8_block GEMM 1x128 x 128x128 (op fp8_block_mm)",
+                     lambda: ops.fp8_block_mm(xr, xs, wr, ws, True, torch.bfloat16)),
+                    ("fp8_block GEMM 1x128 x 128x128 (F.scaled_mm, scales relaid in Python)", block_scaled_mm),
+                ]
             out += [
                 ("op fp8_linear fwd+bwd (no module)", one_op),
                 ("op fp8_linear fwd+bwd (no module, unpacked allocations)", unpacked(one_op)),
