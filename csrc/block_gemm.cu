@@ -17,6 +17,7 @@
 #include <ATen/ops/_scaled_mm_v2.h>
 
 #include "binding_checks.h"
+#include "block_gemm_scales.cuh"
 #include "cublaslt_fp8.h"
 
 namespace hybridq {
@@ -24,29 +25,15 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Region A (n_a = kb * m floats): out[c * m + r] = a_scale[r * kb + c] (a's [m, kb] scales outer-dim-major).
-// Region B from out + b_offset: tiles: out[t * kb4 + c] = c < kb ? b_scale[t * kb + c] : 0 ([nb, kb] tile scales, K
-// blocks padded to kb4); 1x128 rows: out[c * nb + r] = b_scale[r * kb + c] (b's [nb, kb] scales outer-dim-major).
+// The op's scale buffer: region A at out, region B at out + b_offset (block_gemm_scales.cuh)
 __global__ void __launch_bounds__(kThreads) block_gemm_scales(const float* __restrict__ a_scale,
                                                               const float* __restrict__ b_scale,
-                                                              float* __restrict__ out, int64_t m, int64_t nb,
-                                                              int64_t kb, int64_t kb4, bool tiles, int64_t b_offset) {
-  const int64_t n_a = kb * m, n_b = tiles ? nb * kb4 : kb * nb, total = n_a + n_b;
+                                                              float* __restrict__ out, BlockGemmScales s,
+                                                              int64_t b_offset) {
+  const int64_t n_a = s.n_a(), total = n_a + s.n_b();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    if (i < n_a) {
-      const int64_t c = i / m, r = i - c * m;
-      out[i] = a_scale[r * kb + c];
-      continue;
-    }
-    const int64_t j = i - n_a;
-    if (tiles) {
-      const int64_t t = j / kb4, c = j - t * kb4;
-      out[b_offset + j] = c < kb ? b_scale[t * kb + c] : 0.0f;
-    } else {
-      const int64_t c = j / nb, r = j - c * nb;
-      out[b_offset + j] = b_scale[r * kb + c];
-    }
+    out[i < n_a ? i : b_offset + (i - n_a)] = block_gemm_scale(a_scale, b_scale, s, i);
   }
 }
 
@@ -103,13 +90,13 @@ Tensor fp8_block_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, con
   Tensor out = at::empty({m, n}, a.options().dtype(od));
   if (m == 0 || n == 0) return od == out_dtype ? out : out.to(out_dtype);
 
-  const int64_t n_a = kb * m, b_offset = round_up(n_a, kAlignFloats), n_b = b_tiles ? nb * kb4 : kb * nb;
-  Tensor scales = at::empty({b_offset + n_b}, a_scale.options());
+  const BlockGemmScales layout{m, nb, kb, kb4, b_tiles};
+  const int64_t b_offset = round_up(layout.n_a(), kAlignFloats), total = layout.n_a() + layout.n_b();
+  Tensor scales = at::empty({b_offset + layout.n_b()}, a_scale.options());
   float* s = scales.data_ptr<float>();
-  const int64_t total = n_a + n_b;
   const int64_t chunks = std::min<int64_t>((total + kThreads - 1) / kThreads, 1024);
   block_gemm_scales<<<static_cast<unsigned>(chunks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      a_scale.data_ptr<float>(), b_scale.data_ptr<float>(), s, m, nb, kb, kb4, b_tiles, b_offset);
+      a_scale.data_ptr<float>(), b_scale.data_ptr<float>(), s, layout, b_offset);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const at::blas::ScalingType b_scaling =

@@ -14,6 +14,7 @@ GEMM op]; issue 33: the eager fp8_block Linear's host time). Specification:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -67,6 +68,57 @@ def test_block_scales_are_outer_dim_major(m, kb, n, tiles):
         assert got.stride()[0] == 1 and (kb == 1 or got.stride()[1] == stored.shape[0]), \
             f"{name}'s scale strides {got.stride()}, want (1, {stored.shape[0]})"
         assert_bitwise(got, stored, f"{name}'s scales m={m} kb={kb} n={n}")
+
+
+# ---- the op's scale kernel, element by element, compiled for the host (CPU, needs nvcc) -------------------------
+
+NVCC = shutil.which("nvcc")
+_DRIVER = r"""
+#include <cstdio>
+#include <vector>
+#include "block_gemm_scales.cuh"
+int main() {
+  long long m, nb, kb, tiles;
+  while (scanf("%lld %lld %lld %lld", &m, &nb, &kb, &tiles) == 4) {
+    std::vector<float> a(m * kb), b(nb * kb);
+    for (size_t j = 0; j < a.size(); ++j) a[j] = 0.5f * (j + 1);
+    for (size_t j = 0; j < b.size(); ++j) b[j] = -1.0f * (j + 1);
+    const hybridq::BlockGemmScales s{m, nb, kb, (kb + 3) / 4 * 4, tiles != 0};
+    for (long long i = 0; i < s.n_a() + s.n_b(); ++i) printf("%.9g ", hybridq::block_gemm_scale(a.data(), b.data(), s, i));
+    printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def scales_bin(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("block_gemm_scales")
+    src, exe = d / "driver.cu", d / "driver"
+    src.write_text(_DRIVER)
+    r = subprocess.run([NVCC, "-O2", "-std=c++17", "-I", os.path.join(ROOT, "csrc"), str(src), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"nvcc failed to compile csrc/block_gemm_scales.cuh for the host:\n{r.stderr[-3000:]}"
+    return str(exe)
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc (host compile of csrc/block_gemm_scales.cuh)")
+def test_scale_kernel_writes_the_memory_of_the_scaled_mm_scale_operands(scales_bin):
+    """The op's scale kernel (csrc/block_gemm_scales.cuh, run on the host) writes, region by region, the memory of the
+    scale operands F.scaled_mm was given (`block_scale_operands`: a's outer-dim-major scales, then b's padded tile
+    scales or outer-dim-major 1x128 scales), for every case of SCALE_CASES and both pairings."""
+    cases = [(m, kb, n, tiles) for m, kb, n in SCALE_CASES for tiles in (True, False)]
+    lines = [f"{m} {-(-n // 128) if tiles else n} {kb} {int(tiles)}" for m, kb, n, tiles in cases]
+    r = subprocess.run([scales_bin], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    for (m, kb, n, tiles), out in zip(cases, r.stdout.splitlines(), strict=True):
+        nb = -(-n // 128) if tiles else n
+        a_s = (torch.arange(m * kb, dtype=torch.float32) + 1).mul(0.5).reshape(m, kb)
+        b_s = (torch.arange(nb * kb, dtype=torch.float32) + 1).neg().reshape(nb, kb)
+        sa, sb = native_gemm.block_scale_operands(a_s, b_s, tiles)
+        want = torch.cat([sa.t().contiguous().flatten(), sb.t().contiguous().flatten()])  # (their memory, in order)
+        got = torch.tensor([float(v) for v in out.split()], dtype=torch.float32)
+        assert_bitwise(got, want, f"scale buffer m={m} kb={kb} n={n} tiles={tiles}")
 
 
 # ---- which scales the op takes, and its switch (CPU) --------------------------------------------------------
