@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..enums import BackwardOverride, ParallelStyle
 from ..nn.compiled_linear import (_LAYOUTS, _backward_fake, _config, _record_layout, general_forward,
                                   general_grads)
+from ..nn.graph_keys import ConfigurationKeys
 from ..nn.linear_function import _LinearConfig, gradients_needed
 from ..nn.plain_ops import plain_op
 from ..nn.weight_handle import bound_args, handled_weight, redirect, weight_of
@@ -50,11 +51,9 @@ from .sequence import SequenceGather, _WgradShare, gather_plan
 
 __all__ = ["compiled_tp_linear", "local_input_grad_placements", "register", "runs_in_graph", "track", "tracked"]
 
-# tensor-parallel configurations by key: content -> key, key -> the TensorParallelLinear (mesh, kind, features).
-# Keys name their content and this process (see compiled_linear's configuration keys), so that layers of one shape
-# and kind share a compiled graph
-_CONTENT: dict[tuple, str] = {}
-_TP: dict[str, object] = {}
+# tensor-parallel configurations by key (graph_keys.py, [Note: configuration keys]): kind, group, features -> the
+# TensorParallelLinear (mesh, kind, features), so that layers of one shape and kind share a compiled graph
+_TP: ConfigurationKeys = ConfigurationKeys("tp-")
 _CONFIGS: dict[tuple, _LinearConfig] = {}  # (configuration key, override, tp key) -> config with piece quantizers
 _LAYERS: dict[int, weakref.ref] = {}  # tensor-parallel Linears by number (`track`)
 _NEXT_LAYER = itertools.count()
@@ -62,14 +61,9 @@ _NEXT_LAYER = itertools.count()
 
 def register(tp) -> str:
     """The key of `tp` (a TensorParallelLinear), registered when a style is applied (eagerly)."""
-    from ..nn.compiled_linear import _PROCESS
-
     content = (str(tp.kind), tp.group.group_name, tp.in_features, tp.out_features)
-    key = _CONTENT.get(content)
-    if key is None or _TP[key].group is not tp.group:  # (a group of a new process group that reuses the name)
-        key = _CONTENT[content] = f"tp-{len(_CONTENT)}@{_PROCESS}"
-        _TP[key] = tp
-    return key
+    # (a new key for the group of a new process group that reuses the name)
+    return _TP.key(content, lambda: tp, keep=lambda known: known.group is tp.group)
 
 
 def track(module) -> int:

@@ -37,7 +37,6 @@ compile per routing), every other recipe (NVFP4, delayed scaling, ...) and optio
 
 from __future__ import annotations
 
-import uuid
 
 import torch
 
@@ -47,6 +46,7 @@ from ..gemm import JaggedFP8, JaggedFP8Kernels, jagged_fp8_kernels
 from ..kernels import native_gemm
 from ..weight_forms import GroupedGatheredForm
 from .expert_layers import converted_experts
+from .graph_keys import ConfigurationKeys
 from .grouped_jagged import HeldFP8Experts, TokenGroups, jagged_backward, jagged_forward
 from . import compiled_grouped_blocks
 from .grouped_packed import BLOCKS, FP8_TENSOR, packed_quantizers
@@ -56,11 +56,9 @@ from .weight_handle import bound_args, handled_weight, redirect, weight_of
 
 __all__ = ["experts_in_graph", "graph_key", "runs_in_graph", "grouped_in_graph"]
 
-# Configurations by content (see compiled_linear.py: blocks whose layers differ in name only share one compiled
-# graph; the process id keeps another process's cached graphs from naming this process's configurations)
-_CONTENT: dict[str, str] = {}  # content -> key
-_LAYERS: dict[str, tuple[str, dict]] = {}  # key -> (name of the first layer, the quantizers every expert shares)
-_PROCESS = uuid.uuid4().hex[:12]
+# Configurations by content (graph_keys.py, [Note: configuration keys]) -> (name of the first layer, the quantizers
+# every expert shares)
+_LAYERS: ConfigurationKeys[tuple[str, dict]] = ConfigurationKeys("grouped-config-")
 _TENSORS = ("input", "weight", "grad_output")
 # the jagged kernels of a call, by (key, device, in_features, out_features, the device type's registered kernels,
 # native GEMMs on): `jagged_fp8_kernels`' answer depends on nothing else (each op call asked it anew: ~25 us of host)
@@ -78,12 +76,9 @@ def graph_key(layer) -> str | None:
     if kind is None or kind.kind != FP8_TENSOR:
         return None
     content = "|".join(repr(kind.quantizers[t]) for t in _TENSORS)
-    key = _CONTENT.get(content)
-    if key is None:
-        key = _CONTENT[content] = f"grouped-config-{len(_CONTENT)}@{_PROCESS}"
-        # messages name the first layer built with this configuration: the others share its compiled graph
-        _LAYERS[key] = (f"{layer.name} (or a layer with its configuration, compiled)", dict(kind.quantizers))
-    return key
+    # messages name the first layer built with this configuration: the others share its compiled graph
+    return _LAYERS.key(content, lambda: (f"{layer.name} (or a layer with its configuration, compiled)",
+                                         dict(kind.quantizers)))
 
 
 @torch._dynamo.assume_constant_result

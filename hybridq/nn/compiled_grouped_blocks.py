@@ -23,7 +23,6 @@ saves the gathered bytes.
 
 from __future__ import annotations
 
-import uuid
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,13 +30,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..formats.base import Quantizer
 from ..tensor import flatten_quantized, unflatten_quantized
 from . import grouped_device_blocks as device_blocks
+from .graph_keys import ConfigurationKeys
 from .plain_ops import plain_op
 from .weight_handle import bound_args, handled_weight, redirect, weight_of
 
-_PREFIX = "grouped-blocks-config-"
-_CONTENT: dict[str, str] = {}  # content -> key (configurations by content, as compiled_grouped.py's)
-_LAYERS: dict[str, tuple[str, dict]] = {}  # key -> (name of the first layer, the quantizers every expert shares)
-_PROCESS = uuid.uuid4().hex[:12]
+# configurations by content (graph_keys.py) -> (name of the first layer, the quantizers every expert shares)
+_LAYERS: ConfigurationKeys[tuple[str, dict]] = ConfigurationKeys("grouped-blocks-config-")
 _TENSORS = ("input", "weight", "grad_output")
 # (key, need_dgrad, need_wgrad, x shape, weight shape, dtypes) -> (flattened layout of the saved forms, weight packed):
 # recorded by forward, read by backward (a function of the configuration and shapes alone)
@@ -45,17 +43,14 @@ _SAVED: dict[tuple, tuple[list, bool]] = {}
 
 
 def is_key(key: str | None) -> bool:
-    return key is not None and key.startswith(_PREFIX)
+    return _LAYERS.owns(key)
 
 
 def graph_key(quantizers: dict[str, Quantizer], layer_name: str) -> str:
     """The key of a BLOCKS configuration (its quantizers' content: layers differing in name share a graph)."""
     content = "|".join(repr(quantizers[t]) for t in _TENSORS)
-    key = _CONTENT.get(content)
-    if key is None:
-        key = _CONTENT[content] = f"{_PREFIX}{len(_CONTENT)}@{_PROCESS}"
-        _LAYERS[key] = (f"{layer_name} (or a layer with its configuration, compiled)", dict(quantizers))
-    return key
+    return _LAYERS.key(content, lambda: (f"{layer_name} (or a layer with its configuration, compiled)",
+                                         dict(quantizers)))
 
 
 @torch._dynamo.assume_constant_result

@@ -51,7 +51,6 @@ handle).
 from __future__ import annotations
 
 import math
-import uuid
 from collections import OrderedDict
 
 import torch
@@ -59,6 +58,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
+from .graph_keys import ConfigurationKeys
 from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, graph_spec, saved_input
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
@@ -67,19 +67,13 @@ from .weight_handle import bound_args, handled_weight, redirect, weight_handle, 
 
 __all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_handle"]
 
-# Configurations by key. The custom ops take plain values only, so a layer's configuration (its three quantizers
-# and save_original_input) travels as a string, and every string in a graph is a constant the graph is compiled
-# for: the key is the configuration's content, so that the blocks of a model, whose layers differ in name only,
-# share one compiled graph (a key per layer would make dynamo compile each block anew, up to its recompile limit,
-# and run the rest eagerly). It also names this process: Inductor's and AOTAutograd's caches on disk key a compiled
-# graph by its ops and constants, so another process's graph must never name this process's configurations.
-_CONTENT: dict[str, str] = {}  # content -> key
-_LAYERS: dict[str, tuple] = {}  # key -> (name of the first layer, quantizers, save_original_input)
+# Configurations by key (graph_keys.py, [Note: configuration keys]): its three quantizers and save_original_input
+# -> (name of the first layer, quantizers, save_original_input)
+_LAYERS: ConfigurationKeys[tuple] = ConfigurationKeys("linear-config-")
 _CONFIGS: dict[tuple, _LinearConfig] = {}  # (key, backward override) -> the config the ops run with
 # key -> the float8_graph spec of a configuration its fast path runs on a gathered weight (per-tensor FP8 with
 # current scaling, no backward override), else None
 _FAST_SPECS: dict[str, Float8GraphSpec | None] = {}
-_PROCESS = uuid.uuid4().hex[:12]
 # how the saved tensors of a forward call rebuild into quantized operands, by (config, grads needed, shapes,
 # dtype): a pure function of those, recorded by the forward op for the backward op; with it, whether the forward
 # ran float8_graph's fast path (then backward tries it too; either path reads the same saved tensors)
@@ -112,11 +106,7 @@ def configuration_key(name: str, quantizers: dict, save_original_input: bool) ->
     save_original_input is set, never while compile traces)."""
     content = "|".join([repr(quantizers[t]) for t in ("input", "weight", "grad_output")]
                        + [f"save_original_input={save_original_input}"])
-    key = _CONTENT.get(content)
-    if key is None:
-        key = _CONTENT[content] = f"linear-config-{len(_CONTENT)}@{_PROCESS}"
-        _LAYERS[key] = (name, dict(quantizers), save_original_input)
-    return key
+    return _LAYERS.key(content, lambda: (name, dict(quantizers), save_original_input))
 
 
 def _config(key: str, override: str | None) -> _LinearConfig:
