@@ -285,6 +285,30 @@ def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
     return _rebuild(meta, _gathered_buffers(meta, gathered)[0])
 
 
+def assemble_joined(metas, per_expert: torch.Tensor) -> dict | None:
+    """The parts of all experts' gathered payloads joined as the parts of one `[E*rows, cols]` tensor (rowwise rows
+    one expert after another, columnwise columns likewise), read as `E` row shards of it: `per_expert` `[E, >=
+    nbytes]` holds each expert's whole payload (one piece each, the same buffers). Where no scaling block along the
+    rows spans two experts (the caller's rule) this is the quantization of the experts stacked, bitwise, as the
+    gathered shards of one weight are ([Note: sharding invariance]). None where the payloads are not so laid out."""
+    m0, e = metas[0], len(metas)
+    if m0.world_size != 1 or any(m.world_size != 1 or m.buffers != m0.buffers or m.parts != m0.parts
+                                 for m in metas[1:]):
+        return None
+    if any(ps.hints for ps in m0.parts.values()) or per_expert.shape[0] != e:
+        return None
+    buffers = [dataclasses.replace(b, counts=b.counts * e) for b in m0.buffers]
+    parts = {d: dataclasses.replace(ps, rows=ps.rows if ps.columnwise else e * ps.rows,
+                                    cols=e * ps.cols if ps.columnwise else ps.cols) for d, ps in m0.parts.items()}
+    replicated = {}
+    for d, rep in m0.replicated.items():
+        dim = 1 if m0.parts[d].columnwise else 0
+        replicated[d] = {n: None if t is None else torch.cat([m.replicated[d][n] for m in metas], dim)
+                         for n, t in rep.items()}
+    joined = PayloadMeta((e * m0.shape[0],) + tuple(m0.shape[1:]), e, m0.nbytes, buffers, parts, replicated)
+    return _rebuild(joined, _gathered_buffers(joined, per_expert)[0])
+
+
 class GatheredViews:
     """Views of one all-gather output kept across unshards by a weight's state: FSDP2 hands the post-all-gather hook
     the same output storage at every unshard (it frees and re-allocates its bytes; views of it stay valid), so the

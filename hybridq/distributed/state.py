@@ -25,6 +25,7 @@ from ..torch_private import local_tensor
 from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GroupedGatheredWeight
+from .grouped_blocks_batched import stacks_blocks
 from .layout import ExpertLayout
 from .payload import DIRECTIONS, HIGH_PRECISION, GatheredViews, PayloadMeta, assemble_parts
 from .stats import GroupedStats, WeightStats
@@ -190,7 +191,7 @@ class GroupedWeightState(SharedState, GroupedStats):
         self.quantizers = tuple(qs)
         shape = (layout.rows, layout.cols)
         experts = [st.create(q, shape, dtype, device) for st, q in zip(self.experts, qs)]
-        if equal_groups_apply(self.quantizers):
+        if equal_groups_apply(self.quantizers) or stacks_blocks(self.quantizers):  # (grouped_blocks_batched.py)
             self._stack_buffers()
         self.gathered = GroupedGatheredWeight(experts, shape=(layout.experts,) + shape, dtype=dtype, state=self)
 
@@ -264,7 +265,8 @@ class GroupedWeightState(SharedState, GroupedStats):
     def fill_experts(self, d: str, srcs) -> None:
         """Copy the experts' gathered parts `srcs` into their own buffers of direction `d`: one copy per tensor kind
         for all experts where both sides are equally spaced views of one storage (the stacked buffers; the experts'
-        slices of one all-gather output), else expert by expert."""
+        slices of one all-gather output), that kind expert by expert where only the source is not (block formats'
+        replicated scales: a tensor per expert), else expert by expert."""
         dst0 = self.experts[0].parts[d]
         if self.slabs and dst0 is not None:
             pairs = []
@@ -273,12 +275,21 @@ class GroupedWeightState(SharedState, GroupedStats):
                     continue
                 dst = stacked_view([st.parts[d].tensors()[n] for st in self.experts])
                 src = stacked_view([getattr(p, n) for p in srcs])
-                if dst is None or src is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                if dst is None or (src is not None and (dst.shape != src.shape or dst.dtype != src.dtype)):
                     break
-                pairs.append((dst, src))
+                pairs.append((n, dst, src))
             else:
-                for dst, src in pairs:
-                    dst.copy_(src)
+                for n, dst, src in pairs:
+                    if src is not None:
+                        dst.copy_(src)
+                        continue
+                    for g, p in enumerate(srcs):  # (checked as a fill checks it: shape and dtype)
+                        s = getattr(p, n)
+                        if s.shape != dst.shape[1:] or s.dtype != dst.dtype:
+                            raise RuntimeError(f"hybridq FSDP: gathered {d} {n} of expert {g} is {tuple(s.shape)} "
+                                               f"{s.dtype}, the unsharded weight holds {tuple(dst.shape[1:])} "
+                                               f"{dst.dtype}")
+                        dst[g].copy_(s)
                 return
         for st, src in zip(self.experts, srcs):
             st.fill(d, src)

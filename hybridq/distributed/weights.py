@@ -42,6 +42,7 @@ from ..weight_forms import QuantizedGatherShard
 from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
+from .grouped_blocks_batched import fill_stacked_blocks
 from .grouped_batched import StackedGather, fill_batched, fill_stacked, metas_with_scales, prepare_batched
 from .lane import PreLane, derive, lookup
 from .layout import ExpertLayout, transport_view
@@ -423,7 +424,8 @@ class GroupedHybridWeight(HybridWeight):
             else:
                 metas = metas_with_scales(metas, metadata.stacked)
         adopt = received(gathered, metas) if metas is not None else None
-        if metas is not None and not fill_batched(st, qs, metas, gathered, metadata.slot, layout, plan, dtype):
+        if (metas is not None and not fill_batched(st, qs, metas, gathered, metadata.slot, layout, plan, dtype)
+                and not fill_stacked_blocks(st, qs, metas, gathered, metadata.slot, layout, plan, dtype)):
             if st.slabs:  # (experts' buffers are views of one allocation: filled by copies, never re-pointed)
                 st.alloc_slabs(plan.materialize)
                 adopt = None

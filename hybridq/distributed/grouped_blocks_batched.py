@@ -1,0 +1,128 @@
+"""The post-all-gather work of a grouped weight gathered in a block format (FP8 1x128 / 128x128 blocks, MXFP8 and
+hybrids of them: `Quantizer.local_scaling`) batched over the experts, where every expert shares one quantizer.
+
+[Note: stacked block gather]
+- The experts' unsharded buffers are stacked (`GroupedWeightState._stack_buffers`: one allocation per tensor kind,
+  the experts' tensors equally spaced views of it), so `GroupedGatheredForm.stacked_part` gives `[E, ...]` views and
+  `GatheredExpertWeights` reads all experts without a `torch.cat` per direction per call (rowwise: no copy at all).
+- After the all-gather, where each rank holds whole experts and `out` is a whole number of the format's row blocks
+  in both directions (128x128 tiles: 128; MXFP8's columnwise 1x32 blocks along the rows: 32), the experts' gathered
+  payloads are read as the row shards of one `[E*out, in]` weight (`payload.assemble_joined`): each expert's slice
+  of that joined quantization is its own (no block spans two experts; sharding invariance), so a derived direction
+  (128x128 tiles' columnwise from rowwise) is derived once for all experts, and each tensor kind of each direction
+  goes into the stacked buffers in one copy -- instead of one assembly, derivation and copy per expert and kind.
+- Elsewhere (out 96 under 128x128 tiles, uneven slots): one copy per kind where the experts' gathered tensors are
+  equally spaced (`fill_experts`), the derivation expert by expert.
+
+Bitwise the per-expert fill: the same bytes and scales in every expert's buffers (tests/distributed/
+test_fsdp_grouped_block_stacked.py). The switch `set_stacked_block_gather(False)` (or HYBRIDQ_STACKED_BLOCK_GATHER=0
+at start-up) keeps block-format experts on per-expert buffers and fills, as before; it is read when a weight's
+unsharded buffers are first made (and at every fill).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart
+from .layout import ALIGN, ExpertLayout
+from .payload import HIGH_PRECISION, assemble_joined, assemble_parts
+from .plan import GatherPlan
+
+__all__ = ["ENV", "fill_stacked_blocks", "set_stacked_block_gather", "stacked_block_gather", "stacks_blocks"]
+
+ENV = "HYBRIDQ_STACKED_BLOCK_GATHER"
+_ON = {"on": os.environ.get(ENV, "1") != "0"}
+
+
+def set_stacked_block_gather(on: bool) -> None:
+    """Turn the stacked buffers and batched fill of block-format experts on (default) or off (the per-expert buffers
+    and fill, as before; for weights whose unsharded buffers are made after the call)."""
+    _ON["on"] = bool(on)
+
+
+def stacked_block_gather() -> bool:
+    """Whether block-format experts get stacked buffers and the batched fill (`set_stacked_block_gather`)."""
+    return _ON["on"]
+
+
+def stacks_blocks(qs) -> bool:
+    """Whether the experts' quantizers `qs` are one block format (equal quantizers, `local_scaling`), so that every
+    expert has the same buffers, and the switch is on."""
+    if not _ON["on"] or not qs:
+        return False
+    q0 = qs[0]
+    return q0.local_scaling and all(q is q0 or q == q0 for q in qs[1:])
+
+
+def _split(part: QuantizedPart, e: int) -> dict[str, torch.Tensor] | None:
+    """Each tensor of a part of `E` experts joined (`assemble_joined`; rowwise: the experts' rows one after another,
+    columnwise: their columns) as `[E, ...]` whose `[g]` is expert g's tensor -- the inverse of the join
+    GatheredExpertWeights reads (grouped_packed_blocks._joined); None where a tensor does not split evenly."""
+    out = {}
+    for n, t in part.tensors().items():
+        if t is None:
+            continue
+        if t.dim() != 2 or t.shape[1 if part.columnwise else 0] % e:
+            return None
+        a, b = t.shape
+        out[n] = t.view(a, e, b // e).permute(1, 0, 2) if part.columnwise else t.view(e, a // e, b)
+    return out
+
+
+def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
+                 dtype) -> bool:
+    """Whole experts, one slot each, no scaling block along the rows spanning two experts: all experts' gathered
+    parts assembled as one `[E*out, in]` tensor's (`assemble_joined`), a derived direction derived once from it, and
+    each tensor kind copied into the stacked buffers in one copy. False (nothing done) where that does not apply."""
+    e, n, ws, chunk = layout.experts, layout.rows, layout.world_size, layout.chunk
+    flat = gathered.reshape(-1).view(torch.uint8)
+    if (layout.dim != 0 or len(metas) != e or n % q.split_granularity(True, True)[0] or slot % ALIGN
+            or flat.numel() % ws or flat.numel() // ws < chunk * slot or flat.storage_offset() % ALIGN):
+        return False
+    dst = {d: st.stacked(d) for d in plan.materialize}
+    if any(v is None for v in dst.values()):
+        return False
+    # the experts' slots, rank-major (a view; a copy where uneven sharding pads each rank's payload past its slots)
+    per_expert = flat.view(ws, -1)[:, :chunk * slot].reshape(ws * chunk, slot)[:e]
+    joined = assemble_joined(metas, per_expert)
+    if joined is None:
+        return False
+    if plan.derive:
+        joined[COLUMNWISE] = q.derive_part(joined[ROWWISE], COLUMNWISE, dtype)
+    srcs = {}
+    for d in plan.materialize:
+        srcs[d] = _split(joined[d], e)
+        if srcs[d] is None or any(srcs[d][k].shape != v.shape or srcs[d][k].dtype != v.dtype
+                                  for k, v in dst[d][1].items()):
+            return False
+    for d in plan.materialize:
+        for k, v in dst[d][1].items():
+            v.copy_(srcs[d][k])
+    return True
+
+
+def fill_stacked_blocks(st, qs, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
+                        dtype) -> bool:
+    """The post-all-gather fill of a block-format grouped weight with stacked buffers: all experts joined, one copy
+    per tensor kind (`_fill_joined`), or, where the experts' blocks or slots do not allow that, one copy per kind
+    where the experts' gathered tensors are equally spaced and the derivation per expert (False, nothing done: the
+    per-expert fill runs)."""
+    if (not st.slabs or plan.local or HIGH_PRECISION in plan.materialize or not stacks_blocks(qs)
+            or any(d not in (ROWWISE, COLUMNWISE) for d in plan.send) or (plan.derive and ROWWISE not in plan.send)):
+        return False
+    st.alloc_slabs(plan.materialize)  # (FSDP2 allocated them already, except where it reuses nothing)
+    q = qs[0]
+    if _fill_joined(st, q, metas, gathered, slot, layout, plan, dtype):
+        st.counters["stacked_block_fills"] += 1
+        return True
+    parts = [assemble_parts(meta, layout.expert_bytes(gathered, slot, g, meta, expert_major=layout.dim == 1))
+             for g, meta in enumerate(metas)]
+    for d in plan.send:
+        if d in plan.materialize:
+            st.fill_experts(d, [p[d] for p in parts])
+    if plan.derive and COLUMNWISE in plan.materialize:
+        st.fill_experts(COLUMNWISE, [q.derive_part(p[ROWWISE], COLUMNWISE, dtype) for p in parts])
+    return True

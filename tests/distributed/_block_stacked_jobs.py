@@ -1,0 +1,203 @@
+"""Jobs of the stacked block-format experts' gather tests (test_fsdp_grouped_block_stacked.py), run by spawned
+processes (see _harness.spawn): a GroupedLinear whose `[E, out, in]` weight FSDP2 gathers quantized in a block
+format, run train / eval / train (an SGD step in between: new values refilled into the same buffers) with the
+stacked gather on and off; after every all-gather each expert's unsharded buffers are read and compared with a
+quantization of that expert's full weight made here."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+
+import hybridq
+from hybridq.distributed import apply_hybrid_fsdp
+from hybridq.distributed import grouped_blocks_batched
+from hybridq.distributed import weights as weights_mod
+from hybridq.torch_private import local_tensor
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import tensor_diff  # noqa: E402
+
+IN = 128
+STEPS = ("train", "eval", "train")
+
+
+class _Root(torch.nn.Module):
+    """FSDP2's root around the layer: the layer's own unit then reshards after forward, so backward gathers again
+    (FSDP2 keeps the root's parameters unsharded from forward to backward)."""
+
+    def __init__(self, lin: hybridq.GroupedLinear):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x, m_splits):
+        return self.lin(x, m_splits)
+
+
+def _layer(preset: str, experts: int, out: int, nonfinite: bool, device, world_size: int) -> _Root:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    lin = hybridq.GroupedLinear(experts, IN, out, recipe=preset, name="moe.w1")
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(-2, 2, experts).view(experts, 1, 1))  # each expert at its own magnitude
+        if nonfinite:
+            lin.weight[1, 3, 5] = float("nan")
+            lin.weight[experts - 1, 0, 1] = float("inf")
+    lin.to(device)
+    apply_hybrid_fsdp(lin, hybridq.recipe(preset), on_incompatible="error")
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(lin, mesh=mesh, mp_policy=mp)
+    root = _Root(lin)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+    return root
+
+
+def _snapshot(st) -> dict:
+    """Every expert's unsharded tensors of every materialized direction, copied ({(expert, direction, name): t})."""
+    out = {}
+    for g, est in enumerate(st.experts):
+        for d, part in est.parts.items():
+            if part is None or not est.materialized(d):
+                continue
+            for n, t in part.tensors().items():
+                if t is not None:
+                    out[(g, d, n)] = t.detach().clone()
+    return out
+
+
+def _oracle(lin, full: torch.Tensor, snap: dict) -> list[str]:
+    """How the snapshot differs from each expert's full weight quantized here (the directions it holds)."""
+    diffs = []
+    qs = lin.weight_quantizers()
+    for g in range(full.shape[0]):
+        dirs = {d for (e, d, _) in snap if e == g}
+        if not dirs:
+            continue
+        want = qs[g].quantize(full[g], rowwise="rowwise" in dirs, columnwise="columnwise" in dirs)
+        for d in dirs:
+            for n, t in want.part(d).tensors().items():
+                if t is None:
+                    continue
+                got = snap.get((g, d, n))
+                if got is None:
+                    diffs.append(f"expert {g} {d} {n}: not held")
+                    continue
+                diff = tensor_diff(got, t.contiguous(), f"expert {g} {d} {n}")
+                if diff:
+                    diffs.append(diff)
+    return diffs
+
+
+def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
+    grouped_blocks_batched.set_stacked_block_gather(on)
+    root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), case.get("nonfinite", False), device,
+                  world_size)
+    lin = root.lin
+    st = local_tensor(lin.weight)._hq
+    opt = torch.optim.SGD(root.parameters(), lr=0.5)
+    snaps: list = []
+    views: list = []  # (per all-gather: the directions filled, those whose experts are `[E, ...]` views of one buffer)
+    real = weights_mod.GroupedHybridWeight._post_all_gather
+
+    def post(self, outputs, metadata):  # (the real fill runs; its result is read after it)
+        real(self, outputs, metadata)
+        if self._hq is st:
+            snaps.append(_snapshot(st))
+            views.append((sorted(metadata.plan.materialize),
+                          sorted(d for d in metadata.plan.materialize if st.stacked(d) is not None)))
+    weights_mod.GroupedHybridWeight._post_all_gather = post
+    e = lin.weight.shape[0]
+    splits = [(5 * g + 3) % 11 if g != 1 else 0 for g in range(e)]  # (uneven counts, an expert without tokens)
+    results = []
+    try:
+        for step, mode in enumerate(STEPS):
+            full = lin.weight.full_tensor().detach().to(torch.bfloat16)
+            torch.manual_seed(100 + 10 * rank + step)
+            x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
+            snaps.clear()
+            views.clear()
+            if mode == "train":
+                root.train()
+                x.requires_grad_(True)
+                y = root(x, list(splits))
+                y.backward(torch.randn_like(y))
+                grad = local_tensor(lin.weight.grad).detach().clone()
+                opt.step()
+                opt.zero_grad()
+                dx = x.grad
+            else:
+                root.eval()
+                with torch.no_grad():
+                    y = root(x, list(splits))
+                grad, dx = None, None
+                root.reshard()  # (the root's forward leaves it unsharded: the next step reads the shards)
+            results.append({"y": y.detach(), "dx": dx, "dw": grad, "snaps": snaps[:],
+                            "oracle": [d for s in snaps for d in _oracle(lin, full, s)], "stacked": views[:]})
+    finally:
+        weights_mod.GroupedHybridWeight._post_all_gather = real
+        grouped_blocks_batched.set_stacked_block_gather(True)
+    return {"steps": results, "fills": st.counters.get("stacked_block_fills", 0)}
+
+
+def job_stacked_blocks(rank, world_size, device, cases):
+    """For each case (preset, experts, out, nonfinite): the stacked gather on and off; per step the oracle's
+    differences, on-vs-off differences of y, dx, the weight gradient shard and every snapshot, the fill counter."""
+    out = []
+    for case in cases:
+        on = _run(case, True, rank, world_size, device)
+        off = _run(case, False, rank, world_size, device)
+        diffs, oracle = [], []
+        for s, (a, b) in enumerate(zip(on["steps"], off["steps"])):
+            where = f"{case} step {s} ({STEPS[s]}) rank {rank}"
+            oracle += [f"{where} on: {d}" for d in a["oracle"]] + [f"{where} off: {d}" for d in b["oracle"]]
+            for t in ("y", "dx", "dw"):
+                if a[t] is not None:
+                    d = tensor_diff(a[t], b[t], f"{where} {t}", nan_payload=True)
+                    if d:
+                        diffs.append(d)
+            if len(a["snaps"]) != len(b["snaps"]):
+                diffs.append(f"{where}: {len(a['snaps'])} all-gathers on, {len(b['snaps'])} off")
+            for i, (sa, sb) in enumerate(zip(a["snaps"], b["snaps"])):
+                if sa.keys() != sb.keys():
+                    diffs.append(f"{where} gather {i}: tensors {sorted(sa)} on, {sorted(sb)} off")
+                    continue
+                diffs += [d for d in (tensor_diff(sa[k], sb[k], f"{where} gather {i} {k}") for k in sa) if d]
+        out.append({"diffs": diffs, "oracle": oracle, "fills_on": on["fills"], "fills_off": off["fills"],
+                    "views_on": [v for s in on["steps"] for v in s["stacked"]],
+                    "views_off": [v for s in off["steps"] for v in s["stacked"]],
+                    "nonfinite_y": [bool((~torch.isfinite(s["y"].float())).any()) for s in on["steps"]]})
+    return out
+
+
+def job_post_gather_ops(rank, world_size, device, cases, steps=3):
+    """For each case: the ops (kernel launches, GPU-equivalent: _opcount.OpCounter) of the all-gather hooks per
+    train step after the first, with the stacked gather on and off: {"on": {phase: launches}, "off": ...}."""
+    from _opcount import OpCounter
+
+    out = []
+    for case in cases:
+        res = {}
+        for on in (True, False):
+            grouped_blocks_batched.set_stacked_block_gather(on)
+            try:
+                root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), False, device, world_size)
+                e = root.lin.weight.shape[0]
+                splits = [(5 * g + 3) % 11 for g in range(e)]
+                x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
+                counter = None
+                for step in range(steps):
+                    if step == 1:
+                        counter = OpCounter()
+                        counter.__enter__()
+                    root(x, list(splits)).float().pow(2).mean().backward()
+                counter.__exit__(None, None, None)
+            finally:
+                grouped_blocks_batched.set_stacked_block_gather(True)
+            res["on" if on else "off"] = {p: c.get("launches", 0.0) for p, c in counter.summary(1, steps - 1).items()}
+        out.append(res)
+    return out
