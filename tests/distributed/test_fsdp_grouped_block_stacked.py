@@ -124,8 +124,8 @@ def post_gather_ops():
 @pytest.mark.parametrize("i", range(len(OP_CASES)), ids=OP_IDS)
 def test_stacked_fill_issues_fewer_ops_than_the_per_expert_fill(post_gather_ops, i):
     """Ops (kernel launches, GPU-equivalent) of the post-all-gather hook per step, 2 ranks: fewer with the stacked
-    fill (one assembly, derivation and copy per tensor kind, not per expert); measured 2026-11-28 (on / off): fp8_block
-    7 / 16, mxfp8 14 / 16, fp8_block_fwd_mxfp8_bwd 11 / 16, fp8_block with 16 experts 7 / 64."""
+    fill (one assembly, derivation and copy per tensor kind, not per expert); measured 2026-11-28 (on / off, 4 experts;
+    16 experts): fp8_block 7 / 16; 7 / 64, mxfp8 14 / 16; 14 / 64, fp8_block_fwd_mxfp8_bwd 11 / 16; 11 / 64."""
     r = post_gather_ops[i]
     on, off = r["on"]["post_all_gather"], r["off"]["post_all_gather"]
     assert on < off, f"{OP_IDS[i]}: post_all_gather ops per step on {on}, off {off}"
