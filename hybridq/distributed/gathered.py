@@ -52,7 +52,17 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
         return ("_rowwise", "_columnwise")
 
     def part(self, direction: str):
-        self._hq.ensure(direction)
+        # [Note: a direction pending the backward unshard]
+        # A direction the gather plan defers (e.g. columnwise: dgrad's form) is filled in place by FSDP2's backward
+        # unshard; until then its own tensors keep their shape over a storage FSDP2 resized to 0, and a kernel or
+        # torch op reading them reads freed memory (a segfault, not an error). Under autograd the forward may take
+        # the part by reference for the backward that fills it (linear_function._only, float8_graph's held parts);
+        # with autograd off no backward comes, so asking for it is a read: `check_readable` raises, naming the
+        # weight and the direction, before anything reads the memory. A direction nobody planned for is gathered
+        # now (`ensure`: a collective every rank makes).
+        st = self._hq
+        st.ensure(direction)
+        st.check_readable(direction)
         return super().part(direction)
 
     def high_precision(self) -> torch.Tensor:
@@ -61,6 +71,7 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
         st = self._hq
         st.create_high_precision()
         st.ensure(HIGH_PRECISION)
+        st.check_readable(HIGH_PRECISION)
         return st.parts[HIGH_PRECISION].data.view(self.shape)
 
     @property

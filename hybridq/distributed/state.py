@@ -134,6 +134,18 @@ class WeightState(SharedState, WeightStats, UnshardedBuffers):
         self.inner[:] = self._unique([x for x in DIRECTIONS if self.materialized(x)])
         self._lazy_done(d)
 
+    def check_readable(self, d: str) -> None:
+        """Raise, naming the weight and the direction, where direction `d` (after `ensure`) is due from the backward
+        unshard and read with autograd off -- see [Note: a direction pending the backward unshard]. (Cheapest test
+        first: it runs at every `part()`; a direction not deferred was gathered by `ensure` if it was not there.)"""
+        if d not in self.deferred or torch.is_grad_enabled() or self.parts.get(d) is None or self.materialized(d):
+            return  # (under autograd: held by reference for the backward that fills it -- linear_function._only)
+        raise RuntimeError(
+            f"hybridq FSDP: the {d} form of {self.name} is gathered by FSDP2's backward unshard (the gather plan "
+            f"defers it); it is read before it, with autograd off, so no backward will fill it (its storage is "
+            f"FSDP2's freed buffer). Outside autograd read only the directions the forward unshard gathered, or run "
+            f"under autograd so that the backward unshard gathers {d}")
+
 
 class ExpertWeightState(WeightState):
     """One expert's unsharded buffers (a Linear weight's); a direction nobody planned for is gathered for every
