@@ -44,7 +44,7 @@ from ..nn.compiled_linear import (_LAYOUTS, _backward_fake, _config, _record_lay
 from ..nn.graph_keys import ConfigurationKeys
 from ..nn.linear_function import _LinearConfig, gradients_needed
 from ..nn.plain_ops import plain_op
-from ..nn.weight_handle import bound_args, handled_weight, redirect, weight_of
+from ..nn.weight_handle import handled_weight, redirect_to_handle, weight_of
 from ..tensor import QuantizedTensor
 from ..torch_private import local_tensor
 from .sequence import SequenceGather, _WgradShare, gather_plan
@@ -244,20 +244,9 @@ def _(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x
     return _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype)
 
 
-def _gathered_forward(args, kwargs):
-    x, weight, bias, *rest = bound_args(tp_linear_forward, args, kwargs)
-    return torch.ops.hybridq.tp_gathered_linear_forward(x, weight._handle, bias, *rest, list(weight.shape),
-                                                        weight.dtype)
-
-
-def _gathered_backward(args, kwargs):
-    dy, x, weight, *rest = bound_args(tp_linear_backward, args, kwargs)
-    return torch.ops.hybridq.tp_gathered_linear_backward(dy, x, weight._handle, *rest)
-
-
 # the ops called on the gathered weight piece while compile traces (its __torch_dispatch__): their `gathered` twins
-redirect(torch.ops.hybridq.tp_linear_forward.default, _gathered_forward)
-redirect(torch.ops.hybridq.tp_linear_backward.default, _gathered_backward)
+redirect_to_handle(tp_linear_forward, torch.ops.hybridq.tp_gathered_linear_forward, 1, with_shape=True)
+redirect_to_handle(tp_linear_backward, torch.ops.hybridq.tp_gathered_linear_backward, 2, with_shape=False)
 
 
 # ---- traced by dynamo ---------------------------------------------------------------------------------------

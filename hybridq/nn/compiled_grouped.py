@@ -52,7 +52,7 @@ from . import compiled_grouped_blocks
 from .grouped_packed import BLOCKS, FP8_TENSOR, packed_quantizers
 from .m_splits import check_split_values
 from .plain_ops import plain_op
-from .weight_handle import bound_args, handled_weight, redirect, weight_of
+from .weight_handle import handled_weight, redirect_to_handle, weight_of
 
 __all__ = ["experts_in_graph", "graph_key", "runs_in_graph", "grouped_in_graph"]
 
@@ -337,15 +337,9 @@ def _(dy, m_splits, x_col, x_scale, handle, key, need_dgrad, need_wgrad, w_shape
     return _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype)
 
 
-def _gathered_forward(args, kwargs):
-    x, weight, *rest = bound_args(grouped_linear_forward, args, kwargs)
-    return torch.ops.hybridq.gathered_grouped_linear_forward(x, weight._handle, *rest, list(weight.shape),
-                                                             weight.dtype)
-
-
 # `grouped_linear_forward` called on a gathered weight (its __torch_dispatch__ sends it to weight_handle.handle_ops
 # while compile traces): the handle in the weight's place
-redirect(torch.ops.hybridq.grouped_linear_forward.default, _gathered_forward)
+redirect_to_handle(grouped_linear_forward, torch.ops.hybridq.gathered_grouped_linear_forward, 1, with_shape=True)
 
 
 def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ..tensor import flatten_quantized, unflatten_quantized
 from . import grouped_device_blocks as device_blocks
 from .graph_keys import ConfigurationKeys
 from .plain_ops import plain_op
-from .weight_handle import bound_args, handled_weight, redirect, weight_of
+from .weight_handle import handled_weight, redirect_to_handle, weight_of
 
 # configurations by content (graph_keys.py) -> (name of the first layer, the quantizers every expert shares)
 _LAYERS: ConfigurationKeys[tuple[str, dict]] = ConfigurationKeys("grouped-blocks-config-")
@@ -205,15 +205,9 @@ def _(dy, m_splits, saved, handle, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_w
     return _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype)
 
 
-def _gathered_forward(args, kwargs):
-    x, weight, *rest = bound_args(grouped_blocks_forward, args, kwargs)
-    return torch.ops.hybridq.gathered_grouped_blocks_forward(x, weight._handle, *rest, list(weight.shape),
-                                                             weight.dtype)
-
-
 # `grouped_blocks_forward` called on a gathered weight (its __torch_dispatch__ sends it to weight_handle.handle_ops
 # while compile traces): the handle in the weight's place
-redirect(torch.ops.hybridq.grouped_blocks_forward.default, _gathered_forward)
+redirect_to_handle(grouped_blocks_forward, torch.ops.hybridq.gathered_grouped_blocks_forward, 1, with_shape=True)
 
 
 def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:

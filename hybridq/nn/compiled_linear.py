@@ -63,7 +63,7 @@ from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, gra
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
 from .plain_ops import plain_op
-from .weight_handle import bound_args, handled_weight, redirect, weight_handle, weight_of
+from .weight_handle import handled_weight, redirect_to_handle, weight_handle, weight_of
 
 __all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_handle"]
 
@@ -374,21 +374,11 @@ def _(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x
     return _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_dtype, b_dtype)
 
 
-def _gathered_forward(args, kwargs):
-    x, weight, bias, *rest = bound_args(linear_forward, args, kwargs)
-    return torch.ops.hybridq.gathered_linear_forward(x, weight._handle, bias, *rest, list(weight.shape), weight.dtype)
-
-
-def _gathered_backward(args, kwargs):
-    dy, x, weight, *rest = bound_args(linear_backward, args, kwargs)
-    return torch.ops.hybridq.gathered_linear_backward(dy, x, weight._handle, *rest)
-
-
 # `linear_forward` / `linear_backward` called on a weight read through its handle (the gathered weight's
 # __torch_dispatch__ sends them to weight_handle.handle_ops while compile traces): the same call as the `gathered_`
 # op, the handle in the weight's place
-redirect(torch.ops.hybridq.linear_forward.default, _gathered_forward)
-redirect(torch.ops.hybridq.linear_backward.default, _gathered_backward)
+redirect_to_handle(linear_forward, torch.ops.hybridq.gathered_linear_forward, 1, with_shape=True)
+redirect_to_handle(linear_backward, torch.ops.hybridq.gathered_linear_backward, 2, with_shape=False)
 
 
 def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tensor:

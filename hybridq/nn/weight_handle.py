@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["HandledWeight", "handle_ops", "handled_weight", "redirect", "weight_handle", "weight_of"]
+__all__ = ["HandledWeight", "handle_ops", "handled_weight", "redirect", "redirect_to_handle", "weight_handle", "weight_of"]
 
 # weights read through a handle: handle value -> (weak reference to its owner, how the owner gives the weight)
 _HANDLES: dict[int, tuple[weakref.ref, Callable]] = {}
@@ -58,6 +58,20 @@ def redirect(op, fn: Callable) -> None:
     """Register what the custom op `op` (its default overload) becomes when called on a handled weight while
     compile traces: `fn(args, kwargs)`, which calls the op's `gathered_` twin with the handle."""
     _REDIRECTS[op] = fn
+
+
+def redirect_to_handle(op, twin, weight_arg: int, with_shape: bool) -> None:
+    """`redirect` custom op `op` (the decorated function) to `twin`, its `gathered_` op: the same arguments with the
+    weight (argument `weight_arg`) replaced by its handle, and with `with_shape` the weight's shape and dtype
+    appended (the twin's fake builds the gradient from them)."""
+
+    def call(args, kwargs):
+        bound = bound_args(op, args, kwargs)
+        weight = bound[weight_arg]
+        bound[weight_arg] = weight._handle
+        return twin(*bound, *((list(weight.shape), weight.dtype) if with_shape else ()))
+
+    redirect(op._opoverload, call)
 
 
 def handle_ops(func, args, kwargs):
