@@ -52,17 +52,7 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
         return ("_rowwise", "_columnwise")
 
     def part(self, direction: str):
-        # [Note: a direction pending the backward unshard]
-        # A direction the gather plan defers (e.g. columnwise: dgrad's form) is filled in place by FSDP2's backward
-        # unshard; until then its own tensors keep their shape over a storage FSDP2 resized to 0, and a kernel or
-        # torch op reading them reads freed memory (a segfault, not an error). Under autograd the forward may take
-        # the part by reference for the backward that fills it (linear_function._only, float8_graph's held parts);
-        # with autograd off no backward comes, so asking for it is a read: `check_readable` raises, naming the
-        # weight and the direction, before anything reads the memory. A direction nobody planned for is gathered
-        # now (`ensure`: a collective every rank makes).
-        st = self._hq
-        st.ensure(direction)
-        st.check_readable(direction)
+        self._hq.ensure(direction)
         return super().part(direction)
 
     def high_precision(self) -> torch.Tensor:
@@ -71,7 +61,6 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
         st = self._hq
         st.create_high_precision()
         st.ensure(HIGH_PRECISION)
-        st.check_readable(HIGH_PRECISION)
         return st.parts[HIGH_PRECISION].data.view(self.shape)
 
     @property
@@ -124,12 +113,22 @@ class GroupedGatheredWeight(HandledWeight, GroupedGatheredForm, ExpertsTensor):
         return ("_experts",)
 
     def ensure_direction(self, direction: str) -> None:
+        # [Note: a direction pending the backward unshard]
+        # A direction the gather plan defers (e.g. columnwise: dgrad's form) is filled in place by FSDP2's backward
+        # unshard; until then its own tensors keep their shape over a storage FSDP2 resized to 0, and a kernel or
+        # torch op reading them reads freed memory (a segfault, not an error). The grouped paths ask for a direction
+        # here to read it at once; with autograd off (an eval forward) no backward fills it: `check_readable` raises,
+        # naming the weight and the direction, before anything reads the memory. (`GatheredWeight.part` does not
+        # check: a Linear's forward takes the columnwise part by reference for the backward that fills it, inside
+        # its autograd Function, where autograd is off too.)
         if self._hq.slabs and direction in (ROWWISE, COLUMNWISE):
             # stacked buffers: the experts are gathered, filled and freed together, so expert 0 speaks for all
             self._experts[0].part(direction)
+            self._experts[0]._hq.check_readable(direction)
             return
         for g in self._experts:
             g.part(direction)
+            g._hq.check_readable(direction)
 
     def stacked_part(self, direction: str):
         """(expert 0's part, {tensor name: `[E, ...]`}) of `direction` made available (as `ensure_direction`): the

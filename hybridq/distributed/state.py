@@ -136,10 +136,10 @@ class WeightState(SharedState, WeightStats, UnshardedBuffers):
 
     def check_readable(self, d: str) -> None:
         """Raise, naming the weight and the direction, where direction `d` (after `ensure`) is due from the backward
-        unshard and read with autograd off -- see [Note: a direction pending the backward unshard]. (Cheapest test
-        first: it runs at every `part()`; a direction not deferred was gathered by `ensure` if it was not there.)"""
+        unshard and read with autograd off -- see [Note: a direction pending the backward unshard] (gathered.py).
+        (Cheapest test first; a direction not deferred was gathered by `ensure` if it was not there.)"""
         if d not in self.deferred or torch.is_grad_enabled() or self.parts.get(d) is None or self.materialized(d):
-            return  # (under autograd: held by reference for the backward that fills it -- linear_function._only)
+            return
         raise RuntimeError(
             f"hybridq FSDP: the {d} form of {self.name} is gathered by FSDP2's backward unshard (the gather plan "
             f"defers it); it is read before it, with autograd off, so no backward will fill it (its storage is "

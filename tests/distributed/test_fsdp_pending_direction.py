@@ -1,10 +1,10 @@
 """A direction of an FSDP2-gathered weight that the backward unshard fills (the gather plan defers it: e.g.
 columnwise, dgrad's form) has, before that unshard, its own tensors over FSDP2's freed (size-0) storage. Read with
-autograd off (an eval forward: no backward will fill it) it read freed memory -- a segfault, not an error. Now
-asking for it raises hybridq's error naming the weight and the direction before anything reads the memory
-([Note: a direction pending the backward unshard], distributed/gathered.py), for dense (`GatheredWeight.part`) and
-grouped weights (an expert's part; `stacked_part` / `ensure_direction`, stacked block gather on and off); the
-directions the forward unshard gathered read as before, and train / eval / train runs on after the error.
+autograd off (an eval forward: no backward will fill it) it read freed memory -- a segfault, not an error. Now the
+grouped weight's accessors that the grouped paths read at once (`ensure_direction`, `stacked_part`; stacked block
+gather on and off) raise hybridq's error naming the weight and the direction before anything reads the memory
+([Note: a direction pending the backward unshard], distributed/gathered.py); the directions the forward unshard
+gathered read as before, and train / eval / train runs on after the error.
 
 The jobs run in spawned processes (_harness.spawn): a segfault fails the test instead of killing pytest."""
 
@@ -17,17 +17,10 @@ import _pending_direction_jobs as jobs
 
 pytestmark = pytest.mark.distributed
 
-DENSE = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd",
-         "fp8_block_fwd_mxfp8_bwd"]
-GROUPED = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "fp8_block_fwd_mxfp8_bwd"]
 BLOCK = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]  # (the stacked block gather's presets)
-CASES = ([dict(layer="dense", preset=p, how="part", direction="columnwise") for p in DENSE]
-         + [dict(layer="grouped", preset=p, how="expert", direction="columnwise") for p in GROUPED]
-         + [dict(layer="grouped", preset=p, how="stacked", direction="columnwise", stacked=s)
-            for p in BLOCK for s in (True, False)]
-         + [dict(layer="dense", preset=p, how="part", direction="rowwise") for p in ("fp8_block", "nvfp4")]
-         + [dict(layer="grouped", preset=p, how=h, direction="rowwise") for p in ("fp8_block", "mxfp8")
-            for h in ("expert", "stacked")])
+CASES = ([dict(layer="grouped", preset=p, how="stacked", direction="columnwise", stacked=s)
+          for p in BLOCK + ["fp8_tensorwise", "nvfp4"] for s in (True, False)]
+         + [dict(layer="grouped", preset=p, how="stacked", direction="rowwise") for p in ("fp8_block", "mxfp8")])
 IDS = ["-".join(f"{k}={v}" for k, v in c.items()) for c in CASES]
 
 
@@ -44,7 +37,7 @@ def test_eval_read_of_a_direction(runs, i):
         if case["direction"] == "rowwise":  # gathered by the forward unshard: read as before
             assert got == "read", f"rank {rank}: the eval read of rowwise raised: {got}"
             continue
-        name = "moe.w1.weight expert 0" if case["layer"] == "grouped" else "weight"
+        name = "moe.w1.weight expert 0"
         assert got.startswith(f"hybridq FSDP: the columnwise form of {name} is gathered by FSDP2's backward "
                               f"unshard"), f"rank {rank}: the eval read of the pending columnwise gave: {got}"
 
