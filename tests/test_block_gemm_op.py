@@ -14,7 +14,6 @@ GEMM op]; issue 33: the eager fp8_block Linear's host time). Specification:
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import warnings
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from _compare import assert_bitwise
+from _nvcc_host import NVCC, build_host_driver
 from hybridq.kernels import native_gemm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,6 @@ def test_block_scales_are_outer_dim_major(m, kb, n, tiles):
 
 # ---- the op's scale kernel, element by element, compiled for the host (CPU, needs nvcc) -------------------------
 
-NVCC = shutil.which("nvcc")
 _DRIVER = r"""
 #include <cstdio>
 #include <vector>
@@ -94,13 +93,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def scales_bin(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("block_gemm_scales")
-    src, exe = d / "driver.cu", d / "driver"
-    src.write_text(_DRIVER)
-    r = subprocess.run([NVCC, "-O2", "-std=c++17", "-I", os.path.join(ROOT, "csrc"), str(src), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"nvcc failed to compile csrc/block_gemm_scales.cuh for the host:\n{r.stderr[-3000:]}"
-    return str(exe)
+    return build_host_driver(tmp_path_factory.mktemp("block_gemm_scales"), _DRIVER, "block_gemm_scales.cuh")
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (host compile of csrc/block_gemm_scales.cuh)")
@@ -124,7 +117,7 @@ def test_scale_kernel_writes_the_memory_of_the_scaled_mm_scale_operands(scales_b
 # ---- which scales the op takes, and its switch (CPU) --------------------------------------------------------
 
 def _takes_cases():
-    m, k, n = 32, 384, 144
+    m, n = 32, 144  # (K = 384: three 128-blocks, the scales' second dim)
     a, t, r = torch.rand(m, 3), torch.rand(2, 3), torch.rand(n, 3)
     return [
         ("tiles as the quantize kernel writes them", a, t, True, True),

@@ -5,16 +5,13 @@ not installed; no GPU needed."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
 
 import pytest
 import torch
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-NVCC = shutil.which("nvcc")
+from _nvcc_host import NVCC, build_host_driver
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (host compile of csrc/numerics.cuh)")
 
@@ -117,13 +114,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def numerics_bin(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("numerics_host")
-    src, exe = d / "driver.cu", d / "driver"
-    src.write_text(DRIVER)
-    r = subprocess.run([NVCC, "-O2", "-std=c++17", "--fmad=false", "-I", CSRC, str(src), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"nvcc failed to compile csrc/numerics.cuh for the host:\n{r.stderr[-3000:]}"
-    return str(exe)
+    return build_host_driver(tmp_path_factory.mktemp("numerics_host"), DRIVER, "numerics.cuh", ("--fmad=false",))
 
 
 def _bits(v: float) -> int:

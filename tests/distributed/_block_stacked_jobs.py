@@ -12,49 +12,27 @@ import sys
 import torch
 
 import hybridq
-from hybridq.distributed import apply_hybrid_fsdp
 from hybridq.distributed import grouped_blocks_batched
 from hybridq.distributed import weights as weights_mod
 from hybridq.torch_private import local_tensor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
+from _fsdp_layer import Root, shard_under_root, spread_expert_magnitudes_  # noqa: E402
 
 IN = 128
 STEPS = ("train", "eval", "train")
 
 
-class _Root(torch.nn.Module):
-    """FSDP2's root around the layer: the layer's own unit then reshards after forward, so backward gathers again
-    (FSDP2 keeps the root's parameters unsharded from forward to backward)."""
-
-    def __init__(self, lin: hybridq.GroupedLinear):
-        super().__init__()
-        self.lin = lin
-
-    def forward(self, x, m_splits):
-        return self.lin(x, m_splits)
-
-
-def _layer(preset: str, experts: int, out: int, nonfinite: bool, device, world_size: int) -> _Root:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def _layer(preset: str, experts: int, out: int, nonfinite: bool, device, world_size: int) -> Root:
     torch.manual_seed(0)
     lin = hybridq.GroupedLinear(experts, IN, out, recipe=preset, name="moe.w1")
+    spread_expert_magnitudes_(lin)
     with torch.no_grad():
-        lin.weight.mul_(torch.logspace(-2, 2, experts).view(experts, 1, 1))  # each expert at its own magnitude
         if nonfinite:
             lin.weight[1, 3, 5] = float("nan")
             lin.weight[experts - 1, 0, 1] = float("inf")
-    lin.to(device)
-    apply_hybrid_fsdp(lin, hybridq.recipe(preset), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard(lin, mesh=mesh, mp_policy=mp)
-    root = _Root(lin)
-    fully_shard(root, mesh=mesh, mp_policy=mp)
-    return root
+    return shard_under_root(lin, preset, device, world_size)
 
 
 def _snapshot(st) -> dict:

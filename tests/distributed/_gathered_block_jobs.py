@@ -15,6 +15,7 @@ from hybridq.nn import grouped as grouped_mod
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
+from _fsdp_layer import spread_expert_magnitudes_  # noqa: E402
 
 E, IN, OUT = 4, 128, 256  # OUT a multiple of 128: no 128x128 weight tile spans two experts (the packed weight)
 # (out 96: 128x128 tiles would span two experts, MXFP8's 32-row columnwise blocks not: each expert's own tiles)
@@ -33,7 +34,7 @@ def _layer(preset: str, device: torch.device, world_size: int, nonfinite: bool, 
     torch.manual_seed(0)
     lin = hybridq.GroupedLinear(E, IN, out, recipe=preset, name="moe.w1")
     with torch.no_grad():
-        lin.weight.mul_(torch.logspace(-2, 2, E).view(E, 1, 1))  # each expert at its own magnitude
+        spread_expert_magnitudes_(lin)
         if nonfinite:
             lin.weight[2, 3, 5] = float("nan")
     lin.to(device)

@@ -9,25 +9,14 @@ from __future__ import annotations
 import torch
 
 import hybridq
-from hybridq.distributed import apply_hybrid_fsdp
 from hybridq.distributed import grouped_blocks_batched
+
+from _fsdp_layer import shard_under_root
 
 IN, OUT, EXPERTS = 128, 128, 4
 
 
-class _Root(torch.nn.Module):
-    def __init__(self, lin: torch.nn.Module):
-        super().__init__()
-        self.lin = lin
-
-    def forward(self, *args):
-        return self.lin(*args)
-
-
 def _model(case: dict, device, world_size: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     preset = case["preset"]
     if case["layer"] == "grouped":
@@ -36,14 +25,7 @@ def _model(case: dict, device, world_size: int):
     else:
         lin = hybridq.Linear(IN, OUT, recipe=preset, name="proj")
         args = (torch.randn(32, IN, device=device),)  # (MXFP8's 32-row blocks)
-    lin.to(device)
-    apply_hybrid_fsdp(lin, hybridq.recipe(preset), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard(lin, mesh=mesh, mp_policy=mp)
-    root = _Root(lin)
-    fully_shard(root, mesh=mesh, mp_policy=mp)
-    return root, args
+    return shard_under_root(lin, preset, device, world_size), args
 
 
 def _read(weight, how: str, direction: str) -> float:
