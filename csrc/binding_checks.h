@@ -46,6 +46,25 @@ inline void check_same_device(const Tensor& t, const Tensor& x, const char* op, 
               x.device());
 }
 
+// An operand of an FP8 block-scaled GEMM (csrc/block_gemm.cu, grouped_block_gemm.cu): E4M3, contiguous, 2-D, on the
+// device of `like`
+inline void check_block_gemm_operand(const Tensor& t, const Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK(t.defined() && t.is_cuda(), "hybridq::", op, ": ", name, " must be a CUDA tensor");
+  check_same_device(t, like, op, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "hybridq::", op, ": ", name,
+              " must be torch.float8_e4m3fn (FP8 block GEMMs are E4M3 x E4M3), got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "hybridq::", op, ": ", name, " must be a contiguous 2-D tensor, got ",
+              t.sizes(), " with strides ", t.strides());
+}
+
+// An FP8 block-scaled GEMM's result dtype: bfloat16 / float32 from the GEMM, float16 through float32 (as
+// native_gemm._block_run)
+inline at::ScalarType block_gemm_dtype(at::ScalarType out_dtype, const char* op) {
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat || out_dtype == at::kHalf, "hybridq::", op,
+              ": out_dtype must be bfloat16, float32 or float16, got ", out_dtype);
+  return out_dtype == at::kHalf ? at::kFloat : out_dtype;
+}
+
 inline bool is_e5m2(at::ScalarType t, const char* op) {
   TORCH_CHECK(t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2, "hybridq::", op,
               ": fp8 dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got ", t);

@@ -47,15 +47,6 @@ namespace {
 constexpr const char* kOp = "fp8_block_mm";
 constexpr int64_t kAlignFloats = 64;  // region B starts 256 bytes in, as a separate allocation would be aligned
 
-void check_operand(const Tensor& t, const Tensor& like, const char* name) {
-  TORCH_CHECK(t.defined() && t.is_cuda(), "hybridq::", kOp, ": ", name, " must be a CUDA tensor");
-  check_same_device(t, like, kOp, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "hybridq::", kOp, ": ", name,
-              " must be torch.float8_e4m3fn (FP8 block GEMMs are E4M3 x E4M3), got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "hybridq::", kOp, ": ", name, " must be a contiguous 2-D tensor, got ",
-              t.sizes(), " with strides ", t.strides());
-}
-
 void check_scale(const Tensor& s, const Tensor& like, const char* name, int64_t rows, int64_t cols,
                  const char* rule) {
   TORCH_CHECK(s.defined() && s.is_cuda(), "hybridq::", kOp, ": ", name, " must be a CUDA tensor");
@@ -71,8 +62,8 @@ void check_scale(const Tensor& s, const Tensor& like, const char* name, int64_t 
 // GEMM, float16 through float32, as native_gemm._block_run)
 Tensor fp8_block_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, bool b_tiles,
                     at::ScalarType out_dtype) {
-  check_operand(a, a, "a");
-  check_operand(b, a, "b");
+  check_block_gemm_operand(a, a, kOp, "a");
+  check_block_gemm_operand(b, a, kOp, "b");
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
   TORCH_CHECK(b.size(1) == k, "hybridq::", kOp, ": a [", m, ", ", k, "] and b [", n, ", ", b.size(1),
               "] must have the same contracted dim K");
@@ -80,12 +71,10 @@ Tensor fp8_block_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, con
               ") must be a positive multiple of 128 (whole 1x128 blocks)");
   TORCH_CHECK(m % 16 == 0 && n % 16 == 0, "hybridq::", kOp, ": M (", m, ") and N (", n,
               ") must be multiples of 16 (the FP8 tensor cores)");
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat || out_dtype == at::kHalf, "hybridq::", kOp,
-              ": out_dtype must be bfloat16, float32 or float16, got ", out_dtype);
   const int64_t kb = k / 128, kb4 = round_up(kb, 4), nb = b_tiles ? (n + 127) / 128 : n;
   check_scale(a_scale, a, "a_scale", m, kb, "one per 1x128 block of a");
   check_scale(b_scale, a, "b_scale", nb, kb, b_tiles ? "one per 128x128 tile of b" : "one per 1x128 block of b");
-  const at::ScalarType od = out_dtype == at::kHalf ? at::kFloat : out_dtype;
+  const at::ScalarType od = block_gemm_dtype(out_dtype, kOp);
   const c10::cuda::CUDAGuard guard(a.device());
   Tensor out = at::empty({m, n}, a.options().dtype(od));
   if (m == 0 || n == 0) return od == out_dtype ? out : out.to(out_dtype);
@@ -101,25 +90,9 @@ Tensor fp8_block_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, con
 
   const at::blas::ScalingType b_scaling =
       b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128;
-  // cuBLASLt's column-major D = A^T B for torch's row-major out = a @ b^T: A = b (m = N), B = a (n = M)
-  cublaslt::Gemm g;
-  g.m = n;
-  g.n = m;
-  g.k = k;
-  g.lda = k;
-  g.ldb = k;
-  g.ldd = n;
-  g.a_dtype = g.b_dtype = at::kFloat8_e4m3fn;
-  g.d_dtype = od;
-  g.a_scaling = b_scaling;
-  g.b_scaling = at::blas::ScalingType::BlockWise1x128;
-  g.fast_accum = false;
-  g.a = b.data_ptr();
-  g.a_scale = s + b_offset;
-  g.b = a.data_ptr();
-  g.b_scale = s;
-  g.d = out.data_ptr();
-  if (!cublaslt::run(g)) {
+  // (cuBLASLt's column-major D = A^T B for torch's row-major out = a @ b^T: A = b, B = a)
+  if (!cublaslt::run_block_scaled(out.data_ptr(), n, od, a.data_ptr(), k, s, b.data_ptr(), k, s + b_offset,
+                                  b_scaling, m, n, k)) {
     // the views _block_run gives F.scaled_mm: a's scales [M, kb] strides (1, M); tiles [kb4, nb] strides (1, kb4);
     // 1x128 b's [N, kb] strides (1, N)
     const Tensor sa = scales.as_strided({m, kb}, {1, m}, 0);

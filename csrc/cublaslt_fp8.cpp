@@ -228,6 +228,29 @@ bool run(const Gemm& g) {
   return true;
 }
 
+bool run_block_scaled(void* d, int64_t ldd, at::ScalarType d_dtype, const void* x, int64_t ldx, const float* x_scale,
+                      const void* w, int64_t ldw, const float* w_scale, ScalingType w_scaling, int64_t rows, int64_t n,
+                      int64_t k) {
+  Gemm g;
+  g.m = n;
+  g.n = rows;
+  g.k = k;
+  g.lda = ldw;
+  g.ldb = ldx;
+  g.ldd = ldd;
+  g.a_dtype = g.b_dtype = at::kFloat8_e4m3fn;
+  g.d_dtype = d_dtype;
+  g.a_scaling = w_scaling;
+  g.b_scaling = ScalingType::BlockWise1x128;
+  g.fast_accum = false;
+  g.a = w;
+  g.a_scale = w_scale;
+  g.b = x;
+  g.b_scale = x_scale;
+  g.d = d;
+  return run(g);
+}
+
 Tensor scaled_mm_tensorwise(const Tensor& a, const Tensor& b, const Tensor& sa, const Tensor& sb,
                             at::ScalarType out_dtype, bool fast_accum) {
   // cublasCommonArgs' mapping holds for a row-major a [M, K], b [N, K] (mat2 = b^T column-major) and a contiguous

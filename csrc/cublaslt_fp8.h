@@ -59,6 +59,14 @@ bool enabled();
 // ran (the caller runs at::_scaled_mm*). A cuBLASLt error raises.
 bool run(const Gemm& g);
 
+// A DeepSeek-style block-scaled GEMM from pointers, as `at::_scaled_mm_v2_out(d, x, w.t(), ...)` passes it to
+// cuBLASLt (A = w, B = x): d [rows, n] (ld ldd, d_dtype) = x [rows, k] (E4M3, ld ldx, 1x128 scales x_scale in the
+// outer-dim-major layout cuBLAS reads) @ w [n, k]^T (E4M3, ld ldw, scales w_scale of scaling w_scaling: 1x128 or
+// 128x128), no fast accumulation; false: not covered, nothing ran (the caller runs `at::_scaled_mm_v2_out`)
+bool run_block_scaled(void* d, int64_t ldd, at::ScalarType d_dtype, const void* x, int64_t ldx, const float* x_scale,
+                      const void* w, int64_t ldw, const float* w_scale, ScalingType w_scaling, int64_t rows, int64_t n,
+                      int64_t k);
+
 // out [M, N] (out_dtype) = a [M, K] @ b [N, K]^T with per-tensor scales sa, sb (one fp32 each), as
 // at::_scaled_mm(a, b.t(), sa, sb, nullopt, nullopt, out_dtype, fast_accum); undefined where not covered
 Tensor scaled_mm_tensorwise(const Tensor& a, const Tensor& b, const Tensor& sa, const Tensor& sb,

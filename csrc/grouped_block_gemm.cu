@@ -53,15 +53,6 @@ constexpr const char* kWgrad = "grouped_block_cublas_wgrad";
 
 int64_t recipe(at::blas::ScalingType t) { return static_cast<int64_t>(t); }
 
-void check_fp8(const Tensor& t, const Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK(t.defined() && t.is_cuda(), "hybridq::", op, ": ", name, " must be a CUDA tensor");
-  check_same_device(t, like, op, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "hybridq::", op, ": ", name,
-              " must be torch.float8_e4m3fn (FP8 block GEMMs are E4M3 x E4M3), got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "hybridq::", op, ": ", name, " must be a contiguous 2-D tensor, got ",
-              t.sizes(), " with strides ", t.strides());
-}
-
 void check_scales(const Tensor& s, const Tensor& like, const char* op, const char* name, at::IntArrayRef shape) {
   TORCH_CHECK(s.defined() && s.is_cuda(), "hybridq::", op, ": ", name, " must be a CUDA tensor");
   check_same_device(s, like, op, name);
@@ -69,42 +60,9 @@ void check_scales(const Tensor& s, const Tensor& like, const char* op, const cha
               " must be contiguous float32 of shape ", shape, ", got ", s.scalar_type(), " ", s.sizes());
 }
 
-// the GEMM's result dtype: bfloat16 / float32 directly, float16 through float32 (as native_gemm._block_run)
-at::ScalarType gemm_dtype(at::ScalarType out_dtype, const char* op) {
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat || out_dtype == at::kHalf, "hybridq::", op,
-              ": out_dtype must be bfloat16, float32 or float16, got ", out_dtype);
-  return out_dtype == at::kHalf ? at::kFloat : out_dtype;
-}
-
 void scaled_mm_into(Tensor& out, const Tensor& a, const Tensor& b, const Tensor& sa, int64_t ra, const Tensor& sb,
                     int64_t rb) {
   at::_scaled_mm_v2_out(out, a, b, {sa}, {ra}, {}, {sb}, {rb}, {}, std::nullopt, out.scalar_type());
-}
-
-// One expert's block-scaled GEMM d [rows, N] (ld ldd) = x [rows, K] (ld ldx, 1x128 scales x_scale) @ w [N, K]^T (ld
-// ldw, scales w_scale of scaling w_scaling), as `_scaled_mm_v2_out(d, x, w.t(), ...)` passes it to cuBLASLt (A = w,
-// B = x); false: not run (the caller runs `_scaled_mm_v2_out`)
-bool direct_mm(void* d, int64_t ldd, at::ScalarType d_dtype, const uint8_t* x, int64_t ldx, const float* x_scale,
-               const uint8_t* w, int64_t ldw, const float* w_scale, at::blas::ScalingType w_scaling, int64_t rows,
-               int64_t n, int64_t k) {
-  cublaslt::Gemm g;
-  g.m = n;
-  g.n = rows;
-  g.k = k;
-  g.lda = ldw;
-  g.ldb = ldx;
-  g.ldd = ldd;
-  g.a_dtype = g.b_dtype = at::kFloat8_e4m3fn;
-  g.d_dtype = d_dtype;
-  g.a_scaling = w_scaling;
-  g.b_scaling = at::blas::ScalingType::BlockWise1x128;
-  g.fast_accum = false;
-  g.a = w;
-  g.a_scale = w_scale;
-  g.b = x;
-  g.b_scale = x_scale;
-  g.d = d;
-  return cublaslt::run(g);
 }
 
 // Host counts of `e` experts, checked against the slot buffer of `s` rows (`block`: what offsets and rows must be
@@ -130,8 +88,8 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
                                bool b_tiles, int64_t b_dim, at::IntArrayRef offsets, at::IntArrayRef rows,
                                at::IntArrayRef tokens, const Tensor& slot_offsets, const Tensor& slot_rows,
                                at::ScalarType out_dtype) {
-  check_fp8(a, a, kMm, "a");
-  check_fp8(b, a, kMm, "b");
+  check_block_gemm_operand(a, a, kMm, "a");
+  check_block_gemm_operand(b, a, kMm, "b");
   const int64_t s = a.size(0), k = a.size(1), e = static_cast<int64_t>(tokens.size());
   TORCH_CHECK(k % 128 == 0, "hybridq::", kMm, ": the contracted dim K (", k, ") must be a multiple of 128");
   const int64_t kb = k / 128;
@@ -161,7 +119,7 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
     tail = std::max(tail, rows[g] - tokens[g]);
     max_rows = std::max(max_rows, rows[g]);
   }
-  const at::ScalarType od = gemm_dtype(out_dtype, kMm);
+  const at::ScalarType od = block_gemm_dtype(out_dtype, kMm);
   const c10::cuda::CUDAGuard guard(a.device());
   Tensor out = at::empty({total + tail, n}, a.options().dtype(od));
   if (total > 0) {
@@ -172,8 +130,9 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
                                                                    slot_offsets.data_ptr<int32_t>(),
                                                                    slot_rows.data_ptr<int32_t>(), kb);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t ra = recipe(at::blas::ScalingType::BlockWise1x128);
-    const int64_t rb = recipe(b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128);
+    const at::blas::ScalingType b_scaling =
+        b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128;
+    const int64_t ra = recipe(at::blas::ScalingType::BlockWise1x128), rb = recipe(b_scaling);
     // (expert g's weight: b's bytes from g * per * b.stride(b_dim), rows b.stride(0) apart)
     const auto* a_ptr = static_cast<const uint8_t*>(a.data_ptr());
     const auto* b_ptr = static_cast<const uint8_t*>(b.data_ptr());
@@ -185,10 +144,9 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
     for (int64_t g = 0; g < e; ++g) {
       if (tokens[g] == 0) continue;
       const int64_t o = offsets[g], m = rows[g];
-      if (!direct_mm(out_ptr + first * out_row, n, od, a_ptr + o * k, k, sa_ptr + o * kb,
-                     b_ptr + g * per * b.stride(b_dim), b.stride(0), bs_ptr + g * b_scale.stride(0),
-                     b_tiles ? at::blas::ScalingType::BlockWise128x128 : at::blas::ScalingType::BlockWise1x128, m, n,
-                     k)) {
+      if (!cublaslt::run_block_scaled(out_ptr + first * out_row, n, od, a_ptr + o * k, k, sa_ptr + o * kb,
+                                      b_ptr + g * per * b.stride(b_dim), b.stride(0), bs_ptr + g * b_scale.stride(0),
+                                      b_scaling, m, n, k)) {
         Tensor y = out.narrow(0, first, m);
         scaled_mm_into(y, a.narrow(0, o, m), b.narrow(b_dim, g * per, per).t(),
                        sa.narrow(0, o * kb, m * kb).view({kb, m}).t(), ra, b_scale.select(0, g).t(), rb);
@@ -205,8 +163,8 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
 // multiples) -> [E, M, N]; an expert without rows gets zeros.
 Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
                                   at::IntArrayRef offsets, at::IntArrayRef rows, at::ScalarType out_dtype) {
-  check_fp8(a_t, a_t, kWgrad, "a_t");
-  check_fp8(b_t, a_t, kWgrad, "b_t");
+  check_block_gemm_operand(a_t, a_t, kWgrad, "a_t");
+  check_block_gemm_operand(b_t, a_t, kWgrad, "b_t");
   const int64_t m = a_t.size(0), n = b_t.size(0), s = a_t.size(1), e = static_cast<int64_t>(offsets.size());
   TORCH_CHECK(b_t.size(1) == s, "hybridq::", kWgrad, ": a_t and b_t must hold the same ", s, " slot rows, b_t has ",
               b_t.size(1));
@@ -215,7 +173,7 @@ Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, cons
   check_scales(a_scale, a_t, kWgrad, "a_scale", {m, s / 128});
   check_scales(b_scale, a_t, kWgrad, "b_scale", {n, s / 128});
   check_counts(offsets, rows, e, s, 128, kWgrad);
-  const at::ScalarType od = gemm_dtype(out_dtype, kWgrad);
+  const at::ScalarType od = block_gemm_dtype(out_dtype, kWgrad);
   const c10::cuda::CUDAGuard guard(a_t.device());
   Tensor out = at::empty({e, m, n}, a_t.options().dtype(od));
   // [S/128, M]: an expert's block rows are then a contiguous [rows/128, M] whose transpose is cuBLAS's layout
@@ -233,8 +191,8 @@ Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, cons
       continue;
     }
     const int64_t o = offsets[g], p = rows[g];
-    if (!direct_mm(out_ptr + g * out_expert, n, od, a_ptr + o, s, sa_ptr + o / 128 * m, b_ptr + o, s,
-                   sb_ptr + o / 128 * n, at::blas::ScalingType::BlockWise1x128, m, n, p)) {
+    if (!cublaslt::run_block_scaled(out_ptr + g * out_expert, n, od, a_ptr + o, s, sa_ptr + o / 128 * m, b_ptr + o,
+                                    s, sb_ptr + o / 128 * n, at::blas::ScalingType::BlockWise1x128, m, n, p)) {
       Tensor y = out.select(0, g);
       scaled_mm_into(y, a_t.narrow(1, o, p), b_t.narrow(1, o, p).t(), sa.narrow(0, o / 128, p / 128).t(), r1,
                      sb.narrow(0, o / 128, p / 128).t(), r1);
