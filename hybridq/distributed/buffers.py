@@ -2,7 +2,8 @@
 format) and then allocated and freed by FSDP2 through the list of inner tensors handed to it (storage resize, as
 FSDP2 does for plain parameters), so autograd's saved views stay valid across reshard / re-gather and nothing
 quantized outlives a reshard. Gathered parts are filled in by aliasing FSDP2's all-gather output, adopting a fresh
-allocation, or copying (`UnshardedBuffers.fill`)."""
+allocation, or copying (`UnshardedBuffers.fill`); an unshard like the last one of its plan replays that fill
+([Note: replayed fill])."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats.identity import IdentityPart
 from ..torch_private import storage_id, storage_use_count
 from .gathered import GatheredWeight, keep_for_stream
-from .payload import DIRECTIONS, HIGH_PRECISION, GatheredViews, rows_of
+from .payload import DIRECTIONS, HIGH_PRECISION, GatheredViews, assemble_output, rows_of
 
 __all__ = ["UnshardedBuffers"]
 
@@ -33,6 +34,7 @@ class UnshardedBuffers:
         self.buffers_version = 0  # bumped when `owned` or `aliased` change (what `set_inner` lists)
         self._inner_of: dict = {}  # directions -> (version, the list): `set_inner`'s answers
         self.fill_replays: dict = {}  # id(plan) -> FillReplay: the last fill of that plan, where replayable
+        self.in_place: dict = {}  # (id(q), shape, dtype) -> (q, whether q derives the columnwise form in place)
 
     def create(self, q: Quantizer, shape, dtype, device) -> GatheredWeight:
         m, k = rows_of(shape), shape[-1]
@@ -140,18 +142,47 @@ class UnshardedBuffers:
                 continue
             _copy_into(t, s)
 
-    def record_fill(self, meta, plan, out: torch.Tensor, parts: dict) -> None:
+    # [Note: replayed fill]
+    # FSDP2 hands the post-all-gather hook the same all-gather output storage at every unshard (it frees and
+    # re-allocates its bytes) and allocates the weight's inner tensors (`set_inner`) before the hook, freeing them at
+    # reshard. So an unshard like the last one of its plan -- the same output storage at the same place, the same
+    # payload layout, plan and own tensors -- needs none of the fill's work of finding out what goes where: the own
+    # tensors that aliased the output still do, the ones copied from a replicated tensor (an FP8 scale) are copied
+    # again (their values change), and a derived direction (per-tensor FP8 or 128x128 tiles: columnwise the
+    # transpose of the gathered rowwise form) is derived again, in place, into its own tensors' storages -- the ones
+    # FSDP2 just allocated -- instead of into a fresh allocation the fill then adopts (`set_`), dropping FSDP2's.
+    # Values are never replayed: every byte written comes from this unshard's output and replicated tensors. A
+    # derived direction is replayed only where its own tensors still hold the storages recorded (a tensor given
+    # another storage since -- an adopting fill, a lazy gather -- is filled as usual) and those are allocated.
+    def record_fill(self, meta, plan, out: torch.Tensor, parts: dict, q: Quantizer | None = None,
+                    dtype: torch.dtype | None = None) -> None:
         """After a fill of every direction of `plan` from the parts the all-gather output `out` gave: remember it as a
         `FillReplay` where every own tensor was either left aliasing `out` or copied from a replicated tensor of
         `meta` (the parts came straight from the gathered buffers and the payload's replicated tensors: nothing was
-        derived, quantized here, concatenated or re-laid out); else forget any earlier one of this plan. (One per plan:
-        forward and backward unshards alternate.)"""
+        quantized here, concatenated or re-laid out), or, for the columnwise form `plan` derives, is written by
+        `q.derive_part_into` from the rowwise part `out` gives (its tensors views of `out` or replicated tensors);
+        else forget any earlier one of this plan. (One per plan: forward and backward unshards alternate.)"""
         self.fill_replays.pop(id(plan), None)
-        if plan.derive or plan.local or any(d not in plan.send for d in plan.materialize):
+        derived_dir = COLUMNWISE if plan.derive else None
+        if plan.local or any(d not in plan.send and d != derived_dir for d in plan.materialize):
             return
         out_storage = storage_id(out)
+        derived = ()
+        if derived_dir is not None:
+            if q is None or not self.derives_in_place(q, meta.shape, dtype):
+                return
+            rep = meta.replicated.get(ROWWISE, {})
+            for s in parts[ROWWISE].tensors().values():  # (the source the replay rebuilds from this unshard's output)
+                if s is not None and not (type(s) is torch.Tensor and storage_id(s) == out_storage) \
+                        and not any(r is s for r in rep.values()):
+                    return
+            derived = tuple((t, storage_id(t)) for t in self.parts[COLUMNWISE].tensors().values() if t is not None)
+            if any(id(t) in self.aliased for t, _ in derived):
+                return
         copies, aliased = [], 0
         for d in plan.materialize:
+            if d == derived_dir:
+                continue
             rep = meta.replicated.get(d, {})
             for n, t in self.parts[d].tensors().items():
                 if t is None:
@@ -167,14 +198,16 @@ class UnshardedBuffers:
         if len(self.fill_replays) >= 8:
             self.fill_replays.clear()
         self.fill_replays[id(plan)] = FillReplay(meta.buffers, plan, GatheredViews.key_of(out), self.buffers_version,
-                                                 tuple(copies), aliased)
+                                                 tuple(copies), aliased, derived, q, dtype)
 
-    def replay_fill(self, meta, plan, out: torch.Tensor) -> bool:
+    def replay_fill(self, meta, plan, out: torch.Tensor, q: Quantizer | None = None,
+                    dtype: torch.dtype | None = None) -> bool:
         """The recorded fill (`record_fill`) again, where the all-gather output is the same storage at the same place,
         the payload's layout (its list of buffers: one object per quantizer, shard, shape and directions,
         `payload.build_payload(memo=)`) and the plan are the ones it was made for and no own tensor was re-pointed
-        since: the aliased tensors still view `out`, the replicated tensors are copied again (their values change).
-        False, nothing done: fill as usual."""
+        since: the aliased tensors still view `out`, the replicated tensors are copied again (their values change),
+        a derived direction is derived again into its own tensors (which must still hold the storages recorded, now
+        allocated: FSDP2's inner tensors). False, nothing done: fill as usual."""
         r = self.fill_replays.get(id(plan))
         if (r is None or r.buffers is not meta.buffers or r.plan is not plan or r.version != self.buffers_version
                 or r.out_key != GatheredViews.key_of(out)):
@@ -186,14 +219,45 @@ class UnshardedBuffers:
             if s is None or s.shape != t.shape or s.dtype != t.dtype or s.device != t.device:
                 return False
             srcs.append(s)
+        if r.derived:
+            if r.quantizer is not q or r.dtype != dtype:
+                return False
+            for t, sid in r.derived:
+                if storage_id(t) != sid or \
+                        t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+                    return False
+            srcs.extend(s for s in rep.get(ROWWISE, {}).values() if s is not None)
         if out.is_cuda:
             keep_for_stream(srcs)
+        if r.derived:
+            src = assemble_output(meta, out, self.gathered_views)[ROWWISE]
+            if not q.derive_part_into(src, self.parts[COLUMNWISE], dtype):  # (it did on meta: `derives_in_place`)
+                self.fill_replays.pop(id(plan), None)
+                return False
+            self.counters["derived_in_place"] += 1
         for (t, _, _), s in zip(r.copies, srcs):
             _copy_into(t, s)
         if r.aliased:
             self.counters["aliased"] += r.aliased
         self.counters["fill_replayed"] += 1
         return True
+
+    def derives_in_place(self, q: Quantizer, shape, dtype) -> bool:
+        """Whether `q` derives the columnwise form of a weight of `shape` in place (`derive_part_into`), asked on meta
+        tensors once per quantizer, shape and dtype."""
+        key = (id(q), tuple(shape), dtype)
+        hit = self.in_place.get(key)
+        if hit is None or hit[0] is not q:
+            m, k = rows_of(shape), shape[-1]
+            try:
+                r, c = q.quantize_parts(torch.empty(m, k, dtype=dtype, device="meta"), True, True)
+                ok = r is not None and c is not None and bool(q.derive_part_into(r, c, dtype))
+            except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: fill as usual
+                ok = False
+            if len(self.in_place) >= 16:
+                self.in_place.clear()
+            hit = self.in_place[key] = (q, ok)
+        return hit[1]
 
     def is_derivable(self, q, shape, dtype) -> bool:
         """Whether `q`'s columnwise form of a weight of `shape` is derived exactly from its rowwise form (then
@@ -210,8 +274,8 @@ class UnshardedBuffers:
 
 
 class FillReplay(NamedTuple):
-    """A weight's last fill whose every own tensor aliases the all-gather output or copies a replicated tensor, and
-    what it was made for (`UnshardedBuffers.record_fill` / `replay_fill`)."""
+    """A weight's last fill whose every own tensor aliases the all-gather output, copies a replicated tensor or is
+    derived in place from the gathered rowwise form, and what it was made for (`UnshardedBuffers.record_fill` / `replay_fill`)."""
 
     buffers: list  # the payload's BufferSpecs (the layout's list, one per quantizer: compared by identity)
     plan: object
@@ -219,6 +283,9 @@ class FillReplay(NamedTuple):
     version: int  # the buffers' version (bumped whenever an own tensor is aliased or re-pointed)
     copies: tuple  # (own tensor, direction, name of the replicated tensor copied into it)
     aliased: int  # own tensors left aliasing the output (the "aliased" counter)
+    derived: tuple = ()  # (own tensor, its storage's id) of the direction derived in place; () if none is
+    quantizer: object = None  # (what derives it, and from the rowwise form of which gather dtype)
+    dtype: object = None
 
 
 def _copy_into(t: torch.Tensor, s: torch.Tensor) -> None:

@@ -325,7 +325,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         meta, plan, dtype, q = metadata
         st = self._hq
         out = outputs[0]
-        if id(plan) in st.fill_replays and st.replay_fill(meta, plan, out):  # (every unshard like the last one)
+        if id(plan) in st.fill_replays and st.replay_fill(meta, plan, out, q, dtype):  # (like the last unshard)
             st.set_inner(plan.materialize)
             return
         adopt = received(out, (meta,))
@@ -341,8 +341,8 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if first:
             st.free_others(plan.materialize)
         st.set_inner(plan.materialize)  # (what aliases the all-gather output is FSDP2's to free, not ours)
-        if not (plan.derive or plan.local):  # (those are never replayed: `record_fill`)
-            st.record_fill(meta, plan, out, parts)
+        if not plan.local:  # (quantized here: never replayed, `record_fill`)
+            st.record_fill(meta, plan, out, parts, q, dtype)
 
 
 class GroupedHybridWeight(HybridWeight):

@@ -65,6 +65,22 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous()
 
 
+def transposed_copy_into(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`transposed_copy(t)`'s bytes written into `out` (contiguous `[cols, rows]` of `t`'s dtype: an own buffer that
+    already holds its storage, e.g. one FSDP2 allocated) instead of a fresh allocation; on CUDA, 1-byte data goes
+    through the extension's tiled transpose into the buffer, elsewhere a strided copy. Returns `out`."""
+    if t.dim() != 2 or tuple(out.shape) != (t.shape[1], t.shape[0]) or out.dtype != t.dtype \
+            or not out.is_contiguous() or out.device != t.device:
+        raise ValueError(f"transposed_copy_into: out {tuple(out.shape)} {out.dtype} on {out.device} (contiguous "
+                         f"{out.is_contiguous()}) must be the contiguous transpose of {tuple(t.shape)} {t.dtype} on "
+                         f"{t.device}")
+    if t.is_cuda and t.element_size() == 1 and t.is_contiguous() \
+            and dispatch.transpose_bytes_into(t.view(torch.uint8), out.view(torch.uint8)):
+        return out
+    out.copy_(t.t())
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def option_names(cls: type) -> frozenset[str]:
     """The options (dataclass fields) of a quantizer class: the names a kernel checks it implements before it takes

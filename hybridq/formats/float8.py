@@ -18,7 +18,7 @@ from ._reduce import amax_all_reduce_
 from ..enums import AmaxComputeAlgo, Scaling
 from ..tensor import backward_epoch
 from ..torch_private import in_backward
-from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy
+from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy, transposed_copy_into
 from .shardable import GatherablePart, ShardableQuantizer
 
 
@@ -364,6 +364,18 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         if self.scaling != Scaling.CURRENT or part.direction == direction:
             return None
         return part.transposed()
+
+    def derive_part_into(self, part, into, dtype=None):
+        """`derive_part` into `into`'s own buffers: the byte transpose written into its data, the scale copied."""
+        if self.scaling != Scaling.CURRENT or part.direction == into.direction:
+            return False
+        if tuple(into.scale_inv.shape) != tuple(part.scale_inv.shape):
+            raise ValueError(f"{self.describe()}: the {into.direction} part's scale_inv {tuple(into.scale_inv.shape)} "
+                             f"cannot take the {part.direction} part's {tuple(part.scale_inv.shape)}")
+        transposed_copy_into(part.data, into.data)
+        if into.scale_inv is not part.scale_inv:
+            into.scale_inv.copy_(part.scale_inv)
+        return True
 
 
 Float8TensorPart.quantizer_type = Float8Quantizer

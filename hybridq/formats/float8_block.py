@@ -11,7 +11,7 @@ import torch
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_tiles, fp8_dtype, rcp,
                         satfinite_fp8, scale_from_amax, tile_amax)
 from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax, tile_amax_rows
-from .base import transposed_copy
+from .base import transposed_copy, transposed_copy_into
 from .block import BlockScaledPart, BlockScaledQuantizer
 
 BLOCK = 128
@@ -225,6 +225,18 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
         return Float8BlockPart(rows=part.cols, cols=part.rows, columnwise=not part.columnwise,
                                data=transposed_copy(part.data), scale_inv=part.scale_inv.t().contiguous(),
                                block_dim=2)
+
+    def derive_part_into(self, part, into, dtype=None):
+        """`derive_part` into `into`'s own buffers: the data's byte transpose and the tile-scale grid's transpose."""
+        if self.block_dim != 2 or part.direction == into.direction or into.block_dim != 2:
+            return False
+        want = tuple(reversed(part.scale_inv.shape))
+        if tuple(into.scale_inv.shape) != want:
+            raise ValueError(f"{self.describe()}: the {into.direction} part's tile scales "
+                             f"{tuple(into.scale_inv.shape)} are not the transpose {want} of the {part.direction} one's")
+        transposed_copy_into(part.data, into.data)
+        into.scale_inv.copy_(part.scale_inv.t())
+        return True
 
     def shard_is_plain(self, shard, rowwise, columnwise):
         if self.block_dim == 2:

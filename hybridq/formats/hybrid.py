@@ -297,6 +297,12 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
             return self.rowwise.derive_part(part, direction, dtype)
         return None
 
+    def derive_part_into(self, part, into, dtype=None):
+        """Two equal quantizers: whatever that quantizer derives in place (a double quantization never is)."""
+        if self._double or part.direction == into.direction or self.rowwise != self.columnwise:
+            return False
+        return self.rowwise.derive_part_into(part, into, dtype)
+
     def buffer_hints(self, direction):
         q = self.rowwise if direction == ROWWISE else self.columnwise
         return q.buffer_hints(direction)

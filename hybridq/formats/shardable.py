@@ -72,6 +72,13 @@ class ShardableQuantizer:
         transpose, ...), else None. FSDP gathers one direction and derives the other after the gather."""
         return None
 
+    def derive_part_into(self, part: GatherablePart, into: GatherablePart, dtype: torch.dtype | None = None) -> bool:
+        """Write `derive_part(part, into.direction, dtype)` into the tensors of `into` (a part of that direction and
+        shape that already holds its storage: the unsharded weight's own part, whose buffers FSDP2 allocated),
+        bitwise, without allocating the derived part. False, nothing written: this quantizer derives no part in
+        place (the default; then `derive_part` and a fill). A quantizer that can tells on meta tensors too."""
+        return False
+
     def buffer_hints(self, direction: str) -> dict:
         """Keyword arguments for the part's `extract_buffers` / `assign_gathered` (e.g. `tile_rows`)."""
         return {}
