@@ -1,6 +1,7 @@
 """benchmarks/host_split.py: its timers count each call in the phase it ran in and leave every timed attribute as it
-was; the CPU smoke run tables the recipes side by side with one all-gather hook call per hybridq Linear and unshard
-(times are not checked)."""
+was; its rows nest as their indentation says; the CPU smoke runs table the recipes side by side with one all-gather
+hook call per hybridq Linear (and per grouped weight of an MoE job) and unshard, every nested row inside its parent
+(times are compared only child to parent, never to a bound)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,81 @@ def test_the_cpu_smoke_run_tables_the_recipes_with_one_hook_call_per_linear_and_
     assert not any(k.startswith("hybridq pre") for k in bf16["rows"]), bf16["rows"]
     for r, v in res.items():
         assert v["rows"]["model forward"][1] == 1 and v["rows"]["optimizer.step"][1] == 1, (r, v["rows"])
+
+
+def test_every_indented_row_has_a_parent_one_level_up_and_the_eager_only_rows_exist():
+    labels = [label for label, *_ in host_split.TIMED]
+    assert len(set(labels)) == len(labels), f"duplicate row labels: {sorted(l for l in labels if labels.count(l) > 1)}"
+    parents = host_split.parents(labels)
+    for label in labels:
+        d = host_split.depth(label)
+        if d == 0:
+            assert label not in parents, label
+        else:
+            assert label in parents and host_split.depth(parents[label]) == d - 1, (
+                f"{label!r} (depth {d}) is inside {parents.get(label)!r}: a row is one level below its parent")
+    assert host_split.EAGER_ONLY <= set(labels), host_split.EAGER_ONLY - set(labels)
+    assert not any(t[0] in host_split.EAGER_ONLY for t in host_split.targets_for(compiled=True))
+    assert host_split.targets_for(compiled=False) == host_split.TIMED
+
+
+def _smoke(tmp_path, recipes: str, train_args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    out = tmp_path / "split.json"
+    cmd = [sys.executable, "benchmarks/host_split.py", "--smoke", "--device", "cpu", "--recipes", recipes,
+           f"--train-args={train_args}", "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"| ms per step (calls) | {' | '.join(recipes.split(','))} |" in p.stdout, p.stdout
+    return json.loads(out.read_text())
+
+
+def _check_nesting(rows: dict) -> None:
+    """Every row present whose parent row (same phase) is present took no longer than it: its calls run inside."""
+    phased = {label: ph for label, _, _, ph in host_split.TIMED}
+    parents = host_split.parents(list(phased))
+    for label, parent in parents.items():
+        for suffix in ((" F", " B") if phased[label] else ("",)):
+            child, up = rows.get(label + suffix), rows.get(parent + (suffix if phased[parent] else ""))
+            if child is not None and up is not None:
+                assert child[0] <= up[0], f"{label + suffix!r} {child} is not inside {parent!r} {up}"
+
+
+def _calls(rows: dict, label: str) -> float:
+    return rows.get(label, [0.0, 0])[1]
+
+
+DENSE_PRE = "  of which: dense weights (HybridWeight._pre_all_gather)"
+GROUPED_PRE = "  of which: grouped weights (GroupedHybridWeight._pre_all_gather)"
+GROUPED_POST = "  of which: grouped weights' fill (GroupedHybridWeight._post_all_gather)"
+
+
+def test_the_eager_moe_smoke_run_splits_the_dense_and_grouped_hooks_and_times_the_moe_layer(tmp_path):
+    res = _smoke(tmp_path, "bf16,fp8_tensorwise", "--moe 4 --top-k 2 --weight-gather quantized")
+    fp8, bf16 = res["fp8_tensorwise"], res["bf16"]
+    rows = fp8["rows"]
+    assert fp8["linears"] > 0 and fp8["grouped"] == 3, {r: (v["linears"], v["grouped"]) for r, v in res.items()}
+    counts = {k: _calls(rows, k + " F") for k in ("hybridq pre-all-gather hook", DENSE_PRE, GROUPED_PRE, GROUPED_POST)}
+    assert counts == {"hybridq pre-all-gather hook": fp8["linears"] + 3, DENSE_PRE: fp8["linears"], GROUPED_PRE: 3,
+                      GROUPED_POST: 3}, f"forward hook calls per step: {counts}"
+    moe = {k: _calls(rows, k) for k in ("MoE layer forward (launch/model.py MoE.forward)",
+                                        "  of which: router's dispatch (route)",
+                                        "      of which: JaggedFP8Experts.forward", "JaggedFP8Experts.backward")}
+    assert list(moe.values()) == [1, 1, 3, 3], f"MoE rows' calls per step (one MoE layer, 3 projections): {moe}"
+    assert _calls(bf16["rows"], "  of which: router's dispatch (route)") == 1, bf16["rows"]
+    assert not any("hook" in k or "Jagged" in k for k in bf16["rows"]), bf16["rows"]
+    for v in res.values():
+        _check_nesting(v["rows"])
+
+
+def test_the_compiled_moe_smoke_run_times_the_grouped_ops_bodies_and_not_the_traced_layer(tmp_path):
+    res = _smoke(tmp_path, "fp8_tensorwise", "--moe 4 --top-k 2 --weight-gather quantized --compile")
+    rows = res["fp8_tensorwise"]["rows"]
+    bodies = {k: _calls(rows, k) for k in ("compiled GroupedLinear op forward (body, jagged FP8)",
+                                           "compiled GroupedLinear op backward (body, jagged FP8)",
+                                           "  of which: jagged_forward", GROUPED_PRE + " F")}
+    assert set(bodies.values()) == {3}, f"calls per step (3 grouped projections in the graph): {bodies}"
+    assert not any(k in host_split.EAGER_ONLY for k in rows), f"traced rows timed under --compile: {list(rows)}"
+    assert _calls(rows, "JaggedFP8Experts.backward") == 0, "the experts ran eagerly: not in the graph"
+    _check_nesting(rows)
