@@ -40,6 +40,8 @@ from hybridq.gemm import emulated_gemm, find_native_gemm, gemm
 from hybridq.kernels import _ext
 from hybridq.kernels import triton_dequant_gemm as tdg
 
+from _triton_aot import compile_sm90
+
 NAME = "triton-dequant-sm90"
 SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
 PAIRS = [(MXFP8Part, MXFP8Part), (NVFP4Part, NVFP4Part), (MXFP8Part, NVFP4Part), (NVFP4Part, MXFP8Part)]
@@ -249,12 +251,8 @@ def test_e2m1_bit_construction_the_kernel_uses():
 
 
 def _aot_compile_sm90(a_fmt: int, b_fmt: int, a_ptr: str, b_ptr: str, out_ptr: str, cfg: dict):
-    """Compile the kernel for sm_90 without a GPU (Triton's ahead-of-time API), with the pointer / stride
-    specializations a real launch gets (16-byte alignment, unit scale stride)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The kernel compiled for sm_90 with the pointer / stride specializations a real launch gets (16-byte alignment,
+    unit scale stride)."""
     sig = {"a_ptr": a_ptr, "sa_ptr": "*u8" if a_fmt == 0 else "*fp8e4nv", "ga_ptr": "*u8" if a_fmt == 0 else "*fp32",
            "b_ptr": b_ptr, "sb_ptr": "*u8" if b_fmt == 0 else "*fp8e4nv", "gb_ptr": "*u8" if b_fmt == 0 else "*fp32",
            "c_ptr": out_ptr}
@@ -263,14 +261,8 @@ def _aot_compile_sm90(a_fmt: int, b_fmt: int, a_ptr: str, b_ptr: str, out_ptr: s
         sig[n] = "i32"
     cons = {"A_FMT": a_fmt, "B_FMT": b_fmt, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
             "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": 8, "stride_sak": 1, "stride_sbk": 1}
-    for n in cons:
-        sig[n] = "constexpr"
-    names = list(sig)
     aligned = ("a_ptr", "sa_ptr", "ga_ptr", "b_ptr", "sb_ptr", "gb_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(tdg._dequant_gemm_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    return compile_sm90(tdg._dequant_gemm_kernel, sig, cons, aligned, cfg["num_warps"], cfg["num_stages"])
 
 
 AOT = [(0, 0, "*fp8e4nv", "*fp8e4nv"), (1, 1, "*u8", "*u8"), (0, 1, "*fp8e5", "*u8"), (1, 0, "*u8", "*fp8e4nv")]

@@ -24,6 +24,8 @@ from hybridq.kernels import grouped_blocks, grouped_emulated, triton_grouped_blo
 from hybridq.nn.grouped_packed import TokenLayout
 from hybridq.nn.grouped_packed_blocks import ExpertWeights, _bounds
 
+from _triton_aot import compile_sm90
+
 INTERPRETER = triton_grouped_blocks.available() and os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -266,19 +268,6 @@ def test_per_expert_gemms_are_chosen_for_long_expert_gemms_only():
     assert not grouped_blocks.prefers_per_expert_gemms([0, 0], 4096, 14336)
 
 
-def _aot_sm90(kernel, sig: dict, constexprs: dict, aligned: tuple, warps: int, stages: int):
-    """Compile `kernel` for sm_90 without a GPU (Triton's ahead-of-time API), with the 16-byte alignments a real
-    launch gets."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sig = {**sig, **{n: "constexpr" for n in constexprs}}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton.compile(ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-
-
 @pytest.mark.skipif(not triton_grouped_blocks.available(), reason="needs Triton")
 @pytest.mark.parametrize("weight", WEIGHT_BLOCKS)
 def test_kernels_compile_for_sm90_to_pipelined_wgmma(weight):
@@ -290,14 +279,14 @@ def test_kernels_compile_for_sm90_to_pipelined_wgmma(weight):
                                                                  "stride_bn", "stride_sbg", "stride_sbn", "stride_sbk",
                                                                  "stride_cm")}}
     row_block = 128 if weight == "tiles" else 1
-    mm = _aot_sm90(t._grouped_block_mm_kernel, sig,
+    mm = compile_sm90(t._grouped_block_mm_kernel, sig,
                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=t.BLOCK, GROUP_M=gm, EP=16, B_ROW_BLOCK=row_block,
                         EVEN_K=True, SB_SCALAR=row_block % bn == 0),
                    (*ptrs, "bounds_ptr", "stride_am", "stride_bn", "stride_cm"), w, st)
     bm, bn, gm, w, st = t.CONFIGS["wgrad"]
     sig = {**ptrs, "starts_ptr": "*i32", "sizes_ptr": "*i32",
            **{n: "i32" for n in ("M", "N", "pitch_a", "pitch_sa", "pitch_b", "pitch_sb", "stride_cg", "stride_cm")}}
-    wg = _aot_sm90(t._grouped_block_wgrad_kernel, sig,
+    wg = compile_sm90(t._grouped_block_wgrad_kernel, sig,
                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=t.BLOCK, GROUP_M=gm, EVEN=True),
                    (*ptrs, "starts_ptr", "sizes_ptr", "pitch_a", "pitch_b", "stride_cm"), w, st)
     for name, k in (("grouped mm", mm), ("grouped wgrad", wg)):

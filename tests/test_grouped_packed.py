@@ -470,3 +470,29 @@ def test_kernels_that_measure_the_per_expert_path_faster_send_host_counts_there(
     got = _run(True, splits)
     assert bool(kernels.calls) == (jagged_path is True), kernels.calls
     assert_results_bitwise(got, _run(False, splits), f"jagged_path={jagged_path}")
+
+
+@pytest.mark.parametrize("kind,precise", [("mm", False), ("mm", True), ("wgrad", False), ("wgrad", True)])
+def test_jagged_kernels_compile_for_sm90_to_wgmma(kind, precise):
+    """The jagged grouped GEMMs' default configs compile for sm_90 without a GPU (Triton's ahead-of-time API) to
+    wgmma with pipelined loads: a change to their code is checked on the CPU, not first on the device."""
+    from hybridq.kernels import triton_grouped_fp8 as t
+    if not t.available():
+        pytest.skip("needs Triton")
+    from _triton_aot import compile_sm90
+    bm, bn, bk, gm, warps, stages = t.CONFIGS[(kind, precise)]
+    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+            "ends_ptr": "*i32"}
+    if kind == "mm":
+        ints = ("T", "N", "K", "E", "stride_am", "stride_bg", "stride_bn", "stride_cm", "stride_sb")
+        kernel, cons = t._jagged_mm_kernel, dict(EP=16)
+        aligned = (*ptrs, "stride_am", "stride_bn", "stride_cm")
+    else:
+        ints = ("M", "N", "E", "pitch_a", "pitch_b", "stride_cg", "stride_cm")
+        kernel, cons = t._jagged_wgrad_kernel, dict(ALIGNED=False)
+        aligned = (*ptrs, "pitch_a", "pitch_b", "stride_cm")
+    cons = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, **cons, PRECISE=precise)
+    k = compile_sm90(kernel, {**ptrs, **dict.fromkeys(ints, "i32")}, cons, aligned, warps, stages)
+    assert "wgmma.mma_async" in k.asm["ptx"], f"{kind} (precise={precise}): no wgmma in the PTX"
+    assert "async_copy_global_to_local" in k.asm["ttgir"] or "async_tma" in k.asm["ttgir"], \
+        f"{kind} (precise={precise}): the loads are not pipelined"

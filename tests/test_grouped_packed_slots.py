@@ -225,7 +225,7 @@ def test_kernel_compiles_for_sm90_with_the_cuda_kernels_conversions(mode):
     """The default config compiles for sm_90 (no GPU needed) to the instructions the CUDA tile kernel's numerics rest
     on: `cvt.rn.satfinite` fp32 -> fp8 pairs, IEEE `div.rn.f32` for the FP8-block scales, no flush-to-zero; a
     persistent config to pipelined loads."""
-    from test_grouped_blocks_gemm import _aot_sm90
+    from _triton_aot import compile_sm90
     t = triton_slot_quantize
     m = t.MODE_FP8_BLOCK if mode == "fp8_block" else t.MODE_MXFP8
     c = t.CONFIGS[m]
@@ -233,10 +233,10 @@ def test_kernel_compiles_for_sm90_with_the_cuda_kernels_conversions(mode):
     sig = {"x_ptr": "*bf16", "src_ptr": "*i32", "rq_ptr": "*u8", "rs_ptr": scale, "cq_ptr": "*i32", "cs_ptr": scale,
            **{n: "i32" for n in ("S", "K", "stride_x", "rs_cols", "cs_cols", "n_tiles", "n_cb", "n_programs")},
            **{n: "fp32" for n in ("fp8_max", "rcp_max", "eps")}}
-    k = _aot_sm90(t._slot_quantize_kernel, sig,
-                  dict(BLOCK_C=c.cols, BLK=t._BLOCKS[m], MODE=m, POW2=True, E5M2=False, IN_KIND=1,
-                       ROWWISE=True, COLUMNWISE=True, USE_ASM=True, EVEN=True, STAGES=c.stages, INTERP_ITERS=0),
-                  ("x_ptr", "src_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "S", "K", "stride_x"), c.warps, 1)
+    k = compile_sm90(t._slot_quantize_kernel, sig,
+                     dict(BLOCK_C=c.cols, BLK=t._BLOCKS[m], MODE=m, POW2=True, E5M2=False, IN_KIND=1,
+                          ROWWISE=True, COLUMNWISE=True, USE_ASM=True, EVEN=True, STAGES=c.stages, INTERP_ITERS=0),
+                     ("x_ptr", "src_ptr", "rq_ptr", "rs_ptr", "cq_ptr", "cs_ptr", "S", "K", "stride_x"), c.warps, 1)
     ptx = k.asm["ptx"]
     if c.stages:  # (a persistent config: the next tiles' loads in flight while one is encoded)
         assert "async_copy_global_to_local" in k.asm["ttgir"], f"{mode} {c}: the tile loads are not pipelined"

@@ -61,15 +61,7 @@ CONFIGS = {
 
 if triton is not None:
     from .triton_grouped_fp8 import _pick  # vec[g] as a scalar
-
-    @triton.jit
-    def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
-        """(row tile, column tile) of program `pid` in the grouped launch order: GROUP_M row tiles share their
-        column operand's tiles in L2."""
-        width = GROUP_M * num_n
-        first_m = (pid // width) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (pid % width) % size_m, (pid % width) // size_m
+    from .triton_tiles import grouped_tile
 
     @triton.jit(do_not_specialize=["E"])
     def _grouped_block_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bounds_ptr, N, K, E,
@@ -90,7 +82,7 @@ if triton is not None:
         num_n = tl.cdiv(N, BLOCK_N)
         if pid >= total_mt * num_n:  # (the grid is an upper bound: the tile counts live on the device)
             return
-        tm, tn = _tile(pid, total_mt, num_n, GROUP_M)
+        tm, tn = grouped_tile(pid, total_mt, num_n, GROUP_M)
         g = tl.sum((mt_end <= tm).to(tl.int32), axis=0)  # the group of row tile tm
         row0 = (tm - _pick(gi, mt_end - mt, g)) * BLOCK_M
         a_start = _pick(gi, a_starts, g)
@@ -139,7 +131,7 @@ if triton is not None:
                                     pitch_a, pitch_sa, pitch_b, pitch_sb, stride_cg, stride_cm,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, EVEN: tl.constexpr):
-        tm, tn = _tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        tm, tn = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         g = tl.program_id(1)
         start = tl.multiple_of(tl.load(starts_ptr + g), BLOCK_K)  # the slot's first token, a block boundary
         size = tl.load(sizes_ptr + g)

@@ -70,6 +70,7 @@ def _next_pow2(v: int) -> int:
 
 
 if triton is not None:
+    from .triton_tiles import grouped_tile
     @triton.jit
     def _group_bounds(ends_ptr, E, EP: tl.constexpr):
         """(group index vector, starts, sizes) of the E groups, padded to EP lanes with empty groups."""
@@ -97,13 +98,7 @@ if triton is not None:
         num_n = tl.cdiv(N, BLOCK_N)
         if pid >= total_mt * num_n:  # (the grid is an upper bound: the tile counts live on the device)
             return
-        # grouped launch order: GROUP_M row tiles share their B tiles in L2
-        width = GROUP_M * num_n
-        grp = pid // width
-        first_m = grp * GROUP_M
-        size_m = tl.minimum(total_mt - first_m, GROUP_M)
-        tm = first_m + (pid % width) % size_m
-        tn = (pid % width) // size_m
+        tm, tn = grouped_tile(pid, total_mt, num_n, GROUP_M)
         g = tl.sum((mt_end <= tm).to(tl.int32), axis=0)  # the group of row tile tm
         g_start = _pick(gi, starts, g)
         g_size = _pick(gi, sizes, g)
@@ -152,12 +147,7 @@ if triton is not None:
         g = tl.program_id(1)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_n
-        grp = pid // width
-        first_m = grp * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        tm = first_m + (pid % width) % size_m
-        tn = (pid % width) // size_m
+        tm, tn = grouped_tile(pid, num_m, num_n, GROUP_M)
         end = tl.load(ends_ptr + g)
         start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         if ALIGNED:  # (the padded layout: every group's bounds are multiples of 16, no edge tokens)

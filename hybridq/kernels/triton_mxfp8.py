@@ -85,6 +85,7 @@ def available() -> bool:
 
 
 if triton is not None:
+    from .triton_tiles import grouped_tile
     @triton.jit
     def _pow2_e8m0(e):
         """fp32 2^(e - 127) of int32 E8M0 bytes e in [0, 255]: exact (e == 0 is the subnormal 2^-127), 255 NaN."""
@@ -102,13 +103,7 @@ if triton is not None:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        # grouped launch order: GROUP_M row tiles share their B tiles in L2
-        width = GROUP_M * num_pid_n
-        group = pid // width
-        first_m = group * GROUP_M
-        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
