@@ -27,6 +27,7 @@ import os
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart
+from .grouped_blocks_payload import StackedBlocks
 from .layout import ALIGN, ExpertLayout
 from .payload import HIGH_PRECISION, assemble_joined, assemble_parts
 from .plan import GatherPlan
@@ -73,10 +74,11 @@ def _split(part: QuantizedPart, e: int) -> dict[str, torch.Tensor] | None:
 
 
 def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
-                 dtype) -> bool:
+                 dtype, stacked: StackedBlocks | None) -> bool:
     """Whole experts, one slot each, no scaling block along the rows spanning two experts: all experts' gathered
-    parts assembled as one `[E*out, in]` tensor's (`assemble_joined`), a derived direction derived once from it, and
-    each tensor kind copied into the stacked buffers in one copy. False (nothing done) where that does not apply."""
+    parts assembled as one `[E*out, in]` tensor's (`assemble_joined`; `stacked`: the replicated tensors read from the
+    slots), a derived direction derived once from it, and each tensor kind copied into the stacked buffers in one
+    copy. False (nothing done) where that does not apply."""
     e, n, ws, chunk = layout.experts, layout.rows, layout.world_size, layout.chunk
     flat = gathered.reshape(-1).view(torch.uint8)
     if (layout.dim != 0 or len(metas) != e or n % q.split_granularity(True, True)[0] or slot % ALIGN
@@ -87,7 +89,7 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
         return False
     # the experts' slots, rank-major (a view; a copy where uneven sharding pads each rank's payload past its slots)
     per_expert = flat.view(ws, -1)[:, :chunk * slot].reshape(ws * chunk, slot)[:e]
-    joined = assemble_joined(metas, per_expert)
+    joined = assemble_joined(metas, per_expert, stacked.joined_replicated(per_expert) if stacked else None)
     if joined is None:
         return False
     if plan.derive:
@@ -105,19 +107,22 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
 
 
 def fill_stacked_blocks(st, qs, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
-                        dtype) -> bool:
+                        dtype, stacked: StackedBlocks | None = None) -> bool:
     """The post-all-gather fill of a block-format grouped weight with stacked buffers: all experts joined, one copy
     per tensor kind (`_fill_joined`), or, where the experts' blocks or slots do not allow that, one copy per kind
     where the experts' gathered tensors are equally spaced and the derivation per expert (False, nothing done: the
-    per-expert fill runs)."""
+    per-expert fill runs). `stacked`: the payload came from `prepare_stacked_blocks` (the metas hold no replicated
+    tensors; the slots do)."""
     if (not st.slabs or plan.local or HIGH_PRECISION in plan.materialize or not stacks_blocks(qs)
             or any(d not in (ROWWISE, COLUMNWISE) for d in plan.send) or (plan.derive and ROWWISE not in plan.send)):
         return False
     st.alloc_slabs(plan.materialize)  # (FSDP2 allocated them already, except where it reuses nothing)
     q = qs[0]
-    if _fill_joined(st, q, metas, gathered, slot, layout, plan, dtype):
+    if _fill_joined(st, q, metas, gathered, slot, layout, plan, dtype, stacked):
         st.counters["stacked_block_fills"] += 1
         return True
+    if stacked is not None:
+        metas = stacked.expert_metas(metas, gathered, slot, layout)
     parts = [assemble_parts(meta, layout.expert_bytes(gathered, slot, g, meta, expert_major=layout.dim == 1))
              for g, meta in enumerate(metas)]
     for d in plan.send:

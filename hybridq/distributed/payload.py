@@ -285,12 +285,14 @@ def assemble_parts(meta: PayloadMeta, gathered: torch.Tensor) -> dict:
     return _rebuild(meta, _gathered_buffers(meta, gathered)[0])
 
 
-def assemble_joined(metas, per_expert: torch.Tensor) -> dict | None:
+def assemble_joined(metas, per_expert: torch.Tensor, replicated: dict | None = None) -> dict | None:
     """The parts of all experts' gathered payloads joined as the parts of one `[E*rows, cols]` tensor (rowwise rows
     one expert after another, columnwise columns likewise), read as `E` row shards of it: `per_expert` `[E, >=
     nbytes]` holds each expert's whole payload (one piece each, the same buffers). Where no scaling block along the
     rows spans two experts (the caller's rule) this is the quantization of the experts stacked, bitwise, as the
-    gathered shards of one weight are ([Note: sharding invariance]). None where the payloads are not so laid out."""
+    gathered shards of one weight are ([Note: sharding invariance]). None where the payloads are not so laid out.
+    `replicated`: the joined parts' replicated tensors, where the metas hold none (they travel in the payloads:
+    grouped_blocks_payload.StackedBlocks)."""
     m0, e = metas[0], len(metas)
     if m0.world_size != 1 or any(m.world_size != 1 or m.buffers != m0.buffers or m.parts != m0.parts
                                  for m in metas[1:]):
@@ -300,8 +302,11 @@ def assemble_joined(metas, per_expert: torch.Tensor) -> dict | None:
     buffers = [dataclasses.replace(b, counts=b.counts * e) for b in m0.buffers]
     parts = {d: dataclasses.replace(ps, rows=ps.rows if ps.columnwise else e * ps.rows,
                                     cols=e * ps.cols if ps.columnwise else ps.cols) for d, ps in m0.parts.items()}
-    replicated = {}
+    given, replicated = replicated or {}, {}
     for d, rep in m0.replicated.items():
+        if d in given:
+            replicated[d] = {**dict.fromkeys(rep), **given[d]}
+            continue
         dim = 1 if m0.parts[d].columnwise else 0
         replicated[d] = {n: None if t is None else torch.cat([m.replicated[d][n] for m in metas], dim)
                          for n, t in rep.items()}

@@ -43,6 +43,7 @@ from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
 from .grouped_blocks_batched import fill_stacked_blocks
+from .grouped_blocks_payload import StackedBlocks, joins_blocks, prepare_stacked_blocks
 from .grouped_batched import StackedGather, fill_batched, fill_stacked, metas_with_scales, prepare_batched
 from .lane import PreLane, derive, lookup
 from .layout import ExpertLayout, transport_view
@@ -88,7 +89,8 @@ class GroupedGatherMetadata(NamedTuple):
     quantizers: tuple[Quantizer, ...]
     layout: ExpertLayout
     slot: int
-    stacked: StackedGather | None = None  # (a stacked gather: the metas hold no scales, these do)
+    # (a stacked gather: the metas hold no scales, these do; stacked blocks: the slots hold the replicated tensors)
+    stacked: StackedGather | StackedBlocks | None = None
 
 
 def _sharded_param(local: "HybridWeight", module, attr: str, link: FSDPLink | None):
@@ -189,11 +191,13 @@ def _set_context(st, local, module, param, shape, dtype, ws: int, rank: int, gro
                            param=weakref.ref(param) if param is not None else None, layout=layout)
 
 
-def _grouped_payload_key(param, dtype, layout: ExpertLayout, send, stacked: bool, qs, local=None) -> tuple | None:
+def _grouped_payload_key(param, dtype, layout: ExpertLayout, send, stacked: bool, qs, local=None,
+                         blocks: bool = False) -> tuple | None:
     """Identifies a grouped weight's payload: its shard's values (`stats_key`), the layout, the directions sent, the
-    receiver's fill and the quantizers (by identity: a new recipe makes new ones); None: not reusable."""
+    receiver's fill, the sender's (`blocks`: `prepare_stacked_blocks`) and the quantizers (by identity: a new recipe
+    makes new ones); None: not reusable."""
     key = stats_key(param, dtype, layout, local)
-    return None if key is None else (key, tuple(send), stacked, tuple(map(id, qs)))
+    return None if key is None else (key, tuple(send), stacked, blocks, tuple(map(id, qs)))
 
 
 class HybridWeight(QuantizedGatherShard, torch.Tensor):
@@ -368,13 +372,16 @@ class GroupedHybridWeight(HybridWeight):
         plan = setup.plan
         # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
         stacked = not plan.local and HIGH_PRECISION not in plan.materialize
-        key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs, self if lane.own else None)
+        blocks = joins_blocks(qs, plan.send, layout)  # (block-format experts: [Note: stacked block payload])
+        key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs, self if lane.own else None,
+                                   blocks=blocks)
         kept, st.kept_payload = st.kept_payload, None
         if key is not None and kept is not None and kept.key == key:
             payload, (metas, slot, stacked) = kept.payload, kept.meta  # same expert values, same directions
             st.counters["payload_reused"] += 1
         else:
-            batched = prepare_batched(self, param, qs, plan.send, layout, dtype, lane.group, stacked)
+            batched = (prepare_stacked_blocks(self, qs, plan.send, layout, dtype) if blocks else None) or \
+                prepare_batched(self, param, qs, plan.send, layout, dtype, lane.group, stacked)
             payload, metas, slot, stacked = batched if batched is not None else (
                 *prepare_grouped(self, param, qs, plan.send, layout, dtype, lane.group), None)
         if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
@@ -418,7 +425,12 @@ class GroupedHybridWeight(HybridWeight):
         if first:
             st.create(qs, layout, dtype, gathered.device)
         metas = metadata.metas
-        if metadata.stacked is not None:
+        if isinstance(metadata.stacked, StackedBlocks):
+            if fill_stacked_blocks(st, qs, metas, gathered, metadata.slot, layout, plan, dtype, metadata.stacked):
+                metas = None
+            else:
+                metas = metadata.stacked.expert_metas(metas, gathered, metadata.slot, layout)
+        elif metadata.stacked is not None:
             if fill_stacked(st, metadata.stacked, gathered, metadata.slot, layout, plan):
                 metas = None
             else:

@@ -1,0 +1,147 @@
+"""Jobs of the batched block-format payload tests (test_fsdp_grouped_block_payload.py), run by spawned processes (see
+_harness.spawn): a GroupedLinear whose `[E, out, in]` weight FSDP2 gathers quantized in a block format, run train /
+eval / train (an SGD step in between) with the batched payload (`prepare_stacked_blocks`) on and off, under the
+stacked receiver (`fill_stacked_blocks`) and under the per-expert one; after every all-gather each expert's unsharded
+buffers are read and compared with a quantization of that expert's full weight made here."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+
+from hybridq.distributed import grouped_blocks_batched, grouped_blocks_payload
+from hybridq.distributed import weights as weights_mod
+from hybridq.torch_private import local_tensor
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import tensor_diff  # noqa: E402
+from _block_stacked_jobs import IN, STEPS, _layer, _oracle, _snapshot  # noqa: E402
+
+# (payload, receiver): the batched payload against the per-expert one, under either receiver
+RUNS = {"on": (True, True), "off": (False, True), "on_per_expert_fill": (True, False),
+        "off_per_expert_fill": (False, False)}
+
+
+def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world_size: int) -> dict:
+    grouped_blocks_payload.set_stacked_block_payload(payload)
+    grouped_blocks_batched.set_stacked_block_gather(stacked_fill)
+    try:
+        root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), case.get("nonfinite", False),
+                      device, world_size)
+        lin = root.lin
+        st = local_tensor(lin.weight)._hq
+        opt = torch.optim.SGD(root.parameters(), lr=0.5)
+        snaps: list = []
+        real = weights_mod.GroupedHybridWeight._post_all_gather
+
+        def post(self, outputs, metadata):  # (the real fill runs; its result is read after it)
+            real(self, outputs, metadata)
+            if self._hq is st:
+                snaps.append(_snapshot(st))
+        weights_mod.GroupedHybridWeight._post_all_gather = post
+        e = lin.weight.shape[0]
+        splits = [(5 * g + 3) % 11 if g != 1 else 0 for g in range(e)]  # (uneven counts, an expert without tokens)
+        steps = []
+        try:
+            for step, mode in enumerate(STEPS):
+                full = lin.weight.full_tensor().detach().to(torch.bfloat16)
+                torch.manual_seed(100 + 10 * rank + step)
+                x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
+                snaps.clear()
+                if mode == "train":
+                    root.train()
+                    x.requires_grad_(True)
+                    y = root(x, list(splits))
+                    y.backward(torch.randn_like(y))
+                    grad = local_tensor(lin.weight.grad).detach().clone()
+                    opt.step()
+                    opt.zero_grad()
+                    dx = x.grad
+                else:
+                    root.eval()
+                    with torch.no_grad():
+                        y = root(x, list(splits))
+                    grad, dx = None, None
+                    root.reshard()  # (the root's forward leaves it unsharded: the next step reads the shards)
+                steps.append({"y": y.detach(), "dx": dx, "dw": grad, "snaps": snaps[:],
+                              "oracle": [d for s in snaps for d in _oracle(lin, full, s)]})
+        finally:
+            weights_mod.GroupedHybridWeight._post_all_gather = real
+    finally:
+        grouped_blocks_payload.set_stacked_block_payload(True)
+        grouped_blocks_batched.set_stacked_block_gather(True)
+    c = st.counters
+    return {"steps": steps, "payloads": c.get("stacked_block_payloads", 0), "reused": c.get("payload_reused", 0),
+            "sent": c.get("gather_forward", 0) + c.get("gather_backward", 0),
+            "stats_allreduce": c.get("stats_allreduce", 0)}
+
+
+def _differences(case: dict, a: dict, b: dict, rank: int, what: str) -> list[str]:
+    """How run `a` differs from run `b`: outputs, gradients and every all-gather's snapshot, bitwise."""
+    diffs = []
+    for s, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
+        where = f"{case} {what} step {s} ({STEPS[s]}) rank {rank}"
+        for t in ("y", "dx", "dw"):
+            if sa[t] is not None:
+                d = tensor_diff(sa[t], sb[t], f"{where} {t}", nan_payload=True)
+                if d:
+                    diffs.append(d)
+        if len(sa["snaps"]) != len(sb["snaps"]):
+            diffs.append(f"{where}: {len(sa['snaps'])} all-gathers vs {len(sb['snaps'])}")
+        for i, (ga, gb) in enumerate(zip(sa["snaps"], sb["snaps"])):
+            if ga.keys() != gb.keys():
+                diffs.append(f"{where} gather {i}: tensors {sorted(ga)} vs {sorted(gb)}")
+                continue
+            diffs += [d for d in (tensor_diff(ga[k], gb[k], f"{where} gather {i} {k}") for k in ga) if d]
+    return diffs
+
+
+def job_block_payload(rank, world_size, device, cases):
+    """For each case (preset, experts, out, nonfinite): the four RUNS; the oracle's differences of every run, the
+    batched payload's differences from the per-expert one under each receiver, the counters of each run, whether each
+    step's output of the batched run holds a non-finite value."""
+    out = []
+    for case in cases:
+        runs = {name: _run(case, p, f, rank, device, world_size) for name, (p, f) in RUNS.items()}
+        oracle = [f"{case} {name} step {s}: {d}" for name, r in runs.items()
+                  for s, step in enumerate(r["steps"]) for d in step["oracle"]]
+        diffs = (_differences(case, runs["on"], runs["off"], rank, "stacked fill")
+                 + _differences(case, runs["on_per_expert_fill"], runs["off_per_expert_fill"], rank,
+                                "per-expert fill"))
+        out.append({"oracle": oracle, "diffs": diffs,
+                    "counters": {name: {k: v for k, v in r.items() if k != "steps"} for name, r in runs.items()},
+                    "nonfinite_y": [bool((~torch.isfinite(s["y"].float())).any()) for s in runs["on"]["steps"]]})
+    return out
+
+
+def job_pre_gather_ops(rank, world_size, device, cases, steps=3):
+    """For each case: the ops of the pre-all-gather hook per train step after the first (_opcount.OpCounter,
+    GPU-equivalent: a quantization the CUDA kernels take counts once), with the batched payload on and off:
+    {"on": {"launches": ..., "fused_quantize": ...}, "off": ...}."""
+    from _opcount import OpCounter
+
+    out = []
+    for case in cases:
+        res = {}
+        for on in (True, False):
+            grouped_blocks_payload.set_stacked_block_payload(on)
+            try:
+                root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), False, device, world_size)
+                e = root.lin.weight.shape[0]
+                splits = [(5 * g + 3) % 11 for g in range(e)]
+                x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
+                counter = None
+                for step in range(steps):
+                    if step == 1:
+                        counter = OpCounter()
+                        counter.__enter__()
+                    root(x, list(splits)).float().pow(2).mean().backward()
+                counter.__exit__(None, None, None)
+            finally:
+                grouped_blocks_payload.set_stacked_block_payload(True)
+            pre = counter.summary(1, steps - 1).get("pre_all_gather", {})
+            res["on" if on else "off"] = {k: pre.get(k, 0.0) for k in ("launches", "fused_quantize", "collectives")}
+        out.append(res)
+    return out
