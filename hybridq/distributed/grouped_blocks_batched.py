@@ -13,6 +13,9 @@ hybrids of them: `Quantizer.local_scaling`) batched over the experts, where ever
   goes into the stacked buffers in one copy -- instead of one assembly, derivation and copy per expert and kind.
 - Elsewhere (out 96 under 128x128 tiles, uneven slots): one copy per kind where the experts' gathered tensors are
   equally spaced (`fill_experts`), the derivation expert by expert.
+- A payload built for all experts at once (`grouped_blocks_payload.prepare_stacked_blocks`, [Note: stacked block
+  payload]) carries the replicated tensors (128x128 tile scales) in the slots, not in the metadata: the joined
+  assembly reads all experts' at once (`StackedBlocks.joined_replicated`), the per-expert fills each expert's.
 
 Bitwise the per-expert fill: the same bytes and scales in every expert's buffers (tests/distributed/
 test_fsdp_grouped_block_stacked.py). The switch `set_stacked_block_gather(False)` (or HYBRIDQ_STACKED_BLOCK_GATHER=0
