@@ -118,6 +118,31 @@ def test_moe_backward_runs_no_accumulating_index_put(k):
     assert not bad, f"top-{k} MoE backward ran accumulating index_put: {bad}"
 
 
+def test_compiled_moe_runs_no_accumulating_index_put_and_counts_as_eager():
+    """Compiled by inductor, the MoE layer's forward and backward call no aten index_put fallback (inductor lowers an
+    int64 index_add -- the router's counts -- to an accumulating index_put, tl.atomic_add taking no int64: on CUDA the
+    sort-based kernel, ~1.45 ms per layer on an H200 at 16k tokens x top-2 in the compiled MoE job's profile of
+    2026-11-28), and the compiled router's counts are the eager ones, int64."""
+    from torch._inductor.utils import run_and_get_code
+
+    moe = _moe(4, 2)
+    x = torch.randn(2, 16, 32)
+    probs = torch.randn(32, 4).softmax(-1)
+    compiled = torch.compile(moe)
+
+    def step():
+        loss = compiled(x).square().mean() + 0.01 * moe.aux_loss
+        loss.backward()
+        return torch.compile(lambda p: job_model.route(p, 2))(probs)
+
+    routed, codes = run_and_get_code(step)
+    puts = [line.strip() for code in codes for line in code.splitlines() if "index_put" in line]
+    assert not puts, f"the compiled MoE layer calls aten's index_put: {puts}"
+    want = job_model.route(probs, 2)
+    assert routed[3].dtype == torch.int64 and torch.equal(routed[3], want[3]), (routed[3], want[3])
+    assert all(torch.equal(a, b) for a, b in zip(routed, want)), "compiled route differs from eager"
+
+
 def test_load_balancing_loss_is_one_when_routing_is_uniform():
     """E * sum_e f_e P_e: 1 for a router that spreads tokens and probability evenly, larger when it collapses."""
     moe = _moe(4, 1)
