@@ -216,6 +216,11 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
       "bool columnwise, int col_pitch=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_tensor_dequantize(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+  // many fp32 tensors (an FSDP2 unit's master shards), each rounded to param_dtype and quantized as its own tensor
+  // into its region of one byte buffer: implemented in csrc/fp8_tensors.cu
+  m.def(
+      "fp8_tensors_quantize(Tensor[] xs, ScalarType param_dtype, Tensor?[] amax, int[] e5m2, float[] eps, "
+      "int[] pow2, int[] regions) -> (Tensor, Tensor, Tensor)");
   // the whole per-tensor FP8 Linear (forward + a C++ autograd node): implemented in csrc/linear_fp8.cpp
   m.def(
       "fp8_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, Tensor? x_col, "

@@ -19,7 +19,8 @@ import torch.nn as nn
 from ..enums import Phase
 from ..torch_private import in_backward
 
-__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "phase_of", "state_phase"]
+__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "later_params", "phase_of",
+           "state_phase"]
 
 
 def _param_groups(state) -> list:
@@ -94,6 +95,29 @@ class FSDPLink:
     def drop_all_gather_outputs(self) -> None:
         """Make FSDP2 allocate new all-gather outputs at the next unshard (the payload changed size)."""
         self._param().all_gather_outputs = []
+
+
+def later_params(link: FSDPLink) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, parameter name, sharded local tensor) of every FSDPParam after `link`'s in its param group, in the
+    group's order: the order in which FSDP2 asks them for their all-gather inputs (`_get_param_all_gather_inputs`
+    loops over `FSDPParamGroup.fsdp_params`, torch 2.11 and 2.13). Empty where the internals are not found."""
+    group, mine = link.group, link._param()
+    params = getattr(group, "fsdp_params", None)
+    if params is None or mine is None:
+        return []
+    out, after = [], False
+    for p in params:
+        if after:
+            info = getattr(p, "_module_info", None)
+            try:
+                local = p._sharded_local_tensor
+            except Exception:  # noqa: BLE001 - internals differ: this one is left out
+                continue
+            if info is not None:
+                out.append((info.module, info.param_name, local))
+        elif p is mine:
+            after = True
+    return out
 
 
 # id(FSDP2 TrainingState member) -> (member, Phase) of the states that name a phase (an enum member's `.name` is two

@@ -51,6 +51,7 @@ from .payload import HIGH_PRECISION, PayloadMeta, assemble_output, assemble_part
 from .plan import GatherPlan
 from .state import GroupedWeightState, KeptPayload, WeightState
 from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload, stats_key
+from .unit_cast import unit_payload
 
 __all__ = ["GroupedHybridWeight", "HybridWeight"]
 
@@ -293,8 +294,9 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if key is not None and kept is not None and kept.key == key:
             payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
             st.counters["payload_reused"] += 1
-        else:
-            payload, meta = prepare_payload(self, param, lane.quant, plan.send, shape, ws, lane.rank, dtype, lane.group)
+        else:  # (a unit batch's payload, or this unit's batch: [Note: unit cast]; else this weight's own)
+            payload, meta = unit_payload(self, lane, key) or prepare_payload(self, param, lane.quant, plan.send, shape,
+                                                                            ws, lane.rank, dtype, lane.group)
         if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
             st.kept_payload = KeptPayload(key, payload, meta)
         inp = transport_view(payload, shape, ws)

@@ -11,6 +11,10 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   col_pitch (>= M; 0: M) elements apart
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8 (strides (col_pitch, 1)) | [0], scale_inv [n_groups],
         amax [n_groups])
+- fp8_tensors_quantize(xs, param_dtype, amax, e5m2, eps, pow2, regions): many fp32 tensors, each rounded to
+  param_dtype and quantized as its own tensor (its max|x|, or amax[i]) into its region of one byte buffer (zeros past
+  its elements) -> (uint8 [sum(regions)], scale_inv [N, 4] (column 0), amax used [N]); csrc/fp8_tensors.cu, called
+  by fp8_tensors.py
 - fp8_tensor_dequantize(data, scale_inv [1], out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
 - fp8_linear(x, weight, bias?, x_row?, x_row_scale_inv?, x_col?, x_col_scale_inv?, x_dtype, x_eps, x_pow2, w_dtype,
   w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad, need_wgrad, save_original_input, fast_accum_fprop, w_row?=None,
@@ -40,7 +44,7 @@ from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
 
 OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize",
-       "fp8_linear", "fp8_linear_fprop", "fp8_linear_grads")
+       "fp8_linear", "fp8_linear_fprop", "fp8_linear_grads", "fp8_tensors_quantize")
 
 # The quantizer options the kernel implements (the dispatch sends a quantizer with any other option to the
 # reference, so an option added later is never silently ignored by the kernel).
@@ -146,6 +150,12 @@ def register_fakes() -> None:
                else x.new_empty((0,), dtype=dtype))
         return (x.new_empty((m, k), dtype=dtype), col, x.new_empty((n_groups,), dtype=f32),
                 x.new_empty((n_groups,), dtype=f32))
+
+    @register_fake("hybridq::fp8_tensors_quantize")
+    def _quantize_tensors(xs, param_dtype, amax, e5m2, eps, pow2, regions):
+        n = len(xs)
+        return (xs[0].new_empty((sum(regions),), dtype=torch.uint8), xs[0].new_empty((n, 4), dtype=f32),
+                xs[0].new_empty((n,), dtype=f32))
 
     @register_fake("hybridq::fp8_tensor_dequantize")
     def _dequantize(data, scale_inv, out_dtype):

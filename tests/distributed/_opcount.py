@@ -90,19 +90,43 @@ class OpCounter(TorchDispatchMode):
             setattr(cls, "quantize_parts", wrapped)
             self._patches.callback(setattr, cls, "quantize_parts", orig)
 
+    def _wrap_unit_cast(self):
+        """A unit batch's quantize (hybridq/kernels/fp8_tensors.py) as its CUDA op launches it: per 16 tensors one amax
+        and one cast kernel."""
+        from hybridq.kernels import fp8_tensors
+
+        counter = self
+        orig = fp8_tensors.quantize_fp8_tensors
+
+        def wrapped(xs, *a, **k):
+            if not counter.gpu_equivalent or counter._fused_depth or xs[0].device.type == "meta":
+                return orig(xs, *a, **k)
+            for i0 in range(0, len(xs), 16):
+                counter._record("fused_quantize", sum(x.numel() * 4 for x in xs[i0:i0 + 16]))  # (amax: reads fp32)
+                counter._record("fused_quantize", sum(x.numel() for x in xs[i0:i0 + 16]))  # (cast: writes fp8)
+            counter._fused_depth += 1
+            try:
+                return orig(xs, *a, **k)
+            finally:
+                counter._fused_depth -= 1
+        fp8_tensors.quantize_fp8_tensors = wrapped
+        self._patches.callback(setattr, fp8_tensors, "quantize_fp8_tensors", orig)
+
     def __enter__(self):
-        from hybridq.distributed import state, transport, weights
+        from hybridq.distributed import state, transport, unit_cast, weights
 
         self._wrap(weights.HybridWeight, "_pre_hook", "pre_all_gather")  # (what fsdp_pre_all_gather calls)
         self._wrap(weights.HybridWeight, "fsdp_post_all_gather", "post_all_gather")
         # the once-per-layout check of the shards' sharding rules (meta tensors: no kernel) is its own phase
         self._wrap(weights, "check_shard_layout", "layout_check")
+        self._wrap(unit_cast, "_region", "layout_check")  # (likewise the unit batch's payload layout)
         self._wrap(state.WeightState, "reduced_stats", "pre_all_gather/stats")
         self._wrap(transport, "quantize_shard", "pre_all_gather/quantize")
         self._wrap(transport, "build_payload", "pre_all_gather/pack")
         self._wrap(weights, "assemble_parts", "post_all_gather/unpack")
         self._wrap(weights, "assemble_output", "post_all_gather/unpack")
         self._wrap_quantize()
+        self._wrap_unit_cast()
         return super().__enter__()
 
     def __exit__(self, *exc):

@@ -1,0 +1,216 @@
+"""One cast + quantize per FSDP2 unit for the per-tensor FP8 dense weights it gathers (the pre-all-gather hook's
+payloads of a whole `fully_shard` unit prepared at once; see [Note: unit cast]).
+
+`unit_payload(local, lane, key)` is what a Linear weight's pre-all-gather hook asks before it prepares its own
+payload (`transport.prepare_payload`): the payload a unit batch prepared for it, or -- as the first weight of its
+unit to ask -- the batch itself, or None (then the hook prepares its payload as it always did).
+Switch: `HYBRIDQ_UNIT_CAST=0` starts a process with it off; `set_unit_cast(on)` turns it on or off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..formats._sharding import RowShard, dim0_chunks
+from ..formats.base import ROWWISE
+from ..kernels import fp8_tensors
+from .fsdp_adapter import later_params, training_state
+from .payload import PayloadMeta, build_payload, quantize_shard
+from .transport import payload_key, stats_key
+
+__all__ = ["PreparedPayload", "set_unit_cast", "unit_cast_enabled", "unit_payload"]
+
+# [Note: unit cast]
+# FSDP2 asks each parameter of a param group (one `fully_shard` unit) for its all-gather inputs in one loop over
+# `FSDPParamGroup.fsdp_params` (`_get_param_all_gather_inputs`, torch 2.11 and 2.13), before the group's one
+# all-gather. Per weight, preparing a payload costs a cast of the fp32 master shard to the gather dtype, an amax, the
+# FP8 cast, their allocations and ~100 us of Python (the compiled 1B job: 140 weights, 7 per unit). So the first
+# hybridq weight of a unit to be asked prepares the payloads of every weight after it in that loop that qualifies,
+# in one `fp8_tensors.quantize_fp8_tensors` call (one amax launch and one cast launch, one output allocation; each
+# payload a view of it), and leaves each sibling its payload with the key its own hook will compute
+# (`transport.payload_key`: the shard's values through the parameter's version counters, the gather dtype, shape,
+# world size, rows and directions) and its quantizer. A sibling's hook uses it only where its own key and
+# quantizer are those (else it prepares its own, as without the batch: a stale payload is never sent); it drops it
+# either way.
+# Which siblings, and with what: FSDP2's param group and its order come from `fsdp_adapter.later_params`; what each
+# sibling's hook will do comes from its lane of the same FSDP2 training state (`lane.py`), which exists from the
+# second unshard in that state on (the first unshard of a unit is per weight). A weight qualifies where its quantizer
+# is per-tensor FP8 with current scaling (`fp8_tensors.takes`), its unshard sends the rowwise form only, it is no
+# tensor-parallel piece, its shard is on the leader's device in the same gather dtype and process group, its payload
+# is its FP8 elements in row order (the format's buffer protocol says so: `_region`), and its statistics need no
+# collective now: one rank (its own max|x|) or the values `precompute_scales` / an earlier unshard reduced for these
+# shard values (`stats_key`) -- so every rank issues the collectives it issued without the batch. A weight whose
+# kept forward payload its backward unshard re-sends is left to that. The bytes are bitwise the per-weight path's
+# (`quantize_fp8_tensors` is that path looped on the CPU; its CUDA kernel is checked against it).
+
+ENABLED = {"on": os.environ.get("HYBRIDQ_UNIT_CAST", "1") != "0"}
+
+
+def set_unit_cast(on: bool) -> bool:
+    """Turn the unit batch on or off (for A/B runs; `HYBRIDQ_UNIT_CAST=0` starts a process with it off); returns the
+    previous setting."""
+    was = ENABLED["on"]
+    ENABLED["on"] = bool(on)
+    return was
+
+
+def unit_cast_enabled() -> bool:
+    return ENABLED["on"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPayload:
+    """A payload a unit batch prepared for a weight, used by its hook only under the same key and quantizer."""
+
+    key: tuple
+    quant: object
+    payload: torch.Tensor
+    meta: PayloadMeta
+
+
+@dataclasses.dataclass
+class _Entry:
+    local: torch.Tensor  # the sharded HybridWeight
+    key: tuple
+    quant: object
+    shape: tuple
+    shard: RowShard
+    shards: list
+    amax: torch.Tensor | None  # the reduced statistic, None: its own max|x|
+    region: int  # its payload's bytes (`_region`)
+    precomputed: bool
+    dtype: torch.dtype  # the gather dtype
+
+
+def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
+    """(payload, metadata) of `local` (a HybridWeight whose hook runs with `lane` and payload key `key`) from a unit
+    batch, or None: the hook prepares its own."""
+    st = local._hq
+    prepared = st.__dict__.pop("unit_prepared", None)
+    if prepared is not None and key is not None and prepared.key == key and prepared.quant is lane.quant:
+        st.counters["payload_unit"] += 1
+        return prepared.payload, prepared.meta
+    if not ENABLED["on"] or key is None or lane.link is None:
+        return None
+    return _prepare_unit(local, lane, key)
+
+
+def _region(st, q, shard: RowShard, shards, shape, dtype) -> int | None:
+    """Bytes of the payload of a `shape` weight's `shard` under `q` where that payload is the shard's rowwise elements
+    in row order (one byte each) and zeros after them; None where it is laid out otherwise. Asked of the buffer
+    protocol on the meta device, once per quantizer and sharding."""
+    cache = st.__dict__.setdefault("unit_regions", {})
+    ck = (id(q), shard, tuple(shape), dtype)
+    hit = cache.get(ck)
+    if hit is not None and hit[0] is q:
+        return hit[1]
+    k = shape[-1]
+    x = torch.empty(shard.length, k, dtype=dtype, device="meta")
+    stats = None if shard.is_whole else q.shard_stats(x, shard)
+    parts = quantize_shard(q, x, shard, (ROWWISE,), stats)
+    meta = build_payload(q, parts, shard, shards, shape, x.device, pack=False)[1]
+    region = None
+    if len(meta.buffers) == 1 and len(meta.parts) == 1:
+        b = meta.buffers[0]
+        if (b.offset == 0 and b.direction == ROWWISE and b.dtype == q.dtype and b.dtype.itemsize == 1
+                and b.row_shape == (k,) and b.row_block == 1 and meta.nbytes % 16 == 0):
+            region = meta.nbytes
+    if len(cache) >= 16:
+        cache.clear()
+    cache[ck] = (q, region)
+    return region
+
+
+def _entry(local, lane, key, device) -> _Entry | None:
+    """What the batch needs of one weight, or None where it does not qualify (see [Note: unit cast])."""
+    st = local._hq
+    q = lane.quant
+    if not fp8_tensors.takes(q) or st.tp_group is not None or tuple(lane.setup.plan.send) != (ROWWISE,):
+        return None
+    x = local._data
+    shape, shard = lane.shape, lane.layout.shard
+    if x.device != device or x.numel() != shard.length * shape[-1]:
+        return None
+    amax, precomputed = None, False
+    if lane.ws > 1:  # (statistics that need no collective now, on every rank alike)
+        param = lane.param() if lane.param else None
+        skey = stats_key(param, lane.dtype, shard)
+        if skey is None or st.stats_key != skey or st.stats is None:
+            return None
+        precomputed = True
+        if not q.shard_is_plain(shard, True, False):
+            amax = st.stats
+    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), amax, 0, precomputed, lane.dtype)
+
+
+def _siblings(local, lane, device) -> list[_Entry]:
+    """The qualifying weights after `local` in its unit's all-gather order, predicted from their lanes of the
+    current training state."""
+    ts = training_state(lane.link.group)
+    out = []
+    for module, name, sib in later_params(lane.link):
+        if type(sib) is not type(local):
+            continue
+        sst = sib._hq
+        sl = sst.pre_lanes.get(id(ts))
+        if (sl is None or sl.ts is not ts or not sl.own or sl.local() is not sib or sl.module() is not module
+                or getattr(module, "weight_quantizer", None) is not sl.quant
+                or sl.override != module.recipe.backward_override or sl.extra is not sst.backward_extra
+                or sl.group is not lane.group or sl.dtype is not lane.dtype):
+            continue
+        param = sl.param() if sl.param else None
+        if param is None or module._parameters.get(name) is not param:
+            continue
+        key = payload_key(param, sl.dtype, sl.shape, sl.ws, sl.layout.shard, sl.setup.plan.send, sib)
+        kept, prepared = sst.kept_payload, sst.__dict__.get("unit_prepared")
+        if key is None or (kept is not None and kept.key == key) or (prepared is not None and prepared.key == key):
+            continue  # (it re-sends its kept payload, or an earlier batch of this unshard prepared its own)
+        e = _entry(sib, sl, key, device)
+        if e is not None:
+            out.append(e)
+    return out
+
+
+def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
+    device = local._data.device
+    mine = _entry(local, lane, key, device)
+    if mine is None:
+        return None
+    siblings = _siblings(local, lane, device)
+    if not siblings:  # (a unit of one weight: nothing to batch, no layout asked for)
+        return None
+    entries = []
+    for e in [mine] + siblings:
+        e.region = _region(e.local._hq, e.quant, e.shard, e.shards, e.shape, e.dtype)
+        if e.region is not None:
+            entries.append(e)
+    if len(entries) < 2 or entries[0] is not mine:
+        return None
+    data, scale_inv = fp8_tensors.quantize_fp8_tensors([e.local._data for e in entries], lane.dtype,
+                                                       [e.quant for e in entries], [e.amax for e in entries],
+                                                       [e.region for e in entries])
+    out = None
+    offset = 0
+    for i, e in enumerate(entries):
+        rows, k = e.shard.length, e.shape[-1]
+        part = fp8_tensors.rowwise_part(e.quant, data[offset:offset + rows * k], scale_inv[i, :1], rows, k)
+        est = e.local._hq
+        meta = build_payload(e.quant, {ROWWISE: part}, e.shard, e.shards, e.shape, device, pack=False,
+                             memo=est.payload_layouts)[1]
+        if meta.nbytes != e.region:
+            raise RuntimeError(f"hybridq FSDP: the unit cast laid out {e.region} payload bytes for {est.name}, its "
+                               f"payload layout has {meta.nbytes}")
+        payload = data[offset:offset + e.region]
+        offset += e.region
+        if e.precomputed:
+            est.counters["stats_precomputed"] += 1  # (what its `reduced_stats` would have counted)
+        if i == 0:
+            out = (payload, meta)
+            est.counters["unit_batches"] += 1
+            est.counters["payload_unit"] += 1
+        else:
+            est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta)
+    return out

@@ -1,0 +1,169 @@
+"""Jobs of test_fsdp_unit_cast.py (spawned by _harness.spawn, or run in-process on one rank): a model of two blocks,
+each one FSDP2 unit of six Linears of mixed shapes whose weights FSDP2 gathers quantized, trained with the unit cast
+([Note: unit cast], hybridq/distributed/unit_cast.py) on and off; every gathered weight (each forward's rowwise part,
+bytes and scales), loss and gradient is recorded for a bitwise comparison."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import hybridq as hq
+from hybridq.distributed import precompute_scales, unit_cast
+from hybridq.enums import TensorType
+from hybridq.formats import MXFP8Quantizer
+from hybridq.torch_private import local_tensor
+
+D = 64
+NAMES = ("q", "k", "v", "o", "up", "down")
+
+
+class Block(nn.Module):
+    """Six Linears of five shapes: q [64, 64], k [48, 64], v [80, 64], o [64, 192], up [192, 64], down [64, 192]."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(D, D, bias=False)
+        self.k = nn.Linear(D, 48, bias=False)
+        self.v = nn.Linear(D, 80, bias=False)
+        self.o = nn.Linear(192, D, bias=False)
+        self.up = nn.Linear(D, 3 * D, bias=False)
+        self.down = nn.Linear(3 * D, D, bias=False)
+
+    def forward(self, x):
+        x = x + self.o(torch.cat([self.q(x), self.k(x), self.v(x)], -1))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def recipe(mixed: bool):
+    """fp8_tensorwise; `mixed`: each block's `o` weight MXFP8 instead (a weight of the unit the batch leaves out)."""
+    base = hq.recipe("fp8_tensorwise")
+    if not mixed:
+        return base
+
+    def pick(role):
+        if role.tensor_type == TensorType.WEIGHT and role.name.endswith(".o"):
+            return MXFP8Quantizer()
+        return base.quantizer(role)
+
+    return hq.CustomRecipe(pick, name="fp8_tensorwise_o_mxfp8")
+
+
+def build(device, world_size: int, mixed: bool = False, nonfinite: bool = False) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Block(), Block()).to(device)
+    if nonfinite:  # one weight with an inf, another with a NaN (their siblings finite)
+        with torch.no_grad():
+            m[0].k.weight[3, 5] = float("inf")
+            m[1].up.weight[7, 1] = float("nan")
+    hq.apply_hybrid_fsdp(m, recipe(mixed), on_incompatible="error")
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in m:
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    fully_shard(m, mesh=mesh, mp_policy=mp)
+    return m
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).clone().contiguous().view(torch.uint8).cpu()
+
+
+def record_gathered(m: nn.Module, into: list) -> list:
+    """Forward pre-hooks on every Linear appending (name, {tensor name: bytes}) of its gathered rowwise part."""
+    handles = []
+    for name, mod in m.named_modules():
+        if isinstance(mod, hq.Linear):
+            def hook(mod, args, name=name):
+                part = mod.weight.part("rowwise")
+                into.append((name, {n: _bits(t) for n, t in part.tensors().items() if t is not None}))
+            handles.append(mod.register_forward_pre_hook(hook))
+    return handles
+
+
+def counters(m: nn.Module, key: str) -> dict:
+    return {n: int(local_tensor(p)._hq.counters[key]) for n, p in m.named_parameters()}
+
+
+def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:
+    """`steps` AdamW steps (precompute_scales after each where asked): every forward's gathered weights, the losses
+    and the gradients, as bytes."""
+    gathered: list = []
+    handles = record_gathered(m, gathered)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses, grads = [], []
+    if precompute:
+        precompute_scales(m)
+    for _ in range(steps):
+        loss = m(torch.randn(16, D, generator=g).to(device)).float().square().mean()
+        loss.backward()
+        losses.append(_bits(loss))
+        grads.append([_bits(p.grad.full_tensor()) for p in m.parameters()])
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            precompute_scales(m)
+    for h in handles:
+        h.remove()
+    return {"gathered": gathered, "losses": losses, "grads": grads}
+
+
+def compare(on: dict, off: dict, where: str) -> None:
+    assert len(on["gathered"]) == len(off["gathered"]), f"{where}: {len(on['gathered'])} vs {len(off['gathered'])} forwards"
+    for i, ((n1, a), (n2, b)) in enumerate(zip(on["gathered"], off["gathered"])):
+        assert n1 == n2 and a.keys() == b.keys(), f"{where}: gathered weight #{i} is {n1} {list(a)} vs {n2} {list(b)}"
+        for t in a:
+            assert torch.equal(a[t], b[t]), (f"{where}: gathered {n1} {t} (forward #{i}) differs with the unit cast: "
+                                             f"{(a[t] != b[t]).sum().item()} bytes")
+    for s, (a, b) in enumerate(zip(on["losses"], off["losses"])):
+        assert torch.equal(a, b), f"{where}: loss of step {s} differs with the unit cast"
+    for s, (ga, gb) in enumerate(zip(on["grads"], off["grads"])):
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs with the unit cast"
+
+
+def parity(rank, world_size, device, precompute: bool, mixed: bool = False, steps: int = 3) -> dict:
+    """Training with the unit cast on is bitwise training with it off; returns the batch counters of the on run."""
+    was = unit_cast.set_unit_cast(False)
+    try:
+        off = train(build(device, world_size, mixed), device, steps, precompute)
+        unit_cast.set_unit_cast(True)
+        m = build(device, world_size, mixed)
+        on = train(m, device, steps, precompute)
+    finally:
+        unit_cast.set_unit_cast(was)
+    compare(on, off, f"rank {rank} of {world_size}, precompute={precompute}, mixed={mixed}")
+    return {"unit_batches": counters(m, "unit_batches"), "payload_unit": counters(m, "payload_unit")}
+
+
+def nonfinite(rank, world_size, device) -> dict:
+    """One forward after a first step: weights with an inf / a NaN gathered as with the unit cast off (their FP8 bytes
+    non-finite, scale 1), their siblings' scales finite and unchanged; returns each gathered rowwise scale_inv."""
+    out = {}
+    was = unit_cast.set_unit_cast(False)
+    try:
+        for on in (False, True):
+            unit_cast.set_unit_cast(on)
+            m = build(device, world_size, nonfinite=True)
+            gathered: list = []
+            with torch.no_grad():
+                m(torch.ones(4, D, device=device))  # (the first unshard of each state is per weight)
+                for p in m.parameters():
+                    p.mul_(1.0)  # (new versions, same values: the kept payloads are not those of these masters)
+                handles = record_gathered(m, gathered)
+                m(torch.ones(4, D, device=device))
+            for h in handles:
+                h.remove()
+            out[on] = gathered
+            out[f"batches_{on}"] = sum(counters(m, "unit_batches").values())
+    finally:
+        unit_cast.set_unit_cast(was)
+    compare({"gathered": out[True], "losses": [], "grads": []}, {"gathered": out[False], "losses": [], "grads": []},
+            f"rank {rank} of {world_size}, non-finite weights")
+    return {"scale_inv": {n: t["scale_inv"].view(torch.float32).tolist() for n, t in out[True]},
+            "data": {n: t["data"].tolist() for n, t in out[True] if n in ("0.k", "1.up")},
+            "batches": out["batches_True"]}
