@@ -64,6 +64,12 @@ class QuantizedTensor(torch.Tensor):
             )
         return p
 
+    def held_part(self, direction: str) -> QuantizedPart:
+        """The part in `direction` taken by reference for a later use that reads it (a Linear's backward), not read
+        now: `part` here. A weight whose direction a later step fills (FSDP2's gathered weight: its backward unshard)
+        gives it before that step, where `part` -- a read -- raises (distributed/gathered.py)."""
+        return self.part(direction)
+
     def has(self, direction: str) -> bool:
         if direction == ROWWISE:
             return self._rowwise is not None
@@ -220,7 +226,7 @@ def _parameter_hint(args) -> str:
 
 @_implements(aten.is_pinned.default)
 def _is_pinned(func, t, device=None):
-    return all(x.is_pinned() for p in (t.rowwise, t.columnwise) if p is not None
+    return all(x.is_pinned() for p in (t._rowwise, t._columnwise) if p is not None  # (no bytes read)
                for x in p.tensors().values() if x is not None)
 
 

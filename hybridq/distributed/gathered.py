@@ -27,6 +27,10 @@ def _whole_view(args, kwargs) -> bool:
     return tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()) and not offset
 
 
+# QuantizedTensor's ops that read the bytes of every part (copies); detach, alias and views read none
+_READS_ALL = (aten.clone.default, aten._to_copy.default, aten._pin_memory.default)
+
+
 class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
     """A QuantizedTensor whose directions are filled by the all-gathers (or, for a direction nobody planned
     for, gathered on first use). Its buffers belong to the weight's `WeightState` (`state.py`, `buffers.py`).
@@ -51,17 +55,66 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
     def _traced_fields(cls) -> tuple[str, ...]:
         return ("_rowwise", "_columnwise")
 
+    # [Note: a direction pending the backward unshard]
+    # A direction the gather plan defers (plan.py: with reshard_after_forward, dgrad's columnwise form, or the
+    # high-precision weight of backward_override="high_precision") is filled in place by FSDP2's backward unshard;
+    # until then its own tensors keep their shape over a storage FSDP2 resized to 0, and a kernel or torch op reading
+    # them reads freed memory (on the CPU a segfault; on a GPU a crash or a wrong result), whether autograd is on (a
+    # read in a training forward) or off (an eval forward: no backward unshard comes at all). Two ways in, so:
+    # - `part(d)` (and what reads through it: `dequantize`, the `rowwise` / `columnwise` properties, the copies of
+    #   `_READS_ALL`, `high_precision`, a grouped weight's `ensure_direction` / `stacked_part`) is a read:
+    #   `WeightState.check_readable` raises, naming the weight and the direction, before anything reads the memory;
+    # - `held_part(d)` takes the part by reference for the backward whose unshard fills it (a Linear's forward keeps
+    #   dgrad's form: linear_function._only, float8_graph._gathered_parts): allowed, nothing is read until then.
+    # The check costs one membership test of the plan's deferred directions (never the rowwise form) per `part`.
     def part(self, direction: str):
+        """The part in `direction`, to be read now: gathered first if nobody planned it; a direction the backward
+        unshard has yet to fill raises ([Note: a direction pending the backward unshard])."""
+        st = self._hq
+        st.ensure(direction)
+        if direction in st.deferred:  # (one test on the hot path: the rowwise form is never deferred)
+            st.check_readable(direction)
+        return super().part(direction)
+
+    def held_part(self, direction: str):
+        """The part in `direction` taken by reference for the backward whose unshard fills it (a Linear's forward
+        keeps dgrad's columnwise form so), not read now: allowed before that unshard, unlike `part`."""
         self._hq.ensure(direction)
         return super().part(direction)
 
+    @property
+    def rowwise(self):
+        """The rowwise part, to be read now (as `part`), or None where the format has none."""
+        return self.part(ROWWISE) if self._rowwise is not None else None
+
+    @property
+    def columnwise(self):
+        """The columnwise part, to be read now (as `part`: it raises while the backward unshard has yet to fill it),
+        or None where the format has none for this weight."""
+        return self.part(COLUMNWISE) if self._columnwise is not None else None
+
     def high_precision(self) -> torch.Tensor:
         """The unsharded weight in the gather dtype (FSDP's param_dtype), for backward_override="high_precision":
-        the backward unshard gathers it (or, unplanned, it is gathered on first use)."""
+        the backward unshard gathers it (or, unplanned, it is gathered on first use); read before that unshard, it
+        raises as `part` does. (Its forward keeps the weight itself for backward, not this.)"""
         st = self._hq
+        if HIGH_PRECISION in st.deferred:  # (before its buffer is made: made now, it would hold no values)
+            st.check_readable(HIGH_PRECISION)
         st.create_high_precision()
         st.ensure(HIGH_PRECISION)
         return st.parts[HIGH_PRECISION].data.view(self.shape)
+
+    def __reduce_ex__(self, protocol):
+        if self._hq is not None:
+            self._readable()  # (pickled as its parts' bytes)
+        return super().__reduce_ex__(protocol)
+
+    def _readable(self) -> "GatheredWeight":
+        """Itself, every direction it holds made readable (`part`): before an op reads all their bytes."""
+        for d, p in ((ROWWISE, self._rowwise), (COLUMNWISE, self._columnwise)):
+            if p is not None:
+                self.part(d)
+        return self
 
     @property
     def materialized(self) -> str:
@@ -78,6 +131,8 @@ class GatheredWeight(HandledWeight, QuantizedTensor, HighPrecisionSource):
             return args[0]._alias()  # DTensor.to_local() of a tensor-parallel piece (2-D meshes)
         if func is aten.as_strided.default and _whole_view(args, kwargs):
             return args[0]._alias()
+        if func in _READS_ALL and isinstance(args[0], GatheredWeight) and args[0]._hq is not None:
+            args[0]._readable()  # (a copy reads every part's bytes: none may be pending the backward unshard)
         return super().__torch_dispatch__(func, types, args, kwargs)  # HandledWeight's, then QuantizedTensor's
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -113,22 +168,15 @@ class GroupedGatheredWeight(HandledWeight, GroupedGatheredForm, ExpertsTensor):
         return ("_experts",)
 
     def ensure_direction(self, direction: str) -> None:
-        # [Note: a direction pending the backward unshard]
-        # A direction the gather plan defers (e.g. columnwise: dgrad's form) is filled in place by FSDP2's backward
-        # unshard; until then its own tensors keep their shape over a storage FSDP2 resized to 0, and a kernel or
-        # torch op reading them reads freed memory (a segfault, not an error). The grouped paths ask for a direction
-        # here to read it at once; with autograd off (an eval forward) no backward fills it: `check_readable` raises,
-        # naming the weight and the direction, before anything reads the memory. (`GatheredWeight.part` does not
-        # check: a Linear's forward takes the columnwise part by reference for the backward that fills it, inside
-        # its autograd Function, where autograd is off too.)
+        """Make `direction` of every expert readable now (a collective where it was not gathered yet: every rank
+        asks); raises where the backward unshard has yet to fill it ([Note: a direction pending the backward
+        unshard])."""
         if self._hq.slabs and direction in (ROWWISE, COLUMNWISE):
             # stacked buffers: the experts are gathered, filled and freed together, so expert 0 speaks for all
             self._experts[0].part(direction)
-            self._experts[0]._hq.check_readable(direction)
             return
         for g in self._experts:
             g.part(direction)
-            g._hq.check_readable(direction)
 
     def stacked_part(self, direction: str):
         """(expert 0's part, {tensor name: `[E, ...]`}) of `direction` made available (as `ensure_direction`): the

@@ -135,16 +135,26 @@ class WeightState(SharedState, WeightStats, UnshardedBuffers):
         self._lazy_done(d)
 
     def check_readable(self, d: str) -> None:
-        """Raise, naming the weight and the direction, where direction `d` (after `ensure`) is due from the backward
-        unshard and read with autograd off -- see [Note: a direction pending the backward unshard] (gathered.py).
-        (Cheapest test first; a direction not deferred was gathered by `ensure` if it was not there.)"""
-        if d not in self.deferred or torch.is_grad_enabled() or self.parts.get(d) is None or self.materialized(d):
+        """Raise, naming the weight and the direction, where direction `d` is due from the backward unshard and not
+        filled yet: read now, it would read FSDP2's freed buffer ([Note: a direction pending the backward unshard],
+        gathered.py). Nothing changes before the error. (The high-precision form's buffer is made on first use: not
+        made yet, it is pending too.)"""
+        if d not in self.deferred:
             return
+        if self.parts.get(d) is None:
+            if d != HIGH_PRECISION:  # (the format has no such form for this weight: `part` says so)
+                return
+        elif self.materialized(d):
+            return
+        when = " (with autograd off, as in an eval forward, no backward unshard comes at all)" \
+            if not torch.is_grad_enabled() else ""
+        read = "+".join(x for x in DIRECTIONS if x not in self.deferred and self.parts.get(x) is not None
+                        and self.materialized(x)) or "none"
         raise RuntimeError(
             f"hybridq FSDP: the {d} form of {self.name} is gathered by FSDP2's backward unshard (the gather plan "
-            f"defers it); it is read before it, with autograd off, so no backward will fill it (its storage is "
-            f"FSDP2's freed buffer). Outside autograd read only the directions the forward unshard gathered, or run "
-            f"under autograd so that the backward unshard gathers {d}")
+            f"defers it); it is read before that unshard{when}, when its storage is FSDP2's freed buffer. Before the "
+            f"backward read only what the forward unshard gathered ({read}); code that keeps the {d} part for the "
+            f"backward that fills it takes it with held_part('{d}'), which does not read it")
 
 
 class ExpertWeightState(WeightState):

@@ -401,7 +401,8 @@ def _shared_input(x: torch.Tensor, q, cast: Float8Cast, columnwise: bool) -> tup
 def _gathered_parts(weight: QuantizedTensor, cast: Float8Cast, need_dgrad: bool) -> tuple | None:
     """`w_parts` of a weight that arrived quantized (FSDP2's gathered weight) in the parts `cast` makes, contiguous
     (what the hardware GEMM reads), else None."""
-    parts = [weight.part(ROWWISE)] + ([weight.part(COLUMNWISE)] if need_dgrad else [])
+    # (the columnwise part is held for backward, whose unshard fills it: `held_part`, not read here)
+    parts = [weight.part(ROWWISE)] + ([weight.held_part(COLUMNWISE)] if need_dgrad else [])
     if not all(_part_fits(p, cast) for p in parts):
         return None
     return parts[0].data, parts[0].scale_inv, parts[1] if need_dgrad else None

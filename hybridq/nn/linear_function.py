@@ -141,10 +141,11 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise
 
 
 def _only(q: QuantizedTensor, direction: Direction) -> QuantizedTensor:
-    """Keep a single direction (drop what backward does not read, so it is not held in memory)."""
+    """Keep a single direction (drop what backward does not read, so it is not held in memory). Taken by reference
+    (`held_part`): FSDP2's backward unshard fills a gathered weight's columnwise part after this forward."""
     if direction == COLUMNWISE:
-        return QuantizedTensor(None, q.part(COLUMNWISE), shape=q.shape, dtype=q.dtype)
-    return QuantizedTensor(q.part(ROWWISE), None, shape=q.shape, dtype=q.dtype)
+        return QuantizedTensor(None, q.held_part(COLUMNWISE), shape=q.shape, dtype=q.dtype)
+    return QuantizedTensor(q.held_part(ROWWISE), None, shape=q.shape, dtype=q.dtype)
 
 
 def _fprop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cached_weight: QuantizedTensor | None,
