@@ -31,6 +31,8 @@ def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world
         root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), case.get("nonfinite", False),
                       device, world_size)
         lin = root.lin
+        if not case.get("reshard", True):  # (forward gathers every direction at once: both sent in one payload)
+            lin.set_reshard_after_forward(False)
         st = local_tensor(lin.weight)._hq
         opt = torch.optim.SGD(root.parameters(), lr=0.5)
         snaps: list = []
@@ -65,6 +67,8 @@ def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world
                         y = root(x, list(splits))
                     grad, dx = None, None
                     root.reshard()  # (the root's forward leaves it unsharded: the next step reads the shards)
+                    if not case.get("reshard", True):
+                        lin.reshard()  # (so does the layer's without reshard_after_forward)
                 steps.append({"y": y.detach(), "dx": dx, "dw": grad, "snaps": snaps[:],
                               "oracle": [d for s in snaps for d in _oracle(lin, full, s)]})
         finally:
@@ -99,7 +103,7 @@ def _differences(case: dict, a: dict, b: dict, rank: int, what: str) -> list[str
 
 
 def job_block_payload(rank, world_size, device, cases):
-    """For each case (preset, experts, out, nonfinite): the four RUNS; the oracle's differences of every run, the
+    """For each case (preset, experts, out, nonfinite, reshard: reshard_after_forward): the four RUNS; the oracle's differences of every run, the
     batched payload's differences from the per-expert one under each receiver, the counters of each run, whether each
     step's output of the batched run holds a non-finite value."""
     out = []

@@ -8,8 +8,8 @@ Oracles (bitwise), per all-gather of train / eval / train (an SGD step between):
 here, and the same run with the batched payload off (the per-expert payload): every expert's gathered tensors of every
 direction, the output, input gradient and weight gradient shard -- under the stacked receiver (`fill_stacked_blocks`)
 and under the per-expert one (the slots' scales read expert by expert). Gloo world 1 and 2 on the CPU (3 experts on 2
-ranks: uneven shards, a rank's empty slot), NCCL world 1 on a GPU; `out` 96 under 128x128 tiles takes the per-expert
-payload (a tile would span two experts)."""
+ranks: uneven shards, a rank's empty slot), reshard_after_forward=False (both directions in one payload), NCCL world
+1 on a GPU; `out` 96 under 128x128 tiles takes the per-expert payload (a tile would span two experts)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ CASES = [dict(preset=p) for p in PRESETS] + [
     dict(preset=p, out=96) for p in PRESETS] + [  # (128x128 tiles would span experts: the per-expert payload)
     dict(preset="mxfp8", experts=3), dict(preset="fp8_block", experts=3),  # (uneven on 2 ranks)
     dict(preset="fp8_block_fwd_mxfp8_bwd", experts=3)] + [
-    dict(preset=p, nonfinite=True) for p in ("fp8_block", "fp8_block_fwd_mxfp8_bwd")]
+    dict(preset=p, nonfinite=True) for p in ("fp8_block", "fp8_block_fwd_mxfp8_bwd")] + [
+    dict(preset=p, reshard=False) for p in ("mxfp8", "fp8_block_fwd_mxfp8_bwd")]  # (both directions in one payload)
 IDS = ["-".join(f"{k}={v}" for k, v in c.items()) for c in CASES]
 
 
