@@ -34,6 +34,8 @@ from ..gemm import JaggedFP8, JaggedFP8Kernels
 from ..kernels.native_gemm import FAST_ACCUM_FPROP
 from ..torch_private import current_raw_stream
 from ..weight_forms import GroupedGatheredForm
+from .linear_function import _SHARED
+from .side_table import TensorSideTable
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -227,13 +229,58 @@ def _strides(b: torch.Tensor, group_stride_2d: int) -> tuple[int, int]:
     return (b.stride(0), b.stride(1)) if b.dim() == 3 else (group_stride_2d, b.stride(0))
 
 
+class _SharedJaggedInputs(TensorSideTable):
+    """[Note: shared jagged input] The experts' projections that read one input tensor (an MoE layer's gate and up
+    projections, w1 and w3, on the dispatched tokens) quantize it once in eager: an entry is the input's
+    `JaggedFP8` under (input quantizer, token groups, kernels), and serves an equal quantizer on the same groups
+    object with the same kernels -- the same per-group amaxes, scales and bytes, so bitwise the second quantization
+    -- where it holds the columnwise form asked for (TensorSideTable: the same tensor object at the same version,
+    never keeping it alive). Off where Linear's input sharing is (`shared_input_quantization(False)`), for
+    non-deterministic quantizers and inside the compiled ops (an op's outputs must be its own tensors: the eager
+    Function alone passes `share`). Saves a quantize call (host ~160-290 us on the H200 machine) and its kernels per
+    MoE layer, and one saved columnwise copy of the input."""
+
+    def __init__(self):
+        super().__init__(slots=2)
+
+    @staticmethod
+    def _same(key: tuple, q: Quantizer, groups: TokenGroups, kernels: JaggedFP8Kernels) -> bool:
+        return (key[0] is q or key[0] == q) and key[1] is groups and key[2] is kernels
+
+    def get(self, x: torch.Tensor, q: Quantizer, groups: TokenGroups, kernels: JaggedFP8Kernels,
+            columnwise: bool) -> JaggedFP8 | None:
+        return self.find(x, lambda key, xq: (self._same(key, q, groups, kernels)
+                                             and (not columnwise or xq.col is not None)))
+
+    def put(self, x: torch.Tensor, q: Quantizer, groups: TokenGroups, kernels: JaggedFP8Kernels,
+            xq: JaggedFP8) -> None:
+        super().put(x, (q, groups, kernels), xq, same_key=lambda key: self._same(key, q, groups, kernels))
+
+
+_SHARED_INPUTS = _SharedJaggedInputs()
+
+
+def _quantize_input(q: Quantizer, x: torch.Tensor, groups: TokenGroups, columnwise: bool, name: str,
+                    kernels: JaggedFP8Kernels, share: bool) -> JaggedFP8:
+    """`kernels.quantize` of the input, or the quantization another projection made of the same tensor
+    ([Note: shared jagged input]) where `share`."""
+    share = share and _SHARED.enabled and q.is_deterministic and not x.is_inference()
+    xq = _SHARED_INPUTS.get(x, q, groups, kernels, columnwise) if share else None
+    if xq is None:
+        xq = kernels.quantize(q, x, groups, columnwise, name)
+        if share:
+            _SHARED_INPUTS.put(x, q, groups, kernels, xq)
+    return xq
+
+
 def jagged_forward(x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
                    name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels,
-                   held: JaggedFP8 | None = None) -> tuple[torch.Tensor, tuple]:
+                   held: JaggedFP8 | None = None, share: bool = False) -> tuple[torch.Tensor, tuple]:
     """The forward of `JaggedFP8Experts` (and of the compiled op, nn/compiled_grouped.py): `y` and what backward reads,
-    `(x columnwise | None, x scale_inv, W columnwise | None, W scale_inv)`."""
+    `(x columnwise | None, x scale_inv, W columnwise | None, W scale_inv)`. `share`: the input's quantization may be
+    another projection's ([Note: shared jagged input]; eager only)."""
     e, n, k = weight.shape
-    xq = kernels.quantize(quantizers["input"], x, groups, need_wgrad, f"input of {name}")
+    xq = _quantize_input(quantizers["input"], x, groups, need_wgrad, f"input of {name}", kernels, share)
     wq = held if held is not None else kernels.quantize(
         quantizers["weight"], weight.detach().reshape(e * n, k), TokenGroups.uniform(e, n, x.device), need_dgrad,
         f"weight of {name}")
@@ -280,7 +327,8 @@ class JaggedFP8Experts(torch.autograd.Function):
         if held is not None:
             row, scale_inv = held.take_rowwise()
             wq = JaggedFP8(row, None, scale_inv)
-        y, saved = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad, kernels, wq)
+        share = not torch.compiler.is_compiling()  # ([Note: shared jagged input]: eager only)
+        y, saved = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad, kernels, wq, share)
         if held is not None:  # (backward reads the held weight's columnwise form, not this view of its scales)
             saved = (*saved[:3], None)
         ctx.save_for_backward(*saved)
