@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from _harness import spawn
+from _gpu import extension_ready
+from _harness import nccl_devices, spawn
 import _derived_replay_jobs as jobs
 
 pytestmark = pytest.mark.distributed
@@ -79,3 +80,24 @@ def test_a_new_recipe_is_not_derived_from_the_old_record(runs, i):
         assert _counts(out, i, change, "replay", "fc2") == (2, 1), f"rank {rank}: fc2 stopped replaying"
         assert _counts(out, i, change + 1, "replay", "fc1") == (2, 1), \
             f"rank {rank}: fc1 did not replay its new recipe's fills"
+
+
+# ---- on a GPU: the CUDA kernels' quantization, the tiled transpose into FSDP2's allocation ---------------------------
+
+@pytest.fixture(scope="module")
+def gpu_runs():
+    return spawn(jobs.job_derived_replays, 1, "nccl", cases=CASES)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (nccl_devices(1) and extension_ready()), reason="needs a CUDA device, NCCL and the extension")
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_gpu_replayed_run_equals_the_usual_fills(gpu_runs, i):
+    """CUDA, NCCL world 1: the same steps, bitwise the model without records and the full weight's quantization;
+    the backward unshards of steps 1 and 2 derived in place."""
+    out = gpu_runs[i]
+    assert not out["diffs"], f"{IDS[i]}: {len(out['diffs'])} differences, first: {out['diffs'][:5]}"
+    for name in WEIGHTS:
+        for step in (1, 2):
+            got = _counts([out], 0, step, "replay", name)
+            assert got == (2, 1), f"{IDS[i]} {name} step {step}: (replayed, derived in place) {got}, not (2, 1)"
