@@ -106,11 +106,13 @@ def main() -> None:
             print(f"round {r} unit_cast={'on ' if on else 'off'}: hooks {res[on][0][-1]:8.1f} us per unit per step, "
                   f"step {res[on][1][-1]:8.2f} ms", flush=True)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    now = datetime.datetime.now(datetime.timezone.utc)
     print(f"\n{name}, torch {torch.__version__}, {args.layers} units x 7 Linears, d {args.dim}, hidden {args.hidden}, "
-          f"{args.tokens} tokens, fp8_tensorwise, world 1, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+          f"{args.tokens} tokens, fp8_tensorwise, world 1, {now:%Y-%m-%d %H:%M} UTC")
     for on in (False, True):
-        print(f"unit_cast={'on ' if on else 'off'}: hooks median {statistics.median(res[on][0]):8.1f} us per unit per step"
-              f" (rounds {', '.join(f'{v:.1f}' for v in res[on][0])}); step median {statistics.median(res[on][1]):.2f} ms")
+        rounds = ", ".join(f"{v:.1f}" for v in res[on][0])
+        print(f"unit_cast={'on ' if on else 'off'}: hooks median {statistics.median(res[on][0]):8.1f} us per unit per "
+              f"step (rounds {rounds}); step median {statistics.median(res[on][1]):.2f} ms")
     from hybridq.torch_private import local_tensor
     batches = sum(local_tensor(q)._hq.counters["unit_batches"] for q in model.parameters())
     print(f"unit batches run: {batches}")

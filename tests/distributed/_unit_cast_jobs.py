@@ -113,7 +113,8 @@ def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:
 
 
 def compare(on: dict, off: dict, where: str) -> None:
-    assert len(on["gathered"]) == len(off["gathered"]), f"{where}: {len(on['gathered'])} vs {len(off['gathered'])} forwards"
+    assert len(on["gathered"]) == len(off["gathered"]), \
+        f"{where}: {len(on['gathered'])} vs {len(off['gathered'])} forwards"
     for i, ((n1, a), (n2, b)) in enumerate(zip(on["gathered"], off["gathered"])):
         assert n1 == n2 and a.keys() == b.keys(), f"{where}: gathered weight #{i} is {n1} {list(a)} vs {n2} {list(b)}"
         for t in a:

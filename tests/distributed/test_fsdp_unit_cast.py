@@ -4,7 +4,8 @@ each sibling's hook uses its payload only under its own key. Specified against t
 `set_unit_cast(False)`): every gathered weight, loss and gradient bitwise the same, over training steps (the optimizer
 changes the masters: no stale payload), with and without precompute_scales, with a weight of another format in the
 unit, with non-finite values in some weights; and a payload made stale between the batch and its weight's hook is
-not used. Real FSDP2 on gloo (world 1 in-process, world 2 spawned); the CUDA kernel's bytes: tests/test_fp8_tensors.py."""
+not used. Real FSDP2 on gloo (world 1 in-process, world 2 spawned); the CUDA kernel's bytes:
+tests/test_fp8_tensors.py."""
 
 from __future__ import annotations
 
