@@ -138,8 +138,8 @@ def test_cuda_transposed_copy_into_equals_reference(shape, dtype):
     base = torch.full((shape[0] * shape[1] + 16,), 7, dtype=torch.uint8, device="cuda")
     out = base[: shape[0] * shape[1]].view(dtype).view(shape[1], shape[0])
     xg = x.cuda()
-    assert dispatch.transpose_bytes_into(xg.view(torch.uint8), torch.empty_like(out.view(torch.uint8))), \
-        f"{shape}: the extension's transpose declined the 2-D call"
+    assert dispatch.transpose_bytes_into(xg, torch.empty_like(out)), \
+        f"{shape} {dtype}: the extension's transpose declined the 2-D call transposed_copy_into makes"
     transposed_copy_into(xg, out)
     assert_bitwise(out, x.t().contiguous(), f"CUDA transposed_copy_into {shape} {dtype}")
     assert bool((base[shape[0] * shape[1]:] == 7).all()), f"{shape}: bytes after the buffer were written"

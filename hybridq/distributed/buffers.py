@@ -176,8 +176,9 @@ class UnshardedBuffers:
                 if s is not None and not (type(s) is torch.Tensor and storage_id(s) == out_storage) \
                         and not any(r is s for r in rep.values()):
                     return
-            derived = tuple((t, storage_id(t)) for t in self.parts[COLUMNWISE].tensors().values() if t is not None)
-            if any(id(t) in self.aliased for t, _ in derived):
+            derived = tuple((t, storage_id(t), (t.storage_offset() + t.numel()) * t.element_size())
+                            for t in self.parts[COLUMNWISE].tensors().values() if t is not None)
+            if any(id(t) in self.aliased for t, _, _ in derived):
                 return
         copies, aliased = [], 0
         for d in plan.materialize:
@@ -222,9 +223,8 @@ class UnshardedBuffers:
         if r.derived:
             if r.quantizer is not q or r.dtype != dtype:
                 return False
-            for t, sid in r.derived:
-                if storage_id(t) != sid or \
-                        t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+            for t, sid, need in r.derived:  # (allocated: FSDP2 did, as inner tensors)
+                if storage_id(t) != sid or t.untyped_storage().nbytes() < need:
                     return False
             srcs.extend(s for s in rep.get(ROWWISE, {}).values() if s is not None)
         if out.is_cuda:
@@ -283,7 +283,7 @@ class FillReplay(NamedTuple):
     version: int  # the buffers' version (bumped whenever an own tensor is aliased or re-pointed)
     copies: tuple  # (own tensor, direction, name of the replicated tensor copied into it)
     aliased: int  # own tensors left aliasing the output (the "aliased" counter)
-    derived: tuple = ()  # (own tensor, its storage's id) of the direction derived in place; () if none is
+    derived: tuple = ()  # (own tensor, its storage's id, bytes it needs) of the direction derived in place, or ()
     quantizer: object = None  # (what derives it, and from the rowwise form of which gather dtype)
     dtype: object = None
 

@@ -74,8 +74,7 @@ def transposed_copy_into(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"transposed_copy_into: out {tuple(out.shape)} {out.dtype} on {out.device} (contiguous "
                          f"{out.is_contiguous()}) must be the contiguous transpose of {tuple(t.shape)} {t.dtype} on "
                          f"{t.device}")
-    if t.is_cuda and t.element_size() == 1 and t.is_contiguous() \
-            and dispatch.transpose_bytes_into(t.view(torch.uint8), out.view(torch.uint8)):
+    if t.is_cuda and t.element_size() == 1 and dispatch.transpose_bytes_into(t, out):  # (any 1-byte dtype)
         return out
     out.copy_(t.t())
     return out
