@@ -1,8 +1,8 @@
 """The grouped quantize of GroupedLinear's packed block path (hybridq/kernels/grouped_slots.py and
-triton_slot_quantize.py): the routed token rows quantized straight into the zero-padded expert slots, one launch per
-direction, are bitwise the quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) -- every
-slot's bytes and scales, padding included -- for FP8 1x128 blocks and MXFP8 1x32 blocks, alone or as a hybrid's
-directions, on random and
+triton_slot_quantize.py): the routed token rows quantized straight into the zero-padded expert slots (one launch for
+both directions of one quantizer, one per direction of a hybrid whose directions differ) are bitwise the
+quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) -- every slot's bytes and scales,
+padding included -- for FP8 1x128 blocks and MXFP8 1x32 blocks, alone or as a hybrid's directions, on random and
 adversarial tokens (empty and one-token experts, NaN of either sign, +-inf, fp32 subnormals, values near FLT_MAX,
 a partial last 128-block along K).
 

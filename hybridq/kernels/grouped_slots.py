@@ -1,6 +1,6 @@
 """The grouped quantize of GroupedLinear's packed block path on CUDA: the routed token rows quantized straight into
-the expert slots (`triton_slot_quantize`), instead of packing them into a zero-padded buffer (`TokenLayout.pack`) and
-quantizing that. Bitwise the same parts: it is taken only where the packed path would run the extension's CUDA
+the expert slots (`triton_slot_quantize`: one launch writes both directions of one quantizer), instead of packing
+them into a zero-padded buffer (`TokenLayout.pack`) and quantizing that. Bitwise the same parts: it is taken only where the packed path would run the extension's CUDA
 kernel of the same quantizer (`dispatch.lookup_quantize` on the slot-shaped input), whose numerics the Triton kernel
 reproduces, for the formats it implements: FP8 1x128 blocks (`Float8BlockQuantizer(block_dim=1)`) and MXFP8 1x32
 blocks (`MXFP8Quantizer(block_2d=False)`), alone or as either direction of a `HybridQuantizer` whose columnwise form
@@ -11,6 +11,7 @@ off for the process) `quantize` returns None and the caller packs.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -50,21 +51,57 @@ def _direction_quantizers(q: Quantizer, rowwise: bool, columnwise: bool) -> list
     return out if out and all(_implemented(d) for d, _ in out) else None
 
 
+def _launches(q: Quantizer, rowwise: bool, columnwise: bool) -> list[tuple[Quantizer, bool, bool]]:
+    """(quantizer, rowwise, columnwise) of each kernel launch: one launch writes both directions where one quantizer
+    makes both (a plain quantizer: the kernel reads each tile once for both forms, and each launch costs host time),
+    one per direction where a hybrid's directions differ."""
+    dirs = _direction_quantizers(q, rowwise, columnwise)
+    if len(dirs) == 2 and (dirs[0][0] is dirs[1][0] or dirs[0][0] == dirs[1][0]):
+        return [(dirs[0][0], True, True)]
+    return [(d, not col, col) for d, col in dirs]
+
+
 def supports(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> bool:
     """Whether `quantize` takes `x` (the routed tokens `[T, K]`) for a slot layout of `slot_rows` rows."""
     # (the kernel writes the columnwise bytes 4 slot rows to a word; the packed path's slots are 16-aligned)
     if not (ENABLED["on"] and x.is_cuda and not isinstance(x, FakeTensor) and x.dim() == 2 and x.shape[0] > 0
             and x.dtype in _IN_DTYPES and slot_rows > 0 and not (columnwise and slot_rows % 4)):
         return False
+    return _kernel_takes(q, x, slot_rows, rowwise, columnwise)
+
+
+def _kernel_takes(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> bool:
+    """Whether every direction asked for is implemented here and the packed path would run the extension's kernel of
+    its quantizer on the slot-shaped buffer. [Note: the slot quantize's decision cache] keeps the answer per call
+    configuration."""
+    key = (id(q), x.dtype, x.device, x.shape[1], slot_rows, rowwise, columnwise)
+    hit = _DECISIONS.get(key)
+    if hit is not None and hit[0] is q and hit[1] == q:
+        return hit[2]
     dirs = _direction_quantizers(q, rowwise, columnwise)
-    if dirs is None or _triton() is None:
-        return False
-    probe = x[:1].expand(slot_rows, x.shape[1])  # (the packed buffer's shape, for the CUDA kernel's checks)
-    for d, col in dirs:  # only where the packed path would run the extension's kernel
-        impl = lookup_quantize(d, probe, not col, col)
-        if impl is None or impl.name != _CUDA_KERNELS[type(d)]:
-            return False
-    return True
+    takes = dirs is not None and _triton() is not None
+    if takes:
+        probe = x[:1].expand(slot_rows, x.shape[1])  # (the packed buffer's shape, for the CUDA kernel's checks)
+        for d, col in dirs:  # only where the packed path would run the extension's kernel
+            impl = lookup_quantize(d, probe, not col, col)
+            if impl is None or impl.name != _CUDA_KERNELS[type(d)]:
+                takes = False
+                break
+    if len(_DECISIONS) >= _MAX_DECISIONS:
+        del _DECISIONS[next(iter(_DECISIONS))]  # (the oldest configuration)
+    _DECISIONS[key] = (q, copy.deepcopy(q), takes)  # (a copy: a quantizer changed in place no longer equals it)
+    return takes
+
+
+# [Note: the slot quantize's decision cache]
+# Whether the grouped quantize takes a call depends only on the quantizer's configuration, the input's dtype and
+# device, K, the slot count and the directions -- never on values -- yet asking (a probe view, the extension's
+# `supports` per direction) cost host time on every call of every layer. The answer is kept per (quantizer id, dtype,
+# device, K, slots, directions), with the quantizer itself (its id is not reused while kept) and a copy of its fields
+# at the time: a quantizer changed in place (another block size, epsilon) no longer equals the copy and is asked
+# again. `ENABLED` and the extension's availability are read on every call / at the first call of a configuration.
+_DECISIONS: dict = {}
+_MAX_DECISIONS = 64
 
 
 def _part(q: Quantizer, data: torch.Tensor, scales: torch.Tensor, rows: int, cols: int, columnwise: bool):
@@ -86,12 +123,14 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
 
     def launch():
         parts = {False: None, True: None}
-        for d, col in _direction_quantizers(q, rowwise, columnwise):
+        for d, row, col in _launches(q, rowwise, columnwise):
             mode = t.MODE_FP8_BLOCK if type(d) is Float8BlockQuantizer else t.MODE_MXFP8
             kw = dict(eps=d.amax_epsilon, pow2=d.power_2_scale) if mode == t.MODE_FP8_BLOCK else {}
-            rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, not col, col, fp8_max=FP8_MAX[d.dtype],
-                                             **kw)
-            parts[col] = _part(d, cq, cs, k, s, True) if col else _part(d, rq, rs, s, k, False)
+            rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, row, col, fp8_max=FP8_MAX[d.dtype], **kw)
+            if row:
+                parts[False] = _part(d, rq, rs, s, k, False)
+            if col:
+                parts[True] = _part(d, cq, cs, k, s, True)
         return QuantizedTensor(parts[False], parts[True], shape=(s, k), dtype=x.dtype)
     # (a kernel that fails to compile or launch is turned off with a warning; the caller then packs)
     return run_or_none(ENABLED, "grouped slot quantize", launch,

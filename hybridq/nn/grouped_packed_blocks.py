@@ -119,6 +119,7 @@ class GatheredExpertWeights(ExpertWeights):
         columnwise = direction == COLUMNWISE
         self.direction, self.n = direction, n
         self._stacked = weight.stacked_part(direction)  # (makes the direction available on every rank)
+        self._owner = getattr(weight, "_hq", None)  # (FSDP2's state: keeps the joined stacked part)
         if self._stacked is None:
             weight.ensure_direction(direction)
         # (the experts themselves: under inference_mode a view op on the weight is refused, see _unbind_experts)
@@ -130,8 +131,10 @@ class GatheredExpertWeights(ExpertWeights):
         if direction != self.direction or not self.packed:
             raise RuntimeError(f"gathered experts: the packed {direction} part of a weight read {self.direction}"
                                f"{'' if self.packed else ' expert by expert'}")
-        if self._whole is None:
-            self._whole = _joined(self._stacked, [w.part(direction) for w in self.tensors])
+        if self._whole is None:  # (stacked: expert 0 speaks for all, as ensure_direction; no part per expert)
+            self._whole = (_joined_stacked(self._stacked, len(self.tensors), direction, self._owner)
+                           if self._stacked is not None else
+                           _joined(None, [w.part(direction) for w in self.tensors]))
         return self._whole
 
     def only(self, direction: str) -> "ExpertWeights":
@@ -156,6 +159,29 @@ def _joined(stacked, parts: list[QuantizedPart]) -> QuantizedPart:
             fields[name] = torch.cat([p.tensors()[name] for p in parts], dim)
     rows, cols = (p0.rows, e * p0.cols) if dim else (e * p0.rows, p0.cols)
     return type(p0)(rows=rows, cols=cols, columnwise=p0.columnwise, **{**p0.tensors(), **fields}, **p0.meta())
+
+
+def _joined_stacked(stacked, e: int, direction: str, owner) -> QuantizedPart:
+    """`_joined` of experts whose every tensor is a view of one stacked buffer (`stacked`: (expert 0's part, {field:
+    `[E, ...]` view})): views only, kept with `owner` (the weight's FSDP2 state; None: not kept). [Note: joined
+    stacked experts]"""
+    p0, views = stacked
+    kept = owner.__dict__.setdefault("joined_experts", {}) if hasattr(owner, "__dict__") else {}
+    hit = kept.get(direction)
+    if hit is not None and hit[0] is views and hit[1] is p0 and hit[2] == e:
+        return hit[3]
+    joined = _joined(stacked, [p0] * e)  # (every field is stacked: parts past expert 0 are never read)
+    kept[direction] = (views, p0, e, joined)
+    return joined
+
+
+# [Note: joined stacked experts]
+# FSDP2's stacked block experts keep their tensors' storage and offsets across unshards (it resizes the storage), and
+# their state hands back the same views dict (with expert 0's same part) while that holds (`GroupedWeightState.
+# stacked`). The joined part of all experts is then views of the same buffers each step: kept in that state per
+# direction with the views dict and expert 0's part, rebuilt when either is another object. It holds no values of
+# its own: what FSDP2 writes into the buffers (each unshard, the backward unshard's columnwise fill) is what the GEMMs
+# read.
 
 
 def _used(layout: TokenLayout) -> list[tuple[int, int, int, int]]:

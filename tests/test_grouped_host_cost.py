@@ -1,0 +1,221 @@
+"""Host work of the block-format experts' eager path per call (issue 30: the fp8_block MoE job was host-bound), and
+that what is kept between calls is never stale:
+
+- the grouped slot quantize (hybridq/kernels/grouped_slots.py) writes both directions of one quantizer in ONE kernel
+  launch (a hybrid whose directions differ: one per direction), and keeps its decision per call configuration
+  ([Note: the slot quantize's decision cache]): asked again when the quantizer, dtype, K, slot rows or directions
+  change;
+- FSDP2's stacked block experts are joined into the packed weight's part by views, kept with the weight's state
+  ([Note: joined stacked experts]): no dispatcher op on a later call, rebuilt when the stacked views are others; bitwise
+  the experts' parts joined by a copy."""
+
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _compare import assert_parts_bitwise
+from _gpu import extension_ready
+from hybridq.enums import COLUMNWISE, ROWWISE
+from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
+from hybridq.kernels import grouped_slots, triton_slot_quantize
+from hybridq.nn import grouped_packed_blocks
+from hybridq.nn.grouped_packed import TokenLayout
+
+QUANTIZERS = {
+    "fp8_block": lambda: Float8BlockQuantizer(block_dim=1),
+    "mxfp8": lambda: MXFP8Quantizer(),
+    "hybrid_fp8blk_mxfp8": lambda: HybridQuantizer(rowwise=Float8BlockQuantizer(), columnwise=MXFP8Quantizer()),
+    "hybrid_equal_directions": lambda: HybridQuantizer(rowwise=MXFP8Quantizer(), columnwise=MXFP8Quantizer()),
+}
+# launches of the grouped slot quantize for rowwise + columnwise: one where one quantizer makes both directions
+BOTH_LAUNCHES = {"fp8_block": 1, "mxfp8": 1, "hybrid_fp8blk_mxfp8": 2, "hybrid_equal_directions": 1}
+
+
+class DispatchCount(TorchDispatchMode):
+    """Counts the dispatcher ops issued inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# ---- the grouped slot quantize: launches and the decision cache -----------------------------------------------------
+
+@pytest.mark.parametrize("case", QUANTIZERS)
+def test_slot_quantize_launches_once_per_quantizer_of_the_directions(case):
+    q = QUANTIZERS[case]()
+    launches = grouped_slots._launches(q, True, True)
+    assert len(launches) == BOTH_LAUNCHES[case], f"{case}: launches for both directions {launches}"
+    assert sorted((r, c) for _, r, c in launches) == sorted(
+        [(True, True)] if BOTH_LAUNCHES[case] == 1 else [(False, True), (True, False)]), f"{case}: {launches}"
+    for rowwise, columnwise in ((True, False), (False, True)):
+        one = grouped_slots._launches(q, rowwise, columnwise)
+        assert [(r, c) for _, r, c in one] == [(rowwise, columnwise)], f"{case} ({rowwise}, {columnwise}): {one}"
+
+
+class _LookupSpy:
+    """The real `lookup_quantize`, its calls counted."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+@pytest.fixture
+def decision_spy(monkeypatch):
+    """A fresh decision cache, `_triton()` answering as if Triton were there (its absence is decided before any
+    lookup), and a count of the extension lookups the decision makes."""
+    monkeypatch.setattr(grouped_slots, "_DECISIONS", {})
+    monkeypatch.setattr(grouped_slots, "_triton", lambda: triton_slot_quantize)
+    spy = _LookupSpy(grouped_slots.lookup_quantize)
+    monkeypatch.setattr(grouped_slots, "lookup_quantize", spy)
+    return spy
+
+
+@pytest.mark.parametrize("case", ["fp8_block", "mxfp8"])
+def test_slot_quantize_decision_is_kept_per_call_configuration(decision_spy, case):
+    q = QUANTIZERS[case]()
+    x = torch.zeros(10, 256, dtype=torch.bfloat16)
+    first = grouped_slots._kernel_takes(q, x, 128, True, False)
+    asked = decision_spy.calls
+    assert asked > 0, f"{case}: the first call of a configuration must ask the extension's lookup"
+    assert grouped_slots._kernel_takes(q, x, 128, True, False) == first
+    assert decision_spy.calls == asked, f"{case}: the same configuration asked the lookup again"
+    # every part of the configuration is its own decision
+    for what, call in {"another slot count": lambda: grouped_slots._kernel_takes(q, x, 256, True, False),
+                       "another K": lambda: grouped_slots._kernel_takes(q, x[:, :128], 128, True, False),
+                       "another dtype": lambda: grouped_slots._kernel_takes(q, x.float(), 128, True, False),
+                       "other directions": lambda: grouped_slots._kernel_takes(q, x, 128, True, True),
+                       "another quantizer": lambda: grouped_slots._kernel_takes(QUANTIZERS[case](), x, 128, True,
+                                                                                False)}.items():
+        before = decision_spy.calls
+        call()
+        assert decision_spy.calls > before, f"{case}: {what} reused a kept decision"
+
+
+def test_slot_quantize_decision_is_asked_again_for_a_quantizer_changed_in_place(decision_spy):
+    q = Float8BlockQuantizer(block_dim=1)
+    x = torch.zeros(10, 256, dtype=torch.bfloat16)
+    grouped_slots._kernel_takes(q, x, 128, True, False)
+    asked = decision_spy.calls
+    q.amax_epsilon = 1e-3  # (the same object, another configuration)
+    grouped_slots._kernel_takes(q, x, 128, True, False)
+    assert decision_spy.calls > asked, "a quantizer changed in place reused the decision kept for its old fields"
+
+
+def test_slot_quantize_decision_cache_is_bounded(decision_spy):
+    q = Float8BlockQuantizer(block_dim=1)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    for rows in range(4, 4 * (grouped_slots._MAX_DECISIONS + 10), 4):
+        grouped_slots._kernel_takes(q, x, rows, True, False)
+    assert len(grouped_slots._DECISIONS) <= grouped_slots._MAX_DECISIONS
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not (extension_ready() and triton_slot_quantize.available()),
+                                           reason="needs CUDA, the extension and Triton")]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=GPU) for c in QUANTIZERS])
+def test_gpu_slot_quantize_of_both_directions_launches_once_per_quantizer_bitwise_the_packed_quantization(
+        case, monkeypatch):
+    q = QUANTIZERS[case]()
+    splits = [5, 0, 130, 1, 40]
+    dev = torch.device("cuda")
+    x = torch.randn(sum(splits), 256, generator=torch.Generator().manual_seed(4)).to(dev, torch.bfloat16)
+    layout = TokenLayout.build(splits, [-(-m // 16) * 16 if m else 0 for m in splits], dev, 128)
+    launches = []
+    real = triton_slot_quantize.slot_quantize
+
+    def counted(*args, **kwargs):
+        launches.append(args[4:6])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(triton_slot_quantize, "slot_quantize", counted)
+    got = grouped_slots.quantize(q, x, layout.source_rows(dev), True, True)
+    assert got is not None, f"{case}: the grouped quantize did not take the call"
+    assert len(launches) == BOTH_LAUNCHES[case], f"{case}: launches (rowwise, columnwise) {launches}"
+    want = q.quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=True, name="x")
+    for d in (ROWWISE, COLUMNWISE):
+        assert_parts_bitwise(got.part(d), want.part(d), f"{case} {d}: one launch vs the packed quantization")
+
+
+# ---- FSDP2's stacked experts joined by views ------------------------------------------------------------------------
+
+E, N, K = 4, 128, 256
+WEIGHT_QUANTIZERS = {"fp8_block_tiles": lambda: Float8BlockQuantizer(block_dim=2),
+                     "fp8_block_rows": lambda: Float8BlockQuantizer(block_dim=1), "mxfp8": lambda: MXFP8Quantizer()}
+
+
+def _stacked(case, direction, seed=0):
+    """(experts' parts, (expert 0's part, {field: `[E, ...]` view}), the joined buffers): each expert quantized alone,
+    its tensors copied into one buffer per field laid out as the packed weight's part (rowwise: experts' rows one
+    after another; columnwise: their columns), as FSDP2's stacked gather leaves them."""
+    q = WEIGHT_QUANTIZERS[case]()
+    w = torch.randn(E, N, K, generator=torch.Generator().manual_seed(seed)) * 4.0 ** torch.arange(E)[:, None, None]
+    parts = [q.quantize(w[g], rowwise=True, columnwise=True, name=f"w{g}").part(direction) for g in range(E)]
+    buffers = grouped_packed_blocks._joined(None, parts)  # (the join by a copy: contiguous buffers)
+    views = {}
+    for name, t in buffers.tensors().items():
+        if t is None:
+            continue
+        a, b = t.shape
+        views[name] = t.view(a, E, b // E).permute(1, 0, 2) if parts[0].columnwise else t.view(E, a // E, b)
+    return parts, (parts[0], views), buffers
+
+
+@pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
+@pytest.mark.parametrize("case", WEIGHT_QUANTIZERS)
+def test_stacked_experts_joined_by_views_are_bitwise_joined_by_a_copy(case, direction):
+    parts, stacked, buffers = _stacked(case, direction)
+    got = grouped_packed_blocks._joined_stacked(stacked, E, direction, types.SimpleNamespace())
+    assert_parts_bitwise(got, grouped_packed_blocks._joined(None, parts), f"{case} {direction}: views vs copy")
+    for name, t in got.tensors().items():
+        if t is not None:
+            assert t.data_ptr() == buffers.tensors()[name].data_ptr(), f"{case} {direction}: {name} was copied"
+
+
+@pytest.mark.parametrize("direction", [ROWWISE, COLUMNWISE])
+@pytest.mark.parametrize("case", WEIGHT_QUANTIZERS)
+def test_stacked_experts_joined_part_is_kept_with_the_weight_state_no_op_on_a_later_call(case, direction):
+    _, stacked, _ = _stacked(case, direction)
+    owner = types.SimpleNamespace()
+    with DispatchCount() as first:
+        joined = grouped_packed_blocks._joined_stacked(stacked, E, direction, owner)
+    with DispatchCount() as later:
+        again = grouped_packed_blocks._joined_stacked(stacked, E, direction, owner)
+    assert again is joined, f"{case} {direction}: the joined part was rebuilt for the same stacked views"
+    # before: every call joined the views (and read every expert's part); now the first only
+    assert first.ops, f"{case} {direction}: the first join issued no op (nothing was joined?)"
+    assert later.ops == [], f"{case} {direction}: a later call issued {later.ops}"
+
+
+@pytest.mark.parametrize("case", WEIGHT_QUANTIZERS)
+def test_stacked_experts_joined_anew_for_other_views_or_directions(case):
+    owner = types.SimpleNamespace()
+    _, stacked, _ = _stacked(case, ROWWISE, seed=0)
+    old = grouped_packed_blocks._joined_stacked(stacked, E, ROWWISE, owner)
+    parts, other, buffers = _stacked(case, ROWWISE, seed=1)  # (the state's views rebuilt: other tensors)
+    got = grouped_packed_blocks._joined_stacked(other, E, ROWWISE, owner)
+    assert got is not old, f"{case}: other stacked views reused the part joined from the old ones"
+    assert_parts_bitwise(got, grouped_packed_blocks._joined(None, parts), f"{case}: joined from the new views")
+    cparts, col, _ = _stacked(case, COLUMNWISE)
+    got_col = grouped_packed_blocks._joined_stacked(col, E, COLUMNWISE, owner)
+    assert got_col.columnwise, f"{case}: the columnwise join returned a rowwise part"
+    assert_parts_bitwise(got_col, grouped_packed_blocks._joined(None, cparts), f"{case}: columnwise join")
+    assert grouped_packed_blocks._joined_stacked(other, E, ROWWISE, owner) is got, \
+        f"{case}: the rowwise part kept for the weight was dropped by its columnwise one"
+
+
+def test_stacked_experts_without_a_state_are_joined_each_call():
+    _, stacked, _ = _stacked("fp8_block_tiles", ROWWISE)
+    a = grouped_packed_blocks._joined_stacked(stacked, E, ROWWISE, None)
+    b = grouped_packed_blocks._joined_stacked(stacked, E, ROWWISE, None)
+    assert a is not b, "a weight without an FSDP2 state (traced) must not keep a joined part"
