@@ -173,3 +173,23 @@ def test_launches_per_unit_drop(one_rank):
     weights = UNITS * len(jobs.NAMES)
     assert launches[True] == 2 * UNITS, f"{launches[True]} launches per step with the unit cast, expected {2 * UNITS}"
     assert launches[False] >= 2 * weights, f"{launches[False]} launches per step without it, expected >= {2 * weights}"
+
+
+def test_a_backward_override_set_between_steps(one_rank, monkeypatch):
+    """HYBRIDQ_BACKWARD_OVERRIDE set between steps (the siblings' lanes were derived without it; the batch does not
+    read it, their hooks do): training stays bitwise the per-weight path's."""
+    runs = {}
+    was = unit_cast.set_unit_cast(False)
+    try:
+        for on in (False, True):
+            unit_cast.set_unit_cast(on)
+            monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
+            m = jobs.build(one_rank, 1)
+            first = jobs.train(m, one_rank, 2, precompute=False)
+            monkeypatch.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "dequantized")
+            runs[on] = (first, jobs.train(m, one_rank, 2, precompute=False))
+    finally:
+        unit_cast.set_unit_cast(was)
+    for half in (0, 1):
+        jobs.compare(runs[True][half], runs[False][half], f"override set after 2 steps, part {half}")
+    assert sum(jobs.counters(m, "unit_batches").values()) >= UNITS, "no unit batch ran"
