@@ -60,14 +60,15 @@ class TokenGroups:
 
     @classmethod
     def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
-              name: str = "GroupedLinear") -> "TokenGroups":
+              name: str = "GroupedLinear", valid: torch.Tensor | None = None) -> "TokenGroups":
         """From checked `m_splits` (`hybridq.nn.m_splits.checked_m_splits`): a list (one host-to-device copy, from
-        pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously). The
-        projections of one MoE layer share their routing, and its backward reads it again: the groups of the last
-        `_BUILT_ROUTINGS` routings are reused while the counts (the same tensor, unmodified, or equal host counts),
-        tokens, device and stream are the same."""
+        pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously; `valid`:
+        `counts_valid(m_splits, tokens)` already computed, e.g. fused into a compiled graph -- [Note: counts checked
+        in the graph]). The projections of one MoE layer share their routing, and its backward reads it again: the
+        groups of the last `_BUILT_ROUTINGS` routings are reused while the counts (the same tensor, unmodified, or
+        equal host counts), tokens, device and stream are the same."""
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return cls._build(m_splits, tokens, device, name)  # (traced or captured: the graph holds its own)
+            return cls._build(m_splits, tokens, device, name, valid)  # (traced or captured: the graph holds its own)
         tensor = isinstance(m_splits, torch.Tensor)
         key = (id(m_splits) if tensor else tuple(m_splits), tokens, device,
                current_raw_stream(device) if device.type == "cuda" else None)
@@ -75,7 +76,7 @@ class TokenGroups:
         # (a tensor is kept with its groups, so its id is not reused while cached; its version says it is unchanged)
         if hit is not None and (not tensor or (hit[0] is m_splits and hit[1] == m_splits._version)):
             return hit[2]
-        groups = cls._build(m_splits, tokens, device, name)
+        groups = cls._build(m_splits, tokens, device, name, valid)
         _BUILT.pop(key, None)
         if len(_BUILT) >= _BUILT_ROUTINGS:
             del _BUILT[next(iter(_BUILT))]  # (the oldest routing)
@@ -83,11 +84,13 @@ class TokenGroups:
         return groups
 
     @classmethod
-    def _build(cls, m_splits, tokens: int, device: torch.device, name: str) -> "TokenGroups":
+    def _build(cls, m_splits, tokens: int, device: torch.device, name: str,
+               valid: torch.Tensor | None = None) -> "TokenGroups":
         if isinstance(m_splits, torch.Tensor):
-            counts = m_splits.to(device=device, dtype=torch.int64)
+            # (int32 counts -- the compiled router's -- are kept as they are: the bounds are int32 cumsums either way)
+            counts = m_splits.to(device=device, dtype=None if m_splits.dtype in _COUNT_DTYPES else torch.int64)
             if counts.device.type != "cpu":  # the host checks need the values: check them where they are
-                torch._assert_async((counts >= 0).all() & (counts.sum() == tokens),
+                torch._assert_async(counts_valid(counts, tokens) if valid is None else valid,
                                     f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
                 return cls(counts, tokens, None)
             return cls(counts, tokens, [int(v) for v in counts.tolist()])
@@ -158,6 +161,21 @@ class TokenGroups:
     def known_sizes(self) -> list[int] | None:
         """The counts if the host has them (given as a list), else None (no sync)."""
         return self._sizes
+
+
+_COUNT_DTYPES = (torch.int64, torch.int32)
+
+
+def counts_valid(m_splits: torch.Tensor, tokens) -> torch.Tensor:
+    """0-d bool tensor on m_splits' device: every count >= 0 and they sum to `tokens` (int64 sums) -- what
+    `TokenGroups.build` asserts on the device for counts the host has not read.
+
+    [Note: counts checked in the graph] Computed here it is five aten ops before the assert (a host cost of ~60-100
+    us on the GPU machine, once per MoE layer and step). A compiled GroupedLinear on CUDA computes it in its graph
+    instead (`compiled_grouped.grouped_in_graph`, where Inductor fuses it into one or two kernels; the three
+    projections of a layer share it) and hands it to its op, which asserts it before anything else runs, with the
+    message the op's own check would give: one aten op in the op."""
+    return (m_splits >= 0).all() & (m_splits.sum() == tokens)
 
 
 def _positions(tokens: int, device: torch.device) -> torch.Tensor:
