@@ -77,6 +77,7 @@ def _mod(module: str):
 # runs inside a call that row times (its ms <= that row's). A top-level row may overlap another top-level row (e.g.
 # the kernels' rows are inside both the eager autograd Functions' and the compiled ops' bodies).
 _W = "hybridq.distributed.weights"
+_GPB, _GB = "hybridq.nn.grouped_packed_blocks", "hybridq.kernels.grouped_blocks"
 TIMED = [
     ("FSDP2 pre_forward", _fsdp_group_class, "pre_forward", False),
     ("FSDP2 wait_for_unshard", _fsdp_group_class, "wait_for_unshard", True),
@@ -134,6 +135,21 @@ TIMED = [
     ("jagged FP8 kernels: quantize", _jagged_kernels_class, "quantize", True),
     ("jagged FP8 kernels: grouped GEMM (fprop, dgrad)", _jagged_kernels_class, "mm", True),
     ("jagged FP8 kernels: wgrad", _jagged_kernels_class, "wgrad", False),
+    ("block experts: slot layout (SlotLayout.build)", _cls("hybridq.nn.grouped_packed", "SlotLayout"), "build", True),
+    ("block experts: gathered weight read (GatheredExpertWeights)", _cls(_GPB, "GatheredExpertWeights"), "__init__",
+     True),
+    ("block experts: gathered weight joined (GatheredExpertWeights.whole)", _cls(_GPB, "GatheredExpertWeights"),
+     "whole", True),
+    ("block experts: grouped slot quantize (grouped_slots.quantize)", _mod("hybridq.kernels.grouped_slots"),
+     "quantize", True),
+    ("  of which: Triton launches (slot_quantize)", _mod("hybridq.kernels.triton_slot_quantize"), "slot_quantize",
+     True),
+    ("block experts: grouped GEMM fprop / dgrad (grouped_blocks.mm)", _mod(_GB), "mm", True),
+    ("  of which: Triton launch (grouped_block_mm)", _mod("hybridq.kernels.triton_grouped_blocks"),
+     "grouped_block_mm", True),
+    ("block experts: grouped GEMM wgrad (grouped_blocks.wgrad)", _mod(_GB), "wgrad", False),
+    ("  of which: Triton launch (grouped_block_wgrad)", _mod("hybridq.kernels.triton_grouped_blocks"),
+     "grouped_block_wgrad", False),
     ("backward (Tensor.backward)", lambda: torch.Tensor, "backward", False),
     ("clip_grad_norm_", lambda: torch.nn.utils, "clip_grad_norm_", False),
     ("hybridq.precompute_scales", lambda: hybridq, "precompute_scales", False),
