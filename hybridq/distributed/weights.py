@@ -20,6 +20,8 @@ into one payload (`transport.prepare_grouped`, laid out by `layout.ExpertLayout`
 expert's slots are assembled into its full parts, held by one `ExpertWeightState` per expert (`state.py`). Experts
 that share one per-tensor FP8 quantizer take the batched path (`grouped_batched.py`): one amax pass and one cast for
 all experts before the gather, one copy per buffer kind into the experts' stacked buffers and one transpose after it.
+Block-format experts sharing one quantizer are quantized as one tensor of the experts held and packed in one copy per
+tensor kind (`grouped_blocks_payload.py`), and filled in one copy per kind (`grouped_blocks_batched.py`).
 """
 
 from __future__ import annotations
