@@ -219,3 +219,99 @@ def test_stacked_experts_without_a_state_are_joined_each_call():
     a = grouped_packed_blocks._joined_stacked(stacked, E, ROWWISE, None)
     b = grouped_packed_blocks._joined_stacked(stacked, E, ROWWISE, None)
     assert a is not b, "a weight without an FSDP2 state (traced) must not keep a joined part"
+
+
+# ---- the device layout's bounds: made once per routing ----------------------------------------------------------------
+
+def _slot_layout(splits, device):
+    from hybridq.nn.grouped_packed import SlotLayout
+    dev = torch.device(device)
+    return SlotLayout.build(torch.tensor(splits, device=dev), sum(splits), dev, 128, lambda m: m, "moe")
+
+
+@pytest.mark.parametrize("splits", [[5, 0, 130, 1], [0, 0, 0, 0]], ids=str)
+def test_layout_bounds_and_their_table_rows_are_made_once_bitwise_the_table(splits):
+    layout = _slot_layout(splits, "cpu")
+    bounds = layout.bounds()
+    assert layout.bounds() is bounds, "the layout made its bounds again"
+    with DispatchCount() as first:
+        gemm_rows, slot_rows = bounds.gemm_rows, bounds.slot_rows
+    with DispatchCount() as later:
+        again = bounds.gemm_rows, bounds.slot_rows
+    assert first.ops, "the first read of the rows sliced nothing"
+    assert later.ops == [], f"a later read of the bounds' rows issued {later.ops}"
+    assert again[0] is gemm_rows and again[1] is slot_rows
+    assert torch.equal(gemm_rows, layout.table[:3]), f"{splits}: gemm rows {gemm_rows} vs table {layout.table}"
+    assert torch.equal(slot_rows[0], layout.table[0]) and torch.equal(slot_rows[1], layout.table[3]), \
+        f"{splits}: slot rows {slot_rows} vs table {layout.table}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_projections_of_one_routing_share_the_layout_bounds_until_the_counts_change():
+    from hybridq.nn.grouped_packed import SlotLayout
+    dev = torch.device("cuda")
+    counts = torch.tensor([5, 0, 130, 1], device=dev)
+    first = SlotLayout.build(counts, 136, dev, 128, lambda m: m, "moe")
+    second = SlotLayout.build(counts, 136, dev, 128, lambda m: m, "moe")
+    assert second.bounds() is first.bounds(), "a projection of the same routing made the bounds again"
+    counts.copy_(torch.tensor([0, 6, 130, 0], device=dev))  # (in place: another version, another routing)
+    third = SlotLayout.build(counts, 136, dev, 128, lambda m: m, "moe")
+    assert third.bounds() is not first.bounds(), "changed counts reused the old routing's bounds"
+    assert torch.equal(third.bounds().gemm_rows, third.table[:3]), "bounds' rows differ from the new table"
+    assert third.table[2].tolist() == [0, 6, 130, 0], third.table
+
+
+# ---- the layer on a GPU: kernel launches per call ----------------------------------------------------------------------
+
+def _device_path_here(preset) -> bool:
+    import hybridq as hq
+    from hybridq.nn.grouped_device_blocks import device_path_runs
+    from hybridq.nn.grouped_packed import packed_quantizers
+    if not torch.cuda.is_available():
+        return False
+    qs = packed_quantizers(hq.GroupedLinear(4, 256, 128, recipe=preset).expert_quantizers).quantizers
+    return device_path_runs(qs, torch.device("cuda"), 4, 128, 256)
+
+
+# Triton launches of one forward / backward on the device-count path: the slot quantize once per tensor (both
+# directions in one launch; before: one per direction), FP8 blocks' grouped GEMMs one per phase (MXFP8's grouped
+# emulation is no Triton kernel)
+LAUNCHES = {"fp8_block": {"forward": {"slot_quantize": 1, "grouped_block_mm": 1},
+                          "backward": {"slot_quantize": 1, "grouped_block_mm": 1, "grouped_block_wgrad": 1}},
+            "mxfp8": {"forward": {"slot_quantize": 1}, "backward": {"slot_quantize": 1}}}
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not _device_path_here(p), reason="needs CUDA sm_90 with the grouped kernels (Triton, the built extension)")])
+    for p in LAUNCHES])
+def test_gpu_device_count_path_launches_per_call(preset, monkeypatch):
+    import hybridq as hq
+    from hybridq.kernels import triton_grouped_blocks
+    launches = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            launches[name] = launches.get(name, 0) + 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+    counted(triton_slot_quantize, "slot_quantize")
+    counted(triton_grouped_blocks, "grouped_block_mm")
+    counted(triton_grouped_blocks, "grouped_block_wgrad")
+    torch.manual_seed(0)
+    m = hq.GroupedLinear(4, 256, 128, recipe=preset, device="cuda", dtype=torch.bfloat16, name="moe")
+    route = torch.tensor([5, 0, 130, 40], device="cuda")
+    x = torch.randn(175, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(175, 128, device="cuda", dtype=torch.bfloat16)
+    m(x, route).backward(dy)  # (first call: Triton compiles, the extension loads)
+    got = {}
+    for phase in ("forward", "backward"):
+        launches.clear()
+        if phase == "forward":
+            y = m(x, route)
+        else:
+            y.backward(dy)
+        got[phase] = dict(launches)
+    assert got == LAUNCHES[preset], f"{preset}: Triton launches per call {got}, expected {LAUNCHES[preset]}"

@@ -158,6 +158,22 @@ class GroupBounds:
         self.slots_aligned = all(o % BLOCK == 0 for o in offsets)  # (what wgrad needs)
         self.whole_blocks = self.slots_aligned and all(s % BLOCK == 0 for s in slots)
 
+    @property
+    def gemm_rows(self) -> torch.Tensor:
+        """`table[:3]` (slot start, first output row, tokens), what the fprop / dgrad kernel reads: a view made once
+        per bounds (forward and backward, and the projections of one routing, share the bounds; a slice is a
+        dispatcher call on every GEMM otherwise)."""
+        if "_gemm_rows" not in self.__dict__:
+            self._gemm_rows = self.table[:3]
+        return self._gemm_rows
+
+    @property
+    def slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`table[0]`, `table[3]`): the slots' starts and sizes, what the wgrad kernel reads (as `gemm_rows`)."""
+        if "_slot_rows" not in self.__dict__:
+            self._slot_rows = (self.table[0], self.table[3])
+        return self._slot_rows
+
     @classmethod
     def on_device(cls, table: torch.Tensor, tokens: int, multiple: int) -> "GroupBounds":
         """Bounds whose table was computed on the device (`grouped_packed.SlotLayout`: no host counts): every slot a
@@ -194,14 +210,14 @@ def mm(a, b, b_experts: int, bounds: GroupBounds, out_dtype: torch.dtype) -> tor
         group_stride, row_stride = n * data.stride(0), data.stride(0)
         scale_strides = (n // blocks * s.stride(0), s.stride(0), 1)
     return t.grouped_block_mm(_row_major(a.data), _row_major(a.scales), data, group_stride, row_stride, n, s,
-                              scale_strides, blocks, bounds.table[:3], bounds.tokens, out_dtype)
+                              scale_strides, blocks, bounds.gemm_rows, bounds.tokens, out_dtype)
 
 
 def wgrad(a_t, b_t, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor:
     """dW of every expert, `[E, M, N]`: the columnwise token parts `a_t [M, S]`, `b_t [N, S]` contracted over each
     expert's slot (zero for an empty one)."""
     operands = (_row_major(t) for t in (a_t.data, a_t.scales, b_t.data, b_t.scales))
-    return _triton().grouped_block_wgrad(*operands, bounds.table[0], bounds.table[3], bounds.whole_blocks, out_dtype)
+    return _triton().grouped_block_wgrad(*operands, *bounds.slot_rows, bounds.whole_blocks, out_dtype)
 
 
 def _cublas_weight_scales(b, e: int) -> torch.Tensor:
@@ -231,7 +247,7 @@ def cublas_mm(a, b, b_experts: int, offsets: list[int], rows: list[int], tokens:
     sizes) must be `offsets` / `rows` (the slots are the padded counts)."""
     return torch.ops.hybridq.grouped_block_cublas_mm(
         _row_major(a.data), _row_major(a.scales), _row_major(b.data), _cublas_weight_scales(b, b_experts),
-        b.block_shape[0] != 1, 1 if b.columnwise else 0, offsets, rows, tokens, bounds.table[0], bounds.table[3],
+        b.block_shape[0] != 1, 1 if b.columnwise else 0, offsets, rows, tokens, *bounds.slot_rows,
         out_dtype)
 
 

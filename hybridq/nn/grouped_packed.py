@@ -199,8 +199,9 @@ class SlotLayout:
         self._splits = splits
         self._host: TokenLayout | None = None
         self._source: torch.Tensor | None = None
+        self._bounds = None
         if device_parts is not None:  # (another layer's layout of the same routing: `build`)
-            self.table, self.token_rows, self._source = device_parts
+            self.table, self.token_rows, self._source, self._bounds = device_parts
             return
         slots = (counts + (multiple - 1)).div_(multiple, rounding_mode="floor").mul_(multiple)
         ends = slots.cumsum(0)
@@ -229,7 +230,7 @@ class SlotLayout:
             hit = _SLOTS.get(key)
             if hit is not None and hit[0] is m_splits and hit[1] == m_splits._version:
                 return cls(hit[2].counts, tokens, multiple, padded_of, None,
-                           (hit[2].table, hit[2].token_rows, hit[2].source_rows()))
+                           (hit[2].table, hit[2].token_rows, hit[2].source_rows(), hit[2].bounds()))
         counts = m_splits.to(device=device, dtype=torch.int64)
         splits = None
         if not fake and counts.device.type == "cpu":
@@ -246,9 +247,12 @@ class SlotLayout:
         return layout
 
     def bounds(self):
-        """The grouped GEMMs' bounds (`grouped_blocks.GroupBounds`) from the device table."""
-        from ..kernels.grouped_blocks import GroupBounds
-        return GroupBounds.on_device(self.table, self.tokens, self.multiple)
+        """The grouped GEMMs' bounds (`grouped_blocks.GroupBounds`) from the device table (made once: forward,
+        backward and the other projections of the routing share them, with the table rows they slice)."""
+        if self._bounds is None:
+            from ..kernels.grouped_blocks import GroupBounds
+            self._bounds = GroupBounds.on_device(self.table, self.tokens, self.multiple)
+        return self._bounds
 
     def source_rows(self, device: torch.device | None = None) -> torch.Tensor:
         """int32 `[rows]`: the token row each slot row holds, -1 for a padding row (`TokenLayout.source_rows`)."""
