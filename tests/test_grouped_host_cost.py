@@ -221,7 +221,7 @@ def test_stacked_experts_without_a_state_are_joined_each_call():
     assert a is not b, "a weight without an FSDP2 state (traced) must not keep a joined part"
 
 
-# ---- the device layout's bounds: made once per routing ----------------------------------------------------------------
+# ---- the device layout's bounds: made once per routing ---------------------------------------------------------------
 
 def _slot_layout(splits, device):
     from hybridq.nn.grouped_packed import SlotLayout
@@ -262,7 +262,7 @@ def test_gpu_projections_of_one_routing_share_the_layout_bounds_until_the_counts
     assert third.table[2].tolist() == [0, 6, 130, 0], third.table
 
 
-# ---- the layer on a GPU: kernel launches per call ----------------------------------------------------------------------
+# ---- the layer on a GPU: kernel launches per call --------------------------------------------------------------------
 
 def _device_path_here(preset) -> bool:
     import hybridq as hq
