@@ -112,6 +112,15 @@ def test_slot_quantize_decision_is_asked_again_for_a_quantizer_changed_in_place(
     assert decision_spy.calls > asked, "a quantizer changed in place reused the decision kept for its old fields"
 
 
+def test_slot_quantize_decision_is_not_kept_for_formats_it_does_not_implement(decision_spy):
+    """NVFP4 (and hybrids with it) never reach the lookup nor the cache (their quantizers may hold tensors)."""
+    from hybridq.formats import NVFP4Quantizer
+    x = torch.zeros(10, 256, dtype=torch.bfloat16)
+    for q in (NVFP4Quantizer(), HybridQuantizer(rowwise=NVFP4Quantizer(), columnwise=MXFP8Quantizer())):
+        assert grouped_slots._kernel_takes(q, x, 128, True, True) is False, q.describe()
+    assert decision_spy.calls == 0 and grouped_slots._DECISIONS == {}, "an unimplemented format was looked up / kept"
+
+
 def test_slot_quantize_decision_cache_is_bounded(decision_spy):
     q = Float8BlockQuantizer(block_dim=1)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)

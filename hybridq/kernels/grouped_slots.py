@@ -1,12 +1,12 @@
 """The grouped quantize of GroupedLinear's packed block path on CUDA: the routed token rows quantized straight into
 the expert slots (`triton_slot_quantize`: one launch writes both directions of one quantizer), instead of packing
-them into a zero-padded buffer (`TokenLayout.pack`) and quantizing that. Bitwise the same parts: it is taken only where the packed path would run the extension's CUDA
-kernel of the same quantizer (`dispatch.lookup_quantize` on the slot-shaped input), whose numerics the Triton kernel
-reproduces, for the formats it implements: FP8 1x128 blocks (`Float8BlockQuantizer(block_dim=1)`) and MXFP8 1x32
-blocks (`MXFP8Quantizer(block_2d=False)`), alone or as either direction of a `HybridQuantizer` whose columnwise form
-comes from the original values. Elsewhere (the CPU, no Triton, other formats, NVFP4 directions, torch.compile's
-fake tensors, `HYBRIDQ_GROUPED_SLOT_QUANTIZE=0`, or after the kernel failed to compile or launch: one warning, then
-off for the process) `quantize` returns None and the caller packs.
+them into a zero-padded buffer (`TokenLayout.pack`) and quantizing that. Bitwise the same parts: it is taken only
+where the packed path would run the extension's CUDA kernel of the same quantizer (`dispatch.lookup_quantize` on the
+slot-shaped input), whose numerics the Triton kernel reproduces, for the formats it implements: FP8 1x128 blocks
+(`Float8BlockQuantizer(block_dim=1)`) and MXFP8 1x32 blocks (`MXFP8Quantizer(block_2d=False)`), alone or as either
+direction of a `HybridQuantizer` whose columnwise form comes from the original values. Elsewhere (the CPU, no Triton,
+other formats, NVFP4 directions, torch.compile's fake tensors, `HYBRIDQ_GROUPED_SLOT_QUANTIZE=0`, or after the kernel
+failed to compile or launch: one warning, then off for the process) `quantize` returns None and the caller packs.
 """
 
 from __future__ import annotations
@@ -74,19 +74,20 @@ def _kernel_takes(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, 
     """Whether every direction asked for is implemented here and the packed path would run the extension's kernel of
     its quantizer on the slot-shaped buffer. [Note: the slot quantize's decision cache] keeps the answer per call
     configuration."""
+    dirs = _direction_quantizers(q, rowwise, columnwise)  # (first: only the formats here are kept, none with tensors)
+    if dirs is None or _triton() is None:
+        return False
     key = (id(q), x.dtype, x.device, x.shape[1], slot_rows, rowwise, columnwise)
     hit = _DECISIONS.get(key)
     if hit is not None and hit[0] is q and hit[1] == q:
         return hit[2]
-    dirs = _direction_quantizers(q, rowwise, columnwise)
-    takes = dirs is not None and _triton() is not None
-    if takes:
-        probe = x[:1].expand(slot_rows, x.shape[1])  # (the packed buffer's shape, for the CUDA kernel's checks)
-        for d, col in dirs:  # only where the packed path would run the extension's kernel
-            impl = lookup_quantize(d, probe, not col, col)
-            if impl is None or impl.name != _CUDA_KERNELS[type(d)]:
-                takes = False
-                break
+    takes = True
+    probe = x[:1].expand(slot_rows, x.shape[1])  # (the packed buffer's shape, for the CUDA kernel's checks)
+    for d, col in dirs:  # only where the packed path would run the extension's kernel
+        impl = lookup_quantize(d, probe, not col, col)
+        if impl is None or impl.name != _CUDA_KERNELS[type(d)]:
+            takes = False
+            break
     if len(_DECISIONS) >= _MAX_DECISIONS:
         del _DECISIONS[next(iter(_DECISIONS))]  # (the oldest configuration)
     _DECISIONS[key] = (q, copy.deepcopy(q), takes)  # (a copy: a quantizer changed in place no longer equals it)
