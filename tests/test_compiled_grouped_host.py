@@ -1,9 +1,10 @@
 """Host work of the compiled GroupedLinear ops' bodies per call (issue 30: the compiled fp8_tensorwise MoE job is
 host-bound), and that what they keep between calls is never stale:
 
-- the token counts' device check ([Note: counts checked in the graph]): computed in the compiled graph on a GPU and
-  asserted by the op -- one aten op in the op where it was seven (an int64 copy of the compiled router's int32 counts,
-  five ops of the check, the assert); the rule it computes is the host check's;
+- the token counts' device check and the groups' bounds ([Note: counts checked in the graph]): computed in the
+  compiled graph (the check for counts on a GPU) and handed to the op, which asserts the check -- one aten op in the
+  op's groups where there were twelve (an int64 copy of the compiled router's int32 counts, five ops of the check,
+  the assert, five for the bounds); the rule and the bounds are the groups' own;
 - int32 counts are kept as they are: the groups' bounds are those of the int64 counts."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridq.nn.grouped_jagged import TokenGroups, counts_valid
+from hybridq.nn.grouped_jagged import TokenGroups, counts_valid, group_bounds
 
 META = torch.device("meta")
 # (counts, tokens, valid): empty groups, one group, every row in one group, negative, sums off by one either way
@@ -59,6 +60,60 @@ def test_device_counts_checked_by_the_graph_cost_the_op_one_aten_op(dtype):
         f"build with its own check issued {own.ops}"
 
 
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
+def test_device_counts_with_the_graphs_check_and_bounds_cost_the_op_one_aten_op(dtype):
+    """With the graph's bounds too, reading the groups' ends, padded ends and rows' groups issues nothing (before:
+    cumsum, add, bitwise_and, cumsum, searchsorted on the first quantize of each MoE layer)."""
+    counts = torch.empty(4, dtype=dtype, device=META)
+    valid, bounds = counts_valid(counts, 64), group_bounds(counts, 64)
+    with _Ops() as given:
+        groups = TokenGroups._build(counts, 64, META, "moe", valid, bounds)
+        got = [groups.ends, groups.padded_ends, groups.row_group]
+    assert given.ops == ["aten._assert_async.msg"], f"build and bounds with the graph's issued {given.ops}"
+    assert all(a is b for a, b in zip(got, bounds)), "the groups did not take the graph's bounds"
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
+@pytest.mark.parametrize("counts", [c for c, _, ok in COUNT_CASES if ok], ids=str)
+def test_group_bounds_are_the_groups_own(counts, dtype):
+    t = torch.tensor(counts, dtype=dtype)
+    lazy = TokenGroups(t, sum(counts), None)
+    want = {"ends": torch.tensor(counts).cumsum(0).int(),
+            "padded_ends": ((torch.tensor(counts) + 15) // 16 * 16).cumsum(0).int(),
+            "row_group": torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))}
+    for (what, w), g in zip(want.items(), group_bounds(t, sum(counts))):
+        assert g.dtype == torch.int32 and torch.equal(g, w), f"{what} of {counts}: graph's {g.tolist()}, want {w}"
+        lz = getattr(lazy, what)
+        assert lz.dtype == torch.int32 and torch.equal(lz, w), f"{what} of {counts}: groups' {lz.tolist()}, want {w}"
+
+
+def test_the_compiled_graph_hands_each_grouped_op_its_routings_bounds_computed_once():
+    """Every grouped op of the compiled graph gets the bounds (CPU counts: no device check), and with Inductor's
+    partitioner (its CSE) the projections of one routing share one computation of them."""
+    import sys
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_grouped_compile import D, SPLITS, MoEBlock
+    graphs = []
+
+    def forward(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.compile(MoEBlock("fp8_tensorwise"), fullgraph=True, backend=backend)(
+        torch.randn(sum(SPLITS), D, requires_grad=True), torch.tensor(SPLITS)).sum().backward()
+    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_forward.default]
+    assert len(calls) == 2, f"expected the two GroupedLinears' forward ops, got {len(calls)}"
+    bounds = [tuple(n.args[4]) for n in calls]
+    assert all(len(b) == 3 for b in bounds), f"ops without the graph's bounds: {bounds}"
+    assert len(set(bounds)) == 1, f"one routing's bounds computed {len(set(bounds))} times: {bounds}"
+    assert all(n.args[3] is None for n in calls), "CPU counts got a device check (the op reads them on the host)"
+
+
 def test_int32_counts_are_kept_and_give_the_int64_counts_groups():
     counts = [5, 0, 17, 42, 0, 16]
     c32 = torch.tensor(counts, dtype=torch.int32)
@@ -75,3 +130,45 @@ def test_small_integer_counts_are_widened():
     """(uint8 counts would overflow the padded bounds' `+ 15`: they are copied to int64 as before.)"""
     g = TokenGroups._build(torch.tensor([250, 3], dtype=torch.uint8), 253, torch.device("cpu"), "moe")
     assert g._counts.dtype == torch.int64 and g.padded_ends.tolist() == [256, 272], (g._counts.dtype, g.padded_ends)
+
+
+# ---- the gathered ops' weight found through its handle without reading the handle's value ----------------------
+
+class _Owner:
+    def __init__(self, weight):
+        self.weight = weight
+
+
+def test_a_handle_finds_its_weight_without_an_aten_op():
+    """The compiled ops get the handle tensor `weight_handle` made at every call: its entry is kept on it (before:
+    `handle.item()`, an aten op per gathered op call)."""
+    from hybridq.nn.weight_handle import weight_handle, weight_of
+    w = torch.randn(2, 3)
+    owner = _Owner(w)
+    handle = weight_handle(owner, lambda o: o.weight)
+    with _Ops() as found:
+        got = weight_of(handle)
+    assert got is w, "the handle named another weight"
+    assert found.ops == [], f"finding the weight issued {found.ops}"
+    owner.weight = w2 = torch.randn(2, 3)
+    assert weight_of(handle) is w2, "the handle served the weight it gave before, not the owner's current one"
+
+
+def test_a_handle_changed_in_place_or_copied_names_what_its_value_names():
+    from hybridq.nn.weight_handle import weight_handle, weight_of
+    a, b = _Owner(torch.randn(1)), _Owner(torch.randn(1))
+    ha, hb = weight_handle(a, lambda o: o.weight), weight_handle(b, lambda o: o.weight)
+    assert weight_of(ha.clone()) is a.weight and weight_of(hb.clone()) is b.weight, "a copy of a handle named another"
+    ha.copy_(hb)  # (its value now names b: the kept entry is not served)
+    assert weight_of(ha) is b.weight, "a handle changed in place still named its first weight"
+
+
+def test_a_handle_whose_owner_is_gone_raises():
+    from hybridq.nn.weight_handle import weight_handle, weight_of
+    owner = _Owner(torch.randn(1))
+    handle = weight_handle(owner, lambda o: o.weight)
+    del owner
+    import gc
+    gc.collect()
+    with pytest.raises(RuntimeError, match="is gone"):
+        weight_of(handle)

@@ -97,8 +97,8 @@ def test_tracing_the_gathered_grouped_op_keeps_no_fake_tensor():
     key = _key("e5m2")
     with FakeTensorMode():  # (what compile's tracing runs: the op's fake)
         x, handle, m_splits = torch.randn(64, 64), torch.zeros(1, dtype=torch.int64), torch.tensor([30, 34])
-        y = torch.ops.hybridq.gathered_grouped_linear_forward(x, handle, m_splits, None, key, True, True, [2, 96, 64],
-                                                              torch.float32)[0]
+        y = torch.ops.hybridq.gathered_grouped_linear_forward(x, handle, m_splits, None, [], key, True, True,
+                                                              [2, 96, 64], torch.float32)[0]
     assert isinstance(y, FakeTensor) and list(y.shape) == [64, 96]
     kept = [t for t in compiled_grouped._STAND_INS.values() if isinstance(t, FakeTensor)]
     assert not kept, f"the real op's stand-in weights include {len(kept)} fake tensors made while tracing"

@@ -47,7 +47,7 @@ from ..kernels import native_gemm
 from ..weight_forms import GroupedGatheredForm
 from .expert_layers import converted_experts
 from .graph_keys import ConfigurationKeys
-from .grouped_jagged import HeldFP8Experts, TokenGroups, counts_valid, jagged_backward, jagged_forward
+from .grouped_jagged import HeldFP8Experts, TokenGroups, counts_valid, group_bounds, jagged_backward, jagged_forward
 from . import compiled_grouped_blocks
 from .grouped_packed import BLOCKS, FP8_TENSOR, packed_quantizers
 from .m_splits import check_split_values
@@ -159,17 +159,30 @@ def _check_split_tensor(m_splits: torch.Tensor, num_experts: int, name: str) -> 
 
 
 def _groups(m_splits: torch.Tensor, tokens: int, device: torch.device, name: str, fake: bool,
-            valid: torch.Tensor | None = None) -> TokenGroups:
+            valid: torch.Tensor | None = None, bounds=()) -> TokenGroups:
     """The token groups the ops run on. On CUDA the counts stay on the device (no host sync): the host knows only
-    what the fake knows, so both size the columnwise buffers alike; `valid`: the graph's `counts_valid` of them
-    ([Note: counts checked in the graph]). On the CPU the real op reads and checks them."""
+    what the fake knows, so both size the columnwise buffers alike; `valid` / `bounds`: the graph's `counts_valid` /
+    `group_bounds` of them ([Note: counts checked in the graph]). On the CPU the real op reads and checks them."""
     if fake or device.type != "cpu":
         if not fake:  # (values checked on the device, asynchronously; the routing's groups built once)
-            return TokenGroups.build(m_splits, tokens, device, name, valid)
+            return TokenGroups.build(m_splits, tokens, device, name, valid, bounds)
         return TokenGroups(m_splits.to(device=device, dtype=torch.int64), tokens, None)
     counts = m_splits.to(device=device, dtype=torch.int64)
     sizes = check_split_values([int(v) for v in counts.tolist()], counts.shape[0], tokens, name)
-    return TokenGroups(counts, tokens, sizes)
+    groups = TokenGroups(counts, tokens, sizes)
+    if bounds:
+        groups.take_bounds(bounds)
+    return groups
+
+
+def _routing(m_splits: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """(counts_ok, bounds) of the forward op, computed in the graph ([Note: counts checked in the graph]): the
+    counts' device check for counts on a GPU (on the CPU the op reads them: a host check with its ValueError), and
+    the groups' bounds for int32 / int64 counts on the input's device. Traced by dynamo."""
+    tokens = x.shape[0]
+    valid = counts_valid(m_splits, tokens) if x.device.type != "cpu" else None
+    takes = m_splits.dtype in (torch.int32, torch.int64) and m_splits.device == x.device
+    return valid, group_bounds(m_splits, tokens) if takes else []
 
 
 def _buffer(col: torch.Tensor) -> torch.Tensor:
@@ -180,7 +193,7 @@ def _buffer(col: torch.Tensor) -> torch.Tensor:
     return col.as_strided((col.shape[0], col.stride(0)), (col.stride(0), 1))
 
 
-def _run_forward(x, weight, m_splits, valid, key, need_dgrad, need_wgrad, fake: bool, handle=None):
+def _run_forward(x, weight, m_splits, valid, bounds, key, need_dgrad, need_wgrad, fake: bool, handle=None):
     """[y, x columnwise buffer, x scale_inv, W columnwise, W scale_inv]. With `handle` (the weight FSDP2 gathered,
     `weight` a stand-in of its shape) W's forms are read through the handle: forward its rowwise form, backward its
     columnwise form, so neither is an output (empty tensors)."""
@@ -188,7 +201,7 @@ def _run_forward(x, weight, m_splits, valid, key, need_dgrad, need_wgrad, fake: 
     e, n, k = weight.shape
     # (the fake asks anew: its shapes may be symbolic)
     kernels = jagged_fp8_kernels(x.device, k, n, quantizers) if fake else _kernels(key, x.device, k, n)
-    groups = _groups(m_splits, x.shape[0], x.device, name, fake, valid)
+    groups = _groups(m_splits, x.shape[0], x.device, name, fake, valid, bounds)
     handled = handle is not None
     if fake:  # (an output a gradient does not need is an empty tensor of its own: outputs may not alias)
         x_col = (x.new_empty(k, kernels.columnwise_width(groups), dtype=quantizers["input"].dtype) if need_wgrad
@@ -226,17 +239,17 @@ def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor
 
 @plain_op("hybridq::grouped_linear_forward")
 def grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, m_splits: torch.Tensor,
-                           counts_ok: torch.Tensor | None, key: str, need_dgrad: bool,
+                           counts_ok: torch.Tensor | None, bounds: list[torch.Tensor], key: str, need_dgrad: bool,
                            need_wgrad: bool) -> list[torch.Tensor]:
     """[y, x columnwise buffer, x scale_inv, W columnwise, W scale_inv] of a jagged FP8 GroupedLinear call
-    (configuration `key`); a columnwise form backward will not read is an empty tensor. `counts_ok`:
-    `counts_valid(m_splits, tokens)` computed by the graph (counts on a GPU), asserted here; None: checked here."""
-    return _run_forward(x, weight, m_splits, counts_ok, key, need_dgrad, need_wgrad, fake=False)
+    (configuration `key`); a columnwise form backward will not read is an empty tensor. `counts_ok` / `bounds`:
+    the graph's `counts_valid` / `group_bounds` of `m_splits` (`_routing`), or None / [] (made here)."""
+    return _run_forward(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, fake=False)
 
 
 @grouped_linear_forward.register_fake
-def _(x, weight, m_splits, counts_ok, key, need_dgrad, need_wgrad):
-    return _run_forward(x, weight, m_splits, counts_ok, key, need_dgrad, need_wgrad, fake=True)
+def _(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad):
+    return _run_forward(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, fake=True)
 
 
 def _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
@@ -273,10 +286,11 @@ def _(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, m_splits, counts_ok, key, need_dgrad, need_wgrad = inputs
+    x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad = inputs
     # a gathered weight is kept for dgrad as its handle (not its bytes): backward reads its columnwise form then
     ctx.save_for_backward(m_splits, *output[1:], weight if need_dgrad and handled_weight(weight) else None)
     ctx.args = (key, need_dgrad, need_wgrad, list(weight.shape), weight.dtype)
+    ctx.bounds = len(bounds)  # (the gradient of a tensor list is a list of its length)
 
 
 def _backward(ctx, grads):
@@ -291,7 +305,7 @@ def _backward(ctx, grads):
     else:
         dx, dw = torch.ops.hybridq.grouped_linear_backward(grads[0], m_splits, x_col, x_scale, w_col, w_scale, key,
                                                            need_dgrad, need_wgrad, w_shape, w_dtype)
-    return dx if need_dgrad else None, dw if need_wgrad else None, None, None, None, None, None
+    return dx if need_dgrad else None, dw if need_wgrad else None, None, None, [None] * ctx.bounds, None, None, None
 
 
 grouped_linear_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -301,19 +315,20 @@ grouped_linear_forward.register_autograd(_backward, setup_context=_setup_context
 
 @plain_op("hybridq::gathered_grouped_linear_forward")
 def gathered_grouped_linear_forward(x: torch.Tensor, handle: torch.Tensor, m_splits: torch.Tensor,
-                                    counts_ok: torch.Tensor | None, key: str, need_dgrad: bool, need_wgrad: bool,
-                                    w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
+                                    counts_ok: torch.Tensor | None, bounds: list[torch.Tensor], key: str,
+                                    need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
+                                    w_dtype: torch.dtype) -> list[torch.Tensor]:
     """`grouped_linear_forward` of the gathered weight `handle` names (its rowwise form read now); W's columnwise
     outputs are empty: backward reads them through the handle."""
-    return _run_forward(x, _stand_in(w_shape, w_dtype), m_splits, counts_ok, key, need_dgrad, need_wgrad,
+    return _run_forward(x, _stand_in(w_shape, w_dtype), m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad,
                         fake=False, handle=handle)
 
 
 @gathered_grouped_linear_forward.register_fake
-def _(x, handle, m_splits, counts_ok, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+def _(x, handle, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, w_shape, w_dtype):
     # (a stand-in of its own: one made under the fake mode is a fake tensor, never to be kept)
-    return _run_forward(x, torch.empty(w_shape, dtype=w_dtype, device="meta"), m_splits, counts_ok, key, need_dgrad,
-                        need_wgrad, fake=True, handle=handle)
+    return _run_forward(x, torch.empty(w_shape, dtype=w_dtype, device="meta"), m_splits, counts_ok, bounds, key,
+                        need_dgrad, need_wgrad, fake=True, handle=handle)
 
 
 def _stand_in(w_shape: list[int], w_dtype: torch.dtype) -> torch.Tensor:
@@ -353,8 +368,6 @@ def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Te
         return compiled_grouped_blocks.grouped_in_graph(layer, x, m_splits)
     grad = torch.is_grad_enabled()
     need_dgrad, need_wgrad = grad and x.requires_grad, grad and layer.weight.requires_grad
-    # counts on a GPU: their check computed here, in the graph ([Note: counts checked in the graph]); on the CPU the
-    # op reads them (a host check with its ValueError)
-    counts_ok = counts_valid(m_splits, x.shape[0]) if x.device.type != "cpu" else None
-    return torch.ops.hybridq.grouped_linear_forward(x, layer.weight, m_splits, counts_ok, layer._graph_key,
+    counts_ok, bounds = _routing(m_splits, x)  # ([Note: counts checked in the graph])
+    return torch.ops.hybridq.grouped_linear_forward(x, layer.weight, m_splits, counts_ok, bounds, layer._graph_key,
                                                     need_dgrad, need_wgrad)[0]

@@ -60,15 +60,17 @@ class TokenGroups:
 
     @classmethod
     def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
-              name: str = "GroupedLinear", valid: torch.Tensor | None = None) -> "TokenGroups":
+              name: str = "GroupedLinear", valid: torch.Tensor | None = None,
+              bounds: Sequence[torch.Tensor] = ()) -> "TokenGroups":
         """From checked `m_splits` (`hybridq.nn.m_splits.checked_m_splits`): a list (one host-to-device copy, from
         pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously; `valid`:
-        `counts_valid(m_splits, tokens)` already computed, e.g. fused into a compiled graph -- [Note: counts checked
-        in the graph]). The projections of one MoE layer share their routing, and its backward reads it again: the
-        groups of the last `_BUILT_ROUTINGS` routings are reused while the counts (the same tensor, unmodified, or
-        equal host counts), tokens, device and stream are the same."""
+        `counts_valid(m_splits, tokens)` already computed, `bounds`: `group_bounds(m_splits, tokens)`, e.g. fused
+        into a compiled graph -- [Note: counts checked in the graph]). The projections of one MoE layer share their
+        routing, and its backward reads it again: the groups of the last `_BUILT_ROUTINGS` routings are reused while
+        the counts (the same tensor, unmodified, or equal host counts), tokens, device and stream are the same."""
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return cls._build(m_splits, tokens, device, name, valid)  # (traced or captured: the graph holds its own)
+            # (traced or captured: the graph holds its own)
+            return cls._build(m_splits, tokens, device, name, valid, bounds)
         tensor = isinstance(m_splits, torch.Tensor)
         key = (id(m_splits) if tensor else tuple(m_splits), tokens, device,
                current_raw_stream(device) if device.type == "cuda" else None)
@@ -76,7 +78,7 @@ class TokenGroups:
         # (a tensor is kept with its groups, so its id is not reused while cached; its version says it is unchanged)
         if hit is not None and (not tensor or (hit[0] is m_splits and hit[1] == m_splits._version)):
             return hit[2]
-        groups = cls._build(m_splits, tokens, device, name, valid)
+        groups = cls._build(m_splits, tokens, device, name, valid, bounds)
         _BUILT.pop(key, None)
         if len(_BUILT) >= _BUILT_ROUTINGS:
             del _BUILT[next(iter(_BUILT))]  # (the oldest routing)
@@ -84,16 +86,20 @@ class TokenGroups:
         return groups
 
     @classmethod
-    def _build(cls, m_splits, tokens: int, device: torch.device, name: str,
-               valid: torch.Tensor | None = None) -> "TokenGroups":
+    def _build(cls, m_splits, tokens: int, device: torch.device, name: str, valid: torch.Tensor | None = None,
+               bounds: Sequence[torch.Tensor] = ()) -> "TokenGroups":
         if isinstance(m_splits, torch.Tensor):
             # (int32 counts -- the compiled router's -- are kept as they are: the bounds are int32 cumsums either way)
             counts = m_splits.to(device=device, dtype=None if m_splits.dtype in _COUNT_DTYPES else torch.int64)
             if counts.device.type != "cpu":  # the host checks need the values: check them where they are
                 torch._assert_async(counts_valid(counts, tokens) if valid is None else valid,
                                     f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
-                return cls(counts, tokens, None)
-            return cls(counts, tokens, [int(v) for v in counts.tolist()])
+                groups = cls(counts, tokens, None)
+            else:
+                groups = cls(counts, tokens, [int(v) for v in counts.tolist()])
+            if bounds:
+                groups.take_bounds(bounds)
+            return groups
         sizes = list(m_splits)
         host = torch.tensor(sizes, dtype=torch.int64, pin_memory=device.type == "cuda")
         return cls(host.to(device, non_blocking=True), tokens, sizes)
@@ -113,7 +119,7 @@ class TokenGroups:
     @property
     def ends(self) -> torch.Tensor:
         if self._ends is None:
-            self._ends = self._counts.cumsum(0, dtype=torch.int32)
+            self._ends = _ends_of(self._counts)
         return self._ends
 
     @property
@@ -121,7 +127,7 @@ class TokenGroups:
         """int32 `[n]`: the cumulative counts, each group's rounded up to a multiple of 16 (the padded layout of the
         CUDA kernels' columnwise forms, hybridq/kernels/grouped_fp8.py)."""
         if self._padded_ends is None:
-            self._padded_ends = (self._counts + 15).bitwise_and_(-16).cumsum(0, dtype=torch.int32)
+            self._padded_ends = _padded_ends_of(self._counts)
         return self._padded_ends
 
     def padded_width(self) -> int:
@@ -149,9 +155,13 @@ class TokenGroups:
         `repeat_interleave(arange(n), counts)` for any counts >= 0 (that is an arange and ~4 kernels more per routing:
         ~0.1 ms of host per MoE layer on the H200 machine)."""
         if self._row_group is None:
-            self._row_group = torch.searchsorted(self.ends, _positions(self.tokens, self._counts.device), right=True,
-                                                 out_int32=True)
+            self._row_group = _row_group_of(self.ends, self.tokens)
         return self._row_group
+
+    def take_bounds(self, bounds: Sequence[torch.Tensor]) -> None:
+        """Use `bounds` = `group_bounds(counts, tokens)` of these groups' counts, computed elsewhere (a compiled
+        graph: [Note: counts checked in the graph]), as `ends`, `padded_ends` and `row_group`."""
+        self._ends, self._padded_ends, self._row_group = bounds
 
     def host_sizes(self) -> list[int]:
         if self._sizes is None:
@@ -166,15 +176,38 @@ class TokenGroups:
 _COUNT_DTYPES = (torch.int64, torch.int32)
 
 
+def _ends_of(counts: torch.Tensor) -> torch.Tensor:
+    return counts.cumsum(0, dtype=torch.int32)
+
+
+def _padded_ends_of(counts: torch.Tensor) -> torch.Tensor:
+    return (counts + 15).bitwise_and_(-16).cumsum(0, dtype=torch.int32)
+
+
+def _row_group_of(ends: torch.Tensor, tokens) -> torch.Tensor:
+    return torch.searchsorted(ends, _positions(tokens, ends.device), right=True, out_int32=True)
+
+
+def group_bounds(m_splits: torch.Tensor, tokens) -> list[torch.Tensor]:
+    """[ends, padded_ends, row_group] of the counts `m_splits` (int32 or int64) for `tokens` rows: what `TokenGroups`
+    makes on first use, the same expressions, for a compiled graph to compute ([Note: counts checked in the graph];
+    `TokenGroups.take_bounds`)."""
+    ends = _ends_of(m_splits)
+    return [ends, _padded_ends_of(m_splits), _row_group_of(ends, tokens)]
+
+
 def counts_valid(m_splits: torch.Tensor, tokens) -> torch.Tensor:
     """0-d bool tensor on m_splits' device: every count >= 0 and they sum to `tokens` (int64 sums) -- what
     `TokenGroups.build` asserts on the device for counts the host has not read.
 
     [Note: counts checked in the graph] Computed here it is five aten ops before the assert (a host cost of ~60-100
-    us on the GPU machine, once per MoE layer and step). A compiled GroupedLinear on CUDA computes it in its graph
-    instead (`compiled_grouped.grouped_in_graph`, where Inductor fuses it into one or two kernels; the three
-    projections of a layer share it) and hands it to its op, which asserts it before anything else runs, with the
-    message the op's own check would give: one aten op in the op."""
+    us on the GPU machine, once per MoE layer and step), and the groups' bounds five more on first use (ends,
+    padded ends, each row's group). A compiled GroupedLinear computes both in its graph instead
+    (`compiled_grouped.grouped_in_graph`: `counts_valid` for counts on a GPU, `group_bounds`; Inductor fuses them
+    into a few kernels, the three projections of a layer share them) and hands them to its op, which asserts the
+    check before anything else runs, with the message its own check would give, and takes the bounds as they are:
+    one aten op in the op instead of eleven. The op trusts them: only the graph's code passes them, computed from
+    the counts and tokens the op gets."""
     return (m_splits >= 0).all() & (m_splits.sum() == tokens)
 
 

@@ -35,13 +35,18 @@ def weight_handle(owner, weight_of: Callable) -> torch.Tensor:
     the compiled ops find `weight_of(owner)`, the quantized weight as it is when they run. Kept while `owner`
     lives."""
     n = next(_NEXT_HANDLE)
-    _HANDLES[n] = (weakref.ref(owner, lambda _, n=n: _HANDLES.pop(n, None)), weight_of)
-    return torch.tensor(n, dtype=torch.int64)
+    entry = _HANDLES[n] = (weakref.ref(owner, lambda _, n=n: _HANDLES.pop(n, None)), weight_of)
+    handle = torch.tensor(n, dtype=torch.int64)
+    # (the entry kept on the handle too, with the handle's version: the compiled ops get this very tensor at every
+    # call, and reading its value is an aten op -- ~3-5 us of host on the GPU machine, every gathered op call)
+    handle._hq_entry = (handle._version, entry)
+    return handle
 
 
 def weight_of(handle: torch.Tensor):
     """The weight `handle` names, as it is now (raises once its owner is gone)."""
-    entry = _HANDLES.get(int(handle.item()))
+    kept = handle.__dict__.get("_hq_entry")
+    entry = kept[1] if kept is not None and kept[0] == handle._version else _HANDLES.get(int(handle.item()))
     owner = entry[0]() if entry is not None else None
     if owner is None:
         raise RuntimeError(f"hybridq compiled layer: the quantized weight of handle {int(handle.item())} is gone "
