@@ -140,20 +140,16 @@ def joins_blocks(qs, send, layout: ExpertLayout) -> bool:
     return layout.rows % q0.split_granularity(ROWWISE in send, COLUMNWISE in send)[0] == 0
 
 
-def _extract(q: Quantizer, parts: dict, rows: int) -> list[tuple[str, str, torch.Tensor, int]]:
-    """(direction, buffer name, buffer, row block) of each part of a whole `rows`-row tensor, in payload order."""
-    out = []
+def _extract(q: Quantizer, parts: dict, rows: int) -> tuple[list, dict]:
+    """The parts of a whole `rows`-row tensor as the buffer protocol gives them: [(direction, buffer name, buffer, row
+    block)] in payload order, and {direction: {name: replicated tensor}}."""
+    buffers, replicated = [], {}
     shard = RowShard.whole(rows)
     for d in DIRECTIONS:
         if d in parts:
-            buffers, _ = parts[d].extract_buffers(shard, **q.buffer_hints(d))
-            out += [(d, n, t, g) for n, t, g in buffers]
-    return out
-
-
-def _replicated(q: Quantizer, parts: dict, rows: int) -> dict[str, dict[str, torch.Tensor | None]]:
-    shard = RowShard.whole(rows)
-    return {d: parts[d].extract_buffers(shard, **q.buffer_hints(d))[1] for d in DIRECTIONS if d in parts}
+            bufs, replicated[d] = parts[d].extract_buffers(shard, **q.buffer_hints(d))
+            buffers += [(d, n, t, g) for n, t, g in bufs]
+    return buffers, replicated
 
 
 def _make_template(q: Quantizer, layout: ExpertLayout, send, dtype, device) -> _Template | None:
@@ -164,7 +160,7 @@ def _make_template(q: Quantizer, layout: ExpertLayout, send, dtype, device) -> _
     one = quantize_shard(q, torch.zeros(n, k, dtype=dtype, device=device), RowShard.whole(n), send)
     meta = build_payload(q, one, RowShard.whole(n), [RowShard.whole(n)], (n, k), device, pack=False)[1]
     two = quantize_shard(q, torch.zeros(2 * n, k, dtype=dtype, device=device), RowShard.whole(2 * n), send)
-    joined = _extract(q, two, 2 * n)
+    joined, rep2 = _extract(q, two, 2 * n)
     if len(joined) != len(meta.buffers):
         return None
     for spec, (d, name, t, _) in zip(meta.buffers, joined):
@@ -172,7 +168,6 @@ def _make_template(q: Quantizer, layout: ExpertLayout, send, dtype, device) -> _
                 2 * spec.capacity,) + spec.row_shape or spec.counts != (spec.capacity,):
             return None
     replicas, offset = [], aligned(meta.nbytes)
-    rep2 = _replicated(q, two, 2 * n)
     for d, rep in meta.replicated.items():
         col = meta.parts[d].columnwise
         for name, t in rep.items():
@@ -228,17 +223,15 @@ def prepare_stacked_blocks(local, qs, send, layout: ExpertLayout, dtype
     if held:
         mine = payload[:held]
         parts = quantize_shard(q, x.to(dtype).reshape(held * n, k), RowShard.whole(held * n), send)
-        joined = _extract(q, parts, held * n)
+        joined, rep = _extract(q, parts, held * n)
         for spec, (d, name, t, _) in zip(tpl.metas[0].buffers, joined):
             dst = mine[:, spec.offset:spec.offset + spec.nbytes]
             if spec.nbytes:
                 dst.view(spec.dtype).view((held, spec.capacity) + spec.row_shape).copy_(
                     t.reshape((held, spec.capacity) + spec.row_shape))
-        if tpl.stacked.replicas:
-            rep = _replicated(q, parts, held * n)
-            for r in tpl.stacked.replicas:
-                a, b = r.shape
-                t = rep[r.direction][r.name]
-                src = t.reshape(a, held, b).permute(1, 0, 2) if r.columnwise else t.reshape(held, a, b)
-                mine[:, r.offset:r.offset + r.nbytes].view(r.dtype).view(held, a, b).copy_(src)
+        for r in tpl.stacked.replicas:
+            a, b = r.shape
+            t = rep[r.direction][r.name]
+            src = t.reshape(a, held, b).permute(1, 0, 2) if r.columnwise else t.reshape(held, a, b)
+            mine[:, r.offset:r.offset + r.nbytes].view(r.dtype).view(held, a, b).copy_(src)
     return payload.reshape(-1), tpl.metas, tpl.slot, tpl.stacked

@@ -103,9 +103,9 @@ def _differences(case: dict, a: dict, b: dict, rank: int, what: str) -> list[str
 
 
 def job_block_payload(rank, world_size, device, cases):
-    """For each case (preset, experts, out, nonfinite, reshard: reshard_after_forward): the four RUNS; the oracle's differences of every run, the
-    batched payload's differences from the per-expert one under each receiver, the counters of each run, whether each
-    step's output of the batched run holds a non-finite value."""
+    """For each case (preset, experts, out, nonfinite, reshard: reshard_after_forward): the four RUNS; the oracle's
+    differences of every run, the batched payload's differences from the per-expert one under each receiver, the
+    counters of each run, whether each step's output of the batched run holds a non-finite value."""
     out = []
     for case in cases:
         runs = {name: _run(case, p, f, rank, device, world_size) for name, (p, f) in RUNS.items()}
