@@ -172,3 +172,47 @@ def test_a_handle_whose_owner_is_gone_raises():
     gc.collect()
     with pytest.raises(RuntimeError, match="is gone"):
         weight_of(handle)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_ops_take_the_graphs_check_and_bounds(monkeypatch):
+    """On an H100/H200 under Inductor (counts on the device): a new routing's groups are built by the op with the
+    assert alone and the graph's bounds already in place; the result is bitwise eager's."""
+    import sys
+    from hybridq.gemm import jagged_fp8_kernels
+    from hybridq.nn import grouped_jagged
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _compare import assert_bitwise
+    from test_grouped_compile import D, SPLITS, MoEBlock
+    import hybridq as hq
+    q = hq.GroupedLinear(1, 64, 64, recipe="fp8_tensorwise").expert_quantizers[0]
+    if not torch.cuda.is_available() or jagged_fp8_kernels(torch.device("cuda"), 64, 96, q) is None:
+        pytest.skip("needs the CUDA jagged kernels (sm_90, Triton, the built extension)")
+    torch.manual_seed(0)
+    model = MoEBlock("fp8_tensorwise").cuda().to(torch.bfloat16)
+    x = torch.randn(sum(SPLITS), D, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        compiled(x, torch.tensor(SPLITS, device="cuda"))  # (compiles)
+    builds = []
+    build = grouped_jagged.TokenGroups._build.__func__
+
+    def recorded(cls, *args, **kwargs):
+        with _Ops() as ops:
+            groups = build(cls, *args, **kwargs)
+        builds.append((ops.ops, [groups._ends, groups._padded_ends, groups._row_group]))
+        return groups
+
+    monkeypatch.setattr(grouped_jagged.TokenGroups, "_build", classmethod(recorded))
+    counts = torch.tensor([40, 7, 17], device="cuda")
+    with torch.no_grad():
+        got = compiled(x, counts)
+    monkeypatch.undo()
+    assert builds, "the compiled ops built no groups for a new routing"
+    for ops, bounds in builds:
+        assert ops == ["aten._assert_async.msg"], f"the op's groups issued {ops}"
+        assert all(b is not None for b in bounds), "the op's groups did not take the graph's bounds"
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert_bitwise(got, model(x, counts), "compiled with the graph's check and bounds vs eager")

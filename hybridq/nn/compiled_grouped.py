@@ -9,9 +9,10 @@ and backward are each one custom op over plain tensors, as nn/compiled_linear.py
 `hybridq::grouped_linear_backward` the input and weight gradients. Inside each op the eager code runs unchanged
 (`grouped_jagged.jagged_forward` / `jagged_backward`): the results are bitwise the eager layer's with the same
 m_splits. The token counts stay a tensor: a graph is compiled per shape, never per routing, and on CUDA the ops read
-the counts on the device only (no host sync; their values are checked there, asynchronously). On the CPU the ops read
-them (the reference kernels need host counts) and raise ValueError on counts that are negative or do not sum to the
-input's tokens.
+the counts on the device only (no host sync; their values are checked there, asynchronously). The graph computes that
+check and the routing's group bounds, and the forward op takes them (`_routing`, grouped_jagged's [Note: counts checked
+in the graph]). On the CPU the ops read the counts (the reference kernels need host counts) and raise ValueError on
+counts that are negative or do not sum to the input's tokens.
 
 Fake implementations (what compile traces with) give the outputs' shapes from the shapes alone: the columnwise
 buffers' widths come from the kernels (`JaggedFP8Kernels.columnwise_width`, computed without the counts' values, as
