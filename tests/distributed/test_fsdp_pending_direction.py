@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import pytest
 
+import hybridq
+
 from _harness import nccl_devices, spawn
 import _pending_direction_jobs as jobs
 
 pytestmark = pytest.mark.distributed
 
-DENSE = ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd",
-         "fp8_rowwise"]
+# every preset whose forward unshard defers the columnwise form (not fp8_delayed: apply_hybrid_fsdp refuses delayed
+# scaling; not fp8_fwd_high_precision_bwd: its backward reads the high-precision weight, the HP cases below)
+DENSE = [p for p in hybridq.preset_names() if p not in ("fp8_delayed", "fp8_fwd_high_precision_bwd")]
 BLOCK = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]  # (the stacked block gather's presets)
 COL, ROW, HP = "columnwise", "rowwise", "high_precision"
 
