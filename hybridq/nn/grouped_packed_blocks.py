@@ -171,7 +171,12 @@ def _joined_stacked(stacked, e: int, direction: str, owner) -> QuantizedPart:
     if hit is not None and hit[0] is views and hit[1] is p0 and hit[2] == e:
         return hit[3]
     joined = _joined(stacked, [p0] * e)  # (every field is stacked: parts past expert 0 are never read)
-    kept[direction] = (views, p0, e, joined)
+    # kept only where every joined tensor is a view of its stacked buffer: a columnwise join across experts with a gap
+    # between them is a copy (`_joined`'s reshape), whose values the next unshard would leave stale
+    joined_tensors = joined.tensors()
+    if all(joined_tensors[n].untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+           for n, v in views.items()):
+        kept[direction] = (views, p0, e, joined)
     return joined
 
 
@@ -179,9 +184,10 @@ def _joined_stacked(stacked, e: int, direction: str, owner) -> QuantizedPart:
 # FSDP2's stacked block experts keep their tensors' storage and offsets across unshards (it resizes the storage), and
 # their state hands back the same views dict (with expert 0's same part) while that holds (`GroupedWeightState.
 # stacked`). The joined part of all experts is then views of the same buffers each step: kept in that state per
-# direction with the views dict and expert 0's part, rebuilt when either is another object. It holds no values of
-# its own: what FSDP2 writes into the buffers (each unshard, the backward unshard's columnwise fill) is what the GEMMs
-# read.
+# direction with the views dict and expert 0's part, rebuilt when either is another object -- kept only where it
+# holds no values of its own (every tensor a view of its stacked buffer), so that what FSDP2 writes into the buffers
+# (each unshard, the backward unshard's columnwise fill) is what the GEMMs read; a join that copies (columnwise
+# experts laid side by side) is made again per call.
 
 
 def _used(layout: TokenLayout) -> list[tuple[int, int, int, int]]:
