@@ -2,9 +2,10 @@
 host-bound), and that what they keep between calls is never stale:
 
 - the token counts' device check and the groups' bounds ([Note: counts checked in the graph]): computed in the
-  compiled graph (the check for counts on a GPU) and handed to the op, which asserts the check -- one aten op in the
-  op's groups where there were twelve (an int64 copy of the compiled router's int32 counts, five ops of the check,
-  the assert, five for the bounds); the rule and the bounds are the groups' own;
+  compiled graph (the check for counts on a GPU) and handed to the forward op, which asserts the check -- one aten op
+  per call in the op's groups where a layer's first call issued twelve (an int64 copy of the compiled router's int32
+  counts, five ops of the check, the assert, five for the bounds), none in backward (the forward's bounds, saved);
+  the rule and the bounds are the groups' own; groups holding a graph's buffers are never kept between calls;
 - int32 counts are kept as they are: the groups' bounds are those of the int64 counts."""
 
 from __future__ import annotations
@@ -63,14 +64,27 @@ def test_device_counts_checked_by_the_graph_cost_the_op_one_aten_op(dtype):
 @pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
 def test_device_counts_with_the_graphs_check_and_bounds_cost_the_op_one_aten_op(dtype):
     """With the graph's bounds too, reading the groups' ends, padded ends and rows' groups issues nothing (before:
-    cumsum, add, bitwise_and, cumsum, searchsorted on the first quantize of each MoE layer)."""
+    cumsum, add, bitwise_and, cumsum, searchsorted on the first quantize of each MoE layer); backward (the forward's
+    bounds, no check of its own) issues nothing at all."""
     counts = torch.empty(4, dtype=dtype, device=META)
     valid, bounds = counts_valid(counts, 64), group_bounds(counts, 64)
-    with _Ops() as given:
-        groups = TokenGroups._build(counts, 64, META, "moe", valid, bounds)
-        got = [groups.ends, groups.padded_ends, groups.row_group]
-    assert given.ops == ["aten._assert_async.msg"], f"build and bounds with the graph's issued {given.ops}"
-    assert all(a is b for a, b in zip(got, bounds)), "the groups did not take the graph's bounds"
+    for check, want in ((valid, ["aten._assert_async.msg"]), (None, [])):
+        with _Ops() as given:
+            groups = TokenGroups.with_bounds(counts, 64, META, bounds, check, "moe")
+            got = [groups.ends, groups.padded_ends, groups.row_group]
+        assert given.ops == want, \
+            f"groups with the graph's bounds (check given: {check is not None}) issued {given.ops}"
+        assert all(a is b for a, b in zip(got, bounds)), "the groups did not take the graph's bounds"
+
+
+def test_groups_with_the_graphs_bounds_are_never_kept():
+    """A graph's buffers are intact only for the call that gets them (Inductor reuses a buffer once its last reader
+    ran): groups holding them are not kept for a later call, unlike `build`'s."""
+    from hybridq.nn import grouped_jagged
+    counts = torch.empty(4, dtype=torch.int32, device=META)
+    before = dict(grouped_jagged._BUILT)
+    TokenGroups.with_bounds(counts, 64, META, group_bounds(counts, 64), counts_valid(counts, 64), "moe")
+    assert grouped_jagged._BUILT == before, "groups holding the graph's bounds were kept"
 
 
 @pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
@@ -97,13 +111,12 @@ def test_the_compiled_graph_hands_each_grouped_op_its_routings_bounds_computed_o
     from test_grouped_compile import D, SPLITS, MoEBlock
     graphs = []
 
-    def forward(gm, example_inputs):
+    def record(gm, example_inputs):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
-                           partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
     torch.compile(MoEBlock("fp8_tensorwise"), fullgraph=True, backend=backend)(
         torch.randn(sum(SPLITS), D, requires_grad=True), torch.tensor(SPLITS)).sum().backward()
     calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_forward.default]
@@ -112,6 +125,9 @@ def test_the_compiled_graph_hands_each_grouped_op_its_routings_bounds_computed_o
     assert all(len(b) == 3 for b in bounds), f"ops without the graph's bounds: {bounds}"
     assert len(set(bounds)) == 1, f"one routing's bounds computed {len(set(bounds))} times: {bounds}"
     assert all(n.args[3] is None for n in calls), "CPU counts got a device check (the op reads them on the host)"
+    backward = [n for n in graphs[1].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_backward.default]
+    assert len(backward) == 2 and all(len(n.args[2]) == 3 for n in backward), \
+        f"the backward ops did not get the forward's bounds: {[n.args[2] for n in backward]}"
 
 
 def test_int32_counts_are_kept_and_give_the_int64_counts_groups():
@@ -195,22 +211,27 @@ def test_gpu_compiled_ops_take_the_graphs_check_and_bounds(monkeypatch):
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         compiled(x, torch.tensor(SPLITS, device="cuda"))  # (compiles)
-    builds = []
-    build = grouped_jagged.TokenGroups._build.__func__
+    made = {"with_bounds": [], "_build": []}
 
-    def recorded(cls, *args, **kwargs):
-        with _Ops() as ops:
-            groups = build(cls, *args, **kwargs)
-        builds.append((ops.ops, [groups._ends, groups._padded_ends, groups._row_group]))
-        return groups
+    def recorded(kind):
+        real = getattr(grouped_jagged.TokenGroups, kind).__func__
 
-    monkeypatch.setattr(grouped_jagged.TokenGroups, "_build", classmethod(recorded))
+        def make(cls, *args, **kwargs):
+            with _Ops() as ops:
+                groups = real(cls, *args, **kwargs)
+            made[kind].append((ops.ops, [groups._ends, groups._padded_ends, groups._row_group]))
+            return groups
+        return classmethod(make)
+
+    for kind in made:
+        monkeypatch.setattr(grouped_jagged.TokenGroups, kind, recorded(kind))
     counts = torch.tensor([40, 7, 17], device="cuda")
     with torch.no_grad():
         got = compiled(x, counts)
     monkeypatch.undo()
-    assert builds, "the compiled ops built no groups for a new routing"
-    for ops, bounds in builds:
+    assert len(made["with_bounds"]) == 2 and not made["_build"], \
+        f"the two forward ops' groups: {len(made['with_bounds'])} with the graph's bounds, {len(made['_build'])} built"
+    for ops, bounds in made["with_bounds"]:
         assert ops == ["aten._assert_async.msg"], f"the op's groups issued {ops}"
         assert all(b is not None for b in bounds), "the op's groups did not take the graph's bounds"
     torch.cuda.synchronize()

@@ -165,9 +165,12 @@ def _groups(m_splits: torch.Tensor, tokens: int, device: torch.device, name: str
     what the fake knows, so both size the columnwise buffers alike; `valid` / `bounds`: the graph's `counts_valid` /
     `group_bounds` of them ([Note: counts checked in the graph]). On the CPU the real op reads and checks them."""
     if fake or device.type != "cpu":
-        if not fake:  # (values checked on the device, asynchronously; the routing's groups built once)
-            return TokenGroups.build(m_splits, tokens, device, name, valid, bounds)
-        return TokenGroups(m_splits.to(device=device, dtype=torch.int64), tokens, None)
+        if fake:
+            return TokenGroups(m_splits.to(device=device, dtype=torch.int64), tokens, None)
+        if bounds:  # (the graph's: this call's own groups, the check asserted where given)
+            return TokenGroups.with_bounds(m_splits, tokens, device, bounds, valid, name)
+        # (values checked on the device, asynchronously; the routing's groups built once)
+        return TokenGroups.build(m_splits, tokens, device, name, valid)
     counts = m_splits.to(device=device, dtype=torch.int64)
     sizes = check_split_values([int(v) for v in counts.tolist()], counts.shape[0], tokens, name)
     groups = TokenGroups(counts, tokens, sizes)
@@ -253,12 +256,12 @@ def _(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad):
     return _run_forward(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, fake=True)
 
 
-def _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
+def _run_backward(dy, m_splits, bounds, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
                   w_dtype) -> list[torch.Tensor]:
     name, quantizers = _LAYERS[key]
     e, n, k = w_shape
     kernels = _kernels(key, dy.device, k, n)
-    groups = _groups(m_splits, dy.shape[0], dy.device, name, fake=False)
+    groups = _groups(m_splits, dy.shape[0], dy.device, name, fake=False, bounds=bounds)  # (bounds: forward's)
     saved = (kernels.columnwise_form(x_col, groups) if need_wgrad else None, x_scale,
              w_col if need_dgrad else None, w_scale)
     dx, dw = jagged_backward(dy, saved, groups, quantizers, name, kernels, (e, n, k), w_dtype, need_dgrad,
@@ -273,39 +276,42 @@ def _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype) -> list[torch.T
 
 
 @plain_op("hybridq::grouped_linear_backward")
-def grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor, x_scale: torch.Tensor,
-                            w_col: torch.Tensor, w_scale: torch.Tensor, key: str, need_dgrad: bool,
-                            need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
-    """[dx, dW] (an empty tensor for a gradient not asked for) of the call `grouped_linear_forward` saved for."""
-    return _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
+def grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, bounds: list[torch.Tensor], x_col: torch.Tensor,
+                            x_scale: torch.Tensor, w_col: torch.Tensor, w_scale: torch.Tensor, key: str,
+                            need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
+                            w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx, dW] (an empty tensor for a gradient not asked for) of the call `grouped_linear_forward` saved for
+    (`bounds`: the forward's)."""
+    return _run_backward(dy, m_splits, bounds, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
                          w_dtype)
 
 
 @grouped_linear_backward.register_fake
-def _(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+def _(dy, m_splits, bounds, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape, w_dtype):
     return _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad = inputs
     # a gathered weight is kept for dgrad as its handle (not its bytes): backward reads its columnwise form then
-    ctx.save_for_backward(m_splits, *output[1:], weight if need_dgrad and handled_weight(weight) else None)
+    # (the graph's bounds saved too: backward takes them as the forward did -- kept alive for it)
+    ctx.save_for_backward(m_splits, *output[1:], weight if need_dgrad and handled_weight(weight) else None, *bounds)
     ctx.args = (key, need_dgrad, need_wgrad, list(weight.shape), weight.dtype)
     ctx.bounds = len(bounds)  # (the gradient of a tensor list is a list of its length)
 
 
 def _backward(ctx, grads):
-    m_splits, x_col, x_scale, w_col, w_scale, handled = ctx.saved_tensors
+    m_splits, x_col, x_scale, w_col, w_scale, handled, *bounds = ctx.saved_tensors
     key, need_dgrad, need_wgrad, w_shape, w_dtype = ctx.args
     need_dgrad = need_dgrad and ctx.needs_input_grad[0]
     need_wgrad = need_wgrad and ctx.needs_input_grad[1]
     if handled is not None and need_dgrad:
-        dx, dw = torch.ops.hybridq.gathered_grouped_linear_backward(grads[0], m_splits, x_col, x_scale,
+        dx, dw = torch.ops.hybridq.gathered_grouped_linear_backward(grads[0], m_splits, bounds, x_col, x_scale,
                                                                     handled._handle, key, need_dgrad, need_wgrad,
                                                                     w_shape, w_dtype)
     else:
-        dx, dw = torch.ops.hybridq.grouped_linear_backward(grads[0], m_splits, x_col, x_scale, w_col, w_scale, key,
-                                                           need_dgrad, need_wgrad, w_shape, w_dtype)
+        dx, dw = torch.ops.hybridq.grouped_linear_backward(grads[0], m_splits, bounds, x_col, x_scale, w_col,
+                                                           w_scale, key, need_dgrad, need_wgrad, w_shape, w_dtype)
     return dx if need_dgrad else None, dw if need_wgrad else None, None, None, [None] * ctx.bounds, None, None, None
 
 
@@ -342,18 +348,19 @@ def _stand_in(w_shape: list[int], w_dtype: torch.dtype) -> torch.Tensor:
 
 
 @plain_op("hybridq::gathered_grouped_linear_backward")
-def gathered_grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, x_col: torch.Tensor,
-                                     x_scale: torch.Tensor, handle: torch.Tensor, key: str, need_dgrad: bool,
-                                     need_wgrad: bool, w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
+def gathered_grouped_linear_backward(dy: torch.Tensor, m_splits: torch.Tensor, bounds: list[torch.Tensor],
+                                     x_col: torch.Tensor, x_scale: torch.Tensor, handle: torch.Tensor, key: str,
+                                     need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
+                                     w_dtype: torch.dtype) -> list[torch.Tensor]:
     """`grouped_linear_backward` of a `gathered_grouped_linear_forward` call: dgrad reads the experts' columnwise
     form through `handle` now (the backward unshard derived it, or it is gathered now)."""
     w_col, w_scale = _held(handle, COLUMNWISE, _LAYERS[key][0]) if need_dgrad else (None, None)
-    return _run_backward(dy, m_splits, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
+    return _run_backward(dy, m_splits, bounds, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
                          w_dtype)
 
 
 @gathered_grouped_linear_backward.register_fake
-def _(dy, m_splits, x_col, x_scale, handle, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+def _(dy, m_splits, bounds, x_col, x_scale, handle, key, need_dgrad, need_wgrad, w_shape, w_dtype):
     return _backward_fake(dy, need_dgrad, need_wgrad, w_shape, w_dtype)
 
 

@@ -60,17 +60,14 @@ class TokenGroups:
 
     @classmethod
     def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
-              name: str = "GroupedLinear", valid: torch.Tensor | None = None,
-              bounds: Sequence[torch.Tensor] = ()) -> "TokenGroups":
+              name: str = "GroupedLinear", valid: torch.Tensor | None = None) -> "TokenGroups":
         """From checked `m_splits` (`hybridq.nn.m_splits.checked_m_splits`): a list (one host-to-device copy, from
         pinned memory) or a device tensor (no sync: its values are checked on the device, asynchronously; `valid`:
-        `counts_valid(m_splits, tokens)` already computed, `bounds`: `group_bounds(m_splits, tokens)`, e.g. fused
-        into a compiled graph -- [Note: counts checked in the graph]). The projections of one MoE layer share their
-        routing, and its backward reads it again: the groups of the last `_BUILT_ROUTINGS` routings are reused while
-        the counts (the same tensor, unmodified, or equal host counts), tokens, device and stream are the same."""
+        `counts_valid(m_splits, tokens)` already computed). The projections of one MoE layer share their routing,
+        and its backward reads it again: the groups of the last `_BUILT_ROUTINGS` routings are reused while the
+        counts (the same tensor, unmodified, or equal host counts), tokens, device and stream are the same."""
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            # (traced or captured: the graph holds its own)
-            return cls._build(m_splits, tokens, device, name, valid, bounds)
+            return cls._build(m_splits, tokens, device, name, valid)  # (traced or captured: the graph holds its own)
         tensor = isinstance(m_splits, torch.Tensor)
         key = (id(m_splits) if tensor else tuple(m_splits), tokens, device,
                current_raw_stream(device) if device.type == "cuda" else None)
@@ -78,7 +75,7 @@ class TokenGroups:
         # (a tensor is kept with its groups, so its id is not reused while cached; its version says it is unchanged)
         if hit is not None and (not tensor or (hit[0] is m_splits and hit[1] == m_splits._version)):
             return hit[2]
-        groups = cls._build(m_splits, tokens, device, name, valid, bounds)
+        groups = cls._build(m_splits, tokens, device, name, valid)
         _BUILT.pop(key, None)
         if len(_BUILT) >= _BUILT_ROUTINGS:
             del _BUILT[next(iter(_BUILT))]  # (the oldest routing)
@@ -86,23 +83,30 @@ class TokenGroups:
         return groups
 
     @classmethod
-    def _build(cls, m_splits, tokens: int, device: torch.device, name: str, valid: torch.Tensor | None = None,
-               bounds: Sequence[torch.Tensor] = ()) -> "TokenGroups":
+    def _build(cls, m_splits, tokens: int, device: torch.device, name: str,
+               valid: torch.Tensor | None = None) -> "TokenGroups":
         if isinstance(m_splits, torch.Tensor):
-            # (int32 counts -- the compiled router's -- are kept as they are: the bounds are int32 cumsums either way)
-            counts = m_splits.to(device=device, dtype=None if m_splits.dtype in _COUNT_DTYPES else torch.int64)
+            counts = _counts_on(m_splits, device)
             if counts.device.type != "cpu":  # the host checks need the values: check them where they are
-                torch._assert_async(counts_valid(counts, tokens) if valid is None else valid,
-                                    f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
-                groups = cls(counts, tokens, None)
-            else:
-                groups = cls(counts, tokens, [int(v) for v in counts.tolist()])
-            if bounds:
-                groups.take_bounds(bounds)
-            return groups
+                _assert_valid(counts_valid(counts, tokens) if valid is None else valid, tokens, name)
+                return cls(counts, tokens, None)
+            return cls(counts, tokens, [int(v) for v in counts.tolist()])
         sizes = list(m_splits)
         host = torch.tensor(sizes, dtype=torch.int64, pin_memory=device.type == "cuda")
         return cls(host.to(device, non_blocking=True), tokens, sizes)
+
+    @classmethod
+    def with_bounds(cls, m_splits: torch.Tensor, tokens: int, device: torch.device, bounds: Sequence[torch.Tensor],
+                    valid: torch.Tensor | None, name: str = "GroupedLinear") -> "TokenGroups":
+        """The groups of device counts `m_splits` whose bounds a compiled graph computed (`group_bounds`, [Note: counts
+        checked in the graph]): `valid` (`counts_valid`) asserted on the device, or None where a forward that did
+        saved these bounds for this backward. Never kept: the bounds are buffers of the graph's, intact only for the
+        call that gets them (Inductor may reuse a buffer once its last reader ran)."""
+        if valid is not None:
+            _assert_valid(valid, tokens, name)
+        groups = cls(_counts_on(m_splits, device), tokens, None)
+        groups.take_bounds(bounds)
+        return groups
 
     @classmethod
     def uniform(cls, n: int, rows: int, device: torch.device) -> "TokenGroups":
@@ -176,6 +180,15 @@ class TokenGroups:
 _COUNT_DTYPES = (torch.int64, torch.int32)
 
 
+def _counts_on(m_splits: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # (int32 counts -- the compiled router's -- are kept as they are: the bounds are int32 cumsums either way)
+    return m_splits.to(device=device, dtype=None if m_splits.dtype in _COUNT_DTYPES else torch.int64)
+
+
+def _assert_valid(valid: torch.Tensor, tokens: int, name: str) -> None:
+    torch._assert_async(valid, f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
+
+
 def _ends_of(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0, dtype=torch.int32)
 
@@ -204,10 +217,13 @@ def counts_valid(m_splits: torch.Tensor, tokens) -> torch.Tensor:
     us on the GPU machine, once per MoE layer and step), and the groups' bounds five more on first use (ends,
     padded ends, each row's group). A compiled GroupedLinear computes both in its graph instead
     (`compiled_grouped.grouped_in_graph`: `counts_valid` for counts on a GPU, `group_bounds`; Inductor fuses them
-    into a few kernels, the three projections of a layer share them) and hands them to its op, which asserts the
-    check before anything else runs, with the message its own check would give, and takes the bounds as they are:
-    one aten op in the op instead of eleven. The op trusts them: only the graph's code passes them, computed from
-    the counts and tokens the op gets."""
+    into a few kernels, the three projections of a layer share them) and hands them to its forward op, which asserts
+    the check before anything else runs, with the message its own check would give, and takes the bounds as they
+    are (`TokenGroups.with_bounds`): one aten op per call in the op instead of twelve per layer. The bounds are saved
+    for the backward op, which takes them too (no check: its forward's). Groups made so are never kept between
+    calls (unlike `build`'s): a graph's buffer is intact only while the graph keeps it (Inductor reuses a buffer
+    once its last reader ran). The op trusts them: only the graph's code passes them, computed from the counts and
+    tokens the op gets."""
     return (m_splits >= 0).all() & (m_splits.sum() == tokens)
 
 
