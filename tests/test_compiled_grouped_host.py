@@ -190,27 +190,33 @@ def test_a_handle_whose_owner_is_gone_raises():
         weight_of(handle)
 
 
-@pytest.mark.gpu
-def test_gpu_compiled_ops_take_the_graphs_check_and_bounds(monkeypatch):
-    """On an H100/H200 under Inductor (counts on the device): a new routing's groups are built by the op with the
-    assert alone and the graph's bounds already in place; the result is bitwise eager's."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_ops_take_the_graphs_check_and_bounds(device, monkeypatch):
+    """Counts on the device (an H100/H200 under Inductor; on the CPU the device-count branch forced, aot_eager): a
+    new routing's groups are made by the op with the assert alone and the graph's bounds in place; the result is
+    bitwise eager's. (The CPU case runs the CUDA branch's Python where CI sees it.)"""
     import sys
     from hybridq.gemm import jagged_fp8_kernels
-    from hybridq.nn import grouped_jagged
+    from hybridq.nn import compiled_grouped, grouped_jagged
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from _compare import assert_bitwise
     from test_grouped_compile import D, SPLITS, MoEBlock
     import hybridq as hq
-    q = hq.GroupedLinear(1, 64, 64, recipe="fp8_tensorwise").expert_quantizers[0]
-    if not torch.cuda.is_available() or jagged_fp8_kernels(torch.device("cuda"), 64, 96, q) is None:
-        pytest.skip("needs the CUDA jagged kernels (sm_90, Triton, the built extension)")
+    backend = "inductor"
+    if device == "cpu":
+        monkeypatch.setattr(compiled_grouped, "_device_counts", lambda d: True)
+        backend = "aot_eager"
+    else:
+        q = hq.GroupedLinear(1, 64, 64, recipe="fp8_tensorwise").expert_quantizers[0]
+        if not torch.cuda.is_available() or jagged_fp8_kernels(torch.device("cuda"), 64, 96, q) is None:
+            pytest.skip("needs the CUDA jagged kernels (sm_90, Triton, the built extension)")
     torch.manual_seed(0)
-    model = MoEBlock("fp8_tensorwise").cuda().to(torch.bfloat16)
-    x = torch.randn(sum(SPLITS), D, device="cuda", dtype=torch.bfloat16)
+    model = MoEBlock("fp8_tensorwise").to(device, torch.bfloat16)
+    x = torch.randn(sum(SPLITS), D, device=device, dtype=torch.bfloat16)
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     with torch.no_grad():
-        compiled(x, torch.tensor(SPLITS, device="cuda"))  # (compiles)
+        compiled(x, torch.tensor(SPLITS, device=device))  # (compiles)
     made = {"with_bounds": [], "_build": []}
 
     def recorded(kind):
@@ -225,7 +231,7 @@ def test_gpu_compiled_ops_take_the_graphs_check_and_bounds(monkeypatch):
 
     for kind in made:
         monkeypatch.setattr(grouped_jagged.TokenGroups, kind, recorded(kind))
-    counts = torch.tensor([40, 7, 17], device="cuda")
+    counts = torch.tensor([40, 7, 17], device=device)
     with torch.no_grad():
         got = compiled(x, counts)
     monkeypatch.undo()
@@ -234,6 +240,7 @@ def test_gpu_compiled_ops_take_the_graphs_check_and_bounds(monkeypatch):
     for ops, bounds in made["with_bounds"]:
         assert ops == ["aten._assert_async.msg"], f"the op's groups issued {ops}"
         assert all(b is not None for b in bounds), "the op's groups did not take the graph's bounds"
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     with torch.no_grad():
         assert_bitwise(got, model(x, counts), "compiled with the graph's check and bounds vs eager")

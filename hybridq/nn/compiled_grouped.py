@@ -159,12 +159,18 @@ def _check_split_tensor(m_splits: torch.Tensor, num_experts: int, name: str) -> 
         raise ValueError(f"{name}: m_splits must have one count per expert ({num_experts}), got {m_splits.shape[0]}")
 
 
+def _device_counts(device: torch.device) -> bool:
+    """Whether counts on `device` stay there, checked and bounded by the graph ([Note: counts checked in the
+    graph]): a GPU's; on the CPU the op reads them."""
+    return device.type != "cpu"
+
+
 def _groups(m_splits: torch.Tensor, tokens: int, device: torch.device, name: str, fake: bool,
             valid: torch.Tensor | None = None, bounds=()) -> TokenGroups:
     """The token groups the ops run on. On CUDA the counts stay on the device (no host sync): the host knows only
     what the fake knows, so both size the columnwise buffers alike; `valid` / `bounds`: the graph's `counts_valid` /
     `group_bounds` of them ([Note: counts checked in the graph]). On the CPU the real op reads and checks them."""
-    if fake or device.type != "cpu":
+    if fake or _device_counts(device):
         if fake:
             return TokenGroups(m_splits.to(device=device, dtype=torch.int64), tokens, None)
         if bounds:  # (the graph's: this call's own groups, the check asserted where given)
@@ -184,7 +190,7 @@ def _routing(m_splits: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | No
     counts' device check for counts on a GPU (on the CPU the op reads them: a host check with its ValueError), and
     the groups' bounds for int32 / int64 counts on the input's device. Traced by dynamo."""
     tokens = x.shape[0]
-    valid = counts_valid(m_splits, tokens) if x.device.type != "cpu" else None
+    valid = counts_valid(m_splits, tokens) if _device_counts(x.device) else None
     takes = m_splits.dtype in (torch.int32, torch.int64) and m_splits.device == x.device
     return valid, group_bounds(m_splits, tokens) if takes else []
 

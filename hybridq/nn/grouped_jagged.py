@@ -181,8 +181,11 @@ _COUNT_DTYPES = (torch.int64, torch.int32)
 
 
 def _counts_on(m_splits: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # (int32 counts -- the compiled router's -- are kept as they are: the bounds are int32 cumsums either way)
-    return m_splits.to(device=device, dtype=None if m_splits.dtype in _COUNT_DTYPES else torch.int64)
+    # (int32 counts -- the compiled router's -- are kept as they are: the bounds are int32 cumsums either way; counts
+    # already there are returned without a `to`, which a dispatch mode still sees as an op of its own)
+    if m_splits.dtype in _COUNT_DTYPES:
+        return m_splits if m_splits.device == device else m_splits.to(device=device)
+    return m_splits.to(device=device, dtype=torch.int64)
 
 
 def _assert_valid(valid: torch.Tensor, tokens: int, name: str) -> None:
