@@ -17,7 +17,7 @@ from hybridq.torch_private import local_tensor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
-from _block_stacked_jobs import IN, STEPS, _layer, _oracle, _snapshot  # noqa: E402
+from _block_stacked_jobs import IN, STEPS, _layer, _oracle, _snapshot, _step  # noqa: E402
 
 # (payload, receiver): the batched payload against the per-expert one, under either receiver
 RUNS = {"on": (True, True), "off": (False, True), "on_per_expert_fill": (True, False),
@@ -49,27 +49,11 @@ def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world
         try:
             for step, mode in enumerate(STEPS):
                 full = lin.weight.full_tensor().detach().to(torch.bfloat16)
-                torch.manual_seed(100 + 10 * rank + step)
-                x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
                 snaps.clear()
-                if mode == "train":
-                    root.train()
-                    x.requires_grad_(True)
-                    y = root(x, list(splits))
-                    y.backward(torch.randn_like(y))
-                    grad = local_tensor(lin.weight.grad).detach().clone()
-                    opt.step()
-                    opt.zero_grad()
-                    dx = x.grad
-                else:
-                    root.eval()
-                    with torch.no_grad():
-                        y = root(x, list(splits))
-                    grad, dx = None, None
-                    root.reshard()  # (the root's forward leaves it unsharded: the next step reads the shards)
-                    if not case.get("reshard", True):
-                        lin.reshard()  # (so does the layer's without reshard_after_forward)
-                steps.append({"y": y.detach(), "dx": dx, "dw": grad, "snaps": snaps[:],
+                y, dx, grad = _step(root, lin, opt, mode, splits, 100 + 10 * rank + step, device)
+                if mode != "train" and not case.get("reshard", True):
+                    lin.reshard()  # (an eval forward leaves the layer unsharded too without reshard_after_forward)
+                steps.append({"y": y, "dx": dx, "dw": grad, "snaps": snaps[:],
                               "oracle": [d for s in snaps for d in _oracle(lin, full, s)]})
         finally:
             weights_mod.GroupedHybridWeight._post_all_gather = real

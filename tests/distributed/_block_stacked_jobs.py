@@ -71,6 +71,28 @@ def _oracle(lin, full: torch.Tensor, snap: dict) -> list[str]:
     return diffs
 
 
+def _step(root, lin, opt, mode: str, splits: list, seed: int, device) -> tuple:
+    """One step of the layer under its root: "train" (forward, backward, optimizer step) or "eval" (no-grad forward,
+    then the root resharded: its forward leaves it unsharded and the next step must read the shards); (y, dx, the
+    weight's local gradient) -- None for eval's gradients."""
+    torch.manual_seed(seed)
+    x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
+    if mode == "train":
+        root.train()
+        x.requires_grad_(True)
+        y = root(x, list(splits))
+        y.backward(torch.randn_like(y))
+        grad = local_tensor(lin.weight.grad).detach().clone()
+        opt.step()
+        opt.zero_grad()
+        return y.detach(), x.grad, grad
+    root.eval()
+    with torch.no_grad():
+        y = root(x, list(splits))
+    root.reshard()
+    return y.detach(), None, None
+
+
 def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
     grouped_blocks_batched.set_stacked_block_gather(on)
     root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), case.get("nonfinite", False), device,
@@ -95,26 +117,10 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
     try:
         for step, mode in enumerate(STEPS):
             full = lin.weight.full_tensor().detach().to(torch.bfloat16)
-            torch.manual_seed(100 + 10 * rank + step)
-            x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
             snaps.clear()
             views.clear()
-            if mode == "train":
-                root.train()
-                x.requires_grad_(True)
-                y = root(x, list(splits))
-                y.backward(torch.randn_like(y))
-                grad = local_tensor(lin.weight.grad).detach().clone()
-                opt.step()
-                opt.zero_grad()
-                dx = x.grad
-            else:
-                root.eval()
-                with torch.no_grad():
-                    y = root(x, list(splits))
-                grad, dx = None, None
-                root.reshard()  # (the root's forward leaves it unsharded: the next step reads the shards)
-            results.append({"y": y.detach(), "dx": dx, "dw": grad, "snaps": snaps[:],
+            y, dx, grad = _step(root, lin, opt, mode, splits, 100 + 10 * rank + step, device)
+            results.append({"y": y, "dx": dx, "dw": grad, "snaps": snaps[:],
                             "oracle": [d for s in snaps for d in _oracle(lin, full, s)], "stacked": views[:]})
     finally:
         weights_mod.GroupedHybridWeight._post_all_gather = real
