@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from _dispatch import OpLog
 from hybridq.nn.grouped_jagged import TokenGroups, counts_valid, group_bounds
 
 META = torch.device("meta")
@@ -22,18 +22,6 @@ COUNT_CASES = [([5, 0, 17, 42], 64, True), ([0, 0, 0, 0], 0, True), ([64], 64, T
                ([10, -1, 55], 64, False), ([-5, 69], 64, False), ([10, 1, 1], 64, False), ([33, 32], 64, False),
                ([0, 0], 1, False)]
 INT_DTYPES = [torch.int32, torch.int64]
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops called inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", INT_DTYPES, ids=str)
@@ -51,10 +39,10 @@ def test_device_counts_checked_by_the_graph_cost_the_op_one_aten_op(dtype):
     check's five ops and the assert, and no copy of int32 or int64 counts."""
     counts = torch.empty(4, dtype=dtype, device=META)
     valid = counts_valid(counts, 64)
-    with _Ops() as given:
+    with OpLog() as given:
         TokenGroups._build(counts, 64, META, "moe", valid)
     assert given.ops == ["aten._assert_async.msg"], f"build with the graph's check issued {given.ops}"
-    with _Ops() as own:
+    with OpLog() as own:
         TokenGroups._build(counts, 64, META, "moe")
     assert own.ops == ["aten.ge.Scalar", "aten.all.default", "aten.sum.default", "aten.eq.Scalar",
                        "aten.bitwise_and.Tensor", "aten._assert_async.msg"], \
@@ -69,7 +57,7 @@ def test_device_counts_with_the_graphs_check_and_bounds_cost_the_op_one_aten_op(
     counts = torch.empty(4, dtype=dtype, device=META)
     valid, bounds = counts_valid(counts, 64), group_bounds(counts, 64)
     for check, want in ((valid, ["aten._assert_async.msg"]), (None, [])):
-        with _Ops() as given:
+        with OpLog() as given:
             groups = TokenGroups.with_bounds(counts, 64, META, bounds, check, "moe")
             got = [groups.ends, groups.padded_ends, groups.row_group]
         assert given.ops == want, \
@@ -162,7 +150,7 @@ def test_a_handle_finds_its_weight_without_an_aten_op():
     w = torch.randn(2, 3)
     owner = _Owner(w)
     handle = weight_handle(owner, lambda o: o.weight)
-    with _Ops() as found:
+    with OpLog() as found:
         got = weight_of(handle)
     assert got is w, "the handle named another weight"
     assert found.ops == [], f"finding the weight issued {found.ops}"
@@ -223,7 +211,7 @@ def test_compiled_ops_take_the_graphs_check_and_bounds(device, monkeypatch):
         real = getattr(grouped_jagged.TokenGroups, kind).__func__
 
         def make(cls, *args, **kwargs):
-            with _Ops() as ops:
+            with OpLog() as ops:
                 groups = real(cls, *args, **kwargs)
             made[kind].append((ops.ops, [groups._ends, groups._padded_ends, groups._row_group]))
             return groups

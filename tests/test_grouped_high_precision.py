@@ -6,10 +6,10 @@ test of that is test_grouped_linear.py's `test_expert_protocol_before_conversion
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridq as hq
 
+from _dispatch import OpLog
 from _gpu import no_host_sync
 
 E, IN, OUT = 4, 64, 96
@@ -31,17 +31,6 @@ class Experts(nn.Module):
         return hq.grouped_mm(self, "w", x, m_splits)
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.ops[name] = self.ops.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 @gpu
 @needs_sm90
 def test_gpu_unconverted_experts_run_one_grouped_mm_without_a_host_sync():
@@ -52,10 +41,10 @@ def test_gpu_unconverted_experts_run_one_grouped_mm_without_a_host_sync():
     m = Experts().cuda()
     x = torch.randn(sum(SPLITS), IN, device="cuda").bfloat16().requires_grad_()
     splits = torch.tensor(SPLITS, device="cuda")
-    with _OpCounter() as ops, no_host_sync():
+    with OpLog() as ops, no_host_sync():
         y = m(x, splits)
         y.float().square().sum().backward()
-    assert ops.ops.get("_grouped_mm", 0) == 3 and "mm" not in ops.ops, f"ops issued: {ops.ops}"
+    assert ops.counts["_grouped_mm"] == 3 and "mm" not in ops.counts, f"ops issued: {dict(ops.counts)}"
     xr = x.detach().float().requires_grad_()
     wr = m.w.detach().bfloat16().float().requires_grad_()
     ref = torch.cat([xe @ we.t() for xe, we in zip(xr.split(SPLITS), wr.unbind(0))])

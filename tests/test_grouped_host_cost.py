@@ -13,9 +13,9 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from _compare import assert_parts_bitwise
+from _dispatch import OpLog
 from _gpu import extension_ready
 from hybridq.enums import COLUMNWISE, ROWWISE
 from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
@@ -31,18 +31,6 @@ QUANTIZERS = {
 }
 # launches of the grouped slot quantize for rowwise + columnwise: one where one quantizer makes both directions
 BOTH_LAUNCHES = {"fp8_block": 1, "mxfp8": 1, "hybrid_fp8blk_mxfp8": 2, "hybrid_equal_directions": 1}
-
-
-class DispatchCount(TorchDispatchMode):
-    """Counts the dispatcher ops issued inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 # ---- the grouped slot quantize: launches and the decision cache -----------------------------------------------------
@@ -196,9 +184,9 @@ def test_stacked_experts_joined_by_views_are_bitwise_joined_by_a_copy(case, dire
 def test_stacked_experts_joined_part_is_kept_with_the_weight_state_no_op_on_a_later_call(case, direction):
     _, stacked, _ = _stacked(case, direction)
     owner = types.SimpleNamespace()
-    with DispatchCount() as first:
+    with OpLog() as first:
         joined = grouped_packed_blocks._joined_stacked(stacked, E, direction, owner)
-    with DispatchCount() as later:
+    with OpLog() as later:
         again = grouped_packed_blocks._joined_stacked(stacked, E, direction, owner)
     assert again is joined, f"{case} {direction}: the joined part was rebuilt for the same stacked views"
     # before: every call joined the views (and read every expert's part); now the first only
@@ -243,9 +231,9 @@ def test_layout_bounds_and_their_table_rows_are_made_once_bitwise_the_table(spli
     layout = _slot_layout(splits, "cpu")
     bounds = layout.bounds()
     assert layout.bounds() is bounds, "the layout made its bounds again"
-    with DispatchCount() as first:
+    with OpLog() as first:
         gemm_rows, slot_rows = bounds.gemm_rows, bounds.slot_rows
-    with DispatchCount() as later:
+    with OpLog() as later:
         again = bounds.gemm_rows, bounds.slot_rows
     assert first.ops, "the first read of the rows sliced nothing"
     assert later.ops == [], f"a later read of the bounds' rows issued {later.ops}"
