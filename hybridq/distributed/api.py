@@ -127,7 +127,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
         if counts[id(w)] > 1:
             log.warning("hybridq: %s.weight is shared with another module; FSDP2 gathers it in high precision", fqn)
             continue
-        state = WeightState(model, f"{fqn}.weight" if fqn else "weight")
+        state = WeightState(model, f"{fqn or mod.name}.weight")  # (a bare layer: its own name)
         state.reuse_payload = reuse_forward_payload
         mod.weight = nn.Parameter(HybridWeight(w.data, state), requires_grad=w.requires_grad)
         mod.mark_weight_quantized_elsewhere()

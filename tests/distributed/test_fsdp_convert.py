@@ -31,3 +31,13 @@ def test_training_and_inference_forward_match_the_single_process_conversion(tran
         bad = {n: d for n, d in out["grad_diffs"].items() if d != 0}
         assert not bad, f"rank {rank}: gradients differ from the single-process model's: {bad}"
         assert out["inference_diff"] == 0, f"rank {rank}: inference output differs by {out['inference_diff']:g}"
+
+
+def test_a_bare_layers_weight_is_named_after_the_layer():
+    """apply_hybrid_fsdp on a Linear itself (no parent module path): the weight's errors name the layer, not just
+    "weight"."""
+    import hybridq
+    from hybridq.distributed import apply_hybrid_fsdp
+    lin = hybridq.Linear(32, 32, bias=False, name="proj", recipe="fp8_tensorwise")
+    apply_hybrid_fsdp(lin, hybridq.recipe("fp8_tensorwise"))
+    assert lin.weight._hq.name == "proj.weight", f"the bare layer's weight is named {lin.weight._hq.name!r}"
