@@ -91,6 +91,8 @@ TIMED = [
     ("hybridq post-all-gather hook", _cls(_W, "HybridWeight"), "fsdp_post_all_gather", True),
     ("  of which: dense weights' fill (HybridWeight._post_all_gather)", _cls(_W, "HybridWeight"), "_post_all_gather",
      True),
+    ("    of which: replayed fill, a derived direction in place (replay_fill)",
+     _cls("hybridq.distributed.buffers", "UnshardedBuffers"), "replay_fill", True),
     ("  of which: grouped weights' fill (GroupedHybridWeight._post_all_gather)", _cls(_W, "GroupedHybridWeight"),
      "_post_all_gather", True),
     ("    of which: stacked per-tensor FP8 experts (fill_stacked)", _mod(_W), "fill_stacked", True),
