@@ -5,6 +5,7 @@ weight (each weight's state keeps them under a key of the shard values they came
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
@@ -13,7 +14,10 @@ from ..formats._sharding import dim0_chunks
 from ..formats._reduce import amax_all_reduce_
 from ..nn.linear import Linear
 from ..torch_private import local_tensor
+from .grouped_blocks_payload import joins_blocks
 from .layout import ExpertLayout
+from .payload import HIGH_PRECISION
+from .plan import every_plan
 from .state import GroupedWeightState
 from .stats import pack_stats
 from .transport import stats_key
@@ -92,12 +96,36 @@ def _grouped_item(mod: nn.Module, p, local: GroupedHybridWeight) -> tuple | None
     qs = tuple(q["weight"] for q in layer.expert_quantizers)
     dtype = st.param_dtype or local.dtype
     layout = ExpertLayout.infer(st.name, tuple(p.shape), tuple(local.shape), ws, rank, qs[0].describe())
+    if _scales_travel_in_the_payload(st, layer, layout, dtype):
+        return None
     data = local._data.to(dtype)
     flat = pack_stats([q.shard_stats(layout.local_piece(data, e), layout.stats_shard(e))
                        for e, q in enumerate(qs)])
     if flat is None:
         return None
     return group, _device(mesh), st, stats_key(p, dtype, layout), flat
+
+
+def _scales_travel_in_the_payload(st: GroupedWeightState, layer, layout: ExpertLayout, dtype) -> bool:
+    """Whether no unshard of this grouped weight reads its cross-rank statistics: every plan an unshard may follow
+    (`plan.every_plan`: either phase, any resharding, recompute's rowwise extra) sends the shard in high precision
+    (quantized on every rank from the gathered weight) or takes the batched block payload, whose slots carry every
+    expert's scales ([Note: stacked block payload]) -- decided by the pre-all-gather hook's own predicate
+    (`joins_blocks`, with the switch's value now). The same answer on every rank (it reads nothing rank-local), so
+    every rank leaves the same weights out of the fused all-reduce. Where the switch is turned off before the next
+    unshard, the per-expert payload reduces the statistics itself: `GroupedStats.reduced_stats` reads precomputed
+    values only under the key of these shard values, which this call then never set."""
+    qs = layer.weight_quantizers()
+    derivable = st.is_derivable(qs, (layout.rows, layout.cols), dtype)
+    return all(joins_blocks(qs, send, layout) for send in _quantized_sends(layer.recipe.backward_override, derivable))
+
+
+@functools.lru_cache(maxsize=64)  # (a handful of arguments; asked for every grouped weight after every step)
+def _quantized_sends(backward_override: str | None, derivable: bool) -> tuple[tuple[str, ...], ...]:
+    """The distinct directions sent by the plans an unshard may follow that send a quantized direction (a plan that
+    sends the shard in high precision quantizes on every rank from the gathered weight: no reduced statistics)."""
+    return tuple(sorted({plan.send for plan in every_plan(backward_override, derivable)
+                         if plan.send != (HIGH_PRECISION,)}))
 
 
 def _modules(model: nn.Module) -> list[nn.Module]:
