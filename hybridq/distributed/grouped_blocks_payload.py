@@ -17,6 +17,8 @@ quantizer: what `transport.prepare_grouped` does expert by expert, in one quanti
   across ranks (the per-expert path all-reduces every expert's tile-amax grid and quantizes an empty piece of every
   expert held elsewhere to rebuild its scales) -- the receiver reads them from the gathered bytes
   (`StackedBlocks.joined_replicated` for all experts at once, `expert_metas` for the per-expert fill).
+  `precompute_scales` leaves out a weight whose every possible unshard takes this path (`joins_blocks`,
+  `scales._scales_travel_in_the_payload`).
 - Elsewhere (a `Shard(1)` layout, blocks that would span experts, a high-precision direction, differing quantizers,
   per-tensor or stochastic formats) the per-expert path runs, as before.
 
