@@ -13,7 +13,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "hybridq"
-LEAVES = ("hybridq.dispatch", "hybridq.enums", "hybridq.errors", "hybridq.torch_private", "hybridq.weight_forms")
+LEAVES = ("hybridq.dispatch", "hybridq.enums", "hybridq.errors", "hybridq.switches", "hybridq.torch_private",
+          "hybridq.weight_forms")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -25,11 +25,11 @@ unsharded buffers are first made (and at every fill).
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart
+from ..switches import Switch
 from .grouped_blocks_payload import StackedBlocks
 from .layout import ALIGN, ExpertLayout
 from .payload import HIGH_PRECISION, assemble_joined, assemble_parts
@@ -38,13 +38,13 @@ from .plan import GatherPlan
 __all__ = ["ENV", "fill_stacked_blocks", "set_stacked_block_gather", "stacked_block_gather", "stacks_blocks"]
 
 ENV = "HYBRIDQ_STACKED_BLOCK_GATHER"
-_ON = {"on": os.environ.get(ENV, "1") != "0"}
+_ON = Switch(ENV)
 
 
 def set_stacked_block_gather(on: bool) -> None:
     """Turn the stacked buffers and batched fill of block-format experts on (default) or off (the per-expert buffers
     and fill, as before; for weights whose unsharded buffers are made after the call)."""
-    _ON["on"] = bool(on)
+    _ON.set(on)
 
 
 def stacked_block_gather() -> bool:

@@ -30,12 +30,12 @@ HYBRIDQ_STACKED_BLOCK_PAYLOAD=0 at start-up) keeps the per-expert payload; it is
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
+from ..switches import Switch
 from .layout import ALIGN, ExpertLayout
 from .payload import DIRECTIONS, PayloadMeta, aligned, build_payload, quantize_shard
 
@@ -43,13 +43,13 @@ __all__ = ["ENV", "StackedBlocks", "joins_blocks", "prepare_stacked_blocks", "se
            "stacked_block_payload"]
 
 ENV = "HYBRIDQ_STACKED_BLOCK_PAYLOAD"
-_ON = {"on": os.environ.get(ENV, "1") != "0"}
+_ON = Switch(ENV)
 _SENDABLE = (ROWWISE, COLUMNWISE)
 
 
 def set_stacked_block_payload(on: bool) -> None:
     """Turn the batched payload of block-format experts on (default) or off (the per-expert payload, as before)."""
-    _ON["on"] = bool(on)
+    _ON.set(on)
 
 
 def stacked_block_payload() -> bool:

@@ -10,13 +10,13 @@ Switch: `HYBRIDQ_UNIT_CAST=0` starts a process with it off; `set_unit_cast(on)` 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import ROWWISE
 from ..kernels import fp8_tensors
+from ..switches import Switch
 from .fsdp_adapter import later_params, training_state
 from .payload import PayloadMeta, build_payload, quantize_shard
 from .transport import payload_key, stats_key
@@ -46,15 +46,13 @@ __all__ = ["PreparedPayload", "set_unit_cast", "unit_cast_enabled", "unit_payloa
 # kept forward payload its backward unshard re-sends is left to that. The bytes are bitwise the per-weight path's
 # (`quantize_fp8_tensors` is that path looped on the CPU; its CUDA kernel is checked against it).
 
-ENABLED = {"on": os.environ.get("HYBRIDQ_UNIT_CAST", "1") != "0"}
+ENABLED = Switch("HYBRIDQ_UNIT_CAST")
 
 
 def set_unit_cast(on: bool) -> bool:
     """Turn the unit batch on or off (for A/B runs; `HYBRIDQ_UNIT_CAST=0` starts a process with it off); returns the
     previous setting."""
-    was = ENABLED["on"]
-    ENABLED["on"] = bool(on)
-    return was
+    return ENABLED.set(on)
 
 
 def unit_cast_enabled() -> bool:

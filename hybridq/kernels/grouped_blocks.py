@@ -29,18 +29,18 @@ per-expert GEMMs run instead.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..switches import Switch
 from . import _ext, native_gemm
 
 log = logging.getLogger("hybridq")
 _E4M3 = torch.float8_e4m3fn
 BLOCK = 128  # elements per scale along the contracted dim (FP8 blocks), the kernels' K tile
-ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
+ENABLED = Switch("HYBRIDQ_GROUPED_BLOCK_GEMM")
 # one cuBLAS block-scaled GEMM per expert beats the grouped kernel where each expert's GEMM is long enough to hide
 # its call's host cost: the mean expert GEMM estimated at >= this many microseconds at 1 PFLOP/s (BENCHMARKS.md
 # "Grouped FP8 block GEMMs"); 0: always the per-expert GEMMs, inf: never. Measured with bench_grouped's "(packed path
@@ -48,7 +48,7 @@ ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_GEMM", "1") != "0"}
 # estimate) per-expert path 14.9 ms vs packed 19.3; 16 experts (94 us) packed 12.1 vs per-expert 23.4; 64 experts
 # (26 us) packed 12.8-18.7 vs per-expert 67.4: the threshold lies between 94 and 481
 PER_EXPERT_MIN_US = 200.0
-CUBLAS = {"on": os.environ.get("HYBRIDQ_GROUPED_BLOCK_CUBLAS", "1") != "0"}
+CUBLAS = Switch("HYBRIDQ_GROUPED_BLOCK_CUBLAS")
 FORCE = {"backend": None}  # "triton" / "cublas": that backend wherever it runs (tests, benchmarks); None: the model
 FPROP, DGRAD, WGRAD = "fprop", "dgrad", "wgrad"
 TRITON, CUBLAS_LOOP = "triton", "cublas"

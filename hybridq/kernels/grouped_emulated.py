@@ -22,14 +22,14 @@ the per-expert GEMMs (same numerics class) run instead.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..switches import Switch
 from . import _ext, native_gemm
 
-ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_EMULATED_GEMM", "1") != "0"}
+ENABLED = Switch("HYBRIDQ_GROUPED_EMULATED_GEMM")
 ALIGN = 8  # bf16 elements in 16 bytes: every group's base and every stride of `torch._grouped_mm`'s operands
 
 

@@ -12,7 +12,6 @@ failed to compile or launch: one warning, then off for the process) `quantize` r
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -22,10 +21,11 @@ from ..enums import ColumnwiseSource
 from ..formats import Float8BlockPart, Float8BlockQuantizer, HybridQuantizer, MXFP8Part, MXFP8Quantizer
 from ..formats._numerics import FP8_MAX
 from ..formats.base import Quantizer
+from ..switches import Switch
 from ..tensor import QuantizedTensor
 from .grouped_blocks import run_or_none
 
-ENABLED = {"on": os.environ.get("HYBRIDQ_GROUPED_SLOT_QUANTIZE", "1") != "0"}
+ENABLED = Switch("HYBRIDQ_GROUPED_SLOT_QUANTIZE")
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CUDA_KERNELS = {Float8BlockQuantizer: "cuda-fp8-block", MXFP8Quantizer: "cuda-mxfp8"}
 

@@ -32,7 +32,6 @@ the fp32 emulation (dequantize, multiply), as in eager (the block reference as o
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -47,6 +46,7 @@ from ..kernels import _ext, cuda_fp8_tensor, native_gemm
 from ..kernels.cuda import IN_DTYPES
 from ..kernels.cuda_fp8_block import OPTIONS as FP8_BLOCK_OPTIONS
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
+from ..switches import Switch
 from ..tensor import QuantizedTensor
 from ..torch_private import graph_task_id
 from .fused_input import prequantized_input
@@ -519,7 +519,7 @@ def _cached_fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSp
 # The gathered ops' phases on CUDA as one extension op each (`hybridq::fp8_linear_fprop` / `fp8_linear_grads`,
 # csrc/linear_fp8.cpp: `_fprop` / `_grads` in C++, the same kernels and GEMMs) or as `_fprop` / `_grads` themselves
 # (bitwise equal). HYBRIDQ_LINEAR_CPP_OPS=0 starts a process with them off (benchmarks compare the two).
-_CPP_OPS = {"on": os.environ.get("HYBRIDQ_LINEAR_CPP_OPS", "1") != "0"}
+_CPP_OPS = Switch("HYBRIDQ_LINEAR_CPP_OPS")
 
 
 class gathered_cpp_ops(_Switch):
