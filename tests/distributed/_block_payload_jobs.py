@@ -17,7 +17,7 @@ from hybridq.torch_private import local_tensor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
-from _block_stacked_jobs import IN, STEPS, _layer, _oracle, _snapshot, _step  # noqa: E402
+from _block_stacked_jobs import STEPS, _layer, _oracle, _snapshot, _step, counted_steps  # noqa: E402
 
 # (payload, receiver): the batched payload against the per-expert one, under either receiver
 RUNS = {"on": (True, True), "off": (False, True), "on_per_expert_fill": (True, False),
@@ -108,28 +108,15 @@ def job_pre_gather_ops(rank, world_size, device, cases, steps=3):
     """For each case: the ops of the pre-all-gather hook per train step after the first (_opcount.OpCounter,
     GPU-equivalent: a quantization the CUDA kernels take counts once), with the batched payload on and off:
     {"on": {"launches": ..., "fused_quantize": ...}, "off": ...}."""
-    from _opcount import OpCounter
-
     out = []
     for case in cases:
         res = {}
         for on in (True, False):
             grouped_blocks_payload.set_stacked_block_payload(on)
             try:
-                root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), False, device, world_size)
-                e = root.lin.weight.shape[0]
-                splits = [(5 * g + 3) % 11 for g in range(e)]
-                x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
-                counter = None
-                for step in range(steps):
-                    if step == 1:
-                        counter = OpCounter()
-                        counter.__enter__()
-                    root(x, list(splits)).float().pow(2).mean().backward()
-                counter.__exit__(None, None, None)
+                pre = counted_steps(case, device, world_size, steps).get("pre_all_gather", {})
             finally:
                 grouped_blocks_payload.set_stacked_block_payload(True)
-            pre = counter.summary(1, steps - 1).get("pre_all_gather", {})
             res["on" if on else "off"] = {k: pre.get(k, 0.0) for k in ("launches", "fused_quantize", "collectives")}
         out.append(res)
     return out

@@ -158,30 +158,36 @@ def job_stacked_blocks(rank, world_size, device, cases):
     return out
 
 
+def counted_steps(case: dict, device, world_size: int, steps: int) -> dict:
+    """The case's layer trained `steps` steps; the ops (_opcount.OpCounter, GPU-equivalent) per phase and step of the
+    steps after the first."""
+    from _opcount import OpCounter
+
+    root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), False, device, world_size)
+    e = root.lin.weight.shape[0]
+    splits = [(5 * g + 3) % 11 for g in range(e)]
+    x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
+    counter = OpCounter()
+    for step in range(steps):
+        if step == 1:
+            counter.__enter__()
+        root(x, list(splits)).float().pow(2).mean().backward()
+    counter.__exit__(None, None, None)
+    return counter.summary(1, steps - 1)
+
+
 def job_post_gather_ops(rank, world_size, device, cases, steps=3):
     """For each case: the ops (kernel launches, GPU-equivalent: _opcount.OpCounter) of the all-gather hooks per
     train step after the first, with the stacked gather on and off: {"on": {phase: launches}, "off": ...}."""
-    from _opcount import OpCounter
-
     out = []
     for case in cases:
         res = {}
         for on in (True, False):
             grouped_blocks_batched.set_stacked_block_gather(on)
             try:
-                root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), False, device, world_size)
-                e = root.lin.weight.shape[0]
-                splits = [(5 * g + 3) % 11 for g in range(e)]
-                x = torch.randn(sum(splits), IN, dtype=torch.bfloat16, device=device)
-                counter = None
-                for step in range(steps):
-                    if step == 1:
-                        counter = OpCounter()
-                        counter.__enter__()
-                    root(x, list(splits)).float().pow(2).mean().backward()
-                counter.__exit__(None, None, None)
+                summary = counted_steps(case, device, world_size, steps)
             finally:
                 grouped_blocks_batched.set_stacked_block_gather(True)
-            res["on" if on else "off"] = {p: c.get("launches", 0.0) for p, c in counter.summary(1, steps - 1).items()}
+            res["on" if on else "off"] = {p: c.get("launches", 0.0) for p, c in summary.items()}
         out.append(res)
     return out
