@@ -312,3 +312,149 @@ def test_gpu_device_count_path_launches_per_call(preset, monkeypatch):
             y.backward(dy)
         got[phase] = dict(launches)
     assert got == LAUNCHES[preset], f"{preset}: Triton launches per call {got}, expected {LAUNCHES[preset]}"
+
+
+# ---- the Triton launches: plans kept per arguments, the cached launcher ---------------------------------------------
+
+# each kind's plan arguments (base) and, per argument, another value that changes the plan
+_BLOCK_PLAN_CASES = {
+    "mm": ((32768, 1024, 2048, 16, 128, None), (16384, 512, 200, 8, 1, (128, 128, 8, 8, 4))),
+    "wgrad": ((1024, 2048, 16, True, None), (512, 1024, 8, False, (128, 128, 8, 8, 4))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_BLOCK_PLAN_CASES))
+def test_block_gemm_launch_plans_are_reused_only_for_their_arguments(kind, monkeypatch):
+    """A grouped block kernel's grid and launch keywords, derived once per (kind, sizes, options): the same arguments
+    reuse the plan, a call that differs in any one argument gets the plan derived from its own arguments."""
+    from hybridq.kernels import triton_grouped_blocks as t
+    monkeypatch.setattr(t, "_PLANS", {})
+    base, others = _BLOCK_PLAN_CASES[kind]
+    make = t._PLAN_MAKERS[kind]
+    first = t.launch_plan(kind, *base)
+    assert t.launch_plan(kind, *base) is first, f"{kind}: the same arguments derived the plan again"
+    assert first == make(*base), f"{kind}: the kept plan differs from the arguments' own"
+    for i, v in enumerate(others):
+        args = list(base)
+        args[i] = v
+        got = t.launch_plan(kind, *args)
+        assert got == make(*args) and got != first, f"{kind}: argument {i} -> {v} got the plan {got}"
+
+
+def test_block_gemm_plan_keywords_are_the_kernels_launch_keywords():
+    """The plans hold what each launch passed before they were kept (the kernels' constexprs and options)."""
+    from hybridq.kernels import triton_grouped_blocks as t
+    grid, kw = t._mm_plan(1000, 256, 200, 4, 128, None)
+    bm, bn, gm, w, st = t.CONFIGS["mm"]
+    assert grid == ((-(-1000 // bm) + 4) * -(-256 // bn),), grid
+    assert kw == dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm, EP=16, B_ROW_BLOCK=128, EVEN_K=False,
+                      SB_SCALAR=128 % bn == 0, num_warps=w, num_stages=st), kw
+    grid, kw = t._wgrad_plan(256, 200, 4, True, None)
+    bm, bn, gm, w, st = t.CONFIGS["wgrad"]
+    assert grid == (-(-256 // bm) * -(-200 // bn), 4), grid
+    assert kw == dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm, EVEN=True, num_warps=w, num_stages=st), kw
+
+
+# (mode, fp8, rowwise, columnwise, slot rows, K, input dtype, fp8_max, eps, pow2, device, config)
+_SLOT_PLAN_BASE = (triton_slot_quantize.MODE_FP8_BLOCK, torch.float8_e4m3fn, True, True, 4096, 2048, torch.bfloat16,
+                   448.0, 0.0, True, torch.device("cpu"), None)
+_SLOT_PLAN_OTHERS = (triton_slot_quantize.MODE_MXFP8, torch.float8_e5m2, False, False, 4224, 2176, torch.float32,
+                     57344.0, 1e-6, False, torch.device("meta"), (256, 4, 0, 0, 0))
+
+
+def test_slot_quantize_launch_plan_is_reused_only_for_its_arguments(monkeypatch):
+    """[Note: slot quantize launch plans]: the same arguments reuse the plan, with no aten op (before: fp32(1 /
+    fp8_max) took three CPU tensor ops per call); any one argument changed gets a plan of its own."""
+    t = triton_slot_quantize
+    monkeypatch.setattr(t, "_PLANS", {})
+    first = t._plan(*_SLOT_PLAN_BASE)
+    with OpLog() as later:
+        again = t._plan(*_SLOT_PLAN_BASE)
+    assert again is first, "the same arguments derived the slot quantize plan again"
+    assert later.ops == [], f"a kept slot quantize plan issued {later.ops}"
+    for i, v in enumerate(_SLOT_PLAN_OTHERS):
+        args = list(_SLOT_PLAN_BASE)
+        args[i] = v
+        got = t._plan(*args)
+        kept = t._PLANS
+        monkeypatch.setattr(t, "_PLANS", {})
+        own = t._plan(*args)  # (derived from these arguments alone)
+        monkeypatch.setattr(t, "_PLANS", kept)
+        assert got is not first and got == own, f"argument {i} -> {v} got the plan {got}, its own is {own}"
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if t._interpreting() else "1")
+    assert t._plan(*_SLOT_PLAN_BASE) != first, "the interpreter's plan was served to a compiled launch (or back)"
+
+
+@pytest.mark.parametrize("mode", ["fp8_block", "mxfp8"])
+def test_slot_quantize_plan_holds_the_launch_arguments(mode, monkeypatch):
+    """What the plan passes: the scale shapes, the grid, the tile counts, fp32(1 / fp8_max) and the constexprs."""
+    t = triton_slot_quantize
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = t.MODE_FP8_BLOCK if mode == "fp8_block" else t.MODE_MXFP8
+    s, k, blk = 384, 320, t._BLOCKS[m]
+    c = t.CONFIGS[m]
+    (rs_cols, cs_cols, s_dtype), grid, head, kw = t._plan(m, torch.float8_e4m3fn, True, True, s, k, torch.bfloat16,
+                                                          448.0, 0.0, True, torch.device("cpu"), None)
+    n_cb, tiles = -(-k // c.cols), -(-s // blk) * -(-k // c.cols)
+    want_scales = ((-(-k // blk), -(-s // blk), torch.float32) if m == t.MODE_FP8_BLOCK
+                   else (k // blk, s // blk, torch.uint8))
+    assert (rs_cols, cs_cols, s_dtype) == want_scales
+    assert grid == ((-(-s // blk), n_cb) if not c.stages else (t._grid(c, tiles, torch.device("cpu")),)), grid
+    rcp = float(torch.tensor(1.0) / torch.tensor(448.0, dtype=torch.float32))
+    assert head == (rs_cols, cs_cols, tiles, n_cb, t._grid(c, tiles, torch.device("cpu")), 448.0, rcp, 0.0), head
+    assert kw["ROWWISE"] and kw["COLUMNWISE"] and kw["MODE"] == m and kw["BLK"] == blk and kw["BLOCK_C"] == c.cols
+    assert kw["EVEN"] == (s % blk == 0 and k % c.cols == 0) and kw["USE_ASM"] and kw["num_warps"] == c.warps
+
+
+def _block_kernel_outputs(seed: int) -> dict[str, torch.Tensor]:
+    """The slot quantize's (FP8 blocks, MXFP8) and the grouped block GEMMs' (fprop, dgrad, wgrad) outputs on one set
+    of CUDA operands (`seed`: other values and routings)."""
+    from hybridq.kernels.grouped_blocks import GroupBounds, mm, wgrad
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(seed)
+    splits = [5, 0, 130, 1 + 40 * seed]
+    x = torch.randn(sum(splits), 256, generator=gen).to(dev, torch.bfloat16)
+    dy = torch.randn(sum(splits), 128, generator=gen).to(dev, torch.bfloat16)
+    layout = TokenLayout.build(splits, [-(-m // 16) * 16 if m else 0 for m in splits], dev, 128)
+    src = layout.source_rows(dev)
+    out = {}
+    for fmt, q in (("fp8_block", Float8BlockQuantizer(block_dim=1)), ("mxfp8", MXFP8Quantizer())):
+        got = grouped_slots.quantize(q, x, src, True, True)
+        assert got is not None, f"{fmt}: the grouped slot quantize did not take the call"
+        for d in (ROWWISE, COLUMNWISE):
+            for name, t in got.part(d).tensors().items():
+                if isinstance(t, torch.Tensor):
+                    out[f"slot quantize {fmt} {d} {name}"] = t
+    q = Float8BlockQuantizer(block_dim=1)
+    xq, dyq = (grouped_slots.quantize(q, t, src, True, True) for t in (x, dy))
+    w = Float8BlockQuantizer(block_dim=2).quantize_groups((torch.randn(4 * 128, 256, generator=gen)).to(dev),
+                                                          [128] * 4, rowwise=True, columnwise=True, name="w")
+    bounds = GroupBounds(layout.offsets, layout.splits, layout.slots, dev)
+    out["fprop"] = mm(xq.part(ROWWISE), w.part(ROWWISE), 4, bounds, torch.bfloat16)
+    out["dgrad"] = mm(dyq.part(ROWWISE), w.part(COLUMNWISE), 4, bounds, torch.bfloat16)
+    out["wgrad"] = wgrad(dyq.part(COLUMNWISE), xq.part(COLUMNWISE), bounds, torch.bfloat16)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_device_path_here("fp8_block") and triton_slot_quantize.triton is not None),
+                    reason="needs CUDA sm_90 with the grouped kernels (Triton, the built extension)")
+def test_gpu_block_kernels_through_the_cached_launcher_are_bitwise_tritons_launch(monkeypatch):
+    """The slot quantize and the grouped block GEMMs launched through the cached launcher (the first call of a
+    specialization fills it, the next ones read it; another routing included) write the bytes of Triton's own
+    `kernel[grid](...)`, and the launcher kept their kernels."""
+    from hybridq.kernels import triton_launch
+    assert triton_launch.ENABLED, "the cached launcher is off for this Triton"
+    for seed in (0, 0, 1):
+        fast = _block_kernel_outputs(seed)
+        monkeypatch.setattr(triton_launch, "ENABLED", False)
+        ref = _block_kernel_outputs(seed)
+        monkeypatch.setattr(triton_launch, "ENABLED", True)
+        for name, t in ref.items():
+            assert torch.equal(fast[name].view(torch.uint8), t.view(torch.uint8)), \
+                f"{name}: the cached launch differs from Triton's launch (seed {seed})"
+    kept = {id(k[0]) for k in triton_launch._CACHE.values()}
+    from hybridq.kernels import triton_grouped_blocks as tgb
+    for fn in (triton_slot_quantize._slot_quantize_kernel, tgb._grouped_block_mm_kernel,
+               tgb._grouped_block_wgrad_kernel):
+        assert id(fn) in kept, f"{fn.fn.__name__} was not launched through the cached launcher"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .triton_grouped_fp8 import _cdiv, _next_pow2, available
+from .triton_launch import launch
 
 try:  # Triton is optional: CPU machines and CI have none
     import triton
@@ -174,19 +175,16 @@ def grouped_block_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor
     stride along K, `a_scale_inv` fp32 `[S, ceil(K/128)]` (unit stride along the blocks); `b_scale_strides`: the
     element strides of `b_scale_inv` per group, per `b_row_block` rows of `b_g`, per K block. Rows of the result
     that no group covers are not written."""
-    s, k = a.shape
+    k = a.shape[1]
     e = bounds.shape[1]
     c = torch.empty(out_rows, n, device=a.device, dtype=out_dtype)
     if c.numel() == 0 or e == 0:
         return c
-    bm, bn, gm, w, st = config if config is not None else CONFIGS["mm"]
-    grid = ((_cdiv(out_rows, bm) + e) * _cdiv(n, bn),)  # an upper bound of the row tiles: each group may end one
-    sbg, sbn, sbk = b_scale_strides                     # partial tile
-    LAST_COMPILED["mm"] = _grouped_block_mm_kernel[grid](
-        a, a_scale_inv, b, b_scale_inv, c, bounds, n, k, e, a.stride(0), a_scale_inv.stride(0), b_group_stride,
-        b_row_stride, sbg, sbn, sbk, c.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=gm,
-        EP=max(16, _next_pow2(e)), B_ROW_BLOCK=b_row_block, EVEN_K=k % BLOCK == 0,
-        SB_SCALAR=b_row_block % bn == 0, num_warps=w, num_stages=st)
+    grid, kw = launch_plan("mm", out_rows, n, k, e, b_row_block, _hashable(config))
+    sbg, sbn, sbk = b_scale_strides
+    LAST_COMPILED["mm"] = launch(
+        _grouped_block_mm_kernel, grid, a, a_scale_inv, b, b_scale_inv, c, bounds, n, k, e, a.stride(0),
+        a_scale_inv.stride(0), b_group_stride, b_row_stride, sbg, sbn, sbk, c.stride(0), **kw)
     return c
 
 
@@ -202,10 +200,45 @@ def grouped_block_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch
     c = torch.empty(e, m, n, device=a_t.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
-    bm, bn, gm, w, st = config if config is not None else CONFIGS["wgrad"]
-    grid = (_cdiv(m, bm) * _cdiv(n, bn), e)
-    LAST_COMPILED["wgrad"] = _grouped_block_wgrad_kernel[grid](
-        a_t, a_scale_inv, b_t, b_scale_inv, c, starts, sizes, m, n, a_t.stride(0), a_scale_inv.stride(0),
-        b_t.stride(0), b_scale_inv.stride(0), c.stride(0), c.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
-        GROUP_M=gm, EVEN=even, num_warps=w, num_stages=st)
+    grid, kw = launch_plan("wgrad", m, n, e, even, _hashable(config))
+    LAST_COMPILED["wgrad"] = launch(
+        _grouped_block_wgrad_kernel, grid, a_t, a_scale_inv, b_t, b_scale_inv, c, starts, sizes, m, n, a_t.stride(0),
+        a_scale_inv.stride(0), b_t.stride(0), b_scale_inv.stride(0), c.stride(0), c.stride(1), **kw)
     return c
+
+
+def _mm_plan(out_rows: int, n: int, k: int, e: int, b_row_block: int, config) -> tuple:
+    bm, bn, gm, w, st = config if config is not None else CONFIGS["mm"]
+    # (grid: an upper bound of the row tiles, each group may end one partial tile)
+    return ((_cdiv(out_rows, bm) + e) * _cdiv(n, bn),), dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=gm, EP=max(16, _next_pow2(e)), B_ROW_BLOCK=b_row_block,
+        EVEN_K=k % BLOCK == 0, SB_SCALAR=b_row_block % bn == 0, num_warps=w, num_stages=st)
+
+
+def _wgrad_plan(m: int, n: int, e: int, even: bool, config) -> tuple:
+    bm, bn, gm, w, st = config if config is not None else CONFIGS["wgrad"]
+    return (_cdiv(m, bm) * _cdiv(n, bn), e), dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=gm, EVEN=even,
+                                                  num_warps=w, num_stages=st)
+
+
+_PLAN_MAKERS = {"mm": _mm_plan, "wgrad": _wgrad_plan}
+# (kind, the plan maker's arguments) -> (grid, the constexprs and options): a launch's parameters depend on nothing
+# else (derived anew they cost ~10 Python calls per launch, 3 launches per expert projection's forward + backward)
+_PLANS: dict = {}
+
+
+def launch_plan(kind: str, *shape) -> tuple:
+    """(grid, keyword arguments of `launch`) of a `kind` kernel ("mm", "wgrad") for these sizes and options (the
+    arguments of its `_*_plan` maker), made once per distinct arguments."""
+    key = (kind, *shape)
+    hit = _PLANS.get(key)
+    if hit is None:
+        if len(_PLANS) >= 256:  # (bounded: a few call shapes per model)
+            _PLANS.clear()
+        hit = _PLANS[key] = _PLAN_MAKERS[kind](*shape)
+    return hit
+
+
+def _hashable(config):
+    """A benchmark's tile configuration as a plan key (a tuple; None: the default)."""
+    return None if config is None else tuple(config)

@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from .triton_launch import launch
+
 try:  # Triton is optional: CPU machines and CI have none
     import triton
     import triton.language as tl
@@ -380,34 +382,63 @@ def slot_quantize(x: torch.Tensor, src_rows: torch.Tensor, mode: int, fp8: torch
     `src_rows` int32 `[S]` on x's device. Scales: FP8 blocks fp32 `[S, ceil(K/128)]`, `[K, ceil(S/128)]`; MXFP8 E8M0
     bytes `[S, K/32]`, `[K, S/32]` (K and S multiples of 32). The columnwise form needs S a multiple of 4 (its bytes
     are written 4 slot rows to a word). `config`: a SlotConfig (default CONFIGS[mode])."""
-    c = SlotConfig(*config) if config is not None else CONFIGS[mode]
-    _check_config(mode, c)
     s, k = src_rows.shape[0], x.shape[1]
     if columnwise and s % 4:
         raise ValueError(f"slot quantize: the columnwise form of {s} slot rows: the slot count must be a multiple of 4")
-    blk = _BLOCKS[mode]
     dev = x.device
-    if mode == MODE_FP8_BLOCK:
-        rs_cols, cs_cols, s_dtype = -(-k // blk), -(-s // blk), torch.float32
-    else:
-        rs_cols, cs_cols, s_dtype = k // blk, s // blk, torch.uint8
+    (rs_cols, cs_cols, s_dtype), grid, head, kw = _plan(mode, fp8, rowwise, columnwise, s, k, x.dtype, float(fp8_max),
+                                                        float(eps), bool(pow2), dev,
+                                                        None if config is None else tuple(config))
     rq = torch.empty(s, k, device=dev, dtype=fp8) if rowwise else None
     rs = torch.empty(s, rs_cols, device=dev, dtype=s_dtype) if rowwise else None
     cq = torch.empty(k, s, device=dev, dtype=fp8) if columnwise else None
     cs = torch.empty(k, cs_cols, device=dev, dtype=s_dtype) if columnwise else None
     if s == 0 or k == 0 or not (rowwise or columnwise):
         return rq, rs, cq, cs
-    cap = {"maxnreg": c.maxnreg} if c.maxnreg and not _interpreting() else {}
-    dummy = torch.empty(1, device=dev, dtype=torch.int32)
+    # (a direction not asked for: its pointers are never read; one int32 placeholder)
+    dummy = None if rowwise and columnwise else torch.empty(1, device=dev, dtype=torch.int32)
+    launch(_slot_quantize_kernel, grid, x, src_rows, rq.view(torch.uint8) if rowwise else dummy,
+           rs if rowwise else dummy, cq.view(torch.int32) if columnwise else dummy, cs if columnwise else dummy, s, k,
+           x.stride(0), *head, **kw)
+    return rq, rs, cq, cs
+
+
+def _plan(mode: int, fp8: torch.dtype, rowwise: bool, columnwise: bool, s: int, k: int, x_dtype: torch.dtype,
+          fp8_max: float, eps: float, pow2: bool, dev: torch.device, config: tuple | None) -> tuple:
+    """((scale columns rowwise, columnwise, scale dtype), grid, the arguments after `stride_x`, the constexprs and
+    options) of one launch, made once per distinct arguments ([Note: slot quantize launch plans])."""
+    interp = _interpreting()
+    key = (mode, fp8, rowwise, columnwise, s, k, x_dtype, fp8_max, eps, pow2, dev, config, interp)
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
+    c = SlotConfig(*config) if config is not None else CONFIGS[mode]
+    _check_config(mode, c)
+    blk = _BLOCKS[mode]
+    if mode == MODE_FP8_BLOCK:
+        scales = (-(-k // blk), -(-s // blk), torch.float32)
+    else:
+        scales = (k // blk, s // blk, torch.uint8)
+    cap = {"maxnreg": c.maxnreg} if c.maxnreg and not interp else {}
     rcp_max = float(torch.tensor(1.0) / torch.tensor(fp8_max, dtype=torch.float32))  # fp32(1 / fp8_max)
     n_cb = -(-k // c.cols)
     tiles = -(-s // blk) * n_cb
     grid = _grid(c, tiles, dev)
-    _slot_quantize_kernel[(grid,) if c.stages else (-(-s // blk), n_cb)](
-        x, src_rows, rq.view(torch.uint8) if rowwise else dummy, rs if rowwise else dummy,
-        cq.view(torch.int32) if columnwise else dummy, cs if columnwise else dummy, s, k, x.stride(0), rs_cols,
-        cs_cols, tiles, n_cb, grid, float(fp8_max), rcp_max, float(eps), BLOCK_C=c.cols, BLK=blk, MODE=mode,
-        POW2=bool(pow2), E5M2=_FP8[fp8], IN_KIND=_IN_KINDS[x.dtype], ROWWISE=rowwise, COLUMNWISE=columnwise,
-        USE_ASM=not _interpreting(), EVEN=s % blk == 0 and k % c.cols == 0, STAGES=c.stages,
-        INTERP_ITERS=-(-tiles // grid) if _interpreting() and c.stages else 0, num_warps=c.warps, **cap)
-    return rq, rs, cq, cs
+    head = (scales[0], scales[1], tiles, n_cb, grid, fp8_max, rcp_max, eps)
+    kw = dict(BLOCK_C=c.cols, BLK=blk, MODE=mode, POW2=pow2, E5M2=_FP8[fp8], IN_KIND=_IN_KINDS[x_dtype],
+              ROWWISE=rowwise, COLUMNWISE=columnwise, USE_ASM=not interp, EVEN=s % blk == 0 and k % c.cols == 0,
+              STAGES=c.stages, INTERP_ITERS=-(-tiles // grid) if interp and c.stages else 0, num_warps=c.warps, **cap)
+    if len(_PLANS) >= _MAX_PLANS:  # (bounded: a slot count per routing on the host-count path)
+        _PLANS.clear()
+    hit = _PLANS[key] = (scales, (grid,) if c.stages else (-(-s // blk), n_cb), head, kw)
+    return hit
+
+
+# [Note: slot quantize launch plans]
+# Everything a launch passes besides the tensors and x's row stride -- the scale shapes, the grid, the tile counts,
+# fp32(1 / fp8_max) (three CPU tensor ops), the constexprs and options -- depends only on the mode, the formats, the
+# directions, the slot and column counts, the input dtype, the scaling options, the device (its SM count), the
+# config and whether Triton interprets: kept per those (`_PLANS`), the launch itself through the launcher cached per
+# specialization (`triton_launch.launch`; Triton's `kernel[grid]` costs ~50-100 us of host per call).
+_PLANS: dict = {}
+_MAX_PLANS = 256
