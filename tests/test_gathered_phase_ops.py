@@ -221,11 +221,11 @@ def test_cpu_gathered_fast_path_is_bitwise_the_general_path(case, variant, monke
 
 
 def test_the_environment_switches_the_cpp_phases_off_for_a_process():
-    code = "from hybridq.nn import float8_graph as f; print(f._CPP_OPS['on'])"
+    code = "from hybridq.nn import float8_graph as f; print(f._CPP_OPS.on)"
     env = dict(os.environ, HYBRIDQ_LINEAR_CPP_OPS="0")
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == "False", f"HYBRIDQ_LINEAR_CPP_OPS=0 left the C++ phases {got.stdout.strip()!r}"
-    assert float8_graph._CPP_OPS["on"], "the C++ phases are off by default in this process"
+    assert float8_graph._CPP_OPS.on, "the C++ phases are off by default in this process"
     with gathered_cpp_ops(False):
-        assert not float8_graph._CPP_OPS["on"]
-    assert float8_graph._CPP_OPS["on"], "gathered_cpp_ops(False) as a block did not restore the switch"
+        assert not float8_graph._CPP_OPS.on
+    assert float8_graph._CPP_OPS.on, "gathered_cpp_ops(False) as a block did not restore the switch"

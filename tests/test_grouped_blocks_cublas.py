@@ -132,8 +132,8 @@ def _sm90_ext() -> bool:
 
 
 def _step(recipe, splits, k, n, cublas: bool, monkeypatch, poison: bool = False):
-    monkeypatch.setitem(grouped_blocks.ENABLED, "on", cublas)
-    monkeypatch.setitem(grouped_blocks.CUBLAS, "on", cublas)
+    monkeypatch.setattr(grouped_blocks.ENABLED, "on", cublas)
+    monkeypatch.setattr(grouped_blocks.CUBLAS, "on", cublas)
     monkeypatch.setitem(grouped_blocks.FORCE, "backend", grouped_blocks.CUBLAS_LOOP if cublas else None)
     torch.manual_seed(1)
     m = hq.GroupedLinear(len(splits), k, n, recipe=recipe, dtype=torch.bfloat16, device="cuda", name="moe")

@@ -209,8 +209,8 @@ def test_scales_near_the_ends_of_the_fp32_range(device):
 # ---- the packed path with the grouped GEMMs (GPU) ----------------------------------------------------------------
 
 def _layer_step(splits, k, out, grouped: bool, monkeypatch, preset="fp8_block"):
-    monkeypatch.setitem(grouped_blocks.ENABLED, "on", grouped)
-    monkeypatch.setitem(grouped_emulated.ENABLED, "on", grouped)
+    monkeypatch.setattr(grouped_blocks.ENABLED, "on", grouped)
+    monkeypatch.setattr(grouped_emulated.ENABLED, "on", grouped)
     torch.manual_seed(1)
     m = hq.GroupedLinear(E, k, out, recipe=hq.recipe(preset), dtype=torch.bfloat16, device="cuda", name="moe")
     gen = torch.Generator().manual_seed(2)
@@ -374,12 +374,13 @@ def test_gpu_mxfp8_experts_run_one_grouped_gemm_per_phase(splits, out, monkeypat
 def test_a_failing_grouped_gemm_is_turned_off_with_a_warning(monkeypatch):
     """A grouped GEMM that fails (a Triton compile error, a torch refusal) returns None -- the caller runs the
     per-expert GEMMs -- turns its kernel family off for the process and says so once."""
-    flag = {"on": True}
+    flag = grouped_blocks.ENABLED
+    monkeypatch.setattr(flag, "on", True)
 
     def fails():
         raise RuntimeError("no kernel image")
 
     with pytest.warns(RuntimeWarning, match="grouped test GEMM failed .*no kernel image.*one GEMM per expert"):
         assert grouped_blocks.run_or_none(flag, "grouped test GEMM", fails) is None
-    assert flag == {"on": False}
+    assert flag.on is False, "the failing family was not turned off"
     assert grouped_blocks.run_or_none(flag, "grouped test GEMM", lambda: 7) == 7

@@ -226,8 +226,8 @@ def test_gpu_packed_block_path_is_bitwise_the_per_expert_path(preset, splits, ou
     bitwise equal. (The grouped GEMMs -- FP8 blocks in Triton, MXFP8's grouped emulation -- which sum in another
     order, are off here: they are compared with this path in tests/test_grouped_blocks_gemm.py.)"""
     from hybridq.kernels import grouped_blocks, grouped_emulated
-    monkeypatch.setitem(grouped_blocks.ENABLED, "on", False)
-    monkeypatch.setitem(grouped_emulated.ENABLED, "on", False)
+    monkeypatch.setattr(grouped_blocks.ENABLED, "on", False)
+    monkeypatch.setattr(grouped_emulated.ENABLED, "on", False)
     assert_results_bitwise(_run(True, splits, preset, out, device="cuda", k=k),
                  _run(False, splits, preset, out, device="cuda", k=k),
                  f"{preset} on CUDA, splits {splits}, N={out}, K={k}")

@@ -194,8 +194,8 @@ def test_gpu_packed_nvfp4_path_is_bitwise_the_per_expert_path(recipe, splits, ou
     another order -- mxfp8_fwd_nvfp4_bwd's MXFP8 fprop -- are off here: test_grouped_blocks_gemm.py compares them.)"""
     from hybridq import dispatch
     from hybridq.kernels import grouped_blocks, grouped_emulated
-    monkeypatch.setitem(grouped_blocks.ENABLED, "on", False)
-    monkeypatch.setitem(grouped_emulated.ENABLED, "on", False)
+    monkeypatch.setattr(grouped_blocks.ENABLED, "on", False)
+    monkeypatch.setattr(grouped_emulated.ENABLED, "on", False)
     key = (NVFP4Quantizer, "cuda")
     kernel, ran = dispatch._ROW_GROUPS[key], []
 

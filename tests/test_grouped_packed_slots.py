@@ -168,7 +168,7 @@ LAYER_PRESETS = ["fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd"]
 
 
 def _run(preset, splits, k, out, monkeypatch, slots_on):
-    monkeypatch.setitem(grouped_slots.ENABLED, "on", slots_on)
+    monkeypatch.setattr(grouped_slots.ENABLED, "on", slots_on)
     packs = []
     real_pack = TokenLayout.pack
     monkeypatch.setattr(TokenLayout, "pack", lambda self, t: packs.append(t.shape) or real_pack(self, t))
@@ -204,7 +204,7 @@ def test_gpu_packed_block_path_packs_nothing_and_keeps_its_results(preset, split
 def test_gpu_a_failing_slot_quantize_is_turned_off_with_a_warning_and_the_tokens_are_packed(monkeypatch):
     """A grouped quantize that fails to compile or launch returns None after one warning and stays off: the packed
     path packs and quantizes as before, with the same bytes."""
-    monkeypatch.setitem(grouped_slots.ENABLED, "on", True)
+    monkeypatch.setattr(grouped_slots.ENABLED, "on", True)
     q, splits = Float8BlockQuantizer(), [5, 0, 130]
     x = _tokens(splits, 256, torch.bfloat16, "cuda")
     layout = _layout(q, splits, True, True, "cuda")
@@ -215,7 +215,7 @@ def test_gpu_a_failing_slot_quantize_is_turned_off_with_a_warning_and_the_tokens
     monkeypatch.setattr(triton_slot_quantize, "slot_quantize", fails)
     with pytest.warns(RuntimeWarning, match="grouped slot quantize failed .*no kernel image.*packs the tokens"):
         assert grouped_slots.quantize(q, x, layout.source_rows(x.device), True, True) is None
-    assert grouped_slots.ENABLED == {"on": False}
+    assert grouped_slots.ENABLED.on is False, "the failing slot quantize was not turned off"
     assert grouped_slots.quantize(q, x, layout.source_rows(x.device), True, True) is None, "it did not stay off"
 
 

@@ -19,6 +19,7 @@ import hybridq.nn.float8_graph  # noqa: F401
 from hybridq.switches import Switch, switches
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+SWITCHES_PY = DOCS.parent / "hybridq" / "switches.py"
 EXPECTED = {"HYBRIDQ_GROUPED_BLOCK_CUBLAS", "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_EMULATED_GEMM",
             "HYBRIDQ_GROUPED_SLOT_QUANTIZE", "HYBRIDQ_LINEAR_CPP_OPS", "HYBRIDQ_STACKED_BLOCK_GATHER",
             "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_UNIT_CAST"}
@@ -42,12 +43,62 @@ def test_a_switch_reads_its_environment_variable_at_import(value, on):
     assert out.strip() == str(on), f"HYBRIDQ_UNIT_CAST={value!r}: the switch is {out.strip()}, expected {on}"
 
 
-def test_set_changes_the_switch_and_returns_the_previous_setting():
-    s = next(iter(switches().values()))
-    was = s["on"]
-    try:
-        assert s.set(not was) is was and s["on"] is (not was) and s.on is (not was)
-        assert s.set(was) is (not was) and s["on"] is was
-    finally:
-        s["on"] = was
+def _a_switch() -> Switch:
+    return switches()["HYBRIDQ_UNIT_CAST"]
+
+
+@pytest.mark.parametrize("default,value,on", [(True, None, True), (True, "1", True), (True, "0", False),
+                                              (True, "yes", True), (False, None, False), (False, "1", True),
+                                              (False, "0", False), (False, "yes", False)])
+def test_only_the_other_setting_s_value_flips_a_switch_s_default(default, value, on):
+    env = {k: v for k, v in __import__("os").environ.items() if k != "HYBRIDQ_SWITCH_PROBE"}
+    if value is not None:
+        env["HYBRIDQ_SWITCH_PROBE"] = value
+    # (switches.py alone, a leaf: importing the package would take seconds per case)
+    code = (f"import importlib.util as u; s = u.spec_from_file_location('switches', r'{SWITCHES_PY}'); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+            f"print(m.Switch('HYBRIDQ_SWITCH_PROBE', {default}).on)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(on), f"default {default}, HYBRIDQ_SWITCH_PROBE={value!r}: {out.strip()}, expected {on}"
+
+
+def test_set_changes_the_switch_and_returns_the_previous_setting(monkeypatch):
+    s = _a_switch()
+    monkeypatch.setattr(s, "on", True)
+    assert s.set(False) is True and s.on is False
+    assert s.set(True) is False and s.on is True
     assert isinstance(s, Switch) and s.env in repr(s)
+
+
+def test_turned_sets_the_switch_from_then_on(monkeypatch):
+    s = _a_switch()
+    monkeypatch.setattr(s, "on", True)
+    s.turned(False)
+    assert s.on is False, "turned(False) outside a with block did not turn the switch off"
+
+
+@pytest.mark.parametrize("start", [True, False])
+def test_turned_as_a_block_restores_the_setting_before_it_at_its_end(start, monkeypatch):
+    s = _a_switch()
+    monkeypatch.setattr(s, "on", start)
+    with s.turned(not start):
+        assert s.on is (not start), "the block did not run with the switch turned"
+        with s.turned(start):
+            assert s.on is start
+        assert s.on is (not start), "the inner block did not restore the outer block's setting"
+        s.set(start)  # (a change inside the block is undone too)
+    assert s.on is start, "the block's end did not restore the setting before it"
+    with pytest.raises(RuntimeError), s.turned(not start):
+        raise RuntimeError
+    assert s.on is start, "a block left by an exception did not restore the setting before it"
+
+
+def test_the_mapping_form_reads_and_writes_the_same_setting(monkeypatch):
+    s = _a_switch()
+    monkeypatch.setattr(s, "on", True)
+    monkeypatch.setitem(s, "on", False)
+    assert s.on is False and s["on"] is False and s.get("on") is False
+    monkeypatch.undo()
+    assert s.on is True, "monkeypatch.setitem's undo did not restore the switch"
+    with pytest.raises(KeyError, match="HYBRIDQ_UNIT_CAST.*one setting, 'on', not 'enabled'"):
+        s["enabled"] = False

@@ -49,13 +49,13 @@ def set_stacked_block_gather(on: bool) -> None:
 
 def stacked_block_gather() -> bool:
     """Whether block-format experts get stacked buffers and the batched fill (`set_stacked_block_gather`)."""
-    return _ON["on"]
+    return _ON.on
 
 
 def stacks_blocks(qs) -> bool:
     """Whether the experts' quantizers `qs` are one block format (equal quantizers, `local_scaling`), so that every
     expert has the same buffers, and the switch is on."""
-    if not _ON["on"] or not qs:
+    if not _ON.on or not qs:
         return False
     q0 = qs[0]
     return q0.local_scaling and all(q is q0 or q == q0 for q in qs[1:])

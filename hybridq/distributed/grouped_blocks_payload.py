@@ -54,7 +54,7 @@ def set_stacked_block_payload(on: bool) -> None:
 
 def stacked_block_payload() -> bool:
     """Whether block-format experts' payloads are built by `prepare_stacked_blocks` (`set_stacked_block_payload`)."""
-    return _ON["on"]
+    return _ON.on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def joins_blocks(qs, send, layout: ExpertLayout) -> bool:
     block-format quantizer (`local_scaling`: no tensor-wide statistic, no state, no random draws) for every expert,
     only quantized directions sent, and `out` a whole number of the row blocks of every direction sent. A function of
     what every rank shares (never of the values or of the experts held): all ranks take the same path."""
-    if not (_ON["on"] and layout.dim == 0 and send and qs) or any(d not in _SENDABLE for d in send):
+    if not (_ON.on and layout.dim == 0 and send and qs) or any(d not in _SENDABLE for d in send):
         return False
     q0 = qs[0]
     if not q0.local_scaling or not all(q is q0 or q == q0 for q in qs[1:]):

@@ -56,7 +56,7 @@ def set_unit_cast(on: bool) -> bool:
 
 
 def unit_cast_enabled() -> bool:
-    return ENABLED["on"]
+    return ENABLED.on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
     if prepared is not None and key is not None and prepared.key == key and prepared.quant is lane.quant:
         st.counters["payload_unit"] += 1
         return prepared.payload, prepared.meta
-    if not ENABLED["on"] or key is None or lane.link is None:
+    if not ENABLED.on or key is None or lane.link is None:
         return None
     return _prepare_unit(local, lane, key)
 

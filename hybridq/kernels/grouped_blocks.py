@@ -5,7 +5,7 @@ instead of one `hybridq.gemm.gemm` per expert.
 Operands are taken by what their parts declare (`QuantizedPart.gemm_kind`), as `native_gemm` does: E4M3 1x128 blocks
 (`native_gemm.BLOCK_1X128`) for the token operands, 128x128 tiles or 1x128 blocks for the weight. Taken where every
 piece runs: a CUDA sm_90 device, Triton, native GEMMs enabled (`native_gemm.disabled()` turns them off), real tensors
-(not torch.compile's fakes), and `HYBRIDQ_GROUPED_BLOCK_GEMM` not "0" (`ENABLED["on"]`: the per-expert GEMM loop,
+(not torch.compile's fakes), and `HYBRIDQ_GROUPED_BLOCK_GEMM` not "0" (`ENABLED.on`: the per-expert GEMM loop,
 which the tests compare against). Elsewhere the caller runs one `gemm` per expert.
 
 Group bounds (`GroupBounds`): int32 `[6, E]` on the device, made once per layout from the host's counts (one
@@ -19,7 +19,7 @@ grouped kernels above (bounds on the device only) and one cuBLAS block-scaled GE
 one op call per phase (`cublas_mm` / `cublas_wgrad`: csrc/grouped_block_gemm.cu), which needs the host's counts
 (GroupedLinear's packed path has them) and gives bitwise the per-expert path's GEMMs (the same cuBLAS call on the
 same operands, views of the slots; only the scales are rearranged, one pass per operand, into cuBLAS's layouts).
-`HYBRIDQ_GROUPED_BLOCK_CUBLAS=0` turns the cuBLAS loop off (`CUBLAS["on"]`); with `HYBRIDQ_GROUPED_BLOCK_GEMM=0`
+`HYBRIDQ_GROUPED_BLOCK_CUBLAS=0` turns the cuBLAS loop off (`CUBLAS.on`); with `HYBRIDQ_GROUPED_BLOCK_GEMM=0`
 both backends are off.
 
 A grouped kernel that fails to compile or launch (`run_or_none`) is turned off for the process with one warning; the
@@ -97,7 +97,7 @@ def supports(a, b) -> bool:
 def _block_pair_on_sm90(a, b) -> bool:
     """What both grouped backends take: E4M3 1x128 token blocks against 1x128 blocks or 128x128 tiles, real CUDA
     tensors on one sm_90 device, the grouped GEMMs and the native GEMMs on."""
-    if not (ENABLED["on"] and native_gemm.native_enabled() and _real_cuda(a.data) and b.data.device == a.data.device):
+    if not (ENABLED.on and native_gemm.native_enabled() and _real_cuda(a.data) and b.data.device == a.data.device):
         return False
     if a.gemm_kind != native_gemm.BLOCK_1X128 or b.gemm_kind not in (native_gemm.BLOCK_1X128,
                                                                       native_gemm.TILE_128X128):
@@ -113,7 +113,7 @@ def cublas_supports(a, b) -> bool:
     """Whether the cuBLAS loop takes token part `a` against `b` (as `supports`, plus what the per-expert path's
     cuBLAS GEMM needs, `native_gemm._block_supports`: a K of whole 128-blocks, 16-multiples elsewhere; on other shapes
     the per-expert path runs its emulated GEMM, which this loop would not reproduce)."""
-    return (CUBLAS["on"] and _block_pair_on_sm90(a, b) and hasattr(torch.nn.functional, "scaled_mm")
+    return (CUBLAS.on and _block_pair_on_sm90(a, b) and hasattr(torch.nn.functional, "scaled_mm")
             and _cublas_op_available(a.data.device))
 
 
@@ -273,21 +273,21 @@ def cublas_takes(quantizers: dict, device: torch.device) -> bool:
     """Whether the cuBLAS loop can run every GEMM of experts quantized by `quantizers` on `device` (before any
     tensor exists: what `grouped_packed_blocks.packed_path_pays` asks): `cublas_formats`, CUDA sm_90 with the
     extension's op."""
-    if not (CUBLAS["on"] and ENABLED["on"] and cublas_formats(quantizers) and device.type == "cuda"
+    if not (CUBLAS.on and ENABLED.on and cublas_formats(quantizers) and device.type == "cuda"
             and torch.cuda.is_available() and native_gemm.native_enabled()):
         return False
     return torch.cuda.get_device_capability(device) == (9, 0) and hasattr(torch.nn.functional, "scaled_mm") and \
         _cublas_op_available(device)
 
 
-def run_or_none(enabled: dict, what: str, fn, instead: str = "the packed path runs one GEMM per expert"):
+def run_or_none(enabled: Switch, what: str, fn, instead: str = "the packed path runs one GEMM per expert"):
     """`fn()`, a grouped kernel; None after a failure (a Triton compile or launch error, a torch refusal), which turns
-    that kernel family off (`enabled["on"] = False`) with one warning saying what runs `instead` (the caller's
+    that kernel family's switch `enabled` off with one warning saying what runs `instead` (the caller's
     fallback: the per-expert GEMMs, or the packing copy before the format's quantize)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 (Triton compile / launch errors have no common base; torch's RuntimeError)
-        enabled["on"] = False
+        enabled.set(False)
         msg = f"hybridq: {what} failed ({type(e).__name__}: {e}); {instead} from now on"
         log.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)

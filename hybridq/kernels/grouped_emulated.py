@@ -16,7 +16,7 @@ within 1e-2 of each expert's largest magnitude after the bf16 rounding (tests/te
 
 Taken where every piece runs: CUDA sm_90 (sm_100 has native MXFP8 GEMMs), `torch._grouped_mm`, the built extension,
 native GEMMs enabled, untransformed 1x32 E8M0 parts on both sides, and `HYBRIDQ_GROUPED_EMULATED_GEMM` not "0"
-(`ENABLED["on"]`). A failure inside torch turns it off for the process with one warning (`grouped_blocks.run_or_none`);
+(`ENABLED.on`). A failure inside torch turns it off for the process with one warning (`grouped_blocks.run_or_none`);
 the per-expert GEMMs (same numerics class) run instead.
 """
 
@@ -36,7 +36,7 @@ ALIGN = 8  # bf16 elements in 16 bytes: every group's base and every stride of `
 def supports(a, b) -> bool:
     """Whether the grouped emulation takes token operand part `a` against `b` (the weight, or a token operand for
     wgrad)."""
-    if not (ENABLED["on"] and native_gemm.native_enabled() and a.data.is_cuda and not isinstance(a.data, FakeTensor)
+    if not (ENABLED.on and native_gemm.native_enabled() and a.data.is_cuda and not isinstance(a.data, FakeTensor)
             and b.data.device == a.data.device and hasattr(torch, "_grouped_mm")):
         return False
     if a.gemm_kind != native_gemm.E8M0_1X32 or b.gemm_kind != native_gemm.E8M0_1X32:

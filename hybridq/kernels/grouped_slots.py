@@ -64,7 +64,7 @@ def _launches(q: Quantizer, rowwise: bool, columnwise: bool) -> list[tuple[Quant
 def supports(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> bool:
     """Whether `quantize` takes `x` (the routed tokens `[T, K]`) for a slot layout of `slot_rows` rows."""
     # (the kernel writes the columnwise bytes 4 slot rows to a word; the packed path's slots are 16-aligned)
-    if not (ENABLED["on"] and x.is_cuda and not isinstance(x, FakeTensor) and x.dim() == 2 and x.shape[0] > 0
+    if not (ENABLED.on and x.is_cuda and not isinstance(x, FakeTensor) and x.dim() == 2 and x.shape[0] > 0
             and x.dtype in _IN_DTYPES and slot_rows > 0 and not (columnwise and slot_rows % 4)):
         return False
     return _kernel_takes(q, x, slot_rows, rowwise, columnwise)

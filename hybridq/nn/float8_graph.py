@@ -536,7 +536,7 @@ def _cpp_phase(t: torch.Tensor) -> bool:
     extension, whose build has the ops: `_ext` reports a build without them as out of date) and the switch on. (No
     TorchDispatchMode sees inside the gathered ops, unlike `_one_op`'s eager call: a mode sees the gathered op
     itself, whose body then runs with the mode off.)"""
-    return t.is_cuda and _CPP_OPS["on"]
+    return t.is_cuda and _CPP_OPS.on
 
 
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,

@@ -80,10 +80,10 @@ def device_path_runs(quantizers: dict[str, Quantizer], device: torch.device, e: 
         return False
     kind = _formats(quantizers)
     if kind == "fp8":
-        return (grouped_blocks.ENABLED["on"] and grouped_blocks._triton() is not None and n % 128 == 0
+        return (grouped_blocks.ENABLED.on and grouped_blocks._triton() is not None and n % 128 == 0
                 and n % quantizers["weight"].split_granularity(True, True)[0] == 0)
     if kind == "mxfp8":
-        return (grouped_emulated.ENABLED["on"] and hasattr(torch, "_grouped_mm") and k % 16 == 0 and n % 32 == 0
+        return (grouped_emulated.ENABLED.on and hasattr(torch, "_grouped_mm") and k % 16 == 0 and n % 32 == 0
                 and grouped_emulated._ext.available_for(device))
     return False
 
