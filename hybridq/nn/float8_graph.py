@@ -46,7 +46,7 @@ from ..kernels import _ext, cuda_fp8_tensor, native_gemm
 from ..kernels.cuda import IN_DTYPES
 from ..kernels.cuda_fp8_block import OPTIONS as FP8_BLOCK_OPTIONS
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
-from ..switches import Switch
+from ..switches import Switch, Turned
 from ..tensor import QuantizedTensor
 from ..torch_private import graph_task_id
 from .fused_input import prequantized_input
@@ -308,32 +308,17 @@ def float8_graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 # ---- eager: the same ops outside torch.compile -----------------------------------------------------------------
 
-_EAGER = {"on": True}
+# Eager FP8 Linears as this module's ops or through the general path of linear_function.py (bitwise equal; tests
+# and benchmarks compare the two). HYBRIDQ_EAGER_FAST_PATH=0 starts a process with the general path.
+_EAGER = Switch("HYBRIDQ_EAGER_FAST_PATH")
 
 
-class _Switch:
-    """A module-level on/off setting: `S(False)` from then on; `with S(False): ...` only inside the block."""
-
-    _state: dict  # {"on": bool}, the table the code reads
-
-    def __init__(self, enabled: bool):
-        self.prev = self._state["on"]
-        self._state["on"] = bool(enabled)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._state["on"] = self.prev
-
-
-class eager_fast_path(_Switch):
-    """Whether eager FP8 Linears whose quantizers `graph_spec` describes run as this module's ops (default: on) or
-    through the general path of linear_function.py; results are bitwise equal either way (tests and
-    benchmarks compare the two). `eager_fast_path(False)` from then on; `with eager_fast_path(False): ...` only
-    inside the block."""
-
-    _state = _EAGER
+def eager_fast_path(enabled: bool) -> Turned:
+    """Whether eager FP8 Linears whose quantizers `graph_spec` describes run as this module's ops (default: on; the
+    environment variable HYBRIDQ_EAGER_FAST_PATH=0 starts a process with it off) or through the general path of
+    linear_function.py; results are bitwise equal either way (tests and benchmarks compare the two).
+    `eager_fast_path(False)` from then on; `with eager_fast_path(False): ...` only inside the block."""
+    return _EAGER.turned(enabled)
 
 
 _BUILTIN_QUANTIZE = {Float8Quantizer: "cuda-fp8-tensor", Float8BlockQuantizer: "cuda-fp8-block"}
@@ -418,7 +403,7 @@ def _fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg
                need_wgrad: bool) -> bool:
     """The checks of `eager_float8_linear` that do not depend on the weight's form: the fast path is on, `takes`,
     the dispatch tables' own kernels, a floating-point input with at least one row, every shape rule met."""
-    if not _EAGER["on"] or not x.is_floating_point() or x.dim() < 2:
+    if not _EAGER.on or not x.is_floating_point() or x.dim() < 2:
         return False
     if not (takes(spec, x, weight) and _dispatch_is_builtin(
             (cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type, _PART[spec.input.block_dim])):
@@ -503,7 +488,7 @@ def _cached_fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSp
                       need_wgrad: bool) -> bool:
     """`_fast_call`, the shape-dependent checks asked once per `_FAST_CALLS` key (the switch and the dispatch
     tables are read at every call: they can change between calls)."""
-    if not _EAGER["on"] or not _dispatch_is_builtin((cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type,
+    if not _EAGER.on or not _dispatch_is_builtin((cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type,
                                                     _PART[spec.input.block_dim]):
         return False
     key = (spec, cfg, x.device, x.dtype, x.shape, weight.device, weight.dtype, weight.shape, need_dgrad, need_wgrad,
@@ -522,13 +507,12 @@ def _cached_fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSp
 _CPP_OPS = Switch("HYBRIDQ_LINEAR_CPP_OPS")
 
 
-class gathered_cpp_ops(_Switch):
+def gathered_cpp_ops(enabled: bool) -> Turned:
     """Whether a compiled Linear's gathered per-tensor FP8 fast path on CUDA runs each phase (forward, gradients)
     as one C++ op of the extension (default: on; the environment variable HYBRIDQ_LINEAR_CPP_OPS=0 starts a process
     with it off) or as this module's Python ops, the same kernels and GEMMs: results are bitwise equal either way.
     `gathered_cpp_ops(False)` from then on; `with gathered_cpp_ops(False): ...` only inside the block."""
-
-    _state = _CPP_OPS
+    return _CPP_OPS.turned(enabled)
 
 
 def _cpp_phase(t: torch.Tensor) -> bool:
