@@ -196,6 +196,62 @@ def test_grouped_block_kernels_on_device_bounds_are_bitwise_the_host_bounds(devi
     assert_results_bitwise(results["device"], results["host"], f"{splits}: kernels on device bounds vs host bounds")
 
 
+def _stacked_experts(parts):
+    """The experts' parts laid out as FSDP2's stacked gather leaves them (`GroupedWeightState._stack_buffers`): each
+    tensor kind one allocation, expert g's tensor its own contiguous copy at g x a 16-byte aligned pitch; (expert 0's
+    part, {field: `[E, ...]` view}) as `GroupedWeightState.stacked` gives them."""
+    from hybridq.formats._stacking import stacked_view
+    per_expert = []
+    for p in parts:
+        fields = {}
+        for name, t in p.tensors().items():
+            if t is not None:
+                fields[name] = t.contiguous()
+        per_expert.append(fields)
+    views = {}
+    for name, t0 in per_expert[0].items():
+        pitch = -(-t0.numel() * t0.element_size() // 16) * 16 // t0.element_size() + 16  # (a gap between experts)
+        slab = torch.zeros(len(parts) * pitch, dtype=t0.dtype, device=t0.device)
+        members = [slab[g * pitch:g * pitch + t0.numel()].view(t0.shape) for g in range(len(parts))]
+        for m, f in zip(members, per_expert):
+            m.copy_(f[name])
+        views[name] = stacked_view(members)
+    p0 = type(parts[0])(rows=parts[0].rows, cols=parts[0].cols, columnwise=parts[0].columnwise,
+                        **{**parts[0].tensors(), **{n: v[0] for n, v in views.items()}}, **parts[0].meta())
+    return p0, views
+
+
+@pytest.mark.parametrize("weight_blocks", [2, 1], ids=["tiles", "rows"])
+@pytest.mark.parametrize("splits", [[5, 0, 130, 1], [0, 300, 0, 17]], ids=str)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_grouped_block_mm_on_stacked_experts_is_bitwise_the_joined_weight(device, splits, weight_blocks):
+    """fprop (rowwise weight) and dgrad (columnwise) of the Triton grouped kernel reading FSDP2's stacked experts in
+    place (`grouped_blocks.mm_stacked`: each expert at its own pitch) vs the same kernel on the experts joined into one
+    part (`grouped_packed_blocks._joined`, what the gathered weight's `whole` gives: a copy across experts
+    columnwise)."""
+    from hybridq.enums import COLUMNWISE, ROWWISE
+    from hybridq.formats import Float8BlockQuantizer
+    from hybridq.nn.grouped_packed_blocks import _joined
+    n, k = 256, 384
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(sum(splits), k, generator=gen)
+    dy = torch.randn(sum(splits), n, generator=gen)
+    w = torch.randn(E, n, k, generator=gen) * 4.0 ** torch.arange(E)[:, None, None]  # (scales differ by expert)
+    qt, qw = Float8BlockQuantizer(block_dim=1), Float8BlockQuantizer(block_dim=weight_blocks)
+    experts = [qw.quantize(w[g].to(dev), rowwise=True, columnwise=True, name=f"w{g}") for g in range(E)]
+    layout = SlotLayout.build(torch.tensor(splits, device=dev), sum(splits), dev, 128, lambda m: m, "moe")
+    bounds = layout.bounds()
+    for what, t, d in (("fprop", x, ROWWISE), ("dgrad", dy, COLUMNWISE)):
+        a = qt.quantize(layout.pack(t.to(dev, torch.bfloat16)), rowwise=True, columnwise=False, name="a")
+        parts = [wq.part(d) for wq in experts]
+        p0, views = _stacked_experts(parts)
+        assert grouped_blocks.stacked_supported(p0, views), f"{what}: the stacked views were refused"
+        got = grouped_blocks.mm_stacked(a.part(ROWWISE), p0, views, bounds, torch.bfloat16)
+        want = grouped_blocks.mm(a.part(ROWWISE), _joined(None, parts), E, bounds, torch.bfloat16)
+        assert_bitwise(got, want, f"{what} {splits} {weight_blocks}: stacked experts in place vs joined")
+
+
 @pytest.mark.parametrize("splits", [[5, 0, 130, 1], [0, 300, 0, 17], [1, 0, 0, 0], [0, 0, 0, 0]], ids=str)
 def test_grouped_mxfp8_emulation_on_the_device_layout_is_bitwise_the_host_layout(splits, monkeypatch):
     """The device path's fprop / dgrad / wgrad calls of the grouped MXFP8 emulation (`_mm` / `_wgrad`: the device's

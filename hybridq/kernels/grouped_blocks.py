@@ -213,6 +213,27 @@ def mm(a, b, b_experts: int, bounds: GroupBounds, out_dtype: torch.dtype) -> tor
                               scale_strides, blocks, bounds.gemm_rows, bounds.tokens, out_dtype)
 
 
+def mm_stacked(a, b0, views: dict[str, torch.Tensor], bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor:
+    """`mm` of a weight whose experts' tensors are the `[E, ...]` views `views` of their stacked buffers (FSDP2's
+    gathered experts: `GroupedWeightState.stacked`; `b0`: expert 0's part, which says the format and direction), each
+    expert read at its own place -- bitwise `mm` of the experts joined into one part (`grouped_packed_blocks._joined`:
+    the same bytes and scales, the same kernel), without the join, a copy across experts for a columnwise weight.
+    Expert g's part is `[n, contraction]` either way (rowwise `W_g`, columnwise `W_g^T`): its data `views["data"][g]`
+    with unit stride along the contraction, its scales `[n / blocks, contraction blocks]`."""
+    data, s = views["data"], views[b0.scale_field]
+    return _triton().grouped_block_mm(_row_major(a.data), _row_major(a.scales), data, data.stride(0), data.stride(1),
+                                      b0.rows, s, tuple(s.stride()), b0.block_shape[0], bounds.gemm_rows,
+                                      bounds.tokens, out_dtype)
+
+
+def stacked_supported(b0, views: dict[str, torch.Tensor]) -> bool:
+    """Whether `mm_stacked` takes these views: 3-D data with unit stride along the contraction (the kernel's K
+    loads) and 3-D scales, both of all experts."""
+    data, s = views.get("data"), views.get(b0.scale_field)
+    return (data is not None and s is not None and data.dim() == 3 and s.dim() == 3 and data.stride(2) == 1
+            and data.shape[0] == s.shape[0] and tuple(data.shape[1:]) == (b0.rows, b0.cols))
+
+
 def wgrad(a_t, b_t, bounds: GroupBounds, out_dtype: torch.dtype) -> torch.Tensor:
     """dW of every expert, `[E, M, N]`: the columnwise token parts `a_t [M, S]`, `b_t [N, S]` contracted over each
     expert's slot (zero for an empty one)."""

@@ -107,6 +107,13 @@ def _mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, 
         n_out = weights.n if direction == ROWWISE else weights.part(0, direction).rows
         return a.data.new_zeros(0, n_out, dtype=out_dtype)
     if weights.packed:
+        stacked = weights.stacked(direction)  # (FSDP2's gathered experts: read in place, no join)
+        if (stacked is not None and grouped_blocks.supports(a, stacked[0])
+                and grouped_blocks.weight_supported(stacked[0], 1) and grouped_blocks.stacked_supported(*stacked)):
+            out = grouped_blocks.run_or_none(grouped_blocks.ENABLED, "grouped FP8 block GEMM", lambda: grouped_blocks.
+                                             mm_stacked(a, *stacked, layout.bounds(), out_dtype))
+            if out is not None:
+                return out
         b = weights.whole(direction)
         out = None
         if grouped_blocks.supports(a, b) and grouped_blocks.weight_supported(b, e):

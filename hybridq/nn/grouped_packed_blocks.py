@@ -102,6 +102,11 @@ class ExpertWeights:
             return self.whole(direction).row_slice(g * self.n, (g + 1) * self.n, group=g)
         return self.tensors[g].part(direction)
 
+    def stacked(self, direction: str):
+        """(expert 0's part, {tensor name: `[E, ...]` view}) of `direction` where the experts' tensors are views of
+        stacked buffers (FSDP2's gathered experts), else None."""
+        return None
+
     def only(self, direction: str) -> "ExpertWeights":
         """The same weights holding `direction` only (what backward reads)."""
         return ExpertWeights([_only(t, direction) for t in self.tensors], self.n, self.packed)
@@ -136,6 +141,9 @@ class GatheredExpertWeights(ExpertWeights):
                            if self._stacked is not None else
                            _joined(None, [w.part(direction) for w in self.tensors]))
         return self._whole
+
+    def stacked(self, direction: str):
+        return self._stacked if direction == self.direction else None
 
     def only(self, direction: str) -> "ExpertWeights":
         raise RuntimeError("gathered experts are read per direction where used, never kept for backward")
