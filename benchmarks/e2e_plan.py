@@ -21,6 +21,17 @@ NORM_BASELINE = "bf16+hybridq_rmsnorm"
 HIGH_PRECISION_GATHER = "+high_precision_gather"
 
 
+def glue_train_args(argv: list[str] | None) -> list[str]:
+    """argv with a lone `--train-args --flag` written `--train-args=--flag`: argparse takes a value that starts with
+    '-' and has no space for a flag of its own (`--train-args "--compile"` failed: "expected one argument")."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--train-args" and argv[i + 1].startswith("-"):
+            argv[i:i + 2] = [f"--train-args={argv[i + 1]}"]
+            break
+    return argv
+
+
 # ---- which recipes run -----------------------------------------------------------------------------
 
 def train_option(train_args: str, flag: str, default: str) -> str:

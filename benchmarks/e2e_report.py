@@ -59,7 +59,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # (its modules, also when imported from elsewhere)
 
 # the report's parts (re-exported: the tests and multi_gpu_runs read them from here)
-from e2e_plan import (BASELINE, HIGH_PRECISION_GATHER, NORM_BASELINE, TORCHAO, TORCHAO_MOE, command,  # noqa: E402,F401
+from e2e_plan import (BASELINE, HIGH_PRECISION_GATHER, NORM_BASELINE, TORCHAO, TORCHAO_MOE, command, glue_train_args,  # noqa: E402,F401
                       fsdp_rejection, label, plan, rel, run_name, schedule, show, torchao_moe_status, torchao_status,
                       train_flags, train_option, weight_gather)
 from e2e_runs import finished_run, parse_args_for_train, run_one, step_records  # noqa: E402,F401
@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --compile: the compiled runs only (no eager rows; one device call holds fewer 1B runs)")
     p.add_argument("--compile-mode", default=None, help="train.py --compile-mode for the compiled runs "
                    "(e.g. reduce-overhead: CUDA graphs)")
-    a = p.parse_args(argv)
+    a = p.parse_args(glue_train_args(argv))
     if a.compiled_only and not a.compile:
         p.error("--compiled-only: only with --compile")
     chosen = [f for f, on in (("--tiny", a.tiny), ("--parity", a.parity), ("--size", a.size)) if on]

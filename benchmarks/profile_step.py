@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))  # the job's modules
 
 import config  # noqa: E402
+from e2e_plan import glue_train_args  # noqa: E402
 import train  # noqa: E402
 from data import ByteBatches, load_tokens  # noqa: E402
 from metrics import Printer  # noqa: E402
@@ -210,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-args", default="", help="more train.py flags (one string), e.g. '--quantize-head'")
     p.add_argument("--json", default=None, metavar="FILE", help="write everything to FILE")
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="export a chrome trace per recipe to DIR")
-    a = p.parse_args(argv)
+    a = p.parse_args(glue_train_args(argv))
     base = SMOKE if a.smoke else FULL
     for k, v in base.items():
         if getattr(a, k) is None:

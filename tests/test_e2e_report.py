@@ -300,3 +300,13 @@ def test_torchao_moe_row_with_an_moe_only_and_skipped_with_the_job_s_reason_with
     row = next(r for r in moe if r["recipe"] == "torchao_moe")
     assert row["skip"] is not None and "torchao_moe" in row["skip"], row
     assert ("needs torchao" in row["skip"]) if _torchao_missing() else ("needs a CUDA device" in row["skip"]), row
+
+
+@pytest.mark.parametrize("parse", ["e2e_report", "profile_step"])
+def test_a_lone_train_flag_is_read_as_the_train_args_value(parse):
+    """`--train-args "--compile"` (one train.py flag, no space) failed in argparse ("expected one argument")."""
+    import profile_step
+    parse_args = {"e2e_report": e2e_report.parse_args, "profile_step": profile_step.parse_args}[parse]
+    a = parse_args(["--recipes", "bf16", "--train-args", "--compile"])
+    assert a.train_args == "--compile", a.train_args
+    assert parse_args(["--train-args", "--moe 16 --top-k 2"]).train_args == "--moe 16 --top-k 2"
