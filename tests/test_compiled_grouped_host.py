@@ -108,11 +108,13 @@ def test_the_compiled_graph_hands_each_grouped_op_its_routings_bounds_computed_o
     torch.compile(MoEBlock("fp8_tensorwise"), fullgraph=True, backend=backend)(
         torch.randn(sum(SPLITS), D, requires_grad=True), torch.tensor(SPLITS)).sum().backward()
     calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_forward.default]
-    assert len(calls) == 2, f"expected the two GroupedLinears' forward ops, got {len(calls)}"
-    bounds = [tuple(n.args[4]) for n in calls]
+    inputs = [n for n in graphs[0].graph.nodes if n.target is torch.ops.hybridq.jagged_input_quantize.default]
+    assert len(calls) == 2 and len(inputs) == 2, \
+        f"expected the two GroupedLinears' forward and input quantize ops, got {len(calls)} and {len(inputs)}"
+    bounds = [tuple(n.args[6]) for n in calls] + [tuple(n.args[3]) for n in inputs]
     assert all(len(b) == 3 for b in bounds), f"ops without the graph's bounds: {bounds}"
     assert len(set(bounds)) == 1, f"one routing's bounds computed {len(set(bounds))} times: {bounds}"
-    assert all(n.args[3] is None for n in calls), "CPU counts got a device check (the op reads them on the host)"
+    assert all(n.args[2] is None for n in inputs), "CPU counts got a device check (the op reads them on the host)"
     backward = [n for n in graphs[1].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_backward.default]
     assert len(backward) == 2 and all(len(n.args[2]) == 3 for n in backward), \
         f"the backward ops did not get the forward's bounds: {[n.args[2] for n in backward]}"
@@ -181,8 +183,9 @@ def test_a_handle_whose_owner_is_gone_raises():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_ops_take_the_graphs_check_and_bounds(device, monkeypatch):
     """Counts on the device (an H100/H200 under Inductor; on the CPU the device-count branch forced, aot_eager): a
-    new routing's groups are made by the op with the assert alone and the graph's bounds in place; the result is
-    bitwise eager's. (The CPU case runs the CUDA branch's Python where CI sees it.)"""
+    new routing's groups are made by the ops with the graph's bounds in place, the input quantize op's with the
+    assert alone, the GEMM op's (which follows it) with nothing; the result is bitwise eager's. (The CPU case runs
+    the CUDA branch's Python where CI sees it.)"""
     import sys
     from hybridq.gemm import jagged_fp8_kernels
     from hybridq.nn import compiled_grouped, grouped_jagged
@@ -223,10 +226,12 @@ def test_compiled_ops_take_the_graphs_check_and_bounds(device, monkeypatch):
     with torch.no_grad():
         got = compiled(x, counts)
     monkeypatch.undo()
-    assert len(made["with_bounds"]) == 2 and not made["_build"], \
-        f"the two forward ops' groups: {len(made['with_bounds'])} with the graph's bounds, {len(made['_build'])} built"
-    for ops, bounds in made["with_bounds"]:
-        assert ops == ["aten._assert_async.msg"], f"the op's groups issued {ops}"
+    assert len(made["with_bounds"]) == 4 and not made["_build"], \
+        f"the four forward ops' groups: {len(made['with_bounds'])} with the graph's bounds, {len(made['_build'])} built"
+    issued = sorted(ops for ops, _ in made["with_bounds"])
+    assert issued == [[], [], ["aten._assert_async.msg"], ["aten._assert_async.msg"]], \
+        f"the ops' groups issued {issued} (want the assert in each input quantize op, nothing in the GEMM ops)"
+    for _, bounds in made["with_bounds"]:
         assert all(b is not None for b in bounds), "the op's groups did not take the graph's bounds"
     if device == "cuda":
         torch.cuda.synchronize()

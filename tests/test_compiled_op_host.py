@@ -38,7 +38,7 @@ def test_plain_op_rejects_an_output_aliasing_its_input():
 
 
 @pytest.mark.parametrize("op", ["gathered_linear_forward", "gathered_linear_backward", "linear_backward",
-                                "grouped_linear_backward", "gathered_grouped_linear_forward",
+                                "jagged_input_quantize", "grouped_linear_backward", "gathered_grouped_linear_forward",
                                 "gathered_grouped_linear_backward", "compiled_norm_backward",
                                 "compiled_swiglu_backward"])
 def test_ops_without_an_autograd_formula_have_no_python_autograd_kernel(op):
@@ -97,7 +97,8 @@ def test_tracing_the_gathered_grouped_op_keeps_no_fake_tensor():
     key = _key("e5m2")
     with FakeTensorMode():  # (what compile's tracing runs: the op's fake)
         x, handle, m_splits = torch.randn(64, 64), torch.zeros(1, dtype=torch.int64), torch.tensor([30, 34])
-        y = torch.ops.hybridq.gathered_grouped_linear_forward(x, handle, m_splits, None, [], key, True, True,
+        xq = torch.ops.hybridq.jagged_input_quantize(x, m_splits, None, [], key, 96, True)
+        y = torch.ops.hybridq.gathered_grouped_linear_forward(x, *xq, handle, m_splits, [], key, True, True,
                                                               [2, 96, 64], torch.float32)[0]
     assert isinstance(y, FakeTensor) and list(y.shape) == [64, 96]
     kept = [t for t in compiled_grouped._STAND_INS.values() if isinstance(t, FakeTensor)]

@@ -1,18 +1,21 @@
-"""A GroupedLinear inside torch.compile's graph: per-tensor FP8 experts on the jagged layout as two custom ops (block
+"""A GroupedLinear inside torch.compile's graph: per-tensor FP8 experts on the jagged layout as custom ops (block
 formats: compiled_grouped_blocks.py).
 
 Dynamo cannot trace hybridq's autograd functions, so a GroupedLinear in a compiled region was a graph break. Where the
 layer takes the jagged FP8 path (per-tensor FP8 with current scaling for every expert, no bias, no backward override,
 no weight cache, a plain weight: hybridq/nn/grouped_jagged.py) and `m_splits` is a 1-D integer tensor, its forward
-and backward are each one custom op over plain tensors, as nn/compiled_linear.py does for Linear:
-`hybridq::grouped_linear_forward` returns the output and what backward reads (the columnwise forms and scales),
-`hybridq::grouped_linear_backward` the input and weight gradients. Inside each op the eager code runs unchanged
-(`grouped_jagged.jagged_forward` / `jagged_backward`): the results are bitwise the eager layer's with the same
-m_splits. The token counts stay a tensor: a graph is compiled per shape, never per routing, and on CUDA the ops read
-the counts on the device only (no host sync; their values are checked there, asynchronously). The graph computes that
-check and the routing's group bounds, and the forward op takes them (`_routing`, grouped_jagged's [Note: counts checked
-in the graph]). On the CPU the ops read the counts (the reference kernels need host counts) and raise ValueError on
-counts that are negative or do not sum to the input's tokens.
+is two custom ops over plain tensors and its backward one, as nn/compiled_linear.py does for Linear:
+`hybridq::jagged_input_quantize` quantizes the input (rowwise, the columnwise form wgrad reads, the scales),
+`hybridq::grouped_linear_forward` returns the output and the weight's forms backward reads, taking the quantized
+input, and `hybridq::grouped_linear_backward` the input and weight gradients. Inside each op the eager code runs
+unchanged (`grouped_jagged.jagged_forward` / `jagged_backward`): the results are bitwise the eager layer's with the
+same m_splits. The input's quantization is an op of its own so that the projections of one input share it
+([Note: one input quantization in the graph]). The token counts stay a tensor: a graph is compiled per shape, never
+per routing, and on CUDA the ops read the counts on the device only (no host sync; their values are checked there,
+asynchronously). The graph computes that check and the routing's group bounds, and the forward ops take them
+(`_routing`, grouped_jagged's [Note: counts checked in the graph]; the input quantize op asserts the check). On the
+CPU the ops read the counts (the reference kernels need host counts) and raise ValueError on counts that are negative
+or do not sum to the input's tokens.
 
 Fake implementations (what compile traces with) give the outputs' shapes from the shapes alone: the columnwise
 buffers' widths come from the kernels (`JaggedFP8Kernels.columnwise_width`, computed without the counts' values, as
@@ -203,33 +206,65 @@ def _buffer(col: torch.Tensor) -> torch.Tensor:
     return col.as_strided((col.shape[0], col.stride(0)), (col.stride(0), 1))
 
 
-def _run_forward(x, weight, m_splits, valid, bounds, key, need_dgrad, need_wgrad, fake: bool, handle=None):
-    """[y, x columnwise buffer, x scale_inv, W columnwise, W scale_inv]. With `handle` (the weight FSDP2 gathered,
-    `weight` a stand-in of its shape) W's forms are read through the handle: forward its rowwise form, backward its
-    columnwise form, so neither is an output (empty tensors)."""
+# [Note: one input quantization in the graph] An MoE layer's gate and up projections (w1, w3) read one input tensor;
+# eager quantizes it once for both ([Note: shared jagged input], grouped_jagged.py). A custom op cannot hand its
+# outputs to another op call, so the compiled layer quantizes its input in an op of its own, `jagged_input_quantize`,
+# a pure function of its arguments -- the input, the counts, the graph's check and bounds of them, the configuration
+# key (the content of the layer's three quantizers: `graph_key`), the weight's rows (which, with the input's width,
+# pick the kernels: `_kernels`) and whether the columnwise form is made -- whose outputs are tensors of its own; the
+# GEMM op `grouped_linear_forward` takes them. Per-tensor FP8 with current scaling is deterministic: each expert's
+# scale comes from the amax of its rows of the input alone, so two calls with equal arguments give the same bytes.
+# AOTAutograd's min-cut partitioner (Inductor's and aot_eager's) runs common-subexpression elimination
+# (torch._functorch.compile_utils.fx_graph_cse, torch 2.11 and 2.13 alike) over the joint training graph: it merges
+# call_function nodes of one target with equal arguments, custom ops included (only random aten ops, `empty` and
+# nodes aliasing outputs are exempt), after merging the projections' equal count checks and bounds, so w1's and w3's
+# quantize calls become one, and the one columnwise form and scales are saved for both wgrads. Calls that differ in
+# any argument -- another input quantizer (format, scale rule), another weight quantizer or width (the key or the
+# kernels could differ), a frozen projection (no columnwise form) -- stay two. A graph without backward (no_grad) is
+# not partitioned, so there each projection quantizes its input. The count check is asserted in this op, which every
+# GEMM op of the routing follows (it reads its outputs): the GEMM op's groups issue no op. Cost: one more op call per
+# projection (the split), against one input quantization (its kernels and host work) fewer per MoE layer and step.
+def _run_input_quantize(x, m_splits, valid, bounds, key, out_features, columnwise, fake: bool):
+    """[x rowwise `[T, K]`, x columnwise buffer (empty without `columnwise`), x scale_inv `[E]`]: `kernels.quantize`
+    of the input, each expert's rows with its own amax and scale (the kernels the layer's GEMMs run: `_kernels` of
+    the configuration at this input's width and `out_features`)."""
+    name, quantizers = _LAYERS[key]
+    q, k = quantizers["input"], x.shape[1]
+    # (the fake asks anew: its shapes may be symbolic)
+    kernels = (jagged_fp8_kernels(x.device, k, out_features, quantizers) if fake
+               else _kernels(key, x.device, k, out_features))
+    groups = _groups(m_splits, x.shape[0], x.device, name, fake, valid, bounds)
+    if fake:  # (an output not asked for is an empty tensor of its own: outputs may not alias)
+        col = x.new_empty(k, kernels.columnwise_width(groups), dtype=q.dtype) if columnwise else x.new_empty(0)
+        return [x.new_empty(x.shape, dtype=q.dtype), col, x.new_empty(groups.n, dtype=torch.float32)]
+    xq = kernels.quantize(q, x, groups, columnwise, f"input of {name}")
+    return [xq.row.contiguous(), _buffer(xq.col) if xq.col is not None else x.new_empty(0), xq.scale_inv]
+
+
+def _run_forward(x, x_row, x_scale, weight, m_splits, bounds, key, need_dgrad, fake: bool, handle=None):
+    """[y, W columnwise, W scale_inv] from the input `jagged_input_quantize` made (`x_row`, `x_scale`). With `handle`
+    (the weight FSDP2 gathered, `weight` a stand-in of its shape) W's forms are read through the handle: forward its
+    rowwise form, backward its columnwise form, so neither is an output (empty tensors)."""
     name, quantizers = _LAYERS[key]
     e, n, k = weight.shape
-    # (the fake asks anew: its shapes may be symbolic)
-    kernels = jagged_fp8_kernels(x.device, k, n, quantizers) if fake else _kernels(key, x.device, k, n)
-    groups = _groups(m_splits, x.shape[0], x.device, name, fake, valid, bounds)
     handled = handle is not None
     if fake:  # (an output a gradient does not need is an empty tensor of its own: outputs may not alias)
-        x_col = (x.new_empty(k, kernels.columnwise_width(groups), dtype=quantizers["input"].dtype) if need_wgrad
-                 else x.new_empty(0))
         w_col = (x.new_empty(k, e * n, dtype=quantizers["weight"].dtype) if need_dgrad and not handled
                  else x.new_empty(0))
-        scale = x.new_empty(e, dtype=torch.float32)
-        return [x.new_empty(x.shape[0], n), x_col, scale, w_col, x.new_empty(0) if handled else scale.clone()]
+        return [x.new_empty(x.shape[0], n), w_col,
+                x.new_empty(0) if handled else x.new_empty(e, dtype=torch.float32)]
+    kernels = _kernels(key, x.device, k, n)
+    # (no check: the counts were checked by the input's quantize, which this op follows)
+    groups = _groups(m_splits, x.shape[0], x.device, name, fake, bounds=bounds)
     held = None
     if handled:
         row, scale_inv = _held(handle, ROWWISE, name)
         held = JaggedFP8(row, None, scale_inv)
-    y, (x_col, x_scale, w_col, w_scale) = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, need_wgrad,
-                                                         kernels, held)
+    y, (_, _, w_col, w_scale) = jagged_forward(x, weight, groups, quantizers, name, need_dgrad, False, kernels, held,
+                                               xq=JaggedFP8(x_row, None, x_scale))
     if handled:  # (two tensors: outputs may not alias one another)
         w_col, w_scale = x.new_empty(0), x.new_empty(0)
-    return [y.contiguous(), _buffer(x_col) if x_col is not None else x.new_empty(0), x_scale,
-            w_col.contiguous() if w_col is not None else x.new_empty(0), w_scale]
+    return [y.contiguous(), w_col.contiguous() if w_col is not None else x.new_empty(0), w_scale]
 
 
 def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,19 +282,37 @@ def _held(handle: torch.Tensor, direction: str, name: str) -> tuple[torch.Tensor
     return form
 
 
+@plain_op("hybridq::jagged_input_quantize")
+def jagged_input_quantize(x: torch.Tensor, m_splits: torch.Tensor, counts_ok: torch.Tensor | None,
+                          bounds: list[torch.Tensor], key: str, out_features: int,
+                          columnwise: bool) -> list[torch.Tensor]:
+    """[x rowwise, x columnwise buffer, x scale_inv] of the input of a jagged FP8 GroupedLinear call (configuration
+    `key`, `out_features` its weight's rows; the columnwise form where `columnwise`, else an empty tensor), for
+    `grouped_linear_forward`. A pure function of its arguments: the projections of one input with one configuration
+    share one call ([Note: one input quantization in the graph]). `counts_ok` / `bounds`: the graph's `counts_valid`
+    / `group_bounds` of `m_splits` (`_routing`), or None / [] (made here); the check is asserted here."""
+    return _run_input_quantize(x, m_splits, counts_ok, bounds, key, out_features, columnwise, fake=False)
+
+
+@jagged_input_quantize.register_fake
+def _(x, m_splits, counts_ok, bounds, key, out_features, columnwise):
+    return _run_input_quantize(x, m_splits, counts_ok, bounds, key, out_features, columnwise, fake=True)
+
+
 @plain_op("hybridq::grouped_linear_forward")
-def grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, m_splits: torch.Tensor,
-                           counts_ok: torch.Tensor | None, bounds: list[torch.Tensor], key: str, need_dgrad: bool,
-                           need_wgrad: bool) -> list[torch.Tensor]:
-    """[y, x columnwise buffer, x scale_inv, W columnwise, W scale_inv] of a jagged FP8 GroupedLinear call
-    (configuration `key`); a columnwise form backward will not read is an empty tensor. `counts_ok` / `bounds`:
-    the graph's `counts_valid` / `group_bounds` of `m_splits` (`_routing`), or None / [] (made here)."""
-    return _run_forward(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, fake=False)
+def grouped_linear_forward(x: torch.Tensor, x_row: torch.Tensor, x_col: torch.Tensor, x_scale: torch.Tensor,
+                           weight: torch.Tensor, m_splits: torch.Tensor, bounds: list[torch.Tensor], key: str,
+                           need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
+    """[y, W columnwise, W scale_inv] of a jagged FP8 GroupedLinear call (configuration `key`) on its input `x` as
+    `jagged_input_quantize` quantized it (`x_row`, `x_col`, `x_scale`: `x_col` is only saved for wgrad, `x` only
+    routes its gradient); W's columnwise form is an empty tensor where backward will not read it. `bounds`: the
+    graph's `group_bounds` of `m_splits`, or [] (made here)."""
+    return _run_forward(x, x_row, x_scale, weight, m_splits, bounds, key, need_dgrad, fake=False)
 
 
 @grouped_linear_forward.register_fake
-def _(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad):
-    return _run_forward(x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, fake=True)
+def _(x, x_row, x_col, x_scale, weight, m_splits, bounds, key, need_dgrad, need_wgrad):
+    return _run_forward(x, x_row, x_scale, weight, m_splits, bounds, key, need_dgrad, fake=True)
 
 
 def _run_backward(dy, m_splits, bounds, x_col, x_scale, w_col, w_scale, key, need_dgrad, need_wgrad, w_shape,
@@ -298,10 +351,12 @@ def _(dy, m_splits, bounds, x_col, x_scale, w_col, w_scale, key, need_dgrad, nee
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad = inputs
+    x, x_row, x_col, x_scale, weight, m_splits, bounds, key, need_dgrad, need_wgrad = inputs
     # a gathered weight is kept for dgrad as its handle (not its bytes): backward reads its columnwise form then
-    # (the graph's bounds saved too: backward takes them as the forward did -- kept alive for it)
-    ctx.save_for_backward(m_splits, *output[1:], weight if need_dgrad and handled_weight(weight) else None, *bounds)
+    # (the graph's bounds saved too: backward takes them as the forward did -- kept alive for it). The input's forms
+    # are the quantize op's outputs: projections sharing that call save the same tensors.
+    ctx.save_for_backward(m_splits, x_col, x_scale, *output[1:],
+                          weight if need_dgrad and handled_weight(weight) else None, *bounds)
     ctx.args = (key, need_dgrad, need_wgrad, list(weight.shape), weight.dtype)
     ctx.bounds = len(bounds)  # (the gradient of a tensor list is a list of its length)
 
@@ -310,7 +365,7 @@ def _backward(ctx, grads):
     m_splits, x_col, x_scale, w_col, w_scale, handled, *bounds = ctx.saved_tensors
     key, need_dgrad, need_wgrad, w_shape, w_dtype = ctx.args
     need_dgrad = need_dgrad and ctx.needs_input_grad[0]
-    need_wgrad = need_wgrad and ctx.needs_input_grad[1]
+    need_wgrad = need_wgrad and ctx.needs_input_grad[4]
     if handled is not None and need_dgrad:
         dx, dw = torch.ops.hybridq.gathered_grouped_linear_backward(grads[0], m_splits, bounds, x_col, x_scale,
                                                                     handled._handle, key, need_dgrad, need_wgrad,
@@ -318,7 +373,9 @@ def _backward(ctx, grads):
     else:
         dx, dw = torch.ops.hybridq.grouped_linear_backward(grads[0], m_splits, bounds, x_col, x_scale, w_col,
                                                            w_scale, key, need_dgrad, need_wgrad, w_shape, w_dtype)
-    return dx if need_dgrad else None, dw if need_wgrad else None, None, None, [None] * ctx.bounds, None, None, None
+    # (x_row, x_col, x_scale: the quantized input carries no gradient -- x's flows through this op)
+    return (dx if need_dgrad else None, None, None, None, dw if need_wgrad else None, None, [None] * ctx.bounds,
+            None, None, None)
 
 
 grouped_linear_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -327,21 +384,21 @@ grouped_linear_forward.register_autograd(_backward, setup_context=_setup_context
 # ---- a weight read through its handle (FSDP2's gathered experts) -----------------------------------------------
 
 @plain_op("hybridq::gathered_grouped_linear_forward")
-def gathered_grouped_linear_forward(x: torch.Tensor, handle: torch.Tensor, m_splits: torch.Tensor,
-                                    counts_ok: torch.Tensor | None, bounds: list[torch.Tensor], key: str,
-                                    need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
+def gathered_grouped_linear_forward(x: torch.Tensor, x_row: torch.Tensor, x_col: torch.Tensor, x_scale: torch.Tensor,
+                                    handle: torch.Tensor, m_splits: torch.Tensor, bounds: list[torch.Tensor],
+                                    key: str, need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
                                     w_dtype: torch.dtype) -> list[torch.Tensor]:
     """`grouped_linear_forward` of the gathered weight `handle` names (its rowwise form read now); W's columnwise
     outputs are empty: backward reads them through the handle."""
-    return _run_forward(x, _stand_in(w_shape, w_dtype), m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad,
+    return _run_forward(x, x_row, x_scale, _stand_in(w_shape, w_dtype), m_splits, bounds, key, need_dgrad,
                         fake=False, handle=handle)
 
 
 @gathered_grouped_linear_forward.register_fake
-def _(x, handle, m_splits, counts_ok, bounds, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+def _(x, x_row, x_col, x_scale, handle, m_splits, bounds, key, need_dgrad, need_wgrad, w_shape, w_dtype):
     # (a stand-in of its own: one made under the fake mode is a fake tensor, never to be kept)
-    return _run_forward(x, torch.empty(w_shape, dtype=w_dtype, device="meta"), m_splits, counts_ok, bounds, key,
-                        need_dgrad, need_wgrad, fake=True, handle=handle)
+    return _run_forward(x, x_row, x_scale, torch.empty(w_shape, dtype=w_dtype, device="meta"), m_splits, bounds, key,
+                        need_dgrad, fake=True, handle=handle)
 
 
 def _stand_in(w_shape: list[int], w_dtype: torch.dtype) -> torch.Tensor:
@@ -372,7 +429,7 @@ def _(dy, m_splits, bounds, x_col, x_scale, handle, key, need_dgrad, need_wgrad,
 
 # `grouped_linear_forward` called on a gathered weight (its __torch_dispatch__ sends it to weight_handle.handle_ops
 # while compile traces): the handle in the weight's place
-redirect_to_handle(grouped_linear_forward, torch.ops.hybridq.gathered_grouped_linear_forward, 1, with_shape=True)
+redirect_to_handle(grouped_linear_forward, torch.ops.hybridq.gathered_grouped_linear_forward, 4, with_shape=True)
 
 
 def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
@@ -383,5 +440,9 @@ def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Te
     grad = torch.is_grad_enabled()
     need_dgrad, need_wgrad = grad and x.requires_grad, grad and layer.weight.requires_grad
     counts_ok, bounds = _routing(m_splits, x)  # ([Note: counts checked in the graph])
-    return torch.ops.hybridq.grouped_linear_forward(x, layer.weight, m_splits, counts_ok, bounds, layer._graph_key,
-                                                    need_dgrad, need_wgrad)[0]
+    # ([Note: one input quantization in the graph]; the quantized bytes carry no gradient: x's flows through the GEMM
+    # op)
+    x_row, x_col, x_scale = torch.ops.hybridq.jagged_input_quantize(x.detach(), m_splits, counts_ok, bounds,
+                                                                    layer._graph_key, layer.out_features, need_wgrad)
+    return torch.ops.hybridq.grouped_linear_forward(x, x_row, x_col, x_scale, layer.weight, m_splits, bounds,
+                                                    layer._graph_key, need_dgrad, need_wgrad)[0]

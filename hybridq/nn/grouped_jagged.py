@@ -326,8 +326,9 @@ class _SharedJaggedInputs(TensorSideTable):
     -- where it holds the columnwise form asked for (TensorSideTable: the same tensor object at the same version,
     never keeping it alive). Off where Linear's input sharing is (`shared_input_quantization(False)`), for
     non-deterministic quantizers and inside the compiled ops (an op's outputs must be its own tensors: the eager
-    Function alone passes `share`). Saves a quantize call (host ~160-290 us on the H200 machine) and its kernels per
-    MoE layer, and one saved columnwise copy of the input."""
+    Function alone passes `share`; a compiled graph shares through its own op instead, [Note: one input quantization
+    in the graph], nn/compiled_grouped.py). Saves a quantize call (host ~160-290 us on the H200 machine) and its
+    kernels per MoE layer, and one saved columnwise copy of the input."""
 
     def __init__(self):
         super().__init__(slots=2)
@@ -364,12 +365,15 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, groups: TokenGroups, columnwi
 
 def jagged_forward(x: torch.Tensor, weight: torch.Tensor, groups: TokenGroups, quantizers: dict[str, Quantizer],
                    name: str, need_dgrad: bool, need_wgrad: bool, kernels: JaggedFP8Kernels,
-                   held: JaggedFP8 | None = None, share: bool = False) -> tuple[torch.Tensor, tuple]:
+                   held: JaggedFP8 | None = None, share: bool = False,
+                   xq: JaggedFP8 | None = None) -> tuple[torch.Tensor, tuple]:
     """The forward of `JaggedFP8Experts` (and of the compiled op, nn/compiled_grouped.py): `y` and what backward reads,
     `(x columnwise | None, x scale_inv, W columnwise | None, W scale_inv)`. `share`: the input's quantization may be
-    another projection's ([Note: shared jagged input]; eager only)."""
+    another projection's ([Note: shared jagged input]; eager only). `xq`: the input already quantized by `kernels`
+    (the compiled graph's own op: nn/compiled_grouped.py, [Note: one input quantization in the graph])."""
     e, n, k = weight.shape
-    xq = _quantize_input(quantizers["input"], x, groups, need_wgrad, f"input of {name}", kernels, share)
+    if xq is None:
+        xq = _quantize_input(quantizers["input"], x, groups, need_wgrad, f"input of {name}", kernels, share)
     wq = held if held is not None else kernels.quantize(
         quantizers["weight"], weight.detach().reshape(e * n, k), TokenGroups.uniform(e, n, x.device), need_dgrad,
         f"weight of {name}")
