@@ -62,6 +62,10 @@ def gemm(a: QuantizedPart, b: QuantizedPart, out_dtype: torch.dtype, name: str |
         # tracing (torch.compile's fake tensors): only the result's shape and dtype matter, and a native kernel
         # probed here could fail where the real call would not and be turned off for the real calls
         return torch.empty(a.rows, b.rows, dtype=out_dtype, device=a.device)
+    if a.cols == 0 or a.rows == 0 or b.rows == 0:
+        # an empty product (e.g. the wgrad of 0 tokens): zeros, a sum over no terms, as the emulated GEMM gives;
+        # the native kernels refuse zero-size operands, and that refusal must not turn one off for later calls
+        return torch.zeros(a.rows, b.rows, dtype=out_dtype, device=a.device)
     token = set_gemm_name(name)
     try:
         native = find_native_gemm(a, b)

@@ -146,3 +146,25 @@ def test_the_grouped_gemm_is_registered_for_the_kind_of_a_per_tensor_fp8_group()
     assert dispatch.grouped_gemm_kernel(group.gemm_kind, "cuda") is native_gemm._grouped_fp8_run
     assert grouped_fp8_gemm_kernel("cuda") is native_gemm._grouped_fp8_run
     assert grouped_fp8_gemm_kernel("cpu") is None, "the CPU has no grouped GEMM (the per-group loop runs)"
+
+
+EMPTY = {"K 0 (a wgrad of 0 tokens)": ((64, 0), (96, 0)), "M 0": ((0, 128), (96, 128)), "N 0": ((64, 128), (0, 128))}
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("shapes", EMPTY)
+@pytest.mark.parametrize("case", CASES)
+def test_an_empty_product_is_zeros_without_asking_a_hardware_gemm(case, shapes, monkeypatch):
+    """A GEMM with an empty dimension never reaches a hardware kernel: they refuse zero-size operands, and the
+    refusal turned the kernel off for the shape with a 'failed in torch; using the emulated GEMM' warning (the
+    wgrad of 0 tokens of an FP8 block Linear on the H200)."""
+    q = CASES[case].make()
+    a, b = (q.quantize(_x(*s, seed=i), rowwise=True, columnwise=False).rowwise
+            for i, s in enumerate(EMPTY[shapes]))
+
+    def no_lookup(*args):
+        raise AssertionError(f"{case}, {shapes}: gemm looked for a hardware GEMM for an empty product")
+
+    monkeypatch.setattr(hybridq.gemm, "find_native_gemm", no_lookup)
+    got = gemm(a, b, torch.float32, "wgrad of fc")
+    assert_bitwise(got, emulated_gemm(a, b, torch.float32), f"{case}, {shapes}: the empty product")
