@@ -25,10 +25,12 @@ import sys
 
 from setuptools import setup
 
-# ops.cpp: the module and the format-independent ops; linear_fp8.cpp: the FP8 Linear op (C++ autograd);
+# ops.cpp: the module and the format-independent ops; linear_fp8.cpp / linear_fp8_block.cpp: the per-tensor / block
+# FP8 Linear ops (C++ autograd);
 # cublaslt_fp8.cpp: the FP8 GEMM through cuBLASLt with cached plans; every .cu is one kernel family that registers its
 # own ops (a new format's csrc/quantize_<format>.cu is picked up here)
-SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp", "csrc/cublaslt_fp8.cpp"] + sorted(glob.glob("csrc/*.cu"))
+SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp", "csrc/linear_fp8_block.cpp", "csrc/cublaslt_fp8.cpp"] + sorted(
+    glob.glob("csrc/*.cu"))
 
 
 def _say(msg: str) -> None:

@@ -8,6 +8,11 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
 - fp8_block_dequantize(data, scale_inv, block_dim, out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
 - fp8_block_mm(a, a_scale, b, b_scale, b_tiles, out_dtype) -> a @ b^T `[M, N]`: the dense block GEMM (1x128 x
     128x128 tiles or 1x128 x 1x128; csrc/block_gemm.cu, run by hybridq/kernels/native_gemm.py)
+- fp8_block_linear(x, weight, bias?, x_row?, x_row_scale_inv?, x_col?, x_col_scale_inv?, x_dtype, x_eps, x_pow2,
+  w_dtype, w_block_dim, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad, need_wgrad, save_original_input) -> y: an
+  eager FP8 block Linear (1x128 input and grad_output blocks, the weight's 128x128 tiles or 1x128 blocks, current
+  scaling) as one op whose autograd node is C++ (csrc/linear_fp8_block.cpp: the quantize and GEMM ops above; its
+  caller is nn/float8_graph.py's eager fast path, on a plain weight)
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ..formats import Float8BlockPart, Float8BlockQuantizer
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 
 OPS = ("fp8_block_quantize", "fp8_block_dequantize", "fp8_block_mm", "grouped_block_cublas_mm",
-       "grouped_block_cublas_wgrad")
+       "grouped_block_cublas_wgrad", "fp8_block_linear")
 
 # The quantizer options the kernel implements (any other: the reference runs)
 OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
@@ -85,6 +90,10 @@ def register_fakes() -> None:
     def _block_mm(a, a_scale, b, b_scale, b_tiles, out_dtype):
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
+    @register_fake("hybridq::fp8_block_linear")
+    def _linear(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, *casts_and_flags):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
     @register_fake("hybridq::grouped_block_cublas_mm")
     def _cublas_mm(a, a_scale, b, b_scale, b_tiles, b_dim, offsets, rows, tokens, slot_offsets, slot_rows,
                    out_dtype):
@@ -94,6 +103,16 @@ def register_fakes() -> None:
     @register_fake("hybridq::grouped_block_cublas_wgrad")
     def _cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype):
         return a_t.new_empty((len(offsets), a_t.shape[0], b_t.shape[0]), dtype=_gemm_dtype(out_dtype))
+
+
+_LINEAR: list = []
+
+
+def linear_op():
+    """The overload of `hybridq::fp8_block_linear` itself (called as is: no overload resolution per call)."""
+    if not _LINEAR:
+        _LINEAR.append(ops().fp8_block_linear.default)
+    return _LINEAR[0]
 
 
 def register() -> None:

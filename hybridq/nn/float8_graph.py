@@ -20,7 +20,9 @@ handed over, the shape errors (by declining: the general path raises them). A pe
 further (`_one_op`): the whole call is the extension's op `hybridq::fp8_linear` (csrc/linear_fp8.cpp), the same
 kernels and GEMMs with a C++ autograd node, so Python issues one op per forward and none in backward -- on a plain
 weight and on FSDP2's gathered one (the op is handed the gathered parts; its node reads the columnwise part after
-the backward unshard refilled it).
+the backward unshard refilled it). An FP8 block layer on CUDA does the same (`_one_block_op`: `hybridq::
+fp8_block_linear`, csrc/linear_fp8_block.cpp) on a plain weight where its GEMMs all run as the extension's block
+GEMM op.
 
 The results are bitwise those of the eager layer: the same kernels (or, on the CPU, the same reference ops) with the
 same arguments, the same GEMMs, the same saved directions. Where the eager layer would take another path -- no
@@ -42,7 +44,7 @@ from ..formats.float8 import Float8Quantizer, Float8TensorPart, float8_current_s
 from ..formats.float8_block import Float8BlockPart, Float8BlockQuantizer, float8_block_current
 from ..formats.base import option_names
 from ..gemm import gemm
-from ..kernels import _ext, cuda_fp8_tensor, native_gemm
+from ..kernels import _ext, cuda_fp8_block, cuda_fp8_tensor, native_gemm
 from ..kernels.cuda import IN_DTYPES
 from ..kernels.cuda_fp8_block import OPTIONS as FP8_BLOCK_OPTIONS
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
@@ -399,22 +401,53 @@ def _part_fits(p, cast: Float8Cast) -> bool:
             and (cast.block_dim == PER_TENSOR or p.block_dim == cast.block_dim))
 
 
+# `_fast_call`'s answers (falsy: the general path runs)
+NO_FAST_PATH = 0
+FAST_PATH = 1  # this module's ops
+FAST_PATH_BLOCK_GEMMS = 2  # FP8 blocks whose every GEMM native_gemm's dispatch runs as `hybridq::fp8_block_mm`
+
+
 def _fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg, need_dgrad: bool,
-               need_wgrad: bool) -> bool:
+               need_wgrad: bool) -> int:
     """The checks of `eager_float8_linear` that do not depend on the weight's form: the fast path is on, `takes`,
-    the dispatch tables' own kernels, a floating-point input with at least one row, every shape rule met."""
+    the dispatch tables' own kernels, a floating-point input with at least one row, every shape rule met
+    (NO_FAST_PATH where one fails); FAST_PATH_BLOCK_GEMMS where moreover the call's block GEMMs all run as the
+    extension's op (`_block_gemms_native`), else FAST_PATH."""
     if not _EAGER.on or not x.is_floating_point() or x.dim() < 2:
-        return False
+        return NO_FAST_PATH
     if not (takes(spec, x, weight) and _dispatch_is_builtin(
             (cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type, _PART[spec.input.block_dim])):
-        return False
+        return NO_FAST_PATH
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
     if m == 0 or k == 0 or n == 0:
-        return False
-    return (cfg.input_q.shape_rule(m, k, True, need_wgrad) is None
+        return NO_FAST_PATH
+    if not (cfg.input_q.shape_rule(m, k, True, need_wgrad) is None
             and not ((need_dgrad or need_wgrad)
-                     and cfg.grad_output_q.shape_rule(m, n, need_dgrad, need_wgrad) is not None))
+                     and cfg.grad_output_q.shape_rule(m, n, need_dgrad, need_wgrad) is not None)):
+        return NO_FAST_PATH
+    if not spec.per_tensor and _block_gemms_native(spec, x, m, k, n, need_dgrad, need_wgrad):
+        return FAST_PATH_BLOCK_GEMMS
+    return FAST_PATH
+
+
+def _block_gemms_native(spec: Float8GraphSpec, x: torch.Tensor, m: int, k: int, n: int, need_dgrad: bool,
+                        need_wgrad: bool) -> bool:
+    """Whether native_gemm's dispatch takes each block GEMM of this call (fprop; dgrad, wgrad where needed) by its
+    shapes, dtypes and device (`native_gemm._block_supports`: native GEMMs on, sm_90, E4M3 operands, the contracted
+    dim a multiple of 128, the others of 16; the parts `_quantize` makes are contiguous): then it runs `hybridq::fp8_block_mm` on each,
+    unless the op is switched off or a block GEMM failed before (read per call: `_one_block_op`)."""
+    if not x.is_cuda or not native_gemm.native_enabled() or not hasattr(torch.nn.functional, "scaled_mm"):
+        return False
+    gemms = [(spec.input, spec.weight, m, k, n)]  # (a's cast, b's, a's rows, the contracted dim, b's rows)
+    if need_dgrad:
+        gemms.append((spec.grad_output, spec.weight, m, n, k))  # dy [M, N] x the weight's columnwise [K, N]
+    if need_wgrad:
+        gemms.append((spec.grad_output, spec.input, n, m, k))  # dy's columnwise [N, M] x x's columnwise [K, M]
+    e4 = torch.float8_e4m3fn
+    return (all(a.dtype == e4 and b.dtype == e4 and rows % 16 == 0 and inner % 128 == 0 and b_rows % 16 == 0
+                for a, b, rows, inner, b_rows in gemms)
+            and native_gemm._cap(x) == (9, 0))
 
 
 def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
@@ -428,7 +461,8 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if spec is None:
         return None
     need_dgrad, need_wgrad = gradients_needed(x, weight)
-    if not _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad):
+    fast = _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
+    if not fast:
         return None
     w_parts = None
     if isinstance(weight, QuantizedTensor):
@@ -444,6 +478,12 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
             w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad, need_wgrad,
             spec.save_original_input, native_gemm.FAST_ACCUM_FPROP, *_op_weight_parts(w_parts))
+    if fast == FAST_PATH_BLOCK_GEMMS and _one_block_op(w_parts, x_parts):
+        xi, w, g = spec.input, spec.weight, spec.grad_output
+        return cuda_fp8_block.linear_op()(
+            x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
+            w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad,
+            need_wgrad, spec.save_original_input)
     return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts)
 
 
@@ -473,6 +513,33 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
             and (w_parts is None or not torch.is_inference_mode_enabled()))
 
 
+# An FP8 block call whose GEMMs all run as `hybridq::fp8_block_mm` as the extension's one op `hybridq::fp8_block_linear`
+# (csrc/linear_fp8_block.cpp: `_Float8GraphLinear`'s quantize ops and GEMMs, its autograd node in C++) or as that
+# Python node (bitwise equal). HYBRIDQ_BLOCK_LINEAR_OP=0 starts a process with the Python node (benchmarks compare).
+_BLOCK_OP = Switch("HYBRIDQ_BLOCK_LINEAR_OP")
+
+
+def _one_block_op(w_parts: tuple | None, x_parts: tuple | None) -> bool:
+    """Whether a fast-path call `_fast_call` answered FAST_PATH_BLOCK_GEMMS runs as `hybridq::fp8_block_linear`:
+    the switch and native_gemm's block GEMM op on, no block GEMM failed before (native_gemm then emulates that one,
+    with its warning: the Python node's dispatch decides per GEMM), a plain weight (FSDP2's gathered one keeps the
+    Python node), no TorchDispatchMode active (as `_one_op`), and x's parts, where handed over (shared, a norm's), the
+    contiguous fp32 scales of the shapes the block GEMM op takes (native_gemm.block_op_takes_scales; else the
+    dispatch relays them in Python)."""
+    if not (_BLOCK_OP.on and native_gemm.BLOCK_GEMM_OP["on"] and w_parts is None
+            and not torch._C._len_torch_dispatch_stack()):
+        return False
+    if native_gemm._failed and any(key[0] == "block" for key in native_gemm._failed):
+        return False
+    if x_parts is None:
+        return True
+    xr, xrs, xc, xcs = x_parts
+    m, k = xr.shape
+    return (xr.is_contiguous() and xrs.dtype == torch.float32 and xrs.is_contiguous() and xrs.shape == (m, k // 128)
+            and (xc is None or (xc.is_contiguous() and xcs.dtype == torch.float32 and xcs.is_contiguous()
+                                and xcs.shape == (k, m // 128))))
+
+
 # ---- a compiled Linear's gathered weight (compiled_linear.py's gathered ops run these) ----------------------------
 
 # `_fast_call`'s answers for the eager fast path and the compiled Linear's gathered ops, by what they depend on
@@ -480,17 +547,17 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
 # override, or per compiled configuration: a recipe swap or an override from the environment makes a new config), the
 # devices, dtypes and shapes, the gradients (requires_grad, grad mode) and whether native GEMMs are on (`takes` and
 # the shape rules: ~25 us of host per call)
-_FAST_CALLS: dict[tuple, bool] = {}
+_FAST_CALLS: dict[tuple, int] = {}
 _MAX_FAST_CALLS = 4096
 
 
 def _cached_fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSpec, cfg, need_dgrad: bool,
-                      need_wgrad: bool) -> bool:
+                      need_wgrad: bool) -> int:
     """`_fast_call`, the shape-dependent checks asked once per `_FAST_CALLS` key (the switch and the dispatch
     tables are read at every call: they can change between calls)."""
     if not _EAGER.on or not _dispatch_is_builtin((cfg.input_q, cfg.weight_q, cfg.grad_output_q), x.device.type,
                                                     _PART[spec.input.block_dim]):
-        return False
+        return NO_FAST_PATH
     key = (spec, cfg, x.device, x.dtype, x.shape, weight.device, weight.dtype, weight.shape, need_dgrad, need_wgrad,
            native_gemm.native_enabled())
     ok = _FAST_CALLS.get(key)
