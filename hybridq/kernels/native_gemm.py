@@ -35,9 +35,7 @@ GEMM registered for a pair of part types (`hybridq.register_native_gemm`) is tri
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import warnings
 
 import torch
@@ -45,12 +43,14 @@ import torch
 from ..formats.base import OperandKind, ScaleLayout, transposed_copy
 from ..formats import swizzle_mx_scales
 from ..dispatch import current_gemm_name, register_grouped_gemm, register_layout_gemm
+from ..switches import Switch, Turned
 from . import _ext
 
 log = logging.getLogger("hybridq")
 
 FAST_ACCUM_FPROP = True
-_enabled = {"on": True}
+# every GEMM here, or none: HYBRIDQ_NATIVE_GEMMS=0 / `disabled()` leave all to the generic emulated path (tests, A/B)
+_NATIVE = Switch("HYBRIDQ_NATIVE_GEMMS")
 _warned: set = set()
 _failed: set = set()
 
@@ -64,15 +64,10 @@ NO_SCALE = OperandKind(ScaleLayout.NONE)
 MICROSCALED = (E8M0_1X32, E4M3_1X16)  # cuBLAS's block-scaled GEMMs on sm_100; the bf16 emulation on sm_90
 
 
-@contextlib.contextmanager
-def disabled():
-    """Within this context every GEMM registered here declines, so the generic emulated path runs (tests)."""
-    prev = _enabled["on"]
-    _enabled["on"] = False
-    try:
-        yield
-    finally:
-        _enabled["on"] = prev
+def disabled() -> Turned:
+    """Within this `with` block every GEMM registered here declines, so the generic emulated path runs (tests;
+    HYBRIDQ_NATIVE_GEMMS=0 does it for a whole process)."""
+    return _NATIVE.turned(False)
 
 
 def _warn_once(key, msg: str) -> None:
@@ -101,14 +96,14 @@ def _shapes(a, b) -> str:
 
 
 def _on_cuda(a, b) -> bool:
-    return _enabled["on"] and a.device.type == "cuda" and b.device.type == "cuda" and a.device == b.device
+    return _NATIVE.on and a.device.type == "cuda" and b.device.type == "cuda" and a.device == b.device
 
 
 # ---- FP8 tensorwise ----------------------------------------------------------------------------------------
 
 def native_enabled() -> bool:
     """False inside `disabled()` (every GEMM here declines)."""
-    return _enabled["on"]
+    return _NATIVE.on
 
 
 def fp8_tensor_pair_supported(a_dtype: torch.dtype, b_dtype: torch.dtype) -> bool:
@@ -227,19 +222,13 @@ def block_scale_operands(a_scales: torch.Tensor, b_scales: torch.Tensor, b_tiles
 # [Note: the dense block GEMM op] (csrc/block_gemm.cu): the block GEMM of a CUDA part pair runs as one extension op
 # (scales relaid in one kernel, the GEMM through cuBLASLt with a cached plan: bitwise F.scaled_mm, less host time);
 # HYBRIDQ_BLOCK_GEMM_OP=0 or set_block_gemm_op(False) runs F.scaled_mm from Python as before
-def _block_gemm_op_env() -> bool:
-    return os.environ.get("HYBRIDQ_BLOCK_GEMM_OP", "1") != "0"
-
-
-BLOCK_GEMM_OP = {"on": _block_gemm_op_env()}
+BLOCK_GEMM_OP = Switch("HYBRIDQ_BLOCK_GEMM_OP")
 
 
 def set_block_gemm_op(on: bool) -> bool:
     """Turns the dense FP8 block GEMM op on or off (benchmarks compare the two paths in one process); returns the
     previous setting."""
-    prev = BLOCK_GEMM_OP["on"]
-    BLOCK_GEMM_OP["on"] = bool(on)
-    return prev
+    return BLOCK_GEMM_OP.set(on)
 
 
 def block_op_takes_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, m: int, k: int, n: int,
@@ -254,7 +243,7 @@ def block_op_takes_scales(a_scales: torch.Tensor, b_scales: torch.Tensor, m: int
 
 
 def _block_op_takes(a, b, b_tiles: bool) -> bool:
-    return BLOCK_GEMM_OP["on"] and _ext.available_for(a.device) and \
+    return BLOCK_GEMM_OP.on and _ext.available_for(a.device) and \
         block_op_takes_scales(a.scales, b.scales, a.rows, a.cols, b.rows, b_tiles)
 
 
@@ -268,6 +257,8 @@ def _block_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
         rb = F.ScalingType.BlockWise128x128 if tiles else F.ScalingType.BlockWise1x128
         od = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
         y = F.scaled_mm(a.data, b.data.t(), sa, F.ScalingType.BlockWise1x128, sb, rb, output_dtype=od)
+    except torch.OutOfMemoryError:
+        raise  # (memory, not the kernel: the emulated GEMM needs more, and the shape must not lose its kernel)
     except RuntimeError as e:
         key = ("block", a.rows, a.cols, b.rows, b.block_shape)
         _failed.add(key)
@@ -370,11 +361,7 @@ def _blockscaled_run(a, b, out_dtype: torch.dtype) -> torch.Tensor:
 # ---- 1x32 E8M0 x 1x32 E8M0 (MXFP8) on sm_90: Triton kernel on the FP8 tensor cores -----------------------------
 
 # opt-in until it is faster than the bf16 emulation (186 vs 773 TFLOP/s for torch.mm bf16 at 8192^3 on an H100)
-def _triton_mxfp8_env() -> bool:
-    return os.environ.get("HYBRIDQ_TRITON_MXFP8", "0") == "1"
-
-
-TRITON_MXFP8 = {"on": _triton_mxfp8_env()}
+TRITON_MXFP8 = Switch("HYBRIDQ_TRITON_MXFP8", default=False)
 
 
 def _triton_mxfp8_module():
@@ -384,7 +371,7 @@ def _triton_mxfp8_module():
 
 
 def _triton_mxfp8_supports(a, b) -> bool:
-    if not (TRITON_MXFP8["on"] and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
+    if not (TRITON_MXFP8.on and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
         return False
     if ("triton-mxfp8", a.device.index) in _failed:
         return False
@@ -418,11 +405,7 @@ def _triton_or_emulated(name: str, what: str, a, b, out_dtype: torch.dtype, run)
 
 # opt-in until measured faster than the bf16 emulation (BENCHMARKS.md "MXFP8 / NVFP4 GEMMs on sm_90: dequantize in
 # registers")
-def _triton_dequant_gemm_env() -> bool:
-    return os.environ.get("HYBRIDQ_TRITON_DEQUANT_GEMM", "0") == "1"
-
-
-TRITON_DEQUANT_GEMM = {"on": _triton_dequant_gemm_env()}
+TRITON_DEQUANT_GEMM = Switch("HYBRIDQ_TRITON_DEQUANT_GEMM", default=False)
 
 
 def _triton_dequant_module():
@@ -441,7 +424,7 @@ def _dequant_operand(tdg, p, contiguous: bool):
 
 
 def _triton_dequant_supports(a, b) -> bool:
-    if not (TRITON_DEQUANT_GEMM["on"] and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
+    if not (TRITON_DEQUANT_GEMM.on and _on_cuda(a, b)) or _cap(a.data) != (9, 0):
         return False
     if ("triton-dequant", a.device.index) in _failed or not _transforms_compatible(a, b):
         return False
@@ -555,7 +538,7 @@ def _grouped_fp8_run(a: torch.Tensor, a_scale_inv: torch.Tensor, sizes: list[int
     per-tensor scale expanded over its rows / columns; None where it cannot run (see hybridq.gemm.grouped_gemm_fp8).
     """
     e4m3 = torch.float8_e4m3fn
-    if not (_enabled["on"] and a.is_cuda and b.device == a.device and hasattr(torch, "_scaled_grouped_mm")
+    if not (_NATIVE.on and a.is_cuda and b.device == a.device and hasattr(torch, "_scaled_grouped_mm")
             and _cap(a) == (9, 0) and out_dtype == torch.bfloat16 and a.dtype == e4m3 and b.dtype == e4m3
             and a.is_contiguous() and b.is_contiguous() and not any(s % 16 for s in sizes)):
         return None
