@@ -98,12 +98,8 @@ def dequant_gemm_switch(step, on: bool):
     from hybridq.kernels import native_gemm as ng
 
     def run():
-        prev = ng.TRITON_DEQUANT_GEMM["on"]
-        ng.TRITON_DEQUANT_GEMM["on"] = on
-        try:
+        with ng.TRITON_DEQUANT_GEMM.turned(on):
             step()
-        finally:
-            ng.TRITON_DEQUANT_GEMM["on"] = prev
     return run
 
 

@@ -49,8 +49,8 @@ PAIRS = [(MXFP8Part, MXFP8Part), (NVFP4Part, NVFP4Part), (MXFP8Part, NVFP4Part),
 
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    monkeypatch.setitem(ng.TRITON_DEQUANT_GEMM, "on", True)
-    monkeypatch.setitem(ng.TRITON_MXFP8, "on", False)  # MXFP8 x MXFP8 would go to that kernel first
+    monkeypatch.setattr(ng.TRITON_DEQUANT_GEMM, "on", True)
+    monkeypatch.setattr(ng.TRITON_MXFP8, "on", False)  # MXFP8 x MXFP8 would go to that kernel first
 
 
 def _quantized(rows: int, k: int, fmt: str, g: torch.Generator, device="cpu"):
@@ -95,20 +95,17 @@ def test_registered_before_the_bf16_emulation(pair):
         assert names.index("triton-mxfp8-sm90") < names.index(NAME), names
 
 
-def test_off_by_default(monkeypatch):
-    monkeypatch.delenv("HYBRIDQ_TRITON_DEQUANT_GEMM", raising=False)
-    assert not ng._triton_dequant_gemm_env()
-    monkeypatch.setenv("HYBRIDQ_TRITON_DEQUANT_GEMM", "0")
-    assert not ng._triton_dequant_gemm_env()
-    monkeypatch.setenv("HYBRIDQ_TRITON_DEQUANT_GEMM", "1")
-    assert ng._triton_dequant_gemm_env()
+def test_off_by_default():
+    """An opt-in switch: off unless HYBRIDQ_TRITON_DEQUANT_GEMM is "1" at import (the rule: tests/test_switches.py)."""
+    s = ng.TRITON_DEQUANT_GEMM
+    assert (s.env, s.default) == ("HYBRIDQ_TRITON_DEQUANT_GEMM", False), f"{s!r}: not the opt-in switch"
 
 
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """CPU parts taken for CUDA parts of an sm_90 device with Triton, so the gating past the device checks runs
     here."""
-    monkeypatch.setattr(ng, "_on_cuda", lambda a, b: ng._enabled["on"])
+    monkeypatch.setattr(ng, "_on_cuda", lambda a, b: ng._NATIVE.on)
     monkeypatch.setattr(ng, "_cap", lambda t: (9, 0))
     monkeypatch.setattr(ng, "_failed", set())
     monkeypatch.setattr(ng, "_warned", set())
@@ -129,7 +126,7 @@ def test_gating_takes_every_pairing(fake_sm90, fmts):
 
 
 def test_default_off_declines(fake_sm90, monkeypatch):
-    monkeypatch.setitem(ng.TRITON_DEQUANT_GEMM, "on", False)
+    monkeypatch.setattr(ng.TRITON_DEQUANT_GEMM, "on", False)
     a, b = _parts(64, 32, 64, "nvfp4", "e4m3")
     assert not ng._triton_dequant_supports(a, b)
 
@@ -602,7 +599,7 @@ def test_linear_uses_the_kernel(monkeypatch, preset):
     dy = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     outs = {}
     for on in (True, False):
-        monkeypatch.setitem(ng.TRITON_DEQUANT_GEMM, "on", on)
+        monkeypatch.setattr(ng.TRITON_DEQUANT_GEMM, "on", on)
         x.grad, lin.weight.grad = None, None
         torch.cuda.manual_seed(SEED)  # the same stochastic rounding draws on both sides
         y = lin(x)
@@ -636,8 +633,8 @@ def test_bench_linear_switch_toggles_and_restores(monkeypatch):
     bench_linear = importlib.import_module("bench_linear")
     seen = []
     for on in (True, False):
-        monkeypatch.setitem(ng.TRITON_DEQUANT_GEMM, "on", not on)
-        bench_linear.dequant_gemm_switch(lambda: seen.append(ng.TRITON_DEQUANT_GEMM["on"]), on)()
-        assert ng.TRITON_DEQUANT_GEMM["on"] is (not on), "switch not restored"
+        monkeypatch.setattr(ng.TRITON_DEQUANT_GEMM, "on", not on)
+        bench_linear.dequant_gemm_switch(lambda: seen.append(ng.TRITON_DEQUANT_GEMM.on), on)()
+        assert ng.TRITON_DEQUANT_GEMM.on is (not on), "switch not restored"
     assert seen == [True, False], seen
     assert "bench_linear" in sys.modules

@@ -34,7 +34,7 @@ ACC_TOL = 2.0 ** -10
 
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    monkeypatch.setitem(ng.TRITON_MXFP8, "on", True)
+    monkeypatch.setattr(ng.TRITON_MXFP8, "on", True)
 
 
 def _parts(m, n, k, fa="e4m3", fb="e4m3", seed=0, device="cpu"):
@@ -54,15 +54,14 @@ def test_registered_before_the_bf16_emulation():
     assert names.index(NAME) < names.index("cuda-emulated-bf16"), names
 
 
-def test_off_by_default(monkeypatch):
-    monkeypatch.delenv("HYBRIDQ_TRITON_MXFP8", raising=False)
-    assert not ng._triton_mxfp8_env()
-    monkeypatch.setenv("HYBRIDQ_TRITON_MXFP8", "1")
-    assert ng._triton_mxfp8_env()
+def test_off_by_default():
+    """An opt-in switch: off unless HYBRIDQ_TRITON_MXFP8 is "1" at import (the rule: tests/test_switches.py)."""
+    s = ng.TRITON_MXFP8
+    assert (s.env, s.default) == ("HYBRIDQ_TRITON_MXFP8", False), f"{s!r}: not the opt-in switch of that variable"
 
 
 def test_default_off_declines(fake_sm90, monkeypatch):
-    monkeypatch.setitem(ng.TRITON_MXFP8, "on", False)
+    monkeypatch.setattr(ng.TRITON_MXFP8, "on", False)
     monkeypatch.setattr(tm, "triton", object())
     a, b = _parts(64, 32, 64)
     assert not ng._triton_mxfp8_supports(a, b)
@@ -77,7 +76,7 @@ def test_declines_on_cpu_parts():
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """CPU parts taken for CUDA parts of an sm_90 device, so the gating past the device checks runs here."""
-    monkeypatch.setattr(ng, "_on_cuda", lambda a, b: ng._enabled["on"])
+    monkeypatch.setattr(ng, "_on_cuda", lambda a, b: ng._NATIVE.on)
     monkeypatch.setattr(ng, "_cap", lambda t: (9, 0))
     monkeypatch.setattr(ng, "_failed", set())
     monkeypatch.setattr(ng, "_warned", set())
@@ -104,7 +103,7 @@ def test_gating_with_triton(fake_sm90, monkeypatch):
     assert ng._triton_mxfp8_supports(a, b)
     with ng.disabled():
         assert not ng._triton_mxfp8_supports(a, b)
-    monkeypatch.setitem(ng.TRITON_MXFP8, "on", False)
+    monkeypatch.setattr(ng.TRITON_MXFP8, "on", False)
     assert not ng._triton_mxfp8_supports(a, b)
 
 
