@@ -19,6 +19,7 @@ import hybridq.kernels.grouped_emulated  # noqa: F401
 import hybridq.kernels.grouped_slots  # noqa: F401
 import hybridq.kernels.native_gemm  # noqa: F401
 import hybridq.nn.float8_graph  # noqa: F401
+import hybridq.nn.linear_function  # noqa: F401
 from hybridq.switches import Switch, switches
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
@@ -26,8 +27,8 @@ SWITCHES_PY = DOCS.parent / "hybridq" / "switches.py"
 EXPECTED = {"HYBRIDQ_BLOCK_GEMM_OP", "HYBRIDQ_EAGER_FAST_PATH", "HYBRIDQ_GROUPED_BLOCK_CUBLAS",
             "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_EMULATED_GEMM", "HYBRIDQ_GROUPED_SLOT_QUANTIZE",
             "HYBRIDQ_LINEAR_CPP_OPS", "HYBRIDQ_NATIVE_GEMMS", "HYBRIDQ_STACKED_BLOCK_GATHER",
-            "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_TRITON_DEQUANT_GEMM", "HYBRIDQ_TRITON_MXFP8",
-            "HYBRIDQ_UNIT_CAST"}
+            "HYBRIDQ_SHARED_INPUT_QUANTIZATION", "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_TRITON_DEQUANT_GEMM",
+            "HYBRIDQ_TRITON_MXFP8", "HYBRIDQ_UNIT_CAST"}
 
 
 def test_every_switch_is_registered_and_named_in_the_docs():

@@ -53,7 +53,7 @@ from ..tensor import QuantizedTensor
 from ..torch_private import graph_task_id
 from .fused_input import prequantized_input
 from .known_amax import known_amax
-from .linear_function import _SHARED, SharedParts, gradients_needed
+from .linear_function import _SHARED, _SHARING, SharedParts, gradients_needed
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear", "eager_float8_linear",
            "eager_fast_path", "gathered_cpp_ops"]
@@ -357,7 +357,7 @@ def _shared_input(x: torch.Tensor, q, cast: Float8Cast, columnwise: bool) -> tup
     table (the same entries, so layers on either path share with one another: this path puts SharedParts, which
     the general path turns into a QuantizedTensor only where it reads one), or from the max|x| its producer handed
     over; None when neither applies (the Function quantizes x itself)."""
-    share = _SHARED.enabled and not x.is_inference()  # (current scaling is deterministic)
+    share = _SHARING.on and not x.is_inference()  # (current scaling is deterministic)
     xq = _SHARED.find_any(x, q, columnwise) if share else None
     if isinstance(xq, SharedParts):
         xr, xrs, xc, xcs = xq.tensors

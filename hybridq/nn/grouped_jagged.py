@@ -34,7 +34,7 @@ from ..gemm import JaggedFP8, JaggedFP8Kernels
 from ..kernels.native_gemm import FAST_ACCUM_FPROP
 from ..torch_private import current_raw_stream
 from ..weight_forms import GroupedGatheredForm
-from .linear_function import _SHARED
+from .linear_function import _SHARING
 from .side_table import TensorSideTable
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -354,7 +354,7 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, groups: TokenGroups, columnwi
                     kernels: JaggedFP8Kernels, share: bool) -> JaggedFP8:
     """`kernels.quantize` of the input, or the quantization another projection made of the same tensor
     ([Note: shared jagged input]) where `share`."""
-    share = share and _SHARED.enabled and q.is_deterministic and not x.is_inference()
+    share = share and _SHARING.on and q.is_deterministic and not x.is_inference()
     xq = _SHARED_INPUTS.get(x, q, groups, kernels, columnwise) if share else None
     if xq is None:
         xq = kernels.quantize(q, x, groups, columnwise, name)

@@ -12,6 +12,7 @@ import torch
 
 from ..formats.base import Quantizer
 from ..gemm import gemm
+from ..switches import Switch, Turned
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Direction
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource
@@ -77,7 +78,6 @@ class _SharedInputs(TensorSideTable):
 
     def __init__(self):
         super().__init__(slots=2)
-        self.enabled = True
 
     def get(self, x: torch.Tensor, q: Quantizer, columnwise: bool) -> QuantizedTensor | None:
         xq = self.find_any(x, q, columnwise)
@@ -91,25 +91,34 @@ class _SharedInputs(TensorSideTable):
 
 
 _SHARED = _SharedInputs()
+# Layers reading one input tensor share one quantization of it, or each quantizes it (bitwise equal; tests compare
+# the two). HYBRIDQ_SHARED_INPUT_QUANTIZATION=0 starts a process without sharing.
+_SHARING = Switch("HYBRIDQ_SHARED_INPUT_QUANTIZATION")
 
 
-class shared_input_quantization:
-    """Whether Linear layers reading the same input tensor share one quantization of it (default: on). Only
-    deterministic input quantizers are shared (`Quantizer.is_deterministic`: not delayed scaling, not stochastic
-    rounding); results are bitwise equal either way. `shared_input_quantization(False)` turns sharing off from
-    then on; `with shared_input_quantization(False): ...` only inside the block (like torch.set_grad_enabled)."""
+class _SharingTurned(Turned):
+    """The sharing switch turned: whenever it ends up off, the table is emptied (nothing is read from it then)."""
 
-    def __init__(self, enabled: bool):
-        self.prev = _SHARED.enabled
-        _SHARED.enabled = bool(enabled)
-        if not enabled:
+    __slots__ = ()
+
+    def __init__(self, on: bool):
+        super().__init__(_SHARING, on)
+        if not on:
             _SHARED.clear()
 
-    def __enter__(self) -> "shared_input_quantization":
-        return self
-
     def __exit__(self, *exc) -> None:
-        shared_input_quantization(self.prev)
+        super().__exit__(*exc)
+        if not _SHARING.on:
+            _SHARED.clear()
+
+
+def shared_input_quantization(enabled: bool) -> Turned:
+    """Whether Linear layers reading the same input tensor share one quantization of it (default: on; the
+    environment variable HYBRIDQ_SHARED_INPUT_QUANTIZATION=0 starts a process with it off). Only deterministic
+    input quantizers are shared (`Quantizer.is_deterministic`: not delayed scaling, not stochastic rounding);
+    results are bitwise equal either way. `shared_input_quantization(False)` turns sharing off from then on;
+    `with shared_input_quantization(False): ...` only inside the block (like torch.set_grad_enabled)."""
+    return _SharingTurned(enabled)
 
 
 def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise: bool,
@@ -120,7 +129,7 @@ def _quantize_input(q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, columnwise
     under the tensor the layers received (`gather.source`)."""
     if gather is not None:
         x = gather.source
-    share = (_SHARED.enabled and q.is_deterministic and not x.is_inference()
+    share = (_SHARING.on and q.is_deterministic and not x.is_inference()
              and not torch.compiler.is_compiling())
     if gather is not None:  # (its forward and backward gathers are shared by the gather itself)
         return gather.quantize(q, x2d, columnwise, name, share=share)
