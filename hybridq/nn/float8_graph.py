@@ -477,7 +477,8 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return cuda_fp8_tensor.linear_op()(
             x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
             w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad, need_wgrad,
-            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP, *_op_weight_parts(w_parts))
+            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP,
+            *(_NO_PARTS if w_parts is None else _op_weight_parts(w_parts)))
     if fast == FAST_PATH_BLOCK_GEMMS and _one_block_op(w_parts, x_parts):
         xi, w, g = spec.input, spec.weight, spec.grad_output
         return cuda_fp8_block.linear_op()(

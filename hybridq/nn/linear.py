@@ -166,8 +166,9 @@ class Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         # (in or out features 0: no GEMM to put in a graph; the eager path computes the empty product)
+        compiling = torch.compiler.is_compiling()  # (asked once: three Python calls per ask)
         tp = self.__dict__.get("_tensor_parallel")  # (hybridq.distributed's ColwiseParallel / RowwiseParallel)
-        if (tp is not None and torch.compiler.is_compiling() and self.in_features and self.out_features
+        if (tp is not None and compiling and self.in_features and self.out_features
                 and tp.runs_in_graph(self, x, is_first_microbatch)):
             # this rank's pieces inside the graph as custom ops, the group's collectives in them
             # (distributed/compiled_tp.py)
@@ -175,7 +176,7 @@ class Linear(nn.Linear):
             if override is not None:
                 self._check_override(override)
             return tp.compiled_forward(self, x, override)
-        if (torch.compiler.is_compiling() and self.in_features and self.out_features
+        if (compiling and self.in_features and self.out_features
                 and compiled_linear.runs_in_graph(self, x, is_first_microbatch)):
             override = self.recipe.backward_override
             if override is not None:
@@ -195,18 +196,18 @@ class Linear(nn.Linear):
         tp = self.__dict__.get("_tensor_parallel")
         if tp is not None:  # set by hybridq.distributed's ColwiseParallel / RowwiseParallel
             return tp.forward(self, x, is_first_microbatch)
-        if is_dtensor(x) or is_dtensor(self.weight):
+        weight, bias = self.weight, self.bias
+        if is_dtensor(x) or is_dtensor(weight):
             # torch's own styles: quantizing a DTensor's local piece as a whole tensor would be silently wrong
             raise NotImplementedError(
                 f"{self.name}: a hybridq Linear received DTensor "
-                f"{'weight' if is_dtensor(self.weight) else 'input'}: parallelize it with "
+                f"{'weight' if is_dtensor(weight) else 'input'}: parallelize it with "
                 f"hybridq.distributed.ColwiseParallel / RowwiseParallel / PrepareModuleInput (drop-in replacements "
                 f"for torch's styles, same arguments), not torch.distributed.tensor.parallel's")
         override = self.recipe.backward_override  # may come from the environment: checked every call
         if override is not None:
             self._check_override(override)
         cfg = self._config(override)
-        weight, bias = self.weight, self.bias
         if (override is None and is_first_microbatch is None and self._float8_graph_spec is not None
                 and quantized_param_info(weight) is None
                 and (self._weight_gathered or not isinstance(weight, QuantizedTensor))):
