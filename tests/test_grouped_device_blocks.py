@@ -404,3 +404,99 @@ def test_gpu_block_with_device_counts_replays_bitwise_from_a_cuda_graph(preset):
         torch.cuda.synchronize()
         for name, g, w in zip(("output", "dx", "dW up", "dW down"), captured, want):
             assert_bitwise(g, w, f"{preset} routing {splits}: {name} replayed from the CUDA graph vs eager")
+
+
+# ---- the slot layout kernel ----------------------------------------------------------------------------------------
+
+# (counts, tokens): valid routings (empty experts, one expert, more tokens than a program's block, many experts), then
+# invalid ones (a negative count, sums off either way) whose table, token rows and validity must still be the aten ops'
+LAYOUT_CASES = [([5, 0, 17, 40], 62), ([0, 0, 0, 0], 0), ([0, 300, 0, 0], 300), ([130, 1, 0, 127], 258),
+                ([7] * 64, 448), ([(g * 37) % 101 for g in range(200)], sum((g * 37) % 101 for g in range(200))),
+                ([5, -3, 17, 40], 59), ([5, 0, 17, 40], 70), ([5, 0, 17, 40], 50), ([-40, 90, -7, 20], 63),
+                ([0, 0, 0, 9], 0)]
+
+
+def _aten_layout(counts: torch.Tensor, tokens: int, multiple: int) -> dict:
+    """The layout SlotLayout's aten ops make (CPU counts, read nowhere: the same code as on a GPU)."""
+    layout = SlotLayout(counts, tokens, multiple, lambda m: m, None)
+    return {"table": layout.table, "token_rows": layout.token_rows, "source": layout.source_rows(),
+            "valid": ((counts >= 0).all() & (counts.sum() == tokens)).to(torch.int32).reshape(1)}
+
+
+@pytest.mark.parametrize("multiple", [16, 32, 128])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=[str(c[0][:6]) + f"-{c[1]}" for c in LAYOUT_CASES])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_slot_layout_kernel_is_bitwise_the_aten_ops(device, case, multiple):
+    """kernels/triton_slot_layout.py: table, token rows, source-row map and validity in one launch, bitwise what
+    SlotLayout's aten ops (and `source_rows`' scatter) give; for invalid counts the table and validity (0), the token
+    rows too where no count is negative, every row inside its tensor (the device assert reports such counts)."""
+    from hybridq.kernels import triton_slot_layout
+    counts, tokens = case
+    want = _aten_layout(torch.tensor(counts), tokens, multiple)
+    rows = bound_rows(max(tokens, 0), len(counts), multiple)
+    want_rows = SlotLayout(torch.tensor(counts), tokens, multiple, lambda m: m, None).rows
+    assert rows == want_rows
+    table, token_rows, source, valid = triton_slot_layout.slot_layout(torch.tensor(counts, device=device), tokens,
+                                                                      rows, multiple)
+    got = {"table": table, "token_rows": token_rows, "source": source, "valid": valid}
+    # (a negative count leaves the token ends unsorted: searchsorted's answer is then its binary search's)
+    exact = ("table", "valid") + (("token_rows",) if min(counts) >= 0 else ()) + (
+        ("source",) if min(counts) >= 0 and sum(counts) == tokens else ())
+    for name in exact:
+        assert_bitwise(got[name].cpu(), want[name], f"{counts} ({tokens} tokens, slots of {multiple}): {name}")
+    assert bool(((token_rows >= 0) & (token_rows < rows)).all()), f"{counts}: token rows out of the buffer"
+    assert bool(((source >= -1) & (source < max(tokens, 1))).all()), f"{counts}: source rows out of the tokens"
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_slot_layout_built_by_the_kernel_is_the_aten_layout(device, monkeypatch):
+    """SlotLayout.build takes the kernel where it runs (forced on the CPU's interpreter), keeps its validity for the
+    device assert, and gives the layout of the aten ops: table, token rows, source rows, bounds, packed buffer."""
+    from hybridq.nn import grouped_packed
+    dev = torch.device(device)
+    monkeypatch.setattr(grouped_packed, "_SLOTS", {})
+    if dev.type == "cpu":
+        monkeypatch.setattr(grouped_packed, "_layout_kernel_takes", lambda counts: True)
+    splits = [5, 0, 130, 40]
+    layout = SlotLayout.build(torch.tensor(splits, device=dev), 175, dev, 128, lambda m: m, "moe")
+    assert layout.valid is not None and int(layout.valid) == 1, "the kernel's validity was not kept (or is wrong)"
+    want = SlotLayout(torch.tensor(splits), 175, 128, lambda m: m, None)
+    for name, g, w in (("table", layout.table, want.table), ("token rows", layout.token_rows, want.token_rows),
+                       ("source rows", layout.source_rows(), want.source_rows()),
+                       ("bounds", layout.bounds().gemm_rows, want.bounds().gemm_rows)):
+        assert_bitwise(g.cpu(), w, f"{splits}: {name} of the kernel's layout vs the aten ops'")
+    x = torch.randn(175, 8)
+    assert_bitwise(layout.pack(x.to(dev)).cpu(), want.pack(x), f"{splits}: packed buffer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_device_path_here("fp8_block")), reason="needs CUDA sm_90 with Triton")
+def test_gpu_slot_layout_of_a_new_routing_costs_one_launch_and_the_assert():
+    """A new routing's layout on a GPU: the kernel's four outputs and the assert of its validity (before: ~20 aten
+    ops -- the check's five, the table's nine, the token rows' seven -- and the source map's three at first use)."""
+    from _dispatch import OpLog
+    from hybridq.nn import grouped_packed
+    dev = torch.device("cuda")
+    counts = torch.tensor([5, 0, 130, 40], device=dev)
+    SlotLayout.build(counts.clone(), 175, dev, 128, lambda m: m, "moe")  # (first call: Triton compiles)
+    with OpLog() as log:
+        layout = SlotLayout.build(counts, 175, dev, 128, lambda m: m, "moe")
+        layout.source_rows()
+    assert log.ops == ["aten.empty.memory_format"] * 4 + ["aten._assert_async.msg"], \
+        f"a new routing's slot layout issued {log.ops}"
+    assert grouped_packed._layout_kernel_takes(counts)
+
+
+@pytest.mark.skipif(not triton_grouped_blocks.available(), reason="needs Triton")
+@pytest.mark.parametrize("experts", [4, 200])
+def test_slot_layout_kernel_compiles_for_sm90(experts):
+    """The kernel builds for sm_90 (no GPU needed) at its launch's constexprs, for few and many experts."""
+    from _triton_aot import compile_sm90
+    from hybridq.kernels import triton_slot_layout as t
+    grid, kw = t._plan(32768, 34816, experts, 128)
+    sig = {"counts_ptr": "*i64", "table_ptr": "*i32", "token_rows_ptr": "*i64", "source_ptr": "*i32",
+           "valid_ptr": "*i32", "T": "i32", "R": "i32", "E": "i32"}
+    consts = {k: v for k, v in kw.items() if k != "num_warps"}
+    k = compile_sm90(t._slot_layout_kernel, sig, consts, ("counts_ptr", "table_ptr", "token_rows_ptr", "source_ptr",
+                                                          "valid_ptr"), kw["num_warps"], 1)
+    assert "ptx" in k.asm, "no PTX"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..enums import Scaling
 from ..errors import FormatShapeError
@@ -200,9 +201,17 @@ class SlotLayout:
         self._host: TokenLayout | None = None
         self._source: torch.Tensor | None = None
         self._bounds = None
+        self.valid: torch.Tensor | None = None  # (int32 [1], 1 for valid counts: made by the layout kernel)
         if device_parts is not None:  # (another layer's layout of the same routing: `build`)
             self.table, self.token_rows, self._source, self._bounds = device_parts
             return
+        if _layout_kernel_takes(counts):  # (one launch for the ops below and `source_rows`' scatter)
+            from ..kernels import grouped_blocks, triton_slot_layout as k
+            made = grouped_blocks.run_or_none(k.ENABLED, "slot layout kernel", lambda: k.slot_layout(
+                counts, tokens, self.rows, multiple), instead="the slot layout is computed by aten ops")
+            if made is not None:
+                self.table, self.token_rows, self._source, self.valid = made
+                return
         slots = (counts + (multiple - 1)).div_(multiple, rounding_mode="floor").mul_(multiple)
         ends = slots.cumsum(0)
         token_ends = counts.cumsum(0)
@@ -235,10 +244,10 @@ class SlotLayout:
         splits = None
         if not fake and counts.device.type == "cpu":
             splits = check_split_values([int(v) for v in counts.tolist()], counts.shape[0], tokens, name)
-        elif not fake:
-            torch._assert_async((counts >= 0).all() & (counts.sum() == tokens),
-                                f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
         layout = cls(counts, tokens, multiple, padded_of, splits)
+        if not fake and counts.device.type != "cpu":  # (the layout's writes are bounded whatever the counts)
+            valid = layout.valid if layout.valid is not None else (counts >= 0).all() & (counts.sum() == tokens)
+            torch._assert_async(valid, f"{name}: m_splits must be >= 0 and sum to the input's {tokens} tokens")
         if key is not None:
             _SLOTS.pop(key, None)
             if len(_SLOTS) >= _SLOT_ROUTINGS:
@@ -279,6 +288,15 @@ class SlotLayout:
                 raise RuntimeError(f"slot layout: padded token counts {host.padded} exceed the slots {host.slots}")
             self._host = host
         return self._host
+
+
+def _layout_kernel_takes(counts: torch.Tensor) -> bool:
+    """Whether the slot layout kernel (kernels/triton_slot_layout.py) computes this layout: real CUDA counts,
+    eagerly (not traced by torch.compile), Triton there, its switch on."""
+    if not counts.is_cuda or isinstance(counts, FakeTensor) or torch.compiler.is_compiling():
+        return False
+    from ..kernels import triton_slot_layout
+    return triton_slot_layout.ENABLED.on and triton_slot_layout.available()
 
 
 # (m_splits id, tokens, device, multiple, stream) -> (m_splits, its version, SlotLayout) of the last routings (a tensor
