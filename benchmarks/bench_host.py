@@ -137,6 +137,14 @@ def cases(dim: int, device: torch.device) -> list:
                 del table.put
         return run
 
+    def block_python_node(fn):
+        """`fn` with FP8 block Linears on the fast path's Python autograd node, not the one op hybridq::fp8_block_linear
+        (csrc/linear_fp8_block.cpp: the code before it)."""
+        def run():
+            with float8_graph._BLOCK_OP.turned(False):
+                fn()
+        return run
+
     def scaled_mm_blocks(fn):
         """`fn` with the FP8 block GEMMs run by F.scaled_mm from Python (the code before hybridq::fp8_block_mm,
         csrc/block_gemm.cu)."""
@@ -223,7 +231,9 @@ def cases(dim: int, device: torch.device) -> list:
                 ("op fp8_linear fwd+bwd (no module)", one_op),
                 ("op fp8_linear fwd+bwd (no module, unpacked allocations)", unpacked(one_op)),
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, unpacked allocations)", unpacked(step(hq))),
-                ("hybridq Linear fwd+bwd (fp8_block, GEMMs by F.scaled_mm)", scaled_mm_blocks(step(hq_block))),
+                ("hybridq Linear fwd+bwd (fp8_block, Python node)", block_python_node(step(hq_block))),
+                ("hybridq Linear fwd+bwd (fp8_block, Python node, GEMMs by F.scaled_mm)",
+                 block_python_node(scaled_mm_blocks(step(hq_block)))),
                 # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),
