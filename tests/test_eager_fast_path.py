@@ -23,6 +23,7 @@ from _format_cases import FORMATS
 IN, OUT, TOKENS = 256, 128, (2, 64)  # K, N and M multiples of 128: every FP8 block shape rule holds
 FAST, GENERAL = "_Float8GraphLinearBackward", "_LinearFunctionBackward"
 ONE_OP = "torch::autograd::CppNode<hybridq::ops::Fp8Linear>"  # per-tensor on CUDA: one op, a C++ node
+BLOCK_OP = "torch::autograd::CppNode<hybridq::ops::Fp8BlockLinear>"  # FP8 blocks on sm_90 (the block GEMM op's shapes)
 
 
 def _node(y: torch.Tensor) -> str | None:
@@ -257,7 +258,9 @@ def test_fast_path_on_cuda_is_bitwise_the_general_path(case, variant):
         layer.weight.requires_grad_(False)
     x, gy = _inputs("cuda", torch.bfloat16)
     (fast, fast_kind), (general, general_kind) = _both_paths(layer, x, gy)
-    want = ONE_OP if case.startswith("fp8_e") else FAST  # (per-tensor: the one op of csrc/linear_fp8.cpp)
+    # (per-tensor: the one op of csrc/linear_fp8.cpp; blocks on sm_90, E4M3 at these shapes: csrc/linear_fp8_block.cpp)
+    blocks = BLOCK_OP if torch.cuda.get_device_capability() == (9, 0) else FAST
+    want = ONE_OP if case.startswith("fp8_e") else blocks
     assert (fast_kind, general_kind) == (want, GENERAL), f"{case}/{variant}: paths taken {fast_kind}, {general_kind}"
     _assert_same(fast, general, f"{case}/{variant} on CUDA")
 
