@@ -122,6 +122,8 @@ TIMED = [
     ("compiled GroupedLinear op forward (body, jagged FP8)", _mod("hybridq.nn.compiled_grouped"), "_run_forward",
      False),
     ("  of which: jagged_forward", _mod("hybridq.nn.compiled_grouped"), "jagged_forward", False),
+    ("compiled GroupedLinear input quantize op (body, jagged FP8)", _mod("hybridq.nn.compiled_grouped"),
+     "_run_input_quantize", False),
     ("compiled GroupedLinear op backward (body, jagged FP8)", _mod("hybridq.nn.compiled_grouped"), "_run_backward",
      False),
     ("  of which: jagged_backward", _mod("hybridq.nn.compiled_grouped"), "jagged_backward", False),
