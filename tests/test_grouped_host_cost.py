@@ -9,6 +9,7 @@ that what is kept between calls is never stale:
   ([Note: joined stacked experts]): no dispatcher op on a later call, rebuilt when the stacked views are others; bitwise
   the experts' parts joined by a copy."""
 
+import copy
 import types
 
 import pytest
@@ -458,3 +459,31 @@ def test_gpu_block_kernels_through_the_cached_launcher_are_bitwise_tritons_launc
     for fn in (triton_slot_quantize._slot_quantize_kernel, tgb._grouped_block_mm_kernel,
                tgb._grouped_block_wgrad_kernel):
         assert id(fn) in kept, f"{fn.fn.__name__} was not launched through the cached launcher"
+
+
+@pytest.mark.parametrize("case", QUANTIZERS)
+def test_slot_quantize_launches_are_kept_with_the_decision(decision_spy, case):
+    """The launches a call makes (quantizer, directions, mode, scaling arguments) are kept with the decision: the same
+    object for the same configuration, made again for a quantizer changed in place (its scaling arguments follow)."""
+    from hybridq.formats._numerics import FP8_MAX
+    q = QUANTIZERS[case]()
+    x = torch.zeros(10, 256, dtype=torch.bfloat16)
+    grouped_slots._DECISIONS.clear()
+    key = (id(q), x.dtype, x.device, 256, 128, True, True)
+    # (kept as a CUDA call's decision keeps them: on the CPU the extension's lookup declines)
+    grouped_slots._DECISIONS[key] = (q, copy.deepcopy(q), tuple(grouped_slots._launch_args(d, r, c)
+                                                                for d, r, c in grouped_slots._launches(q, True, True)))
+    kept = grouped_slots._kept_launches(q, x, 128, True, True)
+    assert kept is grouped_slots._DECISIONS[key][2] and decision_spy.calls == 0, "the kept launches were not used"
+    assert len(kept) == BOTH_LAUNCHES[case], kept
+    for d, row, col, mode, kw in kept:
+        assert kw["fp8_max"] == FP8_MAX[d.dtype], kw
+        if type(d) is Float8BlockQuantizer:
+            assert mode == triton_slot_quantize.MODE_FP8_BLOCK and kw["eps"] == d.amax_epsilon \
+                and kw["pow2"] == d.power_2_scale, kw
+        else:
+            assert mode == triton_slot_quantize.MODE_MXFP8 and set(kw) == {"fp8_max"}, kw
+    if type(q) is Float8BlockQuantizer:
+        q.amax_epsilon = 1e-3  # (in place: asked again, the new epsilon in the launch)
+        grouped_slots._kept_launches(q, x, 128, True, True)
+        assert decision_spy.calls > 0, "a quantizer changed in place reused the kept launches"

@@ -63,20 +63,31 @@ def _launches(q: Quantizer, rowwise: bool, columnwise: bool) -> list[tuple[Quant
 
 def supports(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> bool:
     """Whether `quantize` takes `x` (the routed tokens `[T, K]`) for a slot layout of `slot_rows` rows."""
+    return _launch_plan(q, x, slot_rows, rowwise, columnwise) is not None
+
+
+def _launch_plan(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> tuple | None:
+    """The launches of a call `quantize` takes -- (quantizer, rowwise, columnwise, mode, keyword arguments of
+    `slot_quantize`) each -- or None where it does not."""
     # (the kernel writes the columnwise bytes 4 slot rows to a word; the packed path's slots are 16-aligned)
     if not (ENABLED.on and x.is_cuda and not isinstance(x, FakeTensor) and x.dim() == 2 and x.shape[0] > 0
             and x.dtype in _IN_DTYPES and slot_rows > 0 and not (columnwise and slot_rows % 4)):
-        return False
-    return _kernel_takes(q, x, slot_rows, rowwise, columnwise)
+        return None
+    return _kept_launches(q, x, slot_rows, rowwise, columnwise)
 
 
 def _kernel_takes(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> bool:
     """Whether every direction asked for is implemented here and the packed path would run the extension's kernel of
     its quantizer on the slot-shaped buffer. [Note: the slot quantize's decision cache] keeps the answer per call
     configuration."""
+    return _kept_launches(q, x, slot_rows, rowwise, columnwise) is not None
+
+
+def _kept_launches(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> tuple | None:
+    """`_launch_plan` past the checks of the call itself: kept per call configuration (the decision cache)."""
     dirs = _direction_quantizers(q, rowwise, columnwise)  # (first: only the formats here are kept, none with tensors)
     if dirs is None or _triton() is None:
-        return False
+        return None
     key = (id(q), x.dtype, x.device, x.shape[1], slot_rows, rowwise, columnwise)
     hit = _DECISIONS.get(key)
     if hit is not None and hit[0] is q and hit[1] == q:
@@ -88,19 +99,31 @@ def _kernel_takes(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, 
         if impl is None or impl.name != _CUDA_KERNELS[type(d)]:
             takes = False
             break
+    launches = tuple(_launch_args(d, row, col) for d, row, col in _launches(q, rowwise, columnwise)) if takes else None
     if len(_DECISIONS) >= _MAX_DECISIONS:
         del _DECISIONS[next(iter(_DECISIONS))]  # (the oldest configuration)
-    _DECISIONS[key] = (q, copy.deepcopy(q), takes)  # (a copy: a quantizer changed in place no longer equals it)
-    return takes
+    _DECISIONS[key] = (q, copy.deepcopy(q), launches)  # (a copy: a quantizer changed in place no longer equals it)
+    return launches
+
+
+def _launch_args(d: Quantizer, rowwise: bool, columnwise: bool) -> tuple:
+    """(quantizer, rowwise, columnwise, mode, keyword arguments of `triton_slot_quantize.slot_quantize`) of one
+    launch."""
+    from . import triton_slot_quantize as t  # (its constants import without Triton)
+    mode = t.MODE_FP8_BLOCK if type(d) is Float8BlockQuantizer else t.MODE_MXFP8
+    kw = dict(fp8_max=FP8_MAX[d.dtype])
+    if mode == t.MODE_FP8_BLOCK:
+        kw.update(eps=d.amax_epsilon, pow2=d.power_2_scale)
+    return d, rowwise, columnwise, mode, kw
 
 
 # [Note: the slot quantize's decision cache]
 # Whether the grouped quantize takes a call depends only on the quantizer's configuration, the input's dtype and
 # device, K, the slot count and the directions -- never on values -- yet asking (a probe view, the extension's
-# `supports` per direction) cost host time on every call of every layer. The answer is kept per (quantizer id, dtype,
-# device, K, slots, directions), with the quantizer itself (its id is not reused while kept) and a copy of its fields
-# at the time: a quantizer changed in place (another block size, epsilon) no longer equals the copy and is asked
-# again. `ENABLED` and the extension's availability are read on every call / at the first call of a configuration.
+# `supports` per direction) cost host time on every call of every layer. The answer, with the launches it makes (each
+# one's quantizer, directions, mode and scaling arguments), is kept per (quantizer id, dtype, device, K, slots,
+# directions), with the quantizer itself (its id is not reused while kept) and a copy of its fields at the time: a
+# quantizer changed in place (another block size, epsilon) no longer equals the copy and is asked again. `ENABLED` and the extension's availability are read on every call / at the first call of a configuration.
 _DECISIONS: dict = {}
 _MAX_DECISIONS = 64
 
@@ -117,17 +140,16 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
     of `x`, a zero row where it is < 0), bitwise `q.quantize_groups(packed buffer, slots)`; None where `supports`
     says no (the caller packs and quantizes)."""
     s, k = source_rows.shape[0], x.shape[1]
-    if not supports(q, x, s, rowwise, columnwise):
+    launches = _launch_plan(q, x, s, rowwise, columnwise)
+    if launches is None:
         return None
     t = _triton()
     x = x if x.stride(1) == 1 else x.contiguous()
 
     def launch():
         parts = {False: None, True: None}
-        for d, row, col in _launches(q, rowwise, columnwise):
-            mode = t.MODE_FP8_BLOCK if type(d) is Float8BlockQuantizer else t.MODE_MXFP8
-            kw = dict(eps=d.amax_epsilon, pow2=d.power_2_scale) if mode == t.MODE_FP8_BLOCK else {}
-            rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, row, col, fp8_max=FP8_MAX[d.dtype], **kw)
+        for d, row, col, mode, kw in launches:
+            rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, row, col, **kw)
             if row:
                 parts[False] = _part(d, rq, rs, s, k, False)
             if col:
