@@ -438,7 +438,8 @@ def _block_kernel_outputs(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (_device_path_here("fp8_block") and triton_slot_quantize.triton is not None),
+@pytest.mark.skipif(not (_device_path_here("fp8_block") and extension_ready()
+                         and triton_slot_quantize.triton is not None),
                     reason="needs CUDA sm_90 with the grouped kernels (Triton, the built extension)")
 def test_gpu_block_kernels_through_the_cached_launcher_are_bitwise_tritons_launch(monkeypatch):
     """The slot quantize and the grouped block GEMMs launched through the cached launcher (the first call of a
