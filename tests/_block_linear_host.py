@@ -1,0 +1,135 @@
+"""Run by tests/test_fp8_block_linear_host.py in a process of its own: csrc/linear_fp8_block.cpp (hybridq::
+fp8_block_linear, a C++ autograd node) built for the CPU, the two ops it calls defined in this process with the CPU
+code the Python node runs for them -- hybridq::fp8_block_quantize as the block reference quantize
+(`float8_graph._block_reference`), hybridq::fp8_block_mm as the GEMM dispatch on the CPU (`float8_graph._block_gemm`:
+the emulated GEMM) -- then the op's output and gradients compared bit for bit with float8_graph's Python node
+(`_Float8GraphLinear`) over every variant the op distinguishes. A process of its own: the ops defined here must not
+meet a built extension's (the GPU machine's) or another test's.
+
+    python tests/_block_linear_host.py BUILD_DIR    # prints "bitwise: N variants" or fails naming the variant
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+from torch.utils.cpp_extension import load
+
+import hybridq as hq
+from hybridq.formats import Float8BlockQuantizer
+from hybridq.nn import float8_graph as fg
+
+CSRC = __file__.rsplit("/tests/", 1)[0] + "/csrc/linear_fp8_block.cpp"
+ONE_OP, PYTHON = "torch::autograd::CppNode<hybridq::ops::Fp8BlockLinear>", "_Float8GraphLinearBackward"
+# the block casts the op takes: the preset (128x128 weight tiles), 1x128 weights, no power-of-2 scales with an epsilon
+SPECS = {
+    "fp8_block": {"input": lambda: Float8BlockQuantizer(), "weight": lambda: Float8BlockQuantizer(block_dim=2),
+                  "grad_output": lambda: Float8BlockQuantizer()},
+    "1x128 weight": {"input": lambda: Float8BlockQuantizer(), "weight": lambda: Float8BlockQuantizer(),
+                     "grad_output": lambda: Float8BlockQuantizer()},
+    "no pow2": {"input": lambda: Float8BlockQuantizer(power_2_scale=False),
+                "weight": lambda: Float8BlockQuantizer(block_dim=2, power_2_scale=False, amax_epsilon=1e-6),
+                "grad_output": lambda: Float8BlockQuantizer(power_2_scale=False)},
+}
+
+
+def define_ops() -> torch.library.Library:
+    lib = torch.library.Library("hybridq", "FRAGMENT")
+    lib.define("fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
+               "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)")
+    lib.define("fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, ScalarType out_dtype) "
+               "-> Tensor")
+    lib.impl("fp8_block_quantize", lambda x, dtype, block_dim, eps, pow2, rowwise, columnwise: tuple(
+        fg._block_reference(x, dtype, block_dim, eps, pow2, rowwise, columnwise)), "CPU")
+    lib.impl("fp8_block_mm", lambda a, a_scale, b, b_scale, b_tiles, out_dtype: fg._block_gemm(
+        a, a_scale, 1, False, b, b_scale, 2 if b_tiles else 1, False, out_dtype, "host check"), "CPU")
+    return lib
+
+
+def step(op, spec, layer, x0, gy, x_grad, shared, hooks, one_op):
+    """([y, dx, dW, db], node name, dtypes the saved-tensor hooks packed) of one forward + backward."""
+    x = x0.clone().requires_grad_(x_grad)
+    layer.zero_grad(set_to_none=True)
+    need_dgrad, need_wgrad = fg.gradients_needed(x, layer.weight)
+    parts = None
+    if shared:  # x quantized before the call (another layer's quantization of it), as _shared_input hands it over
+        parts = fg._quantize(x.reshape(-1, x.shape[-1]).detach(), spec.input, True,
+                             need_wgrad and not spec.save_original_input)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.dtype) or t.clone(), lambda t: t) \
+            if hooks else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        if one_op:
+            xi, w, g = spec.input, spec.weight, spec.grad_output
+            y = op(x, layer.weight, layer.bias, *(parts or (None,) * 4), xi.dtype, xi.amax_epsilon, xi.power_2_scale,
+                   w.dtype, w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale,
+                   need_dgrad, need_wgrad, spec.save_original_input)
+        else:
+            y = fg._Float8GraphLinear.apply(x, layer.weight, layer.bias, spec, need_dgrad, need_wgrad, parts, None)
+    node = None if y.grad_fn is None else y.grad_fn.name()
+    if y.requires_grad:
+        y.backward(gy)
+    bias_grad = None if layer.bias is None else layer.bias.grad
+    return [y.detach(), x.grad, layer.weight.grad, bias_grad], node, packed
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if (a is None) != (b is None):
+        return False
+    return a is None or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+                         and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))
+
+
+def check(op, case, spec_q, save_original_input, x_grad, w_grad, bias, dtype, shared, hooks, non_finite=False) -> None:
+    torch.manual_seed(0)
+    recipe = hq.CustomRecipe(lambda role: spec_q[role.tensor_type](), name=case)
+    layer = hq.Linear(256, 128, bias=bias, recipe=recipe, dtype=dtype, save_original_input=save_original_input)
+    layer.weight.requires_grad_(w_grad)
+    g = torch.Generator().manual_seed(1)
+    x0, gy = torch.randn(2, 64, 256, generator=g).to(dtype), torch.randn(2, 64, 128, generator=g).to(dtype)
+    if non_finite:
+        x0.view(-1)[3] = float("inf")
+        gy.view(-1)[100] = float("nan")
+        layer.weight.data.view(-1)[257] = float("-inf")
+    what = (f"{case}, save_original_input={save_original_input}, x grad {x_grad}, weight grad {w_grad}, bias {bias}, "
+            f"{dtype}, x handed over {shared}, saved-tensor hooks {hooks}, non-finite {non_finite}")
+    spec = layer._float8_graph_spec
+    got, node, packed = step(op, spec, layer, x0, gy, x_grad, shared, hooks, True)
+    want, want_node, want_packed = step(op, spec, layer, x0, gy, x_grad, shared, hooks, False)
+    if x_grad or w_grad or bias:
+        assert (node, want_node) == (ONE_OP, PYTHON), f"{what}: nodes {node}, {want_node}"
+    for name, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert same(a, b), f"{what}: {name} differs from the Python node's"
+    assert packed == want_packed, f"{what}: saved tensors {packed}, the Python node's {want_packed}"
+
+
+def main(build_dir: str) -> None:
+    lib = define_ops()  # noqa: F841 (kept alive: a Library's registrations die with it)
+    load(name="hybridq_block_linear_host", sources=[CSRC], is_python_module=False, build_directory=build_dir)
+    op = torch.ops.hybridq.fp8_block_linear.default
+    n = 0
+    for (case, spec_q), *flags in itertools.product(SPECS.items(), (False, True), (True, False), (True, False),
+                                                    (True, False), (torch.bfloat16, torch.float32), (False, True),
+                                                    (False, True)):
+        check(op, case, spec_q, *flags)
+        n += 1
+    for case, spec_q in SPECS.items():
+        check(op, case, spec_q, False, True, True, True, torch.bfloat16, False, False, non_finite=True)
+        n += 1
+    with torch.inference_mode():  # (the CPU backend kernel: the forward alone, nothing saved)
+        layer = hq.Linear(256, 128, recipe="fp8_block", dtype=torch.bfloat16)
+        x = torch.randn(128, 256, dtype=torch.bfloat16)
+        s = layer._float8_graph_spec
+        xi, w, g = s.input, s.weight, s.grad_output
+        y = op(x, layer.weight, layer.bias, None, None, None, None, xi.dtype, xi.amax_epsilon, xi.power_2_scale,
+               w.dtype, w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, False,
+               False, False)
+        want = fg._Float8GraphLinear.apply(x, layer.weight, layer.bias, s, False, False, None, None)
+        assert same(y, want), "inference mode: the output differs from the Python node's"
+        n += 1
+    print(f"bitwise: {n} variants")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
