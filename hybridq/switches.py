@@ -61,6 +61,9 @@ class Switch:
     def get(self, key: str, default=None):
         return self.on if key == "on" else default
 
+    def __bool__(self) -> bool:  # (`if switch:` would always hold: a switch's setting is `.on`)
+        raise TypeError(f"{self!r} has no truth value: read its setting, `.on`")
+
     def __repr__(self) -> str:
         return f"Switch({self.env}: {'on' if self.on else 'off'})"
 

@@ -18,6 +18,7 @@ import hybridq.kernels.grouped_blocks  # noqa: F401
 import hybridq.kernels.grouped_emulated  # noqa: F401
 import hybridq.kernels.grouped_slots  # noqa: F401
 import hybridq.kernels.native_gemm  # noqa: F401
+import hybridq.kernels.triton_launch  # noqa: F401
 import hybridq.nn.float8_graph  # noqa: F401
 import hybridq.nn.linear_function  # noqa: F401
 from hybridq.switches import Switch, switches
@@ -28,7 +29,7 @@ EXPECTED = {"HYBRIDQ_BLOCK_GEMM_OP", "HYBRIDQ_EAGER_FAST_PATH", "HYBRIDQ_GROUPED
             "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_EMULATED_GEMM", "HYBRIDQ_GROUPED_SLOT_QUANTIZE",
             "HYBRIDQ_LINEAR_CPP_OPS", "HYBRIDQ_NATIVE_GEMMS", "HYBRIDQ_STACKED_BLOCK_GATHER",
             "HYBRIDQ_SHARED_INPUT_QUANTIZATION", "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_TRITON_DEQUANT_GEMM",
-            "HYBRIDQ_TRITON_MXFP8", "HYBRIDQ_UNIT_CAST"}
+            "HYBRIDQ_TRITON_CACHED_LAUNCH", "HYBRIDQ_TRITON_MXFP8", "HYBRIDQ_UNIT_CAST"}
 
 
 def test_every_switch_is_registered_and_named_in_the_docs():
@@ -106,3 +107,9 @@ def test_the_mapping_form_reads_and_writes_the_same_setting(monkeypatch):
     assert s.on is True, "monkeypatch.setitem's undo did not restore the switch"
     with pytest.raises(KeyError, match="HYBRIDQ_UNIT_CAST.*one setting, 'on', not 'enabled'"):
         s["enabled"] = False
+
+
+def test_a_switch_has_no_truth_value():
+    """`if switch:` would hold whatever the setting (the mistake of reading the switch for its setting)."""
+    with pytest.raises(TypeError, match=r"HYBRIDQ_UNIT_CAST.*no truth value: read its setting, `\.on`"):
+        bool(_a_switch())

@@ -107,14 +107,14 @@ def _ops(offset: int, tokens: int, fp8: torch.dtype):
 def test_cached_launch_is_bitwise_tritons_launch(op, fp8, monkeypatch):
     """Each grouped kernel, launched through the cached launcher (its first call fills the cache, the next ones read
     it; other sizes and a misaligned operand included) gives the bytes of Triton's own launch."""
-    assert triton_launch.ENABLED, f"the cached launcher is off for Triton {tg.triton.__version__}"
+    assert triton_launch.SUPPORTED, f"the cached launcher is off for Triton {tg.triton.__version__}"
     for offset, tokens in ((0, 200), (0, 200), (0, 328), (1, 200), (1, 200)):
         torch.manual_seed(tokens)
         fast = _ops(offset, tokens, fp8)[op]()[0]
-        monkeypatch.setattr(triton_launch, "ENABLED", False)
+        monkeypatch.setattr(triton_launch.ENABLED, "on", False)
         torch.manual_seed(tokens)
         ref = _ops(offset, tokens, fp8)[op]()[0]
-        monkeypatch.setattr(triton_launch, "ENABLED", True)
+        monkeypatch.setattr(triton_launch.ENABLED, "on", True)
         assert torch.equal(fast.view(torch.uint8), ref.view(torch.uint8)), \
             f"{op}: cached launch differs from Triton's launch at {tokens} tokens, operand offset {offset}"
 
@@ -176,7 +176,7 @@ def test_launch_plans_are_the_kernels_parameters():
 def test_grouped_kernels_launch_through_the_launchers_c_function():
     """The grouped kernels need no scratch memory: their cached launches call the compiled launcher's C function
     directly (not its Python wrapper, which would allocate no scratch for them either)."""
-    assert triton_launch.ENABLED, f"the cached launcher is off for Triton {tg.triton.__version__}"
+    assert triton_launch.SUPPORTED, f"the cached launcher is off for Triton {tg.triton.__version__}"
     triton_launch._CACHE.clear()
     for call in _ops(0, 200, FP8[0]).values():
         call()

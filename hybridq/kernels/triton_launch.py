@@ -16,12 +16,15 @@ scratch pointers None, as that wrapper passes them for a size of 0.
 Taken only where it is known to match Triton's own launch: Triton 3.6 (the version this was written against), a
 `JITFunction` (not the interpreter's), no pre-run hooks and no launch hooks (profilers such as proton add
 them).
-Elsewhere, and with `ENABLED` off (the tests compare both paths' bytes), every call is `kernel[grid](...)`.
+Elsewhere, and with the switch `ENABLED` off (HYBRIDQ_TRITON_CACHED_LAUNCH=0; the tests compare both paths' bytes),
+every call is `kernel[grid](...)`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..switches import Switch
 
 try:  # Triton is optional: CPU machines and CI have none
     import triton
@@ -36,7 +39,8 @@ except Exception:  # noqa: BLE001
     _CudaLauncher = None
 
 SUPPORTED_TRITON = ("3.6",)  # the versions whose JITFunction.run this module reproduces
-ENABLED = triton is not None and triton.__version__.startswith(SUPPORTED_TRITON)
+SUPPORTED = triton is not None and triton.__version__.startswith(SUPPORTED_TRITON)  # (else Triton's launch only)
+ENABLED = Switch("HYBRIDQ_TRITON_CACHED_LAUNCH")
 
 # (id of the kernel, launch_key) -> (the kernel, its compiled kernel, the function called, the arguments before the
 # kernel's, the constexprs' values after them); keyed by the kernel's id (a JITFunction hashes through its source
@@ -73,8 +77,10 @@ def _no_hook(hook) -> bool:
 
 
 def _fast_path_ok(fn) -> bool:
-    runtime = _knobs.runtime if ENABLED else None
-    return (ENABLED and type(fn) is _JITFunction and not fn.pre_run_hooks
+    if not (ENABLED.on and SUPPORTED):
+        return False
+    runtime = _knobs.runtime
+    return (type(fn) is _JITFunction and not fn.pre_run_hooks
             and _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook))
 
 
