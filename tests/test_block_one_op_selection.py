@@ -41,7 +41,7 @@ def _machine(monkeypatch):
     monkeypatch.setitem(native_gemm._CAPS, 0, (9, 0))
     monkeypatch.setattr(float8_graph, "_FAST_CALLS", {})
     monkeypatch.setattr(native_gemm, "_failed", set())
-    monkeypatch.setitem(native_gemm.BLOCK_GEMM_OP, "on", True)
+    monkeypatch.setattr(native_gemm.BLOCK_GEMM_OP, "on", True)
     monkeypatch.setattr(float8_graph._BLOCK_OP, "on", True)
     with shared_input_quantization(False), float8_graph.eager_fast_path(True):
         yield
@@ -153,7 +153,7 @@ def test_calls_keep_the_python_node(why, monkeypatch):
     if why == "switch off":
         monkeypatch.setattr(float8_graph._BLOCK_OP, "on", False)
     elif why == "block GEMM op off":
-        monkeypatch.setitem(native_gemm.BLOCK_GEMM_OP, "on", False)
+        monkeypatch.setattr(native_gemm.BLOCK_GEMM_OP, "on", False)
     elif why == "a block GEMM failed":
         monkeypatch.setattr(native_gemm, "_failed", {("block", 128, 256, 128, (128, 128))})
     elif why == "gathered weight":

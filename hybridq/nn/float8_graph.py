@@ -527,7 +527,7 @@ def _one_block_op(w_parts: tuple | None, x_parts: tuple | None) -> bool:
     Python node), no TorchDispatchMode active (as `_one_op`), and x's parts, where handed over (shared, a norm's), the
     contiguous fp32 scales of the shapes the block GEMM op takes (native_gemm.block_op_takes_scales; else the
     dispatch relays them in Python)."""
-    if not (_BLOCK_OP.on and native_gemm.BLOCK_GEMM_OP["on"] and w_parts is None
+    if not (_BLOCK_OP.on and native_gemm.BLOCK_GEMM_OP.on and w_parts is None
             and not torch._C._len_torch_dispatch_stack()):
         return False
     if native_gemm._failed and any(key[0] == "block" for key in native_gemm._failed):
