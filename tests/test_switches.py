@@ -113,3 +113,12 @@ def test_a_switch_has_no_truth_value():
     """`if switch:` would hold whatever the setting (the mistake of reading the switch for its setting)."""
     with pytest.raises(TypeError, match=r"HYBRIDQ_UNIT_CAST.*no truth value: read its setting, `\.on`"):
         bool(_a_switch())
+
+
+def test_the_package_reads_switches_as_attributes():
+    """Hot paths read `switch.on`; the mapping form `switch["on"]` (a Python call, several times the cost: [Note:
+    switch reads] in hybridq/switches.py) is kept for tests written against it, not for the package."""
+    pkg = SWITCHES_PY.parent
+    found = [f"{f.relative_to(pkg.parent)}:{i}" for f in sorted(pkg.rglob("*.py")) if f != SWITCHES_PY
+             for i, line in enumerate(f.read_text().splitlines(), 1) if '["on"]' in line or "['on']" in line]
+    assert not found, f"switches read through the mapping form (read `.on`): {found}"
