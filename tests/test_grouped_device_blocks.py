@@ -15,6 +15,7 @@ from hybridq.kernels import grouped_blocks, triton_grouped_blocks
 from hybridq.nn import grouped_device_blocks
 from hybridq.nn.grouped_device_blocks import DeviceBlockExperts, device_path_runs, slot_layout, slot_multiple
 from hybridq.nn.grouped_packed import BLOCKS, SlotLayout, TokenLayout, bound_rows, packed_quantizers
+from hybridq.nn.linear import shared_input_quantization
 from test_grouped_blocks_gemm import DEVICES as KERNEL_DEVICES, _interpreter_numpy  # noqa: F401 (autouse fixture)
 from _gpu import no_host_sync
 
@@ -500,3 +501,110 @@ def test_slot_layout_kernel_compiles_for_sm90(experts):
     k = compile_sm90(t._slot_layout_kernel, sig, consts, ("counts_ptr", "table_ptr", "token_rows_ptr", "source_ptr",
                                                           "valid_ptr"), kw["num_warps"], 1)
     assert "ptx" in k.asm, "no PTX"
+
+
+# ---- one slot quantization of an input read by two projections ------------------------------------------------------
+
+def _two_projections(preset, splits, shared_layout=True, between=None):
+    """w1 and w3 of an MoE layer on the same dispatched tokens x and routing (one layout, as the eager layer's
+    `SlotLayout.build` gives both on CUDA), through the device-count Function; (outputs and gradients, the input
+    quantizations made)."""
+    m1, m3 = _layer(preset, 128), _layer(preset, 128)
+    with torch.no_grad():
+        m3.weight.mul_(-0.5)
+    x, dy = _data(splits, 128)
+    x = x.detach().clone().requires_grad_()
+    qs = packed_quantizers(m1.expert_quantizers).quantizers
+    made = []
+    real = grouped_device_blocks._quantize
+
+    def counted(q, t, *a, **k):
+        if t is x:
+            made.append(q)
+        return real(q, t, *a, **k)
+
+    def layout():
+        return slot_layout(torch.tensor(splits), x, IN, 128, qs, True, True, "moe")
+    grouped_device_blocks._quantize = counted
+    try:
+        first = layout()
+        y1 = DeviceBlockExperts.apply(x, m1.weight, first, qs, "w1", True, True)
+        if between is not None:
+            between(x)
+        y3 = DeviceBlockExperts.apply(x, m3.weight, first if shared_layout else layout(), qs, "w3", True, True)
+    finally:
+        grouped_device_blocks._quantize = real
+    (y1 * y3).float().sum().backward()
+    return {"y1": y1.detach(), "y3": y3.detach(), "dx": x.grad, "dW1": m1.weight.grad, "dW3": m3.weight.grad}, made
+
+
+@pytest.mark.parametrize("splits", [[5, 0, 17, 40], [130, 1, 0, 127]], ids=str)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_an_input_read_by_two_projections_is_quantized_once_bitwise_twice(preset, splits):
+    """[Note: shared slot input]: the second projection on the same tokens and routing reuses the first one's slot
+    quantization (before: quantized again), bitwise the run with sharing off (each projection its own)."""
+    got, made = _two_projections(preset, splits)
+    assert len(made) == 1, f"{preset}: the input was quantized {len(made)} times for two projections"
+    with shared_input_quantization(False):
+        want, made_off = _two_projections(preset, splits)
+    assert len(made_off) == 2, f"{preset}: with sharing off the input was quantized {len(made_off)} times"
+    assert_results_bitwise(got, want, f"{preset} {splits}: shared input quantization vs each projection's own")
+
+
+def _double_in_place(x):
+    with torch.no_grad():
+        x.mul_(2.0)  # (a new version of x)
+
+
+@pytest.mark.parametrize("what", ["changed in place", "another routing's layout"])
+def test_a_shared_input_quantization_serves_only_the_same_values_and_routing(what):
+    """An input changed in place between the projections, or another layout's source map (another routing, or a
+    layout built anew), is quantized again; the results stay those of two separate quantizations."""
+    splits = [5, 0, 17, 40]
+    kw = (dict(between=_double_in_place) if what == "changed in place" else dict(shared_layout=False))
+    got, made = _two_projections("fp8_block", splits, **kw)
+    assert len(made) == 2, f"{what}: the input's quantization was reused ({len(made)} made)"
+    with shared_input_quantization(False):
+        want, _ = _two_projections("fp8_block", splits, **kw)
+    assert_results_bitwise(got, want, f"{what}: vs sharing off")
+
+
+def test_compiled_op_bodies_never_share_the_input_quantization():
+    """`forward` as the compiled ops' body (no `share`): each call quantizes its input (an op's outputs are its own)."""
+    m1, m3 = _layer("fp8_block", 128), _layer("fp8_block", 128)
+    x, _ = _data([5, 0, 17, 40], 128)
+    qs = packed_quantizers(m1.expert_quantizers).quantizers
+    layout = slot_layout(torch.tensor([5, 0, 17, 40]), x, IN, 128, qs, True, True, "moe")
+    outs = [grouped_device_blocks.forward(x, m.weight, layout, qs, "moe", True, True) for m in (m1, m3)]
+    assert outs[0][1].part("columnwise").data is not outs[1][1].part("columnwise").data, \
+        "two op bodies returned one saved input quantization"
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_gpu_gate_and_up_projections_quantize_their_input_once_bitwise(preset, monkeypatch):
+    """Two GroupedLinears (w1, w3) on the same tokens and CUDA counts tensor: the layouts of one routing share their
+    source map, so the second projection reuses the first one's slot quantization of the input (slot quantizes per
+    step: 3 -- the input once, each grad_output -- where they were 4); bitwise the layers with sharing off."""
+    splits = [5, 0, 130, 40]
+    x, dy = _data(splits, 128, device="cuda")
+    route = torch.tensor(splits, device="cuda")
+    calls = []
+    real = grouped_device_blocks._quantize
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(grouped_device_blocks, "_quantize", counted)
+
+    def run():
+        m1, m3 = _layer(preset, 128, "cuda"), _layer(preset, 128, "cuda")
+        xx = x.detach().clone().requires_grad_()
+        calls.clear()
+        y = m1(xx, route) * m3(xx, route)
+        y.backward(dy)
+        return {"y": y.detach(), "dx": xx.grad, "dW1": m1.weight.grad, "dW3": m3.weight.grad}, len(calls)
+    got, on = run()
+    with shared_input_quantization(False):
+        want, off = run()
+    assert (on, off) == (3, 4), f"{preset}: slot quantizes per step with sharing {on}, without {off}"
+    assert_results_bitwise(got, want, f"{preset}: shared input quantization vs each projection's own (CUDA)")

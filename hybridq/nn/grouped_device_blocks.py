@@ -35,7 +35,8 @@ from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import GroupedGatheredForm
 from .grouped_packed import SlotLayout, padded_tokens
 from .grouped_packed_blocks import ExpertWeights, GatheredExpertWeights, _per_expert_mm, _used, token_multiple
-from .linear_function import _only
+from .linear_function import _SHARING, _only
+from .side_table import TensorSideTable
 
 
 def slot_multiple(quantizers: dict[str, Quantizer], need_dgrad: bool, need_wgrad: bool) -> int:
@@ -99,6 +100,48 @@ def _quantize(q: Quantizer, t: torch.Tensor, layout: SlotLayout, rowwise: bool, 
     return q.quantize(layout.pack(t), rowwise=rowwise, columnwise=columnwise, name=name)
 
 
+class _SharedSlotInputs(TensorSideTable):
+    """[Note: shared slot input] The experts' projections that read one input tensor on one routing (an MoE layer's
+    gate and up projections, w1 and w3, on the dispatched tokens) quantize it into the slots once in eager: an entry
+    is the input's slot quantization under (input quantizer, the layout's source-row map -- one tensor for every
+    projection of a routing, `SlotLayout.build`), and serves an equal quantizer on the same map where it holds the
+    columnwise form asked for: the same kernel on the same tokens and rows, so bitwise the second quantization
+    (TensorSideTable: the same tensor object at the same version, never keeping it alive). Off where Linear's input
+    sharing is (`shared_input_quantization(False)`), for non-deterministic quantizers and in the compiled ops' bodies
+    (an op's outputs must be its own tensors: only the eager Function passes `share`). Saves a slot quantize (a launch,
+    four allocations, one read of the tokens) per MoE layer and step, and one saved columnwise copy of the input."""
+
+    def __init__(self):
+        super().__init__(slots=2)
+
+    @staticmethod
+    def _same(key: tuple, q: Quantizer, source: torch.Tensor) -> bool:
+        return (key[0] is q or key[0] == q) and key[1] is source
+
+    def get(self, x: torch.Tensor, q: Quantizer, source: torch.Tensor, columnwise: bool) -> QuantizedTensor | None:
+        return self.find(x, lambda key, xq: self._same(key, q, source) and (not columnwise or xq.has(COLUMNWISE)))
+
+    def put(self, x: torch.Tensor, q: Quantizer, source: torch.Tensor, xq: QuantizedTensor) -> None:
+        super().put(x, (q, source), xq, same_key=lambda key: self._same(key, q, source))
+
+
+_SHARED_INPUTS = _SharedSlotInputs()
+
+
+def _quantize_input(q: Quantizer, x: torch.Tensor, layout: SlotLayout, columnwise: bool, name: str,
+                    share: bool) -> QuantizedTensor:
+    """The input quantized in the layout's slots (rowwise, plus columnwise for wgrad), or the quantization another
+    projection made of the same tensor on the same routing where `share` ([Note: shared slot input])."""
+    share = share and _SHARING.on and q.is_deterministic and not x.is_inference()
+    source = layout.source_rows() if share else None
+    xq = _SHARED_INPUTS.get(x, q, source, columnwise) if share else None
+    if xq is None:
+        xq = _quantize(q, x, layout, True, columnwise, name)
+        if share:
+            _SHARED_INPUTS.put(x, q, source, xq)
+    return xq
+
+
 def _mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, layout: SlotLayout,
         out_dtype: torch.dtype, what: str) -> torch.Tensor:
     """fprop (`direction` ROWWISE) / dgrad (COLUMNWISE) of every expert, `[tokens, n]` in token order: one grouped GEMM
@@ -153,13 +196,14 @@ def _wgrad(dy_col: QuantizedPart, x_col: QuantizedPart, layout: SlotLayout, e: i
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, layout: SlotLayout, quantizers: dict[str, Quantizer], name: str,
-            need_dgrad: bool, need_wgrad: bool, fake: bool = False
+            need_dgrad: bool, need_wgrad: bool, fake: bool = False, share: bool = False
             ) -> tuple[torch.Tensor, QuantizedTensor | None, list[QuantizedTensor], bool]:
     """(y `[tokens, n]`, the input's columnwise form (wgrad) or None, the weight's columnwise tensors (dgrad), whether
-    the weight is packed). `fake`: compile's tracing: the quantized forms are made (their shapes), y is not computed."""
+    the weight is packed). `fake`: compile's tracing: the quantized forms are made (their shapes), y is not computed.
+    `share`: the input's quantization may be another projection's ([Note: shared slot input]; eager only)."""
     e, n, k = weight.shape
     gathered = isinstance(weight, GroupedGatheredForm)  # FSDP2's: read as gathered, its columnwise form in backward
-    xq = _quantize(quantizers["input"], x, layout, True, need_wgrad, f"input of {name}")
+    xq = _quantize_input(quantizers["input"], x, layout, need_wgrad, f"input of {name}", share and not fake)
     wq = (GatheredExpertWeights(weight, quantizers["weight"], ROWWISE) if gathered else
           ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}"))
     y = (x.new_empty(x.shape[0], n) if fake else
@@ -201,7 +245,7 @@ class DeviceBlockExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layout: SlotLayout, quantizers: dict[str, Quantizer],
                 name: str, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
-        y, x_col, w_saved, packed = forward(x, weight, layout, quantizers, name, need_dgrad, need_wgrad)
+        y, x_col, w_saved, packed = forward(x, weight, layout, quantizers, name, need_dgrad, need_wgrad, share=True)
         ctx.layout, ctx.quantizers, ctx.name, ctx.packed_weight = layout, quantizers, name, packed
         ctx.gathered = weight if isinstance(weight, GroupedGatheredForm) and need_dgrad else None
         ctx.w_shape, ctx.w_dtype, ctx.n_weight = tuple(weight.shape), weight.dtype, len(w_saved)
