@@ -10,8 +10,11 @@
 // itself, through the dispatcher) with the same arguments, the same `hybridq::fp8_block_mm` GEMMs (what
 // native_gemm._block_run runs: Python selects this op only where its dispatch would run that GEMM for all three,
 // `float8_graph._block_gemms_native`), the same bias add, reductions, casts and saved tensors (save_for_backward:
-// saved-tensor hooks see them as they see the Python node's). The results are bitwise that node's. A plain weight
-// only: FSDP2's gathered block weight keeps the Python node.
+// saved-tensor hooks see them as they see the Python node's). The results are bitwise that node's.
+//
+// FSDP2's gathered weight (w_row..w_col_scale_inv given), as hybridq::fp8_linear takes it (see linear_fp8.cpp): fprop
+// reads its rowwise data and tile / block scales, and the node keeps its columnwise tensors for dgrad by reference,
+// outside save_for_backward -- the unsharded weight's own tensors, which FSDP2's backward unshard refills in place.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/bit_cast.h>
@@ -81,6 +84,9 @@ enum StateSlot : int64_t {
   kPow2,         // grad_output pow2 | input pow2 << 1
   kXShape,       // x's shape, to the end
 };
+// FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
+constexpr const char* kWeightCol = "w_col";
+constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
 
 }  // namespace
 
@@ -92,12 +98,17 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                         const std::optional<Tensor>& bias, const std::optional<Tensor>& x_row,
                         const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
-                        const std::optional<Tensor>& x_col_scale_inv, const BlockSpec& s) {
+                        const std::optional<Tensor>& x_col_scale_inv, const std::optional<Tensor>& w_row,
+                        const std::optional<Tensor>& w_row_scale_inv, const std::optional<Tensor>& w_col,
+                        const std::optional<Tensor>& w_col_scale_inv, const BlockSpec& s) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the inner ops record nothing: skip their autograd keys)
     const Tensor x2d = x.reshape({-1, x.size(-1)});
     const bool keep_x = s.need_wgrad && s.save_original_input;  // wgrad quantizes the original input in backward
-    // the weight first, then x (_Float8GraphLinear.forward's order)
-    const BlockParts w = quantize(weight, s.weight, true, s.need_dgrad);
+    // the weight first, then x (_Float8GraphLinear.forward's order); a gathered weight's columnwise part is not read
+    // here (FSDP2 may refill it only at the backward unshard)
+    const bool gathered = given(w_row);
+    const BlockParts w = gathered ? BlockParts{*w_row, *w_row_scale_inv, Tensor(), Tensor()}
+                                  : quantize(weight, s.weight, true, s.need_dgrad);
     Tensor xr, xrs, xc, xcs;
     if (given(x_row)) {
       xr = *x_row;
@@ -134,6 +145,10 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
                                  int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1};
       state.insert(state.end(), x.sizes().begin(), x.sizes().end());
       ctx->saved_data[kState] = std::move(state);
+      if (gathered && s.need_dgrad) {  // by reference, read in backward (see the top of this file)
+        ctx->saved_data[kWeightCol] = *w_col;
+        ctx->saved_data[kWeightColScaleInv] = *w_col_scale_inv;
+      }
     }
     // (a tensor of its own, not a view: see linear_function._output)
     std::vector<int64_t> shape = x.sizes().vec();
@@ -158,10 +173,17 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
     for (size_t i = kXShape; i < state.size(); ++i) x_shape.push_back(state.get(i));
     const Tensor& dy = grads[0];
     const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
+    // FSDP2's gathered weight: its columnwise part as the backward unshard left it
+    const auto col = ctx->saved_data.find(kWeightCol);
+    const bool gathered = col != ctx->saved_data.end();
     Tensor dx, dw, db;
     if (need_dgrad || need_wgrad) {
       const BlockParts g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
-      if (need_dgrad) dx = mm(g.row, g.row_scale_inv, saved[2], saved[3], tiles, dy.scalar_type()).reshape(x_shape);
+      if (need_dgrad) {
+        const Tensor wc = gathered ? col->second.toTensor() : saved[2];
+        const Tensor wcs = gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3];
+        dx = mm(g.row, g.row_scale_inv, wc, wcs, tiles, dy.scalar_type()).reshape(x_shape);
+      }
       if (need_wgrad) {
         Tensor xc = saved[0], xs = saved[1];
         if (save_original_input) {
@@ -173,7 +195,7 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
       }
     }
     if (has_bias && ctx->needs_input_grad(2)) db = dy2d.sum(0).to(at::ScalarType(state.get(kBiasDtype)));
-    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -189,8 +211,10 @@ BlockSpec spec_of(at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarT
 // What the kernels' own checks do not see: the operands' relation (the quantize and GEMM ops check each tensor)
 void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& x_row,
                 const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
-                const std::optional<Tensor>& x_col_scale_inv, int64_t w_block_dim, bool need_wgrad,
-                bool save_original_input) {
+                const std::optional<Tensor>& x_col_scale_inv, const std::optional<Tensor>& w_row,
+                const std::optional<Tensor>& w_row_scale_inv, const std::optional<Tensor>& w_col,
+                const std::optional<Tensor>& w_col_scale_inv, at::ScalarType w_dtype, int64_t w_block_dim,
+                bool need_dgrad, bool need_wgrad, bool save_original_input) {
   constexpr const char* op = "hybridq::fp8_block_linear";
   TORCH_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input of shape ", x.sizes(),
               " and weight of shape ", weight.sizes(), " do not make x @ weight^T");
@@ -202,6 +226,20 @@ void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tenso
   TORCH_CHECK(!col || row, op, ": x_col given without x_row");
   TORCH_CHECK(!row || col || !need_wgrad || save_original_input, op,
               ": a quantized input needs its columnwise part (x_col) for wgrad");
+  // the weight given quantized (FSDP2's gathered weight): checked on metadata only (w_col may have no storage yet)
+  const bool w_r = given(w_row), w_c = given(w_col);
+  TORCH_CHECK(!w_r || given(w_row_scale_inv), op, ": w_row given without w_row_scale_inv");
+  TORCH_CHECK(!w_c || given(w_col_scale_inv), op, ": w_col given without w_col_scale_inv");
+  TORCH_CHECK(!w_c || w_r, op, ": w_col given without w_row");
+  TORCH_CHECK(!w_r || w_c || !need_dgrad, op, ": a quantized weight needs its columnwise part (w_col) for dgrad");
+  // (TORCH_CHECK builds its message only on failure, where the part is given)
+  TORCH_CHECK(!w_r || (w_row->sizes() == weight.sizes() && w_row->scalar_type() == w_dtype), op, ": w_row is ",
+              w_row->sizes(), " ", w_row->scalar_type(), ", the weight's rowwise part must be ", weight.sizes(), " ",
+              w_dtype);
+  TORCH_CHECK(!w_c || (w_col->dim() == 2 && w_col->size(0) == weight.size(1) && w_col->size(1) == weight.size(0) &&
+                       w_col->scalar_type() == w_dtype),
+              op, ": w_col is ", w_col->sizes(), " ", w_col->scalar_type(), ", the weight's columnwise part must be [",
+              weight.size(1), ", ", weight.size(0), "] ", w_dtype);
 }
 
 // The Autograd-key kernel: the C++ node records the backward
@@ -210,9 +248,13 @@ Tensor fp8_block_linear_autograd(const Tensor& x, const Tensor& weight, const st
                                  const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
                                  at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
                                  int64_t w_block_dim, double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps,
-                                 bool g_pow2, bool need_dgrad, bool need_wgrad, bool save_original_input) {
-  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_block_dim, need_wgrad, save_original_input);
-  return Fp8BlockLinear::apply(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv,
+                                 bool g_pow2, bool need_dgrad, bool need_wgrad, bool save_original_input,
+                                 const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
+                                 const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
+  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
+             w_col_scale_inv, w_dtype, w_block_dim, need_dgrad, need_wgrad, save_original_input);
+  return Fp8BlockLinear::apply(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row,
+                               w_row_scale_inv, w_col, w_col_scale_inv,
                                spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_block_dim, w_eps, w_pow2, g_dtype, g_eps,
                                        g_pow2, need_dgrad, need_wgrad, save_original_input));
 }
@@ -223,9 +265,13 @@ Tensor fp8_block_linear_forward(const Tensor& x, const Tensor& weight, const std
                                 const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
                                 at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
                                 int64_t w_block_dim, double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps,
-                                bool g_pow2, bool need_dgrad, bool need_wgrad, bool save_original_input) {
-  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_block_dim, need_wgrad, save_original_input);
-  return Fp8BlockLinear::forward(nullptr, x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv,
+                                bool g_pow2, bool need_dgrad, bool need_wgrad, bool save_original_input,
+                                const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
+                                const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
+  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
+             w_col_scale_inv, w_dtype, w_block_dim, need_dgrad, need_wgrad, save_original_input);
+  return Fp8BlockLinear::forward(nullptr, x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row,
+                                 w_row_scale_inv, w_col, w_col_scale_inv,
                                  spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_block_dim, w_eps, w_pow2, g_dtype, g_eps,
                                          g_pow2, need_dgrad, need_wgrad, save_original_input));
 }
@@ -239,7 +285,8 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_block_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, "
       "Tensor? x_col, Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, "
       "int w_block_dim, float w_eps, bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, "
-      "bool need_wgrad, bool save_original_input) -> Tensor");
+      "bool need_wgrad, bool save_original_input, Tensor? w_row=None, Tensor? w_row_scale_inv=None, "
+      "Tensor? w_col=None, Tensor? w_col_scale_inv=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_block_linear", &hybridq::ops::fp8_block_linear_autograd); }

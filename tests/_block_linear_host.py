@@ -3,7 +3,9 @@ fp8_block_linear, a C++ autograd node) built for the CPU, the two ops it calls d
 code the Python node runs for them -- hybridq::fp8_block_quantize as the block reference quantize
 (`float8_graph._block_reference`), hybridq::fp8_block_mm as the GEMM dispatch on the CPU (`float8_graph._block_gemm`:
 the emulated GEMM) -- then the op's output and gradients compared bit for bit with float8_graph's Python node
-(`_Float8GraphLinear`) over every variant the op distinguishes. A process of its own: the ops defined here must not
+(`_Float8GraphLinear`) over every variant the op distinguishes, on a plain weight and on a weight handed over
+quantized (FSDP2's gathered weight: its columnwise tensors refilled in place between forward and backward, as the
+backward unshard does, which both nodes must read). A process of its own: the ops defined here must not
 meet a built extension's (the GPU machine's) or another test's.
 
     python tests/_block_linear_host.py BUILD_DIR    # prints "bitwise: N variants" or fails naming the variant
@@ -48,11 +50,17 @@ def define_ops() -> torch.library.Library:
     return lib
 
 
-def step(op, spec, layer, x0, gy, x_grad, shared, hooks, one_op):
+def step(op, spec, layer, x0, gy, x_grad, shared, hooks, gathered, one_op):
     """([y, dx, dW, db], node name, dtypes the saved-tensor hooks packed) of one forward + backward."""
     x = x0.clone().requires_grad_(x_grad)
     layer.zero_grad(set_to_none=True)
     need_dgrad, need_wgrad = fg.gradients_needed(x, layer.weight)
+    w_parts = refill = None
+    if gathered:  # the weight's parts as `_gathered_parts` hands them over; the columnwise one refilled after forward
+        wr, wrs, wc, wcs = fg._quantize(layer.weight.detach(), spec.weight, True, True)
+        w_parts = (wr, wrs, fg._part(spec.weight, wc, wcs, True) if need_dgrad else None)
+        _, _, wc2, wcs2 = fg._quantize(layer.weight.detach().flip(0) * 3, spec.weight, False, True)
+        refill = lambda: (wc.copy_(wc2), wcs.copy_(wcs2))  # noqa: E731
     parts = None
     if shared:  # x quantized before the call (another layer's quantization of it), as _shared_input hands it over
         parts = fg._quantize(x.reshape(-1, x.shape[-1]).detach(), spec.input, True,
@@ -64,9 +72,11 @@ def step(op, spec, layer, x0, gy, x_grad, shared, hooks, one_op):
             xi, w, g = spec.input, spec.weight, spec.grad_output
             y = op(x, layer.weight, layer.bias, *(parts or (None,) * 4), xi.dtype, xi.amax_epsilon, xi.power_2_scale,
                    w.dtype, w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale,
-                   need_dgrad, need_wgrad, spec.save_original_input)
+                   need_dgrad, need_wgrad, spec.save_original_input, *fg._op_weight_parts(w_parts))
         else:
-            y = fg._Float8GraphLinear.apply(x, layer.weight, layer.bias, spec, need_dgrad, need_wgrad, parts, None)
+            y = fg._Float8GraphLinear.apply(x, layer.weight, layer.bias, spec, need_dgrad, need_wgrad, parts, w_parts)
+    if refill is not None:
+        refill()
     node = None if y.grad_fn is None else y.grad_fn.name()
     if y.requires_grad:
         y.backward(gy)
@@ -81,7 +91,8 @@ def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
                          and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))
 
 
-def check(op, case, spec_q, save_original_input, x_grad, w_grad, bias, dtype, shared, hooks, non_finite=False) -> None:
+def check(op, case, spec_q, save_original_input, x_grad, w_grad, bias, dtype, shared, hooks, gathered,
+          non_finite=False) -> None:
     torch.manual_seed(0)
     recipe = hq.CustomRecipe(lambda role: spec_q[role.tensor_type](), name=case)
     layer = hq.Linear(256, 128, bias=bias, recipe=recipe, dtype=dtype, save_original_input=save_original_input)
@@ -93,10 +104,11 @@ def check(op, case, spec_q, save_original_input, x_grad, w_grad, bias, dtype, sh
         gy.view(-1)[100] = float("nan")
         layer.weight.data.view(-1)[257] = float("-inf")
     what = (f"{case}, save_original_input={save_original_input}, x grad {x_grad}, weight grad {w_grad}, bias {bias}, "
-            f"{dtype}, x handed over {shared}, saved-tensor hooks {hooks}, non-finite {non_finite}")
+            f"{dtype}, x handed over {shared}, saved-tensor hooks {hooks}, gathered weight {gathered}, "
+            f"non-finite {non_finite}")
     spec = layer._float8_graph_spec
-    got, node, packed = step(op, spec, layer, x0, gy, x_grad, shared, hooks, True)
-    want, want_node, want_packed = step(op, spec, layer, x0, gy, x_grad, shared, hooks, False)
+    got, node, packed = step(op, spec, layer, x0, gy, x_grad, shared, hooks, gathered, True)
+    want, want_node, want_packed = step(op, spec, layer, x0, gy, x_grad, shared, hooks, gathered, False)
     if x_grad or w_grad or bias:
         assert (node, want_node) == (ONE_OP, PYTHON), f"{what}: nodes {node}, {want_node}"
     for name, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
@@ -111,12 +123,13 @@ def main(build_dir: str) -> None:
     n = 0
     for (case, spec_q), *flags in itertools.product(SPECS.items(), (False, True), (True, False), (True, False),
                                                     (True, False), (torch.bfloat16, torch.float32), (False, True),
-                                                    (False, True)):
+                                                    (False, True), (False, True)):
         check(op, case, spec_q, *flags)
         n += 1
     for case, spec_q in SPECS.items():
-        check(op, case, spec_q, False, True, True, True, torch.bfloat16, False, False, non_finite=True)
-        n += 1
+        for gathered in (False, True):
+            check(op, case, spec_q, False, True, True, True, torch.bfloat16, False, False, gathered, non_finite=True)
+            n += 1
     with torch.inference_mode():  # (the CPU backend kernel: the forward alone, nothing saved)
         layer = hq.Linear(256, 128, recipe="fp8_block", dtype=torch.bfloat16)
         x = torch.randn(128, 256, dtype=torch.bfloat16)

@@ -3,8 +3,8 @@ those whose every GEMM native_gemm's dispatch would run as `hybridq::fp8_block_m
 E4M3 operands, each GEMM's contracted dim a multiple of 128 and its other dims of 16 -- fprop contracts K, dgrad N,
 wgrad M), an answer kept per call configuration in the fast path's cache (`_fast_call` -> FAST_PATH_BLOCK_GEMMS) and
 asked again where the shape, the gradients or the recipe change; then, per call (`_one_block_op`), the op's switch
-and the block GEMM op on, no block GEMM failed before, a plain weight, no TorchDispatchMode, and x's handed-over
-parts of the layout the GEMM op takes.
+and the block GEMM op on, no block GEMM failed before, no TorchDispatchMode, and the parts handed over (x's; FSDP2's
+gathered weight's, outside inference mode) of the layout the GEMM op takes.
 
 CPU only: the CUDA tensors are fake (FakeTensorMode) and the machine facts (`_FP8_READY`, the capability) are set; the
 decisions read only devices, dtypes and shapes. The op's results are tests/test_fp8_block_linear_op.py, on the GPU."""
@@ -17,10 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridq as hq
-from hybridq.formats import Float8BlockQuantizer
+from hybridq.formats import Float8BlockPart, Float8BlockQuantizer
 from hybridq.kernels import native_gemm
 from hybridq.nn import float8_graph
-from hybridq.nn.float8_graph import FAST_PATH, FAST_PATH_BLOCK_GEMMS, NO_FAST_PATH, graph_spec
+from hybridq.nn.float8_graph import FAST_PATH, FAST_PATH_BLOCK_GEMMS, graph_spec
 from hybridq.nn.linear import shared_input_quantization
 
 from _format_cases import case_recipe
@@ -135,19 +135,46 @@ class _Mode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+SPEC = _spec()
+
+
+def _w_parts(tiles: bool = True, columnwise: bool = True, scales: str = "made") -> tuple:
+    """A gathered weight's parts as `_gathered_parts` hands them over (fake CUDA): rowwise data and scales, the
+    columnwise part (128x128 tiles: scales [ceil(rows/128), ceil(cols/128)]; 1x128: [rows, cols/128])."""
+    e4, n, k = torch.float8_e4m3fn, OUT, IN
+    with FakeTensorMode():
+        wr, wc = torch.empty(n, k, dtype=e4, device="cuda"), torch.empty(k, n, dtype=e4, device="cuda")
+        wrs = torch.empty(*((n // 128, k // 128) if tiles else (n, k // 128)), device="cuda")
+        wcs = torch.empty(*((k // 128, n // 128) if tiles else (k, n // 128)), device="cuda")
+        if scales == "other shape":
+            wcs = torch.empty(k // 128 + 1, n // 128, device="cuda")
+    col = Float8BlockPart(rows=k, cols=n, columnwise=True, data=wc, scale_inv=wcs, block_dim=2 if tiles else 1)
+    return wr, wrs, col if columnwise else None
+
+
 def test_a_plain_call_takes_the_block_op():
-    assert float8_graph._one_block_op(None, None), "x quantized by the op, plain weight: not taken"
-    assert float8_graph._one_block_op(None, _x_parts()), "x's parts handed over: not taken"
-    assert float8_graph._one_block_op(None, _x_parts(columnwise=False)), "x's rowwise part handed over: not taken"
+    assert float8_graph._one_block_op(SPEC, None, None), "x quantized by the op, plain weight: not taken"
+    assert float8_graph._one_block_op(SPEC, None, _x_parts()), "x's parts handed over: not taken"
+    assert float8_graph._one_block_op(SPEC, None, _x_parts(columnwise=False)), \
+        "x's rowwise part handed over: not taken"
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["128x128 weight", "1x128 weight"])
+def test_a_gathered_weight_takes_the_block_op(tiles):
+    spec = _spec(weight_block_dim=2 if tiles else 1)
+    assert float8_graph._one_block_op(spec, _w_parts(tiles), None), "a gathered weight: not taken"
+    assert float8_graph._one_block_op(spec, _w_parts(tiles, columnwise=False), _x_parts()), \
+        "a gathered weight without dgrad, x's parts handed over: not taken"
 
 
 def test_a_failed_gemm_of_another_kind_changes_nothing(monkeypatch):
     monkeypatch.setattr(native_gemm, "_failed", {("triton-mxfp8", 0)})
-    assert float8_graph._one_block_op(None, None), "a failed MXFP8 GEMM kept the block op away"
+    assert float8_graph._one_block_op(SPEC, None, None), "a failed MXFP8 GEMM kept the block op away"
 
 
-@pytest.mark.parametrize("why", ["switch off", "block GEMM op off", "a block GEMM failed", "gathered weight",
-                                 "dispatch mode", "strided scales", "scales of another shape"])
+@pytest.mark.parametrize("why", ["switch off", "block GEMM op off", "a block GEMM failed", "dispatch mode",
+                                 "strided scales", "scales of another shape", "gathered weight, inference mode",
+                                 "gathered weight, scales of another shape"])
 def test_calls_keep_the_python_node(why, monkeypatch):
     w_parts, x_parts = None, None
     if why == "switch off":
@@ -156,15 +183,20 @@ def test_calls_keep_the_python_node(why, monkeypatch):
         monkeypatch.setattr(native_gemm.BLOCK_GEMM_OP, "on", False)
     elif why == "a block GEMM failed":
         monkeypatch.setattr(native_gemm, "_failed", {("block", 128, 256, 128, (128, 128))})
-    elif why == "gathered weight":
-        w_parts = _x_parts(OUT)[:3]
+    elif why == "gathered weight, inference mode":
+        w_parts = _w_parts()
+    elif why == "gathered weight, scales of another shape":
+        w_parts = _w_parts(scales="other shape")
     elif why == "strided scales":
         x_parts = _x_parts(scales="strided")
     elif why == "scales of another shape":
         x_parts = _x_parts(scales="other shape")
     if why == "dispatch mode":
         with _Mode():
-            taken = float8_graph._one_block_op(w_parts, x_parts)
+            taken = float8_graph._one_block_op(SPEC, w_parts, x_parts)
+    elif why == "gathered weight, inference mode":
+        with torch.inference_mode():
+            taken = float8_graph._one_block_op(SPEC, w_parts, x_parts)
     else:
-        taken = float8_graph._one_block_op(w_parts, x_parts)
+        taken = float8_graph._one_block_op(SPEC, w_parts, x_parts)
     assert not taken, f"{why}: the block op was taken"

@@ -5,8 +5,9 @@ autograd node is C++ (the host cost of a Linear step: issue 33): bitwise its Pyt
 op takes, on random and on non-finite data, with and without gradients, with its input shared by other layers, and
 under saved-tensor hooks (offload, recompute); the Python node runs instead where a GEMM would not be the block op
 (E5M2, a dimension the GEMM does not take) or a TorchDispatchMode is active. The op refuses inconsistent arguments
-with errors naming it. (sm_90 only: the block GEMM; which calls take the op is also tests/test_block_one_op_selection.py,
-on the CPU.)"""
+with errors naming it. (sm_90 only: the block GEMM. Which calls take the op: also tests/test_block_one_op_selection.py,
+on the CPU; the C++ node's logic on the host: tests/test_fp8_block_linear_host.py; FSDP2's gathered block weights:
+tests/distributed/test_fsdp_block_one_op.py.)"""
 
 from __future__ import annotations
 
@@ -245,3 +246,13 @@ def test_the_op_refuses_inconsistent_arguments():
         op(x, w, None, xr, torch.ones(128, 2, device="cuda"), None, None, *casts, True, True, False)
     with pytest.raises(RuntimeError, match="hybridq::fp8_block_quantize: input x must be a CUDA tensor"):
         op(x.cpu(), w.cpu(), None, None, None, None, None, *casts, False, False, False)
+    # the weight handed over quantized (FSDP2's gathered weight)
+    wr, ws = w.to(e4), torch.ones(1, 2, device="cuda")
+    wc, wcs = w.t().contiguous().to(e4), torch.ones(2, 1, device="cuda")
+    none4 = (None, None, None, None)
+    with pytest.raises(RuntimeError, match="hybridq::fp8_block_linear: w_col given without w_row"):
+        op(x, w, None, *none4, *casts, True, True, False, None, None, wc, wcs)
+    with pytest.raises(RuntimeError, match=r"hybridq::fp8_block_linear: a quantized weight needs its columnwise part"):
+        op(x, w, None, *none4, *casts, True, True, False, wr, ws)
+    with pytest.raises(RuntimeError, match=r"hybridq::fp8_block_linear: w_row is \[256, 128\]"):
+        op(x, w, None, *none4, *casts, False, True, False, wc, wcs)

@@ -21,8 +21,8 @@ further (`_one_op`): the whole call is the extension's op `hybridq::fp8_linear` 
 kernels and GEMMs with a C++ autograd node, so Python issues one op per forward and none in backward -- on a plain
 weight and on FSDP2's gathered one (the op is handed the gathered parts; its node reads the columnwise part after
 the backward unshard refilled it). An FP8 block layer on CUDA does the same (`_one_block_op`: `hybridq::
-fp8_block_linear`, csrc/linear_fp8_block.cpp) on a plain weight where its GEMMs all run as the extension's block
-GEMM op.
+fp8_block_linear`, csrc/linear_fp8_block.cpp), on a plain or a gathered weight, where its GEMMs all run as the
+extension's block GEMM op.
 
 The results are bitwise those of the eager layer: the same kernels (or, on the CPU, the same reference ops) with the
 same arguments, the same GEMMs, the same saved directions. Where the eager layer would take another path -- no
@@ -435,8 +435,9 @@ def _block_gemms_native(spec: Float8GraphSpec, x: torch.Tensor, m: int, k: int, 
                         need_wgrad: bool) -> bool:
     """Whether native_gemm's dispatch takes each block GEMM of this call (fprop; dgrad, wgrad where needed) by its
     shapes, dtypes and device (`native_gemm._block_supports`: native GEMMs on, sm_90, E4M3 operands, the contracted
-    dim a multiple of 128, the others of 16; the parts `_quantize` makes are contiguous): then it runs `hybridq::fp8_block_mm` on each,
-    unless the op is switched off or a block GEMM failed before (read per call: `_one_block_op`)."""
+    dim a multiple of 128, the others of 16; the parts `_quantize` makes are contiguous): then it runs
+    `hybridq::fp8_block_mm` on each, unless the op is switched off or a block GEMM failed before (read per call:
+    `_one_block_op`)."""
     if not x.is_cuda or not native_gemm.native_enabled() or not hasattr(torch.nn.functional, "scaled_mm"):
         return False
     gemms = [(spec.input, spec.weight, m, k, n)]  # (a's cast, b's, a's rows, the contracted dim, b's rows)
@@ -479,12 +480,12 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad, need_wgrad,
             spec.save_original_input, native_gemm.FAST_ACCUM_FPROP,
             *(_NO_PARTS if w_parts is None else _op_weight_parts(w_parts)))
-    if fast == FAST_PATH_BLOCK_GEMMS and _one_block_op(w_parts, x_parts):
+    if fast == FAST_PATH_BLOCK_GEMMS and _one_block_op(spec, w_parts, x_parts):
         xi, w, g = spec.input, spec.weight, spec.grad_output
         return cuda_fp8_block.linear_op()(
             x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
             w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad,
-            need_wgrad, spec.save_original_input)
+            need_wgrad, spec.save_original_input, *(_NO_PARTS if w_parts is None else _op_weight_parts(w_parts)))
     return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts)
 
 
@@ -492,7 +493,8 @@ _NO_PARTS = (None, None, None, None)
 
 
 def _op_weight_parts(w_parts: tuple | None) -> tuple:
-    """`hybridq::fp8_linear`'s (w_row, w_row_scale_inv, w_col, w_col_scale_inv) of `_gathered_parts`' answer. The
+    """`hybridq::fp8_linear`'s (and `fp8_block_linear`'s) (w_row, w_row_scale_inv, w_col, w_col_scale_inv) of
+    `_gathered_parts`' answer. The
     columnwise part's tensors are the unsharded weight's own tensors, which FSDP2's backward unshard refills in
     place (distributed/buffers.py: storage resize, `set_`, `copy_`; a part's tensors are never replaced), so the op's
     C++ node holds them by reference and reads them in backward, as the Python node reads the part it holds."""
@@ -520,25 +522,39 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
 _BLOCK_OP = Switch("HYBRIDQ_BLOCK_LINEAR_OP")
 
 
-def _one_block_op(w_parts: tuple | None, x_parts: tuple | None) -> bool:
+def _one_block_op(spec: Float8GraphSpec, w_parts: tuple | None, x_parts: tuple | None) -> bool:
     """Whether a fast-path call `_fast_call` answered FAST_PATH_BLOCK_GEMMS runs as `hybridq::fp8_block_linear`:
     the switch and native_gemm's block GEMM op on, no block GEMM failed before (native_gemm then emulates that one,
-    with its warning: the Python node's dispatch decides per GEMM), a plain weight (FSDP2's gathered one keeps the
-    Python node), no TorchDispatchMode active (as `_one_op`), and x's parts, where handed over (shared, a norm's), the
-    contiguous fp32 scales of the shapes the block GEMM op takes (native_gemm.block_op_takes_scales; else the
-    dispatch relays them in Python)."""
-    if not (_BLOCK_OP.on and native_gemm.BLOCK_GEMM_OP.on and w_parts is None
-            and not torch._C._len_torch_dispatch_stack()):
+    with its warning: the Python node's dispatch decides per GEMM), no TorchDispatchMode active (as `_one_op`), and
+    the parts handed over -- x's (shared, a norm's), FSDP2's gathered weight's (`w_parts`, outside inference mode, as
+    `_one_op`) -- with contiguous fp32 scales of the shapes the block GEMM op takes (native_gemm.block_op_takes_scales;
+    else the dispatch relays them in Python)."""
+    if not (_BLOCK_OP.on and native_gemm.BLOCK_GEMM_OP.on and not torch._C._len_torch_dispatch_stack()):
         return False
     if native_gemm._failed and any(key[0] == "block" for key in native_gemm._failed):
         return False
-    if x_parts is None:
+    if x_parts is not None:
+        xr, xrs, xc, xcs = x_parts
+        m, k = xr.shape
+        if not (xr.is_contiguous() and _block_scales_fit(xrs, (m, k // 128))
+                and (xc is None or (xc.is_contiguous() and _block_scales_fit(xcs, (k, m // 128))))):
+            return False
+    if w_parts is None:
         return True
-    xr, xrs, xc, xcs = x_parts
-    m, k = xr.shape
-    return (xr.is_contiguous() and xrs.dtype == torch.float32 and xrs.is_contiguous() and xrs.shape == (m, k // 128)
-            and (xc is None or (xc.is_contiguous() and xcs.dtype == torch.float32 and xcs.is_contiguous()
-                                and xcs.shape == (k, m // 128))))
+    if torch.is_inference_mode_enabled():
+        return False
+    wr, wrs, col = w_parts  # (`_gathered_parts` checked the data: the spec's parts, contiguous)
+    n, k = wr.shape
+    tiles = spec.weight.block_dim == 2
+    col_scales = (-(-k // 128), n // 128) if tiles else (k, n // 128)
+    return (_block_scales_fit(wrs, (-(-n // 128), k // 128) if tiles else (n, k // 128))
+            and (col is None or _block_scales_fit(col.scale_inv, col_scales)))
+
+
+def _block_scales_fit(s: torch.Tensor, shape: tuple) -> bool:
+    """Whether the block scales `s` are what `hybridq::fp8_block_mm` reads: contiguous fp32 of `shape` (metadata
+    only: a gathered weight's columnwise tensors may hold no storage until the backward unshard)."""
+    return s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == shape
 
 
 # ---- a compiled Linear's gathered weight (compiled_linear.py's gathered ops run these) ----------------------------

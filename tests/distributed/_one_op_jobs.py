@@ -1,6 +1,7 @@
-"""Jobs of test_fsdp_one_op.py: an eager model whose per-tensor FP8 Linears FSDP2 all-gathers quantized
-(apply_hybrid_fsdp), trained on the fast path -- where each Linear call is the extension's one op
-`hybridq::fp8_linear` reading the gathered weight's parts -- and on the general path (linear_function.py). Each job
+"""Jobs of test_fsdp_one_op.py / test_fsdp_block_one_op.py: an eager model whose FP8 Linears (per-tensor, or FP8
+blocks) FSDP2 all-gathers quantized (apply_hybrid_fsdp), trained on the fast path -- where each Linear call is the
+extension's one op `hybridq::fp8_linear` / `fp8_block_linear` reading the gathered weight's parts -- and on the
+general path (linear_function.py). Each job
 returns what differed bit for bit, the autograd nodes the Linears' outputs had, and the gather counters."""
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ D, HIDDEN = 64, 128
 class Block(nn.Module):
     """x + fc2(silu(fc1(x))), optionally under non-reentrant activation checkpointing (recomputed in backward)."""
 
-    def __init__(self, recompute: bool):
+    def __init__(self, recompute: bool, d: int = D, hidden: int = HIDDEN):
         super().__init__()
-        self.fc1 = nn.Linear(D, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, D, bias=False)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d, bias=False)
         self.recompute = recompute
 
     def _body(self, x):
@@ -42,9 +43,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, recompute: bool):
+    def __init__(self, recompute: bool, d: int = D, hidden: int = HIDDEN):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(recompute) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(recompute, d, hidden) for _ in range(2))
 
     def forward(self, x):
         for b in self.blocks:
@@ -68,15 +69,16 @@ def _model(base: nn.Module, case: str, device, reshard: bool, save_original_inpu
     return model
 
 
-def _inputs(step: int, rank: int, device, nonfinite: bool):
+def _inputs(step: int, rank: int, device, nonfinite: bool, d: int = D, tokens: int = 16):
     g = torch.Generator().manual_seed(100 * step + rank)
-    x, gy = torch.randn(2, 16, D, generator=g), torch.randn(2, 16, D, generator=g)
+    x, gy = torch.randn(2, tokens, d, generator=g), torch.randn(2, tokens, d, generator=g)
     if nonfinite:  # inf and NaN in the input (amax, cast, GEMMs) and in the output gradient (dgrad, wgrad)
         x[0, 0, 0], x[1, 3, 5], gy[0, 1, 2] = math.inf, math.nan, -math.inf
     return x.to(device), gy.to(device)
 
 
-def _train(model, device, rank: int, steps: int, nonfinite: bool) -> tuple[list, list[str]]:
+def _train(model, device, rank: int, steps: int, nonfinite: bool, d: int = D, tokens: int = 16
+           ) -> tuple[list, list[str]]:
     """[(output, grad_input, {param: grad}) per step], and the autograd node names of every hybridq Linear output."""
     nodes: list[str] = []
 
@@ -89,7 +91,7 @@ def _train(model, device, rank: int, steps: int, nonfinite: bool) -> tuple[list,
     out = []
     try:
         for step in range(steps):
-            x, gy = _inputs(step, rank, device, nonfinite)
+            x, gy = _inputs(step, rank, device, nonfinite, d, tokens)
             x.requires_grad_()
             y = model(x)
             y.backward(gy)
@@ -111,18 +113,20 @@ def _counters(model) -> dict:
 
 
 def one_op_matches_general_path(rank, world_size, device, case="fp8_tensorwise", reshard=True, recompute=False,
-                                nonfinite=False, save_original_input=False, steps=2) -> dict:
+                                nonfinite=False, save_original_input=False, steps=2, d=D, hidden=HIDDEN,
+                                tokens=16) -> dict:
     """One model trained `steps` AdamW steps on the fast path (the one op on the gathered weights) and a copy on
-    the general path. Returns {"diffs": [...], "nodes": {...}, "general_nodes": {...}, "counters", "general_counters"}:
+    the general path (`d`, `hidden`: the blocks' widths; `tokens` per sequence, 2 sequences). Returns {"diffs":
+    [...], "nodes": {...}, "general_nodes": {...}, "counters", "general_counters"}:
     every step's output, input gradient and parameter gradients, and the parameters after the last step, compared bit
     for bit (NaN positions, not payloads, where non-finite inputs make NaNs)."""
     torch.manual_seed(0)
-    base = Net(recompute).to(device)
+    base = Net(recompute, d, hidden).to(device)
     runs = {}
     for fast in (True, False):
         model = _model(base, case, device, reshard, save_original_input)
         with eager_fast_path(fast):
-            steps_out, nodes = _train(model, device, rank, 1 if nonfinite else steps, nonfinite)
+            steps_out, nodes = _train(model, device, rank, 1 if nonfinite else steps, nonfinite, d, tokens)
         params = {n: _full(p.detach()) for n, p in model.named_parameters()}
         runs[fast] = (steps_out, nodes, params, _counters(model))
     (fast_steps, fast_nodes, fast_params, fast_c), (gen_steps, gen_nodes, gen_params, gen_c) = runs[True], runs[False]
