@@ -161,7 +161,7 @@ def cases(dim: int, device: torch.device) -> list:
         return lambda: fn(xg, dy)
 
     quantize = lambda t: q.quantize(t, rowwise=True, columnwise=True)  # noqa: E731
-    fsdp_bf16, fsdp_fp8 = fsdp_models(dim, device)
+    fsdp_bf16, fsdp_fp8, fsdp_block = fsdp_models(dim, device)
     out = [
         ("torch.empty_like (allocator)", lambda: torch.empty_like(x)),
         ("x.abs() (one torch kernel)", lambda: x.abs()),
@@ -182,6 +182,7 @@ def cases(dim: int, device: torch.device) -> list:
         ("FSDP2 nn.Linear fwd+bwd (bf16)", step(fsdp_bf16)),
         ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight)", step(fsdp_fp8)),
         ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, general path)", general(step(fsdp_fp8))),
+        ("FSDP2 hybridq Linear fwd+bwd (fp8_block, gathered weight)", step(fsdp_block)),
         ("Float8Quantizer.quantize_parts (rowwise+columnwise)", lambda: q.quantize_parts(x, True, True)),
         ("Function(empty) fwd+bwd", probe()),
         ("Function(Float8Quantizer.quantize in forward)", probe(fwd=quantize)),
@@ -239,6 +240,8 @@ def cases(dim: int, device: torch.device) -> list:
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),
                 ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, Python node)",
                  python_node(step(fsdp_fp8))),
+                ("FSDP2 hybridq Linear fwd+bwd (fp8_block, gathered weight, Python node)",
+                 block_python_node(step(fsdp_block))),
             ]
             ops = torch.ops.hybridq
             op = lambda t: ops.fp8_tensor_quantize(t, torch.float8_e4m3fn, None, None, 0.0, False,  # noqa: E731
@@ -261,9 +264,10 @@ def cases(dim: int, device: torch.device) -> list:
     return out
 
 
-def fsdp_models(dim: int, device: torch.device) -> tuple[nn.Module, nn.Module]:
-    """(an nn.Linear, a hybridq fp8_tensorwise Linear whose weight FSDP2 all-gathers quantized), each fully_shard-ed
-    on a world of one (a process group of one rank is started here if none is: NCCL on CUDA, else gloo)."""
+def fsdp_models(dim: int, device: torch.device) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(an nn.Linear, a hybridq fp8_tensorwise Linear and an fp8_block one whose weights FSDP2 all-gathers
+    quantized), each fully_shard-ed on a world of one (a process group of one rank is started here if none is: NCCL on
+    CUDA, else gloo)."""
     import os
     import tempfile
 
@@ -279,12 +283,12 @@ def fsdp_models(dim: int, device: torch.device) -> tuple[nn.Module, nn.Module]:
                                 world_size=1)
     mesh = init_device_mesh(device.type, (1,))
     models = []
-    for recipe in (None, "fp8_tensorwise"):
+    for recipe in (None, "fp8_tensorwise", "fp8_block"):
         m = nn.Sequential(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16))
         if recipe is not None:
             apply_hybrid_fsdp(m, recipe)
         models.append(fully_shard(m, mesh=mesh, reshard_after_forward=True))
-    return models[0], models[1]
+    return models[0], models[1], models[2]
 
 
 def main() -> None:

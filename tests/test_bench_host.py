@@ -27,6 +27,7 @@ CPU_ROWS = [  # every row a CPU run prints (the CUDA rows come after them on a G
     "FSDP2 nn.Linear fwd+bwd (bf16)",
     "FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight)",
     "FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, general path)",
+    "FSDP2 hybridq Linear fwd+bwd (fp8_block, gathered weight)",
     "Float8Quantizer.quantize_parts (rowwise+columnwise)",
     "Function(empty) fwd+bwd",
     "Function(Float8Quantizer.quantize in forward)",
