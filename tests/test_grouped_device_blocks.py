@@ -16,7 +16,7 @@ from hybridq.nn import grouped_device_blocks
 from hybridq.nn.grouped_device_blocks import DeviceBlockExperts, device_path_runs, slot_layout, slot_multiple
 from hybridq.nn.grouped_packed import BLOCKS, SlotLayout, TokenLayout, bound_rows, packed_quantizers
 from hybridq.nn.linear import shared_input_quantization
-from test_grouped_blocks_gemm import DEVICES as KERNEL_DEVICES, _interpreter_numpy  # noqa: F401 (autouse fixture)
+from test_grouped_blocks_gemm import DEVICES as KERNEL_DEVICES, INTERPRETER, _interpreter_numpy  # noqa: F401
 from _gpu import no_host_sync
 
 E, IN = 4, 160  # K: five 32-blocks, one and a partial 128-block
@@ -488,7 +488,8 @@ def test_gpu_slot_layout_of_a_new_routing_costs_one_launch_and_the_assert():
     assert grouped_packed._layout_kernel_takes(counts)
 
 
-@pytest.mark.skipif(not triton_grouped_blocks.available(), reason="needs Triton")
+@pytest.mark.skipif(not triton_grouped_blocks.available() or INTERPRETER,
+                    reason="needs Triton compiling (not its interpreter)")
 @pytest.mark.parametrize("experts", [4, 200])
 def test_slot_layout_kernel_compiles_for_sm90(experts):
     """The kernel builds for sm_90 (no GPU needed) at its launch's constexprs, for few and many experts."""
