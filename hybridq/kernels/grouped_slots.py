@@ -123,7 +123,8 @@ def _launch_args(d: Quantizer, rowwise: bool, columnwise: bool) -> tuple:
 # `supports` per direction) cost host time on every call of every layer. The answer, with the launches it makes (each
 # one's quantizer, directions, mode and scaling arguments), is kept per (quantizer id, dtype, device, K, slots,
 # directions), with the quantizer itself (its id is not reused while kept) and a copy of its fields at the time: a
-# quantizer changed in place (another block size, epsilon) no longer equals the copy and is asked again. `ENABLED` and the extension's availability are read on every call / at the first call of a configuration.
+# quantizer changed in place (another block size, epsilon) no longer equals the copy and is asked again. `ENABLED`
+# and the extension's availability are read on every call / at the first call of a configuration.
 _DECISIONS: dict = {}
 _MAX_DECISIONS = 64
 

@@ -164,8 +164,8 @@ def _mm(a: QuantizedPart, weights: ExpertWeights, e: int, direction: Direction, 
                                              lambda: grouped_blocks.mm(a, b, e, layout.bounds(), out_dtype))
         elif grouped_emulated.supports(a, b) and grouped_emulated.weight_supported(b, e):
             table = layout.table
-            out = grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM", lambda: grouped_emulated.mm(
-                a, b, e, table[4], layout.token_rows, out_dtype, token_ends=table[5]))
+            out = grouped_blocks.run_or_none(grouped_emulated.ENABLED, "grouped MXFP8 GEMM", lambda: grouped_emulated.
+                                             mm(a, b, e, table[4], layout.token_rows, out_dtype, token_ends=table[5]))
         if out is not None:
             return out
     return _per_expert_mm(a, weights, direction, _used(layout.host()), out_dtype, what)
