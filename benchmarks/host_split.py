@@ -149,6 +149,9 @@ TIMED = [
     ("  of which: Triton launches (slot_quantize)", _mod("hybridq.kernels.triton_slot_quantize"), "slot_quantize",
      True),
     ("block experts: grouped GEMM fprop / dgrad (grouped_blocks.mm)", _mod(_GB), "mm", True),
+    # (FSDP2's gathered experts read in place: the launch row below is inside this one where the job gathers them)
+    ("block experts: grouped GEMM fprop / dgrad, stacked experts (grouped_blocks.mm_stacked)", _mod(_GB), "mm_stacked",
+     True),
     ("  of which: Triton launch (grouped_block_mm)", _mod("hybridq.kernels.triton_grouped_blocks"),
      "grouped_block_mm", True),
     ("block experts: grouped GEMM wgrad (grouped_blocks.wgrad)", _mod(_GB), "wgrad", False),
