@@ -38,7 +38,8 @@ def test_plain_op_rejects_an_output_aliasing_its_input():
 
 
 @pytest.mark.parametrize("op", ["gathered_linear_forward", "gathered_linear_backward", "linear_backward",
-                                "jagged_input_quantize", "grouped_linear_backward", "gathered_grouped_linear_forward",
+                                "jagged_input_quantize", "grouped_blocks_input_quantize", "grouped_linear_backward",
+                                "gathered_grouped_linear_forward",
                                 "gathered_grouped_linear_backward", "compiled_norm_backward",
                                 "compiled_swiglu_backward"])
 def test_ops_without_an_autograd_formula_have_no_python_autograd_kernel(op):

@@ -9,46 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import hybridq as hq
 from _compare import assert_results_bitwise
 from _format_cases import FORMATS
+from _shared_input import D, H, SwiGLUExperts, compiled_vs_eager, forward_graph, inputs, recipe_of as _recipe
 from hybridq.enums import Scaling
 from hybridq.formats import Float8Quantizer
 from hybridq.gemm import jagged_fp8_kernels
 from hybridq.nn import compiled_grouped
 
-E, D, H = 3, 64, 96
-SPLITS = [17, 0, 47]
-
 # the per-tensor FP8 formats with current scaling of the case list (every tensor of every expert), and the preset
 FP8_CASES = ["fp8_tensorwise"] + [c for c, make in FORMATS.items()
                                   if type(make()) is Float8Quantizer and make().scaling == Scaling.CURRENT]
-
-
-def _recipe(case: str, input_case: str | None = None):
-    """The preset or every tensor in format FORMATS[case]; `input_case`: the input's quantizer FORMATS[input_case]."""
-    if input_case is None:
-        return case if case in hq.preset_names() else hq.CustomRecipe(lambda role: FORMATS[case](), name=f"all_{case}")
-    return hq.CustomRecipe(lambda role: FORMATS[input_case if role.tensor_type == "input" else case](),
-                           name=f"{case}_input_{input_case}")
-
-
-class SwiGLUExperts(nn.Module):
-    """y = w2(act(w1 x) * w3 x) on tokens sorted by expert: w1 and w3 read the same input tensor. `act` SiLU, or
-    none under Inductor (its fused SiLU backward rounds otherwise than eager's kernels: not what is compared here)."""
-
-    def __init__(self, recipe, w3_recipe=None, act=F.silu):
-        super().__init__()
-        self.w1 = hq.GroupedLinear(E, D, H, recipe=recipe, name="w1")
-        self.w3 = hq.GroupedLinear(E, D, H, recipe=w3_recipe or recipe, name="w3")
-        self.w2 = hq.GroupedLinear(E, H, D, recipe=recipe, name="w2")
-        self.act = act or (lambda t: t)
-
-    def forward(self, x, m_splits):
-        return self.w2(self.act(self.w1(x, m_splits)) * self.w3(x, m_splits), m_splits)
 
 
 def _count_input_quantizations(monkeypatch, device: str, model: SwiGLUExperts) -> list[str]:
@@ -69,37 +42,9 @@ def _count_input_quantizations(monkeypatch, device: str, model: SwiGLUExperts) -
     return seen
 
 
-def _step(call, model, x, m_splits, dy) -> dict:
-    """Output and every gradient of one forward + backward."""
-    x = x.detach().clone().requires_grad_(True)
-    y = call(x, m_splits)
-    y.backward(dy)
-    out = {"y": y.detach(), "dx": x.grad}
-    out.update({f"d{n}": None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def _inputs(device: str, dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(sum(SPLITS), D, generator=gen).to(device, dtype)
-    dy = torch.randn(sum(SPLITS), D, generator=gen).to(device, dtype)
-    return x, torch.tensor(SPLITS, device=device), dy
-
-
 def _compiled_vs_eager(model, device, dtype, backend, monkeypatch) -> tuple[dict, dict, list[str]]:
-    """(compiled results, eager results, the compiled step's input quantizations), the compiled step the second
-    one (the first compiles)."""
-    x, m_splits, dy = _inputs(device, dtype)
-    want = _step(model, model, x, m_splits, dy)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
-    _step(compiled, model, x, m_splits, dy)
-    seen = _count_input_quantizations(monkeypatch, device, model)
-    got = _step(compiled, model, x, m_splits, dy)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return got, want, seen
+    return compiled_vs_eager(model, device, dtype, backend, lambda: _count_input_quantizations(monkeypatch, device,
+                                                                                               model))
 
 
 def _force_device_counts(monkeypatch, device_counts: bool) -> None:
@@ -142,21 +87,8 @@ def test_w1_and_w3_quantize_their_input_once_in_the_compiled_graph_on_cuda(monke
 
 
 def _forward_graph(model, device_counts: bool, monkeypatch):
-    """The forward graph AOTAutograd's min-cut partitioner (Inductor's and aot_eager's) makes of one training step."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
     _force_device_counts(monkeypatch, device_counts)
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
-    x, m_splits, dy = _inputs("cpu", torch.float32)
-    _step(torch.compile(model, fullgraph=True, backend=backend), model, x, m_splits, dy)
-    return graphs[0].graph
+    return forward_graph(model)
 
 
 @pytest.mark.parametrize("device_counts", [False, True], ids=["host counts", "device counts (forced)"])
@@ -217,7 +149,7 @@ def test_a_no_grad_graph_is_bitwise_eager(monkeypatch):
     """(Without a backward the graph is not partitioned: each projection quantizes its input, docs/known-limits.md.)"""
     torch.manual_seed(0)
     model = SwiGLUExperts("fp8_tensorwise")
-    x, m_splits, _ = _inputs("cpu", torch.float32)
+    x, m_splits, _ = inputs("cpu", torch.float32)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():

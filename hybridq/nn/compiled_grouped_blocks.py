@@ -1,15 +1,19 @@
 """A block-format GroupedLinear inside torch.compile's graph: the device-count packed block path
-(nn/grouped_device_blocks.py: FP8 1x128 / 128x128 blocks, MXFP8 and their hybrids, `BLOCKS`) as two custom ops, as
-compiled_grouped.py does for per-tensor FP8: `hybridq::grouped_blocks_forward` returns the output and the tensors of
-what backward reads (the input's and the weight's columnwise forms), `hybridq::grouped_blocks_backward` the input and
-weight gradients, with autograd registered on the forward op. Inside each op the eager code runs unchanged
-(`grouped_device_blocks.forward` / `backward`): bitwise the eager layer with the same counts.
+(nn/grouped_device_blocks.py: FP8 1x128 / 128x128 blocks, MXFP8 and their hybrids, `BLOCKS`) as custom ops, as
+compiled_grouped.py does for per-tensor FP8: `hybridq::grouped_blocks_input_quantize` quantizes the input into its
+expert slots (rowwise, and the columnwise form wgrad reads), `hybridq::grouped_blocks_forward` takes those forms and
+returns the output and the tensors of the weight's columnwise form (what dgrad reads), `hybridq::grouped_blocks_backward`
+the input and weight gradients, with autograd registered on the forward op. The input's quantization is an op of its
+own so that the projections of one input share it ([Note: one input quantization of block experts in the graph]).
+Inside the ops the eager code runs (`grouped_device_blocks`' quantize, weight forms, grouped GEMMs and `backward`):
+bitwise the eager layer with the same counts.
 
 The counts stay a tensor: a graph is compiled per shape, never per routing. Every buffer is sized by a bound that
 depends on the shapes only (`grouped_packed.bound_rows`), so the fakes give the outputs' shapes from the shapes alone:
-the fake forward runs the same quantization on fake tensors (the GEMMs it skips). On CUDA the ops read the counts on
-the device only (checked there, asynchronously); on the CPU (the reference) they read them and raise ValueError on
-counts that are negative or do not sum to the input's tokens.
+the fake input quantize runs the same quantization on fake tensors, the fake forward the weight's (the GEMMs it skips).
+On CUDA the ops read the counts on the device only (checked there, asynchronously, by the input quantize op's slot
+layout; the GEMM op reuses that layout: `SlotLayout.build`'s routings); on the CPU (the reference) they read them and
+raise ValueError on counts that are negative or do not sum to the input's tokens.
 
 Taken (`runs_in_graph`) where the eager layer would take the device-count path without a host sync (CUDA:
 `grouped_device_blocks.device_path_runs`), and on the CPU; the weight a plain tensor or one FSDP2 gathered quantized
@@ -27,18 +31,27 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..enums import COLUMNWISE, ROWWISE
 from ..formats.base import Quantizer
 from ..tensor import flatten_quantized, unflatten_quantized
+from ..weight_forms import GroupedGatheredForm
 from . import grouped_device_blocks as device_blocks
 from .graph_keys import ConfigurationKeys
+from .grouped_packed import SlotLayout
+from .grouped_packed_blocks import ExpertWeights, GatheredExpertWeights
+from .linear_function import _only
 from .plain_ops import plain_op
 from .weight_handle import handled_weight, redirect_to_handle, weight_of
 
 # configurations by content (graph_keys.py) -> (name of the first layer, the quantizers every expert shares)
 _LAYERS: ConfigurationKeys[tuple[str, dict]] = ConfigurationKeys("grouped-blocks-config-")
 _TENSORS = ("input", "weight", "grad_output")
-# (key, need_dgrad, need_wgrad, x shape, weight shape, dtypes) -> (flattened layout of the saved forms, weight packed):
-# recorded by forward, read by backward (a function of the configuration and shapes alone)
+# (key, need_dgrad, need_wgrad, x shape, x dtype) -> (flattened layout of the input's rowwise form, its tensor count,
+# flattened layout of its columnwise form): recorded by the input quantize op, read by the forward op (its outputs
+# are plain tensors) -- a function of the configuration and shapes alone
+_INPUTS: dict[tuple, tuple[list, int, list]] = {}
+# (key, need_dgrad, need_wgrad, x shape, weight shape, dtypes, gathered) -> (flattened layout of the saved forms: the
+# input's columnwise form, then the weight's; weight packed): recorded by forward, read by backward
 _SAVED: dict[tuple, tuple[list, bool]] = {}
 
 
@@ -62,55 +75,130 @@ def runs_here(key: str, device: str, experts: int, in_features: int, out_feature
                                                                in_features)
 
 
-def _saved_key(key, need_dgrad, need_wgrad, x, weight, gathered: bool) -> tuple:
-    return (key, need_dgrad, need_wgrad, tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype, gathered)
+def _input_key(key, need_dgrad, need_wgrad, x_shape, x_dtype) -> tuple:
+    return (key, need_dgrad, need_wgrad, tuple(x_shape), x_dtype)
 
 
-def _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool, handle=None) -> list[torch.Tensor]:
-    """[y, *the saved forms' tensors]. With `handle` (a weight FSDP2 gathered; `weight` then a stand-in of its shape,
-    the fake's on x's device) the weight's parts are read through the handle, none saved: backward reads them."""
-    name, quantizers = _LAYERS[key]
-    gathered = handle is not None
-    if gathered and not fake:
-        weight = weight_of(handle)  # (the GroupedGatheredWeight as it is now: device_blocks reads it as gathered)
-    e, n, k = weight.shape
-    layout = device_blocks.slot_layout(m_splits, x, k, n, quantizers, need_dgrad, need_wgrad, name, fake=fake)
-    y, x_col, w_saved, packed = device_blocks.forward(x, weight, layout, quantizers, name, need_dgrad, need_wgrad,
-                                                      fake=fake)
-    if gathered:  # (the fake quantized its stand-in: the shapes; the real read the gathered parts and saved none)
-        w_saved = []
-    flat, entries = flatten_quantized(([x_col] if x_col is not None else []) + w_saved)
-    _SAVED[_saved_key(key, need_dgrad, need_wgrad, x, weight, gathered)] = (entries, packed)
-    # outputs may alias neither the inputs nor one another, and have the fake's (contiguous) strides
-    seen = {StorageWeakRef(t.untyped_storage()) for t in ((x,) if gathered else (x, weight))}
+def _saved_key(key, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, w_dtype, gathered: bool) -> tuple:
+    return (key, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), x_dtype, w_dtype, gathered)
+
+
+def _fresh(flat: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """`flat` as an op's outputs: aliasing neither the inputs nor one another, with the fake's (contiguous) strides."""
+    seen = {StorageWeakRef(t.untyped_storage()) for t in inputs}
     out = []
     for t in flat:
         ref = StorageWeakRef(t.untyped_storage())
         out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
         seen.add(ref)
-    return [y.contiguous(), *out]
+    return out
+
+
+def _no_host_gemm(m: int) -> int:
+    raise RuntimeError("hybridq compiled block GroupedLinear: the input quantize op's slot layout runs no GEMM (its "
+                       "padded counts are the forward op's)")
+
+
+# [Note: one input quantization of block experts in the graph] As for per-tensor FP8 experts ([Note: one input
+# quantization in the graph], compiled_grouped.py): an MoE layer's w1 and w3 read one input, and the compiled layer
+# quantizes it in an op of its own, `grouped_blocks_input_quantize`, whose outputs -- the tensors of the input's
+# rowwise form in its expert slots, then of its columnwise form (wgrad's) -- the forward op takes. It is a pure
+# function of its arguments: the input, the counts, the configuration key (the content of the three quantizers) and
+# the gradients asked for, which fix the slot multiple (`grouped_device_blocks.slot_multiple`: whole scaling blocks of
+# the input and grad_output casts along the tokens) and whether the columnwise form is made. Block formats have no
+# tensor-wide statistics: each block's scale comes from its own values, and the slots hold the same rows whoever asks,
+# so two calls with equal arguments give the same bytes. AOTAutograd's min-cut partitioner (Inductor's and
+# aot_eager's) merges call_function nodes of one target with equal arguments (its CSE, custom ops included): w1's and
+# w3's quantize calls become one, and the input's columnwise form is saved once for both wgrads. Calls that differ --
+# another configuration (an input format, or another weight / grad_output format: the key is the three quantizers'),
+# a frozen projection (no columnwise form, and maybe another slot multiple) -- stay two; a graph without backward
+# (no_grad) is not partitioned, so there each projection quantizes its input. The counts are read (CPU) or checked on
+# the device (CUDA) by this op's slot layout, which the forward op's layout of the same routing follows (on CUDA the
+# same device tensors, `SlotLayout.build`'s routings). Cost: one more op call per projection, against one input
+# quantization (a slot quantize launch and its host work) fewer per MoE layer and step.
+def _run_input_quantize(x, m_splits, key, need_dgrad, need_wgrad, fake: bool) -> list[torch.Tensor]:
+    """[the input's rowwise form's tensors, then its columnwise form's (`need_wgrad`)] in the slot layout of the
+    counts (`grouped_device_blocks.forward`'s input quantization)."""
+    name, quantizers = _LAYERS[key]
+    layout = SlotLayout.build(m_splits, x.shape[0], x.device,
+                              device_blocks.slot_multiple(quantizers, need_dgrad, need_wgrad), _no_host_gemm, name,
+                              fake)
+    xq = device_blocks._quantize(quantizers["input"], x, layout, True, need_wgrad, f"input of {name}")
+    row, row_entries = flatten_quantized([_only(xq, ROWWISE)])
+    col, col_entries = flatten_quantized([_only(xq, COLUMNWISE)]) if need_wgrad else ([], [])
+    _INPUTS[_input_key(key, need_dgrad, need_wgrad, x.shape, x.dtype)] = (row_entries, len(row), col_entries)
+    return _fresh(row + col, (x,))
+
+
+@plain_op("hybridq::grouped_blocks_input_quantize")
+def grouped_blocks_input_quantize(x: torch.Tensor, m_splits: torch.Tensor, key: str, need_dgrad: bool,
+                                  need_wgrad: bool) -> list[torch.Tensor]:
+    """The tensors of the input of a block-format GroupedLinear call (configuration `key`) quantized into its expert
+    slots: its rowwise form's, then (`need_wgrad`) its columnwise form's, for `grouped_blocks_forward`. A pure
+    function of its arguments: the projections of one input with one configuration share one call ([Note: one
+    input quantization of block experts in the graph])."""
+    return _run_input_quantize(x, m_splits, key, need_dgrad, need_wgrad, fake=False)
+
+
+@grouped_blocks_input_quantize.register_fake
+def _(x, m_splits, key, need_dgrad, need_wgrad):
+    return _run_input_quantize(x, m_splits, key, need_dgrad, need_wgrad, fake=True)
+
+
+def _input_parts(key, need_dgrad, need_wgrad, x) -> tuple[list, int, list]:
+    return _INPUTS[_input_key(key, need_dgrad, need_wgrad, x.shape, x.dtype)]
+
+
+def _run_forward(x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad, fake: bool,
+                 handle=None) -> list[torch.Tensor]:
+    """[y, *the weight's columnwise form's tensors] from the input forms `grouped_blocks_input_quantize` made
+    (`grouped_device_blocks.forward` past its input quantization). With `handle` (a weight FSDP2 gathered; `weight`
+    then a stand-in of its shape, the fake's on x's device) the weight's parts are read through the handle, none
+    saved: backward reads them."""
+    name, quantizers = _LAYERS[key]
+    gathered = handle is not None
+    if gathered and not fake:
+        weight = weight_of(handle)  # (the GroupedGatheredForm as it is now: read as gathered)
+    e, n, k = weight.shape
+    row_entries, n_row, col_entries = _input_parts(key, need_dgrad, need_wgrad, x)
+    # FSDP2's gathered experts: read as gathered, their columnwise form in backward
+    as_gathered = isinstance(weight, GroupedGatheredForm)
+    wq = (GatheredExpertWeights(weight, quantizers["weight"], ROWWISE) if as_gathered else
+          ExpertWeights.quantize(quantizers["weight"], weight.detach(), need_dgrad, f"weight of {name}"))
+    if fake:
+        y = x.new_empty(x.shape[0], n)
+    else:
+        (xq,) = unflatten_quantized(x_parts[:n_row], row_entries)
+        layout = device_blocks.slot_layout(m_splits, x, k, n, quantizers, need_dgrad, need_wgrad, name)
+        y = device_blocks._mm(xq.part(ROWWISE), wq, e, ROWWISE, layout, x.dtype, f"fprop of {name}")
+    # (the fake quantized its stand-in: the shapes; the real read the gathered parts and saves none)
+    w_saved = wq.only(COLUMNWISE).tensors if need_dgrad and not as_gathered and not gathered else []
+    flat, entries = flatten_quantized(w_saved)
+    _SAVED[_saved_key(key, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype, weight.dtype, gathered)] = (
+        col_entries + entries, wq.packed)
+    return [y.contiguous(), *_fresh(flat, (x,) if gathered else (x, weight))]
 
 
 @plain_op("hybridq::grouped_blocks_forward")
-def grouped_blocks_forward(x: torch.Tensor, weight: torch.Tensor, m_splits: torch.Tensor, key: str,
-                           need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
-    """[y, *the tensors of the input's (wgrad) and weight's (dgrad) columnwise forms] of a block-format
-    GroupedLinear call (configuration `key`)."""
-    return _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake=False)
+def grouped_blocks_forward(x: torch.Tensor, x_parts: list[torch.Tensor], weight: torch.Tensor,
+                           m_splits: torch.Tensor, key: str, need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
+    """[y, *the tensors of the weight's columnwise form (dgrad)] of a block-format GroupedLinear call (configuration
+    `key`) on its input `x` as `grouped_blocks_input_quantize` quantized it (`x_parts`: its columnwise form is only
+    saved for wgrad, `x` only routes its gradient)."""
+    return _run_forward(x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad, fake=False)
 
 
 @grouped_blocks_forward.register_fake
-def _(x, weight, m_splits, key, need_dgrad, need_wgrad):
-    return _run_forward(x, weight, m_splits, key, need_dgrad, need_wgrad, fake=True)
+def _(x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad):
+    return _run_forward(x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad, fake=True)
 
 
 def _run_backward(dy, m_splits, saved, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_wgrad, x_shape, w_shape,
                   x_dtype, w_dtype, handle=None) -> list[torch.Tensor]:
     name, quantizers = _LAYERS[key]
     e, n, k = w_shape
-    x_meta = torch.empty(x_shape, dtype=x_dtype, device="meta")
-    entries, packed = _SAVED[_saved_key(key, fwd_dgrad, fwd_wgrad, x_meta,
-                                        torch.empty(w_shape, dtype=w_dtype, device="meta"), handle is not None)]
+    entries, packed = _SAVED[_saved_key(key, fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype,
+                                        handle is not None)]
     forms = list(unflatten_quantized(saved, entries))
     x_col = forms.pop(0) if fwd_wgrad else None
     # (the gathered weight as it is now: dgrad reads its columnwise parts, made available on every rank first)
@@ -131,7 +219,8 @@ def grouped_blocks_backward(dy: torch.Tensor, m_splits: torch.Tensor, saved: lis
                             x_shape: list[int], w_shape: list[int], x_dtype: torch.dtype,
                             w_dtype: torch.dtype) -> list[torch.Tensor]:
     """[dx, dW] (an empty tensor for a gradient not asked for) of the call `grouped_blocks_forward` saved `saved`
-    for (`fwd_dgrad` / `fwd_wgrad`: its flags, which laid out the slots and the saved forms)."""
+    for (the input's columnwise form, then the weight's; `fwd_dgrad` / `fwd_wgrad`: its flags, which laid out the
+    slots and the saved forms)."""
     return _run_backward(dy, m_splits, saved, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_wgrad, x_shape, w_shape,
                          x_dtype, w_dtype)
 
@@ -147,17 +236,20 @@ def _(dy, m_splits, saved, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_wgrad, x_
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, m_splits, key, need_dgrad, need_wgrad = inputs
-    # a gathered weight is kept as its handle (not its bytes): backward reads its columnwise parts through it
-    ctx.save_for_backward(m_splits, weight if handled_weight(weight) else None, *output[1:])
+    x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad = inputs
+    n_row = _input_parts(key, need_dgrad, need_wgrad, x)[1]
+    # a gathered weight is kept as its handle (not its bytes): backward reads its columnwise parts through it. The
+    # input's columnwise form is the quantize op's outputs: projections sharing that call save the same tensors.
+    ctx.save_for_backward(m_splits, weight if handled_weight(weight) else None, *x_parts[n_row:], *output[1:])
     ctx.args = (key, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype)
+    ctx.parts = len(x_parts)  # (the gradient of a tensor list is a list of its length)
 
 
 def _backward(ctx, grads):
     m_splits, handled, *saved = ctx.saved_tensors
     key, fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype = ctx.args
     need_dgrad = fwd_dgrad and ctx.needs_input_grad[0]
-    need_wgrad = fwd_wgrad and ctx.needs_input_grad[1]
+    need_wgrad = fwd_wgrad and ctx.needs_input_grad[2]
     if handled is not None:
         dx, dw = torch.ops.hybridq.gathered_grouped_blocks_backward(
             grads[0], m_splits, saved, handled._handle, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_wgrad, x_shape,
@@ -165,7 +257,8 @@ def _backward(ctx, grads):
     else:
         dx, dw = torch.ops.hybridq.grouped_blocks_backward(grads[0], m_splits, saved, key, need_dgrad, need_wgrad,
                                                            fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype)
-    return dx if need_dgrad else None, dw if need_wgrad else None, None, None, None, None
+    # (x_parts: the quantized input carries no gradient -- x's flows through this op)
+    return (dx if need_dgrad else None, [None] * ctx.parts, dw if need_wgrad else None, None, None, None, None)
 
 
 grouped_blocks_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -174,18 +267,18 @@ grouped_blocks_forward.register_autograd(_backward, setup_context=_setup_context
 # ---- a weight read through its handle (FSDP2's gathered experts) -----------------------------------------------
 
 @plain_op("hybridq::gathered_grouped_blocks_forward")
-def gathered_grouped_blocks_forward(x: torch.Tensor, handle: torch.Tensor, m_splits: torch.Tensor, key: str,
-                                    need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
-                                    w_dtype: torch.dtype) -> list[torch.Tensor]:
+def gathered_grouped_blocks_forward(x: torch.Tensor, x_parts: list[torch.Tensor], handle: torch.Tensor,
+                                    m_splits: torch.Tensor, key: str, need_dgrad: bool, need_wgrad: bool,
+                                    w_shape: list[int], w_dtype: torch.dtype) -> list[torch.Tensor]:
     """`grouped_blocks_forward` of the gathered weight `handle` names (its rowwise parts read now); no weight form
     among the outputs: backward reads the columnwise parts through the handle."""
-    return _run_forward(x, None, m_splits, key, need_dgrad, need_wgrad, fake=False, handle=handle)
+    return _run_forward(x, x_parts, None, m_splits, key, need_dgrad, need_wgrad, fake=False, handle=handle)
 
 
 @gathered_grouped_blocks_forward.register_fake
-def _(x, handle, m_splits, key, need_dgrad, need_wgrad, w_shape, w_dtype):
-    return _run_forward(x, x.new_empty(w_shape, dtype=w_dtype), m_splits, key, need_dgrad, need_wgrad, fake=True,
-                        handle=handle)
+def _(x, x_parts, handle, m_splits, key, need_dgrad, need_wgrad, w_shape, w_dtype):
+    return _run_forward(x, x_parts, x.new_empty(w_shape, dtype=w_dtype), m_splits, key, need_dgrad, need_wgrad,
+                        fake=True, handle=handle)
 
 
 @plain_op("hybridq::gathered_grouped_blocks_backward")
@@ -207,12 +300,16 @@ def _(dy, m_splits, saved, handle, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_w
 
 # `grouped_blocks_forward` called on a gathered weight (its __torch_dispatch__ sends it to weight_handle.handle_ops
 # while compile traces): the handle in the weight's place
-redirect_to_handle(grouped_blocks_forward, torch.ops.hybridq.gathered_grouped_blocks_forward, 1, with_shape=True)
+redirect_to_handle(grouped_blocks_forward, torch.ops.hybridq.gathered_grouped_blocks_forward, 2, with_shape=True)
 
 
 def grouped_in_graph(layer, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
     """`y[rows of e] = x[rows of e] W[e]^T` of a block-format GroupedLinear as the custom ops; traced by dynamo."""
     grad = torch.is_grad_enabled()
     need_dgrad, need_wgrad = grad and x.requires_grad, grad and layer.weight.requires_grad
-    return torch.ops.hybridq.grouped_blocks_forward(x, layer.weight, m_splits, layer._graph_key, need_dgrad,
+    key = layer._graph_key
+    # ([Note: one input quantization of block experts in the graph]; the quantized bytes carry no gradient: x's
+    # flows through the forward op)
+    x_parts = torch.ops.hybridq.grouped_blocks_input_quantize(x.detach(), m_splits, key, need_dgrad, need_wgrad)
+    return torch.ops.hybridq.grouped_blocks_forward(x, x_parts, layer.weight, m_splits, key, need_dgrad,
                                                     need_wgrad)[0]

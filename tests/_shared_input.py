@@ -1,0 +1,115 @@
+"""Helpers of the tests that a compiled MoE layer's projections reading one input quantize it once
+(test_grouped_compile_shared_input.py: per-tensor FP8 experts; test_grouped_blocks_compile_shared_input.py: block
+formats): SwiGLU experts whose w1 and w3 read the same input, one training step's results, compiled against eager, and
+the forward graph AOTAutograd's min-cut partitioner makes (not a test module)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hybridq as hq
+from _format_cases import FORMATS
+
+E, D, H = 3, 64, 96
+SPLITS = [17, 0, 47]  # (64 tokens: MXFP8's Linear needs rows in 32s; an expert without tokens)
+
+
+def recipe_of(case: str, input_case: str | None = None):
+    """The preset or every tensor in format FORMATS[case]; `input_case`: the input's quantizer FORMATS[input_case]
+    (a preset's other tensors stay the preset's)."""
+    if input_case is None:
+        return case if case in hq.preset_names() else hq.CustomRecipe(lambda role: FORMATS[case](), name=f"all_{case}")
+    if case in hq.preset_names():
+        base = hq.recipe(case)
+        return hq.CustomRecipe(lambda role: FORMATS[input_case]() if role.tensor_type == "input"
+                               else base.quantizer(role), name=f"{case}_input_{input_case}")
+    return hq.CustomRecipe(lambda role: FORMATS[input_case if role.tensor_type == "input" else case](),
+                           name=f"{case}_input_{input_case}")
+
+
+class SwiGLUExperts(nn.Module):
+    """y = w2(act(w1 x) * w3 x) on tokens sorted by expert: w1 and w3 read the same input tensor. `act` SiLU, or
+    none under Inductor (its fused SiLU backward rounds otherwise than eager's kernels: not what is compared here)."""
+
+    def __init__(self, recipe, w3_recipe=None, act=F.silu):
+        super().__init__()
+        self.w1 = hq.GroupedLinear(E, D, H, recipe=recipe, name="w1")
+        self.w3 = hq.GroupedLinear(E, D, H, recipe=w3_recipe or recipe, name="w3")
+        self.w2 = hq.GroupedLinear(E, H, D, recipe=recipe, name="w2")
+        self.act = act or (lambda t: t)
+
+    def forward(self, x, m_splits):
+        return self.w2(self.act(self.w1(x, m_splits)) * self.w3(x, m_splits), m_splits)
+
+
+def step(call, model, x, m_splits, dy) -> dict:
+    """Output and every gradient of one forward + backward."""
+    x = x.detach().clone().requires_grad_(True)
+    y = call(x, m_splits)
+    y.backward(dy)
+    out = {"y": y.detach(), "dx": x.grad}
+    out.update({f"d{n}": None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def inputs(device: str, dtype: torch.dtype):
+    """(x, m_splits, dy) of SPLITS' tokens."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(SPLITS), D, generator=gen).to(device, dtype)
+    dy = torch.randn(sum(SPLITS), D, generator=gen).to(device, dtype)
+    return x, torch.tensor(SPLITS, device=device), dy
+
+
+def compiled_vs_eager(model, device: str, dtype: torch.dtype, backend, count: Callable[[], list[str]]
+                      ) -> tuple[dict, dict, list[str]]:
+    """(compiled results, eager results, the compiled step's input quantizations: what `count()` -- called just
+    before that step -- recorded), the compiled step the second one (the first compiles)."""
+    x, m_splits, dy = inputs(device, dtype)
+    want = step(model, model, x, m_splits, dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    step(compiled, model, x, m_splits, dy)
+    seen = count()
+    got = step(compiled, model, x, m_splits, dy)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return got, want, seen
+
+
+def forward_graph(model) -> torch.fx.Graph:
+    """The forward graph AOTAutograd's min-cut partitioner (Inductor's and aot_eager's) makes of one training step."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
+    x, m_splits, dy = inputs("cpu", torch.float32)
+    step(torch.compile(model, fullgraph=True, backend=backend), model, x, m_splits, dy)
+    return graphs[0].graph
+
+
+def count_block_input_quantizations(patch=setattr) -> list[str]:
+    """The names of the input quantizations block experts run from now on (`grouped_device_blocks._quantize`: the
+    eager path's and the compiled ops'), patched with `patch(module, name, value)` (pytest's monkeypatch.setattr, or
+    setattr in a spawned job's process)."""
+    from hybridq.nn import grouped_device_blocks
+    seen: list[str] = []
+    real = grouped_device_blocks._quantize
+
+    def quantize(q, t, layout, rowwise, columnwise, name):
+        if name.startswith("input of"):
+            seen.append(name)
+        return real(q, t, layout, rowwise, columnwise, name)
+
+    patch(grouped_device_blocks, "_quantize", quantize)
+    return seen
