@@ -20,7 +20,8 @@ handed over, the shape errors (by declining: the general path raises them). A pe
 further (`_one_op`): the whole call is the extension's op `hybridq::fp8_linear` (csrc/linear_fp8.cpp), the same
 kernels and GEMMs with a C++ autograd node, so Python issues one op per forward and none in backward -- on a plain
 weight and on FSDP2's gathered one (the op is handed the gathered parts; its node reads the columnwise part after
-the backward unshard refilled it). An FP8 block layer on CUDA does the same (`_one_block_op`: `hybridq::
+the backward unshard refilled it), and on the is_first_microbatch cache's quantized weight, handed over as the gathered
+one ([Note: a cached weight on the fast path]). An FP8 block layer on CUDA does the same (`_one_block_op`: `hybridq::
 fp8_block_linear`, csrc/linear_fp8_block.cpp), on a plain or a gathered weight, where its GEMMs all run as the
 extension's block GEMM op.
 
@@ -34,7 +35,7 @@ the fp32 emulation (dequantize, multiply), as in eager (the block reference as o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -452,13 +453,15 @@ def _block_gemms_native(spec: Float8GraphSpec, x: torch.Tensor, m: int, k: int, 
 
 
 def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
-                        cfg) -> torch.Tensor | None:
+                        cfg, weight_cache: Callable[[bool], QuantizedTensor] | None = None) -> torch.Tensor | None:
     """`x W^T + b` of an eager FP8 Linear as this module's ops, or None where the general path must run: the call
-    is one the general path (linear_function.apply_linear, `cfg` its configuration) would run as exactly these
-    kernels and GEMMs -- a plain weight or FSDP2's gathered one in this spec's parts (not a cached or quantized
+    is one the general path (linear_function.apply_linear, `cfg` its configuration, `weight_cache` the same
+    argument) would run as exactly these kernels and GEMMs -- a plain weight, FSDP2's gathered one or the
+    is_first_microbatch cache's quantization of a plain weight (`weight_cache`) in this spec's parts (not a quantized
     parameter), no backward override, no sequence-parallel input (the caller checks those), `takes`, the dispatch
     tables' own kernels (`_dispatch_is_builtin`), a floating-point input with at least one row, and every shape rule
-    met (else the general path raises its error)."""
+    met (else the general path raises its error). `weight_cache` is asked only once the call runs here (a call that
+    declines before leaves the cache as it was: the general path asks it)."""
     if spec is None:
         return None
     need_dgrad, need_wgrad = gradients_needed(x, weight)
@@ -466,7 +469,18 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if not fast:
         return None
     w_parts = None
-    if isinstance(weight, QuantizedTensor):
+    if weight_cache is not None:
+        # [Note: a cached weight on the fast path] the cache (linear_function.cached_quantized_weight) decides as on
+        # the general path, asked with the same need_columnwise (override None: need_dgrad): quantize on the first
+        # micro-batch, on a change of the weight (key, fingerprint) or for a direction missing (usage
+        # preservation), else reuse. Its quantization is this spec's format (`_dispatch_is_builtin`: the format's
+        # own kernels), so its parts are handed to the ops as FSDP2's gathered weight's are (the columnwise part
+        # held for backward, never saved through the saved-tensor hooks: the general path keeps the cached weight
+        # as a handle too), and the GEMMs read exactly what the general path's read.
+        w_parts = _gathered_parts(weight_cache(need_dgrad), spec.weight, need_dgrad)
+        if w_parts is None:
+            return None
+    elif isinstance(weight, QuantizedTensor):
         w_parts = _gathered_parts(weight, spec.weight, need_dgrad)
         if w_parts is None:
             return None
@@ -511,7 +525,8 @@ def _one_op(x: torch.Tensor, spec: Float8GraphSpec, w_parts: tuple | None) -> bo
     selective checkpointing's policy, an op counter -- sees this Function's quantize ops, which the C++ op calls
     directly). FSDP2's gathered weight (`w_parts`) too, outside inference mode: the op reads its parts, and only its
     autograd kernel keeps the op away from the weight's __torch_dispatch__ (which takes no such op); in inference
-    mode no autograd kernel runs."""
+    mode no autograd kernel runs. (The is_first_microbatch cache's parts are `w_parts` too: in inference mode they
+    take `_Float8GraphLinear`, bitwise the same.)"""
     return (spec.input.block_dim == PER_TENSOR and x.is_cuda and not torch._C._len_torch_dispatch_stack()
             and (w_parts is None or not torch.is_inference_mode_enabled()))
 

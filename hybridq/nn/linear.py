@@ -208,19 +208,19 @@ class Linear(nn.Linear):
         if override is not None:
             self._check_override(override)
         cfg = self._config(override)
-        if (override is None and is_first_microbatch is None and self._float8_graph_spec is not None
-                and quantized_param_info(weight) is None
+        cache = None
+        if is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
+            cache = _CallCache(self, is_first_microbatch)
+        if (override is None and self._float8_graph_spec is not None and quantized_param_info(weight) is None
                 and (self._weight_gathered or not isinstance(weight, QuantizedTensor))):
-            # FP8 (per-tensor or blocks) on a plain weight or FSDP2's gathered one: the few ops themselves, where
-            # they are exactly what the general path below would run (nn/float8_graph.py; None: it must run)
-            y = float8_graph.eager_float8_linear(x, weight, bias, self._float8_graph_spec, cfg)
+            # FP8 (per-tensor or blocks) on a plain weight, the is_first_microbatch cache's quantization of it or
+            # FSDP2's gathered one: the few ops themselves, where they are exactly what the general path below would
+            # run (nn/float8_graph.py; None: it must run)
+            y = float8_graph.eager_float8_linear(x, weight, bias, self._float8_graph_spec, cfg, cache)
             if y is not None:
                 return y
-        cache = None
         if quantized_param_info(weight) is not None:  # the weight is held quantized (quantized_model_init)
             cache = lambda need_columnwise: weight_for_call(weight, need_columnwise)
-        elif is_first_microbatch is not None and not isinstance(weight, QuantizedTensor):
-            cache = lambda need_columnwise: self._cached_weight(is_first_microbatch, need_columnwise)
         return apply_linear(x, weight, bias, cfg, cache)
 
     # -- torch.compile (nn/compiled_linear.py) ---------------------------------------------------------------
@@ -254,3 +254,19 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+class _CallCache:
+    """One call's `weight_cache(need_columnwise)` on the is_first_microbatch cache (Linear._cached_weight), asked at
+    most once per call: where the fast path asked it and then declined, the general path gets the same quantized
+    weight rather than a second quantization (is_first_microbatch=True) or a second stale-weight warning."""
+
+    __slots__ = ("layer", "first", "weight")
+
+    def __init__(self, layer: Linear, is_first_microbatch: bool):
+        self.layer, self.first, self.weight = layer, is_first_microbatch, None
+
+    def __call__(self, need_columnwise: bool) -> QuantizedTensor:
+        if self.weight is None:
+            self.weight = self.layer._cached_weight(self.first, need_columnwise)
+        return self.weight
