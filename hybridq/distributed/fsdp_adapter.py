@@ -96,6 +96,33 @@ class FSDPLink:
         """Make FSDP2 allocate new all-gather outputs at the next unshard (the payload changed size)."""
         self._param().all_gather_outputs = []
 
+    def gathers_as_bytes(self) -> bool:
+        """Whether FSDP2 copies every all-gather input of this weight's param group as bytes, whatever 16-bit float
+        view the weight hands it ([Note: 16-bit items], distributed/layout.py): the group holds a parameter without
+        all-gather hooks whose all-gather dtype (`param_dtype`, else its own) is not float16, so the group's inputs
+        differ in dtype and FSDP2 views each as uint8 (`_get_all_gather_input_metadatas` / `foreach_all_gather`,
+        torch 2.11 and 2.13). Asked once per link (the group's parameters do not change); False where FSDP2's
+        internals are not as expected."""
+        hit = self.__dict__.get("_as_bytes")
+        if hit is None:
+            hit = self._as_bytes = _holds_other_dtype(self._group(), torch.float16)
+        return hit
+
+
+def _holds_other_dtype(group, dtype: torch.dtype) -> bool:
+    """Whether `group` (an FSDPParamGroup) holds a parameter FSDP2 all-gathers itself (no all-gather hooks) in a
+    dtype other than `dtype`."""
+    for p in getattr(group, "fsdp_params", None) or ():
+        try:
+            local = p._sharded_local_tensor
+            gather_dtype = p.param_dtype or p.orig_dtype
+        except Exception:  # noqa: BLE001 - internals differ: this one does not count
+            continue
+        if not hasattr(local, "fsdp_pre_all_gather") and isinstance(gather_dtype, torch.dtype) \
+                and gather_dtype != dtype:
+            return True
+    return False
+
 
 def later_params(link: FSDPLink) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(module, parameter name, sharded local tensor) of every FSDPParam after `link`'s in its param group, in the

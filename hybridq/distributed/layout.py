@@ -33,23 +33,37 @@ from .payload import ALIGN, PayloadMeta, aligned
 __all__ = ["ExpertLayout", "transport_view"]
 
 # payload element types for a view with a shard's shape (an unevenly sharded weight, a Shard(1) expert slot);
-# gloo has no int16 all-gather, float16 views are only copied, never computed on
+# gloo and NCCL have no int16 all-gather; a 2-byte item is float16, taken only where FSDP2 copies it as bytes
+# ([Note: 16-bit items], `halves`)
 ITEM_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
 
+# [Note: 16-bit items]
+# FSDP2 copies a param group's all-gather inputs into its all-gather buffer with one `torch._foreach_copy_` (copy-in,
+# world > 1). Where every input of the group has one dtype it copies them in that dtype, and CUDA's foreach copy of
+# float16 / bfloat16 goes through fp32 registers (opmath): every bit pattern that is a 16-bit NaN comes out as the
+# canonical NaN. Quantized bytes read as float16 hold such patterns all the time (an E4M3 448, 0x7E, or an E8M0 scale
+# 2^0, 0x7F, at an odd byte; an fp32 scale's low half), so they would reach the other ranks rewritten. Where the
+# inputs' dtypes differ FSDP2 views every one of them as uint8 and copies bytes. So a weight sends float16 items only
+# in a group FSDP2 gathers as bytes (`fsdp_adapter.gathers_as_bytes`: a parameter without all-gather hooks whose
+# all-gather dtype is not float16 is in it, e.g. a norm's bf16 weight); elsewhere a payload that needs 2 bytes per
+# element of the padded shard goes as int32 items (2 bytes more per element on the wire). uint8, int32 and int64
+# items are integers: copied bit for bit.
 
-def _item_size(nbytes: int, elements: int) -> int | None:
-    """The smallest item size whose `elements` items hold `nbytes` bytes (None: more than 8 bytes each)."""
-    return next((size for size in ITEM_DTYPES if size * elements >= nbytes), None)
+
+def _item_size(nbytes: int, elements: int, halves: bool = True) -> int | None:
+    """The smallest item size whose `elements` items hold `nbytes` bytes (None: more than 8 bytes each); 2 only with
+    `halves` ([Note: 16-bit items])."""
+    return next((size for size in ITEM_DTYPES if size * elements >= nbytes and (halves or size != 2)), None)
 
 
-def transport_view(payload: torch.Tensor, shape, ws: int) -> torch.Tensor:
+def transport_view(payload: torch.Tensor, shape, ws: int, halves: bool = True) -> torch.Tensor:
     """The all-gather input: the flat payload, or (uneven dim-0 sharding) a view with the padded shard's shape,
-    which FSDP2 requires of every input then."""
+    which FSDP2 requires of every input then, in float16 items only with `halves` ([Note: 16-bit items])."""
     if shape[0] % ws == 0:
         return payload
     chunk = -(-shape[0] // ws)
     n = chunk * math.prod(shape[1:])
-    size = _item_size(payload.numel(), n)
+    size = _item_size(payload.numel(), n, halves)
     if size is None:
         raise RuntimeError(f"hybridq FSDP: quantized payload ({payload.numel()} bytes) exceeds 8 bytes per element "
                            f"of the padded shard {chunk}x{tuple(shape[1:])}")
@@ -70,18 +84,22 @@ class ExpertLayout:
     cols: int  # in
     world_size: int
     rank: int
+    # float16 items may carry the payload ([Note: 16-bit items]); the transport's choice only, not where rows live:
+    # left out of comparisons (statistics keyed by the layout stay those precompute_scales reduced)
+    halves: bool = dataclasses.field(default=True, compare=False)
 
     @classmethod
     def infer(cls, name: str, shape, local_shape, world_size: int, rank: int,
-              describe: str | Callable[[], str]) -> "ExpertLayout":
+              describe: str | Callable[[], str], halves: bool = True) -> "ExpertLayout":
         """The layout FSDP2 chose, told by the local shard's shape (public information, same in torch 2.11 and
         2.13). Sharding along `in` (dim 2) is refused: the rowwise blocks run along it. `describe`: the weight
-        format, for the error (a callable is called only then: the hooks infer the layout at every unshard)."""
+        format, for the error (a callable is called only then: the hooks infer the layout at every unshard).
+        `halves`: float16 items may carry the payload ([Note: 16-bit items])."""
         e, n, k = shape
         if world_size == 1 or tuple(local_shape[1:]) == (n, k):
-            return cls(0, e, n, k, world_size, rank)
+            return cls(0, e, n, k, world_size, rank, halves)
         if local_shape[0] == e and local_shape[2] == k:
-            return cls(1, e, n, k, world_size, rank)
+            return cls(1, e, n, k, world_size, rank, halves)
         fmt = describe if isinstance(describe, str) else describe()
         raise ValueError(
             f"apply_hybrid_fsdp: {name} {tuple(shape)} is sharded along dim 2 (in_features; local shard "
@@ -140,7 +158,7 @@ class ExpertLayout:
         need = aligned(max((m.nbytes for m in metas), default=0))
         if self.dim == 0:
             return need
-        size = _item_size(need, self.chunk * self.cols)
+        size = _item_size(need, self.chunk * self.cols, self.halves)
         if size is None:
             raise ValueError(f"hybridq FSDP: an expert's quantized payload ({need} bytes) exceeds 8 bytes per element "
                              f"of its shard [{self.chunk}, {self.cols}]")
@@ -149,7 +167,7 @@ class ExpertLayout:
     def transport(self, payload: torch.Tensor, slot: int) -> torch.Tensor:
         """The all-gather input FSDP2 accepts for this layout."""
         if self.dim == 0:
-            return transport_view(payload, (self.experts, self.rows, self.cols), self.world_size)
+            return transport_view(payload, (self.experts, self.rows, self.cols), self.world_size, self.halves)
         dt = ITEM_DTYPES[slot // (self.chunk * self.cols)] if slot else torch.uint8
         return payload.view(dt).view(self.experts, self.chunk, self.cols) if slot else payload
 

@@ -139,13 +139,14 @@ class _ShardLayout:
     shape: tuple[int, ...]
     shard: RowShard
     derivable: bool
+    halves: bool = True  # its padded all-gather input may be float16 items (layout.py, [Note: 16-bit items])
 
 
-def _shard_layout(st, q, outer_size, ws: int, rank: int, dtype, override) -> _ShardLayout:
+def _shard_layout(st, q, outer_size, ws: int, rank: int, dtype, override, halves: bool = True) -> _ShardLayout:
     """The weight's `_ShardLayout` for this unshard: looked up (one per quantizer and sharding; a new quantizer, e.g.
     after a recipe change, is a new entry: the entry holds it and is compared by identity), else checked before
     anything is quantized, sent or kept, and remembered."""
-    key = (id(q), outer_size, ws, rank, dtype, override)
+    key = (id(q), outer_size, ws, rank, dtype, override, halves)
     hit = st.shard_layouts.get(key)
     if hit is not None and hit.quantizer is q:
         return hit
@@ -154,21 +155,21 @@ def _shard_layout(st, q, outer_size, ws: int, rank: int, dtype, override) -> _Sh
     check_shard_layout(q, st.name, shape, ws, dtype, override, derivable)
     if len(st.shard_layouts) >= 16:
         st.shard_layouts.clear()
-    hit = st.shard_layouts[key] = _ShardLayout(q, shape, dim0_chunks(shape, ws)[rank], derivable)
+    hit = st.shard_layouts[key] = _ShardLayout(q, shape, dim0_chunks(shape, ws)[rank], derivable, halves)
     return hit
 
 
-def _grouped_layout(st, qs, outer_size, local_shape, ws: int, rank: int, dtype, override
+def _grouped_layout(st, qs, outer_size, local_shape, ws: int, rank: int, dtype, override, halves: bool = True
                     ) -> tuple[tuple[int, ...], ExpertLayout, bool]:
     """(shape, layout, derivable) of a grouped weight for this unshard: looked up (one entry per quantizers and
     sharding: it holds the quantizers, so their ids in the key name them), else inferred and checked before anything
     is quantized or sent, and remembered."""
-    key = (tuple(map(id, qs)), outer_size, local_shape, ws, rank, dtype, override)
+    key = (tuple(map(id, qs)), outer_size, local_shape, ws, rank, dtype, override, halves)
     hit = st.shard_layouts.get(key)
     if hit is not None:
         return hit[1]
     shape = tuple(outer_size)
-    layout = ExpertLayout.infer(st.name, shape, tuple(local_shape), ws, rank, qs[0].describe)
+    layout = ExpertLayout.infer(st.name, shape, tuple(local_shape), ws, rank, qs[0].describe, halves)
     derivable = st.is_derivable(qs, shape[1:], dtype)
     if layout.dim == 1:  # (dim 0: every expert is whole on one rank, nothing can straddle)
         for e, q in enumerate(qs):
@@ -301,7 +302,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                                                                             ws, lane.rank, dtype, lane.group)
         if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
             st.kept_payload = KeptPayload(key, payload, meta)
-        inp = transport_view(payload, shape, ws)
+        inp = transport_view(payload, shape, ws, lane.layout.halves)
         _sent(st, lane.link, inp, setup.phase)
         st.deferred = plan.deferred
         if st.parts:
@@ -321,9 +322,10 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         ws, rank, group = _mesh_info(st, mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         override = module.recipe.backward_override
-        lay = _shard_layout(st, q, outer_size, ws, rank, dtype, override)  # (checked before anything is quantized)
-        st.param_dtype = dtype
         link = st.link(module)
+        lay = _shard_layout(st, q, outer_size, ws, rank, dtype, override,  # (checked before anything is quantized)
+                            link is not None and link.gathers_as_bytes())
+        st.param_dtype = dtype
         param = _sharded_param(self, module, "weight", link)
         return derive(st, self, mesh, outer_size, module, mp_policy, "weight", quant=q, override=override, link=link,
                       param=param, ws=ws, rank=rank, group=group, dtype=dtype, shape=lay.shape, layout=lay,
@@ -413,9 +415,10 @@ class GroupedHybridWeight(HybridWeight):
         ws, rank, group = _mesh_info(st, mesh)
         dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         override = layer.recipe.backward_override
-        shape, layout, derivable = _grouped_layout(st, qs, outer_size, self.shape, ws, rank, dtype, override)
-        st.param_dtype = dtype
         link = st.link(module)
+        shape, layout, derivable = _grouped_layout(st, qs, outer_size, self.shape, ws, rank, dtype, override,
+                                                   link is not None and link.gathers_as_bytes())
+        st.param_dtype = dtype
         param = _sharded_param(self, module, st.attr, link)
         return derive(st, self, mesh, outer_size, module, mp_policy, st.attr, quant=qs, override=override, link=link,
                       param=param, ws=ws, rank=rank, group=group, dtype=dtype, shape=shape, layout=layout,
