@@ -161,6 +161,31 @@ def test_columnwise_form_is_added_when_first_needed(case):
     assert layer._weight_cache[1].has("columnwise"), f"{case}: a no_grad first micro-batch dropped the columnwise form"
 
 
+def _inference_then_training(case, device="cpu", dtype=torch.float32):
+    """(inference-mode outputs, training call's results and node) of the fast path, then of the general path."""
+    layers = [_layer(case, device=device, dtype=dtype), _layer(case, device=device, dtype=dtype)]
+    x, gy = _inputs(device, dtype)
+    got = []
+    for layer, fast in zip(layers, (True, False)):
+        with eager_fast_path(fast):
+            with torch.inference_mode():
+                ys = [layer(x, is_first_microbatch=first) for first in (True, False)]
+            got.append((ys, _call(layer, x, gy, False)))
+    return got
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_cached_weight_under_inference_mode_is_bitwise_the_general_path(case):
+    """Evaluation under torch.inference_mode (first micro-batch, then reuse): the fast path's Python node on the
+    cached parts, bitwise the general path; the next training call adds the columnwise form to the cache made there."""
+    (fys, (fr, fn)), (gys, (gr, gn)) = _inference_then_training(case)
+    assert (fn, gn) == (FAST, GENERAL), f"{case}: paths taken after inference mode {fn}, {gn}"
+    for i, (a, b) in enumerate(zip(fys, gys)):
+        assert_bitwise(a, b, f"{case}: inference-mode call {i}")
+    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), fr, gr):
+        assert_bitwise(a, b, f"{case}: training call after inference mode: {n}")
+
+
 def test_a_call_declined_after_asking_the_cache_asks_it_once(monkeypatch, caplog):
     """Where the fast path asked the cache and then declined (cached parts it cannot read), the general path runs on
     that same quantized weight: one quantization per first micro-batch, one stale-weight warning per stale call."""
@@ -223,3 +248,19 @@ def test_cached_weight_on_cuda_is_bitwise_the_general_path(case, variant):
             assert (a is None) == (b is None), f"{what}: {n} is {'missing' if a is None else 'there'} on the fast path"
             if a is not None:
                 assert_bitwise(a, b, f"{what}: {n}")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("case", ["fp8_e4m3", "fp8_block"])
+def test_cached_weight_on_cuda_under_inference_mode_is_bitwise_the_general_path(case):
+    """Inference mode on CUDA: the cached parts on the Python node (no one op: see float8_graph._one_op), bitwise the
+    general path; the next training call runs as the one op on the cache made there."""
+    (fys, (fr, fn)), (gys, (gr, gn)) = _inference_then_training(case, "cuda", torch.bfloat16)
+    blocks = BLOCK_OP if torch.cuda.get_device_capability() == (9, 0) else FAST
+    want = ONE_OP if case.startswith("fp8_e") else blocks
+    assert (fn, gn) == (want, GENERAL), f"{case}: paths taken after inference mode {fn}, {gn}"
+    for i, (a, b) in enumerate(zip(fys, gys)):
+        assert_bitwise(a, b, f"{case} on CUDA: inference-mode call {i}")
+    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), fr, gr):
+        assert_bitwise(a, b, f"{case} on CUDA: training call after inference mode: {n}")
