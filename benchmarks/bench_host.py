@@ -177,6 +177,8 @@ def cases(dim: int, device: torch.device) -> list:
         ("hybridq Linear fwd+bwd (fp8_block, general path)", general(step(hq_block))),
         ("hybridq Linear forward only (grad on)", lambda: hq(xg)),
         ("hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False)", step(hq, is_first_microbatch=False)),
+        ("hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False, general path)",
+         general(step(hq, is_first_microbatch=False))),
         # FSDP2 (world 1, resharded after forward: the training job's weights): the unshard / reshard hooks around
         # each call, the weight all-gathered quantized (a GatheredWeight) for the hybridq Linear
         ("FSDP2 nn.Linear fwd+bwd (bf16)", step(fsdp_bf16)),

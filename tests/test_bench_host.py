@@ -24,6 +24,7 @@ CPU_ROWS = [  # every row a CPU run prints (the CUDA rows come after them on a G
     "hybridq Linear fwd+bwd (fp8_block, general path)",
     "hybridq Linear forward only (grad on)",
     "hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False)",
+    "hybridq Linear fwd+bwd, weight cached (is_first_microbatch=False, general path)",
     "FSDP2 nn.Linear fwd+bwd (bf16)",
     "FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight)",
     "FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, general path)",
