@@ -63,13 +63,17 @@ FSDP_TP = {(1, 2): ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4", "mxfp8_fwd_
 
 @functools.lru_cache(maxsize=None)
 def _report() -> tuple:
-    """Per rank {"tp": {case_key: result}, "fsdp_tp": {preset: result} (mesh (1, 2)), "unsharded": result}; one
-    spawn."""
+    """Per rank {"tp": {case_key: result}, "fsdp_tp": {preset: result} (mesh (1, 2)), "copied": {preset: result},
+    "unsharded": result, "non_finite eager" / "non_finite compiled": result}; every 2-rank job in one spawn."""
     return tuple(spawn(job_several, 2, "gloo", jobs={
         "tp": (_tp_compile_jobs.compiled_tp_matches_eager, {"cases": CASES + EAGER_CASES}),
         "fsdp_tp": (_tp_compile_jobs.fsdp_tp_compiled_matches_eager,
                     {"presets": FSDP_TP[(1, 2)], "mesh_shape": (1, 2)}),
-        "unsharded": (_tp_compile_jobs.unsharded_hybrid_weights_compile, {})}))
+        "copied": (_tp_compile_jobs.fsdp_tp_compiled_matches_eager,
+                   {"presets": ["fp8_tensorwise"], "mesh_shape": (1, 2), "copied": True}),
+        "unsharded": (_tp_compile_jobs.unsharded_hybrid_weights_compile, {}),
+        **{f"non_finite {how}": (_tp_compile_jobs.replicated_input_gradient_keeps_non_finite, {"compiled": compiled})
+           for how, compiled in (("eager", False), ("compiled", True))}}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,9 +138,8 @@ def test_a_deep_copy_of_tensor_parallel_layers_compiles_on_its_own_after_the_ori
     """copy.deepcopy of a model after the TP styles (before fully_shard), the original dropped: the copy's layers
     name themselves for the compiled path (they once named the original's, and the compile failed once it was freed)
     -- no graph break, bitwise the eager step."""
-    for rank, rep in enumerate(spawn(_tp_compile_jobs.fsdp_tp_compiled_matches_eager, 2, "gloo",
-                                     presets=["fp8_tensorwise"], mesh_shape=(1, 2), copied=True)):
-        r = rep["fp8_tensorwise"]
+    for rank, rep in enumerate(_report()):
+        r = rep["copied"]["fp8_tensorwise"]
         assert r["error"] is None, f"rank {rank}: compiling the copy with fullgraph=True failed: {r['error']}"
         assert r["tp_ops"] == 3, f"rank {rank}: {r['tp_ops']} tensor-parallel Linear ops in the graphs, expected 3"
         assert not r["diffs"], f"rank {rank}:\n" + "\n".join(r["diffs"][:20])
@@ -155,7 +158,7 @@ def test_tensor_parallel_pieces_prepared_for_fsdp2_but_not_sharded_stay_eager_in
 def test_replicated_input_gradient_all_reduce_keeps_non_finite_values_of_every_rank(compiled):
     """The input gradient's all-reduce of a column-parallel layer on a replicated input: a NaN in grad_output on the
     last rank and an inf on the first reach every rank's input gradient (row 1 NaN, row 2 inf), never made finite."""
-    for rank, r in enumerate(spawn(_tp_compile_jobs.replicated_input_gradient_keeps_non_finite, 2, "gloo",
-                                   compiled=compiled)):
+    for rank, rep in enumerate(_report()):
+        r = rep[f"non_finite {'compiled' if compiled else 'eager'}"]
         assert r["nan"] == [False, True, False, False], f"rank {rank}: NaN rows of the input gradient {r['nan']}"
         assert r["inf"] == [False, False, True, False], f"rank {rank}: inf rows of the input gradient {r['inf']}"
