@@ -30,9 +30,10 @@ import torch
 
 from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart
 from ..switches import Switch
+from ..torch_private import storage_id
 from .grouped_blocks_payload import StackedBlocks
 from .layout import ALIGN, ExpertLayout
-from .payload import HIGH_PRECISION, assemble_joined, assemble_parts
+from .payload import HIGH_PRECISION, GatheredViews, assemble_joined, assemble_parts
 from .plan import GatherPlan
 
 __all__ = ["ENV", "fill_stacked_blocks", "set_stacked_block_gather", "stacked_block_gather", "stacks_blocks"]
@@ -83,6 +84,8 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
     slots), a derived direction derived once from it, and each tensor kind copied into the stacked buffers in one
     copy. False (nothing done) where that does not apply."""
     e, n, ws, chunk = layout.experts, layout.rows, layout.world_size, layout.chunk
+    if _copy_kept(st, metas, gathered, slot, layout, plan, stacked):
+        return True
     flat = gathered.reshape(-1).view(torch.uint8)
     if (layout.dim != 0 or len(metas) != e or n % q.split_granularity(True, True)[0] or slot % ALIGN
             or flat.numel() % ws or flat.numel() // ws < chunk * slot or flat.storage_offset() % ALIGN):
@@ -92,6 +95,8 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
         return False
     # the experts' slots, rank-major (a view; a copy where uneven sharding pads each rank's payload past its slots)
     per_expert = flat.view(ws, -1)[:, :chunk * slot].reshape(ws * chunk, slot)[:e]
+    if stacked is not None and _fill_direct(st, metas, gathered, per_expert, slot, layout, plan, stacked, dst):
+        return True
     joined = assemble_joined(metas, per_expert, stacked.joined_replicated(per_expert) if stacked else None)
     if joined is None:
         return False
@@ -107,6 +112,128 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
         for k, v in dst[d][1].items():
             v.copy_(srcs[d][k])
     return True
+
+
+def _direct_sources(st, m0, e: int, plan: GatherPlan, stacked: StackedBlocks, dst) -> tuple | None:
+    """For each stacked tensor the joined fill writes, where its experts' values are one buffer or replicated tensor
+    of their payloads as sent ([Note: direct joined fill]): (direction, tensor name, ("buffer", spec) | ("replica",
+    replica)); None where any is not (a derived direction, a buffer the part re-lays out). Asked once per payload
+    metadata, replicas and plan (kept in the state), on meta tensors."""
+    key = (id(m0), id(stacked), id(plan), e)
+    kept = st.__dict__.setdefault("direct_fills", {})
+    hit = kept.get(key)
+    if hit is not None and hit[0] is m0 and hit[1] is stacked and hit[2] is plan:
+        return hit[3]
+    out = _probe_direct(m0, e, plan, stacked, dst)
+    if len(kept) >= 8:
+        kept.clear()
+    kept[key] = (m0, stacked, plan, out)
+    return out
+
+
+def _probe_direct(m0, e: int, plan: GatherPlan, stacked: StackedBlocks, dst) -> tuple | None:
+    if plan.derive and COLUMNWISE in plan.materialize:
+        return None
+    meta = torch.device("meta")
+    out = []
+    for d in plan.materialize:
+        ps = m0.parts.get(d)
+        if ps is None or ps.hints:
+            return None
+        specs = {b.name: b for b in m0.buffers if b.direction == d}
+        reps = {r.name: r for r in stacked.replicas if r.direction == d}
+        # the joined part's buffers and replicated tensors (as assemble_joined gives them), on meta
+        full = {n: torch.empty((e * b.capacity,) + b.row_shape, dtype=b.dtype, device=meta) for n, b in specs.items()}
+        rep = {n: torch.empty((r.shape[0], e * r.shape[1]) if r.columnwise else (e * r.shape[0], r.shape[1]),
+                              dtype=r.dtype, device=meta) for n, r in reps.items()}
+        rep = {**dict.fromkeys(m0.replicated.get(d, {})), **rep}
+        try:
+            part = ps.cls.assign_gathered(full, rep, rows=ps.rows if ps.columnwise else e * ps.rows,
+                                          cols=e * ps.cols if ps.columnwise else ps.cols, columnwise=ps.columnwise,
+                                          meta=ps.meta)
+        except Exception:  # noqa: BLE001 - a part that cannot be rebuilt on meta: the joined fill as before
+            return None
+        tensors = part.tensors()
+        for k, v in dst[d][1].items():
+            t = tensors.get(k)
+            b = next((b for n, b in specs.items() if full[n] is t), None)
+            r = next((r for n, r in reps.items() if rep[n] is t), None)
+            if b is not None and not ps.columnwise and tuple(v.shape) == (e, b.capacity) + b.row_shape \
+                    and v.dtype == b.dtype:
+                out.append((d, k, ("buffer", b)))
+            elif r is not None and tuple(v.shape) == (e,) + r.shape and v.dtype == r.dtype:
+                out.append((d, k, ("replica", r)))
+            else:
+                return None
+    return tuple(out)
+
+
+def _fill_direct(st, metas, gathered: torch.Tensor, per_expert: torch.Tensor, slot: int, layout: ExpertLayout,
+                 plan: GatherPlan, stacked: StackedBlocks, dst) -> bool:
+    """The joined fill as one copy per stacked tensor straight from the experts' slots (`_direct_sources`), without
+    assembling the joined parts; False (nothing done) where it does not apply. The copies are kept for the next
+    unshard of the same output where every source is a view of it (`_copy_kept`)."""
+    e = per_expert.shape[0]
+    sources = _direct_sources(st, metas[0], e, plan, stacked, dst)
+    if sources is None:
+        return False
+    copies = []
+    for d, k, (kind, what) in sources:
+        if kind == "buffer":
+            src = per_expert[:, what.offset:what.offset + what.nbytes].view(what.dtype).view(
+                (e, what.capacity) + what.row_shape)
+        else:
+            src = stacked._views(per_expert, what)
+        copies.append((dst[d][1][k], src))
+    for t, src in copies:
+        t.copy_(src)
+    st.counters["stacked_block_fills_direct"] += 1
+    out = storage_id(gathered)
+    kept = st.__dict__.setdefault("direct_copies", {})  # (per plan: forward and backward / eval unshards alternate)
+    kept.pop(id(plan), None)
+    if all(storage_id(src) == out for _, src in copies):
+        if len(kept) >= 8:
+            kept.clear()
+        kept[id(plan)] = ((GatheredViews.key_of(gathered), slot, layout), (metas, plan, stacked),
+                          tuple((d, dst[d][1]) for d in plan.materialize), tuple(copies))
+    return True
+
+
+def _copy_kept(st, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
+               stacked: StackedBlocks | None) -> bool:
+    """The last direct fill's copies again where this unshard is like it: the same all-gather output (storage,
+    offset, shape, dtype: its views hold this unshard's bytes), slot, layout, payload metadata, plan and replicas,
+    and the same stacked views. False, nothing done: fill as usual."""
+    hit = st.__dict__.get("direct_copies", {}).get(id(plan))
+    if (hit is None or hit[1][0] is not metas or hit[1][1] is not plan or hit[1][2] is not stacked
+            or hit[0] != (GatheredViews.key_of(gathered), slot, layout)):
+        return False
+    for d, views in hit[2]:
+        now = st.stacked(d)
+        if now is None or now[1] is not views:
+            return False
+    for t, src in hit[3]:
+        t.copy_(src)
+    st.counters["stacked_block_fills_direct"] += 1
+    st.counters["stacked_block_fills_kept"] += 1
+    return True
+
+
+# [Note: direct joined fill]
+# The joined fill assembles all experts' payloads as one `[E*out, in]` tensor's parts (each buffer kind joined across
+# the experts' slots: a copy, the slots being apart) and splits them into the stacked buffers (another copy). Where a
+# stacked tensor's experts are, byte for byte, one buffer of their payloads (a rowwise part whose `assign_gathered`
+# takes that buffer as it is: FP8 blocks' data, 1x128 scales) or one replicated tensor carried in the slots (128x128
+# tile scales: `StackedBlocks`), the same bytes go straight from the slots into the stacked views: one copy per
+# tensor and none of the assembly's ~20 dispatcher calls. Which tensors are so is a matter of the payload layout and
+# the format alone: asked once per payload metadata, replicas and plan by rebuilding the joined part on meta tensors
+# (the protocol's `assign_gathered`, no values) and checking that each stacked tensor is a gathered buffer or a
+# replicated tensor itself (not a copy, transpose or repeat of one). The copies (stacked view, view of the output)
+# are kept per plan for the next unshard of the same output, slot, layout, metadata, plan, replicas and stacked
+# views: FSDP2 hands the hook the same output storage at every unshard, whose views then hold the new bytes (kept
+# only where every source is such a view: a payload padded per rank is sliced by a copy). Every byte is read from
+# this unshard's all-gather output. A derived direction (128x128 tiles' columnwise form) or a re-laid-out buffer (a
+# columnwise part's transposed rows) keeps the assembled fill.
 
 
 def fill_stacked_blocks(st, qs, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,

@@ -125,7 +125,9 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
     finally:
         weights_mod.GroupedHybridWeight._post_all_gather = real
         grouped_blocks_batched.set_stacked_block_gather(True)
-    return {"steps": results, "fills": st.counters.get("stacked_block_fills", 0)}
+    return {"steps": results, "fills": st.counters.get("stacked_block_fills", 0),
+            "direct": st.counters.get("stacked_block_fills_direct", 0),
+            "kept": st.counters.get("stacked_block_fills_kept", 0)}
 
 
 def job_stacked_blocks(rank, world_size, device, cases):
@@ -152,6 +154,7 @@ def job_stacked_blocks(rank, world_size, device, cases):
                     continue
                 diffs += [d for d in (tensor_diff(sa[k], sb[k], f"{where} gather {i} {k}") for k in sa) if d]
         out.append({"diffs": diffs, "oracle": oracle, "fills_on": on["fills"], "fills_off": off["fills"],
+                    "direct_on": on["direct"], "kept_on": on["kept"],
                     "views_on": [v for s in on["steps"] for v in s["stacked"]],
                     "views_off": [v for s in off["steps"] for v in s["stacked"]],
                     "nonfinite_y": [bool((~torch.isfinite(s["y"].float())).any()) for s in on["steps"]]})

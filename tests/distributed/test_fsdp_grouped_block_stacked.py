@@ -80,6 +80,26 @@ def test_joined_fill_runs_exactly_where_no_block_spans_two_experts(runs, i):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_joined_forward_fills_copy_straight_from_the_slots_and_keep_their_copies(runs, i):
+    """[Note: direct joined fill]: where the experts are joined, the forward's rowwise fill (every preset's rowwise
+    tensors are a payload buffer or a replicated tensor as sent) copies straight from the slots, and the next unshard
+    of the same plan reuses those copies (views of the same all-gather output); the oracles above check each gather's
+    bytes. The backward's derived or columnwise fills assemble as before. Experts uneven over the ranks (3 on 2): each
+    rank's payload is padded, the slots are sliced by a copy, so the copies are made anew each time."""
+    ws, results = runs
+    for rank, res in enumerate(results):
+        r = res[i]
+        if joined(CASES[i]):
+            even = CASES[i].get("experts", 4) % ws == 0
+            assert r["direct_on"] > 0 and (r["kept_on"] > 0) == even, \
+                f"world {ws} rank {rank} {IDS[i]}: direct fills {r['direct_on']}, kept {r['kept_on']}"
+            assert r["kept_on"] < r["direct_on"] <= r["fills_on"], f"world {ws} rank {rank} {IDS[i]}: {r}"
+        else:
+            assert r["direct_on"] == 0, f"world {ws} rank {rank} {IDS[i]}: direct fills without a joined fill"
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c.get("nonfinite")],
                          ids=[IDS[i] for i, c in enumerate(CASES) if c.get("nonfinite")])
 def test_nonfinite_weights_stay_nonfinite(runs, i):
@@ -156,3 +176,5 @@ def test_gpu_stacked_gather_is_bitwise_the_per_expert_gather(gpu_runs, i):
     assert r["views_on"] and all(mat == views for mat, views in r["views_on"]), f"{GPU_IDS[i]}: {r['views_on']}"
     want = len(r["views_on"]) if joined(GPU_CASES[i]) else 0
     assert r["fills_on"] == want, f"{GPU_IDS[i]}: joined fills {r['fills_on']}, expected {want}"
+    # ([Note: direct joined fill]: the forward's rowwise fills straight from the slots, their copies kept)
+    assert (r["direct_on"] > 0 and r["kept_on"] > 0) == joined(GPU_CASES[i]), f"{GPU_IDS[i]}: {r}"
