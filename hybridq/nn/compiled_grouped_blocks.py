@@ -2,8 +2,8 @@
 (nn/grouped_device_blocks.py: FP8 1x128 / 128x128 blocks, MXFP8 and their hybrids, `BLOCKS`) as custom ops, as
 compiled_grouped.py does for per-tensor FP8: `hybridq::grouped_blocks_input_quantize` quantizes the input into its
 expert slots (rowwise, and the columnwise form wgrad reads), `hybridq::grouped_blocks_forward` takes those forms and
-returns the output and the tensors of the weight's columnwise form (what dgrad reads), `hybridq::grouped_blocks_backward`
-the input and weight gradients, with autograd registered on the forward op. The input's quantization is an op of its
+returns the output and the tensors of the weight's columnwise form (what dgrad reads),
+`hybridq::grouped_blocks_backward` the input and weight gradients, with autograd registered on the forward op. The input's quantization is an op of its
 own so that the projections of one input share it ([Note: one input quantization of block experts in the graph]).
 Inside the ops the eager code runs (`grouped_device_blocks`' quantize, weight forms, grouped GEMMs and `backward`):
 bitwise the eager layer with the same counts.
@@ -28,31 +28,32 @@ saves the gathered bytes.
 from __future__ import annotations
 
 
+from typing import NamedTuple
+
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..enums import COLUMNWISE, ROWWISE
-from ..formats.base import Quantizer
-from ..tensor import flatten_quantized, unflatten_quantized
+from ..formats.base import QuantizedPart, Quantizer
+from ..tensor import QuantizedTensor
 from ..weight_forms import GroupedGatheredForm
 from . import grouped_device_blocks as device_blocks
 from .graph_keys import ConfigurationKeys
 from .grouped_packed import SlotLayout
 from .grouped_packed_blocks import ExpertWeights, GatheredExpertWeights
-from .linear_function import _only
 from .plain_ops import plain_op
 from .weight_handle import handled_weight, redirect_to_handle, weight_of
 
 # configurations by content (graph_keys.py) -> (name of the first layer, the quantizers every expert shares)
 _LAYERS: ConfigurationKeys[tuple[str, dict]] = ConfigurationKeys("grouped-blocks-config-")
 _TENSORS = ("input", "weight", "grad_output")
-# (key, need_dgrad, need_wgrad, x shape, x dtype) -> (flattened layout of the input's rowwise form, its tensor count,
-# flattened layout of its columnwise form): recorded by the input quantize op, read by the forward op (its outputs
-# are plain tensors) -- a function of the configuration and shapes alone
-_INPUTS: dict[tuple, tuple[list, int, list]] = {}
-# (key, need_dgrad, need_wgrad, x shape, weight shape, dtypes, gathered) -> (flattened layout of the saved forms: the
-# input's columnwise form, then the weight's; weight packed): recorded by forward, read by backward
-_SAVED: dict[tuple, tuple[list, bool]] = {}
+# ([Note: block op forms]) (key, need_dgrad, need_wgrad, x shape, x dtype) -> (the input's rowwise `_Form`, its
+# columnwise `_Form` or None): kept by the input quantize op, read by the forward op
+_INPUTS: dict[tuple, tuple["_Form", "_Form | None"]] = {}
+# (key, need_dgrad, need_wgrad, x shape, weight shape, dtypes, gathered) -> (the input's columnwise `_Form` or None,
+# the weight's columnwise `_Form`s, weight packed): kept by the forward op, read by backward
+_SAVED: dict[tuple, tuple["_Form | None", tuple["_Form", ...], bool]] = {}
+# (key, need_dgrad, need_wgrad) -> the slot multiple of the input quantize op's layout
+_MULTIPLES: dict[tuple, int] = {}
 
 
 def is_key(key: str | None) -> bool:
@@ -83,14 +84,70 @@ def _saved_key(key, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, w_dtype, 
     return (key, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), x_dtype, w_dtype, gathered)
 
 
-def _fresh(flat: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """`flat` as an op's outputs: aliasing neither the inputs nor one another, with the fake's (contiguous) strides."""
-    seen = {StorageWeakRef(t.untyped_storage()) for t in inputs}
+# [Note: block op forms] The ops pass quantized forms as plain tensors (a custom op's inputs and outputs), and what
+# rebuilds a form from them -- its part's type, rows, cols, direction and metadata, the names of its tensors, the
+# QuantizedTensor's shape and dtype -- depends on the configuration and shapes alone. It is kept as a `_Form` per
+# call signature (`_INPUTS`, `_SAVED`) instead of walking the forms generically at every call (tensor.py's
+# `flatten_quantized` / `unflatten_quantized`, with a QuantizedTensor -- a wrapper subclass, the costly part -- made
+# around each part just to be flattened, and one around the input's rowwise part just to read it); a kept form is
+# reused only for a part it `fits` (same type, rows, cols, direction, tensors present and metadata), else made anew,
+# so it is never stale. The forward op rebuilds the input's rowwise part alone (its GEMM reads nothing else); backward
+# the QuantizedTensors `grouped_device_blocks.backward` takes.
+class _Form(NamedTuple):
+    """One direction of a QuantizedTensor as an op's plain tensors (see [Note: block op forms])."""
+
+    cls: type
+    rows: int
+    cols: int
+    columnwise: bool
+    meta: dict
+    names: tuple[str, ...]  # (its tensors present, in `tensor_fields` order)
+    absent: dict  # (its tensor fields that are None)
+    shape: tuple
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, part: QuantizedPart, shape, dtype: torch.dtype) -> "_Form":
+        names = tuple(n for n in part.tensor_fields if getattr(part, n) is not None)
+        return cls(type(part), part.rows, part.cols, part.columnwise, part.meta(), names,
+                   {n: None for n in part.tensor_fields if n not in names}, tuple(shape), dtype)
+
+    def fits(self, part: QuantizedPart) -> bool:
+        return (type(part) is self.cls and part.rows == self.rows and part.cols == self.cols
+                and part.columnwise == self.columnwise and all(getattr(part, n) is not None for n in self.names)
+                and all(getattr(part, n) is None for n in self.absent) and part.meta() == self.meta)
+
+    def tensors(self, part: QuantizedPart) -> list[torch.Tensor]:
+        return [getattr(part, n) for n in self.names]
+
+    def part(self, tensors) -> QuantizedPart:
+        """The part of `tensors` (this form's, in order)."""
+        return self.cls(rows=self.rows, cols=self.cols, columnwise=self.columnwise, **dict(zip(self.names, tensors)),
+                        **self.absent, **self.meta)
+
+    def quantized(self, tensors) -> QuantizedTensor:
+        p = self.part(tensors)
+        return QuantizedTensor(None if self.columnwise else p, p if self.columnwise else None, shape=self.shape,
+                               dtype=self.dtype)
+
+
+def _form_of(part: QuantizedPart, kept: "_Form | None", shape, dtype: torch.dtype) -> "_Form":
+    """`kept` where it fits `part`, else the part's form."""
+    return kept if kept is not None and kept.fits(part) else _Form.of(part, shape, dtype)
+
+
+def _fresh(flat: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], fake: bool) -> list[torch.Tensor]:
+    """`flat` as an op's outputs: aliasing neither the inputs nor one another, with the fake's (contiguous) strides.
+    Storages are told apart by address (two live storages never share a nonzero one; an empty storage's 0 only costs
+    the copy of an empty tensor); a fake tensor has none: the fake's outputs are copies (compile's tracing only)."""
+    if fake:
+        return [t.clone(memory_format=torch.contiguous_format) for t in flat]
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
     out = []
     for t in flat:
-        ref = StorageWeakRef(t.untyped_storage())
-        out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
-        seen.add(ref)
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone(memory_format=torch.contiguous_format) if ptr in seen else t.contiguous())
+        seen.add(ptr)
     return out
 
 
@@ -120,14 +177,25 @@ def _run_input_quantize(x, m_splits, key, need_dgrad, need_wgrad, fake: bool) ->
     """[the input's rowwise form's tensors, then its columnwise form's (`need_wgrad`)] in the slot layout of the
     counts (`grouped_device_blocks.forward`'s input quantization)."""
     name, quantizers = _LAYERS[key]
-    layout = SlotLayout.build(m_splits, x.shape[0], x.device,
-                              device_blocks.slot_multiple(quantizers, need_dgrad, need_wgrad), _no_host_gemm, name,
-                              fake)
+    mk = (key, need_dgrad, need_wgrad)
+    multiple = _MULTIPLES.get(mk)
+    if multiple is None:
+        multiple = _MULTIPLES[mk] = device_blocks.slot_multiple(quantizers, need_dgrad, need_wgrad)
+    layout = SlotLayout.build(m_splits, x.shape[0], x.device, multiple, _no_host_gemm, name, fake)
     xq = device_blocks._quantize(quantizers["input"], x, layout, True, need_wgrad, f"input of {name}")
-    row, row_entries = flatten_quantized([_only(xq, ROWWISE)])
-    col, col_entries = flatten_quantized([_only(xq, COLUMNWISE)]) if need_wgrad else ([], [])
-    _INPUTS[_input_key(key, need_dgrad, need_wgrad, x.shape, x.dtype)] = (row_entries, len(row), col_entries)
-    return _fresh(row + col, (x,))
+    ik = _input_key(key, need_dgrad, need_wgrad, x.shape, x.dtype)
+    kept_row, kept_col = _INPUTS.get(ik, (None, None))
+    row = xq.part(ROWWISE)
+    row_form = _form_of(row, kept_row, xq.shape, xq.dtype)
+    flat = row_form.tensors(row)
+    col_form = None
+    if need_wgrad:
+        col = xq.part(COLUMNWISE)
+        col_form = _form_of(col, kept_col, xq.shape, xq.dtype)
+        flat += col_form.tensors(col)
+    if row_form is not kept_row or col_form is not kept_col:
+        _INPUTS[ik] = (row_form, col_form)
+    return _fresh(flat, (x,), fake)
 
 
 @plain_op("hybridq::grouped_blocks_input_quantize")
@@ -145,7 +213,7 @@ def _(x, m_splits, key, need_dgrad, need_wgrad):
     return _run_input_quantize(x, m_splits, key, need_dgrad, need_wgrad, fake=True)
 
 
-def _input_parts(key, need_dgrad, need_wgrad, x) -> tuple[list, int, list]:
+def _input_forms(key, need_dgrad, need_wgrad, x) -> tuple[_Form, _Form | None]:
     return _INPUTS[_input_key(key, need_dgrad, need_wgrad, x.shape, x.dtype)]
 
 
@@ -160,7 +228,7 @@ def _run_forward(x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad, fake
     if gathered and not fake:
         weight = weight_of(handle)  # (the GroupedGatheredForm as it is now: read as gathered)
     e, n, k = weight.shape
-    row_entries, n_row, col_entries = _input_parts(key, need_dgrad, need_wgrad, x)
+    row_form, col_form = _input_forms(key, need_dgrad, need_wgrad, x)
     # FSDP2's gathered experts: read as gathered, their columnwise form in backward
     as_gathered = isinstance(weight, GroupedGatheredForm)
     wq = (GatheredExpertWeights(weight, quantizers["weight"], ROWWISE) if as_gathered else
@@ -168,15 +236,20 @@ def _run_forward(x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad, fake
     if fake:
         y = x.new_empty(x.shape[0], n)
     else:
-        (xq,) = unflatten_quantized(x_parts[:n_row], row_entries)
+        x_row = row_form.part(x_parts[:len(row_form.names)])
         layout = device_blocks.slot_layout(m_splits, x, k, n, quantizers, need_dgrad, need_wgrad, name)
-        y = device_blocks._mm(xq.part(ROWWISE), wq, e, ROWWISE, layout, x.dtype, f"fprop of {name}")
-    # (the fake quantized its stand-in: the shapes; the real read the gathered parts and saves none)
-    w_saved = wq.only(COLUMNWISE).tensors if need_dgrad and not as_gathered and not gathered else []
-    flat, entries = flatten_quantized(w_saved)
-    _SAVED[_saved_key(key, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype, weight.dtype, gathered)] = (
-        col_entries + entries, wq.packed)
-    return [y.contiguous(), *_fresh(flat, (x,) if gathered else (x, weight))]
+        y = device_blocks._mm(x_row, wq, e, ROWWISE, layout, x.dtype, f"fprop of {name}")
+    # backward reads the weight's columnwise form (dgrad): the fake quantized its stand-in (the shapes), the real one
+    # of a gathered weight saves none (backward reads the gathered parts)
+    w_cols = ([t.part(COLUMNWISE) for t in wq.tensors] if need_dgrad and not as_gathered and not gathered else [])
+    sk = _saved_key(key, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype, weight.dtype, gathered)
+    kept = _SAVED.get(sk)
+    if (kept is None or kept[0] is not col_form or kept[2] != wq.packed or len(kept[1]) != len(w_cols)
+            or not all(f.fits(p) for f, p in zip(kept[1], w_cols))):
+        kept = _SAVED[sk] = (col_form, tuple(_Form.of(p, t.shape, t.dtype) for p, t in zip(w_cols, wq.tensors)),
+                             wq.packed)
+    flat = [t for f, p in zip(kept[1], w_cols) for t in f.tensors(p)]
+    return [y.contiguous(), *_fresh(flat, (x,) if gathered else (x, weight), fake)]
 
 
 @plain_op("hybridq::grouped_blocks_forward")
@@ -197,10 +270,11 @@ def _run_backward(dy, m_splits, saved, key, need_dgrad, need_wgrad, fwd_dgrad, f
                   x_dtype, w_dtype, handle=None) -> list[torch.Tensor]:
     name, quantizers = _LAYERS[key]
     e, n, k = w_shape
-    entries, packed = _SAVED[_saved_key(key, fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype,
-                                        handle is not None)]
-    forms = list(unflatten_quantized(saved, entries))
-    x_col = forms.pop(0) if fwd_wgrad else None
+    col_form, w_forms, packed = _SAVED[_saved_key(key, fwd_dgrad, fwd_wgrad, x_shape, w_shape, x_dtype, w_dtype,
+                                                  handle is not None)]
+    tensors = iter(saved)
+    x_col = col_form.quantized(tensors) if col_form is not None else None
+    forms = [f.quantized(tensors) for f in w_forms]
     # (the gathered weight as it is now: dgrad reads its columnwise parts, made available on every rank first)
     gathered = weight_of(handle) if handle is not None and need_dgrad else None
     layout = device_blocks.slot_layout(m_splits, dy, k, n, quantizers, fwd_dgrad, fwd_wgrad, name)
@@ -237,7 +311,7 @@ def _(dy, m_splits, saved, key, need_dgrad, need_wgrad, fwd_dgrad, fwd_wgrad, x_
 
 def _setup_context(ctx, inputs, output) -> None:
     x, x_parts, weight, m_splits, key, need_dgrad, need_wgrad = inputs
-    n_row = _input_parts(key, need_dgrad, need_wgrad, x)[1]
+    n_row = len(_input_forms(key, need_dgrad, need_wgrad, x)[0].names)
     # a gathered weight is kept as its handle (not its bytes): backward reads its columnwise parts through it. The
     # input's columnwise form is the quantize op's outputs: projections sharing that call save the same tensors.
     ctx.save_for_backward(m_splits, weight if handled_weight(weight) else None, *x_parts[n_row:], *output[1:])
