@@ -48,7 +48,10 @@ class WeightFingerprint:
         # (not in place: a tensor made under inference_mode may not be updated outside it)
         self.stale = now != self.value if self.stale is None else self.stale | (now != self.value)
         if self.host is None:
-            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            # (a normal tensor even when the first check runs under inference_mode: an inference tensor could not
+            # be written by the checks of later calls outside it)
+            with torch.inference_mode(False):
+                self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
         self.host.copy_(self.stale, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(w.device))  # (the stream the copy was queued on)

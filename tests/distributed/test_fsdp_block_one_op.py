@@ -63,4 +63,7 @@ def test_block_one_op_leaves_the_gathers_as_they_were(name):
     keys = ("gather_forward", "gather_backward", "payload_reused", "lazy_gathers")
     assert {k: c.get(k, 0) for k in keys} == {k: g.get(k, 0) for k in keys}, \
         f"{name}: the gathers differ from the general path's: one op {c}, general {g}"
-    assert c.get("lazy_gathers", 0) == 0, f"{name}: a direction was gathered lazily: {c}"
+    if not CASES[name].get("recompute"):
+        # (under activation recompute the recomputed forward asks a direction the backward unshard did not gather:
+        # one lazy gather per weight in the first step, then gathered with backward's -- the general path's too)
+        assert c.get("lazy_gathers", 0) == 0, f"{name}: a direction was gathered lazily: {c}"
