@@ -130,6 +130,8 @@ TIMED = [
     ("compiled GroupedLinear gathered experts read (_held)", _mod("hybridq.nn.compiled_grouped"), "_held", True),
     ("compiled block GroupedLinear op forward (body)", _mod("hybridq.nn.compiled_grouped_blocks"), "_run_forward",
      False),
+    ("compiled block GroupedLinear input quantize op (body)", _mod("hybridq.nn.compiled_grouped_blocks"),
+     "_run_input_quantize", False),
     ("compiled block GroupedLinear op backward (body)", _mod("hybridq.nn.compiled_grouped_blocks"), "_run_backward",
      False),
     # inside both the eager Functions and the compiled bodies
