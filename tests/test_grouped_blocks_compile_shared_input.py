@@ -16,7 +16,7 @@ import torch
 import hybridq as hq
 from _compare import assert_results_bitwise
 from _format_cases import FORMATS
-from _shared_input import (D, E, H, SwiGLUExperts, compiled_vs_eager, count_block_input_quantizations,
+from _shared_input import (BLOCK_KERNEL_DIMS, D, E, H, SwiGLUExperts, compiled_vs_eager, count_block_input_quantizations,
                            forward_graph, inputs, recipe_of)
 from hybridq.nn import grouped_device_blocks
 from hybridq.nn.grouped_packed import BLOCKS, packed_quantizers
@@ -63,10 +63,15 @@ def test_w1_and_w3_quantize_their_input_once_under_inductor_on_the_cpu(monkeypat
     assert_results_bitwise(got, want, "inductor (CPU) vs eager")
 
 
+def _cuda_dims(preset: str) -> dict:
+    return BLOCK_KERNEL_DIMS if preset == "fp8_block" else {"d": D, "h": H}
+
+
 def _block_path_on_cuda(preset: str) -> bool:
-    qs = packed_quantizers(hq.GroupedLinear(E, D, H, recipe=preset).expert_quantizers).quantizers
+    d, h = _cuda_dims(preset)["d"], _cuda_dims(preset)["h"]
+    qs = packed_quantizers(hq.GroupedLinear(E, d, h, recipe=preset).expert_quantizers).quantizers
     return torch.cuda.is_available() and all(grouped_device_blocks.device_path_runs(qs, torch.device("cuda"), E, n, k)
-                                             for n, k in ((H, D), (D, H)))
+                                             for n, k in ((h, d), (d, h)))
 
 
 @pytest.mark.gpu
@@ -77,7 +82,7 @@ def test_w1_and_w3_quantize_their_input_once_in_the_compiled_graph_on_cuda(prese
     if not _block_path_on_cuda(preset):
         pytest.skip("needs CUDA sm_90 with the grouped block kernels (Triton, the built extension)")
     torch.manual_seed(0)
-    model = SwiGLUExperts(preset, act=None).cuda().to(torch.bfloat16)
+    model = SwiGLUExperts(preset, act=None, **_cuda_dims(preset)).cuda().to(torch.bfloat16)
     got, want, seen = _compiled_vs_eager(model, "cuda", torch.bfloat16, "inductor", monkeypatch)
     assert len(seen) == 2, f"{preset}: the compiled step quantized the experts' inputs {len(seen)} times: {seen}"
     assert_results_bitwise(got, want, f"{preset} cuda, inductor vs eager")
