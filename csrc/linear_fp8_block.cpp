@@ -280,14 +280,7 @@ Tensor fp8_block_linear_forward(const Tensor& x, const Tensor& weight, const std
 }  // namespace ops
 }  // namespace hybridq
 
-TORCH_LIBRARY_FRAGMENT(hybridq, m) {
-  m.def(
-      "fp8_block_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, "
-      "Tensor? x_col, Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, "
-      "int w_block_dim, float w_eps, bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, "
-      "bool need_wgrad, bool save_original_input, Tensor? w_row=None, Tensor? w_row_scale_inv=None, "
-      "Tensor? w_col=None, Tensor? w_col_scale_inv=None) -> Tensor");
-}
+// (the schema: csrc/quantize_fp8_block.cu, with the format's other ops)
 
 TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_block_linear", &hybridq::ops::fp8_block_linear_autograd); }
 // (CPU: the casts' argument checks reject CPU tensors with a clear message; the CPU path is float8_graph's Python)

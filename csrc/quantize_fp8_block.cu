@@ -110,5 +110,12 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
   m.def(
       "grouped_block_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, int[] rows, "
       "ScalarType out_dtype) -> Tensor");
+  // the eager Linear as one op with a C++ autograd node (implemented in csrc/linear_fp8_block.cpp)
+  m.def(
+      "fp8_block_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, "
+      "Tensor? x_col, Tensor? x_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType w_dtype, "
+      "int w_block_dim, float w_eps, bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, "
+      "bool need_wgrad, bool save_original_input, Tensor? w_row=None, Tensor? w_row_scale_inv=None, "
+      "Tensor? w_col=None, Tensor? w_col_scale_inv=None) -> Tensor");
 }
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

@@ -14,6 +14,7 @@ meet a built extension's (the GPU machine's) or another test's.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 
 import torch
@@ -37,12 +38,25 @@ SPECS = {
 }
 
 
+def _schema(op: str) -> str:
+    """The schema string of `op` as csrc/quantize_fp8_block.cu declares it (its m.def's string literals joined)."""
+    text = open(CSRC.replace("linear_fp8_block.cpp", "quantize_fp8_block.cu")).read()
+    for call in text.split("m.def(")[1:]:
+        literal = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', call.split(");", 1)[0]))
+        if literal.startswith(op + "("):
+            return literal
+    raise AssertionError(f"quantize_fp8_block.cu declares no {op}")
+
+
 def define_ops() -> torch.library.Library:
     lib = torch.library.Library("hybridq", "FRAGMENT")
     lib.define("fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
                "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)")
     lib.define("fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, ScalarType out_dtype) "
                "-> Tensor")
+    # (the op's schema is the format's: csrc/quantize_fp8_block.cu, read from there, so this check sees what the build
+    # registers)
+    lib.define(_schema("fp8_block_linear"))
     lib.impl("fp8_block_quantize", lambda x, dtype, block_dim, eps, pow2, rowwise, columnwise: tuple(
         fg._block_reference(x, dtype, block_dim, eps, pow2, rowwise, columnwise)), "CPU")
     lib.impl("fp8_block_mm", lambda a, a_scale, b, b_scale, b_tiles, out_dtype: fg._block_gemm(
