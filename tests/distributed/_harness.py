@@ -1,26 +1,14 @@
 """Spawning helpers for the distributed tests (CPU gloo and multi-GPU NCCL).
 
 Each spawned job runs several checks, since a 2-process spawn costs ~3 s on the CI machine. A rank that
-fails raises, which `torch.multiprocessing.start_processes` reports with the worker's traceback; the process group
-has a short timeout so a rank waiting in a collective for a failed peer does not hang the suite.
-
-[Note: gloo ranks forked from a preloaded server]
-Most of a CPU rank's cost is its start: importing torch, torch.distributed and hybridq takes ~3.5 s of CPU per
-process, paid by every rank of every job (~2 x 60 ranks in the CPU suite, on 2 cores). On a machine without CUDA
-the gloo ranks therefore start with multiprocessing's "forkserver" method: one server process per pytest run
-imports those modules once, and each rank is a fresh fork of it -- a new process per rank and job as with "spawn"
-(nothing a job does reaches another job), only with the imports already done. The server keeps the environment
-it started with, and hybridq reads switches from the environment at import, so a spawn under another environment
-than the one at collection (a test that set a variable) starts its ranks with "spawn", which import afresh. NCCL
-and any machine with CUDA keep "spawn": forking after CUDA's driver is initialized is not safe.
+fails raises, which `torch.multiprocessing.spawn` reports with the worker's traceback; the process group has a
+short timeout so a rank waiting in a collective for a failed peer does not hang the suite.
 """
 
 from __future__ import annotations
 
 import datetime
-import importlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -83,43 +71,13 @@ def _entry(rank, world_size, backend, job, kwargs, out_dir):
     os._exit(0)
 
 
-def _environment() -> dict:
-    # (pytest sets PYTEST_CURRENT_TEST around every test: not a setting the ranks read)
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-
-
-# what every gloo rank imports (the rest, job modules included, each rank imports itself)
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.fsdp",
-            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
-            "torch._inductor.compile_fx", "hybridq"]
-_FORKSERVER = not torch.cuda.is_available() and "forkserver" in multiprocessing.get_all_start_methods()
-if _FORKSERVER:  # imported here too: importing them sets variables (torch._inductor: TORCHINDUCTOR_CACHE_DIR)
-    with warnings.catch_warnings():  # (and torch.jit warns of deprecations at torch._inductor's import)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for _module in _PRELOAD:
-            importlib.import_module(_module)
-_ENVIRONMENT_AT_IMPORT = _environment()
-
-
-def start_method(backend: str) -> str:
-    """"forkserver" for gloo ranks on a machine without CUDA under the environment the run started with, else
-    "spawn" ([Note: gloo ranks forked from a preloaded server])."""
-    if _FORKSERVER and backend == "gloo" and _environment() == _ENVIRONMENT_AT_IMPORT:
-        return "forkserver"
-    return "spawn"
-
-
 def spawn(job, world_size: int, backend: str, **kwargs) -> list[dict]:
-    """Run `job(rank=, world_size=, device=, **kwargs)` on `world_size` new processes; returns each rank's
+    """Run `job(rank=, world_size=, device=, **kwargs)` on `world_size` processes; returns each rank's
     JSON-serialisable result."""
     import torch.multiprocessing as mp
 
-    method = start_method(backend)
-    if method == "forkserver":
-        multiprocessing.set_forkserver_preload(_PRELOAD)  # (read once, when the server starts)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world_size, backend, job, kwargs, out_dir), nprocs=world_size, join=True,
-                           start_method=method)
+        mp.spawn(_entry, args=(world_size, backend, job, kwargs, out_dir), nprocs=world_size, join=True)
         out = []
         for r in range(world_size):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
