@@ -11,27 +11,19 @@ import torch
 
 import hybridq as hq
 from hybridq import dispatch
-from hybridq.formats import Float8BlockQuantizer, Float8Quantizer, Float8TensorPart
+from hybridq.formats import Float8TensorPart
 from hybridq.nn.float8_graph import eager_fast_path, graph_spec
-from hybridq.nn.known_amax import remember_amax
 from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
 from _format_cases import FORMATS
+from _linear_paths import assert_same, node_name, step, step_sharing_input, step_with_known_amax
 
 IN, OUT, TOKENS = 256, 128, (2, 64)  # K, N and M multiples of 128: every FP8 block shape rule holds
 FAST, GENERAL = "_Float8GraphLinearBackward", "_LinearFunctionBackward"
 ONE_OP = "torch::autograd::CppNode<hybridq::ops::Fp8Linear>"  # per-tensor on CUDA: one op, a C++ node
 BLOCK_OP = "torch::autograd::CppNode<hybridq::ops::Fp8BlockLinear>"  # FP8 blocks on sm_90 (the block GEMM op's shapes)
-
-
-def _node(y: torch.Tensor) -> str | None:
-    """The name of y's autograd node: its Python class, or for a C++ node (class CppFunction) its C++ name."""
-    if y.grad_fn is None:
-        return None
-    name = type(y.grad_fn).__name__
-    return y.grad_fn.name() if name == "CppFunction" else name
 
 
 def _roles(q) -> dict:
@@ -68,30 +60,11 @@ def _inputs(device="cpu", dtype=torch.float32, seed=1):
             torch.randn(*TOKENS, OUT, generator=g).to(device, dtype))
 
 
-def _step(layer, x, gy, x_grad=True, **kw):
-    """(output, grad_input, grad_weight, grad_bias, the output's grad_fn class name) of forward + backward."""
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(x_grad)
-    y = layer(x, **kw)
-    kind = _node(y)
-    if y.requires_grad:
-        y.backward(gy)
-    grads = [x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad]
-    return [y.detach(), *grads], kind
-
-
-def _assert_same(got, want, what):
-    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
-        assert (a is None) == (b is None), f"{what}: {n} is {a is None and 'missing' or 'there'} on the fast path"
-        if a is not None:
-            assert_bitwise(a, b, f"{what}: {n}")
-
-
 def _both_paths(layer, x, gy, **kw):
     """((results, grad_fn) of the fast path, (results, grad_fn) of the general path)."""
-    fast = _step(layer, x, gy, **kw)
+    fast = step(layer, x, gy, **kw)
     with eager_fast_path(False):
-        general = _step(layer, x, gy, **kw)
+        general = step(layer, x, gy, **kw)
     return fast, general
 
 
@@ -106,7 +79,7 @@ def test_fast_path_is_bitwise_the_general_path(case, variant):
     x, gy = _inputs(dtype=layer.weight.dtype)
     (fast, fast_kind), (general, general_kind) = _both_paths(layer, x, gy, x_grad=variant != "input_no_grad")
     assert (fast_kind, general_kind) == (FAST, GENERAL), f"{case}/{variant}: paths taken {fast_kind}, {general_kind}"
-    _assert_same(fast, general, f"{case}/{variant}")
+    assert_same(fast, general, f"{case}/{variant}", path="the fast path")
 
 
 @pytest.mark.parametrize("case", FAST_CASES)
@@ -139,20 +112,10 @@ def test_layers_on_either_path_share_one_quantization_of_their_input(case):
 
     layers[1].input_quantizer.quantize = spy
     x, gy = _inputs()
-
-    def run():
-        xg = x.clone().requires_grad_()
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-        ys = [layer(xg) for layer in layers]
-        torch.autograd.backward(ys, [gy] * 3)
-        return [y.detach() for y in ys] + [xg.grad] + [layer.weight.grad for layer in layers], \
-            [_node(y) for y in ys]
-
-    want, kinds = run()
+    want, kinds = step_sharing_input(layers, x, gy)
     assert kinds == [FAST, GENERAL, FAST] and len(calls) == 1, f"paths {kinds}, k's quantize calls {calls}"
     with shared_input_quantization(True):
-        got, _ = run()
+        got, _ = step_sharing_input(layers, x, gy)
     assert len(calls) == 1, f"k quantized the input again although q had: {calls[1:]}"
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise(a, b, f"{case}: result {i} with the input shared")
@@ -174,7 +137,7 @@ def test_fast_path_layers_share_an_input_without_building_a_quantized_tensor(cas
                         lambda t, *a: casts.extend([1] * (t.data_ptr() == xg.data_ptr())) or quantize(t, *a))
     with shared_input_quantization(True):
         ys = [layer(xg) for layer in layers]
-    assert [_node(y) for y in ys] == [FAST] * 3
+    assert [node_name(y) for y in ys] == [FAST] * 3
     assert len(casts) == 1, f"x was cast {len(casts)} times by three layers sharing it"
     assert not built, f"{len(built)} QuantizedTensor built for layers that all read the shared tensors directly"
 
@@ -184,24 +147,16 @@ def test_fast_path_uses_a_known_max_of_its_input():
     general path."""
     layer = _layer("fp8_e4m3")
     x, gy = _inputs()
-    results = []
-    for enabled in (True, False):
-        with eager_fast_path(enabled):
-            xg = x.clone().requires_grad_()
-            remember_amax(xg, xg.detach().abs().amax() * 3)
-            layer.zero_grad(set_to_none=True)
-            y = layer(xg)
-            y.backward(gy)
-            results.append([y.detach(), xg.grad, layer.weight.grad])
+    results = [step_with_known_amax(layer, x, gy, fast=enabled)[0] for enabled in (True, False)]
     with eager_fast_path(False):
-        plain = _step(layer, x, gy)[0]
+        plain = step(layer, x, gy)[0]
     assert not torch.equal(results[0][0], plain[0]), "the known max|x| was not used (same output as without it)"
     for n, a, b in zip(("output", "grad_input", "grad_weight"), *results):
         assert_bitwise(a, b, f"with a known max|x|: {n}")
 
 
 def _kind(layer, x, **kw) -> str:
-    return _node(layer(x.clone().requires_grad_(), **kw))
+    return node_name(layer(x.clone().requires_grad_(), **kw))
 
 
 def test_calls_the_general_path_must_run_decline(monkeypatch):
@@ -261,7 +216,7 @@ def test_fast_path_on_cuda_is_bitwise_the_general_path(case, variant):
     blocks = BLOCK_OP if torch.cuda.get_device_capability() == (9, 0) else FAST
     want = ONE_OP if case.startswith("fp8_e") else blocks
     assert (fast_kind, general_kind) == (want, GENERAL), f"{case}/{variant}: paths taken {fast_kind}, {general_kind}"
-    _assert_same(fast, general, f"{case}/{variant} on CUDA")
+    assert_same(fast, general, f"{case}/{variant} on CUDA", path="the fast path")
 
 
 @pytest.mark.gpu

@@ -15,8 +15,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
 
 import hybridq as hq
 from hybridq.nn import float8_graph
@@ -26,6 +24,8 @@ from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
 from _format_cases import case_recipe
+from _linear_paths import (assert_same, put_non_finite, step, step_sharing_input, step_under_dispatch_mode,
+                           step_under_saved_tensor_hooks)
 
 IN, OUT, TOKENS = 256, 128, (2, 64)  # (M = 128: every GEMM dimension the block GEMM takes)
 ONE_OP, PYTHON, GENERAL = ("torch::autograd::CppNode<hybridq::ops::Fp8BlockLinear>", "_Float8GraphLinearBackward",
@@ -66,38 +66,13 @@ def _inputs(dtype=torch.bfloat16, seed=1, tokens=TOKENS, in_features=IN):
             torch.randn(*tokens, OUT, generator=g).to("cuda", dtype))
 
 
-def _node(y: torch.Tensor) -> str | None:
-    if y.grad_fn is None:
-        return None
-    name = type(y.grad_fn).__name__
-    return y.grad_fn.name() if name == "CppFunction" else name
-
-
-def _step(layer, x, gy, x_grad=True):
-    """([output, grad_input, grad_weight, grad_bias], the output's autograd node) of forward + backward."""
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(x_grad)
-    y = layer(x)
-    node = _node(y)
-    if y.requires_grad:
-        y.backward(gy)
-    return [y.detach(), x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad], node
-
-
-def _assert_same(got, want, what, nan_payload=False):
-    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
-        assert (a is None) == (b is None), f"{what}: {n} is {'missing' if a is None else 'there'} on the one-op path"
-        if a is not None:
-            assert_bitwise(a, b, f"{what}: {n}", nan_payload=nan_payload)
-
-
 def _three(layer, x, gy, **kw):
     """The one op's, the Python node's and the general path's results, each path checked by its node."""
-    got, node = _step(layer, x, gy, **kw)
+    got, node = step(layer, x, gy, **kw)
     with float8_graph._BLOCK_OP.turned(False):
-        python, python_node = _step(layer, x, gy, **kw)
+        python, python_node = step(layer, x, gy, **kw)
     with eager_fast_path(False):
-        general, general_node = _step(layer, x, gy, **kw)
+        general, general_node = step(layer, x, gy, **kw)
     assert (node, python_node, general_node) == (ONE_OP, PYTHON, GENERAL), \
         f"paths taken: {node}, {python_node}, {general_node}"
     return got, python, general
@@ -113,8 +88,8 @@ def test_one_block_op_is_bitwise_the_python_node_and_the_general_path(case, vari
         layer.weight.requires_grad_(False)
     x, gy = _inputs(dtype)
     got, python, general = _three(layer, x, gy, x_grad=variant != "input_no_grad")
-    _assert_same(got, python, f"{case}/{variant}: one op vs Python node")
-    _assert_same(got, general, f"{case}/{variant}: one op vs general path")
+    assert_same(got, python, f"{case}/{variant}: one op vs Python node")
+    assert_same(got, general, f"{case}/{variant}: one op vs general path")
 
 
 @pytest.mark.parametrize("where", ["input", "grad_output", "weight"])
@@ -122,12 +97,9 @@ def test_one_block_op_on_non_finite_values_is_bitwise_the_python_node(where):
     """inf and NaN in x, dy or the weight: every result as the Python node's (NaN where it has NaN; payloads aside)."""
     layer = _layer("fp8_block")
     x, gy = _inputs()
-    t = {"input": x, "grad_output": gy, "weight": layer.weight.data}[where]
-    t.view(-1)[3] = float("inf")
-    t.view(-1)[100] = float("-inf")
-    t.view(-1)[257] = float("nan")
+    put_non_finite({"input": x, "grad_output": gy, "weight": layer.weight.data}[where])
     got, python, _ = _three(layer, x, gy)
-    _assert_same(got, python, f"inf/NaN in {where}", nan_payload=True)
+    assert_same(got, python, f"inf/NaN in {where}", nan_payload=True)
     i, n = (1, "grad_input") if where == "grad_output" else (0, "output")
     assert not torch.isfinite(got[i]).all(), f"the {n} became finite with inf/NaN in {where}"
 
@@ -155,7 +127,7 @@ def test_calls_whose_gemms_are_not_the_block_op_keep_the_python_node(why):
     x, gy = _inputs(tokens=(144,) if why == "rows" else TOKENS, in_features=in_features)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the emulated GEMM's one-time warning)
-        _, node = _step(layer, x, gy)
+        _, node = step(layer, x, gy)
     assert node == PYTHON, f"{why}: the call ran as {node}"
 
 
@@ -164,21 +136,12 @@ def test_layers_share_one_quantization_of_their_input_through_the_op(monkeypatch
     reads those parts; every result is bitwise the run without sharing."""
     layers = [_layer("fp8_block", name=n, seed=i) for i, n in enumerate("qkv")]
     x, gy = _inputs()
-
-    def run():
-        xg = x.clone().requires_grad_()
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-        ys = [layer(xg) for layer in layers]
-        torch.autograd.backward(ys, [gy] * 3)
-        return [y.detach() for y in ys] + [xg.grad] + [layer.weight.grad for layer in layers], [_node(y) for y in ys]
-
-    want, nodes = run()
+    want, nodes = step_sharing_input(layers, x, gy)
     calls = []
     quantize = float8_graph._quantize
     monkeypatch.setattr(float8_graph, "_quantize", lambda *a, **kw: calls.append(a[0].shape) or quantize(*a, **kw))
     with shared_input_quantization(True):
-        got, shared_nodes = run()
+        got, shared_nodes = step_sharing_input(layers, x, gy)
     assert nodes == shared_nodes == [ONE_OP] * 3, f"nodes {nodes}, with sharing {shared_nodes}"
     assert len(calls) == 1, f"x was quantized outside the op {len(calls)} times, expected once (by q): {calls}"
     for i, (a, b) in enumerate(zip(got, want)):
@@ -188,19 +151,11 @@ def test_layers_share_one_quantization_of_their_input_through_the_op(monkeypatch
 def test_a_dispatch_mode_sees_the_python_node_and_the_same_results():
     layer = _layer("fp8_block")
     x, gy = _inputs()
-    want, node = _step(layer, x, gy)
-    seen = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        got, mode_node = _step(layer, x, gy)
+    want, node = step(layer, x, gy)
+    got, mode_node, seen = step_under_dispatch_mode(layer, x, gy)
     assert (node, mode_node) == (ONE_OP, PYTHON), f"nodes {node}, under the mode {mode_node}"
     assert seen.count(torch.ops.hybridq.fp8_block_mm.default) == 3, f"GEMMs the mode saw: {seen}"
-    _assert_same(got, want, "under a TorchDispatchMode")
+    assert_same(got, want, "under a TorchDispatchMode")
 
 
 @pytest.mark.parametrize("how", ["saved_tensors_hooks", "checkpoint"])
@@ -209,24 +164,12 @@ def test_saved_tensors_go_through_the_hooks(how):
     (offload and recompute use them); the gradients are those of the run without the hooks."""
     layer = _layer("fp8_block", bias=False)
     x, gy = _inputs()
-    want, _ = _step(layer, x, gy)
-    packed = []
-
-    def pack(t):
-        packed.append(t.dtype)
-        return t.cpu()
-
-    layer.zero_grad(set_to_none=True)
-    xg = x.clone().requires_grad_()
+    want, _ = step(layer, x, gy)
+    got, node, packed = step_under_saved_tensor_hooks(layer, x, gy, how)
     if how == "saved_tensors_hooks":
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.cuda()):
-            y = layer(xg)
         assert packed.count(torch.float8_e4m3fn) == 2 and packed.count(torch.float32) == 2, packed
-    else:
-        y = checkpoint(layer, xg, use_reentrant=False)
-    assert _node(y) == ONE_OP, f"under {how} the call ran as {_node(y)}"
-    y.backward(gy)
-    _assert_same([y.detach(), xg.grad, layer.weight.grad, None], want, f"under {how}")
+    assert node == ONE_OP, f"under {how} the call ran as {node}"
+    assert_same(got, want, f"under {how}")
 
 
 def test_the_op_refuses_inconsistent_arguments():

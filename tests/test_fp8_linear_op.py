@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
 
 import hybridq as hq
 from hybridq.nn import float8_graph
 from hybridq.nn.float8_graph import eager_fast_path
-from hybridq.nn.known_amax import remember_amax
 from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
 from _format_cases import case_recipe
+from _linear_paths import (assert_same, node_name, put_non_finite, step, step_sharing_input,
+                           step_under_dispatch_mode, step_under_saved_tensor_hooks, step_with_known_amax)
 
 IN, OUT, TOKENS = 256, 128, (2, 64)
 ONE_OP, PYTHON, GENERAL = ("torch::autograd::CppNode<hybridq::ops::Fp8Linear>", "_Float8GraphLinearBackward",
@@ -60,35 +59,10 @@ def _inputs(dtype=torch.bfloat16, seed=1):
             torch.randn(*TOKENS, OUT, generator=g).to("cuda", dtype))
 
 
-def _node(y: torch.Tensor) -> str | None:
-    if y.grad_fn is None:
-        return None
-    name = type(y.grad_fn).__name__
-    return y.grad_fn.name() if name == "CppFunction" else name
-
-
-def _step(layer, x, gy, x_grad=True):
-    """([output, grad_input, grad_weight, grad_bias], the output's autograd node) of forward + backward."""
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(x_grad)
-    y = layer(x)
-    node = _node(y)
-    if y.requires_grad:
-        y.backward(gy)
-    return [y.detach(), x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad], node
-
-
-def _assert_same(got, want, what, nan_payload=False):
-    for n, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
-        assert (a is None) == (b is None), f"{what}: {n} is {'missing' if a is None else 'there'} on the one-op path"
-        if a is not None:
-            assert_bitwise(a, b, f"{what}: {n}", nan_payload=nan_payload)
-
-
 def _both(layer, x, gy, want_node=ONE_OP, **kw):
-    fast, node = _step(layer, x, gy, **kw)
+    fast, node = step(layer, x, gy, **kw)
     with eager_fast_path(False):
-        general, general_node = _step(layer, x, gy, **kw)
+        general, general_node = step(layer, x, gy, **kw)
     assert (node, general_node) == (want_node, GENERAL), f"paths taken: {node}, {general_node}"
     return fast, general
 
@@ -103,7 +77,7 @@ def test_one_op_is_bitwise_the_general_path(case, variant):
         layer.weight.requires_grad_(False)
     x, gy = _inputs(dtype)
     fast, general = _both(layer, x, gy, x_grad=variant != "input_no_grad")
-    _assert_same(fast, general, f"{case}/{variant}")
+    assert_same(fast, general, f"{case}/{variant}")
 
 
 @pytest.mark.parametrize("variant", ["plain", "save_original_input", "frozen_weight", "input_no_grad", "shared_input"])
@@ -122,12 +96,12 @@ def test_packed_allocations_are_bitwise_the_unpacked(case, variant):
         was = _C.linear_packed_allocations(packed)
         try:
             with shared_input_quantization(variant == "shared_input"):
-                results.append(_step(layer, x, gy, x_grad=variant != "input_no_grad"))
+                results.append(step(layer, x, gy, x_grad=variant != "input_no_grad"))
         finally:
             _C.linear_packed_allocations(was)
     (got, node), (want, _) = results
     assert node == ONE_OP, f"{case}/{variant}: the call ran as {node}"
-    _assert_same(got, want, f"{case}/{variant}: packed vs unpacked allocations")
+    assert_same(got, want, f"{case}/{variant}: packed vs unpacked allocations")
 
 
 @pytest.mark.parametrize("sharing", [False, True])
@@ -142,7 +116,7 @@ def test_a_step_waits_for_no_gpu_work(sharing):
         with no_host_sync(), shared_input_quantization(sharing):
             y = layer(xg)
             y.backward(gy)
-        assert _node(y) == ONE_OP, f"the call ran as {_node(y)}"
+        assert node_name(y) == ONE_OP, f"the call ran as {node_name(y)}"
 
 
 @pytest.mark.parametrize("where", ["input", "grad_output", "weight"])
@@ -151,12 +125,9 @@ def test_one_op_on_non_finite_values_is_bitwise_the_general_path(case, where):
     """inf and NaN in x, dy or the weight: every result as the general path's (NaN where it has NaN; payloads aside)."""
     layer = _layer(case)
     x, gy = _inputs()
-    t = {"input": x, "grad_output": gy, "weight": layer.weight.data}[where]
-    t.view(-1)[3] = float("inf")
-    t.view(-1)[100] = float("-inf")
-    t.view(-1)[257] = float("nan")
+    put_non_finite({"input": x, "grad_output": gy, "weight": layer.weight.data}[where])
     fast, general = _both(layer, x, gy)
-    _assert_same(fast, general, f"{case} with inf/NaN in {where}", nan_payload=True)
+    assert_same(fast, general, f"{case} with inf/NaN in {where}", nan_payload=True)
     i, n = (1, "grad_input") if where == "grad_output" else (0, "output")
     assert not torch.isfinite(fast[i]).all(), f"{case}: the {n} became finite with inf/NaN in {where}"
 
@@ -179,21 +150,12 @@ def test_layers_share_one_quantization_of_their_input_through_the_op(monkeypatch
     reads those parts; every result is bitwise the run without sharing."""
     layers = [_layer("fp8_e4m3", name=n, seed=i) for i, n in enumerate("qkv")]
     x, gy = _inputs()
-
-    def run():
-        xg = x.clone().requires_grad_()
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-        ys = [layer(xg) for layer in layers]
-        torch.autograd.backward(ys, [gy] * 3)
-        return [y.detach() for y in ys] + [xg.grad] + [layer.weight.grad for layer in layers], [_node(y) for y in ys]
-
-    want, nodes = run()
+    want, nodes = step_sharing_input(layers, x, gy)
     calls = []
     quantize = float8_graph._quantize
     monkeypatch.setattr(float8_graph, "_quantize", lambda *a, **kw: calls.append(a[0].shape) or quantize(*a, **kw))
     with shared_input_quantization(True):
-        got, shared_nodes = run()
+        got, shared_nodes = step_sharing_input(layers, x, gy)
     assert nodes == shared_nodes == [ONE_OP] * 3, f"nodes {nodes}, with sharing {shared_nodes}"
     assert len(calls) == 1, f"x was quantized outside the op {len(calls)} times, expected once (by q): {calls}"
     for i, (a, b) in enumerate(zip(got, want)):
@@ -206,15 +168,10 @@ def test_one_op_uses_a_known_max_of_its_input():
     x, gy = _inputs()
     results = []
     for enabled in (True, False):
-        with eager_fast_path(enabled):
-            xg = x.clone().requires_grad_()
-            remember_amax(xg, xg.detach().abs().amax() * 3)
-            layer.zero_grad(set_to_none=True)
-            y = layer(xg)
-            assert _node(y) == (ONE_OP if enabled else GENERAL), _node(y)
-            y.backward(gy)
-            results.append([y.detach(), xg.grad, layer.weight.grad])
-    plain = _step(layer, x, gy)[0]
+        got, node = step_with_known_amax(layer, x, gy, fast=enabled)
+        assert node == (ONE_OP if enabled else GENERAL), node
+        results.append(got)
+    plain = step(layer, x, gy)[0]
     assert not torch.equal(results[0][0], plain[0]), "the known max|x| was not used (same output as without it)"
     for n, a, b in zip(("output", "grad_input", "grad_weight"), *results):
         assert_bitwise(a, b, f"with a known max|x|: {n}")
@@ -225,19 +182,11 @@ def test_a_dispatch_mode_sees_the_python_node_and_the_same_results():
     whose quantize ops and GEMMs the mode sees one by one; the results are those of the one op."""
     layer = _layer("fp8_e4m3")
     x, gy = _inputs()
-    want, node = _step(layer, x, gy)
-    seen = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        got, mode_node = _step(layer, x, gy)
+    want, node = step(layer, x, gy)
+    got, mode_node, seen = step_under_dispatch_mode(layer, x, gy)
     assert (node, mode_node) == (ONE_OP, PYTHON), f"nodes {node}, under the mode {mode_node}"
     assert seen.count(torch.ops.aten._scaled_mm.default) == 3, f"GEMMs the mode saw: {seen}"
-    _assert_same(got, want, "under a TorchDispatchMode")
+    assert_same(got, want, "under a TorchDispatchMode")
 
 
 @pytest.mark.parametrize("how", ["saved_tensors_hooks", "checkpoint"])
@@ -246,23 +195,11 @@ def test_saved_tensors_go_through_the_hooks(how):
     (offload and recompute use them); the gradients are those of the run without the hooks."""
     layer = _layer("fp8_e4m3", bias=False)
     x, gy = _inputs()
-    want, _ = _step(layer, x, gy)
-    packed = []
-
-    def pack(t):
-        packed.append(t.dtype)
-        return t.cpu()
-
-    layer.zero_grad(set_to_none=True)
-    xg = x.clone().requires_grad_()
+    want, _ = step(layer, x, gy)
+    got, _, packed = step_under_saved_tensor_hooks(layer, x, gy, how)
     if how == "saved_tensors_hooks":
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.cuda()):
-            y = layer(xg)
         assert packed.count(torch.float8_e4m3fn) == 2 and packed.count(torch.float32) == 2, packed
-    else:
-        y = checkpoint(layer, xg, use_reentrant=False)
-    y.backward(gy)
-    _assert_same([y.detach(), xg.grad, layer.weight.grad, None], want, f"under {how}")
+    assert_same(got, want, f"under {how}")
 
 
 def test_the_op_refuses_inconsistent_arguments():
