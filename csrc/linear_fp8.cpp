@@ -23,7 +23,6 @@
 // `_fprop` / `_grads` as one op call each (see the bottom of this file).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/util/bit_cast.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -33,12 +32,14 @@
 
 #include "binding_checks.h"
 #include "cublaslt_fp8.h"
+#include "linear_node.h"
 #include "ops.h"
 
 namespace hybridq {
 namespace ops {
 namespace {
 
+using linear_node::given;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -183,26 +184,6 @@ std::tuple<Tensor, Tensor, Tensor> linear_grads(const Tensor& dy, const Tensor& 
   return {dx, dw, db};
 }
 
-// The ctx keys of the saved non-tensor state
-// (one entry, one list: each entry of saved_data is a hash-map insert and each list an allocation, per call)
-constexpr const char* kState = "state";
-enum StateSlot : int64_t {
-  kBits,         // need_dgrad | need_wgrad << 1 | save_original_input << 2 | has_bias << 3
-  kWeightDtype,  // the weight's dtype (dW's)
-  kBiasDtype,    // the bias's dtype (db's)
-  kGradDtype,    // grad_output's fp8 dtype
-  kInputDtype,   // the input's fp8 dtype
-  kGradEps,      // grad_output's amax epsilon (a double's bits)
-  kInputEps,     // the input's amax epsilon (a double's bits)
-  kPow2,         // grad_output pow2 | input pow2 << 1
-  kXShape,       // x's shape, to the end
-};
-// FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
-constexpr const char* kWeightCol = "w_col";
-constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
-
-bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
-
 }  // namespace
 
 bool set_linear_packed(bool on) { return g_packed.exchange(on); }
@@ -283,30 +264,14 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       if (!gathered) w = quantize(weight, s.weight, true, s.need_dgrad);
     }
     Tensor y = fprop_mm(xr, xrs, w.row, w.scale_inv, bias, x.scalar_type(), s.fast_accum_fprop);
-    const bool has_bias = bias.has_value() && bias->defined();
     if (ctx != nullptr) {
       ctx->save_for_backward({keep_x ? x2d : xc, xc.defined() ? xcs : Tensor(), w.col,
                               w.col.defined() ? w.scale_inv : Tensor()});
-      std::vector<int64_t> state{int64_t(s.need_dgrad) | int64_t(s.need_wgrad) << 1 |
-                                     int64_t(s.save_original_input) << 2 | int64_t(has_bias) << 3,
-                                 int64_t(weight.scalar_type()),
-                                 int64_t(has_bias ? bias->scalar_type() : at::kFloat),
-                                 int64_t(s.grad_output.dtype),
-                                 int64_t(s.input.dtype),
-                                 c10::bit_cast<int64_t>(s.grad_output.eps),
-                                 c10::bit_cast<int64_t>(s.input.eps),
-                                 int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1};
-      state.insert(state.end(), x.sizes().begin(), x.sizes().end());
-      ctx->saved_data[kState] = std::move(state);
-      if (gathered && s.need_dgrad) {  // by reference, read in backward (see the top of this file)
-        ctx->saved_data[kWeightCol] = *w_col;
-        ctx->saved_data[kWeightColScaleInv] = *w_col_scale_inv;
-      }
+      // (a gathered weight's columnwise part by reference, read in backward: see the top of this file)
+      linear_node::save_state(ctx, s.need_dgrad, s.need_wgrad, s.save_original_input, bias, weight.scalar_type(),
+                              s.grad_output, s.input, x.sizes(), 0, w_col, w_col_scale_inv);
     }
-    // (a tensor of its own, not a view: see linear_function._output)
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = y.size(1);
-    return at::_unsafe_view(y, shape);
+    return linear_node::output_like(y, x);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -314,23 +279,13 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     // op's autograd kernel included, in it)
     const variable_list saved = ctx->get_saved_variables();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const c10::List<int64_t> state = ctx->saved_data[kState].toIntList();
-    const int64_t bits = state.get(kBits), pow2 = state.get(kPow2);
-    const bool need_dgrad = bits & 1, need_wgrad = bits & 2, save_original_input = bits & 4, has_bias = bits & 8;
-    const Cast g_cast{at::ScalarType(state.get(kGradDtype)), c10::bit_cast<double>(state.get(kGradEps)),
-                      bool(pow2 & 1)};
-    const Cast x_cast{at::ScalarType(state.get(kInputDtype)), c10::bit_cast<double>(state.get(kInputEps)),
-                      bool(pow2 & 2)};
-    std::vector<int64_t> x_shape;
-    for (size_t i = kXShape; i < state.size(); ++i) x_shape.push_back(state.get(i));
-    // FSDP2's gathered weight: its columnwise part as the backward unshard left it
-    const auto col = ctx->saved_data.find(kWeightCol);
-    const bool gathered = col != ctx->saved_data.end();
-    auto [dx, dw, db] = linear_grads(
-        grads[0], saved[0], saved[1], gathered ? col->second.toTensor() : saved[2],
-        gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3], g_cast, x_cast, save_original_input,
-        need_dgrad, need_wgrad, has_bias && ctx->needs_input_grad(2), x_shape,
-        at::ScalarType(state.get(kWeightDtype)), at::ScalarType(state.get(kBiasDtype)));
+    const linear_node::State s = linear_node::load_state(ctx);
+    const Cast g_cast{s.grad_output.dtype, s.grad_output.eps, s.grad_output.pow2};
+    const Cast x_cast{s.input.dtype, s.input.eps, s.input.pow2};
+    const auto [wc, wcs] = linear_node::weight_col(ctx, saved);  // (a gathered one as the backward unshard left it)
+    auto [dx, dw, db] = linear_grads(grads[0], saved[0], saved[1], wc, wcs, g_cast, x_cast, s.save_original_input,
+                                     s.need_dgrad, s.need_wgrad, s.has_bias && ctx->needs_input_grad(2), s.x_shape,
+                                     s.weight_dtype, s.bias_dtype);
     return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -352,28 +307,9 @@ void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tenso
                 const std::optional<Tensor>& w_col_scale_inv, at::ScalarType w_dtype, bool need_dgrad,
                 bool need_wgrad, bool save_original_input) {
   constexpr const char* op = "hybridq::fp8_linear";
-  TORCH_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input of shape ", x.sizes(),
-              " and weight of shape ", weight.sizes(), " do not make x @ weight^T");
-  const bool row = given(x_row), col = given(x_col);
-  TORCH_CHECK(!row || given(x_row_scale_inv), op, ": x_row given without x_row_scale_inv");
-  TORCH_CHECK(!col || given(x_col_scale_inv), op, ": x_col given without x_col_scale_inv");
-  TORCH_CHECK(!col || row, op, ": x_col given without x_row");
-  TORCH_CHECK(!row || col || !need_wgrad || save_original_input, op,
-              ": a quantized input needs its columnwise part (x_col) for wgrad");
-  // the weight given quantized (FSDP2's gathered weight): checked on metadata only (w_col may have no storage yet)
-  const bool w_r = given(w_row), w_c = given(w_col);
-  TORCH_CHECK(!w_r || given(w_row_scale_inv), op, ": w_row given without w_row_scale_inv");
-  TORCH_CHECK(!w_c || given(w_col_scale_inv), op, ": w_col given without w_col_scale_inv");
-  TORCH_CHECK(!w_c || w_r, op, ": w_col given without w_row");
-  TORCH_CHECK(!w_r || w_c || !need_dgrad, op, ": a quantized weight needs its columnwise part (w_col) for dgrad");
-  // (TORCH_CHECK builds its message only on failure, where the part is given)
-  TORCH_CHECK(!w_r || (w_row->sizes() == weight.sizes() && w_row->scalar_type() == w_dtype), op, ": w_row is ",
-              w_row->sizes(), " ", w_row->scalar_type(), ", the weight's rowwise part must be ", weight.sizes(), " ",
-              w_dtype);
-  TORCH_CHECK(!w_c || (w_col->dim() == 2 && w_col->size(0) == weight.size(1) && w_col->size(1) == weight.size(0) &&
-                       w_col->scalar_type() == w_dtype),
-              op, ": w_col is ", w_col->sizes(), " ", w_col->scalar_type(), ", the weight's columnwise part must be [",
-              weight.size(1), ", ", weight.size(0), "] ", w_dtype);
+  linear_node::check_shapes(op, x, weight);
+  linear_node::check_parts(op, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
+                           w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
 }
 
 // The Autograd-key kernel: the C++ node records the backward
@@ -440,10 +376,8 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_fprop(const Tensor& x, const Tenso
   const Tensor x2d = x.reshape({-1, x.size(-1)});
   const bool columnwise = need_wgrad && !save_original_input;
   Quantized q = quantize(x2d, Cast{x_dtype, x_eps, x_pow2}, true, columnwise);
-  Tensor y = fprop_mm(q.row, q.scale_inv, w_row, w_row_scale_inv, bias, x.scalar_type(), fast_accum_fprop);
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = y.size(1);
-  y = at::_unsafe_view(y, shape);  // (a tensor of its own, not a view: see linear_function._output)
+  const Tensor y = linear_node::output_like(
+      fprop_mm(q.row, q.scale_inv, w_row, w_row_scale_inv, bias, x.scalar_type(), fast_accum_fprop), x);
   if (!columnwise) return {y, at::empty({0}, q.row.options()), at::empty({0}, q.scale_inv.options())};
   return {y, q.col, q.scale_inv};
 }

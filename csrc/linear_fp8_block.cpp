@@ -17,18 +17,20 @@
 // outside save_for_backward -- the unsharded weight's own tensors, which FSDP2's backward unshard refills in place.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/util/bit_cast.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <tuple>
 #include <vector>
 
+#include "linear_node.h"
+
 namespace hybridq {
 namespace ops {
 namespace {
 
 using at::Tensor;
+using linear_node::given;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -68,25 +70,6 @@ Tensor mm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b, const Ten
       c10::Dispatcher::singleton().findSchemaOrThrow("hybridq::fp8_block_mm", "").typed<MmSig>();
   return op.call(a, a_scale_inv, b, b_scale_inv, b_tiles, out);
 }
-
-bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
-
-// The ctx keys of the saved non-tensor state (one entry, one list: see linear_fp8.cpp)
-constexpr const char* kState = "state";
-enum StateSlot : int64_t {
-  kBits,         // need_dgrad | need_wgrad << 1 | save_original_input << 2 | has_bias << 3 | weight tiles << 4
-  kWeightDtype,  // the weight's dtype (dW's)
-  kBiasDtype,    // the bias's dtype (db's)
-  kGradDtype,    // grad_output's fp8 dtype
-  kInputDtype,   // the input's fp8 dtype
-  kGradEps,      // grad_output's amax epsilon (a double's bits)
-  kInputEps,     // the input's amax epsilon (a double's bits)
-  kPow2,         // grad_output pow2 | input pow2 << 1
-  kXShape,       // x's shape, to the end
-};
-// FSDP2's gathered weight: its columnwise data and scale_inv (by reference)
-constexpr const char* kWeightCol = "w_col";
-constexpr const char* kWeightColScaleInv = "w_col_scale_inv";
 
 }  // namespace
 
@@ -128,32 +111,17 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
       }
     }
     Tensor y = mm(xr, xrs, w.row, w.row_scale_inv, s.weight.block_dim == 2, x.scalar_type());
-    const bool has_bias = given(bias);
-    if (has_bias) y = y + bias->to(x.scalar_type());
+    if (given(bias)) y = y + bias->to(x.scalar_type());
     if (ctx != nullptr) {
       ctx->save_for_backward({keep_x ? x2d : xc, keep_x ? Tensor() : xcs, s.need_dgrad ? w.col : Tensor(),
                               s.need_dgrad ? w.col_scale_inv : Tensor()});
-      std::vector<int64_t> state{int64_t(s.need_dgrad) | int64_t(s.need_wgrad) << 1 |
-                                     int64_t(s.save_original_input) << 2 | int64_t(has_bias) << 3 |
-                                     int64_t(s.weight.block_dim == 2) << 4,
-                                 int64_t(weight.scalar_type()),
-                                 int64_t(has_bias ? bias->scalar_type() : at::kFloat),
-                                 int64_t(s.grad_output.dtype),
-                                 int64_t(s.input.dtype),
-                                 c10::bit_cast<int64_t>(s.grad_output.eps),
-                                 c10::bit_cast<int64_t>(s.input.eps),
-                                 int64_t(s.grad_output.pow2) | int64_t(s.input.pow2) << 1};
-      state.insert(state.end(), x.sizes().begin(), x.sizes().end());
-      ctx->saved_data[kState] = std::move(state);
-      if (gathered && s.need_dgrad) {  // by reference, read in backward (see the top of this file)
-        ctx->saved_data[kWeightCol] = *w_col;
-        ctx->saved_data[kWeightColScaleInv] = *w_col_scale_inv;
-      }
+      // (the node's own bit: the weight's 128x128 tiles; a gathered weight's columnwise part by reference, read in
+      // backward: see the top of this file)
+      linear_node::save_state(ctx, s.need_dgrad, s.need_wgrad, s.save_original_input, bias, weight.scalar_type(),
+                              s.grad_output, s.input, x.sizes(), int64_t(s.weight.block_dim == 2), w_col,
+                              w_col_scale_inv);
     }
-    // (a tensor of its own, not a view: see linear_function._output)
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = y.size(1);
-    return at::_unsafe_view(y, shape);
+    return linear_node::output_like(y, x);
   }
 
   // float8_graph._grads
@@ -161,40 +129,30 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
     // (unpacked before the guard: an unpack hook may run Python, e.g. a checkpoint's recompute)
     const variable_list saved = ctx->get_saved_variables();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const c10::List<int64_t> state = ctx->saved_data[kState].toIntList();
-    const int64_t bits = state.get(kBits), pow2 = state.get(kPow2);
-    const bool need_dgrad = bits & 1, need_wgrad = bits & 2, save_original_input = bits & 4, has_bias = bits & 8,
-               tiles = bits & 16;
-    const BlockCast g_cast{at::ScalarType(state.get(kGradDtype)), 1, c10::bit_cast<double>(state.get(kGradEps)),
-                           bool(pow2 & 1)};
-    const BlockCast x_cast{at::ScalarType(state.get(kInputDtype)), 1, c10::bit_cast<double>(state.get(kInputEps)),
-                           bool(pow2 & 2)};
-    std::vector<int64_t> x_shape;
-    for (size_t i = kXShape; i < state.size(); ++i) x_shape.push_back(state.get(i));
+    const linear_node::State s = linear_node::load_state(ctx);
+    const bool tiles = s.own_bits & 1;  // the weight's 128x128 tiles
+    const BlockCast g_cast{s.grad_output.dtype, 1, s.grad_output.eps, s.grad_output.pow2};
+    const BlockCast x_cast{s.input.dtype, 1, s.input.eps, s.input.pow2};
     const Tensor& dy = grads[0];
     const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
-    // FSDP2's gathered weight: its columnwise part as the backward unshard left it
-    const auto col = ctx->saved_data.find(kWeightCol);
-    const bool gathered = col != ctx->saved_data.end();
     Tensor dx, dw, db;
-    if (need_dgrad || need_wgrad) {
-      const BlockParts g = quantize(dy2d, g_cast, need_dgrad, need_wgrad);
-      if (need_dgrad) {
-        const Tensor wc = gathered ? col->second.toTensor() : saved[2];
-        const Tensor wcs = gathered ? ctx->saved_data.at(kWeightColScaleInv).toTensor() : saved[3];
-        dx = mm(g.row, g.row_scale_inv, wc, wcs, tiles, dy.scalar_type()).reshape(x_shape);
+    if (s.need_dgrad || s.need_wgrad) {
+      const BlockParts g = quantize(dy2d, g_cast, s.need_dgrad, s.need_wgrad);
+      if (s.need_dgrad) {
+        const auto [wc, wcs] = linear_node::weight_col(ctx, saved);  // (a gathered one as the backward unshard left it)
+        dx = mm(g.row, g.row_scale_inv, wc, wcs, tiles, dy.scalar_type()).reshape(s.x_shape);
       }
-      if (need_wgrad) {
+      if (s.need_wgrad) {
         Tensor xc = saved[0], xs = saved[1];
-        if (save_original_input) {
+        if (s.save_original_input) {
           BlockParts q = quantize(saved[0], x_cast, false, true);
           xc = q.col;
           xs = q.col_scale_inv;
         }
-        dw = mm(g.col, g.col_scale_inv, xc, xs, false, dy.scalar_type()).to(at::ScalarType(state.get(kWeightDtype)));
+        dw = mm(g.col, g.col_scale_inv, xc, xs, false, dy.scalar_type()).to(s.weight_dtype);
       }
     }
-    if (has_bias && ctx->needs_input_grad(2)) db = dy2d.sum(0).to(at::ScalarType(state.get(kBiasDtype)));
+    if (s.has_bias && ctx->needs_input_grad(2)) db = dy2d.sum(0).to(s.bias_dtype);
     return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -216,30 +174,11 @@ void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tenso
                 const std::optional<Tensor>& w_col_scale_inv, at::ScalarType w_dtype, int64_t w_block_dim,
                 bool need_dgrad, bool need_wgrad, bool save_original_input) {
   constexpr const char* op = "hybridq::fp8_block_linear";
-  TORCH_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input of shape ", x.sizes(),
-              " and weight of shape ", weight.sizes(), " do not make x @ weight^T");
+  linear_node::check_shapes(op, x, weight);
   TORCH_CHECK(w_block_dim == 1 || w_block_dim == 2, op,
               ": w_block_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), got ", w_block_dim);
-  const bool row = given(x_row), col = given(x_col);
-  TORCH_CHECK(!row || given(x_row_scale_inv), op, ": x_row given without x_row_scale_inv");
-  TORCH_CHECK(!col || given(x_col_scale_inv), op, ": x_col given without x_col_scale_inv");
-  TORCH_CHECK(!col || row, op, ": x_col given without x_row");
-  TORCH_CHECK(!row || col || !need_wgrad || save_original_input, op,
-              ": a quantized input needs its columnwise part (x_col) for wgrad");
-  // the weight given quantized (FSDP2's gathered weight): checked on metadata only (w_col may have no storage yet)
-  const bool w_r = given(w_row), w_c = given(w_col);
-  TORCH_CHECK(!w_r || given(w_row_scale_inv), op, ": w_row given without w_row_scale_inv");
-  TORCH_CHECK(!w_c || given(w_col_scale_inv), op, ": w_col given without w_col_scale_inv");
-  TORCH_CHECK(!w_c || w_r, op, ": w_col given without w_row");
-  TORCH_CHECK(!w_r || w_c || !need_dgrad, op, ": a quantized weight needs its columnwise part (w_col) for dgrad");
-  // (TORCH_CHECK builds its message only on failure, where the part is given)
-  TORCH_CHECK(!w_r || (w_row->sizes() == weight.sizes() && w_row->scalar_type() == w_dtype), op, ": w_row is ",
-              w_row->sizes(), " ", w_row->scalar_type(), ", the weight's rowwise part must be ", weight.sizes(), " ",
-              w_dtype);
-  TORCH_CHECK(!w_c || (w_col->dim() == 2 && w_col->size(0) == weight.size(1) && w_col->size(1) == weight.size(0) &&
-                       w_col->scalar_type() == w_dtype),
-              op, ": w_col is ", w_col->sizes(), " ", w_col->scalar_type(), ", the weight's columnwise part must be [",
-              weight.size(1), ", ", weight.size(0), "] ", w_dtype);
+  linear_node::check_parts(op, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
+                           w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
 }
 
 // The Autograd-key kernel: the C++ node records the backward
