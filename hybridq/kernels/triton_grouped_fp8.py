@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_launch import launch
+from .triton_launch import config_key, kept_plan, launch
 
 try:  # Triton is optional: CPU machines and CI have none
     import triton
@@ -275,21 +275,15 @@ def _wgrad_plan(m: int, n: int, e: int, precise: bool, aligned: bool, config) ->
 
 
 _PLAN_MAKERS = {"transpose": _transpose_plan, "mm": _mm_plan, "wgrad": _wgrad_plan}
-# (kind, the plan maker's arguments) -> (grid, the constexprs and options): a launch's parameters depend on nothing
-# else (each call derived them anew: ~10 Python calls per launch, 5 launches per expert layer's forward + backward)
+# (kind, the plan maker's arguments) -> (grid, the constexprs and options): triton_launch's [Note: launch plans]
+# (5 launches per expert layer's forward + backward)
 _PLANS: dict = {}
 
 
 def launch_plan(kind: str, *shape) -> tuple:
     """(grid, keyword arguments of `launch`) of a `kind` kernel ("transpose", "mm", "wgrad") for these sizes and
     options (the arguments of its `_*_plan` maker), made once per distinct arguments."""
-    key = (kind, *shape)
-    hit = _PLANS.get(key)
-    if hit is None:
-        if len(_PLANS) >= 256:  # (bounded: a few call shapes per model)
-            _PLANS.clear()
-        hit = _PLANS[key] = _PLAN_MAKERS[kind](*shape)
-    return hit
+    return kept_plan(_PLANS, (kind, *shape), _PLAN_MAKERS[kind], *shape)
 
 
 def check_jagged(a: torch.Tensor, b_rows: int, k: int, ends: torch.Tensor) -> str | None:
@@ -315,7 +309,7 @@ def jagged_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_gro
     c = torch.empty(t, n, device=a.device, dtype=out_dtype)
     if t == 0 or n == 0:
         return c
-    grid, kw = launch_plan("mm", t, n, k, e, precise, _hashable(config))
+    grid, kw = launch_plan("mm", t, n, k, e, precise, config_key(config))
     LAST_COMPILED["mm"] = launch(
         _jagged_mm_kernel, grid, a, b, c, a_scale_inv, b_scale_inv, ends, t, n, k, e, a.stride(0), b_group_stride,
         b_row_stride, c.stride(0), b_scale_inv.stride(0), **kw)
@@ -339,13 +333,8 @@ def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor
     if a_t.stride(0) % 16 or b_t.stride(0) % 16 or a_t.stride(0) != b_t.stride(0):
         raise ValueError(f"jagged_wgrad: the columnwise rows need one row pitch, a multiple of 16 bytes; got "
                          f"{a_t.stride(0)} and {b_t.stride(0)}")
-    grid, kw = launch_plan("wgrad", m, n, e, precise, aligned, _hashable(config))
+    grid, kw = launch_plan("wgrad", m, n, e, precise, aligned, config_key(config))
     LAST_COMPILED["wgrad"] = launch(
         _jagged_wgrad_kernel, grid, a_t, b_t, c, a_scale_inv, b_scale_inv, ends, m, n, e, a_t.stride(0),
         b_t.stride(0), c.stride(0), c.stride(1), **kw)
     return c
-
-
-def _hashable(config):
-    """A benchmark's tile configuration as a plan key (a tuple; None: the default)."""
-    return None if config is None else tuple(config)

@@ -122,6 +122,29 @@ def launch(fn, grid: tuple, *args, **kwargs):
     return kernel
 
 
+# [Note: launch plans]
+# What a Triton launch passes besides its tensors -- the grid, the constexprs and options, scale shapes -- is a pure
+# function of a few sizes and options, yet deriving it costs ~10 Python calls per launch (several launches per expert
+# layer). Each kernel family keeps its plans in a dict of its own, per the arguments that make them (`kept_plan`),
+# bounded: cleared whole past MAX_PLANS entries (a few call shapes per model; a slot count per routing at most).
+MAX_PLANS = 256
+
+
+def kept_plan(plans: dict, key: tuple, make, *args):
+    """plans[key], made as make(*args) the first time (`key` must hold everything the plan depends on)."""
+    hit = plans.get(key)
+    if hit is None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        hit = plans[key] = make(*args)
+    return hit
+
+
+def config_key(config) -> tuple | None:
+    """A benchmark's tile configuration (a sequence, or None: the default) as part of a plan's key."""
+    return None if config is None else tuple(config)
+
+
 def cached_kernels() -> int:
     """How many (kernel, specialization) launchers are kept (tests)."""
     return len(_CACHE)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_launch import launch
+from .triton_launch import kept_plan, launch
 
 try:  # Triton is optional: CPU machines and CI have none
     import triton
@@ -407,11 +407,12 @@ def _plan(mode: int, fp8: torch.dtype, rowwise: bool, columnwise: bool, s: int, 
           fp8_max: float, eps: float, pow2: bool, dev: torch.device, config: tuple | None) -> tuple:
     """((scale columns rowwise, columnwise, scale dtype), grid, the arguments after `stride_x`, the constexprs and
     options) of one launch, made once per distinct arguments ([Note: slot quantize launch plans])."""
-    interp = _interpreting()
-    key = (mode, fp8, rowwise, columnwise, s, k, x_dtype, fp8_max, eps, pow2, dev, config, interp)
-    hit = _PLANS.get(key)
-    if hit is not None:
-        return hit
+    args = (mode, fp8, rowwise, columnwise, s, k, x_dtype, fp8_max, eps, pow2, dev, config, _interpreting())
+    return kept_plan(_PLANS, args, _make_plan, *args)
+
+
+def _make_plan(mode: int, fp8: torch.dtype, rowwise: bool, columnwise: bool, s: int, k: int, x_dtype: torch.dtype,
+               fp8_max: float, eps: float, pow2: bool, dev: torch.device, config: tuple | None, interp: bool) -> tuple:
     c = SlotConfig(*config) if config is not None else CONFIGS[mode]
     _check_config(mode, c)
     blk = _BLOCKS[mode]
@@ -428,17 +429,14 @@ def _plan(mode: int, fp8: torch.dtype, rowwise: bool, columnwise: bool, s: int, 
     kw = dict(BLOCK_C=c.cols, BLK=blk, MODE=mode, POW2=pow2, E5M2=_FP8[fp8], IN_KIND=_IN_KINDS[x_dtype],
               ROWWISE=rowwise, COLUMNWISE=columnwise, USE_ASM=not interp, EVEN=s % blk == 0 and k % c.cols == 0,
               STAGES=c.stages, INTERP_ITERS=-(-tiles // grid) if interp and c.stages else 0, num_warps=c.warps, **cap)
-    if len(_PLANS) >= _MAX_PLANS:  # (bounded: a slot count per routing on the host-count path)
-        _PLANS.clear()
-    hit = _PLANS[key] = (scales, (grid,) if c.stages else (-(-s // blk), n_cb), head, kw)
-    return hit
+    return scales, (grid,) if c.stages else (-(-s // blk), n_cb), head, kw
 
 
 # [Note: slot quantize launch plans]
 # Everything a launch passes besides the tensors and x's row stride -- the scale shapes, the grid, the tile counts,
 # fp32(1 / fp8_max) (three CPU tensor ops), the constexprs and options -- depends only on the mode, the formats, the
 # directions, the slot and column counts, the input dtype, the scaling options, the device (its SM count), the
-# config and whether Triton interprets: kept per those (`_PLANS`), the launch itself through the launcher cached per
-# specialization (`triton_launch.launch`; Triton's `kernel[grid]` costs ~50-100 us of host per call).
+# config and whether Triton interprets: kept per those (`_PLANS`, triton_launch's [Note: launch plans]), the launch
+# itself through the launcher cached per specialization (`triton_launch.launch`; Triton's `kernel[grid]` costs ~50-100
+# us of host per call).
 _PLANS: dict = {}
-_MAX_PLANS = 256
