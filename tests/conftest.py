@@ -94,3 +94,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"hybridq: {len(skipped)} skipped ({gpu} need a CUDA device, more GPUs or the built extension; "
                       f"{len(skipped) - gpu} other)")
     tr.write_line(f"hybridq: the tests' tables and every skip reason: {path}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The distributed tests' pooled ranks (tests/distributed/_pool.py) leave with the session."""
+    import sys
+    pool = sys.modules.get("_pool")
+    if pool is not None:
+        pool.close_all()

@@ -1,7 +1,9 @@
 """Spawning helpers for the distributed tests (CPU gloo and multi-GPU NCCL).
 
-Each spawned job runs several checks, since a 2-process spawn costs ~3 s on the CI machine. A rank that
-fails raises, which `torch.multiprocessing.spawn` reports with the worker's traceback; the process group has a
+Each spawned job runs several checks, since a 2-process spawn costs ~3 s on the CI machine. gloo jobs of 1, 2 or
+4 ranks run on the session's persistent rank pool (_pool.py, [Note: the rank pool]); NCCL jobs, other world
+sizes, callers that ask for `fresh_processes` and every job under HYBRIDQ_TEST_SPAWN_EACH=1 get processes of
+their own. A rank that fails raises, which is reported with the worker's traceback; the process group has a
 short timeout so a rank waiting in a collective for a failed peer does not hang the suite.
 """
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 TIMEOUT_S = 120
+POOLED_WORLD_SIZES = (1, 2, 4)
 
 
 def backends(needs_extension: bool = False) -> list:
@@ -71,10 +74,15 @@ def _entry(rank, world_size, backend, job, kwargs, out_dir):
     os._exit(0)
 
 
-def spawn(job, world_size: int, backend: str, **kwargs) -> list[dict]:
+def spawn(job, world_size: int, backend: str, *, fresh_processes: bool = False, **kwargs) -> list[dict]:
     """Run `job(rank=, world_size=, device=, **kwargs)` on `world_size` processes; returns each rank's
-    JSON-serialisable result."""
+    JSON-serialisable result. `fresh_processes`: new processes for this job even where the pool could run it."""
     import torch.multiprocessing as mp
+
+    if (backend == "gloo" and world_size in POOLED_WORLD_SIZES and not fresh_processes
+            and os.environ.get("HYBRIDQ_TEST_SPAWN_EACH") != "1"):
+        import _pool
+        return _pool.pool(world_size, TIMEOUT_S).run(job, kwargs)
 
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_entry, args=(world_size, backend, job, kwargs, out_dir), nprocs=world_size, join=True)
