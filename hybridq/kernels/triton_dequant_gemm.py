@@ -37,6 +37,8 @@ import os
 
 import torch
 
+from .triton_tiles import autotune_configs, next_pow2, run_block_gemm, small_tiles
+
 MXFP8 = 0  # values of the A_FMT / B_FMT kernel arguments
 NVFP4 = 1
 FORMAT_NAMES = {MXFP8: "MXFP8", NVFP4: "NVFP4"}
@@ -44,7 +46,6 @@ MXFP8_BLOCK = 32  # elements per scale (hybridq.formats.mxfp8.BLOCK)
 NVFP4_BLOCK = 16  # (hybridq.formats.nvfp4.BLOCK)
 NVFP4_GLOBAL_DIVISOR = 2688.0  # 6 * 448: dequantized value = e2m1 * scale * amax / 2688 (formats.nvfp4)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAST_COMPILED: dict = {}  # the compiled kernel of the last call with a fixed config (benchmarks read its registers)
 
 # autotuning candidates: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps). Not yet timed on hardware (written
@@ -139,14 +140,6 @@ def block_k_for(k: int, a_fmt: int, b_fmt: int, largest: int = 128) -> int:
     return bk
 
 
-def triton_next_pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def config_dict(c) -> dict:
     """The `config` argument of `dequant_mm` for one entry of _CONFIGS."""
     bm, bn, bk, st, w = c
@@ -160,10 +153,7 @@ def _prune(configs, named_args, **kwargs):
     fmts = (kwargs.get("A_FMT", named_args.get("A_FMT")), kwargs.get("B_FMT", named_args.get("B_FMT")))
     smallest = MXFP8_BLOCK if MXFP8 in fmts else NVFP4_BLOCK
     fit = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0 and c.kwargs["BLOCK_K"] >= smallest]
-    keep = [c for c in fit if c.kwargs["BLOCK_K"] >= _SMALL_K] or fit
-    small = [c for c in keep if c.kwargs["BLOCK_M"] <= max(64, triton_next_pow2(m))
-             and c.kwargs["BLOCK_N"] <= max(64, triton_next_pow2(n))]
-    return small or keep
+    return small_tiles([c for c in fit if c.kwargs["BLOCK_K"] >= _SMALL_K] or fit, m, n)
 
 
 def default_config(k: int, a_fmt: int, b_fmt: int) -> dict:
@@ -188,13 +178,7 @@ def available() -> bool:
 
 
 if triton is not None:
-    from .triton_tiles import grouped_tile
-    @triton.jit
-    def _e8m0_to_pow2(e):
-        """fp32 2^(e - 127) of int32 E8M0 bytes in [0, 255] (formats._numerics.e8m0_to_pow2): exact, byte 0 the
-        fp32 subnormal 2^-127, byte 255 NaN."""
-        bits = tl.where(e == 0, 0x00400000, e << 23)
-        return tl.where(e == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+    from .triton_tiles import e8m0_to_pow2, output_tile, store_tile
 
     @triton.jit
     def _e2m1_times_2_pow_m14(codes):
@@ -218,7 +202,7 @@ if triton is not None:
         codes_ptrs: [ROWS, BLOCK_K] fp8 (MXFP8) or [ROWS, BLOCK_K / 2] uint8 (NVFP4) pointers; scale_ptrs:
         [ROWS, BLOCK_K / 32] uint8 (MXFP8) or [ROWS, BLOCK_K / 16] E4M3 (NVFP4) pointers."""
         if FMT == 0:  # MXFP8: fp32 code * 2^(e - 127), rounded to bf16 (exact down to bf16's subnormals)
-            s = _e8m0_to_pow2(tl.load(scale_ptrs).to(tl.int32))
+            s = e8m0_to_pow2(tl.load(scale_ptrs).to(tl.int32))
             v = tl.load(codes_ptrs).to(tl.float32) * _expand_blocks(s, ROWS, BLOCK_K // 32, 32)
         else:  # NVFP4: e2m1 * fp32(E4M3 scale), <= 6 significant bits: exact in bf16
             packed = tl.load(codes_ptrs)
@@ -236,16 +220,7 @@ if triton is not None:
                              M_KEY, N_KEY, K_KEY,
                              A_FMT: tl.constexpr, B_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # edge tiles read a valid row (row 0) in place of the missing ones; their results are not stored
-        rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-        rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        offs_m, offs_n, rm, rn = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         # per K tile: codes (NVFP4 packs two per byte) and scales (one per 32 / 16 elements) of each operand
         A_BYTES: tl.constexpr = BLOCK_K if A_FMT == 0 else BLOCK_K // 2
         B_BYTES: tl.constexpr = BLOCK_K if B_FMT == 0 else BLOCK_K // 2
@@ -271,20 +246,13 @@ if triton is not None:
             acc = acc * tl.load(ga_ptr)
         if B_FMT == 1:
             acc = acc * tl.load(gb_ptr)
-        c = acc.to(c_ptr.dtype.element_ty)
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm)
 
-    def _configs():
-        out = []
-        for c in _CONFIGS:
-            d = config_dict(c)
-            st, w = d.pop("num_stages"), d.pop("num_warps")
-            out.append(triton.Config(d, num_stages=st, num_warps=w))
-        return out
-
-    _dequant_gemm_tuned = triton.autotune(configs=_configs(), key=["M_KEY", "N_KEY", "K_KEY", "A_FMT", "B_FMT"],
+    _dequant_gemm_tuned = triton.autotune(configs=autotune_configs(_CONFIGS, config_dict),
+                                          key=["M_KEY", "N_KEY", "K_KEY", "A_FMT", "B_FMT"],
                                           prune_configs_by={"early_config_prune": _prune})(_dequant_gemm_kernel)
+else:  # (without Triton: `available()` is False)
+    _dequant_gemm_kernel = _dequant_gemm_tuned = None
 
 
 def _kernel_scale(p: Operand) -> torch.Tensor:
@@ -305,31 +273,19 @@ def dequant_mm(a: Operand, b: Operand, out_dtype: torch.dtype = torch.bfloat16,
     if why is not None:
         raise ValueError(f"dequant_mm: {why}")
     m, n, k = a.rows, b.rows, a.k
-    od = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
-    c = torch.empty(m, n, device=a.codes.device, dtype=od)
-    if m == 0 or n == 0:
-        return c if od == out_dtype else c.to(out_dtype)
-    if k == 0:
-        c.zero_()
-        return c if od == out_dtype else c.to(out_dtype)
-    sa, sb = _kernel_scale(a), _kernel_scale(b)
-    # an MXFP8 operand has no global factor: the kernel never reads the pointer then (A_FMT / B_FMT are constexpr)
-    ga = nvfp4_global_factor(a.amax) if a.fmt == NVFP4 else sa
-    gb = nvfp4_global_factor(b.amax) if b.fmt == NVFP4 else sb
-    args = (a.codes, sa, ga, b.codes, sb, gb, c, m, n, k, a.codes.stride(0), sa.stride(0), sa.stride(1),
-            b.codes.stride(0), sb.stride(0), sb.stride(1), c.stride(0), triton_next_pow2(m), triton_next_pow2(n),
-            triton_next_pow2(k))
+
+    def args(c):
+        sa, sb = _kernel_scale(a), _kernel_scale(b)
+        # an MXFP8 operand has no global factor: the kernel never reads the pointer then (A_FMT / B_FMT are constexpr)
+        ga = nvfp4_global_factor(a.amax) if a.fmt == NVFP4 else sa
+        gb = nvfp4_global_factor(b.amax) if b.fmt == NVFP4 else sb
+        return (a.codes, sa, ga, b.codes, sb, gb, c, m, n, k, a.codes.stride(0), sa.stride(0), sa.stride(1),
+                b.codes.stride(0), sb.stride(0), sb.stride(1), c.stride(0), next_pow2(m), next_pow2(n), next_pow2(k))
+
+    def fix_config(cfg):
+        cfg["BLOCK_K"] = block_k_for(k, a.fmt, b.fmt, largest=cfg.get("BLOCK_K", 64))
+
     if config is None and os.environ.get("HYBRIDQ_DEQUANT_GEMM_NO_AUTOTUNE") == "1":
         config = default_config(k, a.fmt, b.fmt)
-    if config is None:
-        grid = lambda meta: (triton_cdiv(m, meta["BLOCK_M"]) * triton_cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _dequant_gemm_tuned[grid](*args, A_FMT=a.fmt, B_FMT=b.fmt)
-    else:
-        cfg = dict(config)
-        w, st = cfg.pop("num_warps", 8), cfg.pop("num_stages", 3)
-        cfg.setdefault("GROUP_M", 8)
-        cfg["BLOCK_K"] = block_k_for(k, a.fmt, b.fmt, largest=cfg.get("BLOCK_K", 64))
-        grid = (triton_cdiv(m, cfg["BLOCK_M"]) * triton_cdiv(n, cfg["BLOCK_N"]),)
-        LAST_COMPILED["kernel"] = _dequant_gemm_kernel[grid](*args, A_FMT=a.fmt, B_FMT=b.fmt, num_warps=w,
-                                                             num_stages=st, **cfg)
-    return c if od == out_dtype else c.to(out_dtype)
+    return run_block_gemm(_dequant_gemm_tuned, _dequant_gemm_kernel, m, n, k, a.codes.device, out_dtype, args,
+                          dict(A_FMT=a.fmt, B_FMT=b.fmt), config, fix_config, LAST_COMPILED)

@@ -31,8 +31,9 @@ import os
 
 import torch
 
+from .triton_tiles import autotune_configs, next_pow2, run_block_gemm, small_tiles
+
 BLOCK = 32
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 LAST_COMPILED: dict = {}  # the compiled kernel of the last call with a fixed config (benchmarks read its registers)
 
@@ -49,27 +50,11 @@ def config_dict(c) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "SLICES": sl, "GROUP_M": 8, "num_stages": st, "num_warps": w}
 
 
-def _configs():
-    out = []
-    for c in _CONFIGS:
-        d = config_dict(c)
-        st, w = d.pop("num_stages"), d.pop("num_warps")
-        out.append(triton.Config(d, num_stages=st, num_warps=w))
-    return out
-
-
 def _prune(configs, named_args, **kwargs):
+    """Configs whose 32 * SLICES divides K, the tiles not much larger than the problem where any are."""
     k = named_args["K"]
-    m, n = named_args["M"], named_args["N"]
-    keep = [c for c in configs if k % (BLOCK * c.kwargs["SLICES"]) == 0]
-    # tiles much larger than the problem only add masked work
-    small = [c for c in keep if c.kwargs["BLOCK_M"] <= max(64, triton_next_pow2(m))
-             and c.kwargs["BLOCK_N"] <= max(64, triton_next_pow2(n))]
-    return small or keep
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
+    return small_tiles([c for c in configs if k % (BLOCK * c.kwargs["SLICES"]) == 0], named_args["M"],
+                       named_args["N"])
 
 
 try:  # Triton is optional: CPU machines and CI have none
@@ -85,13 +70,7 @@ def available() -> bool:
 
 
 if triton is not None:
-    from .triton_tiles import grouped_tile
-    @triton.jit
-    def _pow2_e8m0(e):
-        """fp32 2^(e - 127) of int32 E8M0 bytes e in [0, 255]: exact (e == 0 is the subnormal 2^-127), 255 NaN."""
-        bits = tl.where(e == 0, 0x00400000, e << 23)
-        f = bits.to(tl.float32, bitcast=True)
-        return tl.where(e == 255, float("nan"), f)
+    from .triton_tiles import e8m0_to_pow2, output_tile, store_tile
 
     # sizes are not specialized on (one compile serves every M, N, K); the data strides are (16-byte alignment)
     @triton.jit(do_not_specialize=["M", "N", "K", "stride_sak", "stride_sbk", "M_KEY", "N_KEY", "K_KEY"])
@@ -100,16 +79,7 @@ if triton is not None:
                            M_KEY, N_KEY, K_KEY,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
                            GROUP_M: tl.constexpr, MODE: tl.constexpr = 0):
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # edge tiles read a valid row (row 0) in place of the missing ones; their results are not stored
-        rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-        rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        offs_m, offs_n, rm, rn = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_k = tl.arange(0, 32)
         a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + rn[:, None] * stride_bn + offs_k[None, :]
@@ -130,23 +100,24 @@ if triton is not None:
                     if MODE == 1:  # (benchmark only) scales ignored
                         acc += p
                     else:
-                        acc += p * (_pow2_e8m0(ea)[:, None] * _pow2_e8m0(eb)[None, :])
+                        acc += p * (e8m0_to_pow2(ea)[:, None] * e8m0_to_pow2(eb)[None, :])
             a_ptrs += 32 * SLICES
             b_ptrs += 32 * SLICES
             sa_ptrs += SLICES * stride_sak
             sb_ptrs += SLICES * stride_sbk
 
-        c = acc.to(c_ptr.dtype.element_ty)
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm)
 
-    _mxfp8_gemm_tuned = triton.autotune(configs=_configs(), key=["M_KEY", "N_KEY", "K_KEY"],
+    _mxfp8_gemm_tuned = triton.autotune(configs=autotune_configs(_CONFIGS, config_dict),
+                                        key=["M_KEY", "N_KEY", "K_KEY"],
                                         prune_configs_by={"early_config_prune": _prune})(_mxfp8_gemm_kernel)
+else:  # (without Triton: `available()` is False)
+    _mxfp8_gemm_kernel = _mxfp8_gemm_tuned = None
 
 
 def _bucket(v: int) -> int:
     """Autotuning key of a dimension: the next power of two (one tuning per size class, not per exact size)."""
-    return triton_next_pow2(v)
+    return next_pow2(v)
 
 
 def check_operands(a_data, a_scale, b_data, b_scale, contiguous: bool = True) -> str | None:
@@ -179,38 +150,23 @@ def mxfp8_mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, 
         raise ValueError(f"mxfp8_mm: {why}")
     m, k = a_data.shape
     n = b_data.shape[0]
-    od = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
-    c = torch.empty(m, n, device=a_data.device, dtype=od)
-    if m == 0 or n == 0:
-        return c if od == out_dtype else c.to(out_dtype)
-    if k == 0:
-        c.zero_()
-        return c if od == out_dtype else c.to(out_dtype)
-    # K-block-major scales: one K block's BLOCK_M scales of a tile are one coalesced read
-    sa, sb = a_scale.t().contiguous(), b_scale.t().contiguous()  # [K/32, rows]
-    tuned, plain = _mxfp8_gemm_tuned, _mxfp8_gemm_kernel
-    args = (a_data, b_data, sa, sb, c, m, n, k, a_data.stride(0), b_data.stride(0), sa.stride(1), sa.stride(0),
-            sb.stride(1), sb.stride(0), c.stride(0), _bucket(m), _bucket(n), _bucket(k))
-    if config is None and os.environ.get("HYBRIDQ_MXFP8_NO_AUTOTUNE") == "1":
-        config = default_config(k)
-    if config is None:
-        grid = lambda meta: (triton_cdiv(m, meta["BLOCK_M"]) * triton_cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        tuned[grid](*args)
-    else:
-        cfg = dict(config)
-        w, st = cfg.pop("num_warps", 8), cfg.pop("num_stages", 3)
-        cfg.setdefault("GROUP_M", 8)
+
+    def args(c):
+        # K-block-major scales: one K block's BLOCK_M scales of a tile are one coalesced read
+        sa, sb = a_scale.t().contiguous(), b_scale.t().contiguous()  # [K/32, rows]
+        return (a_data, b_data, sa, sb, c, m, n, k, a_data.stride(0), b_data.stride(0), sa.stride(1), sa.stride(0),
+                sb.stride(1), sb.stride(0), c.stride(0), _bucket(m), _bucket(n), _bucket(k))
+
+    def fix_config(cfg):
         if k % (BLOCK * cfg["SLICES"]):
             raise ValueError(f"mxfp8_mm: K = {k} is not a multiple of 32 * SLICES = {BLOCK * cfg['SLICES']}")
-        grid = (triton_cdiv(m, cfg["BLOCK_M"]) * triton_cdiv(n, cfg["BLOCK_N"]),)
-        LAST_COMPILED["kernel"] = plain[grid](*args, num_warps=w, num_stages=st, **cfg)
-    return c if od == out_dtype else c.to(out_dtype)
+
+    if config is None and os.environ.get("HYBRIDQ_MXFP8_NO_AUTOTUNE") == "1":
+        config = default_config(k)
+    return run_block_gemm(_mxfp8_gemm_tuned, _mxfp8_gemm_kernel, m, n, k, a_data.device, out_dtype, args, {}, config,
+                          fix_config, LAST_COMPILED)
 
 
 def default_config(k: int) -> dict:
     """The fastest measured config that takes this K (without autotuning)."""
     return config_dict(_CONFIGS[0] if k % 128 == 0 else _CONFIGS[2])
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
