@@ -13,6 +13,7 @@ import torch
 import hybridq as hq
 import hybridq.nn.grouped as grouped_mod
 from _compare import assert_results_bitwise
+from _packed_experts import expert_layer, expert_step, tokens_by_expert
 from hybridq.formats import Float8BlockQuantizer, HybridQuantizer, MXFP8Quantizer
 from hybridq.formats.base import Quantizer
 from hybridq.nn.grouped_packed import padded_tokens
@@ -47,33 +48,17 @@ def _recipe(name):
 
 
 def _layer(recipe, out, packed, dtype=torch.bfloat16, device="cpu", k=IN, **kw):
-    torch.manual_seed(1)
-    m = hq.GroupedLinear(E, k, out, recipe=_recipe(recipe), dtype=dtype, device=device, name="moe", **kw)
-    m.packed_path = packed
-    return m
+    return expert_layer(_recipe(recipe), E, k, out, packed, dtype, device, **kw)
 
 
 def _data(splits, out, dtype, device="cpu", k=IN):
-    """Tokens and gradients whose magnitude differs by expert (10^-2 .. 10^2): a scaling block shared by two
-    experts would change a scale, hence bytes."""
-    gen = torch.Generator().manual_seed(2)
-    mag = torch.cat([torch.full((m,), 10.0 ** (e - 2)) for e, m in enumerate(splits)])[:, None]
-    x = torch.randn(sum(splits), k, generator=gen) * mag
-    dy = torch.randn(sum(splits), out, generator=gen) * mag.flip(0)
-    return x.to(device, dtype), dy.to(device, dtype)
+    return tokens_by_expert(splits, k, out, dtype, device)
 
 
 def _run(packed, splits, recipe, out, dtype=torch.bfloat16, x_grad=True, w_grad=True, grad=True, device="cpu",
          k=IN):
-    m = _layer(recipe, out, packed, dtype, device, k)
-    m.weight.requires_grad_(w_grad)
     x, dy = _data(splits, out, dtype, device, k)
-    x.requires_grad_(x_grad)
-    with torch.set_grad_enabled(grad):
-        y = m(x, splits)
-    if grad and (x_grad or w_grad):
-        y.backward(dy)
-    return {"y": y.detach(), "dx": x.grad, "dW": m.weight.grad}
+    return expert_step(_layer(recipe, out, packed, dtype, device, k), splits, x, dy, x_grad, w_grad, grad)
 
 
 @pytest.mark.parametrize("multiple", [1, 16], ids=["cpu-counts", "gpu-padding"])
