@@ -40,6 +40,7 @@ from hybridq.gemm import emulated_gemm, find_native_gemm, gemm
 from hybridq.kernels import _ext
 from hybridq.kernels import triton_dequant_gemm as tdg
 
+from _gpu import default_config_fixture, sm90_triton_test
 from _triton_aot import compile_sm90
 
 NAME = "triton-dequant-sm90"
@@ -284,26 +285,9 @@ def test_compiles_for_sm90(fmts):
 
 # ---- GPU: the kernel ------------------------------------------------------------------------------------------
 
-HAVE_CUDA = torch.cuda.is_available()
-SM90 = HAVE_CUDA and torch.cuda.get_device_capability() == (9, 0)
-gpu = [pytest.mark.gpu,
-       pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device"),
-       pytest.mark.skipif(HAVE_CUDA and not SM90, reason="the Triton dequant GEMM is sm_90 only (needs a CUDA sm_90 device)"),
-       pytest.mark.skipif(HAVE_CUDA and not tdg.available(), reason="needs Triton (with a CUDA device)")]
-
-
-def on_gpu(f):
-    for m in gpu:
-        f = m(f)
-    return pytest.mark.usefixtures("fixed_config")(f)
-
-
-@pytest.fixture
-def fixed_config(monkeypatch, request):
-    """`default_config` for every call (one compile per pairing, BLOCK_K and output dtype instead of autotuning each
-    shape); test_autotuned runs the autotuner."""
-    if "autotuned" not in request.node.name:
-        monkeypatch.setenv("HYBRIDQ_DEQUANT_GEMM_NO_AUTOTUNE", "1")
+on_gpu = sm90_triton_test(tdg.available(), "the Triton dequant GEMM")
+fixed_config = default_config_fixture("HYBRIDQ_DEQUANT_GEMM_NO_AUTOTUNE",
+                                      "one compile per pairing, BLOCK_K and output dtype")
 
 
 def _bf16_operand(p) -> tuple[torch.Tensor, torch.Tensor | None]:

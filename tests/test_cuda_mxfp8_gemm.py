@@ -27,6 +27,8 @@ from hybridq.formats import MXFP8Part, MXFP8Quantizer
 from hybridq.gemm import emulated_gemm, find_native_gemm, gemm
 from hybridq.kernels import triton_mxfp8 as tm
 
+from _gpu import default_config_fixture, sm90_triton_test
+
 NAME = "triton-mxfp8-sm90"
 SEED = int(os.environ.get("HYBRIDQ_TEST_SEED", random.SystemRandom().randrange(2 ** 31)))
 ACC_TOL = 2.0 ** -10
@@ -152,26 +154,8 @@ def test_autotune_prune_keeps_configs_that_divide_k():
 
 # ---- GPU: the kernel ------------------------------------------------------------------------------------------
 
-HAVE_CUDA = torch.cuda.is_available()
-SM90 = HAVE_CUDA and torch.cuda.get_device_capability() == (9, 0)
-gpu = [pytest.mark.gpu,
-       pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device"),
-       pytest.mark.skipif(HAVE_CUDA and not SM90, reason="the Triton MXFP8 GEMM is sm_90 only (needs a CUDA sm_90 device)"),
-       pytest.mark.skipif(HAVE_CUDA and not tm.available(), reason="needs Triton (with a CUDA device)")]
-
-
-def on_gpu(f):
-    for m in gpu:
-        f = m(f)
-    return pytest.mark.usefixtures("fixed_config")(f)
-
-
-@pytest.fixture
-def fixed_config(monkeypatch, request):
-    """The default config for every call (one compile per dtype pairing instead of autotuning each shape);
-    test_autotuned runs the autotuner."""
-    if "autotuned" not in request.node.name:
-        monkeypatch.setenv("HYBRIDQ_MXFP8_NO_AUTOTUNE", "1")
+on_gpu = sm90_triton_test(tm.available(), "the Triton MXFP8 GEMM")
+fixed_config = default_config_fixture("HYBRIDQ_MXFP8_NO_AUTOTUNE", "one compile per dtype pairing")
 
 
 def _exact(a, b):
