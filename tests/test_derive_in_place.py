@@ -159,3 +159,101 @@ def test_cuda_derived_in_place_equals_reference(name, shape):
     assert_parts_bitwise(into, q.derive_part(r, C, torch.bfloat16), f"{name} {shape}: CUDA in place vs CUDA fresh")
     cpu = r.map_tensors(lambda t: t.cpu())
     assert_parts_bitwise(into, CASES[name]().derive_part(cpu, C, torch.bfloat16), f"{name} {shape}: CUDA vs CPU")
+
+
+# ---- every expert at once (`ShardableQuantizer.derive_experts_into`: FSDP2's stacked block experts) ----------------
+
+# (name, factory) of the cases above plus two equal 128x128-tile quantizers as a hybrid
+EXPERT_CASES = {**CASES, "hyb_fp8blk_128x128": hybrid("fp8blk_128x128_e4m3", "fp8blk_128x128_e4m3")}
+# those that derive every expert's columnwise form at once: 128x128 tiles (the transposes), alone or as both directions
+AT_ONCE = {"fp8blk_128x128_e4m3", "hyb_fp8blk_128x128"}
+EXPERTS = 3
+
+
+def _experts(q, shape, seed: int, device="cpu"):
+    """Each expert's (rowwise, columnwise) parts of a weight `[EXPERTS, *shape]` (expert 1 non-finite), or None."""
+    out = []
+    for g in range(EXPERTS):
+        w = _non_finite(shape, seed + g, device) if g == 1 else _weight(shape, seed + g, device)
+        r, c = _parts(q, w)
+        if r is None or c is None:
+            return None
+        out.append((r, c))
+    return out
+
+
+def _slotted(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`[E, ...]` views of the experts' tensors laid out one per slot with a gap after each (the all-gather output's
+    slots: an expert stride that is not the tensor's size)."""
+    t0 = tensors[0]
+    gap = 16 // t0.element_size()
+    base = torch.zeros(len(tensors), t0.numel() + gap, dtype=t0.dtype, device=t0.device)
+    for g, t in enumerate(tensors):
+        base[g, :t.numel()] = t.reshape(-1)
+    return base[:, :t0.numel()].view(len(tensors), *t0.shape)
+
+
+def _stacked(parts, slotted: bool) -> dict[str, torch.Tensor]:
+    names = [n for n, t in parts[0].tensors().items() if t is not None]
+    join = _slotted if slotted else torch.stack
+    return {n: join([p.tensors()[n].contiguous() for p in parts]) for n in names}
+
+
+def _same_bytes(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)) for n in a)
+
+
+def _derive_experts_case(name, shape, device):
+    q = EXPERT_CASES[name]()
+    experts, others = _experts(q, shape, 20, device), _experts(q, shape, 40, device)
+    if experts is None or others is None:
+        pytest.skip(f"{name} takes no {shape} weight in both directions")
+    rows = _stacked([r for r, _ in experts], slotted=True)
+    cols = _stacked([c for _, c in others], slotted=False)  # (another weight's: every byte must be overwritten)
+    before = {n: t.clone() for n, t in cols.items()}
+    done = q.derive_experts_into(rows, cols, torch.bfloat16)
+    return q, experts, cols, before, done
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(EXPERT_CASES))
+def test_experts_derived_at_once_equal_each_experts_derivation(name, shape):
+    """From the experts' rowwise tensors as the all-gather's slots hold them (an expert stride with a gap) into
+    stacked columnwise buffers of other values: each expert's bytes of `derive_part`, bitwise (non-finite values
+    kept); or, for a format that does not derive experts at once, False and the buffers untouched."""
+    q, experts, cols, before, done = _derive_experts_case(name, shape, "cpu")
+    assert done == (name in AT_ONCE), f"{name}: derive_experts_into returned {done}, expected {name in AT_ONCE}"
+    if not done:
+        assert _same_bytes(cols, before), f"{name}: declined but wrote"
+        return
+    for g, (r, _) in enumerate(experts):
+        want = q.derive_part(r, C, torch.bfloat16)
+        for n, t in want.tensors().items():
+            if t is not None:
+                assert_bitwise(cols[n][g], t, f"{name} {shape}: expert {g} {n} derived at once")
+
+
+@pytest.mark.parametrize("name", sorted(AT_ONCE))
+def test_experts_derived_at_once_refuse_buffers_of_another_shape(name):
+    """Columnwise buffers that are not the per-expert transposes: ValueError naming the tensor, nothing written."""
+    q = EXPERT_CASES[name]()
+    rows = _stacked([r for r, _ in _experts(q, (128, 256), 50)], slotted=True)
+    cols = _stacked([c for _, c in _experts(q, (256, 256), 60)], slotted=False)
+    before = {n: t.clone() for n, t in cols.items()}
+    with pytest.raises(ValueError, match=r"columnwise data \(3, 256, 256\).*transpose of the rowwise one's"):
+        q.derive_experts_into(rows, cols, torch.bfloat16)
+    assert _same_bytes(cols, before), f"{name}: refused but wrote"
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(128, 256), (130, 257), (2048, 1024), (1024, 2048)], ids=str)
+@pytest.mark.parametrize("name", sorted(AT_ONCE))
+def test_cuda_experts_derived_at_once_equal_each_experts_derivation(name, shape):
+    """On CUDA (one launch of the tiled transpose over the slots' expert stride): each expert's `derive_part` on
+    CUDA, bitwise, non-finite values kept."""
+    q, experts, cols, _, done = _derive_experts_case(name, shape, "cuda")
+    assert done, f"{name}: derive_experts_into declined on CUDA"
+    for g, (r, _) in enumerate(experts):
+        for n, t in q.derive_part(r, C, torch.bfloat16).tensors().items():
+            if t is not None:
+                assert_bitwise(cols[n][g], t, f"{name} {shape} CUDA: expert {g} {n} derived at once")

@@ -84,7 +84,7 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
     slots), a derived direction derived once from it, and each tensor kind copied into the stacked buffers in one
     copy. False (nothing done) where that does not apply."""
     e, n, ws, chunk = layout.experts, layout.rows, layout.world_size, layout.chunk
-    if _copy_kept(st, metas, gathered, slot, layout, plan, stacked):
+    if _copy_kept(st, q, metas, gathered, slot, layout, plan, stacked, dtype):
         return True
     flat = gathered.reshape(-1).view(torch.uint8)
     if (layout.dim != 0 or len(metas) != e or n % q.split_granularity(True, True)[0] or slot % ALIGN
@@ -95,7 +95,8 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
         return False
     # the experts' slots, rank-major (a view; a copy where uneven sharding pads each rank's payload past its slots)
     per_expert = flat.view(ws, -1)[:, :chunk * slot].reshape(ws * chunk, slot)[:e]
-    if stacked is not None and _fill_direct(st, metas, gathered, per_expert, slot, layout, plan, stacked, dst):
+    if stacked is not None and _fill_direct(st, q, metas, gathered, per_expert, slot, layout, plan, stacked, dst,
+                                            dtype):
         return True
     joined = assemble_joined(metas, per_expert, stacked.joined_replicated(per_expert) if stacked else None)
     if joined is None:
@@ -114,107 +115,157 @@ def _fill_joined(st, q, metas, gathered: torch.Tensor, slot: int, layout: Expert
     return True
 
 
-def _direct_sources(st, m0, e: int, plan: GatherPlan, stacked: StackedBlocks, dst) -> tuple | None:
+def _direct_sources(st, m0, e: int, plan: GatherPlan, stacked: StackedBlocks, dst, q, dtype) -> tuple | None:
     """For each stacked tensor the joined fill writes, where its experts' values are one buffer or replicated tensor
-    of their payloads as sent ([Note: direct joined fill]): (direction, tensor name, ("buffer", spec) | ("replica",
-    replica)); None where any is not (a derived direction, a buffer the part re-lays out). Asked once per payload
-    metadata, replicas and plan (kept in the state), on meta tensors."""
-    key = (id(m0), id(stacked), id(plan), e)
+    of their payloads as sent ([Note: direct joined fill]): (copies: ((direction, tensor name, source), ...), derived:
+    ((rowwise tensor name, source), ...) or None), a source ("buffer", spec) | ("replica", replica); derived: the
+    rowwise tensors a derived columnwise direction is derived from, expert by expert in one call
+    (`Quantizer.derive_experts_into`). None where any tensor is not so (a buffer the part re-lays out, a format that
+    does not derive experts at once). Asked once per payload metadata, replicas, plan, quantizer and dtype (kept in
+    the state), on meta tensors."""
+    key = (id(m0), id(stacked), id(plan), e, id(q), dtype)
     kept = st.__dict__.setdefault("direct_fills", {})
     hit = kept.get(key)
-    if hit is not None and hit[0] is m0 and hit[1] is stacked and hit[2] is plan:
-        return hit[3]
-    out = _probe_direct(m0, e, plan, stacked, dst)
+    if hit is not None and hit[0] is m0 and hit[1] is stacked and hit[2] is plan and hit[3] is q:
+        return hit[4]
+    out = _probe_direct(m0, e, plan, stacked, dst, q, dtype)
     if len(kept) >= 8:
         kept.clear()
-    kept[key] = (m0, stacked, plan, out)
+    kept[key] = (m0, stacked, plan, q, out)
     return out
 
 
-def _probe_direct(m0, e: int, plan: GatherPlan, stacked: StackedBlocks, dst) -> tuple | None:
-    if plan.derive and COLUMNWISE in plan.materialize:
+def _part_sources(m0, e: int, d: str, stacked: StackedBlocks) -> dict | None:
+    """{tensor name: (source, one expert's shape, dtype)} of every tensor of the joined part `d` that is, as
+    `assemble_joined` rebuilds it, a gathered buffer of the rowwise layout (the experts' rows one after another) or a
+    replicated tensor carried in the slots; None where the part is not rebuilt from them as they are (hints, a
+    tensor made anew, a columnwise buffer). The joined part is rebuilt on meta tensors (`assign_gathered`)."""
+    ps = m0.parts.get(d)
+    if ps is None or ps.hints:
         return None
     meta = torch.device("meta")
-    out = []
+    specs = {b.name: b for b in m0.buffers if b.direction == d}
+    reps = {r.name: r for r in stacked.replicas if r.direction == d}
+    full = {n: torch.empty((e * b.capacity,) + b.row_shape, dtype=b.dtype, device=meta) for n, b in specs.items()}
+    rep = {n: torch.empty((r.shape[0], e * r.shape[1]) if r.columnwise else (e * r.shape[0], r.shape[1]),
+                          dtype=r.dtype, device=meta) for n, r in reps.items()}
+    rep = {**dict.fromkeys(m0.replicated.get(d, {})), **rep}
+    try:
+        part = ps.cls.assign_gathered(full, rep, rows=ps.rows if ps.columnwise else e * ps.rows,
+                                      cols=e * ps.cols if ps.columnwise else ps.cols, columnwise=ps.columnwise,
+                                      meta=ps.meta)
+    except Exception:  # noqa: BLE001 - a part that cannot be rebuilt on meta: the joined fill as before
+        return None
+    out = {}
+    for k, t in part.tensors().items():
+        if t is None:
+            continue
+        b = next((b for n, b in specs.items() if full[n] is t), None)
+        r = next((r for n, r in reps.items() if rep[n] is t), None)
+        if b is not None and not ps.columnwise:
+            out[k] = (("buffer", b), (b.capacity,) + b.row_shape, b.dtype)
+        elif r is not None:
+            out[k] = (("replica", r), r.shape, r.dtype)
+        else:
+            return None
+    return out
+
+
+def _probe_direct(m0, e: int, plan: GatherPlan, stacked: StackedBlocks, dst, q, dtype) -> tuple | None:
+    derived = plan.derive and COLUMNWISE in plan.materialize
+    copies = []
     for d in plan.materialize:
-        ps = m0.parts.get(d)
-        if ps is None or ps.hints:
+        if derived and d == COLUMNWISE:
+            continue
+        sources = _part_sources(m0, e, d, stacked)
+        if sources is None:
             return None
-        specs = {b.name: b for b in m0.buffers if b.direction == d}
-        reps = {r.name: r for r in stacked.replicas if r.direction == d}
-        # the joined part's buffers and replicated tensors (as assemble_joined gives them), on meta
-        full = {n: torch.empty((e * b.capacity,) + b.row_shape, dtype=b.dtype, device=meta) for n, b in specs.items()}
-        rep = {n: torch.empty((r.shape[0], e * r.shape[1]) if r.columnwise else (e * r.shape[0], r.shape[1]),
-                              dtype=r.dtype, device=meta) for n, r in reps.items()}
-        rep = {**dict.fromkeys(m0.replicated.get(d, {})), **rep}
-        try:
-            part = ps.cls.assign_gathered(full, rep, rows=ps.rows if ps.columnwise else e * ps.rows,
-                                          cols=e * ps.cols if ps.columnwise else ps.cols, columnwise=ps.columnwise,
-                                          meta=ps.meta)
-        except Exception:  # noqa: BLE001 - a part that cannot be rebuilt on meta: the joined fill as before
-            return None
-        tensors = part.tensors()
         for k, v in dst[d][1].items():
-            t = tensors.get(k)
-            b = next((b for n, b in specs.items() if full[n] is t), None)
-            r = next((r for n, r in reps.items() if rep[n] is t), None)
-            if b is not None and not ps.columnwise and tuple(v.shape) == (e, b.capacity) + b.row_shape \
-                    and v.dtype == b.dtype:
-                out.append((d, k, ("buffer", b)))
-            elif r is not None and tuple(v.shape) == (e,) + r.shape and v.dtype == r.dtype:
-                out.append((d, k, ("replica", r)))
-            else:
+            s = sources.get(k)
+            if s is None or tuple(v.shape) != (e,) + tuple(s[1]) or v.dtype != s[2]:
                 return None
-    return tuple(out)
+            copies.append((d, k, s[0]))
+    rows = None
+    if derived:  # (the rowwise tensors as sent, derived into the stacked columnwise views by the format)
+        sources = _part_sources(m0, e, ROWWISE, stacked)
+        if not sources:
+            return None
+        meta = torch.device("meta")
+        try:
+            ok = q.derive_experts_into(
+                {k: torch.empty((e,) + tuple(shape), dtype=dt, device=meta) for k, (_, shape, dt) in sources.items()},
+                {k: torch.empty(v.shape, dtype=v.dtype, device=meta) for k, v in dst[COLUMNWISE][1].items()}, dtype)
+        except Exception:  # noqa: BLE001 - a derivation that cannot run on meta: the joined fill as before
+            ok = False
+        if not ok:
+            return None
+        rows = tuple((k, src) for k, (src, _, _) in sources.items())
+    return tuple(copies), rows
 
 
-def _fill_direct(st, metas, gathered: torch.Tensor, per_expert: torch.Tensor, slot: int, layout: ExpertLayout,
-                 plan: GatherPlan, stacked: StackedBlocks, dst) -> bool:
-    """The joined fill as one copy per stacked tensor straight from the experts' slots (`_direct_sources`), without
-    assembling the joined parts; False (nothing done) where it does not apply. The copies are kept for the next
-    unshard of the same output where every source is a view of it (`_copy_kept`)."""
+def _source_view(per_expert: torch.Tensor, stacked: StackedBlocks, src: tuple) -> torch.Tensor:
+    """`[E, ...]`: every expert's tensor of one payload buffer or replicated tensor, out of the `[E, slot]` slots."""
+    kind, what = src
+    if kind == "buffer":
+        e = per_expert.shape[0]
+        return per_expert[:, what.offset:what.offset + what.nbytes].view(what.dtype).view(
+            (e, what.capacity) + what.row_shape)
+    return stacked._views(per_expert, what)
+
+
+def _fill_direct(st, q, metas, gathered: torch.Tensor, per_expert: torch.Tensor, slot: int, layout: ExpertLayout,
+                 plan: GatherPlan, stacked: StackedBlocks, dst, dtype) -> bool:
+    """The joined fill as one copy per stacked tensor straight from the experts' slots, and a derived columnwise
+    direction derived from them by one `derive_experts_into` (`_direct_sources`), without assembling the joined
+    parts; False (nothing done) where it does not apply. The work is kept for the next unshard of the same output
+    where every source is a view of it (`_copy_kept`)."""
     e = per_expert.shape[0]
-    sources = _direct_sources(st, metas[0], e, plan, stacked, dst)
+    sources = _direct_sources(st, metas[0], e, plan, stacked, dst, q, dtype)
     if sources is None:
         return False
-    copies = []
-    for d, k, (kind, what) in sources:
-        if kind == "buffer":
-            src = per_expert[:, what.offset:what.offset + what.nbytes].view(what.dtype).view(
-                (e, what.capacity) + what.row_shape)
-        else:
-            src = stacked._views(per_expert, what)
-        copies.append((dst[d][1][k], src))
-    for t, src in copies:
-        t.copy_(src)
-    st.counters["stacked_block_fills_direct"] += 1
+    copies = tuple((dst[d][1][k], _source_view(per_expert, stacked, src)) for d, k, src in sources[0])
+    derive = None
+    if sources[1] is not None:
+        derive = ({k: _source_view(per_expert, stacked, src) for k, src in sources[1]}, dst[COLUMNWISE][1])
+    _run_direct(st, q, copies, derive, dtype)
     out = storage_id(gathered)
     kept = st.__dict__.setdefault("direct_copies", {})  # (per plan: forward and backward / eval unshards alternate)
     kept.pop(id(plan), None)
-    if all(storage_id(src) == out for _, src in copies):
+    read = [src for _, src in copies] + (list(derive[0].values()) if derive is not None else [])
+    if all(storage_id(src) == out for src in read):
         if len(kept) >= 8:
             kept.clear()
-        kept[id(plan)] = ((GatheredViews.key_of(gathered), slot, layout), (metas, plan, stacked),
-                          tuple((d, dst[d][1]) for d in plan.materialize), tuple(copies))
+        kept[id(plan)] = ((GatheredViews.key_of(gathered), slot, layout), (metas, plan, stacked, q, dtype),
+                          tuple((d, dst[d][1]) for d in plan.materialize), copies, derive)
     return True
 
 
-def _copy_kept(st, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
-               stacked: StackedBlocks | None) -> bool:
-    """The last direct fill's copies again where this unshard is like it: the same all-gather output (storage,
-    offset, shape, dtype: its views hold this unshard's bytes), slot, layout, payload metadata, plan and replicas,
-    and the same stacked views. False, nothing done: fill as usual."""
+def _run_direct(st, q, copies, derive, dtype) -> None:
+    """A direct fill's copies, then its derivation (the format's, into the stacked columnwise views)."""
+    for t, src in copies:
+        t.copy_(src)
+    if derive is not None:
+        if not q.derive_experts_into(derive[0], derive[1], dtype):  # (it did on meta: `_probe_direct`)
+            raise RuntimeError(f"hybridq FSDP: {q.describe()} refused to derive the experts' columnwise form it "
+                               f"derived on meta tensors")
+        st.counters["stacked_block_derived_direct"] += 1
+    st.counters["stacked_block_fills_direct"] += 1
+
+
+def _copy_kept(st, q, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,
+               stacked: StackedBlocks | None, dtype) -> bool:
+    """The last direct fill's copies and derivation again where this unshard is like it: the same all-gather output
+    (storage, offset, shape, dtype: its views hold this unshard's bytes), slot, layout, payload metadata, plan,
+    replicas, quantizer and dtype, and the same stacked views. False, nothing done: fill as usual."""
     hit = st.__dict__.get("direct_copies", {}).get(id(plan))
     if (hit is None or hit[1][0] is not metas or hit[1][1] is not plan or hit[1][2] is not stacked
-            or hit[0] != (GatheredViews.key_of(gathered), slot, layout)):
+            or hit[1][3] is not q or hit[1][4] != dtype or hit[0] != (GatheredViews.key_of(gathered), slot, layout)):
         return False
     for d, views in hit[2]:
         now = st.stacked(d)
         if now is None or now[1] is not views:
             return False
-    for t, src in hit[3]:
-        t.copy_(src)
-    st.counters["stacked_block_fills_direct"] += 1
+    _run_direct(st, q, hit[3], hit[4], dtype)
     st.counters["stacked_block_fills_kept"] += 1
     return True
 
@@ -232,8 +283,15 @@ def _copy_kept(st, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayou
 # are kept per plan for the next unshard of the same output, slot, layout, metadata, plan, replicas and stacked
 # views: FSDP2 hands the hook the same output storage at every unshard, whose views then hold the new bytes (kept
 # only where every source is such a view: a payload padded per rank is sliced by a copy). Every byte is read from
-# this unshard's all-gather output. A derived direction (128x128 tiles' columnwise form) or a re-laid-out buffer (a
-# columnwise part's transposed rows) keeps the assembled fill.
+# this unshard's all-gather output. A derived direction (the backward unshard's columnwise 128x128 tiles, the
+# transposes of the rowwise ones gathered) is written by the format from the rowwise tensors in the slots straight
+# into the stacked columnwise views, all experts in one call (`Quantizer.derive_experts_into`: one launch of the
+# tiled transpose over the slots' expert stride, one copy of the transposed tile scales), where the assembled fill
+# joined the experts (a copy), derived the joined weight (a transposed copy into a new buffer) and split it into the
+# stacked buffers (a strided copy, ~0.36 TB/s on an H200) with ~29 dispatcher calls. Each expert's slice of the
+# joined derivation is the derivation of its own part (no tile spans two experts), so the bytes are the same. A
+# re-laid-out buffer (a columnwise part's transposed rows) or a format that derives no experts at once keeps the
+# assembled fill.
 
 
 def fill_stacked_blocks(st, qs, metas, gathered: torch.Tensor, slot: int, layout: ExpertLayout, plan: GatherPlan,

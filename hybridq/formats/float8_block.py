@@ -12,6 +12,7 @@ from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_ti
                         satfinite_fp8, scale_from_amax, tile_amax)
 from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax, tile_amax_rows
 from .base import transposed_copy, transposed_copy_into
+from .float8_groups import transpose_groups
 from .block import BlockScaledPart, BlockScaledQuantizer
 
 BLOCK = 128
@@ -236,6 +237,25 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
                              f"{tuple(into.scale_inv.shape)} are not the transpose {want} of the {part.direction} one's")
         transposed_copy_into(part.data, into.data)
         into.scale_inv.copy_(part.scale_inv.t())
+        return True
+
+    def derive_experts_into(self, rows, cols, dtype=None):
+        """`derive_part_into` of every expert at once: the experts' data byte-transposed in one launch of the
+        device's tiled transpose (`float8_groups.transpose_groups`; a strided copy on the CPU) and their tile-scale
+        grids transposed in one copy."""
+        if self.block_dim != 2 or set(rows) != {"data", "scale_inv"} or set(cols) != {"data", "scale_inv"}:
+            return False
+        for name, want in (("data", rows["data"]), ("scale_inv", rows["scale_inv"])):
+            got = cols[name]
+            if want.dim() != 3 or tuple(got.shape) != (want.shape[0], want.shape[2], want.shape[1]) \
+                    or got.dtype != want.dtype:
+                raise ValueError(f"{self.describe()}: the experts' columnwise {name} {tuple(got.shape)} {got.dtype} "
+                                 f"is not the per-expert transpose of the rowwise one's {tuple(want.shape)} "
+                                 f"{want.dtype}")
+        if rows["data"].element_size() != 1:
+            raise ValueError(f"{self.describe()}: the experts' rowwise data is {rows['data'].dtype}, not 1-byte FP8")
+        transpose_groups(rows["data"], cols["data"])
+        cols["scale_inv"].copy_(rows["scale_inv"].transpose(1, 2))
         return True
 
     def shard_is_plain(self, shard, rowwise, columnwise):

@@ -303,6 +303,12 @@ class HybridQuantizer(ShardableQuantizer, Quantizer):
             return False
         return self.rowwise.derive_part_into(part, into, dtype)
 
+    def derive_experts_into(self, rows, cols, dtype=None):
+        """Two equal quantizers: whatever that quantizer derives of the experts at once (as `derive_part_into`)."""
+        if self._double or self.rowwise != self.columnwise:
+            return False
+        return self.rowwise.derive_experts_into(rows, cols, dtype)
+
     def buffer_hints(self, direction):
         q = self.rowwise if direction == ROWWISE else self.columnwise
         return q.buffer_hints(direction)

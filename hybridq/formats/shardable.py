@@ -79,6 +79,15 @@ class ShardableQuantizer:
         place (the default; then `derive_part` and a fill). A quantizer that can tells on meta tensors too."""
         return False
 
+    def derive_experts_into(self, rows: dict[str, torch.Tensor], cols: dict[str, torch.Tensor],
+                            dtype: torch.dtype | None = None) -> bool:
+        """`derive_part_into` of E experts at once: `rows` {tensor name: `[E, ...]`} the experts' rowwise parts'
+        tensors stacked (`[g]` expert g's tensor as its part holds it; any expert stride), `cols` likewise the
+        columnwise parts' own tensors (buffers that hold their storage, e.g. FSDP2's stacked ones); bitwise
+        `derive_part_into` expert by expert. False, nothing written: not done at once for this quantizer (the default;
+        then the experts are derived another way). A quantizer that can tells on meta tensors too."""
+        return False
+
     def buffer_hints(self, direction: str) -> dict:
         """Keyword arguments for the part's `extract_buffers` / `assign_gathered` (e.g. `tile_rows`)."""
         return {}

@@ -127,7 +127,9 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
         grouped_blocks_batched.set_stacked_block_gather(True)
     return {"steps": results, "fills": st.counters.get("stacked_block_fills", 0),
             "direct": st.counters.get("stacked_block_fills_direct", 0),
-            "kept": st.counters.get("stacked_block_fills_kept", 0)}
+            "kept": st.counters.get("stacked_block_fills_kept", 0),
+            "derived": st.counters.get("stacked_block_derived_direct", 0),
+            "columnwise_gathers": sum(1 for s in results for filled, _ in s["stacked"] if "columnwise" in filled)}
 
 
 def job_stacked_blocks(rank, world_size, device, cases):
@@ -154,7 +156,8 @@ def job_stacked_blocks(rank, world_size, device, cases):
                     continue
                 diffs += [d for d in (tensor_diff(sa[k], sb[k], f"{where} gather {i} {k}") for k in sa) if d]
         out.append({"diffs": diffs, "oracle": oracle, "fills_on": on["fills"], "fills_off": off["fills"],
-                    "direct_on": on["direct"], "kept_on": on["kept"],
+                    "direct_on": on["direct"], "kept_on": on["kept"], "derived_on": on["derived"],
+                    "columnwise_gathers_on": on["columnwise_gathers"],
                     "views_on": [v for s in on["steps"] for v in s["stacked"]],
                     "views_off": [v for s in off["steps"] for v in s["stacked"]],
                     "nonfinite_y": [bool((~torch.isfinite(s["y"].float())).any()) for s in on["steps"]]})

@@ -85,8 +85,8 @@ def test_joined_forward_fills_copy_straight_from_the_slots_and_keep_their_copies
     """[Note: direct joined fill]: where the experts are joined, the forward's rowwise fill (every preset's rowwise
     tensors are a payload buffer or a replicated tensor as sent) copies straight from the slots, and the next unshard
     of the same plan reuses those copies (views of the same all-gather output); the oracles above check each gather's
-    bytes. The backward's derived or columnwise fills assemble as before. Experts uneven over the ranks (3 on 2): each
-    rank's payload is padded, the slots are sliced by a copy, so the copies are made anew each time."""
+    bytes. Experts uneven over the ranks (3 on 2): each rank's payload is padded, the slots are sliced by a copy, so
+    the copies are made anew each time."""
     ws, results = runs
     for rank, res in enumerate(results):
         r = res[i]
@@ -97,6 +97,30 @@ def test_joined_forward_fills_copy_straight_from_the_slots_and_keep_their_copies
             assert r["kept_on"] < r["direct_on"] <= r["fills_on"], f"world {ws} rank {rank} {IDS[i]}: {r}"
         else:
             assert r["direct_on"] == 0, f"world {ws} rank {rank} {IDS[i]}: direct fills without a joined fill"
+
+
+def derives_directly(case: dict) -> bool:
+    """Whether the case's backward derives the columnwise form straight from the slots: joined experts whose weight
+    format derives it from the rowwise one (fp8_block's 128x128 tiles: the transpose); MXFP8's columnwise 1x32 blocks
+    are gathered, the hybrid's columnwise form is another format's."""
+    return case["preset"] == "fp8_block" and joined(case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_joined_backward_derives_the_columnwise_form_straight_from_the_slots(runs, i):
+    """[Note: direct joined fill]: every backward gather of joined fp8_block experts writes their columnwise tiles
+    by the format's `derive_experts_into`, from the gathered rowwise bytes in the slots into the stacked buffers (one
+    transpose of all experts' data, one of their tile scales) instead of assembling the joined weight, deriving it
+    and splitting it into the stacked buffers; the oracles and the switch-off run above check its bytes. (fails
+    before: 0 direct derivations)"""
+    ws, results = runs
+    for rank, res in enumerate(results):
+        r = res[i]
+        want = r["columnwise_gathers_on"] if derives_directly(CASES[i]) else 0
+        assert r["columnwise_gathers_on"] > 0, f"world {ws} rank {rank} {IDS[i]}: no gather filled the columnwise form"
+        assert r["derived_on"] == want, (f"world {ws} rank {rank} {IDS[i]}: {r['derived_on']} direct derivations "
+                                         f"for {r['columnwise_gathers_on']} columnwise gathers, expected {want}")
 
 
 @pytest.mark.distributed
@@ -176,5 +200,8 @@ def test_gpu_stacked_gather_is_bitwise_the_per_expert_gather(gpu_runs, i):
     assert r["views_on"] and all(mat == views for mat, views in r["views_on"]), f"{GPU_IDS[i]}: {r['views_on']}"
     want = len(r["views_on"]) if joined(GPU_CASES[i]) else 0
     assert r["fills_on"] == want, f"{GPU_IDS[i]}: joined fills {r['fills_on']}, expected {want}"
-    # ([Note: direct joined fill]: the forward's rowwise fills straight from the slots, their copies kept)
+    # ([Note: direct joined fill]: the forward's rowwise fills straight from the slots, their copies kept; fp8_block's
+    # columnwise tiles derived from the slots by the device's tiled transpose)
     assert (r["direct_on"] > 0 and r["kept_on"] > 0) == joined(GPU_CASES[i]), f"{GPU_IDS[i]}: {r}"
+    want = r["columnwise_gathers_on"] if derives_directly(GPU_CASES[i]) else 0
+    assert r["derived_on"] == want, f"{GPU_IDS[i]}: direct derivations {r['derived_on']}, expected {want}: {r}"
