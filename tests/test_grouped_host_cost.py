@@ -260,6 +260,37 @@ def test_gpu_projections_of_one_routing_share_the_layout_bounds_until_the_counts
     assert third.table[2].tolist() == [0, 6, 130, 0], third.table
 
 
+# ---- the device-count path's choice: the device's capability asked once per device ---------------------------------
+
+def test_device_path_choice_asks_the_capability_once_per_device(monkeypatch):
+    """`device_path_runs` runs on every GroupedLinear call: the capability of a device with an index is kept (the
+    properties lookup behind `get_device_capability` is host time per call); "cuda" alone -- the current device,
+    which may change -- is asked every time; another index has its own. The answer is unchanged. (fails before: the
+    capability asked at every call)"""
+    import hybridq as hq
+    from hybridq.kernels import grouped_blocks, native_gemm, triton_grouped_blocks
+    from hybridq.nn import grouped_device_blocks
+    from hybridq.nn.grouped_packed import packed_quantizers
+    asked = []
+
+    def capability(device):
+        asked.append(device)
+        return (9, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(native_gemm, "native_enabled", lambda: True)
+    monkeypatch.setattr(grouped_blocks, "_triton", lambda: triton_grouped_blocks)
+    monkeypatch.setattr(grouped_device_blocks, "_CAPABILITIES", {})
+    qs = packed_quantizers(hq.GroupedLinear(4, 256, 128, recipe="fp8_block").expert_quantizers).quantizers
+    for device, want in ((torch.device("cuda", 0), 1), (torch.device("cuda", 1), 1), (torch.device("cuda"), 3)):
+        asked.clear()
+        runs = [grouped_device_blocks.device_path_runs(qs, device, 4, 128, 256) for _ in range(3)]
+        assert runs == [True] * 3, f"{device}: device_path_runs {runs}"
+        assert len(asked) == want, f"{device}: the capability asked {len(asked)} times in 3 calls, expected {want}"
+    assert grouped_device_blocks.device_path_runs(qs, torch.device("cuda", 0), 4, 96, 256) is False, \
+        "a weight whose experts' rows are no whole 128-row blocks took the device path"
+
+
 # ---- the layer on a GPU: kernel launches per call --------------------------------------------------------------------
 
 def _device_path_here(preset) -> bool:

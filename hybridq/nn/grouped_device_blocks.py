@@ -70,6 +70,20 @@ def _formats(quantizers: dict[str, Quantizer]) -> str | None:
     return None
 
 
+_CAPABILITIES: dict = {}  # (a CUDA device with an index -> its compute capability: asked once, never changes)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """`torch.cuda.get_device_capability(device)`, kept per device with an index (each GroupedLinear call asks, and
+    the properties lookup behind it is host time on every call)."""
+    cap = _CAPABILITIES.get(device)
+    if cap is None:
+        cap = torch.cuda.get_device_capability(device)
+        if device.index is not None:  # ("cuda" alone is the current device, which may change)
+            _CAPABILITIES[device] = cap
+    return cap
+
+
 def device_path_runs(quantizers: dict[str, Quantizer], device: torch.device, e: int, n: int, k: int) -> bool:
     """Whether every phase of experts `[e, n, k]` quantized by `quantizers` runs as a grouped GEMM on `device` with
     device counts (so the path never reads the counts on the host): CUDA sm_90, native GEMMs on, the FP8 block
@@ -77,7 +91,7 @@ def device_path_runs(quantizers: dict[str, Quantizer], device: torch.device, e: 
     (K and N multiples of 16, each expert's weight rows 16-byte aligned)."""
     if device.type != "cuda" or not (torch.cuda.is_available() and native_gemm.native_enabled()):
         return False
-    if torch.cuda.get_device_capability(device) != (9, 0) or e < 1:
+    if _capability(device) != (9, 0) or e < 1:
         return False
     kind = _formats(quantizers)
     if kind == "fp8":
