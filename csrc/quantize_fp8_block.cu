@@ -117,5 +117,15 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "int w_block_dim, float w_eps, bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, "
       "bool need_wgrad, bool save_original_input, Tensor? w_row=None, Tensor? w_row_scale_inv=None, "
       "Tensor? w_col=None, Tensor? w_col_scale_inv=None) -> Tensor");
+  // the compiled Linear's gathered FP8 block fast path, one op per phase (implemented in csrc/linear_fp8_block.cpp)
+  m.def(
+      "fp8_block_linear_fprop(Tensor x, Tensor w_row, Tensor w_row_scale_inv, Tensor? bias, ScalarType x_dtype, "
+      "float x_eps, bool x_pow2, int w_block_dim, bool need_wgrad, bool save_original_input) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
+      "fp8_block_linear_grads(Tensor dy, Tensor? x_saved, Tensor? x_col_scale_inv, Tensor? w_col, "
+      "Tensor? w_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType g_dtype, float g_eps, "
+      "bool g_pow2, int w_block_dim, bool save_original_input, bool need_dgrad, bool need_wgrad, bool need_bgrad, "
+      "int[] x_shape, ScalarType w_dtype, ScalarType b_dtype) -> (Tensor, Tensor, Tensor)");
 }
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

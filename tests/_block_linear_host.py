@@ -5,10 +5,13 @@ code the Python node runs for them -- hybridq::fp8_block_quantize as the block r
 the emulated GEMM) -- then the op's output and gradients compared bit for bit with float8_graph's Python node
 (`_Float8GraphLinear`) over every variant the op distinguishes, on a plain weight and on a weight handed over
 quantized (FSDP2's gathered weight: its columnwise tensors refilled in place between forward and backward, as the
-backward unshard does, which both nodes must read). A process of its own: the ops defined here must not
-meet a built extension's (the GPU machine's) or another test's.
+backward unshard does, which both nodes must read). The same build's gathered phase ops
+(hybridq::fp8_block_linear_fprop / fp8_block_linear_grads, the node's bodies without the node) are checked as the
+compiled Linear's gathered ops call them -- float8_graph's `gathered_forward` / `gathered_grads` with the C++ phases
+selected -- bit for bit those functions' Python phases (`_fprop` / `_grads`). A process of its own: the ops defined
+here must not meet a built extension's (the GPU machine's) or another test's.
 
-    python tests/_block_linear_host.py BUILD_DIR    # prints "bitwise: N variants" or fails naming the variant
+    python tests/_block_linear_host.py BUILD_DIR    # prints "bitwise: N variants, M phase variants" or fails
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from torch.utils.cpp_extension import load
 
 import hybridq as hq
 from hybridq.formats import Float8BlockQuantizer
+from hybridq.kernels import cuda_fp8_block
+from hybridq.nn import compiled_linear
 from hybridq.nn import float8_graph as fg
+from hybridq.tensor import QuantizedTensor
 
 CSRC = __file__.rsplit("/tests/", 1)[0] + "/csrc/linear_fp8_block.cpp"
 ONE_OP, PYTHON = "torch::autograd::CppNode<hybridq::ops::Fp8BlockLinear>", "_Float8GraphLinearBackward"
@@ -57,6 +63,8 @@ def define_ops() -> torch.library.Library:
     # (the op's schema is the format's: csrc/quantize_fp8_block.cu, read from there, so this check sees what the build
     # registers)
     lib.define(_schema("fp8_block_linear"))
+    lib.define(_schema("fp8_block_linear_fprop"))
+    lib.define(_schema("fp8_block_linear_grads"))
     lib.impl("fp8_block_quantize", lambda x, dtype, block_dim, eps, pow2, rowwise, columnwise: tuple(
         fg._block_reference(x, dtype, block_dim, eps, pow2, rowwise, columnwise)), "CPU")
     lib.impl("fp8_block_mm", lambda a, a_scale, b, b_scale, b_tiles, out_dtype: fg._block_gemm(
@@ -101,6 +109,8 @@ def step(op, spec, layer, x0, gy, x_grad, shared, hooks, gathered, one_op):
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if (a is None) != (b is None):
         return False
+    if a is not None and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # (saved FP8 data: its bytes)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return a is None or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
                          and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))
 
@@ -130,10 +140,67 @@ def check(op, case, spec_q, save_original_input, x_grad, w_grad, bias, dtype, sh
     assert packed == want_packed, f"{what}: saved tensors {packed}, the Python node's {want_packed}"
 
 
+def phase_step(spec, cfg, wq: QuantizedTensor, x, bias, dy, need_dgrad, need_wgrad, cpp: bool):
+    """[y, saved tensors..., dx, dW, db] of one gathered call (`gathered_forward`, then `gathered_grads` on what it
+    kept), with the C++ phase ops or the Python phases, and how often the Python phases ran."""
+    calls = {"_fprop": 0, "_grads": 0}
+    real = {n: getattr(fg, n) for n in calls}
+
+    def counted(name):
+        def f(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return f
+
+    was = fg._block_phase_op
+    fg._block_phase_op = lambda t, fast: cpp  # (on the CPU `_cpp_phase` says no: the host ops stand in for CUDA's)
+    fg._fprop, fg._grads = counted("_fprop"), counted("_grads")
+    try:
+        y, x_saved, xcs, fast = fg.gathered_forward(x, wq, bias, spec, cfg, need_dgrad, need_wgrad)
+        saved = [] if x_saved is None or xcs is None else [x_saved, xcs]
+        if need_wgrad and spec.save_original_input:
+            x_saved = x.reshape(-1, x.shape[-1])
+        grads = fg.gathered_grads(spec, dy, x_saved, xcs, wq.part(fg.COLUMNWISE) if need_dgrad else None, need_dgrad,
+                                  need_wgrad, bias is not None, list(x.shape), x.dtype, x.dtype, fast)
+    finally:
+        fg._block_phase_op = was
+        fg._fprop, fg._grads = real["_fprop"], real["_grads"]
+    return [y, *saved, *grads], calls
+
+
+def check_phases(case, spec_q, save_original_input, need_dgrad, need_wgrad, bias, dtype, non_finite=False) -> None:
+    torch.manual_seed(0)
+    recipe = hq.CustomRecipe(lambda role: spec_q[role.tensor_type](), name=case)
+    layer = hq.Linear(256, 128, bias=bias, recipe=recipe, dtype=dtype, save_original_input=save_original_input)
+    key = layer._configuration_key
+    spec, cfg = compiled_linear._fast_spec(key, None), compiled_linear._config(key, None)
+    g = torch.Generator().manual_seed(2)
+    x, dy = torch.randn(2, 64, 256, generator=g).to(dtype), torch.randn(2, 64, 128, generator=g).to(dtype)
+    w = torch.randn(128, 256, generator=g).to(dtype)
+    b = torch.randn(128, generator=g).to(dtype) if bias else None
+    if non_finite:
+        x.view(-1)[3] = float("inf")
+        dy.view(-1)[100] = float("nan")
+        w.view(-1)[257] = float("-inf")
+    wq = compiled_linear._LAYERS[key][1]["weight"].quantize(w, rowwise=True, columnwise=True, name="fc.weight")
+    what = (f"phases: {case}, save_original_input={save_original_input}, dgrad {need_dgrad}, wgrad {need_wgrad}, "
+            f"bias {bias}, {dtype}, non-finite {non_finite}")
+    got, calls = phase_step(spec, cfg, wq, x, b, dy, need_dgrad, need_wgrad, True)
+    assert calls == {"_fprop": 0, "_grads": 0}, f"{what}: the C++ phases were not taken ({calls})"
+    want, calls = phase_step(spec, cfg, wq, x, b, dy, need_dgrad, need_wgrad, False)
+    assert calls == {"_fprop": 1, "_grads": 1}, f"{what}: the Python phases were not taken ({calls})"
+    assert len(got) == len(want), f"{what}: {len(got)} results, the Python phases' {len(want)}"
+    for i, (a, b_) in enumerate(zip(got, want)):
+        assert same(a, b_) and a.stride() == b_.stride(), \
+            f"{what}: result {i} differs from the Python phases' ({a.shape} {a.dtype} vs {b_.shape} {b_.dtype})"
+
+
 def main(build_dir: str) -> None:
     lib = define_ops()  # noqa: F841 (kept alive: a Library's registrations die with it)
     load(name="hybridq_block_linear_host", sources=[CSRC], is_python_module=False, build_directory=build_dir)
     op = torch.ops.hybridq.fp8_block_linear.default
+    # (float8_graph reaches the phase ops through cuda_fp8_block, which asks the built extension: here the host build)
+    cuda_fp8_block.linear_op = lambda name="fp8_block_linear": getattr(torch.ops.hybridq, name).default
     n = 0
     for (case, spec_q), *flags in itertools.product(SPECS.items(), (False, True), (True, False), (True, False),
                                                     (True, False), (torch.bfloat16, torch.float32), (False, True),
@@ -155,7 +222,16 @@ def main(build_dir: str) -> None:
         want = fg._Float8GraphLinear.apply(x, layer.weight, layer.bias, s, False, False, None, None)
         assert same(y, want), "inference mode: the output differs from the Python node's"
         n += 1
-    print(f"bitwise: {n} variants")
+    phases = 0
+    for (case, spec_q), soi, (dgrad, wgrad), bias, dtype in itertools.product(
+            SPECS.items(), (False, True), ((True, True), (True, False), (False, True)), (True, False),
+            (torch.bfloat16, torch.float32)):
+        check_phases(case, spec_q, soi, dgrad, wgrad, bias, dtype)
+        phases += 1
+    for case, spec_q in SPECS.items():
+        check_phases(case, spec_q, False, True, True, True, torch.bfloat16, non_finite=True)
+        phases += 1
+    print(f"bitwise: {n} variants, {phases} phase variants")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   eager FP8 block Linear (1x128 input and grad_output blocks, the weight's 128x128 tiles or 1x128 blocks, current
   scaling) as one op whose autograd node is C++ (csrc/linear_fp8_block.cpp: the quantize and GEMM ops above; its
   caller is nn/float8_graph.py's eager fast path, on a plain weight)
+- fp8_block_linear_fprop(x, w_row, w_row_scale_inv, bias?, x_dtype, x_eps, x_pow2, w_block_dim, need_wgrad,
+  save_original_input) -> (y, x_col | [0], x_col_scale_inv | [0]) and fp8_block_linear_grads(dy, x_saved?,
+  x_col_scale_inv?, w_col?, w_col_scale_inv?, x_dtype, x_eps, x_pow2, g_dtype, g_eps, g_pow2, w_block_dim,
+  save_original_input, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype) -> (dx | [0], dw | [0],
+  db | [0]): the forward and the gradients of that Linear as two ops without an autograd node (csrc/
+  linear_fp8_block.cpp; their caller is the compiled Linear's gathered fast path, nn/float8_graph.py's
+  `gathered_forward` / `gathered_grads`, inside opaque ops at run time)
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ..formats import Float8BlockPart, Float8BlockQuantizer
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 
 OPS = ("fp8_block_quantize", "fp8_block_dequantize", "fp8_block_mm", "grouped_block_cublas_mm",
-       "grouped_block_cublas_wgrad", "fp8_block_linear")
+       "grouped_block_cublas_wgrad", "fp8_block_linear", "fp8_block_linear_fprop", "fp8_block_linear_grads")
 
 # The quantizer options the kernel implements (any other: the reference runs)
 OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
@@ -94,6 +101,24 @@ def register_fakes() -> None:
     def _linear(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, *casts_and_flags):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @register_fake("hybridq::fp8_block_linear_fprop")
+    def _linear_fprop(x, w_row, w_row_scale_inv, bias, x_dtype, x_eps, x_pow2, w_block_dim, need_wgrad,
+                      save_original_input):
+        y = x.new_empty((*x.shape[:-1], w_row.shape[0]))
+        columnwise = need_wgrad and not save_original_input
+        k = x.shape[-1]
+        m = x.numel() // k
+        return (y, or_empty(x, (k, m), x_dtype, columnwise), or_empty(x, (k, -(-m // 128)), f32, columnwise))
+
+    @register_fake("hybridq::fp8_block_linear_grads")
+    def _linear_grads(dy, x_saved, x_col_scale_inv, w_col, w_col_scale_inv, x_dtype, x_eps, x_pow2, g_dtype, g_eps,
+                      g_pow2, w_block_dim, save_original_input, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype,
+                      b_dtype):
+        n = dy.shape[-1]
+        return (dy.new_empty(tuple(x_shape)) if need_dgrad else dy.new_empty((0,)),
+                dy.new_empty((n, x_shape[-1]), dtype=w_dtype) if need_wgrad else dy.new_empty((0,)),
+                dy.new_empty((n,), dtype=b_dtype) if need_bgrad else dy.new_empty((0,)))
+
     @register_fake("hybridq::grouped_block_cublas_mm")
     def _cublas_mm(a, a_scale, b, b_scale, b_tiles, b_dim, offsets, rows, tokens, slot_offsets, slot_rows,
                    out_dtype):
@@ -105,14 +130,16 @@ def register_fakes() -> None:
         return a_t.new_empty((len(offsets), a_t.shape[0], b_t.shape[0]), dtype=_gemm_dtype(out_dtype))
 
 
-_LINEAR: list = []
+_LINEAR: dict = {}
 
 
-def linear_op():
-    """The overload of `hybridq::fp8_block_linear` itself (called as is: no overload resolution per call)."""
-    if not _LINEAR:
-        _LINEAR.append(ops().fp8_block_linear.default)
-    return _LINEAR[0]
+def linear_op(name: str = "fp8_block_linear"):
+    """The overload of `hybridq::fp8_block_linear` (or of the op `name`, one of the Linear ops above) itself (called
+    as is: no overload resolution per call)."""
+    op = _LINEAR.get(name)
+    if op is None:
+        op = _LINEAR[name] = getattr(ops(), name).default
+    return op
 
 
 def register() -> None:

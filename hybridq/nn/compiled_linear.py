@@ -21,11 +21,13 @@ bytes, whose storage FSDP2 frees at reshard and refills at the backward unshard.
 `hybridq::linear_forward` / `linear_backward` call on it is turned into `hybridq::gathered_linear_forward` /
 `gathered_linear_backward` (by the gathered weight's __torch_dispatch__, `weight_handle.handle_ops`),
 which take the handle and read the unsharded weight's parts when they run, through the same eager code: forward
-reads the rowwise form, backward the form dgrad reads (gathered by the backward unshard, or on first use). For a
-per-tensor FP8 configuration with current scaling that code is the eager fast path's (float8_graph.py's
-`gathered_forward` / `gathered_grads`: on CUDA one C++ op per phase, `hybridq::fp8_linear_fprop` / `fp8_linear_grads`;
+reads the rowwise form, backward the form dgrad reads (gathered by the backward unshard, or on first use). For an
+FP8 configuration with current scaling that float8_graph describes (per-tensor, or fp8_block's 1x128 / 128x128
+blocks) that code is the eager fast path's (float8_graph.py's `gathered_forward` / `gathered_grads`: on CUDA one C++
+op per phase, `hybridq::fp8_linear_fprop` / `fp8_linear_grads` or `fp8_block_linear_fprop` / `fp8_block_linear_grads`;
 not the general path's quantized tensors and dispatch), where it takes the call; it saves what the general path
-saves, so the fakes (the general path on fake tensors) hold.
+saves (x's columnwise data and scale_inv, x itself under save_original_input, or nothing), so the fakes (the general
+path on fake tensors) hold.
 
 A quantized parameter (`quantized_model_init` / `quantize_parameters`: nn/quantized_params.py's
 `HeldQuantizedWeight`) enters the graph the same way, its handle naming the parameter: the gathered ops read its
@@ -71,13 +73,14 @@ __all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_hand
 # -> (name of the first layer, quantizers, save_original_input)
 _LAYERS: ConfigurationKeys[tuple] = ConfigurationKeys("linear-config-")
 _CONFIGS: dict[tuple, _LinearConfig] = {}  # (key, backward override) -> the config the ops run with
-# key -> the float8_graph spec of a configuration its fast path runs on a gathered weight (per-tensor FP8 with
-# current scaling, no backward override), else None
+# key -> the float8_graph spec of a configuration its fast path runs on a gathered weight (FP8 with current scaling,
+# per-tensor or in blocks: float8_graph.graph_spec; no backward override), else None
 _FAST_SPECS: dict[str, Float8GraphSpec | None] = {}
 # how the saved tensors of a forward call rebuild into quantized operands, by (config, grads needed, shapes,
 # dtype): a pure function of those, recorded by the forward op for the backward op; with it, whether the forward
-# ran float8_graph's fast path (then backward tries it too; either path reads the same saved tensors)
-_LAYOUTS: "OrderedDict[tuple, tuple[list, bool]]" = OrderedDict()
+# ran float8_graph's fast path (its `_fast_call` answer, falsy where it did not: then backward tries it too, handed
+# the answer; either path reads the same saved tensors)
+_LAYOUTS: "OrderedDict[tuple, tuple[list, int]]" = OrderedDict()
 _MAX_LAYOUTS = 4096
 # layout entries of a saved operand that is not a quantized tensor: absent, or the op's own input or weight (an
 # op cannot return its inputs; the backward op takes them)
@@ -146,12 +149,11 @@ def _fast_spec(key: str, override: str | None) -> Float8GraphSpec | None:
         return None
     if key not in _FAST_SPECS:
         _, quantizers, save_original_input = _LAYERS[key]
-        spec = graph_spec(quantizers, save_original_input)
-        _FAST_SPECS[key] = spec if spec is not None and spec.per_tensor else None
+        _FAST_SPECS[key] = graph_spec(quantizers, save_original_input)
     return _FAST_SPECS[key]
 
 
-def _record_layout(lkey: tuple, layout: tuple[list, bool]) -> None:
+def _record_layout(lkey: tuple, layout: tuple[list, int]) -> None:
     _LAYOUTS[lkey] = layout
     _LAYOUTS.move_to_end(lkey)
     if len(_LAYOUTS) > _MAX_LAYOUTS:
@@ -160,10 +162,10 @@ def _record_layout(lkey: tuple, layout: tuple[list, bool]) -> None:
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str, override: str | None,
              need_dgrad: bool, need_wgrad: bool, handled: bool = False
-             ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, bool]]:
-    """(y, the saved tensors, (their layout, whether the fast path ran)). `handled`: the weight is read through its
-    handle, by backward too. A gathered (quantized) weight of a per-tensor FP8 configuration runs float8_graph's
-    fast path where it takes the call: the same kernels and GEMMs as the general path, which the fake runs (on a
+             ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, int]]:
+    """(y, the saved tensors, (their layout, whether the fast path ran: float8_graph's `_fast_call` answer, 0 where
+    not)). `handled`: the weight is read through its handle, by backward too. A gathered (quantized) weight of an FP8
+    configuration float8_graph describes runs its fast path where it takes the call: the same kernels and GEMMs as the general path, which the fake runs (on a
     stand-in weight), and the same saved tensors."""
     cfg = _config(key, override)
     if handled and isinstance(weight, QuantizedTensor):
@@ -173,18 +175,18 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
             # the saved input's tensors as they are: the cast's fresh outputs (x's columnwise data and scale_inv)
             # or none (x itself, which backward takes); no quantized tensor built, flattened and rebuilt. (y and
             # they are contiguous: the fake's strides, as below)
-            y, x_saved, xcs = fast
+            y, x_saved, xcs, answer = fast
             x_entry = _NONE_ENTRY if x_saved is None else _INPUT_ENTRY if xcs is None else _FAST_X_ENTRY
             layout = [x_entry, _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY]
-            return y, [] if xcs is None else [x_saved, xcs], (layout, True)
+            return y, [] if xcs is None else [x_saved, xcs], (layout, answer)
     return general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad, handled)
 
 
 def general_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
                     need_dgrad: bool, need_wgrad: bool, handled: bool = False, lead: tuple | None = None
-                    ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, bool]]:
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, int]]:
     """`_forward`'s general path on `cfg` (also the tensor-parallel ops': distributed/compiled_tp.py): (y in the
-    leading shape `lead`, default x's, the saved tensors flattened, (their layout, False))."""
+    leading shape `lead`, default x's, the saved tensors flattened, (their layout, 0))."""
     # no input sharing across layers: an op's outputs must be its own tensors, not another op's. A weight read
     # through its handle: backward takes what dgrad reads of it then, so forward makes none (the saved weight is
     # the only thing need_dgrad changes here, the weight being quantized already)
@@ -213,7 +215,7 @@ def general_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         out.append(t.clone(memory_format=torch.contiguous_format) if ref in seen else t.contiguous())
         seen.add(ref)
     lead = tuple(x.shape[:-1]) if lead is None else tuple(lead)
-    return y.reshape(*lead, y.shape[-1]).contiguous(), out, (layout, False)
+    return y.reshape(*lead, y.shape[-1]).contiguous(), out, (layout, 0)
 
 
 @plain_op("hybridq::linear_forward")
@@ -252,7 +254,7 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
                         (None, None) if entry == _NONE_ENTRY else (x.reshape(-1, x.shape[-1]), None))
         grads = gathered_grads(_FAST_SPECS[key], dy, x_saved, xcs,
                                weight_of(weight).part(COLUMNWISE) if need_dgrad else None, need_dgrad, need_wgrad,
-                               need_bgrad, x_shape, w_dtype, b_dtype)
+                               need_bgrad, x_shape, w_dtype, b_dtype, fast)
         if grads is not None:
             return grads
     # (the general path's casts count backward passes: delayed scaling's replays; the fast path has no state)

@@ -600,16 +600,18 @@ def _cached_fast_call(x: torch.Tensor, weight: torch.Tensor, spec: Float8GraphSp
     return ok
 
 
-# The gathered ops' phases on CUDA as one extension op each (`hybridq::fp8_linear_fprop` / `fp8_linear_grads`,
-# csrc/linear_fp8.cpp: `_fprop` / `_grads` in C++, the same kernels and GEMMs) or as `_fprop` / `_grads` themselves
-# (bitwise equal). HYBRIDQ_LINEAR_CPP_OPS=0 starts a process with them off (benchmarks compare the two).
+# The gathered ops' phases on CUDA as one extension op each -- per-tensor scaling: `hybridq::fp8_linear_fprop` /
+# `fp8_linear_grads` (csrc/linear_fp8.cpp); FP8 blocks: `hybridq::fp8_block_linear_fprop` / `fp8_block_linear_grads`
+# (csrc/linear_fp8_block.cpp) -- `_fprop` / `_grads` in C++, the same kernels and GEMMs, or as `_fprop` / `_grads`
+# themselves (bitwise equal). HYBRIDQ_LINEAR_CPP_OPS=0 starts a process with them off (benchmarks compare the two).
 _CPP_OPS = Switch("HYBRIDQ_LINEAR_CPP_OPS")
 
 
 def gathered_cpp_ops(enabled: bool) -> Turned:
-    """Whether a compiled Linear's gathered per-tensor FP8 fast path on CUDA runs each phase (forward, gradients)
-    as one C++ op of the extension (default: on; the environment variable HYBRIDQ_LINEAR_CPP_OPS=0 starts a process
-    with it off) or as this module's Python ops, the same kernels and GEMMs: results are bitwise equal either way.
+    """Whether a compiled Linear's gathered FP8 fast path on CUDA runs each phase (forward, gradients) as one C++ op
+    of the extension (default: on; the environment variable HYBRIDQ_LINEAR_CPP_OPS=0 starts a process with it off)
+    or as this module's Python ops, the same kernels and GEMMs: results are bitwise equal either way. (FP8 blocks:
+    where every GEMM of the call runs as the extension's block GEMM op, `_block_phase_op`.)
     `gathered_cpp_ops(False)` from then on; `with gathered_cpp_ops(False): ...` only inside the block."""
     return _CPP_OPS.turned(enabled)
 
@@ -622,26 +624,51 @@ def _cpp_phase(t: torch.Tensor) -> bool:
     return t.is_cuda and _CPP_OPS.on
 
 
+def _block_phase_op(t: torch.Tensor, fast: int) -> bool:
+    """Whether a gathered op's FP8 block phase runs as the extension's one op (`fp8_block_linear_fprop` /
+    `fp8_block_linear_grads`): `_cpp_phase`, and the call's GEMMs all ones native_gemm's dispatch runs as
+    `hybridq::fp8_block_mm` -- by their shapes (`fast`: `_fast_call`'s FAST_PATH_BLOCK_GEMMS), the block GEMM op on
+    and no block GEMM failed before (as `_one_block_op`: the dispatch then emulates that one, with its warning). The
+    caller checks the weight part's scales (`_block_part_scales_fit`)."""
+    return (fast == FAST_PATH_BLOCK_GEMMS and _cpp_phase(t) and native_gemm.BLOCK_GEMM_OP.on
+            and not (native_gemm._failed and any(key[0] == "block" for key in native_gemm._failed)))
+
+
+def _block_part_scales_fit(part, tiles: bool) -> bool:
+    """Whether a gathered block weight part's scales are what `hybridq::fp8_block_mm` reads for its data `[r, c]`:
+    `[ceil(r/128), c/128]` (128x128 tiles) or `[r, c/128]` (1x128 blocks), contiguous fp32 (metadata only)."""
+    r, c = part.data.shape
+    return _block_scales_fit(part.scale_inv, (-(-r // 128), c // 128) if tiles else (r, c // 128))
+
+
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                      cfg, need_dgrad: bool, need_wgrad: bool) -> tuple | None:
-    """(y in x's shape with out_features last, x_saved, xcs) of a per-tensor FP8 Linear on FSDP2's gathered weight,
-    as this module's ops (the eager fast path's; on CUDA one op, see `gathered_cpp_ops`), or None where the general
-    path must run (the checks of `eager_float8_linear`; x quantized here, never shared: an op's outputs are its own).
-    What wgrad reads of x: its columnwise data and scale_inv (contiguous tensors of their own: the tensors of the
-    input `linear_function.forward_and_saved` saves, in their flattened order: `saved_input` builds it), x itself
-    and None (save_original_input: wgrad quantizes x's `[M, K]` view), or None, None (no wgrad). Only the weight's
-    rowwise part is read: backward reads the columnwise one then (`gathered_grads`)."""
-    if (spec is None or spec.input.block_dim != PER_TENSOR
-            or not _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)):
+    """(y in x's shape with out_features last, x_saved, xcs, `_fast_call`'s answer) of an FP8 Linear (per-tensor or
+    block scaling) on FSDP2's gathered weight, as this module's ops (the eager fast path's; on CUDA one op, see
+    `gathered_cpp_ops`), or None where the general path must run (the checks of `eager_float8_linear`; x quantized
+    here, never shared: an op's outputs are its own). What wgrad reads of x: its columnwise data and scale_inv
+    (contiguous tensors of their own: the tensors of the input `linear_function.forward_and_saved` saves, in their
+    flattened order: `saved_input` builds it), x itself and None (save_original_input: wgrad quantizes x's `[M, K]`
+    view), or None, None (no wgrad). Only the weight's rowwise part is read: backward reads the columnwise one then
+    (`gathered_grads`, handed the answer)."""
+    if spec is None:
+        return None
+    fast = _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
+    if not fast:
         return None
     wr = weight.part(ROWWISE)
     if not _part_fits(wr, spec.weight):
         return None
-    if _cpp_phase(x):
-        xi = spec.input
+    xi = spec.input
+    if spec.per_tensor and _cpp_phase(x):
         y, xc, xcs = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
             x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, need_wgrad,
             spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
+    elif (not spec.per_tensor and _block_phase_op(x, fast)
+          and _block_part_scales_fit(wr, spec.weight.block_dim == 2)):
+        y, xc, xcs = cuda_fp8_block.linear_op("fp8_block_linear_fprop")(
+            x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, spec.weight.block_dim,
+            need_wgrad, spec.save_original_input)
     else:
         y, xc, xcs = _fprop(x.reshape(-1, x.shape[-1]), None, wr.data, wr.scale_inv, bias, spec, need_wgrad)
         # (contiguous, as the op's outputs: the gathered op's fake has those strides)
@@ -649,8 +676,8 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
         if xcs is not None:
             xc, xcs = xc.contiguous(), xcs.contiguous()
     if not need_wgrad:
-        return y, None, None
-    return (y, x, None) if spec.save_original_input else (y, xc, xcs)
+        return y, None, None, fast
+    return (y, x, None, fast) if spec.save_original_input else (y, xc, xcs, fast)
 
 
 def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.Tensor | None, shape,
@@ -664,22 +691,28 @@ def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.
 
 def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
                    w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
-                   b_dtype: torch.dtype) -> list[torch.Tensor] | None:
+                   b_dtype: torch.dtype, fast: int = FAST_PATH) -> list[torch.Tensor] | None:
     """`linear_function.linear_grads` of a call `gathered_forward` ran (x_saved: x's columnwise data with its
     scale_inv xcs, or x's `[M, K]` view under save_original_input; `w_col` the gathered weight's columnwise part
-    where dgrad runs), as this module's ops (on CUDA one op, see `gathered_cpp_ops`): [dx in `x_shape`, dW, db], an
-    empty tensor for a gradient not asked for (the gathered op's outputs), or None where the weight's part is not
-    one this spec makes (the general path runs)."""
+    where dgrad runs; `fast` the forward's `_fast_call` answer), as this module's ops (on CUDA one op, see
+    `gathered_cpp_ops`): [dx in `x_shape`, dW, db], an empty tensor for a gradient not asked for (the gathered op's
+    outputs), or None where the weight's part is not one this spec makes (the general path runs)."""
     wc = wcs = None
     if need_dgrad:
         if not _part_fits(w_col, spec.weight):
             return None
         wc, wcs = w_col.data, w_col.scale_inv
-    if _cpp_phase(dy):
-        xi, g = spec.input, spec.grad_output
+    xi, g = spec.input, spec.grad_output
+    if spec.per_tensor and _cpp_phase(dy):
         return list(cuda_fp8_tensor.linear_op("fp8_linear_grads")(
             dy, x_saved, xcs, wc, wcs, xi.dtype, xi.amax_epsilon, xi.power_2_scale, g.dtype, g.amax_epsilon,
             g.power_2_scale, spec.save_original_input, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype))
+    if (not spec.per_tensor and _block_phase_op(dy, fast)
+            and (not need_dgrad or _block_part_scales_fit(w_col, spec.weight.block_dim == 2))):
+        return list(cuda_fp8_block.linear_op("fp8_block_linear_grads")(
+            dy, x_saved, xcs, wc, wcs, xi.dtype, xi.amax_epsilon, xi.power_2_scale, g.dtype, g.amax_epsilon,
+            g.power_2_scale, spec.weight.block_dim, spec.save_original_input, need_dgrad, need_wgrad, need_bgrad,
+            x_shape, w_dtype, b_dtype))
     grads = _grads(spec, dy, x_saved, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
                    w_dtype, b_dtype)
     return [t if t is not None else dy.new_empty(0) for t in grads]
