@@ -44,6 +44,7 @@ VARIANTS = {
     "no_wgrad": (torch.bfloat16, True, False, True, False),
     "no_dgrad": (torch.bfloat16, True, False, False, True),
     "no_dgrad_save_original_input": (torch.bfloat16, False, True, False, True),
+    "no_grad": (torch.bfloat16, True, False, False, False),  # (forward only: nothing saved; backward gives db alone)
     "fp32": (torch.float32, True, False, True, True),
     "fp16": (torch.float16, True, False, True, True),
 }
@@ -290,7 +291,7 @@ def test_block_calls_whose_gemms_the_block_gemm_op_does_not_take_run_the_python_
 # ---- the CPU: float8_graph's Python phases (no extension) ------------------------------------------------------
 
 @pytest.mark.parametrize("variant", ["plain", "no_bias", "save_original_input", "no_wgrad", "no_dgrad",
-                                     "no_dgrad_save_original_input", "fp32"])
+                                     "no_dgrad_save_original_input", "no_grad", "fp32"])
 @pytest.mark.parametrize("case", ["fp8_e4m3", "mixed", "fp8_block", "fp8blk_1x128_e4m3_nopow2"])
 def test_cpu_gathered_fast_path_is_bitwise_the_general_path(case, variant, monkeypatch):
     s = _setup(case, variant, "cpu")
