@@ -20,13 +20,15 @@ import hybridq.kernels.grouped_slots  # noqa: F401
 import hybridq.kernels.native_gemm  # noqa: F401
 import hybridq.kernels.triton_launch  # noqa: F401
 import hybridq.kernels.triton_slot_layout  # noqa: F401
+import hybridq.kernels.triton_tile_payload  # noqa: F401
 import hybridq.nn.float8_graph  # noqa: F401
 import hybridq.nn.linear_function  # noqa: F401
 from hybridq.switches import Switch, switches
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 SWITCHES_PY = DOCS.parent / "hybridq" / "switches.py"
-EXPECTED = {"HYBRIDQ_BLOCK_GEMM_OP", "HYBRIDQ_BLOCK_LINEAR_OP", "HYBRIDQ_SLOT_LAYOUT_KERNEL", "HYBRIDQ_EAGER_FAST_PATH", "HYBRIDQ_GROUPED_BLOCK_CUBLAS",
+EXPECTED = {"HYBRIDQ_BLOCK_GEMM_OP", "HYBRIDQ_BLOCK_LINEAR_OP", "HYBRIDQ_SLOT_LAYOUT_KERNEL",
+            "HYBRIDQ_TILE_PAYLOAD_KERNEL", "HYBRIDQ_EAGER_FAST_PATH", "HYBRIDQ_GROUPED_BLOCK_CUBLAS",
             "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_EMULATED_GEMM", "HYBRIDQ_GROUPED_SLOT_QUANTIZE",
             "HYBRIDQ_LINEAR_CPP_OPS", "HYBRIDQ_NATIVE_GEMMS", "HYBRIDQ_STACKED_BLOCK_GATHER",
             "HYBRIDQ_SHARED_INPUT_QUANTIZATION", "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_TRITON_DEQUANT_GEMM",

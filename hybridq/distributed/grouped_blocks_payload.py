@@ -33,6 +33,9 @@ import dataclasses
 
 import torch
 
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..formats._numerics import FP8_MAX
 from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..switches import Switch
@@ -127,6 +130,7 @@ class _Template:
     stacked: StackedBlocks
     gaps: bool
     order: tuple[tuple[str, str, torch.dtype], ...]
+    tile: tuple[int, int] | None = None  # (data, scale offset) in a slot where the tile kernel writes it, else None
 
 
 def joins_blocks(qs, send, layout: ExpertLayout) -> bool:
@@ -187,7 +191,26 @@ def _make_template(q: Quantizer, layout: ExpertLayout, send, dtype, device) -> _
     bare = dataclasses.replace(meta, replicated={d: dict.fromkeys(r) for d, r in meta.replicated.items()})
     return _Template((bare,) * layout.experts, slot, StackedBlocks(tuple(replicas)),
                      covered != slot or layout.slots_held != layout.chunk,
-                     tuple((s.direction, s.name, s.dtype) for s in meta.buffers))
+                     tuple((s.direction, s.name, s.dtype) for s in meta.buffers),
+                     _tile_places(q, one, meta, tuple(replicas), send, n, k, slot))
+
+
+def _tile_places(q: Quantizer, one: dict, meta: PayloadMeta, replicas: tuple, send, n: int, k: int, slot: int
+                 ) -> tuple[int, int] | None:
+    """(data offset, tile-scale offset) in each slot where the tile payload kernel writes the payload
+    (kernels/triton_tile_payload.py: a quantizer it implements, the rowwise form alone sent, as one data buffer of the
+    part's own `[n, K]` bytes and its tile scales carried as the one replica), else None. [Note: tile payload]"""
+    from ..kernels import triton_tile_payload as tile
+    if tuple(send) != (ROWWISE,) or not tile.takes(q) or len(meta.buffers) != 1 or len(replicas) != 1:
+        return None
+    b, r, part = meta.buffers[0], replicas[0], one[ROWWISE]
+    if ((b.direction, b.name, b.dtype, b.row_shape, b.capacity, b.row_block) != (ROWWISE, "data", part.data.dtype,
+                                                                                 (k,), n, 1)
+            or (r.direction, r.name, r.dtype, r.columnwise) != (ROWWISE, "scale_inv", torch.float32, False)
+            or r.shape != tuple(part.scale_inv.shape) or r.shape != (-(-n // tile.TILE), -(-k // tile.TILE))
+            or slot % 4 or r.offset % 4):
+        return None
+    return b.offset, r.offset
 
 
 def _template(local, q: Quantizer, layout: ExpertLayout, send, dtype, device) -> _Template | None:
@@ -222,7 +245,10 @@ def prepare_stacked_blocks(local, qs, send, layout: ExpertLayout, dtype
     local._hq.counters["stacked_block_payloads"] += 1
     alloc = torch.zeros if tpl.gaps else torch.empty
     payload = alloc(layout.chunk, tpl.slot, dtype=torch.uint8, device=x.device)
-    if held:
+    if held and tpl.tile is not None and _tile_kernel_runs(x) and _tile_into_slots(q, x, payload, tpl, held, n, k,
+                                                                                     dtype):
+        local._hq.counters["tile_payloads"] += 1
+    elif held:
         mine = payload[:held]
         parts = quantize_shard(q, x.to(dtype).reshape(held * n, k), RowShard.whole(held * n), send)
         joined, rep = _extract(q, parts, held * n)
@@ -237,3 +263,41 @@ def prepare_stacked_blocks(local, qs, send, layout: ExpertLayout, dtype
             src = t.reshape(a, held, b).permute(1, 0, 2) if r.columnwise else t.reshape(held, a, b)
             mine[:, r.offset:r.offset + r.nbytes].view(r.dtype).view(held, a, b).copy_(src)
     return payload.reshape(-1), tpl.metas, tpl.slot, tpl.stacked
+
+
+def _tile_kernel_runs(x: torch.Tensor) -> bool:
+    """Whether the tile payload kernel takes this shard: real CUDA tensors, Triton, its switch on."""
+    from ..kernels import triton_tile_payload as tile
+    return tile.ENABLED.on and x.is_cuda and not isinstance(x, FakeTensor) and tile.available()
+
+
+def _tile_into_slots(q: Quantizer, x: torch.Tensor, payload: torch.Tensor, tpl: _Template, held: int, n: int, k: int,
+                     dtype) -> bool:
+    """The held experts' rowwise bytes and tile scales written into their slots by one launch of the tile payload
+    kernel ([Note: tile payload]); False where it failed (turned off with a warning: the quantize and copies run)."""
+    from ..kernels import triton_tile_payload as tile
+    from ..kernels.grouped_blocks import run_or_none
+    data_offset, scale_offset = tpl.tile
+    x2d = x.reshape(held * n, k)
+    if x2d.stride(1) != 1:  # (the kernel reads rows of unit stride)
+        return False
+
+    def launch():
+        tile.tile_payload(x2d, payload[:held], n, tpl.slot, data_offset, scale_offset, q.dtype, dtype,
+                          fp8_max=FP8_MAX[q.dtype], eps=q.amax_epsilon, pow2=q.power_2_scale)
+        return True
+    return bool(run_or_none(tile.ENABLED, "tile payload kernel", launch,
+                            instead="the experts are quantized, then copied into the payload"))
+
+
+# [Note: tile payload]
+# The stacked payload of FP8 128x128-tile experts (fp8_block's weights) is written by one Triton launch
+# (kernels/triton_tile_payload.py) where the template says the payload is exactly what the kernel writes: the
+# rowwise form alone sent, one data buffer holding the part's own `[out, in]` bytes and its tile scales as the one
+# replicated tensor of the slot (`_tile_places`, asked once per template). The shard is read as FSDP2 holds it (fp32
+# master weights cast to the gather dtype in the kernel on CUDA, by the instruction torch's cast runs), quantized in
+# tiles with the CUDA tile kernel's numerics, and each expert's bytes and scales stored at their offsets in its slot
+# -- where the general path casts the shard (a copy), quantizes it into fresh tensors and copies each tensor kind
+# into the slots (a dozen dispatcher calls, three passes over the weight's bytes). The bytes are the same (tests/
+# test_tile_payload.py: bitwise the reference under Triton's interpreter; on CUDA bitwise the general path).
+# `HYBRIDQ_TILE_PAYLOAD_KERNEL=0` (or a launch that fails: one warning) keeps the general path.
