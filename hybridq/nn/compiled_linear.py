@@ -165,8 +165,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
              ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, int]]:
     """(y, the saved tensors, (their layout, whether the fast path ran: float8_graph's `_fast_call` answer, 0 where
     not)). `handled`: the weight is read through its handle, by backward too. A gathered (quantized) weight of an FP8
-    configuration float8_graph describes runs its fast path where it takes the call: the same kernels and GEMMs as the general path, which the fake runs (on a
-    stand-in weight), and the same saved tensors."""
+    configuration float8_graph describes runs its fast path where it takes the call: the same kernels and GEMMs as
+    the general path, which the fake runs (on a stand-in weight), and the same saved tensors."""
     cfg = _config(key, override)
     if handled and isinstance(weight, QuantizedTensor):
         spec = _fast_spec(key, override)

@@ -1,6 +1,7 @@
 """Jobs of test_fsdp_compile_fast_path.py: a compiled block whose FP8 Linears (per-tensor or fp8_block) FSDP2
-all-gathers quantized runs its gathered ops (`hybridq::gathered_linear_forward` / `gathered_linear_backward`) as float8_graph's fast
-path, not as linear_function's general path, and computes bit for bit what the general path computes."""
+all-gathers quantized runs its gathered ops (`hybridq::gathered_linear_forward` / `gathered_linear_backward`) as
+float8_graph's fast path, not as linear_function's general path, and computes bit for bit what the general path
+computes."""
 
 from __future__ import annotations
 
