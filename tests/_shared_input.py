@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridq as hq
+from _aot_graphs import recording_backend
+from _compare import assert_results_bitwise
 from _format_cases import FORMATS
 
 E, D, H = 3, 64, 96
@@ -84,20 +86,26 @@ def compiled_vs_eager(model, device: str, dtype: torch.dtype, backend, count: Ca
     return got, want, seen
 
 
+# what the experts' input quantizations per compiled step should be, by their count
+_WANT = {2: "want x once for w1 and w3, h once for w2", 3: "want w1's and w3's each, and w2's"}
+
+
+def assert_quantizations_and_bitwise(model, device: str, dtype: torch.dtype, backend, count: Callable[[], list[str]],
+                                     times: int, what: str) -> None:
+    """The compiled step (`compiled_vs_eager`) quantizes the experts' inputs `times` times (2: w1 and w3 share x's;
+    3: each projection quantizes its own) and gives eager's results bit for bit."""
+    got, want, seen = compiled_vs_eager(model, device, dtype, backend, count)
+    assert len(seen) == times, f"{what}: the compiled step quantized the experts' inputs {len(seen)} times: {seen} " \
+                               f"({_WANT[times]})"
+    assert_results_bitwise(got, want, f"{what}, compiled ({backend}) vs eager")
+
+
 def forward_graph(model) -> torch.fx.Graph:
     """The forward graph AOTAutograd's min-cut partitioner (Inductor's and aot_eager's) makes of one training step."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
     graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
     x, m_splits, dy = inputs("cpu", torch.float32)
-    step(torch.compile(model, fullgraph=True, backend=backend), model, x, m_splits, dy)
+    step(torch.compile(model, fullgraph=True, backend=recording_backend(graphs)), model, x, m_splits, dy)
     return graphs[0].graph
 
 

@@ -93,31 +93,24 @@ def test_the_compiled_graph_hands_each_grouped_op_its_routings_bounds_computed_o
     """Every grouped op of the compiled graph gets the bounds (CPU counts: no device check), and with Inductor's
     partitioner (its CSE) the projections of one routing share one computation of them."""
     import sys
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from test_grouped_compile import D, SPLITS, MoEBlock
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
+    from _aot_graphs import recording_backend
+    forward, backward = [], []
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
-    torch.compile(MoEBlock("fp8_tensorwise"), fullgraph=True, backend=backend)(
+    torch.compile(MoEBlock("fp8_tensorwise"), fullgraph=True, backend=recording_backend(forward, backward))(
         torch.randn(sum(SPLITS), D, requires_grad=True), torch.tensor(SPLITS)).sum().backward()
-    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_forward.default]
-    inputs = [n for n in graphs[0].graph.nodes if n.target is torch.ops.hybridq.jagged_input_quantize.default]
+    calls = [n for n in forward[0].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_forward.default]
+    inputs = [n for n in forward[0].graph.nodes if n.target is torch.ops.hybridq.jagged_input_quantize.default]
     assert len(calls) == 2 and len(inputs) == 2, \
         f"expected the two GroupedLinears' forward and input quantize ops, got {len(calls)} and {len(inputs)}"
     bounds = [tuple(n.args[6]) for n in calls] + [tuple(n.args[3]) for n in inputs]
     assert all(len(b) == 3 for b in bounds), f"ops without the graph's bounds: {bounds}"
     assert len(set(bounds)) == 1, f"one routing's bounds computed {len(set(bounds))} times: {bounds}"
     assert all(n.args[2] is None for n in inputs), "CPU counts got a device check (the op reads them on the host)"
-    backward = [n for n in graphs[1].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_backward.default]
-    assert len(backward) == 2 and all(len(n.args[2]) == 3 for n in backward), \
-        f"the backward ops did not get the forward's bounds: {[n.args[2] for n in backward]}"
+    ops = [n for n in backward[0].graph.nodes if n.target is torch.ops.hybridq.grouped_linear_backward.default]
+    assert len(ops) == 2 and all(len(n.args[2]) == 3 for n in ops), \
+        f"the backward ops did not get the forward's bounds: {[n.args[2] for n in ops]}"
 
 
 def test_int32_counts_are_kept_and_give_the_int64_counts_groups():

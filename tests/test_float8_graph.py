@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch._dynamo.backends.common import aot_autograd
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
 import hybridq as hq
 from hybridq.formats import Float8BlockQuantizer, Float8Quantizer
 from hybridq.nn.float8_graph import eager_fast_path, graph_spec
 
+from _aot_graphs import recording_backend
 from test_compile import MLP, _assert_same as assert_same, _grads
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,15 +63,8 @@ def _traced_and_custom(explained) -> tuple[int, int]:
 def _forward_graphs(model, x) -> list[torch.fx.GraphModule]:
     """The forward graphs AOTAutograd hands to Inductor for `model(x)` (after its partitioner and CSE)."""
     graphs = []
-
-    def keep(gm, _inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                           partition_fn=min_cut_rematerialization_partition)
     torch._dynamo.reset()
-    torch.compile(model, fullgraph=True, backend=backend)(x).sum().backward()
+    torch.compile(model, fullgraph=True, backend=recording_backend(graphs))(x).sum().backward()
     return graphs
 
 

@@ -16,8 +16,8 @@ import torch
 import hybridq as hq
 from _compare import assert_results_bitwise
 from _format_cases import FORMATS
-from _shared_input import (BLOCK_KERNEL_DIMS, D, E, H, SwiGLUExperts, compiled_vs_eager, count_block_input_quantizations,
-                           forward_graph, inputs, recipe_of)
+from _shared_input import (BLOCK_KERNEL_DIMS, D, E, H, SwiGLUExperts, assert_quantizations_and_bitwise,
+                           compiled_vs_eager, count_block_input_quantizations, forward_graph, inputs, recipe_of)
 from hybridq.nn import grouped_device_blocks
 from hybridq.nn.grouped_packed import BLOCKS, packed_quantizers
 
@@ -39,6 +39,11 @@ def _compiled_vs_eager(model, device, dtype, backend, monkeypatch) -> tuple[dict
                              lambda: count_block_input_quantizations(monkeypatch.setattr))
 
 
+def _assert_quantized(model, device, dtype, backend, monkeypatch, times, what):
+    assert_quantizations_and_bitwise(model, device, dtype, backend,
+                                     lambda: count_block_input_quantizations(monkeypatch.setattr), times, what)
+
+
 def test_the_block_cases_are_listed():
     assert {"fp8_block", "mxfp8", "fp8_block_fwd_mxfp8_bwd", "fp8blk_128x128_e4m3", "mxfp8_32x32_e4m3"} <= set(
         BLOCK_CASES), BLOCK_CASES
@@ -48,19 +53,12 @@ def test_the_block_cases_are_listed():
 def test_w1_and_w3_quantize_their_input_once_in_the_compiled_graph(case, monkeypatch):
     """(fails before the input quantize op: three input quantizations per step, w1's, w3's and w2's)"""
     torch.manual_seed(0)
-    model = SwiGLUExperts(recipe_of(case))
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "aot_eager", monkeypatch)
-    assert len(seen) == 2, f"{case}: the compiled step quantized the experts' inputs {len(seen)} times: {seen} " \
-                           f"(want x once for w1 and w3, h once for w2)"
-    assert_results_bitwise(got, want, f"{case}, compiled vs eager")
+    _assert_quantized(SwiGLUExperts(recipe_of(case)), "cpu", torch.float32, "aot_eager", monkeypatch, 2, case)
 
 
 def test_w1_and_w3_quantize_their_input_once_under_inductor_on_the_cpu(monkeypatch):
     torch.manual_seed(0)
-    model = SwiGLUExperts("fp8_block", act=None)
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "inductor", monkeypatch)
-    assert len(seen) == 2, f"the compiled step quantized the experts' inputs {len(seen)} times: {seen}"
-    assert_results_bitwise(got, want, "inductor (CPU) vs eager")
+    _assert_quantized(SwiGLUExperts("fp8_block", act=None), "cpu", torch.float32, "inductor", monkeypatch, 2, "CPU")
 
 
 def _cuda_dims(preset: str) -> dict:
@@ -83,9 +81,7 @@ def test_w1_and_w3_quantize_their_input_once_in_the_compiled_graph_on_cuda(prese
         pytest.skip("needs CUDA sm_90 with the grouped block kernels (Triton, the built extension)")
     torch.manual_seed(0)
     model = SwiGLUExperts(preset, act=None, **_cuda_dims(preset)).cuda().to(torch.bfloat16)
-    got, want, seen = _compiled_vs_eager(model, "cuda", torch.bfloat16, "inductor", monkeypatch)
-    assert len(seen) == 2, f"{preset}: the compiled step quantized the experts' inputs {len(seen)} times: {seen}"
-    assert_results_bitwise(got, want, f"{preset} cuda, inductor vs eager")
+    _assert_quantized(model, "cuda", torch.bfloat16, "inductor", monkeypatch, 2, f"{preset} cuda")
 
 
 @pytest.mark.parametrize("case", ["fp8_block", "mxfp8"])
@@ -122,10 +118,7 @@ def test_projections_with_another_input_quantization_quantize_it_each(what, pres
     torch.manual_seed(0)
     model = SwiGLUExperts(preset, recipe_of(preset, w3_input))
     assert model.w1.expert_quantizers[0]["input"] != model.w3.expert_quantizers[0]["input"]
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "aot_eager", monkeypatch)
-    assert len(seen) == 3, f"{what}: the compiled step quantized the experts' inputs {len(seen)} times: {seen} " \
-                           f"(want w1's and w3's each, and w2's)"
-    assert_results_bitwise(got, want, f"{what}, compiled vs eager")
+    _assert_quantized(model, "cpu", torch.float32, "aot_eager", monkeypatch, 3, what)
 
 
 @pytest.mark.parametrize("frozen", ["w1", "w3"])
@@ -135,10 +128,7 @@ def test_a_frozen_projection_quantizes_its_input_for_itself(preset, frozen, monk
     torch.manual_seed(0)
     model = SwiGLUExperts(preset)
     getattr(model, frozen).weight.requires_grad_(False)
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "aot_eager", monkeypatch)
-    assert len(seen) == 3, f"{preset}, frozen {frozen}: the compiled step quantized the experts' inputs " \
-                           f"{len(seen)} times: {seen} (want w1's and w3's each, and w2's)"
-    assert_results_bitwise(got, want, f"{preset}, frozen {frozen}, compiled vs eager")
+    _assert_quantized(model, "cpu", torch.float32, "aot_eager", monkeypatch, 3, f"{preset}, frozen {frozen}")
 
 
 def test_a_projection_with_another_weight_format_is_bitwise_eager(monkeypatch):

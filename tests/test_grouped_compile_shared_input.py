@@ -13,7 +13,8 @@ import torch
 import hybridq as hq
 from _compare import assert_results_bitwise
 from _format_cases import FORMATS
-from _shared_input import D, H, SwiGLUExperts, compiled_vs_eager, forward_graph, inputs, recipe_of as _recipe
+from _shared_input import (D, H, SwiGLUExperts, assert_quantizations_and_bitwise, compiled_vs_eager, forward_graph,
+                           inputs, recipe_of as _recipe)
 from hybridq.enums import Scaling
 from hybridq.formats import Float8Quantizer
 from hybridq.gemm import jagged_fp8_kernels
@@ -43,8 +44,15 @@ def _count_input_quantizations(monkeypatch, device: str, model: SwiGLUExperts) -
 
 
 def _compiled_vs_eager(model, device, dtype, backend, monkeypatch) -> tuple[dict, dict, list[str]]:
-    return compiled_vs_eager(model, device, dtype, backend, lambda: _count_input_quantizations(monkeypatch, device,
-                                                                                               model))
+    return compiled_vs_eager(model, device, dtype, backend, _counter(model, device, monkeypatch))
+
+
+def _counter(model, device, monkeypatch):
+    return lambda: _count_input_quantizations(monkeypatch, device, model)
+
+
+def _assert_quantized(model, device, dtype, backend, monkeypatch, times, what):
+    assert_quantizations_and_bitwise(model, device, dtype, backend, _counter(model, device, monkeypatch), times, what)
 
 
 def _force_device_counts(monkeypatch, device_counts: bool) -> None:
@@ -58,19 +66,13 @@ def test_w1_and_w3_quantize_their_input_once_in_the_compiled_graph(case, device_
     """(fails before the input quantize op: three input quantizations per step, w1's, w3's and w2's)"""
     _force_device_counts(monkeypatch, device_counts)
     torch.manual_seed(0)
-    model = SwiGLUExperts(_recipe(case))
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "aot_eager", monkeypatch)
-    assert len(seen) == 2, f"{case}: the compiled step quantized the experts' inputs {len(seen)} times: {seen} " \
-                           f"(want x once for w1 and w3, h once for w2)"
-    assert_results_bitwise(got, want, f"{case}, compiled vs eager")
+    _assert_quantized(SwiGLUExperts(_recipe(case)), "cpu", torch.float32, "aot_eager", monkeypatch, 2, case)
 
 
 def test_w1_and_w3_quantize_their_input_once_under_inductor_on_the_cpu(monkeypatch):
     torch.manual_seed(0)
-    model = SwiGLUExperts("fp8_tensorwise", act=None)
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "inductor", monkeypatch)
-    assert len(seen) == 2, f"the compiled step quantized the experts' inputs {len(seen)} times: {seen}"
-    assert_results_bitwise(got, want, "inductor (CPU) vs eager")
+    _assert_quantized(SwiGLUExperts("fp8_tensorwise", act=None), "cpu", torch.float32, "inductor", monkeypatch, 2,
+                      "CPU")
 
 
 @pytest.mark.gpu
@@ -81,9 +83,7 @@ def test_w1_and_w3_quantize_their_input_once_in_the_compiled_graph_on_cuda(monke
         pytest.skip("needs the CUDA jagged kernels (sm_90, Triton, the built extension)")
     torch.manual_seed(0)
     model = SwiGLUExperts("fp8_tensorwise", act=None).cuda().to(torch.bfloat16)
-    got, want, seen = _compiled_vs_eager(model, "cuda", torch.bfloat16, "inductor", monkeypatch)
-    assert len(seen) == 2, f"the compiled step quantized the experts' inputs {len(seen)} times: {seen}"
-    assert_results_bitwise(got, want, "cuda, inductor vs eager")
+    _assert_quantized(model, "cuda", torch.bfloat16, "inductor", monkeypatch, 2, "cuda")
 
 
 def _forward_graph(model, device_counts: bool, monkeypatch):
@@ -123,10 +123,7 @@ def test_projections_with_another_input_quantization_quantize_it_each(what, w3_i
     torch.manual_seed(0)
     model = SwiGLUExperts(_recipe("fp8_e4m3"), _recipe("fp8_e4m3", w3_input))
     assert model.w1.expert_quantizers[0]["input"] != model.w3.expert_quantizers[0]["input"]
-    got, want, seen = _compiled_vs_eager(model, "cpu", torch.float32, "aot_eager", monkeypatch)
-    assert len(seen) == 3, f"{what}: the compiled step quantized the experts' inputs {len(seen)} times: {seen} " \
-                           f"(want w1's and w3's each, and w2's)"
-    assert_results_bitwise(got, want, f"{what}, compiled vs eager")
+    _assert_quantized(model, "cpu", torch.float32, "aot_eager", monkeypatch, 3, what)
 
 
 # (name, how the layer differs from w1): calls of one input that differ in what they ask of its quantization
