@@ -148,6 +148,26 @@ __global__ void __launch_bounds__(256) grouped_absmax_kernel(const T* __restrict
   }
 }
 
+// One thread's part of a (16-row group g, column c) item of the RHT amax kernels: the 16 values' max|x| into ra (the
+// rowwise amax) and, after the 16-point RHT along the rows (of the values rounded to bf16 first where T is not
+// bf16), their max into ca (the columnwise amax); as bit patterns of non-negative floats
+template <typename T>
+__device__ __forceinline__ void rht_amax_item(const T* __restrict__ x, int64_t K, int64_t g, int64_t c, uint32_t& ra,
+                                              uint32_t& ca) {
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = to_f32(x[(g * 16 + i) * K + c]);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) ra = max(ra, abs_bits(v[i]));
+  if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = round_bf16(v[i]);
+  }
+  rht16_forward(v);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) ca = max(ca, abs_bits(v[i]));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256) rht_amax_kernel(const T* __restrict__ x, int64_t M, int64_t K,
                                                        uint32_t* row_amax, uint32_t* col_amax) {
@@ -155,20 +175,7 @@ __global__ void __launch_bounds__(256) rht_amax_kernel(const T* __restrict__ x, 
   uint32_t ra = 0, ca = 0;
   for (int64_t b = blockIdx.x; b < groups * cblocks; b += gridDim.x) {
     const int64_t g = b / cblocks, c = (b % cblocks) * 256 + threadIdx.x;
-    if (c < K) {
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = to_f32(x[(g * 16 + i) * K + c]);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) ra = max(ra, abs_bits(v[i]));
-      if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = round_bf16(v[i]);
-      }
-      rht16_forward(v);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) ca = max(ca, abs_bits(v[i]));
-    }
+    if (c < K) rht_amax_item(x, K, g, c, ra, ca);
   }
   ra = block_reduce_max<T>(ra);
   __syncthreads();
@@ -210,20 +217,7 @@ __global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const T* __restri
       group = grp;
       ra = ca = 0;
     }
-    if (c < K) {
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = to_f32(x[(g * 16 + i) * K + c]);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) ra = max(ra, abs_bits(v[i]));
-      if constexpr (!std::is_same<T, __nv_bfloat16>::value) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = round_bf16(v[i]);
-      }
-      rht16_forward(v);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) ca = max(ca, abs_bits(v[i]));
-    }
+    if (c < K) rht_amax_item(x, K, g, c, ra, ca);
   }
   if (group >= 0) flush();
 }
