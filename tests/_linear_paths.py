@@ -65,6 +65,25 @@ def step_sharing_input(layers: list, x: torch.Tensor, gy: torch.Tensor) -> tuple
     return [y.detach() for y in ys] + [xg.grad] + [layer.weight.grad for layer in layers], [node_name(y) for y in ys]
 
 
+def assert_one_quantization_shared_by_the_op(layers: list, x: torch.Tensor, gy: torch.Tensor, monkeypatch,
+                                             node: str) -> None:
+    """Layers reading one tensor (q, k, v), each on the one-op path (`node`): with sharing on, x is quantized once
+    outside the op (by q: `float8_graph._quantize`) and every op reads those parts; every result is bitwise the run
+    without sharing."""
+    from hybridq.nn import float8_graph
+    from hybridq.nn.linear import shared_input_quantization
+    want, nodes = step_sharing_input(layers, x, gy)
+    calls = []
+    quantize = float8_graph._quantize
+    monkeypatch.setattr(float8_graph, "_quantize", lambda *a, **kw: calls.append(a[0].shape) or quantize(*a, **kw))
+    with shared_input_quantization(True):
+        got, shared_nodes = step_sharing_input(layers, x, gy)
+    assert nodes == shared_nodes == [node] * len(layers), f"nodes {nodes}, with sharing {shared_nodes}"
+    assert len(calls) == 1, f"x was quantized outside the op {len(calls)} times, expected once (by q): {calls}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise(a, b, f"result {i} with the input shared")
+
+
 def step_with_known_amax(layer, x: torch.Tensor, gy: torch.Tensor, fast: bool) -> tuple[list, str | None]:
     """([output, grad_input, grad_weight], node) of a step whose input carries a known max|x| (a norm's) 3x its
     real one, on the fast path (`fast`) or the general path."""

@@ -24,8 +24,8 @@ from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
 from _format_cases import case_recipe
-from _linear_paths import (assert_same, put_non_finite, step, step_sharing_input, step_under_dispatch_mode,
-                           step_under_saved_tensor_hooks)
+from _linear_paths import (assert_one_quantization_shared_by_the_op, assert_same, put_non_finite, step,
+                           step_under_dispatch_mode, step_under_saved_tensor_hooks)
 
 IN, OUT, TOKENS = 256, 128, (2, 64)  # (M = 128: every GEMM dimension the block GEMM takes)
 ONE_OP, PYTHON, GENERAL = ("torch::autograd::CppNode<hybridq::ops::Fp8BlockLinear>", "_Float8GraphLinearBackward",
@@ -135,17 +135,7 @@ def test_layers_share_one_quantization_of_their_input_through_the_op(monkeypatch
     """q, k, v read one tensor: with sharing on, x is quantized once (by q, outside the op) and the op of each layer
     reads those parts; every result is bitwise the run without sharing."""
     layers = [_layer("fp8_block", name=n, seed=i) for i, n in enumerate("qkv")]
-    x, gy = _inputs()
-    want, nodes = step_sharing_input(layers, x, gy)
-    calls = []
-    quantize = float8_graph._quantize
-    monkeypatch.setattr(float8_graph, "_quantize", lambda *a, **kw: calls.append(a[0].shape) or quantize(*a, **kw))
-    with shared_input_quantization(True):
-        got, shared_nodes = step_sharing_input(layers, x, gy)
-    assert nodes == shared_nodes == [ONE_OP] * 3, f"nodes {nodes}, with sharing {shared_nodes}"
-    assert len(calls) == 1, f"x was quantized outside the op {len(calls)} times, expected once (by q): {calls}"
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_bitwise(a, b, f"result {i} with the input shared")
+    assert_one_quantization_shared_by_the_op(layers, *_inputs(), monkeypatch, ONE_OP)
 
 
 def test_a_dispatch_mode_sees_the_python_node_and_the_same_results():

@@ -11,14 +11,13 @@ import pytest
 import torch
 
 import hybridq as hq
-from hybridq.nn import float8_graph
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
 from _format_cases import case_recipe
-from _linear_paths import (assert_same, node_name, put_non_finite, step, step_sharing_input,
+from _linear_paths import (assert_one_quantization_shared_by_the_op, assert_same, node_name, put_non_finite, step,
                            step_under_dispatch_mode, step_under_saved_tensor_hooks, step_with_known_amax)
 
 IN, OUT, TOKENS = 256, 128, (2, 64)
@@ -149,17 +148,7 @@ def test_layers_share_one_quantization_of_their_input_through_the_op(monkeypatch
     """q, k, v read one tensor: with sharing on, x is quantized once (by q, outside the op) and the op of each layer
     reads those parts; every result is bitwise the run without sharing."""
     layers = [_layer("fp8_e4m3", name=n, seed=i) for i, n in enumerate("qkv")]
-    x, gy = _inputs()
-    want, nodes = step_sharing_input(layers, x, gy)
-    calls = []
-    quantize = float8_graph._quantize
-    monkeypatch.setattr(float8_graph, "_quantize", lambda *a, **kw: calls.append(a[0].shape) or quantize(*a, **kw))
-    with shared_input_quantization(True):
-        got, shared_nodes = step_sharing_input(layers, x, gy)
-    assert nodes == shared_nodes == [ONE_OP] * 3, f"nodes {nodes}, with sharing {shared_nodes}"
-    assert len(calls) == 1, f"x was quantized outside the op {len(calls)} times, expected once (by q): {calls}"
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_bitwise(a, b, f"result {i} with the input shared")
+    assert_one_quantization_shared_by_the_op(layers, *_inputs(), monkeypatch, ONE_OP)
 
 
 def test_one_op_uses_a_known_max_of_its_input():
