@@ -130,11 +130,18 @@ def build(recipe_name: str, args, env: Env, out: Printer):
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **adamw_impl(args.adamw_impl))
     if recipe_name in TORCHAO_RECIPES:  # the next float8 all-gathers' scales, one fused all-reduce (a collective)
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     return model, optimizer
+
+
+def adamw_impl(name: str) -> dict:
+    """torch.optim.AdamW's keyword for --adamw-impl. fused: one kernel per group of tensors per step; foreach (the
+    default of torch.optim on CUDA) runs a kernel per operation over every parameter, ~3x the GPU time: 25.3 of the
+    1B step's 245 GPU ms (one H200, 2026-11-28), the same for every recipe."""
+    return {"fused": True} if name == "fused" else {"foreach": True}
 
 
 def mark_cuda_graph_step(args) -> None:

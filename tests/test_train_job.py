@@ -936,3 +936,14 @@ def test_peak_memory_restarts_for_each_run():
     low = mem.read()
     assert high - base > 200 * 2**20, (base, high)
     assert high - low > 200 * 2**20, f"after a reset the peak still includes the freed 256 MiB: {high} -> {low}"
+
+
+def test_adamw_is_fused_by_default_and_foreach_on_request():
+    """--adamw-impl: fused (one kernel per group of tensors, torchtitan's default) unless foreach is asked for."""
+    import trainer
+    assert config.parse_args(["--device", "cpu"]).adamw_impl == "fused"
+    p = torch.nn.Parameter(torch.zeros(2))
+    for impl in ("fused", "foreach"):
+        opt = torch.optim.AdamW([p], **trainer.adamw_impl(config.parse_args(["--adamw-impl", impl]).adamw_impl))
+        other = {"fused": "foreach", "foreach": "fused"}[impl]
+        assert opt.defaults[impl] is True and not opt.defaults[other], f"--adamw-impl {impl}: {opt.defaults}"
