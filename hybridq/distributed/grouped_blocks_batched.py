@@ -223,7 +223,7 @@ def _fill_direct(st, q, metas, gathered: torch.Tensor, per_expert: torch.Tensor,
     sources = _direct_sources(st, metas[0], e, plan, stacked, dst, q, dtype)
     if sources is None:
         return False
-    copies = tuple((dst[d][1][k], _source_view(per_expert, stacked, src)) for d, k, src in sources[0])
+    copies = tuple(_words(dst[d][1][k], _source_view(per_expert, stacked, src)) for d, k, src in sources[0])
     derive = None
     if sources[1] is not None:
         derive = ({k: _source_view(per_expert, stacked, src) for k, src in sources[1]}, dst[COLUMNWISE][1])
@@ -238,6 +238,28 @@ def _fill_direct(st, q, metas, gathered: torch.Tensor, per_expert: torch.Tensor,
         kept[id(plan)] = ((GatheredViews.key_of(gathered), slot, layout), (metas, plan, stacked, q, dtype),
                           tuple((d, dst[d][1]) for d in plan.materialize), copies, derive)
     return True
+
+
+def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst, src) as views of the same bytes in the widest integer elements both layouts allow (8, 4 or 2 bytes),
+    else as they are: a copy between them writes the same bytes. The slots' views are strided (an expert stride of
+    the slot), and a strided copy of 1-byte elements runs CUDA's element-by-element kernel (~75 us per MoE weight of
+    32 MiB on an H200, 2026-11-28 profile): 8-byte words move 8 bytes per element."""
+    if dst.shape != src.shape or dst.dim() == 0 or dst.element_size() != src.element_size() \
+            or dst.stride(-1) != 1 or src.stride(-1) != 1:
+        return dst, src
+    a, b = dst, src
+    while a.dim() > 1 and a.stride(-2) == a.shape[-1] and b.stride(-2) == b.shape[-1]:  # (fold contiguous dims)
+        a = a.reshape(*a.shape[:-2], a.shape[-2] * a.shape[-1])
+        b = b.reshape(*b.shape[:-2], b.shape[-2] * b.shape[-1])
+    for wide in (torch.int64, torch.int32, torch.int16):
+        ratio = wide.itemsize // dst.element_size()
+        if ratio <= 1:
+            break
+        if all(t.shape[-1] % ratio == 0 and t.storage_offset() % ratio == 0
+               and all(st % ratio == 0 for st in t.stride()[:-1]) for t in (a, b)):
+            return a.view(wide), b.view(wide)
+    return dst, src
 
 
 def _run_direct(st, q, copies, derive, dtype) -> None:

@@ -129,6 +129,8 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
             "direct": st.counters.get("stacked_block_fills_direct", 0),
             "kept": st.counters.get("stacked_block_fills_kept", 0),
             "derived": st.counters.get("stacked_block_derived_direct", 0),
+            "copy_items": sorted({t.element_size() for hit in st.__dict__.get("direct_copies", {}).values()
+                                  for t, _ in hit[3]}),
             "columnwise_gathers": sum(1 for s in results for filled, _ in s["stacked"] if "columnwise" in filled)}
 
 
@@ -157,7 +159,7 @@ def job_stacked_blocks(rank, world_size, device, cases):
                 diffs += [d for d in (tensor_diff(sa[k], sb[k], f"{where} gather {i} {k}") for k in sa) if d]
         out.append({"diffs": diffs, "oracle": oracle, "fills_on": on["fills"], "fills_off": off["fills"],
                     "direct_on": on["direct"], "kept_on": on["kept"], "derived_on": on["derived"],
-                    "columnwise_gathers_on": on["columnwise_gathers"],
+                    "columnwise_gathers_on": on["columnwise_gathers"], "copy_items_on": on["copy_items"],
                     "views_on": [v for s in on["steps"] for v in s["stacked"]],
                     "views_off": [v for s in off["steps"] for v in s["stacked"]],
                     "nonfinite_y": [bool((~torch.isfinite(s["y"].float())).any()) for s in on["steps"]]})

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from _harness import nccl_devices, spawn
 import _block_stacked_jobs as jobs
@@ -97,6 +98,37 @@ def test_joined_forward_fills_copy_straight_from_the_slots_and_keep_their_copies
             assert r["kept_on"] < r["direct_on"] <= r["fills_on"], f"world {ws} rank {rank} {IDS[i]}: {r}"
         else:
             assert r["direct_on"] == 0, f"world {ws} rank {rank} {IDS[i]}: direct fills without a joined fill"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_direct_fills_copy_the_slots_in_8_byte_words(runs, i):
+    """The direct fill's kept copies move the experts' bytes as 8-byte words where the slots and stacked buffers
+    allow (every case here: aligned slots, K a multiple of 8): a strided copy of 1-byte FP8 elements runs CUDA's
+    element-by-element kernel. (fails before: 1-byte copies)"""
+    ws, results = runs
+    for rank, res in enumerate(results):
+        r = res[i]
+        if r["kept_on"]:
+            assert r["copy_items_on"] in ([8], []), \
+                f"world {ws} rank {rank} {IDS[i]}: kept copies of {r['copy_items_on']}-byte elements, expected 8"
+            assert r["copy_items_on"] or derives_directly(CASES[i]), f"world {ws} rank {rank} {IDS[i]}: no copies"
+
+
+@pytest.mark.parametrize("offset, want", [(16, torch.int64), (4, torch.int32), (2, torch.int16), (3, None)])
+def test_slot_words_are_the_same_bytes(offset, want):
+    """`_words`: a stacked buffer and the slots' strided view as the widest integer words both allow, the same bytes
+    after a copy; an unaligned source keeps its own elements."""
+    from hybridq.distributed.grouped_blocks_batched import _words
+    g = torch.Generator().manual_seed(3)
+    slots = torch.randint(0, 256, (4, 128 * 64 + 32), dtype=torch.uint8, generator=g)
+    src = slots[:, offset:offset + 128 * 64].view(torch.float8_e4m3fn).view(4, 128, 64)
+    dst = torch.zeros(4, 128, 64, dtype=torch.float8_e4m3fn)
+    a, b = _words(dst, src)
+    assert a.dtype == b.dtype == (want or torch.float8_e4m3fn), f"offset {offset}: {a.dtype} / {b.dtype}"
+    assert a.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr(), "not a view of the stacked buffer"
+    a.copy_(b)
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8)), f"offset {offset}: bytes differ after the copy"
 
 
 def derives_directly(case: dict) -> bool:
