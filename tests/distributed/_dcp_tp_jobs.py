@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -31,6 +31,7 @@ from hybridq.distributed import ColwiseParallel, PrepareModuleInput, RowwisePara
 # the shared test helpers live one level up; spawned ranks inherit this sys.path
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _conversion_models import SwiGLU  # noqa: E402
+from _dcp_jobs import full_state, load, save  # noqa: E402 (DCP's standard helpers: the FSDP2 checkpoint jobs')
 
 RECIPE = "mxfp8"  # deterministic (no stochastic rounding): every layout quantizes the same operands
 D, HIDDEN, LAYERS = 64, 128, 2
@@ -114,23 +115,6 @@ def train_step(model, opt, mesh, n: int) -> float:
     loss = y.detach().float().square().sum() / total
     dist.all_reduce(loss)
     return float(loss)
-
-
-def save(model, opt, folder: str) -> None:
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
-
-
-def load(model, opt, folder: str) -> None:
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def full_state(model, opt) -> dict:
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return {"model": msd, "optim": osd}
 
 
 def state_diffs(got, want, path: str = "") -> list[str]:
