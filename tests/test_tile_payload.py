@@ -41,6 +41,8 @@ KERNEL_CASES = [
     (2, 128, 256, 2 * 128 * 256, 0, 128 * 256, torch.bfloat16, {}, True),
     (1, 128, 128, 128 * 128 + 16, 0, 128 * 128, torch.float32, dict(power_2_scale=False, amax_epsilon=1e-3), False),
     (2, 128, 256, 2 * 128 * 256, 0, 128 * 256, torch.float32, dict(fp8=E5M2), True),
+    (2, 128, 256, 2 * 128 * 256, 0, 128 * 256, torch.float32, dict(gather=torch.float32), True),  # (no cast)
+    (2, 128, 256, 2 * 128 * 256, 0, 128 * 256, torch.float32, dict(gather=torch.float16), True),
 ]
 KERNEL_IDS = [f"held{c[0]}-n{c[1]}-k{c[2]}-{str(c[6])[6:]}-{c[7]}{'-nonfinite' if c[8] else ''}" for c in KERNEL_CASES]
 
@@ -49,16 +51,19 @@ KERNEL_IDS = [f"held{c[0]}-n{c[1]}-k{c[2]}-{str(c[6])[6:]}-{c[7]}{'-nonfinite' i
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_kernel_writes_each_experts_reference_quantization_into_its_slot(case):
     """Every expert's bytes and tile scales at their offsets of its slot, bitwise the format's reference quantization
-    of its rows cast to bf16 (non-finite values included); no other byte of the payload written."""
+    of its rows cast to the gather dtype (bf16 unless the case says; non-finite values included); no other byte of
+    the payload written."""
     held, n, k, slot, data_offset, scale_offset, dtype, opts, nonfinite = case
+    opts = dict(opts)
+    gather = opts.pop("gather", torch.bfloat16)
     q = Float8BlockQuantizer(block_dim=2, **opts)
     x = _weight(held * n, k, dtype, seed=1, nonfinite=nonfinite)
     payload = torch.full((held, slot), 0xAB, dtype=torch.uint8)
-    tile.tile_payload(x, payload, n, slot, data_offset, scale_offset, q.dtype, torch.bfloat16,
+    tile.tile_payload(x, payload, n, slot, data_offset, scale_offset, q.dtype, gather,
                       fp8_max=torch.finfo(q.dtype).max, eps=q.amax_epsilon, pow2=q.power_2_scale)
     written = torch.zeros(slot, dtype=torch.bool)
     for g in range(held):
-        want, _ = q.reference_parts(x[g * n:(g + 1) * n].to(torch.bfloat16), True, False)
+        want, _ = q.reference_parts(x[g * n:(g + 1) * n].to(gather), True, False)
         got = payload[g, data_offset:data_offset + n * k].view(n, k)
         assert torch.equal(got, want.data.view(torch.uint8)), \
             f"expert {g}: {int((got != want.data.view(torch.uint8)).sum())} bytes differ from the reference"
