@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .triton_launch import config_key, kept_plan, launch
+from .triton_tiles import cdiv as _cdiv, next_pow2 as _next_pow2  # (also triton_slot_layout's, triton_grouped_blocks')
 
 try:  # Triton is optional: CPU machines and CI have none
     import triton
@@ -61,14 +62,6 @@ def available() -> bool:
     return triton is not None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
-
-
 if triton is not None:
     from .triton_tiles import grouped_tile
     @triton.jit
@@ -79,6 +72,14 @@ if triton is not None:
         starts = tl.load(ends_ptr + gi - 1, mask=(gi >= 1) & (gi < E), other=0)
         sizes = tl.where(gi < E, ends - starts, 0)
         return gi, starts, sizes
+
+    @triton.jit
+    def _dot(a, b, acc, PRECISE: tl.constexpr, WIDTH: tl.constexpr):
+        """acc + a @ b^T of FP8 tiles contracting WIDTH elements; PRECISE: the product summed into acc at full fp32
+        precision (max_num_imprecise_acc = WIDTH: the promotion the module docstring describes)."""
+        if PRECISE:
+            return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=WIDTH)
+        return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit
     def _pick(gi, vec, g):
@@ -115,10 +116,7 @@ if triton is not None:
         for _ in range(0, K, BLOCK_K):
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
-            if PRECISE:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot(a, b, acc, PRECISE, BLOCK_K)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         scale = tl.load(sa_ptr + g) * tl.load(sb_ptr + g * stride_sb)
@@ -134,9 +132,7 @@ if triton is not None:
         mine = ((rk >= lo) & (rk < hi))[None, :]
         a = tl.load(a_ptr + a_rows[:, None] + rk[None, :], mask=row_ok[:, None] & mine, other=0.0)
         b = tl.load(b_ptr + b_rows[:, None] + rk[None, :], mask=col_ok[:, None] & mine, other=0.0)
-        if PRECISE:
-            return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
-        return tl.dot(a, tl.trans(b), acc)
+        return _dot(a, b, acc, PRECISE, 32)
 
     @triton.jit(do_not_specialize=["E"])
     def _jagged_wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, M, N, E, pitch_a, pitch_b,
@@ -176,10 +172,7 @@ if triton is not None:
         for _ in range(0, n_full):  # whole K tiles: the masks are loop-invariant (as in fprop)
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
-            if PRECISE:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot(a, b, acc, PRECISE, BLOCK_K)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         k_last = s16 + n_full * BLOCK_K
@@ -187,10 +180,7 @@ if triton is not None:
             inside = (k_last + rk < e16)[None, :]
             a = tl.load(a_ptrs, mask=row_ok[:, None] & inside, other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None] & inside, other=0.0)
-            if PRECISE:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot(a, b, acc, PRECISE, BLOCK_K)
         if not ALIGNED:
             if (e16 >= s16) & (e16 < end):  # tail: [e16, end)
                 acc = _wgrad_edge(acc, a_ptr, b_ptr, a_rows, b_rows, row_ok, col_ok, e16, e16, end, PRECISE)
