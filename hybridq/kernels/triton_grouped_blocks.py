@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from .triton_grouped_fp8 import _cdiv, _next_pow2, available
-from .triton_launch import launch
+from .triton_grouped_fp8 import available
+from .triton_tiles import cdiv as _cdiv, next_pow2 as _next_pow2
+from .triton_launch import config_key, kept_plan, launch
 
 try:  # Triton is optional: CPU machines and CI have none
     import triton
@@ -180,7 +181,7 @@ def grouped_block_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor
     c = torch.empty(out_rows, n, device=a.device, dtype=out_dtype)
     if c.numel() == 0 or e == 0:
         return c
-    grid, kw = launch_plan("mm", out_rows, n, k, e, b_row_block, _hashable(config))
+    grid, kw = launch_plan("mm", out_rows, n, k, e, b_row_block, config_key(config))
     sbg, sbn, sbk = b_scale_strides
     LAST_COMPILED["mm"] = launch(
         _grouped_block_mm_kernel, grid, a, a_scale_inv, b, b_scale_inv, c, bounds, n, k, e, a.stride(0),
@@ -200,7 +201,7 @@ def grouped_block_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch
     c = torch.empty(e, m, n, device=a_t.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
-    grid, kw = launch_plan("wgrad", m, n, e, even, _hashable(config))
+    grid, kw = launch_plan("wgrad", m, n, e, even, config_key(config))
     LAST_COMPILED["wgrad"] = launch(
         _grouped_block_wgrad_kernel, grid, a_t, a_scale_inv, b_t, b_scale_inv, c, starts, sizes, m, n, a_t.stride(0),
         a_scale_inv.stride(0), b_t.stride(0), b_scale_inv.stride(0), c.stride(0), c.stride(1), **kw)
@@ -229,16 +230,5 @@ _PLANS: dict = {}
 
 def launch_plan(kind: str, *shape) -> tuple:
     """(grid, keyword arguments of `launch`) of a `kind` kernel ("mm", "wgrad") for these sizes and options (the
-    arguments of its `_*_plan` maker), made once per distinct arguments."""
-    key = (kind, *shape)
-    hit = _PLANS.get(key)
-    if hit is None:
-        if len(_PLANS) >= 256:  # (bounded: a few call shapes per model)
-            _PLANS.clear()
-        hit = _PLANS[key] = _PLAN_MAKERS[kind](*shape)
-    return hit
-
-
-def _hashable(config):
-    """A benchmark's tile configuration as a plan key (a tuple; None: the default)."""
-    return None if config is None else tuple(config)
+    arguments of its `_*_plan` maker), made once per distinct arguments ([Note: launch plans])."""
+    return kept_plan(_PLANS, (kind, *shape), _PLAN_MAKERS[kind], *shape)
