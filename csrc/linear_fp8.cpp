@@ -358,13 +358,18 @@ void check_linear_op(bool ok, const char* op, const char* rule) {
 
 // float8_graph._fprop on the weight's rowwise part (x quantized here) -> (y in x's shape with out_features last,
 // x's columnwise data [K, M] | [0], its scale_inv [1] | [0]): the columnwise part only where wgrad reads it
-// (need_wgrad, not save_original_input: then wgrad quantizes x itself, which the caller keeps)
+// (need_wgrad, not save_original_input: then wgrad quantizes x itself, which the caller keeps).
+// x_row, x_row_scale_inv: x already quantized rowwise (hybridq::linear_input_quantize in a compiled graph, shared by
+// the layers reading x): the GEMM reads them, nothing is quantized here and no columnwise part is returned (the
+// caller holds x's parts)
 std::tuple<Tensor, Tensor, Tensor> fp8_linear_fprop(const Tensor& x, const Tensor& w_row,
                                                     const Tensor& w_row_scale_inv, const std::optional<Tensor>& bias,
                                                     at::ScalarType x_dtype, double x_eps, bool x_pow2,
                                                     bool need_wgrad, bool save_original_input,
-                                                    bool fast_accum_fprop) {
+                                                    bool fast_accum_fprop, const std::optional<Tensor>& x_row,
+                                                    const std::optional<Tensor>& x_row_scale_inv) {
   constexpr const char* op = "fp8_linear_fprop";
+  check_linear_op(given(x_row) == given(x_row_scale_inv), op, "x_row and x_row_scale_inv come together");
   TORCH_CHECK(x.dim() >= 2 && w_row.dim() == 2 && x.size(-1) == w_row.size(1), "hybridq::", op, ": input of shape ",
               x.sizes(), " and weight rowwise part of shape ", w_row.sizes(), " do not make x @ weight^T");
   TORCH_CHECK(w_row_scale_inv.numel() == 1, "hybridq::", op, ": w_row_scale_inv must hold the one per-tensor ",
@@ -372,6 +377,18 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_fprop(const Tensor& x, const Tenso
   TORCH_CHECK(!given(bias) || (bias->dim() == 1 && bias->size(0) == w_row.size(0)), "hybridq::", op,
               ": bias of shape ", bias.has_value() ? bias->sizes() : at::IntArrayRef{}, " does not match ",
               w_row.size(0), " output features");
+  if (given(x_row)) {
+    const int64_t k = x.size(-1), m = k ? x.numel() / k : 0;
+    TORCH_CHECK(x_row->dim() == 2 && x_row->size(0) == m && x_row->size(1) == k && x_row->scalar_type() == x_dtype,
+                "hybridq::", op, ": x_row of shape ", x_row->sizes(), " and dtype ", x_row->scalar_type(),
+                " is not x's rowwise part [", m, ", ", k, "] of ", x_dtype);
+    TORCH_CHECK(x_row_scale_inv->numel() == 1 && x_row_scale_inv->scalar_type() == at::kFloat, "hybridq::", op,
+                ": x_row_scale_inv must hold the one per-tensor fp32 scale, got shape ", x_row_scale_inv->sizes());
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const Tensor y = linear_node::output_like(
+        fprop_mm(*x_row, *x_row_scale_inv, w_row, w_row_scale_inv, bias, x.scalar_type(), fast_accum_fprop), x);
+    return {y, at::empty({0}, x_row->options()), at::empty({0}, x_row_scale_inv->options())};
+  }
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the inner ops record nothing: skip their autograd keys)
   const Tensor x2d = x.reshape({-1, x.size(-1)});
   const bool columnwise = need_wgrad && !save_original_input;

@@ -231,8 +231,8 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
   // the compiled Linear's gathered per-tensor FP8 fast path, one op per phase (implemented in csrc/linear_fp8.cpp)
   m.def(
       "fp8_linear_fprop(Tensor x, Tensor w_row, Tensor w_row_scale_inv, Tensor? bias, ScalarType x_dtype, "
-      "float x_eps, bool x_pow2, bool need_wgrad, bool save_original_input, bool fast_accum_fprop) -> "
-      "(Tensor, Tensor, Tensor)");
+      "float x_eps, bool x_pow2, bool need_wgrad, bool save_original_input, bool fast_accum_fprop, "
+      "Tensor? x_row=None, Tensor? x_row_scale_inv=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "fp8_linear_grads(Tensor dy, Tensor? x_saved, Tensor? x_col_scale_inv, Tensor? w_col, "
       "Tensor? w_col_scale_inv, ScalarType x_dtype, float x_eps, bool x_pow2, ScalarType g_dtype, float g_eps, "

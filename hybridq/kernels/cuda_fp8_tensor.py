@@ -23,7 +23,8 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   w_row..w_col_scale_inv: the weight already quantized (FSDP2's gathered weight), the columnwise tensors held by
   reference and read in backward (after the backward unshard refilled them)
 - fp8_linear_fprop(x, w_row, w_row_scale_inv, bias?, x_dtype, x_eps, x_pow2, need_wgrad, save_original_input,
-  fast_accum_fprop) -> (y, x_col | [0], x_col_scale_inv | [0]) and fp8_linear_grads(dy, x_saved?, x_col_scale_inv?,
+  fast_accum_fprop, x_row?, x_row_scale_inv?) -> (y, x_col | [0], x_col_scale_inv | [0]) (x_row given: x already
+  quantized rowwise, nothing quantized, both [0]) and fp8_linear_grads(dy, x_saved?, x_col_scale_inv?,
   w_col?, w_col_scale_inv?, x_dtype, x_eps, x_pow2, g_dtype, g_eps, g_pow2, save_original_input, need_dgrad,
   need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype) -> (dx | [0], dw | [0], db | [0]): the forward and the
   gradients of that Linear as two ops without an autograd node (csrc/linear_fp8.cpp; their caller is the compiled
@@ -167,9 +168,9 @@ def register_fakes() -> None:
 
     @register_fake("hybridq::fp8_linear_fprop")
     def _linear_fprop(x, w_row, w_row_scale_inv, bias, x_dtype, x_eps, x_pow2, need_wgrad, save_original_input,
-                      fast_accum_fprop):
+                      fast_accum_fprop, x_row=None, x_row_scale_inv=None):
         y = x.new_empty((*x.shape[:-1], w_row.shape[0]))
-        columnwise = need_wgrad and not save_original_input
+        columnwise = need_wgrad and not save_original_input and x_row is None
         m = x.numel() // x.shape[-1]
         return (y, or_empty(x, (x.shape[-1], m), x_dtype, columnwise), or_empty(x, (1,), f32, columnwise))
 

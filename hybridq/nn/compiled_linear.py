@@ -27,7 +27,10 @@ blocks) that code is the eager fast path's (float8_graph.py's `gathered_forward`
 op per phase, `hybridq::fp8_linear_fprop` / `fp8_linear_grads` or `fp8_block_linear_fprop` / `fp8_block_linear_grads`;
 not the general path's quantized tensors and dispatch), where it takes the call; it saves what the general path
 saves (x's columnwise data and scale_inv, x itself under save_original_input, or nothing), so the fakes (the general
-path on fake tensors) hold.
+path on fake tensors) hold. For a per-tensor FP8 input (with gradients) the layer quantizes x in an op of its own,
+`hybridq::linear_input_quantize`, and hands its outputs to the gathered forward op, so AOTAutograd's CSE merges the
+casts of one tensor read by several Linears (q/k/v, w1/w3) and the one columnwise form is saved once
+(float8_graph.py's [Note: one dense input quantization in the graph]).
 
 A quantized parameter (`quantized_model_init` / `quantize_parameters`: nn/quantized_params.py's
 `HeldQuantizedWeight`) enters the graph the same way, its handle naming the parameter: the gathered ops read its
@@ -65,7 +68,7 @@ from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, gra
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
 from .plain_ops import plain_op
-from .weight_handle import handled_weight, redirect_to_handle, weight_handle, weight_of
+from .weight_handle import handled_weight, redirect, redirect_to_handle, weight_handle, weight_of
 
 __all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_handle"]
 
@@ -140,6 +143,8 @@ def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> 
 
 def _layout_key(key: str, override: str | None, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape,
                 dtype: torch.dtype, handled: bool = False) -> tuple:
+    # (whether x's parts were handed over is not in the key: compiled_linear hands them to every call of one key
+    # and flags or to none; the layouts differ only where the fast path declines, `_forward_on_parts`)
     return (key, override, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype, handled)
 
 
@@ -160,14 +165,29 @@ def _record_layout(lkey: tuple, layout: tuple[list, int]) -> None:
         _LAYOUTS.popitem(last=False)
 
 
+def _parts_entry(cfg: _LinearConfig, need_wgrad: bool) -> tuple:
+    """The layout entry of x in a call handed x's parts (`linear_input_quantize`'s): what the layer's autograd saves
+    of them -- the columnwise data and scale_inv, x itself (save_original_input: the general path's entry), or
+    nothing."""
+    if not need_wgrad:
+        return _NONE_ENTRY
+    return _INPUT_ENTRY if cfg.save_original_input else _FAST_X_ENTRY
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str, override: str | None,
-             need_dgrad: bool, need_wgrad: bool, handled: bool = False
+             need_dgrad: bool, need_wgrad: bool, handled: bool = False, x_parts: tuple | None = None
              ) -> tuple[torch.Tensor, list[torch.Tensor], tuple[list, int]]:
     """(y, the saved tensors, (their layout, whether the fast path ran: float8_graph's `_fast_call` answer, 0 where
     not)). `handled`: the weight is read through its handle, by backward too. A gathered (quantized) weight of an FP8
     configuration float8_graph describes runs its fast path where it takes the call: the same kernels and GEMMs as
-    the general path, which the fake runs (on a stand-in weight), and the same saved tensors."""
+    the general path, which the fake runs (on a stand-in weight), and the same saved tensors. `x_parts`: x as
+    `linear_input_quantize` quantized it (x_row, x_scale_inv, x_col or None): the layer's autograd saves what wgrad
+    reads of them, so this call saves nothing of x ([Note: one dense input quantization in the graph])."""
     cfg = _config(key, override)
+    if x_parts is not None:
+        y, fast = _forward_on_parts(x, weight, bias, key, override, cfg, need_dgrad, need_wgrad, handled, x_parts)
+        return y, [], ([_parts_entry(cfg, need_wgrad), _HANDLE_ENTRY if need_dgrad and handled else _NONE_ENTRY],
+                       fast)
     if handled and isinstance(weight, QuantizedTensor):
         spec = _fast_spec(key, override)
         fast = gathered_forward(x, weight, bias, spec, cfg, need_dgrad, need_wgrad) if spec is not None else None
@@ -180,6 +200,22 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
             layout = [x_entry, _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY]
             return y, [] if xcs is None else [x_saved, xcs], (layout, answer)
     return general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad, handled)
+
+
+def _forward_on_parts(x, weight, bias, key, override, cfg, need_dgrad, need_wgrad, handled, x_parts) -> tuple:
+    """(y, the `_fast_call` answer or 0) of a call handed x's parts: the gathered fast path on them, else (the fast
+    path declines: another weight part, a shape the native GEMM does not take; or the fake's stand-in weight) the
+    general path, which quantizes x itself: its rowwise cast is the parts' (one cast rule, per-tensor scale from
+    max|x|), and its saved x -- the same bytes as the parts' -- is left (the parts are saved)."""
+    if handled and isinstance(weight, QuantizedTensor):
+        fast = gathered_forward(x, weight, bias, _fast_spec(key, override), cfg, need_dgrad, need_wgrad, x_parts)
+        if fast is not None:
+            return fast[0], fast[3]
+    if not handled:  # (a plain weight's backward reads what forward saved of it: the parts path saves nothing)
+        raise ValueError(f"hybridq::linear_forward ({key}): x's parts are handed over only with a weight read "
+                         "through its handle (FSDP2's gathered weight, a quantized parameter)")
+    y, _, _ = general_forward(x, weight, bias, cfg, need_dgrad, False, handled)
+    return y, 0
 
 
 def general_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
@@ -218,18 +254,34 @@ def general_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.reshape(*lead, y.shape[-1]).contiguous(), out, (layout, 0)
 
 
+def _parts(x_row: torch.Tensor | None, x_scale_inv: torch.Tensor | None, x_col: torch.Tensor | None) -> tuple | None:
+    """x's parts as the ops take them (`linear_input_quantize`'s outputs; an empty x_col: no columnwise form), or
+    None where none was handed over."""
+    if x_row is None:
+        return None
+    if x_scale_inv is None or x_col is None:
+        raise ValueError("hybridq::linear_forward: x's parts are x_row, x_scale_inv and x_col together "
+                         "(linear_input_quantize's outputs)")
+    return x_row, x_scale_inv, x_col if x_col.numel() else None
+
+
 @plain_op("hybridq::linear_forward")
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: str,
-                   override: str | None, need_dgrad: bool, need_wgrad: bool) -> list[torch.Tensor]:
-    """[y, *saved tensors] of a hybridq Linear call (configuration `key`) that gradients flow through."""
-    y, flat, layout = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad)
+                   override: str | None, need_dgrad: bool, need_wgrad: bool, x_row: torch.Tensor | None = None,
+                   x_scale_inv: torch.Tensor | None = None, x_col: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[y, *saved tensors] of a hybridq Linear call (configuration `key`) that gradients flow through. x_row,
+    x_scale_inv, x_col: x as `linear_input_quantize` quantized it (a weight read through its handle only: the op
+    then saves nothing of x, the layer's autograd saves those)."""
+    y, flat, layout = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad,
+                               x_parts=_parts(x_row, x_scale_inv, x_col))
     _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x.shape, weight.shape, x.dtype), layout)
     return [y, *flat]
 
 
 @linear_forward.register_fake
-def _(x, weight, bias, key, override, need_dgrad, need_wgrad):
-    y, flat, _ = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad)
+def _(x, weight, bias, key, override, need_dgrad, need_wgrad, x_row=None, x_scale_inv=None, x_col=None):
+    y, flat, _ = _forward(x, weight, bias, key, override, need_dgrad, need_wgrad,
+                          x_parts=_parts(x_row, x_scale_inv, x_col))
     return [y, *flat]
 
 
@@ -259,8 +311,10 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
             return grads
     # (the general path's casts count backward passes: delayed scaling's replays; the fast path has no state)
     count_backward_pass()
+    # (x saved as the fast spec's parts where the fast path ran, or where x's parts were handed over)
+    fast_x = fast or layout[0] == _FAST_X_ENTRY
     return general_grads(_config(key, override), layout, dy, x, weight, saved, need_dgrad, need_wgrad, need_bgrad,
-                         x_shape, x_dtype, w_dtype, b_dtype, _fast_spec(key, override) if fast else None)
+                         x_shape, x_dtype, w_dtype, b_dtype, _fast_spec(key, override) if fast_x else None)
 
 
 def general_grads(cfg: _LinearConfig, layout: list, dy: torch.Tensor, x: torch.Tensor | None,
@@ -312,15 +366,21 @@ def _backward_fake(dy, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape, w_d
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, key, override, need_dgrad, need_wgrad = inputs
+    x, weight, bias, key, override, need_dgrad, need_wgrad, x_row, x_scale_inv, x_col = inputs
+    # (the dispatcher drops trailing arguments equal to their defaults -- the parts, None -- from the autograd
+    # function's inputs: backward returns a gradient for each input it kept)
+    ctx.n_inputs = 7 if x_row is None else 10
     cfg = _config(key, override)
+    # x's handed parts: what wgrad reads of them is saved here, once for every layer reading them (the forward op
+    # saves nothing of x: [Note: one dense input quantization in the graph])
+    parts = [x_col, x_scale_inv] if x_row is not None and need_wgrad and not cfg.save_original_input else []
     hp = cfg.backward_override == BackwardOverride.HIGH_PRECISION
     # the input and weight are kept only where backward reads them as they are
     keep_x = need_wgrad and (hp or (cfg.backward_override is None and cfg.save_original_input))
     # a weight read through its handle is kept whatever backward reads: its handle (not its bytes) goes to the
     # backward op, which takes the weight as it is then
     keep_w = (need_dgrad and hp) or isinstance(weight, QuantizedTensor)
-    ctx.save_for_backward(x if keep_x else None, weight if keep_w else None, *output[1:])
+    ctx.save_for_backward(x if keep_x else None, weight if keep_w else None, *parts, *output[1:])
     ctx.args = (key, override, need_dgrad, need_wgrad, list(x.shape), list(weight.shape), x.dtype, weight.dtype,
                 weight.dtype if bias is None else bias.dtype)
     ctx.has_bias = bias is not None
@@ -333,8 +393,8 @@ def _backward(ctx, grads):
     dx, dw, db = torch.ops.hybridq.linear_backward(grads[0], x, weight, saved, key, override, need_dgrad,
                                                    need_wgrad, need_bgrad, x_shape, w_shape, x_dtype, w_dtype,
                                                    b_dtype)
-    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_bgrad else None, None, None, None,
-            None)
+    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_bgrad else None,
+            *(None,) * (ctx.n_inputs - 3))
 
 
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -345,18 +405,23 @@ linear_forward.register_autograd(_backward, setup_context=_setup_context)
 @plain_op("hybridq::gathered_linear_forward")
 def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, key: str,
                             override: str | None, need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
-                            w_dtype: torch.dtype) -> list[torch.Tensor]:
-    """`linear_forward` of the weight `handle` names: [y, *saved tensors of the input]."""
-    y, flat, layout = _forward(x, weight_of(handle), bias, key, override, need_dgrad, need_wgrad, handled=True)
+                            w_dtype: torch.dtype, x_row: torch.Tensor | None = None,
+                            x_scale_inv: torch.Tensor | None = None,
+                            x_col: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """`linear_forward` of the weight `handle` names: [y, *saved tensors of the input] ([y] alone where x's parts
+    are handed over)."""
+    y, flat, layout = _forward(x, weight_of(handle), bias, key, override, need_dgrad, need_wgrad, handled=True,
+                               x_parts=_parts(x_row, x_scale_inv, x_col))
     _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x.shape, w_shape, x.dtype, True), layout)
     return [y, *flat]
 
 
 @gathered_linear_forward.register_fake
-def _(x, handle, bias, key, override, need_dgrad, need_wgrad, w_shape, w_dtype):
+def _(x, handle, bias, key, override, need_dgrad, need_wgrad, w_shape, w_dtype, x_row=None, x_scale_inv=None,
+      x_col=None):
     # (a stand-in weight of its shape: the outputs' shapes do not depend on its values, and it is not saved)
     y, flat, _ = _forward(x, x.new_empty(w_shape, dtype=w_dtype), bias, key, override, need_dgrad, need_wgrad,
-                          handled=True)
+                          handled=True, x_parts=_parts(x_row, x_scale_inv, x_col))
     return [y, *flat]
 
 
@@ -379,7 +444,17 @@ def _(dy, x, handle, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x
 # `linear_forward` / `linear_backward` called on a weight read through its handle (the gathered weight's
 # __torch_dispatch__ sends them to weight_handle.handle_ops while compile traces): the same call as the `gathered_`
 # op, the handle in the weight's place
-redirect_to_handle(linear_forward, torch.ops.hybridq.gathered_linear_forward, 1, with_shape=True)
+def _forward_on_handle(args, kwargs):
+    # (redirect_to_handle's call, x's parts passed by name: they follow the weight's shape and dtype in the twin)
+    schema = linear_forward._opoverload._schema.arguments
+    bound = list(args) + [kwargs[a.name] if a.name in kwargs else a.default_value for a in schema[len(args):]]
+    weight = bound[1]
+    x_parts = dict(zip(("x_row", "x_scale_inv", "x_col"), bound[7:10]))
+    return torch.ops.hybridq.gathered_linear_forward(*bound[:1], weight._handle, *bound[2:7], list(weight.shape),
+                                                     weight.dtype, **x_parts)
+
+
+redirect(linear_forward._opoverload, _forward_on_handle)
 redirect_to_handle(linear_backward, torch.ops.hybridq.gathered_linear_backward, 2, with_shape=False)
 
 
@@ -387,6 +462,24 @@ def compiled_linear(module, x: torch.Tensor, override: str | None) -> torch.Tens
     """`x W^T + b` of a hybridq Linear as the custom ops (see the module docstring); traced by dynamo."""
     weight, bias = module.weight, module.bias
     need_dgrad, need_wgrad = gradients_needed(x, weight)  # neither: rowwise forms only, nothing saved
-    return torch.ops.hybridq.linear_forward(x, weight, bias, module._configuration_key,
-                                            None if override is None else str(override), need_dgrad,
-                                            need_wgrad)[0]
+    key = module._configuration_key
+    if override is None and module._weight_quantized_elsewhere and (need_dgrad or need_wgrad):
+        cast = _shared_input_cast(key)
+        if cast is not None:  # x quantized by an op of its own ([Note: one dense input quantization in the graph])
+            dtype, amax_epsilon, power_2_scale, save_original_input = cast
+            # (x detached: the parts take no gradient, x's flows through linear_forward)
+            parts = torch.ops.hybridq.linear_input_quantize(x.detach(), dtype, amax_epsilon, power_2_scale,
+                                                            need_wgrad and not save_original_input)
+            return torch.ops.hybridq.linear_forward(x, weight, bias, key, None, need_dgrad, need_wgrad, *parts)[0]
+    return torch.ops.hybridq.linear_forward(x, weight, bias, key, None if override is None else str(override),
+                                            need_dgrad, need_wgrad)[0]
+
+
+@torch.compiler.assume_constant_result
+def _shared_input_cast(key: str) -> tuple | None:
+    """(dtype, amax_epsilon, power_2_scale, save_original_input) of configuration `key`'s input cast where its
+    gathered fast path quantizes per-tensor FP8 (`_fast_spec`; compiled code reads it as a constant), else None."""
+    spec = _fast_spec(key, None)
+    if spec is None or not spec.per_tensor:
+        return None
+    return spec.input.dtype, spec.input.amax_epsilon, spec.input.power_2_scale, spec.save_original_input

@@ -55,6 +55,7 @@ from ..torch_private import graph_task_id
 from .fused_input import prequantized_input
 from .known_amax import known_amax
 from .linear_function import _SHARED, _SHARING, SharedParts, gradients_needed
+from .plain_ops import plain_op
 
 __all__ = ["Float8Cast", "Float8GraphSpec", "graph_spec", "takes", "float8_graph_linear", "eager_float8_linear",
            "eager_fast_path", "gathered_cpp_ops"]
@@ -175,6 +176,41 @@ def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bo
         row, rs, col, cs = torch.ops.hybridq.fp8_block_quantize_reference(
             x2d, cast.dtype, cast.block_dim, cast.amax_epsilon, cast.power_2_scale, rowwise, columnwise)
     return ((row, rs) if rowwise else (None, None)) + ((col, cs) if columnwise else (None, None))
+
+
+# [Note: one dense input quantization in the graph] A transformer block's q/k/v projections read one tensor (the
+# attention norm's output) and its gate/up projections (w1, w3) another (the MLP norm's); eager quantizes each once
+# for all its readers (linear_function's input sharing). A compiled Linear on FSDP2's gathered weight is one opaque op
+# per phase (compiled_linear.py's gathered ops), so each call quantized its input inside and the graph could not see
+# that three calls quantize one x. For a per-tensor FP8 input with current scaling (the fast spec), the compiled layer
+# quantizes its input in an op of its own, `linear_input_quantize`, a pure function of x and the input's cast (dtype,
+# epsilon, power-of-2 scales) and of whether wgrad reads the columnwise form; the gathered forward op takes its
+# outputs (x_row, x_scale_inv, x_col) and runs the fprop GEMM on them (on CUDA `hybridq::fp8_linear_fprop`'s handed
+# parts), and the layer's autograd saves x_col and x_scale_inv for wgrad. Current scaling is deterministic (the scale
+# is a function of max|x| alone), so calls with equal arguments give the same bytes, and AOTAutograd's min-cut
+# partitioner's CSE (fx_graph_cse: equal call_function nodes, custom ops included; Inductor and aot_eager, torch 2.11
+# and 2.13) merges them: one quantization and one saved columnwise form per norm output. Calls that differ -- another
+# input cast, save_original_input or a frozen weight (no columnwise form) -- stay apart; a graph without backward
+# (no_grad) is not partitioned, and there the layer quantizes inside the forward op as before. Cost: one more op call
+# per layer (the split) against two quantize kernels and the op's host work fewer per repeated read.
+@plain_op("hybridq::linear_input_quantize")
+def linear_input_quantize(x: torch.Tensor, dtype: torch.dtype, amax_epsilon: float, power_2_scale: bool,
+                          columnwise: bool) -> list[torch.Tensor]:
+    """[x's rowwise FP8 data `[M, K]`, its scale_inv `[1]`, its columnwise data `[K, M]` (empty without
+    `columnwise`)] of x's `[M, K]` view, per-tensor FP8 with current scaling: the cast `_quantize` runs, so the
+    bytes the gathered forward would have made itself."""
+    x2d = x.reshape(-1, x.shape[-1])
+    row, rs, col, _ = _quantize(x2d, Float8Cast(dtype, amax_epsilon, power_2_scale, PER_TENSOR), True, columnwise)
+    # (contiguous tensors of their own, as the fake's)
+    return [row.contiguous(), rs.contiguous(), col.contiguous() if columnwise else x.new_empty(0, dtype=dtype)]
+
+
+@linear_input_quantize.register_fake
+def _(x, dtype, amax_epsilon, power_2_scale, columnwise):
+    k = x.shape[-1]
+    m = x.numel() // k
+    return [x.new_empty((m, k), dtype=dtype), x.new_empty(1, dtype=torch.float32),
+            x.new_empty((k, m), dtype=dtype) if columnwise else x.new_empty(0, dtype=dtype)]
 
 
 def _block_reference(x2d, dtype, block_dim, amax_epsilon, power_2_scale, rowwise, columnwise) -> list[torch.Tensor]:
@@ -642,7 +678,7 @@ def _block_part_scales_fit(part, tiles: bool) -> bool:
 
 
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
-                     cfg, need_dgrad: bool, need_wgrad: bool) -> tuple | None:
+                     cfg, need_dgrad: bool, need_wgrad: bool, x_parts: tuple | None = None) -> tuple | None:
     """(y in x's shape with out_features last, x_saved, xcs, `_fast_call`'s answer) of an FP8 Linear (per-tensor or
     block scaling) on FSDP2's gathered weight, as this module's ops (the eager fast path's; on CUDA one op, see
     `gathered_cpp_ops`), or None where the general path must run (the checks of `eager_float8_linear`; x quantized
@@ -650,7 +686,9 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
     (contiguous tensors of their own: the tensors of the input `linear_function.forward_and_saved` saves, in their
     flattened order: `saved_input` builds it), x itself and None (save_original_input: wgrad quantizes x's `[M, K]`
     view), or None, None (no wgrad). Only the weight's rowwise part is read: backward reads the columnwise one then
-    (`gathered_grads`, handed the answer)."""
+    (`gathered_grads`, handed the answer). `x_parts`: x as `linear_input_quantize` quantized it (rowwise data, its
+    scale_inv, the columnwise data or None; per-tensor only): not quantized again, and what wgrad reads of it is
+    those parts ([Note: one dense input quantization in the graph])."""
     if spec is None:
         return None
     fast = _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
@@ -660,7 +698,21 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
     if not _part_fits(wr, spec.weight):
         return None
     xi = spec.input
-    if spec.per_tensor and _cpp_phase(x):
+    if x_parts is not None:
+        if not spec.per_tensor:
+            raise ValueError("gathered_forward: x_parts are per-tensor FP8 parts (linear_input_quantize); this "
+                             f"layer's input is quantized in {spec.input.block_dim}-d blocks")
+        xr, xrs, xp_col = x_parts
+        if _cpp_phase(x):
+            y, _, _ = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
+                x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, False,
+                spec.save_original_input, native_gemm.FAST_ACCUM_FPROP, xr, xrs)
+        else:
+            y, _, _ = _fprop(x.reshape(-1, x.shape[-1]), (xr, xrs, None, None), wr.data, wr.scale_inv, bias, spec,
+                             False)
+            y = y.reshape(*x.shape[:-1], y.shape[-1]).contiguous()
+        xc, xcs = xp_col, xrs  # (per-tensor: both directions share the one scale_inv)
+    elif spec.per_tensor and _cpp_phase(x):
         y, xc, xcs = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
             x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, need_wgrad,
             spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
