@@ -19,8 +19,8 @@ from hybridq.nn.linear import shared_input_quantization
 from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
-from test_eager_fast_path import (BLOCK_OP, FAST, FAST_CASES, GENERAL, ONE_OP, _cuda_ready, _inputs, _layer,
-                                  _node)
+from _linear_paths import node_name as _node
+from test_eager_fast_path import BLOCK_OP, FAST, FAST_CASES, GENERAL, ONE_OP, _cuda_ready, _inputs, _layer
 
 WARNING = "weight changed since it was quantized"
 
