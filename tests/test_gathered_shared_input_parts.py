@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridq.enums import ROWWISE
 from hybridq.nn import compiled_linear
 from hybridq.nn.float8_graph import eager_fast_path
 
@@ -97,3 +98,24 @@ def test_parts_need_a_handled_weight():
     w = torch.randn(OUT, IN)
     with pytest.raises(ValueError, match="only with a weight read through its handle"):
         torch.ops.hybridq.linear_forward(s.x, w, s.bias, s.key, None, True, True, *_parts(s))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")
+@pytest.mark.parametrize("bad, rule", [
+    ("no scale", "x_row and x_row_scale_inv come together"),
+    ("rows", "is not x's rowwise part"),
+    ("dtype", "is not x's rowwise part"),
+    ("scale shape", "one per-tensor fp32 scale"),
+])
+def test_cuda_fprop_refuses_parts_that_are_not_x(bad, rule):
+    """`hybridq::fp8_linear_fprop` names the handed part and the rule it broke."""
+    s = _setup("fp8_tensorwise", "plain", "cuda")
+    x_row, x_scale_inv, _ = _parts(s)
+    dtype, eps, pow2, _ = compiled_linear._shared_input_cast(s.key)
+    wr = s.owner.weight.part(ROWWISE)
+    x_row = {"rows": x_row[1:], "dtype": x_row.view(torch.int8)}.get(bad, x_row)
+    x_scale_inv = {"no scale": None, "scale shape": x_scale_inv.expand(2).contiguous()}.get(bad, x_scale_inv)
+    with pytest.raises(RuntimeError, match=rule):
+        torch.ops.hybridq.fp8_linear_fprop(s.x, wr.data, wr.scale_inv, s.bias, dtype, eps, pow2, True, False, False,
+                                           x_row, x_scale_inv)
