@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             results.append(json.loads(lines[0][len(_RESULT):]))
             print(f"[{recipe}] {results[-1]['n']} steps in a fresh process (pid {results[-1]['pid']}), no profiler, "
-                  f"{results[-1]['device']}" + (f", round {r + 1}" if n_rounds > 1 else ""), flush=True)
+                  f"{results[-1]['device']}" + (f", round {r + 1}" if n_rounds > 1 else "")
+                  + f": wall {results[-1]['median_ms']:.1f} ms, host {results[-1]['host_median_ms']:.1f} ms (medians)",
+                  flush=True)
         rounds.append(sorted(results, key=lambda res: a.recipe_list.index(res["recipe"])))
     print(table(rounds[0]) if n_rounds == 1 else rounds_table(rounds))
     return 0
