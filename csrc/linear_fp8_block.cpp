@@ -290,17 +290,9 @@ std::tuple<Tensor, Tensor, Tensor> fp8_block_linear_grads(
     bool save_original_input, bool need_dgrad, bool need_wgrad, bool need_bgrad, at::IntArrayRef x_shape,
     at::ScalarType w_dtype, at::ScalarType b_dtype) {
   constexpr const char* op = "fp8_block_linear_grads";
-  TORCH_CHECK(dy.dim() >= 1 && x_shape.size() >= 2, "hybridq::", op, ": grad_output of shape ", dy.sizes(),
-              " and input shape ", x_shape, " are not a Linear's");
   check_block_dim(op, w_block_dim);
-  TORCH_CHECK(!need_dgrad || (given(w_col) && given(w_col_scale_inv)), "hybridq::", op,
-              ": dgrad needs the weight's columnwise part (w_col and w_col_scale_inv)");
-  TORCH_CHECK(!need_wgrad || (given(x_saved) && (save_original_input || given(x_col_scale_inv))), "hybridq::", op,
-              ": wgrad needs what the forward kept of x (x_saved, and x_col_scale_inv unless save_original_input)");
-  TORCH_CHECK(!need_dgrad || (w_col->dim() == 2 && w_col->size(0) == x_shape.back() &&
-                              w_col->size(1) == dy.size(-1)),
-              "hybridq::", op, ": w_col of shape ", w_col.has_value() ? w_col->sizes() : at::IntArrayRef{},
-              " is not the columnwise part [in_features, out_features] = [", x_shape.back(), ", ", dy.size(-1), "]");
+  linear_node::check_grads_phase(op, dy, x_saved, x_col_scale_inv, w_col, w_col_scale_inv, save_original_input,
+                                 need_dgrad, need_wgrad, x_shape);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto [dx, dw, db] = linear_grads(dy, need_wgrad ? *x_saved : Tensor(),
                                    need_wgrad && !save_original_input ? *x_col_scale_inv : Tensor(),

@@ -143,6 +143,24 @@ inline std::pair<at::Tensor, at::Tensor> weight_col(torch::autograd::AutogradCon
   return {col->second.toTensor(), ctx->saved_data.at(kWeightColScaleInv).toTensor()};
 }
 
+// What both gathered gradient phase ops (fp8_linear_grads, fp8_block_linear_grads) check of their arguments: a
+// Linear's shapes, the parts dgrad and wgrad read given, the weight's columnwise part [in_features, out_features].
+inline void check_grads_phase(const char* op, const at::Tensor& dy, const std::optional<at::Tensor>& x_saved,
+                              const std::optional<at::Tensor>& x_col_scale_inv, const std::optional<at::Tensor>& w_col,
+                              const std::optional<at::Tensor>& w_col_scale_inv, bool save_original_input,
+                              bool need_dgrad, bool need_wgrad, at::IntArrayRef x_shape) {
+  TORCH_CHECK(dy.dim() >= 1 && x_shape.size() >= 2, "hybridq::", op, ": grad_output of shape ", dy.sizes(),
+              " and input shape ", x_shape, " are not a Linear's");
+  TORCH_CHECK(!need_dgrad || (given(w_col) && given(w_col_scale_inv)), "hybridq::", op,
+              ": dgrad needs the weight's columnwise part (w_col and w_col_scale_inv)");
+  TORCH_CHECK(!need_wgrad || (given(x_saved) && (save_original_input || given(x_col_scale_inv))), "hybridq::", op,
+              ": wgrad needs what the forward kept of x (x_saved, and x_col_scale_inv unless save_original_input)");
+  TORCH_CHECK(!need_dgrad || (w_col->dim() == 2 && w_col->size(0) == x_shape.back() &&
+                              w_col->size(1) == dy.size(-1)),
+              "hybridq::", op, ": w_col of shape ", w_col.has_value() ? w_col->sizes() : at::IntArrayRef{},
+              " is not the columnwise part [in_features, out_features] = [", x_shape.back(), ", ", dy.size(-1), "]");
+}
+
 // y [M, N] in x's shape with out_features last (a tensor of its own, not a view: see linear_function._output)
 inline at::Tensor output_like(const at::Tensor& y, const at::Tensor& x) {
   std::vector<int64_t> shape = x.sizes().vec();

@@ -195,6 +195,41 @@ def check_phases(case, spec_q, save_original_input, need_dgrad, need_wgrad, bias
             f"{what}: result {i} differs from the Python phases' ({a.shape} {a.dtype} vs {b_.shape} {b_.dtype})"
 
 
+def check_grads_refusals() -> int:
+    """The gradient phase op's argument checks (linear_node.h's check_grads_phase, shared with fp8_linear_grads) on
+    the host build: each inconsistent call raises naming the op and the rule, before any work; the number checked."""
+    e4, m, k, n = torch.float8_e4m3fn, 128, 256, 128
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+    w_row, w_rs, w_col, w_cs = torch.ops.hybridq.fp8_block_quantize(torch.randn(n, k, dtype=torch.bfloat16), e4, 2,
+                                                                    0.0, True, True, True)
+    _, _, x_col, x_s = torch.ops.hybridq.fp8_block_quantize(x, e4, 1, 0.0, True, False, True)
+
+    def grads(x_saved, xs, wc, ws, dy=dy, need_dgrad=True, w_block_dim=2):
+        return torch.ops.hybridq.fp8_block_linear_grads(dy, x_saved, xs, wc, ws, e4, 0.0, True, e4, 0.0, True,
+                                                        w_block_dim, False, need_dgrad, True, True, [m, k],
+                                                        torch.bfloat16, torch.bfloat16)
+
+    bad = {
+        r"grad_output of shape \[\] and input shape \[128, 256\] are not a Linear's":
+            (x_col, x_s, w_col, w_cs, dy[0, 0]),
+        r"dgrad needs the weight's columnwise part \(w_col and w_col_scale_inv\)": (x_col, x_s, None, w_cs),
+        r"wgrad needs what the forward kept of x \(x_saved, and x_col_scale_inv unless save_original_input\)":
+            (x_col, None, w_col, w_cs),
+        r"w_col of shape \[128, 256\] is not the columnwise part \[in_features, out_features\] = \[256, 128\]":
+            (x_col, x_s, w_row, w_rs),
+    }
+    for message, args in bad.items():
+        try:
+            grads(*args)
+        except RuntimeError as e:
+            assert re.search(f"hybridq::fp8_block_linear_grads: {message}", str(e)), f"{message!r}: raised {e}"
+        else:
+            raise AssertionError(f"fp8_block_linear_grads accepted a call that breaks: {message}")
+    grads(x_col, x_s, None, None, need_dgrad=False)  # no dgrad: the weight's columnwise part not needed
+    return len(bad)
+
+
 def main(build_dir: str) -> None:
     lib = define_ops()  # noqa: F841 (kept alive: a Library's registrations die with it)
     load(name="hybridq_block_linear_host", sources=[CSRC], is_python_module=False, build_directory=build_dir)
@@ -231,7 +266,8 @@ def main(build_dir: str) -> None:
     for case, spec_q in SPECS.items():
         check_phases(case, spec_q, False, True, True, True, torch.bfloat16, non_finite=True)
         phases += 1
-    print(f"bitwise: {n} variants, {phases} phase variants")
+    refusals = check_grads_refusals()
+    print(f"bitwise: {n} variants, {phases} phase variants; {refusals} refusals")
 
 
 if __name__ == "__main__":
