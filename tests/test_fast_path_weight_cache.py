@@ -20,7 +20,7 @@ from hybridq.recipe import BACKWARD_OVERRIDE_ENV
 
 from _compare import assert_bitwise
 from _linear_paths import node_name as _node
-from test_eager_fast_path import BLOCK_OP, FAST, FAST_CASES, GENERAL, ONE_OP, _cuda_ready, _inputs, _layer
+from test_eager_fast_path import BLOCK_OP, CUDA, FAST, FAST_CASES, GENERAL, ONE_OP, _inputs, _layer
 
 WARNING = "weight changed since it was quantized"
 
@@ -211,9 +211,6 @@ def test_a_call_declined_after_asking_the_cache_asks_it_once(monkeypatch, caplog
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------------
-
-CUDA = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")
-
 
 @pytest.mark.gpu
 @CUDA
