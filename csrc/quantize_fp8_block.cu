@@ -99,6 +99,12 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
       "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_block_dequantize(Tensor data, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
+  // many fp32 tensors (an FSDP2 unit's master shards), each rounded to param_dtype and quantized in 128x128 tiles as
+  // its own tensor into its region of one byte buffer, its tile scales into one fp32 buffer: implemented in
+  // csrc/fp8_block_tensors.cu
+  m.def(
+      "fp8_block_tensors_quantize(Tensor[] xs, ScalarType param_dtype, int[] e5m2, float[] eps, int[] pow2, "
+      "int[] regions) -> (Tensor, Tensor)");
   // the dense block GEMM of a Linear (implemented in csrc/block_gemm.cu)
   m.def(
       "fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, ScalarType out_dtype) -> "

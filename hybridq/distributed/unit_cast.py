@@ -1,5 +1,5 @@
-"""One cast + quantize per FSDP2 unit for the per-tensor FP8 dense weights it gathers (the pre-all-gather hook's
-payloads of a whole `fully_shard` unit prepared at once; see [Note: unit cast]).
+"""One cast + quantize per FSDP2 unit for the per-tensor FP8 or FP8 128x128-tile dense weights it gathers (the
+pre-all-gather hook's payloads of a whole `fully_shard` unit prepared at once; see [Note: unit cast]).
 
 `unit_payload(local, lane, key)` is what a Linear weight's pre-all-gather hook asks before it prepares its own
 payload (`transport.prepare_payload`): the payload a unit batch prepared for it, or -- as the first weight of its
@@ -15,7 +15,7 @@ import torch
 
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import ROWWISE
-from ..kernels import fp8_tensors
+from ..kernels import fp8_block_tensors, fp8_tensors
 from ..switches import Switch
 from .fsdp_adapter import later_params, training_state
 from .payload import PayloadMeta, build_payload, quantize_shard
@@ -45,6 +45,15 @@ __all__ = ["PreparedPayload", "set_unit_cast", "unit_cast_enabled", "unit_payloa
 # shard values (`stats_key`) -- so every rank issues the collectives it issued without the batch. A weight whose
 # kept forward payload its backward unshard re-sends is left to that. The bytes are bitwise the per-weight path's
 # (`quantize_fp8_tensors` is that path looped on the CPU; its CUDA kernel is checked against it).
+# FP8 128x128 tiles (`Float8BlockQuantizer(block_dim=2)`, the fp8_block preset's weights, which send the rowwise form
+# only: the columnwise one is its transpose, derived after the gather) batch the same way, one kind per batch (the
+# leader's): `fp8_block_tensors.quantize_fp8_block_tensors` quantizes each weight's shard rows in their own tiles (one
+# launch: a tile table over the unit's weights) into its payload and its tile-scale grid into one fp32 buffer. A
+# shard holds whole tiles where its row boundaries fall on tile rows (or end the tensor): its tiles' amaxes are its
+# own, so their bytes are the plain quantization of its rows (what the per-weight path's device kernel does too);
+# the scale grid it carries is then the whole tensor's, every tile's, from the reduced statistics
+# (`shard_scale_inv`, as the per-weight path). A shard whose boundary splits a tile (rows not a multiple of 128 at a
+# rank's edge: a tile's amax spans two ranks) is left to the per-weight path, as is an empty one.
 
 ENABLED = Switch("HYBRIDQ_UNIT_CAST")
 
@@ -69,6 +78,9 @@ class PreparedPayload:
     meta: PayloadMeta
 
 
+_TENSOR, _BLOCK = "fp8_tensor", "fp8_block"  # the kinds a batch casts (one per batch)
+
+
 @dataclasses.dataclass
 class _Entry:
     local: torch.Tensor  # the sharded HybridWeight
@@ -77,10 +89,11 @@ class _Entry:
     shape: tuple
     shard: RowShard
     shards: list
-    amax: torch.Tensor | None  # the reduced statistic, None: its own max|x|
+    stats: torch.Tensor | None  # the reduced statistics (per-tensor: the amax; tiles: the tile-amax grid), None: own
     region: int  # its payload's bytes (`_region`)
     precomputed: bool
     dtype: torch.dtype  # the gather dtype
+    kind: str  # _TENSOR or _BLOCK
 
 
 def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
@@ -122,17 +135,28 @@ def _region(st, q, shard: RowShard, shards, shape, dtype) -> int | None:
     return region
 
 
+def _kind(q) -> str | None:
+    if fp8_tensors.takes(q):
+        return _TENSOR
+    if fp8_block_tensors.takes(q):
+        return _BLOCK
+    return None
+
+
 def _entry(local, lane, key, device) -> _Entry | None:
     """What the batch needs of one weight, or None where it does not qualify (see [Note: unit cast])."""
     st = local._hq
     q = lane.quant
-    if not fp8_tensors.takes(q) or st.tp_group is not None or tuple(lane.setup.plan.send) != (ROWWISE,):
+    kind = _kind(q)
+    if kind is None or st.tp_group is not None or tuple(lane.setup.plan.send) != (ROWWISE,):
         return None
     x = local._data
     shape, shard = lane.shape, lane.layout.shard
     if x.device != device or x.numel() != shard.length * shape[-1]:
         return None
-    amax, precomputed = None, False
+    if kind == _BLOCK and (shard.length == 0 or not (shard.is_whole or q.tiles_inside(shard))):
+        return None  # (a tile split by a shard boundary, or no rows: the per-weight path)
+    stats, precomputed = None, False
     if lane.ws > 1:  # (statistics that need no collective now, on every rank alike)
         param = lane.param() if lane.param else None
         skey = stats_key(param, lane.dtype, shard)
@@ -140,8 +164,8 @@ def _entry(local, lane, key, device) -> _Entry | None:
             return None
         precomputed = True
         if not q.shard_is_plain(shard, True, False):
-            amax = st.stats
-    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), amax, 0, precomputed, lane.dtype)
+            stats = st.stats
+    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), stats, 0, precomputed, lane.dtype, kind)
 
 
 def _siblings(local, lane, device) -> list[_Entry]:
@@ -178,7 +202,7 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
     mine = _entry(local, lane, key, device)
     if mine is None:
         return None
-    siblings = _siblings(local, lane, device)
+    siblings = [e for e in _siblings(local, lane, device) if e.kind == mine.kind]
     if not siblings:  # (a unit of one weight: nothing to batch, no layout asked for)
         return None
     entries = []
@@ -188,14 +212,10 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
             entries.append(e)
     if len(entries) < 2 or entries[0] is not mine:
         return None
-    data, scale_inv = fp8_tensors.quantize_fp8_tensors([e.local._data for e in entries], lane.dtype,
-                                                       [e.quant for e in entries], [e.amax for e in entries],
-                                                       [e.region for e in entries])
+    data, parts = (_tensor_parts if mine.kind == _TENSOR else _block_parts)(entries, lane.dtype)
     out = None
     offset = 0
-    for i, e in enumerate(entries):
-        rows, k = e.shard.length, e.shape[-1]
-        part = fp8_tensors.rowwise_part(e.quant, data[offset:offset + rows * k], scale_inv[i, :1], rows, k)
+    for i, (e, part) in enumerate(zip(entries, parts)):
         est = e.local._hq
         meta = build_payload(e.quant, {ROWWISE: part}, e.shard, e.shards, e.shape, device, pack=False,
                              memo=est.payload_layouts)[1]
@@ -213,3 +233,40 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
         else:
             est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta)
     return out
+
+
+def _tensor_parts(entries: list[_Entry], dtype) -> tuple[torch.Tensor, list]:
+    """(the batch's bytes, each weight's rowwise part) of per-tensor FP8 weights: one `quantize_fp8_tensors` call."""
+    data, scale_inv = fp8_tensors.quantize_fp8_tensors([e.local._data for e in entries], dtype,
+                                                       [e.quant for e in entries], [e.stats for e in entries],
+                                                       [e.region for e in entries])
+    out, offset = [], 0
+    for i, e in enumerate(entries):
+        rows, k = e.shard.length, e.shape[-1]
+        out.append(fp8_tensors.rowwise_part(e.quant, data[offset:offset + rows * k], scale_inv[i, :1], rows, k))
+        offset += e.region
+    return data, out
+
+
+def _block_parts(entries: list[_Entry], dtype) -> tuple[torch.Tensor, list]:
+    """(the batch's bytes, each weight's rowwise part) of FP8 128x128-tile weights: one `quantize_fp8_block_tensors`
+    call; a sharded weight's part carries the whole tensor's tile scales from the reduced statistics (as
+    `quantize_shard` gives it), a whole one its own."""
+    xs = []
+    for e in entries:
+        x, rows_k = e.local._data, (e.shard.length, e.shape[-1])
+        xs.append(x if x.shape == rows_k else x.view(rows_k))
+    data, scales = fp8_block_tensors.quantize_fp8_block_tensors(xs, dtype, [e.quant for e in entries],
+                                                                [e.region for e in entries])
+    slots = fp8_block_tensors.scale_slots([tuple(x.shape) for x in xs])[0]
+    out, offset = [], 0
+    for e, x, slot in zip(entries, xs, slots):
+        rows, k = x.shape
+        if e.stats is None:
+            tm, tk = fp8_block_tensors.tiles_of(rows, k)
+            grid = scales[slot:slot + tm * tk].view(tm, tk)
+        else:
+            grid = e.quant.shard_scale_inv(e.shard, k, e.stats.to(x.device))
+        out.append(fp8_block_tensors.rowwise_part(e.quant, data[offset:offset + rows * k], grid, rows, k))
+        offset += e.region
+    return data, out

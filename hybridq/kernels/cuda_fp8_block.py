@@ -20,6 +20,9 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   db | [0]): the forward and the gradients of that Linear as two ops without an autograd node (csrc/
   linear_fp8_block.cpp; their caller is the compiled Linear's gathered fast path, nn/float8_graph.py's
   `gathered_forward` / `gathered_grads`, inside opaque ops at run time)
+- fp8_block_tensors_quantize(xs, param_dtype, e5m2, eps, pow2, regions): many 2-D fp32 tensors, each rounded to
+  param_dtype and quantized in 128x128 tiles into its region of one byte buffer -> (uint8 [sum(regions)], fp32 tile
+  scale_inv grids one after another, each 16-byte aligned); csrc/fp8_block_tensors.cu, called by fp8_block_tensors.py
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from ..formats import Float8BlockPart, Float8BlockQuantizer
 from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 
 OPS = ("fp8_block_quantize", "fp8_block_dequantize", "fp8_block_mm", "grouped_block_cublas_mm",
-       "grouped_block_cublas_wgrad", "fp8_block_linear", "fp8_block_linear_fprop", "fp8_block_linear_grads")
+       "grouped_block_cublas_wgrad", "fp8_block_linear", "fp8_block_linear_fprop", "fp8_block_linear_grads",
+       "fp8_block_tensors_quantize")
 
 # The quantizer options the kernel implements (any other: the reference runs)
 OPTIONS = frozenset({"rowwise", "columnwise", "fp8", "block_dim", "power_2_scale", "amax_epsilon"})
@@ -84,6 +88,13 @@ def register_fakes() -> None:
         rs, cs = ((m, bk), (k, bm)) if block_dim == 1 else ((bm, bk), (bk, bm))
         return (or_empty(x, (m, k), dtype, rowwise), or_empty(x, rs, f32, rowwise),
                 or_empty(x, (k, m), dtype, columnwise), or_empty(x, cs, f32, columnwise))
+
+    @register_fake("hybridq::fp8_block_tensors_quantize")
+    def _quantize_tensors(xs, param_dtype, e5m2, eps, pow2, regions):
+        from .fp8_block_tensors import scale_slots
+
+        scales = scale_slots([(x.shape[0], x.shape[1]) for x in xs])[1]
+        return xs[0].new_empty((sum(regions),), dtype=torch.uint8), xs[0].new_empty((scales,), dtype=f32)
 
     @register_fake("hybridq::fp8_block_dequantize")
     def _dequantize(data, scale_inv, block_dim, out_dtype):

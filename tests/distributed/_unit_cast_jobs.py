@@ -88,9 +88,9 @@ def counters(m: nn.Module, key: str) -> dict:
     return {n: int(local_tensor(p)._hq.counters[key]) for n, p in m.named_parameters()}
 
 
-def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:
-    """`steps` AdamW steps (precompute_scales after each where asked): every forward's gathered weights, the losses
-    and the gradients, as bytes."""
+def train(m: nn.Module, device, steps: int, precompute: bool, width: int = D) -> dict:
+    """`steps` AdamW steps (precompute_scales after each where asked) on inputs of `width` features: every forward's
+    gathered weights, the losses and the gradients, as bytes."""
     gathered: list = []
     handles = record_gathered(m, gathered)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -99,7 +99,7 @@ def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:
     if precompute:
         precompute_scales(m)
     for _ in range(steps):
-        loss = m(torch.randn(16, D, generator=g).to(device)).float().square().mean()
+        loss = m(torch.randn(16, width, generator=g).to(device)).float().square().mean()
         loss.backward()
         losses.append(_bits(loss))
         grads.append([_bits(p.grad.full_tensor()) for p in m.parameters()])
