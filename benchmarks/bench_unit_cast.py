@@ -1,9 +1,11 @@
 """Host time of FSDP2's pre-all-gather hooks per unit, with the unit cast ([Note: unit cast],
 hybridq/distributed/unit_cast.py) on and off, interleaved: a model of transformer-like blocks (q, k, v, o and a SwiGLU
-feed-forward: 7 Linears, one `fully_shard` unit per block), fp8_tensorwise weights gathered quantized, one process
-(world 1, NCCL on a GPU, gloo on the CPU), AdamW steps at few tokens (host-bound).
+feed-forward: 7 Linears, one `fully_shard` unit per block), fp8_tensorwise (or `--recipe fp8_block`: 128x128 tiles)
+weights gathered quantized, one process (world 1, NCCL on a GPU, gloo on the CPU), AdamW steps at few tokens
+(host-bound).
 
     python3 benchmarks/bench_unit_cast.py --layers 8 --dim 2048 --hidden 5632 --tokens 512 --rounds 3 --steps 5
+    python3 benchmarks/bench_unit_cast.py --recipe fp8_block --layers 8 --dim 2048 --hidden 5632 --tokens 512
 
 Prints, per round and setting: the hooks' host time per unit per step (every `fsdp_pre_all_gather` call of a step,
 forward and backward unshards, summed with time.perf_counter, divided by the units) and the step's wall time."""
@@ -43,6 +45,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--recipe", default="fp8_tensorwise", choices=("fp8_tensorwise", "fp8_block"))
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -60,7 +63,7 @@ def main() -> None:
                             timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = nn.Sequential(*(Block(args.dim, args.hidden) for _ in range(args.layers))).to(device)
-    hq.apply_hybrid_fsdp(model, hq.recipe("fp8_tensorwise"))
+    hq.apply_hybrid_fsdp(model, hq.recipe(args.recipe))
     mesh = init_device_mesh(device.type, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model:
@@ -108,7 +111,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"\n{name}, torch {torch.__version__}, {args.layers} units x 7 Linears, d {args.dim}, hidden {args.hidden}, "
-          f"{args.tokens} tokens, fp8_tensorwise, world 1, {now:%Y-%m-%d %H:%M} UTC")
+          f"{args.tokens} tokens, {args.recipe}, world 1, {now:%Y-%m-%d %H:%M} UTC")
     for on in (False, True):
         rounds = ", ".join(f"{v:.1f}" for v in res[on][0])
         print(f"unit_cast={'on ' if on else 'off'}: hooks median {statistics.median(res[on][0]):8.1f} us per unit per "
