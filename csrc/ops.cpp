@@ -30,6 +30,7 @@ TORCH_LIBRARY(hybridq, m) {
   m.def("amax(Tensor x) -> Tensor");
   m.def("transpose_bytes(Tensor x) -> Tensor");
   m.def("transpose_bytes_into(Tensor x, Tensor(a!) out) -> ()");
+  m.def("transpose_bytes_into_list(Tensor[] x, Tensor(a!)[] out) -> ()");
   m.def(
       "fp8_delayed_update(Tensor(a!)[] histories, Tensor(b!)[] scales, float[] fp8_maxes, float[] divisors, "
       "int[] most_recent) -> ()");
@@ -39,6 +40,7 @@ namespace {
 void impls(torch::Library& m) {
   m.impl("transpose_bytes", &transpose_bytes);
   m.impl("transpose_bytes_into", &transpose_bytes_into);
+  m.impl("transpose_bytes_into_list", &transpose_bytes_into_list);
   m.impl("rms_norm_forward", &rms_norm_forward);
   m.impl("rms_norm_backward", &rms_norm_backward);
   m.impl("layer_norm_forward", &layer_norm_forward);

@@ -58,6 +58,7 @@ bool set_linear_packed(bool on);
 Tensor amax_op(const Tensor& x);
 Tensor transpose_bytes(const Tensor& x);
 void transpose_bytes_into(const Tensor& x, const Tensor& out);
+void transpose_bytes_into_list(at::TensorList x, at::TensorList out);
 void fp8_delayed_update(at::TensorList histories, at::TensorList scales, at::ArrayRef<double> fp8_maxes,
                         at::ArrayRef<double> divisors, at::IntArrayRef most_recent);
 

@@ -117,5 +117,24 @@ void transpose_bytes_into(const Tensor& x, const Tensor& out) {
                                               b ? out.stride(0) : 0));
 }
 
+// transpose_bytes_into(x[i], out[i]) for every i, in one call from Python (the derived columnwise forms of a
+// `fully_shard` unit's weights, distributed/unit_fill.py: one dispatch instead of one per weight; a launch each).
+// Each pair is checked as transpose_bytes_into checks it, all of them before the first launch.
+void transpose_bytes_into_list(at::TensorList x, at::TensorList out) {
+  TORCH_CHECK(x.size() == out.size(), "hybridq::transpose_bytes_into_list: ", x.size(), " inputs but ", out.size(),
+              " outputs");
+  for (size_t i = 0; i < x.size(); ++i) {
+    const Tensor &a = x[i], &b = out[i];
+    TORCH_CHECK(a.defined() && b.defined() && a.is_cuda() && b.is_cuda() && a.device() == b.device() &&
+                    a.dim() == 2 && b.dim() == 2 && a.element_size() == 1 && b.element_size() == 1 &&
+                    b.size(0) == a.size(1) && b.size(1) == a.size(0) && a.stride(1) == 1 && a.stride(0) == a.size(1) &&
+                    b.stride(1) == 1 && b.stride(0) == b.size(1) && a.size(0) < (int64_t{1} << 22),
+                "hybridq::transpose_bytes_into_list: pair ", i, " is not a row-major 2-D CUDA matrix of 1-byte "
+                "elements (< 4194304 rows) and its row-major transpose on the same device: x ", a.sizes(), " strides ",
+                a.strides(), ", out ", b.sizes(), " strides ", b.strides());
+  }
+  for (size_t i = 0; i < x.size(); ++i) transpose_bytes_into(x[i], out[i]);
+}
+
 }  // namespace ops
 }  // namespace hybridq

@@ -63,6 +63,7 @@ _GEMM: dict[tuple[type, type], list[NativeGemm]] = {}
 _LAYOUT_GEMM: dict[tuple[Any, Any], list[NativeGemm]] = {}
 _TRANSPOSE: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {}
 _TRANSPOSE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], bool]] = {}
+_TRANSPOSE_INTO_LIST: dict[str, Callable[[list, list], bool]] = {}
 # (quantizer type, device type) -> quantization of consecutive row groups, each as its own tensor (grouped linear)
 _ROW_GROUPS: dict[tuple[type, str], Callable] = {}
 # (operand kind of every group, device type) -> grouped GEMM of row groups with one scale each (hybridq.gemm)
@@ -118,6 +119,12 @@ def register_transpose_into(device_type: str, run: Callable[[torch.Tensor, torch
     """Register a batched byte transpose into a given buffer for tensors on `device_type`; `run(src, dst)` returns
     False to decline a call (nothing written)."""
     _TRANSPOSE_INTO[device_type] = run
+
+
+def register_transpose_into_list(device_type: str, run: Callable[[list, list], bool]) -> None:
+    """Register a byte transpose of several 2-D tensors into given buffers in one call for tensors on `device_type`;
+    `run(srcs, dsts)` returns False to decline a call (nothing written)."""
+    _TRANSPOSE_INTO_LIST[device_type] = run
 
 
 def register_row_groups(quantizer_type: type, device_type: str, run: Callable) -> None:
@@ -232,6 +239,13 @@ def transpose_bytes_into(src: torch.Tensor, dst: torch.Tensor) -> bool:
     transpose; False (nothing written) where none applies."""
     run = _TRANSPOSE_INTO.get(src.device.type)
     return run is not None and run(src, dst)
+
+
+def transpose_bytes_into_list(srcs: list, dsts: list) -> bool:
+    """`dsts[i] = srcs[i].t()` for 1-byte 2-D `srcs` / contiguous `dsts` on one device, by the device's registered
+    list transpose; False (nothing written) where none applies."""
+    run = _TRANSPOSE_INTO_LIST.get(srcs[0].device.type) if srcs else None
+    return run is not None and run(srcs, dsts)
 
 
 def current_gemm_name() -> str | None:

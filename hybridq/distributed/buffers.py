@@ -209,38 +209,64 @@ class UnshardedBuffers:
         since: the aliased tensors still view `out`, the replicated tensors are copied again (their values change),
         a derived direction is derived again into its own tensors (which must still hold the storages recorded, now
         allocated: FSDP2's inner tensors). False, nothing done: fill as usual."""
+        ready = self.replay_ready(meta, plan, out, q, dtype)
+        if ready is None:
+            return False
+        r, srcs = ready
+        if out.is_cuda:
+            keep_for_stream(srcs)
+        if r.derived and not self.derive_replayed(meta, plan, out, q, dtype):
+            return False
+        for (t, _, _), s in zip(r.copies, srcs):
+            _copy_into(t, s)
+        self.count_replayed(r)
+        return True
+
+    def replay_ready(self, meta, plan, out: torch.Tensor, q: Quantizer | None = None,
+                     dtype: torch.dtype | None = None, alloc: bool = False) -> tuple | None:
+        """(the recorded fill, the tensors it reads: its copies' sources, then the derivation's replicated sources)
+        where `replay_fill` may replay it for this unshard (see there); None: it may not. Writes nothing, except with
+        `alloc` (a unit fill, [Note: unit fill], before FSDP2 allocated this weight's inner tensors): the inner
+        tensors are allocated first, as FSDP2's `alloc_storage` would (it then finds them so)."""
         r = self.fill_replays.get(id(plan))
         if (r is None or r.buffers is not meta.buffers or r.plan is not plan or r.version != self.buffers_version
                 or r.out_key != GatheredViews.key_of(out)):
-            return False
+            return None
         rep = meta.replicated
         srcs = []
         for t, d, n in r.copies:
             s = rep[d].get(n)
             if s is None or s.shape != t.shape or s.dtype != t.dtype or s.device != t.device:
-                return False
+                return None
             srcs.append(s)
+        if r.derived and (r.quantizer is not q or r.dtype != dtype):
+            return None
+        if alloc:
+            for t in self.inner:
+                need = t.numel() * t.element_size()
+                if t.untyped_storage().nbytes() != need:
+                    t.untyped_storage().resize_(need)
         if r.derived:
-            if r.quantizer is not q or r.dtype != dtype:
-                return False
             for t, sid, need in r.derived:  # (allocated: FSDP2 did, as inner tensors)
                 if storage_id(t) != sid or t.untyped_storage().nbytes() < need:
-                    return False
+                    return None
             srcs.extend(s for s in rep.get(ROWWISE, {}).values() if s is not None)
-        if out.is_cuda:
-            keep_for_stream(srcs)
-        if r.derived:
-            src = assemble_output(meta, out, self.gathered_views)[ROWWISE]
-            if not q.derive_part_into(src, self.parts[COLUMNWISE], dtype):  # (it did on meta: `derives_in_place`)
-                self.fill_replays.pop(id(plan), None)
-                return False
-            self.counters["derived_in_place"] += 1
-        for (t, _, _), s in zip(r.copies, srcs):
-            _copy_into(t, s)
+        return r, srcs
+
+    def derive_replayed(self, meta, plan, out: torch.Tensor, q: Quantizer, dtype) -> bool:
+        """A replayed fill's derived direction written in place (`replay_ready` said so); False, nothing written and
+        the record dropped: the format declined (fill as usual)."""
+        src = assemble_output(meta, out, self.gathered_views)[ROWWISE]
+        if not q.derive_part_into(src, self.parts[COLUMNWISE], dtype):  # (it did on meta: `derives_in_place`)
+            self.fill_replays.pop(id(plan), None)
+            return False
+        self.counters["derived_in_place"] += 1
+        return True
+
+    def count_replayed(self, r: "FillReplay") -> None:
         if r.aliased:
             self.counters["aliased"] += r.aliased
         self.counters["fill_replayed"] += 1
-        return True
 
     def derives_in_place(self, q: Quantizer, shape, dtype) -> bool:
         """Whether `q` derives the columnwise form of a weight of `shape` in place (`derive_part_into`), asked on meta

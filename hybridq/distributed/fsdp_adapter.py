@@ -19,8 +19,8 @@ import torch.nn as nn
 from ..enums import Phase
 from ..torch_private import in_backward
 
-__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "later_params", "phase_of",
-           "state_phase"]
+__all__ = ["FSDPLink", "ReduceScatterComm", "custom_reduce_scatters", "in_backward", "later_params",
+           "pending_post_all_gathers", "phase_of", "state_phase"]
 
 
 def _param_groups(state) -> list:
@@ -142,6 +142,35 @@ def later_params(link: FSDPLink) -> list[tuple[nn.Module, str, torch.Tensor]]:
                 continue
             if info is not None:
                 out.append((info.module, info.param_name, local))
+        elif p is mine:
+            after = True
+    return out
+
+
+def pending_post_all_gathers(link: FSDPLink) -> list[tuple[torch.Tensor, object, tuple]]:
+    """(sharded local tensor, all-gather metadata, all-gather outputs) of every FSDPParam after `link`'s in its param
+    group whose post-all-gather hook is still to run in the unshard running now: FSDP2 keeps the metadata the
+    pre-all-gather hook returned (`FSDPParam._extensions_data`) until that parameter's `init_unsharded_param` hands it
+    to the post-all-gather hook and clears it, and every parameter's all-gather output is written (copy-out, or at
+    world 1 the copy of its input) before the first of those calls (`FSDPParamGroup.wait_for_unshard`, torch 2.11 and
+    2.13). Empty where the internals are not found."""
+    group, mine = link.group, link._param()
+    params = getattr(group, "fsdp_params", None)
+    if params is None or mine is None:
+        return []
+    out, after = [], False
+    for p in params:
+        if after:
+            ext = getattr(p, "_extensions_data", None)
+            metadata = getattr(ext, "all_gather_metadata", None)
+            if metadata is None:
+                continue
+            try:
+                outputs = p._unflatten_all_gather_outputs()
+                local = p._sharded_local_tensor
+            except Exception:  # noqa: BLE001 - internals differ: this one is left to its own hook
+                continue
+            out.append((local, metadata, outputs))
         elif p is mine:
             after = True
     return out

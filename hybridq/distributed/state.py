@@ -104,6 +104,7 @@ class WeightState(SharedState, WeightStats, UnshardedBuffers):
         self._init_buffers()
         self.kept_payload: KeptPayload | None = None
         self.reuse_payload = True
+        self.unit_filled = None  # the metadata of the unshard a unit leader filled this weight for ([Note: unit fill])
         self.tp_group = None  # set by hybridq's tensor-parallel styles: the weight is a TP piece (2-D meshes)
         self.tp_cut = None  # and the dim the TP pieces cut: "M" (rows, Shard(0)) or "K" (columns, Shard(1))
 

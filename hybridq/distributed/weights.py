@@ -45,7 +45,11 @@ from .checks import check_shard_layout
 from .fsdp_adapter import FSDPLink
 from .gathered import complete_parts, received
 from .grouped_blocks_batched import fill_stacked_blocks
+from .grouped_blocks_payload import _ON as stacked_block_switch
 from .grouped_blocks_payload import StackedBlocks, joins_blocks, prepare_stacked_blocks
+from .grouped_fast import _ON as grouped_fast
+from .grouped_fast import payload_key as grouped_payload_key
+from .grouped_fast import pre_flags
 from .grouped_batched import StackedGather, fill_batched, fill_stacked, metas_with_scales, prepare_batched
 from .lane import PreLane, derive, lookup
 from .layout import ExpertLayout, transport_view
@@ -54,6 +58,7 @@ from .plan import GatherPlan
 from .state import GroupedWeightState, KeptPayload, WeightState
 from .transport import GatherContext, payload_key, prepare_grouped, prepare_payload, stats_key
 from .unit_cast import unit_payload
+from .unit_fill import fill_unit, take_mark
 
 __all__ = ["GroupedHybridWeight", "HybridWeight"]
 
@@ -335,7 +340,11 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         meta, plan, dtype, q = metadata
         st = self._hq
         out = outputs[0]
-        if id(plan) in st.fill_replays and st.replay_fill(meta, plan, out, q, dtype):  # (like the last unshard)
+        if st.unit_filled is not None and take_mark(st, metadata):  # (filled by its unit's leader: [Note: unit fill])
+            st.set_inner(plan.materialize)
+            return
+        if id(plan) in st.fill_replays and (fill_unit(self, metadata, out) or  # (like the last unshard)
+                                            st.replay_fill(meta, plan, out, q, dtype)):
             st.set_inner(plan.materialize)
             return
         adopt = received(out, (meta,))
@@ -376,11 +385,17 @@ class GroupedHybridWeight(HybridWeight):
             lane = self._derive_lane(mesh, outer_size, module, mp_policy, layer)
         setup, param, dtype, layout, qs = lane.setup, lane.param() if lane.param else None, lane.dtype, lane.layout, lane.quant
         plan = setup.plan
-        # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
-        stacked = not plan.local and HIGH_PRECISION not in plan.materialize
-        blocks = joins_blocks(qs, plan.send, layout)  # (block-format experts: [Note: stacked block payload])
-        key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs, self if lane.own else None,
-                                   blocks=blocks)
+        if grouped_fast.on:  # (asked once per lane: [Note: grouped hooks' steady state])
+            flags = pre_flags(st, lane, joins_blocks, stacked_block_switch)
+            stacked, blocks = flags.stacked, flags.blocks
+            key = grouped_payload_key(param, self, flags) if lane.own else _grouped_payload_key(
+                param, dtype, layout, plan.send, stacked, qs, None, blocks=blocks)
+        else:
+            # (the receiver fills the stacked buffers straight from the gathered bytes: no per-expert metadata)
+            stacked = not plan.local and HIGH_PRECISION not in plan.materialize
+            blocks = joins_blocks(qs, plan.send, layout)  # (block-format experts: [Note: stacked block payload])
+            key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs, self if lane.own else None,
+                                       blocks=blocks)
         kept, st.kept_payload = st.kept_payload, None
         if key is not None and kept is not None and kept.key == key:
             payload, (metas, slot, stacked) = kept.payload, kept.meta  # same expert values, same directions

@@ -80,6 +80,21 @@ def transposed_copy_into(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def transposed_copies_into(pairs) -> None:
+    """`transposed_copy_into(t, out)` for every `(t, out)` of `pairs`, each checked before any is written; 1-byte CUDA
+    tensors in one call of the device's list transpose where it has one (a unit's derived columnwise forms, [Note:
+    unit fill]), the others one by one."""
+    for t, out in pairs:
+        if t.dim() != 2 or tuple(out.shape) != (t.shape[1], t.shape[0]) or out.dtype != t.dtype \
+                or not out.is_contiguous() or out.device != t.device:
+            transposed_copy_into(t, out)  # (raises, naming the pair; nothing written yet)
+    if len(pairs) > 1 and all(t.is_cuda and t.element_size() == 1 for t, _ in pairs) and \
+            dispatch.transpose_bytes_into_list([t for t, _ in pairs], [o for _, o in pairs]):
+        return
+    for t, out in pairs:
+        transposed_copy_into(t, out)
+
+
 @functools.lru_cache(maxsize=None)
 def option_names(cls: type) -> frozenset[str]:
     """The options (dataclass fields) of a quantizer class: the names a kernel checks it implements before it takes

@@ -18,7 +18,7 @@ from ._reduce import amax_all_reduce_
 from ..enums import AmaxComputeAlgo, Scaling
 from ..tensor import backward_epoch
 from ..torch_private import in_backward
-from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copy, transposed_copy_into
+from .base import QuantizedPart, Quantizer, ScaleLayout, transposed_copies_into, transposed_copy, transposed_copy_into
 from .shardable import GatherablePart, ShardableQuantizer
 
 
@@ -375,6 +375,24 @@ class Float8Quantizer(ShardableQuantizer, Quantizer):
         transposed_copy_into(part.data, into.data)
         if into.scale_inv is not part.scale_inv:
             into.scale_inv.copy_(part.scale_inv)
+        return True
+
+    def derive_parts_into(self, items, dtype=None) -> bool:
+        """`derive_part_into(part, into)` for every `(q, part, into)` of `items` (each `q` a current-scaling
+        quantizer of this type: several weights' parts, [Note: unit fill]), every item checked before any is written:
+        the byte transposes in one call of the device's list transpose, the scales in one `_foreach_copy_`. False,
+        nothing written, where an item is not so derived (its own `derive_part_into` then says so)."""
+        scales_to, scales_from = [], []
+        for q, part, into in items:
+            if type(q) is not type(self) or q.scaling != Scaling.CURRENT or part.direction == into.direction \
+                    or tuple(into.scale_inv.shape) != tuple(part.scale_inv.shape):
+                return False
+            if into.scale_inv is not part.scale_inv:
+                scales_to.append(into.scale_inv)
+                scales_from.append(part.scale_inv)
+        transposed_copies_into([(part.data, into.data) for _, part, into in items])
+        if scales_to:
+            torch._foreach_copy_(scales_to, scales_from)
         return True
 
 

@@ -52,6 +52,23 @@ def transpose_bytes_into(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return True
 
 
+def transpose_bytes_into_list(srcs: list, dsts: list) -> bool:
+    """`transpose_bytes_into(srcs[i], dsts[i])` for every pair, 2-D CUDA tensors of 1-byte elements, in one call of the
+    extension (one dispatch, a launch each). False (nothing written) where it does not apply to every pair (then the
+    caller transposes them one by one)."""
+    if not srcs or not (_ext.available_for(srcs[0].device) and hasattr(torch.ops.hybridq, "transpose_bytes_into_list")):
+        return False
+    device = srcs[0].device
+    for src, dst in zip(srcs, dsts):
+        if not (src.is_cuda and src.device == device and dst.device == device and src.dim() == 2 and dst.dim() == 2
+                and src.element_size() == 1 and dst.element_size() == 1 and src.shape[0] < (1 << 22)
+                and src.stride(-1) == 1 and src.stride(-2) == src.shape[1] and dst.stride(-1) == 1
+                and dst.stride(-2) == src.shape[0]):
+            return False
+    torch.ops.hybridq.transpose_bytes_into_list(srcs, dsts)
+    return True
+
+
 def _register_builtin() -> None:
     from . import cuda, grouped_fp8, native_gemm
 
@@ -59,6 +76,7 @@ def _register_builtin() -> None:
     native_gemm.register_all()
     dispatch.register_transpose("cuda", transpose_bytes)
     dispatch.register_transpose_into("cuda", transpose_bytes_into)
+    dispatch.register_transpose_into_list("cuda", transpose_bytes_into_list)
     dispatch.register_jagged_fp8("cuda", grouped_fp8.CudaJaggedFP8())
 
 

@@ -48,7 +48,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the format-independent ops (csrc/ops.cpp) the Python side uses
 SHARED_OPS = ("amax", "rms_norm_forward", "rms_norm_backward", "layer_norm_forward", "layer_norm_backward",
               "norm_quantize_forward", "swiglu_forward", "swiglu_backward", "fp8_delayed_update", "transpose_bytes",
-              "transpose_bytes_into")
+              "transpose_bytes_into", "transpose_bytes_into_list")
 FORMAT_MODULE_PREFIX = "cuda_"
 _FORMAT_MODULE_API = ("OPS", "register_fakes", "register")
 
@@ -154,6 +154,10 @@ def _register_shared_fakes() -> None:
 
     @register_fake("hybridq::transpose_bytes_into")
     def _transpose_bytes_into(x, out):
+        return None
+
+    @register_fake("hybridq::transpose_bytes_into_list")
+    def _transpose_bytes_into_list(x, out):
         return None
 
     @register_fake("hybridq::fp8_delayed_update")

@@ -1,0 +1,185 @@
+"""Host time of hybridq's FSDP2 all-gather hooks per weight (pre- and post-all-gather, forward and backward unshards
+apart) with the per-unit paths on and off: the unit cast ([Note: unit cast]) and the unit fill ([Note: unit fill]).
+One model per setting (same weights, same steps), their steps interleaved; a `time.perf_counter` pair around each
+hook call (on CUDA the hook's host time, kernels queued), summed per step and divided by the weights (a unit's first
+hook does the unit's work: per call the hooks differ); the median over the steps.
+
+    python benchmarks/bench_gather_hooks.py                          # CPU, gloo world 1: 4 units of 7 Linears, dim 64
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_gather_hooks.py   # gloo world 2
+    python benchmarks/bench_gather_hooks.py --device cuda --dim 2048 --units 16 --steps 20   # one GPU (NCCL)
+
+A unit is a transformer block's seven Linears (q, k, v, o, gate, up, down: shapes of a Llama block with 4x fewer
+k/v heads and a 2.75x hidden), each unit one `fully_shard`, the model another; bf16 param dtype. Prints (and writes
+with --json) per setting and (hook, phase): us per weight and step; FSDP2's whole unshard
+(`FSDPParamGroup.unshard` + `wait_for_unshard`, the hooks inside, and at world 1 FSDP2's copy of each input into its
+output) per weight alike; and the step's host time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import hybridq
+from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, unit_cast, unit_fill
+from hybridq.torch_private import in_backward
+
+SETTINGS = {"unit fill on": dict(fill=True), "unit fill off": dict(fill=False)}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, preset: str, i: int):
+        super().__init__()
+        kv, hidden = dim // 4, (dim * 11 // 4 + 15) // 16 * 16
+
+        def lin(n_in, n_out, name):
+            return hybridq.Linear(n_in, n_out, bias=False, recipe=preset, name=f"blocks.{i}.{name}")
+
+        self.q, self.k, self.v, self.o = lin(dim, dim, "q"), lin(dim, kv, "k"), lin(dim, kv, "v"), lin(dim, dim, "o")
+        self.gate, self.up, self.down = lin(dim, hidden, "gate"), lin(dim, hidden, "up"), lin(hidden, dim, "down")
+
+    def forward(self, x):
+        a = self.q(x) + torch.cat([self.k(x), self.v(x), self.k(x), self.v(x)], -1)
+        x = x + self.o(torch.relu(a))
+        return x + self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class Model(nn.Module):
+    def __init__(self, dim: int, units: int, preset: str):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, preset, i) for i in range(units))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build(args, device, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Model(args.dim, args.units, args.preset).to(device)
+    apply_hybrid_fsdp(model, hybridq.recipe(args.preset), on_incompatible="error")
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def run(args, world: int) -> dict:
+    device = torch.device(args.device)
+    models = {name: build(args, device, world) for name in SETTINGS}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    hooks = ("pre", "post", "unshard")
+    times: dict = {(name, hook, phase): [] for name in SETTINGS for hook in hooks for phase in "FB"}
+    steps: dict = {name: [] for name in SETTINGS}
+    current, timing = [None], [False]
+    pre, post = HybridWeight._pre_hook, HybridWeight.fsdp_post_all_gather
+
+    def timed(hook, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            dt = time.perf_counter() - t0
+            if timing[0]:
+                times[(current[0], hook, "B" if in_backward() else "F")][-1] += dt
+            return result
+        return call
+
+    unshard, wait = FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard
+    HybridWeight._pre_hook = timed("pre", pre)
+    HybridWeight.fsdp_post_all_gather = timed("post", post)
+    FSDPParamGroup.unshard = timed("unshard", unshard)  # (FSDP2's whole unshard of a unit: the hooks included)
+    FSDPParamGroup.wait_for_unshard = timed("unshard", wait)
+    fill_was = unit_fill.set_unit_fill(True)
+    try:
+        g = torch.Generator().manual_seed(1)
+        for step in range(args.warmup + args.steps):
+            timing[0] = step >= args.warmup
+            for ts in times.values():
+                ts.append(0.0)
+            x = torch.randn(args.rows, args.dim, generator=g).to(device)
+            order = list(SETTINGS) if step % 2 == 0 else list(SETTINGS)[::-1]  # (neither always runs first)
+            for name in order:
+                current[0] = name
+                unit_fill.set_unit_fill(SETTINGS[name]["fill"])
+                t0 = time.perf_counter()
+                models[name](x).float().square().mean().backward()
+                opts[name].step()
+                opts[name].zero_grad(set_to_none=True)
+                if timing[0]:
+                    steps[name].append(time.perf_counter() - t0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+    finally:
+        HybridWeight._pre_hook, HybridWeight.fsdp_post_all_gather = pre, post
+        FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard = unshard, wait
+        unit_fill.set_unit_fill(fill_was)
+    result = {"preset": args.preset, "dim": args.dim, "units": args.units, "world": world, "device": str(device),
+              "torch": torch.__version__, "steps": args.steps, "unit_cast": unit_cast.unit_cast_enabled(),
+              "us_per_call": {}, "step_host_ms": {}, "unit_filled": {}}
+    weights = 7 * args.units
+    for (name, hook, phase), per_step in times.items():
+        if not any(per_step):
+            continue
+        us = [t * 1e6 / weights for t in per_step]  # (per weight: each step's sum over the unit's calls)
+        result["us_per_call"][f"{name}: {hook} {phase}"] = {"median": statistics.median(us),
+                                                            "mean": statistics.fmean(us)}
+    for name, ts in steps.items():
+        result["step_host_ms"][name] = statistics.median(ts) * 1e3
+        result["unit_filled"][name] = sum(p._local_tensor._hq.counters["unit_filled"]
+                                          for p in models[name].parameters())
+    return result
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--preset", default="fp8_tensorwise")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--units", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        torch.distributed.init_process_group(backend)
+    world = torch.distributed.get_world_size()
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    result = run(args, world)
+    if torch.distributed.get_rank() == 0:
+        print(f"bench_gather_hooks.py: {result['preset']}, dim {args.dim}, {args.units} units of 7, world {world}, "
+              f"{result['device']}, torch {result['torch']}, unit cast {'on' if result['unit_cast'] else 'off'}, "
+              f"{args.steps} steps")
+        for key, v in result["us_per_call"].items():
+            print(f"{key:26s} {v['median']:8.1f} us per weight (median of the steps; mean {v['mean']:.1f})")
+        for name, ms in result["step_host_ms"].items():
+            print(f"{name}: step host {ms:.2f} ms (median), unit-filled weights {result['unit_filled'][name]}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,111 @@
+"""Jobs of test_fsdp_unit_fill.py (spawned by _harness.spawn, or run in-process on one rank): _unit_cast_jobs' model
+(two blocks, each one FSDP2 unit of six Linears of five shapes) trained with the unit fill ([Note: unit fill],
+hybridq/distributed/unit_fill.py) on and off; every gathered weight (each forward's rowwise part and each backward's
+columnwise part, bytes and scales), loss and gradient is recorded for a bitwise comparison."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import hybridq as hq
+from hybridq.distributed import unit_fill
+from hybridq.torch_private import local_tensor
+
+from _unit_cast_jobs import D, Block, _bits, recipe
+
+COUNTERS = ("unit_filled", "fill_replayed", "derived_in_place", "aliased", "adopted")
+
+
+def build(device, world_size: int, preset: str = "fp8_tensorwise", mixed: bool = False) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Block(), Block()).to(device)
+    hq.apply_hybrid_fsdp(m, recipe(mixed) if preset == "fp8_tensorwise" else hq.recipe(preset),
+                         on_incompatible="error")
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in m:
+        fully_shard(b, mesh=mesh, mp_policy=mp)
+    fully_shard(m, mesh=mesh, mp_policy=mp)
+    return m
+
+
+def _part_bytes(part) -> dict:
+    return {n: _bits(t) for n, t in part.tensors().items() if t is not None}
+
+
+def record_parts(m: nn.Module, into: list) -> list:
+    """Hooks on every hybridq Linear appending (name, direction, {tensor name: bytes}): its gathered rowwise part before
+    each forward, its gathered columnwise part (what dgrad reads, filled by the backward unshard) before each
+    backward."""
+    handles = []
+    for name, mod in m.named_modules():
+        if isinstance(mod, hq.Linear):
+            def fwd(mod, args, name=name):
+                into.append((name, "rowwise", _part_bytes(mod.weight.part("rowwise"))))
+
+            def bwd(mod, grad_out, name=name):
+                w = mod.weight
+                if w._columnwise is not None:
+                    into.append((name, "columnwise", _part_bytes(w.part("columnwise"))))
+            handles.append(mod.register_forward_pre_hook(fwd))
+            handles.append(mod.register_full_backward_pre_hook(bwd))
+    return handles
+
+
+def counters(m: nn.Module) -> dict:
+    return {key: {n: int(local_tensor(p)._hq.counters[key]) for n, p in m.named_parameters()} for key in COUNTERS}
+
+
+def train(m: nn.Module, device, steps: int, start: int = 0) -> dict:
+    """`steps` AdamW steps: every gathered part, the losses and the gradients, as bytes."""
+    parts: list = []
+    handles = record_parts(m, parts)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1 + start)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = m(torch.randn(16, D, generator=g).to(device)).float().square().mean()
+        loss.backward()
+        losses.append(_bits(loss))
+        grads.append([_bits(p.grad.full_tensor()) for p in m.parameters()])
+        opt.step()
+        opt.zero_grad()
+    for h in handles:
+        h.remove()
+    return {"parts": parts, "losses": losses, "grads": grads}
+
+
+def compare(on: dict, off: dict, where: str) -> None:
+    assert len(on["parts"]) == len(off["parts"]), f"{where}: {len(on['parts'])} vs {len(off['parts'])} parts read"
+    for i, ((n1, d1, a), (n2, d2, b)) in enumerate(zip(on["parts"], off["parts"])):
+        assert (n1, d1) == (n2, d2) and a.keys() == b.keys(), \
+            f"{where}: part #{i} read is {n1} {d1} {list(a)} with the unit fill, {n2} {d2} {list(b)} without"
+        for t in a:
+            assert torch.equal(a[t], b[t]), (f"{where}: gathered {d1} {t} of {n1} (part #{i}) differs with the unit "
+                                             f"fill: {(a[t] != b[t]).sum().item()} bytes")
+    for s, (a, b) in enumerate(zip(on["losses"], off["losses"])):
+        assert torch.equal(a, b), f"{where}: loss of step {s} differs with the unit fill"
+    for s, (ga, gb) in enumerate(zip(on["grads"], off["grads"])):
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs with the unit fill"
+
+
+def parity(rank, world_size, device, preset: str = "fp8_tensorwise", mixed: bool = False, steps: int = 3) -> dict:
+    """Training with the unit fill on is bitwise training with it off; returns both runs' counters."""
+    out = {}
+    was = unit_fill.set_unit_fill(False)
+    try:
+        runs = {}
+        for on in (False, True):
+            unit_fill.set_unit_fill(on)
+            m = build(device, world_size, preset, mixed)
+            runs[on] = train(m, device, steps)
+            out[on] = counters(m)
+    finally:
+        unit_fill.set_unit_fill(was)
+    compare(runs[True], runs[False], f"rank {rank} of {world_size}, {preset}, mixed={mixed}")
+    return {"on": out[True], "off": out[False]}
