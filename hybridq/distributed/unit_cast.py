@@ -10,6 +10,7 @@ Switch: `HYBRIDQ_UNIT_CAST=0` starts a process with it off; `set_unit_cast(on)` 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -165,6 +166,8 @@ def _entry(local, lane, key, device) -> _Entry | None:
         precomputed = True
         if not q.shard_is_plain(shard, True, False):
             stats = st.stats
+            if kind == _BLOCK and stats.numel() != math.prod(fp8_block_tensors.tiles_of(shard.rows, shape[-1])):
+                return None  # (not the tile-amax grid of this weight: the per-weight path says so)
     return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), stats, 0, precomputed, lane.dtype, kind)
 
 
@@ -259,14 +262,41 @@ def _block_parts(entries: list[_Entry], dtype) -> tuple[torch.Tensor, list]:
     data, scales = fp8_block_tensors.quantize_fp8_block_tensors(xs, dtype, [e.quant for e in entries],
                                                                 [e.region for e in entries])
     slots = fp8_block_tensors.scale_slots([tuple(x.shape) for x in xs])[0]
+    reduced = _reduced_grids(entries, data.device)
     out, offset = [], 0
-    for e, x, slot in zip(entries, xs, slots):
+    for i, (e, x, slot) in enumerate(zip(entries, xs, slots)):
         rows, k = x.shape
-        if e.stats is None:
+        grid = reduced.get(i)
+        if grid is None:
             tm, tk = fp8_block_tensors.tiles_of(rows, k)
             grid = scales[slot:slot + tm * tk].view(tm, tk)
-        else:
-            grid = e.quant.shard_scale_inv(e.shard, k, e.stats.to(x.device))
         out.append(fp8_block_tensors.rowwise_part(e.quant, data[offset:offset + rows * k], grid, rows, k))
         offset += e.region
     return data, out
+
+
+def _reduced_grids(entries: list[_Entry], device) -> dict[int, torch.Tensor]:
+    """{i: the whole tile scale_inv grid of sharded entry i} from the reduced tile-amax grids, as `shard_scale_inv`
+    gives it: the grids of entries with equal quantizers computed at once (`tile_scale_inv` is elementwise: each
+    grid bitwise its own), one set of scale ops per unit instead of one per weight."""
+    groups: list[list[int]] = []
+    for i, e in enumerate(entries):
+        if e.stats is None:
+            continue
+        for g in groups:
+            if entries[g[0]].quant == e.quant:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    out = {}
+    for g in groups:
+        flat = [entries[i].stats.reshape(-1) for i in g]
+        s_inv = entries[g[0]].quant.tile_scale_inv((torch.cat(flat) if len(flat) > 1 else flat[0]).to(device))
+        offset = 0
+        for i in g:
+            e = entries[i]
+            tm, tk = fp8_block_tensors.tiles_of(e.shard.rows, e.shape[-1])
+            out[i] = s_inv[offset:offset + tm * tk].view(tm, tk)
+            offset += tm * tk
+    return out

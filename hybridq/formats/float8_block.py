@@ -193,8 +193,12 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
     def shard_scale_inv(self, shard, k: int, stats) -> torch.Tensor:
         """128x128 tiles: the whole grid of tile scale_inv from the MAX-reduced `stats` (the scale_inv a shard part
         carries)."""
-        tiles = self._stats_layout(shard, k).unpack(stats)["tiles"]
-        return rcp(self._scale(tiles))
+        return self.tile_scale_inv(self._stats_layout(shard, k).unpack(stats)["tiles"])
+
+    def tile_scale_inv(self, tile_amax: torch.Tensor) -> torch.Tensor:
+        """The scale_inv of tiles whose max|x| is `tile_amax` (any shape; elementwise: the grids of several weights
+        concatenated give each weight's, bitwise -- the FSDP2 unit cast computes a unit's grids at once)."""
+        return rcp(self._scale(tile_amax))
 
     def _shard_parts(self, x2d, rowwise, columnwise, shard, stats):
         st = self._stats_layout(shard, x2d.shape[1]).unpack(stats)

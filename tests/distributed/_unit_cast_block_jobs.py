@@ -13,7 +13,7 @@ import torch.nn as nn
 import hybridq as hq
 from hybridq.distributed import unit_cast
 from hybridq.enums import TensorType
-from hybridq.formats import Float8Quantizer
+from hybridq.formats import Float8BlockQuantizer, Float8Quantizer
 
 import _unit_cast_jobs as base
 
@@ -43,22 +43,25 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def recipe(mixed: bool):
+def recipe(mixed: bool | str):
     """fp8_block (weights in 128x128 tiles); `mixed`: each block's q and o weights per-tensor FP8 instead (a second
-    kind in the unit, batched on its own)."""
+    kind in the unit, batched on its own); "no_pow2": their tiles without power-of-two scales instead (a second
+    quantizer of the same kind: its own scale computation in the batch)."""
     base_recipe = hq.recipe("fp8_block")
     if not mixed:
         return base_recipe
 
     def pick(role):
         if role.tensor_type == TensorType.WEIGHT and role.name.rsplit(".", 1)[-1] in PER_TENSOR:
+            if mixed == "no_pow2":
+                return Float8BlockQuantizer(block_dim=2, power_2_scale=False)
             return Float8Quantizer()
         return base_recipe.quantizer(role)
 
-    return hq.CustomRecipe(pick, name="fp8_block_q_o_tensorwise")
+    return hq.CustomRecipe(pick, name=f"fp8_block_q_o_{'no_pow2' if mixed == 'no_pow2' else 'tensorwise'}")
 
 
-def build(device, world_size: int, mixed: bool = False, nonfinite: bool = False) -> nn.Module:
+def build(device, world_size: int, mixed: bool | str = False, nonfinite: bool = False) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -84,7 +87,7 @@ def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:
     return base.train(m, device, steps, precompute, width=D)
 
 
-def parity(rank, world_size, device, precompute: bool, mixed: bool = False, steps: int = 3) -> dict:
+def parity(rank, world_size, device, precompute: bool, mixed: bool | str = False, steps: int = 3) -> dict:
     """Training with the unit cast on is bitwise training with it off; returns the batch counters of the on run."""
     was = unit_cast.set_unit_cast(False)
     try:

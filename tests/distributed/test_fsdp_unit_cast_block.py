@@ -45,7 +45,7 @@ def _batched(counts: dict, mixed: bool, left_out: tuple = ()) -> None:
     for n, got in counts["payload_unit"].items():
         want = 0 if n.split(".")[1] in left_out else STEPS - 1
         assert got == want, f"{n} sent {got} unit payloads, expected {want}"
-    kinds = 2 if mixed else 1
+    kinds = 2 if mixed is True else 1
     assert sum(counts["unit_batches"].values()) == kinds * UNITS * (STEPS - 1), \
         f"unit batches {counts['unit_batches']}, expected {kinds} per unit per forward from the second step on"
 
@@ -57,11 +57,13 @@ def test_one_rank_training_is_bitwise_the_per_weight_path(one_rank, precompute, 
     _batched(counts, mixed)
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["fp8_block", "with_tensorwise_weights"])
+@pytest.mark.parametrize("mixed", [False, True, "no_pow2"],
+                         ids=["fp8_block", "with_tensorwise_weights", "with_two_tile_quantizers"])
 def test_two_ranks_training_is_bitwise_the_per_weight_path(mixed):
     """Two ranks: with precompute_scales the tile-amax grids are reduced before the unshards (batched, except v, whose
-    shard boundary splits a tile); without, every weight reduces its own at its unshard (a collective), so nothing is
-    batched and the collectives are those of the per-weight path. Non-finite values at two ranks too."""
+    shard boundary splits a tile; the tile scales of each quantizer's weights computed at once); without, every weight
+    reduces its own at its unshard (a collective), so nothing is batched and the collectives are those of the
+    per-weight path. Non-finite values at two ranks too."""
     kinds = {"precomputed": (jobs.parity, dict(precompute=True, mixed=mixed, steps=STEPS)),
              "own_stats": (jobs.parity, dict(precompute=False, mixed=mixed, steps=STEPS))}
     if not mixed:
