@@ -21,6 +21,7 @@ import hybridq.kernels.native_gemm  # noqa: F401
 import hybridq.kernels.triton_launch  # noqa: F401
 import hybridq.kernels.triton_slot_layout  # noqa: F401
 import hybridq.kernels.triton_tile_payload  # noqa: F401
+import hybridq.nn.compiled_linear  # noqa: F401
 import hybridq.nn.float8_graph  # noqa: F401
 import hybridq.nn.linear_function  # noqa: F401
 from hybridq.switches import Switch, switches
@@ -32,7 +33,8 @@ EXPECTED = {"HYBRIDQ_BLOCK_GEMM_OP", "HYBRIDQ_BLOCK_LINEAR_OP", "HYBRIDQ_SLOT_LA
             "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_EMULATED_GEMM", "HYBRIDQ_GROUPED_SLOT_QUANTIZE",
             "HYBRIDQ_LINEAR_CPP_OPS", "HYBRIDQ_NATIVE_GEMMS", "HYBRIDQ_STACKED_BLOCK_GATHER",
             "HYBRIDQ_SHARED_INPUT_QUANTIZATION", "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_TRITON_DEQUANT_GEMM",
-            "HYBRIDQ_TRITON_CACHED_LAUNCH", "HYBRIDQ_TRITON_MXFP8", "HYBRIDQ_UNIT_CAST"}
+            "HYBRIDQ_TRITON_CACHED_LAUNCH", "HYBRIDQ_TRITON_MXFP8", "HYBRIDQ_UNIT_CAST",
+            "HYBRIDQ_GATHERED_PLANS"}
 
 
 def test_every_switch_is_registered_and_named_in_the_docs():

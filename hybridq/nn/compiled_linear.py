@@ -64,13 +64,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
 from .graph_keys import ConfigurationKeys
-from .float8_graph import Float8GraphSpec, gathered_forward, gathered_grads, graph_spec, saved_input
+from .float8_graph import (Float8GraphSpec, forward_plan, grads_plan, graph_spec, run_forward, run_grads,
+                           saved_input)
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
+from ..switches import Switch, Turned
 from .plain_ops import plain_op
 from .weight_handle import handled_weight, redirect, redirect_to_handle, weight_handle, weight_of
 
-__all__ = ["compiled_linear", "configuration_key", "runs_in_graph", "weight_handle"]
+__all__ = ["compiled_linear", "configuration_key", "gathered_plans", "runs_in_graph", "weight_handle"]
 
 # Configurations by key (graph_keys.py, [Note: configuration keys]): its three quantizers and save_original_input
 # -> (name of the first layer, quantizers, save_original_input)
@@ -144,7 +146,7 @@ def runs_in_graph(module, x: torch.Tensor, is_first_microbatch: bool | None) -> 
 def _layout_key(key: str, override: str | None, need_dgrad: bool, need_wgrad: bool, x_shape, w_shape,
                 dtype: torch.dtype, handled: bool = False) -> tuple:
     # (whether x's parts were handed over is not in the key: compiled_linear hands them to every call of one key
-    # and flags or to none; the layouts differ only where the fast path declines, `_forward_on_parts`)
+    # and flags or to none; the layouts differ only where the fast path declines, `_planned_forward`)
     return (key, override, need_dgrad, need_wgrad, tuple(x_shape), tuple(w_shape), dtype, handled)
 
 
@@ -165,6 +167,16 @@ def _record_layout(lkey: tuple, layout: tuple[list, int]) -> None:
         _LAYOUTS.popitem(last=False)
 
 
+# the fast path's layouts, one object per value: a gathered call site's plan records its layout only where the entry
+# is not that very object ([Note: a gathered call site's plans]), also when layers of one key and shape alternate
+_FAST_LAYOUTS: dict[tuple, tuple[list, int]] = {}
+
+
+def _fast_layout(layout: list, fast: int) -> tuple[list, int]:
+    """The one (layout, fast) object of this value (the backward op reads it; nothing mutates it)."""
+    return _FAST_LAYOUTS.setdefault((tuple(layout), fast), (layout, fast))
+
+
 def _parts_entry(cfg: _LinearConfig, need_wgrad: bool) -> tuple:
     """The layout entry of x in a call handed x's parts (`linear_input_quantize`'s): what the layer's autograd saves
     of them -- the columnwise data and scale_inv, x itself (save_original_input: the general path's entry), or
@@ -183,39 +195,37 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     the general path, which the fake runs (on a stand-in weight), and the same saved tensors. `x_parts`: x as
     `linear_input_quantize` quantized it (x_row, x_scale_inv, x_col or None): the layer's autograd saves what wgrad
     reads of them, so this call saves nothing of x ([Note: one dense input quantization in the graph])."""
+    return _planned_forward(x, weight, bias, key, override, need_dgrad, need_wgrad, handled, x_parts)[:3]
+
+
+def _planned_forward(x, weight, bias, key, override, need_dgrad, need_wgrad, handled, x_parts) -> tuple:
+    """`_forward`'s (y, saved tensors, (layout, fast)) and the float8_graph plan its fast path ran (None where the
+    general path ran)."""
     cfg = _config(key, override)
-    if x_parts is not None:
-        y, fast = _forward_on_parts(x, weight, bias, key, override, cfg, need_dgrad, need_wgrad, handled, x_parts)
-        return y, [], ([_parts_entry(cfg, need_wgrad), _HANDLE_ENTRY if need_dgrad and handled else _NONE_ENTRY],
-                       fast)
     if handled and isinstance(weight, QuantizedTensor):
-        spec = _fast_spec(key, override)
-        fast = gathered_forward(x, weight, bias, spec, cfg, need_dgrad, need_wgrad) if spec is not None else None
-        if fast is not None:
+        plan = forward_plan(x, weight, _fast_spec(key, override), cfg, need_dgrad, need_wgrad, x_parts is not None)
+        if plan is not None:
+            # (the part the plan read and checked: `part` once per call)
+            y, x_saved, xcs, fast = run_forward(plan, x, plan.part(), bias, need_wgrad, x_parts)
+            w_entry = _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY
+            if x_parts is not None:
+                return y, [], _fast_layout([_parts_entry(cfg, need_wgrad), w_entry], fast), plan
             # the saved input's tensors as they are: the cast's fresh outputs (x's columnwise data and scale_inv)
             # or none (x itself, which backward takes); no quantized tensor built, flattened and rebuilt. (y and
             # they are contiguous: the fake's strides, as below)
-            y, x_saved, xcs, answer = fast
             x_entry = _NONE_ENTRY if x_saved is None else _INPUT_ENTRY if xcs is None else _FAST_X_ENTRY
-            layout = [x_entry, _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY]
-            return y, [] if xcs is None else [x_saved, xcs], (layout, answer)
-    return general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad, handled)
-
-
-def _forward_on_parts(x, weight, bias, key, override, cfg, need_dgrad, need_wgrad, handled, x_parts) -> tuple:
-    """(y, the `_fast_call` answer or 0) of a call handed x's parts: the gathered fast path on them, else (the fast
-    path declines: another weight part, a shape the native GEMM does not take; or the fake's stand-in weight) the
-    general path, which quantizes x itself: its rowwise cast is the parts' (one cast rule, per-tensor scale from
-    max|x|), and its saved x -- the same bytes as the parts' -- is left (the parts are saved)."""
-    if handled and isinstance(weight, QuantizedTensor):
-        fast = gathered_forward(x, weight, bias, _fast_spec(key, override), cfg, need_dgrad, need_wgrad, x_parts)
-        if fast is not None:
-            return fast[0], fast[3]
-    if not handled:  # (a plain weight's backward reads what forward saved of it: the parts path saves nothing)
-        raise ValueError(f"hybridq::linear_forward ({key}): x's parts are handed over only with a weight read "
-                         "through its handle (FSDP2's gathered weight, a quantized parameter)")
-    y, _, _ = general_forward(x, weight, bias, cfg, need_dgrad, False, handled)
-    return y, 0
+            return y, [] if xcs is None else [x_saved, xcs], _fast_layout([x_entry, w_entry], fast), plan
+    if x_parts is not None:
+        # the general path on a call handed x's parts (the fast path declines: another weight part, a shape the
+        # native GEMM does not take; or the fake's stand-in weight), which quantizes x itself: its rowwise cast is
+        # the parts' (one cast rule, per-tensor scale from max|x|), and its saved x -- the same bytes as the parts'
+        # -- is left (the parts are saved)
+        if not handled:  # (a plain weight's backward reads what forward saved of it: the parts path saves nothing)
+            raise ValueError(f"hybridq::linear_forward ({key}): x's parts are handed over only with a weight read "
+                             "through its handle (FSDP2's gathered weight, a quantized parameter)")
+        y, _, _ = general_forward(x, weight, bias, cfg, need_dgrad, False, handled)
+        return y, [], ([_parts_entry(cfg, need_wgrad), _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY], 0), None
+    return (*general_forward(x, weight, bias, cfg, need_dgrad, need_wgrad, handled), None)
 
 
 def general_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: _LinearConfig,
@@ -296,19 +306,32 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
                            w_shape, x_dtype, w_dtype, b_dtype)
 
 
+def _fast_saved_input(entry: tuple, saved: list, x: torch.Tensor | None) -> tuple:
+    """(x_saved, xcs) as float8_graph's gradients take them, of the saved tensors laid out as `entry`."""
+    if entry == _FAST_X_ENTRY:
+        return saved[0], saved[1]
+    return (None, None) if entry == _NONE_ENTRY else (x.reshape(-1, x.shape[-1]), None)
+
+
 def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape,
                     x_dtype, w_dtype, b_dtype, handled: bool = False) -> list[torch.Tensor]:
-    layout, fast = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype,
-                                        handled)]
+    lkey = _layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, handled)
+    recorded = _LAYOUTS[lkey]
+    layout, fast = recorded
     if fast:  # (float8_graph's ops on the saved tensors and the gathered weight's columnwise part, read now)
-        entry = layout[0]
-        x_saved, xcs = ((saved[0], saved[1]) if entry == _FAST_X_ENTRY else
-                        (None, None) if entry == _NONE_ENTRY else (x.reshape(-1, x.shape[-1]), None))
-        grads = gathered_grads(_FAST_SPECS[key], dy, x_saved, xcs,
-                               weight_of(weight).part(COLUMNWISE) if need_dgrad else None, need_dgrad, need_wgrad,
-                               need_bgrad, x_shape, w_dtype, b_dtype, fast)
-        if grads is not None:
-            return grads
+        w_col = weight_of(weight).part(COLUMNWISE) if need_dgrad else None
+        sites = _sites(weight)[1] if handled and _PLANS.on else None
+        site = sites.get(lkey) if sites is not None else None
+        if site is not None and site[0] is recorded and site[1].holds(dy, w_col):
+            plan = site[1]  # ([Note: a gathered call site's plans])
+        else:
+            plan = grads_plan(_FAST_SPECS[key], dy, w_col, need_dgrad, fast)
+            if plan is not None and sites is not None:
+                _keep(sites, lkey, (recorded, plan))
+        if plan is not None:
+            x_saved, xcs = _fast_saved_input(layout[0], saved, x)
+            return run_grads(plan, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype,
+                             b_dtype)
     # (the general path's casts count backward passes: delayed scaling's replays; the fast path has no state)
     count_backward_pass()
     # (x saved as the fast spec's parts where the fast path ran, or where x's parts were handed over)
@@ -402,6 +425,55 @@ linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- a weight read through its handle (FSDP2's gathered weight, a quantized parameter) ------------------------
 
+# [Note: a gathered call site's plans] A compiled graph calls `gathered_linear_forward` / `_backward` on each layer's
+# handle at every step with the same arguments but the tensors. Where a call took float8_graph's fast path, the op
+# keeps what it decided on the handle (the handle's `_hq_sites`: one handle per weight, so a plan's weight is the
+# handle's): forward by (configuration key, override, gradients needed, x's shape, dtype and device, whether x's
+# parts were handed over) the float8_graph plan, the weight shape it was traced with and the layout it recorded;
+# backward by its layout key the plan and the layout entry it was made for. A later call with that key runs the plan
+# where it still holds (float8_graph's [Note: gathered plans]: the same weight and part, switches, dispatch tables;
+# backward: the layout the forward recorded is still that very object, so a forward that took another path since,
+# or a recipe's new layout, plans backward again) and otherwise plans again, as the first call did: the same
+# checks, the same refusals, and the same code runs either way. The layout is recorded only where its entry is not
+# already the plan's (one object per value, `_fast_layout`).
+_MAX_SITES = 64  # plans per handle and direction (shapes, flags): beyond, the handle's plans start over
+# The plans kept and reused, or every call decided anew (bitwise equal: tests and benchmarks compare the two).
+# HYBRIDQ_GATHERED_PLANS=0 starts a process with them off.
+_PLANS = Switch("HYBRIDQ_GATHERED_PLANS")
+
+
+def gathered_plans(enabled: bool) -> Turned:
+    """Whether the compiled Linear's gathered ops keep and reuse each call site's plan (default: on; the
+    environment variable HYBRIDQ_GATHERED_PLANS=0 starts a process with it off) or decide every call anew; results
+    are bitwise equal either way. `gathered_plans(False)` from then on; `with gathered_plans(False): ...` only
+    inside the block."""
+    return _PLANS.turned(enabled)
+
+
+class _ForwardSite:
+    """What a gathered forward call site keeps: the float8_graph plan, the traced weight shape, its layout key and
+    layout."""
+
+    __slots__ = ("plan", "w_shape", "lkey", "layout")
+
+    def __init__(self, plan, w_shape: list, lkey: tuple, layout: tuple):
+        self.plan, self.w_shape, self.lkey, self.layout = plan, w_shape, lkey, layout
+
+
+def _sites(handle: torch.Tensor) -> tuple[dict, dict]:
+    """The handle's (forward, backward) plans ([Note: a gathered call site's plans])."""
+    sites = handle.__dict__.get("_hq_sites")
+    if sites is None:
+        sites = handle._hq_sites = ({}, {})
+    return sites
+
+
+def _keep(sites: dict, key: tuple, site) -> None:
+    if len(sites) >= _MAX_SITES:
+        sites.clear()
+    sites[key] = site
+
+
 @plain_op("hybridq::gathered_linear_forward")
 def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, key: str,
                             override: str | None, need_dgrad: bool, need_wgrad: bool, w_shape: list[int],
@@ -410,9 +482,30 @@ def gathered_linear_forward(x: torch.Tensor, handle: torch.Tensor, bias: torch.T
                             x_col: torch.Tensor | None = None) -> list[torch.Tensor]:
     """`linear_forward` of the weight `handle` names: [y, *saved tensors of the input] ([y] alone where x's parts
     are handed over)."""
-    y, flat, layout = _forward(x, weight_of(handle), bias, key, override, need_dgrad, need_wgrad, handled=True,
-                               x_parts=_parts(x_row, x_scale_inv, x_col))
-    _record_layout(_layout_key(key, override, need_dgrad, need_wgrad, x.shape, w_shape, x.dtype, True), layout)
+    return _gathered_forward(x, handle, bias, key, override, need_dgrad, need_wgrad, w_shape,
+                             _parts(x_row, x_scale_inv, x_col))
+
+
+def _gathered_forward(x, handle, bias, key, override, need_dgrad, need_wgrad, w_shape, x_parts) -> list:
+    """`gathered_linear_forward`'s body (benchmarks/host_split.py times it)."""
+    weight = weight_of(handle)
+    sites = skey = None
+    if _PLANS.on:
+        sites = _sites(handle)[0]
+        skey = (key, override, need_dgrad, need_wgrad, x.shape, x.dtype, x.device, x_parts is None)
+        site = sites.get(skey)
+        if site is not None and site.w_shape == w_shape and site.plan.weight() is weight:
+            wr = weight.part(ROWWISE)  # (read per call: a gather on first use, the check of a pending direction)
+            if site.plan.holds(x, wr):  # ([Note: a gathered call site's plans])
+                y, x_saved, xcs, _ = run_forward(site.plan, x, wr, bias, need_wgrad, x_parts)
+                if _LAYOUTS.get(site.lkey) is not site.layout:
+                    _record_layout(site.lkey, site.layout)
+                return [y] if x_parts is not None or xcs is None else [y, x_saved, xcs]
+    y, flat, layout, plan = _planned_forward(x, weight, bias, key, override, need_dgrad, need_wgrad, True, x_parts)
+    lkey = _layout_key(key, override, need_dgrad, need_wgrad, x.shape, w_shape, x.dtype, True)
+    _record_layout(lkey, layout)
+    if plan is not None and sites is not None:
+        _keep(sites, skey, _ForwardSite(plan, list(w_shape), lkey, layout))
     return [y, *flat]
 
 

@@ -35,6 +35,7 @@ the fp32 emulation (dequantize, multiply), as in eager (the block reference as o
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -195,18 +196,20 @@ def _quantize(x2d: torch.Tensor, cast: Float8Cast, rowwise: bool, columnwise: bo
 # per layer (the split) against two quantize kernels and the op's host work fewer per repeated read.
 @plain_op("hybridq::linear_input_quantize")
 def linear_input_quantize(x: torch.Tensor, dtype: torch.dtype, amax_epsilon: float, power_2_scale: bool,
-                          columnwise: bool) -> list[torch.Tensor]:
+                          columnwise: bool, amax: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[x's rowwise FP8 data `[M, K]`, its scale_inv `[1]`, its columnwise data `[K, M]` (empty without
     `columnwise`)] of x's `[M, K]` view, per-tensor FP8 with current scaling: the cast `_quantize` runs, so the
-    bytes the gathered forward would have made itself."""
+    bytes the gathered forward would have made itself. `amax`: max|x| as x's producer computed it (handed over in
+    the graph by compiled_amax.py's pass: the same value, so the same bytes)."""
     x2d = x.reshape(-1, x.shape[-1])
-    row, rs, col, _ = _quantize(x2d, Float8Cast(dtype, amax_epsilon, power_2_scale, PER_TENSOR), True, columnwise)
+    row, rs, col, _ = _quantize(x2d, Float8Cast(dtype, amax_epsilon, power_2_scale, PER_TENSOR), True, columnwise,
+                                amax)
     # (contiguous tensors of their own, as the fake's)
     return [row.contiguous(), rs.contiguous(), col.contiguous() if columnwise else x.new_empty(0, dtype=dtype)]
 
 
 @linear_input_quantize.register_fake
-def _(x, dtype, amax_epsilon, power_2_scale, columnwise):
+def _(x, dtype, amax_epsilon, power_2_scale, columnwise, amax=None):
     k = x.shape[-1]
     m = x.numel() // k
     return [x.new_empty((m, k), dtype=dtype), x.new_empty(1, dtype=torch.float32),
@@ -677,6 +680,118 @@ def _block_part_scales_fit(part, tiles: bool) -> bool:
     return _block_scales_fit(part.scale_inv, (-(-r // 128), c // 128) if tiles else (r, c // 128))
 
 
+# [Note: gathered plans] A compiled graph calls the gathered ops of each Linear at every step with the same
+# configuration, shapes and weight, and every call used to ask again which path and which phase op it takes (the
+# fast-path checks, the weight part's fit, the switches, the dispatch tables: ~40 us of host per call on the GPU
+# machine, issue 33). A call's decision is now a plan (`GatheredForwardPlan` / `GatheredGradsPlan`: the phase it
+# runs, with the answers it rests on), made by `forward_plan` / `grads_plan` -- the checks as they were -- and run by
+# `run_forward` / `run_grads`; `gathered_forward` / `gathered_grads` are the two in one, and compiled_linear.py keeps
+# each gathered op call site's plans on its weight handle, reusing one only where `holds` says nothing it rests on
+# changed: the switches and GEMM state it read (`_switch_state`: the fast path, the C++ phases, native GEMMs, the
+# block GEMM op, a failed GEMM), the dispatch tables' own kernels (read at every call, as before), the very weight
+# object and part it checked (weak references: a new gathered weight or a replaced part is planned again), the
+# part's contiguity as it was, and the device kind. What varies per call -- the weight's part itself (`part`: its
+# gather on first use, the check of a direction pending the backward unshard), the op's tensors -- is read per call.
+# A plan and the call it replaces run the same code (`run_forward` / `run_grads`): bitwise the same results.
+
+def _switch_state() -> tuple:
+    """What the gathered decisions read of process-wide state that can change between calls: the fast path's and
+    the C++ phases' switches, native GEMMs, the block GEMM op and how many GEMMs failed (`native_gemm._failed` only
+    grows)."""
+    return (_EAGER.on, _CPP_OPS.on, native_gemm.native_enabled(), native_gemm.BLOCK_GEMM_OP.on,
+            len(native_gemm._failed))
+
+
+# the phase a gathered call runs: the extension's per-tensor op, its block op, or this module's Python (`_fprop` /
+# `_grads`)
+_TENSOR_OP, _BLOCK_OP_PHASE, _PYTHON = "tensor op", "block op", "python"
+
+
+class GatheredForwardPlan:
+    """`forward_plan`'s decision for a gathered forward call, and what it rests on (see [Note: gathered plans])."""
+
+    __slots__ = ("spec", "fast", "phase", "quantizers", "device_type", "cuda", "switches", "weight", "part",
+                 "scales_contiguous")
+
+    def __init__(self, spec: Float8GraphSpec, fast: int, phase: str, cfg, x: torch.Tensor, weight, part):
+        self.spec, self.fast, self.phase = spec, fast, phase
+        self.quantizers = (cfg.input_q, cfg.weight_q, cfg.grad_output_q)
+        self.device_type, self.cuda = x.device.type, x.is_cuda
+        self.switches = _switch_state()
+        self.weight, self.part = weakref.ref(weight), weakref.ref(part)
+        self.scales_contiguous = part.scale_inv.is_contiguous()
+
+    def holds(self, x: torch.Tensor, part) -> bool:
+        """Whether this call would be decided the same way: x of the plan's configuration, shape, dtype and device,
+        on the plan's weight (the caller checks `weight() is` it before reading its rowwise part `part`)."""
+        return (self.part() is part and x.is_cuda is self.cuda
+                and self.switches == _switch_state() and part.data.is_contiguous()
+                and part.scale_inv.is_contiguous() is self.scales_contiguous
+                and _dispatch_is_builtin(self.quantizers, self.device_type, _PART[self.spec.input.block_dim]))
+
+
+def forward_plan(x: torch.Tensor, weight: QuantizedTensor, spec: Float8GraphSpec | None, cfg, need_dgrad: bool,
+                 need_wgrad: bool, parts_given: bool = False) -> GatheredForwardPlan | None:
+    """The plan of a gathered forward call (`gathered_forward`'s checks; `parts_given`: x's parts handed over), or
+    None where the general path must run."""
+    if spec is None:
+        return None
+    fast = _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
+    if not fast:
+        return None
+    wr = weight.part(ROWWISE)
+    if not _part_fits(wr, spec.weight):
+        return None
+    if parts_given:
+        if not spec.per_tensor:
+            raise ValueError("gathered_forward: x_parts are per-tensor FP8 parts (linear_input_quantize); this "
+                             f"layer's input is quantized in {spec.input.block_dim}-d blocks")
+        phase = _TENSOR_OP if _cpp_phase(x) else _PYTHON
+    elif spec.per_tensor and _cpp_phase(x):
+        phase = _TENSOR_OP
+    elif (not spec.per_tensor and _block_phase_op(x, fast)
+          and _block_part_scales_fit(wr, spec.weight.block_dim == 2)):
+        phase = _BLOCK_OP_PHASE
+    else:
+        phase = _PYTHON
+    return GatheredForwardPlan(spec, fast, phase, cfg, x, weight, wr)
+
+
+def run_forward(plan: GatheredForwardPlan, x: torch.Tensor, wr, bias: torch.Tensor | None, need_wgrad: bool,
+                x_parts: tuple | None = None) -> tuple:
+    """`gathered_forward`'s result of a call `plan` holds for, on the weight's rowwise part `wr`."""
+    spec, phase = plan.spec, plan.phase
+    xi = spec.input
+    if x_parts is not None:
+        xr, xrs, xp_col = x_parts
+        if phase is _TENSOR_OP:
+            y = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
+                x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, False,
+                spec.save_original_input, native_gemm.FAST_ACCUM_FPROP, xr, xrs)[0]
+        else:
+            y, _, _ = _fprop(x.reshape(-1, x.shape[-1]), (xr, xrs, None, None), wr.data, wr.scale_inv, bias, spec,
+                             False)
+            y = y.reshape(*x.shape[:-1], y.shape[-1]).contiguous()
+        xc, xcs = xp_col, xrs  # (per-tensor: both directions share the one scale_inv)
+    elif phase is _TENSOR_OP:
+        y, xc, xcs = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
+            x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, need_wgrad,
+            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
+    elif phase is _BLOCK_OP_PHASE:
+        y, xc, xcs = cuda_fp8_block.linear_op("fp8_block_linear_fprop")(
+            x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, spec.weight.block_dim,
+            need_wgrad, spec.save_original_input)
+    else:
+        y, xc, xcs = _fprop(x.reshape(-1, x.shape[-1]), None, wr.data, wr.scale_inv, bias, spec, need_wgrad)
+        # (contiguous, as the op's outputs: the gathered op's fake has those strides)
+        y = y.reshape(*x.shape[:-1], y.shape[-1]).contiguous()
+        if xcs is not None:
+            xc, xcs = xc.contiguous(), xcs.contiguous()
+    if not need_wgrad:
+        return y, None, None, plan.fast
+    return (y, x, None, plan.fast) if spec.save_original_input else (y, xc, xcs, plan.fast)
+
+
 def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                      cfg, need_dgrad: bool, need_wgrad: bool, x_parts: tuple | None = None) -> tuple | None:
     """(y in x's shape with out_features last, x_saved, xcs, `_fast_call`'s answer) of an FP8 Linear (per-tensor or
@@ -688,48 +803,12 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
     view), or None, None (no wgrad). Only the weight's rowwise part is read: backward reads the columnwise one then
     (`gathered_grads`, handed the answer). `x_parts`: x as `linear_input_quantize` quantized it (rowwise data, its
     scale_inv, the columnwise data or None; per-tensor only): not quantized again, and what wgrad reads of it is
-    those parts ([Note: one dense input quantization in the graph])."""
-    if spec is None:
+    those parts ([Note: one dense input quantization in the graph]). `forward_plan` then `run_forward` ([Note:
+    gathered plans])."""
+    plan = forward_plan(x, weight, spec, cfg, need_dgrad, need_wgrad, x_parts is not None)
+    if plan is None:
         return None
-    fast = _cached_fast_call(x, weight, spec, cfg, need_dgrad, need_wgrad)
-    if not fast:
-        return None
-    wr = weight.part(ROWWISE)
-    if not _part_fits(wr, spec.weight):
-        return None
-    xi = spec.input
-    if x_parts is not None:
-        if not spec.per_tensor:
-            raise ValueError("gathered_forward: x_parts are per-tensor FP8 parts (linear_input_quantize); this "
-                             f"layer's input is quantized in {spec.input.block_dim}-d blocks")
-        xr, xrs, xp_col = x_parts
-        if _cpp_phase(x):
-            y, _, _ = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
-                x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, False,
-                spec.save_original_input, native_gemm.FAST_ACCUM_FPROP, xr, xrs)
-        else:
-            y, _, _ = _fprop(x.reshape(-1, x.shape[-1]), (xr, xrs, None, None), wr.data, wr.scale_inv, bias, spec,
-                             False)
-            y = y.reshape(*x.shape[:-1], y.shape[-1]).contiguous()
-        xc, xcs = xp_col, xrs  # (per-tensor: both directions share the one scale_inv)
-    elif spec.per_tensor and _cpp_phase(x):
-        y, xc, xcs = cuda_fp8_tensor.linear_op("fp8_linear_fprop")(
-            x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, need_wgrad,
-            spec.save_original_input, native_gemm.FAST_ACCUM_FPROP)
-    elif (not spec.per_tensor and _block_phase_op(x, fast)
-          and _block_part_scales_fit(wr, spec.weight.block_dim == 2)):
-        y, xc, xcs = cuda_fp8_block.linear_op("fp8_block_linear_fprop")(
-            x, wr.data, wr.scale_inv, bias, xi.dtype, xi.amax_epsilon, xi.power_2_scale, spec.weight.block_dim,
-            need_wgrad, spec.save_original_input)
-    else:
-        y, xc, xcs = _fprop(x.reshape(-1, x.shape[-1]), None, wr.data, wr.scale_inv, bias, spec, need_wgrad)
-        # (contiguous, as the op's outputs: the gathered op's fake has those strides)
-        y = y.reshape(*x.shape[:-1], y.shape[-1]).contiguous()
-        if xcs is not None:
-            xc, xcs = xc.contiguous(), xcs.contiguous()
-    if not need_wgrad:
-        return y, None, None, fast
-    return (y, x, None, fast) if spec.save_original_input else (y, xc, xcs, fast)
+    return run_forward(plan, x, plan.part(), bias, need_wgrad, x_parts)  # (the part it read and checked)
 
 
 def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.Tensor | None, shape,
@@ -741,26 +820,56 @@ def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.
     return QuantizedTensor(None, _part(spec.input, x_saved, xcs, True), shape=shape, dtype=dtype)
 
 
-def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
-                   w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
-                   b_dtype: torch.dtype, fast: int = FAST_PATH) -> list[torch.Tensor] | None:
-    """`linear_function.linear_grads` of a call `gathered_forward` ran (x_saved: x's columnwise data with its
-    scale_inv xcs, or x's `[M, K]` view under save_original_input; `w_col` the gathered weight's columnwise part
-    where dgrad runs; `fast` the forward's `_fast_call` answer), as this module's ops (on CUDA one op, see
-    `gathered_cpp_ops`): [dx in `x_shape`, dW, db], an empty tensor for a gradient not asked for (the gathered op's
-    outputs), or None where the weight's part is not one this spec makes (the general path runs)."""
-    wc = wcs = None
-    if need_dgrad:
-        if not _part_fits(w_col, spec.weight):
-            return None
-        wc, wcs = w_col.data, w_col.scale_inv
-    xi, g = spec.input, spec.grad_output
+class GatheredGradsPlan:
+    """`grads_plan`'s decision for a gathered backward call, and what it rests on (see [Note: gathered plans])."""
+
+    __slots__ = ("spec", "phase", "cuda", "switches", "part", "scales_contiguous")
+
+    def __init__(self, spec: Float8GraphSpec, phase: str, dy: torch.Tensor, w_col):
+        self.spec, self.phase, self.cuda = spec, phase, dy.is_cuda
+        self.switches = _switch_state()
+        self.part = None if w_col is None else weakref.ref(w_col)
+        self.scales_contiguous = None if w_col is None else w_col.scale_inv.is_contiguous()
+
+    def holds(self, dy: torch.Tensor, w_col) -> bool:
+        """Whether this call (of the plan's configuration, shapes and forward answer; `w_col` the weight's
+        columnwise part read now, None without dgrad) would be decided the same way."""
+        if dy.is_cuda is not self.cuda or self.switches != _switch_state():
+            return False
+        if w_col is None:
+            return self.part is None
+        return (self.part is not None and self.part() is w_col and w_col.data.is_contiguous()
+                and w_col.scale_inv.is_contiguous() is self.scales_contiguous)
+
+
+def grads_plan(spec: Float8GraphSpec, dy: torch.Tensor, w_col, need_dgrad: bool,
+               fast: int = FAST_PATH) -> GatheredGradsPlan | None:
+    """The plan of a gathered backward call (`gathered_grads`' checks), or None where the weight's part is not one
+    this spec makes (the general path runs)."""
+    if need_dgrad and not _part_fits(w_col, spec.weight):
+        return None
     if spec.per_tensor and _cpp_phase(dy):
+        phase = _TENSOR_OP
+    elif (not spec.per_tensor and _block_phase_op(dy, fast)
+          and (not need_dgrad or _block_part_scales_fit(w_col, spec.weight.block_dim == 2))):
+        phase = _BLOCK_OP_PHASE
+    else:
+        phase = _PYTHON
+    return GatheredGradsPlan(spec, phase, dy, w_col if need_dgrad else None)
+
+
+def run_grads(plan: GatheredGradsPlan, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
+              w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
+              b_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`gathered_grads`' result of a call `plan` holds for."""
+    spec, phase = plan.spec, plan.phase
+    wc, wcs = (w_col.data, w_col.scale_inv) if need_dgrad else (None, None)
+    xi, g = spec.input, spec.grad_output
+    if phase is _TENSOR_OP:
         return list(cuda_fp8_tensor.linear_op("fp8_linear_grads")(
             dy, x_saved, xcs, wc, wcs, xi.dtype, xi.amax_epsilon, xi.power_2_scale, g.dtype, g.amax_epsilon,
             g.power_2_scale, spec.save_original_input, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype))
-    if (not spec.per_tensor and _block_phase_op(dy, fast)
-            and (not need_dgrad or _block_part_scales_fit(w_col, spec.weight.block_dim == 2))):
+    if phase is _BLOCK_OP_PHASE:
         return list(cuda_fp8_block.linear_op("fp8_block_linear_grads")(
             dy, x_saved, xcs, wc, wcs, xi.dtype, xi.amax_epsilon, xi.power_2_scale, g.dtype, g.amax_epsilon,
             g.power_2_scale, spec.weight.block_dim, spec.save_original_input, need_dgrad, need_wgrad, need_bgrad,
@@ -768,3 +877,18 @@ def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tenso
     grads = _grads(spec, dy, x_saved, xcs, wc, wcs, need_dgrad, need_wgrad, need_bgrad, torch.Size(x_shape),
                    w_dtype, b_dtype)
     return [t if t is not None else dy.new_empty(0) for t in grads]
+
+
+def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
+                   w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
+                   b_dtype: torch.dtype, fast: int = FAST_PATH) -> list[torch.Tensor] | None:
+    """`linear_function.linear_grads` of a call `gathered_forward` ran (x_saved: x's columnwise data with its
+    scale_inv xcs, or x's `[M, K]` view under save_original_input; `w_col` the gathered weight's columnwise part
+    where dgrad runs; `fast` the forward's `_fast_call` answer), as this module's ops (on CUDA one op, see
+    `gathered_cpp_ops`): [dx in `x_shape`, dW, db], an empty tensor for a gradient not asked for (the gathered op's
+    outputs), or None where the weight's part is not one this spec makes (the general path runs). `grads_plan` then
+    `run_grads` ([Note: gathered plans])."""
+    plan = grads_plan(spec, dy, w_col, need_dgrad, fast)
+    if plan is None:
+        return None
+    return run_grads(plan, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype)

@@ -46,6 +46,8 @@ class _Baseline:
         import torch._functorch.config
         import torch._inductor.config
 
+        import hybridq  # noqa: F401 (a job's process imports it, which installs its Inductor pass: compiled_amax.py)
+
         self.env = dict(os.environ)
         self.dtype = torch.get_default_dtype()
         self.deterministic = (torch.are_deterministic_algorithms_enabled(),
