@@ -17,14 +17,17 @@ output) per weight alike; and the step's host time."""
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridq
 from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, unit_cast, unit_fill
@@ -76,6 +79,36 @@ def build(args, device, world: int):
     return model
 
 
+class _OpCount(TorchDispatchMode):
+    """aten ops dispatched (a kernel launch each on a GPU; views and storage swaps apart)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.overloadpacket in (torch.ops.aten.set_, torch.ops.aten.detach,
+                                                        torch.ops.aten.alias)):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(counting, name, fn, a, k):
+    mode, prof, counts = counting
+    c = counts.setdefault(name, {"aten ops": 0, "python calls": 0})
+    before = mode.kernels
+    prof.enable()
+    try:
+        with mode:
+            return fn(*a, **k)
+    finally:
+        prof.disable()
+        c["aten ops"] += mode.kernels - before
+        stats = pstats.Stats(prof)
+        c["python calls"] += stats.total_calls
+        prof.clear()
+
+
 def run(args, world: int) -> dict:
     device = torch.device(args.device)
     models = {name: build(args, device, world) for name in SETTINGS}
@@ -88,8 +121,12 @@ def run(args, world: int) -> dict:
     current, timing = [None], [False]
     pre, post = HybridWeight._pre_hook, HybridWeight.fsdp_post_all_gather
 
+    counting: list = []  # (during the counting steps: [dispatch mode, cProfile, {setting: counts}])
+
     def timed(hook, fn):
         def call(*a, **k):
+            if counting and hook == "unshard":  # (FSDP2's unshard calls: the hooks inside them)
+                return _counted(counting, current[0], fn, a, k)
             t0 = time.perf_counter()
             result = fn(*a, **k)
             dt = time.perf_counter() - t0
@@ -108,8 +145,9 @@ def run(args, world: int) -> dict:
         g = torch.Generator().manual_seed(1)
         for step in range(args.warmup + args.steps):
             timing[0] = step >= args.warmup
-            for ts in times.values():
-                ts.append(0.0)
+            if timing[0]:
+                for ts in times.values():
+                    ts.append(0.0)
             x = torch.randn(args.rows, args.dim, generator=g).to(device)
             order = list(SETTINGS) if step % 2 == 0 else list(SETTINGS)[::-1]  # (neither always runs first)
             for name in order:
@@ -123,6 +161,16 @@ def run(args, world: int) -> dict:
                     steps[name].append(time.perf_counter() - t0)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+        counting[:] = [_OpCount(), cProfile.Profile(), {}]
+        for name in SETTINGS:  # (deterministic: aten ops and Python calls inside FSDP2's unshards, per weight)
+            unit_fill.set_unit_fill(SETTINGS[name]["fill"])
+            for _ in range(args.count_steps):
+                current[0] = name
+                models[name](x).float().square().mean().backward()
+                opts[name].step()
+                opts[name].zero_grad(set_to_none=True)
+        counts = counting[2]
+        counting.clear()
     finally:
         HybridWeight._pre_hook, HybridWeight.fsdp_post_all_gather = pre, post
         FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard = unshard, wait
@@ -137,6 +185,8 @@ def run(args, world: int) -> dict:
         us = [t * 1e6 / weights for t in per_step]  # (per weight: each step's sum over the unit's calls)
         result["us_per_call"][f"{name}: {hook} {phase}"] = {"median": statistics.median(us),
                                                             "mean": statistics.fmean(us)}
+    div = weights * args.count_steps
+    result["per_weight_and_unshard"] = {name: {k: v / div for k, v in c.items()} for name, c in counts.items()}
     for name, ts in steps.items():
         result["step_host_ms"][name] = statistics.median(ts) * 1e3
         result["unit_filled"][name] = sum(p._local_tensor._hq.counters["unit_filled"]
@@ -153,6 +203,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--count-steps", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.distributed.is_initialized():
@@ -173,6 +224,9 @@ def main(argv=None) -> dict:
               f"{args.steps} steps")
         for key, v in result["us_per_call"].items():
             print(f"{key:26s} {v['median']:8.1f} us per weight (median of the steps; mean {v['mean']:.1f})")
+        for name, c in result["per_weight_and_unshard"].items():
+            print(f"{name}: per weight and step, inside FSDP2's unshards: " +
+                  ", ".join(f"{v:.1f} {k}" for k, v in c.items()))
         for name, ms in result["step_host_ms"].items():
             print(f"{name}: step host {ms:.2f} ms (median), unit-filled weights {result['unit_filled'][name]}")
         if args.json:

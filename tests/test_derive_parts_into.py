@@ -17,6 +17,8 @@ from hybridq.formats.base import transposed_copies_into, transposed_copy_into
 
 C = "columnwise"
 PER_TENSOR = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_pow2", "fp8_e5m2_pow2"]
+TILES = ["fp8blk_128x128_e4m3"]
+BATCHES = [[n] for n in PER_TENSOR + TILES] + [PER_TENSOR]
 # a unit's weight shapes (q, k, v, o, up, down of tests/distributed/_unit_cast_jobs.py) and odd ones
 SHAPES = [(64, 64), (48, 64), (80, 64), (64, 192), (192, 64), (3, 130), (257, 200), (1, 33)]
 
@@ -47,7 +49,7 @@ def _items(names, device="cpu"):
     return items
 
 
-@pytest.mark.parametrize("names", [[n] for n in PER_TENSOR] + [PER_TENSOR], ids=lambda n: "+".join(n))
+@pytest.mark.parametrize("names", BATCHES, ids=lambda n: "+".join(n))
 def test_derived_at_once_equals_derived_one_by_one(names):
     items = _items(names)
     want = []
@@ -61,17 +63,21 @@ def test_derived_at_once_equals_derived_one_by_one(names):
 
 
 @pytest.mark.parametrize("bad", ["delayed_scaling", "same_direction", "other_format", "scale_shape"])
-def test_an_item_not_so_derived_declines_the_batch_before_anything_is_written(bad):
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8blk_128x128_e4m3"])
+def test_an_item_not_so_derived_declines_the_batch_before_anything_is_written(name, bad):
     """One item the batch cannot take (the last): False, and no item written (its own `derive_part_into` then
     declines it, or raises naming the shapes)."""
-    items = _items(["fp8_e4m3"])
+    items = _items([name])
     q, r, into = items[-1]
     if bad == "delayed_scaling":
-        q.scaling = Scaling.DELAYED
+        if name != "fp8_e4m3":
+            q.block_dim = 1  # (1x128 blocks: derived by no transpose)
+        else:
+            q.scaling = Scaling.DELAYED
     elif bad == "same_direction":
         items[-1] = (q, r, q.quantize_parts(_weight(SHAPES[-1], 99), True, False)[0])
     elif bad == "other_format":
-        items[-1] = (FORMATS["fp8blk_128x128_e4m3"](), r, into)
+        items[-1] = (FORMATS["fp8_e4m3" if name != "fp8_e4m3" else "fp8blk_128x128_e4m3"](), r, into)
     else:
         into.scale_inv = torch.zeros(2, dtype=into.scale_inv.dtype)
     before = [_bytes_of(i) for _, _, i in items]
@@ -141,7 +147,7 @@ def test_cuda_list_transpose_refuses_a_bad_pair_before_launching():
 
 
 @gpu
-@pytest.mark.parametrize("names", [PER_TENSOR], ids=lambda n: "+".join(n))
+@pytest.mark.parametrize("names", [PER_TENSOR, TILES], ids=lambda n: "+".join(n))
 def test_cuda_derived_at_once_equals_reference(names):
     """On CUDA (the kernels' quantization, the list transpose): bitwise each weight's CPU reference derivation."""
     items = _items(names, device="cuda")

@@ -166,7 +166,9 @@ def pending_post_all_gathers(link: FSDPLink) -> list[tuple[torch.Tensor, object,
             if metadata is None:
                 continue
             try:
-                outputs = p._unflatten_all_gather_outputs()
+                sizes, outputs = ext.all_gather_input_sizes, p.all_gather_outputs
+                if not (len(sizes) == 1 == len(outputs) and len(sizes[0]) == 1):
+                    outputs = p._unflatten_all_gather_outputs()  # (one 1-D input: its output as it is, no view)
                 local = p._sharded_local_tensor
             except Exception:  # noqa: BLE001 - internals differ: this one is left to its own hook
                 continue

@@ -107,7 +107,7 @@ def _run(members: list) -> list:
     filled, dsts, copy_srcs = [], [], []
     for m in members:
         st, _, _, (r, ss) = m
-        if any(m is x for x in declined):
+        if declined and any(m is x for x in declined):
             continue
         for (t, _, _), s in zip(r.copies, ss):
             dsts.append(t)

@@ -11,7 +11,7 @@ import torch
 from ._numerics import (FP8_MAX, FP8_NAMES, block_amax, expand_blocks, expand_tiles, fp8_dtype, rcp,
                         satfinite_fp8, scale_from_amax, tile_amax)
 from ._sharding import StatsLayout, col_block_amax, cut_stats, expand_rows, full_col_block_amax, tile_amax_rows
-from .base import transposed_copy, transposed_copy_into
+from .base import transposed_copies_into, transposed_copy, transposed_copy_into
 from .float8_groups import transpose_groups
 from .block import BlockScaledPart, BlockScaledQuantizer
 
@@ -241,6 +241,20 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
                              f"{tuple(into.scale_inv.shape)} are not the transpose {want} of the {part.direction} one's")
         transposed_copy_into(part.data, into.data)
         into.scale_inv.copy_(part.scale_inv.t())
+        return True
+
+    def derive_parts_into(self, items, dtype=None) -> bool:
+        """`derive_part_into(part, into)` for every `(q, part, into)` of `items` (each `q` a 128x128-tile quantizer of
+        this type: several weights' parts, [Note: unit fill], distributed/unit_fill.py), every item checked before any
+        is written: the byte transposes in one call of the device's list transpose, the tile-scale grids' transposes
+        in one `_foreach_copy_`. False, nothing written, where an item is not so derived (its own `derive_part_into`
+        then declines it or raises)."""
+        for q, part, into in items:
+            if type(q) is not type(self) or q.block_dim != 2 or part.direction == into.direction \
+                    or into.block_dim != 2 or tuple(into.scale_inv.shape) != tuple(reversed(part.scale_inv.shape)):
+                return False
+        transposed_copies_into([(part.data, into.data) for _, part, into in items])
+        torch._foreach_copy_([into.scale_inv for _, _, into in items], [part.scale_inv.t() for _, part, _ in items])
         return True
 
     def derive_experts_into(self, rows, cols, dtype=None):
