@@ -52,9 +52,12 @@ __all__ = ["PreparedPayload", "set_unit_cast", "unit_cast_enabled", "unit_payloa
 # launch: a tile table over the unit's weights) into its payload and its tile-scale grid into one fp32 buffer. A
 # shard holds whole tiles where its row boundaries fall on tile rows (or end the tensor): its tiles' amaxes are its
 # own, so their bytes are the plain quantization of its rows (what the per-weight path's device kernel does too);
-# the scale grid it carries is then the whole tensor's, every tile's, from the reduced statistics
-# (`shard_scale_inv`, as the per-weight path). A shard whose boundary splits a tile (rows not a multiple of 128 at a
-# rank's edge: a tile's amax spans two ranks) is left to the per-weight path, as is an empty one.
+# the scale grid it carries is then the whole tensor's, every tile's, from the reduced statistics (what
+# `shard_scale_inv` gives; the grids of a unit's weights with equal quantizers computed in one set of elementwise
+# ops: `tile_scale_inv`). A shard whose boundary splits a tile (rows not a multiple of 128 at a rank's edge: a
+# tile's amax spans two ranks) is left to the per-weight path, as is an empty one. The bytes and scales are bitwise
+# the per-weight path's (`quantize_fp8_block_tensors` is that path looped on the CPU; its CUDA kernel is checked
+# against the per-weight CUDA path: tests/test_fp8_block_tensors.py). The switch covers both kinds.
 
 ENABLED = Switch("HYBRIDQ_UNIT_CAST")
 
