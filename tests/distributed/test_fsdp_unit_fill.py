@@ -171,3 +171,21 @@ def test_the_switch_turns_the_unit_fill_off(one_rank):
         assert sum(jobs.counters(m)["unit_filled"].values()) == 0
     finally:
         unit_fill.set_unit_fill(was)
+
+
+# ---- on a GPU: the CUDA kernels' quantization, the list transpose, one record_stream per storage --------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block"])
+def test_gpu_training_is_bitwise_the_per_weight_path(preset):
+    """CUDA, NCCL world 1 (FSDP2 copies each input into its output; the hooks run one after another): every gathered
+    part, loss and gradient bitwise the switch off, every replay from the second step on a unit's fill."""
+    from _gpu import extension_ready
+    from _harness import nccl_devices
+
+    if not (nccl_devices(1) and extension_ready()):
+        pytest.skip("needs a CUDA device, NCCL and the extension")
+    (counts,) = spawn(jobs.parity, 1, "nccl", preset=preset, steps=STEPS)
+    for key in ("on", "off"):
+        counts[key] = {k: dict(v) for k, v in counts[key].items()}
+    _filled_as_unit(counts, f"CUDA world 1, {preset}")
