@@ -5,9 +5,10 @@ unit_cast.py).
 
 `quantize_fp8_block_tensors` runs the extension's `hybridq::fp8_block_tensors_quantize` (csrc/fp8_block_tensors.cu:
 one launch per 16 tensors, one CTA per tile, the cast to the gather dtype done in registers) where every tensor is a
-contiguous 2-D fp32 CUDA tensor and the extension is built; elsewhere the reference: per tensor, exactly what the
-per-weight path does with a whole tensor (`x.to(param_dtype)`, then the Float8BlockQuantizer reference of its
-rowwise part). Bitwise the same bytes and scales either way (tests/test_fp8_block_tensors.py on the GPU).
+contiguous 2-D fp32 CUDA tensor and the extension is built; elsewhere `reference`: per tensor, exactly what the
+per-weight path does with a whole tensor (`x.to(param_dtype)`, then the quantizer's rowwise part: on the CPU the
+Float8BlockQuantizer reference, on a GPU its device kernel where it takes the tensor). Bitwise the same bytes and
+scales either way (tests/test_fp8_block_tensors.py on the GPU).
 """
 
 from __future__ import annotations
@@ -80,17 +81,19 @@ def _cuda_takes(xs, param_dtype) -> bool:
 
 def reference(xs: Sequence[torch.Tensor], param_dtype: torch.dtype, quantizers, regions
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-weight path looped: tensor i is `xs[i].to(param_dtype)` quantized whole by the Float8BlockQuantizer
-    reference (its rowwise part: bytes in row order, its tile scale_inv grid)."""
+    """The per-weight path looped: tensor i is `xs[i].to(param_dtype)` quantized whole as the per-weight path
+    quantizes it (`quantize_parts`, its rowwise part: bytes in row order, its tile scale_inv grid; on the CPU the
+    Float8BlockQuantizer reference)."""
     device = xs[0].device
     offsets, n = scale_slots([tuple(x.shape) for x in xs])
     out = torch.zeros(sum(regions), dtype=torch.uint8, device=device)
     scales = torch.zeros(n, dtype=torch.float32, device=device)
     offset = 0
     for x, q, r, s in zip(xs, quantizers, regions, offsets):
-        part = q.reference_parts(x.to(param_dtype), True, False)[0]
-        out[offset:offset + x.numel()].copy_(part.data.view(torch.uint8).reshape(-1))
-        scales[s:s + part.scale_inv.numel()].copy_(part.scale_inv.reshape(-1))
+        if x.numel():
+            part = q.quantize_parts(x.to(param_dtype), True, False)[0]
+            out[offset:offset + x.numel()].copy_(part.data.view(torch.uint8).reshape(-1))
+            scales[s:s + part.scale_inv.numel()].copy_(part.scale_inv.reshape(-1))
         offset += r
     return out, scales
 
