@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from _harness import job_several, spawn
+from _harness import job_several, nccl_devices, spawn
 import _known_amax_jobs as jobs
 from _known_amax_jobs import CASTS_PER_BLOCK, KNOWN_PER_BLOCK, LAYERS
 
@@ -41,3 +41,17 @@ def test_compiled_casts_take_the_producers_max_cpu(results, case):
 def test_compiled_step_with_known_max_is_bitwise_eager_cpu(results, case):
     r = results[case]
     assert not r["diffs"], f"{case}: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not nccl_devices(1), reason="needs a CUDA device + NCCL")
+def test_compiled_casts_take_the_kernels_max_gpu():
+    """nccl, world size 1, Inductor: the norm / SwiGLU kernels' max|y| handed to the extension's cast
+    (`hybridq::fp8_tensor_quantize` with its amax argument), bitwise the eager model (whose casts take it through
+    known_amax)."""
+    out = spawn(job_several, 1, "nccl", jobs={"inductor": (_JOB, {}), "inductor, non-finite input": (
+        _JOB, {"nonfinite": True})})[0]
+    for name, r in out.items():
+        assert not r["diffs"], f"{name}: compiled differs from eager:\n" + "\n".join(r["diffs"][:20])
+        assert r["known"] and all(k == KNOWN_PER_BLOCK * LAYERS for k in r["known"]), \
+            f"{name}: casts handed a max|x| per step {r['known']}, want {KNOWN_PER_BLOCK * LAYERS}"
