@@ -13,6 +13,7 @@ import pytest
 
 import hybridq.distributed.grouped_blocks_batched  # noqa: F401 (the modules that hold switches)
 import hybridq.distributed.grouped_blocks_payload  # noqa: F401
+import hybridq.distributed.grouped_fast  # noqa: F401
 import hybridq.distributed.unit_cast  # noqa: F401
 import hybridq.kernels.grouped_blocks  # noqa: F401
 import hybridq.kernels.grouped_emulated  # noqa: F401
@@ -30,7 +31,7 @@ DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 SWITCHES_PY = DOCS.parent / "hybridq" / "switches.py"
 EXPECTED = {"HYBRIDQ_BLOCK_GEMM_OP", "HYBRIDQ_BLOCK_LINEAR_OP", "HYBRIDQ_SLOT_LAYOUT_KERNEL",
             "HYBRIDQ_TILE_PAYLOAD_KERNEL", "HYBRIDQ_EAGER_FAST_PATH", "HYBRIDQ_GROUPED_BLOCK_CUBLAS",
-            "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_EMULATED_GEMM", "HYBRIDQ_GROUPED_SLOT_QUANTIZE",
+            "HYBRIDQ_GROUPED_BLOCK_GEMM", "HYBRIDQ_GROUPED_FAST_HOOKS", "HYBRIDQ_GROUPED_EMULATED_GEMM", "HYBRIDQ_GROUPED_SLOT_QUANTIZE",
             "HYBRIDQ_LINEAR_CPP_OPS", "HYBRIDQ_NATIVE_GEMMS", "HYBRIDQ_STACKED_BLOCK_GATHER",
             "HYBRIDQ_SHARED_INPUT_QUANTIZATION", "HYBRIDQ_STACKED_BLOCK_PAYLOAD", "HYBRIDQ_TRITON_DEQUANT_GEMM",
             "HYBRIDQ_TRITON_CACHED_LAUNCH", "HYBRIDQ_TRITON_MXFP8", "HYBRIDQ_UNIT_CAST",

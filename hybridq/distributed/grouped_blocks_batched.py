@@ -32,6 +32,7 @@ from ..formats.base import COLUMNWISE, ROWWISE, QuantizedPart
 from ..switches import Switch
 from ..torch_private import storage_id
 from .grouped_blocks_payload import StackedBlocks
+from .grouped_fast import one_local_quantizer
 from .layout import ALIGN, ExpertLayout
 from .payload import HIGH_PRECISION, GatheredViews, assemble_joined, assemble_parts
 from .plan import GatherPlan
@@ -56,10 +57,7 @@ def stacked_block_gather() -> bool:
 def stacks_blocks(qs) -> bool:
     """Whether the experts' quantizers `qs` are one block format (equal quantizers, `local_scaling`), so that every
     expert has the same buffers, and the switch is on."""
-    if not _ON.on or not qs:
-        return False
-    q0 = qs[0]
-    return q0.local_scaling and all(q is q0 or q == q0 for q in qs[1:])
+    return _ON.on and one_local_quantizer(qs)  # (once per tuple of quantizers: [Note: grouped hooks' steady state])
 
 
 def _split(part: QuantizedPart, e: int) -> dict[str, torch.Tensor] | None:

@@ -39,6 +39,7 @@ from ..formats._numerics import FP8_MAX
 from ..formats._sharding import RowShard
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..switches import Switch
+from .grouped_fast import one_local_quantizer
 from .layout import ALIGN, ExpertLayout
 from .payload import DIRECTIONS, PayloadMeta, aligned, build_payload, quantize_shard
 
@@ -141,7 +142,7 @@ def joins_blocks(qs, send, layout: ExpertLayout) -> bool:
     if not (_ON.on and layout.dim == 0 and send and qs) or any(d not in _SENDABLE for d in send):
         return False
     q0 = qs[0]
-    if not q0.local_scaling or not all(q is q0 or q == q0 for q in qs[1:]):
+    if not one_local_quantizer(qs):  # (once per tuple of quantizers: [Note: grouped hooks' steady state])
         return False
     return layout.rows % q0.split_granularity(ROWWISE in send, COLUMNWISE in send)[0] == 0
 
