@@ -10,6 +10,7 @@ median round is reported (single runs on a fresh GPU machine were seen to move b
 
     python benchmarks/bench_host.py                 # CUDA (the numbers that matter); CPU works too, as a smoke test
     python benchmarks/bench_host.py --dim 256 --json host.json --profile host_prof.txt
+    python benchmarks/bench_host.py --only "gathered op"   # the compiled Linear's gathered ops alone
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ def cases(dim: int, device: torch.device) -> list:
         ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight)", step(fsdp_fp8)),
         ("FSDP2 hybridq Linear fwd+bwd (fp8_tensorwise, gathered weight, general path)", general(step(fsdp_fp8))),
         ("FSDP2 hybridq Linear fwd+bwd (fp8_block, gathered weight)", step(fsdp_block)),
+        *gathered_op_rows(dim, device),
         ("Float8Quantizer.quantize_parts (rowwise+columnwise)", lambda: q.quantize_parts(x, True, True)),
         ("Function(empty) fwd+bwd", probe()),
         ("Function(Float8Quantizer.quantize in forward)", probe(fwd=quantize)),
@@ -293,12 +295,66 @@ def fsdp_models(dim: int, device: torch.device) -> tuple[nn.Module, nn.Module, n
     return models[0], models[1], models[2]
 
 
+def gathered_op_rows(dim: int, device: torch.device) -> list:
+    """Rows of the compiled Linear's gathered ops called as a compiled graph calls them
+    (`hybridq::gathered_linear_forward` / `_backward` on FSDP2's gathered weight's handle; fp8_tensorwise handed x's
+    parts by `hybridq::linear_input_quantize`, fp8_block quantizing x inside), with each call site's plan reused
+    (compiled_linear.py's [Note: a gathered call site's plans]) and with every call decided anew
+    (`gathered_plans(False)`, the code before). The weights: a world of one, gathered for forward and backward at
+    once (reshard_after_forward=False) and left unsharded. Call `fsdp_models` first (the process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hybridq.distributed import apply_hybrid_fsdp
+    from hybridq.nn import compiled_linear
+    from hybridq.nn.compiled_linear import gathered_plans
+
+    ops = torch.ops.hybridq
+    dt = torch.bfloat16
+    x = torch.randn(2, dim // 2, dim, device=device, dtype=dt)
+    dy = torch.randn(2, dim // 2, dim, device=device, dtype=dt)
+    rows = []
+    for recipe in ("fp8_tensorwise", "fp8_block"):
+        m = nn.Sequential(nn.Linear(dim, dim, bias=False, device=device, dtype=dt))
+        apply_hybrid_fsdp(m, recipe)
+        fully_shard(m, mesh=init_device_mesh(device.type, (1,)), reshard_after_forward=False)
+        m.unshard()
+        lin = m[0]
+        handle, key = lin.weight._handle, lin._configuration_key
+        cast = compiled_linear._shared_input_cast(key)
+        parts = {} if cast is None else dict(zip(("x_row", "x_scale_inv", "x_col"), ops.linear_input_quantize(
+            x, cast[0], cast[1], cast[2], not cast[3])))
+        y, *saved = ops.gathered_linear_forward(x, handle, None, key, None, True, True, [dim, dim], dt, **parts)
+        kept = [parts["x_col"], parts["x_scale_inv"]] if parts else saved
+
+        def fwd(handle=handle, key=key, parts=parts, m=m):  # (m: the module keeps the weight's state alive)
+            ops.gathered_linear_forward(x, handle, None, key, None, True, True, [dim, dim], dt, **parts)
+
+        def bwd(handle=handle, key=key, kept=kept):
+            ops.gathered_linear_backward(dy, None, handle, kept, key, None, True, True, False, list(x.shape),
+                                         [dim, dim], dt, dt, dt)
+
+        def decided_anew(fn):
+            def run():
+                with gathered_plans(False):
+                    fn()
+            return run
+
+        what = f"{recipe}, {'x parts handed' if parts else 'x quantized inside'}"
+        rows += [(f"compiled gathered op forward ({what})", fwd),
+                 (f"compiled gathered op forward ({what}, every call decided anew)", decided_anew(fwd)),
+                 (f"compiled gathered op backward ({recipe})", bwd),
+                 (f"compiled gathered op backward ({recipe}, every call decided anew)", decided_anew(bwd))]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--n", type=int, default=1000, help="calls per round")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median round is reported")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--only", default=None, help="run only the rows whose name contains this text (e.g. 'gathered op')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write where a hybridq Linear step spends host time (torch.profiler "
                     "self CPU time per op, cProfile per Python function) to this file")
@@ -309,7 +365,7 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}); "
           f"torch {torch.__version__}; tensors {args.dim}x{args.dim} bf16; {args.rounds} rounds of {args.n} calls\n")
-    todo = cases(args.dim, device)
+    todo = [(name, fn) for name, fn in cases(args.dim, device) if args.only is None or args.only in name]
     times: dict = {name: [] for name, _ in todo}
     for _ in range(args.rounds):
         for name, fn in todo:
@@ -325,7 +381,8 @@ def main() -> None:
         with open(args.profile, "w"):
             pass
         for row in ("hybridq Linear fwd+bwd (fp8_tensorwise)", "hybridq Linear fwd+bwd (fp8_block)"):
-            profile_linear_step(dict(todo)[row], row, device, args.profile)
+            if row in dict(todo):
+                profile_linear_step(dict(todo)[row], row, device, args.profile)
 
 
 def profile_linear_step(step, row: str, device: torch.device, path: str, n: int = 200) -> None:

@@ -105,7 +105,8 @@ TIMED = [
     ("FSDP2 post_forward", _fsdp_group_class, "post_forward", False),
     ("FSDP2 pre_backward", _fsdp_group_class, "pre_backward", False),
     ("FSDP2 post_backward", _fsdp_group_class, "post_backward", False),
-    ("compiled Linear gathered op forward (body)", _mod("hybridq.nn.compiled_linear"), "_forward", False),
+    # (the gathered forward op's whole body: its call site's plan reused, or `_forward` planning it)
+    ("compiled Linear gathered op forward (body)", _mod("hybridq.nn.compiled_linear"), "_gathered_forward", False),
     ("compiled Linear gathered op backward (body)", _mod("hybridq.nn.compiled_linear"), "_backward_grads", False),
     # the MoE layer, eager (under --compile these are traced into the graph: not timed, see EAGER_ONLY)
     ("MoE layer forward (launch/model.py MoE.forward)", lambda: _model().MoE, "forward", False),
