@@ -84,6 +84,8 @@ TIMED = [
     ("hybridq pre-all-gather hook", _cls(_W, "_PreAllGatherHook"), "__call__", True),
     ("  of which: dense weights (HybridWeight._pre_all_gather)", _cls(_W, "HybridWeight"), "_pre_all_gather", True),
     ("    of which: cast + quantize a dense shard (prepare_payload)", _mod(_W), "prepare_payload", True),
+    ("    of which: a unit's weights cast + quantized at once (unit_cast._prepare_unit)",
+     _mod("hybridq.distributed.unit_cast"), "_prepare_unit", True),
     ("  of which: grouped weights (GroupedHybridWeight._pre_all_gather)", _cls(_W, "GroupedHybridWeight"),
      "_pre_all_gather", True),
     ("    of which: experts quantized batched (prepare_batched)", _mod(_W), "prepare_batched", True),
