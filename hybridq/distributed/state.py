@@ -10,8 +10,8 @@ has) and reduces the statistics of all experts in one all-reduce.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,7 @@ from .buffers import UnshardedBuffers
 from .fsdp_adapter import FSDPLink, in_backward
 from .gathered import GroupedGatheredWeight
 from .grouped_blocks_batched import stacks_blocks
+from .grouped_fast import _ON as grouped_fast
 from .layout import ExpertLayout
 from .payload import DIRECTIONS, HIGH_PRECISION, GatheredViews, PayloadMeta, assemble_parts
 from .stats import GroupedStats, WeightStats
@@ -34,9 +35,9 @@ from .transport import GatherContext, gather_grouped_now, gather_now
 __all__ = ["ExpertWeightState", "GroupedWeightState", "KeptPayload", "WeightState"]
 
 
-@dataclasses.dataclass(frozen=True)
-class KeptPayload:
-    """A forward unshard's payload kept for the backward unshard that sends the same directions."""
+class KeptPayload(NamedTuple):
+    """A forward unshard's payload kept for the backward unshard that sends the same directions. (A NamedTuple: one
+    is made per weight per forward unshard; a frozen dataclass's __init__ costs about three times as much host time.)"""
 
     key: tuple
     payload: torch.Tensor
@@ -269,6 +270,16 @@ class GroupedWeightState(SharedState, GroupedStats):
 
     def alloc_slabs(self, dirs) -> None:
         """Allocate the stacked buffers of `dirs` (before a fill outside the ones FSDP2 allocates)."""
+        if grouped_fast.on:  # (each slab's storage and size asked once: [Note: grouped hooks' steady state])
+            key = ("sizes", tuple(dirs), len(self.slabs), len(self.experts[0].aliased) if self.experts else 0)
+            sizes = self.slabs_of.get(key)
+            if sizes is None:
+                sizes = self.slabs_of[key] = [(slab.untyped_storage(), slab.numel() * slab.element_size())
+                                              for slab in self._slabs_of(dirs)]
+            for storage, need in sizes:
+                if storage.nbytes() < need:
+                    storage.resize_(need)
+            return
         for slab in self._slabs_of(dirs):
             need = slab.numel() * slab.element_size()
             if slab.untyped_storage().nbytes() < need:

@@ -127,7 +127,7 @@ _GATHER_COUNTER = {p: f"gather_{p}" for p in Phase}  # (formatting an enum per u
 
 def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
     """Bookkeeping of an all-gather input about to be sent."""
-    sig = (tuple(inp.shape), inp.dtype)
+    sig = (inp.shape, inp.dtype)  # (a torch.Size: a tuple, compared as one)
     if link is not None and st.last_sig is not None and sig != st.last_sig:
         link.drop_all_gather_outputs()  # the payload changed size: let FSDP2 allocate new outputs
     st.last_sig = sig
