@@ -19,6 +19,7 @@ def _check(r: dict, where: str) -> None:
         assert run["graph_breaks"] == 0 and run["linear_ops"] >= 2, f"{where}: the Linears left the graph: {run}"
     assert on["forward_and_saved"] == on["linear_grads"] == 0, \
         f"{where}: the gathered ops' bodies ran the general path with the fast path on: {on}"
+    assert on["plans_made"] == 0, f"{where}: the gathered ops planned calls again after the first step: {on}"
     # (the counting sees the general path when it runs: the fast path's check above can fail)
     assert off["forward_and_saved"] > 0 and off["linear_grads"] > 0, \
         f"{where}: the general path was not counted with the fast path off: {off}"
