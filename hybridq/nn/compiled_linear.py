@@ -206,7 +206,7 @@ def _planned_forward(x, weight, bias, key, override, need_dgrad, need_wgrad, han
         plan = forward_plan(x, weight, _fast_spec(key, override), cfg, need_dgrad, need_wgrad, x_parts is not None)
         if plan is not None:
             # (the part the plan read and checked: `part` once per call)
-            y, x_saved, xcs, fast = run_forward(plan, x, plan.part(), bias, need_wgrad, x_parts)
+            y, x_saved, xcs, fast = run_forward(plan, x, plan.rowwise, bias, need_wgrad, x_parts)
             w_entry = _HANDLE_ENTRY if need_dgrad else _NONE_ENTRY
             if x_parts is not None:
                 return y, [], _fast_layout([_parts_entry(cfg, need_wgrad), w_entry], fast), plan
@@ -327,7 +327,7 @@ def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad,
         else:
             plan = grads_plan(_FAST_SPECS[key], dy, w_col, need_dgrad, fast)
             if plan is not None and sites is not None:
-                _keep(sites, lkey, (recorded, plan))
+                _keep(sites, lkey, (recorded, plan.keep(dy, w_col)))
         if plan is not None:
             x_saved, xcs = _fast_saved_input(layout[0], saved, x)
             return run_grads(plan, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype,
@@ -505,7 +505,7 @@ def _gathered_forward(x, handle, bias, key, override, need_dgrad, need_wgrad, w_
     lkey = _layout_key(key, override, need_dgrad, need_wgrad, x.shape, w_shape, x.dtype, True)
     _record_layout(lkey, layout)
     if plan is not None and sites is not None:
-        _keep(sites, skey, _ForwardSite(plan, list(w_shape), lkey, layout))
+        _keep(sites, skey, _ForwardSite(plan.keep(x, weight), list(w_shape), lkey, layout))
     return [y, *flat]
 
 

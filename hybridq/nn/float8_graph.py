@@ -708,18 +708,26 @@ _TENSOR_OP, _BLOCK_OP_PHASE, _PYTHON = "tensor op", "block op", "python"
 
 
 class GatheredForwardPlan:
-    """`forward_plan`'s decision for a gathered forward call, and what it rests on (see [Note: gathered plans])."""
+    """`forward_plan`'s decision for a gathered forward call (`rowwise`: the weight's part it read and checked),
+    and, once `keep` made it reusable, what it rests on (see [Note: gathered plans])."""
 
-    __slots__ = ("spec", "fast", "phase", "quantizers", "device_type", "cuda", "switches", "weight", "part",
-                 "scales_contiguous")
+    __slots__ = ("spec", "fast", "phase", "quantizers", "rowwise", "device_type", "cuda", "switches", "weight",
+                 "part", "scales_contiguous")
 
-    def __init__(self, spec: Float8GraphSpec, fast: int, phase: str, cfg, x: torch.Tensor, weight, part):
+    def __init__(self, spec: Float8GraphSpec, fast: int, phase: str, cfg, rowwise):
         self.spec, self.fast, self.phase = spec, fast, phase
         self.quantizers = (cfg.input_q, cfg.weight_q, cfg.grad_output_q)
+        self.rowwise = rowwise
+
+    def keep(self, x: torch.Tensor, weight) -> "GatheredForwardPlan":
+        """This plan, made reusable (`holds`): what it rests on taken now, for the call it was made for (the weight
+        and its part weakly: a kept plan keeps neither alive)."""
+        part, self.rowwise = self.rowwise, None
         self.device_type, self.cuda = x.device.type, x.is_cuda
         self.switches = _switch_state()
         self.weight, self.part = weakref.ref(weight), weakref.ref(part)
         self.scales_contiguous = part.scale_inv.is_contiguous()
+        return self
 
     def holds(self, x: torch.Tensor, part) -> bool:
         """Whether this call would be decided the same way: x of the plan's configuration, shape, dtype and device,
@@ -754,7 +762,7 @@ def forward_plan(x: torch.Tensor, weight: QuantizedTensor, spec: Float8GraphSpec
         phase = _BLOCK_OP_PHASE
     else:
         phase = _PYTHON
-    return GatheredForwardPlan(spec, fast, phase, cfg, x, weight, wr)
+    return GatheredForwardPlan(spec, fast, phase, cfg, wr)
 
 
 def run_forward(plan: GatheredForwardPlan, x: torch.Tensor, wr, bias: torch.Tensor | None, need_wgrad: bool,
@@ -808,7 +816,7 @@ def gathered_forward(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tenso
     plan = forward_plan(x, weight, spec, cfg, need_dgrad, need_wgrad, x_parts is not None)
     if plan is None:
         return None
-    return run_forward(plan, x, plan.part(), bias, need_wgrad, x_parts)  # (the part it read and checked)
+    return run_forward(plan, x, plan.rowwise, bias, need_wgrad, x_parts)
 
 
 def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.Tensor | None, shape,
@@ -821,15 +829,22 @@ def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.
 
 
 class GatheredGradsPlan:
-    """`grads_plan`'s decision for a gathered backward call, and what it rests on (see [Note: gathered plans])."""
+    """`grads_plan`'s decision for a gathered backward call, and, once `keep` made it reusable, what it rests on
+    (see [Note: gathered plans])."""
 
     __slots__ = ("spec", "phase", "cuda", "switches", "part", "scales_contiguous")
 
-    def __init__(self, spec: Float8GraphSpec, phase: str, dy: torch.Tensor, w_col):
-        self.spec, self.phase, self.cuda = spec, phase, dy.is_cuda
+    def __init__(self, spec: Float8GraphSpec, phase: str):
+        self.spec, self.phase = spec, phase
+
+    def keep(self, dy: torch.Tensor, w_col) -> "GatheredGradsPlan":
+        """This plan, made reusable (`holds`): what it rests on taken now, for the call it was made for (`w_col`,
+        the weight's columnwise part or None without dgrad, weakly)."""
+        self.cuda = dy.is_cuda
         self.switches = _switch_state()
         self.part = None if w_col is None else weakref.ref(w_col)
         self.scales_contiguous = None if w_col is None else w_col.scale_inv.is_contiguous()
+        return self
 
     def holds(self, dy: torch.Tensor, w_col) -> bool:
         """Whether this call (of the plan's configuration, shapes and forward answer; `w_col` the weight's
@@ -855,7 +870,7 @@ def grads_plan(spec: Float8GraphSpec, dy: torch.Tensor, w_col, need_dgrad: bool,
         phase = _BLOCK_OP_PHASE
     else:
         phase = _PYTHON
-    return GatheredGradsPlan(spec, phase, dy, w_col if need_dgrad else None)
+    return GatheredGradsPlan(spec, phase)
 
 
 def run_grads(plan: GatheredGradsPlan, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
