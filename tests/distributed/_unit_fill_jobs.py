@@ -17,7 +17,10 @@ from _unit_cast_jobs import D, Block, _bits, recipe
 COUNTERS = ("unit_filled", "fill_replayed", "derived_in_place", "aliased", "adopted")
 
 
-def build(device, world_size: int, preset: str = "fp8_tensorwise", mixed: bool = False) -> nn.Module:
+def build(device, world_size: int, preset: str = "fp8_tensorwise", mixed: bool = False,
+          reshard: bool = True) -> nn.Module:
+    """`reshard`: the blocks' reshard_after_forward (False: the forward unshard fills both directions, the columnwise
+    form derived; backward gathers nothing)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -28,7 +31,7 @@ def build(device, world_size: int, preset: str = "fp8_tensorwise", mixed: bool =
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in m:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(m, mesh=mesh, mp_policy=mp)
     return m
 
@@ -94,7 +97,8 @@ def compare(on: dict, off: dict, where: str) -> None:
             assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs with the unit fill"
 
 
-def parity(rank, world_size, device, preset: str = "fp8_tensorwise", mixed: bool = False, steps: int = 3) -> dict:
+def parity(rank, world_size, device, preset: str = "fp8_tensorwise", mixed: bool = False, steps: int = 3,
+           reshard: bool = True) -> dict:
     """Training with the unit fill on is bitwise training with it off; returns both runs' counters."""
     out = {}
     was = unit_fill.set_unit_fill(False)
@@ -102,10 +106,10 @@ def parity(rank, world_size, device, preset: str = "fp8_tensorwise", mixed: bool
         runs = {}
         for on in (False, True):
             unit_fill.set_unit_fill(on)
-            m = build(device, world_size, preset, mixed)
+            m = build(device, world_size, preset, mixed, reshard)
             runs[on] = train(m, device, steps)
             out[on] = counters(m)
     finally:
         unit_fill.set_unit_fill(was)
-    compare(runs[True], runs[False], f"rank {rank} of {world_size}, {preset}, mixed={mixed}")
+    compare(runs[True], runs[False], f"rank {rank} of {world_size}, {preset}, mixed={mixed}, reshard={reshard}")
     return {"on": out[True], "off": out[False]}

@@ -58,6 +58,15 @@ def test_one_rank_training_is_bitwise_the_per_weight_path(one_rank, preset, mixe
     _filled_as_unit(counts, f"world 1, {preset}")
 
 
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block"])
+def test_without_reshard_after_forward(one_rank, preset):
+    """reshard_after_forward=False: the forward unshard fills both directions (the columnwise form derived in place,
+    in the unit's batch) and backward gathers nothing; bitwise the per-weight path."""
+    counts = jobs.parity(0, 1, one_rank, preset, steps=STEPS, reshard=False)
+    _filled_as_unit(counts, f"world 1, {preset}, reshard_after_forward=False")
+    assert sum(counts["on"]["derived_in_place"].values()) > 0, "no columnwise form was derived in place"
+
+
 def test_two_ranks_training_is_bitwise_the_per_weight_path():
     from _harness import job_several
     kinds = {preset: (jobs.parity, dict(preset=preset, steps=STEPS)) for preset in ("fp8_tensorwise", "fp8_block")}
