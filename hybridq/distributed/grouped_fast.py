@@ -11,7 +11,10 @@ At every unshard the grouped weight's hooks asked, besides building the payload 
   weight and step for FP8 blocks and MXFP8;
 - which pre-all-gather path the lane takes (stacked receiver, stacked block payload) and the payload key's parts
   that do not change while the lane stays (`_grouped_payload_key`: the gather dtype, layout, directions, paths and
-  quantizers).
+  quantizers);
+- each stacked buffer's storage and size (`GroupedWeightState.alloc_slabs`, four calls per buffer);
+- per-tensor FP8's stacked fill (`grouped_batched.fill_stacked`): where the gathered rows are, which stacked views
+  each direction fills (kept per plan, as `grouped_blocks_batched._copy_kept` keeps the block formats' copies).
 
 `one_local_quantizer` answers the first once per tuple of quantizers (a layer's weight quantizers are one tuple per
 recipe, `GroupedLinear.weight_quantizers`; quantizers are not changed in place: a new recipe makes new ones, as
@@ -20,7 +23,11 @@ recipe, `GroupedLinear.weight_quantizers`; quantizers are not changed in place: 
 whenever they change) and per setting of the switch it reads (`HYBRIDQ_STACKED_BLOCK_PAYLOAD`, read at every unshard
 as before: a changed setting asks again). The payload key keeps the same parts in one tuple per lane (`payload_key`),
 so a kept payload is recognised by the same values as before: the shard's version counters and storage, and every
-part the lane fixes.
+part the lane fixes. `alloc_slabs` keeps its (storage, size) pairs beside `_slabs_of`'s answers, forgotten with them
+when the buffers are made anew. The kept stacked fill runs again only for the same plan, all-gather output (storage,
+offset, shape, dtype: the kept view of its rows reads this unshard's bytes; FSDP2 hands the hook the same output
+storage at every unshard), slot, layout and FP8 dtype, and the same stacked views (asked of the state at every
+unshard); the scales are always this unshard's.
 
 Nothing about the bytes changes: the same paths run with the same arguments (tests/distributed/
 test_fsdp_grouped_fast_hooks.py: every gathered tensor, output and gradient bitwise the switch off, over train / eval

@@ -58,7 +58,8 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
         grouped_fast.set_grouped_fast(was)
     c = st.counters
     return {"steps": steps, "lanes_flagged": len(st.__dict__.get("pre_flags", {})),
-            "reused": c.get("payload_reused", 0), "stacked_block_payloads": c.get("stacked_block_payloads", 0)}
+            "reused": c.get("payload_reused", 0), "stacked_block_payloads": c.get("stacked_block_payloads", 0),
+            "stacked_fills_kept": c.get("stacked_fills_kept", 0)}
 
 
 def _differences(case: dict, a: dict, b: dict, rank: int) -> list[str]:
@@ -190,3 +191,67 @@ def job_no_quantizer_comparisons(rank, world_size, device, preset):
             grouped_fast.set_grouped_fast(was)
         out["on" if on else "off"] = count[0]
     return out
+
+
+def job_kept_fill_follows_the_stacked_views(rank, world_size, device):
+    """Per-tensor FP8 experts, steady state on: the stacked fills run again from the kept copies per train step;
+    then the state's stacked views are made anew (new view objects of the same buffers, as after buffers are
+    re-made) and one more train step runs: how many fills ran from kept copies in it, and whether its buffers are
+    bitwise those of a fill asking everything (the same step with the steady state off on a twin layer)."""
+    out = {}
+    for on in (True, False):
+        was = grouped_fast.set_grouped_fast(on)
+        try:
+            root = _layer("fp8_tensorwise", 4, 256, False, device, world_size)
+            lin = root.lin
+            st = local_tensor(lin.weight)._hq
+            opt = torch.optim.SGD(root.parameters(), lr=0.5)
+            kept = []
+            for step in range(3):
+                if step == 2:
+                    st.__dict__.pop("stacked_views", None)
+                before = st.counters.get("stacked_fills_kept", 0)
+                snaps = []
+                real = weights_mod.GroupedHybridWeight._post_all_gather
+
+                def post(self, outputs, metadata):
+                    real(self, outputs, metadata)
+                    if self._hq is st:
+                        snaps.append(_snapshot(st))
+                weights_mod.GroupedHybridWeight._post_all_gather = post
+                try:
+                    _train(root, lin, opt, rank, step, device)
+                finally:
+                    weights_mod.GroupedHybridWeight._post_all_gather = real
+                kept.append(st.counters.get("stacked_fills_kept", 0) - before)
+        finally:
+            grouped_fast.set_grouped_fast(was)
+        out["on" if on else "off"] = {"kept": kept, "snaps": snaps}
+    diffs = []
+    for i, (a, b) in enumerate(zip(out["on"]["snaps"], out["off"]["snaps"])):
+        diffs += [d for d in (tensor_diff(a[k], b[k], f"step 2 gather {i} {k}") for k in a) if d]
+    if len(out["on"]["snaps"]) != len(out["off"]["snaps"]):
+        diffs.append(f"{len(out['on']['snaps'])} all-gathers on, {len(out['off']['snaps'])} off")
+    return {"kept_on": out["on"]["kept"], "kept_off": out["off"]["kept"], "diffs": diffs}
+
+
+def job_alloc_after_new_buffers(rank, world_size, device, preset):
+    """Steady state on: after two train steps the experts' stacked buffers are made anew and freed (as FSDP2 frees
+    them at reshard); `alloc_slabs` of every direction then: bytes of each new slab's storage against its size."""
+    was = grouped_fast.set_grouped_fast(True)
+    try:
+        root = _layer(preset, 4, 256, False, device, world_size)
+        lin = root.lin
+        st = local_tensor(lin.weight)._hq
+        opt = torch.optim.SGD(root.parameters(), lr=0.5)
+        for step in range(2):
+            _train(root, lin, opt, rank, step, device)
+        dirs = ("rowwise", "columnwise")
+        st.alloc_slabs(dirs)  # (its sizes kept for the old slabs)
+        st._stack_buffers()
+        for slab, _ in st.slabs:
+            slab.untyped_storage().resize_(0)
+        st.alloc_slabs(dirs)
+        return [[slab.untyped_storage().nbytes(), slab.numel() * slab.element_size()] for slab, _ in st.slabs]
+    finally:
+        grouped_fast.set_grouped_fast(was)

@@ -58,6 +58,39 @@ def test_steady_state_keeps_flags_per_lane_and_reuses_payloads_as_before(runs, i
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c["preset"] == "fp8_tensorwise"],
+                         ids=[IDS[i] for i, c in enumerate(CASES) if c["preset"] == "fp8_tensorwise"])
+def test_stacked_fp8_fills_run_again_from_kept_copies(runs, i):
+    """Per-tensor FP8 (the stacked fill, `grouped_batched.fill_stacked`): on, the unshards after the first of each
+    plan fill from the kept copies; off, none does."""
+    ws, results = runs
+    for rank, res in enumerate(results):
+        on, off = res[i]["on"]["stacked_fills_kept"], res[i]["off"]["stacked_fills_kept"]
+        assert on > 0 and off == 0, f"world {ws} rank {rank} {IDS[i]}: fills from kept copies on {on}, off {off}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2])
+def test_kept_stacked_fill_is_taken_only_with_the_views_it_recorded(world):
+    """Fails if the kept fill skipped its check of the stacked views (`_fill_kept`): after the state's views are
+    made anew, no fill of that step runs from kept copies, and its buffers are bitwise a fill asking everything."""
+    for rank, res in enumerate(spawn(jobs.job_kept_fill_follows_the_stacked_views, world, "gloo")):
+        kept_on, kept_off = res["kept_on"], res["kept_off"]
+        assert kept_on[1] > 0 and kept_on[2] == 0 and not any(kept_off), f"world {world} rank {rank}: fills from " \
+            f"kept copies per step on {kept_on}, off {kept_off}"
+        assert not res["diffs"], f"world {world} rank {rank}:\n" + "\n".join(res["diffs"][:10])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block"])
+def test_stacked_buffers_made_anew_are_allocated_by_their_own_sizes(preset):
+    """Fails if the kept storages and sizes of `alloc_slabs` outlived the buffers they were asked of: new stacked
+    buffers, freed, are allocated to their full size."""
+    sizes = spawn(jobs.job_alloc_after_new_buffers, 1, "gloo", preset=preset)[0]
+    assert sizes and all(have == need for have, need in sizes), f"(bytes, size) of each new slab: {sizes}"
+
+
+@pytest.mark.distributed
 def test_kept_flags_follow_the_stacked_block_payload_switch():
     """Fails if a lane's kept flags ignored the switch's setting (its check in `pre_flags` removed): turned off,
     no stacked block payload is built; turned on again, every train step builds them again."""
