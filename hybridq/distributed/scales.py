@@ -18,6 +18,7 @@ from .grouped_blocks_payload import joins_blocks
 from .layout import ExpertLayout
 from .payload import HIGH_PRECISION
 from .plan import every_plan
+from .precomputed_payloads import PrecomputedPayloads, precompute_payloads
 from .state import GroupedWeightState
 from .stats import pack_stats
 from .transport import stats_key
@@ -177,14 +178,21 @@ class PrecomputedScales:
     weights: int  # sharded weights whose statistics were reduced (a grouped weight counts once)
     values: int  # fp32 values reduced
     all_reduces: int  # collectives issued (one per process group)
+    payloads: PrecomputedPayloads | None = None  # the next forward's payloads prepared (`payloads=True`), else None
 
 
 @torch.no_grad()
-def precompute_scales(model: nn.Module) -> PrecomputedScales:
+def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: bool = True) -> PrecomputedScales:
     """Reduce the cross-shard statistics of every converted FSDP2-sharded weight of `model` in one fused
     all-reduce per process group; call it after `optimizer.step()` on every rank (it is a collective). The
     next all-gathers use them instead of one all-reduce per weight. A harmless no-op on a model that is not
-    sharded (all counts 0)."""
+    sharded (all counts 0).
+
+    `payloads=True` then also prepares the next forward unshard's all-gather payloads of the Linear weights the unit
+    cast takes, one cast + quantize per FSDP2 unit and kind (`per_unit=False`: per kind for the whole model), so the
+    forward's hooks quantize nothing (`precomputed_payloads.precompute_payloads`, [Note: precomputed payloads]); they
+    are held until that unshard, about one byte per local weight element. A weight changed before it (another
+    optimizer step, an in-place edit) is quantized anew. `HYBRIDQ_PRECOMPUTED_PAYLOADS=0` turns that part off."""
     per_group: dict = {}
     for group, device, st, key, s in _items(model):
         per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
@@ -198,4 +206,5 @@ def precompute_scales(model: nn.Module) -> PrecomputedScales:
             i += s.numel()
         values += flat.numel()
     return PrecomputedScales(weights=sum(len(v[1]) for v in per_group.values()), values=values,
-                             all_reduces=len(per_group))
+                             all_reduces=len(per_group),
+                             payloads=precompute_payloads(model, per_unit=per_unit) if payloads else None)

@@ -80,6 +80,8 @@ class PreparedPayload:
     quant: object
     payload: torch.Tensor
     meta: PayloadMeta
+    counter: str = "payload_unit"  # the counter its use adds to (precomputed_payloads.py: "payload_precomputed")
+    batch: object = None  # made before the unshard, on another stream maybe: `batch.hand_over()` as it is taken
 
 
 _TENSOR, _BLOCK = "fp8_tensor", "fp8_block"  # the kinds a batch casts (one per batch)
@@ -106,7 +108,9 @@ def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
     st = local._hq
     prepared = st.__dict__.pop("unit_prepared", None)
     if prepared is not None and key is not None and prepared.key == key and prepared.quant is lane.quant:
-        st.counters["payload_unit"] += 1
+        st.counters[prepared.counter] += 1
+        if prepared.batch is not None:
+            prepared.batch.hand_over()
         return prepared.payload, prepared.meta
     if not ENABLED.on or key is None or lane.link is None:
         return None
