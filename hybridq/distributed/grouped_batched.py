@@ -41,7 +41,7 @@ class StackedGather:
     dtype: torch.dtype  # the FP8 dtype
 
 
-def _template_metas(local, q, layout: ExpertLayout, held: int, dtype, device) -> tuple[list[PayloadMeta], int]:
+def _template_metas(local, q, layout: ExpertLayout, held: int, dtype, device) -> tuple[tuple[PayloadMeta, ...], int]:
     """Every expert's payload metadata and the slot size of a stacked gather, built once per layout (they do not
     depend on the values; the replicated scales travel in `StackedGather`, so the metas hold none)."""
     key = (layout, held, dtype, device)
@@ -59,12 +59,13 @@ def _template_metas(local, q, layout: ExpertLayout, held: int, dtype, device) ->
         meta = build_payload(q, {ROWWISE: part}, shard, shards, shape, device, pack=False)[1]
         metas.append(dataclasses.replace(meta, replicated={d: dict.fromkeys(r) for d, r in meta.replicated.items()}))
     slot = layout.slot_bytes(metas)
+    metas = tuple(metas)  # (the gather metadata holds a tuple: `tuple(metas)` is then no copy per unshard)
     cache[key] = (q, metas, slot)
     return metas, slot
 
 
 def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group, stacked: bool = False
-                    ) -> tuple[torch.Tensor, list[PayloadMeta], int, StackedGather | None] | None:
+                    ) -> tuple[torch.Tensor, list[PayloadMeta] | tuple[PayloadMeta, ...], int, StackedGather | None] | None:
     """`transport.prepare_grouped` batched over the experts (None: this weight or plan is not batched). `stacked`
     (whole experts per rank, and a receiver that fills the stacked buffers by `fill_batched`): the metadata is built
     once per layout and the scales travel in the returned `StackedGather`."""
