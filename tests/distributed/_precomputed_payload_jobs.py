@@ -1,0 +1,112 @@
+"""Jobs of test_fsdp_precomputed_payloads.py (spawned by _harness.spawn, or run in-process on one rank): the models of
+the unit cast's tests (_unit_cast_jobs: per-tensor FP8, one MXFP8 weight per unit; _unit_cast_block_jobs: 128x128
+tiles beside per-tensor FP8 weights, a tile split by a shard boundary at two ranks) trained with
+`precompute_scales(model, payloads=True)` after every optimizer step, against the per-weight path (no precomputed
+payloads, the unit cast off); every gathered rowwise part, loss, gradient and the final parameters recorded for a
+bitwise comparison. `between`: what happens after the precompute and before the next forward (an in-place edit of one
+weight, a second optimizer step)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hybridq.distributed import precompute_scales, precomputed_payloads, unit_cast
+
+import _unit_cast_block_jobs as block_jobs
+import _unit_cast_jobs as tensor_jobs
+
+COUNTERS = ("payload_precomputed", "payloads_precomputed", "unit_batches", "payload_unit", "payload_reused",
+            "stats_allreduce")
+# model -> (build(device, world_size), input width, the weight edited in place by `between="edit"`)
+MODELS = {
+    "fp8_tensorwise": (lambda d, ws: tensor_jobs.build(d, ws), tensor_jobs.D, "0.v"),
+    "fp8_tensorwise_mxfp8_o": (lambda d, ws: tensor_jobs.build(d, ws, mixed=True), tensor_jobs.D, "0.v"),
+    "fp8_block_and_tensorwise": (lambda d, ws: block_jobs.build(d, ws, mixed=True), block_jobs.D, "1.up"),
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).clone().contiguous().view(torch.uint8).cpu()
+
+
+def _between(m: nn.Module, opt, how: str | None, edited: str) -> None:
+    if how == "edit":  # a user's in-place edit of one weight (its DTensor parameter: version counters move)
+        with torch.no_grad():
+            m.get_submodule(edited).weight.mul_(-2.0)
+    elif how == "extra_step":  # a second optimizer step on the same gradients: every master changes
+        opt.step()
+    elif how is not None:
+        raise ValueError(how)
+
+
+def train(model: str, device, world_size: int, steps: int, payloads: bool, per_unit: bool = True,
+          between: str | None = None) -> dict:
+    """`steps` AdamW steps, `precompute_scales(m, payloads=payloads)` after each, then `between`: every forward's
+    gathered rowwise parts, the losses, the gradients and the final parameters (bytes), the counters, and what each
+    precompute prepared."""
+    build, width, edited = MODELS[model]
+    m = build(device, world_size)
+    gathered: list = []
+    handles = tensor_jobs.record_gathered(m, gathered)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses, grads, prepared = [], [], []
+    for _ in range(steps):
+        loss = m(torch.randn(16, width, generator=g).to(device)).float().square().mean()
+        loss.backward()
+        losses.append(_bits(loss))
+        grads.append([_bits(p.grad.full_tensor()) for p in m.parameters()])
+        opt.step()
+        pre = precompute_scales(m, payloads=payloads, per_unit=per_unit)
+        prepared.append(pre.payloads)
+        _between(m, opt, between, edited)
+        opt.zero_grad()
+    for h in handles:
+        h.remove()
+    params = [_bits(p.full_tensor()) for p in m.parameters()]
+    return {"gathered": gathered, "losses": losses, "grads": grads, "params": params, "prepared": prepared,
+            "counters": {k: tensor_jobs.counters(m, k) for k in COUNTERS}}
+
+
+def compare(got: dict, want: dict, where: str) -> None:
+    """Every gathered part, loss, gradient and final parameter of `got` bitwise `want`'s."""
+    assert len(got["gathered"]) == len(want["gathered"]), \
+        f"{where}: {len(got['gathered'])} gathered weights recorded vs {len(want['gathered'])} on the per-weight path"
+    for i, ((n1, a), (n2, b)) in enumerate(zip(got["gathered"], want["gathered"])):
+        assert n1 == n2 and a.keys() == b.keys(), f"{where}: gathered weight #{i} is {n1} {list(a)} vs {n2} {list(b)}"
+        for t in a:
+            assert torch.equal(a[t], b[t]), (f"{where}: gathered {n1} {t} (#{i}) differs from the per-weight path's "
+                                             f"in {(a[t] != b[t]).sum().item()} bytes")
+    for s, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        assert torch.equal(a, b), f"{where}: the loss of step {s} differs from the per-weight path's"
+    for s, (ga, gb) in enumerate(zip(got["grads"], want["grads"])):
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            assert torch.equal(a, b), f"{where}: the gradient of parameter {i} at step {s} differs"
+    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
+        assert torch.equal(a, b), f"{where}: parameter {i} after training differs"
+
+
+def parity(rank, world_size, device, model: str, steps: int = 3, per_unit: bool = True,
+           between: str | None = None) -> dict:
+    """Training with precomputed payloads is bitwise the per-weight path (no precomputed payloads, the unit cast
+    off), with the same `between`; returns the counters and what each precompute prepared (JSON)."""
+    was = unit_cast.set_unit_cast(False)
+    try:
+        want = train(model, device, world_size, steps, payloads=False, between=between)
+    finally:
+        unit_cast.set_unit_cast(was)
+    got = train(model, device, world_size, steps, payloads=True, per_unit=per_unit, between=between)
+    compare(got, want, f"rank {rank} of {world_size}, {model}, per_unit={per_unit}, between={between}")
+    assert all(p is None for p in want["prepared"]), f"payloads=False prepared payloads: {want['prepared']}"
+    return {"counters": got["counters"], "reference": want["counters"],
+            "prepared": [dict(weights=p.weights, batches=p.batches, bytes=p.bytes) for p in got["prepared"]]}
+
+
+def switched_off(rank, world_size, device, model: str, steps: int = 2) -> dict:
+    """`HYBRIDQ_PRECOMPUTED_PAYLOADS` off: `payloads=True` prepares nothing; training bitwise the per-weight path."""
+    was = precomputed_payloads.set_precomputed_payloads(False)
+    try:
+        return parity(rank, world_size, device, model, steps)
+    finally:
+        precomputed_payloads.set_precomputed_payloads(was)
