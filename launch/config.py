@@ -76,6 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(hybridq.apply_hybrid_fsdp); high_precision: in param_dtype, each Linear quantizing its "
                         "gathered weight itself every call (hybridq.convert_linears; twice the all-gather bytes of "
                         "FP8). Not with --moe")
+    g.add_argument("--precompute-payloads", default="per_unit", choices=["per_unit", "per_model", "off"],
+                   help="after each optimizer step, prepare the next forward's all-gather payloads of the weights the "
+                        "unit cast takes (per-tensor FP8, 128x128 tiles) with hybridq.precompute_scales(payloads=True): "
+                        "one cast + quantize per FSDP2 unit (per_unit) or per model (per_model), so the forward's "
+                        "hooks quantize nothing; held until the forward unshard (~1 byte per local weight element); "
+                        "off: each forward unshard quantizes")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=128, help=f"model width (multiple of {ALIGN})")
     g.add_argument("--n-layers", type=int, default=2, help="decoder blocks (one FSDP2 unit each)")

@@ -7,7 +7,8 @@ CPU (gloo) when no GPU is present, one process per GPU with NCCL otherwise; the 
 `--recipe` is any hybridq preset or `bf16` (the unquantized baseline: bf16 parameters and activations, fp32
 gradient reduction, exactly what the quantized runs use around their GEMMs). The quantized Linear layers
 are set up by `hybridq.apply_hybrid_fsdp` before `fully_shard` (per block, then the root), and
-`hybridq.precompute_scales` runs after every optimizer step.
+`hybridq.precompute_scales` runs after every optimizer step (with the next forward's all-gather payloads:
+`--precompute-payloads`).
 
 Determinism: the initial weights, the batches (a pure function of seed and step), the learning rate (a pure
 function of step) and the random stream of each step (reseeded from seed, step and rank) do not depend on
@@ -193,7 +194,7 @@ def start_state(recipe_name: str, ck: dict, model, optimizer, args, env: Env, ou
 
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantized: bool) -> torch.Tensor:
     """One optimizer step on the batch (x, y) already on the device: forward, cross-entropy, backward, gradient
-    clipping, AdamW, and (quantized runs) the next all-gathers' scales. Returns the loss tensor without waiting
+    clipping, AdamW, and (quantized runs) the next all-gathers' scales and forward payloads. Returns the loss tensor without waiting
     for it (benchmarks/profile_step.py times and profiles exactly this)."""
     mark_cuda_graph_step(args)
     logits = model(x)
@@ -204,8 +205,9 @@ def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantiz
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if quantized:  # the next all-gathers' global amaxes, one fused all-reduce
-        hybridq.precompute_scales(model)
+    if quantized:  # the next all-gathers' global amaxes, one fused all-reduce (and the next forward's payloads)
+        hybridq.precompute_scales(model, payloads=args.precompute_payloads != "off",
+                                  per_unit=args.precompute_payloads == "per_unit")
     return loss
 
 
