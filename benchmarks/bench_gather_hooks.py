@@ -1,6 +1,7 @@
 """Host time of hybridq's FSDP2 all-gather hooks per weight (pre- and post-all-gather, forward and backward unshards
 apart) with the per-unit paths on and off: the unit cast ([Note: unit cast]) and the unit fill ([Note: unit fill]).
-One model per setting (same weights, same steps), their steps interleaved; a `time.perf_counter` pair around each
+One model per setting (same weights, same steps), their steps interleaved; a pair of clock reads (--clock thread:
+this thread's CPU time, `time.thread_time`, so other processes on a loaded machine do not count; wall) around each
 hook call (on CUDA the hook's host time, kernels queued), summed per step and divided by the weights (a unit's first
 hook does the unit's work: per call the hooks differ); the median over the steps.
 
@@ -111,6 +112,7 @@ def _counted(counting, name, fn, a, k):
 
 def run(args, world: int) -> dict:
     device = torch.device(args.device)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     models = {name: build(args, device, world) for name in SETTINGS}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -127,9 +129,9 @@ def run(args, world: int) -> dict:
         def call(*a, **k):
             if counting and hook == "unshard":  # (FSDP2's unshard calls: the hooks inside them)
                 return _counted(counting, current[0], fn, a, k)
-            t0 = time.perf_counter()
+            t0 = clock()
             result = fn(*a, **k)
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if timing[0]:
                 times[(current[0], hook, "B" if in_backward() else "F")][-1] += dt
             return result
@@ -153,12 +155,12 @@ def run(args, world: int) -> dict:
             for name in order:
                 current[0] = name
                 unit_fill.set_unit_fill(SETTINGS[name]["fill"])
-                t0 = time.perf_counter()
+                t0 = clock()
                 models[name](x).float().square().mean().backward()
                 opts[name].step()
                 opts[name].zero_grad(set_to_none=True)
                 if timing[0]:
-                    steps[name].append(time.perf_counter() - t0)
+                    steps[name].append(clock() - t0)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
         counting[:] = [_OpCount(), cProfile.Profile(), {}]
@@ -176,7 +178,7 @@ def run(args, world: int) -> dict:
         FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard = unshard, wait
         unit_fill.set_unit_fill(fill_was)
     result = {"preset": args.preset, "dim": args.dim, "units": args.units, "world": world, "device": str(device),
-              "torch": torch.__version__, "steps": args.steps, "unit_cast": unit_cast.unit_cast_enabled(),
+              "torch": torch.__version__, "steps": args.steps, "clock": args.clock, "unit_cast": unit_cast.unit_cast_enabled(),
               "us_per_call": {}, "step_host_ms": {}, "unit_filled": {}}
     weights = 7 * args.units
     for (name, hook, phase), per_step in times.items():
@@ -204,6 +206,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--count-steps", type=int, default=2)
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="thread: this thread's CPU time (a loaded machine's other processes do not count); wall")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.distributed.is_initialized():
@@ -221,7 +225,7 @@ def main(argv=None) -> dict:
     if torch.distributed.get_rank() == 0:
         print(f"bench_gather_hooks.py: {result['preset']}, dim {args.dim}, {args.units} units of 7, world {world}, "
               f"{result['device']}, torch {result['torch']}, unit cast {'on' if result['unit_cast'] else 'off'}, "
-              f"{args.steps} steps")
+              f"{args.steps} steps, clock {args.clock}")
         for key, v in result["us_per_call"].items():
             print(f"{key:26s} {v['median']:8.1f} us per weight (median of the steps; mean {v['mean']:.1f})")
         for name, c in result["per_weight_and_unshard"].items():

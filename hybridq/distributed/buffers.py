@@ -202,14 +202,16 @@ class UnshardedBuffers:
                                                  tuple(copies), aliased, derived, q, dtype)
 
     def replay_fill(self, meta, plan, out: torch.Tensor, q: Quantizer | None = None,
-                    dtype: torch.dtype | None = None) -> bool:
+                    dtype: torch.dtype | None = None, ready: tuple | None = None) -> bool:
         """The recorded fill (`record_fill`) again, where the all-gather output is the same storage at the same place,
         the payload's layout (its list of buffers: one object per quantizer, shard, shape and directions,
         `payload.build_payload(memo=)`) and the plan are the ones it was made for and no own tensor was re-pointed
         since: the aliased tensors still view `out`, the replicated tensors are copied again (their values change),
         a derived direction is derived again into its own tensors (which must still hold the storages recorded, now
-        allocated: FSDP2's inner tensors). False, nothing done: fill as usual."""
-        ready = self.replay_ready(meta, plan, out, q, dtype)
+        allocated: FSDP2's inner tensors). False, nothing done: fill as usual. `ready`: `replay_ready`'s answer for
+        these arguments, where the caller asked it already."""
+        if ready is None:
+            ready = self.replay_ready(meta, plan, out, q, dtype)
         if ready is None:
             return False
         r, srcs = ready

@@ -61,17 +61,13 @@ def take_mark(st, metadata) -> bool:
     return mark is metadata
 
 
-def fill_unit(local, metadata, out: torch.Tensor) -> bool:
-    """Fill `local` (a HybridWeight whose recorded fill applies to `metadata` and `out`) and every later weight of its
-    unit whose recorded fill applies (see [Note: unit fill]); False, nothing done: fewer than two do, or the switch
-    is off."""
+def fill_unit(local, metadata, out: torch.Tensor, ready: tuple) -> bool:
+    """Fill `local` (a HybridWeight whose recorded fill applies to `metadata` and `out`: `ready`, its `replay_ready`)
+    and every later weight of its unit whose recorded fill applies (see [Note: unit fill]); False, nothing done:
+    fewer than two do, or the switch is off."""
     st = local._hq
     link = st.fsdp
     if not ENABLED.on or type(link) is not FSDPLink or torch.compiler.is_compiling():
-        return False
-    meta, plan, dtype, q = metadata
-    ready = st.replay_ready(meta, plan, out, q, dtype)
-    if ready is None:
         return False
     members = [(st, metadata, out, ready)]
     kind = type(local)

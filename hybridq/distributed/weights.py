@@ -343,10 +343,12 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if st.unit_filled is not None and take_mark(st, metadata):  # (filled by its unit's leader: [Note: unit fill])
             st.set_inner(plan.materialize)
             return
-        if id(plan) in st.fill_replays and (fill_unit(self, metadata, out) or  # (like the last unshard)
-                                            st.replay_fill(meta, plan, out, q, dtype)):
-            st.set_inner(plan.materialize)
-            return
+        if id(plan) in st.fill_replays:  # (like the last unshard: its fill replayed, with the unit's or alone)
+            ready = st.replay_ready(meta, plan, out, q, dtype)
+            if ready is not None and (fill_unit(self, metadata, out, ready) or
+                                      st.replay_fill(meta, plan, out, q, dtype, ready)):
+                st.set_inner(plan.materialize)
+                return
         adopt = received(out, (meta,))
         parts = complete_parts(q, assemble_output(meta, out, st.gathered_views), plan, dtype)
         first = st.gathered is None

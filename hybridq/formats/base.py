@@ -80,7 +80,7 @@ def transposed_copy_into(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def transposed_copies_into(pairs) -> None:
+def transposed_copies_into(pairs: list) -> None:
     """`transposed_copy_into(t, out)` for every `(t, out)` of `pairs`, each checked before any is written; 1-byte CUDA
     tensors in one call of the device's list transpose where it has one (a unit's derived columnwise forms, [Note:
     unit fill]), the others one by one."""
@@ -88,6 +88,12 @@ def transposed_copies_into(pairs) -> None:
         if t.dim() != 2 or tuple(out.shape) != (t.shape[1], t.shape[0]) or out.dtype != t.dtype \
                 or not out.is_contiguous() or out.device != t.device:
             transposed_copy_into(t, out)  # (raises, naming the pair; nothing written yet)
+    if not pairs:
+        return
+    if not pairs[0][0].is_cuda:  # (the CPU: transposed_copy_into's strided copy, its checks made above)
+        for t, out in pairs:
+            out.copy_(t.t())
+        return
     if len(pairs) > 1 and all(t.is_cuda and t.element_size() == 1 for t, _ in pairs) and \
             dispatch.transpose_bytes_into_list([t for t, _ in pairs], [o for _, o in pairs]):
         return
