@@ -24,7 +24,7 @@ from .stats import pack_stats
 from .transport import stats_key
 from .weights import GroupedHybridWeight, HybridWeight
 
-__all__ = ["PrecomputedScales", "precompute_scales"]
+__all__ = ["PrecomputedScales", "PrecomputedScalesAndPayloads", "precompute_scales"]
 
 
 def _sharded(p, dim0_only: bool):
@@ -178,7 +178,13 @@ class PrecomputedScales:
     weights: int  # sharded weights whose statistics were reduced (a grouped weight counts once)
     values: int  # fp32 values reduced
     all_reduces: int  # collectives issued (one per process group)
-    payloads: PrecomputedPayloads | None = None  # the next forward's payloads prepared (`payloads=True`), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecomputedScalesAndPayloads(PrecomputedScales):
+    """What `precompute_scales(model, payloads=True)` reduced and prepared."""
+
+    payloads: PrecomputedPayloads  # the next forward's payloads prepared
 
 
 @torch.no_grad()
@@ -192,7 +198,8 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
     cast takes, one cast + quantize per FSDP2 unit and kind (`per_unit=False`: per kind for the whole model), so the
     forward's hooks quantize nothing (`precomputed_payloads.precompute_payloads`, [Note: precomputed payloads]); they
     are held until that unshard, about one byte per local weight element. A weight changed before it (another
-    optimizer step, an in-place edit) is quantized anew. `HYBRIDQ_PRECOMPUTED_PAYLOADS=0` turns that part off."""
+    optimizer step, an in-place edit) is quantized anew. `HYBRIDQ_PRECOMPUTED_PAYLOADS=0` turns that part off. Returns
+    a `PrecomputedScalesAndPayloads` then (`.payloads`: what was prepared)."""
     per_group: dict = {}
     for group, device, st, key, s in _items(model):
         per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
@@ -205,6 +212,7 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
             st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
             i += s.numel()
         values += flat.numel()
-    return PrecomputedScales(weights=sum(len(v[1]) for v in per_group.values()), values=values,
-                             all_reduces=len(per_group),
-                             payloads=precompute_payloads(model, per_unit=per_unit) if payloads else None)
+    reduced = dict(weights=sum(len(v[1]) for v in per_group.values()), values=values, all_reduces=len(per_group))
+    if payloads:
+        return PrecomputedScalesAndPayloads(**reduced, payloads=precompute_payloads(model, per_unit=per_unit))
+    return PrecomputedScales(**reduced)

@@ -59,7 +59,7 @@ def train(model: str, device, world_size: int, steps: int, payloads: bool, per_u
         grads.append([_bits(p.grad.full_tensor()) for p in m.parameters()])
         opt.step()
         pre = precompute_scales(m, payloads=payloads, per_unit=per_unit)
-        prepared.append(pre.payloads)
+        prepared.append(getattr(pre, "payloads", None))  # (a PrecomputedScalesAndPayloads where asked)
         _between(m, opt, between, edited)
         opt.zero_grad()
     for h in handles:
