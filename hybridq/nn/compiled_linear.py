@@ -64,7 +64,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride
 from ..tensor import QuantizedTensor, count_backward_pass, flatten_quantized, unflatten_quantized
 from .graph_keys import ConfigurationKeys
-from .float8_graph import (Float8GraphSpec, forward_plan, grads_plan, graph_spec, run_forward, run_grads,
+from .float8_graph import (Float8GraphSpec, forward_plan, grads_phase, graph_spec, run_forward, run_grads,
                            saved_input)
 from .linear_function import (_LinearConfig, _only, forward_and_saved, gradients_needed, linear_grads,
                               shared_input_quantization)
@@ -306,32 +306,20 @@ def linear_backward(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tens
                            w_shape, x_dtype, w_dtype, b_dtype)
 
 
-def _fast_saved_input(entry: tuple, saved: list, x: torch.Tensor | None) -> tuple:
-    """(x_saved, xcs) as float8_graph's gradients take them, of the saved tensors laid out as `entry`."""
-    if entry == _FAST_X_ENTRY:
-        return saved[0], saved[1]
-    return (None, None) if entry == _NONE_ENTRY else (x.reshape(-1, x.shape[-1]), None)
-
-
 def _backward_grads(dy, x, weight, saved, key, override, need_dgrad, need_wgrad, need_bgrad, x_shape, w_shape,
                     x_dtype, w_dtype, b_dtype, handled: bool = False) -> list[torch.Tensor]:
-    lkey = _layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype, handled)
-    recorded = _LAYOUTS[lkey]
-    layout, fast = recorded
+    layout, fast = _LAYOUTS[_layout_key(key, override, need_dgrad, need_wgrad, x_shape, w_shape, x_dtype,
+                                        handled)]
     if fast:  # (float8_graph's ops on the saved tensors and the gathered weight's columnwise part, read now)
         w_col = weight_of(weight).part(COLUMNWISE) if need_dgrad else None
-        sites = _sites(weight)[1] if handled and _PLANS.on else None
-        site = sites.get(lkey) if sites is not None else None
-        if site is not None and site[0] is recorded and site[1].holds(dy, w_col):
-            plan = site[1]  # ([Note: a gathered call site's plans])
-        else:
-            plan = grads_plan(_FAST_SPECS[key], dy, w_col, need_dgrad, fast)
-            if plan is not None and sites is not None:
-                _keep(sites, lkey, (recorded, plan.keep(dy, w_col)))
-        if plan is not None:
-            x_saved, xcs = _fast_saved_input(layout[0], saved, x)
-            return run_grads(plan, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype,
-                             b_dtype)
+        spec = _FAST_SPECS[key]
+        phase = grads_phase(spec, dy, w_col, need_dgrad, fast)
+        if phase is not None:
+            entry = layout[0]
+            x_saved, xcs = ((saved[0], saved[1]) if entry == _FAST_X_ENTRY else
+                            (None, None) if entry == _NONE_ENTRY else (x.reshape(-1, x.shape[-1]), None))
+            return run_grads(spec, phase, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape,
+                             w_dtype, b_dtype)
     # (the general path's casts count backward passes: delayed scaling's replays; the fast path has no state)
     count_backward_pass()
     # (x saved as the fast spec's parts where the fast path ran, or where x's parts were handed over)
@@ -425,18 +413,17 @@ linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- a weight read through its handle (FSDP2's gathered weight, a quantized parameter) ------------------------
 
-# [Note: a gathered call site's plans] A compiled graph calls `gathered_linear_forward` / `_backward` on each layer's
-# handle at every step with the same arguments but the tensors. Where a call took float8_graph's fast path, the op
-# keeps what it decided on the handle (the handle's `_hq_sites`: one handle per weight, so a plan's weight is the
-# handle's): forward by (configuration key, override, gradients needed, x's shape, dtype and device, whether x's
-# parts were handed over) the float8_graph plan, the weight shape it was traced with and the layout it recorded;
-# backward by its layout key the plan and the layout entry it was made for. A later call with that key runs the plan
-# where it still holds (float8_graph's [Note: gathered plans]: the same weight and part, switches, dispatch tables;
-# backward: the layout the forward recorded is still that very object, so a forward that took another path since,
-# or a recipe's new layout, plans backward again) and otherwise plans again, as the first call did: the same
-# checks, the same refusals, and the same code runs either way. The layout is recorded only where its entry is not
-# already the plan's (one object per value, `_fast_layout`).
-_MAX_SITES = 64  # plans per handle and direction (shapes, flags): beyond, the handle's plans start over
+# [Note: a gathered call site's plans] A compiled graph calls `gathered_linear_forward` on each layer's handle at
+# every step with the same arguments but the tensors. Where a call took float8_graph's fast path, the op keeps what
+# it decided on the handle (the handle's `_hq_sites`: one handle per weight, so a plan's weight is the handle's), by
+# (configuration key, override, gradients needed, x's shape, dtype and device, whether x's parts were handed over):
+# the float8_graph plan, the weight shape it was traced with, its layout key and the layout it recorded. A later
+# call with that key runs the plan where it still holds (float8_graph's [Note: gathered plans]: the same weight and
+# part, switches, dispatch tables) and otherwise plans again, as the first call did: the same checks, the same
+# refusals, and the same code runs either way. The layout is recorded only where its entry is not already the
+# plan's (one object per value, `_fast_layout`), which the backward op reads as before. (The backward op decides
+# per call: float8_graph's `grads_phase`, cheaper than checking a plan.)
+_MAX_SITES = 64  # plans per handle (shapes, flags): beyond, the handle's plans start over
 # The plans kept and reused, or every call decided anew (bitwise equal: tests and benchmarks compare the two).
 # HYBRIDQ_GATHERED_PLANS=0 starts a process with them off.
 _PLANS = Switch("HYBRIDQ_GATHERED_PLANS")
@@ -460,11 +447,11 @@ class _ForwardSite:
         self.plan, self.w_shape, self.lkey, self.layout = plan, w_shape, lkey, layout
 
 
-def _sites(handle: torch.Tensor) -> tuple[dict, dict]:
-    """The handle's (forward, backward) plans ([Note: a gathered call site's plans])."""
+def _sites(handle: torch.Tensor) -> dict:
+    """The handle's forward call sites ([Note: a gathered call site's plans])."""
     sites = handle.__dict__.get("_hq_sites")
     if sites is None:
-        sites = handle._hq_sites = ({}, {})
+        sites = handle._hq_sites = {}
     return sites
 
 
@@ -491,7 +478,7 @@ def _gathered_forward(x, handle, bias, key, override, need_dgrad, need_wgrad, w_
     weight = weight_of(handle)
     sites = skey = None
     if _PLANS.on:
-        sites = _sites(handle)[0]
+        sites = _sites(handle)
         skey = (key, override, need_dgrad, need_wgrad, x.shape, x.dtype, x.device, x_parts is None)
         site = sites.get(skey)
         if site is not None and site.w_shape == w_shape and site.plan.weight() is weight:

@@ -681,18 +681,19 @@ def _block_part_scales_fit(part, tiles: bool) -> bool:
 
 
 # [Note: gathered plans] A compiled graph calls the gathered ops of each Linear at every step with the same
-# configuration, shapes and weight, and every call used to ask again which path and which phase op it takes (the
-# fast-path checks, the weight part's fit, the switches, the dispatch tables: ~40 us of host per call on the GPU
-# machine, issue 33). A call's decision is now a plan (`GatheredForwardPlan` / `GatheredGradsPlan`: the phase it
-# runs, with the answers it rests on), made by `forward_plan` / `grads_plan` -- the checks as they were -- and run by
-# `run_forward` / `run_grads`; `gathered_forward` / `gathered_grads` are the two in one, and compiled_linear.py keeps
-# each gathered op call site's plans on its weight handle, reusing one only where `holds` says nothing it rests on
-# changed: the switches and GEMM state it read (`_switch_state`: the fast path, the C++ phases, native GEMMs, the
-# block GEMM op, a failed GEMM), the dispatch tables' own kernels (read at every call, as before), the very weight
-# object and part it checked (weak references: a new gathered weight or a replaced part is planned again), the
-# part's contiguity as it was, and the device kind. What varies per call -- the weight's part itself (`part`: its
-# gather on first use, the check of a direction pending the backward unshard), the op's tensors -- is read per call.
-# A plan and the call it replaces run the same code (`run_forward` / `run_grads`): bitwise the same results.
+# configuration, shapes and weight, and every forward call used to ask again whether and how it takes the fast path
+# (the fast-path checks and their cache key, the weight part's fit, the phase: issue 33's host time). A forward
+# call's decision is now a plan (`GatheredForwardPlan`: the phase it runs, with the answers it rests on), made by
+# `forward_plan` -- the checks as they were -- and run by `run_forward`; `gathered_forward` is the two in one, and
+# compiled_linear.py keeps each gathered forward call site's plan on its weight handle (`keep`), reusing it only where
+# `holds` says nothing it rests on changed: the switches and GEMM state it read (`_switch_state`: the fast path, the
+# C++ phases, native GEMMs, the block GEMM op, a failed GEMM), the dispatch tables' own kernels (read at every call,
+# as before), the very weight object and part it checked (weak references: a new gathered weight or a replaced part
+# is planned again), the part's contiguity as it was, and the device kind. What varies per call -- the weight's part
+# itself (`part`: its gather on first use, the check of a direction pending the backward unshard), the op's tensors --
+# is read per call. A plan and the call it replaces run the same code (`run_forward`): bitwise the same results. The
+# backward's decision (`grads_phase`: the columnwise part's fit and the phase) is cheaper than checking a kept plan
+# would be (measured: a per-tensor backward body 3.9 us deciding vs 4.4 us with a plan, CPU), and is made per call.
 
 def _switch_state() -> tuple:
     """What the gathered decisions read of process-wide state that can change between calls: the fast path's and
@@ -828,56 +829,23 @@ def saved_input(spec: Float8GraphSpec, x_saved: torch.Tensor | None, xcs: torch.
     return QuantizedTensor(None, _part(spec.input, x_saved, xcs, True), shape=shape, dtype=dtype)
 
 
-class GatheredGradsPlan:
-    """`grads_plan`'s decision for a gathered backward call, and, once `keep` made it reusable, what it rests on
-    (see [Note: gathered plans])."""
-
-    __slots__ = ("spec", "phase", "cuda", "switches", "part", "scales_contiguous")
-
-    def __init__(self, spec: Float8GraphSpec, phase: str):
-        self.spec, self.phase = spec, phase
-
-    def keep(self, dy: torch.Tensor, w_col) -> "GatheredGradsPlan":
-        """This plan, made reusable (`holds`): what it rests on taken now, for the call it was made for (`w_col`,
-        the weight's columnwise part or None without dgrad, weakly)."""
-        self.cuda = dy.is_cuda
-        self.switches = _switch_state()
-        self.part = None if w_col is None else weakref.ref(w_col)
-        self.scales_contiguous = None if w_col is None else w_col.scale_inv.is_contiguous()
-        return self
-
-    def holds(self, dy: torch.Tensor, w_col) -> bool:
-        """Whether this call (of the plan's configuration, shapes and forward answer; `w_col` the weight's
-        columnwise part read now, None without dgrad) would be decided the same way."""
-        if dy.is_cuda is not self.cuda or self.switches != _switch_state():
-            return False
-        if w_col is None:
-            return self.part is None
-        return (self.part is not None and self.part() is w_col and w_col.data.is_contiguous()
-                and w_col.scale_inv.is_contiguous() is self.scales_contiguous)
-
-
-def grads_plan(spec: Float8GraphSpec, dy: torch.Tensor, w_col, need_dgrad: bool,
-               fast: int = FAST_PATH) -> GatheredGradsPlan | None:
-    """The plan of a gathered backward call (`gathered_grads`' checks), or None where the weight's part is not one
-    this spec makes (the general path runs)."""
+def grads_phase(spec: Float8GraphSpec, dy: torch.Tensor, w_col, need_dgrad: bool, fast: int = FAST_PATH) -> str | None:
+    """The phase a gathered backward call runs (`gathered_grads`' checks), or None where the weight's part is not one
+    this spec makes (the general path runs). Decided at every call: for a per-tensor call cheaper than checking a
+    kept plan (the part's fit and two switches), see [Note: gathered plans]."""
     if need_dgrad and not _part_fits(w_col, spec.weight):
         return None
-    if spec.per_tensor and _cpp_phase(dy):
-        phase = _TENSOR_OP
-    elif (not spec.per_tensor and _block_phase_op(dy, fast)
-          and (not need_dgrad or _block_part_scales_fit(w_col, spec.weight.block_dim == 2))):
-        phase = _BLOCK_OP_PHASE
-    else:
-        phase = _PYTHON
-    return GatheredGradsPlan(spec, phase)
+    if spec.per_tensor:
+        return _TENSOR_OP if _cpp_phase(dy) else _PYTHON
+    if _block_phase_op(dy, fast) and (not need_dgrad or _block_part_scales_fit(w_col, spec.weight.block_dim == 2)):
+        return _BLOCK_OP_PHASE
+    return _PYTHON
 
 
-def run_grads(plan: GatheredGradsPlan, dy: torch.Tensor, x_saved: torch.Tensor | None, xcs: torch.Tensor | None,
-              w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape, w_dtype: torch.dtype,
-              b_dtype: torch.dtype) -> list[torch.Tensor]:
-    """`gathered_grads`' result of a call `plan` holds for."""
-    spec, phase = plan.spec, plan.phase
+def run_grads(spec: Float8GraphSpec, phase: str, dy: torch.Tensor, x_saved: torch.Tensor | None,
+              xcs: torch.Tensor | None, w_col, need_dgrad: bool, need_wgrad: bool, need_bgrad: bool, x_shape,
+              w_dtype: torch.dtype, b_dtype: torch.dtype) -> list[torch.Tensor]:
+    """`gathered_grads`' result of a call `grads_phase` answered `phase` for."""
     wc, wcs = (w_col.data, w_col.scale_inv) if need_dgrad else (None, None)
     xi, g = spec.input, spec.grad_output
     if phase is _TENSOR_OP:
@@ -901,9 +869,10 @@ def gathered_grads(spec: Float8GraphSpec, dy: torch.Tensor, x_saved: torch.Tenso
     scale_inv xcs, or x's `[M, K]` view under save_original_input; `w_col` the gathered weight's columnwise part
     where dgrad runs; `fast` the forward's `_fast_call` answer), as this module's ops (on CUDA one op, see
     `gathered_cpp_ops`): [dx in `x_shape`, dW, db], an empty tensor for a gradient not asked for (the gathered op's
-    outputs), or None where the weight's part is not one this spec makes (the general path runs). `grads_plan` then
-    `run_grads` ([Note: gathered plans])."""
-    plan = grads_plan(spec, dy, w_col, need_dgrad, fast)
-    if plan is None:
+    outputs), or None where the weight's part is not one this spec makes (the general path runs). `grads_phase` then
+    `run_grads`."""
+    phase = grads_phase(spec, dy, w_col, need_dgrad, fast)
+    if phase is None:
         return None
-    return run_grads(plan, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype, b_dtype)
+    return run_grads(spec, phase, dy, x_saved, xcs, w_col, need_dgrad, need_wgrad, need_bgrad, x_shape, w_dtype,
+                     b_dtype)

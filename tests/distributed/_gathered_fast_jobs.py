@@ -36,15 +36,14 @@ def gathered_ops_fast_path(rank, world_size, device, preset="fp8_tensorwise", co
     `save_original_input`: set on every hybridq Linear (wgrad quantizes the saved input in backward). `d`, `hidden`:
     the blocks' widths (fp8_block's 128x128 weight tiles whole on each of 2 ranks: multiples of 256); `tokens`: per
     sequence (2 sequences). Also counted: float8_graph's Python phases (`_fprop`, `_grads`), which the C++ phase ops
-    replace on CUDA, and the plans the gathered ops made (compiled_linear.py's [Note: a gathered call site's plans]:
-    none after the first step, where each call site reuses its plan)."""
+    replace on CUDA, and the plans the gathered forward op made (compiled_linear.py's [Note: a gathered call site's
+    plans]: none after the first step, where each call site reuses its plan)."""
     import hybridq
     from torch._dynamo.utils import counters
 
-    calls = {"on": False, "forward_and_saved": 0, "linear_grads": 0, "_fprop": 0, "_grads": 0, "forward_plan": 0,
-             "grads_plan": 0}
+    calls = {"on": False, "forward_and_saved": 0, "linear_grads": 0, "_fprop": 0, "_grads": 0, "forward_plan": 0}
     real = {(compiled_linear, n): getattr(compiled_linear, n)
-            for n in ("forward_and_saved", "linear_grads", "forward_plan", "grads_plan")}
+            for n in ("forward_and_saved", "linear_grads", "forward_plan")}
     real.update({(float8_graph, n): getattr(float8_graph, n) for n in ("_fprop", "_grads")})
     for (module, n), fn in real.items():
         setattr(module, n, _counting(calls, n, fn))
@@ -63,7 +62,7 @@ def gathered_ops_fast_path(rank, world_size, device, preset="fp8_tensorwise", co
             for mod in linears:
                 mod.save_original_input = save_original_input
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-            calls.update(forward_and_saved=0, linear_grads=0, _fprop=0, _grads=0, forward_plan=0, grads_plan=0)
+            calls.update(forward_and_saved=0, linear_grads=0, _fprop=0, _grads=0, forward_plan=0)
             losses, grads = [], []
             with eager_fast_path(fast is not False):
                 for step in range(steps):
@@ -79,7 +78,7 @@ def gathered_ops_fast_path(rank, world_size, device, preset="fp8_tensorwise", co
             runs[fast] = (losses, grads, params)
             out[str(fast)] = {"forward_and_saved": calls["forward_and_saved"], "linear_grads": calls["linear_grads"],
                               "python_phases": calls["_fprop"] + calls["_grads"],
-                              "plans_made": calls["forward_plan"] + calls["grads_plan"],
+                              "plans_made": calls["forward_plan"],
                               "graph_breaks": sum(counters["graph_break"].values()), "linear_ops": rec.linear_ops}
     finally:
         for (module, n), fn in real.items():
