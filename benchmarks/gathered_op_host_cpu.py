@@ -3,11 +3,13 @@
 resharded never) read through its handle as a compiled graph reads it, with the extension's C++ phase ops -- which
 need CUDA -- replaced by stand-ins that return fixed tensors (the CUDA path's Python then runs on the CPU:
 `_cpp_phase` / `_block_phase_op` say yes). Rows: the whole op call (dispatcher, body, outputs' aliasing check) and the
-body alone, with each call site's plan reused and with every call decided anew (`gathered_plans(False)`);
-interleaved rounds, min and 25th percentile reported (a shared machine's load moves single rounds a lot). A
-measurement tool, not a test: on a GPU machine use benchmarks/bench_host.py --only "gathered op" (the real ops).
+body alone, with each call site's plan reused and with every call decided anew (`gathered_plans(False)`; a tree
+without the plans: one "as built" row each); interleaved rounds, min and 25th percentile reported. The clock is the
+thread's CPU time by default (`--clock thread`: a shared machine's load preempts the process, which wall time would
+count), `--clock wall` for wall time. A measurement tool, not a test: on a GPU machine use
+benchmarks/bench_host.py --only "gathered op" (the real ops).
 
-    python benchmarks/gathered_op_host_cpu.py [--rounds 40]
+    python benchmarks/gathered_op_host_cpu.py [--rounds 40] [--clock wall]
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--n", type=int, default=300, help="calls per round")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tempfile.mkdtemp(), 'store')}", rank=0,
@@ -89,22 +92,26 @@ def main() -> None:
     for recipe in ("fp8_tensorwise", "fp8_block"):
         fwd, bwd, m = calls(recipe, x, dy, mesh)
         keep.append(m)
-        for setting, ctx in (("plans reused", contextlib.nullcontext),
-                             ("decided anew", lambda: compiled_linear.gathered_plans(False))):
+        plans = getattr(compiled_linear, "gathered_plans", None)
+        settings = ((("plans reused", contextlib.nullcontext), ("decided anew", lambda: plans(False)))
+                    if plans is not None else (("as built", contextlib.nullcontext),))
+        for setting, ctx in settings:
             for what, fn in (("op forward", lambda f=fwd: f(opdefs[0])), ("op backward", lambda b=bwd: b(opdefs[1])),
                              ("body forward", lambda f=fwd: f(bodies[0])),
                              ("body backward", lambda b=bwd: b(bodies[1]))):
                 rows[(recipe, setting, what)] = (ctx, fn, [])
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     for _ in range(args.rounds):
         for ctx, fn, ts in rows.values():
             with ctx():
                 for _ in range(20):
                     fn()
-                t0 = time.perf_counter()
+                t0 = clock()
                 for _ in range(args.n):
                     fn()
-                ts.append((time.perf_counter() - t0) / args.n * 1e6)
-    print(f"torch {torch.__version__}, CPU, {args.rounds} rounds of {args.n} calls; x {tuple(x.shape)} {DT}\n")
+                ts.append((clock() - t0) / args.n * 1e6)
+    print(f"torch {torch.__version__}, CPU, {args.rounds} rounds of {args.n} calls, {args.clock} clock; "
+          f"x {tuple(x.shape)} {DT}\n")
     print("| recipe | calls | what | us per call (min round) | 25th percentile |\n|---|---|---|---|---|")
     for (recipe, setting, what), (_, _, ts) in rows.items():
         ts.sort()
