@@ -19,11 +19,11 @@ import torch
 
 from ..formats import Float8BlockPart, Float8BlockQuantizer
 from . import _ext
+from ._many_tensors import check_region_and_device, fp32_contiguous_on_cuda, fp8_options
 
 __all__ = ["quantize_fp8_block_tensors", "reference", "rowwise_part", "scale_slots", "takes"]
 
 TILE = 128
-_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -62,21 +62,12 @@ def _check(xs, quantizers, regions) -> None:
         if x.dim() != 2:
             raise ValueError(f"quantize_fp8_block_tensors: tensor {i} has shape {tuple(x.shape)}; a 2-D [rows, cols] "
                              f"tensor is quantized in 128x128 tiles")
-        if r < x.numel() or r % 16:
-            raise ValueError(f"quantize_fp8_block_tensors: region {i} of {r} bytes must be a multiple of 16 and hold "
-                             f"the {x.numel()} elements of its tensor")
-        if x.device != xs[0].device:
-            raise ValueError(f"quantize_fp8_block_tensors: tensor {i} is on {x.device}, tensor 0 on {xs[0].device}")
+        check_region_and_device("quantize_fp8_block_tensors", i, x, r, xs[0].device)
 
 
 def _cuda_takes(xs, param_dtype) -> bool:
-    x0 = xs[0]
-    if not (x0.is_cuda and param_dtype in _PARAM_DTYPES):
-        return False
-    for x in xs:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            return False
-    return _ext.available_for(x0.device) and hasattr(torch.ops.hybridq, "fp8_block_tensors_quantize")
+    return (fp32_contiguous_on_cuda(xs, param_dtype) and _ext.available_for(xs[0].device)
+            and hasattr(torch.ops.hybridq, "fp8_block_tensors_quantize"))
 
 
 def reference(xs: Sequence[torch.Tensor], param_dtype: torch.dtype, quantizers, regions
@@ -108,8 +99,7 @@ def quantize_fp8_block_tensors(xs: Sequence[torch.Tensor], param_dtype: torch.dt
     _check(xs, quantizers, regions)
     if _cuda_takes(xs, param_dtype):
         return torch.ops.hybridq.fp8_block_tensors_quantize(
-            list(xs), param_dtype, [int(q.dtype == torch.float8_e5m2) for q in quantizers],
-            [float(q.amax_epsilon) for q in quantizers], [int(q.power_2_scale) for q in quantizers], list(regions))
+            list(xs), param_dtype, *fp8_options(quantizers), list(regions))
     return reference(xs, param_dtype, quantizers, regions)
 
 

@@ -19,10 +19,9 @@ from ..enums import Scaling
 from ..formats import Float8Quantizer, Float8TensorPart
 from ..formats.float8 import float8_current_scaling
 from . import _ext
+from ._many_tensors import check_region_and_device, fp32_contiguous_on_cuda, fp8_options
 
 __all__ = ["quantize_fp8_tensors", "reference", "rowwise_part", "takes"]
-
-_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def takes(q) -> bool:
@@ -40,24 +39,16 @@ def _check(xs, quantizers, amaxes, regions) -> None:
         if not takes(q):
             raise ValueError(f"quantize_fp8_tensors: tensor {i} has quantizer {q!r}; only per-tensor FP8 with current "
                              f"scaling (Float8Quantizer, scaling='current') is cast here")
-        if r < x.numel() or r % 16:
-            raise ValueError(f"quantize_fp8_tensors: region {i} of {r} bytes must be a multiple of 16 and hold the "
-                             f"{x.numel()} elements of its tensor")
-        if x.device != xs[0].device:
-            raise ValueError(f"quantize_fp8_tensors: tensor {i} is on {x.device}, tensor 0 on {xs[0].device}")
+        check_region_and_device("quantize_fp8_tensors", i, x, r, xs[0].device)
 
 
 def _cuda_takes(xs, param_dtype, amaxes) -> bool:
-    x0 = xs[0]
-    if not (x0.is_cuda and param_dtype in _PARAM_DTYPES):
+    if not fp32_contiguous_on_cuda(xs, param_dtype):
         return False
-    for x in xs:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            return False
     for a in amaxes:
         if a is not None and not (a.is_cuda and a.dtype == torch.float32 and a.numel() == 1):
             return False
-    return _ext.available_for(x0.device) and hasattr(torch.ops.hybridq, "fp8_tensors_quantize")
+    return _ext.available_for(xs[0].device) and hasattr(torch.ops.hybridq, "fp8_tensors_quantize")
 
 
 def reference(xs: Sequence[torch.Tensor], param_dtype: torch.dtype, quantizers, amaxes, regions
@@ -86,8 +77,7 @@ def quantize_fp8_tensors(xs: Sequence[torch.Tensor], param_dtype: torch.dtype, q
     _check(xs, quantizers, amaxes, regions)
     if _cuda_takes(xs, param_dtype, amaxes):
         out, scale_inv, _ = torch.ops.hybridq.fp8_tensors_quantize(
-            list(xs), param_dtype, list(amaxes), [int(q.dtype == torch.float8_e5m2) for q in quantizers],
-            [float(q.amax_epsilon) for q in quantizers], [int(q.power_2_scale) for q in quantizers], list(regions))
+            list(xs), param_dtype, list(amaxes), *fp8_options(quantizers), list(regions))
         return out, scale_inv
     return reference(xs, param_dtype, quantizers, amaxes, regions)
 
