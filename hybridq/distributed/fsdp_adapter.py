@@ -124,26 +124,31 @@ def _holds_other_dtype(group, dtype: torch.dtype) -> bool:
     return False
 
 
+def _params_after(link: FSDPLink) -> list:
+    """The FSDPParams after `link`'s in its param group, in the group's order; empty where the internals are not
+    found."""
+    params, mine = getattr(link.group, "fsdp_params", None), link._param()
+    if params is None or mine is None:
+        return []
+    for i, p in enumerate(params):
+        if p is mine:
+            return params[i + 1:]
+    return []
+
+
 def later_params(link: FSDPLink) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(module, parameter name, sharded local tensor) of every FSDPParam after `link`'s in its param group, in the
     group's order: the order in which FSDP2 asks them for their all-gather inputs (`_get_param_all_gather_inputs`
     loops over `FSDPParamGroup.fsdp_params`, torch 2.11 and 2.13). Empty where the internals are not found."""
-    group, mine = link.group, link._param()
-    params = getattr(group, "fsdp_params", None)
-    if params is None or mine is None:
-        return []
-    out, after = [], False
-    for p in params:
-        if after:
-            info = getattr(p, "_module_info", None)
-            try:
-                local = p._sharded_local_tensor
-            except Exception:  # noqa: BLE001 - internals differ: this one is left out
-                continue
-            if info is not None:
-                out.append((info.module, info.param_name, local))
-        elif p is mine:
-            after = True
+    out = []
+    for p in _params_after(link):
+        info = getattr(p, "_module_info", None)
+        try:
+            local = p._sharded_local_tensor
+        except Exception:  # noqa: BLE001 - internals differ: this one is left out
+            continue
+        if info is not None:
+            out.append((info.module, info.param_name, local))
     return out
 
 
@@ -154,27 +159,20 @@ def pending_post_all_gathers(link: FSDPLink) -> list[tuple[torch.Tensor, object,
     to the post-all-gather hook and clears it, and every parameter's all-gather output is written (copy-out, or at
     world 1 the copy of its input) before the first of those calls (`FSDPParamGroup.wait_for_unshard`, torch 2.11 and
     2.13). Empty where the internals are not found."""
-    group, mine = link.group, link._param()
-    params = getattr(group, "fsdp_params", None)
-    if params is None or mine is None:
-        return []
-    out, after = [], False
-    for p in params:
-        if after:
-            ext = getattr(p, "_extensions_data", None)
-            metadata = getattr(ext, "all_gather_metadata", None)
-            if metadata is None:
-                continue
-            try:
-                sizes, outputs = ext.all_gather_input_sizes, p.all_gather_outputs
-                if not (len(sizes) == 1 == len(outputs) and len(sizes[0]) == 1):
-                    outputs = p._unflatten_all_gather_outputs()  # (one 1-D input: its output as it is, no view)
-                local = p._sharded_local_tensor
-            except Exception:  # noqa: BLE001 - internals differ: this one is left to its own hook
-                continue
-            out.append((local, metadata, outputs))
-        elif p is mine:
-            after = True
+    out = []
+    for p in _params_after(link):
+        ext = getattr(p, "_extensions_data", None)
+        metadata = getattr(ext, "all_gather_metadata", None)
+        if metadata is None:
+            continue
+        try:
+            sizes, outputs = ext.all_gather_input_sizes, p.all_gather_outputs
+            if not (len(sizes) == 1 == len(outputs) and len(sizes[0]) == 1):
+                outputs = p._unflatten_all_gather_outputs()  # (one 1-D input: its output as it is, no view)
+            local = p._sharded_local_tensor
+        except Exception:  # noqa: BLE001 - internals differ: this one is left to its own hook
+            continue
+        out.append((local, metadata, outputs))
     return out
 
 
