@@ -27,6 +27,7 @@ MODELS = list(jobs.MODELS)
 # model -> (kinds of quantizer batched per unit, weight names (suffixes) no payload is prepared for at world 1 / 2)
 EXPECTED = {
     "fp8_tensorwise": (1, (), ()),
+    "fp8_tensorwise_no_reshard": (1, (), ()),  # (reshard_after_forward=False: the forward's payloads not kept)
     "fp8_tensorwise_mxfp8_o": (1, (".o.weight",), (".o.weight",)),
     "fp8_block_and_tensorwise": (2, (), (".v.weight",)),  # (v: 200 rows, 100 per rank: a tile split at two ranks)
 }
