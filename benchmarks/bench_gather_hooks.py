@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -31,7 +30,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridq
-from hybridq.distributed import HybridWeight, apply_hybrid_fsdp, unit_cast, unit_fill
+from fsdp_setup import init_world, shard_units
+from hybridq.distributed import HybridWeight, unit_cast, unit_fill
 from hybridq.torch_private import in_backward
 
 SETTINGS = {"unit fill on": dict(fill=True), "unit fill off": dict(fill=False)}
@@ -66,18 +66,9 @@ class Model(nn.Module):
 
 
 def build(args, device, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     model = Model(args.dim, args.units, args.preset).to(device)
-    apply_hybrid_fsdp(model, hybridq.recipe(args.preset), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+    return shard_units(model, model.blocks, args.preset, device, world)
 
 
 class _OpCount(TorchDispatchMode):
@@ -210,17 +201,7 @@ def main(argv=None) -> dict:
                     help="thread: this thread's CPU time (a loaded machine's other processes do not count); wall")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        torch.distributed.init_process_group(backend)
-    world = torch.distributed.get_world_size()
-    if args.device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        args.device = f"cuda:{torch.cuda.current_device()}"
+    world, args.device = init_world(args.device)
     result = run(args, world)
     if torch.distributed.get_rank() == 0:
         print(f"bench_gather_hooks.py: {result['preset']}, dim {args.dim}, {args.units} units of 7, world {world}, "

@@ -22,7 +22,6 @@ import cProfile
 import gc
 import io
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -32,7 +31,8 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq.distributed import GroupedHybridWeight, HybridWeight, apply_hybrid_fsdp, grouped_fast
+from fsdp_setup import init_world, shard_units
+from hybridq.distributed import GroupedHybridWeight, HybridWeight, grouped_fast
 from hybridq.torch_private import in_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -77,18 +77,9 @@ class Model(nn.Module):
 
 
 def build(args, preset: str, device, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     model = Model(args, preset).to(device)
-    apply_hybrid_fsdp(model, hybridq.recipe(preset), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for u in model.units:
-        fully_shard(u, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+    return shard_units(model, model.units, preset, device, world)
 
 
 def run(args, preset: str, world: int) -> dict:
@@ -193,16 +184,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ops", action="store_true", help="list the aten ops per hook call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        torch.distributed.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    world = torch.distributed.get_world_size()
-    if args.device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        args.device = f"cuda:{torch.cuda.current_device()}"
+    world, args.device = init_world(args.device)
     results = [run(args, preset, world) for preset in args.recipes.split(",")]
     if torch.distributed.get_rank() == 0:
         print(f"bench_grouped_hooks.py: {args.units} units of 3 grouped weights, {args.experts} experts, dim "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,7 +23,8 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from hybridq.distributed import HybridWeight, apply_hybrid_fsdp
+from fsdp_setup import init_world, shard_units
+from hybridq.distributed import HybridWeight
 from hybridq.formats import COLUMNWISE
 
 MODES = ("in_place", "before")
@@ -58,17 +58,9 @@ def _as_before(model) -> None:
 
 
 def build(args, device, mode: str):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     model = Stack(args.dim, args.layers, args.preset).to(device)
-    apply_hybrid_fsdp(model, hybridq.recipe(args.preset), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (1,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for lin in model.layers:
-        fully_shard(lin, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    shard_units(model, model.layers, args.preset, device, 1)
     if mode == "before":
         _as_before(model)
     return model
@@ -133,11 +125,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+    _, args.device = init_world(args.device)
     result = run(args)
     for key, v in result["us_per_call"].items():
         print(f"{key:22s} median {v['median']:8.1f} us  mean {v['mean']:8.1f} us  ({v['calls']} calls)")
