@@ -9,12 +9,10 @@ tests/test_fp8_tensors.py."""
 
 from __future__ import annotations
 
-import datetime
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybridq.distributed import unit_cast
 from hybridq.torch_private import local_tensor
@@ -25,16 +23,6 @@ from _harness import spawn
 pytestmark = pytest.mark.distributed
 
 UNITS, STEPS = 2, 3
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield torch.device("cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def _batched(counts: dict, mixed: bool) -> None:

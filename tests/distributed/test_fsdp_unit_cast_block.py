@@ -10,11 +10,9 @@ world 2 spawned); the CUDA kernel's bytes: tests/test_fp8_block_tensors.py."""
 
 from __future__ import annotations
 
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybridq.distributed import unit_cast
 from hybridq.torch_private import local_tensor
@@ -26,16 +24,6 @@ from _harness import job_several, spawn
 pytestmark = pytest.mark.distributed
 
 UNITS, STEPS = 2, 3
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield torch.device("cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def _batched(counts: dict, mixed: bool, left_out: tuple = ()) -> None:

@@ -9,11 +9,9 @@ spawned)."""
 
 from __future__ import annotations
 
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybridq.distributed import unit_fill
 from hybridq.torch_private import local_tensor
@@ -26,16 +24,6 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 CASES = [("fp8_tensorwise", False), ("fp8_block", False), ("fp8_tensorwise", True)]
 IDS = ["fp8_tensorwise", "fp8_block", "one_mxfp8_weight"]
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield torch.device("cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def _filled_as_unit(counts: dict, where: str) -> None:
