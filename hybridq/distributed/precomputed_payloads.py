@@ -20,6 +20,7 @@ from ..nn.linear import Linear
 from ..switches import Switch
 from ..torch_private import current_raw_stream, current_stream, local_tensor, storage_id
 from .fsdp_adapter import reshard_flags, state_phase
+from .module_walk import modules_in_order
 from .payload import build_payload
 from .transport import payload_key
 from .unit_cast import _TENSOR, PreparedPayload, _block_parts, _entry, _Entry, _region, _tensor_parts
@@ -163,11 +164,6 @@ def _prepare(entries: list[_Entry]) -> int:
     return data.numel()
 
 
-def _modules(model: nn.Module) -> list[nn.Module]:
-    from .scales import _modules as walk  # (scales imports this module)
-    return walk(model)
-
-
 @torch.no_grad()
 def precompute_payloads(model: nn.Module, *, per_unit: bool = True) -> PrecomputedPayloads:
     """Prepare the next forward unshard's all-gather payload of every FSDP2-sharded hybridq Linear weight of `model`
@@ -183,7 +179,7 @@ def precompute_payloads(model: nn.Module, *, per_unit: bool = True) -> Precomput
     if not ENABLED.on:
         return PrecomputedPayloads(0, 0, 0)
     batches: dict = {}
-    for mod in _modules(model):
+    for mod in modules_in_order(model):
         if not isinstance(mod, Linear):
             continue
         local = local_tensor(mod._parameters.get("weight"))

@@ -16,6 +16,7 @@ from ..nn.linear import Linear
 from ..torch_private import local_tensor
 from .grouped_blocks_payload import joins_blocks
 from .layout import ExpertLayout
+from .module_walk import modules_in_order as _modules
 from .payload import HIGH_PRECISION
 from .plan import every_plan
 from .precomputed_payloads import PrecomputedPayloads, precompute_payloads
@@ -127,22 +128,6 @@ def _quantized_sends(backward_override: str | None, derivable: bool) -> tuple[tu
     sends the shard in high precision quantizes on every rank from the gathered weight: no reduced statistics)."""
     return tuple(sorted({plan.send for plan in every_plan(backward_override, derivable)
                          if plan.send != (HIGH_PRECISION,)}))
-
-
-def _modules(model: nn.Module) -> list[nn.Module]:
-    """`model.modules()` as a list, in its order (pre-order, each module once), walked with a stack: the recursive
-    generators of `named_modules` resume once per level for every module they yield."""
-    out, seen, stack = [], set(), [model]
-    while stack:
-        mod = stack.pop()
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        out.append(mod)
-        children = [m for m in mod._modules.values() if m is not None]
-        children.reverse()
-        stack += children
-    return out
 
 
 def _items(model: nn.Module) -> list:
