@@ -62,9 +62,6 @@ def recipe(mixed: bool | str):
 
 
 def build(device, world_size: int, mixed: bool | str = False, nonfinite: bool = False) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     m = nn.Sequential(Block(), Block()).to(device)
     with torch.no_grad():
@@ -74,13 +71,7 @@ def build(device, world_size: int, mixed: bool | str = False, nonfinite: bool = 
             m[0].k.weight[200, 5] = float("inf")
             m[1].up.weight[300, 1] = float("nan")
             m[1].down.weight[3, 400] = -float("inf")
-    hq.apply_hybrid_fsdp(m, recipe(mixed), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in m:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
-    fully_shard(m, mesh=mesh, mp_policy=mp)
-    return m
+    return base.shard_blocks(m, recipe(mixed), device, world_size)
 
 
 def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:

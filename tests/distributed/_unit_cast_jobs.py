@@ -50,20 +50,28 @@ def recipe(mixed: bool):
 
 
 def build(device, world_size: int, mixed: bool = False, nonfinite: bool = False) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     m = nn.Sequential(Block(), Block()).to(device)
     if nonfinite:  # one weight with an inf, another with a NaN (their siblings finite)
         with torch.no_grad():
             m[0].k.weight[3, 5] = float("inf")
             m[1].up.weight[7, 1] = float("nan")
-    hq.apply_hybrid_fsdp(m, recipe(mixed), on_incompatible="error")
+    return shard_blocks(m, recipe(mixed), device, world_size)
+
+
+def shard_blocks(m: nn.Sequential, weights_recipe, device, world_size: int, reshard_after_forward: bool | None = None
+                 ) -> nn.Module:
+    """`m`'s weights converted by `weights_recipe` and put under FSDP2 on a 1-D mesh of `world_size` ranks: each block
+    one unit (with `reshard_after_forward`; None: FSDP2's default), the model another; bf16 param dtype, fp32
+    gradient reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    hq.apply_hybrid_fsdp(m, weights_recipe, on_incompatible="error")
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in m:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(m, mesh=mesh, mp_policy=mp)
     return m
 

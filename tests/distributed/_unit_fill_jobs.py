@@ -14,7 +14,7 @@ import hybridq as hq
 from hybridq.distributed import unit_fill
 from hybridq.torch_private import local_tensor
 
-from _unit_cast_jobs import D, Block, _bits, recipe
+from _unit_cast_jobs import D, Block, _bits, recipe, shard_blocks
 
 COUNTERS = ("unit_filled", "fill_replayed", "derived_in_place", "aliased", "adopted")
 
@@ -23,19 +23,10 @@ def build(device, world_size: int, preset: str = "fp8_tensorwise", mixed: bool =
           reshard: bool = True) -> nn.Module:
     """`reshard`: the blocks' reshard_after_forward (False: the forward unshard fills both directions, the columnwise
     form derived; backward gathers nothing)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     torch.manual_seed(0)
     m = nn.Sequential(Block(), Block()).to(device)
-    hq.apply_hybrid_fsdp(m, recipe(mixed) if preset == "fp8_tensorwise" else hq.recipe(preset),
-                         on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in m:
-        fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(m, mesh=mesh, mp_policy=mp)
-    return m
+    return shard_blocks(m, recipe(mixed) if preset == "fp8_tensorwise" else hq.recipe(preset), device, world_size,
+                        reshard_after_forward=reshard)
 
 
 def _part_bytes(part) -> dict:
