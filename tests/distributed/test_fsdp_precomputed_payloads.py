@@ -10,11 +10,8 @@ in-process, world 2 spawned); CUDA (NCCL world 1): the GPU tests at the end."""
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import _precomputed_payload_jobs as jobs
 from _harness import job_several, spawn
@@ -31,16 +28,6 @@ EXPECTED = {
     "fp8_tensorwise_mxfp8_o": (1, (".o.weight",), (".o.weight",)),
     "fp8_block_and_tensorwise": (2, (), (".v.weight",)),  # (v: 200 rows, 100 per rank: a tile split at two ranks)
 }
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield torch.device("cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def _left_out(model: str, world_size: int) -> tuple[str, ...]:
