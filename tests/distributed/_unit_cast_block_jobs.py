@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 import hybridq as hq
-from hybridq.distributed import unit_cast
 from hybridq.enums import TensorType
 from hybridq.formats import Float8BlockQuantizer, Float8Quantizer
 
@@ -80,46 +79,15 @@ def train(m: nn.Module, device, steps: int, precompute: bool) -> dict:
 
 def parity(rank, world_size, device, precompute: bool, mixed: bool | str = False, steps: int = 3) -> dict:
     """Training with the unit cast on is bitwise training with it off; returns the batch counters of the on run."""
-    was = unit_cast.set_unit_cast(False)
-    try:
-        off = train(build(device, world_size, mixed), device, steps, precompute)
-        unit_cast.set_unit_cast(True)
-        m = build(device, world_size, mixed)
-        on = train(m, device, steps, precompute)
-    finally:
-        unit_cast.set_unit_cast(was)
-    base.compare(on, off, f"fp8_block: rank {rank} of {world_size}, precompute={precompute}, mixed={mixed}")
-    return {"unit_batches": base.counters(m, "unit_batches"), "payload_unit": base.counters(m, "payload_unit")}
+    return base.parity_of(lambda: build(device, world_size, mixed), lambda m: train(m, device, steps, precompute),
+                          f"fp8_block: rank {rank} of {world_size}, precompute={precompute}, mixed={mixed}")
 
 
 def nonfinite(rank, world_size, device, precompute: bool = True) -> dict:
     """Forwards after a first one (the first unshard of each state is per weight): weights with an inf / a NaN and a
     tile of zeros gathered as with the unit cast off; returns each gathered rowwise tile scale_inv and the batch count
     of the recorded forward."""
-    out = {}
-    was = unit_cast.set_unit_cast(False)
-    try:
-        for on in (False, True):
-            unit_cast.set_unit_cast(on)
-            m = build(device, world_size, nonfinite=True)
-            gathered: list = []
-            with torch.no_grad():
-                m(torch.ones(4, D, device=device))
-                for p in m.parameters():
-                    p.mul_(1.0)  # (new versions, same values: the kept payloads are not those of these masters)
-                if precompute:
-                    from hybridq.distributed import precompute_scales
-                    precompute_scales(m)
-                before = sum(base.counters(m, "unit_batches").values())
-                handles = base.record_gathered(m, gathered)
-                m(torch.ones(4, D, device=device))
-            for h in handles:
-                h.remove()
-            out[on] = gathered
-            out[f"batches_{on}"] = sum(base.counters(m, "unit_batches").values()) - before
-    finally:
-        unit_cast.set_unit_cast(was)
-    base.compare({"gathered": out[True], "losses": [], "grads": []}, {"gathered": out[False], "losses": [], "grads": []},
-                 f"fp8_block: rank {rank} of {world_size}, non-finite weights")
-    return {"scale_inv": {n: t["scale_inv"].view(torch.float32).tolist() for n, t in out[True]},
-            "batches": out["batches_True"]}
+    gathered, batches = base.forward_after_new_versions(
+        lambda: build(device, world_size, nonfinite=True), device, D, precompute,
+        f"fp8_block: rank {rank} of {world_size}, non-finite weights")
+    return {"scale_inv": {n: t["scale_inv"].view(torch.float32).tolist() for n, t in gathered}, "batches": batches}

@@ -135,44 +135,64 @@ def compare(on: dict, off: dict, where: str) -> None:
             assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs with the unit cast"
 
 
-def parity(rank, world_size, device, precompute: bool, mixed: bool = False, steps: int = 3) -> dict:
-    """Training with the unit cast on is bitwise training with it off; returns the batch counters of the on run."""
+def parity_of(build_model, train_model, where: str) -> dict:
+    """Training (`train_model(build_model())`) with the unit cast on is bitwise training with it off; returns the
+    batch counters of the on run."""
     was = unit_cast.set_unit_cast(False)
     try:
-        off = train(build(device, world_size, mixed), device, steps, precompute)
+        off = train_model(build_model())
         unit_cast.set_unit_cast(True)
-        m = build(device, world_size, mixed)
-        on = train(m, device, steps, precompute)
+        m = build_model()
+        on = train_model(m)
     finally:
         unit_cast.set_unit_cast(was)
-    compare(on, off, f"rank {rank} of {world_size}, precompute={precompute}, mixed={mixed}")
+    compare(on, off, where)
     return {"unit_batches": counters(m, "unit_batches"), "payload_unit": counters(m, "payload_unit")}
+
+
+def parity(rank, world_size, device, precompute: bool, mixed: bool = False, steps: int = 3) -> dict:
+    """Training with the unit cast on is bitwise training with it off; returns the batch counters of the on run."""
+    return parity_of(lambda: build(device, world_size, mixed), lambda m: train(m, device, steps, precompute),
+                     f"rank {rank} of {world_size}, precompute={precompute}, mixed={mixed}")
+
+
+def forward_after_new_versions(build_model, device, width: int, precompute: bool, where: str) -> tuple[list, int]:
+    """With the unit cast off and on: a forward (the first unshard of each state is per weight), new versions of the
+    masters (same values: the kept payloads are not those of these masters), precompute_scales where asked, and a
+    recorded forward -- its gathered weights bitwise the same either way. Returns the on run's gathered weights and
+    its unit batches in the recorded forward."""
+    out, batches = {}, 0
+    was = unit_cast.set_unit_cast(False)
+    try:
+        for on in (False, True):
+            unit_cast.set_unit_cast(on)
+            m = build_model()
+            gathered: list = []
+            with torch.no_grad():
+                m(torch.ones(4, width, device=device))
+                for p in m.parameters():
+                    p.mul_(1.0)
+                if precompute:
+                    precompute_scales(m)
+                before = sum(counters(m, "unit_batches").values())
+                handles = record_gathered(m, gathered)
+                m(torch.ones(4, width, device=device))
+            for h in handles:
+                h.remove()
+            out[on] = gathered
+            batches = sum(counters(m, "unit_batches").values()) - before
+    finally:
+        unit_cast.set_unit_cast(was)
+    compare({"gathered": out[True], "losses": [], "grads": []}, {"gathered": out[False], "losses": [], "grads": []},
+            where)
+    return out[True], batches
 
 
 def nonfinite(rank, world_size, device) -> dict:
     """One forward after a first step: weights with an inf / a NaN gathered as with the unit cast off (their FP8 bytes
     non-finite, scale 1), their siblings' scales finite and unchanged; returns each gathered rowwise scale_inv."""
-    out = {}
-    was = unit_cast.set_unit_cast(False)
-    try:
-        for on in (False, True):
-            unit_cast.set_unit_cast(on)
-            m = build(device, world_size, nonfinite=True)
-            gathered: list = []
-            with torch.no_grad():
-                m(torch.ones(4, D, device=device))  # (the first unshard of each state is per weight)
-                for p in m.parameters():
-                    p.mul_(1.0)  # (new versions, same values: the kept payloads are not those of these masters)
-                handles = record_gathered(m, gathered)
-                m(torch.ones(4, D, device=device))
-            for h in handles:
-                h.remove()
-            out[on] = gathered
-            out[f"batches_{on}"] = sum(counters(m, "unit_batches").values())
-    finally:
-        unit_cast.set_unit_cast(was)
-    compare({"gathered": out[True], "losses": [], "grads": []}, {"gathered": out[False], "losses": [], "grads": []},
-            f"rank {rank} of {world_size}, non-finite weights")
-    return {"scale_inv": {n: t["scale_inv"].view(torch.float32).tolist() for n, t in out[True]},
-            "data": {n: t["data"].tolist() for n, t in out[True] if n in ("0.k", "1.up")},
-            "batches": out["batches_True"]}
+    gathered, batches = forward_after_new_versions(lambda: build(device, world_size, nonfinite=True), device, D,
+                                                   False, f"rank {rank} of {world_size}, non-finite weights")
+    return {"scale_inv": {n: t["scale_inv"].view(torch.float32).tolist() for n, t in gathered},
+            "data": {n: t["data"].tolist() for n, t in gathered if n in ("0.k", "1.up")},
+            "batches": batches}
