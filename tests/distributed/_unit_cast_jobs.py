@@ -196,3 +196,47 @@ def nonfinite(rank, world_size, device) -> dict:
     return {"scale_inv": {n: t["scale_inv"].view(torch.float32).tolist() for n, t in gathered},
             "data": {n: t["data"].tolist() for n, t in gathered if n in ("0.k", "1.up")},
             "batches": batches}
+
+
+def assert_stale_payload_not_used(m: nn.Module, width: int, target: str, monkeypatch) -> None:
+    """The master of block 0's `target` weight changed in place after its unit's batch (led by q) prepared its payload
+    (its version counter moves): its hook prepares its own from the new values, so the weight gathered is the
+    quantization of those; every other weight of the unit sent the batch's payload."""
+    x = torch.randn(4, width)
+    with torch.no_grad():
+        m(x)  # (lanes for the forward state)
+        for p in m.parameters():
+            p.mul_(1.0)  # (new versions: the kept payloads are not those of these masters)
+    module = getattr(m[0], target)
+    param = module._parameters["weight"]
+    real, leader = unit_cast._prepare_unit, local_tensor(m[0].q.weight)
+
+    def then_change(local, lane, key):
+        out = real(local, lane, key)
+        if out is not None and local is leader:
+            with torch.no_grad():
+                param.mul_(-2.0)
+        return out
+
+    monkeypatch.setattr(unit_cast, "_prepare_unit", then_change)
+    st = local_tensor(param)._hq
+    before = st.counters["payload_unit"]
+    gathered: list = []
+    handles = record_gathered(m, gathered)
+    with torch.no_grad():
+        m(x)
+    for h in handles:
+        h.remove()
+    assert st.counters["payload_unit"] == before and st.counters["unit_batches"] == 0, \
+        "the stale payload prepared before the change was sent (or re-prepared by a batch of its own)"
+    got = dict(gathered)[f"0.{target}"]
+    master = local_tensor(param)._data
+    want = module.weight_quantizer.quantize_parts(master.to(torch.bfloat16), True, False)[0]
+    assert torch.equal(got["data"], want.data.reshape(-1).view(torch.uint8)) and torch.equal(
+        got["scale_inv"], want.scale_inv.reshape(-1).view(torch.uint8)), \
+        f"the gathered {target} weight is not the quantization of its changed master"
+    for n, _ in m[0].named_children():
+        if n != target:
+            c = local_tensor(getattr(m[0], n).weight)._hq.counters
+            assert (c["payload_unit"], c["unit_batches"]) == (1, int(n == "q")), \
+                f"{n}: {c['payload_unit']} unit payloads sent, {c['unit_batches']} batches (expected q's batch only)"

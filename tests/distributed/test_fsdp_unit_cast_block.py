@@ -10,12 +10,10 @@ world 2 spawned); the CUDA kernel's bytes: tests/test_fp8_block_tensors.py."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from hybridq.distributed import unit_cast
-from hybridq.torch_private import local_tensor
 
 import _unit_cast_block_jobs as jobs
 import _unit_cast_jobs as base
@@ -83,45 +81,7 @@ def test_non_finite_values_and_zero_tiles_stay_in_their_tiles(one_rank):
 def test_a_payload_made_stale_before_its_hook_is_not_used(one_rank, monkeypatch):
     """The master of a sibling changed in place after the batch prepared its payload (its version counter moves): its
     hook prepares its own from the new values, and the weight gathered is the quantization of those."""
-    m = jobs.build(one_rank, 1)
-    x = torch.randn(4, jobs.D)
-    with torch.no_grad():
-        m(x)  # (lanes for the forward state)
-        for p in m.parameters():
-            p.mul_(1.0)  # (new versions: the kept payloads are not those of these masters)
-    target = m[0].up
-    param = target._parameters["weight"]
-    real, leader = unit_cast._prepare_unit, local_tensor(m[0].q.weight)
-
-    def then_change(local, lane, key):
-        out = real(local, lane, key)
-        if out is not None and local is leader:
-            with torch.no_grad():
-                param.mul_(-2.0)
-        return out
-
-    monkeypatch.setattr(unit_cast, "_prepare_unit", then_change)
-    st = local_tensor(param)._hq
-    before = st.counters["payload_unit"]
-    gathered: list = []
-    handles = base.record_gathered(m, gathered)
-    with torch.no_grad():
-        m(x)
-    for h in handles:
-        h.remove()
-    assert st.counters["payload_unit"] == before and st.counters["unit_batches"] == 0, \
-        "the stale payload prepared before the change was sent (or re-prepared by a batch of its own)"
-    got = dict(gathered)["0.up"]
-    master = local_tensor(param)._data
-    want = target.weight_quantizer.quantize_parts(master.to(torch.bfloat16), True, False)[0]
-    assert torch.equal(got["data"], want.data.reshape(-1).view(torch.uint8)) and torch.equal(
-        got["scale_inv"], want.scale_inv.reshape(-1).view(torch.uint8)), \
-        "the gathered weight is not the quantization of its changed master"
-    for n in jobs.NAMES:
-        if n != "up":
-            c = local_tensor(getattr(m[0], n).weight)._hq.counters
-            assert (c["payload_unit"], c["unit_batches"]) == (1, int(n == "q")), \
-                f"{n}: {c['payload_unit']} unit payloads sent, {c['unit_batches']} batches (expected q's batch only)"
+    base.assert_stale_payload_not_used(jobs.build(one_rank, 1), jobs.D, "up", monkeypatch)
 
 
 def test_the_switch_turns_the_batch_off(one_rank):

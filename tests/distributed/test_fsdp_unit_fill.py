@@ -9,7 +9,6 @@ spawned)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
