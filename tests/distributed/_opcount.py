@@ -186,3 +186,29 @@ class OpCounter(TorchDispatchMode):
         """{phase: {kind: per weight per step}}."""
         div = max(weights * steps, 1)
         return {p: {k: v / div for k, v in c.items()} for p, c in self.counts.items()}
+
+
+def launches_per_step(build, set_switch, phase: str, width: int) -> dict[bool, float]:
+    """{switch on: launches of `phase` (e.g. "pre_all_gather") per training step}, a path's switch off and on
+    (`set_switch(on)` returns the previous setting, restored after): for each, a model `build()` trained three SGD
+    steps on inputs of `width` features, counted (GPU-equivalent) from the second step on (the steady state: the first
+    step's unshards set up what the later ones reuse)."""
+    launches = {}
+    was = set_switch(False)
+    try:
+        for on in (False, True):
+            set_switch(on)
+            m = build()
+            opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+            counter = OpCounter()
+            for step in range(3):
+                if step == 1:
+                    counter.__enter__()
+                m(torch.randn(16, width)).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            counter.__exit__(None, None, None)
+            launches[on] = counter.counts[phase]["launches"] / 2
+    finally:
+        set_switch(was)
+    return launches

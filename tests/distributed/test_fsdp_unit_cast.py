@@ -99,26 +99,9 @@ def test_launches_per_unit_drop(one_rank):
     kernels take counts as its launches) per training step, from the second step on: with the unit cast, each unit's
     forward unshard is one amax and one cast launch for all its weights (no per-weight cast to bf16, amax and FP8
     cast); its backward unshard re-sends the kept payloads."""
-    from _opcount import OpCounter
+    from _opcount import launches_per_step
 
-    launches = {}
-    was = unit_cast.set_unit_cast(False)
-    try:
-        for on in (False, True):
-            unit_cast.set_unit_cast(on)
-            m = jobs.build(one_rank, 1)
-            opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-            counter = OpCounter()
-            for step in range(3):
-                if step == 1:
-                    counter.__enter__()
-                m(torch.randn(16, jobs.D)).float().square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            counter.__exit__(None, None, None)
-            launches[on] = counter.counts["pre_all_gather"]["launches"] / 2
-    finally:
-        unit_cast.set_unit_cast(was)
+    launches = launches_per_step(lambda: jobs.build(one_rank, 1), unit_cast.set_unit_cast, "pre_all_gather", jobs.D)
     weights = UNITS * len(jobs.NAMES)
     assert launches[True] == 2 * UNITS, f"{launches[True]} launches per step with the unit cast, expected {2 * UNITS}"
     assert launches[False] >= 2 * weights, f"{launches[False]} launches per step without it, expected >= {2 * weights}"

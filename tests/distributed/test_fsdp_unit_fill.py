@@ -10,7 +10,6 @@ spawned)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridq.distributed import unit_fill
 from hybridq.torch_private import local_tensor
@@ -130,26 +129,9 @@ def test_launches_per_unit_drop(one_rank):
     on: the forward unshard's scale copies are one `_foreach_copy_` per unit (one copy per weight without the unit
     fill); the backward unshard's derived scales likewise, its byte transposes one each on the CPU (on CUDA one call of
     the list transpose, test_transpose_list.py)."""
-    from _opcount import OpCounter
+    from _opcount import launches_per_step
 
-    launches = {}
-    was = unit_fill.set_unit_fill(False)
-    try:
-        for on in (False, True):
-            unit_fill.set_unit_fill(on)
-            m = jobs.build(one_rank, 1)
-            opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-            counter = OpCounter()
-            for step in range(3):
-                if step == 1:
-                    counter.__enter__()
-                m(torch.randn(16, jobs.D)).float().square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            counter.__exit__(None, None, None)
-            launches[on] = counter.counts["post_all_gather"]["launches"] / 2
-    finally:
-        unit_fill.set_unit_fill(was)
+    launches = launches_per_step(lambda: jobs.build(one_rank, 1), unit_fill.set_unit_fill, "post_all_gather", jobs.D)
     units, weights = 2, 2 * len(jobs.__dict__["Block"]().__dict__["_modules"])
     assert launches[False] == 3 * weights, \
         f"{launches[False]} post-all-gather launches per step without the unit fill, expected {3 * weights}"
