@@ -6,18 +6,13 @@ buffers are read and compared with a quantization of that expert's full weight m
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import torch
 
 from hybridq.distributed import grouped_blocks_batched, grouped_blocks_payload
 from hybridq.distributed import weights as weights_mod
 from hybridq.torch_private import local_tensor
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from _compare import tensor_diff  # noqa: E402
-from _block_stacked_jobs import STEPS, _layer, _oracle, _snapshot, _step, counted_steps  # noqa: E402
+from _block_stacked_jobs import STEPS, _layer, _oracle, _snapshot, _step, counted_steps, step_differences
 
 # (payload, receiver): the batched payload against the per-expert one, under either receiver
 RUNS = {"on": (True, True), "off": (False, True), "on_per_expert_fill": (True, False),
@@ -68,22 +63,8 @@ def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world
 
 def _differences(case: dict, a: dict, b: dict, rank: int, what: str) -> list[str]:
     """How run `a` differs from run `b`: outputs, gradients and every all-gather's snapshot, bitwise."""
-    diffs = []
-    for s, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
-        where = f"{case} {what} step {s} ({STEPS[s]}) rank {rank}"
-        for t in ("y", "dx", "dw"):
-            if sa[t] is not None:
-                d = tensor_diff(sa[t], sb[t], f"{where} {t}", nan_payload=True)
-                if d:
-                    diffs.append(d)
-        if len(sa["snaps"]) != len(sb["snaps"]):
-            diffs.append(f"{where}: {len(sa['snaps'])} all-gathers vs {len(sb['snaps'])}")
-        for i, (ga, gb) in enumerate(zip(sa["snaps"], sb["snaps"])):
-            if ga.keys() != gb.keys():
-                diffs.append(f"{where} gather {i}: tensors {sorted(ga)} vs {sorted(gb)}")
-                continue
-            diffs += [d for d in (tensor_diff(ga[k], gb[k], f"{where} gather {i} {k}") for k in ga) if d]
-    return diffs
+    return [d for s, (sa, sb) in enumerate(zip(a["steps"], b["steps"]))
+            for d in step_differences(sa, sb, f"{case} {what} step {s} ({STEPS[s]}) rank {rank}")]
 
 
 def job_block_payload(rank, world_size, device, cases):

@@ -93,6 +93,25 @@ def _step(root, lin, opt, mode: str, splits: list, seed: int, device) -> tuple:
     return y.detach(), None, None
 
 
+def step_differences(a: dict, b: dict, where: str) -> list[str]:
+    """How step `a` of one run differs from step `b` of another, bitwise: the output, the input and weight gradients
+    ("y", "dx", "dw"; None where the step has none) and every all-gather's snapshot ("snaps")."""
+    diffs = []
+    for t in ("y", "dx", "dw"):
+        if a[t] is not None:
+            d = tensor_diff(a[t], b[t], f"{where} {t}", nan_payload=True)
+            if d:
+                diffs.append(d)
+    if len(a["snaps"]) != len(b["snaps"]):
+        diffs.append(f"{where}: {len(a['snaps'])} all-gathers vs {len(b['snaps'])}")
+    for i, (ga, gb) in enumerate(zip(a["snaps"], b["snaps"])):
+        if ga.keys() != gb.keys():
+            diffs.append(f"{where} gather {i}: tensors {sorted(ga)} vs {sorted(gb)}")
+            continue
+        diffs += [d for d in (tensor_diff(ga[k], gb[k], f"{where} gather {i} {k}") for k in ga) if d]
+    return diffs
+
+
 def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
     grouped_blocks_batched.set_stacked_block_gather(on)
     root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), case.get("nonfinite", False), device,
@@ -145,18 +164,7 @@ def job_stacked_blocks(rank, world_size, device, cases):
         for s, (a, b) in enumerate(zip(on["steps"], off["steps"])):
             where = f"{case} step {s} ({STEPS[s]}) rank {rank}"
             oracle += [f"{where} on: {d}" for d in a["oracle"]] + [f"{where} off: {d}" for d in b["oracle"]]
-            for t in ("y", "dx", "dw"):
-                if a[t] is not None:
-                    d = tensor_diff(a[t], b[t], f"{where} {t}", nan_payload=True)
-                    if d:
-                        diffs.append(d)
-            if len(a["snaps"]) != len(b["snaps"]):
-                diffs.append(f"{where}: {len(a['snaps'])} all-gathers on, {len(b['snaps'])} off")
-            for i, (sa, sb) in enumerate(zip(a["snaps"], b["snaps"])):
-                if sa.keys() != sb.keys():
-                    diffs.append(f"{where} gather {i}: tensors {sorted(sa)} on, {sorted(sb)} off")
-                    continue
-                diffs += [d for d in (tensor_diff(sa[k], sb[k], f"{where} gather {i} {k}") for k in sa) if d]
+            diffs += step_differences(a, b, f"{where}, on vs off")
         out.append({"diffs": diffs, "oracle": oracle, "fills_on": on["fills"], "fills_off": off["fills"],
                     "direct_on": on["direct"], "kept_on": on["kept"], "derived_on": on["derived"],
                     "columnwise_gathers_on": on["columnwise_gathers"], "copy_items_on": on["copy_items"],

@@ -16,7 +16,7 @@ from hybridq.torch_private import local_tensor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
-from _block_stacked_jobs import _layer, _snapshot, _step  # noqa: E402
+from _block_stacked_jobs import _layer, _snapshot, _step, step_differences  # noqa: E402
 
 STEPS = ("train", "eval", "train", "train")
 
@@ -65,22 +65,8 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
 def _differences(case: dict, a: dict, b: dict, rank: int) -> list[str]:
     """How run `a` (steady state on) differs from run `b` (off): outputs, gradients and every all-gather's
     snapshot, bitwise."""
-    diffs = []
-    for s, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
-        where = f"{case} step {s} ({STEPS[s]}) rank {rank}"
-        for t in ("y", "dx", "dw"):
-            if sa[t] is not None:
-                d = tensor_diff(sa[t], sb[t], f"{where} {t}", nan_payload=True)
-                if d:
-                    diffs.append(d)
-        if len(sa["snaps"]) != len(sb["snaps"]):
-            diffs.append(f"{where}: {len(sa['snaps'])} all-gathers on, {len(sb['snaps'])} off")
-        for i, (ga, gb) in enumerate(zip(sa["snaps"], sb["snaps"])):
-            if ga.keys() != gb.keys():
-                diffs.append(f"{where} gather {i}: tensors {sorted(ga)} on, {sorted(gb)} off")
-                continue
-            diffs += [d for d in (tensor_diff(ga[k], gb[k], f"{where} gather {i} {k}") for k in ga) if d]
-    return diffs
+    return [d for s, (sa, sb) in enumerate(zip(a["steps"], b["steps"]))
+            for d in step_differences(sa, sb, f"{case} step {s} ({STEPS[s]}) rank {rank}, on vs off")]
 
 
 def job_fast_hooks(rank, world_size, device, cases):
