@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 
 from hybridq.distributed import grouped_blocks_batched, grouped_blocks_payload
-from hybridq.distributed import weights as weights_mod
 from hybridq.torch_private import local_tensor
 
-from _block_stacked_jobs import STEPS, _layer, _oracle, _snapshot, _step, counted_steps, step_differences
+from _block_stacked_jobs import STEPS, _layer, _oracle, _step, counted_steps, recording_fills, step_differences
 
 # (payload, receiver): the batched payload against the per-expert one, under either receiver
 RUNS = {"on": (True, True), "off": (False, True), "on_per_expert_fill": (True, False),
@@ -31,17 +30,10 @@ def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world
         st = local_tensor(lin.weight)._hq
         opt = torch.optim.SGD(root.parameters(), lr=0.5)
         snaps: list = []
-        real = weights_mod.GroupedHybridWeight._post_all_gather
-
-        def post(self, outputs, metadata):  # (the real fill runs; its result is read after it)
-            real(self, outputs, metadata)
-            if self._hq is st:
-                snaps.append(_snapshot(st))
-        weights_mod.GroupedHybridWeight._post_all_gather = post
         e = lin.weight.shape[0]
         splits = [(5 * g + 3) % 11 if g != 1 else 0 for g in range(e)]  # (uneven counts, an expert without tokens)
         steps = []
-        try:
+        with recording_fills(st, snaps):
             for step, mode in enumerate(STEPS):
                 full = lin.weight.full_tensor().detach().to(torch.bfloat16)
                 snaps.clear()
@@ -50,8 +42,6 @@ def _run(case: dict, payload: bool, stacked_fill: bool, rank: int, device, world
                     lin.reshard()  # (an eval forward leaves the layer unsharded too without reshard_after_forward)
                 steps.append({"y": y, "dx": dx, "dw": grad, "snaps": snaps[:],
                               "oracle": [d for s in snaps for d in _oracle(lin, full, s)]})
-        finally:
-            weights_mod.GroupedHybridWeight._post_all_gather = real
     finally:
         grouped_blocks_payload.set_stacked_block_payload(True)
         grouped_blocks_batched.set_stacked_block_gather(True)

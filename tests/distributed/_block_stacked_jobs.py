@@ -6,6 +6,7 @@ quantization of that expert's full weight made here."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
 
@@ -112,6 +113,25 @@ def step_differences(a: dict, b: dict, where: str) -> list[str]:
     return diffs
 
 
+@contextlib.contextmanager
+def recording_fills(st, snaps: list, and_then=None):
+    """Inside, after every fill of the grouped weight whose state is `st` (the real post-all-gather hook runs first),
+    its `_snapshot` is appended to `snaps` and `and_then(metadata)` called where given."""
+    real = weights_mod.GroupedHybridWeight._post_all_gather
+
+    def post(self, outputs, metadata):
+        real(self, outputs, metadata)
+        if self._hq is st:
+            snaps.append(_snapshot(st))
+            if and_then is not None:
+                and_then(metadata)
+    weights_mod.GroupedHybridWeight._post_all_gather = post
+    try:
+        yield
+    finally:
+        weights_mod.GroupedHybridWeight._post_all_gather = real
+
+
 def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
     grouped_blocks_batched.set_stacked_block_gather(on)
     root = _layer(case["preset"], case.get("experts", 4), case.get("out", 256), case.get("nonfinite", False), device,
@@ -121,28 +141,23 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
     opt = torch.optim.SGD(root.parameters(), lr=0.5)
     snaps: list = []
     views: list = []  # (per all-gather: the directions filled, those whose experts are `[E, ...]` views of one buffer)
-    real = weights_mod.GroupedHybridWeight._post_all_gather
 
-    def post(self, outputs, metadata):  # (the real fill runs; its result is read after it)
-        real(self, outputs, metadata)
-        if self._hq is st:
-            snaps.append(_snapshot(st))
-            views.append((sorted(metadata.plan.materialize),
-                          sorted(d for d in metadata.plan.materialize if st.stacked(d) is not None)))
-    weights_mod.GroupedHybridWeight._post_all_gather = post
+    def stacked_views(metadata):
+        views.append((sorted(metadata.plan.materialize),
+                      sorted(d for d in metadata.plan.materialize if st.stacked(d) is not None)))
     e = lin.weight.shape[0]
     splits = [(5 * g + 3) % 11 if g != 1 else 0 for g in range(e)]  # (uneven counts, an expert without tokens)
     results = []
     try:
-        for step, mode in enumerate(STEPS):
-            full = lin.weight.full_tensor().detach().to(torch.bfloat16)
-            snaps.clear()
-            views.clear()
-            y, dx, grad = _step(root, lin, opt, mode, splits, 100 + 10 * rank + step, device)
-            results.append({"y": y, "dx": dx, "dw": grad, "snaps": snaps[:],
-                            "oracle": [d for s in snaps for d in _oracle(lin, full, s)], "stacked": views[:]})
+        with recording_fills(st, snaps, stacked_views):
+            for step, mode in enumerate(STEPS):
+                full = lin.weight.full_tensor().detach().to(torch.bfloat16)
+                snaps.clear()
+                views.clear()
+                y, dx, grad = _step(root, lin, opt, mode, splits, 100 + 10 * rank + step, device)
+                results.append({"y": y, "dx": dx, "dw": grad, "snaps": snaps[:],
+                                "oracle": [d for s in snaps for d in _oracle(lin, full, s)], "stacked": views[:]})
     finally:
-        weights_mod.GroupedHybridWeight._post_all_gather = real
         grouped_blocks_batched.set_stacked_block_gather(True)
     return {"steps": results, "fills": st.counters.get("stacked_block_fills", 0),
             "direct": st.counters.get("stacked_block_fills_direct", 0),

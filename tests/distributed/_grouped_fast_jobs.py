@@ -16,7 +16,7 @@ from hybridq.torch_private import local_tensor
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from _compare import tensor_diff  # noqa: E402
-from _block_stacked_jobs import _layer, _snapshot, _step, step_differences  # noqa: E402
+from _block_stacked_jobs import _layer, _step, recording_fills, step_differences  # noqa: E402
 
 STEPS = ("train", "eval", "train", "train")
 
@@ -36,15 +36,8 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
         st = local_tensor(lin.weight)._hq
         opt = torch.optim.SGD(root.parameters(), lr=0.5)
         snaps: list = []
-        real = weights_mod.GroupedHybridWeight._post_all_gather
-
-        def post(self, outputs, metadata):  # (the real fill runs; its result is read after it)
-            real(self, outputs, metadata)
-            if self._hq is st:
-                snaps.append(_snapshot(st))
-        weights_mod.GroupedHybridWeight._post_all_gather = post
         steps = []
-        try:
+        with recording_fills(st, snaps):
             for step, mode in enumerate(STEPS):
                 snaps.clear()
                 y, dx, grad = _step(root, lin, opt, mode, _splits(lin.weight.shape[0]), 100 + 10 * rank + step,
@@ -52,8 +45,6 @@ def _run(case: dict, on: bool, rank: int, world_size: int, device) -> dict:
                 if mode != "train" and not case.get("reshard", True):
                     lin.reshard()
                 steps.append({"y": y, "dx": dx, "dw": grad, "snaps": snaps[:]})
-        finally:
-            weights_mod.GroupedHybridWeight._post_all_gather = real
     finally:
         grouped_fast.set_grouped_fast(was)
     c = st.counters
@@ -198,17 +189,8 @@ def job_kept_fill_follows_the_stacked_views(rank, world_size, device):
                     st.__dict__.pop("stacked_views", None)
                 before = st.counters.get("stacked_fills_kept", 0)
                 snaps = []
-                real = weights_mod.GroupedHybridWeight._post_all_gather
-
-                def post(self, outputs, metadata):
-                    real(self, outputs, metadata)
-                    if self._hq is st:
-                        snaps.append(_snapshot(st))
-                weights_mod.GroupedHybridWeight._post_all_gather = post
-                try:
+                with recording_fills(st, snaps):
                     _train(root, lin, opt, rank, step, device)
-                finally:
-                    weights_mod.GroupedHybridWeight._post_all_gather = real
                 kept.append(st.counters.get("stacked_fills_kept", 0) - before)
         finally:
             grouped_fast.set_grouped_fast(was)
