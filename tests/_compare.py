@@ -111,3 +111,20 @@ def assert_results_bitwise(got: dict, want: dict, what: str) -> None:
             assert got[k] is None, f"{what}: {k} is {got[k]}, expected None"
         else:
             assert_bitwise(got[k], w, f"{what}: {k}")
+
+
+def step_diffs(step: int, got: tuple, want: tuple, what: str = "loss") -> list[str]:
+    """What differs between two models' results of one training step: (loss or output, {name: gradient}) each."""
+    (out_g, grads_g), (out_w, grads_w) = got, want
+    return [d for d in [tensor_diff(out_g, out_w, f"step {step} {what}")] if d] + \
+        [d for n in grads_w for d in [tensor_diff(grads_g[n], grads_w[n], f"step {step} grad {n}")] if d]
+
+
+def parameter_diffs(got_model, want_model, what: str) -> list[str]:
+    """What differs between two models' parameters (DTensors compared whole), each named with `what`."""
+    out = []
+    for (n, pw), (_, pg) in zip(want_model.named_parameters(), got_model.named_parameters()):
+        full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (pg.detach(), pw.detach())]
+        out += [d for d in [tensor_diff(*full, f"{n} {what}")] if d]
+    return out
+

@@ -17,7 +17,7 @@ import hybridq.nn.float8_graph as float8_graph
 
 from _compile_jobs import _ACTS, _Recorder, _shard  # (puts tests/ on sys.path for _compare, _aot_graphs)
 from _aot_graphs import recording_backend
-from _compare import tensor_diff
+from _compare import parameter_diffs, step_diffs
 
 LAYERS = 2
 # the tensors the Linears of one block read: x (wq, wk, wv), the attention mix (wo), h (w1, w3), the MLP's product (w2)
@@ -127,14 +127,9 @@ def shared_input_step(rank, world_size, device, compiler="aot_eager", act="silu"
                 if model is compiled and step > 0:
                     casts.append(calls["casts"])
                 calls["on"] = False
-            (out_e, grads_e), (out_c, grads_c) = results
-            diffs += [d for d in [tensor_diff(out_c, out_e, f"step {step} output / loss")] if d]
-            diffs += [d for n in grads_e for d in [tensor_diff(grads_c[n], grads_e[n], f"step {step} grad {n}")]
-                      if d]
+            diffs += step_diffs(step, results[1], results[0], "output / loss")
     finally:
         float8_graph._quantize = real
-    for (n, pe), (_, pc) in zip(eager.named_parameters(), compiled.named_parameters()):
-        full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (pc.detach(), pe.detach())]
-        diffs += [d for d in [tensor_diff(*full, f"{n} after {steps} steps")] if d]
+    diffs += parameter_diffs(compiled, eager, f"after {steps} steps")
     return {"diffs": diffs, "casts": casts, "quantize_nodes": _quantize_nodes(forward_graphs),
             "graph_breaks": sum(counters["graph_break"].values())}

@@ -16,7 +16,7 @@ import hybridq.nn.float8_graph as float8_graph
 from hybridq.nn import compiled_amax
 
 from _compile_jobs import _Recorder, _shard  # (puts tests/ on sys.path for _compare)
-from _compare import tensor_diff
+from _compare import parameter_diffs, step_diffs
 
 LAYERS = 2
 # per block: the attention norm's y (read by wq, wk, wv), the MLP norm's (w1, w3), SwiGLU's (w2); wo reads a sum
@@ -103,14 +103,9 @@ def known_amax_step(rank, world_size, device, compiler="inductor", switch=True, 
                     casts.append(calls["casts"])
                     known.append(calls["known"])
                 calls["on"] = False
-            (loss_e, grads_e), (loss_c, grads_c) = results
-            diffs += [d for d in [tensor_diff(loss_c, loss_e, f"step {step} loss")] if d]
-            diffs += [d for n in grads_e for d in [tensor_diff(grads_c[n], grads_e[n], f"step {step} grad {n}")]
-                      if d]
+            diffs += step_diffs(step, results[1], results[0])
     finally:
         float8_graph._quantize = real
         compiled_amax.ENABLED.set(before)
-    for (n, pe), (_, pc) in zip(eager.named_parameters(), compiled.named_parameters()):
-        diffs += [d for d in [tensor_diff(pc.detach().full_tensor(), pe.detach().full_tensor(),
-                                          f"{n} after {steps} steps")] if d]
+    diffs += parameter_diffs(compiled, eager, f"after {steps} steps")
     return {"diffs": diffs, "casts": casts, "known": known}
