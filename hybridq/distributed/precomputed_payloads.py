@@ -15,15 +15,14 @@ import torch
 import torch.nn as nn
 
 from ..enums import Phase
-from ..formats.base import ROWWISE
 from ..nn.linear import Linear
 from ..switches import Switch
 from ..torch_private import current_raw_stream, current_stream, local_tensor, storage_id
 from .fsdp_adapter import reshard_flags, state_phase
 from .module_walk import modules_in_order
-from .payload import build_payload
 from .transport import payload_key
-from .unit_cast import _TENSOR, PreparedPayload, _block_parts, _entry, _Entry, _region, _tensor_parts
+from .unit_cast import (_TENSOR, PreparedPayload, _block_parts, _entry, _Entry, _region, _tensor_parts,
+                        batch_payloads)
 from .weights import HybridWeight
 
 __all__ = ["PrecomputedPayloads", "precompute_payloads", "precomputed_payloads_enabled", "set_precomputed_payloads"]
@@ -147,18 +146,7 @@ def _prepare(entries: list[_Entry]) -> int:
             seen.add(sid)
             tensors.append(t)
     batch = _Batch(tensors)
-    offset = 0
-    for e, part in zip(entries, parts):
-        est = e.local._hq
-        meta = build_payload(e.quant, {ROWWISE: part}, e.shard, e.shards, e.shape, device, pack=False,
-                             memo=est.payload_layouts)[1]
-        if meta.nbytes != e.region:
-            raise RuntimeError(f"hybridq FSDP: the precomputed payload of {est.name} has {e.region} bytes laid out, "
-                               f"its payload layout {meta.nbytes}")
-        payload = data[offset:offset + e.region]
-        offset += e.region
-        if e.precomputed:
-            est.counters["stats_precomputed"] += 1  # (what its `reduced_stats` would have counted)
+    for e, est, payload, meta in batch_payloads(entries, parts, data, device, "the precomputed payloads"):
         est.counters["payloads_precomputed"] += 1
         est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta, "payload_precomputed", batch)
     return data.numel()

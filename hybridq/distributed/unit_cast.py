@@ -224,18 +224,7 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
         return None
     data, parts = (_tensor_parts if mine.kind == _TENSOR else _block_parts)(entries, lane.dtype)
     out = None
-    offset = 0
-    for i, (e, part) in enumerate(zip(entries, parts)):
-        est = e.local._hq
-        meta = build_payload(e.quant, {ROWWISE: part}, e.shard, e.shards, e.shape, device, pack=False,
-                             memo=est.payload_layouts)[1]
-        if meta.nbytes != e.region:
-            raise RuntimeError(f"hybridq FSDP: the unit cast laid out {e.region} payload bytes for {est.name}, its "
-                               f"payload layout has {meta.nbytes}")
-        payload = data[offset:offset + e.region]
-        offset += e.region
-        if e.precomputed:
-            est.counters["stats_precomputed"] += 1  # (what its `reduced_stats` would have counted)
+    for i, (e, est, payload, meta) in enumerate(batch_payloads(entries, parts, data, device, "the unit cast")):
         if i == 0:
             out = (payload, meta)
             est.counters["unit_batches"] += 1
@@ -243,6 +232,24 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
         else:
             est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta)
     return out
+
+
+def batch_payloads(entries: list[_Entry], parts: list, data: torch.Tensor, device, who: str):
+    """(entry, its weight's state, its payload -- a view of the batch's bytes `data` --, its PayloadMeta) for each
+    weight of a batch (the unit cast's or the precomputed payloads'), in order; each layout checked against the
+    bytes the batch laid out for it."""
+    offset = 0
+    for e, part in zip(entries, parts):
+        est = e.local._hq
+        meta = build_payload(e.quant, {ROWWISE: part}, e.shard, e.shards, e.shape, device, pack=False,
+                             memo=est.payload_layouts)[1]
+        if meta.nbytes != e.region:
+            raise RuntimeError(f"hybridq FSDP: {who} laid out {e.region} payload bytes for {est.name}, its payload "
+                               f"layout has {meta.nbytes}")
+        if e.precomputed:
+            est.counters["stats_precomputed"] += 1  # (what its `reduced_stats` would have counted)
+        yield e, est, data[offset:offset + e.region], meta
+        offset += e.region
 
 
 def _tensor_parts(entries: list[_Entry], dtype) -> tuple[torch.Tensor, list]:
