@@ -59,7 +59,7 @@ from e2e_plan import glue_train_args  # noqa: E402
 import train  # noqa: E402
 from data import ByteBatches, load_tokens  # noqa: E402
 from metrics import Printer  # noqa: E402
-from trainer import GarbageCollection  # noqa: E402
+from trainer import GarbageCollection, StepWindow, issue_step  # noqa: E402
 
 BASELINE = config.BASELINE
 # e2e_report.py's default size, and a CPU smoke size
@@ -75,28 +75,6 @@ from profile_tables import (ALLOC_KEYS, JITTER, category_table, collectives_tabl
 
 
 # ---- running the steps ------------------------------------------------------------------------------
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_step(step: int, model, optimizer, data: ByteBatches, targs, env, quantized: bool) -> tuple[float, float]:
-    """One train.py step; (host seconds to issue it, wall seconds until the device finished it)."""
-    torch.manual_seed((targs.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # as train.py: stochastic rounding
-    x, y = data.get(step)
-    t0 = time.perf_counter()
-    x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-    loss = train.train_step(model, optimizer, x, y, targs, quantized)
-    t1 = time.perf_counter()
-    loss_val = train.all_mean(loss, env)  # as train.py: the logged loss's all-reduce, a sync point
-    sync(env.device)
-    t2 = time.perf_counter()
-    if not math.isfinite(loss_val):
-        raise RuntimeError(f"loss is {loss_val} at step {step}")
-    return t1 - t0, t2 - t0
-
-
 
 def allocator_counters(device: torch.device) -> dict:
     if device.type != "cuda":
@@ -130,15 +108,24 @@ class _Job:
         self.run(a.warmup)
 
     def run(self, n: int, mark: str | None = None) -> tuple[list[float], list[float]]:
-        """n steps: (host seconds to issue each, wall seconds of each); each inside record_function(mark + i)."""
+        """n steps as train.py runs them (the host waits every --sync-every steps and after the n-th: trainer's
+        StepWindow): (host seconds to issue each, wall seconds of each: its window's mean); each inside
+        record_function(mark + i)."""
         from torch.profiler import record_function
         host, wall = [], []
+        window = StepWindow(self.env)
         for i in range(n):
             with record_function(f"{mark}{i}") if mark is not None else contextlib.nullcontext():
-                h, w = timed_step(self.step, self.model, self.optimizer, self.data, self.targs, self.env,
+                t0 = time.perf_counter()
+                loss = issue_step(self.step, self.model, self.optimizer, self.data, self.targs, self.env,
                                   self.quantized)
-            host.append(h)
-            wall.append(w)
+                host.append(time.perf_counter() - t0)
+                window.add(i + 1, loss, 0.0, {})
+                if window.due(i + 1, 0, n, self.targs.sync_every):
+                    for step, loss_val, _, _, dt in window.read():
+                        if not math.isfinite(loss_val):
+                            raise RuntimeError(f"loss is {loss_val} at step {self.step - (i + 1 - step)}")
+                        wall.append(dt)
             self.step += 1
             self.collector.step(self.step)
         return host, wall

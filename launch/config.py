@@ -139,6 +139,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "0; the reference path that does not go through DCP resharding")
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=int, default=1, help="per-step line every N steps")
+    g.add_argument("--sync-every", type=int, default=10, metavar="N",
+                   help="the host waits for the device (reads the losses, checks them, prints their lines) every N "
+                        "steps, and on the first and last step and before a checkpoint; in between it issues the "
+                        "next steps while the device runs (torchtitan reads the loss on its logging steps only); a "
+                        "step's time is its window's mean; 1: wait for every step")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     g.add_argument("--metrics", default=None, metavar="FILE.jsonl",
                    help="write the metrics as JSON lines (config, one record per logged step, a summary per run, "
@@ -203,11 +208,12 @@ def check_args(args, world: int) -> None:
                       "apply_hybrid_fsdp only); use --weight-gather quantized")
     if args.compare == args.recipe:
         errors.append(f"--compare {args.compare} is the same as --recipe")
-    for flag in ("save_every", "keep_last", "log_every", "eval_batches"):
+    for flag in ("save_every", "keep_last", "log_every", "sync_every", "eval_batches"):
         if getattr(args, flag) < 0:
             errors.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
-    if args.log_every == 0:
-        errors.append("--log-every 0: must be >= 1")
+    for flag in ("log_every", "sync_every"):
+        if getattr(args, flag) == 0:
+            errors.append(f"--{flag.replace('_', '-')} 0: must be >= 1")
     if args.stop_after is not None and args.stop_after < 1:
         errors.append(f"--stop-after {args.stop_after}: must be >= 1")
     if (args.save_every or args.resume or args.keep_last or args.overwrite) and not args.checkpoint_dir:

@@ -62,7 +62,7 @@ from model import Transformer  # noqa: E402
 # the pre-flight and the distributed set-up (re-exported: train.py, profile_step.py and the tests reach them here)
 from preflight import (REFUSALS, convert_refusing, describe_plan, preflight, release_locks,  # noqa: E402,F401
                        take_locks)
-from dist_env import Env, PeakMemory, all_mean, init_distributed, on_rank0_then_broadcast  # noqa: E402,F401
+from dist_env import Env, PeakMemory, all_mean, all_means, init_distributed, on_rank0_then_broadcast  # noqa: E402,F401
 
 
 # ---- one training run ----------------------------------------------------------------------------
@@ -211,6 +211,59 @@ def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor, args, quantiz
     return loss
 
 
+def issue_step(step: int, model, optimizer, data: ByteBatches, args, env: Env, quantized: bool,
+               lr: float | None = None) -> torch.Tensor:
+    """Step `step` issued to the device without waiting for it: its random stream reseeded, its batch copied from
+    pinned host memory (a copy from pageable memory would make the host wait for the device's queue to drain), then
+    `train_step`. Returns the loss tensor. lr: set on every param group first (None: left as it is)."""
+    if lr is not None:
+        for gr in optimizer.param_groups:
+            gr["lr"] = lr
+    # stochastic rounding and anything else random: a function of (seed, step, rank) only
+    torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
+    x, y = data.get(step)
+    if env.device.type == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
+    x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+    return train_step(model, optimizer, x, y, args, quantized)
+
+
+class StepWindow:
+    """The steps issued since the host last waited for the device. [Note: the host runs ahead]: a step's loss is
+    read (all-reduced, copied to the host) only at a sync step -- every --sync-every steps, the first and last step,
+    and before a checkpoint -- as torchtitan reads it only on its logging steps. Between them nothing waits, so the
+    host issues the next steps while the device still runs the earlier ones, and a phase where the host is slower
+    than the device (the forward's FSDP2 hooks) overlaps device work queued before it. A step's time is its window's
+    wall time over the window's steps; a non-finite loss is still reported with its step, at the window's end."""
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.steps: list[tuple[int, torch.Tensor, float, dict]] = []
+        self.restart()
+
+    def restart(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def add(self, n: int, loss: torch.Tensor, lr: float, sent: dict) -> None:
+        self.steps.append((n, loss.detach(), lr, sent))
+
+    @staticmethod
+    def due(n: int, start: int, end: int, every: int) -> bool:
+        return n % every == 0 or n == end or n == start + 1
+
+    def read(self) -> list[tuple[int, float, float, dict, float]]:
+        """(step, loss, lr, bytes sent, seconds) of each step of the window, after waiting for the device; the
+        window is then empty and restarted."""
+        values = all_means(torch.stack([loss for _, loss, _, _ in self.steps]), self.env)
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        dt = (time.perf_counter() - self.t0) / len(self.steps)
+        rows = [(n, v, lr, sent, dt) for (n, _, lr, sent), v in zip(self.steps, values)]
+        self.steps.clear()
+        self.restart()
+        return rows
+
+
 class GarbageCollection:
     """Python's garbage collector during training, as torchtitan runs it: what set-up allocated (modules,
     parameters, optimizer state) is frozen, the automatic collector is off, and the young generations are
@@ -259,44 +312,40 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
     mem_label = memory.label
     t_run = time.perf_counter()
     collector = GarbageCollection(args.gc_every)
+    window = StepWindow(env)
     with CommCounter(env.mesh["tp"].get_group() if args.tp > 1 else None) as comms:
         for step in range(start, end):
-            t0 = time.perf_counter()
             sent0 = dict(comms.bytes)
             collector.step(step)
             lr = lr_at(step, args)
-            for gr in optimizer.param_groups:
-                gr["lr"] = lr
-            # stochastic rounding and anything else random: a function of (seed, step, rank) only
-            torch.manual_seed((args.seed * 1_000_003 + step) * 4099 + env.dp_rank)  # (TP ranks share a batch)
-            x, y = data.get(step)
-            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            loss = train_step(model, optimizer, x, y, args, quantized)
-            loss_val = all_mean(loss, env)  # also a sync point for the timing
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            dt = time.perf_counter() - t0
-            losses.append(loss_val)
-            times.append(dt)
-            tps.append(tokens_per_step / dt)
-            for k in KINDS:
-                sent[k].append(comms.bytes[k] - sent0[k])
-            if not math.isfinite(loss_val):
-                raise ConfigError(f"[{recipe_name}] loss is {loss_val} at step {step + 1}")
+            loss = issue_step(step, model, optimizer, data, args, env, quantized, lr)
             n = step + 1
-            if n % args.log_every == 0 or n == end or n == start + 1:
-                mem = memory.read()
-                out(f"[{recipe_name}] step {n:>{len(str(args.steps))}}/{args.steps} | loss {loss_val:.4f} | "
-                    f"lr {lr:.2e} | {tokens_per_step / dt:>9,.0f} tok/s | step {dt * 1e3:7.1f} ms | "
-                    f"{mem_label} {fmt_bytes(mem)}")
-                metrics.write("step", recipe=recipe_name, step=n, steps=args.steps, loss=loss_val, lr=lr,
-                              tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
-                              peak_memory_kind=mem_label, **{f"{k}_bytes": sent[k][-1] for k in step_wires(args)})
+            window.add(n, loss, lr, {k: comms.bytes[k] - sent0[k] for k in KINDS})
+            saving = run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps)
+            if not (window.due(n, start, end, args.sync_every) or saving):
+                continue
+            for n_i, loss_val, lr_i, sent_i, dt in window.read():
+                losses.append(loss_val)
+                times.append(dt)
+                tps.append(tokens_per_step / dt)
+                for k in KINDS:
+                    sent[k].append(sent_i[k])
+                if not math.isfinite(loss_val):
+                    raise ConfigError(f"[{recipe_name}] loss is {loss_val} at step {n_i}")
+                if n_i % args.log_every == 0 or n_i == end or n_i == start + 1:
+                    mem = memory.read()
+                    out(f"[{recipe_name}] step {n_i:>{len(str(args.steps))}}/{args.steps} | loss {loss_val:.4f} | "
+                        f"lr {lr_i:.2e} | {tokens_per_step / dt:>9,.0f} tok/s | step {dt * 1e3:7.1f} ms | "
+                        f"{mem_label} {fmt_bytes(mem)}")
+                    metrics.write("step", recipe=recipe_name, step=n_i, steps=args.steps, loss=loss_val, lr=lr_i,
+                                  tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
+                                  peak_memory_kind=mem_label,
+                                  **{f"{k}_bytes": sent_i[k] for k in step_wires(args)})
             if args.compile and n == start + 1:  # (the first step compiled every block)
                 out(compile_report.line(recipe_name, compile_report.summary()))
             done = n - start
             out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
-            if run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps):
+            if saving:
                 # no RNG state: step s reseeds from (seed, s, rank); no loader state: batches are a pure function
                 # of (seed, s, rank, dp); so this is the whole job state, for any world size that resumes it
                 train_state = {"step": n, "losses": losses, "seed": args.seed, "dp": args.dp, "tp": args.tp,
@@ -308,6 +357,7 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
                                                optimizer, env.world, env.main)
                 removed = f" (removed {', '.join(p.name for p in pruned)}: --keep-last {args.keep_last})"
                 out(f"[{recipe_name}] saved checkpoint {folder}" + (removed if pruned else ""))
+                window.restart()  # (the save's time is not a step's)
     out.end_progress()
     collector.close()
     val = evaluate(model, data, args, env) if end == args.steps and args.eval_batches > 0 else float("nan")
