@@ -16,6 +16,7 @@ and from run.sh before torchrun starts. The checkpoint logic itself is tested in
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pathlib
 import shutil
@@ -947,3 +948,65 @@ def test_adamw_is_fused_by_default_and_foreach_on_request():
         opt = torch.optim.AdamW([p], **trainer.adamw_impl(config.parse_args(["--adamw-impl", impl]).adamw_impl))
         other = {"fused": "foreach", "foreach": "fused"}[impl]
         assert opt.defaults[impl] is True and not opt.defaults[other], f"--adamw-impl {impl}: {opt.defaults}"
+
+
+# ---- the host runs ahead: --sync-every (trainer.StepWindow) ----------------------------------------
+
+@pytest.mark.parametrize("start,end,every,want", [
+    (0, 8, 10, [1, 8]),               # the first step (compile / warm-up on its own) and the last
+    (0, 25, 10, [1, 10, 20, 25]),
+    (4, 12, 3, [5, 6, 9, 12]),        # a resumed run: its first step, multiples of N, its last
+    (0, 4, 1, [1, 2, 3, 4]),          # --sync-every 1: every step
+])
+def test_the_host_waits_on_the_first_and_last_step_and_every_n(start, end, every, want):
+    import trainer
+    got = [n for n in range(start + 1, end + 1) if trainer.StepWindow.due(n, start, end, every)]
+    assert got == want, f"steps {start + 1}..{end}, --sync-every {every}: waits at {got}, expected {want}"
+
+
+def test_a_window_reads_each_steps_loss_once_in_order(monkeypatch):
+    """The window keeps each step's loss tensor (detached) until its read: one all-reduce of the stacked losses,
+    then (step, loss, lr, bytes, the window's mean seconds) per step in order; the window is empty after."""
+    import trainer
+    reduced = []
+    monkeypatch.setattr(trainer, "all_means", lambda x, env: reduced.append(x.clone()) or x.tolist())
+    w = trainer.StepWindow(trainer.Env(0, 1, torch.device("cpu"), "gloo", None))
+    p = torch.nn.Parameter(torch.tensor(1.0))
+    for n, v in ((3, 2.5), (4, float("nan")), (5, 0.25)):
+        w.add(n, p * v, lr=0.1 * n, sent={"allgather": n})
+    rows = w.read()
+    assert len(reduced) == 1 and reduced[0].shape == (3,), f"one reduction of the 3 losses: {reduced}"
+    assert [r[0] for r in rows] == [3, 4, 5] and [r[2] for r in rows] == [0.1 * 3, 0.1 * 4, 0.1 * 5]
+    assert rows[0][1] == 2.5 and math.isnan(rows[1][1]) and rows[2][1] == 0.25, f"losses out of order or lost: {rows}"
+    assert [r[3] for r in rows] == [{"allgather": n} for n in (3, 4, 5)]
+    assert len({r[4] for r in rows}) == 1 and rows[0][4] > 0, "each step gets the window's mean time"
+    assert w.steps == [], "the window is empty after a read"
+
+
+@pytest.mark.distributed
+def test_a_run_that_waits_every_step_trains_bitwise_like_the_windowed_one(runs, tmp_path):
+    """--sync-every changes only when the host reads the losses: the losses of a run that waits for every step are
+    bitwise those of the default run (windows of 10), with one logged record per step in both."""
+    _, js, _ = runs
+    torchrun("--sync-every", "1", "--metrics", str(tmp_path / "s1.jsonl"), cwd=tmp_path)
+    got = metrics_of(tmp_path / "s1.jsonl")
+    want = js["full"]["runs"][RECIPE]["losses"]
+    assert got["runs"][RECIPE]["losses"] == want, f"--sync-every 1 {got['runs'][RECIPE]['losses']} vs default {want}"
+    assert [s["step"] for s in got["steps"]] == list(range(1, 9))
+
+
+@pytest.mark.distributed
+def test_a_non_finite_loss_inside_a_window_stops_the_job_naming_its_step(tmp_path):
+    """A step whose loss is not finite ends the job with its step number whether the host waited for it alone
+    (--sync-every 1) or read it at the end of a window (steps 2-6 here): the same message, the same step, and the
+    finite steps before it are logged."""
+    bad = ("--recipe", "fp8_tensorwise", "--lr", "1e30", "--warmup", "0", "--steps", "6")
+    outs = {}
+    for every in ("1", "10"):
+        p = torchrun_n(2, *bad, "--sync-every", every, cwd=tmp_path, ok=False)
+        assert p.returncode != 0, f"--sync-every {every}: a run with lr 1e30 should fail:\n{p.stdout[-2000:]}"
+        line = [l for l in (p.stdout + p.stderr).splitlines() if "loss is" in l]
+        assert line, f"--sync-every {every}: no 'loss is ...' message:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+        outs[every] = (line[0].split("train.py: ")[-1], [l for l in p.stdout.splitlines() if "] step " in l])
+    assert outs["1"][0] == outs["10"][0], f"waiting every step: {outs['1'][0]!r}; windowed: {outs['10'][0]!r}"
+    assert [l.split(" | ")[:2] for l in outs["1"][1]] == [l.split(" | ")[:2] for l in outs["10"][1]], outs
