@@ -73,6 +73,8 @@ def cases(dim: int, device: torch.device) -> list:
                                     hybridq.recipe("fp8_tensorwise"), name="bench")
     hq_block = hybridq.Linear.from_linear(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16),
                                           hybridq.recipe("fp8_block"), name="bench_block")
+    hq_delayed = hybridq.Linear.from_linear(nn.Linear(dim, dim, bias=False, device=device, dtype=torch.bfloat16),
+                                            hybridq.recipe("fp8_delayed"), name="bench_delayed")
 
     def general(fn):
         """`fn` with FP8 Linears on the general path (linear_function.py), not float8_graph's few ops."""
@@ -174,6 +176,8 @@ def cases(dim: int, device: torch.device) -> list:
         ("hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input)", shared_step(hq)),
         ("hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input, QuantizedTensor shared)",
          shared_as_tensor(shared_step(hq))),
+        ("hybridq Linear fwd+bwd (fp8_delayed)", step(hq_delayed)),
+        ("hybridq Linear fwd+bwd (fp8_delayed, general path)", general(step(hq_delayed))),
         ("hybridq Linear fwd+bwd (fp8_block)", step(hq_block)),
         ("hybridq Linear fwd+bwd (fp8_block, general path)", general(step(hq_block))),
         ("hybridq Linear forward only (grad on)", lambda: hq(xg)),

@@ -20,6 +20,8 @@ CPU_ROWS = [  # every row a CPU run prints (the CUDA rows come after them on a G
     "hybridq Linear fwd+bwd (fp8_tensorwise, fast-path checks uncached)",
     "hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input)",
     "hybridq Linear fwd+bwd (fp8_tensorwise, sharing on, fresh input, QuantizedTensor shared)",
+    "hybridq Linear fwd+bwd (fp8_delayed)",
+    "hybridq Linear fwd+bwd (fp8_delayed, general path)",
     "hybridq Linear fwd+bwd (fp8_block)",
     "hybridq Linear fwd+bwd (fp8_block, general path)",
     "hybridq Linear forward only (grad on)",

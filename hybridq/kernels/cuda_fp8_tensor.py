@@ -64,22 +64,28 @@ def supports(q: Float8Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
     return input_ok(q, x2d, rowwise, columnwise)
 
 
+def delayed_cast(q: Float8Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple:
+    """A delayed-scaling cast of the 2-D contiguous CUDA tensor `x` -> (rowwise data, columnwise data, scale_inv);
+    `run`'s, and nn/delayed_linear.py's fast path's (one copy of the state steps). The pending update in one launch
+    instead of the Python update's ~10 small ops (same values), and the cast's max|x| max-combined into the history
+    slot by the cast kernel itself (a replay records nothing and casts with the forward's scale)."""
+    replay = q.replaying()
+    scale = q.begin_delayed_cast(x.device, lambda: update_before_cast(q))
+    if replay:
+        row, col, scale_inv, _ = ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
+                                                           q.power_2_scale, rowwise, columnwise, False)
+    else:
+        row, col, scale_inv = ops().fp8_tensor_quantize_delayed(x, q.dtype, scale, q.amax_history,
+                                                                q.amax_epsilon, q.power_2_scale, rowwise, columnwise)
+        q.mark_amax_recorded()
+    return row, col, scale_inv
+
+
 def run(q: Float8Quantizer, x2d, rowwise, columnwise, amax=None, stats=None, shard=None, global_stats=None, **_):
     x = x2d.contiguous()
     m, k = x.shape
     if q.scaling == Scaling.DELAYED:
-        # the pending update in one launch instead of the Python update's ~10 small ops (same values), and the
-        # cast's max|x| max-combined into the history slot by the cast kernel itself (a replay records nothing)
-        replay = q.replaying()
-        scale = q.begin_delayed_cast(x.device, lambda: update_before_cast(q))
-        if replay:
-            row, col, scale_inv, _ = ops().fp8_tensor_quantize(x, q.dtype, scale, None, q.amax_epsilon,
-                                                               q.power_2_scale, rowwise, columnwise, False)
-        else:
-            row, col, scale_inv = ops().fp8_tensor_quantize_delayed(x, q.dtype, scale, q.amax_history,
-                                                                    q.amax_epsilon, q.power_2_scale, rowwise,
-                                                                    columnwise)
-            q.mark_amax_recorded()
+        row, col, scale_inv = delayed_cast(q, x, rowwise, columnwise)
     else:
         for given in (stats, global_stats):
             if amax is None and given is not None:

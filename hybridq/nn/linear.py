@@ -14,7 +14,7 @@ from ..recipe import CustomRecipe, Role, check_override_compatible, resolve_reci
 from ..tensor import QuantizedTensor
 from ..torch_private import local_tensor
 from ..weight_forms import QuantizedGatherShard
-from . import compiled_linear, delayed_state, float8_graph
+from . import compiled_linear, delayed_linear, delayed_state, float8_graph
 from .linear_function import (_LinearConfig, apply_linear, cached_quantized_weight,  # noqa: F401 (re-exported)
                               shared_input_quantization)
 from .quantized_params import (check_held_weight_format, init_config, quantize_layer, quantized_param_info,
@@ -219,6 +219,13 @@ class Linear(nn.Linear):
             y = float8_graph.eager_float8_linear(x, weight, bias, self._float8_graph_spec, cfg, cache)
             if y is not None:
                 return y
+        if (override is None and self._delayed_spec is not None and cache is None
+                and not isinstance(weight, QuantizedTensor) and quantized_param_info(weight) is None):
+            # per-tensor FP8 with delayed scaling on a plain weight: the general path's casts and GEMMs as the few
+            # calls they are (nn/delayed_linear.py; None: it must run)
+            y = delayed_linear.eager_delayed_linear(x, weight, bias, self._delayed_spec, cfg)
+            if y is not None:
+                return y
         if quantized_param_info(weight) is not None:  # the weight is held quantized (quantized_model_init)
             cache = lambda need_columnwise: weight_for_call(weight, need_columnwise)
         return apply_linear(x, weight, bias, cfg, cache)
@@ -242,6 +249,7 @@ class Linear(nn.Linear):
         self._configuration_key = compiled_linear.configuration_key(self.name, self.quantizers(),
                                                                     self._save_original_input)
         self._float8_graph_spec = float8_graph.graph_spec(self.quantizers(), self._save_original_input)
+        self._delayed_spec = delayed_linear.delayed_spec(self.quantizers(), self._save_original_input)
 
     def mark_weight_quantized_elsewhere(self) -> None:
         """The weight this layer receives in forward will be a quantized tensor made elsewhere (FSDP2's quantized
