@@ -50,6 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also convert the output head (kept in high precision by default)")
     g.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"],
                    help="FSDP2 MixedPrecisionPolicy param_dtype (gradients reduce in fp32)")
+    g.add_argument("--reshard-after-forward", default="default", choices=["default", "always", "never"],
+                   help="FSDP2's reshard_after_forward per block, torchtitan's policy: default = every block but the "
+                        "last (whose backward starts right after the forward: no second all-gather of it; every "
+                        "block under CUDA graphs, where a kept block re-records the graphs each step), always, never "
+                        "(every block's gathered weights kept from forward to backward: more memory)")
     g.add_argument("--norms", default="auto", choices=["auto", "hybridq", "model"],
                    help="the RMSNorm and SwiGLU feed-forward modules: auto: hybridq.nn.RMSNorm / SwiGLU in hybridq "
                         "recipes' runs (their conversion swaps them in), the model's own in "

@@ -96,6 +96,16 @@ def grad_reduce_of(recipe_name: str, args) -> str:
     return "fp32" if recipe_name in (BASELINE, *TORCHAO_RECIPES) else args.grad_reduce
 
 
+def reshard_after_forward(args, i: int, blocks: int) -> bool:
+    """--reshard-after-forward for block i of `blocks` (torchtitan's policy names): the last block's backward is the
+    first to run, right after the forward, so by default its gathered weights stay (one all-gather and, for the
+    quantized gather, one set of post-all-gather fills fewer per step). Under CUDA graphs (--compile-mode
+    reduce-overhead / max-autotune) the default reshards every block: a block that is not resharded makes the graphs
+    record again every step (docs/compile.md, benchmarks/cudagraph_rerecords.py)."""
+    cuda_graphs = args.compile and args.compile_mode in ("reduce-overhead", "max-autotune")
+    return {"always": True, "never": False, "default": cuda_graphs or i < blocks - 1}[args.reshard_after_forward]
+
+
 def build(recipe_name: str, args, env: Env, out: Printer):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(args.seed)
@@ -124,8 +134,9 @@ def build(recipe_name: str, args, env: Env, out: Printer):
             block.forward = torch.compile(block.forward, mode=args.compile_mode)
     pdt = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=env.mesh["dp"], mp_policy=mp, shard_placement_fn=expert_placement(args))
+    for i, block in enumerate(model.layers):
+        fully_shard(block, mesh=env.mesh["dp"], mp_policy=mp, shard_placement_fn=expert_placement(args),
+                    reshard_after_forward=reshard_after_forward(args, i, len(model.layers)))
     fully_shard(model, mesh=env.mesh["dp"], mp_policy=mp)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

@@ -1010,3 +1010,17 @@ def test_a_non_finite_loss_inside_a_window_stops_the_job_naming_its_step(tmp_pat
         outs[every] = (line[0].split("train.py: ")[-1], [l for l in p.stdout.splitlines() if "] step " in l])
     assert outs["1"][0] == outs["10"][0], f"waiting every step: {outs['1'][0]!r}; windowed: {outs['10'][0]!r}"
     assert [l.split(" | ")[:2] for l in outs["1"][1]] == [l.split(" | ")[:2] for l in outs["10"][1]], outs
+
+
+@pytest.mark.parametrize("policy,mode,want", [
+    ("default", None, [True, True, False]),                # torchtitan's: the last block stays gathered
+    ("default", "reduce-overhead", [True, True, True]),    # CUDA graphs: a kept block re-records every step
+    ("always", None, [True, True, True]),
+    ("never", None, [False, False, False]),
+])
+def test_reshard_after_forward_policy_per_block(policy, mode, want):
+    import trainer
+    flags = ["--reshard-after-forward", policy] + (["--compile", "--compile-mode", mode] if mode else [])
+    args = args_for(*flags)
+    got = [trainer.reshard_after_forward(args, i, 3) for i in range(3)]
+    assert got == want, f"--reshard-after-forward {policy} (compile mode {mode}): {got}, expected {want}"
