@@ -26,7 +26,7 @@ import torch.nn as nn
 import hybridq
 from hybridq.formats import Float8Quantizer
 from hybridq.kernels import native_gemm
-from hybridq.nn import float8_graph, linear_function
+from hybridq.nn import delayed_linear, float8_graph, linear_function
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
 
@@ -148,6 +148,13 @@ def cases(dim: int, device: torch.device) -> list:
                 fn()
         return run
 
+    def delayed_python_node(fn):
+        """`fn` with fp8_delayed Linears on nn/delayed_linear.py's Python node, not the one op."""
+        def run():
+            with delayed_linear._DELAYED_OP.turned(False):
+                fn()
+        return run
+
     def scaled_mm_blocks(fn):
         """`fn` with the FP8 block GEMMs run by F.scaled_mm from Python (the code before hybridq::fp8_block_mm,
         csrc/block_gemm.cu)."""
@@ -243,6 +250,8 @@ def cases(dim: int, device: torch.device) -> list:
                 ("hybridq Linear fwd+bwd (fp8_block, Python node)", block_python_node(step(hq_block))),
                 ("hybridq Linear fwd+bwd (fp8_block, Python node, GEMMs by F.scaled_mm)",
                  block_python_node(scaled_mm_blocks(step(hq_block)))),
+                # fp8_delayed on nn/delayed_linear.py's Python node instead of the op hybridq::fp8_linear_delayed
+                ("hybridq Linear fwd+bwd (fp8_delayed, Python node)", delayed_python_node(step(hq_delayed))),
                 # the fast path's Python autograd node around the same ops (what ran before hybridq::fp8_linear)
                 ("hybridq Linear fwd+bwd (fp8_tensorwise, Python node)", python_node(step(hq))),
                 ("hybridq Linear forward only (grad on, Python node)", python_node(lambda: hq(xg))),

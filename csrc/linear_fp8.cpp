@@ -58,6 +58,38 @@ struct Quantized {  // one cast's outputs (a direction not asked for: undefined)
   Tensor row, col, scale_inv;
 };
 
+// [Note: delayed scaling in the Linear op]
+// hybridq::fp8_linear_delayed (nn/delayed_linear.py's one-op path): the quantizers' scales and amax histories, the
+// live state tensors. A cast with a history is fp8_tensor_quantize_delayed (the scale given, max|x| max-combined into
+// history[0] in place by the cast kernel); without one it is a replay of a forward cast (activation recompute: the
+// scale given, nothing recorded), fp8_tensor_quantize with that scale -- exactly the kernel calls of
+// cuda_fp8_tensor.delayed_cast. Python does the rest of each cast's state steps around the op: the replay check and
+// the pending update before (x and the weight before the call; dy in a pre-hook of this node, which runs before
+// its backward), the pending flag after. dy's scale and history are kept on the node by reference (state the update
+// changes in place, not data for saved-tensor hooks). No field defined: current scaling (hybridq::fp8_linear).
+struct Delayed {
+  Tensor x_scale, x_history, w_scale, w_history, g_scale, g_history;
+  bool on() const { return x_scale.defined(); }
+};
+
+// a cast with the quantizer's scale (delayed scaling; see the Note above) -> its parts
+Quantized quantize_delayed(const Tensor& x2d, const Cast& c, const Tensor& scale, const Tensor& history,
+                           bool rowwise, bool columnwise) {
+  const Tensor x = x2d.contiguous();
+  Tensor row, col, scale_inv;
+  if (history.defined()) {
+    std::tie(row, col, scale_inv) =
+        fp8_tensor_quantize_delayed(x, c.dtype, scale, history, c.eps, c.pow2, rowwise, columnwise);
+  } else {
+    std::tie(row, col, scale_inv, std::ignore) =
+        fp8_tensor_quantize(x, c.dtype, scale, std::nullopt, c.eps, c.pow2, rowwise, columnwise, false);
+  }
+  return {rowwise ? row : Tensor(), columnwise ? col : Tensor(), scale_inv};
+}
+
+constexpr const char* kGradScale = "g_scale";
+constexpr const char* kGradHistory = "g_amax_history";
+
 Quantized quantize(const Tensor& x2d, const Cast& c, bool rowwise, bool columnwise) {
   auto out = fp8_tensor_quantize(x2d.contiguous(), c.dtype, std::nullopt, std::nullopt, c.eps, c.pow2, rowwise,
                                  columnwise, false);
@@ -160,15 +192,18 @@ Tensor fprop_mm(const Tensor& xr, const Tensor& xrs, const Tensor& wr, const Ten
 // float8_graph._grads: (dx in x_shape, dW, db), each undefined where not needed, from what the forward kept of x
 // (x_saved: its columnwise data with scale_inv xcs, or its [M, K] view under save_original_input) and the weight's
 // columnwise part wc, wcs
+// g_scale, g_history: dy's delayed-scaling state (undefined: current scaling)
 std::tuple<Tensor, Tensor, Tensor> linear_grads(const Tensor& dy, const Tensor& x_saved, const Tensor& xcs,
                                                 const Tensor& wc, const Tensor& wcs, const Cast& g_cast,
                                                 const Cast& x_cast, bool save_original_input, bool need_dgrad,
                                                 bool need_wgrad, bool need_bgrad, at::IntArrayRef x_shape,
-                                                at::ScalarType w_dtype, at::ScalarType b_dtype) {
+                                                at::ScalarType w_dtype, at::ScalarType b_dtype,
+                                                const Tensor& g_scale = Tensor(), const Tensor& g_history = Tensor()) {
   const Tensor dy2d = dy.reshape({-1, dy.size(-1)}).contiguous();
   Tensor dx, dw, db;
   if (need_dgrad || need_wgrad) {
-    Quantized g = quantize_packed(dy2d, g_cast, need_dgrad, need_wgrad);
+    Quantized g = g_scale.defined() ? quantize_delayed(dy2d, g_cast, g_scale, g_history, need_dgrad, need_wgrad)
+                                    : quantize_packed(dy2d, g_cast, need_dgrad, need_wgrad);
     if (need_dgrad) dx = mm(g.row, g.scale_inv, wc, wcs, dy.scalar_type(), false).reshape(x_shape);
     if (need_wgrad) {
       Tensor xc = x_saved, xs = xcs;
@@ -198,13 +233,31 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
                         const std::optional<Tensor>& x_row_scale_inv, const std::optional<Tensor>& x_col,
                         const std::optional<Tensor>& x_col_scale_inv, const std::optional<Tensor>& w_row,
                         const std::optional<Tensor>& w_row_scale_inv, const std::optional<Tensor>& w_col,
-                        const std::optional<Tensor>& w_col_scale_inv, const Spec& s) {
+                        const std::optional<Tensor>& w_col_scale_inv, const Spec& s,
+                        const Delayed& d = Delayed()) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (the inner ops record nothing: skip their autograd keys)
     const int64_t k = x.size(-1);
     const Tensor x2d = x.reshape({-1, k});
     const bool keep_x = s.need_wgrad && s.save_original_input;  // wgrad quantizes the original input in backward
     Tensor xr, xrs, xc, xcs;
     const bool x_here = !given(x_row), gathered = given(w_row);
+    if (d.on()) {  // delayed scaling: x and the weight cast here with their scales ([Note: delayed scaling in ...])
+      Quantized xq = quantize_delayed(x2d, s.input, d.x_scale, d.x_history, true, s.need_wgrad && !keep_x);
+      Quantized wq = quantize_delayed(weight, s.weight, d.w_scale, d.w_history, true, s.need_dgrad);
+      Tensor y = fprop_mm(xq.row, xq.scale_inv, wq.row, wq.scale_inv, bias, x.scalar_type(), s.fast_accum_fprop);
+      if (ctx != nullptr) {
+        ctx->save_for_backward({keep_x ? x2d : xq.col, xq.col.defined() ? xq.scale_inv : Tensor(), wq.col,
+                                wq.col.defined() ? wq.scale_inv : Tensor()});
+        linear_node::save_state(ctx, s.need_dgrad, s.need_wgrad, s.save_original_input, bias,
+                                weight.scalar_type(), s.grad_output, s.input, x.sizes(), 0, std::nullopt,
+                                std::nullopt);
+        if (d.g_scale.defined()) {
+          ctx->saved_data[kGradScale] = d.g_scale;
+          ctx->saved_data[kGradHistory] = d.g_history;
+        }
+      }
+      return linear_node::output_like(y, x);
+    }
     if (!x_here) {
       xr = *x_row;
       xrs = x_row_scale_inv.value();
@@ -283,10 +336,15 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const Cast g_cast{s.grad_output.dtype, s.grad_output.eps, s.grad_output.pow2};
     const Cast x_cast{s.input.dtype, s.input.eps, s.input.pow2};
     const auto [wc, wcs] = linear_node::weight_col(ctx, saved);  // (a gathered one as the backward unshard left it)
+    // dy's delayed-scaling state, as the node's pre-hook left it (its pending update applied in place)
+    const auto g_scale = ctx->saved_data.find(kGradScale);
+    const bool delayed = g_scale != ctx->saved_data.end();
     auto [dx, dw, db] = linear_grads(grads[0], saved[0], saved[1], wc, wcs, g_cast, x_cast, s.save_original_input,
                                      s.need_dgrad, s.need_wgrad, s.has_bias && ctx->needs_input_grad(2), s.x_shape,
-                                     s.weight_dtype, s.bias_dtype);
-    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                                     s.weight_dtype, s.bias_dtype, delayed ? g_scale->second.toTensor() : Tensor(),
+                                     delayed ? ctx->saved_data.at(kGradHistory).toTensor() : Tensor());
+    return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
@@ -344,6 +402,72 @@ Tensor fp8_linear_forward(const Tensor& x, const Tensor& weight, const std::opti
                             w_row_scale_inv, w_col, w_col_scale_inv,
                             spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
                                     need_wgrad, save_original_input, fast_accum_fprop));
+}
+
+// hybridq::fp8_linear_delayed: fp8_linear with delayed scaling ([Note: delayed scaling in the Linear op]); x and
+// the weight quantized here (no parts handed over), save_original_input off. x_amax_history / w_amax_history None:
+// that cast is a replay (record nothing); g_scale / g_amax_history: dy's state, None where backward casts nothing.
+// Eager only (nn/delayed_linear.py calls it outside torch.compile); the histories change in place.
+Delayed delayed_of(const Tensor& x, const Tensor& x_scale, const std::optional<Tensor>& x_amax_history,
+                   const Tensor& w_scale, const std::optional<Tensor>& w_amax_history,
+                   const std::optional<Tensor>& g_scale, const std::optional<Tensor>& g_amax_history,
+                   bool need_dgrad, bool need_wgrad) {
+  constexpr const char* op = "hybridq::fp8_linear_delayed";
+  const auto state_ok = [&](const Tensor& t, bool history) {
+    return t.device() == x.device() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous() &&
+           (history ? t.numel() >= 1 : t.numel() == 1);
+  };
+  for (const Tensor* t : {&x_scale, &w_scale}) {
+    TORCH_CHECK(state_ok(*t, false), op, ": a scale must be a contiguous fp32 [1] on ", x.device(), ", got ",
+                t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  }
+  for (const auto* t : {&x_amax_history, &w_amax_history, &g_amax_history}) {
+    TORCH_CHECK(!given(*t) || state_ok(**t, true), op, ": an amax history must be a contiguous 1-D fp32 tensor on ",
+                x.device(), ", got ", (*t)->scalar_type(), " ", (*t)->sizes(), " on ", (*t)->device());
+  }
+  TORCH_CHECK(given(g_scale) == given(g_amax_history), op, ": g_scale and g_amax_history come together");
+  TORCH_CHECK(given(g_scale) == (need_dgrad || need_wgrad), op, ": dy's state (g_scale, g_amax_history) is given ",
+              "exactly where backward casts dy (need_dgrad or need_wgrad)");
+  TORCH_CHECK(!given(g_scale) || state_ok(*g_scale, false), op, ": g_scale must be a contiguous fp32 [1] on ",
+              x.device());
+  const auto or_none = [](const std::optional<Tensor>& t) { return given(t) ? *t : Tensor(); };
+  return {x_scale, or_none(x_amax_history), w_scale, or_none(w_amax_history), or_none(g_scale),
+          or_none(g_amax_history)};
+}
+
+// The Autograd-key kernel (the C++ node records the backward) and the backend kernel (the forward alone)
+Tensor fp8_linear_delayed_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                                   const Tensor& x_scale, const std::optional<Tensor>& x_amax_history,
+                                   const Tensor& w_scale, const std::optional<Tensor>& w_amax_history,
+                                   const std::optional<Tensor>& g_scale, const std::optional<Tensor>& g_amax_history,
+                                   at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
+                                   double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2,
+                                   bool need_dgrad, bool need_wgrad, bool fast_accum_fprop) {
+  linear_node::check_shapes("hybridq::fp8_linear_delayed", x, weight);
+  const Delayed d = delayed_of(x, x_scale, x_amax_history, w_scale, w_amax_history, g_scale, g_amax_history,
+                               need_dgrad, need_wgrad);
+  const std::optional<Tensor> none;
+  return Fp8Linear::apply(x, weight, bias, none, none, none, none, none, none, none, none,
+                          spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
+                                  need_wgrad, false, fast_accum_fprop),
+                          d);
+}
+
+Tensor fp8_linear_delayed_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                                  const Tensor& x_scale, const std::optional<Tensor>& x_amax_history,
+                                  const Tensor& w_scale, const std::optional<Tensor>& w_amax_history,
+                                  const std::optional<Tensor>& g_scale, const std::optional<Tensor>& g_amax_history,
+                                  at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
+                                  double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2,
+                                  bool need_dgrad, bool need_wgrad, bool fast_accum_fprop) {
+  linear_node::check_shapes("hybridq::fp8_linear_delayed", x, weight);
+  const Delayed d = delayed_of(x, x_scale, x_amax_history, w_scale, w_amax_history, g_scale, g_amax_history,
+                               need_dgrad, need_wgrad);
+  const std::optional<Tensor> none;
+  return Fp8Linear::forward(nullptr, x, weight, bias, none, none, none, none, none, none, none, none,
+                            spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2,
+                                    need_dgrad, need_wgrad, false, fast_accum_fprop),
+                            d);
 }
 
 // ---- the compiled Linear's gathered fast path: one op per phase, no autograd node ----------------------------
@@ -425,14 +549,19 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_grads(
 }  // namespace ops
 }  // namespace hybridq
 
-// the schemas: fp8_linear's and the gathered fast path's two, with the per-tensor FP8 format's other ops
+// the schemas: fp8_linear's, fp8_linear_delayed's and the gathered fast path's two, with the per-tensor FP8 format's
+// other ops
 // (csrc/quantize_fp8_tensor.cu)
 
-TORCH_LIBRARY_IMPL(hybridq, Autograd, m) { m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd); }
+TORCH_LIBRARY_IMPL(hybridq, Autograd, m) {
+  m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd);
+  m.impl("fp8_linear_delayed", &hybridq::ops::fp8_linear_delayed_autograd);
+}
 
 namespace {
 void linear_impls(torch::Library& m) {
   m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward);
+  m.impl("fp8_linear_delayed", &hybridq::ops::fp8_linear_delayed_forward);
   m.impl("fp8_linear_fprop", &hybridq::ops::fp8_linear_fprop);
   m.impl("fp8_linear_grads", &hybridq::ops::fp8_linear_grads);
 }

@@ -46,6 +46,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize(const Tensor& x, 
                                                                bool pow2, bool rowwise, bool columnwise,
                                                                bool want_amax);
 
+// Delayed scaling's cast (csrc/quantize_fp8_tensor.cu; also called by linear_fp8.cpp): with `scale`, max|x|
+// max-combined into amax_history[0] in place -> (rowwise [M, K] | [0], columnwise [K, M] | [0], scale_inv [1])
+std::tuple<Tensor, Tensor, Tensor> fp8_tensor_quantize_delayed(const Tensor& x, at::ScalarType dtype,
+                                                               const Tensor& scale, const Tensor& amax_history,
+                                                               double eps, bool pow2, bool rowwise, bool columnwise);
+
 // The same cast (current scaling) into caller-allocated memory: row [M, K] / col [K, M] fp8 bytes, 16-byte aligned
 // (nullptr: not asked for), amax one zeroed fp32, scale_inv one fp32 (see quantize_fp8_tensor.cu)
 void fp8_tensor_quantize_into(const Tensor& x, at::ScalarType dtype, double eps, bool pow2, void* row, void* col,

@@ -228,6 +228,13 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "bool w_pow2, ScalarType g_dtype, float g_eps, bool g_pow2, bool need_dgrad, bool need_wgrad, "
       "bool save_original_input, bool fast_accum_fprop, Tensor? w_row=None, Tensor? w_row_scale_inv=None, "
       "Tensor? w_col=None, Tensor? w_col_scale_inv=None) -> Tensor");
+  // the same with delayed scaling: the quantizers' scales and amax histories given, the histories changed in place
+  // (x's and the weight's in the call, dy's in backward; eager only: implemented in csrc/linear_fp8.cpp)
+  m.def(
+      "fp8_linear_delayed(Tensor x, Tensor weight, Tensor? bias, Tensor x_scale, Tensor? x_amax_history, "
+      "Tensor w_scale, Tensor? w_amax_history, Tensor? g_scale, Tensor? g_amax_history, ScalarType x_dtype, "
+      "float x_eps, bool x_pow2, ScalarType w_dtype, float w_eps, bool w_pow2, ScalarType g_dtype, float g_eps, "
+      "bool g_pow2, bool need_dgrad, bool need_wgrad, bool fast_accum_fprop) -> Tensor");
   // the compiled Linear's gathered per-tensor FP8 fast path, one op per phase (implemented in csrc/linear_fp8.cpp)
   m.def(
       "fp8_linear_fprop(Tensor x, Tensor w_row, Tensor w_row_scale_inv, Tensor? bias, ScalarType x_dtype, "

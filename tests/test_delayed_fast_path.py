@@ -22,6 +22,7 @@ from _linear_paths import RESULTS, node_name
 IN, OUT, TOKENS = 256, 128, (2, 64)
 STEPS = 4
 FAST, GENERAL = "_DelayedLinearBackward", "_LinearFunctionBackward"
+ONE_OP = "torch::autograd::CppNode<hybridq::ops::Fp8Linear>"  # CUDA: hybridq::fp8_linear_delayed
 STATE = ("amax_history", "scale", "update_pending")
 
 # delayed-scaling recipes: the preset (E4M3 forward, E5M2 gradients, history 1024, max) and per-tensor options that
@@ -35,6 +36,16 @@ CASES = {
                                      amax_history_len=3, margin=1, amax_compute_algo="most_recent"),
         name="margin1-most-recent"),
 }
+
+
+def _cuda_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from hybridq.kernels import _ext
+    return _ext.available_for(torch.device("cuda")) and torch.cuda.get_device_capability() >= (8, 9)
+
+
+CUDA = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")
 
 
 @pytest.fixture(autouse=True)
@@ -77,10 +88,10 @@ def _step(layer, x, gy, x_grad=True, twice=False, recompute=False) -> tuple[list
 
 
 def _assert_steps_match(case: str, what: str, make=None, device="cpu", dtype=torch.float32, between=None,
-                        **step_kw) -> None:
+                        node=lambda step: FAST, **step_kw) -> None:
     """STEPS steps of a layer on the fast path, then of an identical one on the general path (one after the other:
     no backward of one run counts a step of the other's quantizers): the fast one takes the fast path and every
-    step's results and state are bitwise the general path's."""
+    step's results and state are bitwise the general path's (`node(step)`: the fast path's node at that step)."""
     make = make or (lambda: _layer(case, device=device, dtype=dtype))
     runs = []
     for fast_path in (True, False):
@@ -88,15 +99,15 @@ def _assert_steps_match(case: str, what: str, make=None, device="cpu", dtype=tor
         with eager_fast_path(fast_path):
             for s in range(STEPS):
                 x, gy = _inputs(s, device, dtype)
-                results, node = _step(layer, x, gy, **step_kw)
-                steps.append((results, node, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                results, taken = _step(layer, x, gy, **step_kw)
+                steps.append((results, taken, {k: v.clone() if isinstance(v, torch.Tensor) else v
                                               for k, v in _state(layer).items()}))
                 if between is not None:
                     between(layer)
         runs.append(steps)
     for s, ((got, got_node, got_state), (want, want_node, want_state)) in enumerate(zip(*runs)):
         where = f"{case}/{what}, step {s}"
-        assert (got_node, want_node) == (FAST, GENERAL), f"{where}: paths taken {got_node}, {want_node}"
+        assert (got_node, want_node) == (node(s), GENERAL), f"{where}: paths taken {got_node}, {want_node}"
         for n, a, b in zip(RESULTS, got, want):
             assert (a is None) == (b is None), f"{where}: {n} is {'missing' if a is None else 'there'} on the fast path"
             if a is not None:
@@ -162,6 +173,31 @@ def test_forward_without_gradients_is_bitwise_the_general_path(case, mode):
             assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b), f"{case} {mode} step {s}: {k}"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+def test_state_loaded_between_forward_and_backward_is_what_the_gradient_cast_uses(device):
+    """A state_dict loaded after a forward (new state tensors) and before its backward: dy's cast uses the loaded
+    state, as on the general path (the one op holds dy's state tensors: the pre-hook copies the loaded values into
+    them)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    runs = []
+    for fast_path in (True, False):
+        layer = _layer("fp8_delayed", device=device, dtype=dtype)
+        with eager_fast_path(fast_path):
+            for s in range(2):
+                _step(layer, *_inputs(s, device, dtype))
+            saved = {k: v.clone() for k, v in layer.state_dict().items()}
+            _step(layer, *_inputs(2, device, dtype))
+            x, gy = _inputs(3, device, dtype)
+            x = x.requires_grad_()
+            y = layer(x)
+            layer.load_state_dict(saved)
+            y.backward(gy)
+            runs.append([y.detach(), x.grad, layer.weight.grad] + [t.clone() for t in _state(layer).values()
+                                                                   if isinstance(t, torch.Tensor)])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise(a, b, f"{device}: result {i} with a state loaded between forward and backward")
+
+
 def _node(layer, x, **kw) -> str | None:
     return node_name(layer(x.clone().requires_grad_(), **kw))
 
@@ -195,20 +231,10 @@ def test_only_delayed_scaling_in_every_role_takes_this_path():
 
 # ---- CUDA ------------------------------------------------------------------------------------------------------
 
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from hybridq.kernels import _ext
-    return _ext.available_for(torch.device("cuda")) and torch.cuda.get_device_capability() >= (8, 9)
-
-
-CUDA = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with FP8 tensor cores and the extension")
-
-
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("variant", ["plain", "save_original_input", "frozen_weight", "recompute", "twice",
-                                     "batched"])
+@pytest.mark.parametrize("variant", ["plain", "save_original_input", "frozen_weight", "input_no_grad", "recompute",
+                                     "twice", "batched"])
 @pytest.mark.parametrize("case", CASES)
 def test_steps_on_cuda_are_bitwise_the_general_path(case, variant):
     def make():
@@ -218,9 +244,23 @@ def test_steps_on_cuda_are_bitwise_the_general_path(case, variant):
         return layer
 
     batched = lambda layer: hq.update_delayed_scaling(layer.quantizers().values())  # noqa: E731
+    # one op from the second step (the gradient quantizer's state reaches the device at its first cast); the
+    # Python node with save_original_input
+    op_from = STEPS if variant == "save_original_input" else 1
     _assert_steps_match(case, f"{variant} on CUDA", make, device="cuda", dtype=torch.bfloat16,
                         between=batched if variant == "batched" else None, recompute=variant == "recompute",
-                        twice=variant == "twice")
+                        twice=variant == "twice", x_grad=variant != "input_no_grad",
+                        node=lambda s: ONE_OP if s >= op_from else FAST)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_the_op_switched_off_runs_the_python_node_bitwise():
+    from hybridq.nn.delayed_linear import _DELAYED_OP
+    with _DELAYED_OP.turned(False):
+        _assert_steps_match("fp8_delayed", "op off", lambda: _layer("fp8_delayed", device="cuda",
+                                                                     dtype=torch.bfloat16),
+                            device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,11 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   as one op whose autograd node is C++ (csrc/linear_fp8.cpp; its caller is nn/float8_graph.py's eager fast path);
   w_row..w_col_scale_inv: the weight already quantized (FSDP2's gathered weight), the columnwise tensors held by
   reference and read in backward (after the backward unshard refilled them)
+- fp8_linear_delayed(x, weight, bias?, x_scale, x_amax_history?, w_scale, w_amax_history?, g_scale?, g_amax_history?,
+  x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad, need_wgrad, fast_accum_fprop)
+  -> y: fp8_linear with delayed scaling (the quantizers' state tensors given; a history None: that forward cast is a
+  replay, nothing recorded; dy's state None where backward casts nothing); the histories change in place, x's and the
+  weight's in the call, dy's in backward (csrc/linear_fp8.cpp; its caller is nn/delayed_linear.py, eager only)
 - fp8_linear_fprop(x, w_row, w_row_scale_inv, bias?, x_dtype, x_eps, x_pow2, need_wgrad, save_original_input,
   fast_accum_fprop, x_row?, x_row_scale_inv?) -> (y, x_col | [0], x_col_scale_inv | [0]) (x_row given: x already
   quantized rowwise, nothing quantized, both [0]) and fp8_linear_grads(dy, x_saved?, x_col_scale_inv?,
@@ -45,7 +50,7 @@ from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
 
 OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize",
-       "fp8_linear", "fp8_linear_fprop", "fp8_linear_grads", "fp8_tensors_quantize")
+       "fp8_linear", "fp8_linear_delayed", "fp8_linear_fprop", "fp8_linear_grads", "fp8_tensors_quantize")
 
 # The quantizer options the kernel implements (the dispatch sends a quantizer with any other option to the
 # reference, so an option added later is never silently ignored by the kernel).
@@ -170,6 +175,10 @@ def register_fakes() -> None:
 
     @register_fake("hybridq::fp8_linear")
     def _linear(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, *casts_and_flags):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @register_fake("hybridq::fp8_linear_delayed")
+    def _linear_delayed(x, weight, *state_casts_and_flags):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @register_fake("hybridq::fp8_linear_fprop")

@@ -29,7 +29,10 @@ import torch
 from ..enums import Scaling
 from ..formats.base import option_names
 from ..formats.float8 import Float8Quantizer
+from ..kernels import cuda_fp8_tensor, native_gemm
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS, delayed_cast
+from ..kernels.delayed import _kernel_ok, update_before_cast
+from ..switches import Switch
 from ..tensor import count_backward_pass
 from .float8_graph import PER_TENSOR, Float8Cast, Float8GraphSpec, _cached_fast_call, _mm
 from .linear_function import gradients_needed
@@ -93,8 +96,8 @@ class _DelayedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        count_backward_pass()  # (as the general path's saved_quantized, before the unpack: the step counter)
         x_saved, xs, wc, ws = ctx.saved_tensors
-        count_backward_pass()  # (as the general path's saved_quantized: the delayed quantizers' step counter)
         spec, cfg, need_dgrad, need_wgrad = ctx.spec, ctx.cfg, ctx.need_dgrad, ctx.need_wgrad
         dy2d = dy.reshape(-1, dy.shape[-1])
         if not dy2d.is_contiguous():
@@ -116,6 +119,82 @@ class _DelayedLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+# [Note: the delayed-scaling Linear as one op] On CUDA the call is the extension's op `hybridq::fp8_linear_delayed`
+# (csrc/linear_fp8.cpp: hybridq::fp8_linear's C++ node, its casts given the quantizers' scales and histories), so
+# Python pays one op call per forward and one hook call per backward instead of a Python autograd node and its op
+# calls. Python keeps each cast's state steps, in the general path's order per quantizer: for x and the weight before
+# the op (the replay check, `begin_delayed_cast` -- the pending update by `update_before_cast` -- and whether it is a
+# replay: then the op is given no history, records nothing) and `mark_amax_recorded` after it; for dy in a pre-hook
+# of the op's node (`_GradOutputState`: runs before its backward; the backward-pass count first, as the general
+# path's `saved_quantized`). The node holds dy's scale and history by reference, so dy's update must be in place: the
+# update kernel takes that quantizer (`_kernel_ok`: state on the call's device) -- always so after its first step;
+# a state a load replaced between forward and backward is copied into the held tensors, which become the state again.
+# It takes the calls `_Float8GraphLinear`-style fast path takes on CUDA, outside a TorchDispatchMode (which would see
+# the op, not the casts), without save_original_input (its backward cast replays the forward's scale, which a batched
+# update may have copied) and with three quantizers whose state tensors are all distinct (their steps are reordered
+# around one op). HYBRIDQ_DELAYED_LINEAR_OP=0 starts a process with the Python node
+# (bitwise equal; benchmarks compare the two).
+_DELAYED_OP = Switch("HYBRIDQ_DELAYED_LINEAR_OP")
+
+
+def _one_op(x: torch.Tensor, spec: Float8GraphSpec, cfg) -> bool:
+    xq, wq, gq = cfg.input_q, cfg.weight_q, cfg.grad_output_q
+    if not (_DELAYED_OP.on and x.is_cuda and not spec.save_original_input
+            and not torch._C._len_torch_dispatch_stack()):
+        return False
+    states = (xq.scale, xq.amax_history, wq.scale, wq.amax_history, gq.scale, gq.amax_history)
+    return (len({id(t) for t in states}) == 6 and xq is not wq and wq is not gq and xq is not gq
+            and gq.amax_history.device == x.device and _kernel_ok(gq))
+
+
+class _GradOutputState:
+    """The pre-hook of a `hybridq::fp8_linear_delayed` node: dy's state steps before its cast in the node's backward
+    (see the Note above)."""
+
+    __slots__ = ("q", "scale", "history")
+
+    def __init__(self, q: Float8Quantizer | None):
+        self.q = q
+        self.scale, self.history = (None, None) if q is None else (q.scale, q.amax_history)
+
+    def __call__(self, grad_outputs):
+        count_backward_pass()  # (as the general path's saved_quantized: the delayed quantizers' step counter)
+        q = self.q
+        if q is None:  # (a bias-only backward casts nothing)
+            return None
+        q.begin_delayed_cast(self.history.device, lambda: update_before_cast(q))
+        if q.scale is not self.scale or q.amax_history is not self.history:  # (replaced since forward: a load)
+            self.scale.copy_(q.scale)
+            self.history.copy_(q.amax_history)
+            q.scale, q.amax_history = self.scale, self.history
+        q.mark_amax_recorded()
+        return None
+
+
+def _run_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec, cfg,
+            need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+    xq, wq, gq = cfg.input_q, cfg.weight_q, cfg.grad_output_q
+    xq.check_replay(f"input of {cfg.name}")  # (both before any state changes: the errors name the tensor)
+    wq.check_replay(f"weight of {cfg.name}")
+    x_replay, w_replay = xq.replaying(), wq.replaying()
+    x_scale = xq.begin_delayed_cast(x.device, lambda: update_before_cast(xq))
+    w_scale = wq.begin_delayed_cast(weight.device, lambda: update_before_cast(wq))
+    casts_dy = need_dgrad or need_wgrad
+    xi, w, g = spec.input, spec.weight, spec.grad_output
+    y = cuda_fp8_tensor.linear_op("fp8_linear_delayed")(
+        x, weight, bias, x_scale, None if x_replay else xq.amax_history, w_scale,
+        None if w_replay else wq.amax_history, gq.scale if casts_dy else None, gq.amax_history if casts_dy else None,
+        xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype, w.amax_epsilon, w.power_2_scale, g.dtype,
+        g.amax_epsilon, g.power_2_scale, need_dgrad, need_wgrad, native_gemm.FAST_ACCUM_FPROP)
+    if not x_replay:
+        xq.mark_amax_recorded()
+    if not w_replay:
+        wq.mark_amax_recorded()
+    if y.grad_fn is not None:
+        y.grad_fn.register_prehook(_GradOutputState(gq if casts_dy else None))
+    return y
+
+
 def eager_delayed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                          cfg) -> torch.Tensor | None:
     """`x W^T + b` of an eager delayed-scaling FP8 Linear on this module's calls, or None where the general path
@@ -131,5 +210,7 @@ def eager_delayed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x2d = x.reshape(-1, x.shape[-1])
         y = _fprop(x2d, weight, bias, spec, cfg, False, False)[0]
         return torch.ops.aten._unsafe_view(y.contiguous(), (*x.shape[:-1], y.shape[-1]))
+    if _one_op(x, spec, cfg):
+        return _run_op(x, weight, bias, spec, cfg, need_dgrad, need_wgrad)
     return _DelayedLinear.apply(x, weight, bias, spec, cfg, need_dgrad, need_wgrad)
 
