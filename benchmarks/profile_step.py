@@ -108,9 +108,9 @@ class _Job:
         self.run(a.warmup)
 
     def run(self, n: int, mark: str | None = None) -> tuple[list[float], list[float]]:
-        """n steps as train.py runs them (the host waits every --sync-every steps and after the n-th: trainer's
-        StepWindow): (host seconds to issue each, wall seconds of each: its window's mean); each inside
-        record_function(mark + i)."""
+        """n steps as train.py runs them (the losses read in windows of --sync-every steps, each one step late, the
+        last at once: trainer.StepWindow): (host seconds to issue each, wall seconds of each: its window's mean);
+        each inside record_function(mark + i)."""
         from torch.profiler import record_function
         host, wall = [], []
         window = StepWindow(self.env)
@@ -120,12 +120,12 @@ class _Job:
                 loss = issue_step(self.step, self.model, self.optimizer, self.data, self.targs, self.env,
                                   self.quantized)
                 host.append(time.perf_counter() - t0)
-                window.add(i + 1, loss, 0.0, {})
-                if window.due(i + 1, 0, n, self.targs.sync_every):
-                    for step, loss_val, _, _, dt in window.read():
-                        if not math.isfinite(loss_val):
-                            raise RuntimeError(f"loss is {loss_val} at step {self.step - (i + 1 - step)}")
-                        wall.append(dt)
+                for step, loss_val, _, _, dt in window.step_issued(
+                        i + 1, loss, 0.0, {}, close=window.due(i + 1, 0, n, self.targs.sync_every),
+                        read_now=i + 1 == n):
+                    if not math.isfinite(loss_val):
+                        raise RuntimeError(f"loss is {loss_val} at step {self.step - (i + 1 - step)}")
+                    wall.append(dt)
             self.step += 1
             self.collector.step(self.step)
         return host, wall

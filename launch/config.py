@@ -145,10 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=int, default=1, help="per-step line every N steps")
     g.add_argument("--sync-every", type=int, default=10, metavar="N",
-                   help="the host waits for the device (reads the losses, checks them, prints their lines) every N "
-                        "steps, and on the first and last step and before a checkpoint; in between it issues the "
-                        "next steps while the device runs (torchtitan reads the loss on its logging steps only); a "
-                        "step's time is its window's mean; 1: wait for every step")
+                   help="read the losses (check them, print their lines) every N steps, and on the first and last "
+                        "step and before a checkpoint; in between the host issues the next steps while the device "
+                        "runs (torchtitan reads the loss on its logging steps only); a window is read once the next "
+                        "step is queued; a step's time is its window's mean; 1: every step")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     g.add_argument("--metrics", default=None, metavar="FILE.jsonl",
                    help="write the metrics as JSON lines (config, one record per logged step, a summary per run, "

@@ -116,12 +116,7 @@ def on_rank0_then_broadcast(fn, env: Env):
     return box[0][1]
 
 
-def all_means(x: torch.Tensor, env: Env) -> list[float]:
-    """Each element of `x` averaged over the ranks, on the host (one all-reduce, one copy: a sync)."""
-    x = x.detach().float().reshape(-1).clone()
-    dist.all_reduce(x)
-    return [v / env.world for v in x.tolist()]
-
-
 def all_mean(x: torch.Tensor, env: Env) -> float:
-    return all_means(x, env)[0]
+    x = x.detach().float().reshape(1).clone()
+    dist.all_reduce(x)
+    return x.item() / env.world

@@ -62,7 +62,7 @@ from model import Transformer  # noqa: E402
 # the pre-flight and the distributed set-up (re-exported: train.py, profile_step.py and the tests reach them here)
 from preflight import (REFUSALS, convert_refusing, describe_plan, preflight, release_locks,  # noqa: E402,F401
                        take_locks)
-from dist_env import Env, PeakMemory, all_mean, all_means, init_distributed, on_rank0_then_broadcast  # noqa: E402,F401
+from dist_env import Env, PeakMemory, all_mean, init_distributed, on_rank0_then_broadcast  # noqa: E402,F401
 
 
 # ---- one training run ----------------------------------------------------------------------------
@@ -240,39 +240,67 @@ def issue_step(step: int, model, optimizer, data: ByteBatches, args, env: Env, q
 
 
 class StepWindow:
-    """The steps issued since the host last waited for the device. [Note: the host runs ahead]: a step's loss is
-    read (all-reduced, copied to the host) only at a sync step -- every --sync-every steps, the first and last step,
-    and before a checkpoint -- as torchtitan reads it only on its logging steps. Between them nothing waits, so the
-    host issues the next steps while the device still runs the earlier ones, and a phase where the host is slower
-    than the device (the forward's FSDP2 hooks) overlaps device work queued before it. A step's time is its window's
-    wall time over the window's steps; a non-finite loss is still reported with its step, at the window's end."""
+    """The losses of the steps issued since the host last read them. [Note: the host runs ahead]: a step's loss is
+    read (all-reduced, copied to the host) only for a window of steps -- closed every --sync-every steps, on the
+    first and last step and before a checkpoint -- as torchtitan reads it only on its logging steps. Between reads
+    nothing waits, so the host issues the next steps while the device still runs the earlier ones, and a phase where
+    the host is slower than the device (the forward's FSDP2 hooks) overlaps device work queued before it.
+
+    A closed window's losses are all-reduced and copied to pinned host memory behind its last step, with an event
+    after them, and read only once the NEXT step is issued: the host then waits for that event alone, while the next
+    step stays queued, so the device does not drain at a read (a read right after the window's last step would leave
+    it idle until the host issued enough of the next step). Only a checkpoint and the last step read at once (the
+    checkpoint must not see the next step's updates). A step's time is its window's wall time (from the previous
+    read) over its steps; a non-finite loss is reported with its step when its window is read -- one step later,
+    before anything is saved."""
 
     def __init__(self, env: Env):
         self.env = env
         self.steps: list[tuple[int, torch.Tensor, float, dict]] = []
+        self.closed = None  # (steps, losses on the host or on their way, event or None)
         self.restart()
 
     def restart(self) -> None:
+        """Times from now (the next window's steps do not include, e.g., a checkpoint's save)."""
         self.t0 = time.perf_counter()
-
-    def add(self, n: int, loss: torch.Tensor, lr: float, sent: dict) -> None:
-        self.steps.append((n, loss.detach(), lr, sent))
 
     @staticmethod
     def due(n: int, start: int, end: int, every: int) -> bool:
         return n % every == 0 or n == end or n == start + 1
 
-    def read(self) -> list[tuple[int, float, float, dict, float]]:
-        """(step, loss, lr, bytes sent, seconds) of each step of the window, after waiting for the device; the
-        window is then empty and restarted."""
-        values = all_means(torch.stack([loss for _, loss, _, _ in self.steps]), self.env)
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
-        dt = (time.perf_counter() - self.t0) / len(self.steps)
-        rows = [(n, v, lr, sent, dt) for (n, _, lr, sent), v in zip(self.steps, values)]
-        self.steps.clear()
-        self.restart()
+    def step_issued(self, n: int, loss: torch.Tensor, lr: float, sent: dict, close: bool,
+                    read_now: bool = False) -> list[tuple[int, float, float, dict, float]]:
+        """Step n was just issued (its loss tensor, lr, bytes sent): returns (step, loss, lr, bytes, seconds) of
+        every step whose loss is read now -- the window closed before step n (now that step n is queued behind it),
+        and with `read_now` this step's window too (close: this step ends its window)."""
+        rows = self._read() if self.closed is not None else []
+        self.steps.append((n, loss.detach(), lr, sent))
+        if close or read_now:
+            self._close()
+            if read_now:
+                rows += self._read()
         return rows
+
+    def _close(self) -> None:
+        losses = torch.stack([loss.float() for _, loss, _, _ in self.steps])
+        dist.all_reduce(losses)
+        event = None
+        if losses.device.type == "cuda":
+            host = torch.empty(losses.shape, dtype=losses.dtype, pin_memory=True)
+            host.copy_(losses, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            losses = host
+        self.closed, self.steps = (self.steps, losses, event), []
+
+    def _read(self) -> list[tuple[int, float, float, dict, float]]:
+        steps, losses, event = self.closed
+        self.closed = None
+        if event is not None:
+            event.synchronize()  # (the window's last step and its copy; later steps stay queued)
+        now = time.perf_counter()
+        dt, self.t0 = (now - self.t0) / len(steps), now
+        return [(n, v / self.env.world, lr, sent, dt) for (n, _, lr, sent), v in zip(steps, losses.tolist())]
 
 
 class GarbageCollection:
@@ -331,11 +359,10 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
             lr = lr_at(step, args)
             loss = issue_step(step, model, optimizer, data, args, env, quantized, lr)
             n = step + 1
-            window.add(n, loss, lr, {k: comms.bytes[k] - sent0[k] for k in KINDS})
             saving = run_dir is not None and args.save_every and (n % args.save_every == 0 or n == args.steps)
-            if not (window.due(n, start, end, args.sync_every) or saving):
-                continue
-            for n_i, loss_val, lr_i, sent_i, dt in window.read():
+            for n_i, loss_val, lr_i, sent_i, dt in window.step_issued(
+                    n, loss, lr, {k: comms.bytes[k] - sent0[k] for k in KINDS},
+                    close=window.due(n, start, end, args.sync_every), read_now=saving or n == end):
                 losses.append(loss_val)
                 times.append(dt)
                 tps.append(tokens_per_step / dt)
@@ -352,8 +379,8 @@ def train_one(recipe_name: str, args, env: Env, out: Printer, tokens: torch.Tens
                                   tokens_per_s=tokens_per_step / dt, step_ms=dt * 1e3, peak_memory_bytes=mem,
                                   peak_memory_kind=mem_label,
                                   **{f"{k}_bytes": sent_i[k] for k in step_wires(args)})
-            if args.compile and n == start + 1:  # (the first step compiled every block)
-                out(compile_report.line(recipe_name, compile_report.summary()))
+                if args.compile and n_i == start + 1:  # (the first step compiled every block)
+                    out(compile_report.line(recipe_name, compile_report.summary()))
             done = n - start
             out.progress(recipe_name, n, args.steps, (time.perf_counter() - t_run) / done * (end - n))
             if saving:

@@ -964,23 +964,36 @@ def test_the_host_waits_on_the_first_and_last_step_and_every_n(start, end, every
     assert got == want, f"steps {start + 1}..{end}, --sync-every {every}: waits at {got}, expected {want}"
 
 
-def test_a_window_reads_each_steps_loss_once_in_order(monkeypatch):
-    """The window keeps each step's loss tensor (detached) until its read: one all-reduce of the stacked losses,
-    then (step, loss, lr, bytes, the window's mean seconds) per step in order; the window is empty after."""
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of this process alone (the window all-reduces its losses)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_window_is_read_once_the_next_step_is_issued_in_step_order(world_of_one):
+    """A closed window's losses are read when the next step has been issued (the device keeps that step queued),
+    in step order with their lr and bytes and the window's mean time; read_now (a checkpoint, the last step) reads
+    the window it closes at once."""
     import trainer
-    reduced = []
-    monkeypatch.setattr(trainer, "all_means", lambda x, env: reduced.append(x.clone()) or x.tolist())
     w = trainer.StepWindow(trainer.Env(0, 1, torch.device("cpu"), "gloo", None))
     p = torch.nn.Parameter(torch.tensor(1.0))
-    for n, v in ((3, 2.5), (4, float("nan")), (5, 0.25)):
-        w.add(n, p * v, lr=0.1 * n, sent={"allgather": n})
-    rows = w.read()
-    assert len(reduced) == 1 and reduced[0].shape == (3,), f"one reduction of the 3 losses: {reduced}"
-    assert [r[0] for r in rows] == [3, 4, 5] and [r[2] for r in rows] == [0.1 * 3, 0.1 * 4, 0.1 * 5]
-    assert rows[0][1] == 2.5 and math.isnan(rows[1][1]) and rows[2][1] == 0.25, f"losses out of order or lost: {rows}"
-    assert [r[3] for r in rows] == [{"allgather": n} for n in (3, 4, 5)]
-    assert len({r[4] for r in rows}) == 1 and rows[0][4] > 0, "each step gets the window's mean time"
-    assert w.steps == [], "the window is empty after a read"
+    values = {1: 5.5, 2: 2.5, 3: float("nan"), 4: 0.25, 5: 1.0}
+    got = {}
+    for n, close, now, want in ((1, True, False, []), (2, False, False, [1]), (3, True, False, []),
+                                (4, False, False, [2, 3]), (5, False, True, [4, 5])):
+        rows = w.step_issued(n, p * values[n], lr=0.1 * n, sent={"allgather": n}, close=close, read_now=now)
+        assert [r[0] for r in rows] == want, f"after issuing step {n}: read {[r[0] for r in rows]}, expected {want}"
+        got.update({r[0]: r for r in rows})
+    for n, (step, loss, lr, sent, dt) in got.items():
+        assert (loss == values[n] or math.isnan(loss) and math.isnan(values[n])) and lr == 0.1 * n, (n, got[n])
+        assert sent == {"allgather": n} and dt > 0, got[n]
+    assert got[2][4] == got[3][4] and got[4][4] == got[5][4], "the steps of a window share its mean time"
+    assert w.steps == [] and w.closed is None, "everything issued has been read"
 
 
 @pytest.mark.distributed
