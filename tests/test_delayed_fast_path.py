@@ -269,3 +269,28 @@ def test_rows_the_fp8_gemm_cannot_take_decline_on_cuda():
     """M = 2 x 36 (not a multiple of 16): the general path emulates that GEMM (and warns); the fast path declines."""
     layer = _layer("fp8_delayed", device="cuda", dtype=torch.bfloat16)
     assert _node(layer, torch.randn(2, 36, IN, device="cuda", dtype=torch.bfloat16)) == GENERAL
+
+
+@pytest.mark.gpu
+@CUDA
+def test_pending_updates_in_one_launch_are_bitwise_one_launch_each():
+    """kernels.delayed.update_before_casts (x's and the weight's pending updates in one launch) against
+    update_before_cast on each: the same histories and scales."""
+    from hybridq.kernels.delayed import update_before_cast, update_before_casts
+
+    def pending_pair():
+        qs = [Float8Quantizer(fp8, scaling="delayed", amax_history_len=n) for fp8, n in (("e4m3", 5), ("e5m2", 3))]
+        for i, q in enumerate(qs):
+            q.amax_history = torch.arange(1.0, q.amax_history_len + 1, device="cuda") * (i + 2)
+            q.scale = torch.full((1,), 0.5, device="cuda")
+            q.mark_amax_recorded()
+        return qs
+
+    one, each = pending_pair(), pending_pair()
+    update_before_casts(one, one[0].amax_history.device)
+    for q in each:
+        update_before_cast(q)
+    for i, (a, b) in enumerate(zip(one, each)):
+        assert not a.update_pending, f"quantizer {i}: still pending after update_before_casts"
+        assert_bitwise(a.amax_history, b.amax_history, f"quantizer {i}: amax_history")
+        assert_bitwise(a.scale, b.scale, f"quantizer {i}: scale")

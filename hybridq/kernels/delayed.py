@@ -112,13 +112,28 @@ def update_delayed_scaling(quantizers: Iterable) -> None:
         q.update()
 
 
+def _direct(q: Float8Quantizer) -> bool:
+    # update_before_cast's launch of the update kernel alone (no all-reduce first)
+    return (q.amax_reduction_group is None or not dist.is_initialized()) and _kernel_ok(q)
+
+
+def update_before_casts(qs: list, device: torch.device) -> None:
+    """The pending updates of distinct quantizers (sharing no state tensor) whose next casts are about to run on
+    `device`, in one launch where the kernel takes them all as `update_before_cast` would (state on `device`), else
+    nothing here: each cast's `begin_delayed_cast` then updates its own. The kernel updates each entry on its own, so
+    one launch for several is bitwise one each (nn/delayed_linear.py: x's and the weight's in one)."""
+    pending = [q for q in qs if q.update_pending]
+    if len(pending) > 1 and all(q.amax_history.device == device and _direct(q) for q in pending):
+        _launch(pending)
+
+
 def update_before_cast(q: Float8Quantizer) -> None:
     """The pending update of one quantizer at the start of its next cast on the extension (`begin_delayed_cast`'s
     `run_update`): the update kernel directly when it takes the quantizer, `update_delayed_scaling([q])` otherwise.
     This is the per-cast path, so it skips what the batched one needs for many quantizers (about 30 us of host time
     per cast). No replay can follow an update made here: a forward cast replaces the scale a replay uses, and a
     quantizer that casts only in backward is never replayed, so the scale is updated in place without a copy."""
-    if (q.amax_reduction_group is None or not dist.is_initialized()) and _kernel_ok(q):
+    if _direct(q):
         _launch([q])
     else:
         update_delayed_scaling([q])

@@ -31,7 +31,7 @@ from ..formats.base import option_names
 from ..formats.float8 import Float8Quantizer
 from ..kernels import cuda_fp8_tensor, native_gemm
 from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS, delayed_cast
-from ..kernels.delayed import _kernel_ok, update_before_cast
+from ..kernels.delayed import _kernel_ok, update_before_cast, update_before_casts
 from ..switches import Switch
 from ..tensor import count_backward_pass
 from .float8_graph import PER_TENSOR, Float8Cast, Float8GraphSpec, _cached_fast_call, _mm
@@ -124,7 +124,8 @@ class _DelayedLinear(torch.autograd.Function):
 # Python pays one op call per forward and one hook call per backward instead of a Python autograd node and its op
 # calls. Python keeps each cast's state steps, in the general path's order per quantizer: for x and the weight before
 # the op (the replay check, `begin_delayed_cast` -- the pending update by `update_before_cast` -- and whether it is a
-# replay: then the op is given no history, records nothing) and `mark_amax_recorded` after it; for dy in a pre-hook
+# replay: then the op is given no history, records nothing; both pending updates in one launch where the update
+# kernel takes both, `update_before_casts`) and `mark_amax_recorded` after it; for dy in a pre-hook
 # of the op's node (`_GradOutputState`: runs before its backward; the backward-pass count first, as the general
 # path's `saved_quantized`). The node holds dy's scale and history by reference, so dy's update must be in place: the
 # update kernel takes that quantizer (`_kernel_ok`: state on the call's device) -- always so after its first step;
@@ -177,6 +178,8 @@ def _run_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sp
     xq.check_replay(f"input of {cfg.name}")  # (both before any state changes: the errors name the tensor)
     wq.check_replay(f"weight of {cfg.name}")
     x_replay, w_replay = xq.replaying(), wq.replaying()
+    if not (x_replay or w_replay):  # (both pending updates in one launch where the kernel takes both)
+        update_before_casts([xq, wq], x.device)
     x_scale = xq.begin_delayed_cast(x.device, lambda: update_before_cast(xq))
     w_scale = wq.begin_delayed_cast(weight.device, lambda: update_before_cast(wq))
     casts_dy = need_dgrad or need_wgrad
