@@ -3,10 +3,12 @@ GEMMs and state bookkeeping as the few calls they are, without its QuantizedTens
 
 [Note: the delayed-scaling fast path] The general path (linear_function.py) quantizes each of x, the weight and dy
 through `Quantizer.quantize` (checks, a QuantizedTensor of parts, a kernel looked up per call), looks each GEMM up in
-the dispatch tables and saves QuantizedTensors split into parts; that is ~0.4 ms more host time per Linear forward +
-backward on a GPU than nn/float8_graph.py's fast path of current scaling, which fp8_delayed cannot take (its scale is
-state, not a function of the tensor). Here a layer whose three quantizers are exactly `Float8Quantizer` with delayed
-scaling runs the same per-cast steps in its own autograd.Function: `check_replay`, then on CUDA `delayed_cast` (the
+the dispatch tables and saves QuantizedTensors split into parts (fp8_tensorwise's general path: 1.26 ms of host time
+per forward + backward on an H200, its Python node 0.88, its one op 0.56; BENCHMARKS.md, issue 33); nn/float8_graph.py's
+fast paths take current scaling only (a delayed scale is state, not a function of the tensor). Here a layer whose
+three quantizers are exactly `Float8Quantizer` with delayed scaling runs the same per-cast steps in its own
+autograd.Function (on CUDA mostly as one op: [Note: the delayed-scaling Linear as one op] below): `check_replay`,
+then on CUDA `delayed_cast` (the
 kernel's own run: the pending update by `update_before_cast`, the cast that max-combines max|x| into the history slot,
 `mark_amax_recorded`; a replay -- activation recompute, save_original_input's backward cast -- casts with the
 forward's scale and records nothing), on the CPU the format's reference (`quantize_parts`, what the general path
