@@ -109,7 +109,7 @@ class _Job:
 
     def run(self, n: int, mark: str | None = None) -> tuple[list[float], list[float]]:
         """n steps as train.py runs them (the losses read in windows of --sync-every steps, each one step late, the
-        last at once: trainer.StepWindow): (host seconds to issue each, wall seconds of each: its window's mean);
+        last at once: trainer.StepWindow): (host seconds to issue each, wall seconds of each: the device's time from the end of the previous step);
         each inside record_function(mark + i)."""
         from torch.profiler import record_function
         host, wall = [], []

@@ -148,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="read the losses (check them, print their lines) every N steps, and on the first and last "
                         "step and before a checkpoint; in between the host issues the next steps while the device "
                         "runs (torchtitan reads the loss on its logging steps only); a window is read once the next "
-                        "step is queued; a step's time is its window's mean; 1: every step")
+                        "step is queued; a step's time is the device's, end of step to end of step; 1: every step")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     g.add_argument("--metrics", default=None, metavar="FILE.jsonl",
                    help="write the metrics as JSON lines (config, one record per logged step, a summary per run, "

@@ -250,19 +250,30 @@ class StepWindow:
     after them, and read only once the NEXT step is issued: the host then waits for that event alone, while the next
     step stays queued, so the device does not drain at a read (a read right after the window's last step would leave
     it idle until the host issued enough of the next step). Only a checkpoint and the last step read at once (the
-    checkpoint must not see the next step's updates). A step's time is its window's wall time (from the previous
-    read) over its steps; a non-finite loss is reported with its step when its window is read -- one step later,
-    before anything is saved."""
+    checkpoint must not see the next step's updates). A non-finite loss is reported with its step when its window is
+    read -- one step later, before anything is saved.
+
+    A step's time is the device's: from the end of the previous step's work on the device to the end of its own (an
+    event recorded after each step), so it counts the time the device waited for the host within the step and not
+    when the host happened to read; on the CPU, where the host runs the work, the host's."""
 
     def __init__(self, env: Env):
         self.env = env
-        self.steps: list[tuple[int, torch.Tensor, float, dict]] = []
+        self.cuda = env.device.type == "cuda"
+        self.steps: list[tuple] = []  # (step, loss, lr, bytes, end mark)
         self.closed = None  # (steps, losses on the host or on their way, event or None)
         self.restart()
 
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def restart(self) -> None:
-        """Times from now (the next window's steps do not include, e.g., a checkpoint's save)."""
-        self.t0 = time.perf_counter()
+        """The next step's time starts here (not, e.g., before a checkpoint's save)."""
+        self.prev = self._mark()
 
     @staticmethod
     def due(n: int, start: int, end: int, every: int) -> bool:
@@ -273,8 +284,9 @@ class StepWindow:
         """Step n was just issued (its loss tensor, lr, bytes sent): returns (step, loss, lr, bytes, seconds) of
         every step whose loss is read now -- the window closed before step n (now that step n is queued behind it),
         and with `read_now` this step's window too (close: this step ends its window)."""
+        end = self._mark()
         rows = self._read() if self.closed is not None else []
-        self.steps.append((n, loss.detach(), lr, sent))
+        self.steps.append((n, loss.detach(), lr, sent, end))
         if close or read_now:
             self._close()
             if read_now:
@@ -282,10 +294,10 @@ class StepWindow:
         return rows
 
     def _close(self) -> None:
-        losses = torch.stack([loss.float() for _, loss, _, _ in self.steps])
+        losses = torch.stack([s[1].float() for s in self.steps])
         dist.all_reduce(losses)
         event = None
-        if losses.device.type == "cuda":
+        if self.cuda:
             host = torch.empty(losses.shape, dtype=losses.dtype, pin_memory=True)
             host.copy_(losses, non_blocking=True)
             event = torch.cuda.Event()
@@ -298,9 +310,12 @@ class StepWindow:
         self.closed = None
         if event is not None:
             event.synchronize()  # (the window's last step and its copy; later steps stay queued)
-        now = time.perf_counter()
-        dt, self.t0 = (now - self.t0) / len(steps), now
-        return [(n, v / self.env.world, lr, sent, dt) for (n, _, lr, sent), v in zip(steps, losses.tolist())]
+        rows = []
+        for (n, _, lr, sent, end), v in zip(steps, losses.tolist()):
+            dt = self.prev.elapsed_time(end) / 1e3 if self.cuda else end - self.prev
+            rows.append((n, v / self.env.world, lr, sent, dt))
+            self.prev = end
+        return rows
 
 
 class GarbageCollection:

@@ -977,7 +977,7 @@ def world_of_one():
 
 def test_a_window_is_read_once_the_next_step_is_issued_in_step_order(world_of_one):
     """A closed window's losses are read when the next step has been issued (the device keeps that step queued),
-    in step order with their lr and bytes and the window's mean time; read_now (a checkpoint, the last step) reads
+    in step order with their lr and bytes and each step's own time; read_now (a checkpoint, the last step) reads
     the window it closes at once."""
     import trainer
     w = trainer.StepWindow(trainer.Env(0, 1, torch.device("cpu"), "gloo", None))
@@ -992,7 +992,6 @@ def test_a_window_is_read_once_the_next_step_is_issued_in_step_order(world_of_on
     for n, (step, loss, lr, sent, dt) in got.items():
         assert (loss == values[n] or math.isnan(loss) and math.isnan(values[n])) and lr == 0.1 * n, (n, got[n])
         assert sent == {"allgather": n} and dt > 0, got[n]
-    assert got[2][4] == got[3][4] and got[4][4] == got[5][4], "the steps of a window share its mean time"
     assert w.steps == [] and w.closed is None, "everything issued has been read"
 
 
