@@ -1036,3 +1036,28 @@ def test_reshard_after_forward_policy_per_block(policy, mode, want):
     args = args_for(*flags)
     got = [trainer.reshard_after_forward(args, i, 3) for i in range(3)]
     assert got == want, f"--reshard-after-forward {policy} (compile mode {mode}): {got}, expected {want}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_steps_time_is_the_devices_and_the_host_runs_ahead(world_of_one):
+    """On CUDA a step's time is the device's (end of the previous step's work to the end of its own): three steps
+    of ~20 ms of device work each, issued in well under that, measure ~20 ms each, and the host did not wait for
+    them until the window was read."""
+    import trainer
+    w = trainer.StepWindow(trainer.Env(0, 1, torch.device("cuda", torch.cuda.current_device()), "gloo", None))
+    torch.cuda._sleep(1000)  # (the sleep kernel loaded)
+    torch.cuda.synchronize()
+    cycles_per_ms = 2.1e6  # an upper bound on H100 / H200 SM clocks (<= 2 GHz): each sleep lasts >= 20 ms
+    ms = 20
+    p = torch.ones((), device="cuda", requires_grad=True)
+    rows, issued = [], []
+    t0 = time.perf_counter()
+    for n in (1, 2, 3):
+        torch.cuda._sleep(int(ms * cycles_per_ms))
+        issued.append(time.perf_counter() - t0)
+        rows += w.step_issued(n, p * n, lr=0.0, sent={}, close=n == 3, read_now=n == 3)
+    assert issued[-1] < ms / 1e3, f"the host waited for the device while issuing: {issued}"
+    times = [r[4] * 1e3 for r in rows]
+    assert [r[0] for r in rows] == [1, 2, 3] and all(t >= 0.9 * ms for t in times), \
+        f"each step's device time should be >= ~{ms} ms: {times}"
