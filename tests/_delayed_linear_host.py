@@ -104,7 +104,8 @@ def _state(layer) -> list:
 def _inputs(step: int, dtype) -> tuple:
     g = torch.Generator().manual_seed(step)
     scale = 2.0 ** (step - 1)
-    return (torch.randn(2, 32, 64, generator=g) * scale).to(dtype), (torch.randn(2, 32, 48, generator=g) / scale).to(dtype)
+    return ((torch.randn(2, 32, 64, generator=g) * scale).to(dtype),
+            (torch.randn(2, 32, 48, generator=g) / scale).to(dtype))
 
 
 def run(recipe: str, dtype, bias: bool, x_grad: bool, w_grad: bool, mode: str, fast: bool) -> list:
@@ -112,7 +113,7 @@ def run(recipe: str, dtype, bias: bool, x_grad: bool, w_grad: bool, mode: str, f
     torch.manual_seed(0)
     layer = hq.Linear(64, 48, bias=bias, recipe=RECIPES[recipe](), name="fc", dtype=dtype)
     layer.weight.requires_grad_(w_grad)
-    out = []
+    out, saved = [], None  # (saved: the state_dict after step 1, loaded in the last step of mode "load")
     with eager_fast_path(fast):
         for s in range(STEPS):
             x, gy = _inputs(s, dtype)
