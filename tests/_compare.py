@@ -128,3 +128,27 @@ def parameter_diffs(got_model, want_model, what: str) -> list[str]:
         out += [d for d in [tensor_diff(*full, f"{n} {what}")] if d]
     return out
 
+
+
+def assert_training_runs_bitwise(got: dict, want: dict, where: str, change: str) -> None:
+    """Two training runs' records equal bit for bit, `change` naming what the `got` run switched (for the message):
+    the gathered parts read ("gathered" or "parts": one (names..., {part: tensor}) per read, in order), the losses
+    and the gradients per step, and the final parameters where both recorded them."""
+    key = "gathered" if "gathered" in want else "parts"
+    reads_g, reads_w = got[key], want[key]
+    assert len(reads_g) == len(reads_w), f"{where}: {len(reads_g)} gathered reads {change}, {len(reads_w)} without"
+    for i, (rg, rw) in enumerate(zip(reads_g, reads_w)):
+        (*names_g, parts_g), (*names_w, parts_w) = rg, rw
+        assert names_g == names_w and parts_g.keys() == parts_w.keys(), \
+            f"{where}: gathered read #{i} is {names_g} {list(parts_g)} {change}, {names_w} {list(parts_w)} without"
+        for t in parts_w:
+            assert torch.equal(parts_g[t], parts_w[t]), (
+                f"{where}: gathered {' '.join(map(str, names_w))} {t} (read #{i}) differs {change}: "
+                f"{(parts_g[t] != parts_w[t]).sum().item()} bytes")
+    for s, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        assert torch.equal(a, b), f"{where}: loss of step {s} differs {change}"
+    for s, (ga, gb) in enumerate(zip(got["grads"], want["grads"])):
+        for i, (a, b) in enumerate(zip(ga, gb)):
+            assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs {change}"
+    for i, (a, b) in enumerate(zip(got.get("params", []), want.get("params", []))):
+        assert torch.equal(a, b), f"{where}: parameter {i} after training differs {change}"

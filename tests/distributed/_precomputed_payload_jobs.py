@@ -8,6 +8,9 @@ weight, a second optimizer step)."""
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -15,6 +18,9 @@ from hybridq.distributed import precompute_scales, precomputed_payloads, unit_ca
 
 import _unit_cast_block_jobs as block_jobs
 import _unit_cast_jobs as tensor_jobs
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import assert_training_runs_bitwise  # noqa: E402
 
 COUNTERS = ("payload_precomputed", "payloads_precomputed", "unit_batches", "payload_unit", "payload_reused",
             "stats_allreduce")
@@ -91,21 +97,7 @@ def train(model: str, device, world_size: int, steps: int, payloads: bool, per_u
 
 
 def compare(got: dict, want: dict, where: str) -> None:
-    """Every gathered part, loss, gradient and final parameter of `got` bitwise `want`'s."""
-    assert len(got["gathered"]) == len(want["gathered"]), \
-        f"{where}: {len(got['gathered'])} gathered weights recorded vs {len(want['gathered'])} on the per-weight path"
-    for i, ((n1, a), (n2, b)) in enumerate(zip(got["gathered"], want["gathered"])):
-        assert n1 == n2 and a.keys() == b.keys(), f"{where}: gathered weight #{i} is {n1} {list(a)} vs {n2} {list(b)}"
-        for t in a:
-            assert torch.equal(a[t], b[t]), (f"{where}: gathered {n1} {t} (#{i}) differs from the per-weight path's "
-                                             f"in {(a[t] != b[t]).sum().item()} bytes")
-    for s, (a, b) in enumerate(zip(got["losses"], want["losses"])):
-        assert torch.equal(a, b), f"{where}: the loss of step {s} differs from the per-weight path's"
-    for s, (ga, gb) in enumerate(zip(got["grads"], want["grads"])):
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            assert torch.equal(a, b), f"{where}: the gradient of parameter {i} at step {s} differs"
-    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
-        assert torch.equal(a, b), f"{where}: parameter {i} after training differs"
+    assert_training_runs_bitwise(got, want, where, "with the precomputed payloads")
 
 
 def parity(rank, world_size, device, model: str, steps: int = 3, per_unit: bool = True,

@@ -5,6 +5,9 @@ bytes and scales), loss and gradient is recorded for a bitwise comparison."""
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -13,6 +16,9 @@ from hybridq.distributed import precompute_scales, unit_cast
 from hybridq.enums import TensorType
 from hybridq.formats import MXFP8Quantizer
 from hybridq.torch_private import local_tensor
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import assert_training_runs_bitwise  # noqa: E402
 
 D = 64
 NAMES = ("q", "k", "v", "o", "up", "down")
@@ -120,19 +126,8 @@ def train(m: nn.Module, device, steps: int, precompute: bool, width: int = D) ->
     return {"gathered": gathered, "losses": losses, "grads": grads}
 
 
-def compare(on: dict, off: dict, where: str) -> None:
-    assert len(on["gathered"]) == len(off["gathered"]), \
-        f"{where}: {len(on['gathered'])} vs {len(off['gathered'])} forwards"
-    for i, ((n1, a), (n2, b)) in enumerate(zip(on["gathered"], off["gathered"])):
-        assert n1 == n2 and a.keys() == b.keys(), f"{where}: gathered weight #{i} is {n1} {list(a)} vs {n2} {list(b)}"
-        for t in a:
-            assert torch.equal(a[t], b[t]), (f"{where}: gathered {n1} {t} (forward #{i}) differs with the unit cast: "
-                                             f"{(a[t] != b[t]).sum().item()} bytes")
-    for s, (a, b) in enumerate(zip(on["losses"], off["losses"])):
-        assert torch.equal(a, b), f"{where}: loss of step {s} differs with the unit cast"
-    for s, (ga, gb) in enumerate(zip(on["grads"], off["grads"])):
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs with the unit cast"
+def compare(got: dict, want: dict, where: str) -> None:
+    assert_training_runs_bitwise(got, want, where, "with the unit cast")
 
 
 def parity_of(build_model, train_model, where: str) -> dict:

@@ -5,6 +5,8 @@ columnwise part, bytes and scales), loss and gradient is recorded for a bitwise 
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import warnings
 
 import torch
@@ -15,6 +17,9 @@ from hybridq.distributed import unit_fill
 from hybridq.torch_private import local_tensor
 
 from _unit_cast_jobs import D, Block, _bits, recipe, shard_blocks
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from _compare import assert_training_runs_bitwise  # noqa: E402
 
 COUNTERS = ("unit_filled", "fill_replayed", "derived_in_place", "aliased", "adopted")
 
@@ -77,19 +82,8 @@ def train(m: nn.Module, device, steps: int, start: int = 0) -> dict:
     return {"parts": parts, "losses": losses, "grads": grads}
 
 
-def compare(on: dict, off: dict, where: str) -> None:
-    assert len(on["parts"]) == len(off["parts"]), f"{where}: {len(on['parts'])} vs {len(off['parts'])} parts read"
-    for i, ((n1, d1, a), (n2, d2, b)) in enumerate(zip(on["parts"], off["parts"])):
-        assert (n1, d1) == (n2, d2) and a.keys() == b.keys(), \
-            f"{where}: part #{i} read is {n1} {d1} {list(a)} with the unit fill, {n2} {d2} {list(b)} without"
-        for t in a:
-            assert torch.equal(a[t], b[t]), (f"{where}: gathered {d1} {t} of {n1} (part #{i}) differs with the unit "
-                                             f"fill: {(a[t] != b[t]).sum().item()} bytes")
-    for s, (a, b) in enumerate(zip(on["losses"], off["losses"])):
-        assert torch.equal(a, b), f"{where}: loss of step {s} differs with the unit fill"
-    for s, (ga, gb) in enumerate(zip(on["grads"], off["grads"])):
-        for i, (a, b) in enumerate(zip(ga, gb)):
-            assert torch.equal(a, b), f"{where}: gradient of parameter {i} at step {s} differs with the unit fill"
+def compare(got: dict, want: dict, where: str) -> None:
+    assert_training_runs_bitwise(got, want, where, "with the unit fill")
 
 
 def parity(rank, world_size, device, preset: str = "fp8_tensorwise", mixed: bool = False, steps: int = 3,
