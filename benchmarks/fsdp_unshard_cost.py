@@ -186,7 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--train-args", default="")
+    p.add_argument("--train-args", default="--reshard-after-forward always",
+                   help="more train.py flags (default: every block resharded after forward, so each weight is "
+                        "unsharded once per direction -- train.py's default keeps the last block gathered)")
     p.add_argument("--ops", action="store_true", help="also list the aten ops of each row")
     a = p.parse_args(argv)
     world = ps.train.world_from_environment()
