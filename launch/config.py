@@ -213,12 +213,12 @@ def check_args(args, world: int) -> None:
                       "apply_hybrid_fsdp only); use --weight-gather quantized")
     if args.compare == args.recipe:
         errors.append(f"--compare {args.compare} is the same as --recipe")
-    for flag in ("save_every", "keep_last", "log_every", "sync_every", "eval_batches"):
+    for flag in ("save_every", "keep_last", "eval_batches"):
         if getattr(args, flag) < 0:
             errors.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
-    for flag in ("log_every", "sync_every"):
-        if getattr(args, flag) == 0:
-            errors.append(f"--{flag.replace('_', '-')} 0: must be >= 1")
+    for flag in ("log_every", "sync_every"):  # (steps between lines / reads: 0 or less has no meaning)
+        if getattr(args, flag) < 1:
+            errors.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     if args.stop_after is not None and args.stop_after < 1:
         errors.append(f"--stop-after {args.stop_after}: must be >= 1")
     if (args.save_every or args.resume or args.keep_last or args.overwrite) and not args.checkpoint_dir:
