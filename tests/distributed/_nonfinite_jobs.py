@@ -548,3 +548,18 @@ def job_fsdp_tp(rank, world_size, device, formats: list[str]) -> dict:
                                                             for n in ("0", "1")], tp_rank, what)
             out[f"fsdp_tp/{name}/{vname}"] = diffs + _nonfinite_diff(yp.detach(), yr.detach(), f"{what} output")
     return out
+
+
+def job_loss_window(rank, world_size, device) -> dict:
+    """train.py's loss read (launch/trainer.StepWindow: the window's losses in one SUM all-reduce): a loss that is NaN
+    or inf on the last rank only is NaN / inf on every rank after the read; finite steps are the ranks' mean."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "launch"))
+    import trainer
+    w = trainer.StepWindow(trainer.Env(rank, world_size, device, "gloo", None))
+    last = rank == world_size - 1
+    per_step = {1: float(rank), 2: float("nan") if last else 1.0, 3: float("inf") if last else 1.0,
+                4: float("-inf") if last else float("inf")}
+    rows = []
+    for n, v in per_step.items():
+        rows += w.step_issued(n, torch.tensor(v, device=device), lr=0.0, sent={}, close=True, read_now=n == 4)
+    return {"read": {str(r[0]): repr(r[1]) for r in rows}}

@@ -106,3 +106,14 @@ def test_delayed_scaling_history_keeps_non_finite_in_the_batched_device_update()
 @pytest.mark.parametrize("fmt", TENSOR_WIDE)
 def test_fsdp2_x_tensor_parallel_keeps_non_finite(dp2_tp2, fmt, value):
     _check(dp2_tp2, f"fsdp_tp/{fmt}/{value}")
+
+
+def test_the_training_jobs_loss_read_keeps_a_non_finite_loss_of_another_rank():
+    """train.py reads the window's losses in one SUM all-reduce: a NaN or inf held by the last rank only is what every
+    rank reads (so every rank stops the job naming that step); +inf on one rank and -inf on another is NaN."""
+    for world in (2, 4):
+        report = spawn(jobs.job_loss_window, world, "gloo")
+        mean = repr(sum(range(world)) / world)
+        want = {"1": mean, "2": "nan", "3": "inf", "4": "nan"}
+        for r, rep in enumerate(report):
+            assert rep["read"] == want, f"world {world}, rank {r} read {rep['read']}, expected {want}"
