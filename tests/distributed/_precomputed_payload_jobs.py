@@ -28,20 +28,9 @@ COUNTERS = ("payload_precomputed", "payloads_precomputed", "unit_batches", "payl
 
 def _unsharded_between(device, world_size: int) -> nn.Module:
     """_unit_cast_jobs' model with `reshard_after_forward=False`: no backward unshard re-sends a forward payload."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import hybridq as hq
-
     torch.manual_seed(0)
     m = nn.Sequential(tensor_jobs.Block(), tensor_jobs.Block()).to(device)
-    hq.apply_hybrid_fsdp(m, tensor_jobs.recipe(False), on_incompatible="error")
-    mesh = init_device_mesh(device.type, (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for b in m:
-        fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(m, mesh=mesh, mp_policy=mp)
-    return m
+    return tensor_jobs.shard_blocks(m, tensor_jobs.recipe(False), device, world_size, reshard_after_forward=False)
 
 
 # model -> (build(device, world_size), input width, the weight edited in place by `between="edit"`)
