@@ -71,7 +71,7 @@ from profile_events import (CATEGORIES, COLLECTIVE_KINDS, LABELS, STEP_MARK, STI
                             categorize, collective_kind, hybridq_function_names, is_device_work, summarize_events,
                             union_us)
 from profile_tables import (ALLOC_KEYS, JITTER, category_table, collectives_table, fmt_table,  # noqa: E402,F401
-                            inside_table, timing_lines, top_table)
+                            inside_table, process_text, timing_lines, top_table)
 
 
 # ---- running the steps ------------------------------------------------------------------------------
@@ -81,6 +81,41 @@ def allocator_counters(device: torch.device) -> dict:
         return {}
     s = torch.cuda.memory_stats(device)
     return {k: s.get(k) for k in ALLOC_KEYS}
+
+
+def host_counters() -> dict:
+    """What the host did and suffered, for `process_summary`: this process's CPU seconds (all its threads), its
+    involuntary context switches (preempted: another task wanted its CPU) and the machine's CPU ticks, of which
+    stolen (a virtual machine's CPUs run by the hypervisor for someone else; Linux /proc/stat, else absent)."""
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"cpu_s": ru.ru_utime + ru.ru_stime, "involuntary_switches": ru.ru_nivcsw}
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        out["ticks"], out["steal_ticks"] = sum(ticks), ticks[7] if len(ticks) > 7 else 0
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def process_summary(host: dict, allocator: dict, steps: int, wall_s: float) -> dict:
+    """Per timed step, from the counters before / after the steps: the process's CPU ms (all threads: above the
+    host issue time when other threads -- autograd's, the pin-memory copy -- work too), involuntary context
+    switches, the machine's stolen CPU share and, on CUDA, the caching allocator's cudaMalloc / cudaFree calls and
+    retries (a free forces a device sync: the host then waits for the GPU). The spread of a host-bound step between
+    fresh processes of the same code is what these attribute."""
+    b, a = host["before"], host["after"]
+    out = {"process_cpu_ms": 1e3 * (a["cpu_s"] - b["cpu_s"]) / steps,
+           "involuntary_switches": (a["involuntary_switches"] - b["involuntary_switches"]) / steps,
+           "wall_s": wall_s}
+    if "ticks" in a and "ticks" in b and a["ticks"] > b["ticks"]:
+        out["steal_pct"] = 100.0 * (a["steal_ticks"] - b["steal_ticks"]) / (a["ticks"] - b["ticks"])
+    if allocator.get("before"):
+        for key, name in (("num_device_alloc", "cuda_mallocs"), ("num_device_free", "cuda_frees"),
+                          ("num_alloc_retries", "alloc_retries")):
+            out[name] = (allocator["after"][key] or 0) - (allocator["before"][key] or 0)
+    return out
 
 
 def step_stats(times: list[float], host: list[float]) -> dict:
@@ -144,10 +179,12 @@ def time_recipe(recipe: str, a, targs, env, tokens: torch.Tensor) -> dict:
     for the rest of the process (the CUDA activity tracing stays attached), which inflated the host-bound steps --
     the fp8 MoE job's host time per step 74 ms in a fresh process, 125 ms after a profiled session (one H200)."""
     job = _Job(recipe, a, targs, env, tokens)
-    before = allocator_counters(env.device)
+    before, host_before, t0 = allocator_counters(env.device), host_counters(), time.perf_counter()
     host, times = job.run(a.timed_steps)
     res = {"timed": step_stats(times, host) if times else None,
            "allocator": {"before": before, "after": allocator_counters(env.device)}}
+    res["process"] = process_summary({"before": host_before, "after": host_counters()}, res["allocator"],
+                                     max(1, a.timed_steps), time.perf_counter() - t0)
     if env.device.type == "cuda":
         res["peak_memory_bytes"] = torch.cuda.max_memory_allocated(env.device)
     job.close()

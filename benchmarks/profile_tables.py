@@ -76,6 +76,17 @@ def top_table(r: dict, width: int = 110) -> str:
     return fmt_table(rows)
 
 
+def process_text(p: dict) -> str:
+    """profile_step.process_summary in words, per timed step."""
+    parts = [f"process CPU {p['process_cpu_ms']:.1f} ms", f"{p['involuntary_switches']:.1f} involuntary switches"]
+    if "steal_pct" in p:
+        parts.append(f"machine CPU stolen {p['steal_pct']:.1f}%")
+    if "cuda_mallocs" in p:
+        parts.append(f"cudaMalloc {p['cuda_mallocs']} / cudaFree {p['cuda_frees']} / retries {p['alloc_retries']} "
+                     "over the steps")
+    return "per step: " + ", ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else "")
+
+
 def timing_lines(r: dict) -> list[str]:
     t = r["timed"]
     if t is None:
@@ -89,4 +100,6 @@ def timing_lines(r: dict) -> list[str]:
     if al["before"]:
         out.append(f"[{r['recipe']}] allocator before -> after the timed steps: "
                    + ", ".join(f"{k} {al['before'][k]} -> {al['after'][k]}" for k in ALLOC_KEYS))
+    if r.get("process"):
+        out.append(f"[{r['recipe']}] {process_text(r['process'])}")
     return out

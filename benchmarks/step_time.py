@@ -39,7 +39,7 @@ def one_recipe(argv: list[str]) -> int:
     env = ps.train.init_distributed(targs, world)
     res = ps.time_recipe(a.recipe_list[0], a, targs, env, ps.load_tokens())
     print(_RESULT + json.dumps({"recipe": a.recipe_list[0], **res["timed"], "device": str(env.device),
-                                      "pid": os.getpid()}), flush=True)
+                                      "pid": os.getpid(), "process": res["process"]}), flush=True)
     return 0
 
 
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads(lines[0][len(_RESULT):]))
             print(f"[{recipe}] {results[-1]['n']} steps in a fresh process (pid {results[-1]['pid']}), no profiler, "
                   f"{results[-1]['device']}" + (f", round {r + 1}" if n_rounds > 1 else "")
-                  + f": wall {results[-1]['median_ms']:.1f} ms, host {results[-1]['host_median_ms']:.1f} ms (medians)",
-                  flush=True)
+                  + f": wall {results[-1]['median_ms']:.1f} ms, host {results[-1]['host_median_ms']:.1f} ms (medians); "
+                  + ps.process_text(results[-1]["process"]), flush=True)
         rounds.append(sorted(results, key=lambda res: a.recipe_list.index(res["recipe"])))
     print(table(rounds[0]) if n_rounds == 1 else rounds_table(rounds))
     return 0

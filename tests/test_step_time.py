@@ -23,6 +23,9 @@ def test_each_recipe_runs_in_a_fresh_process_and_is_tabled_against_bf16():
     pids = re.findall(r"^\[(\S+)\] 3 steps in a fresh process \(pid (\d+)\)", p.stdout, re.M)
     assert [r for r, _ in pids] == ["bf16", "fp8_tensorwise"], f"recipes timed: {pids}\n{p.stdout}"
     assert len({pid for _, pid in pids}) == 2, f"each recipe must run in a process of its own: pids {pids}"
+    per_process = re.findall(r"^\[\S+\] 3 steps in a fresh process .*per step: process CPU \d+\.\d ms, "
+                             r"\d+\.\d involuntary switches", p.stdout, re.M)
+    assert len(per_process) == 2, f"each process's line must say what its host did per step:\n{p.stdout}"
     rows = {l.split("|")[1].strip(): l for l in p.stdout.splitlines() if l.startswith("| ") and "recipe" not in l}
     assert set(rows) == {"bf16", "fp8_tensorwise"}, p.stdout
     assert rows["bf16"].rstrip().endswith("| 1.00x |"), rows["bf16"]
@@ -70,3 +73,34 @@ def test_rounds_must_be_positive():
     assert st._pop_rounds(["--rounds=2"]) == (2, [])
     with pytest.raises(SystemExit, match="--rounds must be >= 1, got 0"):
         st._pop_rounds(["--rounds", "0"])
+
+
+def _profile_step():
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "launch")]
+    try:
+        import profile_step
+    finally:
+        del sys.path[:2]
+    return profile_step
+
+
+def test_process_summary_is_per_step_and_takes_the_stolen_share_of_the_machine_ticks():
+    ps = _profile_step()
+    host = {"before": {"cpu_s": 1.0, "involuntary_switches": 10, "ticks": 1000, "steal_ticks": 50},
+            "after": {"cpu_s": 3.0, "involuntary_switches": 30, "ticks": 3000, "steal_ticks": 250}}
+    alloc = {"before": {"num_device_alloc": 5, "num_device_free": 1, "num_alloc_retries": 0},
+             "after": {"num_device_alloc": 9, "num_device_free": 4, "num_alloc_retries": 2}}
+    got = ps.process_summary(host, alloc, steps=10, wall_s=2.5)
+    want = {"process_cpu_ms": 200.0, "involuntary_switches": 2.0, "wall_s": 2.5, "steal_pct": 10.0,
+            "cuda_mallocs": 4, "cuda_frees": 3, "alloc_retries": 2}
+    assert got == pytest.approx(want), f"process summary {got}, expected {want}"
+    text = ps.process_text(got)
+    assert "process CPU 200.0 ms" in text and "stolen 10.0%" in text and "cudaFree 3" in text, text
+
+
+def test_process_summary_leaves_out_what_the_machine_does_not_report():
+    ps = _profile_step()
+    host = {"before": {"cpu_s": 0.0, "involuntary_switches": 0}, "after": {"cpu_s": 0.5, "involuntary_switches": 5}}
+    got = ps.process_summary(host, {"before": {}, "after": {}}, steps=5, wall_s=1.0)
+    assert set(got) == {"process_cpu_ms", "involuntary_switches", "wall_s"}, f"keys {sorted(got)}"
+    assert "stolen" not in ps.process_text(got) and "cudaMalloc" not in ps.process_text(got)
