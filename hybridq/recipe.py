@@ -82,7 +82,10 @@ class CustomRecipe:
     def backward_override(self) -> str | None:
         if self._backward_override is not None:
             return self._backward_override
-        return _env_override(os.environ.get(BACKWARD_OVERRIDE_ENV))
+        value = os.environ.get(BACKWARD_OVERRIDE_ENV)
+        if value is None:  # (the usual case; also keeps torch.compile's trace out of the cached parse, which it
+            return None    # warns about on every compiled run)
+        return _env_override(value)
 
     def quantizer(self, role: Role) -> Quantizer:
         """A fresh quantizer for `role`; IdentityQuantizer where the factory keeps high precision. An exception
