@@ -7,6 +7,8 @@ import functools
 import os
 from typing import Callable
 
+import torch
+
 from .enums import BackwardOverride, TensorType
 from .errors import RecipeError
 from .formats import (Float8BlockQuantizer, Float8Quantizer, HybridQuantizer, IdentityQuantizer, MXFP8Quantizer,
@@ -16,6 +18,23 @@ from .formats._presets import declared_presets
 TENSOR_TYPES = tuple(TensorType)
 BACKWARD_OVERRIDES = (None, *BackwardOverride)
 BACKWARD_OVERRIDE_ENV = "HYBRIDQ_BACKWARD_OVERRIDE"
+
+# [Note: the override's environment under torch.compile] A Linear reads its backward override at each forward, also
+# while dynamo traces it, and the graph keeps what it read. Dynamo guards no read of `os.environ` (a value set after a
+# layer was traced went unseen by its graph: the gradients of the old mode), but it guards each key read from a plain
+# dict: so the variable is read from os.environ's own dict (CPython's `os.environ._data`, which every write through
+# os.environ updates), and a graph recompiles when this variable -- and no other -- changes.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(BACKWARD_OVERRIDE_ENV) if _ENVIRON is not None else None
+
+
+def _environment_value() -> str | None:
+    """HYBRIDQ_BACKWARD_OVERRIDE as os.environ holds it now (traced: guarded, [Note: the override's environment
+    under torch.compile])."""
+    if _ENVIRON is None:
+        return os.environ.get(BACKWARD_OVERRIDE_ENV)
+    raw = _ENVIRON.get(_ENV_KEY)
+    return None if raw is None else os.environ.decodevalue(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +101,11 @@ class CustomRecipe:
     def backward_override(self) -> str | None:
         if self._backward_override is not None:
             return self._backward_override
-        value = os.environ.get(BACKWARD_OVERRIDE_ENV)
-        if value is None:  # (the usual case; also keeps torch.compile's trace out of the cached parse, which it
-            return None    # warns about on every compiled run)
+        value = _environment_value()
+        if value is None:  # (the usual case)
+            return None
+        if torch.compiler.is_compiling():  # (dynamo warns when it traces through the cache)
+            return _check_override(value, f"environment {BACKWARD_OVERRIDE_ENV}")
         return _env_override(value)
 
     def quantizer(self, role: Role) -> Quantizer:

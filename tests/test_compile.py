@@ -327,9 +327,9 @@ def test_compiling_a_converted_model_warns_nothing_about_the_override_environmen
     assert not cache_warnings, f"compile warned about a cached function: {cache_warnings}"
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/backward-overrides.md): dynamo guards no environment "
-                   "variable, so HYBRIDQ_BACKWARD_OVERRIDE set after a layer was traced is not seen by its graph")
 def test_the_override_environment_set_after_compile_takes_effect(monkeypatch):
+    """The graph recompiles when HYBRIDQ_BACKWARD_OVERRIDE changes ([Note: the override's environment under
+    torch.compile]; it kept the mode it was traced with before)."""
     monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
     torch.manual_seed(0)
     model = MLP(hq.recipe("fp8_tensorwise"))
@@ -342,3 +342,29 @@ def test_the_override_environment_set_after_compile_takes_effect(monkeypatch):
     _assert_same(got, want, "HYBRIDQ_BACKWARD_OVERRIDE=high_precision set after the first compiled step")
     monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE")
     _assert_same(_grads(model, x, compiled), _grads(model, x, model), "the override unset again")
+
+
+def test_another_environment_variables_value_changing_does_not_recompile(monkeypatch):
+    """Dynamo guards os.environ's dict by its size and the override's key ([Note: the override's environment under
+    torch.compile]): a new value of another variable leaves the graph as it is; the override's changes recompile."""
+    monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
+    monkeypatch.setenv("HYBRIDQ_SOME_OTHER_VARIABLE", "0")
+    torch.manual_seed(0)
+    model = MLP(hq.recipe("fp8_tensorwise"))
+    x = torch.randn(2, 32, 64)
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    _grads(model, x, compiled)
+    first = len(compiles)
+    monkeypatch.setenv("HYBRIDQ_SOME_OTHER_VARIABLE", "1")
+    _grads(model, x, compiled)
+    assert len(compiles) == first, f"{len(compiles) - first} recompile(s) after another variable's value changed"
+    monkeypatch.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "dequantized")
+    _grads(model, x, compiled)
+    assert len(compiles) > first, "no recompile after HYBRIDQ_BACKWARD_OVERRIDE changed"
