@@ -214,3 +214,20 @@ def test_block_experts_in_graph_on_cuda_are_bitwise_eager(preset):
     want = _grads(model, model, x, m_splits)
     torch._dynamo.reset()
     _assert_same(_grads(model, torch.compile(model, fullgraph=True), x, m_splits), want, f"{preset} cuda, inductor")
+
+
+@pytest.mark.parametrize("preset", IN_GRAPH_PRESETS)
+def test_the_override_environment_set_after_compile_takes_effect(preset, monkeypatch):
+    """HYBRIDQ_BACKWARD_OVERRIDE set after the first compiled step recompiles the block: its experts leave the graph
+    (an override runs eagerly) and compute what eager computes ([Note: the override's environment under
+    torch.compile] in recipe.py)."""
+    monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
+    torch.manual_seed(0)
+    model = MoEBlock(preset)
+    x, m_splits = torch.randn(sum(SPLITS), D, requires_grad=True), torch.tensor(SPLITS)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    _grads(model, compiled, x, m_splits)
+    monkeypatch.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "dequantized")
+    _assert_same(_grads(model, compiled, x, m_splits), _grads(model, model, x, m_splits),
+                 f"{preset}: HYBRIDQ_BACKWARD_OVERRIDE=dequantized set after the first compiled step")
