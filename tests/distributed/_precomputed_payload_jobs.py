@@ -52,6 +52,14 @@ def _between(m: nn.Module, opt, how: str | None, edited: str) -> None:
             m.get_submodule(edited).weight.mul_(-2.0)
     elif how == "extra_step":  # a second optimizer step on the same gradients: every master changes
         opt.step()
+    elif how == "edit_data":  # through `.data` (a tensor with its own version counter)
+        m.get_submodule(edited).weight.data.mul_(-2.0)
+    elif how == "load_state_dict":  # the module's load: every parameter copied in place
+        sd = {k: v * 0.5 if k == f"{edited}.weight" else v for k, v in m.state_dict().items()}
+        m.load_state_dict(sd)
+    elif how == "local_copy":  # the DTensor's local shard written directly
+        with torch.no_grad():
+            m.get_submodule(edited).weight.to_local().mul_(-2.0)
     elif how is not None:
         raise ValueError(how)
 
@@ -112,3 +120,19 @@ def switched_off(rank, world_size, device, model: str, steps: int = 2) -> dict:
         return parity(rank, world_size, device, model, steps)
     finally:
         precomputed_payloads.set_precomputed_payloads(was)
+
+
+
+def scales_against_none(rank, world_size, device, between: str) -> None:
+    """`precompute_scales` (scales only) after every step against no precompute at all (each forward hook reduces
+    its weight's statistics itself), with the same `between`: bitwise."""
+    import unittest.mock as um
+    was = unit_cast.set_unit_cast(False)
+    try:
+        with um.patch.object(sys.modules[__name__], "precompute_scales", lambda m, **kw: None):
+            want = train("fp8_tensorwise", device, world_size, 3, payloads=False, between=between)
+    finally:
+        unit_cast.set_unit_cast(was)
+    got = train("fp8_tensorwise", device, world_size, 3, payloads=False, between=between)
+    assert_training_runs_bitwise(got, want, f"rank {rank} of {world_size}, between={between}",
+                                 "with precompute_scales")
