@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 import torch.nn as nn
 
 from hybridq.distributed import precompute_scales, precomputed_payloads, unit_cast
@@ -46,12 +47,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).clone().contiguous().view(torch.uint8).cpu()
 
 
-def _between(m: nn.Module, opt, how: str | None, edited: str) -> None:
+def _between(m: nn.Module, opt, how: str | None, edited: str, width: int) -> None:
     if how == "edit":  # a user's in-place edit of one weight (its DTensor parameter: version counters move)
         with torch.no_grad():
             m.get_submodule(edited).weight.mul_(-2.0)
     elif how == "extra_step":  # a second optimizer step on the same gradients: every master changes
         opt.step()
+    elif how == "eval":  # an evaluation forward (no backward) between the precompute and the next training step
+        with torch.no_grad():
+            m(torch.randn(16, width, generator=torch.Generator().manual_seed(7)).to(next(m.parameters()).device))
     elif how == "edit_data":  # through `.data` (a tensor with its own version counter)
         m.get_submodule(edited).weight.data.mul_(-2.0)
     elif how == "load_state_dict":  # the module's load: every parameter copied in place
@@ -84,10 +88,13 @@ def train(model: str, device, world_size: int, steps: int, payloads: bool, per_u
         opt.step()
         pre = precompute_scales(m, payloads=payloads, per_unit=per_unit)
         prepared.append(getattr(pre, "payloads", None))  # (a PrecomputedScalesAndPayloads where asked)
-        _between(m, opt, between, edited)
+        _between(m, opt, between, edited, width)
         opt.zero_grad()
     for h in handles:
         h.remove()
+    for unit in m.modules():  # (an evaluation forward last leaves reshard_after_forward=False units gathered)
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
     params = [_bits(p.full_tensor()) for p in m.parameters()]
     return {"gathered": gathered, "losses": losses, "grads": grads, "params": params, "prepared": prepared,
             "counters": {k: tensor_jobs.counters(m, k) for k in COUNTERS}}

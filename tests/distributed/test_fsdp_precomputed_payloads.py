@@ -118,6 +118,18 @@ def test_a_second_optimizer_step_after_the_precompute_makes_every_payload_stale(
     _sent_precomputed(r, model, 1, f"world 1, {model}, second optimizer step", stale=True)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_an_evaluation_forward_between_the_precompute_and_the_next_step_trains_bitwise(one_rank, model):
+    """A no_grad forward (evaluation) after the precompute takes the payloads; the training step after it is still
+    bitwise the per-weight path's with the same evaluation."""
+    jobs.parity(0, 1, one_rank, model, STEPS, between="eval")
+
+
+def test_two_ranks_an_evaluation_forward_between_the_precompute_and_the_next_step_trains_bitwise():
+    runs = {model: (jobs.parity, dict(model=model, steps=STEPS, between="eval")) for model in MODELS}
+    spawn(job_several, 2, "gloo", jobs=runs)
+
+
 @pytest.mark.parametrize("between", ["load_state_dict", "local_copy"])
 def test_a_weight_loaded_or_written_in_its_local_shard_after_the_precompute_is_quantized_anew(one_rank, between):
     """`load_state_dict` (every parameter copied in place) or a write into the DTensor's local shard between the
