@@ -23,7 +23,8 @@ BACKWARD_OVERRIDE_ENV = "HYBRIDQ_BACKWARD_OVERRIDE"
 # while dynamo traces it, and the graph keeps what it read. Dynamo guards no read of `os.environ` (a value set after a
 # layer was traced went unseen by its graph: the gradients of the old mode), but it guards each key read from a plain
 # dict: so the variable is read from os.environ's own dict (CPython's `os.environ._data`, which every write through
-# os.environ updates), and a graph recompiles when this variable -- and no other -- changes.
+# os.environ updates), and a graph recompiles when this variable changes (and, since dynamo guards the dict's size
+# too, once when any variable is added to or removed from the environment; a new value of another does not).
 _ENVIRON = getattr(os.environ, "_data", None)
 _ENV_KEY = os.environ.encodekey(BACKWARD_OVERRIDE_ENV) if _ENVIRON is not None else None
 
