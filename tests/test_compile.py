@@ -162,15 +162,32 @@ def test_linear_in_graph_computes_only_the_gradients_asked_for(case, preset):
     _assert_same(_grads(model, x, compiled), _grads(model, x, model), case)
 
 
-def test_recipe_change_after_compile_takes_effect():
+def _swap_recipes(model, monkeypatch):
+    model.fc1.recipe = model.fc2.recipe = hq.recipe("mxfp8")
+
+
+# what changes after the first compiled step, in order: each must reach the graph (a recompile where it must)
+CHANGES_AFTER_COMPILE = {
+    "recipe swapped to mxfp8": [_swap_recipes],
+    # ([Note: the override's environment under torch.compile]: the graph kept the mode it was traced with before)
+    "HYBRIDQ_BACKWARD_OVERRIDE set, then unset": [
+        lambda model, mp: mp.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "high_precision"),
+        lambda model, mp: mp.delenv("HYBRIDQ_BACKWARD_OVERRIDE")],
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES_AFTER_COMPILE))
+def test_a_change_after_compile_takes_effect(change, monkeypatch):
+    monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
     torch.manual_seed(0)
     model = MLP(hq.recipe("fp8_tensorwise"))
     x = torch.randn(2, 32, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     _grads(model, x, compiled)
-    model.fc1.recipe = model.fc2.recipe = hq.recipe("mxfp8")
-    _assert_same(_grads(model, x, compiled), _grads(model, x, model), "after the recipe changed to mxfp8")
+    for i, step in enumerate(CHANGES_AFTER_COMPILE[change]):
+        step(model, monkeypatch)
+        _assert_same(_grads(model, x, compiled), _grads(model, x, model), f"{change}, after change {i + 1}")
 
 
 def test_what_the_ops_do_not_take_stays_eager_and_correct():
@@ -325,23 +342,6 @@ def test_compiling_a_converted_model_warns_nothing_about_the_override_environmen
         _grads(model, torch.randn(2, 32, 64), torch.compile(model, backend="aot_eager"))
     cache_warnings = [str(w.message)[:120] for w in caught if "lru_cache" in str(w.message)]
     assert not cache_warnings, f"compile warned about a cached function: {cache_warnings}"
-
-
-def test_the_override_environment_set_after_compile_takes_effect(monkeypatch):
-    """The graph recompiles when HYBRIDQ_BACKWARD_OVERRIDE changes ([Note: the override's environment under
-    torch.compile]; it kept the mode it was traced with before)."""
-    monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
-    torch.manual_seed(0)
-    model = MLP(hq.recipe("fp8_tensorwise"))
-    x = torch.randn(2, 32, 64)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    _grads(model, x, compiled)
-    monkeypatch.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "high_precision")
-    got, want = _grads(model, x, compiled), _grads(model, x, model)
-    _assert_same(got, want, "HYBRIDQ_BACKWARD_OVERRIDE=high_precision set after the first compiled step")
-    monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE")
-    _assert_same(_grads(model, x, compiled), _grads(model, x, model), "the override unset again")
 
 
 def test_another_environment_variables_value_changing_does_not_recompile(monkeypatch):
