@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "binding_checks.h"
 #include "cublaslt_fp8.h"
@@ -370,38 +371,32 @@ void check_args(const Tensor& x, const Tensor& weight, const std::optional<Tenso
                            w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
 }
 
-// The Autograd-key kernel: the C++ node records the backward
-Tensor fp8_linear_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                           const std::optional<Tensor>& x_row, const std::optional<Tensor>& x_row_scale_inv,
-                           const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
-                           at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
-                           bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
-                           bool need_wgrad, bool save_original_input, bool fast_accum_fprop,
-                           const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
-                           const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
-  check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
-             w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
-  return Fp8Linear::apply(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv,
-                          w_col, w_col_scale_inv,
-                          spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
-                                  need_wgrad, save_original_input, fast_accum_fprop));
+// Fp8Linear's forward with its C++ node recording the backward (`kRecord`: the Autograd-key kernel) or alone (the
+// backend kernel, reached without autograd, e.g. under inference_mode): each op below registers both instantiations
+template <bool kRecord, typename... Args>
+Tensor run_fp8_linear(Args&&... args) {
+  if constexpr (kRecord) {
+    return Fp8Linear::apply(std::forward<Args>(args)...);
+  } else {
+    return Fp8Linear::forward(nullptr, std::forward<Args>(args)...);
+  }
 }
 
-// The backend kernel (reached without autograd, e.g. under inference_mode): the forward alone
-Tensor fp8_linear_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                          const std::optional<Tensor>& x_row, const std::optional<Tensor>& x_row_scale_inv,
-                          const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
-                          at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
-                          bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
-                          bool need_wgrad, bool save_original_input, bool fast_accum_fprop,
-                          const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
-                          const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
+template <bool kRecord>
+Tensor fp8_linear_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                         const std::optional<Tensor>& x_row, const std::optional<Tensor>& x_row_scale_inv,
+                         const std::optional<Tensor>& x_col, const std::optional<Tensor>& x_col_scale_inv,
+                         at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype, double w_eps,
+                         bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2, bool need_dgrad,
+                         bool need_wgrad, bool save_original_input, bool fast_accum_fprop,
+                         const std::optional<Tensor>& w_row, const std::optional<Tensor>& w_row_scale_inv,
+                         const std::optional<Tensor>& w_col, const std::optional<Tensor>& w_col_scale_inv) {
   check_args(x, weight, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row, w_row_scale_inv, w_col,
              w_col_scale_inv, w_dtype, need_dgrad, need_wgrad, save_original_input);
-  return Fp8Linear::forward(nullptr, x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row,
-                            w_row_scale_inv, w_col, w_col_scale_inv,
-                            spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
-                                    need_wgrad, save_original_input, fast_accum_fprop));
+  return run_fp8_linear<kRecord>(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, w_row,
+                                 w_row_scale_inv, w_col, w_col_scale_inv,
+                                 spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2,
+                                         need_dgrad, need_wgrad, save_original_input, fast_accum_fprop));
 }
 
 // hybridq::fp8_linear_delayed: fp8_linear with delayed scaling ([Note: delayed scaling in the Linear op]); x and
@@ -435,39 +430,22 @@ Delayed delayed_of(const Tensor& x, const Tensor& x_scale, const std::optional<T
           or_none(g_amax_history)};
 }
 
-// The Autograd-key kernel (the C++ node records the backward) and the backend kernel (the forward alone)
-Tensor fp8_linear_delayed_autograd(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                                   const Tensor& x_scale, const std::optional<Tensor>& x_amax_history,
-                                   const Tensor& w_scale, const std::optional<Tensor>& w_amax_history,
-                                   const std::optional<Tensor>& g_scale, const std::optional<Tensor>& g_amax_history,
-                                   at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
-                                   double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2,
-                                   bool need_dgrad, bool need_wgrad, bool fast_accum_fprop) {
+template <bool kRecord>
+Tensor fp8_linear_delayed_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                                 const Tensor& x_scale, const std::optional<Tensor>& x_amax_history,
+                                 const Tensor& w_scale, const std::optional<Tensor>& w_amax_history,
+                                 const std::optional<Tensor>& g_scale, const std::optional<Tensor>& g_amax_history,
+                                 at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
+                                 double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2,
+                                 bool need_dgrad, bool need_wgrad, bool fast_accum_fprop) {
   linear_node::check_shapes("hybridq::fp8_linear_delayed", x, weight);
   const Delayed d = delayed_of(x, x_scale, x_amax_history, w_scale, w_amax_history, g_scale, g_amax_history,
                                need_dgrad, need_wgrad);
   const std::optional<Tensor> none;
-  return Fp8Linear::apply(x, weight, bias, none, none, none, none, none, none, none, none,
-                          spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2, need_dgrad,
-                                  need_wgrad, false, fast_accum_fprop),
-                          d);
-}
-
-Tensor fp8_linear_delayed_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                                  const Tensor& x_scale, const std::optional<Tensor>& x_amax_history,
-                                  const Tensor& w_scale, const std::optional<Tensor>& w_amax_history,
-                                  const std::optional<Tensor>& g_scale, const std::optional<Tensor>& g_amax_history,
-                                  at::ScalarType x_dtype, double x_eps, bool x_pow2, at::ScalarType w_dtype,
-                                  double w_eps, bool w_pow2, at::ScalarType g_dtype, double g_eps, bool g_pow2,
-                                  bool need_dgrad, bool need_wgrad, bool fast_accum_fprop) {
-  linear_node::check_shapes("hybridq::fp8_linear_delayed", x, weight);
-  const Delayed d = delayed_of(x, x_scale, x_amax_history, w_scale, w_amax_history, g_scale, g_amax_history,
-                               need_dgrad, need_wgrad);
-  const std::optional<Tensor> none;
-  return Fp8Linear::forward(nullptr, x, weight, bias, none, none, none, none, none, none, none, none,
-                            spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2,
-                                    need_dgrad, need_wgrad, false, fast_accum_fprop),
-                            d);
+  return run_fp8_linear<kRecord>(x, weight, bias, none, none, none, none, none, none, none, none,
+                                 spec_of(x_dtype, x_eps, x_pow2, w_dtype, w_eps, w_pow2, g_dtype, g_eps, g_pow2,
+                                         need_dgrad, need_wgrad, false, fast_accum_fprop),
+                                 d);
 }
 
 // ---- the compiled Linear's gathered fast path: one op per phase, no autograd node ----------------------------
@@ -554,14 +532,14 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_grads(
 // (csrc/quantize_fp8_tensor.cu)
 
 TORCH_LIBRARY_IMPL(hybridq, Autograd, m) {
-  m.impl("fp8_linear", &hybridq::ops::fp8_linear_autograd);
-  m.impl("fp8_linear_delayed", &hybridq::ops::fp8_linear_delayed_autograd);
+  m.impl("fp8_linear", &hybridq::ops::fp8_linear_kernel<true>);
+  m.impl("fp8_linear_delayed", &hybridq::ops::fp8_linear_delayed_kernel<true>);
 }
 
 namespace {
 void linear_impls(torch::Library& m) {
-  m.impl("fp8_linear", &hybridq::ops::fp8_linear_forward);
-  m.impl("fp8_linear_delayed", &hybridq::ops::fp8_linear_delayed_forward);
+  m.impl("fp8_linear", &hybridq::ops::fp8_linear_kernel<false>);
+  m.impl("fp8_linear_delayed", &hybridq::ops::fp8_linear_delayed_kernel<false>);
   m.impl("fp8_linear_fprop", &hybridq::ops::fp8_linear_fprop);
   m.impl("fp8_linear_grads", &hybridq::ops::fp8_linear_grads);
 }
