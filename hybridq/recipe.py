@@ -60,9 +60,26 @@ def _check_override(value, source: str) -> BackwardOverride | None:
     try:
         return BackwardOverride.parse(value, "backward_override")
     except ValueError:
-        raise RecipeError(f"{source}: backward_override must be one of "
-                          f"{[None] + [o.value for o in BackwardOverride]} (or {DEFAULT_OVERRIDE_NAME!r} for None), "
-                          f"got {value!r}") from None
+        raise RecipeError(_bad_override_message(source, value)) from None
+
+
+def _bad_override_message(source: str, value) -> str:
+    return (f"{source}: backward_override must be one of {[None] + [o.value for o in BackwardOverride]} (or "
+            f"{DEFAULT_OVERRIDE_NAME!r} for None), got {value!r}")
+
+
+# the environment's accepted values (lower case) -> the override, for `_parse_traced`
+_ENV_VALUES = {"": None, DEFAULT_OVERRIDE_NAME: None, **{o.value: o for o in BackwardOverride}}
+
+
+def _parse_traced(value: str) -> BackwardOverride | None:
+    """The environment's value as dynamo traces it: a lookup it follows (the enum's own parse and `_env_override`'s
+    cache it does not: an internal error for a bad value, a warning on every compiled run); a bad value raises the
+    RecipeError eager code raises."""
+    parsed = _ENV_VALUES.get(value.lower(), _ENV_VALUES)
+    if parsed is _ENV_VALUES:
+        raise RecipeError(_bad_override_message(f"environment {BACKWARD_OVERRIDE_ENV}", value))
+    return parsed
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,8 +122,8 @@ class CustomRecipe:
         value = _environment_value()
         if value is None:  # (the usual case)
             return None
-        if torch.compiler.is_compiling():  # (dynamo warns when it traces through the cache)
-            return _check_override(value, f"environment {BACKWARD_OVERRIDE_ENV}")
+        if torch.compiler.is_compiling():
+            return _parse_traced(value)
         return _env_override(value)
 
     def quantizer(self, role: Role) -> Quantizer:

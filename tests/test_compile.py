@@ -368,3 +368,14 @@ def test_another_environment_variables_value_changing_does_not_recompile(monkeyp
     monkeypatch.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "dequantized")
     _grads(model, x, compiled)
     assert len(compiles) > first, "no recompile after HYBRIDQ_BACKWARD_OVERRIDE changed"
+
+
+def test_a_bad_override_environment_raises_the_recipe_error_under_compile(monkeypatch):
+    """As eager code does (it was dynamo's internal error around the enum's ValueError)."""
+    monkeypatch.delenv("HYBRIDQ_BACKWARD_OVERRIDE", raising=False)
+    model = MLP(hq.recipe("fp8_tensorwise"))
+    monkeypatch.setenv("HYBRIDQ_BACKWARD_OVERRIDE", "bogus")
+    torch._dynamo.reset()
+    with pytest.raises(hq.RecipeError, match="environment HYBRIDQ_BACKWARD_OVERRIDE: backward_override must be one "
+                                             "of .* got 'bogus'"):
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 32, 64))
