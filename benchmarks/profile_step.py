@@ -85,11 +85,13 @@ def allocator_counters(device: torch.device) -> dict:
 
 def host_counters() -> dict:
     """What the host did and suffered, for `process_summary`: this process's CPU seconds (all its threads), its
-    involuntary context switches (preempted: another task wanted its CPU) and the machine's CPU ticks, of which
-    stolen (a virtual machine's CPUs run by the hypervisor for someone else; Linux /proc/stat, else absent)."""
+    involuntary context switches (preempted: another task wanted its CPU), its minor page faults (first touches of
+    memory the C allocator got from the kernel anew: host allocations that are mapped and unmapped each step) and
+    the machine's CPU ticks, of which stolen (a virtual machine's CPUs run by the hypervisor for someone else; Linux
+    /proc/stat, else absent)."""
     import resource
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"cpu_s": ru.ru_utime + ru.ru_stime, "involuntary_switches": ru.ru_nivcsw}
+    out = {"cpu_s": ru.ru_utime + ru.ru_stime, "involuntary_switches": ru.ru_nivcsw, "minor_faults": ru.ru_minflt}
     try:
         with open("/proc/stat") as f:
             ticks = [int(v) for v in f.readline().split()[1:]]
@@ -102,13 +104,15 @@ def host_counters() -> dict:
 def process_summary(host: dict, allocator: dict, steps: int, wall_s: float) -> dict:
     """Per timed step, from the counters before / after the steps: the process's CPU ms (all threads: above the
     host issue time when other threads -- autograd's, the pin-memory copy -- work too), involuntary context
-    switches, the machine's stolen CPU share and, on CUDA, the caching allocator's cudaMalloc / cudaFree calls and
+    switches, minor page faults, the machine's stolen CPU share and, on CUDA, the caching allocator's cudaMalloc / cudaFree calls and
     retries (a free forces a device sync: the host then waits for the GPU). The spread of a host-bound step between
     fresh processes of the same code is what these attribute."""
     b, a = host["before"], host["after"]
     out = {"process_cpu_ms": 1e3 * (a["cpu_s"] - b["cpu_s"]) / steps,
            "involuntary_switches": (a["involuntary_switches"] - b["involuntary_switches"]) / steps,
            "wall_s": wall_s}
+    if "minor_faults" in a and "minor_faults" in b:
+        out["minor_faults"] = (a["minor_faults"] - b["minor_faults"]) / steps
     if "ticks" in a and "ticks" in b and a["ticks"] > b["ticks"]:
         out["steal_pct"] = 100.0 * (a["steal_ticks"] - b["steal_ticks"]) / (a["ticks"] - b["ticks"])
     if allocator.get("before"):

@@ -79,6 +79,8 @@ def top_table(r: dict, width: int = 110) -> str:
 def process_text(p: dict) -> str:
     """profile_step.process_summary in words, per timed step."""
     parts = [f"process CPU {p['process_cpu_ms']:.1f} ms", f"{p['involuntary_switches']:.1f} involuntary switches"]
+    if "minor_faults" in p:
+        parts[1] += f", {p['minor_faults']:.0f} minor page faults"
     if "steal_pct" in p:
         parts.append(f"machine CPU stolen {p['steal_pct']:.1f}%")
     if "cuda_mallocs" in p:

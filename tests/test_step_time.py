@@ -86,16 +86,17 @@ def _profile_step():
 
 def test_process_summary_is_per_step_and_takes_the_stolen_share_of_the_machine_ticks():
     ps = _profile_step()
-    host = {"before": {"cpu_s": 1.0, "involuntary_switches": 10, "ticks": 1000, "steal_ticks": 50},
-            "after": {"cpu_s": 3.0, "involuntary_switches": 30, "ticks": 3000, "steal_ticks": 250}}
+    host = {"before": {"cpu_s": 1.0, "involuntary_switches": 10, "minor_faults": 100, "ticks": 1000, "steal_ticks": 50},
+            "after": {"cpu_s": 3.0, "involuntary_switches": 30, "minor_faults": 600, "ticks": 3000, "steal_ticks": 250}}
     alloc = {"before": {"num_device_alloc": 5, "num_device_free": 1, "num_alloc_retries": 0},
              "after": {"num_device_alloc": 9, "num_device_free": 4, "num_alloc_retries": 2}}
     got = ps.process_summary(host, alloc, steps=10, wall_s=2.5)
-    want = {"process_cpu_ms": 200.0, "involuntary_switches": 2.0, "wall_s": 2.5, "steal_pct": 10.0,
+    want = {"process_cpu_ms": 200.0, "involuntary_switches": 2.0, "minor_faults": 50.0, "wall_s": 2.5, "steal_pct": 10.0,
             "cuda_mallocs": 4, "cuda_frees": 3, "alloc_retries": 2}
     assert got == pytest.approx(want), f"process summary {got}, expected {want}"
     text = ps.process_text(got)
-    assert "process CPU 200.0 ms" in text and "stolen 10.0%" in text and "cudaFree 3" in text, text
+    assert ("process CPU 200.0 ms" in text and "50 minor page faults" in text and "stolen 10.0%" in text
+            and "cudaFree 3" in text), text
 
 
 def test_process_summary_leaves_out_what_the_machine_does_not_report():
