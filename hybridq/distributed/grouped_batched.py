@@ -86,7 +86,7 @@ def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group, 
             zeros = amax.new_zeros(e_all)  # (experts held elsewhere: an empty shard's statistic)
             zeros[first:first + held] = amax
             return zeros
-        reduced = local._hq.reduced_vector(local_amax, stats_key(param, dtype, layout), group)
+        reduced = local._hq.reduced_vector(local_amax, stats_key(param, dtype, layout), group, local._data)
     if layout.dim == 0:
         # whole experts: each one's own amax is the reduced one (the others' are zeros), so the cast takes its own
         # (the grouped kernel computes it); the scales of the experts held elsewhere come from the reduced amaxes

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from ..data_writes import fingerprint
 from ..enums import Phase
 from ..nn.linear import Linear
 from ..switches import Switch
@@ -38,7 +39,10 @@ __all__ = ["PrecomputedPayloads", "precompute_payloads", "precomputed_payloads_e
 # forward hook will compute (`transport.payload_key`: the shard's values through the parameter's and local tensor's
 # version counters, the gather dtype, shape, world size, rows and directions) with its quantizer. The hook takes it
 # only under its own key and quantizer -- a weight changed after this call (a second optimizer step, a load, a user's
-# in-place edit) moves a version counter and is quantized anew; the payload is dropped either way.
+# in-place edit) moves a version counter and is quantized anew; the payload is dropped either way. A write through
+# `.data` moves none: the payload carries the fingerprint of the values it came from, which the hook compares with
+# the values' now ([Note: data-write check], hybridq/data_writes.py: one CPU rank quantizes anew; on CUDA or at
+# world > 1 a StaleWeightError follows).
 # What the forward unshard will be is read from the weight's forward lane (`lane.py`: it exists from the first forward
 # on), as the unit cast predicts its siblings; a prediction that misses costs the work, never the bytes.
 # A batch is one FSDP2 unit's weights of one kind (`per_unit=True`, the default) or every such weight of the model
@@ -127,9 +131,12 @@ def _forward_entry(mod: Linear, local: HybridWeight) -> tuple[_Entry, object] | 
     kept, prepared = st.kept_payload, st.__dict__.get("unit_prepared")
     if key is None or (kept is not None and kept.key == key) or (prepared is not None and prepared.key == key):
         return None  # (its hook re-sends a kept payload, or one is prepared for these values already)
-    e = _entry(local, lane, key, local._data.device)
+    e = _entry(local, lane, key, local._data.device, check=False)  # (statistics reduced for these values just now)
     if e is None:
         return None
+    # the fingerprint of the values it is made from, checked by the hook that takes it ([Note: data-write check]):
+    # at world > 1 the statistics' (the same values: their reuse is what goes stale), else read now
+    e.fp = st.stats_fp if lane.ws > 1 else fingerprint(local._data)
     e.region = _region(st, e.quant, e.shard, e.shards, e.shape, e.dtype)
     return (e, group) if e.region is not None else None
 
@@ -148,7 +155,7 @@ def _prepare(entries: list[_Entry]) -> int:
     batch = _Batch(tensors)
     for e, est, payload, meta in batch_payloads(entries, parts, data, device, "the precomputed payloads"):
         est.counters["payloads_precomputed"] += 1
-        est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta, "payload_precomputed", batch)
+        est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta, "payload_precomputed", batch, e.fp, True)
     return data.numel()
 
 

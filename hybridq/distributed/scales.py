@@ -10,6 +10,8 @@ import functools
 import torch
 import torch.nn as nn
 
+from ..data_writes import CHECK, LEDGER, raise_stale
+from ..data_writes import fingerprint
 from ..formats._sharding import dim0_chunks
 from ..formats._reduce import amax_all_reduce_
 from ..nn.linear import Linear
@@ -79,7 +81,7 @@ def _linear_item(mod: Linear, p, local: HybridWeight) -> tuple | None:
     s = mod.weight_quantizer.shard_stats(x2d, shard)
     if s is None:
         return None
-    return group, _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float()
+    return group, _device(mesh), st, stats_key(p, dtype, shard), s.reshape(-1).float(), fingerprint(data)
 
 
 def _grouped_item(mod: nn.Module, p, local: GroupedHybridWeight) -> tuple | None:
@@ -105,7 +107,7 @@ def _grouped_item(mod: nn.Module, p, local: GroupedHybridWeight) -> tuple | None
                        for e, q in enumerate(qs)])
     if flat is None:
         return None
-    return group, _device(mesh), st, stats_key(p, dtype, layout), flat
+    return group, _device(mesh), st, stats_key(p, dtype, layout), flat, fingerprint(local._data)
 
 
 def _scales_travel_in_the_payload(st: GroupedWeightState, layer, layout: ExpertLayout, dtype) -> bool:
@@ -185,19 +187,33 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
     are held until that unshard, about one byte per local weight element. A weight changed before it (another
     optimizer step, an in-place edit) is quantized anew. `HYBRIDQ_PRECOMPUTED_PAYLOADS=0` turns that part off. Returns
     a `PrecomputedScalesAndPayloads` then (`.payloads`: what was prepared)."""
+    due = LEDGER.begin_report() if CHECK.on else []  # (earlier data-write checks: [Note: data-write check])
     per_group: dict = {}
-    for group, device, st, key, s in _items(model):
-        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s))
-    values = 0
+    for group, device, st, key, s, fp in _items(model):
+        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s, fp))
+    for group in LEDGER.pending_groups():  # (checks of a group with no statistics to reduce: its own all-reduce)
+        per_group.setdefault(id(group), (group, [], None))
+    values, all_reduces, stale = 0, 0, []
     for group, items, device in per_group.values():
-        flat = torch.cat([s for _, _, s in items]).to(device)  # CPU-offloaded shards: reduce on the PG's device
+        flags = LEDGER.take_group(group)  # (each weight's data-write flag, the same weights on every rank)
+        chunks = [s for _, _, s, _ in items] + ([flags[1]] if flags is not None else [])
+        if not chunks:
+            continue
+        if device is None:
+            device = flags[1].device
+        flat = torch.cat(chunks).to(device)  # CPU-offloaded shards: reduce on the PG's device
         amax_all_reduce_(flat, group)
+        all_reduces += 1
         i = 0
-        for st, key, s in items:
+        for st, key, s, fp in items:
             st.stats_key, st.stats = key, flat[i:i + s.numel()]  # views of one fresh vector: no copy per weight
+            st.stats_fp = fp
             i += s.numel()
-        values += flat.numel()
-    reduced = dict(weights=sum(len(v[1]) for v in per_group.values()), values=values, all_reduces=len(per_group))
-    if payloads:
-        return PrecomputedScalesAndPayloads(**reduced, payloads=precompute_payloads(model, per_unit=per_unit))
-    return PrecomputedScales(**reduced)
+        values += i
+        if flags is not None:
+            stale += LEDGER.reduced_flags(flags[0], flat[i:])
+    reduced = dict(weights=sum(len(v[1]) for v in per_group.values()), values=values, all_reduces=all_reduces)
+    out = PrecomputedScalesAndPayloads(**reduced, payloads=precompute_payloads(model, per_unit=per_unit)) \
+        if payloads else PrecomputedScales(**reduced)
+    raise_stale(stale + LEDGER.end_report(due))  # (after the new statistics and payloads are in place)
+    return out

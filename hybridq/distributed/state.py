@@ -42,6 +42,7 @@ class KeptPayload(NamedTuple):
     key: tuple
     payload: torch.Tensor
     meta: object  # a Linear weight's PayloadMeta; a grouped weight's (metas, slot size, StackedGather | None)
+    fp: torch.Tensor | None = None  # the fingerprint of the values it came from ([Note: data-write check])
 
 
 class SharedState:
@@ -55,6 +56,7 @@ class SharedState:
         self.fsdp: FSDPLink | bool | None = None  # None: not looked up yet; False: not found
         self.stats_key = None
         self.stats: torch.Tensor | None = None
+        self.stats_fp: torch.Tensor | None = None  # the fingerprint of the shard values `stats` came from
         self.param_dtype: torch.dtype | None = None
         self.shard_layouts: dict = {}  # the checked layouts (weights._shard_layout, weights._grouped_layout)
         self.payload_layouts: dict = {}  # its payloads' layouts (payload.build_payload's memo)

@@ -75,7 +75,7 @@ def prepare_payload(local, param, q: Quantizer, send, shape, ws: int, rank: int,
     if (ws > 1 or tp) and any(d != HIGH_PRECISION for d in send):
         # every rank takes part in the reduction (a whole shard beside empty ones included)
         key = stats_key(param, dtype, shard)
-        stats = local._hq.reduced_stats(q, x2d, shard, key, group)
+        stats = local._hq.reduced_stats(q, x2d, shard, key, group, data)
     if tp and shard.is_whole and not isinstance(stats, AxisStats):  # (the whole weight's per-tensor statistics)
         parts = quantize_shard(q, x2d, shard, send, global_stats=stats)
     else:
@@ -111,7 +111,7 @@ def prepare_grouped(local, param, qs, send, layout: ExpertLayout, dtype, group
     stats: list = [None] * layout.experts
     if layout.world_size > 1 and any(d != HIGH_PRECISION for d in send):
         key = stats_key(param, dtype, layout)
-        stats = local._hq.reduced_stats(qs, pieces, layout, key, group)
+        stats = local._hq.reduced_stats(qs, pieces, layout, key, group, local._data)
     payloads, metas = [], []
     shape = (layout.rows, layout.cols)
     for e, (q, x) in enumerate(zip(qs, pieces)):

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..data_writes import LEDGER
 from ..formats._sharding import RowShard, dim0_chunks
 from ..formats.base import ROWWISE
 from ..kernels import fp8_block_tensors, fp8_tensors
@@ -82,6 +83,8 @@ class PreparedPayload:
     meta: PayloadMeta
     counter: str = "payload_unit"  # the counter its use adds to (precomputed_payloads.py: "payload_precomputed")
     batch: object = None  # made before the unshard, on another stream maybe: `batch.hand_over()` as it is taken
+    fp: torch.Tensor | None = None  # the fingerprint of the values it came from (hybridq/data_writes.py)
+    checked: bool = False  # made before the unshard: its hook checks `fp` ([Note: data-write check])
 
 
 _TENSOR, _BLOCK = "fp8_tensor", "fp8_block"  # the kinds a batch casts (one per batch)
@@ -100,18 +103,27 @@ class _Entry:
     precomputed: bool
     dtype: torch.dtype  # the gather dtype
     kind: str  # _TENSOR or _BLOCK
+    fp: torch.Tensor | None = None  # the fingerprint of its values now, where its statistics' reuse was checked
 
 
-def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
-    """(payload, metadata) of `local` (a HybridWeight whose hook runs with `lane` and payload key `key`) from a unit
-    batch, or None: the hook prepares its own."""
+def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta, torch.Tensor | None] | None:
+    """(payload, metadata, the fingerprint of the values it came from or None) of `local` (a HybridWeight whose hook
+    runs with `lane` and payload key `key`) from a unit batch, or None: the hook prepares its own. A payload prepared
+    before this unshard (`precompute_payloads`) is checked against a write through `.data` since ([Note: data-write
+    check]): on one CPU rank a changed weight's payload is dropped (None)."""
     st = local._hq
     prepared = st.__dict__.pop("unit_prepared", None)
     if prepared is not None and key is not None and prepared.key == key and prepared.quant is lane.quant:
+        fp = prepared.fp
+        if prepared.checked:
+            rederive, fp = LEDGER.reused(st.name, local._data, fp, lane.group, lane.ws == 1 and st.tp_group is None,
+                                         "a prepared all-gather payload")
+            if rederive:
+                return None
         st.counters[prepared.counter] += 1
         if prepared.batch is not None:
             prepared.batch.hand_over()
-        return prepared.payload, prepared.meta
+        return prepared.payload, prepared.meta, fp
     if not ENABLED.on or key is None or lane.link is None:
         return None
     return _prepare_unit(local, lane, key)
@@ -151,8 +163,10 @@ def _kind(q) -> str | None:
     return None
 
 
-def _entry(local, lane, key, device) -> _Entry | None:
-    """What the batch needs of one weight, or None where it does not qualify (see [Note: unit cast])."""
+def _entry(local, lane, key, device, check: bool = True) -> _Entry | None:
+    """What the batch needs of one weight, or None where it does not qualify (see [Note: unit cast]). `check`: its
+    reuse of reduced statistics is checked against a write through `.data` ([Note: data-write check]; not where they
+    were reduced a moment ago, by precompute_scales before precompute_payloads)."""
     st = local._hq
     q = lane.quant
     kind = _kind(q)
@@ -164,18 +178,21 @@ def _entry(local, lane, key, device) -> _Entry | None:
         return None
     if kind == _BLOCK and (shard.length == 0 or not (shard.is_whole or q.tiles_inside(shard))):
         return None  # (a tile split by a shard boundary, or no rows: the per-weight path)
-    stats, precomputed = None, False
+    stats, precomputed, fp = None, False, None
     if lane.ws > 1:  # (statistics that need no collective now, on every rank alike)
         param = lane.param() if lane.param else None
         skey = stats_key(param, lane.dtype, shard)
         if skey is None or st.stats_key != skey or st.stats is None:
             return None
         precomputed = True
+        if check:  # (world > 1: reported by the next precompute_scales, never re-derived by one rank)
+            fp = LEDGER.reused(st.name, x, st.stats_fp, lane.group, False, "reduced statistics")[1]
         if not q.shard_is_plain(shard, True, False):
             stats = st.stats
             if kind == _BLOCK and stats.numel() != math.prod(fp8_block_tensors.tiles_of(shard.rows, shape[-1])):
                 return None  # (not the tile-amax grid of this weight: the per-weight path says so)
-    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), stats, 0, precomputed, lane.dtype, kind)
+    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), stats, 0, precomputed, lane.dtype, kind,
+                  fp)
 
 
 def _siblings(local, lane, device) -> list[_Entry]:
@@ -207,7 +224,7 @@ def _siblings(local, lane, device) -> list[_Entry]:
     return out
 
 
-def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
+def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta, torch.Tensor | None] | None:
     device = local._data.device
     mine = _entry(local, lane, key, device)
     if mine is None:
@@ -226,11 +243,11 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta] | None:
     out = None
     for i, (e, est, payload, meta) in enumerate(batch_payloads(entries, parts, data, device, "the unit cast")):
         if i == 0:
-            out = (payload, meta)
+            out = (payload, meta, e.fp)
             est.counters["unit_batches"] += 1
             est.counters["payload_unit"] += 1
-        else:
-            est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta)
+        else:  # (taken by its hook in this FSDP2 loop: no code of the user's runs in between, nothing to check)
+            est.unit_prepared = PreparedPayload(e.key, e.quant, payload, meta, fp=e.fp)
     return out
 
 

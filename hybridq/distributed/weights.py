@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from ..data_writes import LEDGER, fingerprint
 from ..enums import Phase
 from ..errors import RecipeError
 from ..formats._sharding import RowShard, dim0_chunks
@@ -299,14 +300,23 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         plan = setup.plan
         key = payload_key(param, dtype, shape, ws, lane.layout.shard, plan.send, self if lane.own else None)
         kept, st.kept_payload = st.kept_payload, None
-        if key is not None and kept is not None and kept.key == key:
-            payload, meta = kept.payload, kept.meta  # same shard values, same directions: nothing to quantize
-            st.counters["payload_reused"] += 1
-        else:  # (a unit batch's payload, or this unit's batch: [Note: unit cast]; else this weight's own)
-            payload, meta = unit_payload(self, lane, key) or prepare_payload(self, param, lane.quant, plan.send, shape,
-                                                                            ws, lane.rank, dtype, lane.group)
+        got = None
+        if key is not None and kept is not None and kept.key == key:  # same shard values, same directions
+            rederive, fp = LEDGER.reused(st.name, self._data, kept.fp, lane.group, ws == 1 and st.tp_group is None,
+                                         "an all-gather payload kept from forward") if kept.fp is not None \
+                else (False, None)
+            if not rederive:  # (a write through `.data` since, seen at once: [Note: data-write check])
+                got = kept.payload, kept.meta, fp
+                st.counters["payload_reused"] += 1
+        if got is None:  # (a unit batch's payload, or this unit's batch: [Note: unit cast]; else this weight's own)
+            got = unit_payload(self, lane, key) or (*prepare_payload(self, param, lane.quant, plan.send, shape, ws,
+                                                                     lane.rank, dtype, lane.group), None)
+        payload, meta, fp = got
         if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
-            st.kept_payload = KeptPayload(key, payload, meta)
+            if fp is None:  # (the statistics' fingerprint where they were reduced for these values: no second read)
+                fp = st.stats_fp if ws > 1 and st.stats_fp is not None and st.stats_key == key[0] else \
+                    fingerprint(self._data)
+            st.kept_payload = KeptPayload(key, payload, meta, fp)
         inp = transport_view(payload, shape, ws, lane.layout.halves)
         _sent(st, lane.link, inp, setup.phase)
         st.deferred = plan.deferred
@@ -399,8 +409,13 @@ class GroupedHybridWeight(HybridWeight):
             key = _grouped_payload_key(param, dtype, layout, plan.send, stacked, qs, self if lane.own else None,
                                        blocks=blocks)
         kept, st.kept_payload = st.kept_payload, None
-        if key is not None and kept is not None and kept.key == key:
-            payload, (metas, slot, stacked) = kept.payload, kept.meta  # same expert values, same directions
+        rederive = fp = None
+        if key is not None and kept is not None and kept.key == key:  # same expert values, same directions
+            rederive, fp = LEDGER.reused(st.name, self._data, kept.fp, lane.group, lane.ws == 1,
+                                         "an all-gather payload kept from forward") if kept.fp is not None \
+                else (False, None)
+        if rederive is False:  # (a write through `.data` since, seen at once: [Note: data-write check])
+            payload, (metas, slot, stacked) = kept.payload, kept.meta
             st.counters["payload_reused"] += 1
         else:
             batched = (prepare_stacked_blocks(self, qs, plan.send, layout, dtype) if blocks else None) or \
@@ -408,7 +423,8 @@ class GroupedHybridWeight(HybridWeight):
             payload, metas, slot, stacked = batched if batched is not None else (
                 *prepare_grouped(self, param, qs, plan.send, layout, dtype, lane.group), None)
         if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
-            st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked))
+            st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked),
+                                          fp if fp is not None else fingerprint(self._data))
         inp = layout.transport(payload, slot)
         _sent(st, lane.link, inp, setup.phase)
         st.set_deferred(plan.deferred)

@@ -1,5 +1,8 @@
 """A checksum of a weight's bits, so that the `is_first_microbatch` cache notices writes its key cannot see.
 
+The fingerprint and the switch that turns it off (`HYBRIDQ_CHECK_DATA_WRITES=0`) are hybridq/data_writes.py's, which
+the FSDP2 caches use too ([Note: data-write check]).
+
 The cache key (data_ptr, `_version`) catches every in-place op on the parameter and every replaced tensor, but
 not a write through `weight.data` (`layer.weight.data.mul_(2)`, `p.data.copy_(...)`): `.data` is a new tensor with
 a version counter of its own over the same storage. The fingerprint is the sum of the weight's bit patterns
@@ -17,16 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ..data_writes import CHECK, bits_sum as _bits_sum
 from ..errors import StaleWeightError
 
 __all__ = ["StaleWeightError", "WeightFingerprint"]
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits_sum(w: torch.Tensor) -> torch.Tensor:
-    w = w.detach()
-    return w.view(_BITS[w.element_size()]).sum(dtype=torch.int64)
 
 
 class WeightFingerprint:
@@ -35,13 +32,15 @@ class WeightFingerprint:
     __slots__ = ("value", "lazy", "stale", "host", "event")
 
     def __init__(self, w: torch.Tensor):
-        self.value = _bits_sum(w)
+        self.value = _bits_sum(w) if CHECK.on else None  # (None: taken with the check off, never compared)
         self.lazy = w.device.type == "cuda"
         self.stale = self.host = self.event = None
 
     def changed(self, w: torch.Tensor) -> bool:
         """Whether `w` differs from the fingerprinted weight, where that costs no host sync (the CPU, devices
         other than CUDA); on CUDA queue the comparison and return False (`check` reports it later)."""
+        if self.value is None or not CHECK.on:
+            return False
         now = _bits_sum(w)
         if not self.lazy:
             return bool(now != self.value)

@@ -143,3 +143,26 @@ def scales_against_none(rank, world_size, device, between: str) -> None:
     got = train("fp8_tensorwise", device, world_size, 3, payloads=False, between=between)
     assert_training_runs_bitwise(got, want, f"rank {rank} of {world_size}, between={between}",
                                  "with precompute_scales")
+
+
+def stale_at_precompute(rank, world_size, device, payloads: bool, between: str = "edit_data", steps: int = 3) -> dict:
+    """Training as `train` does, `between` after every precompute_scales: the step whose precompute_scales raised
+    StaleWeightError (None: none did) and its message; after the error the run goes on (the statistics and payloads
+    that call made are the current values')."""
+    from hybridq.errors import StaleWeightError
+
+    build, width, edited = MODELS["fp8_tensorwise"]
+    m = build(device, world_size)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    raised = []
+    for step in range(steps):
+        m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
+        opt.step()
+        try:
+            precompute_scales(m, payloads=payloads)
+        except StaleWeightError as e:
+            raised.append((step, str(e)))
+        _between(m, opt, between, edited, width)
+        opt.zero_grad()
+    return {"raised": raised, "edited": f"{edited}.weight"}

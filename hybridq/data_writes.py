@@ -1,0 +1,262 @@
+"""Writes through `.data`: the check that keeps hybridq from reusing data derived from a weight's old values.
+
+hybridq reuses what it derives from a weight (the is_first_microbatch quantized weight, the reduced statistics, a
+prepared or kept all-gather payload) under keys of version counters. A write through `.data` (`p.data.mul_(2)`,
+`p.data.copy_(x)`, the local shard's `.data`) moves none of them: `.data` is a tensor with a version counter of its
+own over the same storage. So each reused entry also carries the fingerprint of the values it was derived from, and
+the reuse compares it with the values' fingerprint now (see [Note: data-write check]).
+
+Switch: `HYBRIDQ_CHECK_DATA_WRITES=0` starts a process with the check off (no fingerprint is taken or compared);
+`set_check_data_writes(on)` turns it on or off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .errors import StaleWeightError
+from .switches import Switch
+
+__all__ = ["CHECK", "LEDGER", "bits_sum", "check_data_writes_enabled", "fingerprint", "set_check_data_writes"]
+
+log = logging.getLogger("hybridq")
+
+# [Note: data-write check]
+# The fingerprint is the sum of a tensor's bit patterns as int64 (integers: exact, order-free, NaN-proof): one read,
+# one launch (`bits_sum`). Any change of one element changes it; only changes that compensate each other exactly
+# escape. It is taken where data is derived from the values (the entry keeps it) and again where that data is reused
+# under its version key; what happens on a difference depends on who may decide:
+# - a decision of this rank alone (one rank, no tensor parallelism: no collective depends on it), values on the CPU:
+#   compared at once; changed -> the data is derived anew from the current values (bitwise a fresh run), with a
+#   warning (the is_first_microbatch cache's precedent);
+# - the same on CUDA: reading the comparison would be a host sync per reuse, so the fingerprints are queued and
+#   compared in batches (`_flush`: one stack + compare + copy to pinned memory, an event), read once the event has
+#   completed (polled at later checks without waiting; waited for at the next `precompute_scales`) ->
+#   StaleWeightError (the unshards since then sent the old data: that cannot be undone);
+# - a decision that involves other ranks (world > 1: the reduced statistics, and payloads made with them): a rank
+#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The checks are queued
+#   per process group (in the same order on every rank: the reuse decisions are the same on every rank, they read
+#   version counters only), folded into per-weight flags (`_fold`) and sent with the next `precompute_scales` fused
+#   MAX all-reduce of that group (appended values, no collective of their own); every rank then raises
+#   StaleWeightError naming the same weights: on the CPU in that call, on CUDA at the call after it (the reduced flags
+#   reach pinned memory asynchronously; the next call waits for them, on every rank alike).
+# Cost per reuse: one read of the weight's shard (one launch) and a list append; per derivation one read.
+
+CHECK = Switch("HYBRIDQ_CHECK_DATA_WRITES")
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FLUSH = 256  # queued local CUDA checks compared in one batch (bounds the queue without a precompute_scales)
+_FOLD = 1024  # queued world > 1 checks folded into their per-weight flags (bounds it likewise)
+
+
+def set_check_data_writes(on: bool) -> bool:
+    """Turn the data-write check on or off (`HYBRIDQ_CHECK_DATA_WRITES=0` starts a process with it off); returns
+    the previous setting."""
+    return CHECK.set(on)
+
+
+def check_data_writes_enabled() -> bool:
+    return CHECK.on
+
+
+def bits_sum(t: torch.Tensor) -> torch.Tensor:
+    """The int64 sum of `t`'s bit patterns (a 0-d tensor on its device): one read, one launch."""
+    t = t.detach()
+    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+    """`bits_sum(t)` where the check is on, else None (an entry without a fingerprint is never checked)."""
+    return bits_sum(t) if CHECK.on else None
+
+
+def _message(names, what: str) -> str:
+    return (f"{', '.join(sorted(set(names)))}: changed without a version counter changing (a write through `.data`, "
+            f"e.g. `p.data.mul_(2)` or into the local shard's `.data`) after hybridq derived {what} from its values, "
+            f"and an unshard since then used that data (the gathered weight came from the old values or their "
+            f"scale). Change weights through the parameter itself under torch.no_grad() (`p.mul_(...)`, "
+            f"`p.copy_(...)`), with load_state_dict or DCP (their version counters show the change), or call "
+            f"precompute_scales again after such a write. (HYBRIDQ_CHECK_DATA_WRITES=0 turns this check off.)")
+
+
+class _Report:
+    """Flags on their way to pinned host memory: `names[i]` is stale where `host[i]` is set once `event` completed."""
+
+    __slots__ = ("names", "host", "event", "what")
+
+    def __init__(self, names: list[str], flags: torch.Tensor, what: str):
+        self.names, self.what = names, what
+        if flags.is_cuda:
+            with torch.inference_mode(False):
+                self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(flags.device))
+        else:
+            self.host, self.event = flags, None
+
+    def ready(self, wait: bool) -> bool:
+        if self.event is None:
+            return True
+        if wait:
+            self.event.synchronize()
+            return True
+        return self.event.query()
+
+    def stale(self) -> list[str]:
+        return [n for n, f in zip(self.names, self.host.tolist()) if f]
+
+
+class _Group:
+    """The queued world > 1 checks of one process group, and their per-weight flags folded so far: slot i is the
+    i-th weight name seen (the same order on every rank)."""
+
+    __slots__ = ("group", "entries", "slots", "flags")
+
+    def __init__(self, group):
+        self.group = group
+        self.entries: list = []  # (name, fingerprint then, fingerprint now)
+        self.slots: dict[str, int] = {}
+        self.flags: torch.Tensor | None = None  # fp32 0 / 1 per slot
+
+    def fold(self) -> None:
+        if not self.entries:
+            return
+        refs, nows, idx = [], [], []
+        for name, ref, now in self.entries:
+            refs.append(ref)
+            nows.append(now)
+            idx.append(self.slots.setdefault(name, len(self.slots)))
+        self.entries = []
+        with torch.inference_mode(False), torch.no_grad():  # (flags updated in place by later folds)
+            self._fold(refs, nows, idx)
+
+    def _fold(self, refs, nows, idx) -> None:
+        device = nows[0].device
+        ne = (torch.stack(refs).to(device) != torch.stack(nows)).float()
+        n = len(self.slots)
+        if self.flags is None:
+            self.flags = torch.zeros(n, device=device)
+        elif self.flags.numel() < n:
+            self.flags = torch.cat([self.flags, self.flags.new_zeros(n - self.flags.numel())])
+        index = torch.tensor(idx, dtype=torch.long)
+        if device.type == "cuda":  # (pinned: an asynchronous copy, no host sync)
+            index = index.pin_memory().to(device, non_blocking=True)
+        self.flags.index_reduce_(0, index, ne, "amax")
+
+    def take(self) -> tuple[list[str], torch.Tensor] | None:
+        """(the weight names, their flags) folded so far, cleared; None where nothing was checked."""
+        self.fold()
+        if self.flags is None:
+            return None
+        names = [None] * len(self.slots)
+        for name, i in self.slots.items():
+            names[i] = name
+        flags, self.flags, self.slots = self.flags, None, {}
+        return names, flags
+
+
+class Ledger:
+    """The process's queued checks: local ones on CUDA (`local`, compared in batches into `reports`, polled) and
+    those of decisions that involve other ranks (`groups`: reported by precompute_scales)."""
+
+    def __init__(self):
+        self.local: list = []  # (name, fingerprint then, fingerprint now)
+        self.reports: list[_Report] = []  # local batches in flight: raised by a later check or precompute_scales
+        self.due: list[_Report] = []  # reduced flags of a precompute_scales on CUDA: waited for at the next one
+        self.groups: dict[int, _Group] = {}
+
+    def reused(self, name: str, values: torch.Tensor, ref: torch.Tensor | None, group, local: bool,
+               what: str) -> tuple[bool, torch.Tensor | None]:
+        """Data derived from `values` when their fingerprint was `ref` is about to be reused: (derive it anew now,
+        the fingerprint of the values now). Anew: a decision of this rank alone (`local`), on the CPU, and the values
+        changed. Else the check is queued and reported later ([Note: data-write check]). (False, None) where `ref`
+        is None (taken with the check off) or the check is off."""
+        if ref is None or not CHECK.on or (group is None and not local):
+            # (a tensor-parallel piece on one FSDP2 rank: no group of its own to report through; docs/known-limits.md)
+            return False, None
+        if self.reports:
+            self.poll(wait=False)
+        now = bits_sum(values)
+        if local:
+            if not now.is_cuda:
+                if bool(now != ref):
+                    log.warning("%s: changed through `.data` since hybridq derived %s from it; deriving it again "
+                                "from the current values", name, what)
+                    return True, now
+                return False, now
+            self.local.append((name, ref, now, what))
+            if len(self.local) >= _FLUSH:
+                self._flush()
+            return False, now
+        g = self.groups.get(id(group))
+        if g is None or g.group is not group:
+            g = self.groups[id(group)] = _Group(group)
+        g.entries.append((name, ref, now))
+        if len(g.entries) >= _FOLD:
+            g.fold()
+        return False, now
+
+    def _flush(self) -> None:
+        if not self.local:
+            return
+        entries, self.local = self.local, []
+        device = entries[0][2].device
+        ne = torch.stack([r for _, r, _, _ in entries]).to(device) != torch.stack([n for _, _, n, _ in entries])
+        self.reports.append(_Report([e[0] for e in entries], ne, entries[0][3]))
+
+    def poll(self, wait: bool) -> None:
+        """Raise StaleWeightError for the local batches whose flags reached the host (`wait`: every one)."""
+        stale, what, keep = [], None, []
+        for r in self.reports:
+            if r.ready(wait):
+                names = r.stale()
+                if names:
+                    stale += names
+                    what = r.what
+            else:
+                keep.append(r)
+        self.reports = keep
+        if stale:
+            raise StaleWeightError(_message(stale, what))
+
+    def begin_report(self) -> list[_Report]:
+        """At a precompute_scales call: the reports in flight before it (waited for by `end_report`); the local
+        checks queued since are compared in a batch now (read at a later check or the next call)."""
+        due, self.reports, self.due = self.reports + self.due, [], []
+        self._flush()
+        return due
+
+    def reduced_flags(self, names: list[str], flags: torch.Tensor) -> list[str]:
+        """The weights whose data-write flags, MAX-reduced over a process group, are set: read now on the CPU; on
+        CUDA copied to pinned memory and read by the next precompute_scales ([] now)."""
+        if flags.is_cuda:
+            self.due.append(_Report(names, flags, "data"))
+            return []
+        return [n for n, f in zip(names, flags.tolist()) if f]
+
+    def end_report(self, due: list[_Report]) -> list[str]:
+        """The stale weights of the reports `begin_report` returned (waiting for their copies: events recorded at
+        least one step ago)."""
+        out = []
+        for r in due:
+            r.ready(wait=True)
+            out += r.stale()
+        return out
+
+    def take_group(self, group) -> tuple[list[str], torch.Tensor] | None:
+        g = self.groups.pop(id(group), None)
+        return None if g is None or g.group is not group else g.take()
+
+    def pending_groups(self) -> list:
+        return [g.group for g in self.groups.values()]
+
+
+LEDGER = Ledger()
+
+
+def raise_stale(names, what: str = "data") -> None:
+    if names:
+        raise StaleWeightError(_message(names, what))
