@@ -8,6 +8,11 @@ hook does the unit's work: per call the hooks differ); the median over the steps
     python benchmarks/bench_gather_hooks.py                          # CPU, gloo world 1: 4 units of 7 Linears, dim 64
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_gather_hooks.py   # gloo world 2
     python benchmarks/bench_gather_hooks.py --device cuda --dim 2048 --units 16 --steps 20   # one GPU (NCCL)
+    python benchmarks/bench_gather_hooks.py --compare data_writes --precompute   # the data-write check on / off
+
+`--compare data_writes`: the two settings are the data-write check ([Note: data-write check], HYBRIDQ_CHECK_DATA_WRITES)
+on and off instead of the unit fill; `--precompute`: precompute_scales(model, payloads=True) after each optimizer step
+(counted in the step's host time).
 
 A unit is a transformer block's seven Linears (q, k, v, o, gate, up, down: shapes of a Llama block with 4x fewer
 k/v heads and a 2.75x hidden), each unit one `fully_shard`, the model another; bf16 param dtype. Prints (and writes
@@ -31,10 +36,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridq
 from fsdp_setup import init_world, shard_units
-from hybridq.distributed import HybridWeight, unit_cast, unit_fill
+from hybridq.data_writes import CHECK
+from hybridq.distributed import HybridWeight, precompute_scales, unit_cast, unit_fill
 from hybridq.torch_private import in_backward
 
 SETTINGS = {"unit fill on": dict(fill=True), "unit fill off": dict(fill=False)}
+COMPARE = {"unit_fill": SETTINGS,
+           "data_writes": {"data-write check on": dict(fill=True, check=True),
+                           "data-write check off": dict(fill=True, check=False)}}
 
 
 class Block(nn.Module):
@@ -101,7 +110,17 @@ def _counted(counting, name, fn, a, k):
         prof.clear()
 
 
+def _step(model, opt, x, precompute: bool) -> None:
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if precompute:
+        precompute_scales(model, payloads=True)
+
+
 def run(args, world: int) -> dict:
+    global SETTINGS
+    SETTINGS = COMPARE[args.compare]
     device = torch.device(args.device)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     models = {name: build(args, device, world) for name in SETTINGS}
@@ -134,6 +153,7 @@ def run(args, world: int) -> dict:
     FSDPParamGroup.unshard = timed("unshard", unshard)  # (FSDP2's whole unshard of a unit: the hooks included)
     FSDPParamGroup.wait_for_unshard = timed("unshard", wait)
     fill_was = unit_fill.set_unit_fill(True)
+    check_was = CHECK.on
     try:
         g = torch.Generator().manual_seed(1)
         for step in range(args.warmup + args.steps):
@@ -146,10 +166,9 @@ def run(args, world: int) -> dict:
             for name in order:
                 current[0] = name
                 unit_fill.set_unit_fill(SETTINGS[name]["fill"])
+                CHECK.set(SETTINGS[name].get("check", check_was))
                 t0 = clock()
-                models[name](x).float().square().mean().backward()
-                opts[name].step()
-                opts[name].zero_grad(set_to_none=True)
+                _step(models[name], opts[name], x, args.precompute)
                 if timing[0]:
                     steps[name].append(clock() - t0)
                 if device.type == "cuda":
@@ -157,17 +176,17 @@ def run(args, world: int) -> dict:
         counting[:] = [_OpCount(), cProfile.Profile(), {}]
         for name in SETTINGS:  # (deterministic: aten ops and Python calls inside FSDP2's unshards, per weight)
             unit_fill.set_unit_fill(SETTINGS[name]["fill"])
+            CHECK.set(SETTINGS[name].get("check", check_was))
             for _ in range(args.count_steps):
                 current[0] = name
-                models[name](x).float().square().mean().backward()
-                opts[name].step()
-                opts[name].zero_grad(set_to_none=True)
+                _step(models[name], opts[name], x, args.precompute)
         counts = counting[2]
         counting.clear()
     finally:
         HybridWeight._pre_hook, HybridWeight.fsdp_post_all_gather = pre, post
         FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard = unshard, wait
         unit_fill.set_unit_fill(fill_was)
+        CHECK.set(check_was)
     result = {"preset": args.preset, "dim": args.dim, "units": args.units, "world": world, "device": str(device),
               "torch": torch.__version__, "steps": args.steps, "clock": args.clock, "unit_cast": unit_cast.unit_cast_enabled(),
               "us_per_call": {}, "step_host_ms": {}, "unit_filled": {}}
@@ -199,6 +218,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--count-steps", type=int, default=2)
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
                     help="thread: this thread's CPU time (a loaded machine's other processes do not count); wall")
+    ap.add_argument("--compare", choices=tuple(COMPARE), default="unit_fill",
+                    help="the two settings compared: the unit fill on / off, or the data-write check on / off")
+    ap.add_argument("--precompute", action="store_true",
+                    help="precompute_scales(model, payloads=True) after each optimizer step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     world, args.device = init_world(args.device)

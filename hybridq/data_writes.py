@@ -36,19 +36,24 @@ log = logging.getLogger("hybridq")
 #   completed (polled at later checks without waiting; waited for at the next `precompute_scales`) ->
 #   StaleWeightError (the unshards since then sent the old data: that cannot be undone);
 # - a decision that involves other ranks (world > 1: the reduced statistics, and payloads made with them): a rank
-#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The checks are queued
-#   per process group (in the same order on every rank: the reuse decisions are the same on every rank, they read
-#   version counters only), folded into per-weight flags (`_fold`) and sent with the next `precompute_scales` fused
-#   MAX all-reduce of that group (appended values, no collective of their own); every rank then raises
-#   StaleWeightError naming the same weights: on the CPU in that call, on CUDA at the call after it (the reduced flags
-#   reach pinned memory asynchronously; the next call waits for them, on every rank alike).
-# Cost per reuse: one read of the weight's shard (one launch) and a list append; per derivation one read.
+#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The check is queued on
+#   the weight (its state's `data_checks`: the same checks in the same order on every rank, since the reuse decisions
+#   read version counters only) and the next `precompute_scales` sends one flag per queued check with its fused MAX
+#   all-reduce of the weight's process group (appended values: no collective of its own, except for a group with
+#   checks and no statistics to reduce); every rank then raises StaleWeightError naming the same weights: on the CPU
+#   in that call, on CUDA at the call after it (the reduced flags reach pinned memory asynchronously; the next call
+#   waits for them, on every rank alike). Without a precompute_scales nothing reports them (a weight's queue is
+#   folded into one check past `_FOLD`, so it stays bounded). A tensor-parallel piece's checks are not queued (its
+#   statistics span the TP group too, which that all-reduce does not reach).
+# Cost per reuse: one read of the weight's shard (one launch, `bits_sum`) and a list append (on the CPU, one rank: and
+# a compare); per derivation one read; per precompute_scales one stack and one compare per process group for the
+# queued checks.
 
 CHECK = Switch("HYBRIDQ_CHECK_DATA_WRITES")
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FLUSH = 256  # queued local CUDA checks compared in one batch (bounds the queue without a precompute_scales)
-_FOLD = 1024  # queued world > 1 checks folded into their per-weight flags (bounds it likewise)
+_FOLD = 64  # a weight's queued world > 1 checks folded into one (bounds it likewise)
 
 
 def set_check_data_writes(on: bool) -> bool:
@@ -63,7 +68,8 @@ def check_data_writes_enabled() -> bool:
 
 def bits_sum(t: torch.Tensor) -> torch.Tensor:
     """The int64 sum of `t`'s bit patterns (a 0-d tensor on its device): one read, one launch."""
-    t = t.detach()
+    if t.requires_grad:  # (a dtype view of a tensor that requires grad is refused; a shard's master never does)
+        t = t.detach()
     return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
 
 
@@ -109,80 +115,32 @@ class _Report:
         return [n for n, f in zip(self.names, self.host.tolist()) if f]
 
 
-class _Group:
-    """The queued world > 1 checks of one process group, and their per-weight flags folded so far: slot i is the
-    i-th weight name seen (the same order on every rank)."""
-
-    __slots__ = ("group", "entries", "slots", "flags")
-
-    def __init__(self, group):
-        self.group = group
-        self.entries: list = []  # (name, fingerprint then, fingerprint now)
-        self.slots: dict[str, int] = {}
-        self.flags: torch.Tensor | None = None  # fp32 0 / 1 per slot
-
-    def fold(self) -> None:
-        if not self.entries:
-            return
-        refs, nows, idx = [], [], []
-        for name, ref, now in self.entries:
-            refs.append(ref)
-            nows.append(now)
-            idx.append(self.slots.setdefault(name, len(self.slots)))
-        self.entries = []
-        with torch.inference_mode(False), torch.no_grad():  # (flags updated in place by later folds)
-            self._fold(refs, nows, idx)
-
-    def _fold(self, refs, nows, idx) -> None:
-        device = nows[0].device
-        ne = (torch.stack(refs).to(device) != torch.stack(nows)).float()
-        n = len(self.slots)
-        if self.flags is None:
-            self.flags = torch.zeros(n, device=device)
-        elif self.flags.numel() < n:
-            self.flags = torch.cat([self.flags, self.flags.new_zeros(n - self.flags.numel())])
-        index = torch.tensor(idx, dtype=torch.long)
-        if device.type == "cuda":  # (pinned: an asynchronous copy, no host sync)
-            index = index.pin_memory().to(device, non_blocking=True)
-        self.flags.index_reduce_(0, index, ne, "amax")
-
-    def take(self) -> tuple[list[str], torch.Tensor] | None:
-        """(the weight names, their flags) folded so far, cleared; None where nothing was checked."""
-        self.fold()
-        if self.flags is None:
-            return None
-        names = [None] * len(self.slots)
-        for name, i in self.slots.items():
-            names[i] = name
-        flags, self.flags, self.slots = self.flags, None, {}
-        return names, flags
-
-
 class Ledger:
-    """The process's queued checks: local ones on CUDA (`local`, compared in batches into `reports`, polled) and
-    those of decisions that involve other ranks (`groups`: reported by precompute_scales)."""
+    """The process's queued checks of decisions of one rank on CUDA (`local`: compared in batches into `reports`,
+    polled) and the reduced flags of a precompute_scales on CUDA (`due`: read at the next one). The checks of world > 1
+    decisions are queued on each weight's state (its `data_checks` list), where precompute_scales finds them."""
 
     def __init__(self):
-        self.local: list = []  # (name, fingerprint then, fingerprint now)
+        self.local: list = []  # (name, fingerprint then, fingerprint now, what)
         self.reports: list[_Report] = []  # local batches in flight: raised by a later check or precompute_scales
         self.due: list[_Report] = []  # reduced flags of a precompute_scales on CUDA: waited for at the next one
-        self.groups: dict[int, _Group] = {}
 
-    def reused(self, name: str, values: torch.Tensor, ref: torch.Tensor | None, group, local: bool,
+    def reused(self, name: str, values: torch.Tensor, ref: torch.Tensor | None, pending: list | None, local: bool,
                what: str) -> tuple[bool, torch.Tensor | None]:
         """Data derived from `values` when their fingerprint was `ref` is about to be reused: (derive it anew now,
         the fingerprint of the values now). Anew: a decision of this rank alone (`local`), on the CPU, and the values
-        changed. Else the check is queued and reported later ([Note: data-write check]). (False, None) where `ref`
-        is None (taken with the check off) or the check is off."""
-        if ref is None or not CHECK.on or (group is None and not local):
-            # (a tensor-parallel piece on one FSDP2 rank: no group of its own to report through; docs/known-limits.md)
+        changed. Else the check is queued ([Note: data-write check]): `local` in this ledger, else on `pending`, the
+        weight's queue that precompute_scales reports. (False, None) where `ref` is None (taken with the check off),
+        the check is off, or a decision of several ranks has no queue."""
+        if ref is None or not CHECK.on or (pending is None and not local):
+            # (a tensor-parallel piece: its decisions span two groups; docs/known-limits.md)
             return False, None
         if self.reports:
             self.poll(wait=False)
         now = bits_sum(values)
         if local:
             if not now.is_cuda:
-                if bool(now != ref):
+                if not torch.equal(now, ref):  # (one op, read at once: no device to wait for)
                     log.warning("%s: changed through `.data` since hybridq derived %s from it; deriving it again "
                                 "from the current values", name, what)
                     return True, now
@@ -191,21 +149,18 @@ class Ledger:
             if len(self.local) >= _FLUSH:
                 self._flush()
             return False, now
-        g = self.groups.get(id(group))
-        if g is None or g.group is not group:
-            g = self.groups[id(group)] = _Group(group)
-        g.entries.append((name, ref, now))
-        if len(g.entries) >= _FOLD:
-            g.fold()
+        pending.append((ref, now))
+        if len(pending) >= _FOLD:
+            pending[:] = [_folded(pending)]
         return False, now
 
     def _flush(self) -> None:
         if not self.local:
             return
         entries, self.local = self.local, []
-        device = entries[0][2].device
-        ne = torch.stack([r for _, r, _, _ in entries]).to(device) != torch.stack([n for _, _, n, _ in entries])
-        self.reports.append(_Report([e[0] for e in entries], ne, entries[0][3]))
+        device, k = entries[0][2].device, len(entries)
+        both = torch.stack([r.to(device) for _, r, _, _ in entries] + [n for _, _, n, _ in entries])
+        self.reports.append(_Report([e[0] for e in entries], both[:k] != both[k:], entries[0][3]))
 
     def poll(self, wait: bool) -> None:
         """Raise StaleWeightError for the local batches whose flags reached the host (`wait`: every one)."""
@@ -246,15 +201,29 @@ class Ledger:
             out += r.stale()
         return out
 
-    def take_group(self, group) -> tuple[list[str], torch.Tensor] | None:
-        g = self.groups.pop(id(group), None)
-        return None if g is None or g.group is not group else g.take()
-
-    def pending_groups(self) -> list:
-        return [g.group for g in self.groups.values()]
-
 
 LEDGER = Ledger()
+
+
+def _folded(pending: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (then, now) pair that differs where any of `pending`'s pairs does (bounds a weight's queue where no
+    precompute_scales comes to take it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        refs, nows = zip(*pending)
+        device = nows[0].device
+        both = torch.stack([r.to(device) for r in refs] + list(nows))
+        changed = (both[:len(nows)] != both[len(nows):]).any().to(torch.int64)
+        return torch.zeros_like(changed), changed
+
+
+def flags(pending: list) -> torch.Tensor:
+    """fp32 flags, one per queued (then, now) pair of the weights' queues `pending` (concatenated): 1 where the pair
+    differs. Two launches (one stack, one compare into fp32)."""
+    refs = [r for r, _ in pending]
+    nows = [n for _, n in pending]
+    device, k = nows[0].device, len(nows)
+    both = torch.stack([r.to(device) for r in refs] + nows)
+    return torch.ne(both[:k], both[k:], out=torch.empty(k, device=device))
 
 
 def raise_stale(names, what: str = "data") -> None:

@@ -131,7 +131,7 @@ def _forward_entry(mod: Linear, local: HybridWeight) -> tuple[_Entry, object] | 
     kept, prepared = st.kept_payload, st.__dict__.get("unit_prepared")
     if key is None or (kept is not None and kept.key == key) or (prepared is not None and prepared.key == key):
         return None  # (its hook re-sends a kept payload, or one is prepared for these values already)
-    e = _entry(local, lane, key, local._data.device, check=False)  # (statistics reduced for these values just now)
+    e = _entry(local, lane, key, local._data.device)
     if e is None:
         return None
     # the fingerprint of the values it is made from, checked by the hook that takes it ([Note: data-write check]):

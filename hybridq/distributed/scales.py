@@ -10,8 +10,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from ..data_writes import CHECK, LEDGER, raise_stale
-from ..data_writes import fingerprint
+from .. import data_writes
+from ..data_writes import CHECK, LEDGER, fingerprint, raise_stale
 from ..formats._sharding import dim0_chunks
 from ..formats._reduce import amax_all_reduce_
 from ..nn.linear import Linear
@@ -132,12 +132,13 @@ def _quantized_sends(backward_override: str | None, derivable: bool) -> tuple[tu
                          if plan.send != (HIGH_PRECISION,)}))
 
 
-def _items(model: nn.Module) -> list:
+def _items(model: nn.Module) -> tuple[list, list]:
     """The items of every FSDP2-sharded Linear weight, then of every sharded grouped weight, of `model`: one walk
     of its modules, each parameter's local tensor type asked before its placements (this runs after every
     optimizer step: the 1B job's 20 layers at d_model 256 on a CPU, world 1, 1.5 ms per call when it walked the
-    modules twice and asked every parameter's placements, 0.6 ms now)."""
-    linear, grouped = [], []
+    modules twice and asked every parameter's placements, 0.6 ms now); and (process group, state) of every sharded
+    weight with queued data-write checks, in the same order ([Note: data-write check])."""
+    linear, grouped, checks = [], [], []
     for mod in _modules(model):
         params = mod._parameters
         if not params:
@@ -155,7 +156,11 @@ def _items(model: nn.Module) -> list:
                 item = _grouped_item(mod, p, local)
                 if item is not None:
                     grouped.append(item)
-    return linear + grouped
+            if local._hq.data_checks:
+                info = _sharded(p, dim0_only=False)
+                if info is not None and info[0] is not None:
+                    checks.append((info[0], local._hq))
+    return linear + grouped, checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,19 +193,22 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
     optimizer step, an in-place edit) is quantized anew. `HYBRIDQ_PRECOMPUTED_PAYLOADS=0` turns that part off. Returns
     a `PrecomputedScalesAndPayloads` then (`.payloads`: what was prepared)."""
     due = LEDGER.begin_report() if CHECK.on else []  # (earlier data-write checks: [Note: data-write check])
+    items, checks = _items(model)
     per_group: dict = {}
-    for group, device, st, key, s, fp in _items(model):
-        per_group.setdefault(id(group), (group, [], device))[1].append((st, key, s, fp))
-    for group in LEDGER.pending_groups():  # (checks of a group with no statistics to reduce: its own all-reduce)
-        per_group.setdefault(id(group), (group, [], None))
+    for group, device, st, key, s, fp in items:
+        per_group.setdefault(id(group), (group, [], device, []))[1].append((st, key, s, fp))
+    for group, st in checks:  # (a group with checks and no statistics to reduce: an all-reduce of its flags alone)
+        per_group.setdefault(id(group), (group, [], None, []))[3].append(st)
     values, all_reduces, stale = 0, 0, []
-    for group, items, device in per_group.values():
-        flags = LEDGER.take_group(group)  # (each weight's data-write flag, the same weights on every rank)
-        chunks = [s for _, _, s, _ in items] + ([flags[1]] if flags is not None else [])
-        if not chunks:
-            continue
+    for group, items, device, checked in per_group.values():
+        # the queued data-write checks' flags, sent with the statistics: one per check, the same on every rank
+        names = [st.name for st in checked for _ in st.data_checks]
+        pending = [c for st in checked for c in st.data_checks]
+        for st in checked:
+            st.data_checks = []
+        chunks = [s for _, _, s, _ in items] + ([data_writes.flags(pending)] if pending else [])
         if device is None:
-            device = flags[1].device
+            device = chunks[-1].device
         flat = torch.cat(chunks).to(device)  # CPU-offloaded shards: reduce on the PG's device
         amax_all_reduce_(flat, group)
         all_reduces += 1
@@ -210,8 +218,8 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
             st.stats_fp = fp
             i += s.numel()
         values += i
-        if flags is not None:
-            stale += LEDGER.reduced_flags(flags[0], flat[i:])
+        if pending:
+            stale += LEDGER.reduced_flags(names, flat[i:])
     reduced = dict(weights=sum(len(v[1]) for v in per_group.values()), values=values, all_reduces=all_reduces)
     out = PrecomputedScalesAndPayloads(**reduced, payloads=precompute_payloads(model, per_unit=per_unit)) \
         if payloads else PrecomputedScales(**reduced)

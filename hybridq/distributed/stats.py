@@ -27,7 +27,7 @@ class WeightStats:
         if key is not None and self.stats_key == key:
             self.counters["stats_precomputed"] += 1
             if self.stats is not None and values is not None and self.tp_group is None:
-                LEDGER.reused(self.name, values, self.stats_fp, group, False, "reduced statistics")
+                LEDGER.reused(self.name, values, self.stats_fp, self.data_checks, False, "reduced statistics")
             return self.stats
         self.stats_fp = None
         if self.tp_group is not None and getattr(q, "stats_per_axis", False):
@@ -91,7 +91,7 @@ class GroupedStats:
             self.counters["stats_precomputed"] += 1
             flat = self.stats
             if flat is not None and values is not None:
-                LEDGER.reused(self.name, values, self.stats_fp, group, False, "reduced statistics")
+                LEDGER.reused(self.name, values, self.stats_fp, self.data_checks, False, "reduced statistics")
         else:
             self.stats_fp = fingerprint(values) if values is not None else None
             flat = pack_stats(local)
@@ -114,7 +114,7 @@ class GroupedStats:
         if key is not None and self.stats_key == key:
             self.counters["stats_precomputed"] += 1
             if self.stats is not None and values is not None:
-                LEDGER.reused(self.name, values, self.stats_fp, group, False, "reduced statistics")
+                LEDGER.reused(self.name, values, self.stats_fp, self.data_checks, False, "reduced statistics")
             return self.stats
         self.stats_fp = fingerprint(values) if values is not None else None
         flat = local()

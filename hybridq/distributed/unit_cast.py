@@ -116,8 +116,8 @@ def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta, torch.Ten
     if prepared is not None and key is not None and prepared.key == key and prepared.quant is lane.quant:
         fp = prepared.fp
         if prepared.checked:
-            rederive, fp = LEDGER.reused(st.name, local._data, fp, lane.group, lane.ws == 1 and st.tp_group is None,
-                                         "a prepared all-gather payload")
+            rederive, fp = LEDGER.reused(st.name, local._data, fp, st.data_checks if st.tp_group is None else None,
+                                         lane.ws == 1 and st.tp_group is None, "a prepared all-gather payload")
             if rederive:
                 return None
         st.counters[prepared.counter] += 1
@@ -163,10 +163,8 @@ def _kind(q) -> str | None:
     return None
 
 
-def _entry(local, lane, key, device, check: bool = True) -> _Entry | None:
-    """What the batch needs of one weight, or None where it does not qualify (see [Note: unit cast]). `check`: its
-    reuse of reduced statistics is checked against a write through `.data` ([Note: data-write check]; not where they
-    were reduced a moment ago, by precompute_scales before precompute_payloads)."""
+def _entry(local, lane, key, device) -> _Entry | None:
+    """What the batch needs of one weight, or None where it does not qualify (see [Note: unit cast])."""
     st = local._hq
     q = lane.quant
     kind = _kind(q)
@@ -178,21 +176,18 @@ def _entry(local, lane, key, device, check: bool = True) -> _Entry | None:
         return None
     if kind == _BLOCK and (shard.length == 0 or not (shard.is_whole or q.tiles_inside(shard))):
         return None  # (a tile split by a shard boundary, or no rows: the per-weight path)
-    stats, precomputed, fp = None, False, None
+    stats, precomputed = None, False
     if lane.ws > 1:  # (statistics that need no collective now, on every rank alike)
         param = lane.param() if lane.param else None
         skey = stats_key(param, lane.dtype, shard)
         if skey is None or st.stats_key != skey or st.stats is None:
             return None
         precomputed = True
-        if check:  # (world > 1: reported by the next precompute_scales, never re-derived by one rank)
-            fp = LEDGER.reused(st.name, x, st.stats_fp, lane.group, False, "reduced statistics")[1]
         if not q.shard_is_plain(shard, True, False):
             stats = st.stats
             if kind == _BLOCK and stats.numel() != math.prod(fp8_block_tensors.tiles_of(shard.rows, shape[-1])):
                 return None  # (not the tile-amax grid of this weight: the per-weight path says so)
-    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), stats, 0, precomputed, lane.dtype, kind,
-                  fp)
+    return _Entry(local, key, q, shape, shard, dim0_chunks(shape, lane.ws), stats, 0, precomputed, lane.dtype, kind)
 
 
 def _siblings(local, lane, device) -> list[_Entry]:
@@ -239,6 +234,10 @@ def _prepare_unit(local, lane, key) -> tuple[torch.Tensor, PayloadMeta, torch.Te
             entries.append(e)
     if len(entries) < 2 or entries[0] is not mine:
         return None
+    for e in entries:  # (the batch reuses their reduced statistics: each reuse checked, once it is certain)
+        if e.precomputed:
+            st = e.local._hq
+            e.fp = LEDGER.reused(st.name, e.local._data, st.stats_fp, st.data_checks, False, "reduced statistics")[1]
     data, parts = (_tensor_parts if mine.kind == _TENSOR else _block_parts)(entries, lane.dtype)
     out = None
     for i, (e, est, payload, meta) in enumerate(batch_payloads(entries, parts, data, device, "the unit cast")):

@@ -302,7 +302,8 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         kept, st.kept_payload = st.kept_payload, None
         got = None
         if key is not None and kept is not None and kept.key == key:  # same shard values, same directions
-            rederive, fp = LEDGER.reused(st.name, self._data, kept.fp, lane.group, ws == 1 and st.tp_group is None,
+            own = st.tp_group is None  # (a tensor-parallel piece's decisions span two groups: not checked)
+            rederive, fp = LEDGER.reused(st.name, self._data, kept.fp, st.data_checks if own else None, ws == 1 and own,
                                          "an all-gather payload kept from forward") if kept.fp is not None \
                 else (False, None)
             if not rederive:  # (a write through `.data` since, seen at once: [Note: data-write check])
@@ -411,7 +412,7 @@ class GroupedHybridWeight(HybridWeight):
         kept, st.kept_payload = st.kept_payload, None
         rederive = fp = None
         if key is not None and kept is not None and kept.key == key:  # same expert values, same directions
-            rederive, fp = LEDGER.reused(st.name, self._data, kept.fp, lane.group, lane.ws == 1,
+            rederive, fp = LEDGER.reused(st.name, self._data, kept.fp, st.data_checks, lane.ws == 1,
                                          "an all-gather payload kept from forward") if kept.fp is not None \
                 else (False, None)
         if rederive is False:  # (a write through `.data` since, seen at once: [Note: data-write check])
