@@ -112,7 +112,8 @@ def test_two_ranks_changes_whose_versions_move_raise_nothing(tmp_path):
                                                      ckpt=str(tmp_path / "ckpt")))
     for rank, res in enumerate(spawn(job_several, 2, "gloo", jobs=runs)):
         for name, r in res.items():
-            assert not r["raised"], f"rank {rank}, {name}: StaleWeightError without a write through .data: {r['raised']}"
+            assert not r["raised"], \
+                f"rank {rank}, {name}: StaleWeightError without a write through .data: {r['raised']}"
 
 
 # ---- on a GPU: the checks queued on the device, read later (no host sync) -------------------------------------------
