@@ -31,13 +31,16 @@ def _write(p: torch.Tensor, how: str, scale: float) -> None:
         raise ValueError(how)
 
 
-def kept_payload(rank, world_size, device, how: str, when: str = "between_forward_and_backward") -> dict:
+def kept_payload(rank, world_size, device, how: str, when: str = "between_forward_and_backward",
+                 reshard_after_forward: bool = True) -> dict:
     """`_grouped_jobs._KeptPayloadModel` (a Linear and a GroupedLinear, per-tensor FP8, each its own FSDP2 unit
     resharding after forward: the backward unshard re-sends the forward's kept payload), one forward + backward
     with both weights written `how` (`data` / `param`) by x2 `when`: between the forward and the backward (the kept
     payload), or after a first step's precompute_scales and before the forward (the reduced statistics of a grouped
     weight and a Linear's). Then an optimizer step and precompute_scales. Returns the input gradient, the weights'
-    gradients (bytes) and the StaleWeightError message of that precompute_scales (None: none)."""
+    gradients (bytes) and the StaleWeightError message of that precompute_scales (None: none).
+    `reshard_after_forward=False`: the units stay gathered from forward to backward (FSDP2's own unsharded weight, no
+    payload sent again)."""
     fully_shard, mp = grouped_jobs._fsdp(device, world_size, 0)
     torch.manual_seed(0)
     experts = 4
@@ -45,8 +48,8 @@ def kept_payload(rank, world_size, device, how: str, when: str = "between_forwar
     with torch.no_grad():
         model.experts.weight.mul_(torch.logspace(-2, 2, experts, device=device).view(experts, 1, 1))
     apply_hybrid_fsdp(model, "fp8_tensorwise")
-    fully_shard(model.lin, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model.experts, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model.lin, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model.experts, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     splits = [3 * e + 5 for e in range(experts)]

@@ -55,6 +55,16 @@ def test_one_rank_a_kept_forward_payload_written_through_data_before_backward_is
     assert warned == sorted(WEIGHTS), f"expected one warning per weight, got {warned}"
 
 
+def test_one_rank_units_kept_gathered_from_forward_to_backward_read_the_forward_gather_either_way(one_rank, caplog):
+    """reshard_after_forward=False (e.g. the last block): FSDP2 keeps its unsharded weight from the forward for the
+    backward, whatever wrote the sharded one since -- the same for a write through `.data` and under no_grad (FSDP2's
+    semantics for every dtype, no hybridq cache): bitwise alike, nothing warned or raised."""
+    got = jobs.kept_payload(0, 1, one_rank, "data", reshard_after_forward=False)
+    want = jobs.kept_payload(0, 1, one_rank, "param", reshard_after_forward=False)
+    _same(got, want, "world 1, kept gathered")
+    assert got["error"] is None and "changed through `.data`" not in caplog.text, (got["error"], caplog.text)
+
+
 def test_one_rank_with_the_check_off_the_kept_payload_of_the_old_values_is_sent(one_rank, check_off):
     """The specification's own check: switched off, the backward re-sends the forward's payload of the old values and
     the gradients differ from the no_grad write's run (so the test above can fail)."""
