@@ -329,6 +329,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    linear_node::check_first_order("hybridq::fp8_linear (a per-tensor FP8 Linear)");
     // (unpacked before the guard: an unpack hook may run Python -- a checkpoint's recompute runs the forward, this
     // op's autograd kernel included, in it)
     const variable_list saved = ctx->get_saved_variables();

@@ -166,6 +166,7 @@ struct Fp8BlockLinear : public torch::autograd::Function<Fp8BlockLinear> {
 
   // float8_graph._grads
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    linear_node::check_first_order("hybridq::fp8_block_linear (an FP8 block Linear)");
     // (unpacked before the guard: an unpack hook may run Python, e.g. a checkpoint's recompute)
     const variable_list saved = ctx->get_saved_variables();
     at::AutoDispatchBelowADInplaceOrView below_autograd;

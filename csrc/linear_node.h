@@ -57,6 +57,18 @@ inline void check_parts(const char* op, const at::Tensor& weight, const std::opt
               weight.size(1), ", ", weight.size(0), "] ", w_dtype);
 }
 
+// The first check of both nodes' backward: under create_graph=True (grad mode on inside a backward) the gradients
+// would come out of kernels and GEMMs on quantized operands with no graph of their own, so a second backward through
+// them found nothing to differentiate and returned None / zeros silently. Refused before anything is unpacked, as the
+// Python nodes refuse it ([Note: no double backward through quantized GEMMs], hybridq/nn/first_order.py).
+inline void check_first_order(const char* op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!at::GradMode::is_enabled(), "hybridq: ", op,
+                              " has no second derivative: its backward computes the gradients from quantized operands, "
+                              "so it cannot run under create_graph=True (double backward, gradient penalties through "
+                              "it); keep the layers whose second derivative you need out of the conversion "
+                              "(module_filter_fn)");
+}
+
 // [Note: a Linear node's saved state]
 // Backward needs a few flags, dtypes, two casts and x's shape besides its tensors. They go into ONE entry of
 // ctx->saved_data holding ONE int list (each entry is a hash-map insert and each list an allocation, per call):

@@ -227,7 +227,29 @@ def check_grads_refusals() -> int:
         else:
             raise AssertionError(f"fp8_block_linear_grads accepted a call that breaks: {message}")
     grads(x_col, x_s, None, None, need_dgrad=False)  # no dgrad: the weight's columnwise part not needed
-    return len(bad)
+    return len(bad) + check_create_graph_refused()
+
+
+def check_create_graph_refused() -> int:
+    """The node's backward under create_graph=True raises NotImplementedError naming the op, as the Python node's
+    does ([Note: no double backward through quantized GEMMs]): before, it returned gradients with no graph, and a
+    second backward got None for the layer's weight silently. The number checked (1)."""
+    layer = hq.Linear(256, 128, recipe="fp8_block", dtype=torch.bfloat16)
+    s = layer._float8_graph_spec
+    xi, w, g = s.input, s.weight, s.grad_output
+    x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.ops.hybridq.fp8_block_linear.default(
+        x, layer.weight, layer.bias, None, None, None, None, xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
+        w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, True, True, False)
+    for out, cpp in ((y, True), (fg._Float8GraphLinear.apply(x, layer.weight, layer.bias, s, True, True), False)):
+        try:
+            torch.autograd.grad(out.float().square().sum(), [x, layer.weight], create_graph=True)
+        except NotImplementedError as e:
+            name = "hybridq::fp8_block_linear" if cpp else "an FP8 Linear"
+            assert name in str(e) and "create_graph=True" in str(e), f"create_graph=True raised {e}"
+        else:
+            raise AssertionError(f"the {'C++' if cpp else 'Python'} node ran its backward under create_graph=True")
+    return 1
 
 
 def main(build_dir: str) -> None:

@@ -170,7 +170,30 @@ def main(build_dir: str, cuda_include: str) -> None:
             for i, (u, v) in enumerate(zip(a, b)):
                 assert i == 4 or same(u, v), f"{where}: result {i} differs ({u!r} vs {v!r})"
         n += 1
-    print(f"bitwise: {n} runs of {STEPS} steps")
+    check_create_graph_refused()
+    print(f"bitwise: {n} runs of {STEPS} steps; create_graph refused")
+
+
+def check_create_graph_refused() -> None:
+    """The op's node (hybridq::Fp8Linear, from the second step on) refuses create_graph=True naming the op, as the
+    general path's Python node does ([Note: no double backward through quantized GEMMs]): before, its gradients had
+    no graph and a second backward got None for the weight silently."""
+    torch.manual_seed(0)
+    layer = hq.Linear(64, 48, recipe=RECIPES["fp8_delayed"](), name="fc")
+    with eager_fast_path(True):
+        for s in range(2):
+            x, gy = _inputs(s, torch.float32)
+            x.requires_grad_()
+            y = layer(x)
+            if s == 0:
+                y.backward(gy)
+        assert y.grad_fn.name() == ONE_OP, f"create_graph check: the layer ran {y.grad_fn.name()}, not the op"
+        try:
+            torch.autograd.grad((y * gy).sum(), [x, layer.weight], create_graph=True)
+        except NotImplementedError as e:
+            assert "hybridq::fp8_linear" in str(e) and "create_graph=True" in str(e), f"create_graph=True raised {e}"
+        else:
+            raise AssertionError("the op's node ran its backward under create_graph=True")
 
 
 if __name__ == "__main__":

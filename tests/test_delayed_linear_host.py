@@ -36,4 +36,4 @@ def test_the_delayed_op_path_is_bitwise_the_general_path_on_the_host(tmp_path):
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
                            "PYTHONPATH")]))})
     assert r.returncode == 0, f"the host check failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    assert r.stdout.strip().endswith("bitwise: 120 runs of 4 steps"), r.stdout
+    assert r.stdout.strip().endswith("bitwise: 120 runs of 4 steps; create_graph refused"), r.stdout

@@ -36,6 +36,7 @@ from ..kernels.cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS, delayed_cas
 from ..kernels.delayed import _kernel_ok, update_before_cast, update_before_casts
 from ..switches import Switch
 from ..tensor import count_backward_pass
+from .first_order import first_order_only
 from .float8_graph import PER_TENSOR, Float8Cast, Float8GraphSpec, _cached_fast_call, _mm
 from .linear_function import gradients_needed
 
@@ -97,6 +98,7 @@ class _DelayedLinear(torch.autograd.Function):
         return torch.ops.aten._unsafe_view(y.contiguous(), (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
+    @first_order_only(lambda ctx: ctx.cfg.describe())
     def backward(ctx, dy: torch.Tensor):
         count_backward_pass()  # (as the general path's saved_quantized, before the unpack: the step counter)
         x_saved, xs, wc, ws = ctx.saved_tensors

@@ -54,6 +54,7 @@ from ..switches import Switch, Turned
 from ..tensor import QuantizedTensor
 from ..torch_private import graph_task_id
 from .fused_input import prequantized_input
+from .first_order import first_order_only
 from .known_amax import known_amax
 from .linear_function import _SHARED, _SHARING, SharedParts, gradients_needed
 from .plain_ops import plain_op
@@ -84,6 +85,13 @@ class Float8GraphSpec(NamedTuple):
     @property
     def per_tensor(self) -> bool:
         return self.input.block_dim == PER_TENSOR
+
+    def describe(self) -> str:
+        """Its casts, for messages."""
+        blocks = {PER_TENSOR: "per-tensor", 1: "1x128 blocks", 2: "128x128 tiles"}
+        names = {torch.float8_e4m3fn: "E4M3", torch.float8_e5m2: "E5M2"}
+        return ", ".join(f"{t} FP8 {names.get(c.dtype, c.dtype)} {blocks[c.block_dim]}"
+                         for t, c in (("input", self.input), ("weight", self.weight), ("grad_output", self.grad_output)))
 
 
 def _cast(q) -> Float8Cast | None:
@@ -275,11 +283,12 @@ class _Float8GraphLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Float8GraphSpec,
                 need_dgrad: bool, need_wgrad: bool, x_parts: tuple | None = None,
-                w_parts: tuple | None = None) -> torch.Tensor:
+                w_parts: tuple | None = None, name: str | None = None) -> torch.Tensor:
         # x_parts: x already quantized (eager: another layer's quantization of the same tensor, or one from a known
         # max|x|), as _quantize returns it. w_parts (eager): the weight arrived quantized (FSDP2's gathered weight):
         # (rowwise data, its scale_inv, the columnwise part or None), the part kept as a handle whose tensors the
-        # backward unshard refills (as linear_function keeps the gathered weight)
+        # backward unshard refills (as linear_function keeps the gathered weight). name (eager): the layer's, for
+        # messages (traced code passes none: dynamo would guard on it and trace every layer anew)
         x2d = x.reshape(-1, x.shape[-1])
         ctx.w_col = None
         if w_parts is not None:
@@ -289,13 +298,14 @@ class _Float8GraphLinear(torch.autograd.Function):
             wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
         y, x_saved, xcs = _fprop(x2d, x_parts, wr, wrs, bias, spec, need_wgrad)
         ctx.save_for_backward(x_saved, xcs, wc, wcs)
-        ctx.spec, ctx.need_dgrad, ctx.need_wgrad = spec, need_dgrad, need_wgrad
+        ctx.spec, ctx.need_dgrad, ctx.need_wgrad, ctx.name = spec, need_dgrad, need_wgrad, name
         ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         # (a tensor of its own, not a view: see linear_function._output)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
+    @first_order_only(lambda ctx: f"{ctx.name or 'an FP8 Linear'} ({ctx.spec.describe()})")
     def backward(ctx, dy: torch.Tensor):
         x_saved, xcs, wc, wcs = ctx.saved_tensors
         if ctx.w_col is not None:
@@ -303,7 +313,7 @@ class _Float8GraphLinear(torch.autograd.Function):
         dx, dw, db = _grads(ctx.spec, dy, x_saved, xcs, wc, wcs, ctx.need_dgrad, ctx.need_wgrad,
                             ctx.b_dtype is not None and ctx.needs_input_grad[2], ctx.x_shape, ctx.w_dtype,
                             ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _fprop(x2d: torch.Tensor, x_parts: tuple | None, wr: torch.Tensor, wrs: torch.Tensor,
@@ -539,7 +549,7 @@ def eager_float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             x, weight, bias, *(x_parts or _NO_PARTS), xi.dtype, xi.amax_epsilon, xi.power_2_scale, w.dtype,
             w.block_dim, w.amax_epsilon, w.power_2_scale, g.dtype, g.amax_epsilon, g.power_2_scale, need_dgrad,
             need_wgrad, spec.save_original_input, *(_NO_PARTS if w_parts is None else _op_weight_parts(w_parts)))
-    return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts)
+    return _Float8GraphLinear.apply(x, weight, bias, spec, need_dgrad, need_wgrad, x_parts, w_parts, cfg.name)
 
 
 _NO_PARTS = (None, None, None, None)

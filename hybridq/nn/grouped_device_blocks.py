@@ -33,6 +33,7 @@ from ..gemm import gemm, native_row_multiple
 from ..kernels import grouped_blocks, grouped_emulated, grouped_slots, native_gemm
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import GroupedGatheredForm
+from .first_order import describe_quantizers, first_order_only
 from .grouped_packed import SlotLayout, padded_tokens
 from .grouped_packed_blocks import ExpertWeights, GatheredExpertWeights, _per_expert_mm, _used, token_multiple
 from .linear_function import _SHARING, _only
@@ -267,6 +268,7 @@ class DeviceBlockExperts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         x_col, *w_saved = saved_quantized(ctx)
         dx, dw = backward(dy.contiguous(), ctx.layout, ctx.quantizers, ctx.name, x_col, w_saved, ctx.packed_weight,

@@ -34,6 +34,7 @@ from ..gemm import JaggedFP8, JaggedFP8Kernels
 from ..kernels.native_gemm import FAST_ACCUM_FPROP
 from ..torch_private import current_raw_stream
 from ..weight_forms import GroupedGatheredForm
+from .first_order import describe_quantizers, first_order_only
 from .linear_function import _SHARING
 from .side_table import TensorSideTable
 
@@ -431,6 +432,7 @@ class JaggedFP8Experts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         saved = ctx.saved_tensors
         if ctx.held is not None and ctx.needs_input_grad[0]:

@@ -33,6 +33,7 @@ from ..formats.base import Quantizer, transposed_copy
 from ..formats.float8 import Float8RowGroups, Float8TensorPart, aligned_scales
 from ..gemm import gemm, grouped_fp8_gemm_kernel, grouped_gemm_fp8
 from ..torch_private import current_raw_stream
+from .first_order import describe_quantizers, first_order_only
 
 TENSORS = ("input", "weight", "grad_output")
 FP8_TENSOR = "fp8_tensor"  # per-tensor FP8, current scaling: row groups and grouped GEMMs
@@ -323,6 +324,7 @@ class PackedFP8Experts(torch.autograd.Function):
         return layout.unpack(y)
 
     @staticmethod
+    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layout: TokenLayout = ctx.layout

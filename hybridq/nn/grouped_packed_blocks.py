@@ -41,6 +41,7 @@ from ..gemm import gemm
 from ..kernels import grouped_blocks, grouped_emulated, grouped_slots
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import ExpertsTensor, GroupedGatheredForm
+from .first_order import describe_quantizers, first_order_only
 from .grouped_packed import FP8_TENSOR, TokenLayout
 from .linear_function import _only
 
@@ -353,6 +354,7 @@ class PackedBlockExperts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         x_col, *w_saved = saved_quantized(ctx)
         layout: TokenLayout = ctx.layout

@@ -16,6 +16,7 @@ from ..switches import Switch, Turned
 from ..enums import COLUMNWISE, ROWWISE, BackwardOverride, Direction
 from ..tensor import QuantizedTensor, save_quantized, saved_quantized
 from ..weight_forms import HighPrecisionSource
+from .first_order import describe_quantizers, first_order_only
 from .fused_input import prequantized_input
 from .known_amax import known_amax
 from .side_table import TensorSideTable
@@ -40,6 +41,13 @@ class _LinearConfig:
         # sequence parallelism (hybridq.distributed.sequence.SequenceGather): the input is this rank's rows of
         # the layer's whole input, quantized here and all-gathered in its quantized form; None: x is whole
         self.input_gather = None
+
+    def describe(self) -> str:
+        """The layer and its formats, for messages."""
+        quantizers = {"input": self.input_q, "weight": self.weight_q, "grad_output": self.grad_output_q}
+        override = ("" if self.backward_override is None
+                    else f", backward_override={getattr(self.backward_override, 'value', self.backward_override)!r}")
+        return f"{self.name} ({describe_quantizers(quantizers)}{override})"
 
     def replace(self, **changes) -> "_LinearConfig":
         new = object.__new__(_LinearConfig)
@@ -311,6 +319,7 @@ class _LinearFunction(torch.autograd.Function):
         return _output(y, x, cfg)
 
     @staticmethod
+    @first_order_only(lambda ctx: ctx.cfg.describe())
     def backward(ctx, dy: torch.Tensor):
         saved_x, saved_w = saved_quantized(ctx)
         need_bgrad = ctx.b_dtype is not None and ctx.needs_input_grad[2]

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..formats.base import is_dtensor
 from .compiled_norms import compiled_norm, norm_kernel_grads, norm_kernels, op_takes
+from .first_order import first_order_only
 from .fused_input import NormReaders, produce
 from .norm_reference import rms_norm_reference
 
@@ -54,6 +55,7 @@ class _NormFunction(torch.autograd.Function):
         return y.view(x.shape), amax, data, scale
 
     @staticmethod
+    @first_order_only(lambda ctx: f"hybridq's {'LayerNorm' if ctx.centered else 'RMSNorm'} kernel")
     def backward(ctx, dy: torch.Tensor, *_):
         x2d, w, mean, rstd = ctx.saved_tensors
         dy2d = dy.reshape(x2d.shape).contiguous()

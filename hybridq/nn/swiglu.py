@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..formats.base import is_dtensor
 from .compiled_norms import compiled_swiglu, op_takes, swiglu_kernels
+from .first_order import first_order_only
 from .fused_input import NormReaders, produce
 from .replaceable import _HOOKS
 _CHILDREN = ("w1", "w2", "w3")
@@ -46,6 +47,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         return y.view(a.shape), amax, data, scale
 
     @staticmethod
+    @first_order_only(lambda ctx: "hybridq's SwiGLU kernel")
     def backward(ctx, dy: torch.Tensor, *_):
         a2d, b2d = ctx.saved_tensors
         da, db = torch.ops.hybridq.swiglu_backward(dy.reshape(a2d.shape).contiguous(), a2d, b2d)
