@@ -120,13 +120,18 @@ class QuantizedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         """Rebuilt from plain values only (tensors, ints, bools, strings, dtypes), so `torch.load` with
         `weights_only=True` accepts it once `_rebuild_quantized_tensor` is an allowed global (registered when
-        hybridq is imported). Part classes travel by name and are looked up among the registered part types."""
+        hybridq is imported). Part classes travel by name and are looked up among the registered part types. The
+        `carried_attributes` a quantized parameter's tensor holds travel with it (`_rebuild_carrying`: not plain
+        values, so such a tensor loads with weights_only=False only): without them a loaded quantized parameter was a
+        bare QuantizedTensor its layer no longer knew as one (no derived columnwise form, no optimizer guard)."""
         parts = {}
         for d, p in ((ROWWISE, self._rowwise), (COLUMNWISE, self._columnwise)):
             if p is not None:
                 tensors = {n: _as_picklable(t) for n, t in p.tensors().items()}
                 parts[d.value] = (_part_class_name(type(p)), p.rows, p.cols, tensors, p.meta())  # plain str
-        return _rebuild_quantized_tensor, (parts, tuple(self.shape), self.dtype, self.requires_grad)
+        args = (parts, tuple(self.shape), self.dtype, self.requires_grad)
+        carried = {n: self.__dict__[n] for n in self.carried_attributes if n in self.__dict__}
+        return (_rebuild_carrying, (args, carried)) if carried else (_rebuild_quantized_tensor, args)
 
     # -- tracing support (torch.compile): parts' tensors are the inner tensors -----------------
     def __tensor_flatten__(self):
@@ -187,6 +192,13 @@ def _clone(func, t, *, memory_format=None):
 def _to_copy(func, t, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):
     if dtype is not None and dtype != t.dtype:
+        info = t.__dict__.get("_hybridq_param")  # (a quantized parameter: name its layer and format)
+        if info is not None:
+            raise NotImplementedError(
+                f"hybridq: the quantized weight of {info.layer} ({info.describe()}, nominal {t.dtype}) cannot be cast "
+                f"to {dtype}: a quantized parameter holds its format's values only (model.to(dtype) / .half() / "
+                f".double() stop here; parameters converted before it keep the new dtype). Convert the model's dtype "
+                f"before quantize_parameters / quantized_model_init")
         raise NotImplementedError(
             f"hybridq QuantizedTensor cannot be cast to {dtype}; use .dequantize(dtype={dtype})"
         )
@@ -366,6 +378,12 @@ def _rebuild_quantized_tensor(parts: dict, shape: tuple, dtype: torch.dtype, req
         built[d] = cls(rows=rows, cols=cols, columnwise=d == COLUMNWISE, **fields, **meta)
     return QuantizedTensor(built.get(ROWWISE), built.get(COLUMNWISE), shape=shape, dtype=dtype,
                            requires_grad=requires_grad)
+
+
+def _rebuild_carrying(args: tuple, carried: dict) -> QuantizedTensor:
+    t = _rebuild_quantized_tensor(*args)
+    t.__dict__.update(carried)
+    return t
 
 
 # torch.load(weights_only=True) calls only allow-listed globals

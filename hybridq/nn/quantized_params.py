@@ -179,6 +179,11 @@ class HeldQuantizedWeight(HandledWeight, QuantizedTensor):
         call saves it (`linear_function.forward_and_saved`)."""
         return self.dequantize()
 
+    def __reduce_ex__(self, protocol):
+        # pickled (torch.save of a model, pickle) as what it is: a held weight, a parameter where it is one (its
+        # class is this one, not nn.Parameter's, so Parameter's own pickling never runs), with its attributes
+        return _rebuild_held, (QuantizedTensor.__reduce_ex__(self, protocol), isinstance(self, nn.Parameter))
+
     def __repr__(self, *, tensor_contents=None) -> str:
         if self._rowwise is None and self._columnwise is None:
             return f"HeldQuantizedWeight(shape={tuple(self.shape)}, dtype={self.dtype}, traced)"
@@ -186,6 +191,19 @@ class HeldQuantizedWeight(HandledWeight, QuantizedTensor):
 
 
 def _itself(p: HeldQuantizedWeight) -> HeldQuantizedWeight:
+    return p
+
+
+def _rebuild_held(reduced: tuple, is_param: bool) -> HeldQuantizedWeight:
+    rebuild, args = reduced
+    qt = rebuild(*args)
+    held = HeldQuantizedWeight.of(qt)
+    if not is_param:
+        return held.requires_grad_(qt.requires_grad)
+    p = nn.Parameter(held, requires_grad=qt.requires_grad)
+    for name in QuantizedTensor.carried_attributes:  # (as quantized_parameter sets them on the parameter)
+        if name in held.__dict__:
+            setattr(p, name, held.__dict__[name])
     return p
 
 
