@@ -8,6 +8,7 @@ import collections
 import logging
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from ..enums import OnIncompatible
@@ -48,6 +49,46 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
                                                  run_check=False, shape=v.shape, stride=v.stride())
         elif isinstance(v, HybridWeight):
             state_dict[key] = v._data
+
+
+# [Note: load_state_dict(assign=True) of a weight gathered quantized]
+# state_dict gives each HybridWeight as the plain (DTensor of a plain) tensor it wraps (`_unwrap_state_dict`), so a
+# load with assign=True -- a user's, or DCP's set_model_state_dict from a full / rank-0 state dict onto a meta-device
+# model -- put that plain tensor in the weight's place: FSDP2 then held a parameter without the all-gather hooks, and
+# the next unshard failed deep in hybridq ("no rowwise form") or gathered it wrong, the layer still reporting it
+# converted. So the owner module's load pre-hook wraps the loaded value as the weight it replaces is wrapped: a
+# HybridWeight (GroupedHybridWeight) over the loaded tensor with the replaced weight's state, inside a DTensor of the
+# loaded one's mesh and placements; FSDP2's own post-load hook then re-pads it (`new_zeros`, which keeps the type).
+# The state's caches are keyed by the parameter's and the shard's identities and versions and the shard's data
+# pointer (transport.stats_key), all new here, so nothing prepared from the replaced values is reused.
+
+def _rewrap_assigned(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                     error_msgs) -> None:
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module._parameters.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        shard = local_tensor(p) if isinstance(p, DTensor) else p
+        if not isinstance(shard, HybridWeight) or not isinstance(value, torch.Tensor):
+            continue
+        loaded = local_tensor(value) if isinstance(value, DTensor) else value
+        if isinstance(loaded, HybridWeight) or (isinstance(p, DTensor) != isinstance(value, DTensor)):
+            continue  # (already wrapped; a plain value for a DTensor parameter is torch's / FSDP2's error)
+        wrapped = type(shard)(loaded.detach(), shard._hq)
+        if isinstance(value, DTensor):
+            wrapped = DTensor.from_local(wrapped, value.device_mesh, value.placements, run_check=False,
+                                         shape=value.shape, stride=value.stride())
+        state_dict[key] = nn.Parameter(wrapped, requires_grad=p.requires_grad)
+
+
+def _keep_wrapped_on_assign(module: nn.Module) -> None:
+    """Install `_rewrap_assigned` on a module owning a weight gathered quantized (once)."""
+    if not getattr(module, "_hybridq_assign_hook", False):
+        module._register_load_state_dict_pre_hook(_rewrap_assigned, with_module=True)
+        module._hybridq_assign_hook = True
 
 
 def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
@@ -131,6 +172,7 @@ def apply_hybrid_fsdp(model: nn.Module, recipe: CustomRecipe | str,
         state.reuse_payload = reuse_forward_payload
         mod.weight = nn.Parameter(HybridWeight(w.data, state), requires_grad=w.requires_grad)
         mod.mark_weight_quantized_elsewhere()
+        _keep_wrapped_on_assign(mod)  # ([Note: load_state_dict(assign=True) of a weight gathered quantized])
     if not getattr(model, "_hybridq_state_dict_hook", False):
         if hasattr(model, "register_state_dict_post_hook"):
             model.register_state_dict_post_hook(_unwrap_state_dict)
@@ -219,4 +261,6 @@ def _apply_grouped(model: nn.Module, recipe: CustomRecipe, todo, counts, reuse_p
             new = nn.Parameter(GroupedHybridWeight(w.data, state), requires_grad=w.requires_grad)
             setattr(mod, attr, new)
             layer._parameters["weight"] = new
+            _keep_wrapped_on_assign(mod)
+            _keep_wrapped_on_assign(layer)
     return rows
