@@ -298,14 +298,15 @@ class _Float8GraphLinear(torch.autograd.Function):
             wr, wrs, wc, wcs = _quantize(weight, spec.weight, True, need_dgrad)
         y, x_saved, xcs = _fprop(x2d, x_parts, wr, wrs, bias, spec, need_wgrad)
         ctx.save_for_backward(x_saved, xcs, wc, wcs)
-        ctx.spec, ctx.need_dgrad, ctx.need_wgrad, ctx.name = spec, need_dgrad, need_wgrad, name
+        # (not ctx.name: that would hide the node's own name())
+        ctx.spec, ctx.need_dgrad, ctx.need_wgrad, ctx.layer_name = spec, need_dgrad, need_wgrad, name
         ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         # (a tensor of its own, not a view: see linear_function._output)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
-    @first_order_only(lambda ctx: f"{ctx.name or 'an FP8 Linear'} ({ctx.spec.describe()})")
+    @first_order_only(lambda ctx: f"{ctx.layer_name or 'an FP8 Linear'} ({ctx.spec.describe()})")
     def backward(ctx, dy: torch.Tensor):
         x_saved, xcs, wc, wcs = ctx.saved_tensors
         if ctx.w_col is not None:
