@@ -141,3 +141,14 @@ def test_cuda_norm_and_swiglu_kernels_refuse_create_graph():
     b = torch.randn_like(x).requires_grad_()
     with pytest.raises(NotImplementedError, match=r"SwiGLU kernel has no second derivative"):
         torch.autograd.grad(swiglu(x, b).float().square().sum(), [x, b], create_graph=True)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per_expert"])
+@pytest.mark.parametrize("case", ["fp8_tensorwise", "fp8_block", "mxfp8", "nvfp4"])
+def test_each_node_keeps_its_name(case, packed):
+    """The nodes' `name()` (what anomaly mode, graph viewers and the host tests read): a layer name kept on ctx must
+    not hide it (on torch 2.11 `ctx.name` replaced the method: `grad_fn.name()` raised or gave None)."""
+    x = _input()
+    for y in (_linear(case)(x), _grouped(case, packed)(x, COUNTS)):
+        name = y.grad_fn.name()
+        assert isinstance(name, str) and "Backward" in name, f"{case}: grad_fn.name() gave {name!r}"

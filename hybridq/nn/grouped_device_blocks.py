@@ -261,18 +261,19 @@ class DeviceBlockExperts(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layout: SlotLayout, quantizers: dict[str, Quantizer],
                 name: str, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
         y, x_col, w_saved, packed = forward(x, weight, layout, quantizers, name, need_dgrad, need_wgrad, share=True)
-        ctx.layout, ctx.quantizers, ctx.name, ctx.packed_weight = layout, quantizers, name, packed
+        ctx.layout, ctx.quantizers, ctx.layer_name, ctx.packed_weight = layout, quantizers, name, packed
         ctx.gathered = weight if isinstance(weight, GroupedGatheredForm) and need_dgrad else None
         ctx.w_shape, ctx.w_dtype, ctx.n_weight = tuple(weight.shape), weight.dtype, len(w_saved)
         save_quantized(ctx, x_col, *w_saved)
         return y
 
     @staticmethod
-    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
+    @first_order_only(lambda ctx: f"{ctx.layer_name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         x_col, *w_saved = saved_quantized(ctx)
-        dx, dw = backward(dy.contiguous(), ctx.layout, ctx.quantizers, ctx.name, x_col, w_saved, ctx.packed_weight,
-                          ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.gathered)
+        dx, dw = backward(dy.contiguous(), ctx.layout, ctx.quantizers, ctx.layer_name, x_col, w_saved,
+                          ctx.packed_weight, ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                          ctx.gathered)
         if ctx.needs_input_grad[0] and dx is None:
             dx = dy.new_zeros(dy.shape[0], ctx.w_shape[2])
         if ctx.needs_input_grad[1] and dw is None:

@@ -426,21 +426,21 @@ class JaggedFP8Experts(torch.autograd.Function):
         if held is not None:  # (backward reads the held weight's columnwise form, not this view of its scales)
             saved = (*saved[:3], None)
         ctx.save_for_backward(*saved)
-        ctx.groups, ctx.quantizers, ctx.name, ctx.kernels = groups, quantizers, name, kernels
+        ctx.groups, ctx.quantizers, ctx.layer_name, ctx.kernels = groups, quantizers, name, kernels
         ctx.w_shape, ctx.w_dtype = tuple(weight.shape), weight.dtype
         ctx.held = held if need_dgrad else None  # (a handle: the backward unshard fills its columnwise buffers)
         return y
 
     @staticmethod
-    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
+    @first_order_only(lambda ctx: f"{ctx.layer_name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         saved = ctx.saved_tensors
         if ctx.held is not None and ctx.needs_input_grad[0]:
             w_col = ctx.held.form(COLUMNWISE, in_place=True)
             if w_col is None:
-                raise RuntimeError(f"hybridq: the gathered experts of {ctx.name} have no per-tensor FP8 columnwise form "
-                                   f"in backward (their rowwise form was per-tensor FP8 in forward)")
+                raise RuntimeError(f"hybridq: the gathered experts of {ctx.layer_name} have no per-tensor FP8 "
+                                   f"columnwise form in backward (their rowwise form was per-tensor FP8 in forward)")
             saved = (saved[0], saved[1], *w_col)
-        dx, dw = jagged_backward(dy, saved, ctx.groups, ctx.quantizers, ctx.name, ctx.kernels,
+        dx, dw = jagged_backward(dy, saved, ctx.groups, ctx.quantizers, ctx.layer_name, ctx.kernels,
                                  ctx.w_shape, ctx.w_dtype, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None, None, None, None

@@ -320,15 +320,15 @@ class PackedFP8Experts(torch.autograd.Function):
         y = _grouped_rows_gemm(xg, wg.data.view(e, n, k), wg.scale_inv, x.dtype, f"fprop of {name}",
                                b_columnwise=False)
         ctx.save_for_backward(xg.data, xg.scale_inv, wg.data, wg.scale_inv)
-        ctx.layout, ctx.quantizers, ctx.name, ctx.w_dtype = layout, quantizers, name, weight.dtype
+        ctx.layout, ctx.quantizers, ctx.layer_name, ctx.w_dtype = layout, quantizers, name, weight.dtype
         return layout.unpack(y)
 
     @staticmethod
-    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
+    @first_order_only(lambda ctx: f"{ctx.layer_name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         layout: TokenLayout = ctx.layout
-        name = ctx.name
+        name = ctx.layer_name
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         e, k = len(layout.padded), x_data.shape[1]
         n = w_data.shape[0] // e

@@ -329,7 +329,7 @@ class PackedBlockExperts(torch.autograd.Function):
                 name: str, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
         e, n, k = weight.shape
         used = _used(layout)
-        ctx.layout, ctx.quantizers, ctx.name = layout, quantizers, name
+        ctx.layout, ctx.quantizers, ctx.layer_name = layout, quantizers, name
         ctx.w_shape, ctx.w_dtype = (e, n, k), weight.dtype
         gathered = isinstance(weight, GroupedGatheredForm)  # (FSDP2's: its columnwise form is read in backward)
         ctx.gathered = weight if gathered and need_dgrad else None
@@ -354,11 +354,11 @@ class PackedBlockExperts(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order_only(lambda ctx: f"{ctx.name} ({describe_quantizers(ctx.quantizers)})")
+    @first_order_only(lambda ctx: f"{ctx.layer_name} ({describe_quantizers(ctx.quantizers)})")
     def backward(ctx, dy: torch.Tensor):
         x_col, *w_saved = saved_quantized(ctx)
         layout: TokenLayout = ctx.layout
-        name = ctx.name
+        name = ctx.layer_name
         e, n, k = ctx.w_shape
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         used = _used(layout)
