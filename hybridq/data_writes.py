@@ -24,8 +24,8 @@ __all__ = ["CHECK", "LEDGER", "bits_sum", "check_data_writes_enabled", "fingerpr
 log = logging.getLogger("hybridq")
 
 # [Note: data-write check]
-# The fingerprint is the sum of a tensor's bit patterns as int64 (integers: exact, order-free, NaN-proof): one read,
-# one launch (`bits_sum`). Any change of one element changes it; only changes that compensate each other exactly
+# The fingerprint is the sum of a tensor's bit patterns as int64 (integers, wrapping: exact, order-free, NaN-proof):
+# one read, one launch (`bits_sum`). Any change of one element changes it; only changes that compensate each other exactly
 # escape. It is taken where data is derived from the values (the entry keeps it) and again where that data is reused
 # under its version key; what happens on a difference depends on who may decide:
 # - a decision of this rank alone (one rank, no tensor parallelism: no collective depends on it), values on the CPU:
@@ -67,10 +67,18 @@ def check_data_writes_enabled() -> bool:
 
 
 def bits_sum(t: torch.Tensor) -> torch.Tensor:
-    """The int64 sum of `t`'s bit patterns (a 0-d tensor on its device): one read, one launch."""
+    """The int64 sum (wrapping) of `t`'s bit patterns (a 0-d tensor on its device): one read, one launch. Read as
+    int64 words where its rows hold whole words (a 32- or 16-bit view summed `dtype=torch.int64` is first converted
+    to an int64 copy of the whole tensor, then reduced: two launches, 2-4x the bytes); else as its own width. Either
+    way a change of any one element changes the sum (only changes that compensate each other exactly escape), and
+    the two fingerprints compared always come from one tensor's shape, so they are read alike."""
     if t.requires_grad:  # (a dtype view of a tensor that requires grad is refused; a shard's master never does)
         t = t.detach()
-    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+    size = t.element_size()
+    if size < 8 and t.dim() > 0 and t.stride(-1) == 1 and (t.shape[-1] * size) % 8 == 0 \
+            and (t.storage_offset() * size) % 8 == 0 and all((s * size) % 8 == 0 for s in t.stride()[:-1]):
+        return t.view(torch.int64).sum()
+    return t.view(_BITS[size]).sum(dtype=torch.int64)
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor | None:

@@ -24,10 +24,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 WARNING = "changed through `.data`"
 
 
+@pytest.mark.parametrize("shape", [(37, 29), (16, 64)], ids=["rows of odd bytes", "rows of whole int64 words"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_fingerprint_changes_with_any_one_element(dtype):
+def test_the_fingerprint_changes_with_any_one_element(dtype, shape):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(37, 29, generator=g).to(dtype)
+    w = torch.randn(*shape, generator=g).to(dtype)
     ref = bits_sum(w)
     for i in (0, 500, w.numel() - 1):
         for new in (w.view(-1)[i] * 2, -w.view(-1)[i], w.view(-1)[i] + 1):
@@ -35,7 +36,7 @@ def test_the_fingerprint_changes_with_any_one_element(dtype):
             v.view(-1)[i] = new
             if torch.equal(v, w):
                 continue
-            assert bits_sum(v) != ref, f"{dtype}: element {i} changed to {float(new)}, the fingerprint did not"
+            assert bits_sum(v) != ref, f"{dtype} {shape}: element {i} changed to {float(new)}, the fingerprint did not"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
