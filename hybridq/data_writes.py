@@ -45,6 +45,10 @@ log = logging.getLogger("hybridq")
 #   waits for them, on every rank alike). Without a precompute_scales nothing reports them (a weight's queue is
 #   folded into one check past `_FOLD`, so it stays bounded). A tensor-parallel piece's checks are not queued (its
 #   statistics span the TP group too, which that all-reduce does not reach).
+# A precomputed payload that the backward unshard will re-send (kept from forward) is not checked at the forward when
+# the check would only be queued (CUDA, world > 1): the backward's kept-payload check compares with the fingerprint
+# it was prepared from, which sees a write in either window (`unit_cast.unit_payload`'s `defer_check`): one read of
+# the weight per step, not two.
 # Cost per reuse: one read of the weight's shard (one launch, `bits_sum`) and a list append (on the CPU, one rank: and
 # a compare); per derivation one read; per precompute_scales one stack and one compare per process group for the
 # queued checks.

@@ -106,16 +106,21 @@ class _Entry:
     fp: torch.Tensor | None = None  # the fingerprint of its values now, where its statistics' reuse was checked
 
 
-def unit_payload(local, lane, key) -> tuple[torch.Tensor, PayloadMeta, torch.Tensor | None] | None:
+def unit_payload(local, lane, key, defer_check: bool = False
+                 ) -> tuple[torch.Tensor, PayloadMeta, torch.Tensor | None] | None:
     """(payload, metadata, the fingerprint of the values it came from or None) of `local` (a HybridWeight whose hook
     runs with `lane` and payload key `key`) from a unit batch, or None: the hook prepares its own. A payload prepared
     before this unshard (`precompute_payloads`) is checked against a write through `.data` since ([Note: data-write
-    check]): on one CPU rank a changed weight's payload is dropped (None)."""
+    check]): on one CPU rank a changed weight's payload is dropped (None). `defer_check`: the payload is kept for
+    the backward unshard, whose check of the kept payload compares with the same fingerprint (the one it was prepared
+    from): a check that would only be queued (CUDA, world > 1) is left to it -- one read of the weight per step
+    instead of two, the same writes seen, reported as late."""
     st = local._hq
     prepared = st.__dict__.pop("unit_prepared", None)
     if prepared is not None and key is not None and prepared.key == key and prepared.quant is lane.quant:
         fp = prepared.fp
-        if prepared.checked:
+        at_once = lane.ws == 1 and st.tp_group is None and not local._data.is_cuda  # (decided here: derived anew)
+        if prepared.checked and (at_once or not defer_check):
             rederive, fp = LEDGER.reused(st.name, local._data, fp, st.data_checks if st.tp_group is None else None,
                                          lane.ws == 1 and st.tp_group is None, "a prepared all-gather payload")
             if rederive:

@@ -309,11 +309,12 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
             if not rederive:  # (a write through `.data` since, seen at once: [Note: data-write check])
                 got = kept.payload, kept.meta, fp
                 st.counters["payload_reused"] += 1
+        keeps = setup.keeps and st.reuse_payload and key is not None  # the backward unshard re-sends it unchanged
         if got is None:  # (a unit batch's payload, or this unit's batch: [Note: unit cast]; else this weight's own)
-            got = unit_payload(self, lane, key) or (*prepare_payload(self, param, lane.quant, plan.send, shape, ws,
-                                                                     lane.rank, dtype, lane.group), None)
+            got = unit_payload(self, lane, key, defer_check=keeps) or (
+                *prepare_payload(self, param, lane.quant, plan.send, shape, ws, lane.rank, dtype, lane.group), None)
         payload, meta, fp = got
-        if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
+        if keeps:
             if fp is None:  # (the statistics' fingerprint where they were reduced for these values: no second read)
                 fp = st.stats_fp if ws > 1 and st.stats_fp is not None and st.stats_key == key[0] else \
                     fingerprint(self._data)

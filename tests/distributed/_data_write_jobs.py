@@ -158,3 +158,39 @@ def stale_on_cuda(rank, world_size, device, steps: int = 4) -> dict:
         payload_jobs._between(m, opt, "edit_data", edited, width)
         opt.zero_grad()
     return {"raised": None}
+
+
+def queued_checks_per_step(rank, world_size, device) -> dict:
+    """Precomputed payloads at world > 1 (checks queued, not decided at once), units resharding after forward: after a
+    step's forward and backward, the number of data-write checks each weight queued (the forward's use of its
+    precomputed payload leaves its check to the backward's kept-payload check: one per weight and step), and whether
+    a write through `.data` after the precompute is still reported by the next precompute_scales."""
+    build, width, edited = payload_jobs.MODELS["fp8_tensorwise"]
+    m = build(device, world_size)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+
+    def step():
+        m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    precompute_scales(m, payloads=True)
+    m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
+    from hybridq.torch_private import local_tensor
+
+    counts = {n: len(local_tensor(p)._hq.data_checks) for n, p in m.named_parameters()
+              if hasattr(local_tensor(p), "_hq") and local_tensor(p)._hq.counters["payload_precomputed"]}
+    opt.step()
+    opt.zero_grad()
+    precompute_scales(m, payloads=True)  # (reports the queued checks: none stale)
+    p = dict(m.named_parameters())[f"{edited}.weight"]
+    p.data.mul_(2)
+    step()
+    try:
+        precompute_scales(m, payloads=True)
+        raised = None
+    except StaleWeightError as e:
+        raised = str(e)
+    return {"counts": counts, "raised": raised, "edited": f"{edited}.weight"}

@@ -167,3 +167,12 @@ def test_gpu_one_rank_a_write_through_data_after_the_precompute_raises_later(tmp
     r = results[0]
     assert r["raised"] is not None, "no StaleWeightError after a write through .data on CUDA"
     assert r["raised"].startswith("0.v.weight:"), r["raised"]
+
+
+def test_two_ranks_a_precomputed_payload_kept_for_backward_is_checked_once_per_step():
+    """World 2 (checks queued for precompute_scales): a weight whose precomputed payload the backward re-sends is read
+    for the check once per step -- at the backward's kept-payload check, against the fingerprint the payload was
+    prepared from -- not also at the forward; a write through `.data` after the precompute is still reported."""
+    for rank, r in enumerate(spawn(jobs.queued_checks_per_step, 2, "gloo")):
+        assert r["counts"] and set(r["counts"].values()) == {1}, f"rank {rank}: checks queued per weight {r['counts']}"
+        assert r["raised"] is not None and r["raised"].startswith(r["edited"]), f"rank {rank}: {r['raised']}"

@@ -192,9 +192,9 @@ def test_a_stale_payload_is_sent_where_the_hooks_key_check_is_removed(one_rank, 
 
     real = unit_cast.unit_payload
 
-    def no_key_check(local, lane, key):
+    def no_key_check(local, lane, key, **kwargs):
         prepared = local._hq.__dict__.get("unit_prepared")
-        return real(local, lane, prepared.key if prepared is not None and key is not None else key)
+        return real(local, lane, prepared.key if prepared is not None and key is not None else key, **kwargs)
 
     monkeypatch.setattr("hybridq.distributed.weights.unit_payload", no_key_check)
     with pytest.raises(AssertionError, match="differs"):
