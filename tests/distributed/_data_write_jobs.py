@@ -100,22 +100,14 @@ def no_false_positive(rank, world_size, device, model: str, between: str | None,
     else:
         build, width, edited = payload_jobs.MODELS[model]
     m = build(device, world_size)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    raised = []
-    for step in range(steps):
-        m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
-        opt.step()
-        try:
-            precompute_scales(m, payloads=payloads)
-        except StaleWeightError as e:
-            raised.append(str(e))
+
+    def after(step, opt):
         if between == "dcp_load":  # the first step's checkpoint loaded back by DCP after each later step
             _dcp_round(m, ckpt, step)
         else:
             payload_jobs._between(m, opt, between, edited, width)
-        opt.zero_grad()
-    return {"raised": raised}
+
+    return {"raised": [msg for _, msg in payload_jobs.train_with_precompute(m, device, width, steps, payloads, after)]}
 
 
 def _dcp_round(m, ckpt: str, step: int) -> None:
@@ -194,3 +186,39 @@ def queued_checks_per_step(rank, world_size, device) -> dict:
     except StaleWeightError as e:
         raised = str(e)
     return {"counts": counts, "raised": raised, "edited": f"{edited}.weight"}
+
+
+def nan_beside_a_flag(rank, world_size, device) -> dict:
+    """World 2: the weight `edited` written through `.data` on rank 0 only after a precompute_scales, a step, then a
+    NaN put into another weight's local shard on rank 1 only: the next precompute_scales all-reduces rank 1's NaN
+    statistic and rank 0's stale flag in one vector. Returns its StaleWeightError message and whether the NaN
+    weight's reduced statistics are non-finite on this rank."""
+    from hybridq.torch_private import local_tensor
+
+    build, width, edited = payload_jobs.MODELS["fp8_tensorwise"]
+    m = build(device, world_size)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+
+    def step():
+        m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    precompute_scales(m, payloads=True)
+    if rank == 0:
+        m.get_submodule(edited).weight.to_local().data.mul_(2)
+    step()
+    nan_weight = m.get_submodule("1.q").weight
+    if rank == 1:
+        with torch.no_grad():
+            nan_weight.to_local()[0, 0] = float("nan")
+    try:
+        precompute_scales(m, payloads=True)
+        raised = None
+    except StaleWeightError as e:
+        raised = str(e)
+    stats = local_tensor(nan_weight)._hq.stats
+    return {"raised": raised, "edited": f"{edited}.weight",
+            "nan_kept": stats is not None and not bool(torch.isfinite(stats).all())}

@@ -149,10 +149,17 @@ def stale_at_precompute(rank, world_size, device, payloads: bool, between: str =
     """Training as `train` does, `between` after every precompute_scales: the step whose precompute_scales raised
     StaleWeightError (None: none did) and its message; after the error the run goes on (the statistics and payloads
     that call made are the current values')."""
-    from hybridq.errors import StaleWeightError
-
     build, width, edited = MODELS["fp8_tensorwise"]
     m = build(device, world_size)
+    raised = train_with_precompute(m, device, width, steps, payloads, lambda step, opt: _between(m, opt, between, edited, width))
+    return {"raised": raised, "edited": f"{edited}.weight"}
+
+
+def train_with_precompute(m: nn.Module, device, width: int, steps: int, payloads: bool, after) -> list[tuple[int, str]]:
+    """`steps` training steps of `m` (AdamW), each followed by precompute_scales and then `after(step, optimizer)`:
+    the (step, message) of every StaleWeightError that precompute_scales raised (the run goes on after one)."""
+    from hybridq.errors import StaleWeightError
+
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     raised = []
@@ -163,6 +170,7 @@ def stale_at_precompute(rank, world_size, device, payloads: bool, between: str =
             precompute_scales(m, payloads=payloads)
         except StaleWeightError as e:
             raised.append((step, str(e)))
-        _between(m, opt, between, edited, width)
+        after(step, opt)
         opt.zero_grad()
-    return {"raised": raised, "edited": f"{edited}.weight"}
+    return raised
+

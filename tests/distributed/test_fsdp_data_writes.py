@@ -176,3 +176,11 @@ def test_two_ranks_a_precomputed_payload_kept_for_backward_is_checked_once_per_s
     for rank, r in enumerate(spawn(jobs.queued_checks_per_step, 2, "gloo")):
         assert r["counts"] and set(r["counts"].values()) == {1}, f"rank {rank}: checks queued per weight {r['counts']}"
         assert r["raised"] is not None and r["raised"].startswith(r["edited"]), f"rank {rank}: {r['raised']}"
+
+
+def test_two_ranks_a_nan_statistic_and_a_stale_flag_in_one_all_reduce_both_survive():
+    """The data-write flags ride in precompute_scales' MAX all-reduce of the statistics: rank 1's NaN statistic stays
+    NaN on both ranks beside them, and rank 0's flag (a write through `.data` on rank 0 only) reaches rank 1."""
+    for rank, r in enumerate(spawn(jobs.nan_beside_a_flag, 2, "gloo")):
+        assert r["nan_kept"], f"rank {rank}: the NaN weight's reduced statistics came out finite"
+        assert r["raised"] is not None and r["raised"].startswith(r["edited"]), f"rank {rank}: {r['raised']}"
