@@ -13,6 +13,7 @@ Switch: `HYBRIDQ_CHECK_DATA_WRITES=0` starts a process with the check off (no fi
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -31,33 +32,35 @@ log = logging.getLogger("hybridq")
 # - a decision of this rank alone (one rank, no tensor parallelism: no collective depends on it), values on the CPU:
 #   compared at once; changed -> the data is derived anew from the current values (bitwise a fresh run), with a
 #   warning (the is_first_microbatch cache's precedent);
-# - the same on CUDA: reading the comparison would be a host sync per reuse, so the fingerprints are queued and
-#   compared in batches (`_flush`: one stack + compare + copy to pinned memory, an event), read once the event has
-#   completed (polled at later checks without waiting; waited for at the next `precompute_scales`) ->
+# - the same on CUDA: reading the comparison would be a host sync per reuse, so each check is folded into a sticky
+#   value of the weight on the device (`QueuedChecks`: the fingerprints XORed, ORed in place), and every `_FLUSH`
+#   checks those values are compared in one batch (one stack + compare + copy to pinned memory, an event), read once
+#   the event has completed (polled at later checks without waiting; waited for at the next `precompute_scales`) ->
 #   StaleWeightError (the unshards since then sent the old data: that cannot be undone);
 # - a decision that involves other ranks (world > 1: the reduced statistics, and payloads made with them): a rank
-#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The check is queued on
-#   the weight (its state's `data_checks`: the same checks in the same order on every rank, since the reuse decisions
-#   read version counters only) and the next `precompute_scales` sends one flag per queued check with its fused MAX
-#   all-reduce of the weight's process group (appended values: no collective of its own, except for a group with
-#   checks and no statistics to reduce); every rank then raises StaleWeightError naming the same weights: on the CPU
-#   in that call, on CUDA at the call after it (the reduced flags reach pinned memory asynchronously; the next call
-#   waits for them, on every rank alike). Without a precompute_scales nothing reports them (a weight's queue is
-#   folded into one check past `_FOLD`, so it stays bounded). A tensor-parallel piece's checks are not queued (its
-#   statistics span the TP group too, which that all-reduce does not reach).
+#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The check is folded into
+#   the weight's own sticky value (its state's `data_checks`: the same weights queue checks on every rank, since the
+#   reuse decisions read version counters only) and the next `precompute_scales` sends one flag per weight with
+#   queued checks with its fused MAX all-reduce of the weight's process group (appended values: no collective of its
+#   own, except for a group with checks and no statistics to reduce); every rank then raises StaleWeightError naming
+#   the same weights: on the CPU in that call, on CUDA at the call after it (the reduced flags reach pinned memory
+#   asynchronously; the next call waits for them, on every rank alike). Without a precompute_scales nothing reports
+#   them. A tensor-parallel piece's checks are not queued (its statistics span the TP group too, which that
+#   all-reduce does not reach).
+# Memory: a queued check holds nothing (the sticky value is one 8-byte tensor per weight, made at its first check),
+# so device memory is the same after every step, however many checks wait for a report.
 # A precomputed payload that the backward unshard will re-send (kept from forward) is not checked at the forward when
 # the check would only be queued (CUDA, world > 1): the backward's kept-payload check compares with the fingerprint
 # it was prepared from, which sees a write in either window (`unit_cast.unit_payload`'s `defer_check`): one read of
 # the weight per step, not two.
-# Cost per reuse: one read of the weight's shard (one launch, `bits_sum`) and a list append (on the CPU, one rank: and
-# a compare); per derivation one read; per precompute_scales one stack and one compare per process group for the
-# queued checks.
+# Cost per reuse: one read of the weight's shard (one launch, `bits_sum`); queued, two more tiny launches (XOR, OR);
+# on the CPU at one rank a compare instead; per derivation one read; per precompute_scales one stack, one compare
+# and one multi-tensor zero per process group for the queued checks.
 
 CHECK = Switch("HYBRIDQ_CHECK_DATA_WRITES")
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FLUSH = 256  # queued local CUDA checks compared in one batch (bounds the queue without a precompute_scales)
-_FOLD = 64  # a weight's queued world > 1 checks folded into one (bounds it likewise)
 
 
 def set_check_data_writes(on: bool) -> bool:
@@ -99,6 +102,41 @@ def _message(names, what: str) -> str:
             f"precompute_scales again after such a write. (HYBRIDQ_CHECK_DATA_WRITES=0 turns this check off.)")
 
 
+class QueuedChecks:
+    """A weight's data-write checks queued since they were last reported ([Note: data-write check]): one sticky value
+    on the device (int64: the OR of each queued check's fingerprints XORed, so nonzero where any differed), updated in
+    place, so a weight holds one 8-byte tensor however many checks wait and memory does not grow from step to step;
+    and how many were queued."""
+
+    __slots__ = ("name", "changed", "count", "what", "__weakref__")
+
+    def __init__(self, name: str):
+        self.name, self.changed, self.count, self.what = name, None, 0, ""
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def add(self, ref: torch.Tensor, now: torch.Tensor, what: str) -> None:
+        """Queue one check: the fingerprint `ref` the reused data was derived at against `now`. Two launches."""
+        diff = torch.bitwise_xor(ref.to(now.device), now)
+        if self.changed is None or self.changed.device != now.device:
+            with torch.inference_mode(False):  # (updated in place later, also outside inference mode)
+                self.changed = torch.zeros_like(now)
+        self.changed.bitwise_or_(diff)
+        self.count += 1
+        self.what = what
+
+
+def flags(checks: list[QueuedChecks]) -> torch.Tensor:
+    """fp32 flags, one per weight of `checks` with a queued check (in that order): 1 where one of its checks saw a
+    change. Reported: their queues are emptied (the sticky values zeroed in place). Three launches."""
+    out = torch.ne(torch.stack([c.changed for c in checks]), 0).to(torch.float32)
+    torch._foreach_zero_([c.changed for c in checks])
+    for c in checks:
+        c.count = 0
+    return out
+
+
 class _Report:
     """Flags on their way to pinned host memory: `names[i]` is stale where `host[i]` is set once `event` completed."""
 
@@ -128,28 +166,32 @@ class _Report:
 
 
 class Ledger:
-    """The process's queued checks of decisions of one rank on CUDA (`local`: compared in batches into `reports`,
-    polled) and the reduced flags of a precompute_scales on CUDA (`due`: read at the next one). The checks of world > 1
-    decisions are queued on each weight's state (its `data_checks` list), where precompute_scales finds them."""
+    """The process's queued checks of decisions of one rank on CUDA (`local`: one `QueuedChecks` per weight's queue,
+    compared in a batch every `_FLUSH` checks into `reports`, polled) and the reduced flags of a precompute_scales on
+    CUDA (`due`: read at the next one). The checks of world > 1 decisions are queued on each weight's state (its
+    `data_checks`), where precompute_scales finds them."""
 
     def __init__(self):
-        self.local: list = []  # (name, fingerprint then, fingerprint now, what)
+        # a weight's queue -> its local checks (weak: a model's weights leave with it)
+        self.local: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.queued = 0  # local checks queued since the last batch
         self.reports: list[_Report] = []  # local batches in flight: raised by a later check or precompute_scales
         self.due: list[_Report] = []  # reduced flags of a precompute_scales on CUDA: waited for at the next one
 
-    def reused(self, name: str, values: torch.Tensor, ref: torch.Tensor | None, pending: list | None, local: bool,
-               what: str) -> tuple[bool, torch.Tensor | None]:
+    def reused(self, name: str, values: torch.Tensor, ref: torch.Tensor | None, pending: QueuedChecks | None,
+               local: bool, what: str) -> tuple[bool, torch.Tensor | None]:
         """Data derived from `values` when their fingerprint was `ref` is about to be reused: (derive it anew now,
         the fingerprint of the values now). Anew: a decision of this rank alone (`local`), on the CPU, and the values
-        changed. Else the check is queued ([Note: data-write check]): `local` in this ledger, else on `pending`, the
-        weight's queue that precompute_scales reports. (False, None) where `ref` is None (taken with the check off),
-        the check is off, or a decision of several ranks has no queue."""
-        if ref is None or not CHECK.on or (pending is None and not local):
-            # (a tensor-parallel piece: its decisions span two groups; docs/known-limits.md)
+        changed. Else the check is queued ([Note: data-write check]): `local` in this ledger (under `pending`, the
+        weight's queue), else on `pending`, which precompute_scales reports. (False, None) where `ref` is None (taken
+        with the check off), the check is off, or the weight has no queue and the check would be queued."""
+        if ref is None or not CHECK.on:
+            return False, None
+        now = bits_sum(values) if pending is not None or (local and not values.is_cuda) else None
+        if now is None:  # (a tensor-parallel piece: its decisions span two groups; docs/known-limits.md)
             return False, None
         if self.reports:
             self.poll(wait=False)
-        now = bits_sum(values)
         if local:
             if not now.is_cuda:
                 if not torch.equal(now, ref):  # (one op, read at once: no device to wait for)
@@ -157,22 +199,28 @@ class Ledger:
                                 "from the current values", name, what)
                     return True, now
                 return False, now
-            self.local.append((name, ref, now, what))
-            if len(self.local) >= _FLUSH:
-                self._flush()
+            self.queue_local(name, pending, ref, now, what)
             return False, now
-        pending.append((ref, now))
-        if len(pending) >= _FOLD:
-            pending[:] = [_folded(pending)]
+        pending.add(ref, now, what)
         return False, now
 
+    def queue_local(self, name: str, pending: QueuedChecks, ref: torch.Tensor, now: torch.Tensor, what: str) -> None:
+        """Queue a check of one rank's decision on CUDA under the weight's queue `pending` (compared with the others
+        every `_FLUSH` checks)."""
+        mine = self.local.get(pending)
+        if mine is None:
+            mine = self.local[pending] = QueuedChecks(name)
+        mine.add(ref, now, what)
+        self.queued += 1
+        if self.queued >= _FLUSH:
+            self._flush()
+
     def _flush(self) -> None:
-        if not self.local:
-            return
-        entries, self.local = self.local, []
-        device, k = entries[0][2].device, len(entries)
-        both = torch.stack([r.to(device) for _, r, _, _ in entries] + [n for _, _, n, _ in entries])
-        self.reports.append(_Report([e[0] for e in entries], both[:k] != both[k:], entries[0][3]))
+        checks = [c for c in self.local.values() if c]
+        self.queued = 0
+        if checks:
+            names, what = [c.name for c in checks], checks[0].what
+            self.reports.append(_Report(names, flags(checks), what))
 
     def poll(self, wait: bool) -> None:
         """Raise StaleWeightError for the local batches whose flags reached the host (`wait`: every one)."""
@@ -215,27 +263,6 @@ class Ledger:
 
 
 LEDGER = Ledger()
-
-
-def _folded(pending: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """One (then, now) pair that differs where any of `pending`'s pairs does (bounds a weight's queue where no
-    precompute_scales comes to take it)."""
-    with torch.inference_mode(False), torch.no_grad():
-        refs, nows = zip(*pending)
-        device = nows[0].device
-        both = torch.stack([r.to(device) for r in refs] + list(nows))
-        changed = (both[:len(nows)] != both[len(nows):]).any().to(torch.int64)
-        return torch.zeros_like(changed), changed
-
-
-def flags(pending: list) -> torch.Tensor:
-    """fp32 flags, one per queued (then, now) pair of the weights' queues `pending` (concatenated): 1 where the pair
-    differs. Two launches (one stack, one compare into fp32)."""
-    refs = [r for r, _ in pending]
-    nows = [n for _, n in pending]
-    device, k = nows[0].device, len(nows)
-    both = torch.stack([r.to(device) for r in refs] + nows)
-    return torch.ne(both[:k], both[k:], out=torch.empty(k, device=device))
 
 
 def raise_stale(names, what: str = "data") -> None:

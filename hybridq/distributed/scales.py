@@ -202,11 +202,10 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
     values, all_reduces, stale = 0, 0, []
     for group, items, device, checked in per_group.values():
         # the queued data-write checks' flags, sent with the statistics: one per check, the same on every rank
-        names = [st.name for st in checked for _ in st.data_checks]
-        pending = [c for st in checked for c in st.data_checks]
-        for st in checked:
-            st.data_checks = []
-        chunks = [s for _, _, s, _ in items] + ([data_writes.flags(pending)] if pending else [])
+        names = [st.name for st in checked]
+        chunks = [s for _, _, s, _ in items]
+        if checked:
+            chunks.append(data_writes.flags([st.data_checks for st in checked]))
         if device is None:
             device = chunks[-1].device
         flat = torch.cat(chunks).to(device)  # CPU-offloaded shards: reduce on the PG's device
@@ -218,7 +217,7 @@ def precompute_scales(model: nn.Module, payloads: bool = False, *, per_unit: boo
             st.stats_fp = fp
             i += s.numel()
         values += i
-        if pending:
+        if checked:
             stale += LEDGER.reduced_flags(names, flat[i:])
     reduced = dict(weights=sum(len(v[1]) for v in per_group.values()), values=values, all_reduces=all_reduces)
     out = PrecomputedScalesAndPayloads(**reduced, payloads=precompute_payloads(model, per_unit=per_unit)) \

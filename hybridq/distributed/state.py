@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..data_writes import QueuedChecks
 from ..formats.base import COLUMNWISE, ROWWISE, Quantizer
 from ..formats._stacking import stacked_view
 from ..formats.float8_groups import equal_groups_apply
@@ -57,7 +58,7 @@ class SharedState:
         self.stats_key = None
         self.stats: torch.Tensor | None = None
         self.stats_fp: torch.Tensor | None = None  # the fingerprint of the shard values `stats` came from
-        self.data_checks: list = []  # queued data-write checks of world > 1 reuses: precompute_scales reports them
+        self.data_checks = QueuedChecks(name)  # data-write checks of world > 1 reuses: precompute_scales reports them
         self.param_dtype: torch.dtype | None = None
         self.shard_layouts: dict = {}  # the checked layouts (weights._shard_layout, weights._grouped_layout)
         self.payload_layouts: dict = {}  # its payloads' layouts (payload.build_payload's memo)

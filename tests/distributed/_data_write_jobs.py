@@ -172,7 +172,7 @@ def queued_checks_per_step(rank, world_size, device) -> dict:
     m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
     from hybridq.torch_private import local_tensor
 
-    counts = {n: len(local_tensor(p)._hq.data_checks) for n, p in m.named_parameters()
+    counts = {n: local_tensor(p)._hq.data_checks.count for n, p in m.named_parameters()
               if hasattr(local_tensor(p), "_hq") and local_tensor(p)._hq.counters["payload_precomputed"]}
     opt.step()
     opt.zero_grad()
