@@ -22,7 +22,7 @@ import time
 import torch
 
 import hybridq
-from hybridq.data_writes import Ledger, bits_sum
+from hybridq.data_writes import Ledger, QueuedChecks, bits_sum
 
 
 def per_call_us(fn, device: torch.device, n: int, rounds: int, clock=time.perf_counter) -> float:
@@ -46,27 +46,27 @@ def host_costs(device: torch.device, rows: int, cols: int, n: int, rounds: int) 
     w = torch.randn(rows, cols, device=device)
     ref = bits_sum(w)
 
-    queue: list = []  # (a weight's queue of world > 1 checks)
+    queue, mine = QueuedChecks("w"), QueuedChecks("w")  # (a weight's queue of world > 1 checks; its local key)
     ledger = Ledger()
 
-    def local():
-        ledger.reused("w", w, ref, None, True, "a payload")
-        ledger.local.clear()  # (the batch compare is measured on its own below)
+    def local():  # (on CUDA: queued, a batch compare every _FLUSH checks included)
+        ledger.reused("w", w, ref, mine, True, "a payload")
 
     def deferred():
         ledger.reused("w", w, ref, queue, False, "statistics")
-        queue.clear()
 
-    def batch(k: int = 140):  # one step's queued checks of a 140-weight model, compared in one batch
-        nows = [bits_sum(w) for _ in range(k)]
-        ledger.local[:] = [("w", ref, now, "a payload") for now in nows]
+    weights = [QueuedChecks(f"w{i}") for i in range(140)]
+
+    def batch():  # one step's queued checks of a 140-weight model, compared in one batch
+        for q in weights:
+            ledger.queue_local(q.name, q, ref, bits_sum(w), "a payload")
         ledger._flush()
         ledger.reports.clear()
 
     return {"bits_sum": per_call_us(lambda: bits_sum(w), device, n, rounds),
             "check, one rank (CPU: compared now; CUDA: queued)": per_call_us(local, device, n, rounds),
             "check, world > 1 (queued)": per_call_us(deferred, device, n, rounds),
-            "one batch of 140 queued checks (incl. their 140 bits_sum)": per_call_us(batch, device, max(n // 100, 5),
+            "one batch of 140 queued checks (incl. their 140 bits_sum and queueing)": per_call_us(batch, device, max(n // 100, 5),
                                                                                       rounds)}
 
 

@@ -137,17 +137,17 @@ def test_gpu_a_queued_check_costs_no_host_sync_and_raises_later():
     compare reaches pinned memory and a later poll raises StaleWeightError naming the weight."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from hybridq.data_writes import Ledger, bits_sum
+    from hybridq.data_writes import Ledger, QueuedChecks, bits_sum
     from hybridq.errors import StaleWeightError
 
-    ledger = Ledger()
+    ledger, queue = Ledger(), QueuedChecks("w")
     w = torch.randn(256, 512, device="cuda")
     ref = bits_sum(w)
     w.data.mul_(2)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rederive, now = ledger.reused("w", w, ref, None, True, "a payload")
+        rederive, now = ledger.reused("w", w, ref, queue, True, "a payload")
         ledger._flush()
     finally:
         torch.cuda.set_sync_debug_mode("default")
