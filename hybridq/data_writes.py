@@ -32,35 +32,38 @@ log = logging.getLogger("hybridq")
 # - a decision of this rank alone (one rank, no tensor parallelism: no collective depends on it), values on the CPU:
 #   compared at once; changed -> the data is derived anew from the current values (bitwise a fresh run), with a
 #   warning (the is_first_microbatch cache's precedent);
-# - the same on CUDA: reading the comparison would be a host sync per reuse, so each check is folded into a sticky
-#   value of the weight on the device (`QueuedChecks`: the fingerprints XORed, ORed in place), and every `_FLUSH`
-#   checks those values are compared in one batch (one stack + compare + copy to pinned memory, an event), read once
+# - the same on CUDA: reading the comparison would be a host sync per reuse, so each check is compared on the device
+#   into a flag of the weight's queue (`QueuedChecks`: a buffer of flags, one launch per check), and every `_FLUSH`
+#   checks (or when a weight's buffer is full) the queues are read in one batch (one stack + any + copy to pinned
+#   memory, an event), read once
 #   the event has completed (polled at later checks without waiting; waited for at the next `precompute_scales`) ->
 #   StaleWeightError (the unshards since then sent the old data: that cannot be undone);
 # - a decision that involves other ranks (world > 1: the reduced statistics, and payloads made with them): a rank
-#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The check is folded into
-#   the weight's own sticky value (its state's `data_checks`: the same weights queue checks on every rank, since the
+#   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The check is compared
+#   into the weight's own queue (its state's `data_checks`: the same weights queue checks on every rank, since the
 #   reuse decisions read version counters only) and the next `precompute_scales` sends one flag per weight with
 #   queued checks with its fused MAX all-reduce of the weight's process group (appended values: no collective of its
 #   own, except for a group with checks and no statistics to reduce); every rank then raises StaleWeightError naming
 #   the same weights: on the CPU in that call, on CUDA at the call after it (the reduced flags reach pinned memory
-#   asynchronously; the next call waits for them, on every rank alike). Without a precompute_scales nothing reports
-#   them. A tensor-parallel piece's checks are not queued (its statistics span the TP group too, which that
-#   all-reduce does not reach).
-# Memory: a queued check holds nothing (the sticky value is one 8-byte tensor per weight, made at its first check),
-# so device memory is the same after every step, however many checks wait for a report.
+#   asynchronously; the next call waits for them, on every rank alike). Without a precompute_scales nothing reads
+#   them: past `_UNREPORTED` waiting checks a weight queues none (and takes no fingerprint for one) until the next
+#   precompute_scales reports them. A tensor-parallel piece's checks are not queued (its statistics span the TP
+#   group too, which that all-reduce does not reach).
+# Memory: a queued check holds no tensor (its flag is a byte of the weight's buffer of `_UNREPORTED` flags, made at its
+# first check), so device memory is the same after every step, however many checks wait for a report.
 # A precomputed payload that the backward unshard will re-send (kept from forward) is not checked at the forward when
 # the check would only be queued (CUDA, world > 1): the backward's kept-payload check compares with the fingerprint
 # it was prepared from, which sees a write in either window (`unit_cast.unit_payload`'s `defer_check`): one read of
 # the weight per step, not two.
-# Cost per reuse: one read of the weight's shard (one launch, `bits_sum`); queued, two more tiny launches (XOR, OR);
-# on the CPU at one rank a compare instead; per derivation one read; per precompute_scales one stack, one compare
-# and one multi-tensor zero per process group for the queued checks.
+# Cost per reuse: one read of the weight's shard (one launch, `bits_sum`) and one compare (queued: into its flag; on
+# the CPU at one rank read at once); per derivation one read; per precompute_scales four launches per process group
+# for the queued checks (stack, any, fp32 copy, one multi-tensor zero).
 
 CHECK = Switch("HYBRIDQ_CHECK_DATA_WRITES")
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FLUSH = 256  # queued local CUDA checks compared in one batch (bounds the queue without a precompute_scales)
+_UNREPORTED = 64  # a weight's flag buffer: world > 1 checks made before a precompute_scales reports them (then none)
 
 
 def set_check_data_writes(on: bool) -> bool:
@@ -103,35 +106,44 @@ def _message(names, what: str) -> str:
 
 
 class QueuedChecks:
-    """A weight's data-write checks queued since they were last reported ([Note: data-write check]): one sticky value
-    on the device (int64: the OR of each queued check's fingerprints XORed, so nonzero where any differed), updated in
-    place, so a weight holds one 8-byte tensor however many checks wait and memory does not grow from step to step;
-    and how many were queued."""
+    """A weight's data-write checks queued since they were last reported ([Note: data-write check]): one flag per
+    check on the device (`seen[i]`: the i-th check's fingerprints differ), written into a buffer of `_UNREPORTED`
+    flags made at the weight's first check, so a queued check holds no tensor of its own and memory does not grow
+    from step to step; `count` of them are queued."""
 
-    __slots__ = ("name", "changed", "count", "what", "__weakref__")
+    __slots__ = ("name", "seen", "count", "what", "__weakref__")
 
     def __init__(self, name: str):
-        self.name, self.changed, self.count, self.what = name, None, 0, ""
+        self.name, self.seen, self.count, self.what = name, None, 0, ""
 
     def __bool__(self) -> bool:
         return self.count > 0
 
-    def add(self, ref: torch.Tensor, now: torch.Tensor, what: str) -> None:
-        """Queue one check: the fingerprint `ref` the reused data was derived at against `now`. Two launches."""
-        diff = torch.bitwise_xor(ref.to(now.device), now)
-        if self.changed is None or self.changed.device != now.device:
-            with torch.inference_mode(False):  # (updated in place later, also outside inference mode)
-                self.changed = torch.zeros_like(now)
-        self.changed.bitwise_or_(diff)
+    def will_report(self, local: bool) -> bool:
+        """Whether a check of a reuse decided by this rank alone (`local`: at once, or by the ledger) or by all ranks
+        is made: all ranks' until `_UNREPORTED` wait unreported (a run without precompute_scales: nothing would read
+        more; the next precompute_scales reports them and they are made again)."""
+        return local or self.count < _UNREPORTED
+
+    def add(self, ref: torch.Tensor, now: torch.Tensor, what: str) -> bool:
+        """Queue one check: the fingerprint `ref` the reused data was derived at against `now`. One launch (the
+        compare, written into its flag). Returns whether the queue is full (to be reported before the next)."""
+        if self.seen is None or self.seen.device != now.device:
+            with torch.inference_mode(False):  # (written in place later, also outside inference mode)
+                self.seen = torch.zeros(_UNREPORTED, dtype=torch.bool, device=now.device)
+        torch.ne(ref if ref.device == now.device else ref.to(now.device), now, out=self.seen[self.count])
         self.count += 1
         self.what = what
+        return self.count >= _UNREPORTED
 
 
 def flags(checks: list[QueuedChecks]) -> torch.Tensor:
     """fp32 flags, one per weight of `checks` with a queued check (in that order): 1 where one of its checks saw a
-    change. Reported: their queues are emptied (the sticky values zeroed in place). Three launches."""
-    out = torch.ne(torch.stack([c.changed for c in checks]), 0).to(torch.float32)
-    torch._foreach_zero_([c.changed for c in checks])
+    change. Reported: their queues are emptied (the flags cleared in place). Four launches (stack, any, the fp32
+    copy, one multi-tensor zero)."""
+    seen = [c.seen for c in checks]
+    out = torch.stack(seen).any(dim=1).to(torch.float32)
+    torch._foreach_zero_(seen)
     for c in checks:
         c.count = 0
     return out
@@ -187,9 +199,11 @@ class Ledger:
         with the check off), the check is off, or the weight has no queue and the check would be queued."""
         if ref is None or not CHECK.on:
             return False, None
-        now = bits_sum(values) if pending is not None or (local and not values.is_cuda) else None
-        if now is None:  # (a tensor-parallel piece: its decisions span two groups; docs/known-limits.md)
+        if not (pending.will_report(local) if pending is not None else local and not values.is_cuda):
+            # (no queue: a tensor-parallel piece, its decisions span two groups, docs/known-limits.md; a queue of all
+            # ranks' checks that no precompute_scales reports)
             return False, None
+        now = bits_sum(values)
         if self.reports:
             self.poll(wait=False)
         if local:
@@ -210,9 +224,9 @@ class Ledger:
         mine = self.local.get(pending)
         if mine is None:
             mine = self.local[pending] = QueuedChecks(name)
-        mine.add(ref, now, what)
+        full = mine.add(ref, now, what)
         self.queued += 1
-        if self.queued >= _FLUSH:
+        if full or self.queued >= _FLUSH:
             self._flush()
 
     def _flush(self) -> None:

@@ -88,8 +88,8 @@ def test_world_above_one_checks_are_queued_on_the_weight_and_flag_each_changed_w
 
 @pytest.mark.parametrize("local", [False, True], ids=["world above one", "one rank"])
 def test_queued_checks_hold_no_tensor_of_their_own(local):
-    """However many checks wait, a weight holds one sticky value (the same tensor): the fingerprints compared are not
-    kept, so memory does not grow from step to step without a report (2026-11-29: on two H200s, a training run
+    """However many checks wait, a weight holds one buffer of flags (the same tensor): the fingerprints compared are
+    not kept, so memory does not grow from step to step without a report (2026-11-29: on two H200s, a training run
     without precompute_scales grew by 18 KiB a step, one fingerprint per queued check). (CPU tensors stand in for
     the CUDA path of one rank.)"""
     ledger = Ledger()
@@ -109,10 +109,23 @@ def test_queued_checks_hold_no_tensor_of_their_own(local):
         kept.append(weakref.ref(now))
         if i == 0:
             held = ledger.local[q] if local else q
-            first = held.changed
+            first = held.seen
         del now
-    assert held.changed is first and held.count == 53, f"the sticky value was replaced ({held.count} checks)"
+    assert held.seen is first and held.count == 53, f"the flag buffer was replaced ({held.count} checks)"
     assert all(r() is None for r in kept), "a queued check kept its fingerprint alive"
+
+
+def test_a_weight_whose_checks_no_precompute_scales_reports_stops_queuing_until_one_does(monkeypatch):
+    """World > 1 without precompute_scales nothing reads the queued checks: past `_UNREPORTED` a weight makes none
+    (no fingerprint read); once a report empties its queue (`flags`), checks are made again."""
+    monkeypatch.setattr(data_writes, "_UNREPORTED", 3)
+    ledger, w, q = Ledger(), torch.randn(4, 4), QueuedChecks("w")
+    ref = bits_sum(w)
+    made = [ledger.reused("w", w, ref, q, False, "statistics")[1] is not None for _ in range(5)]
+    assert made == [True, True, True, False, False] and q.count == 3, f"checks made {made}, queued {q.count}"
+    assert q.will_report(True), "one rank's own checks stopped"
+    data_writes.flags([q])
+    assert ledger.reused("w", w, ref, q, False, "statistics")[1] is not None, "no check after the report"
 
 
 def test_queued_local_checks_are_compared_in_one_batch_and_raised_by_a_later_poll(monkeypatch):

@@ -317,7 +317,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
         if keeps:
             if fp is None:  # (the statistics' fingerprint where they were reduced for these values: no second read)
                 fp = st.stats_fp if ws > 1 and st.stats_fp is not None and st.stats_key == key[0] else \
-                    fingerprint(self._data)
+                    fingerprint(self._data) if st.data_checks.will_report(ws == 1) else None
             st.kept_payload = KeptPayload(key, payload, meta, fp)
         inp = transport_view(payload, shape, ws, lane.layout.halves)
         _sent(st, lane.link, inp, setup.phase)
@@ -426,7 +426,8 @@ class GroupedHybridWeight(HybridWeight):
                 *prepare_grouped(self, param, qs, plan.send, layout, dtype, lane.group), None)
         if setup.keeps and st.reuse_payload and key is not None:  # the backward unshard re-sends it unchanged
             st.kept_payload = KeptPayload(key, payload, (metas, slot, stacked),
-                                          fp if fp is not None else fingerprint(self._data))
+                                          fp if fp is not None else fingerprint(self._data)
+                                          if st.data_checks.will_report(lane.ws == 1) else None)
         inp = layout.transport(payload, slot)
         _sent(st, lane.link, inp, setup.phase)
         st.set_deferred(plan.deferred)
