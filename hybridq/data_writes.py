@@ -35,9 +35,8 @@ log = logging.getLogger("hybridq")
 # - the same on CUDA: reading the comparison would be a host sync per reuse, so each check is compared on the device
 #   into a flag of the weight's queue (`QueuedChecks`: a buffer of flags, one launch per check), and every `_FLUSH`
 #   checks (or when a weight's buffer is full) the queues are read in one batch (one stack + any + copy to pinned
-#   memory, an event), read once
-#   the event has completed (polled at later checks without waiting; waited for at the next `precompute_scales`) ->
-#   StaleWeightError (the unshards since then sent the old data: that cannot be undone);
+#   memory, an event), read once the event has completed (polled at later checks without waiting; waited for at the
+#   next `precompute_scales`) -> StaleWeightError (the unshards since then sent the old data: that cannot be undone);
 # - a decision that involves other ranks (world > 1: the reduced statistics, and payloads made with them): a rank
 #   that re-derived alone would leave the others waiting in a collective or mismatch theirs. The check is compared
 #   into the weight's own queue (its state's `data_checks`: the same weights queue checks on every rank, since the
