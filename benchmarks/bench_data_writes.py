@@ -54,6 +54,8 @@ def host_costs(device: torch.device, rows: int, cols: int, n: int, rounds: int) 
 
     def deferred():
         ledger.reused("w", w, ref, queue, False, "statistics")
+        if not queue.will_report(False):  # (as precompute_scales' report would: else it stops queuing)
+            queue.count = 0
 
     weights = [QueuedChecks(f"w{i}") for i in range(140)]
 
