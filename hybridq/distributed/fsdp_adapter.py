@@ -92,9 +92,17 @@ class FSDPLink:
         """FSDP2's sharded DTensor parameter (with CPU offload, the one whose local tensor stays on the CPU)."""
         return getattr(self._param(), "sharded_param", None)
 
-    def drop_all_gather_outputs(self) -> None:
-        """Make FSDP2 allocate new all-gather outputs at the next unshard (the payload changed size)."""
-        self._param().all_gather_outputs = []
+    def renew_all_gather_outputs(self, inp: torch.Tensor, world_size: int) -> None:
+        """New all-gather outputs for the all-gather input `inp` (the payload changed size); FSDP2 keeps them for the
+        later unshards. At world size 1 allocated here, as FSDP2 would allocate them right after on the same stream
+        (its world-1 unshard asks for the input and copies it in `wait_for_unshard`): left to FSDP2, an evaluation
+        under `torch.inference_mode()` that gathers other buffers than training would make them inference tensors,
+        which the next training unshard cannot copy into ([Note: hooks outside inference mode], weights.py). At world
+        size above 1 FSDP2 allocates them in its copy-out (the hooks run on its copy-in stream)."""
+        if world_size == 1:
+            self._param().all_gather_outputs = [torch.empty(inp.numel(), dtype=inp.dtype, device=inp.device)]
+        else:
+            self._param().all_gather_outputs = []
 
     def gathers_as_bytes(self) -> bool:
         """Whether FSDP2 copies every all-gather input of this weight's param group as bytes, whatever 16-bit float

@@ -126,11 +126,11 @@ def _mesh_info(st, mesh) -> tuple[int, int, object]:
 _GATHER_COUNTER = {p: f"gather_{p}" for p in Phase}  # (formatting an enum per unshard costs more than the lookup)
 
 
-def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str) -> None:
-    """Bookkeeping of an all-gather input about to be sent."""
+def _sent(st, link: FSDPLink | None, inp: torch.Tensor, phase: str, ws: int) -> None:
+    """Bookkeeping of an all-gather input about to be sent (to `ws` ranks)."""
     sig = (inp.shape, inp.dtype)  # (a torch.Size: a tuple, compared as one)
     if link is not None and st.last_sig is not None and sig != st.last_sig:
-        link.drop_all_gather_outputs()  # the payload changed size: let FSDP2 allocate new outputs
+        link.renew_all_gather_outputs(inp, ws)  # the payload changed size: new outputs
     st.last_sig = sig
     st.counters[_GATHER_COUNTER[phase]] += 1
     st.counters["bytes_sent"] += inp.nbytes
@@ -269,6 +269,13 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
     def fsdp_pre_all_gather(self) -> "_PreAllGatherHook":
         return _PreAllGatherHook(self)
 
+    # [Note: hooks outside inference mode]
+    # The buffers an unshard allocates (the gathered parts, stacked expert slabs, FSDP2's all-gather outputs that
+    # `_sent` renews) are kept for the later unshards. An evaluation under `torch.inference_mode()` would make them
+    # inference tensors, which a later training unshard cannot write in place nor preserve the version of: so the hooks
+    # run outside inference mode (under no_grad) where they are called inside it -- the same values, a bool test per
+    # call otherwise.
+
     def _pre_hook(self, mesh, outer_size, module, mp_policy):
         if torch.is_grad_enabled():  # (FSDP2 calls the hooks under no_grad, except on its world-1 path)
             set_grad_mode(False)  # (a fraction of the host time of a `with torch.no_grad()`; twice per unshard)
@@ -276,6 +283,9 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                 return self._pre_all_gather(mesh, outer_size, module, mp_policy)
             finally:
                 set_grad_mode(True)
+        if torch.is_inference_mode_enabled():  # ([Note: hooks outside inference mode])
+            with torch.inference_mode(False), torch.no_grad():
+                return self._pre_all_gather(mesh, outer_size, module, mp_policy)
         return self._pre_all_gather(mesh, outer_size, module, mp_policy)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -285,6 +295,9 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                 self._post_all_gather(outputs, metadata)
             finally:
                 set_grad_mode(True)
+        elif torch.is_inference_mode_enabled():  # ([Note: hooks outside inference mode])
+            with torch.inference_mode(False), torch.no_grad():
+                self._post_all_gather(outputs, metadata)
         else:
             self._post_all_gather(outputs, metadata)
         if out is not None:
@@ -320,7 +333,7 @@ class HybridWeight(QuantizedGatherShard, torch.Tensor):
                     fingerprint(self._data) if st.data_checks.will_report(ws == 1) else None
             st.kept_payload = KeptPayload(key, payload, meta, fp)
         inp = transport_view(payload, shape, ws, lane.layout.halves)
-        _sent(st, lane.link, inp, setup.phase)
+        _sent(st, lane.link, inp, setup.phase, ws)
         st.deferred = plan.deferred
         if st.parts:
             st.set_inner(plan.materialize)  # what FSDP2 allocates before fsdp_post_all_gather fills it
@@ -429,7 +442,7 @@ class GroupedHybridWeight(HybridWeight):
                                           fp if fp is not None else fingerprint(self._data)
                                           if st.data_checks.will_report(lane.ws == 1) else None)
         inp = layout.transport(payload, slot)
-        _sent(st, lane.link, inp, setup.phase)
+        _sent(st, lane.link, inp, setup.phase, lane.ws)
         st.set_deferred(plan.deferred)
         if st.gathered is not None:
             st.set_inner(plan.materialize)

@@ -100,7 +100,7 @@ def _replayable():
 
 
 def test_a_new_all_gather_output_is_aliased_again():
-    """FSDP2 allocates new all-gather outputs (the payload changed size elsewhere, `drop_all_gather_outputs`): the
+    """FSDP2 allocates new all-gather outputs (the payload changed size elsewhere, `renew_all_gather_outputs`): the
     unsharded weight's data points at the new output, not at the one a replay would assume."""
     q, un, fwd = _replayable()
     w = _weight(SHAPE, seed=2)
