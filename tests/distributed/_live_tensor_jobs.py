@@ -1,0 +1,47 @@
+"""Jobs of test_fsdp_live_tensors.py: how many tensors the process holds after each training step."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+import torch.nn as nn
+
+from hybridq import apply_hybrid_fsdp, precompute_scales
+
+WIDTH, ROWS, STEPS = 128, 64, 6
+
+
+def live_tensors_per_step(rank, world_size, device, preset: str, precompute: bool) -> list[int]:
+    """Two Linears (each its own FSDP2 unit, resharding after forward: the backward re-sends the kept payloads) in
+    `preset`, AdamW, `STEPS` steps (with `precompute_scales(payloads=True)` after each where `precompute`): the number
+    of torch.Tensor objects alive after each step (after a garbage collection)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH)).to(device)
+    apply_hybrid_fsdp(model, preset)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    counts = []
+    for _ in range(STEPS):
+        model(torch.randn(ROWS, WIDTH, generator=g).to(device)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            precompute_scales(model, payloads=True)
+        counts.append(_live_tensors())
+    return counts
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance on torch.distributed's deprecated `reduce_op` object warns)
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
