@@ -28,9 +28,15 @@ def test_one_rank_holds_as_many_tensors_after_every_step(one_rank, preset, preco
     _steady(jobs.live_tensors_per_step(0, 1, one_rank, preset, precompute), f"{preset}, world 1")
 
 
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_block", "mxfp8"])
+def test_one_rank_with_experts_holds_as_many_tensors_after_every_step(one_rank, preset):
+    _steady(jobs.live_tensors_per_step(0, 1, one_rank, preset, False, grouped=True), f"{preset} experts, world 1")
+
+
 @pytest.mark.parametrize("precompute", [False, True], ids=["without precompute_scales", "with precompute_scales"])
 def test_two_ranks_hold_as_many_tensors_after_every_step(precompute):
-    for preset in ("fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd", "fp8_block"):
+    for preset, grouped in (("fp8_tensorwise", False), ("mxfp8_fwd_nvfp4_bwd", False), ("fp8_block", False),
+                            ("fp8_tensorwise", True), ("fp8_block", True)):
         for rank, counts in enumerate(spawn(jobs.live_tensors_per_step, 2, "gloo", preset=preset,
-                                            precompute=precompute)):
-            _steady(counts, f"{preset}, rank {rank} of 2")
+                                            precompute=precompute, grouped=grouped)):
+            _steady(counts, f"{preset}{' experts' if grouped else ''}, rank {rank} of 2")
