@@ -3,7 +3,7 @@
 other buffers than training (the rowwise-only forward of rowwise-scaled FP8 and the hybrid presets), FSDP2 used to
 allocate the new all-gather outputs inside the inference forward and keep them: the next training step raised
 FSDP2's "Inference tensors do not track version counter" or an in-place write to an inference tensor (2026-11-29, world
-1: fp8_rowwise, mxfp8_fwd_nvfp4_bwd, fp8_block_fwd_mxfp8_bwd, fp8_fwd_high_precision_bwd). hybridq's hooks now run
+1: rowwise-scaled FP8, mxfp8_fwd_nvfp4_bwd, fp8_block_fwd_mxfp8_bwd, fp8_fwd_high_precision_bwd). hybridq's hooks now run
 outside inference mode and allocate the renewed world-1 outputs themselves ([Note: hooks outside inference mode]). A
 *first* forward under inference_mode fails in FSDP2 itself, hybridq or not (docs/known-limits.md)."""
 
@@ -31,14 +31,14 @@ def test_one_rank_an_inference_mode_evaluation_trains_on_like_no_grad(one_rank, 
     _check(jobs.compared(0, 1, one_rank, preset), f"{preset}, world 1")
 
 
-@pytest.mark.parametrize("preset", ["fp8_rowwise", "mxfp8_fwd_nvfp4_bwd"])
+@pytest.mark.parametrize("preset", ["mxfp8_fwd_nvfp4_bwd", "fp8_block_fwd_mxfp8_bwd"])
 def test_two_ranks_an_inference_mode_evaluation_trains_on_like_no_grad(preset):
     for rank, r in enumerate(spawn(jobs.compared, 2, "gloo", preset=preset)):
         _check(r, f"{preset}, rank {rank} of 2")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["fp8_tensorwise", "fp8_rowwise", "mxfp8_fwd_nvfp4_bwd"])
+@pytest.mark.parametrize("preset", ["fp8_tensorwise", "mxfp8_fwd_nvfp4_bwd", "fp8_fwd_high_precision_bwd"])
 def test_gpu_one_rank_an_inference_mode_evaluation_trains_on_like_no_grad(preset):
     import torch
 
