@@ -152,24 +152,36 @@ def stale_on_cuda(rank, world_size, device, steps: int = 4) -> dict:
     return {"raised": None}
 
 
-def queued_checks_per_step(rank, world_size, device) -> dict:
-    """Precomputed payloads at world > 1 (checks queued, not decided at once), units resharding after forward: after a
-    step's forward and backward, the number of data-write checks each weight queued (the forward's use of its
-    precomputed payload leaves its check to the backward's kept-payload check: one per weight and step), and whether
-    a write through `.data` after the precompute is still reported by the next precompute_scales."""
+def _fp8_model(device, world_size):
+    """The precomputed-payload jobs' fp8_tensorwise model with AdamW: (model, optimizer, input width, the name of the
+    weight the jobs edit, `step()`: one forward + backward + optimizer step on a fresh batch, and `batch()`: that
+    batch)."""
     build, width, edited = payload_jobs.MODELS["fp8_tensorwise"]
     m = build(device, world_size)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
 
+    def batch():
+        return torch.randn(16, width, generator=g).to(device)
+
     def step():
-        m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
+        m(batch()).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
 
+    return m, opt, edited, step, batch
+
+
+def queued_checks_per_step(rank, world_size, device) -> dict:
+    """Precomputed payloads at world > 1 (checks queued, not decided at once), units resharding after forward: after a
+    step's forward and backward, the number of data-write checks each weight queued (the forward's use of its
+    precomputed payload leaves its check to the backward's kept-payload check: one per weight and step), and whether
+    a write through `.data` after the precompute is still reported by the next precompute_scales."""
+    m, opt, edited, step, batch = _fp8_model(device, world_size)
+
     step()
     precompute_scales(m, payloads=True)
-    m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
+    m(batch()).float().square().mean().backward()
     from hybridq.torch_private import local_tensor
 
     counts = {n: local_tensor(p)._hq.data_checks.count for n, p in m.named_parameters()
@@ -195,15 +207,7 @@ def nan_beside_a_flag(rank, world_size, device) -> dict:
     weight's reduced statistics are non-finite on this rank."""
     from hybridq.torch_private import local_tensor
 
-    build, width, edited = payload_jobs.MODELS["fp8_tensorwise"]
-    m = build(device, world_size)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-
-    def step():
-        m(torch.randn(16, width, generator=g).to(device)).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    m, _, edited, step, _ = _fp8_model(device, world_size)
 
     step()
     precompute_scales(m, payloads=True)
