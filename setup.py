@@ -27,9 +27,11 @@ from setuptools import setup
 
 # ops.cpp: the module and the format-independent ops; linear_fp8.cpp / linear_fp8_block.cpp: the per-tensor / block
 # FP8 Linear ops (C++ autograd);
-# cublaslt_fp8.cpp: the FP8 GEMM through cuBLASLt with cached plans; every .cu is one kernel family that registers its
-# own ops (a new format's csrc/quantize_<format>.cu is picked up here)
-SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp", "csrc/linear_fp8_block.cpp", "csrc/cublaslt_fp8.cpp"] + sorted(
+# cublaslt_fp8.cpp: the FP8 GEMM through cuBLASLt with cached plans; grouped_fp8_tensor_gemm.cpp: the per-tensor FP8
+# experts' cuBLAS loops; every .cu is one kernel family that registers its own ops (a new format's
+# csrc/quantize_<format>.cu is picked up here)
+SOURCES = ["csrc/ops.cpp", "csrc/linear_fp8.cpp", "csrc/linear_fp8_block.cpp", "csrc/cublaslt_fp8.cpp",
+           "csrc/grouped_fp8_tensor_gemm.cpp"] + sorted(
     glob.glob("csrc/*.cu"))
 
 

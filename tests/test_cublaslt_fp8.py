@@ -228,3 +228,91 @@ def test_gpu_block_wgrad_gemms_are_bitwise_scaled_mm(out):
         want = F.scaled_mm(a_t[:, o:o + p], b_t[:, o:o + p].t(), _outer(a_scale[:, q]), one, _outer(b_scale[:, q]),
                            one, output_dtype=out)
         assert_bitwise(y[g], want, f"wgrad expert {g} ({p} rows), {out}")
+
+
+def _fp8_of(shape, dtype, gen, poison=False):
+    x = torch.randn(*shape, generator=gen) * 4
+    if poison:
+        x[0, 1], x[-1, -1] = float("inf"), float("nan")
+    return x.to(dtype).cuda()
+
+
+def _per_expert_scales(e: int, gen, aligned: bool) -> torch.Tensor:
+    """[E] fp32 per-expert scales: a column of an `[E, 4]` buffer (each 16-byte aligned, read in place) or a plain
+    `[E]` tensor (4-byte aligned: the op makes an aligned copy)."""
+    s = _scales((e,), gen)
+    if not aligned:
+        return s
+    buf = torch.zeros(e, 4, device="cuda")
+    buf[:, 0] = s
+    return buf[:, 0]
+
+
+# (tokens per expert, K, N): an expert without tokens, odd counts, a count > 16 not a multiple of 16
+TENSOR_GROUPS = [([16, 0, 37, 100], 64, 96), ([1, 3, 250], 128, 32)]
+FP8_PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+
+
+@_TENSORWISE
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-scales", "packed-scales"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-accum", "precise"])
+@pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=str)
+@pytest.mark.parametrize("sizes,k,n", TENSOR_GROUPS, ids=str)
+def test_gpu_tensorwise_grouped_gemms_are_bitwise_scaled_mm(sizes, k, n, a_dtype, b_dtype, fast, aligned):
+    """grouped_fp8_tensor_cublas_mm's per-expert GEMMs (direct cuBLASLt from pointers into the operands: the experts'
+    rows of `a`, each expert's `[N, K]` of a strided weight) equal torch._scaled_mm on each expert's views bit for bit,
+    non-finite values included."""
+    gen = torch.Generator().manual_seed(11)
+    e, t = len(sizes), sum(sizes)
+    a = _fp8_of((t, k), a_dtype, gen, poison=True)
+    pitch = k + 32  # (the weight's rows further apart than K: strided experts, as the columnwise dgrad operand)
+    b = _fp8_of((e * n, pitch), b_dtype, gen)
+    sa, sb = _per_expert_scales(e, gen, aligned), _per_expert_scales(e, gen, aligned)
+    before = _stats()["calls"]
+    y = _ops().grouped_fp8_tensor_cublas_mm(a, sa, b, n * pitch, pitch, n, sb, sizes, torch.bfloat16, fast)
+    assert _stats()["calls"] == before + sum(1 for m in sizes if m), "the direct path did not run every expert's GEMM"
+    o = 0
+    for g, m in enumerate(sizes):
+        bg = b[g * n:(g + 1) * n, :k]
+        want = torch._scaled_mm(a[o:o + m], bg.t(), sa[g:g + 1].clone(), sb[g:g + 1].clone(),
+                                out_dtype=torch.bfloat16, use_fast_accum=fast) if m else y[o:o]
+        assert_bitwise(y[o:o + m], want, f"expert {g} ({m} tokens), {a_dtype} x {b_dtype}, fast={fast}")
+        o += m
+
+
+@_TENSORWISE
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-scales", "packed-scales"])
+def test_gpu_tensorwise_grouped_wgrad_gemms_are_bitwise_scaled_mm(aligned, out):
+    """grouped_fp8_tensor_cublas_wgrad contracts each expert's slot of the padded columnwise forms (E5M2 gradients x
+    E4M3 inputs, no fast accumulation): bitwise torch._scaled_mm on the slot views; an expert without tokens is
+    zeros."""
+    gen = torch.Generator().manual_seed(12)
+    m, n, rows = 96, 64, [32, 0, 16, 256]
+    w = sum(rows) + 16  # (columns after the last slot: the padded layout's upper bound)
+    a_t, b_t = _fp8_of((m, w), E5M2, gen, poison=True), _fp8_of((n, w), E4M3, gen)
+    sa, sb = _per_expert_scales(len(rows), gen, aligned), _per_expert_scales(len(rows), gen, aligned)
+    offsets = [sum(rows[:g]) for g in range(len(rows))]
+    before = _stats()["calls"]
+    y = _ops().grouped_fp8_tensor_cublas_wgrad(a_t, sa, b_t, sb, offsets, rows, out)
+    assert _stats()["calls"] == before + 3, "the direct path did not run every expert's GEMM"
+    for g, (o, p) in enumerate(zip(offsets, rows)):
+        want = torch._scaled_mm(a_t[:, o:o + p], b_t[:, o:o + p].t(), sa[g:g + 1].clone(), sb[g:g + 1].clone(),
+                                out_dtype=out) if p else torch.zeros_like(y[g])
+        assert_bitwise(y[g], want, f"wgrad expert {g} ({p} slot columns), {out}")
+
+
+@_TENSORWISE
+def test_gpu_tensorwise_grouped_gemms_refuse_bad_groups_before_running():
+    """Token counts that do not sum to the rows, or a wgrad slot off the 16-column grid, raise naming the op and the
+    rule, before any GEMM runs."""
+    gen = torch.Generator().manual_seed(13)
+    a, b = _fp8_of((40, 64), E4M3, gen), _fp8_of((2 * 32, 64), E4M3, gen)
+    s = _scales((2,), gen)
+    before = _stats()["calls"]
+    with pytest.raises(RuntimeError, match="grouped_fp8_tensor_cublas_mm: the experts' token counts sum to 39"):
+        _ops().grouped_fp8_tensor_cublas_mm(a, s, b, 32 * 64, 64, 32, s, [20, 19], torch.bfloat16, True)
+    a_t, b_t = _fp8_of((32, 64), E5M2, gen), _fp8_of((32, 64), E4M3, gen)
+    with pytest.raises(RuntimeError, match="grouped_fp8_tensor_cublas_wgrad: expert 1's slot \\[24, 40\\)"):
+        _ops().grouped_fp8_tensor_cublas_wgrad(a_t, s, b_t, s, [0, 24], [16, 16], torch.bfloat16)
+    assert _stats()["calls"] == before, "a GEMM ran before the check"

@@ -401,12 +401,15 @@ def test_gpu_jagged_path_runs_without_a_host_sync(as_tensor):
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "cuda-tensor"])
 @pytest.mark.parametrize("per_expert", [True, False], ids=["cublas-per-expert", "triton-grouped"])
 def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, as_tensor, padded, monkeypatch):
-    """The grouped GEMMs (fprop / dgrad: one cuBLAS GEMM per expert, or the Triton grouped kernel; wgrad: the Triton
-    grouped kernel on either columnwise layout) multiply the quantized operands: against the fp32 products of the
-    same dequantized operands (per expert) within the tolerance of the tensor cores' summation (docs/numerics.md)."""
+    """The grouped GEMMs (one cuBLAS GEMM per expert from C++ where the host has the counts, or the Triton grouped
+    kernels; wgrad on either columnwise layout, cuBLAS on the padded one) multiply the quantized operands: against the
+    fp32 products of the same dequantized operands (per expert) within the tolerance of the tensor cores' summation
+    (docs/numerics.md)."""
     kernels = _cuda_jagged_kernels()
     monkeypatch.setattr(kernels, "per_expert_min_us", 0.0 if per_expert else float("inf"))
+    monkeypatch.setattr(kernels, "wgrad_per_expert_min_us", 0.0 if per_expert else float("inf"))
     monkeypatch.setattr(kernels, "padded_max_tokens_per_expert", float("inf") if padded else 0.0)
+    padded = padded or (per_expert and not as_tensor)  # (host counts for the cuBLAS wgrad: always the padded layout)
     splits, n, k = [100, 3, 0, 61, 16, 300], 96, 128
     e, t = len(splits), sum(splits)
     dev = torch.device("cuda")
@@ -420,10 +423,15 @@ def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, a
     wq = kernels.quantize(qw, w, TokenGroups.uniform(e, n, dev), True, "w")
     gq = kernels.quantize(qg, dy, groups, True, "dy")
     assert (xq.col.shape[1] != t) == padded, f"columnwise layout {tuple(xq.col.shape)} for {t} tokens"
+    from hybridq import _C
+    before = _C.cublaslt_stats()["calls"]
     y = kernels.mm(xq.row, xq.scale_inv, wq.row, n * k, k, n, wq.scale_inv, groups, torch.float32, precise=False)
     dx = kernels.mm(gq.row, gq.scale_inv, wq.col, n, wq.col.stride(0), k, wq.scale_inv, groups, torch.float32,
                     precise=True)
     dw = kernels.wgrad(gq.col, gq.scale_inv, xq.col, xq.scale_inv, groups, torch.float32)
+    cublas = 3 * sum(1 for m in splits if m) if per_expert and not as_tensor else 0
+    assert _C.cublaslt_stats()["calls"] - before == cublas, \
+        f"cuBLAS GEMMs run: {_C.cublaslt_stats()['calls'] - before}, expected {cublas} (3 phases per expert with tokens)"
     o = 0
     for g, m in enumerate(splits):
         xs = xq.row[o:o + m].float() * xq.scale_inv[g]
@@ -436,6 +444,25 @@ def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, a
             assert err <= 1e-3 * max(scale, 1e-30) or (scale == 0 and err == 0), \
                 f"{what} of expert {g} ({m} tokens): max error {err} of max {scale}"
         o += m
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
+def test_gpu_jagged_wgrad_refuses_columnwise_forms_of_two_layouts(monkeypatch):
+    """A layout setting changed between the forward's quantize of x and the backward's of dy (one padded, one plain)
+    raises naming both widths instead of contracting misaligned tokens."""
+    kernels = _cuda_jagged_kernels()
+    splits, dev = [100, 3, 61], torch.device("cuda")
+    t = sum(splits)
+    groups = TokenGroups.build(torch.tensor(splits, device=dev), t, dev)
+    x = torch.randn(t, 64, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(t, 32, device=dev, dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "padded_max_tokens_per_expert", float("inf"))
+    xq = kernels.quantize(Float8Quantizer("e4m3"), x, groups, True, "x")
+    monkeypatch.setattr(kernels, "padded_max_tokens_per_expert", 0.0)
+    gq = kernels.quantize(Float8Quantizer("e5m2"), dy, groups, True, "dy")
+    with pytest.raises(RuntimeError, match=f"{xq.col.shape[1]}|{gq.col.shape[1]}.*different layouts"):
+        kernels.wgrad(gq.col, gq.scale_inv, xq.col, xq.scale_inv, groups, torch.float32)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_jagged_gpu])])

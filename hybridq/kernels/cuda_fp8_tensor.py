@@ -35,6 +35,10 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   gradients of that Linear as two ops without an autograd node (csrc/linear_fp8.cpp; their caller is the compiled
   Linear's gathered fast path, nn/float8_graph.py's `gathered_forward` / `gathered_grads`, inside opaque ops at run
   time only: no fakes)
+- grouped_fp8_tensor_cublas_mm(a, a_scale [E], b, b_group_stride, b_row_stride, n, b_scale [E], sizes, out_dtype,
+  fast_accum) -> [T, n] and grouped_fp8_tensor_cublas_wgrad(a_t, a_scale [E], b_t, b_scale [E], offsets, rows,
+  out_dtype) -> [E, M, N]: the jagged experts' fprop / dgrad and wgrad as one cuBLAS GEMM per expert from C++
+  (csrc/grouped_fp8_tensor_gemm.cpp; their caller is grouped_fp8.py where the host has the token counts)
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from .cuda import FP8_DTYPES, input_ok, ops, or_empty, part_ok, plain_kw
 from .delayed import update_before_cast
 
 OPS = ("fp8_tensor_quantize", "fp8_tensor_quantize_delayed", "fp8_tensor_quantize_grouped", "fp8_tensor_dequantize",
-       "fp8_linear", "fp8_linear_delayed", "fp8_linear_fprop", "fp8_linear_grads", "fp8_tensors_quantize")
+       "fp8_linear", "fp8_linear_delayed", "fp8_linear_fprop", "fp8_linear_grads", "fp8_tensors_quantize",
+       "grouped_fp8_tensor_cublas_mm", "grouped_fp8_tensor_cublas_wgrad")
 
 # The quantizer options the kernel implements (the dispatch sends a quantizer with any other option to the
 # reference, so an option added later is never silently ignored by the kernel).
@@ -172,6 +177,14 @@ def register_fakes() -> None:
     @register_fake("hybridq::fp8_tensor_dequantize")
     def _dequantize(data, scale_inv, out_dtype):
         return data.new_empty(data.shape, dtype=out_dtype)
+
+    @register_fake("hybridq::grouped_fp8_tensor_cublas_mm")
+    def _grouped_cublas_mm(a, a_scale, b, b_group_stride, b_row_stride, n, b_scale, sizes, out_dtype, fast_accum):
+        return a.new_empty((a.shape[0], n), dtype=out_dtype)
+
+    @register_fake("hybridq::grouped_fp8_tensor_cublas_wgrad")
+    def _grouped_cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype):
+        return a_t.new_empty((len(offsets), a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
 
     @register_fake("hybridq::fp8_linear")
     def _linear(x, weight, bias, x_row, x_row_scale_inv, x_col, x_col_scale_inv, *casts_and_flags):

@@ -3,9 +3,9 @@ for device type "cuda": the grouped quantize of the extension (`hybridq::fp8_ten
 and one cast launch for all groups, rowwise and columnwise in the same pass, the columnwise rows 16-byte aligned for
 the wgrad GEMM) and the Triton grouped GEMMs of `triton_grouped_fp8` (sm_90), all reading the group bounds from the
 device: no host sync, no padding or packing copies. Where the host has the token counts and each expert's GEMM is
-long enough to hide a call's host cost, fprop and dgrad run as one cuBLAS `torch._scaled_mm` per expert on its rows
-instead (faster than the Triton kernel with precise accumulation; `per_expert_min_us`), and GroupedLinear's whole
-per-expert path is preferred for few, long experts (`prefers_per_expert_path`: its cuBLAS wgrad beats the Triton one).
+long enough to hide a call's host cost, the GEMMs run as one cuBLAS GEMM per expert instead, issued from C++ in one op
+call per phase (`hybridq::grouped_fp8_tensor_cublas_mm` / `_wgrad`: ~1.0-1.4 PFLOP/s on an H200 where the Triton
+kernels with promoted accumulation run at ~0.45-0.85; `per_expert_min_us`, `wgrad_per_expert_min_us`).
 
 Taken where every piece runs: a CUDA sm_90 device, Triton, the built extension, FP8 GEMMs enabled
 (`native_gemm.disabled()` turns them off), contracted sizes (in_features for fprop, out_features for dgrad) multiple
@@ -20,7 +20,6 @@ import torch
 from ..enums import Scaling
 from ..formats import Float8Quantizer
 from ..formats.base import option_names
-from ..formats.float8 import aligned_scales
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from . import _ext, native_gemm
 from .cuda import IN_DTYPES
@@ -62,10 +61,11 @@ class CudaJaggedFP8(JaggedFP8Kernels):
 
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
         """The columnwise form comes in the padded layout (`padded_transpose`: each group's tokens from a 16-aligned
-        column, zero-padded to a multiple of 16), which the wgrad GEMM reads without edge products, made by a transpose of
-        the rowwise bytes (one more read of them). Groups the host knows are 16-aligned (the experts' weights), and
-        groups whose average has more than `padded_max_tokens_per_expert` tokens, have the plain transpose instead,
-        written by the cast itself (rows `ceil16(T)` apart)."""
+        column, zero-padded to a multiple of 16), which the wgrad GEMM reads without edge products (and cuBLAS takes
+        per expert), made by a transpose of the rowwise bytes (one more read of them). Groups the host knows are
+        16-aligned (the experts' weights) have the plain transpose instead, written by the cast itself (rows
+        `ceil16(T)` apart), and so do groups of device counts whose average has more than
+        `padded_max_tokens_per_expert` tokens (see `_in_cast`)."""
         if x2d.dtype not in IN_DTYPES:
             raise TypeError(f"{name}: the FP8 cast takes float32 / bfloat16 / float16, got {x2d.dtype}")
         x = x2d.contiguous()
@@ -78,18 +78,16 @@ class CudaJaggedFP8(JaggedFP8Kernels):
             col = _triton().padded_transpose(row, groups.ends, groups.padded_ends, groups.padded_width())
         return JaggedFP8(row, col if columnwise else None, scale_inv)
 
-    # fprop / dgrad as one torch._scaled_mm per expert (cuBLAS, ~1.1-1.3 PFLOP/s on an H200 at these shapes,
-    # measured ~60-100 us of host time per call) when the host has the token counts (a list m_splits) and the average
-    # expert's GEMM takes at least this long on the GPU (estimated at 1.1 PFLOP/s); else one Triton grouped launch
-    # (BENCHMARKS.md, "MoE": per-expert cuBLAS wins at 8 experts x 4096 tokens and 16 x 4096, the grouped launch at
-    # 64 x 2048, where the per-expert calls are host-bound). wgrad is always the grouped launch (cuBLAS would need
-    # each expert's tokens 16-aligned: a copy of both columnwise forms).
-    per_expert_min_us = 50.0
-    # ...and the whole per-expert path of GroupedLinear (cuBLAS for all three GEMMs, wgrad on each expert's tokens
-    # padded to 16, where the Triton wgrad runs at ~0.5-0.7 PFLOP/s) where the average expert's GEMM takes at least
-    # this long: measured 1.26x vs 1.09x bf16 at 8 experts x 4096 tokens (d 4096, h 14336; ~440 us per GEMM), 0.42x
-    # vs 0.94x at 16 x 4096 (d 2048, h 5632; ~90 us)
-    per_expert_path_min_us = 200.0
+    # fprop / dgrad as one cuBLAS GEMM per expert (`grouped_fp8_tensor_cublas_mm`, the GEMM torch._scaled_mm runs:
+    # ~1.2-1.4 PFLOP/s on an H200 at the bench_grouped shapes, ~10 us of host per expert) when the host has the token
+    # counts (a list m_splits) and the average expert's GEMM takes at least this long on the GPU (estimated at 1.1
+    # PFLOP/s); else one Triton grouped launch (which wins for short experts: the MoE job's 16 x 2048 tokens, d 2048,
+    # h 1024, ~8 us each). wgrad likewise (`grouped_fp8_tensor_cublas_wgrad` on the padded columnwise layout, which
+    # host counts give: cuBLAS needs each expert's tokens 16-aligned).
+    per_expert_min_us = 15.0
+    wgrad_per_expert_min_us = 15.0
+    # (GroupedLinear's whole per-expert path is never preferred: with the GEMMs above, the jagged path measured 1.61x
+    # bf16 at 8 experts x 4096 tokens, d 4096, h 14336, where the per-expert path measured 1.31x; BENCHMARKS.md)
 
     # token groups get the padded columnwise layout (see quantize) where the average expert has at most this many
     # tokens, else the plain transpose written by the cast (the wgrad kernel then reads each expert's < 16 edge tokens
@@ -100,8 +98,13 @@ class CudaJaggedFP8(JaggedFP8Kernels):
 
     def _in_cast(self, groups) -> bool:
         """Whether the cast writes these groups' columnwise form (the plain transpose, rows `ceil16(T)` apart), else
-        the padded layout."""
-        return groups.aligned16() or groups.tokens > self.padded_max_tokens_per_expert * groups.n
+        the padded layout: always the padded layout for host counts (not all 16-aligned) where the wgrad may run per
+        expert on cuBLAS, which needs it."""
+        if groups.aligned16():
+            return True
+        if groups.known_sizes() is not None and self.wgrad_per_expert_min_us != float("inf"):
+            return False
+        return groups.tokens > self.padded_max_tokens_per_expert * groups.n
 
     def columnwise_width(self, groups) -> int:
         return -(-groups.tokens // 16) * 16 if self._in_cast(groups) else groups.padded_width()
@@ -109,19 +112,17 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     def columnwise_form(self, buffer: torch.Tensor, groups) -> torch.Tensor:
         return buffer[:, :groups.tokens] if self._in_cast(groups) else buffer
 
-    def prefers_per_expert_path(self, sizes: list[int], in_features: int, out_features: int) -> bool:
-        return bool(sizes) and _gemm_us(sizes, in_features, out_features) >= self.per_expert_path_min_us
-
-    def _per_expert(self, groups, k: int, n: int) -> bool:
+    @staticmethod
+    def _per_expert(groups, k: int, n: int, min_us: float) -> bool:
         sizes = groups.known_sizes()
-        return bool(sizes) and _gemm_us(sizes, k, n) >= self.per_expert_min_us
+        return bool(sizes) and _gemm_us(sizes, k, n) >= min_us
 
     def mm(self, a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, groups,
            out_dtype: torch.dtype, precise: bool, name: str = "grouped GEMM") -> torch.Tensor:
         od = out_dtype if out_dtype in _MM_OUT else torch.float32
-        if self._per_expert(groups, a.shape[1], n):
-            out = _per_expert_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv,
-                                 groups.known_sizes(), od, precise)
+        if self._per_expert(groups, a.shape[1], n, self.per_expert_min_us):
+            out = torch.ops.hybridq.grouped_fp8_tensor_cublas_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n,
+                                                                 b_scale_inv, groups.known_sizes(), od, not precise)
         else:
             out = _triton().jagged_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, groups.ends,
                                       od, precise)
@@ -130,11 +131,21 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     def wgrad(self, a_t, a_scale_inv, b_t, b_scale_inv, groups, out_dtype: torch.dtype,
               name: str = "grouped wgrad") -> torch.Tensor:
         od = out_dtype if out_dtype in _MM_OUT else torch.float32
+        if a_t.shape[1] != b_t.shape[1]:  # (a layout setting changed between forward and backward)
+            raise RuntimeError(f"{name}: the columnwise forms have {a_t.shape[1]} and {b_t.shape[1]} token columns: "
+                               f"they were quantized in different layouts (padded_max_tokens_per_expert or "
+                               f"wgrad_per_expert_min_us changed between forward and backward)")
         # the columnwise forms of `quantize`: the padded layout (every group's bounds multiples of 16) is wider than
         # the tokens, or all groups are 16-aligned (both layouts are one); else the plain transpose, edges and all
         padded = a_t.shape[1] != groups.tokens or groups.aligned16()
-        out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv,
-                                     groups.padded_ends if padded else groups.ends, od, precise=True, aligned=padded)
+        if padded and self._per_expert(groups, a_t.shape[0], b_t.shape[0], self.wgrad_per_expert_min_us):
+            offsets, rows = groups.padded_slots()
+            out = torch.ops.hybridq.grouped_fp8_tensor_cublas_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offsets, rows,
+                                                                    od)
+        else:
+            out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv,
+                                         groups.padded_ends if padded else groups.ends, od, precise=True,
+                                         aligned=padded)
         return out if od == out_dtype else out.to(out_dtype)
 
 
@@ -144,20 +155,3 @@ _MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 def _gemm_us(sizes: list[int], k: int, n: int) -> float:
     """The average expert's GEMM time estimated at 1.1 PFLOP/s (the FP8 GEMMs measured on an H200), in us."""
     return 2.0 * (sum(sizes) / len(sizes)) * k * n / 1.1e15 * 1e6
-
-
-def _per_expert_mm(a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, sizes: list[int],
-                   out_dtype: torch.dtype, precise: bool) -> torch.Tensor:
-    """One `torch._scaled_mm` per expert on its rows (cuBLAS takes any row count), written in place into the
-    result; `b_g^T` is a column-major view of the weight's bytes (no copy)."""
-    k = a.shape[1]
-    out = a.new_empty(a.shape[0], n, dtype=out_dtype)
-    sa, sb = aligned_scales(a_scale_inv), aligned_scales(b_scale_inv)
-    o = 0
-    for g, m in enumerate(sizes):
-        if m:
-            bg = b.as_strided((n, k), (b_row_stride, 1), b.storage_offset() + g * b_group_stride)
-            torch._scaled_mm(a[o:o + m], bg.t(), sa[g, :1], sb[g, :1], out_dtype=out_dtype, use_fast_accum=not precise,
-                             out=out[o:o + m])
-        o += m
-    return out

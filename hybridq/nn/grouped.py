@@ -103,8 +103,8 @@ class GroupedLinear(nn.Module):
     # per-tensor FP8 (the FP8_TENSOR packed path) takes the jagged layout (hybridq/nn/grouped_jagged.py: tokens as
     # routed, group bounds on the device, no host sync) where its kernels run here (the CPU reference; CUDA sm_90
     # with Triton and the extension), else the padded packed layout. None: the jagged layout unless its kernels
-    # measure the per-expert path faster at these token counts (few, large experts with host counts:
-    # `prefers_per_expert_path`); True: the jagged layout wherever its kernels run; False: never (benchmarks, tests).
+    # measure the per-expert path faster at these token counts (`prefers_per_expert_path`: none of today's kernels
+    # do); True: the jagged layout wherever its kernels run; False: never (benchmarks, tests).
     jagged_path: bool | None = None
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, device=None,

@@ -58,6 +58,7 @@ class TokenGroups:
         # Python loop over the groups)
         self._padded_total: int | None = None
         self._all_aligned16: bool | None = None
+        self._padded_slots: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def build(cls, m_splits: list[int] | torch.Tensor, tokens: int, device: torch.device,
@@ -143,6 +144,18 @@ class TokenGroups:
         if self._padded_total is None:
             self._padded_total = sum(-(-m // 16) * 16 for m in self._sizes)
         return self._padded_total
+
+    def padded_slots(self) -> tuple[list[int], list[int]]:
+        """(first column, columns) of each group in the padded layout, from the host counts (which it needs): the
+        slots the per-expert cuBLAS wgrad contracts."""
+        if self._padded_slots is None:
+            rows = [-(-m // 16) * 16 for m in self.host_sizes()]
+            offsets, o = [], 0
+            for r in rows:
+                offsets.append(o)
+                o += r
+            self._padded_slots = (offsets, rows)
+        return self._padded_slots
 
     def aligned16(self) -> bool:
         """Whether the host knows every group starts and ends at a multiple of 16 rows (then the padded layout is the
