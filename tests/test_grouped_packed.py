@@ -448,6 +448,26 @@ def test_gpu_jagged_gemms_match_the_emulation_of_the_same_operands(per_expert, a
 
 @pytest.mark.gpu
 @needs_jagged_gpu
+@pytest.mark.parametrize("splits", [[5, 0, 17, 40], [100, 3, 0, 61]], ids=str)
+def test_gpu_jagged_cublas_gemms_agree_with_the_per_expert_path(splits, monkeypatch):
+    """With host counts and every phase on the per-expert cuBLAS loops (thresholds 0), the jagged layer's output is
+    bitwise the per-expert path's (the same operands, the same cuBLAS GEMM per expert); dx and dW (other leading
+    dimensions of the same operands, so cuBLAS may pick another algorithm) agree within the GEMMs' rounding."""
+    kernels = _cuda_jagged_kernels()
+    monkeypatch.setattr(kernels, "per_expert_min_us", 0.0)
+    monkeypatch.setattr(kernels, "wgrad_per_expert_min_us", 0.0)
+    monkeypatch.setattr(hq.GroupedLinear, "jagged_path", True)
+    got = _run(True, splits, device="cuda")
+    ref = _run(False, splits, device="cuda")
+    assert_bitwise(got["y"], ref["y"], f"y, groups {splits}")
+    for k in ("dx", "dW"):
+        a, b = got[k].float(), ref[k].float()
+        err = (a - b).abs().max().item()
+        assert err <= 1e-2 * b.abs().max().item(), f"{k}: max |jagged - per-expert| = {err}, groups {splits}"
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
 def test_gpu_jagged_wgrad_refuses_columnwise_forms_of_two_layouts(monkeypatch):
     """A layout setting changed between the forward's quantize of x and the backward's of dy (one padded, one plain)
     raises naming both widths instead of contracting misaligned tokens."""
