@@ -369,6 +369,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default=None, help="run only the rows whose name contains this text (e.g. 'gathered op')")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-steps", type=int, default=200, help="steps under each profiler with --profile")
     ap.add_argument("--profile", default=None, help="write where a hybridq Linear step spends host time (torch.profiler "
                     "self CPU time per op, cProfile per Python function) to this file")
     args = ap.parse_args()
@@ -395,7 +396,7 @@ def main() -> None:
             pass
         for row in ("hybridq Linear fwd+bwd (fp8_tensorwise)", "hybridq Linear fwd+bwd (fp8_block)"):
             if row in dict(todo):
-                profile_linear_step(dict(todo)[row], row, device, args.profile)
+                profile_linear_step(dict(todo)[row], row, device, args.profile, args.profile_steps)
 
 
 def profile_linear_step(step, row: str, device: torch.device, path: str, n: int = 200) -> None:
@@ -405,7 +406,7 @@ def profile_linear_step(step, row: str, device: torch.device, path: str, n: int 
 
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(20):
+    for _ in range(min(20, n)):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(n):

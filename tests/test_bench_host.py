@@ -50,7 +50,7 @@ def test_bench_host_prints_the_table_of_every_call_on_cpu(tmp_path):
     out = tmp_path / "host.json"
     prof = tmp_path / "prof.txt"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--device", "cpu", "--dim", "32",
-                        "--n", "3", "--rounds", "2", "--json", str(out), "--profile", str(prof)],
+                        "--n", "3", "--rounds", "2", "--json", str(out), "--profile", str(prof), "--profile-steps", "5"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_host failed:\n{r.stdout}\n{r.stderr}"
     table = [[c.strip() for c in line.strip().strip("|").split("|")] for line in r.stdout.splitlines()
