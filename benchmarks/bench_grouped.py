@@ -36,6 +36,11 @@ fp8 rowwise", "... compiled"; --torchao picks them). torchao 0.18 takes only gro
     python benchmarks/bench_grouped.py --configs 8x16384x2x4096x14336 --presets mxfp8,fp8_block --json out.json
     python benchmarks/bench_grouped.py --smoke      # tiny sizes on the CPU (the test suite runs this)
     python benchmarks/bench_grouped.py --torchao ""  # without the torchao rows
+    python benchmarks/bench_grouped.py --presets fp8_tensorwise --torchao "" --profile 3   # + where each step goes
+
+`--profile N` profiles N more steps of every candidate after the timing (torch.profiler) and prints, per config and
+candidate, the kernels' time per step by name (GPU time on CUDA, the ops' own CPU time on the CPU) with the launches
+per step: where the FP8 step's time goes next to bf16's.
 """
 
 from __future__ import annotations
@@ -187,6 +192,31 @@ class LinearLoop(nn.Module):
         return torch.cat([lin(part) for lin, part in zip(self.experts, x.split(m_splits))])
 
 
+def profile_rows(step: Callable[[], None], device: torch.device, steps: int, top: int = 12
+                 ) -> tuple[float, list[tuple[str, float, float]]]:
+    """(total ms per step, [(kernel or op name, ms per step, calls per step)] of the `top` largest) over `steps` steps
+    of `step` under torch.profiler: GPU kernels on CUDA, the ops' own CPU time on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    per: dict[str, list[float]] = {}
+    # (CUDA: each kernel event; the CPU: the ops' averages, their own time)
+    events = ([(ev.name, ev.device_time_total, 1) for ev in prof.events()
+               if ev.device_type == torch.autograd.DeviceType.CUDA] if cuda else
+              [(ev.key, ev.self_cpu_time_total, ev.count) for ev in prof.key_averages()])
+    for key, us, count in events:
+        if us > 0:
+            ms_calls = per.setdefault(key, [0.0, 0.0])
+            ms_calls[0] += us / 1e3 / steps
+            ms_calls[1] += count / steps
+    rows = sorted(((k, v[0], v[1]) for k, v in per.items()), key=lambda r: -r[1])
+    return sum(r[1] for r in rows), rows[:top]
+
+
 def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, route):
     params = list(module.parameters())
 
@@ -245,12 +275,16 @@ def main(argv=None) -> None:
     ap.add_argument("--torchao", default="rowwise,rowwise_compiled",
                     help=f"torchao rows where torchao imports ({', '.join(TORCHAO)}; '' for none)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile N more steps of every candidate and print where each step's time goes")
     args = ap.parse_args(argv)
     torchao = [w for w in args.torchao.split(",") if w]
     if any(w not in TORCHAO for w in torchao):
         ap.error(f"--torchao takes {', '.join(TORCHAO)}, got {args.torchao!r}")
     if args.warm_steps < 0:
         ap.error(f"--warm-steps takes a count >= 0, got {args.warm_steps}")
+    if args.profile < 0:
+        ap.error(f"--profile takes a step count >= 0, got {args.profile}")
     if args.smoke:
         args.configs = args.configs or SMOKE_CONFIGS
         args.iters, args.rounds = 1, 1
@@ -265,7 +299,7 @@ def main(argv=None) -> None:
     from hybridq.kernels import extension_available
     print(f"device: {name}; torch {torch.__version__}; hybridq CUDA extension: {extension_available()}; "
           f"torch._grouped_mm: {'present' if hasattr(torch, '_grouped_mm') else 'absent'}", flush=True)
-    rows, notes = [], []
+    rows, notes, profiles = [], [], []
     for cfg in configs.split(","):
         e, t, k, d, h = (int(v) for v in cfg.split("x"))
         splits = routed_splits(e, t, k)
@@ -308,6 +342,11 @@ def main(argv=None) -> None:
                    "tflops": flop / (ms * 1e-3) / 1e12, "vs": base_name, "ratio": base / ms}
             rows.append(row)
             print(json.dumps({k_: v for k_, v in row.items() if k_ != "m_splits"}), flush=True)
+        if args.profile:
+            for cname, step in steps.items():
+                total, top = profile_rows(step, device, args.profile)
+                profiles.append({"config": cfg, "name": cname, "ms": total,
+                                 "top": [{"kernel": k_, "ms": ms, "calls": n} for k_, ms, n in top]})
         del steps
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -317,11 +356,18 @@ def main(argv=None) -> None:
     for r in rows:
         vs = "" if r["vs"] == GROUPED_MM else " (vs the nn.Linear loop)"
         print(f"| {r['config']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.3g} | {r['ratio']:.2f}x{vs} |")
+    what, total = ("GPU kernel", "GPU kernels") if device.type == "cuda" else ("op (own CPU time)", "ops' own CPU time")
+    for p in profiles:
+        print(f"\n{p['config']} {p['name']}: {p['ms']:.3f} ms per step ({total}, profiled)")
+        print(f"| {what} | ms per step | calls per step |\n|---|---|---|")
+        for t in p["top"]:
+            print(f"| {t['kernel'][:90]} | {t['ms']:.3f} | {t['calls']:g} |")
     for n in notes:
         print(f"note: {n}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": name, "torch": torch.__version__, "rows": rows, "notes": notes}, fh, indent=1)
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows, "notes": notes,
+                       "profiles": profiles}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,24 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
         assert x["ratio"] > 0, x
 
 
+def test_bench_grouped_profile_prints_where_each_candidates_step_goes(tmp_path):
+    """--profile N: after the timing, one table per config and candidate of the largest kernels (here: ops) with
+    their time and calls per step, in the table's order; the JSON holds them."""
+    out = tmp_path / "grouped.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_grouped.py"), "--smoke", "--configs",
+                        "4x48x2x64x96", "--presets", "fp8_tensorwise", "--torchao", "", "--profile", "1", "--json",
+                        str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"bench_grouped --profile failed:\n{r.stdout}\n{r.stderr}"
+    js = json.loads(out.read_text())
+    names = [x["name"] for x in js["rows"]]
+    assert [p["name"] for p in js["profiles"]] == names, "one profile per timed candidate, in order"
+    for p in js["profiles"]:
+        title = f"4x48x2x64x96 {p['name']}: {p['ms']:.3f} ms per step (ops' own CPU time, profiled)"
+        assert title in r.stdout, f"no profile table titled {title!r}"
+        assert p["top"] and all(t["ms"] > 0 and t["calls"] > 0 for t in p["top"]), p
+        assert sum(t["ms"] for t in p["top"]) <= p["ms"] * (1 + 1e-9), p
+
+
 @pytest.mark.parametrize("warm_steps", [0, 1, 2])
 def test_each_timed_block_follows_warm_steps_of_its_own_candidate_in_an_order_rotated_per_round(warm_steps):
     """What ran right before a timed block is the same candidate's untimed steps, never another candidate's, and no
