@@ -56,7 +56,6 @@ class TokenGroups:
         self._row_group: torch.Tensor | None = None
         # what the host counts say, once they are known (they never change then; each kernel call asked anew: a
         # Python loop over the groups)
-        self._padded_total: int | None = None
         self._all_aligned16: bool | None = None
         self._padded_slots: tuple[list[int], list[int]] | None = None
 
@@ -141,9 +140,8 @@ class TokenGroups:
         (each group adds fewer than 16 columns), a multiple of 16 either way; no host sync."""
         if self._sizes is None:
             return -(-(self.tokens + 15 * self.n) // 16) * 16
-        if self._padded_total is None:
-            self._padded_total = sum(-(-m // 16) * 16 for m in self._sizes)
-        return self._padded_total
+        offsets, rows = self.padded_slots()
+        return offsets[-1] + rows[-1] if rows else 0
 
     def padded_slots(self) -> tuple[list[int], list[int]]:
         """(first column, columns) of each group in the padded layout, from the host counts (which it needs): the
