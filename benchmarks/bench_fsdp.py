@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import hybridq  # noqa: E402
 from comm import CommCounter  # noqa: E402 (launch/comm.py: the job counts its gathers the same way)
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 
 class RMSNorm(nn.Module):
@@ -280,3 +281,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization()

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridq
-from fsdp_setup import init_world, shard_units
+from fsdp_setup import exit_without_finalization, init_world, shard_units
 from hybridq.data_writes import CHECK
 from hybridq.distributed import HybridWeight, precompute_scales, unit_cast, unit_fill
 from hybridq.torch_private import in_backward
@@ -244,4 +244,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    exit_without_finalization(0 if main() else 1)

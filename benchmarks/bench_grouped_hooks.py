@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from fsdp_setup import init_world, shard_units
+from fsdp_setup import exit_without_finalization, init_world, shard_units
 from hybridq.distributed import GroupedHybridWeight, HybridWeight, grouped_fast
 from hybridq.torch_private import in_backward
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -205,4 +205,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    exit_without_finalization(0 if main() else 1)

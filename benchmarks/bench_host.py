@@ -29,6 +29,7 @@ from hybridq.kernels import native_gemm
 from hybridq.nn import delayed_linear, float8_graph, linear_function
 from hybridq.nn.float8_graph import eager_fast_path
 from hybridq.nn.linear import shared_input_quantization
+from fsdp_setup import exit_without_finalization
 
 
 def per_call_us(fn, device: torch.device, n: int, warmup: int = 20) -> float:
@@ -430,3 +431,4 @@ def profile_linear_step(step, row: str, device: torch.device, path: str, n: int 
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization()

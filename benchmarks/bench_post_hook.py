@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import hybridq
-from fsdp_setup import init_world, shard_units
+from fsdp_setup import exit_without_finalization, init_world, shard_units
 from hybridq.distributed import HybridWeight
 from hybridq.formats import COLUMNWISE
 
@@ -137,4 +137,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    exit_without_finalization(0 if main() else 1)

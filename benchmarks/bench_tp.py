@@ -29,6 +29,7 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import hybridq  # noqa: E402
 from model import Block, ModelConfig, rope_tables  # noqa: E402
 from parallel import block_plan  # noqa: E402
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 
 def build(mode: str, cfg: ModelConfig, mesh, device, dtype):
@@ -146,3 +147,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization()

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fsdp_setup import exit_without_finalization
 
 
 class Block(nn.Module):
@@ -125,3 +126,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()
+    exit_without_finalization()

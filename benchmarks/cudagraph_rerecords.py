@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._inductor import cudagraph_trees
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from fsdp_setup import exit_without_finalization
 
 RECORDED = {"n": 0}
 _record = cudagraph_trees.CUDAGraphTreeManager.record_function
@@ -115,3 +116,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization()

@@ -1,10 +1,12 @@
 """The FSDP2 set-up the hook benchmarks share (bench_gather_hooks.py, bench_grouped_hooks.py, bench_post_hook.py): the
 process group (one process, or each of torchrun's) and a model's hybridq weights under FSDP2, one `fully_shard` per
-unit and one for the model, bf16 param dtype -- so that each benchmark's numbers come from the same set-up."""
+unit and one for the model, bf16 param dtype -- so that each benchmark's numbers come from the same set-up; and how
+every benchmark that starts a process group leaves (`exit_without_finalization`)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -41,3 +43,14 @@ def shard_units(model: nn.Module, units, preset: str, device: torch.device, worl
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def exit_without_finalization(code: int = 0) -> None:
+    """Leaves the process now, output flushed, as launch/train.py does: DTensors and FSDP2 state that outlive `main()`
+    keep the gloo process group's worker threads alive past `destroy_process_group`, and one still releasing the last
+    collective's tensors needs the GIL while the interpreter finalizes -- the process then aborts ("terminate called
+    without an active exception": bench_tp's TP=4 CPU smoke run, once on a loaded 2-core machine, 2026-11-29;
+    pytorch/pytorch PR 179291 describes it). Every benchmark that starts a process group ends with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from hybridq.distributed import apply_hybrid_fsdp
 from hybridq.kernels import cuda_fp8_block, cuda_fp8_tensor
 from hybridq.nn import compiled_linear, float8_graph
+from fsdp_setup import exit_without_finalization
 
 IN, OUT, DT = 256, 256, torch.bfloat16
 
@@ -121,3 +122,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization()

@@ -72,6 +72,7 @@ from profile_events import (CATEGORIES, COLLECTIVE_KINDS, LABELS, STEP_MARK, STI
                             union_us)
 from profile_tables import (ALLOC_KEYS, JITTER, category_table, collectives_table, fmt_table,  # noqa: E402,F401
                             inside_table, process_text, timing_lines, top_table)
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 
 # ---- running the steps ------------------------------------------------------------------------------
@@ -336,7 +337,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as train.py: no interpreter finalization with gloo worker threads still alive
+    exit_without_finalization(main())
