@@ -1,5 +1,5 @@
-"""Nothing hybridq keeps per FSDP2-sharded weight grows from step to step: the process holds as many tensors after
-every training step from the second on, in every preset, at world 1 and 2, with and without `precompute_scales`. (The
+"""Nothing hybridq keeps per FSDP2-sharded weight grows from step to step: the process holds no more tensors after
+any training step than after the second, in every preset, at world 1 and 2, with and without `precompute_scales`. (The
 CPU counterpart of the GPU suite's memory checks: 2026-11-29, the data-write check's queue of a world-2 run without
 precompute_scales kept two fingerprints per check, 18 KiB more CUDA memory a step on two H200s; here, 2 more tensors
 per check.)"""
@@ -19,7 +19,10 @@ PRESETS = [p for p in hybridq.preset_names() if p != "fp8_delayed"]  # (apply_hy
 
 
 def _steady(counts: list[int], where: str) -> None:
-    assert counts[1:] == counts[1:2] * (len(counts) - 1), f"{where}: tensors alive after each step: {counts}"
+    # (never more than after the second step; fewer is no leak: a one-rank test counts its pytest process's tensors,
+    # and a bounded cache that an earlier test filled may evict its entries during the steps -- seen once under
+    # pytest-xdist, 2291 then 2283 tensors)
+    assert max(counts[1:]) == counts[1], f"{where}: tensors alive after each step: {counts}"
 
 
 @pytest.mark.parametrize("precompute", [False, True], ids=["without precompute_scales", "with precompute_scales"])
