@@ -45,12 +45,13 @@ def shard_units(model: nn.Module, units, preset: str, device: torch.device, worl
     return model
 
 
-def exit_without_finalization(code: int = 0) -> None:
+def exit_without_finalization(code: int | None = 0) -> None:
     """Leaves the process now, output flushed, as launch/train.py does: DTensors and FSDP2 state that outlive `main()`
     keep the gloo process group's worker threads alive past `destroy_process_group`, and one still releasing the last
     collective's tensors needs the GIL while the interpreter finalizes -- the process then aborts ("terminate called
     without an active exception": bench_tp's TP=4 CPU smoke run, once on a loaded 2-core machine, 2026-11-29;
-    pytorch/pytorch PR 179291 describes it). Every benchmark that starts a process group ends with it."""
+    pytorch/pytorch PR 179291 describes it). Every benchmark that starts a process group ends with it (`code` None
+    is 0, as for `sys.exit`)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0 if code is None else int(code))

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import hybridq  # noqa: E402
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 _FSDP = "torch.distributed.fsdp._fully_shard."
 
@@ -234,4 +235,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main())

@@ -44,6 +44,7 @@ import hybridq  # noqa: E402
 from hybridq.nn.expert_layers import converted_experts  # noqa: E402
 from hybridq.nn.linear import Linear  # noqa: E402
 from hybridq.torch_private import in_backward  # noqa: E402
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 
 def _fsdp_group_class():
@@ -360,4 +361,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main())

@@ -27,6 +27,7 @@ import profile_step as ps  # noqa: E402 (adds launch/ to the path)
 import torch  # noqa: E402
 
 import hybridq  # noqa: E402
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 PHASES = ("forward", "loss + backward", "clip + optimizer + precompute")
 
@@ -112,4 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main())

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import profile_step as ps
+from fsdp_setup import exit_without_finalization  # noqa: E402
 
 _RESULT = "step_time.py result: "
 
@@ -126,4 +127,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main())
