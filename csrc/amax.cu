@@ -238,7 +238,47 @@ __global__ void __launch_bounds__(256) row_groups_from_starts_kernel(const int64
   }
 }
 
+// src_rows[m] for m in [0, width) of the padded row-group layout: the input row placed at row m (group g's rows at
+// [padded_ends[g-1], padded_ends[g-1] + size_g), size_g = ends[g] - ends[g-1]), else -1 (the zero rows up to
+// padded_ends[g] and from padded_ends[n-1] to width). Block 0's thread 0 checks the bounds first (device-side
+// assert): the input's M rows end the groups, each padded group holds its rows in a multiple of 16, width holds all.
+__global__ void __launch_bounds__(256) padded_rows_kernel(const int32_t* __restrict__ ends,
+                                                          const int32_t* __restrict__ padded_ends, int n_groups,
+                                                          int64_t M, int64_t width, int32_t* __restrict__ src_rows) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    bool ok = ends[n_groups - 1] == M && padded_ends[n_groups - 1] <= width;
+    for (int g = 0; g < n_groups; ++g) {
+      const int32_t size = ends[g] - (g ? ends[g - 1] : 0), psize = padded_ends[g] - (g ? padded_ends[g - 1] : 0);
+      ok = ok && size >= 0 && psize >= size && psize % 16 == 0;
+    }
+    CUDA_KERNEL_ASSERT(ok && "padded row groups: bounds inconsistent with the rows or the width");
+  }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t m = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; m < width; m += stride) {
+    int lo = 0, hi = n_groups;  // the first g with padded_ends[g] > m (n_groups: past the last group)
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (padded_ends[mid] <= m) lo = mid + 1;
+      else hi = mid;
+    }
+    int32_t src = -1;
+    if (lo < n_groups) {
+      const int64_t pstart = lo ? padded_ends[lo - 1] : 0, start = lo ? ends[lo - 1] : 0;
+      if (m - pstart < ends[lo] - start) src = static_cast<int32_t>(start + (m - pstart));
+    }
+    src_rows[m] = src;
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_padded_rows(const int32_t* ends, const int32_t* padded_ends, int n_groups, int64_t M,
+                               int64_t width, int32_t* src_rows, cudaStream_t stream) {
+  if (width == 0 || n_groups == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(min64((width + 255) / 256, static_cast<int64_t>(num_sms()) * 8));
+  padded_rows_kernel<<<blocks, 256, 0, stream>>>(ends, padded_ends, n_groups, M, width, src_rows);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_absmax(InType t, const void* x, int64_t n, uint32_t* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;

@@ -19,6 +19,9 @@ struct TileArgs {
   uint8_t* row_q;  // element codes: fp8 bytes, or packed E2M1 nibbles
   uint8_t* col_q;
   int64_t col_pitch;  // elements between the columnwise rows (0: M)
+  // the row map of a ROW_MAP launch (csrc/tile/skeleton.cuh): row m of the [M, K] the kernel tiles is input row
+  // src_rows[m], a zero row where that is < 0 (e.g. the padding between row groups placed at 16-aligned rows)
+  const int32_t* src_rows;
   void* row_s;  // per-block scales, in the format's scale type and layout
   void* col_s;
   // tile order of the persistent CTAs: groups of `tile_group` tile rows, column-major inside a group (1: row-major);
@@ -60,6 +63,11 @@ cudaError_t launch_grouped_nvfp4_rht_amax(InType t, const void* x, int64_t M, in
 // device, non-decreasing, starts[n_groups] == M)
 cudaError_t launch_row_groups_from_starts(const int64_t* starts, int n_groups, int64_t M, int32_t* row_group,
                                           cudaStream_t stream);
+// src_rows (int32 [width]) of the padded row-group layout: row m is the input row placed there (group g's rows
+// from row padded_ends[g-1], a multiple of 16), or -1 (zero rows); ends / padded_ends: int32 [n_groups] cumulative
+// row counts on the device, ends[n_groups-1] == M, padded_ends[n_groups-1] <= width (device-side assert)
+cudaError_t launch_padded_rows(const int32_t* ends, const int32_t* padded_ends, int n_groups, int64_t M,
+                               int64_t width, int32_t* src_rows, cudaStream_t stream);
 
 // Delayed-scaling update of one per-tensor FP8 quantizer's state (in place), see delayed_scaling.cu
 struct DelayedEntry {

@@ -10,6 +10,7 @@ namespace hybridq {
 
 namespace {
 cudaError_t launch_quantize_fp8_tensor(InType t, const Fp8TensorArgs& a, cudaStream_t stream) {
+  if (a.src_rows != nullptr) HQ_DISPATCH_IN(t, return (launch_tile_row_map<T, Fp8TensorPolicy>(a, stream)));
   HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8TensorPolicy>(a, stream)));
 }
 }  // namespace
@@ -134,11 +135,17 @@ std::tuple<Tensor, Tensor, Tensor> fp8_tensor_quantize_delayed(const Tensor& x, 
 // row_group: int32 [M], the group of each row (values in [0, n_groups)). col_pitch: elements between the columnwise
 // rows (0: M; else >= M, e.g. M rounded up to 16 for 16-byte aligned rows, the grouped wgrad GEMM's reads); the
 // columnwise part is then a [K, M] view of a [K, col_pitch] buffer whose extra columns are left unwritten.
-// returns (rowwise [M, K], columnwise [K, M] | [0], scale_inv [n_groups], amax [n_groups])
+// ends, padded_ends (both or neither; int32 [n_groups] cumulative row counts on x's device, padded_ends' groups
+// multiples of 16): the columnwise part in the padded layout instead, [K, col_pitch] (col_pitch >= padded_ends[-1],
+// a device-side assert): group g's rows from column padded_ends[g-1], zeros in every other column -- what the
+// grouped wgrad GEMMs read, written by the cast itself (its tiles read the rows through a row map).
+// returns (rowwise [M, K], columnwise [K, M] | [K, col_pitch] | [0], scale_inv [n_groups], amax [n_groups])
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Tensor& x, at::ScalarType dtype,
                                                                        const Tensor& row_group, int64_t n_groups,
                                                                        double eps, bool pow2, bool columnwise,
-                                                                       int64_t col_pitch) {
+                                                                       int64_t col_pitch,
+                                                                       const std::optional<Tensor>& ends,
+                                                                       const std::optional<Tensor>& padded_ends) {
   constexpr const char* op = "fp8_tensor_quantize_grouped";
   check_input(x, op);
   const auto it = in_type(x, op);
@@ -151,6 +158,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
               n_groups);
   TORCH_CHECK(col_pitch == 0 || col_pitch >= M, "hybridq::", op, ": col_pitch must be 0 or >= the ", M,
               " rows, got ", col_pitch);
+  const bool padded = ends.has_value() || padded_ends.has_value();
+  if (padded) {
+    TORCH_CHECK(ends.has_value() && padded_ends.has_value() && columnwise && col_pitch > 0 && col_pitch < (1LL << 31),
+                "hybridq::", op, ": the padded columnwise layout takes ends, padded_ends, columnwise and a col_pitch "
+                "in [1, 2^31)");
+    for (const Tensor* b : {&*ends, &*padded_ends}) {
+      const char* what = b == &*ends ? "ends" : "padded_ends";
+      TORCH_CHECK(b->scalar_type() == at::kInt && b->dim() == 1 && b->numel() == n_groups && b->is_contiguous() &&
+                      b->device() == x.device(),
+                  "hybridq::", op, ": ", what, " must be a contiguous int32 [", n_groups, "] tensor on ", x.device(),
+                  ", got ", b->scalar_type(), " ", b->sizes(), " on ", b->device());
+    }
+  }
   const int64_t pitch = col_pitch > 0 ? col_pitch : M;
   auto a = tile_args<Fp8TensorArgs>(x, true, columnwise);
   a.col_pitch = pitch;
@@ -158,11 +178,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   Tensor row = at::empty({M, K}, x.options().dtype(dtype));
-  Tensor col = columnwise ? at::empty({K, pitch}, x.options().dtype(dtype)).narrow(1, 0, M) : empty0(x, dtype);
+  Tensor col = !columnwise ? empty0(x, dtype)
+               : padded    ? at::empty({K, pitch}, x.options().dtype(dtype))
+                           : at::empty({K, pitch}, x.options().dtype(dtype)).narrow(1, 0, M);
   Tensor scale_inv = at::empty({n_groups}, x.options().dtype(at::kFloat));
   Tensor amax = zeros_on_stream({n_groups}, x.options().dtype(at::kFloat));
   C10_CUDA_CHECK(hybridq::launch_grouped_absmax(it, x.data_ptr(), M, K, row_group.data_ptr<int32_t>(),
                                                 amax_bits(amax), stream));
+  Tensor src_rows;
+  if (padded && M > 0 && K > 0) {  // the kernel tiles the padded layout's pitch rows, reading x's through the map
+    src_rows = at::empty({pitch}, x.options().dtype(at::kInt));
+    C10_CUDA_CHECK(hybridq::launch_padded_rows(ends->data_ptr<int32_t>(), padded_ends->data_ptr<int32_t>(),
+                                               static_cast<int>(n_groups), M, pitch, src_rows.data_ptr<int32_t>(),
+                                               stream));
+    a.M = pitch;
+    a.src_rows = src_rows.data_ptr<int32_t>();
+  }
   a.amax_in = amax.data_ptr<float>();
   a.row_group = row_group.data_ptr<int32_t>();
   a.n_groups = static_cast<int>(n_groups);
@@ -173,6 +204,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_tensor_quantize_grouped(const Ten
     C10_CUDA_CHECK(launch_quantize_fp8_tensor(it, a, stream));
   } else {  // no element: every group is empty, amax 0 (the kernel, which writes the scales, does not run)
     scale_inv.fill_(1.0f / hybridq::scale_from_amax(0.0f, a.fp8.max, a.fp8.eps, a.fp8.pow2));
+    if (padded) col.zero_();  // (every column a padding one)
   }
   return {row, col, scale_inv, amax};
 }
@@ -214,7 +246,8 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "bool pow2, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)");
   m.def(
       "fp8_tensor_quantize_grouped(Tensor x, ScalarType dtype, Tensor row_group, int n_groups, float eps, bool pow2, "
-      "bool columnwise, int col_pitch=0) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool columnwise, int col_pitch=0, Tensor? ends=None, Tensor? padded_ends=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_tensor_dequantize(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
   // the jagged experts' GEMMs as one cuBLAS GEMM per expert (implemented in csrc/grouped_fp8_tensor_gemm.cpp)
   m.def(

@@ -337,7 +337,8 @@ def test_stacked_scales_are_flattened_once_per_view():
 
 def _unpadded_columns(col: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[str]]:
     """The columnwise form of the CUDA kernels' padded layout (each group from a column multiple of 16, zero-padded
-    to a multiple of 16) as the plain byte transpose, and what is wrong with its padding."""
+    to a multiple of 16, zeros from the padded total to the buffer's width) as the plain byte transpose, and what is
+    wrong with its padding."""
     parts, wrong, o = [], [], 0
     for g, m in enumerate(sizes):
         p = -(-m // 16) * 16
@@ -345,36 +346,105 @@ def _unpadded_columns(col: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor
         if col[:, o + m:o + p].view(torch.uint8).any():
             wrong.append(f"group {g}: padding columns [{o + m}, {o + p}) not zero")
         o += p
+    if col[:, o:].view(torch.uint8).any():
+        wrong.append(f"columns [{o}, {col.shape[1]}) past the padded groups not zero")
     return torch.cat(parts, 1), wrong
+
+
+# (token counts, features): one partial tile; groups across 128-row tiles, K two tiles and a partial one
+_QUANTIZE_CASES = [([16, 0, 48, 32], 96), ([3, 0, 29, 1000], 96), ([0, 0, 17], 96), ([0, 0, 0], 96),
+                   ([130, 7, 0, 300, 64, 1], 320)]
+
+
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """`x` in memory 2 bytes past a 16-byte boundary (contiguous: the cast reads it element by element)."""
+    buf = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)
+    return buf[1:1 + x.numel()].view(x.shape).copy_(x)
 
 
 @pytest.mark.gpu
 @needs_jagged_gpu
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "cuda-tensor"])
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("sizes", [[16, 0, 48, 32], [3, 0, 29, 1000], [0, 0, 17], [0, 0, 0]], ids=str)
-def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, fp8, as_tensor):
+@pytest.mark.parametrize("dtype,aligned", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)],
+                         ids=["bf16", "fp32", "bf16-misaligned"])
+@pytest.mark.parametrize("sizes,k", _QUANTIZE_CASES, ids=[f"{s}x{k}" for s, k in _QUANTIZE_CASES])
+def test_gpu_jagged_quantize_is_bitwise_the_reference(sizes, k, dtype, aligned, fp8, as_tensor):
     """One launch per operand for all experts: rowwise bytes and per-expert scales are bitwise the reference
-    quantization of each expert alone; the columnwise bytes too, in the padded layout the wgrad GEMM reads (each
-    expert's tokens from a 16-aligned column, zeros up to a multiple of 16, rows 16-byte aligned)."""
+    quantization of each expert alone; the columnwise bytes too, written by the cast in the padded layout the wgrad
+    GEMM reads (each expert's tokens from a 16-aligned column, zeros up to a multiple of 16 and past the last group,
+    rows 16-byte aligned)."""
     from hybridq.gemm import REFERENCE_JAGGED_FP8
     q = Float8Quantizer(fp8)
     gen = torch.Generator().manual_seed(3)
     t = sum(sizes)
-    x = torch.randn(t, 96, generator=gen) * 10 ** torch.randint(-3, 4, (t, 1), generator=gen)
+    x = torch.randn(t, k, generator=gen) * 10 ** torch.randint(-3, 4, (t, 1), generator=gen)
     if t > 20:
         x[5, 7], x[20, 3] = float("inf"), float("nan")  # non-finite values stay in their expert
-    x = x.to(torch.bfloat16)
+    x = x.to(dtype)
     route = torch.tensor(sizes, device="cuda") if as_tensor else sizes
-    assert t <= _cuda_jagged_kernels().padded_max_tokens_per_expert * len(sizes), "(groups small enough to be padded)"
-    got = _cuda_jagged_kernels().quantize(q, x.cuda(), TokenGroups.build(route, t, torch.device("cuda")), True, "x")
+    kernels = _cuda_jagged_kernels()
+    assert t <= kernels.padded_max_tokens_per_expert * len(sizes), "(groups small enough to be padded)"
+    groups = TokenGroups.build(route, t, torch.device("cuda"))
+    xc = x.cuda() if aligned else _misaligned(x.cuda())
+    got = kernels.quantize(q, xc, groups, True, "x")
     ref = REFERENCE_JAGGED_FP8.quantize(q, x, TokenGroups.build(sizes, t, torch.device("cpu")), True, "x")
-    assert_bitwise(got.scale_inv.cpu(), ref.scale_inv, f"scale_inv, groups {sizes}")
-    assert_bitwise(got.row.cpu(), ref.row, f"rowwise, groups {sizes}")
+    what = f"groups {sizes}, K {k}, {dtype}{'' if aligned else ' misaligned'}"
+    assert_bitwise(got.scale_inv.cpu(), ref.scale_inv, f"scale_inv, {what}")
+    assert_bitwise(got.row.cpu(), ref.row, f"rowwise, {what}")
+    assert got.col.shape == (k, groups.padded_width()), f"columnwise shape {tuple(got.col.shape)}, {what}"
     col, wrong = _unpadded_columns(got.col.cpu(), sizes)
-    assert not wrong, f"groups {sizes}: {wrong}"
-    assert_bitwise(col, ref.col, f"columnwise, groups {sizes}")
+    assert not wrong, f"{what}: {wrong}"
+    assert_bitwise(col, ref.col, f"columnwise, {what}")
     assert t == 0 or got.col.stride(0) % 16 == 0, f"columnwise row pitch {got.col.stride(0)} is not a multiple of 16"
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
+@pytest.mark.parametrize("bad", ["ends-only", "rowwise-only", "no-width", "int64-ends", "short-padded-ends"])
+def test_gpu_padded_grouped_cast_refuses_incomplete_bounds(bad):
+    """The grouped cast's padded columnwise layout takes both bounds (int32, one per group), the columnwise part and
+    its width: anything else is refused naming the argument, before any kernel runs."""
+    x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+    groups = TokenGroups.build([8, 32], 40, torch.device("cuda"))
+    ends, pends, width, columnwise = groups.ends, groups.padded_ends, groups.padded_width(), True
+    if bad == "ends-only":
+        pends = None
+    elif bad == "rowwise-only":
+        columnwise = False
+    elif bad == "no-width":
+        width = 0
+    elif bad == "int64-ends":
+        ends = ends.long()
+    else:
+        pends = pends[:1]
+    with pytest.raises(RuntimeError, match="padded columnwise layout|ends must be|padded_ends must be"):
+        torch.ops.hybridq.fp8_tensor_quantize_grouped(x, torch.float8_e4m3fn, groups.row_group, 2, 0.0, False,
+                                                      columnwise, width, ends, pends)
+
+
+_NARROW_WIDTH = """
+import torch, hybridq
+from hybridq.nn.grouped_jagged import TokenGroups
+x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+g = TokenGroups.build([8, 32], 40, torch.device("cuda"))
+torch.ops.hybridq.fp8_tensor_quantize_grouped(x, torch.float8_e4m3fn, g.row_group, 2, 0.0, False, True, 40, g.ends,
+                                              g.padded_ends)
+torch.cuda.synchronize()
+print("NO ERROR")
+"""
+
+
+@pytest.mark.gpu
+@needs_jagged_gpu
+def test_gpu_padded_grouped_cast_narrower_than_its_groups_fails_on_the_device():
+    """A padded width below the groups' padded total (48 > 40 here: rows would be left out of the rowwise form) is a
+    device-side assert, never a silently partial cast (in a subprocess: the assert ends its CUDA context)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _NARROW_WIDTH], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "NO ERROR" not in r.stdout and "assert" in (r.stdout + r.stderr).lower(), \
+        f"a narrow padded width ran: rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 
 @pytest.mark.gpu

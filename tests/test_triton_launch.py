@@ -76,6 +76,17 @@ def _fp8(rows: int, cols: int, dtype: torch.dtype, offset: int = 0) -> torch.Ten
     return out
 
 
+def _padded_columns(row: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
+    """The columnwise form of `row [T, K]` in the padded group layout (group g's tokens from a 16-aligned column,
+    zeros elsewhere; the grouped cast's layout, built here from its definition)."""
+    out = torch.zeros(row.shape[1], width, dtype=torch.uint8, device=row.device)
+    o = p = 0
+    for m in sizes:
+        out[:, p:p + m] = row.view(torch.uint8)[o:o + m].t()
+        o, p = o + m, p + -(-m // 16) * 16
+    return out.view(row.dtype)
+
+
 def _ops(offset: int, tokens: int, fp8: torch.dtype):
     """The grouped kernels' calls on one set of operands: name -> (call returning (output, compiled kernel))."""
     e, n, k = 4, 64, 128
@@ -85,8 +96,8 @@ def _ops(offset: int, tokens: int, fp8: torch.dtype):
     width = int(padded_ends[-1])
     a, b = _fp8(tokens, k, fp8, offset), _fp8(e * n, k, fp8)
     sa, sb = torch.rand(e, device="cuda") + 0.5, torch.rand(e, device="cuda") + 0.5
-    a_t = tg.padded_transpose(_fp8(tokens, n, fp8), ends, padded_ends, width)
-    b_t = tg.padded_transpose(a, ends, padded_ends, width)
+    a_t = _padded_columns(_fp8(tokens, n, fp8), sizes, width)
+    b_t = _padded_columns(a, sizes, width)
 
     def mm(precise):
         out = tg.jagged_mm(a, sa, b, n * k, k, n, sb, ends, torch.bfloat16, precise)
@@ -96,14 +107,13 @@ def _ops(offset: int, tokens: int, fp8: torch.dtype):
         out = tg.jagged_wgrad(a_t, sa, b_t, sb, padded_ends, torch.bfloat16, precise=True, aligned=True)
         return out, tg.LAST_COMPILED["wgrad"]
 
-    return {"fprop": lambda: mm(False), "dgrad": lambda: mm(True), "wgrad": wgrad,
-            "transpose": lambda: (tg.padded_transpose(a, ends, padded_ends, width), None)}
+    return {"fprop": lambda: mm(False), "dgrad": lambda: mm(True), "wgrad": wgrad}
 
 
 @pytest.mark.gpu
 @needs_triton_gpu
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad", "transpose"])
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
 def test_cached_launch_is_bitwise_tritons_launch(op, fp8, monkeypatch):
     """Each grouped kernel, launched through the cached launcher (its first call fills the cache, the next ones read
     it; other sizes and a misaligned operand included) gives the bytes of Triton's own launch."""
@@ -133,7 +143,6 @@ def test_a_misaligned_operand_gets_its_own_compiled_kernel():
 
 # each kind's plan arguments (base) and, per argument, another value that changes the plan
 _PLAN_CASES = {
-    "transpose": ((4096, 2048, 16), (8192, 4096, 64)),
     "mm": ((32768, 1024, 2048, 16, False, None), (16384, 512, 96, 64, True, (64, 64, 64, 4, 4, 2))),
     "wgrad": ((1024, 2048, 16, True, True, None), (512, 1024, 8, False, False, (64, 64, 64, 4, 4, 2))),
 }
@@ -163,9 +172,6 @@ def test_launch_plans_are_the_kernels_parameters():
     assert kw == dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, GROUP_M=gm, EP=16, PRECISE=True, num_warps=w,
                       num_stages=st), kw
     assert grid == ((-(-1000 // bm) + 5) * -(-256 // bn),), grid
-    grid, kw = tg.launch_plan("transpose", 160, 200, 33)
-    bt, bk, w = tg.TRANSPOSE_CONFIG
-    assert grid == (-(-160 // bt) + 33, -(-200 // bk)) and kw == dict(BLOCK_T=bt, BLOCK_K=bk, EP=64, num_warps=w)
     grid, kw = tg.launch_plan("wgrad", 300, 200, 7, False, True, None)
     bm, bn, bk, gm, w, st = tg.CONFIGS[("wgrad", False)]
     assert grid == (-(-300 // bm) * -(-200 // bn), 7) and kw["ALIGNED"] is True and kw["PRECISE"] is False, (grid, kw)
@@ -183,5 +189,5 @@ def test_grouped_kernels_launch_through_the_launchers_c_function():
     kernels = {}
     for fn, kernel, run, head, consts in triton_launch._CACHE.values():
         kernels[fn.fn.__name__] = run is kernel.run.launch and head[0] == kernel.function
-    assert kernels == {"_padded_transpose_kernel": True, "_jagged_mm_kernel": True, "_jagged_wgrad_kernel": True}, \
+    assert kernels == {"_jagged_mm_kernel": True, "_jagged_wgrad_kernel": True}, \
         f"kernel -> launched through the C function: {kernels}"

@@ -324,27 +324,45 @@ __device__ __forceinline__ void transpose4x4_bytes(uint32_t a, uint32_t b, uint3
 // the CTAs per SM the register budget is sized for (__launch_bounds__). STAGES == 1 with one CTA per tile is the
 // original one-shot kernel (load, wait, compute); STAGES >= 2 makes the CTAs persistent: each loops over tiles
 // (stride gridDim.x) and issues the cp.async loads of the tile STAGES-1 ahead before it processes the current
-// one, so loads stay in flight while it computes and stores.
-template <int NT_, int STAGES_, int MINB_>
+// one, so loads stay in flight while it computes and stores. ROW_MAP: the kernel reads its rows through
+// TileArgs::src_rows (a separate instantiation, so the kernels without a map compile as before).
+template <int NT_, int STAGES_, int MINB_, bool ROW_MAP_ = false>
 struct TileCfg {
   static constexpr int NT = NT_;
   static constexpr int STAGES = STAGES_;
   static constexpr int MINB = MINB_;
+  static constexpr bool ROW_MAP = ROW_MAP_;
 };
 using CfgOneShot = TileCfg<256, 1, 2>;  // the original kernel (one tile per CTA, 128 registers)
 using CfgPipe2 = TileCfg<256, 2, 2>;    // default: 2 CTAs/SM, each double-buffered (4 tiles of smem per SM)
 using CfgPipe3W = TileCfg<512, 3, 1>;   // 1 CTA/SM of 16 warps, 3 stages
+using CfgPipe2RowMap = TileCfg<256, 2, 2, true>;  // CfgPipe2 reading its rows through a row map
 
 // Issue the loads of one TM x TK tile into `ts` (zero-filled outside the tensor): 16-byte cp.async when rows are
 // 16-byte aligned, else plain loads (synchronous; ordered by the caller's barriers like the async ones).
+// src_rows (a row map, else null): tile-space row m is input row src_rows[m], a zero row where that is < 0.
 template <typename T, int NT>
 __device__ __forceinline__ void load_tile(T* ts, const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0, bool vec,
-                                          int tid) {
+                                          int tid, const int32_t* src_rows = nullptr) {
   using namespace tile;
   constexpr int CH = 16 / static_cast<int>(sizeof(T));
   constexpr int CPR = TK / CH;     // 16-byte chunks per tile row
   constexpr int RSTEP = NT / CPR;  // tile rows per pass of the CTA
-  if (vec && m0 + TM <= M && k0 + TK <= K) {
+  if (src_rows != nullptr) {
+#pragma unroll 4
+    for (int i = tid; i < TM * TK / (vec ? CH : 1); i += NT) {
+      const int r = vec ? i / CPR : i / TK, c = vec ? (i % CPR) * CH : i % TK;
+      const int64_t gk = k0 + c;
+      const int64_t src = m0 + r < M ? static_cast<int64_t>(__ldg(src_rows + m0 + r)) : -1;
+      const bool in = src >= 0 && gk < K;
+      if (vec) {
+        cp_async16(ts + tile_off<T>(r, c), in ? static_cast<const void*>(x + src * K + gk) : static_cast<const void*>(x),
+                   in ? 16 : 0);
+      } else {
+        ts[tile_off<T>(r, c)] = in ? x[src * K + gk] : zero_of<T>();
+      }
+    }
+  } else if (vec && m0 + TM <= M && k0 + TK <= K) {
     // whole tile: a thread's chunks are RSTEP rows apart, so one source pointer and one tile offset advance by
     // constants (the general loop below spends ~30 instructions of 64-bit index math per 16-byte copy); RSTEP is
     // even, so the chunk's swizzle (row parity) is the same in every pass

@@ -14,6 +14,10 @@
 //   one scale for both directions (kColFromRow), both requested: the row phase also keeps its fp8 bytes in shared
 //                 memory and the column phase writes their byte transpose (4 columns x 16 rows per task) instead
 //                 of converting the tile a second time.
+//   row map:      (Cfg::ROW_MAP, per-tensor policies) the kernel tiles an [M, K] whose row m is input row
+//                 a.src_rows[m], or a zero row where that is < 0: the rowwise part goes to the input's rows (none
+//                 for a zero row), the columnwise part spans all M -- e.g. row groups placed at 16-aligned
+//                 columns of the transpose with zeros between them, the layout a grouped GEMM reads.
 //
 // The skeleton has no format branches: it asks the policy only compile-time traits (if constexpr) and calls its
 // row / column functions, which are force-inlined, so each instantiation compiles to the same straight-line code
@@ -82,6 +86,9 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   constexpr int NPAIR = TK / 2;            // column-phase tasks: column pairs x chunks
   constexpr int COL_PAIR_TASKS = NPAIR * (TM / CV);
   static_assert(!P::kColFromRow || EPB == 1, "the byte-transpose column phase needs one element per byte");
+  // (a per-tensor policy reads and writes nothing for a row outside the input, row_in false: a zero row's too)
+  static_assert(!Cfg::ROW_MAP || (S == 1 && P::kColFromRow), "a row map only with per-tensor policies");
+  const int32_t* const src_rows = Cfg::ROW_MAP ? a.src_rows : nullptr;
   __shared__ uint32_t s_tile_amax[NTILE2D];
   // [chunk][column] amax (kColChunkAmax)
   __shared__ __align__(16) uint32_t s_part[P::kColChunkAmax ? (TM / CV) * TK : 1];
@@ -120,7 +127,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
     if (t < ntiles) {
       int64_t lm, lk;
       tile_coords(t, tiles_m, tiles_k, a.tile_group, lm, lk);
-      load_tile<T, NT>(stages + static_cast<size_t>(s) * TM * TK, x, M, K, lm * TM, lk * TK, vec, tid);
+      load_tile<T, NT>(stages + static_cast<size_t>(s) * TM * TK, x, M, K, lm * TM, lk * TK, vec, tid, src_rows);
     }
     cp_async_commit();
   }
@@ -133,7 +140,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
         int64_t lm, lk;
         tile_coords(t, tiles_m, tiles_k, a.tile_group, lm, lk);
         load_tile<T, NT>(stages + static_cast<size_t>((it + STAGES - 1) % STAGES) * TM * TK, x, M, K, lm * TM,
-                         lk * TK, vec, tid);
+                         lk * TK, vec, tid, src_rows);
       }
       cp_async_commit();
     }
@@ -201,10 +208,13 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
     if (a.rowwise) {
       for (int task = tid; task < ROW_TASKS; task += NT) {
         const int r = task / LANES_PER_ROW, v = task % LANES_PER_ROW;
-        const int64_t gm = m0 + r, gk = k0 + v * VR;
-        const bool row_in = full || gm < M;
+        // gm: the input row (a row map's entry: < 0 for a zero row, which has no rowwise output)
+        const int64_t gk = k0 + v * VR;
+        int64_t gm = m0 + r;
+        if constexpr (Cfg::ROW_MAP) gm = gm < M ? src_rows[gm] : -1;
+        const bool row_in = Cfg::ROW_MAP ? gm >= 0 : full || gm < M;
         int nvalid = VR;  // elements of this task inside the tensor
-        if (!full) nvalid = row_in ? static_cast<int>(min64(VR, max64(0, K - gk))) : 0;
+        if (!full || !row_in) nvalid = row_in ? static_cast<int>(min64(VR, max64(0, K - gk))) : 0;
         uint32_t w[ROW_WORDS];
         if constexpr (RAW) {
           uint32_t xw[VR / 2];
@@ -224,7 +234,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
           }
         }
         uint8_t* dst = a.row_q + gm * row_bytes + gk / EPB;
-        if (full && row_vec16) {
+        if (full && row_vec16 && row_in) {
 #pragma unroll
           for (int q = 0; q < ROW_WORDS / 4; ++q)
             reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
@@ -425,6 +435,12 @@ cudaError_t launch_tile(const typename P::Args& a, cudaStream_t stream) {
   }
 #endif
   return launch_tile_cfg<T, P, CfgPipe2>(a, stream);
+}
+
+// The launch of the row-map instantiation (a.src_rows set; see "row map" above), in the default configuration.
+template <typename T, class P>
+cudaError_t launch_tile_row_map(const typename P::Args& a, cudaStream_t stream) {
+  return launch_tile_cfg<T, P, CfgPipe2RowMap>(a, stream);
 }
 
 }  // namespace hybridq

@@ -6,11 +6,13 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
     -> (rowwise [M, K] fp8, columnwise [K, M] fp8, scale_inv [1], amax [1] | [0])
 - fp8_tensor_quantize_delayed(x, dtype, scale, amax_history, eps, pow2, rowwise, columnwise): delayed scaling's cast,
   max|x| max-combined into amax_history[0] in place -> (rowwise, columnwise, scale_inv [1])
-- fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0): row r quantized
-  with the scale of group row_group[r] (int32 [M]), each group's scale from its own max|x|; the columnwise rows
-  col_pitch (>= M; 0: M) elements apart
-    -> (rowwise [M, K] fp8, columnwise [K, M] fp8 (strides (col_pitch, 1)) | [0], scale_inv [n_groups],
-        amax [n_groups])
+- fp8_tensor_quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0, ends=None,
+  padded_ends=None): row r quantized with the scale of group row_group[r] (int32 [M]), each group's scale from its
+  own max|x|; the columnwise rows col_pitch (>= M; 0: M) elements apart; with ends and padded_ends (int32 [n_groups]
+  cumulative counts, padded_ends' groups rounded up to multiples of 16) the columnwise part in the padded layout
+  (group g's rows from column padded_ends[g-1], zeros in the other columns up to col_pitch >= padded_ends[-1])
+    -> (rowwise [M, K] fp8, columnwise [K, M] fp8 (strides (col_pitch, 1)) | [K, col_pitch] (padded) | [0],
+        scale_inv [n_groups], amax [n_groups])
 - fp8_tensors_quantize(xs, param_dtype, amax, e5m2, eps, pow2, regions): many fp32 tensors, each rounded to
   param_dtype and quantized as its own tensor (its max|x|, or amax[i]) into its region of one byte buffer (zeros past
   its elements) -> (uint8 [sum(regions)], scale_inv [N, 4] (column 0), amax used [N]); csrc/fp8_tensors.cu, called
@@ -161,10 +163,12 @@ def register_fakes() -> None:
         return _quantize(x, dtype, scale, None, eps, pow2, rowwise, columnwise, False)[:3]
 
     @register_fake("hybridq::fp8_tensor_quantize_grouped")
-    def _quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0):
+    def _quantize_grouped(x, dtype, row_group, n_groups, eps, pow2, columnwise, col_pitch=0, ends=None,
+                          padded_ends=None):
         m, k = x.shape
-        col = (x.new_empty_strided((k, m), (col_pitch or m, 1), dtype=dtype) if columnwise
-               else x.new_empty((0,), dtype=dtype))
+        col = (x.new_empty((0,), dtype=dtype) if not columnwise
+               else x.new_empty((k, col_pitch), dtype=dtype) if ends is not None
+               else x.new_empty_strided((k, m), (col_pitch or m, 1), dtype=dtype))
         return (x.new_empty((m, k), dtype=dtype), col, x.new_empty((n_groups,), dtype=f32),
                 x.new_empty((n_groups,), dtype=f32))
 

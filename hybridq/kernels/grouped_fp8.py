@@ -60,22 +60,20 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         return _triton() is not None and _ext.available_for(device)
 
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
-        """The columnwise form comes in the padded layout (`padded_transpose`: each group's tokens from a 16-aligned
-        column, zero-padded to a multiple of 16), which the wgrad GEMM reads without edge products (and cuBLAS takes
-        per expert), made by a transpose of the rowwise bytes (one more read of them). Groups the host knows are
-        16-aligned (the experts' weights) have the plain transpose instead, written by the cast itself (rows
-        `ceil16(T)` apart), and so do groups of device counts whose average has more than
-        `padded_max_tokens_per_expert` tokens (see `_in_cast`)."""
+        """The cast writes the columnwise form in the padded layout (each group's tokens from a 16-aligned column,
+        zeros up to a multiple of 16 and to `groups.padded_width()`), which the wgrad GEMM reads without edge products
+        (and cuBLAS takes per expert). Groups the host knows are 16-aligned (the experts' weights) have the plain
+        transpose (the same layout, rows `ceil16(T)` apart), and so do groups of device counts whose average has more
+        than `padded_max_tokens_per_expert` tokens (see `_in_cast`)."""
         if x2d.dtype not in IN_DTYPES:
             raise TypeError(f"{name}: the FP8 cast takes float32 / bfloat16 / float16, got {x2d.dtype}")
         x = x2d.contiguous()
-        m = x.shape[0]
-        in_cast = columnwise and self._in_cast(groups)
-        pitch = -(-m // 16) * 16 if in_cast else 0  # 16-byte aligned columnwise rows (the GEMMs' reads)
+        plain = columnwise and self._in_cast(groups)
+        padded = columnwise and not plain
+        pitch = -(-x.shape[0] // 16) * 16 if plain else groups.padded_width() if padded else 0
         row, col, scale_inv, _ = torch.ops.hybridq.fp8_tensor_quantize_grouped(
-            x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, in_cast, pitch)
-        if columnwise and not in_cast:
-            col = _triton().padded_transpose(row, groups.ends, groups.padded_ends, groups.padded_width())
+            x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, columnwise, pitch,
+            groups.ends if padded else None, groups.padded_ends if padded else None)
         return JaggedFP8(row, col if columnwise else None, scale_inv)
 
     # fprop / dgrad as one cuBLAS GEMM per expert (`grouped_fp8_tensor_cublas_mm`, the GEMM torch._scaled_mm runs:

@@ -53,8 +53,6 @@ CONFIGS = {
     ("wgrad", False): (128, 256, 128, 8, 8, 3),
     ("wgrad", True): (128, 128, 128, 8, 8, 4),
 }
-# (BLOCK_T, BLOCK_K, num_warps) of padded_transpose: 128-byte rows on both sides
-TRANSPOSE_CONFIG = (128, 128, 8)
 
 
 def available() -> bool:
@@ -190,59 +188,6 @@ if triton is not None:
         tl.store(c_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
 
 
-if triton is not None:
-    @triton.jit(do_not_specialize=["E"])
-    def _padded_transpose_kernel(src_ptr, dst_ptr, ends_ptr, pends_ptr, K, E, dst_pitch,
-                                 BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, EP: tl.constexpr):
-        """dst[k, pstart_g + j] = src[start_g + j, k] for the tokens j of group g, zeros for j in [size_g,
-        psize_g): one program per (BLOCK_T padded tokens of one group, BLOCK_K columns). The loads run along K
-        (rows of src, any token offset), the stores along the tokens from a 16-aligned column: both vectorized."""
-        pid = tl.program_id(0)
-        gi, starts, sizes = _group_bounds(ends_ptr, E, EP)
-        _, pstarts, psizes = _group_bounds(pends_ptr, E, EP)
-        tt = (psizes + BLOCK_T - 1) // BLOCK_T  # token tiles of each group's padded slot
-        tt_end = tl.cumsum(tt, 0)
-        if pid >= tl.sum(tt, axis=0):  # (the grid is an upper bound: the counts live on the device)
-            return
-        g = tl.sum((tt_end <= pid).to(tl.int32), axis=0)
-        i0 = (pid - _pick(gi, tt_end - tt, g)) * BLOCK_T
-        start = _pick(gi, starts, g)
-        size = _pick(gi, sizes, g)
-        pstart = tl.multiple_of(_pick(gi, pstarts, g), 16)
-        psize = tl.multiple_of(_pick(gi, psizes, g), 16)
-        ri = i0 + tl.arange(0, BLOCK_T)
-        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        # (the fp8 bytes moved as bytes: either fp8 dtype, no conversion, zero padding by the bit pattern 0)
-        src = src_ptr.to(tl.pointer_type(tl.uint8))
-        dst = dst_ptr.to(tl.pointer_type(tl.uint8))
-        v = tl.load(src + (start + ri).to(tl.int64)[:, None] * K + rk[None, :],
-                    mask=(ri < size)[:, None] & k_ok[None, :], other=0)
-        tl.store(dst + rk.to(tl.int64)[:, None] * dst_pitch + (pstart + ri)[None, :], tl.trans(v),
-                 mask=k_ok[:, None] & (ri < psize)[None, :])
-
-
-def padded_transpose(row: torch.Tensor, ends: torch.Tensor, padded_ends: torch.Tensor, width: int) -> torch.Tensor:
-    """The columnwise form of the jagged fp8 `row [T, K]` in the padded group layout: `[K, width]` with group g's
-    tokens at columns `[padded_ends[g-1], padded_ends[g-1] + size_g)` and zeros up to `padded_ends[g]` (cumulative
-    multiples of 16, int32 on the device); columns from `padded_ends[-1]` to `width` are not written (`width` >= the
-    padded total, a multiple of 16: an upper bound when the host has no counts)."""
-    t, k = row.shape
-    e = ends.shape[0]
-    out = torch.empty(k, width, device=row.device, dtype=row.dtype)
-    if out.numel() == 0:
-        return out
-    grid, kw = launch_plan("transpose", width, k, e)
-    launch(_padded_transpose_kernel, grid, row, out, ends, padded_ends, k, e, width, **kw)
-    return out
-
-
-def _transpose_plan(width: int, k: int, e: int) -> tuple:
-    bt, bk, w = TRANSPOSE_CONFIG
-    # (grid: an upper bound of the token tiles, each group may end one partial)
-    return (_cdiv(width, bt) + e, _cdiv(k, bk)), dict(BLOCK_T=bt, BLOCK_K=bk, EP=max(16, _next_pow2(e)), num_warps=w)
-
-
 def _config(kind: str, precise: bool, k: int, config) -> tuple:
     bm, bn, bk, gm, w, st = config if config is not None else CONFIGS[(kind, precise)]
     while bk > 32 and k % bk:
@@ -264,14 +209,14 @@ def _wgrad_plan(m: int, n: int, e: int, precise: bool, aligned: bool, config) ->
                                                   ALIGNED=aligned, num_warps=w, num_stages=st)
 
 
-_PLAN_MAKERS = {"transpose": _transpose_plan, "mm": _mm_plan, "wgrad": _wgrad_plan}
+_PLAN_MAKERS = {"mm": _mm_plan, "wgrad": _wgrad_plan}
 # (kind, the plan maker's arguments) -> (grid, the constexprs and options): triton_launch's [Note: launch plans]
 # (5 launches per expert layer's forward + backward)
 _PLANS: dict = {}
 
 
 def launch_plan(kind: str, *shape) -> tuple:
-    """(grid, keyword arguments of `launch`) of a `kind` kernel ("transpose", "mm", "wgrad") for these sizes and
+    """(grid, keyword arguments of `launch`) of a `kind` kernel ("mm", "wgrad") for these sizes and
     options (the arguments of its `_*_plan` maker), made once per distinct arguments."""
     return kept_plan(_PLANS, (kind, *shape), _PLAN_MAKERS[kind], *shape)
 
@@ -311,7 +256,7 @@ def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor
                  config=None, aligned: bool = False) -> torch.Tensor:
     """`out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T * (a_scale_inv[g] * b_scale_inv[g])`: `[E, M, N]` for
     `a_t` fp8 `[M, T]`, `b_t` fp8 `[N, T]` (unit stride along the tokens; row strides multiples of 16). `aligned`:
-    every group's bounds in `ends` are multiples of 16 (the padded layout of `padded_transpose`), so the kernel has no
+    every group's bounds in `ends` are multiples of 16 (the padded layout of the grouped cast's columnwise form), so the kernel has no
     edge products (~1.4x faster)."""
     m, n = a_t.shape[0], b_t.shape[0]
     e = ends.shape[0]
