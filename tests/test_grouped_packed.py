@@ -424,8 +424,9 @@ def test_gpu_padded_grouped_cast_refuses_incomplete_bounds(bad):
 
 
 _NARROW_WIDTH = """
-import torch, hybridq
+import torch, hybridq.kernels as k
 from hybridq.nn.grouped_jagged import TokenGroups
+assert k.extension_available()
 x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
 g = TokenGroups.build([8, 32], 40, torch.device("cuda"))
 torch.ops.hybridq.fp8_tensor_quantize_grouped(x, torch.float8_e4m3fn, g.row_group, 2, 0.0, False, True, 40, g.ends,

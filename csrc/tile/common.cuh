@@ -340,29 +340,14 @@ using CfgPipe2RowMap = TileCfg<256, 2, 2, true>;  // CfgPipe2 reading its rows t
 
 // Issue the loads of one TM x TK tile into `ts` (zero-filled outside the tensor): 16-byte cp.async when rows are
 // 16-byte aligned, else plain loads (synchronous; ordered by the caller's barriers like the async ones).
-// src_rows (a row map, else null): tile-space row m is input row src_rows[m], a zero row where that is < 0.
 template <typename T, int NT>
 __device__ __forceinline__ void load_tile(T* ts, const T* x, int64_t M, int64_t K, int64_t m0, int64_t k0, bool vec,
-                                          int tid, const int32_t* src_rows = nullptr) {
+                                          int tid) {
   using namespace tile;
   constexpr int CH = 16 / static_cast<int>(sizeof(T));
   constexpr int CPR = TK / CH;     // 16-byte chunks per tile row
   constexpr int RSTEP = NT / CPR;  // tile rows per pass of the CTA
-  if (src_rows != nullptr) {
-#pragma unroll 4
-    for (int i = tid; i < TM * TK / (vec ? CH : 1); i += NT) {
-      const int r = vec ? i / CPR : i / TK, c = vec ? (i % CPR) * CH : i % TK;
-      const int64_t gk = k0 + c;
-      const int64_t src = m0 + r < M ? static_cast<int64_t>(__ldg(src_rows + m0 + r)) : -1;
-      const bool in = src >= 0 && gk < K;
-      if (vec) {
-        cp_async16(ts + tile_off<T>(r, c), in ? static_cast<const void*>(x + src * K + gk) : static_cast<const void*>(x),
-                   in ? 16 : 0);
-      } else {
-        ts[tile_off<T>(r, c)] = in ? x[src * K + gk] : zero_of<T>();
-      }
-    }
-  } else if (vec && m0 + TM <= M && k0 + TK <= K) {
+  if (vec && m0 + TM <= M && k0 + TK <= K) {
     // whole tile: a thread's chunks are RSTEP rows apart, so one source pointer and one tile offset advance by
     // constants (the general loop below spends ~30 instructions of 64-bit index math per 16-byte copy); RSTEP is
     // even, so the chunk's swizzle (row parity) is the same in every pass
@@ -386,6 +371,59 @@ __device__ __forceinline__ void load_tile(T* ts, const T* x, int64_t M, int64_t 
       const int r = i / TK, c = i % TK;
       const int64_t gm = m0 + r, gk = k0 + c;
       ts[tile_off<T>(r, c)] = (gm < M && gk < K) ? x[gm * K + gk] : zero_of<T>();
+    }
+  }
+}
+
+// The row map's loads (Cfg::ROW_MAP, csrc/tile/skeleton.cuh): tile row r is input row src_rows[m0 + r] (< 0: a zero
+// row). A thread's chunks are the rows r0 + p * RSTEP (r0 = tid / CPR) of every tile, as in load_tile's whole-tile
+// path, so their map entries can be fetched a tile ahead (map_rows, into registers: the loads issue without waiting
+// on them) and handed in as `src`; s_rows gets the tile's map for the row phase. Inputs that are not 16-byte
+// vectorizable read the map entries here instead (element loads).
+template <typename T, int NT>
+struct RowMapLoads {
+  static constexpr int CH = 16 / static_cast<int>(sizeof(T));
+  static constexpr int CPR = tile::TK / CH;
+  static constexpr int RSTEP = NT / CPR;
+  static constexpr int NP = tile::TM / RSTEP;  // rows per thread
+};
+
+template <typename T, int NT>
+__device__ __forceinline__ void map_rows(const int32_t* src_rows, int64_t M, int64_t m0, int tid,
+                                         int32_t (&src)[RowMapLoads<T, NT>::NP]) {
+  using L = RowMapLoads<T, NT>;
+  const int r0 = tid / L::CPR;
+#pragma unroll
+  for (int p = 0; p < L::NP; ++p) {
+    const int64_t m = m0 + r0 + p * L::RSTEP;
+    src[p] = m < M ? __ldg(src_rows + m) : -1;
+  }
+}
+
+template <typename T, int NT>
+__device__ __forceinline__ void load_tile_mapped(T* ts, int32_t* s_rows, const T* x, const int32_t* src_rows,
+                                                 int64_t M, int64_t K, int64_t m0, int64_t k0, bool vec, int tid,
+                                                 const int32_t (&src)[RowMapLoads<T, NT>::NP]) {
+  using namespace tile;
+  using L = RowMapLoads<T, NT>;
+  if (vec) {
+    const int r0 = tid / L::CPR, c = (tid % L::CPR) * L::CH;
+    const int64_t gk = k0 + c;
+#pragma unroll
+    for (int p = 0; p < L::NP; ++p) {
+      const int r = r0 + p * L::RSTEP;
+      const bool in = src[p] >= 0 && gk < K;
+      cp_async16(ts + tile_off<T>(r, c), in ? static_cast<const void*>(x + src[p] * K + gk) : static_cast<const void*>(x),
+                 in ? 16 : 0);
+      if (c == 0) s_rows[r] = src[p];
+    }
+  } else {
+    for (int i = tid; i < TM * TK; i += NT) {
+      const int r = i / TK, c = i % TK;
+      const int64_t m = m0 + r, gk = k0 + c;
+      const int64_t sm = m < M ? src_rows[m] : -1;
+      ts[tile_off<T>(r, c)] = (sm >= 0 && gk < K) ? x[sm * K + gk] : zero_of<T>();
+      if (c == 0) s_rows[r] = static_cast<int32_t>(sm);
     }
   }
 }

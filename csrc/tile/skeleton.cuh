@@ -66,6 +66,16 @@ struct TilePos {
   bool full;                 // the whole tile is inside the tensor (no bounds checks)
 };
 
+// ROW_MAP: this thread's rows' map entries of tile t (t < ntiles; else unchanged)
+template <typename T, int NT>
+__device__ __forceinline__ void map_rows_of_tile(const TileArgs& a, int64_t t, int64_t ntiles, int64_t tiles_m,
+                                                 int64_t tiles_k, int tid, int32_t (&rows)[RowMapLoads<T, NT>::NP]) {
+  if (t >= ntiles) return;
+  int64_t lm, lk;
+  tile_coords(t, tiles_m, tiles_k, a.tile_group, lm, lk);
+  map_rows<T, NT>(a.src_rows, a.M, lm * tile::TM, tid, rows);
+}
+
 // `a` is __grid_constant__: read from the parameter space where it is used, as the compiler read the one argument
 // struct of every format before; copied into registers up front (what it makes of a policy's smaller Args by
 // default) the tile loop compiles differently: 12% slower for MXFP8 on an H200.
@@ -88,7 +98,10 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   static_assert(!P::kColFromRow || EPB == 1, "the byte-transpose column phase needs one element per byte");
   // (a per-tensor policy reads and writes nothing for a row outside the input, row_in false: a zero row's too)
   static_assert(!Cfg::ROW_MAP || (S == 1 && P::kColFromRow), "a row map only with per-tensor policies");
-  const int32_t* const src_rows = Cfg::ROW_MAP ? a.src_rows : nullptr;
+  // ROW_MAP: each stage's tile rows' map entries (input rows, < 0: zero rows), for the row phase; and this thread's
+  // rows' entries of the next tile to load, fetched a tile ahead (load_tile_mapped)
+  __shared__ int32_t s_rows[Cfg::ROW_MAP ? STAGES : 1][Cfg::ROW_MAP ? TM : 1];
+  int32_t next_rows[RowMapLoads<T, NT>::NP];
   __shared__ uint32_t s_tile_amax[NTILE2D];
   // [chunk][column] amax (kColChunkAmax)
   __shared__ __align__(16) uint32_t s_part[P::kColChunkAmax ? (TM / CV) * TK : 1];
@@ -127,9 +140,19 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
     if (t < ntiles) {
       int64_t lm, lk;
       tile_coords(t, tiles_m, tiles_k, a.tile_group, lm, lk);
-      load_tile<T, NT>(stages + static_cast<size_t>(s) * TM * TK, x, M, K, lm * TM, lk * TK, vec, tid, src_rows);
+      T* const ts = stages + static_cast<size_t>(s) * TM * TK;
+      if constexpr (Cfg::ROW_MAP) {
+        map_rows<T, NT>(a.src_rows, M, lm * TM, tid, next_rows);
+        load_tile_mapped<T, NT>(ts, s_rows[s], x, a.src_rows, M, K, lm * TM, lk * TK, vec, tid, next_rows);
+      } else {
+        load_tile<T, NT>(ts, x, M, K, lm * TM, lk * TK, vec, tid);
+      }
     }
     cp_async_commit();
+  }
+  if constexpr (Cfg::ROW_MAP) {
+    map_rows_of_tile<T, NT>(a, tile + static_cast<int64_t>(STAGES - 1) * gridDim.x, ntiles, tiles_m, tiles_k, tid,
+                            next_rows);
   }
 
   for (int it = 0; tile < ntiles; ++it, tile += gridDim.x) {
@@ -139,10 +162,18 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
       if (t < ntiles) {
         int64_t lm, lk;
         tile_coords(t, tiles_m, tiles_k, a.tile_group, lm, lk);
-        load_tile<T, NT>(stages + static_cast<size_t>((it + STAGES - 1) % STAGES) * TM * TK, x, M, K, lm * TM,
-                         lk * TK, vec, tid, src_rows);
+        const int st = (it + STAGES - 1) % STAGES;
+        if constexpr (Cfg::ROW_MAP) {
+          load_tile_mapped<T, NT>(stages + static_cast<size_t>(st) * TM * TK, s_rows[st], x, a.src_rows, M, K,
+                                  lm * TM, lk * TK, vec, tid, next_rows);
+        } else {
+          load_tile<T, NT>(stages + static_cast<size_t>(st) * TM * TK, x, M, K, lm * TM, lk * TK, vec, tid);
+        }
       }
       cp_async_commit();
+      if constexpr (Cfg::ROW_MAP) {  // (the next iteration's loads read them)
+        map_rows_of_tile<T, NT>(a, t + gridDim.x, ntiles, tiles_m, tiles_k, tid, next_rows);
+      }
     }
     cp_async_wait<STAGES - 1>();  // this thread's copies of the current tile have landed
     if constexpr (TWO_D) {
@@ -211,7 +242,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
         // gm: the input row (a row map's entry: < 0 for a zero row, which has no rowwise output)
         const int64_t gk = k0 + v * VR;
         int64_t gm = m0 + r;
-        if constexpr (Cfg::ROW_MAP) gm = gm < M ? src_rows[gm] : -1;
+        if constexpr (Cfg::ROW_MAP) gm = s_rows[it % STAGES][r];
         const bool row_in = Cfg::ROW_MAP ? gm >= 0 : full || gm < M;
         int nvalid = VR;  // elements of this task inside the tensor
         if (!full || !row_in) nvalid = row_in ? static_cast<int>(min64(VR, max64(0, K - gk))) : 0;
