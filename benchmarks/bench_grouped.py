@@ -9,10 +9,12 @@ h5632 and fine-grained E=64 top-8 d2048 h3072, each at 16k tokens.
 
 Each candidate is timed in --rounds interleaved rounds (`measure`): every timed block of --iters steps comes right
 after --warm-steps untimed steps of the same candidate, and the order of the candidates rotates by one each round.
-The steps timed right after bf16's ran slower than the same layer's placed later (0.4-1.0 ms per step; on an H200
-the first two steps of such a block, with no cudaMalloc in it: what bf16's step leaves in the clocks and caches);
-the warm steps absorb that, and the rotation spreads what is left over all candidates instead of charging it to
-the one after bf16 every round. The table
+The steps timed right after bf16's ran slower than the same layer's placed later: with blocks of 1 warm + 5 timed
+steps (the defaults until 2026-11-29) the preset's row, which follows a bf16 candidate in every round, ran 3-8%
+slower than the same layer's "(jagged path)" row on an H200, its GEMMs slower in the profile too (what bf16's
+sustained tensor-core load leaves in the clocks); with 10 warm + 20 timed steps (the defaults now, ~0.2-0.4 s per
+block) the two rows agree within 1%, and bf16 itself measures what a sustained run gives it (slower than in short
+blocks). The rotation spreads what is left over all candidates instead of charging it to one every round. The table
 gives the median round and the ratio to bf16 `torch._grouped_mm` (to the nn.Linear loop when `torch._grouped_mm`
 cannot run here, which the output says). A preset that takes one of GroupedLinear's packed
 paths (per-tensor FP8 with current scaling; FP8 blocks, MXFP8 and their hybrid; NVFP4 and its hybrid) is timed a
@@ -267,11 +269,12 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", default=None, help=f"ExTxKxDxH,... (default {DEFAULT_CONFIGS})")
     ap.add_argument("--presets", default=",".join(hybridq.preset_names()))
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--iters", type=int, default=5, help="back-to-back steps per measurement")
+    ap.add_argument("--iters", type=int, default=20, help="back-to-back steps per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds per candidate")
-    ap.add_argument("--warm-steps", type=int, default=1,
+    ap.add_argument("--warm-steps", type=int, default=10,
                     help="untimed steps of a candidate right before each of its timed blocks")
-    ap.add_argument("--smoke", action="store_true", help=f"tiny configs ({SMOKE_CONFIGS}), 1 round of 1 step, CPU")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"tiny configs ({SMOKE_CONFIGS}), 1 round of 1 step after at most 1 warm step, CPU")
     ap.add_argument("--torchao", default="rowwise,rowwise_compiled",
                     help=f"torchao rows where torchao imports ({', '.join(TORCHAO)}; '' for none)")
     ap.add_argument("--json", default=None)
@@ -287,7 +290,7 @@ def main(argv=None) -> None:
         ap.error(f"--profile takes a step count >= 0, got {args.profile}")
     if args.smoke:
         args.configs = args.configs or SMOKE_CONFIGS
-        args.iters, args.rounds = 1, 1
+        args.iters, args.rounds, args.warm_steps = 1, 1, min(args.warm_steps, 1)
         args.device = "cpu" if args.device == "auto" else args.device
     configs = args.configs or DEFAULT_CONFIGS
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
