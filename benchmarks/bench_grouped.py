@@ -43,11 +43,17 @@ fp8 rowwise", "... compiled"; --torchao picks them). torchao 0.18 takes only gro
 `--profile N` profiles N more steps of every candidate after the timing (torch.profiler) and prints, per config and
 candidate, the kernels' time per step by name (GPU time on CUDA, the ops' own CPU time on the CPU) with the launches
 per step: where the FP8 step's time goes next to bf16's.
+
+`--routings N` gives the steps N seeded routings of the same tokens in turn (a router's counts change at every step;
+the default, 1, repeats one routing): what is set up per token count -- e.g. a cuBLASLt plan per expert GEMM shape
+where the per-tensor FP8 experts run one cuBLAS GEMM per expert (a heuristic query per new shape, then cached) --
+is then paid as a training run pays it. Every candidate gets the same routings in the same order.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -170,17 +176,19 @@ class PackedForced(nn.Module):
 
 class DeviceCounts(nn.Module):
     """A GroupedLinear given its token counts as a CUDA tensor, as a router's `bincount` gives them (the jagged path
-    and the block formats' device-count path: no host sync); the tensor is made once per routing."""
+    and the block formats' device-count path: no host sync); the tensor is made once per routing (a router makes
+    its counts on the device: no copy in its step)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
-        self._counts: tuple[list[int], torch.Tensor] | None = None
+        self._counts: dict[tuple[int, ...], torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        if self._counts is None or self._counts[0] != m_splits:
-            self._counts = (list(m_splits), torch.tensor(m_splits, device=x.device))
-        return self.layer(x, self._counts[1])
+        key = tuple(m_splits)
+        if key not in self._counts:
+            self._counts[key] = torch.tensor(m_splits, device=x.device)
+        return self.layer(x, self._counts[key])
 
 
 class LinearLoop(nn.Module):
@@ -219,12 +227,15 @@ def profile_rows(step: Callable[[], None], device: torch.device, steps: int, top
     return sum(r[1] for r in rows), rows[:top]
 
 
-def make_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, route):
+def make_step(module: nn.Module, inputs: list[tuple[torch.Tensor, torch.Tensor, object]]):
+    """One forward + backward per call, on the next `(x, dy, route)` of `inputs` in turn (one per routing)."""
     params = list(module.parameters())
+    turn = itertools.cycle(inputs)
 
     def step():
         for p in params:
             p.grad = None
+        x, dy, route = next(turn)
         x.grad = None
         module(x, route).backward(dy)
     return step
@@ -277,6 +288,8 @@ def main(argv=None) -> None:
                     help=f"tiny configs ({SMOKE_CONFIGS}), 1 round of 1 step after at most 1 warm step, CPU")
     ap.add_argument("--torchao", default="rowwise,rowwise_compiled",
                     help=f"torchao rows where torchao imports ({', '.join(TORCHAO)}; '' for none)")
+    ap.add_argument("--routings", type=int, default=1,
+                    help="seeded routings of the same tokens the steps take in turn (1: one routing throughout)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N more steps of every candidate and print where each step's time goes")
@@ -286,6 +299,8 @@ def main(argv=None) -> None:
         ap.error(f"--torchao takes {', '.join(TORCHAO)}, got {args.torchao!r}")
     if args.warm_steps < 0:
         ap.error(f"--warm-steps takes a count >= 0, got {args.warm_steps}")
+    if args.routings < 1:
+        ap.error(f"--routings takes a count >= 1, got {args.routings}")
     if args.profile < 0:
         ap.error(f"--profile takes a step count >= 0, got {args.profile}")
     if args.smoke:
@@ -305,17 +320,21 @@ def main(argv=None) -> None:
     rows, notes, profiles = [], [], []
     for cfg in configs.split(","):
         e, t, k, d, h = (int(v) for v in cfg.split("x"))
-        splits = routed_splits(e, t, k)
-        m = sum(splits)
+        routings = [routed_splits(e, t, k, seed=i) for i in range(args.routings)]
+        splits = routings[0]
+        m = sum(splits)  # (t * k: the same for every routing)
         torch.manual_seed(0)
         x = torch.randn(m, d, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn(m, h, device=device, dtype=dtype)
-        offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
-        # torchao's rows: each expert's tokens rounded up to 16 (see the module docstring)
-        splits16 = [-(-s // 16) * 16 for s in splits]
-        x16 = torch.randn(sum(splits16), d, device=device, dtype=dtype, requires_grad=True)
-        dy16 = torch.randn(sum(splits16), h, device=device, dtype=dtype)
-        offs16 = torch.tensor(splits16, device=device).cumsum(0).to(torch.int32)
+        offs = [torch.tensor(r, device=device).cumsum(0).to(torch.int32) for r in routings]
+        # torchao's rows: each expert's tokens rounded up to 16 (see the module docstring), per routing a leaf view
+        # of one buffer as long as the longest
+        splits16 = [[-(-s // 16) * 16 for s in r] for r in routings]
+        rows16 = max(sum(r) for r in splits16)
+        x16 = torch.randn(rows16, d, device=device, dtype=dtype)
+        dy16 = torch.randn(rows16, h, device=device, dtype=dtype)
+        padded = [(x16[:sum(r)].detach().requires_grad_(), dy16[:sum(r)],
+                   torch.tensor(r, device=device).cumsum(0).to(torch.int32)) for r in splits16]
         flop = 3 * 2 * m * d * h
         steps = {}
         for cname, mod, takes_offs in (candidates(e, d, h, args.presets.split(","), device, dtype)
@@ -324,9 +343,9 @@ def main(argv=None) -> None:
                 for p in mod.parameters():
                     p.normal_(0, 0.02)
             if cname in TORCHAO.values():
-                step = make_step(mod, x16, dy16, offs16)
+                step = make_step(mod, padded)
             else:
-                step = make_step(mod, x, dy, offs if takes_offs else splits)
+                step = make_step(mod, [(x, dy, o if takes_offs else r) for o, r in zip(offs, routings)])
             try:
                 step()  # warm-up (and the check that it runs here)
             except Exception as err:  # noqa: BLE001 - e.g. torch._grouped_mm on a GPU that lacks it
@@ -341,7 +360,7 @@ def main(argv=None) -> None:
         for cname in steps:
             ms = statistics.median(times[cname])
             row = {"config": cfg, "experts": e, "tokens": t, "top_k": k, "d_model": d, "hidden": h,
-                   "m_splits": splits, "name": cname, "ms": ms, "rounds_ms": times[cname],
+                   "m_splits": splits, "routings": args.routings, "name": cname, "ms": ms, "rounds_ms": times[cname],
                    "tflops": flop / (ms * 1e-3) / 1e12, "vs": base_name, "ratio": base / ms}
             rows.append(row)
             print(json.dumps({k_: v for k_, v in row.items() if k_ != "m_splits"}), flush=True)

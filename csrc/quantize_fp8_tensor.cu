@@ -10,7 +10,9 @@ namespace hybridq {
 
 namespace {
 cudaError_t launch_quantize_fp8_tensor(InType t, const Fp8TensorArgs& a, cudaStream_t stream) {
-  if (a.src_rows != nullptr) HQ_DISPATCH_IN(t, return (launch_tile_row_map<T, Fp8TensorPolicy>(a, stream)));
+  if (a.src_rows != nullptr) {
+    HQ_DISPATCH_IN(t, return (launch_tile_row_map<T, Fp8TensorPolicy>(a, stream)));
+  }
   HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8TensorPolicy>(a, stream)));
 }
 }  // namespace

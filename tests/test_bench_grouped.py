@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hybridq
 
@@ -103,3 +104,44 @@ def test_each_timed_block_follows_warm_steps_of_its_own_candidate_in_an_order_ro
 def test_bench_grouped_rejects_a_negative_warm_step_count():
     with pytest.raises(SystemExit):
         bench_grouped.main(["--smoke", "--warm-steps", "-1"])
+
+
+def test_each_step_takes_the_next_routing_in_turn():
+    """--routings N: a candidate's steps take the N (x, dy, route) inputs in turn, starting over after the last."""
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, route):
+            seen.append(route)
+            return x * self.w
+
+    x, dy = torch.ones(3, requires_grad=True), torch.ones(3)
+    routes = [[1, 2], [3, 0], [0, 3]]
+    step = bench_grouped.make_step(Recorder(), [(x, dy, r) for r in routes])
+    for _ in range(7):
+        step()
+    assert seen == routes * 2 + routes[:1], f"routes taken: {seen}"
+    assert x.grad is not None and x.grad.eq(1).all(), f"x.grad not reset between steps: {x.grad}"
+
+
+def test_bench_grouped_routings_keep_the_tokens_and_vary_the_counts(tmp_path):
+    """The N seeded routings route the same tokens (every one sums to tokens x top-k) with counts that differ; the
+    smoke run with --routings 3 times every candidate and records the count of routings."""
+    assert len({tuple(bench_grouped.routed_splits(8, 40, 2, seed=i)) for i in range(3)}) == 3, "routings repeat"
+    assert all(sum(bench_grouped.routed_splits(8, 40, 2, seed=i)) == 80 for i in range(3))
+    out = tmp_path / "grouped.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_grouped.py"), "--smoke", "--configs",
+                        "4x48x2x64x96", "--presets", "fp8_tensorwise", "--torchao", "", "--routings", "3", "--json",
+                        str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"bench_grouped --routings failed:\n{r.stdout}\n{r.stderr}"
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(x["routings"] == 3 and x["ms"] > 0 for x in rows), rows
+
+
+def test_bench_grouped_rejects_a_routing_count_below_one():
+    with pytest.raises(SystemExit):
+        bench_grouped.main(["--smoke", "--routings", "0"])
