@@ -64,11 +64,11 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         zeros up to a multiple of 16 and to `groups.padded_width()`), which the wgrad GEMM reads without edge products
         (and cuBLAS takes per expert). Groups the host knows are 16-aligned (the experts' weights) have the plain
         transpose (the same layout, rows `ceil16(T)` apart), and so do groups of device counts whose average has more
-        than `padded_max_tokens_per_expert` tokens (see `_in_cast`)."""
+        than `padded_max_tokens_per_expert` tokens (see `_plain`)."""
         if x2d.dtype not in IN_DTYPES:
             raise TypeError(f"{name}: the FP8 cast takes float32 / bfloat16 / float16, got {x2d.dtype}")
         x = x2d.contiguous()
-        plain = columnwise and self._in_cast(groups)
+        plain = columnwise and self._plain(groups)
         padded = columnwise and not plain
         pitch = -(-x.shape[0] // 16) * 16 if plain else groups.padded_width() if padded else 0
         row, col, scale_inv, _ = torch.ops.hybridq.fp8_tensor_quantize_grouped(
@@ -88,16 +88,17 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     # bf16 at 8 experts x 4096 tokens, d 4096, h 14336, where the per-expert path measured 1.31x; BENCHMARKS.md)
 
     # token groups get the padded columnwise layout (see quantize) where the average expert has at most this many
-    # tokens, else the plain transpose written by the cast (the wgrad kernel then reads each expert's < 16 edge tokens
-    # per side with two small masked products). Measured on one H200 (BENCHMARKS.md "MoE", GPU ms per forward +
-    # backward, plain -> padded): 64 experts x 2048 tokens 8.45 -> 8.18 (wgrad 3.43 -> 2.83, transpose +0.50), 16 x
-    # 4096 6.01 -> 6.31 (wgrad unchanged), 8 x 4096 (d 4096) 13.80 -> 13.16. 0: never; inf: always.
-    padded_max_tokens_per_expert: float = 2048.0
+    # tokens, else the plain transpose (the Triton wgrad kernel then reads each expert's < 16 edge tokens per side with
+    # two small masked products). inf (the default): always -- the padded Triton wgrad measured faster than the plain
+    # one at every bench_grouped config (one H200, 2026-11-29 03:16 UTC: 6.00 / 2.75 / 3.00 ms against 6.82 / 3.12 /
+    # 3.64 at 8 / 16 / 64 experts), and since the cast writes it the padded layout costs ~6% more cast time than the
+    # plain one (06:36 UTC; before, a 0.4-0.5 ms re-layout, when the default was 2048). 0: never.
+    padded_max_tokens_per_expert: float = float("inf")
 
-    def _in_cast(self, groups) -> bool:
-        """Whether the cast writes these groups' columnwise form (the plain transpose, rows `ceil16(T)` apart), else
-        the padded layout: always the padded layout for host counts (not all 16-aligned) where the wgrad may run per
-        expert on cuBLAS, which needs it."""
+    def _plain(self, groups) -> bool:
+        """Whether these groups' columnwise form is the plain transpose (rows `ceil16(T)` apart), else the padded
+        layout: always the padded one for host counts (not all 16-aligned) where the wgrad may run per expert on
+        cuBLAS, which needs it."""
         if groups.aligned16():
             return True
         if groups.known_sizes() is not None and self.wgrad_per_expert_min_us != float("inf"):
@@ -105,10 +106,10 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         return groups.tokens > self.padded_max_tokens_per_expert * groups.n
 
     def columnwise_width(self, groups) -> int:
-        return -(-groups.tokens // 16) * 16 if self._in_cast(groups) else groups.padded_width()
+        return -(-groups.tokens // 16) * 16 if self._plain(groups) else groups.padded_width()
 
     def columnwise_form(self, buffer: torch.Tensor, groups) -> torch.Tensor:
-        return buffer[:, :groups.tokens] if self._in_cast(groups) else buffer
+        return buffer[:, :groups.tokens] if self._plain(groups) else buffer
 
     @staticmethod
     def _per_expert(groups, k: int, n: int, min_us: float) -> bool:
