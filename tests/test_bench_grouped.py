@@ -136,7 +136,8 @@ def test_bench_grouped_routings_keep_the_tokens_and_vary_the_counts(tmp_path):
     out = tmp_path / "grouped.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_grouped.py"), "--smoke", "--configs",
                         "4x48x2x64x96", "--presets", "fp8_tensorwise", "--torchao", "", "--routings", "3", "--json",
-                        str(out)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"bench_grouped --routings failed:\n{r.stdout}\n{r.stderr}"
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(x["routings"] == 3 and x["ms"] > 0 for x in rows), rows

@@ -413,8 +413,8 @@ __device__ __forceinline__ void load_tile_mapped(T* ts, int32_t* s_rows, const T
     for (int p = 0; p < L::NP; ++p) {
       const int r = r0 + p * L::RSTEP;
       const bool in = src[p] >= 0 && gk < K;
-      cp_async16(ts + tile_off<T>(r, c), in ? static_cast<const void*>(x + src[p] * K + gk) : static_cast<const void*>(x),
-                 in ? 16 : 0);
+      const void* from = in ? static_cast<const void*>(x + src[p] * K + gk) : static_cast<const void*>(x);
+      cp_async16(ts + tile_off<T>(r, c), from, in ? 16 : 0);
       if (c == 0) s_rows[r] = src[p];
     }
   } else {

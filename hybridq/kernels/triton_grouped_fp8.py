@@ -256,8 +256,8 @@ def jagged_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor
                  config=None, aligned: bool = False) -> torch.Tensor:
     """`out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T * (a_scale_inv[g] * b_scale_inv[g])`: `[E, M, N]` for
     `a_t` fp8 `[M, T]`, `b_t` fp8 `[N, T]` (unit stride along the tokens; row strides multiples of 16). `aligned`:
-    every group's bounds in `ends` are multiples of 16 (the padded layout of the grouped cast's columnwise form), so the kernel has no
-    edge products (~1.4x faster)."""
+    every group's bounds in `ends` are multiples of 16 (the padded layout of the grouped cast's columnwise form), so
+    the kernel has no edge products (~1.4x faster)."""
     m, n = a_t.shape[0], b_t.shape[0]
     e = ends.shape[0]
     c = torch.empty(e, m, n, device=a_t.device, dtype=out_dtype)
