@@ -2,10 +2,11 @@
 for device type "cuda": the grouped quantize of the extension (`hybridq::fp8_tensor_quantize_grouped`: one amax launch
 and one cast launch for all groups, rowwise and columnwise in the same pass, the columnwise form in the padded
 layout the wgrad GEMMs read: each group from a 16-aligned column, zeros between) and the Triton grouped GEMMs of
-`triton_grouped_fp8` (sm_90), all reading the group bounds from the device: no host sync, no packing copies. Where the host has the token counts and each expert's GEMM is
-long enough to hide a call's host cost, the GEMMs run as one cuBLAS GEMM per expert instead, issued from C++ in one op
-call per phase (`hybridq::grouped_fp8_tensor_cublas_mm` / `_wgrad`: ~1.0-1.4 PFLOP/s on an H200 where the Triton
-kernels with promoted accumulation run at ~0.45-0.85; `per_expert_min_us`, `wgrad_per_expert_min_us`).
+`triton_grouped_fp8` (sm_90), all reading the group bounds from the device: no host sync, no packing copies. Where
+the host has the token counts and each expert's GEMM is long enough to hide a call's host cost, the GEMMs run as one
+cuBLAS GEMM per expert instead, issued from C++ in one op call per phase (`hybridq::grouped_fp8_tensor_cublas_mm` /
+`_wgrad`: ~1.0-1.4 PFLOP/s on an H200 where the Triton kernels with promoted accumulation run at ~0.45-0.85;
+`per_expert_min_us`, `wgrad_per_expert_min_us`).
 
 Taken where every piece runs: a CUDA sm_90 device, Triton, the built extension, FP8 GEMMs enabled
 (`native_gemm.disabled()` turns them off), contracted sizes (in_features for fprop, out_features for dgrad) multiple
