@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 import profile_step as ps
-from fsdp_setup import exit_without_finalization  # noqa: E402
+from fsdp_setup import exit_without_finalization
 
 _RESULT = "step_time.py result: "
 
