@@ -20,6 +20,7 @@
 
 #include "binding_checks.h"
 #include "cublaslt_fp8.h"
+#include "expert_streams.h"
 
 namespace hybridq {
 namespace {
@@ -162,7 +163,8 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
 // [M, S/128], [N, S/128] row-major), each expert contracted over its slot [offsets[g], offsets[g] + rows[g]) (128
 // multiples) -> [E, M, N]; an expert without rows gets zeros.
 Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t, const Tensor& b_scale,
-                                  at::IntArrayRef offsets, at::IntArrayRef rows, at::ScalarType out_dtype) {
+                                  at::IntArrayRef offsets, at::IntArrayRef rows, at::ScalarType out_dtype,
+                                  int64_t streams) {
   check_block_gemm_operand(a_t, a_t, kWgrad, "a_t");
   check_block_gemm_operand(b_t, a_t, kWgrad, "b_t");
   const int64_t m = a_t.size(0), n = b_t.size(0), s = a_t.size(1), e = static_cast<int64_t>(offsets.size());
@@ -185,7 +187,9 @@ Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, cons
   const float* sa_ptr = sa.data_ptr<float>();
   const float* sb_ptr = sb.data_ptr<float>();
   const int64_t out_expert = m * n * out.element_size();
+  ExpertStreams on(streams, kWgrad);
   for (int64_t g = 0; g < e; ++g) {
+    on.use(g);
     if (rows[g] == 0) {
       out.select(0, g).zero_();
       continue;
@@ -198,6 +202,7 @@ Tensor grouped_block_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, cons
                      sb.narrow(0, o / 128, p / 128).t(), r1);
     }
   }
+  on.join();
   return od == out_dtype ? out : out.to(out_dtype);
 }
 

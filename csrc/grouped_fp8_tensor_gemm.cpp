@@ -12,13 +12,15 @@
 // cuBLASLt path declines (cublaslt_fp8.h: not covered), `at::_scaled_mm_out` runs the same GEMM on views (the same
 // errors: no high-precision fallback). cuBLASLt reads the per-tensor scales through 16-byte aligned pointers: each
 // expert's scale is used in place where it is so aligned (a column of the gathered experts' `[E, 4]` buffer), else
-// from an aligned copy made in the call.
+// from an aligned copy made in the call. `streams` 2 issues the experts' GEMMs alternately on the current stream and a
+// side stream (expert_streams.h: the caller decides where that pays).
 #include <ATen/ops/_scaled_mm.h>
 
 #include <vector>
 
 #include "binding_checks.h"
 #include "cublaslt_fp8.h"
+#include "expert_streams.h"
 
 namespace hybridq {
 namespace ops {
@@ -76,7 +78,7 @@ Tensor scale_tensor(const float* p, const Tensor& like) {
 // [n, K] at element g * b_group_stride of b (rows b_row_stride apart, contiguous along K) -> [T, n]
 Tensor grouped_fp8_tensor_cublas_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, int64_t b_group_stride,
                                     int64_t b_row_stride, int64_t n, const Tensor& b_scale, at::IntArrayRef sizes,
-                                    at::ScalarType out_dtype, bool fast_accum) {
+                                    at::ScalarType out_dtype, bool fast_accum, int64_t streams) {
   check_operand(a, a, kMm, "a");
   TORCH_CHECK(a.is_contiguous(), "hybridq::", kMm, ": a must be contiguous, got strides ", a.strides());
   TORCH_CHECK(b.defined() && b.is_cuda(), "hybridq::", kMm, ": b must be a CUDA tensor");
@@ -108,10 +110,12 @@ Tensor grouped_fp8_tensor_cublas_mm(const Tensor& a, const Tensor& a_scale, cons
   const auto* b_ptr = static_cast<const uint8_t*>(b.data_ptr());
   auto* out_ptr = static_cast<uint8_t*>(out.data_ptr());
   const int64_t out_row = n * out.element_size();
-  int64_t o = 0;
+  ExpertStreams on(streams, kMm);
+  int64_t o = 0, issued = 0;
   for (int64_t g = 0; g < e; ++g) {
     const int64_t m = sizes[g];
     if (m == 0) continue;
+    on.use(issued++);
     // (torch's row-major out = mat1 @ mat2 as cuBLAS's column-major A^T B: A = b_g, B = a's rows; cublaslt_fp8.h)
     cublaslt::Gemm gemm{n, m, k, b_row_stride, k, n, b.scalar_type(), a.scalar_type(), od,
                         at::blas::ScalingType::TensorWise, at::blas::ScalingType::TensorWise, fast_accum,
@@ -124,6 +128,7 @@ Tensor grouped_fp8_tensor_cublas_mm(const Tensor& a, const Tensor& a_scale, cons
     }
     o += m;
   }
+  on.join();
   return out;
 }
 
@@ -131,7 +136,7 @@ Tensor grouped_fp8_tensor_cublas_mm(const Tensor& a, const Tensor& a_scale, cons
 // rows[g]) (multiples of 16) -> [E, M, N], no fast accumulation (the backward GEMMs' precise sums)
 Tensor grouped_fp8_tensor_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale, const Tensor& b_t,
                                        const Tensor& b_scale, at::IntArrayRef offsets, at::IntArrayRef rows,
-                                       at::ScalarType out_dtype) {
+                                       at::ScalarType out_dtype, int64_t streams) {
   check_operand(a_t, a_t, kWgrad, "a_t");
   check_operand(b_t, a_t, kWgrad, "b_t");
   const int64_t m = a_t.size(0), n = b_t.size(0), w = a_t.size(1), e = static_cast<int64_t>(offsets.size());
@@ -157,8 +162,11 @@ Tensor grouped_fp8_tensor_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale,
   const auto* b_ptr = static_cast<const uint8_t*>(b_t.data_ptr());
   auto* out_ptr = static_cast<uint8_t*>(out.data_ptr());
   const int64_t out_expert = m * n * out.element_size();
+  ExpertStreams on(streams, kWgrad);
+  int64_t issued = 0;
   for (int64_t g = 0; g < e; ++g) {
     const int64_t o = offsets[g], p = rows[g];
+    on.use(issued++);
     if (p == 0) {
       out.select(0, g).zero_();
       continue;
@@ -173,6 +181,7 @@ Tensor grouped_fp8_tensor_cublas_wgrad(const Tensor& a_t, const Tensor& a_scale,
                          scale_tensor(sb[g], a_t), std::nullopt, std::nullopt, od, false);
     }
   }
+  on.join();
   return out;
 }
 

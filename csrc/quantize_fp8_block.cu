@@ -115,7 +115,7 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
       "int[] offsets, int[] rows, int[] tokens, Tensor slot_offsets, Tensor slot_rows, ScalarType out_dtype) -> Tensor");
   m.def(
       "grouped_block_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, int[] rows, "
-      "ScalarType out_dtype) -> Tensor");
+      "ScalarType out_dtype, int streams=1) -> Tensor");
   // the eager Linear as one op with a C++ autograd node (implemented in csrc/linear_fp8_block.cpp)
   m.def(
       "fp8_block_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? x_row, Tensor? x_row_scale_inv, "

@@ -254,10 +254,10 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
   // the jagged experts' GEMMs as one cuBLAS GEMM per expert (implemented in csrc/grouped_fp8_tensor_gemm.cpp)
   m.def(
       "grouped_fp8_tensor_cublas_mm(Tensor a, Tensor a_scale, Tensor b, int b_group_stride, int b_row_stride, int n, "
-      "Tensor b_scale, int[] sizes, ScalarType out_dtype, bool fast_accum) -> Tensor");
+      "Tensor b_scale, int[] sizes, ScalarType out_dtype, bool fast_accum, int streams=1) -> Tensor");
   m.def(
       "grouped_fp8_tensor_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, "
-      "int[] rows, ScalarType out_dtype) -> Tensor");
+      "int[] rows, ScalarType out_dtype, int streams=1) -> Tensor");
   // many fp32 tensors (an FSDP2 unit's master shards), each rounded to param_dtype and quantized as its own tensor
   // into its region of one byte buffer: implemented in csrc/fp8_tensors.cu
   m.def(

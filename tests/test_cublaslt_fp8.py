@@ -34,6 +34,9 @@ _BLOCKS = pytest.mark.skipif(not _cuda_ready(lambda c: c == (9, 0)),
                              reason="needs CUDA sm_90 (cuBLAS block-scaled FP8) and the extension")
 pytestmark = pytest.mark.gpu
 
+# the experts' GEMMs on the current stream only, or alternately on it and a side stream (csrc/expert_streams.h)
+STREAMS, STREAM_IDS = [1, 2], ["one-stream", "two-streams"]
+
 
 def _ops():
     return torch.ops.hybridq
@@ -205,10 +208,11 @@ def test_gpu_block_gemms_are_bitwise_scaled_mm(rows, k, n, tiles, out):
 
 
 @_BLOCKS
+@pytest.mark.parametrize("streams", STREAMS, ids=STREAM_IDS)
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_block_wgrad_gemms_are_bitwise_scaled_mm(out):
+def test_gpu_block_wgrad_gemms_are_bitwise_scaled_mm(out, streams):
     """grouped_block_cublas_wgrad's per-expert GEMMs (1x128 x 1x128 over each expert's slot) equal F.scaled_mm on the
-    slot views bit for bit; an expert without rows is zeros."""
+    slot views bit for bit, on one stream or two; an expert without rows is zeros."""
     F = torch.nn.functional
     gen = torch.Generator().manual_seed(6)
     m, n, rows = 48, 32, [128, 0, 256]
@@ -217,7 +221,7 @@ def test_gpu_block_wgrad_gemms_are_bitwise_scaled_mm(out):
     a_scale, b_scale = _scales((m, s // 128), gen), _scales((n, s // 128), gen)
     offsets = [sum(rows[:g]) for g in range(len(rows))]
     before = _stats()["calls"]
-    y = _ops().grouped_block_cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out)
+    y = _ops().grouped_block_cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out, streams)
     assert _stats()["calls"] == before + 2, "the direct cuBLASLt path did not run every expert's GEMM"
     one = F.ScalingType.BlockWise1x128
     for g, (o, p) in enumerate(zip(offsets, rows)):
@@ -254,14 +258,15 @@ FP8_PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
 
 
 @_TENSORWISE
+@pytest.mark.parametrize("streams", STREAMS, ids=STREAM_IDS)
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned-scales", "packed-scales"])
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-accum", "precise"])
 @pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=str)
 @pytest.mark.parametrize("sizes,k,n", TENSOR_GROUPS, ids=str)
-def test_gpu_tensorwise_grouped_gemms_are_bitwise_scaled_mm(sizes, k, n, a_dtype, b_dtype, fast, aligned):
+def test_gpu_tensorwise_grouped_gemms_are_bitwise_scaled_mm(sizes, k, n, a_dtype, b_dtype, fast, aligned, streams):
     """grouped_fp8_tensor_cublas_mm's per-expert GEMMs (direct cuBLASLt from pointers into the operands: the experts'
     rows of `a`, each expert's `[N, K]` of a strided weight) equal torch._scaled_mm on each expert's views bit for bit,
-    non-finite values included."""
+    non-finite values included, on one stream or two."""
     gen = torch.Generator().manual_seed(11)
     e, t = len(sizes), sum(sizes)
     a = _fp8_of((t, k), a_dtype, gen, poison=True)
@@ -269,7 +274,7 @@ def test_gpu_tensorwise_grouped_gemms_are_bitwise_scaled_mm(sizes, k, n, a_dtype
     b = _fp8_of((e * n, pitch), b_dtype, gen)
     sa, sb = _per_expert_scales(e, gen, aligned), _per_expert_scales(e, gen, aligned)
     before = _stats()["calls"]
-    y = _ops().grouped_fp8_tensor_cublas_mm(a, sa, b, n * pitch, pitch, n, sb, sizes, torch.bfloat16, fast)
+    y = _ops().grouped_fp8_tensor_cublas_mm(a, sa, b, n * pitch, pitch, n, sb, sizes, torch.bfloat16, fast, streams)
     assert _stats()["calls"] == before + sum(1 for m in sizes if m), "the direct path did not run every expert's GEMM"
     o = 0
     for g, m in enumerate(sizes):
@@ -281,12 +286,13 @@ def test_gpu_tensorwise_grouped_gemms_are_bitwise_scaled_mm(sizes, k, n, a_dtype
 
 
 @_TENSORWISE
+@pytest.mark.parametrize("streams", STREAMS, ids=STREAM_IDS)
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned-scales", "packed-scales"])
-def test_gpu_tensorwise_grouped_wgrad_gemms_are_bitwise_scaled_mm(aligned, out):
+def test_gpu_tensorwise_grouped_wgrad_gemms_are_bitwise_scaled_mm(aligned, out, streams):
     """grouped_fp8_tensor_cublas_wgrad contracts each expert's slot of the padded columnwise forms (E5M2 gradients x
-    E4M3 inputs, no fast accumulation): bitwise torch._scaled_mm on the slot views; an expert without tokens is
-    zeros."""
+    E4M3 inputs, no fast accumulation): bitwise torch._scaled_mm on the slot views, on one stream or two; an expert
+    without tokens is zeros."""
     gen = torch.Generator().manual_seed(12)
     m, n, rows = 96, 64, [32, 0, 16, 256]
     w = sum(rows) + 16  # (columns after the last slot: the padded layout's upper bound)
@@ -294,7 +300,7 @@ def test_gpu_tensorwise_grouped_wgrad_gemms_are_bitwise_scaled_mm(aligned, out):
     sa, sb = _per_expert_scales(len(rows), gen, aligned), _per_expert_scales(len(rows), gen, aligned)
     offsets = [sum(rows[:g]) for g in range(len(rows))]
     before = _stats()["calls"]
-    y = _ops().grouped_fp8_tensor_cublas_wgrad(a_t, sa, b_t, sb, offsets, rows, out)
+    y = _ops().grouped_fp8_tensor_cublas_wgrad(a_t, sa, b_t, sb, offsets, rows, out, streams)
     assert _stats()["calls"] == before + 3, "the direct path did not run every expert's GEMM"
     for g, (o, p) in enumerate(zip(offsets, rows)):
         want = torch._scaled_mm(a_t[:, o:o + p], b_t[:, o:o + p].t(), sa[g:g + 1].clone(), sb[g:g + 1].clone(),
@@ -316,3 +322,52 @@ def test_gpu_tensorwise_grouped_gemms_refuse_bad_groups_before_running():
     with pytest.raises(RuntimeError, match="grouped_fp8_tensor_cublas_wgrad: expert 1's slot \\[24, 40\\)"):
         _ops().grouped_fp8_tensor_cublas_wgrad(a_t, s, b_t, s, [0, 24], [16, 16], torch.bfloat16)
     assert _stats()["calls"] == before, "a GEMM ran before the check"
+
+
+@_TENSORWISE
+def test_gpu_grouped_gemms_refuse_a_stream_count_other_than_one_or_two():
+    """streams must be 1 or 2: anything else raises naming the op and the rule, before any GEMM runs."""
+    gen = torch.Generator().manual_seed(14)
+    a, b, s = _fp8_of((32, 64), E4M3, gen), _fp8_of((2 * 32, 64), E4M3, gen), _scales((2,), gen)
+    before = _stats()["calls"]
+    for streams in (0, 3):
+        with pytest.raises(RuntimeError, match="grouped_fp8_tensor_cublas_mm: streams must be 1 or 2, got"):
+            _ops().grouped_fp8_tensor_cublas_mm(a, s, b, 32 * 64, 64, 32, s, [16, 16], torch.bfloat16, True, streams)
+        with pytest.raises(RuntimeError, match="grouped_fp8_tensor_cublas_wgrad: streams must be 1 or 2, got"):
+            _ops().grouped_fp8_tensor_cublas_wgrad(a.t().contiguous(), s, b.t().contiguous()[:, :32], s, [0, 16],
+                                                   [16, 16], torch.bfloat16, streams)
+    assert _stats()["calls"] == before, "a GEMM ran before the check"
+
+
+@_TENSORWISE
+def test_gpu_two_stream_grouped_gemms_capture_in_a_cuda_graph():
+    """Captured in a CUDA graph, the two-stream grouped GEMMs (the side stream joins and leaves the capture) replay
+    to the one-stream results of the inputs copied in before the replay."""
+    gen = torch.Generator().manual_seed(15)
+    sizes, k, n = [256, 16, 0, 512, 128], 256, 384
+    e, t = len(sizes), sum(sizes)
+    rows = [-(-m // 16) * 16 for m in sizes]
+    slots = [sum(rows[:g]) for g in range(e)]
+    a, b = _fp8_of((t, k), E4M3, gen), _fp8_of((e * n, k), E4M3, gen)
+    a_t, b_t = _fp8_of((k, sum(rows)), E5M2, gen), _fp8_of((n, sum(rows)), E4M3, gen)
+    sa, sb = _per_expert_scales(e, gen, True), _per_expert_scales(e, gen, True)
+
+    def step(streams):
+        return (_ops().grouped_fp8_tensor_cublas_mm(a, sa, b, n * k, k, n, sb, sizes, torch.bfloat16, False, streams),
+                _ops().grouped_fp8_tensor_cublas_wgrad(a_t, sa, b_t, sb, slots, rows, torch.bfloat16, streams))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm-up off the capture: plans, workspaces)
+        step(2)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(2)
+    new_a, new_a_t = _fp8_of((t, k), E4M3, gen), _fp8_of((k, sum(rows)), E5M2, gen)
+    a.copy_(new_a)
+    a_t.copy_(new_a_t)
+    graph.replay()
+    want = step(1)
+    for name, got, ref in zip(("fprop", "wgrad"), captured, want):
+        assert_bitwise(got, ref, f"the replayed two-stream {name} differs from the one-stream GEMMs of the new inputs")

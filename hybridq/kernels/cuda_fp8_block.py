@@ -137,7 +137,7 @@ def register_fakes() -> None:
         return a.new_empty((sum(tokens), n), dtype=_gemm_dtype(out_dtype))
 
     @register_fake("hybridq::grouped_block_cublas_wgrad")
-    def _cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype):
+    def _cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype, streams=1):
         return a_t.new_empty((len(offsets), a_t.shape[0], b_t.shape[0]), dtype=_gemm_dtype(out_dtype))
 
 

@@ -38,9 +38,10 @@ Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]`
   Linear's gathered fast path, nn/float8_graph.py's `gathered_forward` / `gathered_grads`, inside opaque ops at run
   time only: no fakes)
 - grouped_fp8_tensor_cublas_mm(a, a_scale [E], b, b_group_stride, b_row_stride, n, b_scale [E], sizes, out_dtype,
-  fast_accum) -> [T, n] and grouped_fp8_tensor_cublas_wgrad(a_t, a_scale [E], b_t, b_scale [E], offsets, rows,
-  out_dtype) -> [E, M, N]: the jagged experts' fprop / dgrad and wgrad as one cuBLAS GEMM per expert from C++
-  (csrc/grouped_fp8_tensor_gemm.cpp; their caller is grouped_fp8.py where the host has the token counts)
+  fast_accum, streams=1) -> [T, n] and grouped_fp8_tensor_cublas_wgrad(a_t, a_scale [E], b_t, b_scale [E], offsets,
+  rows, out_dtype, streams=1) -> [E, M, N]: the jagged experts' fprop / dgrad and wgrad as one cuBLAS GEMM per expert
+  from C++ (csrc/grouped_fp8_tensor_gemm.cpp; their caller is grouped_fp8.py where the host has the token counts),
+  on `streams` (1 or 2) CUDA streams (kernels/expert_streams.py picks)
 """
 
 from __future__ import annotations
@@ -183,11 +184,12 @@ def register_fakes() -> None:
         return data.new_empty(data.shape, dtype=out_dtype)
 
     @register_fake("hybridq::grouped_fp8_tensor_cublas_mm")
-    def _grouped_cublas_mm(a, a_scale, b, b_group_stride, b_row_stride, n, b_scale, sizes, out_dtype, fast_accum):
+    def _grouped_cublas_mm(a, a_scale, b, b_group_stride, b_row_stride, n, b_scale, sizes, out_dtype, fast_accum,
+                           streams=1):
         return a.new_empty((a.shape[0], n), dtype=out_dtype)
 
     @register_fake("hybridq::grouped_fp8_tensor_cublas_wgrad")
-    def _grouped_cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype):
+    def _grouped_cublas_wgrad(a_t, a_scale, b_t, b_scale, offsets, rows, out_dtype, streams=1):
         return a_t.new_empty((len(offsets), a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
 
     @register_fake("hybridq::fp8_linear")

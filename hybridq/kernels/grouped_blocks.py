@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..switches import Switch
 from . import _ext, native_gemm
+from .expert_streams import streams_for
 
 log = logging.getLogger("hybridq")
 _E4M3 = torch.float8_e4m3fn
@@ -277,7 +278,7 @@ def cublas_wgrad(a_t, b_t, offsets: list[int], rows: list[int], out_dtype: torch
     grouped_block_cublas_wgrad`) over its slot's `rows[g]` tokens (multiples of 128)."""
     return torch.ops.hybridq.grouped_block_cublas_wgrad(
         _row_major(a_t.data), _row_major(a_t.scales), _row_major(b_t.data), _row_major(b_t.scales), offsets, rows,
-        out_dtype)
+        out_dtype, streams_for(rows, a_t.data.shape[0], b_t.data.shape[0]))
 
 
 def cublas_formats(quantizers: dict) -> bool:

@@ -23,6 +23,7 @@ from ..formats import Float8Quantizer
 from ..formats.base import option_names
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from . import _ext, native_gemm
+from .expert_streams import gemm_us, streams_for
 from .cuda import IN_DTYPES
 from .cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
 
@@ -115,14 +116,16 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     @staticmethod
     def _per_expert(groups, k: int, n: int, min_us: float) -> bool:
         sizes = groups.known_sizes()
-        return bool(sizes) and _gemm_us(sizes, k, n) >= min_us
+        return bool(sizes) and gemm_us(sizes, k, n) >= min_us
 
     def mm(self, a, a_scale_inv, b, b_group_stride: int, b_row_stride: int, n: int, b_scale_inv, groups,
            out_dtype: torch.dtype, precise: bool, name: str = "grouped GEMM") -> torch.Tensor:
         od = out_dtype if out_dtype in _MM_OUT else torch.float32
         if self._per_expert(groups, a.shape[1], n, self.per_expert_min_us):
+            sizes = groups.known_sizes()
             out = torch.ops.hybridq.grouped_fp8_tensor_cublas_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n,
-                                                                 b_scale_inv, groups.known_sizes(), od, not precise)
+                                                                 b_scale_inv, sizes, od, not precise,
+                                                                 streams_for(sizes, a.shape[1], n))
         else:
             out = _triton().jagged_mm(a, a_scale_inv, b, b_group_stride, b_row_stride, n, b_scale_inv, groups.ends,
                                       od, precise)
@@ -141,7 +144,7 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         if padded and self._per_expert(groups, a_t.shape[0], b_t.shape[0], self.wgrad_per_expert_min_us):
             offsets, rows = groups.padded_slots()
             out = torch.ops.hybridq.grouped_fp8_tensor_cublas_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offsets, rows,
-                                                                    od)
+                                                                    od, streams_for(rows, a_t.shape[0], b_t.shape[0]))
         else:
             out = _triton().jagged_wgrad(a_t, a_scale_inv, b_t, b_scale_inv,
                                          groups.padded_ends if padded else groups.ends, od, precise=True,
@@ -151,7 +154,3 @@ class CudaJaggedFP8(JaggedFP8Kernels):
 
 _MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
-
-def _gemm_us(sizes: list[int], k: int, n: int) -> float:
-    """The average expert's GEMM time estimated at 1.1 PFLOP/s (the FP8 GEMMs measured on an H200), in us."""
-    return 2.0 * (sum(sizes) / len(sizes)) * k * n / 1.1e15 * 1e6
