@@ -63,16 +63,15 @@ class CudaJaggedFP8(JaggedFP8Kernels):
 
     def quantize(self, q, x2d: torch.Tensor, groups, columnwise: bool, name: str) -> JaggedFP8:
         """The cast writes the columnwise form in the padded layout (each group's tokens from a 16-aligned column,
-        zeros up to a multiple of 16 and to `groups.padded_width()`), which the wgrad GEMM reads without edge products
+        zeros up to a multiple of 16 and to `columnwise_width`), which the wgrad GEMM reads without edge products
         (and cuBLAS takes per expert). Groups the host knows are 16-aligned (the experts' weights) have the plain
-        transpose (the same layout, rows `ceil16(T)` apart), and so do groups of device counts whose average has more
+        transpose (the same layout), and so do groups of device counts whose average has more
         than `padded_max_tokens_per_expert` tokens (see `_plain`)."""
         if x2d.dtype not in IN_DTYPES:
             raise TypeError(f"{name}: the FP8 cast takes float32 / bfloat16 / float16, got {x2d.dtype}")
         x = x2d.contiguous()
-        plain = columnwise and self._plain(groups)
-        padded = columnwise and not plain
-        pitch = -(-x.shape[0] // 16) * 16 if plain else groups.padded_width() if padded else 0
+        padded = columnwise and not self._plain(groups)
+        pitch = self.columnwise_width(groups) if columnwise else 0
         row, col, scale_inv, _ = torch.ops.hybridq.fp8_tensor_quantize_grouped(
             x, q.dtype, groups.row_group, groups.n, q.amax_epsilon, q.power_2_scale, columnwise, pitch,
             groups.ends if padded else None, groups.padded_ends if padded else None)
@@ -98,7 +97,7 @@ class CudaJaggedFP8(JaggedFP8Kernels):
     padded_max_tokens_per_expert: float = float("inf")
 
     def _plain(self, groups) -> bool:
-        """Whether these groups' columnwise form is the plain transpose (rows `ceil16(T)` apart), else the padded
+        """Whether these groups' columnwise form is the plain transpose (a `[K, T]` view), else the padded
         layout: always the padded one for host counts (not all 16-aligned) where the wgrad may run per expert on
         cuBLAS, which needs it."""
         if groups.aligned16():
@@ -108,7 +107,11 @@ class CudaJaggedFP8(JaggedFP8Kernels):
         return groups.tokens > self.padded_max_tokens_per_expert * groups.n
 
     def columnwise_width(self, groups) -> int:
-        return -(-groups.tokens // 16) * 16 if self._plain(groups) else groups.padded_width()
+        """The columnwise forms' row pitch: the layout's width (the plain transpose's `ceil16(T)` or the padded
+        layout's `groups.padded_width()`) rounded up to COLUMN_PITCH bytes (the padded layout's extra columns zeros,
+        the plain one's outside its `[K, T]` view)."""
+        width = -(-groups.tokens // 16) * 16 if self._plain(groups) else groups.padded_width()
+        return -(-width // COLUMN_PITCH) * COLUMN_PITCH
 
     def columnwise_form(self, buffer: torch.Tensor, groups) -> torch.Tensor:
         return buffer[:, :groups.tokens] if self._plain(groups) else buffer
@@ -153,4 +156,9 @@ class CudaJaggedFP8(JaggedFP8Kernels):
 
 
 _MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
+# The columnwise forms' rows start on 128-byte boundaries (an L2 line): the cast stores each tile's transposed rows as
+# 128-byte segments, which a pitch off that grid splits over two lines. One H200, 2026-11-29, the routed operands of
+# bench_grouped's 64-expert config: the padded cast of x [131072, 2048] / dy [131072, 3072] 376 / 609 us at the
+# padded width 131472 (a multiple of 16 only), 318 / 487 us at 131584 or 132096; the plain cast ~300 / ~450 us.
+COLUMN_PITCH = 128
 
