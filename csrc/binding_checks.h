@@ -88,6 +88,25 @@ inline A tile_args(const Tensor& x, bool rowwise, bool columnwise) {
   return a;
 }
 
+// A row map for a quantize op (optional `src_rows`, int32 [S] on x's device): the op then quantizes the [S, K] whose
+// row r is x's row src_rows[r], a zero row where that is < 0 (values must lie in [-1, x.size(0))), instead of x --
+// bitwise the quantization of that buffer, which is never materialized (the tile kernel's RowMap::kLoads). Sets the
+// arguments' rows and map; returns the rows quantized (S, else x's).
+template <class A>
+inline int64_t apply_row_map(A& a, const Tensor& x, const std::optional<Tensor>& src_rows, const char* op) {
+  if (!src_rows.has_value()) return x.size(0);
+  const Tensor& m = *src_rows;
+  TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::kInt && m.dim() == 1 && m.is_contiguous(), "hybridq::", op,
+              ": src_rows must be a contiguous 1-D int32 CUDA tensor, got ", m.scalar_type(), " of shape ", m.sizes(),
+              " on ", m.device());
+  check_same_device(m, x, op, "src_rows");
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "hybridq::", op, ": a row map addresses at most 2^31 - 1 input rows, x has ",
+              x.size(0));
+  a.M = m.size(0);
+  a.src_rows = m.data_ptr<int32_t>();
+  return a.M;
+}
+
 inline hybridq::Fp8Encoding fp8_encoding(at::ScalarType dtype, double eps, bool pow2, const char* op) {
   TORCH_CHECK(eps >= 0.0, "hybridq::", op, ": amax epsilon must be >= 0, got ", eps);
   hybridq::Fp8Encoding e{};

@@ -8,6 +8,9 @@ namespace hybridq {
 
 namespace {
 cudaError_t launch_quantize_fp8_block(InType t, bool two_d, const Fp8BlockArgs& a, cudaStream_t stream) {
+  if (a.src_rows != nullptr) {  // (1x128 blocks only: checked by the op)
+    HQ_DISPATCH_IN(t, return (launch_tile_slots<T, Fp8BlockPolicy<false>>(a, stream)));
+  }
   if (two_d) {
     HQ_DISPATCH_IN(t, return (launch_tile<T, Fp8BlockPolicy<true>>(a, stream)));
   }
@@ -19,20 +22,23 @@ namespace ops {
 
 // ---- FP8 block ----------------------------------------------------------------------------------------
 // returns (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv); block_dim 1: [M, ceil(K/128)] and
-// [K, ceil(M/128)]; block_dim 2: [ceil(M/128), ceil(K/128)] and its transpose
+// [K, ceil(M/128)]; block_dim 2: [ceil(M/128), ceil(K/128)] and its transpose. src_rows (1x128 blocks): the [M, K]
+// quantized is x's rows through that map (apply_row_map, binding_checks.h), M = src_rows.size(0)
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize(const Tensor& x, at::ScalarType dtype,
                                                               int64_t block_dim, double eps, bool pow2, bool rowwise,
-                                                              bool columnwise) {
+                                                              bool columnwise, const std::optional<Tensor>& src_rows) {
   constexpr const char* op = "fp8_block_quantize";
   check_input(x, op);
   const auto it = in_type(x, op);
   TORCH_CHECK(block_dim == 1 || block_dim == 2, "hybridq::", op,
               ": block_dim must be 1 (1x128 blocks) or 2 (128x128 tiles), got ", block_dim);
+  TORCH_CHECK(block_dim == 1 || !src_rows.has_value(), "hybridq::", op,
+              ": a row map (src_rows) is implemented for 1x128 blocks only, got block_dim 2");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t nbm = (M + 127) / 128, nbk = (K + 127) / 128;
   auto a = tile_args<Fp8BlockArgs>(x, rowwise, columnwise);
+  const int64_t M = apply_row_map(a, x, src_rows, op), K = x.size(1);
+  const int64_t nbm = (M + 127) / 128, nbk = (K + 127) / 128;
   a.fp8 = fp8_encoding(dtype, eps, pow2, op);
   auto f32 = x.options().dtype(at::kFloat);
   Tensor row = rowwise ? at::empty({M, K}, x.options().dtype(dtype)) : empty0(x, dtype);
@@ -97,7 +103,7 @@ void impls(torch::Library& m) {
 TORCH_LIBRARY_FRAGMENT(hybridq, m) {
   m.def(
       "fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
-      "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool columnwise, Tensor? src_rows=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_block_dequantize(Tensor data, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
   // many fp32 tensors (an FSDP2 unit's master shards), each rounded to param_dtype and quantized in 128x128 tiles as
   // its own tensor into its region of one byte buffer, its tile scales into one fp32 buffer: implemented in

@@ -9,6 +9,9 @@ namespace hybridq {
 
 namespace {
 cudaError_t launch_quantize_mxfp8(InType t, bool two_d, const Mxfp8Args& a, cudaStream_t stream) {
+  if (a.src_rows != nullptr) {  // (1x32 blocks only: checked by the op)
+    HQ_DISPATCH_IN(t, return (launch_tile_slots<T, Mxfp8Policy<false>>(a, stream)));
+  }
   if (two_d) {
     HQ_DISPATCH_IN(t, return (launch_tile<T, Mxfp8Policy<true>>(a, stream)));
   }
@@ -18,21 +21,27 @@ cudaError_t launch_quantize_mxfp8(InType t, bool two_d, const Mxfp8Args& a, cuda
 
 namespace ops {
 
+// src_rows (1x32 blocks): the [M, K] quantized is x's rows through that map (apply_row_map, binding_checks.h),
+// M = src_rows.size(0)
 std::tuple<Tensor, Tensor, Tensor, Tensor> mxfp8_quantize(const Tensor& x, at::ScalarType dtype, bool block_2d,
-                                                          bool rowwise, bool columnwise, bool swizzle) {
+                                                          bool rowwise, bool columnwise, bool swizzle,
+                                                          const std::optional<Tensor>& src_rows) {
   constexpr const char* op = "mxfp8_quantize";
   check_input(x, op);
   const auto it = in_type(x, op);
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(!block_2d || !src_rows.has_value(), "hybridq::", op,
+              ": a row map (src_rows) is implemented for 1x32 blocks only, got block_2d");
+  auto a = tile_args<Mxfp8Args>(x, rowwise, columnwise);
+  const int64_t M = apply_row_map(a, x, src_rows, op), K = x.size(1);
   TORCH_CHECK(!((rowwise || block_2d) && K % 32), "hybridq::", op, ": MXFP8 ",
               block_2d ? "32x32 tiles need" : "rowwise (1x32 blocks along K) needs",
               " K = x.size(1) divisible by 32, got x of shape ", x.sizes());
   TORCH_CHECK(!((columnwise || block_2d) && M % 32), "hybridq::", op, ": MXFP8 ",
-              block_2d ? "32x32 tiles need" : "columnwise (32x1 blocks along M) needs",
-              " M = x.size(0) divisible by 32, got x of shape ", x.sizes());
+              block_2d ? "32x32 tiles need" : "columnwise (32x1 blocks along M) needs", " M = ",
+              src_rows.has_value() ? "src_rows.size(0)" : "x.size(0)", " divisible by 32, got M ", M, " (x of shape ",
+              x.sizes(), ")");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  auto a = tile_args<Mxfp8Args>(x, rowwise, columnwise);
   a.fp8 = fp8_encoding(dtype, 0.0, false, op);
   auto u8o = x.options().dtype(at::kByte);
   Tensor row = rowwise ? at::empty({M, K}, x.options().dtype(dtype)) : empty0(x, dtype);
@@ -89,8 +98,8 @@ void impls(torch::Library& m) {
 
 TORCH_LIBRARY_FRAGMENT(hybridq, m) {
   m.def(
-      "mxfp8_quantize(Tensor x, ScalarType dtype, bool block_2d, bool rowwise, bool columnwise, bool swizzle) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "mxfp8_quantize(Tensor x, ScalarType dtype, bool block_2d, bool rowwise, bool columnwise, bool swizzle, "
+      "Tensor? src_rows=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("mxfp8_dequantize(Tensor data, Tensor scale, ScalarType out_dtype) -> Tensor");
 }
 HQ_IMPL_CUDA_AND_CPU(hybridq::ops::impls)

@@ -122,27 +122,29 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not (extension_ready() and triton_slo
                                            reason="needs CUDA, the extension and Triton")]
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("case", [pytest.param(c, marks=GPU) for c in QUANTIZERS])
 def test_gpu_slot_quantize_of_both_directions_launches_once_per_quantizer_bitwise_the_packed_quantization(
-        case, monkeypatch):
+        case, backend, monkeypatch):
+    monkeypatch.setitem(grouped_slots.BACKEND, "name", backend)
     q = QUANTIZERS[case]()
     splits = [5, 0, 130, 1, 40]
     dev = torch.device("cuda")
     x = torch.randn(sum(splits), 256, generator=torch.Generator().manual_seed(4)).to(dev, torch.bfloat16)
     layout = TokenLayout.build(splits, [-(-m // 16) * 16 if m else 0 for m in splits], dev, 128)
     launches = []
-    real = triton_slot_quantize.slot_quantize
+    real = grouped_slots._launch
 
     def counted(*args, **kwargs):
-        launches.append(args[4:6])
+        launches.append(args[3:5])
         return real(*args, **kwargs)
-    monkeypatch.setattr(triton_slot_quantize, "slot_quantize", counted)
+    monkeypatch.setattr(grouped_slots, "_launch", counted)
     got = grouped_slots.quantize(q, x, layout.source_rows(dev), True, True)
-    assert got is not None, f"{case}: the grouped quantize did not take the call"
-    assert len(launches) == BOTH_LAUNCHES[case], f"{case}: launches (rowwise, columnwise) {launches}"
+    assert got is not None, f"{case} ({backend}): the grouped quantize did not take the call"
+    assert len(launches) == BOTH_LAUNCHES[case], f"{case} ({backend}): launches (rowwise, columnwise) {launches}"
     want = q.quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=True, name="x")
     for d in (ROWWISE, COLUMNWISE):
-        assert_parts_bitwise(got.part(d), want.part(d), f"{case} {d}: one launch vs the packed quantization")
+        assert_parts_bitwise(got.part(d), want.part(d), f"{case} {d} ({backend}): one launch vs the packed quantization")
 
 
 # ---- FSDP2's stacked experts joined by views ------------------------------------------------------------------------
@@ -303,12 +305,12 @@ def _device_path_here(preset) -> bool:
     return device_path_runs(qs, torch.device("cuda"), 4, 128, 256)
 
 
-# Triton launches of one forward / backward on the device-count path: the slot quantize once per tensor (both
-# directions in one launch; before: one per direction), FP8 blocks' grouped GEMMs one per phase (MXFP8's grouped
-# emulation is no Triton kernel)
-LAUNCHES = {"fp8_block": {"forward": {"slot_quantize": 1, "grouped_block_mm": 1},
-                          "backward": {"slot_quantize": 1, "grouped_block_mm": 1, "grouped_block_wgrad": 1}},
-            "mxfp8": {"forward": {"slot_quantize": 1}, "backward": {"slot_quantize": 1}}}
+# Launches of one forward / backward on the device-count path: the slot quantize once per tensor (both directions in
+# one launch; before: one per direction), FP8 blocks' grouped GEMMs one per phase (MXFP8's grouped emulation is no
+# Triton kernel)
+LAUNCHES = {"fp8_block": {"forward": {"_launch": 1, "grouped_block_mm": 1},
+                          "backward": {"_launch": 1, "grouped_block_mm": 1, "grouped_block_wgrad": 1}},
+            "mxfp8": {"forward": {"_launch": 1}, "backward": {"_launch": 1}}}
 
 
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -326,7 +328,7 @@ def test_gpu_device_count_path_launches_per_call(preset, monkeypatch):
             launches[name] = launches.get(name, 0) + 1
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, call)
-    counted(triton_slot_quantize, "slot_quantize")
+    counted(grouped_slots, "_launch")
     counted(triton_grouped_blocks, "grouped_block_mm")
     counted(triton_grouped_blocks, "grouped_block_wgrad")
     torch.manual_seed(0)
@@ -345,7 +347,7 @@ def test_gpu_device_count_path_launches_per_call(preset, monkeypatch):
         else:
             y.backward(dy)
         got[phase] = dict(launches)
-    assert got == LAUNCHES[preset], f"{preset}: Triton launches per call {got}, expected {LAUNCHES[preset]}"
+    assert got == LAUNCHES[preset], f"{preset}: launches per call {got}, expected {LAUNCHES[preset]}"
 
 
 # ---- the Triton launches: plans kept per arguments, the cached launcher ---------------------------------------------
@@ -503,7 +505,7 @@ def test_slot_quantize_launches_are_kept_with_the_decision(decision_spy, case):
     q = QUANTIZERS[case]()
     x = torch.zeros(10, 256, dtype=torch.bfloat16)
     grouped_slots._DECISIONS.clear()
-    key = (id(q), x.dtype, x.device, 256, 128, True, True)
+    key = (id(q), x.dtype, x.device, 256, 128, True, True, grouped_slots.BACKEND["name"])
     # (kept as a CUDA call's decision keeps them: on the CPU the extension's lookup declines)
     grouped_slots._DECISIONS[key] = (q, copy.deepcopy(q), tuple(grouped_slots._launch_args(d, r, c)
                                                                 for d, r, c in grouped_slots._launches(q, True, True)))

@@ -86,8 +86,14 @@ def _kernel(q, x, layout, rowwise, columnwise):
 @pytest.mark.parametrize("k", [160, 256], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("splits", SPLITS, ids=str)
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_slots_quantized_from_token_rows_are_bitwise_the_packed_quantization(device, case, splits, k, direction):
+def test_slots_quantized_from_token_rows_are_bitwise_the_packed_quantization(device, backend, case, splits, k,
+                                                                              direction, monkeypatch):
+    """Both backends of grouped_slots (the extension's tile kernel through the row map; the Triton kernel)."""
+    if device == "cpu" and backend == "cuda":
+        pytest.skip("the CUDA backend runs on CUDA tensors only")
+    monkeypatch.setitem(grouped_slots.BACKEND, "name", backend)
     rowwise, columnwise = DIRECTIONS[direction]
     q = CASES[case]()
     for dtype in (torch.bfloat16, torch.float32):
@@ -95,7 +101,7 @@ def test_slots_quantized_from_token_rows_are_bitwise_the_packed_quantization(dev
         layout = _layout(q, splits, rowwise, columnwise, device)
         want = q.quantize_groups(layout.pack(x), layout.slots, rowwise=rowwise, columnwise=columnwise, name="x")
         got_row, got_col = _kernel(q, x, layout, rowwise, columnwise)
-        what = f"{case} {dtype} splits {splits} K={k}"
+        what = f"{case} ({backend}) {dtype} splits {splits} K={k}"
         assert_parts_bitwise(got_row, want.part(ROWWISE) if rowwise else None, f"{what} rowwise")
         assert_parts_bitwise(got_col, want.part(COLUMNWISE) if columnwise else None, f"{what} columnwise")
 
@@ -212,7 +218,7 @@ def test_gpu_a_failing_slot_quantize_is_turned_off_with_a_warning_and_the_tokens
     def fails(*a, **kw):
         raise RuntimeError("no kernel image")
 
-    monkeypatch.setattr(triton_slot_quantize, "slot_quantize", fails)
+    monkeypatch.setattr(grouped_slots, "_launch", fails)
     with pytest.warns(RuntimeWarning, match="grouped slot quantize failed .*no kernel image.*packs the tokens"):
         assert grouped_slots.quantize(q, x, layout.source_rows(x.device), True, True) is None
     assert grouped_slots.ENABLED.on is False, "the failing slot quantize was not turned off"
@@ -244,3 +250,46 @@ def test_kernel_compiles_for_sm90_with_the_cuda_kernels_conversions(mode):
     assert ".ftz" not in ptx, f"{mode}: flush-to-zero instructions in the PTX"
     if m == t.MODE_FP8_BLOCK:
         assert "div.rn.f32" in ptx, f"{mode}: the scale division is not div.rn.f32"
+
+
+ROW_MAP_GPU = [pytest.mark.gpu, pytest.mark.skipif(not extension_ready(), reason="needs CUDA and the extension")]
+
+
+def _row_mapped(fmt, x, src, rowwise=True, columnwise=True):
+    ops = torch.ops.hybridq
+    if fmt == "fp8_block":
+        return ops.fp8_block_quantize(x, torch.float8_e4m3fn, 1, 0.0, True, rowwise, columnwise, src)
+    return ops.mxfp8_quantize(x, torch.float8_e4m3fn, False, rowwise, columnwise, False, src)
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=ROW_MAP_GPU) for f in ("fp8_block", "mxfp8")])
+def test_gpu_row_mapped_quantize_of_misaligned_tokens_is_bitwise_the_mapped_buffers(fmt):
+    """Tokens not 16-byte aligned (the kernel reads them element by element), a map with repeated rows, zero rows and
+    a slot count that ends inside a tile: bitwise the quantization of the buffer the map stands for."""
+    gen = torch.Generator().manual_seed(7)
+    t, k = 70, 96
+    base = torch.randn(t * k + 1, generator=gen).to("cuda", torch.bfloat16)
+    x = base[1:].view(t, k)  # (2 bytes past the allocation's alignment)
+    src = torch.tensor(([3, -1, 69, 0, 3] * 40)[:160], dtype=torch.int32, device="cuda")
+    packed = torch.where(src[:, None] >= 0, x[src.clamp(min=0).long()], torch.zeros((), dtype=x.dtype, device="cuda"))
+    got, want = _row_mapped(fmt, x, src), _row_mapped(fmt, packed.contiguous(), None)
+    for name, g, w in zip(("rowwise", "rowwise scales", "columnwise", "columnwise scales"), got, want):
+        assert g.shape == w.shape and torch.equal(g.view(torch.uint8), w.view(torch.uint8)), \
+            f"{fmt} {name}: the row-mapped quantize differs from the mapped buffer's"
+
+
+@pytest.mark.parametrize("call,message", [pytest.param(c, m, marks=ROW_MAP_GPU) for c, m in [
+    (lambda x, s: torch.ops.hybridq.fp8_block_quantize(x, torch.float8_e4m3fn, 2, 0.0, True, True, True, s),
+     "fp8_block_quantize: a row map .src_rows. is implemented for 1x128 blocks only"),
+    (lambda x, s: torch.ops.hybridq.mxfp8_quantize(x, torch.float8_e4m3fn, True, True, True, False, s),
+     "mxfp8_quantize: a row map .src_rows. is implemented for 1x32 blocks only"),
+    (lambda x, s: torch.ops.hybridq.fp8_block_quantize(x, torch.float8_e4m3fn, 1, 0.0, True, True, True, s.long()),
+     "fp8_block_quantize: src_rows must be a contiguous 1-D int32 CUDA tensor"),
+    (lambda x, s: torch.ops.hybridq.mxfp8_quantize(x, torch.float8_e4m3fn, False, True, True, False, s[:40]),
+     "mxfp8_quantize: MXFP8 columnwise .32x1 blocks along M. needs M = src_rows.size.0. divisible by 32, got M 40"),
+]], ids=["fp8_block_tiles", "mxfp8_tiles", "int64_map", "mxfp8_slots_not_32"])
+def test_gpu_row_mapped_quantize_refuses_what_it_does_not_implement(call, message):
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    src = torch.arange(64, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match=message):
+        call(x, src)

@@ -324,19 +324,26 @@ __device__ __forceinline__ void transpose4x4_bytes(uint32_t a, uint32_t b, uint3
 // the CTAs per SM the register budget is sized for (__launch_bounds__). STAGES == 1 with one CTA per tile is the
 // original one-shot kernel (load, wait, compute); STAGES >= 2 makes the CTAs persistent: each loops over tiles
 // (stride gridDim.x) and issues the cp.async loads of the tile STAGES-1 ahead before it processes the current
-// one, so loads stay in flight while it computes and stores. ROW_MAP: the kernel reads its rows through
-// TileArgs::src_rows (a separate instantiation, so the kernels without a map compile as before).
-template <int NT_, int STAGES_, int MINB_, bool ROW_MAP_ = false>
+// one, so loads stay in flight while it computes and stores. A row map (RowMap, csrc/tile/skeleton.cuh): the kernel
+// reads its rows through TileArgs::src_rows (separate instantiations, so the kernels without a map compile as before).
+enum class RowMap : int {
+  kNone,
+  kLoads,          // the input's rows are read through the map; the outputs are the mapped [M, K]'s (block formats)
+  kLoadsAndRows,   // ... and the rowwise part goes to the input's rows (per-tensor: the padded columnwise layout)
+};
+template <int NT_, int STAGES_, int MINB_, RowMap MAP_ = RowMap::kNone>
 struct TileCfg {
   static constexpr int NT = NT_;
   static constexpr int STAGES = STAGES_;
   static constexpr int MINB = MINB_;
-  static constexpr bool ROW_MAP = ROW_MAP_;
+  static constexpr bool ROW_MAP = MAP_ != RowMap::kNone;          // loads through src_rows
+  static constexpr bool MAP_ROWS = MAP_ == RowMap::kLoadsAndRows;  // rowwise output to the input's rows
 };
 using CfgOneShot = TileCfg<256, 1, 2>;  // the original kernel (one tile per CTA, 128 registers)
 using CfgPipe2 = TileCfg<256, 2, 2>;    // default: 2 CTAs/SM, each double-buffered (4 tiles of smem per SM)
 using CfgPipe3W = TileCfg<512, 3, 1>;   // 1 CTA/SM of 16 warps, 3 stages
-using CfgPipe2RowMap = TileCfg<256, 2, 2, true>;  // CfgPipe2 reading its rows through a row map
+using CfgPipe2RowMap = TileCfg<256, 2, 2, RowMap::kLoadsAndRows>;  // CfgPipe2 reading and writing rows by a map
+using CfgPipe2Slots = TileCfg<256, 2, 2, RowMap::kLoads>;          // CfgPipe2 reading its rows through a map
 
 // Issue the loads of one TM x TK tile into `ts` (zero-filled outside the tensor): 16-byte cp.async when rows are
 // 16-byte aligned, else plain loads (synchronous; ordered by the caller's barriers like the async ones).

@@ -14,10 +14,13 @@
 //   one scale for both directions (kColFromRow), both requested: the row phase also keeps its fp8 bytes in shared
 //                 memory and the column phase writes their byte transpose (4 columns x 16 rows per task) instead
 //                 of converting the tile a second time.
-//   row map:      (Cfg::ROW_MAP, per-tensor policies) the kernel tiles an [M, K] whose row m is input row
-//                 a.src_rows[m], or a zero row where that is < 0: the rowwise part goes to the input's rows (none
-//                 for a zero row), the columnwise part spans all M -- e.g. row groups placed at 16-aligned
-//                 columns of the transpose with zeros between them, the layout a grouped GEMM reads.
+//   row map:      (Cfg::ROW_MAP) the kernel tiles an [M, K] whose row m is input row a.src_rows[m], or a zero
+//                 row where that is < 0. RowMap::kLoads (any policy): the outputs are that [M, K]'s, bitwise the
+//                 quantization of the buffer it stands for, never materialized -- e.g. the routed tokens straight
+//                 into zero-padded expert slots. RowMap::kLoadsAndRows (per-tensor policies): the rowwise part goes
+//                 to the input's rows (none for a zero row), the columnwise part spans all M -- e.g. row groups
+//                 placed at 16-aligned columns of the transpose with zeros between them, the layout a grouped GEMM
+//                 reads.
 //
 // The skeleton has no format branches: it asks the policy only compile-time traits (if constexpr) and calls its
 // row / column functions, which are force-inlined, so each instantiation compiles to the same straight-line code
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
   constexpr int COL_PAIR_TASKS = NPAIR * (TM / CV);
   static_assert(!P::kColFromRow || EPB == 1, "the byte-transpose column phase needs one element per byte");
   // (a per-tensor policy reads and writes nothing for a row outside the input, row_in false: a zero row's too)
-  static_assert(!Cfg::ROW_MAP || (S == 1 && P::kColFromRow), "a row map only with per-tensor policies");
+  static_assert(!Cfg::MAP_ROWS || (S == 1 && P::kColFromRow), "rows written by a map only with per-tensor policies");
   // ROW_MAP: each stage's tile rows' map entries (input rows, < 0: zero rows), for the row phase; and this thread's
   // rows' entries of the next tile to load, fetched a tile ahead (load_tile_mapped)
   __shared__ int32_t s_rows[Cfg::ROW_MAP ? STAGES : 1][Cfg::ROW_MAP ? TM : 1];
@@ -242,8 +245,8 @@ __global__ void __launch_bounds__(Cfg::NT, Cfg::MINB) quantize_tile_kernel(const
         // gm: the input row (a row map's entry: < 0 for a zero row, which has no rowwise output)
         const int64_t gk = k0 + v * VR;
         int64_t gm = m0 + r;
-        if constexpr (Cfg::ROW_MAP) gm = s_rows[it % STAGES][r];
-        const bool row_in = Cfg::ROW_MAP ? gm >= 0 : full || gm < M;
+        if constexpr (Cfg::MAP_ROWS) gm = s_rows[it % STAGES][r];
+        const bool row_in = Cfg::MAP_ROWS ? gm >= 0 : full || gm < M;
         int nvalid = VR;  // elements of this task inside the tensor
         if (!full || !row_in) nvalid = row_in ? static_cast<int>(min64(VR, max64(0, K - gk))) : 0;
         uint32_t w[ROW_WORDS];
@@ -468,10 +471,16 @@ cudaError_t launch_tile(const typename P::Args& a, cudaStream_t stream) {
   return launch_tile_cfg<T, P, CfgPipe2>(a, stream);
 }
 
-// The launch of the row-map instantiation (a.src_rows set; see "row map" above), in the default configuration.
+// The launches of the row-map instantiations (a.src_rows set; see "row map" above), in the default configuration:
+// rowwise output to the input's rows (per-tensor policies), or the mapped [M, K]'s outputs (launch_tile_slots).
 template <typename T, class P>
 cudaError_t launch_tile_row_map(const typename P::Args& a, cudaStream_t stream) {
   return launch_tile_cfg<T, P, CfgPipe2RowMap>(a, stream);
+}
+
+template <typename T, class P>
+cudaError_t launch_tile_slots(const typename P::Args& a, cudaStream_t stream) {
+  return launch_tile_cfg<T, P, CfgPipe2Slots>(a, stream);
 }
 
 }  // namespace hybridq

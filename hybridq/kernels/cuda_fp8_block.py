@@ -2,9 +2,10 @@
 csrc/quantize_fp8_block.cu: 1x128 / 128x1 blocks or 128x128 tiles, and the dequantize.
 
 Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
-- fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise)
+- fp8_block_quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise, src_rows=None)
     -> (rowwise, rowwise scale_inv, columnwise, columnwise scale_inv); block_dim 1: scales [M, ceil(K/128)] and
-    [K, ceil(M/128)]; block_dim 2: [ceil(M/128), ceil(K/128)] and its transpose
+    [K, ceil(M/128)]; block_dim 2: [ceil(M/128), ceil(K/128)] and its transpose; src_rows (int32 [S], block_dim 1):
+    the [S, K] of x's rows through that map is quantized (zero rows where < 0)
 - fp8_block_dequantize(data, scale_inv, block_dim, out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
 - fp8_block_mm(a, a_scale, b, b_scale, b_tiles, out_dtype) -> a @ b^T `[M, N]`: the dense block GEMM (1x128 x
     128x128 tiles or 1x128 x 1x128; csrc/block_gemm.cu, run by hybridq/kernels/native_gemm.py)
@@ -82,8 +83,8 @@ def register_fakes() -> None:
     f32 = torch.float32
 
     @register_fake("hybridq::fp8_block_quantize")
-    def _quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise):
-        m, k = x.shape
+    def _quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise, src_rows=None):
+        m, k = x.shape if src_rows is None else (src_rows.shape[0], x.shape[1])
         bm, bk = -(-m // 128), -(-k // 128)
         rs, cs = ((m, bk), (k, bm)) if block_dim == 1 else ((bm, bk), (bk, bm))
         return (or_empty(x, (m, k), dtype, rowwise), or_empty(x, rs, f32, rowwise),

@@ -2,7 +2,8 @@
 tiles with E8M0 scales (compact, or GEMM-swizzled through `mxfp8_quantize`), and the dequantize.
 
 Ops (inputs 2-D and contiguous; a direction not asked for returns an empty `[0]` tensor):
-- mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle) -> (rowwise, E8M0 scales, columnwise, scales)
+- mxfp8_quantize(x, dtype, block_2d, rowwise, columnwise, swizzle, src_rows=None) -> (rowwise, E8M0 scales,
+  columnwise, scales); src_rows (int32 [S]): the [S, K] of x's rows through that map is quantized (zero rows where < 0)
 - mxfp8_dequantize(data, scale [rows, cols/32] uint8, out_dtype) -> [rows, cols] of out_dtype (float32 or bfloat16)
 """
 
@@ -53,8 +54,8 @@ def register_fakes() -> None:
     from torch.library import register_fake
 
     @register_fake("hybridq::mxfp8_quantize")
-    def _quantize(x, dtype, block_2d, rowwise, columnwise, swizzle):
-        m, k = x.shape
+    def _quantize(x, dtype, block_2d, rowwise, columnwise, swizzle, src_rows=None):
+        m, k = x.shape if src_rows is None else (src_rows.shape[0], x.shape[1])
         if swizzle:
             rs = (-(-m // 128) * 128 * -(-(k // 32) // 4) * 4,)
             cs = (-(-k // 128) * 128 * -(-(m // 32) // 4) * 4,)

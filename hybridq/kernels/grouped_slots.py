@@ -1,12 +1,16 @@
 """The grouped quantize of GroupedLinear's packed block path on CUDA: the routed token rows quantized straight into
-the expert slots (`triton_slot_quantize`: one launch writes both directions of one quantizer), instead of packing
-them into a zero-padded buffer (`TokenLayout.pack`) and quantizing that. Bitwise the same parts: it is taken only
-where the packed path would run the extension's CUDA kernel of the same quantizer (`dispatch.lookup_quantize` on the
-slot-shaped input), whose numerics the Triton kernel reproduces, for the formats it implements: FP8 1x128 blocks
-(`Float8BlockQuantizer(block_dim=1)`) and MXFP8 1x32 blocks (`MXFP8Quantizer(block_2d=False)`), alone or as either
-direction of a `HybridQuantizer` whose columnwise form comes from the original values. Elsewhere (the CPU, no Triton,
-other formats, NVFP4 directions, torch.compile's fake tensors, `HYBRIDQ_GROUPED_SLOT_QUANTIZE=0`, or after the kernel
-failed to compile or launch: one warning, then off for the process) `quantize` returns None and the caller packs.
+the expert slots (one launch writes both directions of one quantizer), instead of packing them into a zero-padded
+buffer (`TokenLayout.pack`) and quantizing that. Bitwise the same parts: it is taken only where the packed path would
+run the extension's CUDA kernel of the same quantizer (`dispatch.lookup_quantize` on the slot-shaped input), for the
+formats implemented here: FP8 1x128 blocks (`Float8BlockQuantizer(block_dim=1)`) and MXFP8 1x32 blocks
+(`MXFP8Quantizer(block_2d=False)`), alone or as either direction of a `HybridQuantizer` whose columnwise form comes
+from the original values. Two backends (`BACKEND`): "cuda" (the default), that same CUDA kernel reading the token rows
+through the slots' row map (`hybridq::fp8_block_quantize` / `mxfp8_quantize` with `src_rows`: the tile kernel's
+RowMap::kLoads, csrc/tile/skeleton.cuh); "triton", `triton_slot_quantize`, which reproduces the CUDA kernel's numerics
+(the two are compared bitwise in the tests; one H200, 2026-11-29, bench_grouped's 64-expert tokens: the CUDA kernel
+~2x faster). Elsewhere (the CPU, other formats, NVFP4 directions, torch.compile's fake tensors, no Triton for the
+"triton" backend, `HYBRIDQ_GROUPED_SLOT_QUANTIZE=0`, or after a launch failed: one warning, then off for the process)
+`quantize` returns None and the caller packs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..tensor import QuantizedTensor
 from .grouped_blocks import run_or_none
 
 ENABLED = Switch("HYBRIDQ_GROUPED_SLOT_QUANTIZE")
+BACKEND = {"name": "cuda"}  # "cuda": the extension's tile kernel through a row map; "triton": triton_slot_quantize
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CUDA_KERNELS = {Float8BlockQuantizer: "cuda-fp8-block", MXFP8Quantizer: "cuda-mxfp8"}
 
@@ -86,9 +91,10 @@ def _kernel_takes(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, 
 def _kept_launches(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool, columnwise: bool) -> tuple | None:
     """`_launch_plan` past the checks of the call itself: kept per call configuration (the decision cache)."""
     dirs = _direction_quantizers(q, rowwise, columnwise)  # (first: only the formats here are kept, none with tensors)
-    if dirs is None or _triton() is None:
+    backend = BACKEND["name"]
+    if dirs is None or (backend == "triton" and _triton() is None):
         return None
-    key = (id(q), x.dtype, x.device, x.shape[1], slot_rows, rowwise, columnwise)
+    key = (id(q), x.dtype, x.device, x.shape[1], slot_rows, rowwise, columnwise, backend)
     hit = _DECISIONS.get(key)
     if hit is not None and hit[0] is q and hit[1] == q:
         return hit[2]
@@ -108,7 +114,7 @@ def _kept_launches(q: Quantizer, x: torch.Tensor, slot_rows: int, rowwise: bool,
 
 def _launch_args(d: Quantizer, rowwise: bool, columnwise: bool) -> tuple:
     """(quantizer, rowwise, columnwise, mode, keyword arguments of `triton_slot_quantize.slot_quantize`) of one
-    launch."""
+    launch (the mode and arguments: the "triton" backend's)."""
     from . import triton_slot_quantize as t  # (its constants import without Triton)
     mode = t.MODE_FP8_BLOCK if type(d) is Float8BlockQuantizer else t.MODE_MXFP8
     kw = dict(fp8_max=FP8_MAX[d.dtype])
@@ -144,13 +150,12 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
     launches = _launch_plan(q, x, s, rowwise, columnwise)
     if launches is None:
         return None
-    t = _triton()
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = x.contiguous()
 
     def launch():
         parts = {False: None, True: None}
         for d, row, col, mode, kw in launches:
-            rq, rs, cq, cs = t.slot_quantize(x, source_rows, mode, d.dtype, row, col, **kw)
+            rq, rs, cq, cs = _launch(x, source_rows, d, row, col, mode, kw)
             if row:
                 parts[False] = _part(d, rq, rs, s, k, False)
             if col:
@@ -159,3 +164,17 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
     # (a kernel that fails to compile or launch is turned off with a warning; the caller then packs)
     return run_or_none(ENABLED, "grouped slot quantize", launch,
                        instead="the packed path packs the tokens before quantizing them")
+
+
+def _launch(x: torch.Tensor, source_rows: torch.Tensor, d: Quantizer, rowwise: bool, columnwise: bool, mode: int,
+            kw: dict) -> tuple:
+    """One launch of `BACKEND`: (rowwise fp8 `[S, K]`, its scales, columnwise fp8 `[K, S]`, its scales), None for a
+    direction not asked for."""
+    if BACKEND["name"] == "triton":
+        return _triton().slot_quantize(x, source_rows, mode, d.dtype, rowwise, columnwise, **kw)
+    if type(d) is Float8BlockQuantizer:
+        rq, rs, cq, cs = torch.ops.hybridq.fp8_block_quantize(x, d.dtype, 1, d.amax_epsilon, d.power_2_scale, rowwise,
+                                                              columnwise, source_rows)
+    else:
+        rq, rs, cq, cs = torch.ops.hybridq.mxfp8_quantize(x, d.dtype, False, rowwise, columnwise, False, source_rows)
+    return (rq, rs, None, None) if not columnwise else (None, None, cq, cs) if not rowwise else (rq, rs, cq, cs)
