@@ -1,14 +1,15 @@
-"""The grouped quantize of GroupedLinear's packed block path (hybridq/kernels/grouped_slots.py and
-triton_slot_quantize.py): the routed token rows quantized straight into the zero-padded expert slots (one launch for
-both directions of one quantizer, one per direction of a hybrid whose directions differ) are bitwise the
-quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) -- every slot's bytes and scales,
+"""The grouped quantize of GroupedLinear's packed block path (hybridq/kernels/grouped_slots.py: the extension's tile
+kernel through the slots' row map, or triton_slot_quantize.py): the routed token rows quantized straight into the
+zero-padded expert slots (one launch for both directions of one quantizer, one per direction of a hybrid whose
+directions differ) are bitwise the quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) -- every slot's bytes and scales,
 padding included -- for FP8 1x128 blocks and MXFP8 1x32 blocks, alone or as a hybrid's directions, on random and
 adversarial tokens (empty and one-token experts, NaN of either sign, +-inf, fp32 subnormals, values near FLT_MAX,
 a partial last 128-block along K).
 
-Where they run: the kernel logic on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton installed:
-the kernel against the reference; skipped otherwise, as in CI), and on CUDA (the kernel against the extension's
-CUDA kernel on the packed buffer; the layer's outputs and gradients against the packing path)."""
+Where they run: the Triton kernel's logic on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
+installed: the kernel against the reference; skipped otherwise, as in CI), and on CUDA (both backends against the
+extension's CUDA kernel on the packed buffer; the row-mapped ops on misaligned tokens and their refusals; the layer's
+outputs and gradients against the packing path)."""
 
 import os
 
