@@ -64,7 +64,8 @@ TRITON, CUBLAS_LOOP = "triton", "cublas"
 # experts x ~2048 tokens (2048 x 3072) fprop 1.92 vs Triton 2.10 ms, dgrad 2.11 vs 1.98, wgrad 2.19 vs 3.89; at
 # 16 x ~4096 (2048 x 5632) 1.37 / 1.35 / 1.91 vs 2.00 / 1.87 / 3.27; at 8 x ~4096 (4096 x 14336) 3.27 / 3.46 / 4.00
 # vs 4.55 / 4.89 / 8.06. Counting the host time in full keeps the Triton kernels for many short experts, where a
-# host-bound training step would pay it.
+# host-bound training step would pay it. (Measured on one stream: the wgrad loop now alternates two streams where its
+# GEMMs are short, kernels/expert_streams.py, which makes it only faster than modelled.)
 CUBLAS_COST = {
     "triton_tflops": {FPROP: 790.0, DGRAD: 810.0, WGRAD: 455.0},
     "cublas_tflops": {FPROP: 1200.0, DGRAD: 1150.0, WGRAD: 960.0},

@@ -23,9 +23,9 @@ from ..formats import Float8Quantizer
 from ..formats.base import option_names
 from ..gemm import JaggedFP8, JaggedFP8Kernels
 from . import _ext, native_gemm
-from .expert_streams import gemm_us, streams_for
 from .cuda import IN_DTYPES
 from .cuda_fp8_tensor import OPTIONS as FP8_TENSOR_OPTIONS
+from .expert_streams import gemm_us, streams_for
 
 
 _TRITON: list = []  # [triton_grouped_fp8 or None] once looked up (each GEMM and transpose asks: ~60 calls per step)
@@ -161,4 +161,3 @@ _MM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 # bench_grouped's 64-expert config: the padded cast of x [131072, 2048] / dy [131072, 3072] 376 / 609 us at the
 # padded width 131472 (a multiple of 16 only), 318 / 487 us at 131584 or 132096; the plain cast ~300 / ~450 us.
 COLUMN_PITCH = 128
-
