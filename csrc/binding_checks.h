@@ -100,8 +100,8 @@ inline int64_t apply_row_map(A& a, const Tensor& x, const std::optional<Tensor>&
               ": src_rows must be a contiguous 1-D int32 CUDA tensor, got ", m.scalar_type(), " of shape ", m.sizes(),
               " on ", m.device());
   check_same_device(m, x, op, "src_rows");
-  TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "hybridq::", op, ": a row map addresses at most 2^31 - 1 input rows, x has ",
-              x.size(0));
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "hybridq::", op,
+              ": a row map addresses at most 2^31 - 1 input rows, x has ", x.size(0));
   a.M = m.size(0);
   a.src_rows = m.data_ptr<int32_t>();
   return a.M;

@@ -144,7 +144,8 @@ def test_gpu_slot_quantize_of_both_directions_launches_once_per_quantizer_bitwis
     assert len(launches) == BOTH_LAUNCHES[case], f"{case} ({backend}): launches (rowwise, columnwise) {launches}"
     want = q.quantize_groups(layout.pack(x), layout.slots, rowwise=True, columnwise=True, name="x")
     for d in (ROWWISE, COLUMNWISE):
-        assert_parts_bitwise(got.part(d), want.part(d), f"{case} {d} ({backend}): one launch vs the packed quantization")
+        assert_parts_bitwise(got.part(d), want.part(d),
+                             f"{case} {d} ({backend}): one launch vs the packed quantization")
 
 
 # ---- FSDP2's stacked experts joined by views ------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The grouped quantize of GroupedLinear's packed block path (hybridq/kernels/grouped_slots.py: the extension's tile
 kernel through the slots' row map, or triton_slot_quantize.py): the routed token rows quantized straight into the
 zero-padded expert slots (one launch for both directions of one quantizer, one per direction of a hybrid whose
-directions differ) are bitwise the quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) -- every slot's bytes and scales,
-padding included -- for FP8 1x128 blocks and MXFP8 1x32 blocks, alone or as a hybrid's directions, on random and
-adversarial tokens (empty and one-token experts, NaN of either sign, +-inf, fp32 subnormals, values near FLT_MAX,
-a partial last 128-block along K).
+directions differ) are bitwise the quantization of the packed buffer (`TokenLayout.pack`, then `quantize_groups`) --
+every slot's bytes and scales, padding included -- for FP8 1x128 blocks and MXFP8 1x32 blocks, alone or as a hybrid's
+directions, on random and adversarial tokens (empty and one-token experts, NaN of either sign, +-inf, fp32
+subnormals, values near FLT_MAX, a partial last 128-block along K).
 
 Where they run: the Triton kernel's logic on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
 installed: the kernel against the reference; skipped otherwise, as in CI), and on CUDA (both backends against the
@@ -294,3 +294,51 @@ def test_gpu_row_mapped_quantize_refuses_what_it_does_not_implement(call, messag
     src = torch.arange(64, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match=message):
         call(x, src)
+
+
+class _MappedContract:
+    """The extension's row-mapped quantize ops by their contract, on the CPU: the reference quantization (by `d`) of
+    the `[S, K]` whose row r is x's row src_rows[r], zeros where < 0; the maps it was given in `seen`."""
+
+    def __init__(self, d):
+        self.d, self.seen = d, []
+
+    def _run(self, x, rowwise, columnwise, src_rows):
+        self.seen.append(src_rows)
+        mapped = torch.where(src_rows[:, None] >= 0, x[src_rows.clamp(min=0).long()], 0.0)
+        t = self.d.quantize(mapped, rowwise=rowwise, columnwise=columnwise)
+        scales = "scale_inv" if isinstance(self.d, Float8BlockQuantizer) else "scale"
+        out = []
+        for direction, asked in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):
+            part = t.part(direction) if asked else None
+            out += [part.data, getattr(part, scales)] if asked else [torch.empty(0), torch.empty(0)]
+        return tuple(out)
+
+    def fp8_block_quantize(self, x, dtype, block_dim, eps, pow2, rowwise, columnwise, src_rows):
+        return self._run(x, rowwise, columnwise, src_rows)
+
+    def mxfp8_quantize(self, x, dtype, block_2d, rowwise, columnwise, swizzle, src_rows):
+        return self._run(x, rowwise, columnwise, src_rows)
+
+
+@pytest.mark.parametrize("case", ["fp8blk_1x128_e4m3", "mxfp8_e5m2", "hybrid_fp8blk_mxfp8"])
+def test_cuda_backend_hands_the_row_map_to_the_formats_kernel_and_keeps_its_parts(case, monkeypatch):
+    """The "cuda" backend's plumbing, on the CPU: each launch calls the format's CUDA `run` with the slots' row map,
+    and the parts it returns are the slot layout's. The extension's op is stood in for by its contract
+    (`_MappedContract`; the op itself is tested bitwise on CUDA above)."""
+    from hybridq.kernels import cuda_fp8_block, cuda_mxfp8
+    q = CASES[case]()
+    splits = [5, 0, 130, 1, 40]
+    x = _tokens(splits, 256, torch.float32, "cpu")
+    layout = _layout(q, splits, True, True, "cpu")
+    src = layout.source_rows(x.device)
+    monkeypatch.setitem(grouped_slots.BACKEND, "name", "cuda")
+    for d, row, col in grouped_slots._launches(q, True, True):
+        contract = _MappedContract(d)
+        module = cuda_fp8_block if isinstance(d, Float8BlockQuantizer) else cuda_mxfp8
+        monkeypatch.setattr(module, "ops", lambda contract=contract: contract)
+        got = grouped_slots._launch(x, src, d, row, col, *grouped_slots._launch_args(d, row, col)[3:])
+        assert contract.seen and contract.seen[-1] is src, f"{case}: the format's kernel did not get the row map"
+        want = d.quantize_groups(layout.pack(x), layout.slots, rowwise=row, columnwise=col, name="x")
+        for part, direction, asked in zip(got, (ROWWISE, COLUMNWISE), (row, col)):
+            assert_parts_bitwise(part, want.part(direction) if asked else None, f"{case} {direction}")

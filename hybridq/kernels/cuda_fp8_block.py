@@ -53,11 +53,13 @@ def supports(q: Float8BlockQuantizer, x2d, rowwise, columnwise, **kw) -> bool:
     return plain_kw(kw) and input_ok(q, x2d, rowwise, columnwise)
 
 
-def run(q: Float8BlockQuantizer, x2d, rowwise, columnwise, shard=None, stats=None, **_):
+def run(q: Float8BlockQuantizer, x2d, rowwise, columnwise, shard=None, stats=None, src_rows=None, **_):
+    """The parts of x2d, or (`src_rows`, 1x128 blocks) of the `[S, K]` whose row r is x2d's row src_rows[r] (a zero
+    row where < 0)."""
     x = x2d.contiguous()
-    m, k = x.shape
+    m, k = x.shape[0] if src_rows is None else src_rows.shape[0], x.shape[1]
     row, rs, col, cs = ops().fp8_block_quantize(x, q.dtype, q.block_dim, q.amax_epsilon, q.power_2_scale, rowwise,
-                                                columnwise)
+                                                columnwise, src_rows)
     if shard is not None and not shard.is_whole:  # the shard's own tile scales are rows of the whole grid
         rs = q.shard_scale_inv(shard, k, stats.to(x.device))
         cs = rs.t().contiguous() if columnwise else cs

@@ -25,10 +25,12 @@ def supports(q: MXFP8Quantizer, x2d, rowwise, columnwise, **kw) -> bool:
     return plain_kw(kw) and input_ok(q, x2d, rowwise, columnwise)
 
 
-def run(q: MXFP8Quantizer, x2d, rowwise, columnwise, **_):
+def run(q: MXFP8Quantizer, x2d, rowwise, columnwise, src_rows=None, **_):
+    """The parts of x2d, or (`src_rows`, 1x32 blocks) of the `[S, K]` whose row r is x2d's row src_rows[r] (a zero
+    row where < 0)."""
     x = x2d.contiguous()
-    m, k = x.shape
-    row, rs, col, cs = ops().mxfp8_quantize(x, q.dtype, q.block_2d, rowwise, columnwise, False)
+    m, k = x.shape[0] if src_rows is None else src_rows.shape[0], x.shape[1]
+    row, rs, col, cs = ops().mxfp8_quantize(x, q.dtype, q.block_2d, rowwise, columnwise, False, src_rows)
     r = MXFP8Part(rows=m, cols=k, columnwise=False, data=row, scale=rs) if rowwise else None
     c = MXFP8Part(rows=k, cols=m, columnwise=True, data=col, scale=cs) if columnwise else None
     return r, c

@@ -27,12 +27,14 @@ from ..formats._numerics import FP8_MAX
 from ..formats.base import Quantizer
 from ..switches import Switch
 from ..tensor import QuantizedTensor
+from . import cuda_fp8_block, cuda_mxfp8
 from .grouped_blocks import run_or_none
 
 ENABLED = Switch("HYBRIDQ_GROUPED_SLOT_QUANTIZE")
 BACKEND = {"name": "cuda"}  # "cuda": the extension's tile kernel through a row map; "triton": triton_slot_quantize
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CUDA_KERNELS = {Float8BlockQuantizer: "cuda-fp8-block", MXFP8Quantizer: "cuda-mxfp8"}
+_CUDA_RUN = {Float8BlockQuantizer: cuda_fp8_block.run, MXFP8Quantizer: cuda_mxfp8.run}  # (those kernels' `run`)
 
 
 def _triton():
@@ -155,11 +157,11 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
     def launch():
         parts = {False: None, True: None}
         for d, row, col, mode, kw in launches:
-            rq, rs, cq, cs = _launch(x, source_rows, d, row, col, mode, kw)
+            r, c = _launch(x, source_rows, d, row, col, mode, kw)
             if row:
-                parts[False] = _part(d, rq, rs, s, k, False)
+                parts[False] = r
             if col:
-                parts[True] = _part(d, cq, cs, k, s, True)
+                parts[True] = c
         return QuantizedTensor(parts[False], parts[True], shape=(s, k), dtype=x.dtype)
     # (a kernel that fails to compile or launch is turned off with a warning; the caller then packs)
     return run_or_none(ENABLED, "grouped slot quantize", launch,
@@ -168,13 +170,11 @@ def quantize(q: Quantizer, x: torch.Tensor, source_rows: torch.Tensor, rowwise: 
 
 def _launch(x: torch.Tensor, source_rows: torch.Tensor, d: Quantizer, rowwise: bool, columnwise: bool, mode: int,
             kw: dict) -> tuple:
-    """One launch of `BACKEND`: (rowwise fp8 `[S, K]`, its scales, columnwise fp8 `[K, S]`, its scales), None for a
-    direction not asked for."""
-    if BACKEND["name"] == "triton":
-        return _triton().slot_quantize(x, source_rows, mode, d.dtype, rowwise, columnwise, **kw)
-    if type(d) is Float8BlockQuantizer:
-        rq, rs, cq, cs = torch.ops.hybridq.fp8_block_quantize(x, d.dtype, 1, d.amax_epsilon, d.power_2_scale, rowwise,
-                                                              columnwise, source_rows)
-    else:
-        rq, rs, cq, cs = torch.ops.hybridq.mxfp8_quantize(x, d.dtype, False, rowwise, columnwise, False, source_rows)
-    return (rq, rs, None, None) if not columnwise else (None, None, cq, cs) if not rowwise else (rq, rs, cq, cs)
+    """One launch of `BACKEND`: (rowwise part `[S, K]`, columnwise part `[K, S]`), None for a direction not asked
+    for. "cuda": the format's own CUDA kernel -- the implementation the decision found the packed path would run --
+    given the row map."""
+    if BACKEND["name"] == "cuda":
+        return _CUDA_RUN[type(d)](d, x, rowwise, columnwise, src_rows=source_rows)
+    rq, rs, cq, cs = _triton().slot_quantize(x, source_rows, mode, d.dtype, rowwise, columnwise, **kw)
+    s, k = source_rows.shape[0], x.shape[1]
+    return (_part(d, rq, rs, s, k, False) if rowwise else None, _part(d, cq, cs, k, s, True) if columnwise else None)
