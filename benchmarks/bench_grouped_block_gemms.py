@@ -1,7 +1,8 @@
 """The two backends of the packed path's FP8 block GEMMs, phase by phase (what `grouped_blocks.CUBLAS_COST` is
 measured with): the Triton grouped kernels (`triton_grouped_blocks`) and the cuBLAS loop (one block-scaled cuBLAS
 GEMM per expert from C++: `hybridq::grouped_block_cublas_mm` / `_wgrad`), on random E4M3 operands in the slot
-layout of bench_grouped's configs (each expert's slot its token count rounded up to 128, as with wgrad). Per phase:
+layout of bench_grouped's configs (each expert's slot its token count rounded up to 128, as with wgrad), the loop on
+one stream and on two (csrc/expert_streams.h). Per phase:
 milliseconds per call with CUDA events around 10 back-to-back calls (host dispatch overlapping the GPU, as in
 training) and the host's share (wall time of the calls alone). CUDA sm_90 with Triton and the built extension only.
 
@@ -43,7 +44,8 @@ def _ms(fn, iters: int = 10) -> tuple[float, float]:
 
 
 def phases(e: int, splits: list[int], d: int, h: int) -> dict:
-    """{phase: (Triton fn, cuBLAS-loop fn)} of a `[E, h, d]` projection with 128x128 weight tiles."""
+    """{phase: (Triton fn, cuBLAS-loop fn of the stream count)} of a `[E, h, d]` projection with 128x128 weight
+    tiles."""
     from hybridq.kernels import triton_grouped_blocks as tgb
     p = [-(-m // 128) * 128 for m in splits]
     offs = [sum(p[:g]) for g in range(e)]
@@ -60,13 +62,13 @@ def phases(e: int, splits: list[int], d: int, h: int) -> dict:
     ops = torch.ops.hybridq
     return {
         "fprop": (lambda: tgb.grouped_block_mm(x, sx, w, h * d, d, h, sw, (kh * kd, kd, 1), 128, bounds, t),
-                  lambda: ops.grouped_block_cublas_mm(x, sx, w, bsf, True, 0, offs, p, splits, slots[0], slots[1],
-                                                      torch.bfloat16)),
+                  lambda st: ops.grouped_block_cublas_mm(x, sx, w, bsf, True, 0, offs, p, splits, slots[0], slots[1],
+                                                         torch.bfloat16, st)),
         "dgrad": (lambda: tgb.grouped_block_mm(dy, sdy, wc, h, e * h, d, swc, (kh, e * kh, 1), 128, bounds, t),
-                  lambda: ops.grouped_block_cublas_mm(dy, sdy, wc, bsd, True, 1, offs, p, splits, slots[0], slots[1],
-                                                      torch.bfloat16)),
+                  lambda st: ops.grouped_block_cublas_mm(dy, sdy, wc, bsd, True, 1, offs, p, splits, slots[0],
+                                                         slots[1], torch.bfloat16, st)),
         "wgrad": (lambda: tgb.grouped_block_wgrad(dyc, sdyc, xc, sxc, bounds[0], slots[1], True),
-                  lambda: ops.grouped_block_cublas_wgrad(dyc, sdyc, xc, sxc, offs, p, torch.bfloat16)),
+                  lambda st: ops.grouped_block_cublas_wgrad(dyc, sdyc, xc, sxc, offs, p, torch.bfloat16, st)),
     }
 
 
@@ -80,15 +82,16 @@ def main(argv=None) -> None:
             and hasattr(torch.ops.hybridq, "grouped_block_cublas_mm")):
         raise SystemExit("bench_grouped_block_gemms: needs CUDA sm_90, Triton and the built extension "
                          f"({_ext.error() or 'no GPU'})")
-    print("| config | phase | Triton ms (host) | TFLOP/s | cuBLAS loop ms (host) | TFLOP/s |\n|---|---|---|---|---|---|")
+    print("| config | phase | Triton ms (host) | TFLOP/s | cuBLAS loop, one stream: ms (host) | TFLOP/s | two streams: "
+          "ms (host) | TFLOP/s |\n|---|---|---|---|---|---|---|---|")
     for cfg in args.configs.split(","):
         e, tokens, top_k, d, h = (int(v) for v in cfg.split("x"))
         splits = routed_splits(e, tokens, top_k)
         flop = 2.0 * sum(splits) * d * h
         for name, (triton, cublas) in phases(e, splits, d, h).items():
-            (tg, th), (cg, ch) = _ms(triton), _ms(cublas)
-            print(f"| {cfg} | {name} | {tg:.3f} ({th:.3f}) | {flop / tg / 1e9:.0f} | {cg:.3f} ({ch:.3f}) | "
-                  f"{flop / cg / 1e9:.0f} |", flush=True)
+            cells = [_ms(triton)] + [_ms(lambda st=st: cublas(st)) for st in (1, 2)]
+            print(f"| {cfg} | {name} | " + " | ".join(f"{g:.3f} ({h:.3f}) | {flop / g / 1e9:.0f}" for g, h in cells)
+                  + " |", flush=True)
         torch.cuda.empty_cache()
 
 

@@ -270,7 +270,26 @@ __global__ void __launch_bounds__(256) padded_rows_kernel(const int32_t* __restr
   }
 }
 
+// Every value of a quantize op's row map (`src_rows`, binding_checks.h apply_row_map) in [-1, src_M): another stops
+// the stream with a device-side assert before the quantize reads through the map (a separate pass over the map's 4
+// bytes per row keeps the check out of the tile kernel's registers)
+__global__ void __launch_bounds__(256) check_row_map_kernel(const int32_t* __restrict__ src_rows, int64_t n,
+                                                            int64_t src_M) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t m = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; m < n; m += stride) {
+    const int32_t v = src_rows[m];
+    CUDA_KERNEL_ASSERT(v >= -1 && v < src_M && "row map (src_rows): a value outside [-1, rows of x)");
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_check_row_map(const int32_t* src_rows, int64_t n, int64_t src_M, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(min64((n + 255) / 256, static_cast<int64_t>(num_sms()) * 4));
+  check_row_map_kernel<<<blocks, 256, 0, stream>>>(src_rows, n, src_M);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_padded_rows(const int32_t* ends, const int32_t* padded_ends, int n_groups, int64_t M,
                                int64_t width, int32_t* src_rows, cudaStream_t stream) {

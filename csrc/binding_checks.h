@@ -89,7 +89,8 @@ inline A tile_args(const Tensor& x, bool rowwise, bool columnwise) {
 }
 
 // A row map for a quantize op (optional `src_rows`, int32 [S] on x's device): the op then quantizes the [S, K] whose
-// row r is x's row src_rows[r], a zero row where that is < 0 (values must lie in [-1, x.size(0))), instead of x --
+// row r is x's row src_rows[r], a zero row where that is < 0 (values must lie in [-1, x.size(0)): checked on the
+// device before the quantize, check_row_map_values), instead of x --
 // bitwise the quantization of that buffer, which is never materialized (the tile kernel's RowMap::kLoads). Sets the
 // arguments' rows and map; returns the rows quantized (S, else x's).
 template <class A>
@@ -105,6 +106,13 @@ inline int64_t apply_row_map(A& a, const Tensor& x, const std::optional<Tensor>&
   a.M = m.size(0);
   a.src_rows = m.data_ptr<int32_t>();
   return a.M;
+}
+
+// The device check of a row map set by apply_row_map (none without one), on `stream` before the quantize's launch:
+// once every host check has passed
+template <class A>
+inline void check_row_map_values(const A& a, const Tensor& x, cudaStream_t stream) {
+  if (a.src_rows != nullptr) C10_CUDA_CHECK(hybridq::launch_check_row_map(a.src_rows, a.M, x.size(0), stream));
 }
 
 inline hybridq::Fp8Encoding fp8_encoding(at::ScalarType dtype, double eps, bool pow2, const char* op) {

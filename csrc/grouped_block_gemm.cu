@@ -8,7 +8,10 @@
 // fprop / dgrad (`grouped_block_cublas_mm`): expert g's GEMM reads rows [offsets[g], offsets[g] + rows[g]) of the
 // token operand (its padded count, the per-expert path's M) and writes them at its first token's output row; the
 // rows after its tokens land on the next expert's first rows, which that expert's GEMM (issued after it on the same
-// stream) overwrites, and past the last expert in a tail that the result leaves out.
+// stream) overwrites, and past the last expert in a tail that the result leaves out. `streams` 2 (expert_streams.h:
+// the caller decides where that pays) runs the experts in two contiguous runs, the first on the current stream and the
+// second on a side stream (split where half the rows are issued); a first-run expert whose padded rows would reach
+// the second run's rows writes them into a scratch buffer instead, and its tokens' rows are copied out after it.
 // wgrad (`grouped_block_cublas_wgrad`): expert g contracts the columnwise token operands over its slot.
 // Each expert's GEMM runs through cublaslt_fp8.h (the same cuBLASLt call `_scaled_mm_v2_out` makes, its plan cached:
 // the host cost per expert is the launch, not torch's argument checks, descriptors and heuristic query), from
@@ -84,11 +87,12 @@ void check_counts(at::IntArrayRef offsets, at::IntArrayRef rows, int64_t e, int6
 // packed weight with the experts along dim `b_dim` (expert g's [N, K] operand: b.narrow(b_dim, g * b.size(b_dim) / E,
 // ...), the GEMM reads its transpose), b_scale [E, R, C] with expert g's cuBLAS scale operand b_scale[g].t() (tiles:
 // [N/128, round_up(K/128, 4)] per expert; 1x128 rows: [K/128, N]); `slot_offsets` / `slot_rows`: the same offsets and
-// rows as int32 device tensors (the scales' relayout reads them). -> [sum(tokens), N] in token order.
+// rows as int32 device tensors (the scales' relayout reads them); `streams` 1 or 2 (the header). -> [sum(tokens), N]
+// in token order.
 Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale,
                                bool b_tiles, int64_t b_dim, at::IntArrayRef offsets, at::IntArrayRef rows,
                                at::IntArrayRef tokens, const Tensor& slot_offsets, const Tensor& slot_rows,
-                               at::ScalarType out_dtype) {
+                               at::ScalarType out_dtype, int64_t streams) {
   check_block_gemm_operand(a, a, kMm, "a");
   check_block_gemm_operand(b, a, kMm, "b");
   const int64_t s = a.size(0), k = a.size(1), e = static_cast<int64_t>(tokens.size());
@@ -108,6 +112,7 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
     check_scales(b_scale, a, kMm, "b_scale", {e, kb, n});
   }
   check_counts(offsets, rows, e, s, 16, kMm);
+  TORCH_CHECK(streams == 1 || streams == 2, "hybridq::", kMm, ": streams must be 1 or 2, got ", streams);
   for (const auto* t : {&slot_offsets, &slot_rows}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous() && t->numel() == e, "hybridq::",
                 kMm, ": slot_offsets / slot_rows must be contiguous int32 CUDA tensors of ", e, " elements");
@@ -137,23 +142,42 @@ Tensor grouped_block_cublas_mm(const Tensor& a, const Tensor& a_scale, const Ten
     // (expert g's weight: b's bytes from g * per * b.stride(b_dim), rows b.stride(0) apart)
     const auto* a_ptr = static_cast<const uint8_t*>(a.data_ptr());
     const auto* b_ptr = static_cast<const uint8_t*>(b.data_ptr());
-    auto* out_ptr = static_cast<uint8_t*>(out.data_ptr());
     const float* sa_ptr = sa.data_ptr<float>();
     const float* bs_ptr = b_scale.data_ptr<float>();
     const int64_t out_row = n * out.element_size();
+    // the second run's first expert (e: one run) and its first output row
+    int64_t second = e, second_row = total;
+    if (streams == 2) {
+      int64_t issued = 0, row = 0, used = 0, rows_total = 0;
+      for (int64_t g = 0; g < e; ++g) rows_total += tokens[g] > 0 ? rows[g] : 0;
+      for (int64_t g = 0; g < e && second == e; ++g) {
+        if (tokens[g] == 0) continue;
+        if (used > 0 && 2 * issued >= rows_total) second = g, second_row = row;
+        issued += rows[g], row += tokens[g], ++used;
+      }
+    }
+    Tensor scratch;  // (a first-run expert's rows where they would reach the second run's)
     int64_t first = 0;
+    ExpertStreams on(second < e ? 2 : 1, kMm);
     for (int64_t g = 0; g < e; ++g) {
       if (tokens[g] == 0) continue;
+      on.use(g >= second ? 1 : 0);
       const int64_t o = offsets[g], m = rows[g];
-      if (!cublaslt::run_block_scaled(out_ptr + first * out_row, n, od, a_ptr + o * k, k, sa_ptr + o * kb,
-                                      b_ptr + g * per * b.stride(b_dim), b.stride(0), bs_ptr + g * b_scale.stride(0),
-                                      b_scaling, m, n, k)) {
-        Tensor y = out.narrow(0, first, m);
+      const bool aside = g < second && first + m > second_row;
+      if (aside && (!scratch.defined() || scratch.size(0) < m)) scratch = at::empty({m, n}, out.options());
+      const Tensor& dst = aside ? scratch : out;
+      const int64_t dst_row = aside ? 0 : first;
+      if (!cublaslt::run_block_scaled(static_cast<uint8_t*>(dst.data_ptr()) + dst_row * out_row, n, od, a_ptr + o * k,
+                                      k, sa_ptr + o * kb, b_ptr + g * per * b.stride(b_dim), b.stride(0),
+                                      bs_ptr + g * b_scale.stride(0), b_scaling, m, n, k)) {
+        Tensor y = dst.narrow(0, dst_row, m);
         scaled_mm_into(y, a.narrow(0, o, m), b.narrow(b_dim, g * per, per).t(),
                        sa.narrow(0, o * kb, m * kb).view({kb, m}).t(), ra, b_scale.select(0, g).t(), rb);
       }
+      if (aside) out.narrow(0, first, tokens[g]).copy_(scratch.narrow(0, 0, tokens[g]));
       first += tokens[g];
     }
+    on.join();
   }
   Tensor result = out.narrow(0, 0, total);
   return od == out_dtype ? result : result.to(out_dtype);

@@ -63,6 +63,8 @@ cudaError_t launch_grouped_nvfp4_rht_amax(InType t, const void* x, int64_t M, in
 // device, non-decreasing, starts[n_groups] == M)
 cudaError_t launch_row_groups_from_starts(const int64_t* starts, int n_groups, int64_t M, int32_t* row_group,
                                           cudaStream_t stream);
+// Checks every value of a row map of n entries against [-1, src_M) (device-side assert: amax.cu)
+cudaError_t launch_check_row_map(const int32_t* src_rows, int64_t n, int64_t src_M, cudaStream_t stream);
 // src_rows (int32 [width]) of the padded row-group layout: row m is the input row placed there (group g's rows
 // from row padded_ends[g-1], a multiple of 16), or -1 (zero rows); ends / padded_ends: int32 [n_groups] cumulative
 // row counts on the device, ends[n_groups-1] == M, padded_ends[n_groups-1] <= width (device-side assert)

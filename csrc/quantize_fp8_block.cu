@@ -55,6 +55,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize(const Tensor& x, a
   a.col_q = columnwise ? u8(col) : nullptr;
   a.row_s = rowwise ? row_s.data_ptr() : nullptr;
   a.col_s = columnwise ? col_s.data_ptr() : nullptr;
+  check_row_map_values(a, x, stream);
   C10_CUDA_CHECK(launch_quantize_fp8_block(it, block_dim == 2, a, stream));
   return {row, row_s, col, col_s};
 }
@@ -118,7 +119,8 @@ TORCH_LIBRARY_FRAGMENT(hybridq, m) {
   // the packed path's cuBLAS loop over the expert slots (implemented in csrc/grouped_block_gemm.cu)
   m.def(
       "grouped_block_cublas_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, int b_dim, "
-      "int[] offsets, int[] rows, int[] tokens, Tensor slot_offsets, Tensor slot_rows, ScalarType out_dtype) -> Tensor");
+      "int[] offsets, int[] rows, int[] tokens, Tensor slot_offsets, Tensor slot_rows, ScalarType out_dtype, "
+      "int streams=1) -> Tensor");
   m.def(
       "grouped_block_cublas_wgrad(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, int[] offsets, int[] rows, "
       "ScalarType out_dtype, int streams=1) -> Tensor");

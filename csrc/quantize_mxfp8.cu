@@ -61,6 +61,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mxfp8_quantize(const Tensor& x, at::S
   a.col_q = columnwise ? u8(col) : nullptr;
   a.row_s = rowwise ? row_s.data_ptr() : nullptr;
   a.col_s = columnwise ? col_s.data_ptr() : nullptr;
+  check_row_map_values(a, x, stream);
   C10_CUDA_CHECK(launch_quantize_mxfp8(it, block_2d, a, stream));
   return {row, row_s, col, col_s};
 }

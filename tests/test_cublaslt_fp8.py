@@ -207,6 +207,40 @@ def test_gpu_block_gemms_are_bitwise_scaled_mm(rows, k, n, tiles, out):
         assert_bitwise(y[o:o + r], want, f"expert {g} ({r} rows), K={k}, N={n}, tiles={tiles}, {out}")
 
 
+# (padded rows, tokens) per expert: each expert's GEMM runs on its padded rows, whose rows past its tokens reach the
+# next experts' (the first expert's 127 over the second's 5 tokens into the third's); an expert without tokens
+PADDED_EXPERTS = [([128, 16, 0, 128, 128], [1, 5, 0, 100, 128]), ([16, 32, 48, 16], [16, 17, 40, 9])]
+
+
+@_BLOCKS
+@pytest.mark.parametrize("streams", STREAMS, ids=STREAM_IDS)
+@pytest.mark.parametrize("rows,tokens", PADDED_EXPERTS, ids=str)
+def test_gpu_block_gemms_keep_each_experts_tokens_of_its_padded_gemm(rows, tokens, streams):
+    """grouped_block_cublas_mm on padded slots: expert g's output rows are the first tokens[g] rows of F.scaled_mm
+    on its padded rows, bit for bit, on one stream or two -- whatever the padded rows of the experts before it (on
+    two streams a first-run expert whose padded rows reach the second run's writes them aside)."""
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(7)
+    e, s, k, n = len(rows), sum(rows), 256, 128
+    a, a_scale, b = _fp8((s, k), gen), _scales((s, k // 128), gen), _fp8((e * n, k), gen)
+    b_scale = _scales((e, n // 128, 4), gen)
+    offsets = [sum(rows[:g]) for g in range(e)]
+    i32 = dict(dtype=torch.int32, device="cuda")
+    y = _ops().grouped_block_cublas_mm(a, a_scale, b, b_scale, True, 0, offsets, rows, tokens,
+                                       torch.tensor(offsets, **i32), torch.tensor(rows, **i32), torch.bfloat16,
+                                       streams)
+    assert y.shape == (sum(tokens), n), f"output shape {tuple(y.shape)}, want {(sum(tokens), n)}"
+    one, tile = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    first = 0
+    for g, (o, r, m) in enumerate(zip(offsets, rows, tokens)):
+        if m == 0:
+            continue
+        want = F.scaled_mm(a[o:o + r], b[g * n:(g + 1) * n].t(), _outer(a_scale[o:o + r]), one, b_scale[g].t(), tile,
+                           output_dtype=torch.bfloat16)
+        assert_bitwise(y[first:first + m], want[:m], f"expert {g} ({m} tokens of {r} rows), {streams} stream(s)")
+        first += m
+
+
 @_BLOCKS
 @pytest.mark.parametrize("streams", STREAMS, ids=STREAM_IDS)
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
@@ -371,3 +405,48 @@ def test_gpu_two_stream_grouped_gemms_capture_in_a_cuda_graph():
     want = step(1)
     for name, got, ref in zip(("fprop", "wgrad"), captured, want):
         assert_bitwise(got, ref, f"the replayed two-stream {name} differs from the one-stream GEMMs of the new inputs")
+
+
+def _padded_block_experts(gen):
+    """Block mm operands of PADDED_EXPERTS[0] (slots that reach past the next expert's tokens): (op args, the tensor
+    of the tokens)."""
+    rows, tokens = PADDED_EXPERTS[0]
+    e, s, k, n = len(rows), sum(rows), 256, 128
+    a = _fp8((s, k), gen)
+    offsets = [sum(rows[:g]) for g in range(e)]
+    i32 = dict(dtype=torch.int32, device="cuda")
+    args = [a, _scales((s, k // 128), gen), _fp8((e * n, k), gen), _scales((e, n // 128, 4), gen), True, 0, offsets,
+            rows, tokens, torch.tensor(offsets, **i32), torch.tensor(rows, **i32), torch.bfloat16]
+    return args, a
+
+
+@_BLOCKS
+def test_gpu_block_gemms_refuse_a_stream_count_other_than_one_or_two():
+    """grouped_block_cublas_mm's streams must be 1 or 2: anything else raises naming the op and the rule, before any
+    GEMM runs."""
+    args, _ = _padded_block_experts(torch.Generator().manual_seed(16))
+    before = _stats()["calls"]
+    for streams in (0, 3):
+        with pytest.raises(RuntimeError, match="grouped_block_cublas_mm: streams must be 1 or 2, got"):
+            _ops().grouped_block_cublas_mm(*args, streams)
+    assert _stats()["calls"] == before, "a GEMM ran before the check"
+
+
+@_BLOCKS
+def test_gpu_two_stream_block_gemms_capture_in_a_cuda_graph():
+    """Captured in a CUDA graph, the two-stream block fprop (its scratch rows and their copy included) replays to the
+    one-stream result of the tokens copied in before the replay."""
+    gen = torch.Generator().manual_seed(17)
+    args, a = _padded_block_experts(gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm-up off the capture: plans, workspaces)
+        _ops().grouped_block_cublas_mm(*args, 2)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _ops().grouped_block_cublas_mm(*args, 2)
+    a.copy_(_fp8(tuple(a.shape), gen))
+    graph.replay()
+    assert_bitwise(captured, _ops().grouped_block_cublas_mm(*args, 1),
+                   "the replayed two-stream block fprop differs from the one-stream GEMMs of the new tokens")

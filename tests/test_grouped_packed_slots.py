@@ -12,6 +12,9 @@ extension's CUDA kernel on the packed buffer; the row-mapped ops on misaligned t
 outputs and gradients against the packing path)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,6 +297,35 @@ def test_gpu_row_mapped_quantize_refuses_what_it_does_not_implement(call, messag
     src = torch.arange(64, dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match=message):
         call(x, src)
+
+
+_BAD_MAP = """
+import sys, torch
+import hybridq.kernels as k
+assert k.extension_available(), "the extension did not load"
+x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+src = torch.arange(64, dtype=torch.int32, device="cuda")
+src[37] = int(sys.argv[2])
+ops = torch.ops.hybridq
+if sys.argv[1] == "fp8_block":
+    ops.fp8_block_quantize(x, torch.float8_e4m3fn, 1, 0.0, True, True, True, src)
+else:
+    ops.mxfp8_quantize(x, torch.float8_e4m3fn, False, True, True, False, src)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("value", [64, -2], ids=["past_the_rows", "below_minus_one"])
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=ROW_MAP_GPU) for f in ("fp8_block", "mxfp8")])
+def test_gpu_row_map_value_outside_the_rows_stops_with_a_device_side_assert(fmt, value):
+    """A map value outside [-1, rows of x) is never read through: the quantize stops with a device-side assert that
+    names the rule (a CUDA error poisons the process, hence a child process)."""
+    r = subprocess.run([sys.executable, "-c", _BAD_MAP, fmt, str(value)], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and "no error" not in r.stdout, f"{fmt} quantized through map value {value}: {r.stdout}"
+    assert "row map (src_rows): a value outside [-1, rows of x)" in r.stderr or "device-side assert" in r.stderr, \
+        f"{fmt} with map value {value} failed without the map's device-side assert: {r.stderr[-2000:]}"
 
 
 class _MappedContract:

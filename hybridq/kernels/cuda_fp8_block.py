@@ -135,7 +135,7 @@ def register_fakes() -> None:
 
     @register_fake("hybridq::grouped_block_cublas_mm")
     def _cublas_mm(a, a_scale, b, b_scale, b_tiles, b_dim, offsets, rows, tokens, slot_offsets, slot_rows,
-                   out_dtype):
+                   out_dtype, streams=1):
         n = b.shape[0] if b_dim == 1 else b.shape[0] // len(tokens)
         return a.new_empty((sum(tokens), n), dtype=_gemm_dtype(out_dtype))
 

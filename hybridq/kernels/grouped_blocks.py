@@ -64,12 +64,18 @@ TRITON, CUBLAS_LOOP = "triton", "cublas"
 # experts x ~2048 tokens (2048 x 3072) fprop 1.92 vs Triton 2.10 ms, dgrad 2.11 vs 1.98, wgrad 2.19 vs 3.89; at
 # 16 x ~4096 (2048 x 5632) 1.37 / 1.35 / 1.91 vs 2.00 / 1.87 / 3.27; at 8 x ~4096 (4096 x 14336) 3.27 / 3.46 / 4.00
 # vs 4.55 / 4.89 / 8.06. Counting the host time in full keeps the Triton kernels for many short experts, where a
-# host-bound training step would pay it. (Measured on one stream: the wgrad loop now alternates two streams where its
-# GEMMs are short, kernels/expert_streams.py, which makes it only faster than modelled.)
+# host-bound training step would pay it. Where the expert GEMMs are short the loop runs on two streams
+# (kernels/expert_streams.py: every phase), with its own per-expert term below.
 CUBLAS_COST = {
     "triton_tflops": {FPROP: 790.0, DGRAD: 810.0, WGRAD: 455.0},
     "cublas_tflops": {FPROP: 1200.0, DGRAD: 1150.0, WGRAD: 960.0},
     "cublas_expert_us": {FPROP: 8.5, DGRAD: 10.0, WGRAD: 8.0},  # GPU time per expert GEMM beyond its FLOPs
+    # ... where the loop runs on two streams (`streams_for`: short expert GEMMs), whose next expert fills the SMs
+    # that one expert's last wave leaves idle
+    # (2026-11-29 11:10 UTC, the same benchmark: at 64 experts fprop / dgrad / wgrad 1.89 / 2.05 / 2.30 ms on one
+    # stream, 1.63 / 1.60 / 1.88 on two, vs Triton 2.08 / 1.98 / 3.84; at 16 experts 1.36 / 1.26 / 2.01 -> 1.33 / 1.26 /
+    # 1.67; at 8 experts, one stream picked, 3.27 / 3.51 / 3.93 vs 3.31 / 3.46 / 4.04)
+    "cublas_expert_us_two_streams": {FPROP: 4.0, DGRAD: 2.5, WGRAD: 3.0},
     "cublas_host_us": {FPROP: 12.0, DGRAD: 11.0, WGRAD: 11.0},  # per expert GEMM
 }
 
@@ -126,8 +132,8 @@ def estimate_us(phase: str, rows: list[int], k: int, n: int) -> tuple[float, flo
     used = [r for r in rows if r]
     flops = 2.0 * sum(used) * k * n
     triton = flops / (c["triton_tflops"][phase] * 1e6)
-    cublas = max(flops / (c["cublas_tflops"][phase] * 1e6) + c["cublas_expert_us"][phase] * len(used),
-                 c["cublas_host_us"][phase] * len(used))
+    tail = c["cublas_expert_us_two_streams" if streams_for(used, k, n) == 2 else "cublas_expert_us"][phase]
+    cublas = max(flops / (c["cublas_tflops"][phase] * 1e6) + tail * len(used), c["cublas_host_us"][phase] * len(used))
     return triton, cublas
 
 
@@ -266,12 +272,13 @@ def cublas_mm(a, b, b_experts: int, offsets: list[int], rows: list[int], tokens:
               out_dtype: torch.dtype) -> torch.Tensor:
     """fprop / dgrad of every expert as `mm`, by one cuBLAS block-scaled GEMM per expert (`hybridq::
     grouped_block_cublas_mm`): expert g's GEMM on rows [offsets[g], offsets[g] + rows[g]) of `a` (its padded count:
-    the per-expert path's shapes), its first tokens[g] rows kept. `bounds.table` rows 0 / 3 (slot offsets, slot
-    sizes) must be `offsets` / `rows` (the slots are the padded counts)."""
+    the per-expert path's shapes), its first tokens[g] rows kept, on one or two streams (`streams_for`). `bounds.table`
+    rows 0 / 3 (slot offsets, slot sizes) must be `offsets` / `rows` (the slots are the padded counts)."""
+    n = b.rows if b.columnwise else b.rows // b_experts
     return torch.ops.hybridq.grouped_block_cublas_mm(
         _row_major(a.data), _row_major(a.scales), _row_major(b.data), _cublas_weight_scales(b, b_experts),
         b.block_shape[0] != 1, 1 if b.columnwise else 0, offsets, rows, tokens, *bounds.slot_rows,
-        out_dtype)
+        out_dtype, streams_for(rows, a.cols, n))
 
 
 def cublas_wgrad(a_t, b_t, offsets: list[int], rows: list[int], out_dtype: torch.dtype) -> torch.Tensor:
