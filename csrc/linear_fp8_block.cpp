@@ -54,8 +54,9 @@ struct BlockParts {  // float8_graph._quantize's (rowwise, scale_inv, columnwise
   Tensor row, row_scale_inv, col, col_scale_inv;
 };
 
+// (the op's whole schema, its optional row map included: a typed handle of another signature fails at its first call)
 using QuantizeSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, at::ScalarType, int64_t, double, bool,
-                                                               bool, bool);
+                                                               bool, bool, const std::optional<Tensor>&);
 using MmSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, at::ScalarType);
 
 // float8_graph._quantize of a block cast on CUDA: hybridq::fp8_block_quantize(x2d.contiguous(), ...)
@@ -63,7 +64,8 @@ BlockParts quantize(const Tensor& x2d, const BlockCast& c, bool rowwise, bool co
   static const auto op = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("hybridq::fp8_block_quantize", "")
                               .typed<QuantizeSig>();
-  auto [row, rs, col, cs] = op.call(x2d.contiguous(), c.dtype, c.block_dim, c.eps, c.pow2, rowwise, columnwise);
+  auto [row, rs, col, cs] =
+      op.call(x2d.contiguous(), c.dtype, c.block_dim, c.eps, c.pow2, rowwise, columnwise, std::nullopt);
   return {row, rs, col, cs};
 }
 
