@@ -12,10 +12,11 @@
 // Ordering: the side stream first waits for everything issued on the current stream before the op (the inputs), and
 // the current stream waits for the side stream's work before anything issued after the op (the output, the inputs'
 // reuse): to the caller the op is ordered on the current stream as one launch would be, CUDA graph capture included
-// (the side stream joins and leaves the capture through the two event waits). The outputs of the experts must not
-// overlap (each GEMM writes only its own region). Each stream has its own cuBLASLt workspace (torch's, per handle and
-// stream), so two GEMMs in flight never share one. The results are bitwise those of one stream: every GEMM is the
-// same call with the same plan; only when it runs changes.
+// (the side stream joins and leaves the capture through the two event waits). GEMMs on different streams must not
+// write overlapping regions (grouped_block_gemm.cu's fprop / dgrad, whose padded rows overlap the next expert's, run
+// two runs of consecutive experts and write a boundary expert's rows aside). Each stream has its own cuBLASLt
+// workspace (torch's, per handle and stream), so two GEMMs in flight never share one. The results are bitwise those
+// of one stream: every GEMM is the same call with the same plan; only when it runs changes.
 #pragma once
 
 #include <ATen/cuda/CUDAEvent.h>
@@ -38,9 +39,9 @@ inline c10::cuda::CUDAStream expert_side_stream(c10::DeviceIndex device) {
   return *s;
 }
 
-// Spreads the experts' GEMMs over `count` (1 or 2) streams: `use(i)` makes the i-th issued GEMM's stream current
-// until the next use() or join(); join() (or the destructor) orders the side stream's work before the current
-// stream's later work.
+// Spreads the experts' GEMMs over `count` (1 or 2) streams: `use(i)` makes the current stream (even i) or the side
+// stream (odd i; with count 2) current until the next use() or join() -- i an expert's index to alternate, or a run's;
+// join() (or the destructor) orders the side stream's work before the current stream's later work.
 class ExpertStreams {
  public:
   ExpertStreams(int64_t count, const char* op) : main_(c10::cuda::getCurrentCUDAStream()), side_(main_) {
