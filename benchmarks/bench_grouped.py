@@ -361,7 +361,9 @@ def main(argv=None) -> None:
             ms = statistics.median(times[cname])
             row = {"config": cfg, "experts": e, "tokens": t, "top_k": k, "d_model": d, "hidden": h,
                    "m_splits": splits, "routings": args.routings, "name": cname, "ms": ms, "rounds_ms": times[cname],
-                   "tflops": flop / (ms * 1e-3) / 1e12, "vs": base_name, "ratio": base / ms}
+                   "tflops": flop / (ms * 1e-3) / 1e12, "vs": base_name, "ratio": base / ms,
+                   # each round's ratio to the baseline's block of the same round (interleaved: the same drift)
+                   "round_ratios": [b / c for b, c in zip(times[base_name], times[cname])]}
             rows.append(row)
             print(json.dumps({k_: v for k_, v in row.items() if k_ != "m_splits"}), flush=True)
         if args.profile:
@@ -373,11 +375,14 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    print("\n| E x tokens x top-k x d_model x hidden | candidate | step ms | TFLOP/s | speed-up vs bf16 |")
-    print("|---|---|---|---|---|")
+    print("\n| E x tokens x top-k x d_model x hidden | candidate | step ms | TFLOP/s | speed-up vs bf16 | "
+          "per round (min-max) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         vs = "" if r["vs"] == GROUPED_MM else " (vs the nn.Linear loop)"
-        print(f"| {r['config']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.3g} | {r['ratio']:.2f}x{vs} |")
+        lo, hi = min(r["round_ratios"]), max(r["round_ratios"])
+        print(f"| {r['config']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.3g} | {r['ratio']:.2f}x{vs} | "
+              f"{lo:.2f}-{hi:.2f}x |")
     what, total = ("GPU kernel", "GPU kernels") if device.type == "cuda" else ("op (own CPU time)", "ops' own CPU time")
     for p in profiles:
         print(f"\n{p['config']} {p['name']}: {p['ms']:.3f} ms per step ({total}, profiled)")

@@ -17,7 +17,8 @@ import hybridq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_grouped  # noqa: E402
-HEADER = ["E x tokens x top-k x d_model x hidden", "candidate", "step ms", "TFLOP/s", "speed-up vs bf16"]
+HEADER = ["E x tokens x top-k x d_model x hidden", "candidate", "step ms", "TFLOP/s", "speed-up vs bf16",
+          "per round (min-max)"]
 
 
 def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
@@ -43,16 +44,21 @@ def test_bench_grouped_smoke_prints_every_candidate_of_every_config(tmp_path):
     body = table[2:]
     assert [(row[0], row[1]) for row in body] == [(c, n) for c in configs for n in names], \
         f"rows {[(row[0], row[1]) for row in body]}"
-    for cfg, name, ms, _, ratio in body:
+    for cfg, name, ms, _, ratio, spread in body:
         # (two decimals: a candidate 200x slower than bf16 on a loaded CPU prints 0.00x; the JSON has the ratio)
         assert float(ms) > 0 and ratio.endswith("x") and float(ratio[:-1]) >= 0, (cfg, name, ms, ratio)
+        lo, hi = (float(v) for v in spread.rstrip("x").split("-"))
+        assert lo <= hi, (cfg, name, spread)
         if name == "bf16 torch._grouped_mm":
-            assert ratio == "1.00x", (cfg, ratio)
+            assert ratio == "1.00x" and spread == "1.00-1.00x", (cfg, ratio, spread)
     rows = json.loads(out.read_text())["rows"]
-    assert [(x["config"], x["name"], f"{x['ms']:.3f}") for x in rows] == [(c, n, ms) for c, n, ms, _, _ in body]
+    assert [(x["config"], x["name"], f"{x['ms']:.3f}") for x in rows] == [(c, n, ms) for c, n, ms, *_ in body]
     for x in rows:
         assert sum(x["m_splits"]) == x["tokens"] * x["top_k"] and len(x["m_splits"]) == x["experts"], x
-        assert x["ratio"] > 0, x
+        assert x["ratio"] > 0 and len(x["round_ratios"]) == len(x["rounds_ms"]), x
+        lo, hi = min(x["round_ratios"]), max(x["round_ratios"])  # (medians' ratio: between the rounds' extremes)
+        assert lo * (1 - 1e-9) <= x["ratio"] <= hi * (1 + 1e-9), \
+            f"{x['name']}: the median ratio {x['ratio']} lies outside its rounds' {x['round_ratios']}"
 
 
 def test_bench_grouped_profile_prints_where_each_candidates_step_goes(tmp_path):
