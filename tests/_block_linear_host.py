@@ -54,19 +54,20 @@ def _schema(op: str) -> str:
     raise AssertionError(f"quantize_fp8_block.cu declares no {op}")
 
 
+def _quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise, src_rows=None):
+    """hybridq::fp8_block_quantize by the reference (the node never passes a row map)."""
+    assert src_rows is None, "the Linear node passed a row map to fp8_block_quantize"
+    return tuple(fg._block_reference(x, dtype, block_dim, eps, pow2, rowwise, columnwise))
+
+
 def define_ops() -> torch.library.Library:
     lib = torch.library.Library("hybridq", "FRAGMENT")
-    lib.define("fp8_block_quantize(Tensor x, ScalarType dtype, int block_dim, float eps, bool pow2, bool rowwise, "
-               "bool columnwise) -> (Tensor, Tensor, Tensor, Tensor)")
-    lib.define("fp8_block_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, ScalarType out_dtype) "
-               "-> Tensor")
-    # (the op's schema is the format's: csrc/quantize_fp8_block.cu, read from there, so this check sees what the build
-    # registers)
-    lib.define(_schema("fp8_block_linear"))
-    lib.define(_schema("fp8_block_linear_fprop"))
-    lib.define(_schema("fp8_block_linear_grads"))
-    lib.impl("fp8_block_quantize", lambda x, dtype, block_dim, eps, pow2, rowwise, columnwise: tuple(
-        fg._block_reference(x, dtype, block_dim, eps, pow2, rowwise, columnwise)), "CPU")
+    # (every schema is the format's: csrc/quantize_fp8_block.cu, read from there, so this check sees what the build
+    # registers -- a typed handle in the node that no longer matches an op's schema fails here too)
+    for name in ("fp8_block_quantize", "fp8_block_mm", "fp8_block_linear", "fp8_block_linear_fprop",
+                 "fp8_block_linear_grads"):
+        lib.define(_schema(name))
+    lib.impl("fp8_block_quantize", _quantize, "CPU")
     lib.impl("fp8_block_mm", lambda a, a_scale, b, b_scale, b_tiles, out_dtype: fg._block_gemm(
         a, a_scale, 1, False, b, b_scale, 2 if b_tiles else 1, False, out_dtype, "host check"), "CPU")
     return lib
