@@ -91,3 +91,49 @@ def test_every_declared_op_gets_a_fake():
     r = subprocess.run([sys.executable, "-c", _FAKES, repr(defs)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MISSING []" in r.stdout, f"ops without a fake implementation: {r.stdout}"
+
+
+_FAKE_SIGNATURES = r"""
+import inspect, sys, torch
+recorded = {}
+original = torch.library.register_fake
+
+
+def recording(op, *args, **kwargs):
+    register = original(op, *args, **kwargs)
+
+    def keep(fn):
+        recorded[op.split("::")[-1]] = fn
+        return register(fn)
+    return keep
+
+
+torch.library.register_fake = recording
+""" + _FAKES + r"""
+bad = []
+for op, schema in defs.items():
+    args = torch._C.parse_schema("hybridq::" + schema).arguments
+    want = [(a.name, a.has_default_value()) for a in args]
+    params = list(inspect.signature(recorded[op]).parameters.values())
+    rest = [i for i, p in enumerate(params) if p.kind is p.VAR_POSITIONAL]  # (`*rest`: the schema's remaining ones)
+    if rest:
+        params, want = params[:rest[0]], want[:rest[0]]
+    got = [(p.name, p.default is not inspect.Parameter.empty) for p in params]
+    if got != want:
+        bad.append(f"{op}: fake {got}, schema {want}")
+print("MISMATCHED", bad)
+"""
+
+
+def test_every_fake_takes_its_ops_schema_arguments():
+    """Each fake's parameters are its op's schema arguments: the same names in the same order, defaults where the
+    schema has them, up to a `*rest` that takes the remaining ones (a fake behind its op's schema -- a new argument
+    -- fails only when torch.compile traces the op on a GPU)."""
+    defs = {}
+    for path in CSRC.rglob("*"):
+        if path.suffix in (".cu", ".cpp"):
+            defs.update(schemas(path))
+    r = subprocess.run([sys.executable, "-c", _FAKE_SIGNATURES, repr(defs)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MISMATCHED []" in r.stdout, f"fakes whose parameters are not their op's schema: {r.stdout[-3000:]}"
