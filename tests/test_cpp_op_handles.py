@@ -6,11 +6,10 @@ argument once broke every fp8_block Linear). Read from the sources, so CI checks
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from _op_schemas import CSRC, arguments, csrc_schemas, split_top
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # schema argument type -> the C++ parameter type a typed handle declares for it
 CPP_OF = {"Tensor": "const Tensor&", "Tensor?": "const std::optional<Tensor>&", "int": "int64_t", "float": "double",
           "bool": "bool", "ScalarType": "at::ScalarType", "int[]": "at::IntArrayRef", "float[]": "at::ArrayRef<double>",
@@ -21,32 +20,9 @@ def _sources() -> str:
     return "\n".join(p.read_text() for p in sorted(CSRC.rglob("*")) if p.suffix in (".cpp", ".cu", ".h", ".cuh"))
 
 
-def _split_top(text: str) -> list[str]:
-    """`text` split at the commas outside <...> and (...)."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch in "<(" or -(ch in ">)")
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return out + ([cur.strip()] if cur.strip() else [])
-
-
-def _schemas(src: str) -> dict[str, list[str]]:
-    """op name -> its schema's argument types, from the `m.def("...")` string literals (adjacent literals joined)."""
-    out = {}
-    for m in re.finditer(r'm\.def\(\s*((?:"[^"]*"\s*)+)\)', src):
-        schema = "".join(re.findall(r'"([^"]*)"', m.group(1)))
-        name, args = re.match(r"(\w+)\((.*)\)\s*->", schema).groups()
-        out[name] = [a.split()[0] for a in _split_top(args)]
-    return out
-
-
 def _handles(src: str) -> list[tuple[str, str, list[str]]]:
     """(op, signature alias, its C++ parameter types) of every typed handle of a hybridq op."""
-    aliases = {m.group(1): _split_top(m.group(2)) for m in
+    aliases = {m.group(1): split_top(m.group(2)) for m in
                re.finditer(r"using (\w+)\s*=\s*[^;]*?\(((?:[^()]|\([^()]*\))*)\)\s*;", src)}
     found = []
     for m in re.finditer(r'findSchemaOrThrow\("hybridq::(\w+)",\s*""\)\s*\.typed<(\w+)>', src):
@@ -63,7 +39,7 @@ def test_the_sources_hold_typed_handles_to_check():
 
 @pytest.mark.parametrize("op,alias,params", HANDLES, ids=[f"{op}-{alias}" for op, alias, _ in HANDLES])
 def test_typed_handle_matches_its_ops_schema(op, alias, params):
-    schemas = _schemas(_sources())
+    schemas = csrc_schemas()
     assert op in schemas, f"hybridq::{op} has a typed handle ({alias}) but no m.def schema in csrc/"
-    want = [CPP_OF[t] for t in schemas[op]]
+    want = [CPP_OF[t] for t, _, _ in arguments(schemas[op])]
     assert params == want, f"hybridq::{op}: the typed handle {alias} declares {params}, the schema needs {want}"

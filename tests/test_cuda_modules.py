@@ -5,27 +5,14 @@ format. Read from the sources and checked against the op schemas they declare; n
 
 from __future__ import annotations
 
-import pathlib
 import re
 import subprocess
 import sys
 
 import hybridq
+from _op_schemas import CSRC, ROOT, csrc_schemas, schemas
 from hybridq.kernels import cuda
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc"
-_DEF = re.compile(r'\bm\.def\(\s*((?:"(?:[^"\\]|\\.)*"\s*)+)\)')
-_LIT = re.compile(r'"((?:[^"\\]|\\.)*)"')
-
-
-def schemas(path: pathlib.Path) -> dict[str, str]:
-    """The op schemas a C++ file declares (`m.def("...")`, adjacent string literals joined), by op name."""
-    out = {}
-    for m in _DEF.finditer(path.read_text()):
-        schema = "".join(_LIT.findall(m.group(1)))
-        out[schema.split("(", 1)[0]] = schema
-    return out
 
 
 def format_names() -> set[str]:
@@ -83,10 +70,7 @@ print("MISSING", missing)
 def test_every_declared_op_gets_a_fake():
     """With the schemas of csrc/ declared (as the extension declares them), the kernel modules register a fake for
     every op (in a subprocess: the `hybridq` namespace stays free in this one)."""
-    defs = {}
-    for path in CSRC.rglob("*"):
-        if path.suffix in (".cu", ".cpp"):
-            defs.update(schemas(path))
+    defs = csrc_schemas()
     assert set(cuda.SHARED_OPS) | {op for m in cuda.format_modules() for op in m.OPS} == set(defs)
     r = subprocess.run([sys.executable, "-c", _FAKES, repr(defs)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -129,10 +113,7 @@ def test_every_fake_takes_its_ops_schema_arguments():
     """Each fake's parameters are its op's schema arguments: the same names in the same order, defaults where the
     schema has them, up to a `*rest` that takes the remaining ones (a fake behind its op's schema -- a new argument
     -- fails only when torch.compile traces the op on a GPU)."""
-    defs = {}
-    for path in CSRC.rglob("*"):
-        if path.suffix in (".cu", ".cpp"):
-            defs.update(schemas(path))
+    defs = csrc_schemas()
     r = subprocess.run([sys.executable, "-c", _FAKE_SIGNATURES, repr(defs)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
