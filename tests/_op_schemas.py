@@ -51,3 +51,9 @@ def arguments(schema: str) -> list[tuple[str, str, bool]]:
         decl = arg.split("=", 1)[0].split()
         out.append((decl[0], decl[-1], "=" in arg))
     return out
+
+
+def returns(schema: str) -> int | None:
+    """How many values `schema` returns as a tuple; None for a single value (or none)."""
+    ret = schema.rsplit("->", 1)[1].strip()
+    return len(split_top(ret[1:-1])) if ret.startswith("(") else None

@@ -1,17 +1,20 @@
 """Every Python call of one of the extension's ops (`torch.ops.hybridq.<op>(...)`, `.default(...)`, `ops().<op>(...)`
 or through a local `ops = torch.ops.hybridq`) in the package, the benchmarks, the training job and the tests passes
 arguments its op's schema takes: no more positional arguments than it has, only its keyword names, every argument
-without a default given. A call behind a changed schema fails only when it runs on a GPU; read from the sources, so
-CI checks it without a build."""
+without a default given; and a call unpacked into names (`a, b = torch.ops.hybridq.<op>(...)`) unpacks as many
+values as the op returns in a tuple (a single tensor would unpack along its first dim). A call behind a changed
+schema fails -- or, unpacked, silently misreads -- only when it runs on a GPU; read from the sources, so CI checks it
+without a build."""
 
 from __future__ import annotations
 
 import ast
 
 import pytest
-from _op_schemas import ROOT, arguments, csrc_schemas
+from _op_schemas import ROOT, arguments, csrc_schemas, returns
 
 SCHEMAS = {op: arguments(s) for op, s in csrc_schemas().items()}
+RETURNS = {op: returns(s) for op, s in csrc_schemas().items()}
 FOLDERS = ("hybridq", "benchmarks", "launch", "tests")
 
 
@@ -29,8 +32,9 @@ def _op_of(func: ast.expr, aliases: set[str]) -> str | None:
     return func.attr if ast.unparse(owner) == "torch.ops.hybridq" else None
 
 
-def _call_sites() -> list[tuple[str, str, ast.Call]]:
-    sites = []
+def _call_sites() -> tuple[list[tuple[str, str, ast.Call]], list[tuple[str, str, int]]]:
+    """(every op call, every op call unpacked into names: where, op, how many names)."""
+    sites, unpacked = [], []
     for folder in FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             tree = ast.parse(path.read_text())
@@ -40,10 +44,15 @@ def _call_sites() -> list[tuple[str, str, ast.Call]]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.Call) and (op := _op_of(node.func, aliases)) is not None:
                     sites.append((f"{path.relative_to(ROOT)}:{node.lineno}", op, node))
-    return sites
+                if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and len(node.targets) == 1
+                        and isinstance(node.targets[0], (ast.Tuple, ast.List))
+                        and not any(isinstance(e, ast.Starred) for e in node.targets[0].elts)
+                        and (op := _op_of(node.value.func, aliases)) is not None):
+                    unpacked.append((f"{path.relative_to(ROOT)}:{node.lineno}", op, len(node.targets[0].elts)))
+    return sites, unpacked
 
 
-SITES = _call_sites()
+SITES, UNPACKED = _call_sites()
 
 
 def test_the_sources_hold_op_calls_to_check():
@@ -63,3 +72,9 @@ def test_op_call_passes_what_its_schema_takes(where, op, call):
     given = set(names[:positional]) | set(keywords)
     missing = [name for _, name, has_default in args if not has_default and name not in given]
     assert not missing, f"{where}: hybridq::{op} needs {missing}, the call does not pass them"
+
+
+@pytest.mark.parametrize("where,op,names", UNPACKED, ids=[w for w, _, _ in UNPACKED])
+def test_unpacked_op_call_takes_as_many_values_as_its_op_returns(where, op, names):
+    assert RETURNS[op] is not None, f"{where}: hybridq::{op} returns one value, the call unpacks it into {names} names"
+    assert names == RETURNS[op], f"{where}: hybridq::{op} returns {RETURNS[op]} values, the call unpacks {names}"
