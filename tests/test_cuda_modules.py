@@ -118,3 +118,13 @@ def test_every_fake_takes_its_ops_schema_arguments():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MISMATCHED []" in r.stdout, f"fakes whose parameters are not their op's schema: {r.stdout[-3000:]}"
+
+
+def test_every_declared_op_has_an_implementation():
+    """Each op csrc/ declares (`m.def`) is implemented there (`m.impl`) and nothing else is: an op declared without
+    a kernel fails only when it is called on a GPU."""
+    src = "\n".join(p.read_text() for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp", ".h", ".cuh"))
+    implemented = set(re.findall(r'\bm\.impl\(\s*"(\w+)"', src))
+    declared = set(csrc_schemas())
+    assert declared == implemented, (f"declared without an implementation: {sorted(declared - implemented)}; "
+                                     f"implemented without a declaration: {sorted(implemented - declared)}")
