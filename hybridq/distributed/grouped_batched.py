@@ -71,7 +71,7 @@ def prepare_batched(local, param, qs, send, layout: ExpertLayout, dtype, group, 
     once per layout and the scales travel in the returned `StackedGather`."""
     if tuple(send) != (ROWWISE,) or not equal_groups_apply(qs):
         return None
-    q, e_all, k = qs[0], layout.experts, layout.cols
+    q, e_all = qs[0], layout.experts
     x = local._data.to(dtype)  # [held experts, out, in] (Shard(0)) or [E, rows here, in] (Shard(1))
     first = layout.rank * layout.chunk if layout.dim == 0 else 0
     held = x.shape[0]

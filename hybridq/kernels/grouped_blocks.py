@@ -205,7 +205,6 @@ def mm(a, b, b_experts: int, bounds: GroupBounds, out_dtype: torch.dtype) -> tor
     packed rowwise token part, `[S, K]`) times `b_g^T`, where `b` is the whole packed weight part (fprop: the rowwise
     `[E*n, K]`; dgrad: the columnwise `[K, E*n]`, whose expert g is the column block `[:, g*n:(g+1)*n]`)."""
     t = _triton()
-    k = a.cols
     blocks = b.block_shape[0]  # rows of b per scale row: 128 (tiles) or 1 (1x128 blocks)
     s, data = _row_major(b.scales), _row_major(b.data)
     if b.columnwise:  # b_g[j, c] = data[j, g*n + c]; its scale at scales[j // blocks, (g*n + c) // 128]
