@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -90,6 +91,9 @@ class _Baseline:
 
 def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, conn) -> None:
     """A pooled rank: set up the group once, then run jobs until the pipe closes or a job fails."""
+    # a native crash (a rank once died of SIGSEGV in a DCP job of CI, 2026-11-29, not reproduced) prints every
+    # thread's Python stack to stderr, which the test's report captures
+    faulthandler.enable(all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
