@@ -24,6 +24,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 import hybridq as hq
+from _op_schemas import csrc_schemas
 from hybridq.formats import Float8BlockQuantizer
 from hybridq.kernels import cuda_fp8_block
 from hybridq.nn import compiled_linear
@@ -44,16 +45,6 @@ SPECS = {
 }
 
 
-def _schema(op: str) -> str:
-    """The schema string of `op` as csrc/quantize_fp8_block.cu declares it (its m.def's string literals joined)."""
-    text = open(CSRC.replace("linear_fp8_block.cpp", "quantize_fp8_block.cu")).read()
-    for call in text.split("m.def(")[1:]:
-        literal = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', call.split(");", 1)[0]))
-        if literal.startswith(op + "("):
-            return literal
-    raise AssertionError(f"quantize_fp8_block.cu declares no {op}")
-
-
 def _quantize(x, dtype, block_dim, eps, pow2, rowwise, columnwise, src_rows=None):
     """hybridq::fp8_block_quantize by the reference (the node never passes a row map)."""
     assert src_rows is None, "the Linear node passed a row map to fp8_block_quantize"
@@ -64,9 +55,10 @@ def define_ops() -> torch.library.Library:
     lib = torch.library.Library("hybridq", "FRAGMENT")
     # (every schema is the format's: csrc/quantize_fp8_block.cu, read from there, so this check sees what the build
     # registers -- a typed handle in the node that no longer matches an op's schema fails here too)
+    schemas = csrc_schemas()
     for name in ("fp8_block_quantize", "fp8_block_mm", "fp8_block_linear", "fp8_block_linear_fprop",
                  "fp8_block_linear_grads"):
-        lib.define(_schema(name))
+        lib.define(schemas[name])
     lib.impl("fp8_block_quantize", _quantize, "CPU")
     lib.impl("fp8_block_mm", lambda a, a_scale, b, b_scale, b_tiles, out_dtype: fg._block_gemm(
         a, a_scale, 1, False, b, b_scale, 2 if b_tiles else 1, False, out_dtype, "host check"), "CPU")
